@@ -1,0 +1,111 @@
+"""Stacked routed experts and their grouped computation.
+
+Shape legend: T tokens, D hidden, I expert intermediate, K top-k,
+P_local physical expert slots hosted by this rank, N routed (token, slot) rows.
+
+Experts are stored stacked, gpt-fast style: ``w13 [P_local, 2I, D]`` (gate rows
+first, then up rows) and ``w2 [P_local, D, I]``. A slot holds a copy of one
+logical expert; which one is decided by the placement (``phy2log``) and is
+recorded in ``slot_to_logical`` so the loader and the balancer's migration know
+what each slot must contain.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def grouped_expert_forward(
+    x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts over rows already grouped by local slot.
+
+    x_sorted: [N, D], rows of slot 0 first, then slot 1, ...
+    counts: P_local ints summing to N (rows per local slot; zeros allowed).
+    w13: [P_local, 2I, D]; w2: [P_local, D, I].
+    Returns: [N, D] in x_sorted's dtype. One GEMM pair per non-empty slot.
+    """
+    out = torch.empty_like(x_sorted)
+    inter = w2.shape[-1]
+    start = 0
+    for slot, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = x_sorted[start : start + n]
+        h = rows @ w13[slot].t()  # [n, 2I]
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        out[start : start + n] = h @ w2[slot].t()  # [n, D]
+        start += n
+    return out
+
+
+def compute_local_routing(
+    slot_ids: torch.Tensor, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Group flattened (token, k) assignments by slot.
+
+    slot_ids: [T, K] int64 slot per assignment; values < 0 are dropped assignments.
+    Returns: (order [M] int64 indices into the flattened [T*K] assignments, sorted by
+    slot, dropped ones excluded; token_of_row [M] int64 token index of each row;
+    counts: num_slots ints, rows per slot).
+    """
+    flat = slot_ids.reshape(-1)
+    valid = flat >= 0
+    idx = torch.nonzero(valid, as_tuple=False).squeeze(1)
+    keys = flat[idx]
+    perm = torch.argsort(keys, stable=True)
+    order = idx[perm]
+    counts = torch.bincount(keys, minlength=num_slots).tolist() if keys.numel() else [0] * num_slots
+    token_of_row = order // slot_ids.shape[1]
+    return order, token_of_row, counts
+
+
+class Experts(nn.Module):
+    """The routed experts hosted by one rank.
+
+    w13: [P_local, 2I, D]; w2: [P_local, D, I]; slot_to_logical: [P_local] int64
+    (the logical expert each local slot holds).
+    """
+
+    def __init__(
+        self,
+        num_local_slots: int,
+        hidden_size: int,
+        intermediate_size: int,
+        slot_to_logical: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.num_local_slots = num_local_slots
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(
+            torch.empty(num_local_slots, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_local_slots, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
+        )
+        if slot_to_logical is None:
+            slot_to_logical = torch.arange(num_local_slots, dtype=torch.int64)
+        self.register_buffer("slot_to_logical", slot_to_logical.to(torch.int64).clone(), persistent=False)
+
+    def forward_grouped(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x_sorted: [N, D] grouped by local slot; counts: P_local ints. Returns [N, D]."""
+        return grouped_expert_forward(x_sorted, counts, self.w13, self.w2)
+
+    def forward(self, x: torch.Tensor, local_slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Single-rank routed experts.
+
+        x: [T, D]; local_slot_ids: [T, K] int64 (-1 = dropped); weights: [T, K] float32.
+        Returns: [T, D] float32, sum_k weights[t, k] * expert_{slot[t, k]}(x[t]).
+        """
+        order, token_of_row, counts = compute_local_routing(local_slot_ids, self.num_local_slots)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        if order.numel() == 0:
+            return out
+        y = self.forward_grouped(x[token_of_row], counts)  # [M, D]
+        w = weights.reshape(-1)[order].unsqueeze(1)  # [M, 1]
+        out.index_add_(0, token_of_row, y.float() * w)
+        return out
