@@ -1,0 +1,110 @@
+"""torch.distributed process groups for a ``Layout``: built once, passed explicitly.
+
+``new_group`` is itself a collective over the whole world: every process must create
+every group, in the same order, even the groups it is not a member of. That is why
+``build_process_groups`` walks ``layout.tp_groups()``, ``dp_groups()`` and
+``ep_groups()`` in full on every rank and keeps only its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.layout import Layout, RankCoords
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's groups. ``ep``: the expert hop; ``tp``: attention/dense shards;
+    ``dp``: ranks sharing this rank's tp_rank. ``device``: where collective buffers
+    live (cpu for gloo, the rank's cuda device for nccl)."""
+
+    world: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    rank: int
+    coords: RankCoords
+    backend: str
+    device: torch.device
+
+
+def default_backend() -> str:
+    """nccl when CUDA is present, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _timeout(timeout: float | datetime.timedelta) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if timeout <= 0:
+        raise ValueError(f"collective timeout must be positive seconds, got {timeout}")
+    return datetime.timedelta(seconds=timeout)
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    *,
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Join the default process group (env:// unless ``init_method`` is given).
+
+    With env://, MASTER_ADDR and MASTER_PORT must be set; a clear error says so.
+    """
+    if init_method is None and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
+        raise ValueError("init_distributed with env:// needs MASTER_ADDR and MASTER_PORT in the environment")
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=init_method or "env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=_timeout(timeout),
+    )
+
+
+def build_process_groups(
+    layout: Layout, rank: int, timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S
+) -> ProcessGroups:
+    """Create every TP, DP and EP group of ``layout`` (collectively) and return this rank's.
+
+    Requires an initialised default group whose size equals ``layout.world_size``.
+    ``timeout`` (seconds or timedelta) bounds every collective on the new groups.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_process_groups needs torch.distributed initialised (see init_distributed)")
+    layout.check_world_size(dist.get_world_size())
+    if dist.get_rank() != rank:
+        raise ValueError(f"rank argument {rank} differs from torch.distributed rank {dist.get_rank()}")
+    backend = dist.get_backend()
+    td = _timeout(timeout)
+    mine: dict[str, dist.ProcessGroup] = {}
+    # Same order on every rank: new_group is collective over the world.
+    for kind, groups in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("ep", layout.ep_groups())):
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=td, backend=backend)
+            if rank in ranks:
+                mine[kind] = group
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return ProcessGroups(
+        world=dist.group.WORLD,
+        ep=mine["ep"],
+        tp=mine["tp"],
+        dp=mine["dp"],
+        rank=rank,
+        coords=layout.coords(rank),
+        backend=backend,
+        device=device,
+    )
