@@ -1,0 +1,405 @@
+"""Model configuration: one normalised, frozen view of a Hugging Face MoE config.
+
+``ModelConfig.from_hf`` reads ``config.json`` (or a dict) of MixtralForCausalLM,
+DeepseekV2ForCausalLM, DeepseekV3ForCausalLM or Qwen3MoeForCausalLM and keeps every
+field that changes the math, under one set of names. Field values the runtime does not
+implement raise ``ValueError`` naming the field, unless ``strict=False`` (sizing only).
+
+Semantics follow Hugging Face transformers (the numerical oracle):
+- DeepSeek-V3 routing is sigmoid + ``noaux_tc`` (bias for selection only, grouped);
+  DeepSeek-V2 is softmax with ``greedy`` or ``group_limited_greedy`` and, like
+  transformers, never renormalises; Mixtral always renormalises; Qwen3-MoE only when
+  ``norm_topk_prob``.
+- MLA ``head_dim`` here is the q/k head size ``qk_nope_head_dim + qk_rope_head_dim``
+  (the Hugging Face field of that name holds the rope dim).
+- ``rope_scaling`` (legacy) and ``rope_parameters`` (transformers 5) are both read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+_MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
+_DEFAULT_THETA = {"mixtral": 1_000_000.0}
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim", "attention_factor", "truncate")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters (the only scaled rope implemented). None fields take transformers' defaults."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN magnitude correction: 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Normalised model configuration (see module docstring). Validated, never mutated."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention: str
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_interleave: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    dtype: str | None = None
+    unsupported: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.architecture not in _MODEL_TYPES:
+            raise ValueError(f"architecture {self.architecture!r} is not one of {sorted(_MODEL_TYPES)}")
+        if self.attention not in ("mla", "gqa"):
+            raise ValueError(f"attention must be 'mla' or 'gqa', got {self.attention!r}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} > num_experts {self.num_experts}")
+        if self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"MLA needs a positive {name}, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2 or self.head_dim % 2:
+            raise ValueError("rotary dims must be even")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"num_experts {self.num_experts} is not divisible by n_group {self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group {self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.topk_method == "noaux_tc" and self.num_experts // self.n_group < 2:
+            raise ValueError("noaux_tc needs at least 2 experts per group (group score = top-2 sum)")
+        if self.moe_layer_freq < 1 or self.decoder_sparse_step < 1:
+            raise ValueError("moe_layer_freq and decoder_sparse_step must be >= 1")
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any], strict: bool = True) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` (a file, a checkpoint dir, or its dict).
+
+        strict=False tolerates unimplemented fields (recorded in ``unsupported``) for sizing.
+        """
+        raw = _read_raw(path_or_dict)
+        arch = _architecture_of(raw)
+        problems: list[str] = []
+        kwargs = _common_fields(raw, arch, problems)
+        if arch in ("deepseek_v2", "deepseek_v3"):
+            kwargs.update(_deepseek_fields(raw, arch, problems))
+        elif arch == "mixtral":
+            kwargs.update(_mixtral_fields(raw, problems))
+        else:
+            kwargs.update(_qwen3_fields(raw, problems))
+        if problems and strict:
+            raise ValueError(f"unsupported {arch} config: " + "; ".join(problems))
+        return cls(architecture=arch, unsupported=tuple(problems), **kwargs)
+
+    # ---- derived quantities -------------------------------------------------------------
+
+    def is_moe_layer(self, i: int) -> bool:
+        """True when decoder layer ``i`` has a routed-expert FFN (else a dense MLP)."""
+        if not 0 <= i < self.num_hidden_layers:
+            raise ValueError(f"layer {i} out of range [0, {self.num_hidden_layers})")
+        if self.architecture in ("deepseek_v2", "deepseek_v3"):
+            return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+        if self.architecture == "qwen3_moe":
+            return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        return True
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    @property
+    def kv_entry_shape(self) -> tuple[int, ...]:
+        """Per token per layer: MLA (kv_lora_rank + qk_rope_head_dim,), GQA (2, Hkv, head_dim)."""
+        if self.attention == "mla":
+            return (self.kv_lora_rank + self.qk_rope_head_dim,)
+        return (2, self.num_key_value_heads, self.head_dim)
+
+    def kv_bytes_per_token(self, dtype_bytes: int | float) -> int:
+        """KV-cache bytes per token over all layers at ``dtype_bytes`` per element."""
+        return int(math.prod(self.kv_entry_shape) * self.num_hidden_layers * dtype_bytes)
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention softmax scale, with the MLA YaRN mscale^2 correction."""
+        if self.attention == "gqa":
+            return self.head_dim ** -0.5
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim:
+            m = yarn_get_mscale(rs.factor, rs.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    def num_parameters(self) -> int:
+        """Total parameter count (all routed experts, embeddings, lm_head unless tied)."""
+        d = self.hidden_size
+        total = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
+        for i in range(self.num_hidden_layers):
+            total += 2 * d + self._attention_parameters()
+            if self.is_moe_layer(i):
+                total += self.num_experts * (3 * d * self.moe_intermediate_size + d)
+                total += 3 * d * self.moe_intermediate_size * self.num_shared_experts
+                total += self.num_experts if self.topk_method == "noaux_tc" else 0
+            else:
+                total += 3 * d * self.intermediate_size
+        return total
+
+    def _attention_parameters(self) -> int:
+        d, h = self.hidden_size, self.num_attention_heads
+        b = 1 if self.attention_bias else 0
+        if self.attention == "gqa":
+            q, kv = h * self.head_dim, self.num_key_value_heads * self.head_dim
+            n = d * q + 2 * d * kv + q * d + b * (q + 2 * kv + d)
+            return n + (2 * self.head_dim if self.qk_norm else 0)
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            n = d * h * qk
+        else:
+            n = d * self.q_lora_rank + b * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk
+        lat = self.kv_lora_rank + self.qk_rope_head_dim
+        n += d * lat + b * lat + self.kv_lora_rank
+        n += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        return n + h * self.v_head_dim * d + b * d
+
+
+# ---- parsing helpers --------------------------------------------------------------------
+
+
+def _read_raw(path_or_dict: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(path_or_dict, dict):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no config.json at {path!r}")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _architecture_of(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    if archs:
+        raise ValueError(f"unsupported architecture {archs!r}; supported: {sorted(ARCHITECTURES)}")
+    model_type = raw.get("model_type")
+    if model_type in _MODEL_TYPES:
+        return model_type
+    raise ValueError(f"unsupported model_type {model_type!r} (no 'architectures'); supported: "
+                     f"{sorted(_MODEL_TYPES)}")
+
+
+def _need(raw: dict[str, Any], key: str, *aliases: str) -> Any:
+    """The first present of ``key`` and its aliases (transformers renames some on save)."""
+    for k in (key, *aliases):
+        if raw.get(k) is not None:
+            return raw[k]
+    raise ValueError(f"config is missing required field {key!r}")
+
+
+def _rope_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters must be a mapping, got {params!r}")
+    theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETA.get(arch, 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    scaling = None
+    if rope_type == "yarn":
+        factor = params.get("factor")
+        orig = params.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
+        if factor is None:
+            factor = raw["max_position_embeddings"] / orig
+        extra = {k: params[k] for k in _YARN_KEYS[2:] if params.get(k) is not None}
+        # transformers treats missing/zero betas as the defaults (``or 32`` / ``or 1``)
+        extra["beta_fast"] = float(extra.get("beta_fast") or 32.0)
+        extra["beta_slow"] = float(extra.get("beta_slow") or 1.0)
+        scaling = RopeScaling(factor=float(factor), original_max_position_embeddings=int(orig), **extra)
+    elif rope_type != "default":
+        problems.append(f"rope type {rope_type!r} (only 'default' and 'yarn' are implemented)")
+    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
+        problems.append("partial_rotary_factor != 1")
+    return {"rope_theta": float(theta), "rope_scaling": scaling}
+
+
+def _common_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
+    eos = raw.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act {act!r} (only 'silu' is implemented)")
+    if raw.get("quantization_config") is not None:
+        method = raw["quantization_config"].get("quant_method", "?")
+        problems.append(f"quantization_config ({method}) is not implemented")
+    dtype = raw.get("dtype", raw.get("torch_dtype"))
+    out = dict(
+        vocab_size=int(_need(raw, "vocab_size")),
+        hidden_size=int(_need(raw, "hidden_size")),
+        num_hidden_layers=int(_need(raw, "num_hidden_layers")),
+        num_attention_heads=int(_need(raw, "num_attention_heads")),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5 if arch == "mixtral" else 1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        hidden_act=act,
+        eos_token_ids=eos_ids,
+        bos_token_id=raw.get("bos_token_id"),
+        pad_token_id=raw.get("pad_token_id"),
+        dtype=None if dtype is None else str(dtype).replace("torch.", ""),
+    )
+    out.update(_rope_fields(raw, arch, problems))
+    return out
+
+
+def _deepseek_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
+    heads = int(raw["num_attention_heads"])
+    v3 = arch == "deepseek_v3"
+    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if v3 and (scoring, method) != ("sigmoid", "noaux_tc"):
+        problems.append(f"deepseek_v3 routing scoring_func={scoring!r} topk_method={method!r} "
+                        "(only sigmoid + noaux_tc)")
+    if not v3 and (scoring != "softmax" or method not in ("greedy", "group_limited_greedy")):
+        problems.append(f"deepseek_v2 routing scoring_func={scoring!r} topk_method={method!r} "
+                        "(only softmax + greedy / group_limited_greedy)")
+    grouped = method in ("noaux_tc", "group_limited_greedy")
+    if raw.get("mlp_bias"):
+        problems.append("mlp_bias=True is not implemented")
+    nope, rope = int(_need(raw, "qk_nope_head_dim")), int(_need(raw, "qk_rope_head_dim"))
+    return dict(
+        attention="mla",
+        num_key_value_heads=heads,
+        head_dim=nope + rope,
+        q_lora_rank=None if raw.get("q_lora_rank") is None else int(raw["q_lora_rank"]),
+        kv_lora_rank=int(_need(raw, "kv_lora_rank")),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(_need(raw, "v_head_dim")),
+        intermediate_size=int(_need(raw, "intermediate_size")),
+        moe_intermediate_size=int(_need(raw, "moe_intermediate_size")),
+        num_experts=int(_need(raw, "n_routed_experts", "num_local_experts", "num_experts")),
+        num_experts_per_tok=int(_need(raw, "num_experts_per_tok")),
+        num_shared_experts=int(raw.get("n_shared_experts") or 0),
+        n_group=int(raw.get("n_group") or 1) if grouped else 1,
+        topk_group=int(raw.get("topk_group") or 1) if grouped else 1,
+        scoring_func=scoring,
+        topk_method=method,
+        # transformers' DeepseekV2 router never renormalises the top-k weights
+        norm_topk_prob=bool(raw.get("norm_topk_prob", v3)) if v3 else False,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace", 3 if v3 else 0) or 0),
+        moe_layer_freq=int(raw.get("moe_layer_freq", 1) or 1),
+        # V3's interleave is a flag; V2's checkpoints are always in the interleaved-pair layout
+        rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
+        attention_bias=bool(raw.get("attention_bias", False)),
+    )
+
+
+def _gqa_sliding_window_in_use(raw: dict[str, Any], flag: bool) -> bool:
+    window = raw.get("sliding_window")
+    return bool(flag) and window is not None and window < int(raw.get("max_position_embeddings", 0))
+
+
+def _gqa_common(raw: dict[str, Any]) -> dict[str, Any]:
+    heads = int(raw["num_attention_heads"])
+    kv = raw.get("num_key_value_heads") or heads
+    return dict(
+        attention="gqa",
+        num_key_value_heads=int(kv),
+        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+        num_experts_per_tok=int(_need(raw, "num_experts_per_tok")),
+    )
+
+
+def _mixtral_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    if _gqa_sliding_window_in_use(raw, True):
+        problems.append(f"sliding_window={raw['sliding_window']} is in use (not implemented)")
+    inter = int(_need(raw, "intermediate_size"))
+    out = _gqa_common(raw)
+    out.update(intermediate_size=inter, moe_intermediate_size=inter,
+               num_experts=int(_need(raw, "num_local_experts", "num_experts")), norm_topk_prob=True)
+    return out
+
+
+def _qwen3_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    if _gqa_sliding_window_in_use(raw, raw.get("use_sliding_window", False)):
+        problems.append(f"sliding_window={raw['sliding_window']} is in use (not implemented)")
+    out = _gqa_common(raw)
+    out.update(
+        intermediate_size=int(_need(raw, "intermediate_size")),
+        moe_intermediate_size=int(_need(raw, "moe_intermediate_size")),
+        num_experts=int(_need(raw, "num_experts", "num_local_experts")),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        mlp_only_layers=tuple(int(i) for i in (raw.get("mlp_only_layers") or ())),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step", 1) or 1),
+        qk_norm=True,
+        attention_bias=bool(raw.get("attention_bias", False)),
+    )
+    return out

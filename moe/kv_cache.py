@@ -1,0 +1,192 @@
+"""Paged KV cache and the flat varlen batch description attention reads it with.
+
+Shape legend: B sequences, T tokens in the step (sum of query_lens), N blocks, S block size,
+nb blocks per sequence (padded), L_kv layers.
+
+A sequence's token at position p lives at slot ``block_tables[b][p // S] * S + p % S`` of
+each layer's pool. MLA pools hold the latent ``[N, S, kv_lora_rank + qk_rope_head_dim]``
+(``[c_kv | k_pe]``); GQA pools hold ``[N, S, 2, Hkv, head_dim]`` (k then v). With
+``kv_cache_dtype="fp8"`` entries are stored as float8_e4m3fn divided by a per-layer scale
+and dequantised to the compute dtype on read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moe.config import ModelConfig
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# first-write calibration leaves 2x headroom under the fp8 maximum
+_FP8_CALIBRATION_TARGET = FP8_MAX / 2
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's flat batch. Token rows of sequence b are
+    ``query_start_loc[b] : query_start_loc[b + 1]`` and sit at positions
+    ``context_lens[b] - query_lens[b] ... context_lens[b] - 1``.
+
+    query_lens, context_lens: [B] int64 (context = cached + new, after this step);
+    query_start_loc: [B + 1] int64; slot_mapping: [T] int64; block_tables: [B, nb] int64
+    (padded with block 0, masked by context_lens).
+    """
+
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+    query_lens_list: tuple[int, ...]
+    context_lens_list: tuple[int, ...]
+    query_start_loc_list: tuple[int, ...]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """From python lists: per sequence its new-token count, total length after the step,
+        and its block ids (enough blocks for context_len tokens)."""
+        qs, cs = [int(q) for q in query_lens], [int(c) for c in context_lens]
+        if not len(qs) == len(cs) == len(block_tables):
+            raise ValueError(f"query_lens ({len(qs)}), context_lens ({len(cs)}) and block_tables "
+                             f"({len(block_tables)}) must have one entry per sequence")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        slots: list[int] = []
+        for b, (q, c, table) in enumerate(zip(qs, cs, block_tables)):
+            if q < 1 or c < q:
+                raise ValueError(f"sequence {b}: need 1 <= query_len ({q}) <= context_len ({c})")
+            if len(table) * block_size < c:
+                raise ValueError(f"sequence {b}: {len(table)} blocks of {block_size} cannot hold {c} tokens")
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c - q, c))
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for q in qs:
+            starts.append(starts[-1] + q)
+        as_long = dict(dtype=torch.int64, device=device)
+        return cls(
+            query_lens=torch.tensor(qs, **as_long),
+            context_lens=torch.tensor(cs, **as_long),
+            query_start_loc=torch.tensor(starts, **as_long),
+            slot_mapping=torch.tensor(slots, **as_long),
+            block_tables=torch.tensor(padded, **as_long).reshape(len(qs), width),
+            block_size=block_size,
+            query_lens_list=tuple(qs),
+            context_lens_list=tuple(cs),
+            query_start_loc_list=tuple(starts),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    def logits_indices(self) -> torch.Tensor:
+        """[B] int64: row of each sequence's last token in the flat [T, ...] batch."""
+        return self.query_start_loc[1:] - 1
+
+    def decode_seq_ids(self) -> list[int]:
+        """Sequences with exactly one new token (served by the batched decode path)."""
+        return [b for b, q in enumerate(self.query_lens_list) if q == 1]
+
+    def prefill_seq_ids(self) -> list[int]:
+        """Sequences with more than one new token (prefill chunks, per-sequence path)."""
+        return [b for b, q in enumerate(self.query_lens_list) if q > 1]
+
+
+class KVLayerView:
+    """One layer's pool. pool: [N, S, *entry_shape] in the storage dtype."""
+
+    def __init__(self, cache: PagedKVCache, layer_id: int) -> None:
+        self.cache = cache
+        self.layer_id = layer_id
+        self.pool = cache.pools[layer_id]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.cache.scales[self.layer_id]
+
+    def write(self, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
+        """slot_mapping: [T] int64; entries: [T, *entry_shape] (any float dtype)."""
+        if entries.shape[1:] != self.pool.shape[2:]:
+            raise ValueError(f"KV entries {tuple(entries.shape[1:])} do not match pool {tuple(self.pool.shape[2:])}")
+        flat = self.pool.view(-1, *self.pool.shape[2:])
+        if not self.cache.is_fp8:
+            flat[slot_mapping] = entries.to(flat.dtype)
+            return
+        if not self.cache.calibrated[self.layer_id] and entries.numel():
+            amax = entries.detach().abs().max().float().clamp_min(1e-8)
+            self.cache.scales[self.layer_id] = amax / _FP8_CALIBRATION_TARGET
+            self.cache.calibrated[self.layer_id] = True
+        q = (entries.float() / self.scale).clamp(-FP8_MAX, FP8_MAX)
+        flat[slot_mapping] = q.to(FP8_DTYPE)
+
+    def set_scale(self, scale: float) -> None:
+        """Fix this layer's fp8 scale (skips first-write calibration)."""
+        self.cache.scales[self.layer_id] = float(scale)
+        self.cache.calibrated[self.layer_id] = True
+
+    def gather(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """block_tables: [B, nb] int64. Returns [B, nb * S, *entry_shape] in the compute dtype."""
+        g = self.pool[block_tables]  # [B, nb, S, ...]
+        g = g.reshape(block_tables.shape[0], -1, *self.pool.shape[2:])
+        if self.cache.is_fp8:
+            return (g.float() * self.scale).to(self.cache.dtype)
+        return g
+
+
+class PagedKVCache:
+    """One pool per layer. MLA: [N, S, kv_lora_rank + rope]; GQA: [N, S, 2, Hkv / tp_size, head_dim]."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
+        *,
+        tp_size: int = 1,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        entry = list(config.kv_entry_shape)
+        if config.attention == "gqa":
+            if entry[1] % tp_size:
+                raise ValueError(f"num_key_value_heads {entry[1]} is not divisible by tp_size {tp_size}")
+            entry[1] //= tp_size
+        self.config = config
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.is_fp8 = kv_cache_dtype == "fp8"
+        store = FP8_DTYPE if self.is_fp8 else dtype
+        n = config.num_hidden_layers
+        self.pools = [torch.zeros(num_blocks, block_size, *entry, dtype=store, device=device) for _ in range(n)]
+        self.scales = torch.ones(n, dtype=torch.float32, device=device)
+        self.calibrated = [False] * n
+
+    def layer(self, i: int) -> KVLayerView:
+        return KVLayerView(self, i)
+
+    @property
+    def entry_shape(self) -> tuple[int, ...]:
+        return tuple(self.pools[0].shape[2:])

@@ -1,0 +1,75 @@
+"""Grouped-query attention (Mixtral, Qwen3-MoE with per-head q/k RMSNorm) over the paged cache.
+
+Shape legend: T tokens, D hidden, H query heads, Hkv key/value heads, hd head_dim
+(local to this TP rank after ``shard_for_tp``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe.config import ModelConfig
+from moe.kv_cache import AttentionMetadata, KVLayerView
+from moe.layers.mlp import shard_linear_
+from moe.layers.norm import RMSNorm
+from moe.layers.paged import paged_attention, sdpa
+from moe.layers.rope import apply_rotary
+
+
+class GQAAttention(nn.Module):
+    """x: [T, D] -> o_proj output [T, D] (this TP rank's partial sum; all-reduce outside)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.scale = config.softmax_scale
+        self.interleave = config.rope_interleave
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias, dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVLayerView
+    ) -> torch.Tensor:
+        """x: [T, D]; cos, sin: [T, hd/2]. Writes this step's k/v to ``cache``. Returns [T, D]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin, self.interleave)
+        k = apply_rotary(k, cos, sin, self.interleave)
+        cache.write(meta.slot_mapping, torch.stack((k, v), dim=1))  # [T, 2, Hkv, hd]
+        out = paged_attention(q, meta, cache, self.head_dim, self._attend, self._attend)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q: [B, H, Lq, hd]; kv: [B, L, 2, Hkv, hd]; mask: [B, 1, Lq, L]. Returns [B, H, Lq, hd]."""
+        k = kv[:, :, 0].transpose(1, 2)
+        v = kv[:, :, 1].transpose(1, 2)
+        return sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, self.scale)
+
+    def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
+        """Keep heads [r*H/tp, (r+1)*H/tp) and kv heads likewise (after loading full weights)."""
+        if self.num_heads % tp_size or self.num_kv_heads % tp_size:
+            raise ValueError(f"heads {self.num_heads}/{self.num_kv_heads} not divisible by tp_size {tp_size}")
+        hq, hk, hd = self.num_heads // tp_size, self.num_kv_heads // tp_size, self.head_dim
+        q_rows = slice(tp_rank * hq * hd, (tp_rank + 1) * hq * hd)
+        kv_rows = slice(tp_rank * hk * hd, (tp_rank + 1) * hk * hd)
+        shard_linear_(self.q_proj, out_slice=q_rows)
+        shard_linear_(self.k_proj, out_slice=kv_rows)
+        shard_linear_(self.v_proj, out_slice=kv_rows)
+        shard_linear_(self.o_proj, in_slice=q_rows, keep_bias=tp_rank == 0)
+        self.num_heads, self.num_kv_heads = hq, hk

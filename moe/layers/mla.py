@@ -1,0 +1,106 @@
+"""Multi-head latent attention (DeepSeek V2/V3) over a latent paged cache.
+
+Shape legend: T tokens, D hidden, H heads (local to the TP rank), C kv_lora_rank,
+R qk_rope_head_dim, Nn qk_nope_head_dim, Vd v_head_dim, L gathered context length.
+
+The cache holds only ``[c_kv | k_pe]`` ([C + R] per token). Prefill chunks use the naive
+path (expand c_kv with kv_b_proj to per-head keys/values); decode uses the absorbed path:
+W_UK [H, Nn, C] folds into the query (q_lat = q_nope W_UK), attention runs as MQA over the
+latent, and W_UV [H, Vd, C] maps the C-wide result back per head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe.config import ModelConfig
+from moe.kv_cache import AttentionMetadata, KVLayerView
+from moe.layers.mlp import shard_linear_
+from moe.layers.norm import RMSNorm
+from moe.layers.paged import paged_attention, sdpa
+from moe.layers.rope import apply_rotary
+
+# transformers (and DeepSeek's reference code) build q_a_layernorm / kv_a_layernorm with
+# the default eps, not config.rms_norm_eps
+_LATENT_NORM_EPS = 1e-6
+
+
+class MLAAttention(nn.Module):
+    """x: [T, D] -> o_proj output [T, D] (this TP rank's partial sum; all-reduce outside)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        d, h = config.hidden_size, config.num_attention_heads
+        self.num_heads = h
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scale = config.softmax_scale
+        self.interleave = config.rope_interleave
+        self.absorb_decode = True
+        bias = config.attention_bias
+        qk = self.nope + self.rope
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * qk, bias=False, dtype=dtype)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, _LATENT_NORM_EPS, dtype)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, h * qk, bias=False, dtype=dtype)
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(h * self.v_dim, d, bias=bias, dtype=dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVLayerView
+    ) -> torch.Tensor:
+        """x: [T, D]; cos, sin: [T, R/2]. Writes [c_kv | k_pe] to ``cache``. Returns [T, D]."""
+        t = x.shape[0]
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, self.nope + self.rope)
+        q = torch.cat((q[..., : self.nope], apply_rotary(q[..., self.nope :], cos, sin, self.interleave)), dim=-1)
+        latent = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
+        k_pe = apply_rotary(latent[:, None, self.kv_lora_rank :], cos, sin, self.interleave)[:, 0]
+        cache.write(meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1))  # [T, C + R]
+        decode_fn = self._attend_absorbed if self.absorb_decode else self._attend_naive
+        out = paged_attention(q, meta, cache, self.v_dim, decode_fn, self._attend_naive)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+    def _attend_naive(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q: [B, H, Lq, Nn + R]; latent: [B, L, C + R]; mask: [B, 1, Lq, L]. Returns [B, H, Lq, Vd]."""
+        b, length = latent.shape[:2]
+        latent = latent.to(q.dtype)
+        kv = self.kv_b_proj(latent[..., : self.kv_lora_rank]).view(b, length, self.num_heads, -1)
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        k_pe = latent[:, :, None, self.kv_lora_rank :].expand(b, length, self.num_heads, self.rope)
+        k = torch.cat((k_nope, k_pe), dim=-1)
+        return sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.scale)
+
+    def _attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Same contract as ``_attend_naive``, computed in the latent space."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, Nn, C], [H, Vd, C]
+        q_lat = torch.einsum("bhqn,hnc->bhqc", q[..., : self.nope], w_uk)
+        q_full = torch.cat((q_lat, q[..., self.nope :]), dim=-1)  # [B, H, Lq, C + R]
+        latent = latent.to(q.dtype)[:, None]  # [B, 1, L, C + R]: one shared key head
+        o_lat = sdpa(q_full, latent, latent[..., : self.kv_lora_rank], mask, self.scale)  # [B, H, Lq, C]
+        return torch.einsum("bhqc,hvc->bhqv", o_lat, w_uv)
+
+    def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
+        """Keep heads [r*H/tp, (r+1)*H/tp); the latent projections (and cache) stay replicated."""
+        if self.num_heads % tp_size:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by tp_size {tp_size}")
+        h = self.num_heads // tp_size
+
+        def rows(width: int) -> slice:
+            return slice(tp_rank * h * width, (tp_rank + 1) * h * width)
+
+        q_lin = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+        shard_linear_(q_lin, out_slice=rows(self.nope + self.rope))
+        shard_linear_(self.kv_b_proj, out_slice=rows(self.nope + self.v_dim))
+        shard_linear_(self.o_proj, in_slice=rows(self.v_dim), keep_bias=tp_rank == 0)
+        self.num_heads = h

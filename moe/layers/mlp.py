@@ -1,0 +1,56 @@
+"""Dense SwiGLU MLP (dense layers and shared experts), shardable for tensor parallelism."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DenseMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)). x: [T, D] -> [T, D].
+
+    After ``shard_for_tp`` the output is this rank's partial sum: the caller all-reduces
+    it over the TP group.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
+        """Keep intermediate columns [r*I/tp, (r+1)*I/tp) of the loaded full weights."""
+        inter = self.gate_proj.out_features
+        if inter % tp_size:
+            raise ValueError(f"intermediate size {inter} is not divisible by tp_size {tp_size}")
+        rows = slice(tp_rank * inter // tp_size, (tp_rank + 1) * inter // tp_size)
+        shard_linear_(self.gate_proj, out_slice=rows)
+        shard_linear_(self.up_proj, out_slice=rows)
+        shard_linear_(self.down_proj, in_slice=rows, keep_bias=tp_rank == 0)
+
+
+def shard_linear_(
+    linear: nn.Linear, *, out_slice: slice | None = None, in_slice: slice | None = None, keep_bias: bool = True
+) -> None:
+    """Slice a loaded nn.Linear in place. out_slice: column-parallel (rows of weight [out, in]);
+    in_slice: row-parallel (columns); a row-parallel bias is kept on one rank only."""
+    w = linear.weight.data
+    b = None if linear.bias is None else linear.bias.data
+    if out_slice is not None:
+        w = w[out_slice]
+        b = None if b is None else b[out_slice]
+    if in_slice is not None:
+        w = w[:, in_slice]
+        if b is not None and not keep_bias:
+            b = torch.zeros_like(b)
+    linear.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+    linear.in_features, linear.out_features = w.shape[1], w.shape[0]
+    if b is not None:
+        linear.bias = nn.Parameter(b.contiguous(), requires_grad=False)

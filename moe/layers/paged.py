@@ -1,0 +1,65 @@
+"""Attention over the paged KV cache: batched decode, per-sequence prefill chunks.
+
+Shape legend: T tokens, B sequences, H query heads, L gathered context length.
+
+Sequences with one new token are gathered together by block table and attended in one
+batched call (padding masked by context_lens); sequences with several new tokens
+(prefill chunks, possibly after a cached prefix) are attended one at a time with a
+causal mask offset by the cached length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from moe.kv_cache import AttentionMetadata, KVLayerView
+
+# (queries [B, H, Lq, dq], gathered cache [B, L, *entry], mask [B, 1, Lq, L] bool) -> [B, H, Lq, dv]
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, H, Lq, dk]; k: [B, Hk, L, dk]; v: [B, Hk, L, dv] (H multiple of Hk); mask:
+    [B, 1, Lq, L] bool (True = attend). Returns [B, H, Lq, dv]; softmax in float32."""
+    if q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    b, h, lq, _ = q.shape
+    hk = k.shape[1]
+    q5 = q.view(b, hk, h // hk, lq, -1)  # query head i uses kv head i // (H / Hk)
+    scores = torch.matmul(q5, k[:, :, None].transpose(-1, -2)) * scale  # [B, Hk, H/Hk, Lq, L]
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, None])
+    return out.reshape(b, h, lq, -1)
+
+
+def paged_attention(
+    q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, out_dim: int,
+    decode_fn: AttendFn, prefill_fn: AttendFn,
+) -> torch.Tensor:
+    """q: [T, H, dq] (rows ordered as meta). Returns [T, H, out_dim] in q's dtype.
+
+    The current step's entries must already be written to ``view``.
+    """
+    num_heads = q.shape[1]
+    out = q.new_empty(q.shape[0], num_heads, out_dim)
+    size = meta.block_size
+    dec = meta.decode_seq_ids()
+    if dec:
+        idx = torch.tensor(dec, dtype=torch.int64, device=q.device)
+        rows = meta.query_start_loc[idx]
+        ctx = meta.context_lens[idx]
+        nb = -(-max(meta.context_lens_list[b] for b in dec) // size)
+        cache = view.gather(meta.block_tables[idx, :nb])  # [Bd, nb * S, ...]
+        mask = torch.arange(cache.shape[1], device=q.device)[None, :] < ctx[:, None]
+        out[rows] = decode_fn(q[rows].unsqueeze(2), cache, mask[:, None, None, :]).squeeze(2)
+    for b in meta.prefill_seq_ids():
+        start, qlen, ctx = int(meta.query_start_loc_list[b]), meta.query_lens_list[b], meta.context_lens_list[b]
+        cache = view.gather(meta.block_tables[b : b + 1, : -(-ctx // size)])[:, :ctx]  # [1, ctx, ...]
+        qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [qlen, ctx]
+        rows = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, dq]
+        out[start : start + qlen] = prefill_fn(rows, cache, mask[None, None])[0].transpose(0, 1)
+    return out

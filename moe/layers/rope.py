@@ -1,0 +1,79 @@
+"""Rotary position embedding: default and YaRN, half-split or interleaved-pair layout.
+
+Shape legend: T tokens, H heads, R rotary dim (even).
+
+Half-split (Llama/Mixtral/Qwen, DeepSeek-V3 with ``rope_interleave=False``) rotates
+(x[i], x[i + R/2]); interleaved (DeepSeek V2/V3 checkpoints) rotates (x[2i], x[2i+1]).
+The interleaved output is written de-interleaved (evens then odds), as transformers'
+DeepSeek-V3 does: q and k get the same permutation, so q.k is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moe.config import RopeScaling, yarn_get_mscale
+
+
+def compute_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [R/2] float32, attention_factor): cos/sin are scaled by the factor."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if scaling is None:
+        return 1.0 / pos_freqs, 1.0
+    factor = scaling.factor
+    att = scaling.attention_factor
+    if att is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            att = yarn_get_mscale(factor, scaling.mscale) / yarn_get_mscale(factor, scaling.mscale_all_dim)
+        else:
+            att = yarn_get_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        orig = scaling.original_max_position_embeddings
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(att)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables from positions, and their application to q/k."""
+
+    def __init__(self, dim: int, theta: float, scaling: RopeScaling | None = None, interleave: bool = False) -> None:
+        super().__init__()
+        self.dim = dim
+        self.interleave = interleave
+        inv_freq, self.attention_factor = compute_inv_freq(dim, theta, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64. Returns cos, sin: [T, R/2] float32 (attention factor applied)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, R]; cos, sin: [T, R/2]. Returns rotated x [T, H, R] in x's dtype."""
+        return apply_rotary(x, cos, sin, self.interleave)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x: [T, H, R]; cos, sin: [T, R/2] float32. Rotation in float32, result in x's dtype."""
+    h = x.float()
+    if interleave:
+        x1, x2 = h[..., 0::2], h[..., 1::2]
+    else:
+        half = h.shape[-1] // 2
+        x1, x2 = h[..., :half], h[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -1,0 +1,152 @@
+"""The decoder-only MoE model on one rank's shard (Mixtral, DeepSeek V2/V3, Qwen3-MoE).
+
+Shape legend: T tokens in the flat step batch, B sequences, D hidden, V vocab.
+
+State-dict names are the canonical names of docs/contracts.md (``model.layers.N.self_attn.*``,
+``model.layers.N.mlp.experts.w13``, ...). Tensor parallelism is applied after loading
+(``shard_for_tp``): attention heads and dense-MLP columns are sliced, and each layer
+all-reduces the o_proj / down_proj partial sums over ``tp_group``. Routed experts go through
+the dispatcher; shared experts, norms, embeddings and lm_head stay replicated; MLA's latent
+cache is replicated across the TP group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.config import ModelConfig
+from moe.dispatch import ExpertDispatcher
+from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
+from moe.layers import DenseMLP, GQAAttention, MLAAttention, RMSNorm, RotaryEmbedding
+from moe.moe_layer import MoELayer
+
+LocalSlots = Sequence[int] | Mapping[int, Sequence[int]] | None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + FFN (dense MLP or MoE) with residuals. h: [T, D] -> [T, D]."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, local_slots: Sequence[int] | None,
+                 dispatcher: ExpertDispatcher | None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        attn_cls = MLAAttention if config.attention == "mla" else GQAAttention
+        self.self_attn = attn_cls(config, dtype)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_id):
+            self.mlp = MoELayer(config, layer_id, dtype=dtype, local_slots=local_slots, dispatcher=dispatcher)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.tp_group: dist.ProcessGroup | None = None
+        self.tp_size = 1
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache: KVLayerView) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, meta, cache)
+        h = h + self._tp_reduce(attn)
+        ffn = self.mlp(self.post_attention_layernorm(h))
+        if isinstance(self.mlp, DenseMLP):
+            ffn = self._tp_reduce(ffn)
+        return h + ffn
+
+    def _tp_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        # every TP rank reaches this for every layer of every step (T may be 0): no rank skips it
+        if self.tp_size > 1:
+            dist.all_reduce(partial, group=self.tp_group)
+        return partial
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, local_slots: LocalSlots,
+                 dispatcher: ExpertDispatcher | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, _slots_for(local_slots, i), dispatcher)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(config.rope_dim, config.rope_theta, config.rope_scaling, config.rope_interleave)
+
+
+def _slots_for(local_slots: LocalSlots, layer_id: int) -> Sequence[int] | None:
+    if local_slots is None or not isinstance(local_slots, Mapping):
+        return local_slots
+    return local_slots.get(layer_id)
+
+
+class MoEModel(nn.Module):
+    """One rank's model shard.
+
+    local_slots: the logical experts this rank hosts, in local-slot order, either one list for
+    every MoE layer or a mapping layer_id -> list (default: all experts, identity placement).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        local_slots: LocalSlots = None,
+        dispatcher: ExpertDispatcher | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        self.config = config
+        self.dtype = dtype
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.model = _Backbone(config, dtype, local_slots, dispatcher)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head.weight.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: PagedKVCache) -> torch.Tensor:
+        """input_ids, positions: [T] int64 (rows ordered as ``meta``). Returns hidden [T, D]
+        after the final norm. Writes this step's KV entries into ``kv_cache``."""
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
+        if input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(f"{input_ids.shape[0]} tokens but metadata describes {meta.num_tokens}")
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, meta, kv_cache.layer(i))
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, D]. Returns logits [B, V] float32."""
+        return self.lm_head(hidden).float()
+
+    def moe_layers(self) -> Iterator[MoELayer]:
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoELayer):
+                yield layer.mlp
+
+    def shard_for_tp(self, tp_rank: int | None = None, tp_size: int | None = None) -> None:
+        """Slice the loaded full weights to this rank's heads / MLP columns (gpt-fast style) and
+        turn on the per-layer all-reduce over ``tp_group``."""
+        tp_rank = self.tp_rank if tp_rank is None else tp_rank
+        tp_size = self.tp_size if tp_size is None else tp_size
+        if tp_size == 1:
+            return
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        for layer in self.model.layers:
+            layer.self_attn.shard_for_tp(tp_rank, tp_size)
+            if isinstance(layer.mlp, DenseMLP):
+                layer.mlp.shard_for_tp(tp_rank, tp_size)
+            layer.tp_group, layer.tp_size = self.tp_group, tp_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size

@@ -1,0 +1,134 @@
+"""The MoE feed-forward: router -> replica choice -> (capacity) -> dispatch -> + shared experts.
+
+Shape legend: T tokens, D hidden, K top-k, E logical experts, P physical slots,
+R max replicas of one expert.
+
+Logical expert e has ``logcnt[e]`` physical copies ``log2phy[e, :logcnt[e]]``. The
+assignments of one expert in a step are spread over its copies round-robin by their
+occurrence index in the batch, offset by this rank (deterministic, even: replica counts
+differ by at most one). ``slot_load [P]`` accumulates assignments per slot (before any
+capacity drop: it measures demand); the worker reads and resets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from moe.config import ModelConfig
+from moe.dispatch import ExpertDispatcher, LocalDispatcher
+from moe.experts import Experts
+from moe.layers.mlp import DenseMLP
+from moe.router import Router
+
+
+def compute_placement_tables(phy2log_row: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """phy2log_row: [P] logical expert of each slot. Returns log2phy [E, R] int64 (-1 padded,
+    slots in increasing order) and logcnt [E] int64. Every expert needs at least one slot."""
+    phy2log_row = torch.as_tensor(phy2log_row, dtype=torch.int64).reshape(-1).cpu()
+    if phy2log_row.numel() and (phy2log_row.min() < 0 or phy2log_row.max() >= num_experts):
+        raise ValueError(f"phy2log entries must be in [0, {num_experts}), got {phy2log_row.tolist()}")
+    logcnt = torch.bincount(phy2log_row, minlength=num_experts)
+    if (logcnt == 0).any():
+        missing = torch.nonzero(logcnt == 0).flatten().tolist()
+        raise ValueError(f"experts {missing} have no physical slot in phy2log")
+    order = torch.argsort(phy2log_row, stable=True)  # slots grouped by expert, ascending
+    starts = torch.cumsum(logcnt, 0) - logcnt
+    rank_in_expert = torch.arange(order.numel()) - starts[phy2log_row[order]]
+    log2phy = torch.full((num_experts, int(logcnt.max())), -1, dtype=torch.int64)
+    log2phy[phy2log_row[order], rank_in_expert] = order
+    return log2phy, logcnt
+
+
+def choose_replicas(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, rank: int) -> torch.Tensor:
+    """topk_ids: [T, K] logical. Returns slot_ids [T, K] int64: the n-th assignment of expert e
+    in the batch (row-major) goes to replica (n + rank) % logcnt[e]."""
+    flat = topk_ids.reshape(-1)
+    if log2phy.shape[1] == 1:
+        return log2phy[flat, 0].view_as(topk_ids)
+    counts = torch.bincount(flat, minlength=logcnt.shape[0])
+    order = torch.argsort(flat, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    occurrence = torch.empty_like(flat)
+    occurrence[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    replica = (occurrence + rank) % logcnt[flat]
+    return log2phy[flat, replica].view_as(topk_ids)
+
+
+class MoELayer(nn.Module):
+    """Routed experts (hosted slots only) plus shared experts. x: [T, D] -> [T, D] in x's dtype."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        local_slots: Sequence[int] | None = None,
+        dispatcher: ExpertDispatcher | None = None,
+        capacity_factor: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.gate = Router(config)
+        slots = list(range(config.num_experts)) if local_slots is None else [int(s) for s in local_slots]
+        self.experts = Experts(len(slots), config.hidden_size, config.moe_intermediate_size,
+                               torch.tensor(slots, dtype=torch.int64), dtype=dtype)
+        shared = config.moe_intermediate_size * config.num_shared_experts
+        self.shared_experts = DenseMLP(config.hidden_size, shared, dtype) if shared else None
+        self.dispatcher: ExpertDispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
+        self.capacity_factor = capacity_factor
+        self.counters = {"dropped": 0, "rerouted": 0}
+        self.rank = int(getattr(self.dispatcher, "rank", 0))
+        self.num_ranks = int(getattr(self.dispatcher, "num_ranks", 1))
+        log2phy, logcnt = compute_placement_tables(torch.arange(config.num_experts), config.num_experts)
+        self.register_buffer("log2phy", log2phy, persistent=False)
+        self.register_buffer("logcnt", logcnt, persistent=False)
+        self.register_buffer("slot_load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
+
+    @property
+    def num_physical_slots(self) -> int:
+        return int(self.slot_load.shape[0])
+
+    def set_placement(self, phy2log_row: torch.Tensor | Sequence[int], num_ranks: int, rank: int) -> None:
+        """Install a placement: phy2log_row [P] (logical expert per physical slot). Resets slot_load.
+        The hosted expert weights are moved separately (the migration owns Experts)."""
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"rank {rank} out of range for num_ranks {num_ranks}")
+        row = torch.as_tensor(phy2log_row, dtype=torch.int64).reshape(-1)
+        if row.numel() % num_ranks:
+            raise ValueError(f"{row.numel()} physical slots do not split over {num_ranks} ranks")
+        log2phy, logcnt = compute_placement_tables(row, self.num_experts)
+        device = self.slot_load.device
+        self.log2phy, self.logcnt = log2phy.to(device), logcnt.to(device)
+        self.slot_load = torch.zeros(row.numel(), dtype=torch.int64, device=device)
+        self.num_ranks, self.rank = num_ranks, rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D]. Every EP rank must call this for every layer of every step, even with T = 0:
+        ``dispatch_combine`` is a collective."""
+        topk_ids, weights = self.gate(x)  # [T, K] int64, [T, K] float32
+        slot_ids = choose_replicas(topk_ids, self.log2phy, self.logcnt, self.rank)
+        if slot_ids.numel():
+            self.slot_load += torch.bincount(slot_ids.reshape(-1), minlength=self.slot_load.shape[0])
+        if self.capacity_factor is not None:
+            slot_ids, weights = self._apply_capacity(slot_ids, weights)
+        out = self.dispatcher.dispatch_combine(x, slot_ids, weights, self.experts, self.layer_id)  # [T, D] f32
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
+        return out.to(x.dtype)
+
+    def _apply_capacity(self, slot_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from moe.capacity import apply_capacity  # written by the capacity owner
+
+        result = apply_capacity(slot_ids, weights, num_slots=self.num_physical_slots,
+                                capacity_factor=self.capacity_factor, scope="local")
+        slot_ids, weights = result[0], result[1]
+        stats = result[2] if len(result) > 2 else {}
+        for key in self.counters:
+            self.counters[key] += int(stats.get(key, 0)) if isinstance(stats, dict) else 0
+        return slot_ids, weights

@@ -1,0 +1,80 @@
+"""Routers: token -> top-k logical experts and their weights, computed in float32.
+
+Shape legend: T tokens, D hidden, E logical experts, K top-k, G expert groups.
+
+- softmax + greedy (Mixtral, Qwen3-MoE, DeepSeek-V2 greedy): top-k of softmax(logits);
+  renormalised when ``norm_topk_prob``.
+- softmax + group_limited_greedy (DeepSeek-V2): group score = max expert score; keep
+  topk_group groups; top-k among them.
+- sigmoid + noaux_tc (DeepSeek-V3): scores = sigmoid(logits); selection on
+  scores + e_score_correction_bias with group score = sum of the top-2 biased scores;
+  weights are the unbiased scores (renormalised when ``norm_topk_prob``).
+All weights are finally multiplied by ``routed_scaling_factor``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe.config import ModelConfig
+
+
+def mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
+    """scores: [T, E]; group_scores: [T, G]. Returns scores with experts outside the
+    ``topk_group`` best groups set to ``fill``."""
+    t, g = group_scores.shape
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)  # [T, G]
+    keep = keep[:, :, None].expand(t, g, scores.shape[1] // g).reshape(t, -1)
+    return scores.masked_fill(~keep, fill)
+
+
+class Router(nn.Module):
+    """gate.weight [E, D] (float32) and, for noaux_tc, e_score_correction_bias [E] (float32)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.scoring_func, self.topk_method = config.scoring_func, config.topk_method
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown scoring_func {self.scoring_func!r}")
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"unknown topk_method {self.topk_method!r}")
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size), requires_grad=False)
+        if self.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D]. Returns topk_ids [T, K] int64, topk_weights [T, K] float32."""
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
+        if self.scoring_func == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+        else:
+            scores = logits.sigmoid()
+        if self.topk_method == "noaux_tc":
+            ids = self._select_noaux_tc(scores)
+            weights = scores.gather(1, ids)
+        else:
+            if self.topk_method == "group_limited_greedy":
+                group_max = scores.view(-1, self.n_group, self.num_experts // self.n_group).amax(dim=-1)
+                scores = mask_to_top_groups(scores, group_max, self.topk_group, 0.0)
+            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        if self.norm_topk_prob:
+            # transformers adds 1e-20 only on the sigmoid (noaux_tc) path
+            eps = 1e-20 if self.topk_method == "noaux_tc" else 0.0
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+        return ids.to(torch.int64), (weights * self.routed_scaling_factor).float()
+
+    def _select_noaux_tc(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores: [T, E] sigmoid. Returns ids [T, K] chosen on bias-corrected, group-limited scores."""
+        biased = scores + self.e_score_correction_bias.float()
+        per_group = biased.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        biased = mask_to_top_groups(biased, group_scores, self.topk_group, float("-inf"))
+        return torch.topk(biased, k=self.top_k, dim=-1, sorted=False)[1]
