@@ -12,11 +12,13 @@ capacity drop: it measures demand); the worker reads and resets it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from moe.capacity import apply_capacity
 from moe.config import ModelConfig
 from moe.dispatch import ExpertDispatcher, LocalDispatcher
 from moe.experts import Experts
@@ -69,6 +71,7 @@ class MoELayer(nn.Module):
         local_slots: Sequence[int] | None = None,
         dispatcher: ExpertDispatcher | None = None,
         capacity_factor: float | None = None,
+        capacity_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -82,6 +85,8 @@ class MoELayer(nn.Module):
         self.shared_experts = DenseMLP(config.hidden_size, shared, dtype) if shared else None
         self.dispatcher: ExpertDispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
         self.capacity_factor = capacity_factor
+        # forwarded to moe.capacity.apply_capacity: min_capacity, policy, overflow="drop", renormalize
+        self.capacity_options = dict(capacity_options or {})
         self.counters = {"dropped": 0, "rerouted": 0}
         self.rank = int(getattr(self.dispatcher, "rank", 0))
         self.num_ranks = int(getattr(self.dispatcher, "num_ranks", 1))
@@ -123,12 +128,10 @@ class MoELayer(nn.Module):
         return out.to(x.dtype)
 
     def _apply_capacity(self, slot_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from moe.capacity import apply_capacity  # written by the capacity owner
-
-        result = apply_capacity(slot_ids, weights, num_slots=self.num_physical_slots,
-                                capacity_factor=self.capacity_factor, scope="local")
-        slot_ids, weights = result[0], result[1]
-        stats = result[2] if len(result) > 2 else {}
-        for key in self.counters:
-            self.counters[key] += int(stats.get(key, 0)) if isinstance(stats, dict) else 0
-        return slot_ids, weights
+        """Local-scope capacity (before dispatch): dropped assignments get slot -1, weight 0."""
+        result = apply_capacity(slot_ids, weights, self.num_physical_slots, float(self.capacity_factor),
+                                **self.capacity_options)
+        stats = result.stats
+        self.counters["dropped"] += stats.dropped
+        self.counters["rerouted"] += stats.rerouted
+        return result.topk_ids, result.topk_weights.float()
