@@ -1,0 +1,155 @@
+"""The typed messages between the scheduler (driver) and the workers.
+
+Shape letters: B sequences in a rank's batch, T tokens in it, S block size.
+
+``SchedulerOutput`` holds one ``BatchSpec`` per DP rank (empty for idle ranks: every EP
+rank still enters every MoE collective). A ``BatchSpec`` lists the scheduled sequences
+and exposes the flat lists ``moe.kv_cache.AttentionMetadata.build`` takes. Workers send
+back one ``SampledTokens`` per rank: a token for each row with ``do_sample``, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launch.core.outputs import TokenLogprobs
+from launch.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's work this step.
+
+    token_ids / positions: the tokens to compute (prefill chunk, or the one decode token),
+        at positions ``num_computed_tokens ... num_computed_tokens + len(token_ids) - 1``.
+    block_ids: the sequence's block table, long enough for all computed tokens after this step.
+    do_sample: this chunk reaches the end of the sequence's tokens, so the logits of its last
+        token are sampled (false for all but the last chunk of a chunked prefill).
+    num_output_tokens: outputs generated so far (the sampler's per-step seed offset).
+    """
+
+    request_id: str
+    seq_id: int
+    index: int
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    num_computed_tokens: int
+    block_ids: tuple[int, ...]
+    do_sample: bool
+    params: SamplingParams
+    num_output_tokens: int
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens with KV after this step (cached + new)."""
+        return self.num_computed_tokens + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """One DP rank's batch for one step (possibly empty)."""
+
+    dp_rank: int
+    block_size: int
+    seqs: tuple[ScheduledSequence, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def input_ids(self) -> list[int]:
+        """[T] token ids of all sequences, concatenated in batch order."""
+        return [t for s in self.seqs for t in s.token_ids]
+
+    @property
+    def positions(self) -> list[int]:
+        """[T] position of each token in its sequence."""
+        return [p for s in self.seqs for p in s.positions]
+
+    @property
+    def query_lens(self) -> list[int]:
+        """[B] tokens computed per sequence this step."""
+        return [len(s.token_ids) for s in self.seqs]
+
+    @property
+    def context_lens(self) -> list[int]:
+        """[B] cached + new tokens per sequence after this step."""
+        return [s.context_len for s in self.seqs]
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """[B][blocks] block ids per sequence (ragged; AttentionMetadata pads)."""
+        return [list(s.block_ids) for s in self.seqs]
+
+    @property
+    def slot_mapping(self) -> list[int]:
+        """[T] flat KV slot (block * S + offset) of each computed token."""
+        S = self.block_size
+        return [s.block_ids[p // S] * S + p % S for s in self.seqs for p in s.positions]
+
+    @property
+    def sample_rows(self) -> list[int]:
+        """Batch rows whose last token's logits are sampled (``do_sample``)."""
+        return [b for b, s in enumerate(self.seqs) if s.do_sample]
+
+    @property
+    def logits_indices(self) -> list[int]:
+        """[num sampled] index into the flat [T] tokens of each sampled row's last token."""
+        out, end = [], 0
+        for s in self.seqs:
+            end += len(s.token_ids)
+            if s.do_sample:
+                out.append(end - 1)
+        return out
+
+    @property
+    def sampling_params(self) -> list[SamplingParams]:
+        """Params of the sampled rows, in ``sample_rows`` order."""
+        return [s.params for s in self.seqs if s.do_sample]
+
+    @property
+    def output_indices(self) -> list[int]:
+        """Per sampled row, the index of the output token being sampled (for seeding)."""
+        return [s.num_output_tokens for s in self.seqs if s.do_sample]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step: ``batches[r]`` is DP rank r's batch. ``step_id`` pairs it with ``update``."""
+
+    step_id: int
+    batches: tuple[BatchSpec, ...]
+    preempted_seq_ids: tuple[int, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.batches)
+
+    @property
+    def is_empty(self) -> bool:
+        return all(b.is_empty for b in self.batches)
+
+
+@dataclass
+class SampledTokens:
+    """A rank's sampling result: ``token_ids[i]`` for the i-th row with ``do_sample``.
+
+    logprobs: None, or per sampled row a dict token id -> logprob (sampled token first,
+        then the top-n) or None for rows that did not ask for logprobs.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None

@@ -1,0 +1,65 @@
+"""Incremental detokenization and stop-string search.
+
+The engine owns the tokenizer; the core only sees a ``decode(ids) -> str`` callback
+(typically ``lambda ids: tok.decode(ids, skip_special_tokens=True)``). Text is produced
+one token at a time by decoding a short sliding window twice (the window with and
+without the new tokens) and emitting the difference, so multi-byte characters split
+across tokens and tokenizers that merge leading spaces come out right. A window that
+ends in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+DecodeFn = Callable[[list[int]], str]
+
+# Prompt tokens kept as left context, so the first generated token decodes with the
+# spacing it has inside the text.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of generated token ids into text, one token at a time."""
+
+    def __init__(self, decode: DecodeFn, prompt_token_ids: Sequence[int]) -> None:
+        self._decode = decode
+        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def add_token(self, token_id: int) -> str:
+        """Append one generated token; return the newly completed text (may be "")."""
+        self._ids.append(int(token_id))
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            new_text = full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return new_text
+        return ""
+
+
+def find_stop_string(
+    text: str, num_new_chars: int, stop: Sequence[str], include_stop_str: bool
+) -> tuple[str, int] | None:
+    """Search the tail of ``text`` for the earliest stop string.
+
+    Only matches that overlap the last ``num_new_chars`` characters are new; earlier text
+    was already searched. Returns (matched stop string, length to truncate the text to)
+    or None. The truncation drops the stop string unless ``include_stop_str``.
+    """
+    if not stop or num_new_chars <= 0:
+        return None
+    longest = max(len(s) for s in stop)
+    start = max(0, len(text) - num_new_chars - longest + 1)
+    best: tuple[int, str] | None = None
+    for s in stop:
+        idx = text.find(s, start)
+        if idx >= 0 and (best is None or idx < best[0]):
+            best = (idx, s)
+    if best is None:
+        return None
+    idx, s = best
+    return s, idx + len(s) if include_stop_str else idx

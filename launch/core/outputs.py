@@ -1,0 +1,78 @@
+"""What the engine hands to clients: vLLM-shaped, cumulative request outputs.
+
+Each ``RequestOutput`` carries the full text and token ids generated so far (cumulative,
+not deltas); a streaming server diffs consecutive outputs. ``logprobs`` is a list with
+one dict per generated token mapping token id -> log-probability (the sampled token
+first, then the requested top-n), or None when the request did not ask for logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n completions of a request.
+
+    finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens
+        or max_model_len), "abort", or None while still generating.
+    stop_reason: the stop string or stop token id that ended it; None for EOS/length.
+    cumulative_logprob: sum of the sampled tokens' logprobs (None without logprobs).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps on the scheduler's clock (``time.monotonic`` unless injected).
+
+    TTFT = first_token_time - arrival_time; E2E = finished_time - arrival_time.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first generated token (None before it)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step; ``finished`` once every completion has ended."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

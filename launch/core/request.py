@@ -1,0 +1,218 @@
+"""Requests and their sequences: the scheduler's unit of work.
+
+A ``Request`` is what a client sent (one prompt, one ``SamplingParams``); it owns
+``n`` ``Sequence`` objects, one per completion. Sequences are what the scheduler
+schedules and the block allocator gives KV blocks to. A sequence's tokens are its
+prompt followed by its outputs; ``num_computed_tokens`` of them have KV in the cache.
+After preemption (recomputation) a sequence restarts at ``num_computed_tokens == 0``
+and recomputes prompt + outputs as one longer prompt; its outputs are never lost.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from launch.core.detokenizer import DecodeFn, IncrementalDetokenizer, find_stop_string
+from launch.core.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, TokenLogprobs
+from launch.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[SequenceStatus, FinishReason] = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion being generated.
+
+    Invariants: ``0 <= num_computed_tokens <= num_tokens``; ``block_ids`` hold at least
+    ``num_computed_tokens`` token slots while the sequence is running and are empty once
+    it is waiting, preempted or finished; ``block_hashes[i]`` is the chained hash of
+    full block i of the token ids (filled lazily by the allocator).
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_model_len: int
+    arrival_order: int
+    eos_token_ids: tuple[int, ...] = ()
+    dp_rank: int = 0
+    decode: DecodeFn | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    output_text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        self._detokenizer = None if self.decode is None else IncrementalDetokenizer(self.decode, self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+
+    # ---- sizes ---------------------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by outputs (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids ``[start, end)`` of prompt + outputs without copying the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Length this sequence can reach: prompt + max_tokens, capped by max_model_len."""
+        cap = self.max_model_len
+        if self.params.max_tokens is not None:
+            cap = min(cap, self.num_prompt_tokens + self.params.max_tokens)
+        return cap
+
+    @property
+    def num_outstanding_tokens(self) -> int:
+        """Tokens still to run through the model at most (uncomputed + yet to generate)."""
+        return max(0, self.max_num_tokens - self.num_computed_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    # ---- generation ----------------------------------------------------------------
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> bool:
+        """Append one sampled token, extend the text and check every stop condition.
+
+        EOS (unless ignore_eos) and stop token ids end the sequence with "stop" and are
+        kept in token_ids but not detokenized. Returns True if the sequence finished.
+        """
+        token_id = int(token_id)
+        self.output_token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(dict(logprobs))
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + float(logprobs.get(token_id, 0.0))
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+            self._finish(SequenceStatus.FINISHED_STOPPED, None)
+            return True
+        if token_id in self.params.stop_token_ids:
+            self._finish(SequenceStatus.FINISHED_STOPPED, token_id)
+            return True
+        new_text = self._detokenizer.add_token(token_id) if self._detokenizer is not None else ""
+        return self.check_stop(new_text)
+
+    def check_stop(self, new_text: str) -> bool:
+        """Add ``new_text`` (the text of the latest token) and check text and length stops.
+
+        A stop string found in the tail (overlapping the new text) ends the sequence with
+        "stop"; the text is trimmed just before the stop string (or after it, with
+        include_stop_str_in_output). Otherwise max_tokens / max_model_len give "length".
+        """
+        self.output_text += new_text
+        hit = find_stop_string(
+            self.output_text, len(new_text), self.params.stop, self.params.include_stop_str_in_output
+        )
+        if hit is not None:
+            stop_str, keep = hit
+            self.output_text = self.output_text[:keep]
+            self._finish(SequenceStatus.FINISHED_STOPPED, stop_str)
+            return True
+        if self.num_tokens >= self.max_num_tokens:
+            self._finish(SequenceStatus.FINISHED_LENGTH_CAPPED, None)
+            return True
+        return False
+
+    def abort(self) -> None:
+        self._finish(SequenceStatus.FINISHED_ABORTED, None)
+
+    def _finish(self, status: SequenceStatus, stop_reason: str | int | None) -> None:
+        self.status = status
+        self.stop_reason = stop_reason
+
+    def visible_text(self) -> str:
+        """Text safe to show: while running, withhold a tail that may start a stop string."""
+        if self.is_finished or self.params.include_stop_str_in_output:
+            return self.output_text
+        hold = max(0, self.params.max_stop_len - 1)
+        return self.output_text[: len(self.output_text) - hold] if hold else self.output_text
+
+    def to_completion_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.visible_text(),
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.status.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else [dict(d) for d in self.logprobs],
+            cumulative_logprob=self.cumulative_logprob,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """A client request: one prompt, its params, and its ``n`` sequences (same DP rank)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    prompt: str | None = None
+    dp_rank: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=[s.to_completion_output() for s in self.seqs],
+            finished=self.is_finished,
+            metrics=self.metrics,
+        )

@@ -1,0 +1,102 @@
+"""Per-request sampling parameters, with vLLM's names and meanings.
+
+``temperature == 0`` means greedy decoding; ``top_k`` of -1 or 0 and ``top_p == 1``
+switch those filters off; ``max_tokens=None`` generates until ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's continuation (all fields validated on construction).
+
+    n: completions per prompt (>= 1); each gets its own sequence and, when ``seed`` is
+        set, the seed ``seed + index``.
+    temperature: >= 0; 0 is greedy (argmax).
+    top_p: in (0, 1]; nucleus filter applied after top-k.
+    top_k: -1 or 0 disables; otherwise keep the k largest logits.
+    max_tokens: generated tokens at most (>= 1), or None for "until max_model_len".
+    stop: stop strings (a string or a list); the matched string is trimmed from the text
+        unless ``include_stop_str_in_output``.
+    stop_token_ids: token ids that end generation (kept in token_ids, not detokenized).
+    ignore_eos: keep generating past the model's EOS tokens.
+    seed: per-request seed, for output that does not depend on the batch it ran in.
+    logprobs: None, or n >= 0: return the sampled token's log-probability plus the top-n.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = 16
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise containers to tuples so the frozen object is hashable and safe to share.
+        stop = self.stop
+        stop_tuple = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        object.__setattr__(self, "stop", stop_tuple)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.temperature, int | float) or not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
+        ):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling is argmax (temperature effectively zero)."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def top_p_enabled(self) -> bool:
+        return self.top_p < 1.0
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string (0 when there are none)."""
+        return max((len(s) for s in self.stop), default=0)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Parameters of the ``index``-th of ``n`` completions: n=1 and, if seeded, seed + index."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sample index {index} out of range for n={self.n}")
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
