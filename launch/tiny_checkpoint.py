@@ -1,0 +1,113 @@
+"""Complete random checkpoints for tests and demos: weights (``moe.tiny``) plus a tokenizer.
+
+The tokenizer is a byte-level BPE trained with ``tokenizers`` on the text shipped in
+``launch/data/*.txt``; training is deterministic, so the same (size) gives the same
+``tokenizer.json``. Special tokens come first, in ``SPECIAL_TOKENS`` order, so
+``<|bos|>`` = 0 and ``<|eos|>`` = 1 (``moe.tiny.BOS_TOKEN_ID`` / ``EOS_TOKEN_ID``).
+``encode`` prepends ``<|bos|>`` (post-processor); ``tokenizer_config.json`` carries the
+bos/eos/pad tokens and ``DEFAULT_CHAT_TEMPLATE``.
+
+CLI: ``python -m launch make-tiny --arch deepseek_v3 --out DIR [--size tiny|small] [--seed N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from launch.tokenizer import DEFAULT_CHAT_TEMPLATE
+from moe.tiny import ARCHITECTURES, BOS_TOKEN_ID, EOS_TOKEN_ID, SIZES, build_tiny_config, count_parameters
+from moe.tiny import write_tiny_checkpoint as write_tiny_weights
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
+TOKENIZER_VOCAB_SIZE = {"tiny": 512, "small": 1024}
+
+
+def training_texts() -> list[str]:
+    """The shipped training corpus (``launch/data/*.txt``), in file-name order."""
+    data = Path(__file__).resolve().parent / "data"
+    texts = [p.read_text(encoding="utf-8") for p in sorted(data.glob("*.txt"))]
+    if not texts:
+        raise FileNotFoundError(f"no tokenizer training text (*.txt) under {data}")
+    return texts
+
+
+def train_tokenizer(vocab_size: int, texts: list[str] | None = None) -> tokenizers.Tokenizer:
+    """Train a byte-level BPE of exactly ``vocab_size`` ids (special tokens included).
+
+    Raises ValueError if the corpus is too small to reach ``vocab_size``.
+    """
+    if vocab_size < len(SPECIAL_TOKENS) + 256:
+        raise ValueError(f"vocab_size must be >= {len(SPECIAL_TOKENS) + 256} (specials + 256 bytes)")
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts if texts is not None else training_texts(), trainer)
+    got = tok.get_vocab_size()
+    if got != vocab_size:
+        raise ValueError(f"training text too small: reached {got} ids, asked for {vocab_size}")
+    bos, eos = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1]
+    if tok.token_to_id(bos) != BOS_TOKEN_ID or tok.token_to_id(eos) != EOS_TOKEN_ID:
+        raise RuntimeError("special token ids do not match moe.tiny's BOS/EOS ids")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, BOS_TOKEN_ID)]
+    )
+    return tok
+
+
+def write_tokenizer(out_dir: str | Path, tok: tokenizers.Tokenizer, *, model_max_length: int) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (HF format) into out_dir."""
+    out = Path(out_dir)
+    tok.save(str(out / "tokenizer.json"))
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": True}
+        for t in SPECIAL_TOKENS
+    }
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "pad_token": SPECIAL_TOKENS[2],
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "added_tokens_decoder": added,
+        "chat_template": DEFAULT_CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0) -> Path:
+    """Weights + config + tokenizer: a directory ``LLM``/``from_pretrained`` can load."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    tok = train_tokenizer(TOKENIZER_VOCAB_SIZE[size])
+    out = write_tiny_weights(arch, out_dir, size=size, seed=seed, vocab_size=tok.get_vocab_size(), log=print)
+    max_len = build_tiny_config(arch, size=size)["max_position_embeddings"]
+    write_tokenizer(out, tok, model_max_length=max_len)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``make-tiny``: write a random checkpoint with tokenizer; prints the parameter count."""
+    parser = argparse.ArgumentParser(prog="python -m launch make-tiny", description=main.__doc__)
+    parser.add_argument("--arch", required=True, choices=ARCHITECTURES)
+    parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
+    parser.add_argument("--size", default="tiny", choices=SIZES)
+    parser.add_argument("--seed", default=0, type=int)
+    args = parser.parse_args(argv)
+    out = make_tiny_checkpoint(args.arch, args.out, size=args.size, seed=args.seed)
+    cfg = json.loads((out / "config.json").read_text())
+    print(f"{args.arch} {args.size}: {count_parameters(cfg):,} parameters, vocab {cfg['vocab_size']} -> {out}")
+    return 0

@@ -1,0 +1,219 @@
+"""Text <-> token ids for a checkpoint directory: a thin wrapper over ``tokenizers``.
+
+``Tokenizer.from_dir(path)`` reads ``tokenizer.json`` (required) and, when present,
+``tokenizer_config.json`` (bos/eos tokens, ``chat_template``), ``chat_template.jinja``,
+``generation_config.json`` and ``config.json`` (eos/bos ids).
+
+End-of-sequence ids are the union, in this order, of ``generation_config.json``
+``eos_token_id`` (int or list), ``config.json`` ``eos_token_id`` and the id of
+``tokenizer_config.json`` ``eos_token``.
+
+Chat template: the checkpoint's Jinja ``chat_template`` (rendered in a sandbox with
+``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` and
+``raise_exception``), else ``DEFAULT_CHAT_TEMPLATE``, which renders::
+
+    {bos_token}<|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n
+
+i.e. the bos token, then one ``<|role|>`` line followed by the content and a newline per
+message, then ``<|assistant|>\\n`` when a generation prompt is asked for. The assistant
+ends its turn with the eos token. A rendered chat prompt already holds the bos token:
+encode it with ``add_special_tokens=False`` (``encode_chat`` does).
+
+Streaming: ``incremental_detokenizer(prompt_ids)`` returns the core's
+``IncrementalDetokenizer`` bound to this tokenizer's ``decode``; it emits text only when
+the window decodes cleanly, so UTF-8 characters split across byte-level tokens come
+out whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from launch.core.detokenizer import IncrementalDetokenizer
+
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "IncrementalDetokenizer", "Tokenizer"]
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from e
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _pick_chat_template(cfg: Mapping, directory: Path) -> str | None:
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        return named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check chat messages; flatten OpenAI content parts ``[{"type": "text", "text": ...}]``."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, Mapping) or part.get("type") != "text":
+                    raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported, got {part!r}")
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({**m, "content": content})
+    return out
+
+
+class Tokenizer:
+    """Encode/decode and chat formatting for one checkpoint.
+
+    ``bos_token_id`` / ``eos_token_ids`` come from the checkpoint's files (see module doc);
+    ``add_bos`` says whether ``encode(..., add_special_tokens=True)`` prepends bos (that is
+    the tokenizer.json post-processor's job; the flag is informational).
+    """
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        eos_token_ids: Sequence[int],
+        bos_token_id: int | None,
+        chat_template: str | None,
+        add_bos: bool,
+    ) -> None:
+        self._tok = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
+        self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
+        self.add_bos = add_bos
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_exception
+        self._template = env.from_string(self.chat_template)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load from a checkpoint directory holding ``tokenizer.json``."""
+        directory = Path(path)
+        tok_file = directory / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_file} not found: the checkpoint has no tokenizer.json")
+        tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        cfg = _read_json(directory / "tokenizer_config.json")
+        gen = _read_json(directory / "generation_config.json")
+        model = _read_json(directory / "config.json")
+        bos, eos = _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token"))
+        eos_ids = _as_id_list(gen.get("eos_token_id")) + _as_id_list(model.get("eos_token_id"))
+        if eos is not None and tok.token_to_id(eos) is not None:
+            eos_ids.append(tok.token_to_id(eos))
+        bos_id = gen.get("bos_token_id", model.get("bos_token_id"))
+        if bos_id is None and bos is not None:
+            bos_id = tok.token_to_id(bos)
+        if bos is None and bos_id is not None:
+            bos = tok.id_to_token(bos_id)
+        if eos is None and eos_ids:
+            eos = tok.id_to_token(eos_ids[0])
+        return cls(
+            tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, bos_token_id=bos_id,
+            chat_template=_pick_chat_template(cfg, directory), add_bos=bool(cfg.get("add_bos_token", False)),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence id (None if the checkpoint names none)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the post-processor adds bos etc."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; incomplete UTF-8 at either end decodes to U+FFFD."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render chat ``messages`` (``[{"role": str, "content": str | text parts}]``) to a prompt."""
+        normalized = _normalize_messages(messages)
+        try:
+            return self._template.render(
+                messages=normalized, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
+            )
+        except TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from e
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat prompt (the template supplies bos itself)."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(prompt, add_special_tokens=False)
+
+    def incremental_detokenizer(
+        self, prompt_token_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """A streaming detokenizer for one sequence continuing ``prompt_token_ids``."""
+        return IncrementalDetokenizer(
+            lambda ids: self.decode(ids, skip_special_tokens=skip_special_tokens), prompt_token_ids
+        )
