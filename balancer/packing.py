@@ -1,0 +1,170 @@
+"""Vectorised replication and bin packing, shared by every placement policy.
+
+Shape legend: X independent rows (layers, or layer x node domains), n items per
+row (physical replicas), m bins per row (GPUs), k = n / m items per bin,
+e logical experts per row.
+
+Every function works on all X rows at once with numpy; Python loops run over
+item positions or search iterations, never over rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def replicate(weight: np.ndarray, num_slots: int, max_count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Greedily give the `num_slots - e` redundant slots to the experts with the
+    highest load per replica (this minimises the maximum per-replica load).
+
+    weight: [X, e] float; num_slots >= e; max_count caps the replicas of one expert
+    (replicas beyond the number of GPUs cannot spread the load further); the cap is
+    lifted for a row only when every expert already sits at it.
+    Returns: counts [X, e] int64 (>= 1, rows sum to num_slots) and
+    extra [X, num_slots - e] int64, the expert given each redundant slot, in the
+    order they were given.
+    """
+    num_rows, num_experts = weight.shape
+    if num_slots < num_experts:
+        raise ValueError(f"num_slots={num_slots} is fewer than the {num_experts} experts to place")
+    counts = np.ones((num_rows, num_experts), dtype=np.int64)
+    extra = np.empty((num_rows, num_slots - num_experts), dtype=np.int64)
+    rows = np.arange(num_rows)
+    for t in range(num_slots - num_experts):
+        score = weight / counts.astype(weight.dtype)
+        if max_count is not None:
+            capped = np.where(counts >= max_count, -np.inf, score)
+            full = np.isneginf(capped).all(axis=1, keepdims=True)
+            score = np.where(full, score, capped)
+        pick = score.argmax(axis=1)
+        extra[:, t] = pick
+        counts[rows, pick] += 1
+    return counts, extra
+
+
+def greedy_pack(
+    item_weight: np.ndarray, item_expert: np.ndarray | None, num_bins: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Longest-processing-time packing with exactly n / m items per bin.
+
+    Items go heaviest first (stable order) to the lightest bin that still has room;
+    with item_expert given, a bin already holding that expert is avoided while
+    another bin with room exists.
+    item_weight: [X, n] float; item_expert: [X, n] int64 in [0, e) or None.
+    Returns: bin_of_item [X, n] int64 in [0, m), rank_in_bin [X, n] int64 in [0, k)
+    (the order items entered their bin).
+    """
+    num_rows, n = item_weight.shape
+    per_bin = n // num_bins
+    rows = np.arange(num_rows)
+    order = np.argsort(-item_weight, axis=1, kind="stable")
+    loads = np.zeros((num_rows, num_bins), dtype=item_weight.dtype)
+    fill = np.zeros((num_rows, num_bins), dtype=np.int64)
+    bin_of = np.empty((num_rows, n), dtype=np.int64)
+    rank_of = np.empty((num_rows, n), dtype=np.int64)
+    has = None
+    if item_expert is not None:
+        has = np.zeros((num_rows, num_bins, int(item_expert.max()) + 1), dtype=bool)
+    for t in range(n):
+        item = order[:, t]
+        cand = np.where(fill >= per_bin, np.inf, loads)
+        if has is not None:
+            expert = item_expert[rows, item]
+            no_dup = np.where(has[rows, :, expert], np.inf, cand)
+            cand = np.where(np.isinf(no_dup).all(axis=1, keepdims=True), cand, no_dup)
+        b = cand.argmin(axis=1)
+        bin_of[rows, item] = b
+        rank_of[rows, item] = fill[rows, b]
+        loads[rows, b] += item_weight[rows, item]
+        fill[rows, b] += 1
+        if has is not None:
+            has[rows, b, expert] = True
+    return bin_of, rank_of
+
+
+def members_of(bin_of: np.ndarray, num_bins: int) -> np.ndarray:
+    """bin_of [X, n] -> members [X, m, k]: item indices of each bin, ascending."""
+    num_rows, n = bin_of.shape
+    return np.argsort(bin_of, axis=1, kind="stable").reshape(num_rows, num_bins, n // num_bins)
+
+
+def refine_swaps(
+    item_weight: np.ndarray,
+    item_expert: np.ndarray,
+    bin_of: np.ndarray,
+    num_bins: int,
+    max_iters: int | None = None,
+) -> np.ndarray:
+    """Local search: repeatedly apply the swap between the most loaded bin and any
+    other bin that lowers the larger of the two loads the most. Stops for a row when
+    no swap lowers its maximum bin load. Never creates a duplicate expert in a bin.
+
+    item_weight: [X, n]; item_expert: [X, n] int64; bin_of: [X, n] initial bins.
+    Returns: bin_of [X, n] with each bin still holding exactly k items; per row the
+    maximum bin load is never higher than the initial one.
+    """
+    num_rows, n = item_weight.shape
+    k = n // num_bins
+    if num_bins == 1 or n == num_bins:
+        return bin_of.copy()
+    members = members_of(bin_of, num_bins)
+    num_experts = int(item_expert.max()) + 1
+    has = np.zeros((num_rows, num_bins, num_experts), dtype=np.int64)
+    np.add.at(has, (np.arange(num_rows)[:, None, None], np.arange(num_bins)[None, :, None],
+                    np.take_along_axis(item_expert, members.reshape(num_rows, -1), 1).reshape(members.shape)), 1)
+    active = np.arange(num_rows)
+    iters = max_iters if max_iters is not None else 4 * n
+    for _ in range(iters):
+        if active.size == 0:
+            break
+        active = _swap_step(item_weight, item_expert, members, has, active, num_bins, k)
+    out = np.empty_like(bin_of)
+    np.put_along_axis(out, members.reshape(num_rows, -1),
+                      np.repeat(np.arange(num_bins), k)[None, :].repeat(num_rows, 0), 1)
+    return out
+
+
+def _swap_step(weight, expert, members, has, active, num_bins, k) -> np.ndarray:
+    """One improving swap for each active row (in place); returns rows still improving."""
+    mem = members[active]  # [A, m, k]
+    a = active.size
+    ar = np.arange(a)
+    w = np.take_along_axis(weight[active], mem.reshape(a, -1), 1).reshape(mem.shape)
+    ex = np.take_along_axis(expert[active], mem.reshape(a, -1), 1).reshape(mem.shape)
+    loads = w.sum(-1)  # [A, m]
+    hot = loads.argmax(1)
+    top = loads[ar, hot]
+    d = w[ar, hot][:, :, None, None] - w[:, None, :, :]  # [A, k(hot), m, k]
+    score = np.maximum(top[:, None, None, None] - d, loads[:, None, :, None] + d)
+    h = has[active]
+    dup_in_other = h[ar[:, None, None], np.arange(num_bins)[None, None, :], ex[ar, hot][:, :, None]] > 0
+    dup_in_hot = h[ar[:, None, None], hot[:, None, None], ex] > 0  # [A, m, k]
+    bad = (d <= 0) | dup_in_other[:, :, :, None] | dup_in_hot[:, None, :, :]
+    bad[ar, :, hot, :] = True
+    score = np.where(bad, np.inf, score).reshape(a, -1)
+    best = score.argmin(1)
+    gain = score[ar, best] < top - 1e-9 * np.maximum(top, 1e-30)
+    rows = np.nonzero(gain)[0]
+    if rows.size == 0:
+        return active[:0]
+    i, rest = np.divmod(best[rows], num_bins * k)
+    other, j = np.divmod(rest, k)
+    glob = active[rows]
+    hb = hot[rows]
+    item_i = members[glob, hb, i]
+    item_j = members[glob, other, j]
+    members[glob, hb, i] = item_j
+    members[glob, other, j] = item_i
+    ei, ej = expert[glob, item_i], expert[glob, item_j]
+    np.add.at(has, (glob, hb, ei), -1)
+    np.add.at(has, (glob, other, ei), 1)
+    np.add.at(has, (glob, other, ej), -1)
+    np.add.at(has, (glob, hb, ej), 1)
+    return glob
+
+
+def bin_loads(item_weight: np.ndarray, bin_of: np.ndarray, num_bins: int) -> np.ndarray:
+    """item_weight [X, n], bin_of [X, n] -> loads [X, m]."""
+    loads = np.zeros((item_weight.shape[0], num_bins), dtype=np.float64)
+    np.add.at(loads, (np.arange(item_weight.shape[0])[:, None], bin_of), item_weight)
+    return loads

@@ -1,0 +1,197 @@
+"""rebalance_experts: the balancer's one entry point (drop-in for DeepSeek EPLB's).
+
+Policies:
+  "deepseek"      DeepSeek's greedy algorithm (balancer/deepseek.py);
+  "hierarchical"  ours: groups packed to nodes, every replica of a group's experts on
+                  its node, replicas packed to the node's GPUs;
+  "global"        ours: one domain of all GPUs;
+  "auto"          ours, hierarchical when num_groups % num_nodes == 0 (DeepSeek's rule).
+Ours differs from DeepSeek's in four ways: replicas of one expert are capped at the
+number of GPUs of the domain and never share a GPU; every greedy packing is refined by
+a swap local search; given old_phy2log, bins are relabelled and slots ordered to keep
+copies in place, and a "sticky" candidate that starts from the old placement is kept
+when its balancedness is within `stability_tolerance` of the fresh one; finally, per
+layer, DeepSeek's own placement is taken wherever it balances better, so ours is never
+worse than the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from balancer.balancedness import as_numpy, predict
+from balancer.deepseek import domain_experts, rebalance_deepseek
+from balancer.packing import greedy_pack, refine_swaps, replicate
+from balancer.placement import compute_log2phy
+from balancer.stability import greedy_matching, match_bins, order_in_bins, sticky_bins
+
+POLICIES = ("auto", "hierarchical", "global", "deepseek")
+
+
+def rebalance_experts(
+    weight: torch.Tensor | np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    *,
+    old_phy2log: torch.Tensor | np.ndarray | None = None,
+    policy: str = "auto",
+    stability_tolerance: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Replicate and place experts so that GPU loads balance.
+
+    weight: [L, E] load per logical expert (torch or numpy, any real dtype, >= 0).
+    num_replicas: P physical slots per layer, a multiple of num_gpus, >= E.
+    num_groups: expert groups (E % num_groups == 0); num_nodes divides num_gpus.
+    old_phy2log: [L, P] current placement, to keep experts in place (ours only).
+    Returns: phy2log [L, P], log2phy [L, E, max_replicas] (-1 padded, slots ascending),
+    logcnt [L, E], all int64 CPU tensors; slot p lives on GPU p // (P / num_gpus).
+    """
+    w = _validate(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
+    num_layers, num_experts = w.shape
+    old = None
+    if old_phy2log is not None:
+        old = as_numpy(old_phy2log, "old_phy2log", 2).astype(np.int64)
+        if old.shape != (num_layers, num_replicas):
+            raise ValueError(f"old_phy2log has shape {old.shape}, expected {(num_layers, num_replicas)}")
+        if old.min() < 0 or old.max() >= num_experts:
+            raise ValueError(f"old_phy2log holds expert ids outside [0, {num_experts})")
+    hierarchical = num_groups % num_nodes == 0 if policy in ("auto", "deepseek") else policy == "hierarchical"
+    reference = rebalance_deepseek(w, num_replicas, num_groups, num_nodes, num_gpus)
+    if policy == "deepseek":
+        phy = reference
+    else:
+        groups, nodes = (num_groups, num_nodes) if hierarchical else (1, 1)
+        fresh = _place(w, num_replicas, groups, nodes, num_gpus, old, sticky=False)
+        sticky = None if old is None else _place(w, num_replicas, groups, nodes, num_gpus, old, sticky=True)
+        ref = reference if hierarchical == (num_groups % num_nodes == 0) else \
+            rebalance_deepseek(w, num_replicas, groups, nodes, num_gpus)
+        phy = _choose(w, num_gpus, fresh, sticky, ref, stability_tolerance)
+    phy2log = torch.from_numpy(np.ascontiguousarray(phy, dtype=np.int64))
+    log2phy, logcnt = compute_log2phy(phy2log, num_experts)
+    return phy2log, log2phy, logcnt
+
+
+def _validate(weight, num_replicas, num_groups, num_nodes, num_gpus, policy) -> np.ndarray:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+    w = as_numpy(weight, "weight", 2).astype(np.float64)
+    num_layers, num_experts = w.shape
+    if num_layers == 0 or num_experts == 0:
+        raise ValueError(f"weight must be non-empty [L, E], got {w.shape}")
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError("weight must be finite and non-negative")
+    if min(num_groups, num_nodes, num_gpus) <= 0:
+        raise ValueError(f"num_groups={num_groups}, num_nodes={num_nodes}, num_gpus={num_gpus} must be positive")
+    if num_replicas < num_experts:
+        raise ValueError(f"num_replicas={num_replicas} is fewer than the {num_experts} logical experts")
+    if num_replicas % num_gpus:
+        raise ValueError(f"num_replicas={num_replicas} is not a multiple of num_gpus={num_gpus}")
+    if num_gpus % num_nodes:
+        raise ValueError(f"num_gpus={num_gpus} is not a multiple of num_nodes={num_nodes}")
+    if num_experts % num_groups:
+        raise ValueError(f"{num_experts} experts cannot form {num_groups} equal groups")
+    if policy == "hierarchical" and num_groups % num_nodes:
+        raise ValueError(f"hierarchical policy needs num_groups={num_groups} divisible by num_nodes={num_nodes}")
+    return w
+
+
+def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, *, sticky: bool) -> np.ndarray:
+    """Our placement; w [L, E] float64, old [L, P] or None -> phy2log [L, P]."""
+    num_layers, num_experts = w.shape
+    group_size = num_experts // num_groups
+    group_weight = w.reshape(num_layers, num_groups, group_size).sum(-1)
+    node_of_group = _pack_groups(group_weight, num_nodes, num_replicas, group_size, old, sticky)
+    rank_in = np.zeros_like(node_of_group)
+    order = np.argsort(node_of_group, axis=1, kind="stable")
+    rank_in_sorted = np.tile(np.arange(num_groups // num_nodes), num_nodes)[None, :].repeat(num_layers, 0)
+    np.put_along_axis(rank_in, order, rank_in_sorted, 1)
+    experts = domain_experts(node_of_group, rank_in, group_size)  # [L, N, E/N]
+    rows = num_layers * num_nodes
+    dom_exp = experts.reshape(rows, -1)
+    dom_w = np.take_along_axis(w, experts.reshape(num_layers, -1), 1).reshape(rows, -1)
+    old_local = None
+    if old is not None:
+        local_of = np.full((rows, num_experts), -1, dtype=np.int64)
+        np.put_along_axis(local_of, dom_exp, np.broadcast_to(np.arange(dom_exp.shape[1]), dom_exp.shape), 1)
+        old_local = np.take_along_axis(local_of, old.reshape(rows, -1), 1)
+    slots = _place_domain(dom_w, num_replicas // num_nodes, num_gpus // num_nodes, old_local, sticky)
+    return np.take_along_axis(dom_exp, slots, 1).reshape(num_layers, num_replicas)
+
+
+def _pack_groups(group_weight, num_nodes, num_replicas, group_size, old, sticky) -> np.ndarray:
+    """[L, G] -> node_of_group [L, G]: balanced packing, relabelled (or kept) to match old."""
+    num_layers, num_groups = group_weight.shape
+    if num_nodes == 1:
+        return np.zeros((num_layers, num_groups), dtype=np.int64)
+    gid = np.broadcast_to(np.arange(num_groups), group_weight.shape)
+    old_group = None
+    if old is not None:
+        old_group = (old // group_size).reshape(num_layers, num_nodes, -1)
+        # majority node of each group: count copies per (node, group)
+        counts = np.zeros((num_layers, num_nodes, num_groups), dtype=np.int64)
+        np.add.at(counts, (np.arange(num_layers)[:, None, None], np.arange(num_nodes)[None, :, None], old_group), 1)
+        old_group = counts
+    if sticky and old_group is not None:
+        init = _sticky_groups(old_group, num_groups // num_nodes)
+        return refine_swaps(group_weight, gid, init, num_nodes)
+    bins, _ = greedy_pack(group_weight, None, num_nodes)
+    bins = refine_swaps(group_weight, gid, bins, num_nodes)
+    if old_group is None:
+        return bins
+    overlap = np.zeros((num_layers, num_nodes, num_nodes), dtype=np.int64)  # [L, new bin, old node]
+    np.add.at(overlap, (np.arange(num_layers)[:, None], bins), old_group.transpose(0, 2, 1))
+    node_of_bin = np.stack([greedy_matching(overlap[x]) for x in range(num_layers)])
+    return np.take_along_axis(node_of_bin, bins, 1)
+
+
+def _sticky_groups(counts: np.ndarray, per_node: int) -> np.ndarray:
+    """counts [L, N, G] old copies per (node, group) -> node_of_group [L, G] with
+    per_node groups per node, each group on its majority node while room remains."""
+    num_layers, num_nodes, num_groups = counts.shape
+    out = np.empty((num_layers, num_groups), dtype=np.int64)
+    for x in range(num_layers):
+        fill = np.zeros(num_nodes, dtype=np.int64)
+        nodes, groups = np.unravel_index(np.argsort(-counts[x], axis=None, kind="stable"), counts[x].shape)
+        placed = np.zeros(num_groups, dtype=bool)
+        for n, g in zip(nodes.tolist(), groups.tolist()):
+            if not placed[g] and fill[n] < per_node:
+                out[x, g], placed[g] = n, True
+                fill[n] += 1
+    return out
+
+
+def _place_domain(w, num_slots, num_bins, old_local, sticky) -> np.ndarray:
+    """w [X, e] -> slots [X, num_slots] local expert ids, GPU b owning slots b*k..b*k+k-1."""
+    num_rows, num_experts = w.shape
+    counts, extra = replicate(w, num_slots, max_count=num_bins)
+    item_expert = np.concatenate([np.broadcast_to(np.arange(num_experts), (num_rows, num_experts)), extra], 1)
+    item_weight = np.take_along_axis(w / counts, item_expert, 1)
+    if sticky:
+        bins = sticky_bins(item_expert, item_weight, old_local, num_bins)
+    else:
+        bins, _ = greedy_pack(item_weight, item_expert, num_bins)
+    bins = refine_swaps(item_weight, item_expert, bins, num_bins)
+    if old_local is None:
+        return order_in_bins(item_expert, bins, np.full_like(item_expert, -1), num_bins)
+    if not sticky:
+        gpu_of_bin = match_bins(item_expert, bins, old_local, num_bins)
+        bins = np.take_along_axis(gpu_of_bin, bins, 1)
+    return order_in_bins(item_expert, bins, old_local, num_bins)
+
+
+def _choose(w, num_gpus, fresh, sticky, reference, tolerance) -> np.ndarray:
+    """Per layer: sticky if within tolerance of fresh and not below the reference, else
+    the better of fresh and the reference (fresh on ties)."""
+    b_fresh = predict(w, fresh, num_gpus).per_layer.numpy()
+    b_ref = predict(w, reference, num_gpus).per_layer.numpy()
+    eps = 1e-12
+    out = np.where((b_fresh + eps >= b_ref)[:, None], fresh, reference)
+    best = np.maximum(b_fresh, b_ref)
+    if sticky is not None:
+        b_sticky = predict(w, sticky, num_gpus).per_layer.numpy()
+        keep = (b_sticky + eps >= best - tolerance) & (b_sticky + eps >= b_ref)
+        out = np.where(keep[:, None], sticky, out)
+    return out
