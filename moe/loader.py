@@ -1,0 +1,245 @@
+"""Load a Hugging Face safetensors checkpoint into one rank's shard of the model.
+
+Shape legend: P_local expert slots on this rank, E logical experts, I expert
+intermediate size, D hidden size.
+
+``load_weights(model, path)`` fills every parameter and persistent buffer of
+``model`` by canonical name (``docs/contracts.md``), in place. Stacked routed experts
+(``...mlp.experts.w13 [P_local, 2I, D]``, ``...mlp.experts.w2 [P_local, D, I]``) are
+filled slot by slot from the logical expert in the module's ``slot_to_logical``
+buffer: only the experts this rank hosts are read (one ``safe_open`` per shard,
+lazy per-expert reads, one expert row of a fused tensor at a time), and a replicated
+expert is read once and copied into each of its slots. Full (unsharded) tensors are
+loaded: the model applies tensor parallelism after loading.
+
+Names per family and fused-expert layouts: ``moe.loading.names``. Errors:
+``moe.loading.errors`` (all subclass ``LoadError``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe.loading.checkpoint import Checkpoint
+from moe.loading.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    LoadError,
+    MissingTensorError,
+    TensorShapeError,
+)
+from moe.loading.names import DOWN, GATE_UP, detect_scheme, expert_block_of, is_known_unused
+from moe.loading.plan import EMBED_NAME, LM_HEAD_NAME, Planner, TensorPlan, TensorRequest
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "LoadError",
+    "LoadReport",
+    "MissingTensorError",
+    "TensorRequest",
+    "TensorShapeError",
+    "load_experts",
+    "load_state_dict",
+    "load_weights",
+]
+
+_TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+@dataclass
+class LoadReport:
+    """What a load did.
+
+    loaded: canonical names filled. tied_lm_head: ``lm_head.weight`` came from the
+    embedding (tie_word_embeddings). num_reads / num_bytes_read: checkpoint reads
+    (a per-expert tensor or one expert row of a fused tensor counts as one read).
+    skipped_experts: checkpoint expert tensors of layers the model has, not hosted
+    here. ignored: known tensors the runtime does not use (rotary caches, layers past
+    num_hidden_layers such as DeepSeek-V3's MTP layer). unexpected: any other
+    checkpoint tensor nothing consumed (a sign of a name-mapping gap).
+    """
+
+    path: Path
+    family: str
+    files: list[Path]
+    loaded: list[str] = field(default_factory=list)
+    tied_lm_head: bool = False
+    num_reads: int = 0
+    num_bytes_read: int = 0
+    skipped_experts: int = 0
+    ignored: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _open(checkpoint: str | Path | Checkpoint) -> tuple[Checkpoint, bool]:
+    if isinstance(checkpoint, Checkpoint):
+        return checkpoint, False
+    return Checkpoint(checkpoint), True
+
+
+def _plan_all(ckpt: Checkpoint, requests: Iterable[TensorRequest]) -> tuple[list[TensorPlan], str]:
+    scheme = detect_scheme(ckpt.config)
+    planner = Planner(ckpt, scheme, bool(ckpt.config.get("tie_word_embeddings", False)))
+    return [planner.plan(r) for r in requests], scheme.family
+
+
+@torch.no_grad()
+def _execute(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) -> None:
+    """Read each copy's source once and write it into ``dest`` (converting dtype)."""
+    for copy in plan.copies:
+        src = ckpt.read(copy.key, copy.index)
+        if copy.transpose:
+            src = src.t()
+        if copy.slots is None:
+            dest.copy_(src)
+            continue
+        for slot in copy.slots:
+            view = dest[slot] if copy.rows is None else dest[slot, copy.rows[0] : copy.rows[1]]
+            view.copy_(src)
+
+
+def _finish_report(ckpt: Checkpoint, family: str, plans: list[TensorPlan], started: float) -> LoadReport:
+    """Account for every checkpoint tensor: consumed, skipped expert, ignored or unexpected."""
+    report = LoadReport(ckpt.root, family, list(ckpt.files))
+    consumed = {c.key for p in plans for c in p.copies}
+    expert_blocks = {expert_block_of(c.key) for p in plans for c in p.copies} - {None}
+    num_layers = ckpt.config.get("num_hidden_layers")
+    for key in ckpt.keys():
+        if key in consumed:
+            continue
+        if is_known_unused(key, num_layers if isinstance(num_layers, int) else None):
+            report.ignored.append(key)
+        elif expert_block_of(key) in expert_blocks:
+            report.skipped_experts += 1
+        else:
+            report.unexpected.append(key)
+    for p in plans:
+        report.loaded.append(p.request.name)
+        if p.request.name == LM_HEAD_NAME and p.copies[0].key == EMBED_NAME:
+            report.tied_lm_head = True
+    report.num_reads, report.num_bytes_read = ckpt.num_reads, ckpt.num_bytes_read
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def load_state_dict(
+    path: str | Path | Checkpoint,
+    requests: Iterable[TensorRequest] | Mapping[str, Sequence[int]],
+    *,
+    dtype: torch.dtype | None = None,
+) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Load tensors by canonical name, independent of any model class.
+
+    requests: ``TensorRequest``s, or a mapping canonical name -> shape for non-expert
+    tensors. dtype: dtype of floating-point results (None: the checkpoint's).
+    Returns: (canonical name -> new CPU tensor of the requested shape, report).
+    Raises ``LoadError`` subclasses naming file and tensor; nothing is read before
+    every request has been resolved and shape-checked.
+    """
+    if isinstance(requests, Mapping):
+        requests = [TensorRequest(name, tuple(shape)) for name, shape in requests.items()]
+    started = time.perf_counter()
+    ckpt, owned = _open(path)
+    try:
+        plans, family = _plan_all(ckpt, requests)
+        out: dict[str, torch.Tensor] = {}
+        for plan in plans:
+            src_dtype = _TORCH_DTYPES[plan.source_dtype]
+            want = dtype if dtype is not None and src_dtype.is_floating_point else src_dtype
+            # Zero-filled so slots a request leaves out (``slots``) hold no garbage.
+            out[plan.request.name] = torch.zeros(plan.request.shape, dtype=want)
+            _execute(ckpt, plan, out[plan.request.name])
+        return out, _finish_report(ckpt, family, plans, started)
+    finally:
+        if owned:
+            ckpt.close()
+
+
+def _model_requests(model: nn.Module, dtype: torch.dtype | None) -> dict[str, tuple[TensorRequest, torch.Tensor]]:
+    """Canonical name -> (request, destination tensor) for every parameter and persistent
+    buffer; a tensor tied to an earlier one (same storage) is filled through that one."""
+    out: dict[str, tuple[TensorRequest, torch.Tensor]] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.numel() > 0:
+            ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+            if ident in seen:
+                continue
+            seen.add(ident)
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype not in (dtype, torch.float32):
+            raise ValueError(f"model tensor {name!r} is {tensor.dtype}, but loading was asked for {dtype}")
+        module_name, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        p2l = None
+        if leaf in (GATE_UP, DOWN):
+            slot_to_logical = getattr(model.get_submodule(module_name), "slot_to_logical", None)
+            if isinstance(slot_to_logical, torch.Tensor):
+                p2l = tuple(int(e) for e in slot_to_logical.tolist())
+        out[name] = (TensorRequest(name, tuple(tensor.shape), p2l), tensor.detach())
+    return out
+
+
+def load_weights(
+    model: nn.Module, path: str | Path | Checkpoint, *, dtype: torch.dtype | None = None
+) -> LoadReport:
+    """Fill every parameter and persistent buffer of ``model`` in place from ``path``.
+
+    path: checkpoint directory, ``model.safetensors``, an index json, or an open
+    ``Checkpoint``. dtype: the model's weight dtype, checked (floating tensors must be
+    ``dtype`` or float32, e.g. router biases kept in full precision); values are always
+    converted to each destination's own dtype. Only the logical experts named by each
+    experts module's ``slot_to_logical`` are read. Every tensor is resolved and
+    shape-checked before the first write, so a bad checkpoint leaves the model untouched.
+    """
+    started = time.perf_counter()
+    targets = _model_requests(model, dtype)
+    ckpt, owned = _open(path)
+    try:
+        plans, family = _plan_all(ckpt, (req for req, _ in targets.values()))
+        for plan in plans:
+            _execute(ckpt, plan, targets[plan.request.name][1])
+        return _finish_report(ckpt, family, plans, started)
+    finally:
+        if owned:
+            ckpt.close()
+
+
+def load_experts(
+    path: str | Path | Checkpoint, experts: nn.Module, module_name: str, slots: Sequence[int] | None = None
+) -> LoadReport:
+    """Reload some slots of one experts module (``w13``, ``w2``, ``slot_to_logical``) in place.
+
+    module_name: the module's canonical name, e.g. ``model.layers.3.mlp.experts``.
+    slots: local slots to fill from the logical experts now in ``slot_to_logical``
+    (None: all). For weight migration by reload: pass an open ``Checkpoint`` to avoid
+    re-opening shards per layer. The report's ``skipped_experts`` / ``unexpected``
+    describe the whole checkpoint relative to this one module.
+    """
+    started = time.perf_counter()
+    p2l = tuple(int(e) for e in experts.slot_to_logical.tolist())
+    chosen = None if slots is None else tuple(int(s) for s in slots)
+    ckpt, owned = _open(path)
+    try:
+        requests = [
+            TensorRequest(f"{module_name}.{leaf}", tuple(getattr(experts, leaf).shape), p2l, chosen)
+            for leaf in (GATE_UP, DOWN)
+        ]
+        plans, family = _plan_all(ckpt, requests)
+        for plan, leaf in zip(plans, (GATE_UP, DOWN)):
+            _execute(ckpt, plan, getattr(experts, leaf).detach())
+        return _finish_report(ckpt, family, plans, started)
+    finally:
+        if owned:
+            ckpt.close()

@@ -1,0 +1,1 @@
+"""Safetensors checkpoint loading internals; the public entry points are in ``moe.loader``."""

@@ -1,0 +1,216 @@
+"""An opened safetensors checkpoint: one file, or shards listed by an index.
+
+Accepted layouts (``path`` may be the directory or the file itself):
+
+- ``model.safetensors`` (single file);
+- ``model.safetensors.index.json`` whose ``weight_map`` maps tensor name -> shard file;
+- a directory of ``*.safetensors`` without an index and without ``model.safetensors``
+  (every file is read; a tensor name found in two files is an error).
+
+Pickle-based weight files (``pytorch_model.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``)
+are refused and never unpickled: unpickling runs arbitrary code.
+
+Each shard is opened exactly once (``safe_open``, memory-mapped); headers are
+validated up front, so a corrupt or truncated shard fails before any weight moves.
+Tensors are read lazily, whole or one index along dim 0 (one expert of a fused
+``[E, ...]`` tensor), so a rank never materialises what it does not host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moe.loading.errors import CheckpointFormatError, CheckpointNotFoundError
+
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_REFUSE_PICKLE = (
+    "{what} is a pickle-based weight file; it is refused (unpickling can run arbitrary code). "
+    "Convert the checkpoint to safetensors first, e.g. `model.save_pretrained(out_dir, "
+    "safe_serialization=True)` in a trusted environment."
+)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Header facts of one checkpoint tensor (no data read)."""
+
+    key: str
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype code: "F32", "BF16", "F16", "F8_E4M3", ...
+
+
+def _refuse_pickles(files: list[Path]) -> None:
+    if files:
+        names = ", ".join(str(f) for f in files)
+        raise CheckpointFormatError(_REFUSE_PICKLE.format(what=names))
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointFormatError(f"{path}: cannot read {what} as JSON: {exc}") from exc
+
+
+def _files_from_index(index_path: Path) -> tuple[list[Path], dict[str, Path]]:
+    """Returns (shard files in index order, tensor name -> shard path) and checks every shard exists."""
+    index = _read_json(index_path, "the safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointFormatError(f"{index_path}: index has no 'weight_map' object of tensor name -> shard file")
+    by_key: dict[str, Path] = {}
+    files: dict[Path, str] = {}
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard.endswith(".safetensors"):
+            raise CheckpointFormatError(f"{index_path}: tensor {key!r} maps to {shard!r}, not a .safetensors file")
+        shard_path = index_path.parent / shard
+        files.setdefault(shard_path, key)
+        by_key[key] = shard_path
+    for shard_path, first_key in files.items():
+        if not shard_path.is_file():
+            raise CheckpointNotFoundError(
+                f"{index_path}: shard {shard_path.name!r} (holding e.g. {first_key!r}) does not exist in {index_path.parent}"
+            )
+    return list(files), by_key
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """Where a checkpoint's weights are: its directory, shard files, and the index if any."""
+
+    root: Path
+    files: list[Path]
+    index: Path | None = None
+    weight_map: dict[str, Path] | None = None  # tensor name -> shard, from the index
+
+
+def resolve_checkpoint_files(path: str | Path) -> CheckpointFiles:
+    """Find the safetensors files of a checkpoint.
+
+    Raises CheckpointNotFoundError / CheckpointFormatError naming the path.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(f"checkpoint path {p} does not exist")
+    if p.is_file():
+        if p.name.endswith(".safetensors.index.json"):
+            files, by_key = _files_from_index(p)
+            return CheckpointFiles(p.parent, files, p, by_key)
+        if p.suffix == ".safetensors":
+            return CheckpointFiles(p.parent, [p])
+        if p.suffix in PICKLE_SUFFIXES:
+            _refuse_pickles([p])
+        raise CheckpointFormatError(f"{p}: not a safetensors file or a model.safetensors.index.json")
+    indexes = [p / INDEX_NAME] if (p / INDEX_NAME).is_file() else sorted(p.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise CheckpointFormatError(f"{p}: several safetensors indexes ({[i.name for i in indexes]}); pass one")
+    if indexes:
+        files, by_key = _files_from_index(indexes[0])
+        return CheckpointFiles(p, files, indexes[0], by_key)
+    # model.safetensors alone wins over stray files (e.g. Mistral's consolidated.safetensors).
+    files = [p / "model.safetensors"] if (p / "model.safetensors").is_file() else sorted(p.glob("*.safetensors"))
+    if files:
+        return CheckpointFiles(p, files)
+    _refuse_pickles(sorted(f for f in p.iterdir() if f.suffix in PICKLE_SUFFIXES))
+    raise CheckpointNotFoundError(
+        f"{p}: no safetensors weights found (expected model.safetensors or {INDEX_NAME})"
+    )
+
+
+class Checkpoint:
+    """Open handles on every shard of one checkpoint plus its config.json (``{}`` if absent).
+
+    Use as a context manager (or call ``close``). ``num_reads`` / ``num_bytes_read`` count
+    what was actually read.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        found = resolve_checkpoint_files(path)
+        self.root, self.files, self.index = found.root, found.files, found.index
+        config_path = self.root / CONFIG_NAME
+        self.config: dict[str, Any] = _read_json(config_path, "config.json") if config_path.is_file() else {}
+        if not isinstance(self.config, dict):
+            raise CheckpointFormatError(f"{config_path}: config.json is not a JSON object")
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[Path, Any] = {}
+        self._key_file: dict[str, Path] = {}
+        self.num_reads = 0
+        self.num_bytes_read = 0
+        try:
+            self._open_all(found.weight_map)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_all(self, index_map: dict[str, Path] | None) -> None:
+        for file in self.files:
+            try:
+                handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointFormatError(f"{file}: corrupt or truncated safetensors file: {exc}") from exc
+            self._handles[file] = handle
+            for key in handle.keys():
+                if key in self._key_file:
+                    raise CheckpointFormatError(
+                        f"tensor {key!r} appears in both {self._key_file[key]} and {file}"
+                    )
+                self._key_file[key] = file
+        for key, file in (index_map or {}).items():
+            if self._key_file.get(key) != file:
+                raise CheckpointFormatError(
+                    f"{self.index}: index places {key!r} in {file.name}, but that shard does not hold it"
+                )
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release every shard's memory map."""
+        self._stack.close()
+        self._handles.clear()
+
+    def keys(self) -> list[str]:
+        """All tensor names, over every shard."""
+        return list(self._key_file)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._key_file
+
+    def file_of(self, key: str) -> Path:
+        """The shard holding ``key`` (KeyError if absent)."""
+        return self._key_file[key]
+
+    def info(self, key: str) -> TensorInfo:
+        """Shape and dtype from the header; reads no data."""
+        file = self._key_file[key]
+        try:
+            sl = self._handles[file].get_slice(key)
+            return TensorInfo(key, file, tuple(sl.get_shape()), sl.get_dtype())
+        except SafetensorError as exc:
+            raise CheckpointFormatError(f"{file}: cannot read header of tensor {key!r}: {exc}") from exc
+
+    def read(self, key: str, index: int | None = None) -> torch.Tensor:
+        """The tensor ``key``, or only ``key[index]`` (one row along dim 0, read lazily)."""
+        file = self._key_file[key]
+        handle = self._handles[file]
+        try:
+            tensor = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+        except (SafetensorError, OSError, ValueError) as exc:
+            where = key if index is None else f"{key}[{index}]"
+            raise CheckpointFormatError(f"{file}: cannot read tensor {where}: {exc}") from exc
+        self.num_reads += 1
+        self.num_bytes_read += tensor.numel() * tensor.element_size()
+        return tensor

@@ -1,0 +1,44 @@
+"""Errors raised while loading a safetensors checkpoint.
+
+Every error names the file and, where one is involved, the tensor: the canonical
+(runtime) name and the checkpoint name(s) it was looked up under. All derive from
+``LoadError`` and from the builtin a caller would naturally catch
+(``FileNotFoundError`` for absent files, ``ValueError`` for bad content).
+"""
+
+from __future__ import annotations
+
+
+class LoadError(Exception):
+    """Base class of every checkpoint-loading error."""
+
+
+class CheckpointNotFoundError(LoadError, FileNotFoundError):
+    """The path, its safetensors files, or a shard named by the index does not exist."""
+
+
+class CheckpointFormatError(LoadError, ValueError):
+    """A file exists but cannot be used: corrupt or truncated safetensors, a bad index,
+    a pickle-based weight file (refused, never unpickled), an unsupported dtype."""
+
+
+class MissingTensorError(LoadError, ValueError):
+    """A tensor the model needs is in no shard of the checkpoint."""
+
+    def __init__(self, canonical: str, tried: list[str], where: str) -> None:
+        self.canonical = canonical
+        self.tried = list(tried)
+        names = ", ".join(repr(t) for t in tried)
+        super().__init__(f"{where}: tensor {canonical!r} not found; looked for checkpoint name(s) {names}")
+
+
+class TensorShapeError(LoadError, ValueError):
+    """A checkpoint tensor's shape differs from the shape the model expects."""
+
+    def __init__(self, canonical: str, key: str, expected: tuple[int, ...], found: tuple[int, ...], where: str) -> None:
+        self.canonical = canonical
+        self.key = key
+        self.expected = tuple(expected)
+        self.found = tuple(found)
+        label = canonical if canonical == key else f"{canonical} (checkpoint {key!r})"
+        super().__init__(f"{where}: shape mismatch for {label}: expected {list(expected)}, found {list(found)}")
