@@ -1,0 +1,196 @@
+"""The FastAPI application: OpenAI routes, Prometheus ``/metrics``, SGLang's expert-distribution routes.
+
+``build_app(engine, server_config)`` wires an engine (``launch.async_llm.AsyncLLM`` or
+anything with the same surface) into an app; ``launch.serve`` runs it with uvicorn.
+Every error leaves as OpenAI's ``{"error": {"message", "type", "param", "code"}}``;
+with ``api_key`` set every route but ``/health`` wants ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from launch.server.generation import EngineClient
+from launch.server.metrics import ServerMetrics
+from launch.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from launch.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health"})
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                503: "server_overloaded"}
+
+
+def error_response(status: int, message: str, *, type: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """A JSONResponse in OpenAI's error shape."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type or _ERROR_TYPES.get(status, "api_error"),
+                                         param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (streaming and disconnects pass through untouched): 401 without the key."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not secrets.compare_digest(given, self._expected):
+            response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first pydantic error as ``(message, param)``; ``param`` is the offending field."""
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    err = errors[0]
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    if err.get("type") == "json_invalid":
+        return f"Malformed JSON body: {err.get('msg')} ({err.get('ctx', {}).get('error', '')}).", None
+    field = ".".join(loc)
+    message = f"{field}: {err.get('msg')}" if field else str(err.get("msg"))
+    if err.get("type") == "missing":
+        message = f"Missing required field '{field}'."
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return message, loc[0] if loc else None
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        metrics.on_rejected(exc.status_code)
+        return JSONResponse(exc.to_response().model_dump(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.on_rejected(400)
+        message, param = _describe_validation_error(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        metrics.on_rejected(500)
+        return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}", type="internal_error")
+
+
+async def _call(method: Any, *args: Any) -> Any:
+    """Call an engine method that may be sync or async."""
+    result = method(*args)
+    return await result if inspect.isawaitable(result) else result
+
+
+def _install_expert_distribution_routes(app: FastAPI, engine: EngineClient, dump_dir: Path) -> None:
+    """SGLang's ``/start_``, ``/stop_`` and ``/dump_expert_distribution_record`` (POST)."""
+
+    async def _engine_call(name: str, *args: Any) -> Any:
+        method = getattr(engine, name, None)
+        if method is None:
+            raise APIError(501, f"This engine does not record expert distributions ({name}).",
+                           type="not_implemented")
+        try:
+            return await _call(method, *args)
+        except (RuntimeError, ValueError) as exc:
+            raise APIError(400, str(exc)) from exc
+
+    @app.post("/start_expert_distribution_record")
+    async def start_record() -> dict[str, str]:
+        await _engine_call("start_expert_distribution_record")
+        return {"message": "Started recording the expert distribution."}
+
+    @app.post("/stop_expert_distribution_record")
+    async def stop_record() -> dict[str, str]:
+        await _engine_call("stop_expert_distribution_record")
+        return {"message": "Stopped recording the expert distribution."}
+
+    @app.post("/dump_expert_distribution_record")
+    async def dump_record() -> dict[str, str]:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        path = await _engine_call("dump_expert_distribution_record", dump_dir)
+        return {"message": "Dumped the expert distribution.", "path": str(path)}
+
+
+def build_app(engine: EngineClient, server_config: Any) -> FastAPI:
+    """The server app for ``engine``.
+
+    server_config: ``launch.config.ServerConfig`` (reads ``api_key``, ``served_model_name``,
+        ``max_queue_len``, ``expert_distribution_dir``; a missing field means its default).
+    """
+    served_name = getattr(server_config, "served_model_name", None) or engine.model_name
+    max_queue_len = getattr(server_config, "max_queue_len", None)
+    dump_dir = Path(getattr(server_config, "expert_distribution_dir", None)
+                    or Path(tempfile.gettempdir()) / "moe_expert_distribution")
+    moe_layer_ids = tuple(getattr(engine.model_config, "moe_layer_ids", ()) or ())
+    metrics = ServerMetrics(served_name, stats=engine.stats, moe_layer_ids=moe_layer_ids or None)
+    serving = OpenAIServing(engine, served_name, metrics, max_queue_len=max_queue_len)
+
+    app = FastAPI(title="moe-serve OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.serving = serving
+    _install_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_name, root=engine.model_name,
+                                         max_model_len=int(engine.max_model_len))])
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(body, raw)
+
+    _install_expert_distribution_routes(app, engine, dump_dir)
+    api_key = getattr(server_config, "api_key", None)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,41 @@
+"""Chat messages -> prompt token ids, through the checkpoint's chat template.
+
+The template itself (the checkpoint's ``tokenizer_config.json`` ``chat_template``,
+or the documented default when it has none) belongs to ``launch.tokenizer``; this
+module only normalises OpenAI messages (text parts joined) and turns template
+failures (e.g. a template that rejects the role order) into 400 errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from launch.server.protocol import APIError, ChatMessage
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """OpenAI messages as the plain ``{"role", "content"[, "name"]}`` dicts templates expect."""
+    out = []
+    for m in messages:
+        entry = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            entry["name"] = m.name
+        out.append(entry)
+    return out
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
+                       add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the templated conversation (ending with the assistant header if asked)."""
+    try:
+        rendered = tokenizer.apply_chat_template(chat_messages(messages),
+                                                 add_generation_prompt=add_generation_prompt)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
+    except Exception as exc:  # jinja2's TemplateError and raise_exception() land here
+        if type(exc).__module__.startswith("jinja2"):
+            raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
+        raise
+    if isinstance(rendered, str):
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return [int(t) for t in rendered]

@@ -1,0 +1,187 @@
+"""Turning cumulative ``RequestOutput``s into OpenAI responses and SSE chunks.
+
+The engine's outputs are cumulative (full text and token ids so far); a
+``ChoiceCursor`` remembers how much of each choice was already sent so streaming
+emits deltas only. ``CompletionOutput.logprobs`` is one ``{token_id: logprob}``
+dict per generated token (the sampled token plus the top-n).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from launch.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+
+TokenText = Callable[[int], str]
+
+
+def sse(payload: BaseModel) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def top_n(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely ``(token_id, logprob)`` pairs of one position, best first."""
+    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+
+
+@dataclass
+class ChoiceCursor:
+    """What has been streamed of one choice so far."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+    def advance(self, completion: Any) -> tuple[str, list[int], list[dict[int, float]] | None]:
+        """New text, token ids and logprob entries since the last call."""
+        text = completion.text[self.num_chars:] if len(completion.text) > self.num_chars else ""
+        token_ids = list(completion.token_ids[self.num_tokens:])
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = list(completion.logprobs[self.num_tokens:])
+        self.num_chars = max(self.num_chars, len(completion.text))
+        self.num_tokens = len(completion.token_ids)
+        return text, token_ids, logprobs
+
+
+@dataclass
+class _Formatter:
+    request_id: str
+    model: str
+    prompts: list[list[int]]
+    n: int
+    token_text: TokenText
+    num_logprobs: int | None
+    cursors: dict[int, ChoiceCursor] = field(default_factory=dict)
+
+    def cursor(self, index: int) -> ChoiceCursor:
+        return self.cursors.setdefault(index, ChoiceCursor())
+
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+    def stream_start(self) -> list[BaseModel]:
+        return []
+
+    def streamed_usage(self) -> UsageInfo:
+        return self.usage(sum(c.num_tokens for c in self.cursors.values()))
+
+
+class CompletionFormatter(_Formatter):
+    """``/v1/completions`` bodies and chunks."""
+
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None,
+                 offset: int) -> CompletionLogprobs | None:
+        if self.num_logprobs is None or entries is None:
+            return None
+        out = CompletionLogprobs()
+        for token_id, entry in zip(token_ids, entries):
+            text = self.token_text(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(entry.get(token_id))
+            out.top_logprobs.append({self.token_text(t): lp for t, lp in top_n(entry, self.num_logprobs)}
+                                    if self.num_logprobs > 0 else None)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def response(self, finals: list[Any]) -> CompletionResponse:
+        choices = []
+        for index, out in enumerate(finals):
+            c = out.outputs[0]
+            choices.append(CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason,
+                                            logprobs=self.logprobs(c.token_ids, c.logprobs, 0)))
+        completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
+        return CompletionResponse(id=self.request_id, model=self.model, choices=choices,
+                                  usage=self.usage(completion_tokens))
+
+    def stream_chunks(self, index: int, out: Any) -> list[BaseModel]:
+        cursor = self.cursor(index)
+        if cursor.finished:
+            return []
+        c = out.outputs[0]
+        offset = cursor.num_chars
+        text, token_ids, entries = cursor.advance(c)
+        cursor.finished = c.finish_reason is not None
+        if not text and not cursor.finished and not (token_ids and self.num_logprobs is not None):
+            return []
+        choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
+                                  stop_reason=c.stop_reason, logprobs=self.logprobs(token_ids, entries, offset))
+        return [CompletionResponse(id=self.request_id, model=self.model, choices=[choice])]
+
+    def usage_chunk(self) -> CompletionResponse:
+        return CompletionResponse(id=self.request_id, model=self.model, choices=[],
+                                  usage=self.streamed_usage())
+
+
+class ChatFormatter(_Formatter):
+    """``/v1/chat/completions`` bodies and chunks."""
+
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs | None:
+        if self.num_logprobs is None or entries is None:
+            return None
+        content = []
+        for token_id, entry in zip(token_ids, entries):
+            text = self.token_text(token_id)
+            tops = [TopLogprob(token=self.token_text(t), logprob=lp, bytes=list(self.token_text(t).encode()))
+                    for t, lp in top_n(entry, self.num_logprobs)]
+            content.append(ChatTokenLogprob(token=text, logprob=entry.get(token_id, float("-inf")),
+                                            bytes=list(text.encode()), top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+    def response(self, finals: list[Any]) -> ChatCompletionResponse:
+        choices = []
+        for index, out in enumerate(finals):
+            c = out.outputs[0]
+            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text),
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      logprobs=self.logprobs(c.token_ids, c.logprobs)))
+        completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
+        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices,
+                                      usage=self.usage(completion_tokens))
+
+    def stream_start(self) -> list[BaseModel]:
+        """The first chunk of every choice: the assistant role, empty content."""
+        num_choices = len(self.prompts) * self.n
+        return [ChatCompletionChunk(id=self.request_id, model=self.model, choices=[
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(num_choices)]
+
+    def stream_chunks(self, index: int, out: Any) -> list[BaseModel]:
+        cursor = self.cursor(index)
+        if cursor.finished:
+            return []
+        c = out.outputs[0]
+        text, token_ids, entries = cursor.advance(c)
+        cursor.finished = c.finish_reason is not None
+        if not text and not cursor.finished and not (token_ids and self.num_logprobs is not None):
+            return []
+        choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None),
+                                 finish_reason=c.finish_reason, logprobs=self.logprobs(token_ids, entries))
+        return [ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])]
+
+    def usage_chunk(self) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
+                                   usage=self.streamed_usage())

@@ -1,0 +1,155 @@
+"""Running one API request's sub-requests on the engine and merging their streams.
+
+An API request with P prompts and ``n`` choices becomes P * n engine requests
+(choice ``index = p * n + j``). ``merge_streams`` runs them concurrently and yields
+``(index, RequestOutput)`` as outputs arrive. Closing the merged stream (the client
+went away, or a sibling failed) cancels every sub-request still running; the engine
+aborts a request whose generator is closed, and we also call ``engine.abort`` so
+its KV blocks are freed even if the generator never started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from starlette.requests import Request
+
+from launch.server.metrics import RequestTimer, ServerMetrics
+from launch.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineClient(Protocol):
+    """What the server needs from ``launch.async_llm.AsyncLLM`` (see docs/contracts.md)."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Any
+    model_config: Any
+
+    def generate(self, prompt_token_ids: list[int], params: Any, request_id: str) -> AsyncIterator[Any]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> Any: ...
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client closed its connection before the response was complete."""
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    """One engine request: choice ``index`` of the API request, on prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+
+
+def is_queue_full(exc: BaseException) -> bool:
+    """True for the engine's ``EngineQueueFull`` (matched by name: the class lives in the engine)."""
+    return any(cls.__name__ == "EngineQueueFull" for cls in type(exc).__mro__)
+
+
+def engine_error(exc: Exception) -> APIError:
+    """Map an exception raised by ``engine.generate`` to the HTTP error the client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if is_queue_full(exc):
+        return APIError(503, f"The server is overloaded: {exc}. Retry later.", type="server_overloaded",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    logger.exception("engine failed a request", exc_info=exc)
+    return APIError(500, f"Internal engine error: {type(exc).__name__}: {exc}", type="internal_error")
+
+
+async def _pump(engine: EngineClient, sub: SubRequest, queue: asyncio.Queue, timer: RequestTimer) -> None:
+    """Feed one sub-request's outputs into ``queue``; always ends with a sentinel or an error."""
+    stream = engine.generate(sub.prompt_token_ids, sub.params, sub.request_id)
+    finished = False
+    try:
+        async for out in stream:
+            finished = bool(out.finished)
+            timer.on_output(out)
+            queue.put_nowait((sub.index, out, None))
+        queue.put_nowait((sub.index, None, None))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # handed to the consumer, which raises it
+        finished = True
+        queue.put_nowait((sub.index, None, engine_error(exc)))
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+        if not finished:
+            timer.on_abort()
+            with contextlib.suppress(Exception):
+                await engine.abort(sub.request_id)
+
+
+async def merge_streams(engine: EngineClient, subs: list[SubRequest],
+                        metrics: ServerMetrics) -> AsyncIterator[tuple[int, Any]]:
+    """Yield ``(index, RequestOutput)`` from all ``subs`` as they arrive; raises ``APIError``.
+
+    When the consumer stops early (``aclose``, cancellation, an error) every
+    unfinished sub-request is cancelled and aborted before this generator returns.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(engine, sub, queue, metrics.request_timer(len(sub.prompt_token_ids))))
+             for sub in subs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has closed the connection (the request body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(awaitable: Awaitable[T], request: Request) -> T:
+    """Await ``awaitable`` unless the client disconnects first: then cancel it and raise."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.create_task(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if work.cancelled():
+        raise ClientDisconnected()
+    return work.result()
+
+
+async def first_item(stream: AsyncIterator[T]) -> T:
+    """The first item of ``stream`` (``StopAsyncIteration`` if it is empty)."""
+    return await stream.__anext__()

@@ -1,0 +1,204 @@
+"""The completions and chat handlers: validate, fan out to the engine, format the reply.
+
+Checks that need the engine happen here, before anything is queued: the model
+name (404), prompt token ids inside the vocabulary, prompt plus ``max_tokens``
+within ``max_model_len`` (400), and the waiting queue under ``max_queue_len`` (503).
+Streaming replies are held until the first output arrives so that an error the
+engine raises on admission still reaches the client as an HTTP status; errors
+after that arrive as an SSE ``data: {"error": ...}`` event followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from launch.core.sampling_params import SamplingParams
+from launch.server.chat import render_chat_prompt
+from launch.server.formatting import ChatFormatter, CompletionFormatter, sse
+from launch.server.generation import (
+    ClientDisconnected,
+    EngineClient,
+    SubRequest,
+    first_item,
+    merge_streams,
+    race_disconnect,
+)
+from launch.server.metrics import ServerMetrics
+from launch.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    random_id,
+)
+
+logger = logging.getLogger(__name__)
+
+# Status reported (in logs and metrics only) for a client that went away; nginx's convention.
+CLIENT_CLOSED = 499
+
+
+class OpenAIServing:
+    """Serves ``/v1/completions`` and ``/v1/chat/completions`` on one engine."""
+
+    def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics,
+                 max_queue_len: int | None = None) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.metrics = metrics
+        self.max_queue_len = max_queue_len
+        self.vocab_size = int(engine.model_config.vocab_size)
+
+    # ------------------------------------------------------------ validation
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is absent or names this server's model."""
+        if model is not None and model not in (self.model_name, self.engine.model_name):
+            raise APIError(404, f"The model `{model}` does not exist.", type="not_found_error", param="model")
+
+    def check_queue(self) -> None:
+        """503 with Retry-After when the engine already has ``max_queue_len`` requests waiting."""
+        if self.max_queue_len is None:
+            return
+        waiting = int(getattr(self.engine.stats(), "num_waiting", 0))
+        if waiting >= self.max_queue_len:
+            raise APIError(503, f"The server is overloaded: {waiting} requests are waiting "
+                           f"(max_queue_len={self.max_queue_len}). Retry later.",
+                           type="server_overloaded", headers={"Retry-After": "1"})
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is out of vocabulary (vocab_size={self.vocab_size}).",
+                           param=param)
+        return ids
+
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """``max_tokens`` for a prompt: the request's, or what is left of ``max_model_len``."""
+        limit = int(self.engine.max_model_len)
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                           f"prompt has {prompt_len} tokens, leaving no room for a completion.",
+                           param="prompt")
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                           f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                           f"{requested} in the completion). Reduce the prompt or max_tokens.",
+                           param="max_tokens")
+        return requested
+
+    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            return self.check_token_ids(list(self.engine.tokenizer.encode(prompt)), param)
+        return self.check_token_ids(list(prompt), param)
+
+    def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
+                          max_new_tokens: int | None, logprobs: int | None) -> list[SubRequest]:
+        """P prompts x ``req.n`` choices -> SubRequests with ``index = p * n + j``."""
+        subs = []
+        for p, ids in enumerate(prompts):
+            params = self.sampling_params(req, self.resolve_max_tokens(max_new_tokens, len(ids)), logprobs)
+            for j in range(req.n):
+                index = p * req.n + j
+                subs.append(SubRequest(index=index, prompt_index=p, request_id=f"{prefix}-{index}",
+                                       prompt_token_ids=ids, params=params.for_sample(j)))
+        return subs
+
+    @staticmethod
+    def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        fields: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
+                                  "logprobs": logprobs}
+        for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"):
+            value = getattr(req, name)
+            if value is not None:
+                fields[name] = value
+        try:
+            return SamplingParams(**fields)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    # ------------------------------------------------------------ endpoints
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompts = [self.tokenize(p) for p in req.prompts()]
+        self.check_queue()
+        request_id = random_id("cmpl")
+        subs = self.build_subrequests(request_id, prompts, req, req.max_tokens, req.logprobs)
+        formatter = CompletionFormatter(request_id, self.model_name, prompts, req.n, self._token_text,
+                                        req.logprobs)
+        return await self._respond(subs, formatter, req, raw)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        num_logprobs = req.num_logprobs
+        ids = render_chat_prompt(self.engine.tokenizer, req.messages,
+                                 add_generation_prompt=req.add_generation_prompt)
+        prompts = [self.check_token_ids(ids, "messages")]
+        self.check_queue()
+        request_id = random_id("chatcmpl")
+        subs = self.build_subrequests(request_id, prompts, req, req.max_new_tokens, num_logprobs)
+        formatter = ChatFormatter(request_id, self.model_name, prompts, req.n, self._token_text, num_logprobs)
+        return await self._respond(subs, formatter, req, raw)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    # ------------------------------------------------------------ driving the engine
+
+    async def _respond(self, subs: list[SubRequest], formatter: Any, req: SamplingRequest,
+                       raw: Request) -> Response:
+        stream = merge_streams(self.engine, subs, self.metrics)
+        try:
+            if not req.stream:
+                finals = await race_disconnect(self._collect(stream), raw)
+                return JSONResponse(formatter.response([finals[s.index] for s in subs]).model_dump())
+            first = await race_disconnect(first_item(stream), raw)
+        except ClientDisconnected:
+            self.metrics.on_rejected(CLIENT_CLOSED)
+            await stream.aclose()
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return StreamingResponse(self._sse(stream, first, formatter, req.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @staticmethod
+    async def _collect(stream: AsyncIterator[tuple[int, Any]]) -> dict[int, Any]:
+        finals: dict[int, Any] = {}
+        async for index, out in stream:
+            finals[index] = out
+        return finals
+
+    @staticmethod
+    async def _sse(stream: AsyncIterator[tuple[int, Any]], first: tuple[int, Any], formatter: Any,
+                   include_usage: bool) -> AsyncIterator[str]:
+        """The SSE body; closing it (client gone) closes ``stream``, which aborts the engine requests."""
+        try:
+            for chunk in formatter.stream_start():
+                yield sse(chunk)
+            for chunk in formatter.stream_chunks(*first):
+                yield sse(chunk)
+            async for index, out in stream:
+                for chunk in formatter.stream_chunks(index, out):
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(formatter.usage_chunk())
+        except APIError as err:
+            yield sse(err.to_response())
+        finally:
+            await stream.aclose()
+        yield "data: [DONE]\n\n"
+

@@ -1,0 +1,193 @@
+"""A deterministic stand-in for ``AsyncLLM`` and a uvicorn-in-a-thread harness (tests only).
+
+``FakeEngine`` follows the engine surface in docs/contracts.md: cumulative
+``RequestOutput``s, ``ValueError`` for unservable prompts, ``EngineQueueFull`` past
+``max_queue_len`` waiting requests, abort on generator close, ``stats()``, and the
+expert-distribution record/dump methods. Its "model" emits token
+``(last + 7 * step + seed) % 90 + 1`` each step, so greedy output depends only on the
+prompt and the seed. Token i is the character ``chr(32 + i)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import uvicorn
+from safetensors.torch import save_file
+
+from launch.core.outputs import CompletionOutput, RequestOutput
+from launch.core.sampling_params import SamplingParams
+
+VOCAB = 95
+EOS = 94
+
+
+class EngineQueueFull(RuntimeError):
+    """Same name as the engine's exception (the server matches it by name)."""
+
+
+class CharTokenizer:
+    eos_token_ids = (EOS,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [min(max(ord(c) - 32, 0), VOCAB - 1) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(32 + i) for i in ids if not (skip_special_tokens and i == EOS))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if messages[0]["role"] == "assistant":
+            raise ValueError("conversation must not start with an assistant message")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    balancedness_per_layer: list[float] = field(default_factory=lambda: [0.5, 0.75])
+    balancedness: float = 0.6
+    tokens_dropped: int = 3
+    tokens_rerouted: int = 2
+    num_rebalances: int = 1
+    rebalance_seconds_total: float = 0.25
+    expert_copies_moved: int = 4
+
+
+class FakeEngine:
+    """Runs at most ``max_running`` requests at a time, one token per ``step_s``; others wait."""
+
+    def __init__(self, *, max_model_len: int = 64, max_running: int = 4, max_queue_len: int = 8,
+                 step_s: float = 0.002) -> None:
+        self.model_name = "fake-moe"
+        self.max_model_len = max_model_len
+        self.model_config = SimpleNamespace(vocab_size=VOCAB, moe_layer_ids=(1, 2), num_experts=4)
+        self.tokenizer = CharTokenizer()
+        self.max_running = max_running
+        self.max_queue_len = max_queue_len
+        self.step_s = step_s
+        self.running: set[str] = set()
+        self.waiting: list[str] = []
+        self.aborted: list[str] = []
+        self.seen_params: list[SamplingParams] = []
+        self.totals = FakeStats()
+        self.recording = False
+        self.recorded_steps = 0
+
+    def stats(self) -> FakeStats:
+        s = self.totals
+        s.num_running, s.num_waiting = len(self.running), len(self.waiting)
+        s.kv_cache_usage = len(self.running) / self.max_running
+        return s
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        self.running.discard(request_id)
+        if request_id in self.waiting:
+            self.waiting.remove(request_id)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str):
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens is longer than max_model_len")
+        if len(self.waiting) >= self.max_queue_len:
+            raise EngineQueueFull(f"{len(self.waiting)} requests waiting")
+        self.seen_params.append(params)
+        self.waiting.append(request_id)
+        try:
+            while len(self.running) >= self.max_running:
+                await asyncio.sleep(self.step_s)
+            self.waiting.remove(request_id)
+            self.running.add(request_id)
+            self.totals.prompt_tokens_total += len(prompt_token_ids)
+            async for out in self._decode(prompt_token_ids, params, request_id):
+                yield out
+        finally:
+            self._release(request_id)
+
+    async def _decode(self, prompt: list[int], params: SamplingParams, request_id: str):
+        ids: list[int] = []
+        logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        last, seed = prompt[-1], params.seed or 0
+        limit = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt))
+        while True:
+            await asyncio.sleep(self.step_s)
+            last = (last + 7 * len(ids) + seed) % 90 + 1
+            ids.append(last)
+            self.totals.generation_tokens_total += 1
+            if self.recording:
+                self.recorded_steps += 1
+            if logprobs is not None:
+                logprobs.append({last: -0.5, **{(last + k) % 90 + 1: -1.0 - k for k in range(1, params.logprobs + 1)}})
+            text = self.tokenizer.decode(ids)
+            reason, stop_reason = (None, None)
+            hit = next((s for s in params.stop if s in text), None)
+            if hit is not None:
+                text, reason, stop_reason = text[: text.index(hit)], "stop", hit
+            elif len(ids) >= limit:
+                reason = "length"
+            done = reason is not None
+            yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(
+                0, text, list(ids), reason, stop_reason, None if logprobs is None else list(logprobs))], done)
+            if done:
+                return
+
+    def start_expert_distribution_record(self) -> None:
+        self.recording, self.recorded_steps = True, 0
+
+    def stop_expert_distribution_record(self) -> None:
+        self.recording = False
+
+    def dump_expert_distribution_record(self, directory: Path) -> Path:
+        steps = max(self.recorded_steps, 1)
+        count = torch.arange(steps * 2 * 4, dtype=torch.int64).reshape(steps, 2, 4)
+        phy2log = torch.tensor([[0, 1, 2, 3, 3], [3, 2, 1, 0, 0]])
+        path = Path(directory) / f"expert_distribution_{time.time_ns()}.safetensors"
+        save_file({"logical_count": count, "phy2log": phy2log}, str(path))
+        return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a free loopback port in a daemon thread."""
+
+    def __init__(self, app) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
