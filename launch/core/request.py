@@ -173,11 +173,18 @@ class Sequence:
         self.stop_reason = stop_reason
 
     def visible_text(self) -> str:
-        """Text safe to show: while running, withhold a tail that may start a stop string."""
+        """Text safe to show: while running, withhold the longest tail that is the start of
+        a stop string (it may be trimmed once the rest of the stop string arrives)."""
+        text = self.output_text
         if self.is_finished or self.params.include_stop_str_in_output:
-            return self.output_text
-        hold = max(0, self.params.max_stop_len - 1)
-        return self.output_text[: len(self.output_text) - hold] if hold else self.output_text
+            return text
+        hold = 0
+        for stop in self.params.stop:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold]
 
     def to_completion_output(self) -> CompletionOutput:
         return CompletionOutput(
