@@ -111,8 +111,11 @@ def _execute(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) -> None:
             view.copy_(src)
 
 
-def _finish_report(ckpt: Checkpoint, family: str, plans: list[TensorPlan], started: float) -> LoadReport:
-    """Account for every checkpoint tensor: consumed, skipped expert, ignored or unexpected."""
+def _finish_report(
+    ckpt: Checkpoint, family: str, plans: list[TensorPlan], started: float, aliases: frozenset[str] = frozenset()
+) -> LoadReport:
+    """Account for every checkpoint tensor: consumed, skipped expert, ignored or unexpected.
+    aliases: model names filled through a tied tensor (their checkpoint copy is ignored)."""
     report = LoadReport(ckpt.root, family, list(ckpt.files))
     consumed = {c.key for p in plans for c in p.copies}
     expert_blocks = {expert_block_of(c.key) for p in plans for c in p.copies} - {None}
@@ -120,7 +123,7 @@ def _finish_report(ckpt: Checkpoint, family: str, plans: list[TensorPlan], start
     for key in ckpt.keys():
         if key in consumed:
             continue
-        if is_known_unused(key, num_layers if isinstance(num_layers, int) else None):
+        if key in aliases or is_known_unused(key, num_layers if isinstance(num_layers, int) else None):
             report.ignored.append(key)
         elif expert_block_of(key) in expert_blocks:
             report.skipped_experts += 1
@@ -168,15 +171,19 @@ def load_state_dict(
             ckpt.close()
 
 
-def _model_requests(model: nn.Module, dtype: torch.dtype | None) -> dict[str, tuple[TensorRequest, torch.Tensor]]:
+def _model_requests(
+    model: nn.Module, dtype: torch.dtype | None
+) -> tuple[dict[str, tuple[TensorRequest, torch.Tensor]], frozenset[str]]:
     """Canonical name -> (request, destination tensor) for every parameter and persistent
-    buffer; a tensor tied to an earlier one (same storage) is filled through that one."""
+    buffer, and the aliases: names tied to an earlier tensor (same storage), filled through it."""
     out: dict[str, tuple[TensorRequest, torch.Tensor]] = {}
+    aliases: set[str] = set()
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if tensor.numel() > 0:
             ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
             if ident in seen:
+                aliases.add(name)
                 continue
             seen.add(ident)
         if dtype is not None and tensor.is_floating_point() and tensor.dtype not in (dtype, torch.float32):
@@ -188,7 +195,7 @@ def _model_requests(model: nn.Module, dtype: torch.dtype | None) -> dict[str, tu
             if isinstance(slot_to_logical, torch.Tensor):
                 p2l = tuple(int(e) for e in slot_to_logical.tolist())
         out[name] = (TensorRequest(name, tuple(tensor.shape), p2l), tensor.detach())
-    return out
+    return out, frozenset(aliases)
 
 
 def load_weights(
@@ -204,13 +211,13 @@ def load_weights(
     shape-checked before the first write, so a bad checkpoint leaves the model untouched.
     """
     started = time.perf_counter()
-    targets = _model_requests(model, dtype)
+    targets, aliases = _model_requests(model, dtype)
     ckpt, owned = _open(path)
     try:
         plans, family = _plan_all(ckpt, (req for req, _ in targets.values()))
         for plan in plans:
             _execute(ckpt, plan, targets[plan.request.name][1])
-        return _finish_report(ckpt, family, plans, started)
+        return _finish_report(ckpt, family, plans, started, aliases)
     finally:
         if owned:
             ckpt.close()

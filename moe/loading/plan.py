@@ -194,10 +194,12 @@ class Planner:
             gate_up, down = fused_names(block)
             shapes = [self._info(k).shape if k in self.ckpt else None for k in (gate_up, down)]
             transposed = fused_is_transposed(shapes[0], shapes[1], inter, hidden)
-            if transposed is None:
+            if transposed is None:  # name the tensor that fits neither layout (or down_proj if they disagree)
                 gu_ok = fused_is_transposed(shapes[0], None, inter, hidden) is not None
-                bad = down if gu_ok else gate_up
-                want = (hidden, inter) if gu_ok else (2 * inter, hidden)
-                raise TensorShapeError(canonical, bad, ("E", *want), self._info(bad).shape, str(self._info(bad).file))
+                bad, leaf = (down, DOWN) if gu_ok else (gate_up, GATE_UP)
+                found = self._info(bad).shape
+                want = (found[0] if found else 0, *((hidden, inter) if gu_ok else (2 * inter, hidden)))
+                module = canonical.rsplit(".", 1)[0]
+                raise TensorShapeError(f"{module}.{leaf}", bad, want, found, str(self._info(bad).file))
             self._layouts[block] = transposed
         return self._layouts[block]

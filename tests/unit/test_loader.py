@@ -158,6 +158,9 @@ def test_tied_embeddings(tmp_path):
     load_weights(tied, path)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     torch.testing.assert_close(tied.lm_head.weight, hf.model.embed_tokens.weight, rtol=0, atol=0)
+    # a tied model with an untied checkpoint: lm_head.weight is filled once, via the embedding
+    report = load_weights(tied, save_hf(build_hf_model("qwen3_moe", seed=8), tmp_path / "untied"))
+    assert "lm_head.weight" in report.ignored and "lm_head.weight" not in report.loaded
 
 
 def test_dtype_conversion(hf_models, checkpoints):
