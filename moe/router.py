@@ -26,7 +26,7 @@ def mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_gr
     t, g = group_scores.shape
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)  # [T, G]
-    keep = keep[:, :, None].expand(t, g, scores.shape[1] // g).reshape(t, -1)
+    keep = keep[:, :, None].expand(t, g, scores.shape[1] // g).reshape(t, scores.shape[1])
     return scores.masked_fill(~keep, fill)
 
 
