@@ -140,18 +140,24 @@ def compute_global_limits(slot_counts: torch.Tensor, capacity: int) -> torch.Ten
 
 
 def apply_slot_limits(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, limits: torch.Tensor, *, renormalize: bool = False
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    limits: torch.Tensor,
+    *,
+    renormalize: bool = False,
+    capacity: int | None = None,
 ) -> CapacityResult:
     """Keep the first ``limits[p]`` assignments of each slot p in token order; drop the rest.
 
     topk_ids: [T, K] int64 (-1 = already dropped); topk_weights: [T, K]; limits: [P] int64.
+    ``capacity`` is only recorded in the result (the C the limits derive from).
     """
     num_slots = int(limits.numel())
     _check_inputs(topk_ids, topk_weights, num_slots)
     pos = compute_slot_positions(topk_ids, num_slots)
     valid = topk_ids >= 0
     kept = valid & (pos < limits[topk_ids.clamp(min=0)])
-    return _finish(topk_ids, topk_weights, valid, kept, topk_ids, None, num_slots, renormalize)
+    return _finish(topk_ids, topk_weights, valid, kept, topk_ids, capacity, num_slots, renormalize)
 
 
 def apply_capacity(

@@ -1,0 +1,88 @@
+"""All-gather / reduce-scatter expert dispatch (vLLM's default on CPU and small EP groups).
+
+Shape legend: T tokens on this rank, T_max the largest T in the EP group, D hidden,
+K top-k, R EP ranks.
+
+Every rank gathers every rank's tokens (padded to T_max, since the collectives need
+equal sizes), runs its own slots over all of them, and reduce-scatters the fp32
+partial sums so each rank gets its own T rows back. Simple and dedup-free; it moves
+R x the tokens, so the AllToAll dispatcher wins once R grows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe.capacity import CapacityStats, apply_slot_limits, compute_capacity
+from moe.experts import Experts
+from parallel.dispatch.global_capacity import GlobalCapacity
+from parallel.dispatch.plan import check_dispatch_args
+
+
+class AllGatherDispatcher:
+    """ExpertDispatcher over ``group`` (the EP group); ``rank``/``num_ranks`` are EP coordinates.
+
+    With a global capacity, C is applied to the gathered batch in EP-rank then token order,
+    the same decisions as the AllToAll dispatcher; ``capacity_stats[layer_id]`` records them.
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: GlobalCapacity | None = None
+    ) -> None:
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"EP rank {rank} outside EP size {num_ranks}")
+        self.group = group
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.global_capacity = global_capacity if global_capacity is not None and global_capacity.enabled else None
+        self.capacity_stats: dict[int, CapacityStats] = {}
+
+    def dispatch_combine(
+        self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, experts: Experts, layer_id: int
+    ) -> torch.Tensor:
+        """x: [T, D]; slot_ids: [T, K] int64 physical slots (-1 dropped); weights: [T, K] float32.
+        Returns: [T, D] float32. Collective: every EP rank calls it, T = 0 included."""
+        check_dispatch_args(x, slot_ids, weights, experts.hidden_size)
+        num_tokens, top_k = slot_ids.shape
+        sizes = self._gather_sizes(num_tokens, x.device)
+        t_max = max(sizes)
+        if t_max == 0:  # every rank sees the same sizes, so every rank returns here together
+            return torch.zeros((0, x.shape[1]), dtype=torch.float32, device=x.device)
+        x_all = self._gather_padded(x, t_max)  # [R * T_max, D]
+        ids_all = self._gather_padded(slot_ids.to(torch.int64), t_max, fill=-1)  # [R * T_max, K]
+        w_all = self._gather_padded(weights.float(), t_max)
+        if self.global_capacity is not None:
+            ids_all, w_all = self._apply_capacity(ids_all, w_all, sum(sizes), experts, layer_id)
+        lo = self.rank * experts.num_local_slots
+        mine = (ids_all >= lo) & (ids_all < lo + experts.num_local_slots)
+        local_ids = torch.where(mine, ids_all - lo, torch.full_like(ids_all, -1))
+        partial = experts(x_all, local_ids, w_all)  # [R * T_max, D] float32
+        out = torch.empty((t_max, x.shape[1]), dtype=torch.float32, device=x.device)
+        dist.reduce_scatter_tensor(out, partial, group=self.group)
+        return out[:num_tokens]
+
+    def _gather_sizes(self, num_tokens: int, device: torch.device) -> list[int]:
+        mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        out = torch.empty(self.num_ranks, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(out, mine, group=self.group)
+        return out.tolist()
+
+    def _gather_padded(self, t: torch.Tensor, t_max: int, fill: float = 0) -> torch.Tensor:
+        padded = torch.full((t_max, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+        padded[: t.shape[0]] = t
+        out = torch.empty((self.num_ranks * t_max, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, padded, group=self.group)
+        return out
+
+    def _apply_capacity(
+        self, ids_all: torch.Tensor, w_all: torch.Tensor, total_tokens: int, experts: Experts, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.global_capacity
+        assert cfg is not None
+        num_slots = experts.num_local_slots * self.num_ranks
+        capacity = compute_capacity(total_tokens, num_slots, ids_all.shape[1], cfg.capacity_factor, cfg.min_capacity)
+        limits = torch.full((num_slots,), capacity, dtype=torch.int64, device=ids_all.device)
+        result = apply_slot_limits(ids_all, w_all, limits, renormalize=cfg.renormalize, capacity=capacity)  # pads are -1: ignored
+        self.capacity_stats[layer_id] = result.stats
+        return result.topk_ids, result.topk_weights

@@ -1,0 +1,102 @@
+"""Dropless, deduplicated AllToAll-v expert dispatch over the EP group.
+
+Shape legend: T tokens on this rank, D hidden, K top-k, R EP ranks, N rows sent
+(unique (token, destination rank) pairs), M rows received, P_local slots per rank.
+
+One ``dispatch_combine`` = up to four collectives, entered by every EP rank in the same
+order whatever its T (a rank that skipped one would hang the group):
+
+1. (global capacity only) all-gather per-slot assignment counts;
+2. all-to-all of the per-rank row counts;
+3. all-to-all-v of the packed rows (hidden + (local slot, weight) list), once per
+   (token, destination rank);
+4. after the grouped expert GEMMs and the per-row weighted sum on the destination,
+   all-to-all-v of one partial row back per (token, destination rank); the source
+   accumulates the partials in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe.capacity import CapacityStats
+from moe.experts import Experts
+from parallel.dispatch.global_capacity import GlobalCapacity, apply_global_capacity, gather_slot_counts
+from parallel.dispatch.plan import (
+    DispatchPlan,
+    check_dispatch_args,
+    compute_dispatch_plan,
+    pack_rows,
+    row_layout,
+    unpack_rows,
+)
+
+
+class AllToAllDispatcher:
+    """ExpertDispatcher over ``group`` (the EP group); ``rank``/``num_ranks`` are EP coordinates.
+
+    ``capacity_stats[layer_id]`` holds the last step's group-wide ``CapacityStats`` when a
+    global capacity is configured.
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: GlobalCapacity | None = None
+    ) -> None:
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"EP rank {rank} outside EP size {num_ranks}")
+        self.group = group
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.global_capacity = global_capacity if global_capacity is not None and global_capacity.enabled else None
+        self.capacity_stats: dict[int, CapacityStats] = {}
+
+    def dispatch_combine(
+        self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, experts: Experts, layer_id: int
+    ) -> torch.Tensor:
+        """x: [T, D]; slot_ids: [T, K] int64 physical slots (-1 dropped); weights: [T, K] float32.
+        Returns: [T, D] float32. Collective: every EP rank calls it, T = 0 included."""
+        check_dispatch_args(x, slot_ids, weights, experts.hidden_size)
+        slot_ids, weights = self._apply_capacity(slot_ids, weights, experts.num_local_slots, layer_id)
+        plan = compute_dispatch_plan(slot_ids, weights, experts.num_local_slots, self.num_ranks)
+        recv, recv_counts = self.dispatch(x, plan)
+        rx, rslots, rweights = unpack_rows(recv, x.shape[1], slot_ids.shape[1], x.dtype)
+        partial = experts(rx, rslots.to(torch.int64), rweights)  # [M, D] f32, weighted per row
+        return self.combine(partial.to(x.dtype), plan, recv_counts, x.shape[0])
+
+    def dispatch(self, x: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int]]:
+        """Send each planned row to its rank. Returns (received rows [M, row_bytes] uint8,
+        rows received from each rank: R ints)."""
+        send_counts = torch.tensor(plan.send_counts, dtype=torch.int64, device=x.device)
+        recv_counts_t = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts_t, send_counts, group=self.group)
+        recv_counts = recv_counts_t.tolist()
+        send = pack_rows(x, plan)
+        _, row_bytes = row_layout(x.shape[1], plan.local_slots.shape[1], x.dtype)
+        recv = torch.empty((sum(recv_counts), row_bytes), dtype=torch.uint8, device=x.device)
+        dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
+        return recv, recv_counts
+
+    def combine(
+        self, partial: torch.Tensor, plan: DispatchPlan, recv_counts: list[int], num_tokens: int
+    ) -> torch.Tensor:
+        """partial: [M, D] one weighted row per received row. Returns [T, D] float32: the
+        sum of the partial rows sent back for each token."""
+        back = torch.empty((plan.pair_token.numel(), partial.shape[1]), dtype=partial.dtype, device=partial.device)
+        dist.all_to_all_single(back, partial.contiguous(), plan.send_counts, recv_counts, group=self.group)
+        out = torch.zeros((num_tokens, partial.shape[1]), dtype=torch.float32, device=partial.device)
+        out.index_add_(0, plan.pair_token, back.float())
+        return out
+
+    def _apply_capacity(
+        self, slot_ids: torch.Tensor, weights: torch.Tensor, num_local_slots: int, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.global_capacity is None:
+            return slot_ids, weights
+        num_slots = num_local_slots * self.num_ranks
+        counts = gather_slot_counts(slot_ids, num_slots, self.group)  # collective: every rank, every step
+        result, stats = apply_global_capacity(
+            slot_ids, weights, counts, self.rank, slot_ids.shape[1], self.global_capacity
+        )
+        self.capacity_stats[layer_id] = stats
+        return result.topk_ids, result.topk_weights

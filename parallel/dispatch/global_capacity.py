@@ -1,0 +1,86 @@
+"""Capacity enforced across the whole EP group ("global" scope).
+
+Every source rank contributes its per-slot assignment counts and token count; the
+slot's capacity C = f(total tokens of the EP group) is shared out in source-rank order,
+then token order inside a rank (``moe.capacity.compute_global_limits``). The result is
+exactly ``apply_capacity(policy="position", overflow="drop")`` on the concatenation of
+every rank's tokens in EP-rank order, without moving any token twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe.capacity import (
+    CapacityResult,
+    CapacityStats,
+    apply_slot_limits,
+    compute_capacity,
+    compute_global_limits,
+)
+
+
+@dataclass(frozen=True)
+class GlobalCapacity:
+    """capacity_factor <= 0 disables it (dropless); min_capacity floors C; renormalize
+    rescales each token's surviving weights to sum to one."""
+
+    capacity_factor: float
+    min_capacity: int = 0
+    renormalize: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_capacity < 0:
+            raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_factor > 0
+
+
+def gather_slot_counts(slot_ids: torch.Tensor, num_slots: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Collective over ``group``. slot_ids: [T, K]. Returns [R, P + 1] int64: row r = rank r's
+    assignments per slot, then its token count."""
+    valid = slot_ids[slot_ids >= 0]
+    mine = torch.zeros(num_slots + 1, dtype=torch.int64, device=slot_ids.device)
+    mine[:num_slots] = torch.bincount(valid, minlength=num_slots)
+    mine[num_slots] = slot_ids.shape[0]
+    out = torch.empty(dist.get_world_size(group) * (num_slots + 1), dtype=torch.int64, device=slot_ids.device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out.view(-1, num_slots + 1).cpu()
+
+
+def apply_global_capacity(
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    counts: torch.Tensor,
+    rank: int,
+    top_k: int,
+    config: GlobalCapacity,
+) -> tuple[CapacityResult, CapacityStats]:
+    """counts: [R, P + 1] from ``gather_slot_counts``; rank: this rank's index in it.
+
+    Returns this rank's ``CapacityResult`` and the group-wide ``CapacityStats`` (identical
+    on every rank)."""
+    num_slots = counts.shape[1] - 1
+    per_slot = counts[:, :num_slots]
+    capacity = compute_capacity(int(counts[:, num_slots].sum()), num_slots, top_k,
+                                config.capacity_factor, config.min_capacity)
+    if capacity is None:
+        raise ValueError("apply_global_capacity called with a dropless (capacity_factor <= 0) config")
+    limits = compute_global_limits(per_slot, capacity)  # [R, P]
+    result = apply_slot_limits(slot_ids, weights, limits[rank].to(slot_ids.device),
+                               renormalize=config.renormalize, capacity=capacity)
+    accepted = limits.sum(0)
+    total = int(per_slot.sum())
+    stats = CapacityStats(
+        assignments=total,
+        dropped=total - int(accepted.sum()),
+        rerouted=0,
+        max_slot_load=int(accepted.max()) if accepted.numel() else 0,
+        capacity=capacity,
+    )
+    return result, stats
