@@ -1,0 +1,153 @@
+"""ModelConfig.from_hf: real published configs (sizes, KV bytes), family layer rules, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe.config import ModelConfig
+from moe.model import MoEModel
+
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1,
+    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, moe_layer_freq=1,
+    first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid", hidden_act="silu",
+    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False,
+    bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16",
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                      original_max_position_embeddings=4096, type="yarn"),
+    quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8",
+                             weight_block_size=[128, 128]),
+)
+DEEPSEEK_V2_LITE = dict(
+    architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+    n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+    num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=False, scoring_func="softmax",
+    max_position_embeddings=163840, rope_theta=10000, bos_token_id=100000, eos_token_id=100001,
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=0.707, mscale_all_dim=0.707,
+                      original_max_position_embeddings=4096, type="yarn"),
+)
+MIXTRAL_8X7B = dict(
+    architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+    max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5, sliding_window=None, bos_token_id=1,
+    eos_token_id=2, tie_word_embeddings=False, hidden_act="silu", torch_dtype="bfloat16",
+)
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    use_sliding_window=False, sliding_window=None, eos_token_id=151645, bos_token_id=151643,
+)
+
+
+def test_deepseek_v3_real_config() -> None:
+    with pytest.raises(ValueError, match="quantization_config"):
+        ModelConfig.from_hf(DEEPSEEK_V3)
+    cfg = ModelConfig.from_hf(DEEPSEEK_V3, strict=False)
+    assert cfg.attention == "mla" and cfg.kv_entry_shape == (576,)
+    assert cfg.kv_bytes_per_token(2) == 70_272 and cfg.kv_bytes_per_token(1) == 35_136
+    assert cfg.moe_layer_ids == tuple(range(3, 61)) and not cfg.is_moe_layer(2)
+    assert (cfg.n_group, cfg.topk_group, cfg.num_experts, cfg.num_shared_experts) == (8, 4, 256, 1)
+    assert cfg.rope_interleave and cfg.rope_scaling.factor == 40 and cfg.softmax_scale == pytest.approx(0.1352, abs=1e-4)
+    assert cfg.eos_token_ids == (1,) and cfg.dtype == "bfloat16" and cfg.head_dim == 192
+    assert cfg.num_parameters() == pytest.approx(671e9, rel=2e-3)
+    assert any("quantization_config" in u for u in cfg.unsupported)
+
+
+def test_mixtral_8x7b_real_config() -> None:
+    cfg = ModelConfig.from_hf(MIXTRAL_8X7B)
+    assert cfg.kv_bytes_per_token(2) == 131_072 and cfg.kv_entry_shape == (2, 8, 128)
+    assert cfg.num_parameters() == 46_702_792_704
+    assert cfg.moe_layer_ids == tuple(range(32)) and cfg.norm_topk_prob and cfg.rope_theta == 1e6
+    assert cfg.moe_intermediate_size == 14336 and cfg.num_shared_experts == 0
+
+
+def test_deepseek_v2_lite_and_qwen3_real_configs() -> None:
+    lite = ModelConfig.from_hf(DEEPSEEK_V2_LITE)
+    assert lite.q_lora_rank is None and lite.topk_method == "greedy" and lite.moe_layer_ids[0] == 1
+    assert lite.num_parameters() == pytest.approx(15.7e9, rel=1e-2)
+    assert lite.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1) ** 2)
+    qwen = ModelConfig.from_hf(QWEN3_30B_A3B)
+    assert qwen.head_dim == 128 and qwen.qk_norm and qwen.norm_topk_prob
+    assert qwen.num_parameters() == pytest.approx(30.5e9, rel=5e-3)
+    assert qwen.kv_bytes_per_token(2) == 48 * 2 * 4 * 128 * 2
+
+
+def test_qwen3_dense_layer_rules() -> None:
+    cfg = ModelConfig.from_hf(dict(QWEN3_30B_A3B, num_hidden_layers=8, mlp_only_layers=[0, 5], decoder_sparse_step=2))
+    assert cfg.moe_layer_ids == (1, 3, 7)
+
+
+def test_deepseek_moe_layer_freq() -> None:
+    cfg = ModelConfig.from_hf(dict(DEEPSEEK_V2_LITE, num_hidden_layers=8, first_k_dense_replace=2, moe_layer_freq=2))
+    assert cfg.moe_layer_ids == (2, 4, 6)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(architectures=["LlamaForCausalLM"]), "unsupported architecture"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(sliding_window=4096), "sliding_window"),
+    (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope type 'dynamic'"),
+    (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e6)), "rope type 'longrope'"),
+])
+def test_unimplemented_values_raise_naming_them(change: dict, match: str) -> None:
+    raw = dict(MIXTRAL_8X7B, **change)
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(raw)
+    if "architectures" not in change:
+        assert ModelConfig.from_hf(raw, strict=False).unsupported
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(scoring_func="softmax"), "scoring_func"),
+    (dict(topk_method="greedy"), "topk_method"),
+])
+def test_deepseek_v3_routing_variants_not_in_reference_raise(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(dict(DEEPSEEK_V3, quantization_config=None, **change))
+
+
+def test_invalid_shapes_raise() -> None:
+    with pytest.raises(ValueError, match="n_group"):
+        ModelConfig.from_hf(dict(DEEPSEEK_V3, quantization_config=None, n_group=7))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf(dict(MIXTRAL_8X7B, num_experts_per_tok=9))
+    with pytest.raises(ValueError, match="missing required field 'hidden_size'"):
+        ModelConfig.from_hf({k: v for k, v in MIXTRAL_8X7B.items() if k != "hidden_size"})
+
+
+def test_frozen_and_reads_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    cfg = ModelConfig.from_hf(tmp_path)
+    assert cfg == ModelConfig.from_hf(MIXTRAL_8X7B)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.hidden_size = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="no config.json"):
+        ModelConfig.from_hf(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"])
+def test_tiny_checkpoints_agree_with_transformers(hf_checkpoints: dict[str, Path], family: str) -> None:
+    import transformers
+
+    path = hf_checkpoints[family]
+    cfg = ModelConfig.from_hf(path)
+    hf = transformers.AutoConfig.from_pretrained(path)
+    assert cfg.architecture == family and cfg.num_hidden_layers == hf.num_hidden_layers
+    assert cfg.tie_word_embeddings == hf.tie_word_embeddings
+    hf_moe = transformers.AutoModelForCausalLM.from_config(hf)
+    expected = tuple(i for i, layer in enumerate(hf_moe.model.layers) if hasattr(layer.mlp, "experts"))
+    assert cfg.moe_layer_ids == expected
+    model = MoEModel(cfg, dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
