@@ -8,7 +8,7 @@ Hierarchical when num_groups % num_nodes == 0:
           with the highest load per replica);
   Step 3: pack the node's replicas to its GPUs the same greedy way.
 Otherwise global: one group on one node. Arithmetic is float32 like the reference,
-so ties break the same way and the README example is reproduced exactly.
+and ties are ordered by torch.sort like the reference's, so ties break the same way and the README example is reproduced exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def pack_groups(group_weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, n
     if num_groups == num_packs:
         ids = np.broadcast_to(np.arange(num_groups), (num_rows, num_groups)).copy()
         return ids, np.zeros_like(ids)
-    return greedy_pack(group_weight, None, num_packs)
+    return greedy_pack(group_weight, None, num_packs, torch_order=True)
 
 
 def domain_experts(pack_of_group: np.ndarray, rank_in_pack: np.ndarray, group_size: int) -> np.ndarray:
@@ -57,7 +57,7 @@ def place_domain_deepseek(weight: np.ndarray, num_slots: int, num_bins: int) -> 
     per_bin = num_slots // num_bins
     if per_bin == 1:
         return item_expert
-    bin_of, rank_of = greedy_pack(item_weight, None, num_bins)
+    bin_of, rank_of = greedy_pack(item_weight, None, num_bins, torch_order=True)
     slots = np.empty_like(item_expert)
     np.put_along_axis(slots, bin_of * per_bin + rank_of, item_expert, 1)
     return slots

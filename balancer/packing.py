@@ -11,6 +11,7 @@ item positions or search iterations, never over rows.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 def replicate(weight: np.ndarray, num_slots: int, max_count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -43,7 +44,7 @@ def replicate(weight: np.ndarray, num_slots: int, max_count: int | None = None) 
 
 
 def greedy_pack(
-    item_weight: np.ndarray, item_expert: np.ndarray | None, num_bins: int
+    item_weight: np.ndarray, item_expert: np.ndarray | None, num_bins: int, *, torch_order: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Longest-processing-time packing with exactly n / m items per bin.
 
@@ -51,13 +52,17 @@ def greedy_pack(
     with item_expert given, a bin already holding that expert is avoided while
     another bin with room exists.
     item_weight: [X, n] float; item_expert: [X, n] int64 in [0, e) or None.
+    torch_order: order ties as torch.sort(descending=True) does (DeepSeek's reference).
     Returns: bin_of_item [X, n] int64 in [0, m), rank_in_bin [X, n] int64 in [0, k)
     (the order items entered their bin).
     """
     num_rows, n = item_weight.shape
     per_bin = n // num_bins
     rows = np.arange(num_rows)
-    order = np.argsort(-item_weight, axis=1, kind="stable")
+    if torch_order:
+        order = torch.from_numpy(np.ascontiguousarray(item_weight)).sort(-1, descending=True).indices.numpy()
+    else:
+        order = np.argsort(-item_weight, axis=1, kind="stable")
     loads = np.zeros((num_rows, num_bins), dtype=item_weight.dtype)
     fill = np.zeros((num_rows, num_bins), dtype=np.int64)
     bin_of = np.empty((num_rows, n), dtype=np.int64)
@@ -94,12 +99,15 @@ def refine_swaps(
     bin_of: np.ndarray,
     num_bins: int,
     max_iters: int | None = None,
+    target: np.ndarray | None = None,
 ) -> np.ndarray:
     """Local search: repeatedly apply the swap between the most loaded bin and any
     other bin that lowers the larger of the two loads the most. Stops for a row when
     no swap lowers its maximum bin load. Never creates a duplicate expert in a bin.
 
-    item_weight: [X, n]; item_expert: [X, n] int64; bin_of: [X, n] initial bins.
+    item_weight: [X, n]; item_expert: [X, n] int64; bin_of: [X, n] initial bins;
+    target: [X] optional; a row stops once its maximum bin load is at most this
+    (fewer swaps, fewer moved copies, when starting from an old placement).
     Returns: bin_of [X, n] with each bin still holding exactly k items; per row the
     maximum bin load is never higher than the initial one.
     """
@@ -117,14 +125,14 @@ def refine_swaps(
     for _ in range(iters):
         if active.size == 0:
             break
-        active = _swap_step(item_weight, item_expert, members, has, active, num_bins, k)
+        active = _swap_step(item_weight, item_expert, members, has, active, num_bins, k, target)
     out = np.empty_like(bin_of)
     np.put_along_axis(out, members.reshape(num_rows, -1),
                       np.repeat(np.arange(num_bins), k)[None, :].repeat(num_rows, 0), 1)
     return out
 
 
-def _swap_step(weight, expert, members, has, active, num_bins, k) -> np.ndarray:
+def _swap_step(weight, expert, members, has, active, num_bins, k, target) -> np.ndarray:
     """One improving swap for each active row (in place); returns rows still improving."""
     mem = members[active]  # [A, m, k]
     a = active.size
@@ -144,6 +152,8 @@ def _swap_step(weight, expert, members, has, active, num_bins, k) -> np.ndarray:
     score = np.where(bad, np.inf, score).reshape(a, -1)
     best = score.argmin(1)
     gain = score[ar, best] < top - 1e-9 * np.maximum(top, 1e-30)
+    if target is not None:
+        gain &= top > target[active]
     rows = np.nonzero(gain)[0]
     if rows.size == 0:
         return active[:0]
@@ -161,6 +171,40 @@ def _swap_step(weight, expert, members, has, active, num_bins, k) -> np.ndarray:
     np.add.at(has, (glob, other, ej), -1)
     np.add.at(has, (glob, hb, ej), 1)
     return glob
+
+
+def repair_duplicates(item_weight: np.ndarray, item_expert: np.ndarray, bin_of: np.ndarray,
+                      num_bins: int) -> np.ndarray:
+    """Swap away duplicates the greedy could not avoid (it can run out of room near
+    the end). For each duplicate, the swap with another bin that creates no new
+    duplicate and keeps the larger of the two loads lowest. Rows without duplicates
+    are untouched. Shapes as in refine_swaps; returns a new bin_of [X, n]."""
+    out = bin_of.copy()
+    num_rows, n = bin_of.shape
+    key = out * (int(item_expert.max()) + 1) + item_expert
+    srt = np.sort(key, 1)
+    for x in np.nonzero((srt[:, 1:] == srt[:, :-1]).any(1))[0]:
+        _repair_row(item_weight[x], item_expert[x], out[x], num_bins)
+    return out
+
+
+def _repair_row(weight: np.ndarray, expert: np.ndarray, bin_of: np.ndarray, num_bins: int) -> None:
+    for _ in range(bin_of.size):
+        load = np.bincount(bin_of, weights=weight, minlength=num_bins)
+        holds = np.zeros((num_bins, int(expert.max()) + 1), dtype=np.int64)
+        np.add.at(holds, (bin_of, expert), 1)
+        dup = np.argwhere(holds > 1)
+        if dup.size == 0:
+            return
+        b, e = dup[0]
+        i = np.nonzero((bin_of == b) & (expert == e))[0][0]
+        j_all = np.nonzero((bin_of != b) & (holds[bin_of, e] == 0) & (holds[b, expert] == 0))[0]
+        if j_all.size == 0:
+            return
+        d = weight[i] - weight[j_all]
+        cost = np.maximum(load[b] - d, load[bin_of[j_all]] + d)
+        j = j_all[np.argmin(cost)]
+        bin_of[i], bin_of[j] = bin_of[j], b
 
 
 def bin_loads(item_weight: np.ndarray, bin_of: np.ndarray, num_bins: int) -> np.ndarray:

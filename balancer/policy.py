@@ -22,7 +22,7 @@ import torch
 
 from balancer.balancedness import as_numpy, predict
 from balancer.deepseek import domain_experts, rebalance_deepseek
-from balancer.packing import greedy_pack, refine_swaps, replicate
+from balancer.packing import greedy_pack, refine_swaps, repair_duplicates, replicate
 from balancer.placement import compute_log2phy
 from balancer.stability import greedy_matching, match_bins, order_in_bins, sticky_bins
 
@@ -64,10 +64,17 @@ def rebalance_experts(
         phy = reference
     else:
         groups, nodes = (num_groups, num_nodes) if hierarchical else (1, 1)
-        fresh = _place(w, num_replicas, groups, nodes, num_gpus, old, sticky=False)
-        sticky = None if old is None else _place(w, num_replicas, groups, nodes, num_gpus, old, sticky=True)
         ref = reference if hierarchical == (num_groups % num_nodes == 0) else \
             rebalance_deepseek(w, num_replicas, groups, nodes, num_gpus)
+        fresh = _place(w, num_replicas, groups, nodes, num_gpus, old, None)
+        sticky = None
+        if old is not None:
+            b_fresh = predict(w, fresh, num_gpus).per_layer.numpy()
+            b_ref = predict(w, ref, num_gpus).per_layer.numpy()
+            goal = np.maximum(b_fresh - stability_tolerance, b_ref)
+            # Highest GPU load that still reaches the goal; the sticky search stops there.
+            max_load = w.sum(1) / num_gpus / np.maximum(goal, 1e-12) * (1 + 1e-9)
+            sticky = _place(w, num_replicas, groups, nodes, num_gpus, old, max_load)
         phy = _choose(w, num_gpus, fresh, sticky, ref, stability_tolerance)
     phy2log = torch.from_numpy(np.ascontiguousarray(phy, dtype=np.int64))
     log2phy, logcnt = compute_log2phy(phy2log, num_experts)
@@ -98,12 +105,15 @@ def _validate(weight, num_replicas, num_groups, num_nodes, num_gpus, policy) -> 
     return w
 
 
-def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, *, sticky: bool) -> np.ndarray:
-    """Our placement; w [L, E] float64, old [L, P] or None -> phy2log [L, P]."""
+def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, max_load) -> np.ndarray:
+    """Our placement; w [L, E] float64, old [L, P] or None -> phy2log [L, P].
+    max_load [L] (sticky mode, needs old): start from old and only swap until every
+    GPU load is at most this; None: pack afresh, then relabel to overlap old."""
     num_layers, num_experts = w.shape
     group_size = num_experts // num_groups
     group_weight = w.reshape(num_layers, num_groups, group_size).sum(-1)
-    node_of_group = _pack_groups(group_weight, num_nodes, num_replicas, group_size, old, sticky)
+    node_max = None if max_load is None else max_load * (num_gpus // num_nodes)
+    node_of_group = _pack_groups(group_weight, num_nodes, group_size, old, node_max)
     rank_in = np.zeros_like(node_of_group)
     order = np.argsort(node_of_group, axis=1, kind="stable")
     rank_in_sorted = np.tile(np.arange(num_groups // num_nodes), num_nodes)[None, :].repeat(num_layers, 0)
@@ -117,11 +127,12 @@ def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, *, sticky: boo
         local_of = np.full((rows, num_experts), -1, dtype=np.int64)
         np.put_along_axis(local_of, dom_exp, np.broadcast_to(np.arange(dom_exp.shape[1]), dom_exp.shape), 1)
         old_local = np.take_along_axis(local_of, old.reshape(rows, -1), 1)
-    slots = _place_domain(dom_w, num_replicas // num_nodes, num_gpus // num_nodes, old_local, sticky)
+    dom_max = None if max_load is None else np.repeat(max_load, num_nodes)
+    slots = _place_domain(dom_w, num_replicas // num_nodes, num_gpus // num_nodes, old_local, dom_max)
     return np.take_along_axis(dom_exp, slots, 1).reshape(num_layers, num_replicas)
 
 
-def _pack_groups(group_weight, num_nodes, num_replicas, group_size, old, sticky) -> np.ndarray:
+def _pack_groups(group_weight, num_nodes, group_size, old, max_load) -> np.ndarray:
     """[L, G] -> node_of_group [L, G]: balanced packing, relabelled (or kept) to match old."""
     num_layers, num_groups = group_weight.shape
     if num_nodes == 1:
@@ -134,9 +145,9 @@ def _pack_groups(group_weight, num_nodes, num_replicas, group_size, old, sticky)
         counts = np.zeros((num_layers, num_nodes, num_groups), dtype=np.int64)
         np.add.at(counts, (np.arange(num_layers)[:, None, None], np.arange(num_nodes)[None, :, None], old_group), 1)
         old_group = counts
-    if sticky and old_group is not None:
+    if max_load is not None and old_group is not None:
         init = _sticky_groups(old_group, num_groups // num_nodes)
-        return refine_swaps(group_weight, gid, init, num_nodes)
+        return refine_swaps(group_weight, gid, init, num_nodes, target=max_load)
     bins, _ = greedy_pack(group_weight, None, num_nodes)
     bins = refine_swaps(group_weight, gid, bins, num_nodes)
     if old_group is None:
@@ -163,17 +174,19 @@ def _sticky_groups(counts: np.ndarray, per_node: int) -> np.ndarray:
     return out
 
 
-def _place_domain(w, num_slots, num_bins, old_local, sticky) -> np.ndarray:
+def _place_domain(w, num_slots, num_bins, old_local, max_load) -> np.ndarray:
     """w [X, e] -> slots [X, num_slots] local expert ids, GPU b owning slots b*k..b*k+k-1."""
     num_rows, num_experts = w.shape
     counts, extra = replicate(w, num_slots, max_count=num_bins)
     item_expert = np.concatenate([np.broadcast_to(np.arange(num_experts), (num_rows, num_experts)), extra], 1)
     item_weight = np.take_along_axis(w / counts, item_expert, 1)
+    sticky = max_load is not None
     if sticky:
         bins = sticky_bins(item_expert, item_weight, old_local, num_bins)
     else:
         bins, _ = greedy_pack(item_weight, item_expert, num_bins)
-    bins = refine_swaps(item_weight, item_expert, bins, num_bins)
+    bins = repair_duplicates(item_weight, item_expert, bins, num_bins)
+    bins = refine_swaps(item_weight, item_expert, bins, num_bins, target=max_load)
     if old_local is None:
         return order_in_bins(item_expert, bins, np.full_like(item_expert, -1), num_bins)
     if not sticky:
