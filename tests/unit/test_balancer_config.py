@@ -1,0 +1,79 @@
+"""BalancerConfig (strict, vLLM names) and the should_rebalance trigger."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from balancer import BalancerConfig, RoutingStats, should_rebalance
+
+
+def test_defaults_match_vllm():
+    c = BalancerConfig()
+    assert (c.enable_eplb, c.num_redundant_experts, c.window_size, c.step_interval, c.log_balancedness) == (
+        False, 0, 1000, 3000, False)
+    assert c.min_balancedness_to_skip == 0.95 and c.policy == "auto"
+
+
+def test_from_dict_accepts_vllm_eplb_config_json():
+    c = BalancerConfig.from_dict(json.loads(
+        '{"window_size": 1000, "step_interval": 3000, "num_redundant_experts": 32, "log_balancedness": true,'
+        ' "use_async": true, "policy": "default"}'))
+    assert c.num_redundant_experts == 32 and c.log_balancedness and c.use_async
+    assert c.resolved_policy == "auto"
+
+
+def test_from_dict_names_unknown_key():
+    with pytest.raises(ValueError, match="window_sise"):
+        BalancerConfig.from_dict({"window_sise": 10})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"window_size": 0}, "window_size=0"),
+    ({"num_redundant_experts": -1}, "num_redundant_experts=-1"),
+    ({"step_interval": -5}, "step_interval=-5"),
+    ({"policy": "fastest"}, "fastest"),
+    ({"min_balancedness_to_skip": 1.5}, "min_balancedness_to_skip=1.5"),
+    ({"window_size": 2.5}, "must be an int"),
+])
+def test_bad_values_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BalancerConfig(**kwargs)
+
+
+def test_validate_for_names_the_numbers():
+    BalancerConfig(enable_eplb=True, num_redundant_experts=32).validate_for(256, 32)
+    with pytest.raises(ValueError, match=r"256 \+ num_redundant_experts=30 = 286 .* ep_size=32"):
+        BalancerConfig(enable_eplb=True, num_redundant_experts=30).validate_for(256, 32)
+    with pytest.raises(ValueError, match="enable_eplb"):
+        BalancerConfig(num_redundant_experts=8).validate_for(8, 8)
+    with pytest.raises(ValueError, match="ep_size=0"):
+        BalancerConfig().validate_for(8, 0)
+
+
+def _stats(loads):
+    stats = RoutingStats(1, 4, 2, window_size=2)
+    for row in loads:
+        stats.record(torch.tensor([row]))
+    return stats
+
+
+def test_should_rebalance_on_interval_unless_balanced():
+    cfg = BalancerConfig(enable_eplb=True, step_interval=10, min_balancedness_to_skip=0.9)
+    skewed = _stats([[9, 1, 1, 1]])
+    balanced = _stats([[1, 1, 1, 1]])
+    assert should_rebalance(10, skewed, cfg)
+    assert not should_rebalance(9, skewed, cfg)
+    decision = should_rebalance(20, balanced, cfg)
+    assert not decision and "skipped" in decision.reason and decision.balancedness == 1.0
+    assert not should_rebalance(10, skewed, BalancerConfig(step_interval=10))
+    assert not should_rebalance(0, skewed, cfg)
+
+
+def test_should_rebalance_early_below_threshold_once_window_full():
+    cfg = BalancerConfig(enable_eplb=True, step_interval=1000, rebalance_below_balancedness=0.8)
+    assert not should_rebalance(3, _stats([[9, 1, 1, 1]]), cfg)  # window not full yet
+    decision = should_rebalance(3, _stats([[9, 1, 1, 1], [9, 1, 1, 1]]), cfg)
+    assert decision and "< 0.8" in decision.reason
