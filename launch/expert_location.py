@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -77,8 +78,26 @@ def read_expert_distribution_dump(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_expert_location(path: str | Path, *, num_layers: int, num_experts: int, num_physical_experts: int,
-                         num_gpus: int, num_groups: int = 1, num_nodes: int = 1) -> Placement:
+def load_expert_location(path: str | Path, model_config: Any, config: Any) -> Placement:
+    """The initial placement of a run (``--init-expert-location FILE``) from the dump at ``path``.
+
+    model_config: ``moe.config.ModelConfig`` (``moe_layer_ids``, ``num_experts``, ``n_group``);
+    config: ``launch.config.RuntimeConfig``: EP size = ``parallel.expert_parallel_size``, P = E +
+    ``balancer.num_redundant_experts`` when EPLB is on, nodes = ``parallel.num_nodes``.
+    """
+    num_experts = int(model_config.num_experts)
+    groups = int(getattr(model_config, "n_group", None) or 1)
+    balancer = config.balancer
+    redundant = int(balancer.num_redundant_experts) if balancer.enable_eplb else 0
+    return placement_from_dump(path, num_layers=len(model_config.moe_layer_ids), num_experts=num_experts,
+                               num_physical_experts=num_experts + redundant,
+                               num_gpus=int(config.parallel.expert_parallel_size),
+                               num_groups=groups if num_experts % groups == 0 else 1,
+                               num_nodes=int(config.parallel.num_nodes))
+
+
+def placement_from_dump(path: str | Path, *, num_layers: int, num_experts: int, num_physical_experts: int,
+                        num_gpus: int, num_groups: int = 1, num_nodes: int = 1) -> Placement:
     """The initial placement for a layout of ``num_gpus`` EP ranks from the dump at ``path``.
 
     num_layers: MoE layers L; num_experts: logical experts E; num_physical_experts: slots P

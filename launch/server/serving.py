@@ -152,7 +152,7 @@ class OpenAIServing:
         return await self._respond(subs, formatter, req, raw)
 
     def _token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ------------------------------------------------------------ driving the engine
 
