@@ -1,0 +1,98 @@
+"""``python -m launch serve --model DIR``: the OpenAI-compatible server on an ``AsyncLLM``.
+
+Flags: every runtime flag of ``launch.config.add_runtime_args`` (layout, engine,
+``--host`` (127.0.0.1 unless told otherwise), ``--port``, ``--api-key``,
+``--served-model-name``, ``--max-queue-len``, ``--config FILE``, ``--set k=v``), plus
+``--init-expert-location FILE`` (start from a dump's placement) and
+``--expert-distribution-dir DIR`` (where ``/dump_expert_distribution_record`` writes).
+The engine is built inside the server's event loop and shut down when uvicorn exits
+(Ctrl-C / SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import ipaddress
+import logging
+import sys
+from typing import Any
+
+import uvicorn
+
+from launch.config import RuntimeConfig, add_runtime_args, runtime_config_from_args
+from launch.config_schema import ConfigError
+from launch.server import build_app
+
+logger = logging.getLogger("launch.serve")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m launch serve", description=__doc__.splitlines()[0])
+    add_runtime_args(parser)
+    g = parser.add_argument_group("expert distribution")
+    g.add_argument("--init-expert-location", default=None, metavar="FILE",
+                   help="expert-distribution dump (safetensors) to take the initial placement from")
+    g.add_argument("--expert-distribution-dir", default=None, metavar="DIR",
+                   help="directory /dump_expert_distribution_record writes to")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    """The runtime config with the serve-only flags folded into ``server``."""
+    cfg = runtime_config_from_args(args)
+    extra = {name: getattr(args, name) for name in ("init_expert_location", "expert_distribution_dir")
+             if getattr(args, name) is not None}
+    if extra:
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **extra))
+    return cfg
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = None) -> None:
+    """Build the engine (unless given), serve until uvicorn is told to stop, then shut the engine down."""
+    if engine is None:
+        from launch.async_llm import AsyncLLM
+        engine = AsyncLLM.from_config(cfg)
+    try:
+        app = build_app(engine, cfg.server)
+        server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
+                                               log_level=log_level, timeout_graceful_shutdown=5))
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", cfg.served_model_name,
+                    cfg.server.host, cfg.server.port)
+        await server.serve()
+    finally:
+        result = engine.shutdown()
+        if asyncio.iscoroutine(result):
+            await result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+        cfg.check_model_path()
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not is_loopback(cfg.server.host) and not cfg.server.api_key:
+        logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
+                       cfg.server.host)
+    try:
+        asyncio.run(serve(cfg, log_level=args.log_level))
+    except KeyboardInterrupt:
+        pass
+    return 0

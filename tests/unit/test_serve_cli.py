@@ -1,0 +1,32 @@
+"""``python -m launch serve`` argument handling (the live server is in tests/ray/test_server_live.py)."""
+
+from __future__ import annotations
+
+import json
+
+from launch.serve import build_parser, config_from_args, is_loopback, main
+
+
+def test_serve_flags_land_in_server_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    args = build_parser().parse_args(["--model", str(tmp_path), "--port", "0", "--api-key", "k",
+                                      "--max-queue-len", "3", "--init-expert-location", "/d/x.safetensors",
+                                      "--expert-distribution-dir", "/d"])
+    cfg = config_from_args(args)
+    s = cfg.server
+    assert (s.host, s.port, s.api_key, s.max_queue_len) == ("127.0.0.1", 0, "k", 3)
+    assert (s.init_expert_location, s.expert_distribution_dir) == ("/d/x.safetensors", "/d")
+    assert config_from_args(build_parser().parse_args(["--model", str(tmp_path)])).server.init_expert_location is None
+
+
+def test_loopback_detection():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
+
+
+def test_bad_model_or_flags_exit_2(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "missing")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--model", str(tmp_path), "--max-queue-len", "0"]) == 2
+    assert "max_queue_len" in capsys.readouterr().err
