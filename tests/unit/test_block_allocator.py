@@ -205,11 +205,13 @@ def test_random_operations_never_leak_or_double_free(ops, caching):
     for op, pick, size in ops:
         if op == "alloc":
             # Few distinct prompts so prefixes are shared often.
-            seq = make_seq([pick % 3] * 3 + [pick] * size)
+            seq = make_seq([pick % 2] * 3 + [pick] * size)
             hit = alloc.num_cached_tokens(seq)
             num_new = min(seq.num_tokens - hit, size)
             if alloc.can_allocate(seq, num_new):
                 assert alloc.allocate(seq, num_new) == hit
+                seq.num_computed_tokens += num_new  # the step ran
+                alloc.cache_computed_blocks(seq)
                 live.append(seq)
         elif op == "step" and live:
             seq = live[pick % len(live)]
