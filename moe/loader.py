@@ -111,12 +111,36 @@ def _execute(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) -> None:
             view.copy_(src)
 
 
+@dataclass(frozen=True)
+class _Start:
+    seconds: float
+    num_reads: int
+    num_bytes_read: int
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint) -> _Start:
+        return cls(time.perf_counter(), ckpt.num_reads, ckpt.num_bytes_read)
+
+
 def _finish_report(
-    ckpt: Checkpoint, family: str, plans: list[TensorPlan], started: float, aliases: frozenset[str] = frozenset()
+    ckpt: Checkpoint,
+    family: str,
+    plans: list[TensorPlan],
+    start: _Start,
+    aliases: frozenset[str] = frozenset(),
+    account_leftovers: bool = True,
 ) -> LoadReport:
-    """Account for every checkpoint tensor: consumed, skipped expert, ignored or unexpected.
+    """Account for every checkpoint tensor: consumed, skipped expert, ignored or unexpected
+    (one pass over the checkpoint's names; skipped when ``account_leftovers`` is False).
     aliases: model names filled through a tied tensor (their checkpoint copy is ignored)."""
     report = LoadReport(ckpt.root, family, list(ckpt.files))
+    report.loaded = [p.request.name for p in plans]
+    report.tied_lm_head = any(p.request.name == LM_HEAD_NAME and p.copies[0].key == EMBED_NAME for p in plans)
+    report.num_reads = ckpt.num_reads - start.num_reads
+    report.num_bytes_read = ckpt.num_bytes_read - start.num_bytes_read
+    report.seconds = time.perf_counter() - start.seconds
+    if not account_leftovers:
+        return report
     consumed = {c.key for p in plans for c in p.copies}
     expert_blocks = {expert_block_of(c.key) for p in plans for c in p.copies} - {None}
     num_layers = ckpt.config.get("num_hidden_layers")
@@ -129,12 +153,6 @@ def _finish_report(
             report.skipped_experts += 1
         else:
             report.unexpected.append(key)
-    for p in plans:
-        report.loaded.append(p.request.name)
-        if p.request.name == LM_HEAD_NAME and p.copies[0].key == EMBED_NAME:
-            report.tied_lm_head = True
-    report.num_reads, report.num_bytes_read = ckpt.num_reads, ckpt.num_bytes_read
-    report.seconds = time.perf_counter() - started
     return report
 
 
@@ -154,8 +172,8 @@ def load_state_dict(
     """
     if isinstance(requests, Mapping):
         requests = [TensorRequest(name, tuple(shape)) for name, shape in requests.items()]
-    started = time.perf_counter()
     ckpt, owned = _open(path)
+    start = _Start.of(ckpt)
     try:
         plans, family = _plan_all(ckpt, requests)
         out: dict[str, torch.Tensor] = {}
@@ -165,7 +183,7 @@ def load_state_dict(
             # Zero-filled so slots a request leaves out (``slots``) hold no garbage.
             out[plan.request.name] = torch.zeros(plan.request.shape, dtype=want)
             _execute(ckpt, plan, out[plan.request.name])
-        return out, _finish_report(ckpt, family, plans, started)
+        return out, _finish_report(ckpt, family, plans, start)
     finally:
         if owned:
             ckpt.close()
@@ -210,14 +228,14 @@ def load_weights(
     experts module's ``slot_to_logical`` are read. Every tensor is resolved and
     shape-checked before the first write, so a bad checkpoint leaves the model untouched.
     """
-    started = time.perf_counter()
     targets, aliases = _model_requests(model, dtype)
     ckpt, owned = _open(path)
+    start = _Start.of(ckpt)
     try:
         plans, family = _plan_all(ckpt, (req for req, _ in targets.values()))
         for plan in plans:
             _execute(ckpt, plan, targets[plan.request.name][1])
-        return _finish_report(ckpt, family, plans, started, aliases)
+        return _finish_report(ckpt, family, plans, start, aliases)
     finally:
         if owned:
             ckpt.close()
@@ -231,13 +249,14 @@ def load_experts(
     module_name: the module's canonical name, e.g. ``model.layers.3.mlp.experts``.
     slots: local slots to fill from the logical experts now in ``slot_to_logical``
     (None: all). For weight migration by reload: pass an open ``Checkpoint`` to avoid
-    re-opening shards per layer. The report's ``skipped_experts`` / ``unexpected``
-    describe the whole checkpoint relative to this one module.
+    re-opening shards per layer. The report counts this call's reads only and leaves
+    ``skipped_experts`` / ``ignored`` / ``unexpected`` empty (no pass over all names, so
+    reloading layer by layer stays linear).
     """
-    started = time.perf_counter()
     p2l = tuple(int(e) for e in experts.slot_to_logical.tolist())
     chosen = None if slots is None else tuple(int(s) for s in slots)
     ckpt, owned = _open(path)
+    start = _Start.of(ckpt)
     try:
         requests = [
             TensorRequest(f"{module_name}.{leaf}", tuple(getattr(experts, leaf).shape), p2l, chosen)
@@ -246,7 +265,7 @@ def load_experts(
         plans, family = _plan_all(ckpt, requests)
         for plan, leaf in zip(plans, (GATE_UP, DOWN)):
             _execute(ckpt, plan, getattr(experts, leaf).detach())
-        return _finish_report(ckpt, family, plans, started)
+        return _finish_report(ckpt, family, plans, start, account_leftovers=False)
     finally:
         if owned:
             ckpt.close()

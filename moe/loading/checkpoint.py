@@ -71,8 +71,10 @@ def _files_from_index(index_path: Path) -> tuple[list[Path], dict[str, Path]]:
     by_key: dict[str, Path] = {}
     files: dict[Path, str] = {}
     for key, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard.endswith(".safetensors"):
-            raise CheckpointFormatError(f"{index_path}: tensor {key!r} maps to {shard!r}, not a .safetensors file")
+        if not isinstance(shard, str) or not shard.endswith(".safetensors") or Path(shard).name != shard:
+            raise CheckpointFormatError(
+                f"{index_path}: tensor {key!r} maps to {shard!r}, not a .safetensors file name in the index's directory"
+            )
         shard_path = index_path.parent / shard
         files.setdefault(shard_path, key)
         by_key[key] = shard_path

@@ -203,6 +203,8 @@ def test_load_experts_reloads_only_given_slots(hf_models, checkpoints, monkeypat
     rec = RecordingOpen(loader.Checkpoint.__init__.__globals__["safe_open"])
     monkeypatch.setattr("moe.loading.checkpoint.safe_open", rec)
     with loader.Checkpoint(checkpoints["qwen3_moe", True]) as ckpt:
+        load_experts(ckpt, target.model.layers[0].mlp.experts, "model.layers.0.mlp.experts")  # counted apart
+        rec.reads.clear()
         report = load_experts(ckpt, experts, "model.layers.1.mlp.experts", slots=[0])
     fused = hf.state_dict()
     torch.testing.assert_close(experts.w13[0], fused["model.layers.1.mlp.experts.gate_up_proj"][3], rtol=0, atol=0)
@@ -212,6 +214,7 @@ def test_load_experts_reloads_only_given_slots(hf_models, checkpoints, monkeypat
         f"model.layers.1.mlp.experts.3.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")
     )
     assert report.loaded == ["model.layers.1.mlp.experts.w13", "model.layers.1.mlp.experts.w2"]
+    assert report.num_reads == 3 and report.num_bytes_read == 3 * INTER * HID * 4
 
 
 def test_leftovers_are_classified(tmp_path):

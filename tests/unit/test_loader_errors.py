@@ -173,6 +173,10 @@ def test_index_inconsistent_with_shards(mixtral, tmp_path):
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointFormatError, match="model.norm.weight.*does not hold it"):
         load_state_dict(path, {})
+    index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointFormatError, match="'../elsewhere.safetensors', not a .safetensors file name in the index's"):
+        load_state_dict(path, {})
     index_path.write_text("{not json")
     with pytest.raises(CheckpointFormatError, match="index.json: cannot read the safetensors index"):
         load_state_dict(path, {})
