@@ -117,3 +117,30 @@ def test_chunked_prefill_mixed_batches_match_one_shot(loaded: dict, family: str)
     assert chunked == one_shot
     for a, b in zip(logits, ref_logits):
         assert (torch.stack(a) - torch.stack(b)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_serving_path_close_to_fp32(hf_checkpoints: dict[str, Path], loaded: dict, family: str) -> None:
+    _, ref_model = loaded[family]
+    model = MoEModel(ref_model.config, dtype=torch.bfloat16)
+    load_weights(model, hf_checkpoints[family], dtype=torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    prompts = _prompts(model.config.vocab_size, seed=3)
+    _, ref = greedy_generate(ref_model, prompts, 1)
+    _, got = greedy_generate(model, prompts, 2)  # prefill + one absorbed/batched decode step in bf16
+    for a, b in zip(ref, got):
+        assert (a[0] - b[0]).abs().max().item() < 0.1 * a[0].abs().max().item()
+
+
+def test_empty_batch_still_runs_every_layer(loaded: dict) -> None:
+    _, model = loaded["deepseek_v3"]
+    cache = PagedKVCache(model.config, 2, BLOCK_SIZE, torch.float32)
+    meta = AttentionMetadata.build([], [], [], BLOCK_SIZE)
+    calls = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: calls.append(out.shape)) for m in model.moe_layers()]
+    with torch.no_grad():
+        hidden = model(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), meta, cache)
+    for h in hooks:
+        h.remove()
+    assert hidden.shape == (0, model.config.hidden_size)
+    assert calls == [(0, model.config.hidden_size)] * len(model.config.moe_layer_ids)
