@@ -1,0 +1,295 @@
+"""The composed runtime configuration: one frozen dataclass per package, nested.
+
+``RuntimeConfig`` = ``model`` (a checkpoint dir or a Hugging Face repo name) +
+``model_overrides`` (config.json fields to override) + ``parallel`` + ``moe`` +
+``balancer`` (``balancer.config.BalancerConfig``) + ``engine`` + ``server``. YAML files in
+``configs/`` mirror this nesting::
+
+    model: checkpoints/tiny-deepseek-v3
+    parallel: {data_parallel_size: 4, enable_expert_parallel: true}
+    balancer: {enable_eplb: true, num_redundant_experts: 4}
+
+Loading is strict (``launch.config_schema``): an unknown key raises naming its full
+dotted key and the closest valid one; a wrong type raises naming key, expected and found
+types. ``__post_init__`` only validates; nothing found at run time is written back.
+Precedence: dataclass defaults < config file < ``--set key.sub=value`` < explicit flags
+(``launch.config_args``). The model path is not checked here (presets name models that
+are not on disk); ``check_model_path`` and ``validate_for_model`` check it at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from balancer.config import BalancerConfig
+from launch.config_schema import ConfigError, apply_override, build_dataclass, load_yaml_mapping
+from launch.core.kv_sizing import parse_memory
+from moe.capacity import OVERFLOWS, POLICIES
+from parallel.dispatch import BACKENDS as DISPATCH_BACKENDS
+
+__all__ = [
+    "BalancerConfig", "ConfigError", "EngineConfig", "MoEConfig", "ParallelConfig", "RuntimeConfig",
+    "ServerConfig", "add_runtime_args", "load_runtime_config", "runtime_config_from_args",
+]
+
+# vLLM's --all2all-backend names for what our dispatchers implement.
+_BACKEND_ALIASES = {"allgather_reducescatter": "allgather", "naive": "allgather"}
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
+DTYPES = ("bfloat16", "float32", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def _check_positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Process layout (vLLM names). world = tensor_parallel_size x data_parallel_size ranks
+    over num_nodes machines; with enable_expert_parallel the experts are spread over all of
+    them (EP = world), else every rank holds every expert. all2all_backend: "alltoall" |
+    "allgather" | "local" (vLLM's "allgather_reducescatter" = "allgather").
+    placement_strategy: the Ray placement-group strategy for the rank bundles."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "alltoall"
+    num_nodes: int = 1
+    placement_strategy: str = "PACK"
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "tensor_parallel_size", "data_parallel_size", "num_nodes")
+        _check_choice("all2all_backend", self.all2all_backend, DISPATCH_BACKENDS + tuple(_BACKEND_ALIASES))
+        _check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        if self.world_size % self.num_nodes:
+            raise ValueError(f"world size tensor_parallel_size x data_parallel_size = {self.world_size} "
+                             f"is not divisible by num_nodes={self.num_nodes}")
+        if self.enable_expert_parallel and self.world_size > 1 and self.all2all_backend == "local":
+            raise ValueError(f"all2all_backend 'local' cannot spread experts over {self.world_size} ranks")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.world_size if self.enable_expert_parallel else 1
+
+    @property
+    def dispatch_backend(self) -> str:
+        """The ``parallel.dispatch`` backend: "local" when one rank hosts every expert."""
+        if self.expert_parallel_size == 1:
+            return "local"
+        return _BACKEND_ALIASES.get(self.all2all_backend, self.all2all_backend)
+
+    def layout(self) -> Any:
+        """``parallel.layout.Layout`` of this config."""
+        from parallel.layout import Layout
+
+        return Layout(tp=self.tensor_parallel_size, dp=self.data_parallel_size,
+                      ep=self.expert_parallel_size, num_nodes=self.num_nodes)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Capacity enforcement (``moe.capacity``). capacity_factor <= 0: dropless (default).
+    capacity_scope: "local" (per source rank, no collective) | "global" (over the EP group);
+    capacity_policy: "position" | "score"; capacity_overflow: "drop" | "reroute";
+    min_capacity: floor on C."""
+
+    capacity_factor: float = 0.0
+    capacity_scope: str = "local"
+    capacity_policy: str = "position"
+    capacity_overflow: str = "drop"
+    min_capacity: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("capacity_scope", self.capacity_scope, ("local", "global"))
+        _check_choice("capacity_policy", self.capacity_policy, POLICIES)
+        _check_choice("capacity_overflow", self.capacity_overflow, OVERFLOWS)
+        if self.min_capacity < 0:
+            raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
+
+    @property
+    def is_dropless(self) -> bool:
+        return self.capacity_factor <= 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler and KV cache. max_model_len None = the model's max_position_embeddings;
+    num_kv_blocks None = sized from memory x memory_utilization after the weights; memory:
+    per-rank byte budget ("8GiB", "512MB" or bytes), None = what the device reports."""
+
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_dtype: str = "auto"
+    memory_utilization: float = 0.9
+    memory: str | int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                        "num_kv_blocks")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.memory is not None:
+            parse_memory(self.memory)
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len ({self.max_model_len}) "
+                "without chunked prefill: long prompts could never be scheduled")
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.memory is None else parse_memory(self.memory)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """OpenAI-compatible server. served_model_name None = the model string; max_queue_len:
+    waiting requests beyond which new ones get 503; expert_distribution_dir: where
+    /dump_expert_distribution_record writes; init_expert_location: a dump to place from."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queue_len: int = 1024
+    expert_distribution_dir: str | None = None
+    init_expert_location: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        _check_positive(self, "max_queue_len")
+        if not self.host:
+            raise ValueError("host must not be empty")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything a run needs; see the module docstring for YAML layout and precedence."""
+
+    model: str
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must name a checkpoint directory or a Hugging Face model")
+        if self.balancer.enable_eplb and not self.parallel.enable_expert_parallel:
+            raise ValueError("balancer.enable_eplb needs parallel.enable_expert_parallel")
+        if self.balancer.num_redundant_experts and not self.balancer.enable_eplb:
+            raise ValueError(f"balancer.num_redundant_experts={self.balancer.num_redundant_experts} "
+                             "needs balancer.enable_eplb")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RuntimeConfig:
+        """Strict construction from nested plain data (parsed YAML)."""
+        return build_dataclass(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.server.served_model_name or self.model
+
+    def check_model_path(self) -> Path:
+        """The checkpoint directory; raises FileNotFoundError naming what is missing."""
+        path = Path(self.model)
+        if not (path / "config.json").is_file():
+            hint = " (hub names need the files downloaded first)" if not path.exists() else ""
+            raise FileNotFoundError(f"model {self.model!r}: no config.json in that directory{hint}")
+        return path
+
+    def validate_for_model(self, model_config: Any) -> None:
+        """Check the layout against a ``moe.config.ModelConfig``; ValueError with the numbers."""
+        p, e = self.parallel, self.engine
+        mc = model_config
+        if e.max_model_len is not None and e.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"engine.max_model_len={e.max_model_len} > the model's max_position_embeddings "
+                             f"{mc.max_position_embeddings}")
+        tp = p.tensor_parallel_size
+        if mc.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads "
+                             f"{mc.num_attention_heads}")
+        if mc.attention == "gqa" and mc.num_key_value_heads % tp and tp % mc.num_key_value_heads:
+            raise ValueError(f"tensor_parallel_size={tp} must divide or be a multiple of num_key_value_heads "
+                             f"{mc.num_key_value_heads}")
+        self.balancer.validate_for(mc.num_experts, p.expert_parallel_size)
+
+
+def load_runtime_config(
+    path: str | Path | None = None, *, overrides: Sequence[str] = (), base: dict[str, Any] | None = None
+) -> RuntimeConfig:
+    """Strictly load ``path`` (YAML) over ``base``, then apply ``--set``-style overrides."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        data.update(load_yaml_mapping(path))
+    for item in overrides:
+        apply_override(data, item)
+    return RuntimeConfig.from_dict(data)
+
+
+def add_runtime_args(parser: argparse.ArgumentParser, *, server: bool = True) -> argparse.ArgumentParser:
+    """vLLM-style runtime flags (see ``launch.config_args``)."""
+    from launch import config_args
+
+    return config_args.add_runtime_args(parser, server=server)
+
+
+def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    """defaults < --config file < --set < --eplb-config < flags (see ``launch.config_args``)."""
+    from launch import config_args
+
+    return config_args.runtime_config_from_args(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``config``: resolve config file + --set + flags, validate, print the result as YAML."""
+    parser = argparse.ArgumentParser(prog="python -m launch config", description=main.__doc__)
+    add_runtime_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = runtime_config_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(cfg.to_yaml())
+    return 0

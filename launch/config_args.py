@@ -1,0 +1,144 @@
+"""vLLM-style command-line flags mapped onto ``RuntimeConfig``.
+
+``add_runtime_args(parser)`` adds ``--model``, ``--config FILE``, ``--set key.sub=value``
+(repeatable) and the flags in ``FLAG_KEYS`` (vLLM spellings: ``-tp``, ``-dp``,
+``--enable-expert-parallel``, ``--enable-eplb``, ``--eplb-config JSON``, ...). Every flag
+defaults to None, so only flags actually given override the file.
+``runtime_config_from_args(args)`` resolves defaults < config file < ``--set`` <
+``--eplb-config`` < other flags, then builds the config strictly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from launch.config import DTYPES, KV_CACHE_DTYPES, PLACEMENT_STRATEGIES, RuntimeConfig
+from launch.config_schema import (
+    ConfigError,
+    apply_override,
+    dotted_keys,
+    load_yaml_mapping,
+    set_dotted,
+    suggest_key,
+)
+
+# argparse dest -> dotted config key.
+FLAG_KEYS = {
+    "model": "model",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "data_parallel_size": "parallel.data_parallel_size",
+    "enable_expert_parallel": "parallel.enable_expert_parallel",
+    "all2all_backend": "parallel.all2all_backend",
+    "num_nodes": "parallel.num_nodes",
+    "placement_strategy": "parallel.placement_strategy",
+    "capacity_factor": "moe.capacity_factor",
+    "enable_eplb": "balancer.enable_eplb",
+    "num_redundant_experts": "balancer.num_redundant_experts",
+    "dtype": "engine.dtype",
+    "max_num_seqs": "engine.max_num_seqs",
+    "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "max_model_len": "engine.max_model_len",
+    "block_size": "engine.block_size",
+    "num_kv_blocks": "engine.num_kv_blocks",
+    "enable_prefix_caching": "engine.enable_prefix_caching",
+    "enable_chunked_prefill": "engine.enable_chunked_prefill",
+    "kv_cache_dtype": "engine.kv_cache_dtype",
+    "memory_utilization": "engine.memory_utilization",
+    "memory": "engine.memory",
+    "seed": "engine.seed",
+    "host": "server.host",
+    "port": "server.port",
+    "api_key": "server.api_key",
+    "served_model_name": "server.served_model_name",
+    "max_queue_len": "server.max_queue_len",
+}
+
+
+def _group_parallel(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None)
+    g.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="spread experts over all tp x dp ranks")
+    g.add_argument("--all2all-backend", default=None, help="alltoall | allgather (allgather_reducescatter) | local")
+    g.add_argument("--num-nodes", type=int, default=None)
+    g.add_argument("--placement-strategy", choices=PLACEMENT_STRATEGIES, default=None)
+    g.add_argument("--capacity-factor", type=float, default=None, help="<= 0: dropless (default)")
+    g.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--eplb-config", default=None, metavar="JSON",
+                   help='vLLM EPLB config, e.g. \'{"window_size": 1000, "step_interval": 3000}\'')
+    g.add_argument("--num-redundant-experts", type=int, default=None)
+
+
+def _group_engine(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", choices=DTYPES, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
+    g.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
+                   type=float, default=None)
+    g.add_argument("--memory", default=None, help="per-rank memory budget, e.g. 8GiB")
+    g.add_argument("--seed", type=int, default=None)
+
+
+def _group_server(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=None)
+    g.add_argument("--port", type=int, default=None)
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-queue-len", type=int, default=None)
+
+
+def add_runtime_args(parser: argparse.ArgumentParser, *, server: bool = True) -> argparse.ArgumentParser:
+    """Add the runtime flags to ``parser`` (server flags unless ``server=False``)."""
+    parser.add_argument("--model", default=None, help="checkpoint directory (or HF name in presets)")
+    parser.add_argument("--config", default=None, metavar="FILE", help="YAML file, e.g. configs/demo.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config value, e.g. --set engine.block_size=32 (repeatable)")
+    _group_parallel(parser)
+    _group_engine(parser)
+    if server:
+        _group_server(parser)
+    return parser
+
+
+def parse_eplb_config(text: str) -> dict[str, Any]:
+    """vLLM's ``--eplb-config`` JSON object; unknown keys raise naming the closest valid key."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--eplb-config is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--eplb-config must be a JSON object, found {type(data).__name__}")
+    valid = [k.split(".", 1)[1] for k in dotted_keys(RuntimeConfig) if k.startswith("balancer.")]
+    for key in data:
+        if key not in valid:
+            raise ConfigError(f"unknown --eplb-config key '{key}'{suggest_key(key, valid, None)}; "
+                              f"valid keys: {sorted(valid)}")
+    return data
+
+
+def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    """Resolve file, --set, --eplb-config and flags into a validated RuntimeConfig."""
+    data: dict[str, Any] = load_yaml_mapping(args.config) if getattr(args, "config", None) else {}
+    for item in getattr(args, "overrides", None) or ():
+        apply_override(data, item)
+    if getattr(args, "eplb_config", None):
+        for key, value in parse_eplb_config(args.eplb_config).items():
+            set_dotted(data, f"balancer.{key}", value)
+    for dest, key in FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            set_dotted(data, key, value)
+    if not data.get("model"):
+        raise ConfigError("missing required config key 'model': pass --model DIR or set 'model:' in --config")
+    return RuntimeConfig.from_dict(data)
