@@ -191,6 +191,10 @@ def test_load_state_dict_without_a_model(hf_models, checkpoints):
         assert out[r.name].shape == r.shape
         torch.testing.assert_close(out[r.name], want[r.name], rtol=0, atol=0)
     assert report.num_reads == 3 * len(set(SLOTS[0]))
+    # a rank that hosts no expert of a layer: [0, 2I, D], nothing read
+    empty = TensorRequest("model.layers.1.mlp.experts.w13", (0, 2 * INTER, HID), ())
+    out, report = load_state_dict(path, [empty])
+    assert out[empty.name].shape == (0, 2 * INTER, HID) and report.num_reads == 0
 
 
 def test_load_experts_reloads_only_given_slots(hf_models, checkpoints, monkeypatch):
