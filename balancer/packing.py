@@ -117,9 +117,10 @@ def refine_swaps(
         return bin_of.copy()
     members = members_of(bin_of, num_bins)
     num_experts = int(item_expert.max()) + 1
-    has = np.zeros((num_rows, num_bins, num_experts), dtype=np.int64)
-    np.add.at(has, (np.arange(num_rows)[:, None, None], np.arange(num_bins)[None, :, None],
-                    np.take_along_axis(item_expert, members.reshape(num_rows, -1), 1).reshape(members.shape)), 1)
+    member_expert = np.take_along_axis(item_expert, members.reshape(num_rows, -1), 1).reshape(members.shape)
+    flat = (np.arange(num_rows)[:, None, None] * num_bins + np.arange(num_bins)[None, :, None]) * num_experts
+    has = np.bincount((flat + member_expert).ravel(), minlength=num_rows * num_bins * num_experts)
+    has = has.reshape(num_rows, num_bins, num_experts)
     active = np.arange(num_rows)
     iters = max_iters if max_iters is not None else 4 * n
     for _ in range(iters):
@@ -144,9 +145,9 @@ def _swap_step(weight, expert, members, has, active, num_bins, k, target) -> np.
     top = loads[ar, hot]
     d = w[ar, hot][:, :, None, None] - w[:, None, :, :]  # [A, k(hot), m, k]
     score = np.maximum(top[:, None, None, None] - d, loads[:, None, :, None] + d)
-    h = has[active]
-    dup_in_other = h[ar[:, None, None], np.arange(num_bins)[None, None, :], ex[ar, hot][:, :, None]] > 0
-    dup_in_hot = h[ar[:, None, None], hot[:, None, None], ex] > 0  # [A, m, k]
+    act = active[:, None, None]
+    dup_in_other = has[act, np.arange(num_bins)[None, None, :], ex[ar, hot][:, :, None]] > 0  # [A, k, m]
+    dup_in_hot = has[act, hot[:, None, None], ex] > 0  # [A, m, k]
     bad = (d <= 0) | dup_in_other[:, :, :, None] | dup_in_hot[:, None, :, :]
     bad[ar, :, hot, :] = True
     score = np.where(bad, np.inf, score).reshape(a, -1)
