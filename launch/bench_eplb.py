@@ -66,24 +66,35 @@ def make_load(kind: str, num_layers: int, num_experts: int, rng: np.random.Gener
     return w / w.sum(1, keepdims=True) * 1e6
 
 
-def balancedness_bound(load: np.ndarray, num_replicas: int, num_gpus: int) -> float:
-    """Sound upper bound on overall balancedness over all placements.
+def balancedness_bound(load: np.ndarray, num_replicas: int, num_gpus: int, num_groups: int = 1,
+                       num_nodes: int = 1) -> float:
+    """Sound upper bound on overall balancedness over all placements of the policy family.
 
     Per layer the busiest GPU carries at least M = max of: the mean GPU load; w_e / c
-    for the heaviest expert with c = min(num_gpus, P - E + 1) (more replicas than GPUs
-    put two on one GPU); and the least M for which sum_e max(1, ceil(w_e / M)) <= P
-    (at load M every expert needs ceil(w_e / M) replicas). Returns sum(mean) / sum(M).
+    for the heaviest expert, c = min(GPUs it may use, slots it may get) (a replica
+    beyond the GPUs shares a GPU with another); the least M for which
+    sum_e max(1, ceil(w_e / M)) <= P (at load M every expert needs ceil(w_e / M)
+    replicas). Group-limited (num_groups % num_nodes == 0, num_nodes > 1): each node
+    holds E / N experts in P / N slots on R / N GPUs, and the node holding the heaviest
+    group spreads it over at most R / N GPUs. Returns sum(mean) / sum(M).
     """
     num_layers, num_experts = load.shape
+    hierarchical = num_nodes > 1 and num_groups % num_nodes == 0
+    nodes = num_nodes if hierarchical else 1
+    gpus, slots, experts = num_gpus // nodes, num_replicas // nodes, num_experts // nodes
     mean = load.sum(1) / num_gpus
-    per_expert = load.max(1) / min(num_gpus, num_replicas - num_experts + 1)
+    per_expert = load.max(1) / min(gpus, slots - experts + 1)
     lo, hi = np.zeros(num_layers), load.max(1) + 1e-9  # at hi every expert needs one replica
     for _ in range(60):
         mid = (lo + hi) / 2
         need = np.maximum(1, np.ceil(load / np.maximum(mid, 1e-30)[:, None])).sum(1)
         ok = need <= num_replicas
         hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid)
-    bound = np.maximum.reduce([mean, per_expert, lo])
+    bounds = [mean, per_expert, lo]
+    if hierarchical:
+        group_load = load.reshape(num_layers, num_groups, -1).sum(-1)
+        bounds.append(group_load.max(1) / gpus)
+    bound = np.maximum.reduce(bounds)
     return float(mean.sum() / bound.sum())
 
 
@@ -127,7 +138,7 @@ def run_case(s: Scenario, kind: str, reference: Callable, rng: np.random.Generat
         "scenario": s.name, "load": kind,
         "balancedness_ours": predict(w0, ours0, s.num_gpus).overall,
         "balancedness_reference": predict(w0, ref0, s.num_gpus).overall,
-        "balancedness_bound": balancedness_bound(w0, s.num_replicas, s.num_gpus),
+        "balancedness_bound": balancedness_bound(w0, s.num_replicas, s.num_gpus, s.num_groups, s.num_nodes),
         "ms_ours": ms_ours, "ms_ours_with_old": ms_ours_old, "ms_reference": ms_ref,
         "drift_balancedness_ours": predict(w1, ours1, s.num_gpus).overall,
         "drift_balancedness_reference": predict(w1, ref1, s.num_gpus).overall,
