@@ -116,7 +116,7 @@ class Sequence:
     @property
     def num_outstanding_tokens(self) -> int:
         """Tokens still to run through the model at most (uncomputed + yet to generate)."""
-        return max(0, self.max_num_tokens - self.num_computed_tokens)
+        return 0 if self.is_finished else max(0, self.max_num_tokens - self.num_computed_tokens)
 
     @property
     def is_finished(self) -> bool:

@@ -6,8 +6,9 @@ Random rows draw by the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1
 token i with probability ``probs[i]``, and lets each row draw its noise from its own
 generator while the arithmetic stays batched. A seeded row's generator is seeded from
 ``(seed, output_index)``: the noise for a request's k-th token depends on nothing else,
-so seeded output does not change with batch composition, preemption or worker restarts.
-Unseeded rows share the sampler's generator.
+so seeded output does not change with batch composition, preemption or worker restarts
+(on a given device type: CPU and CUDA generators produce different streams). Unseeded rows
+share the sampler's generator.
 
 Logprobs are the raw model's (log-softmax of the unprocessed logits, before temperature,
 top-k and top-p), as vLLM returns by default.
@@ -63,6 +64,7 @@ class Sampler:
 
     def __init__(self, seed: int | None = None) -> None:
         self._generator = torch.Generator()
+        self._device_generators: dict[str, torch.Generator] = {}
         if seed is None:
             self._generator.seed()
         else:
@@ -96,18 +98,25 @@ class Sampler:
 
     def _draw(self, probs: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> torch.Tensor:
         """probs: [B, V] float32 -> [B] int64 by the exponential race, per-row seeded noise."""
-        q = torch.empty_like(probs)
-        unseeded = [b for b, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            noise = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype)
-            q[unseeded] = noise.exponential_(generator=self._generator).to(probs.device)
+        q = torch.empty_like(probs).exponential_(generator=self._generator_for(probs.device))
         for b, p in enumerate(params):
             if p.seed is not None:
-                gen = torch.Generator().manual_seed(hash((p.seed, output_indices[b])) & _SEED_MASK)
-                row = torch.empty(probs.shape[1], dtype=probs.dtype)
-                q[b] = row.exponential_(generator=gen).to(probs.device)
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed(hash((p.seed, output_indices[b])) & _SEED_MASK)
+                q[b].exponential_(generator=gen)
         q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would turn a zero prob into nan
         return (probs / q).argmax(dim=-1)
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        """The unseeded rows' generator on ``device`` (one per device, derived from the CPU one)."""
+        if device.type == "cpu":
+            return self._generator
+        key = str(device)
+        if key not in self._device_generators:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._generator)))
+            self._device_generators[key] = gen
+        return self._device_generators[key]
 
 
 def apply_temperature_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -60,6 +60,8 @@ class SchedulerStats:
     kv_cache_usage: tuple[float, ...]  # per DP rank, fraction of blocks in use
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
+    prompt_tokens_total: int  # prompt tokens of requests that produced a first token
+    generation_tokens_total: int  # tokens sampled and appended
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -105,6 +107,8 @@ class Scheduler:
         self._step_id = 0
         self._pending_step: int | None = None
         self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     # ---- requests ------------------------------------------------------------------
 
@@ -341,8 +345,11 @@ class Scheduler:
             request = self._requests[seq.request_id]
             if seq.append_token(int(token), logprobs):
                 self._retire(seq)
+            self.generation_tokens_total += 1
             metrics = request.metrics
-            metrics.first_token_time = now if metrics.first_token_time is None else metrics.first_token_time
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                self.prompt_tokens_total += len(request.prompt_token_ids)
             metrics.last_token_time = now
             touched[request.request_id] = request
 
@@ -371,4 +378,6 @@ class Scheduler:
             kv_cache_usage=tuple(a.usage for a in self.allocators),
             prefix_cache_queries=sum(c.queries for c in cache),
             prefix_cache_hits=sum(c.hits for c in cache),
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
         )

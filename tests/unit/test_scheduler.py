@@ -9,6 +9,8 @@ hit changes the generated tokens, which are compared with a run that had ample r
 from __future__ import annotations
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from launch.core.batch import SampledTokens, SchedulerOutput
 from launch.core.block_allocator import BlockAllocator
@@ -324,6 +326,8 @@ def test_n_samples_share_request_and_metrics_use_clock():
     m = ro.metrics
     assert m.arrival_time < m.first_scheduled_time <= m.first_token_time < m.finished_time
     assert m.ttft == m.first_token_time - m.arrival_time
+    stats = sched.stats()
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total) == (5, 6)
 
 
 def test_batch_lists_match_attention_metadata():
@@ -351,3 +355,41 @@ def test_stats_report_usage_and_queue_lengths():
     assert (stats.num_running, stats.num_waiting) == (1, 1)
     assert stats.kv_cache_usage == (pytest.approx(2 / 8),)
     sched.update(out, model.run(out))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 14), st.integers(1, 12), st.integers(0, 3)), min_size=2, max_size=8),
+    num_blocks=st.integers(5, 9), budget=st.integers(4, 24), chunked=st.booleans(),
+    dp_size=st.integers(1, 2), prefix=st.booleans(), max_num_seqs=st.integers(2, 6),
+)
+def test_random_workloads_finish_with_reference_tokens(reqs, num_blocks, budget, chunked, dp_size, prefix,
+                                                       max_num_seqs):
+    budget = budget if chunked else 32
+    sched, model = make(num_blocks=num_blocks, dp_size=dp_size, prefix=prefix, max_model_len=32,
+                        max_num_batched_tokens=budget, enable_chunked_prefill=chunked, max_num_seqs=max_num_seqs)
+    ref, ref_model = make(num_blocks=1000, max_model_len=32)
+    pending = sorted(((delay, f"r{i}", prompt(i % 3, plen), mt) for i, (plen, mt, delay) in enumerate(reqs)))
+    finals, step = {}, 0
+    while pending or sched.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, p, mt = pending.pop(0)
+            try:
+                sched.add_request(rid, p, SamplingParams(max_tokens=mt))
+            except ValueError as e:
+                assert "blocks" in str(e)
+                continue
+            ref.add_request(rid, p, SamplingParams(max_tokens=mt))
+        out = sched.schedule()
+        for batch in out.batches:
+            assert batch.num_tokens <= budget and batch.num_seqs <= max_num_seqs
+        finals.update({o.request_id: o for o in sched.update(out, model.run(out)) if o.finished})
+        step += 1
+        assert step < 500, "no progress"
+    event(f"preempted: {sched.num_preemptions > 0}")
+    want = run_all(ref, ref_model)
+    assert set(finals) == set(want)
+    for rid, o in finals.items():
+        assert o.outputs[0].token_ids == want[rid].outputs[0].token_ids
+        assert o.outputs[0].finish_reason == "length"
+    assert all(a.num_free_blocks == num_blocks for a in sched.allocators)
