@@ -102,19 +102,24 @@ class BlockAllocator:
 
     # ---- allocation ----------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
         """Whether ``allocate(seq, num_new_tokens)`` would succeed."""
         hit = self._find_cached_prefix(seq)
+        if num_new_tokens is None:
+            num_new_tokens = seq.num_tokens - len(hit) * self.block_size
         revived = sum(1 for b in hit if self._blocks[b].ref_count == 0)
         needed = self.blocks_needed(len(hit) * self.block_size + num_new_tokens) - len(hit)
         return needed + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> int:
         """Give a sequence with no blocks its cached prefix plus room for ``num_new_tokens``
-        more tokens. Sets ``seq.block_ids`` and ``seq.num_computed_tokens`` (= the hit) and
-        returns the number of cached tokens hit. Raises if it does not fit."""
+        more tokens (default: all its uncached tokens). Sets ``seq.block_ids`` and
+        ``seq.num_computed_tokens`` (= the hit) and returns the number of cached tokens hit.
+        Raises if it does not fit."""
         if seq.block_ids:
             raise ValueError(f"sequence {seq.seq_id} already holds {len(seq.block_ids)} blocks")
+        if num_new_tokens is None:
+            num_new_tokens = seq.num_tokens - self.num_cached_tokens(seq)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if not self.can_allocate(seq, num_new_tokens):

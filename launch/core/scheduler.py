@@ -295,14 +295,18 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: SequenceOf[SampledTokens]) -> list[RequestOutput]:
+    def update(
+        self, output: SchedulerOutput, sampled: SequenceOf[SampledTokens | SequenceOf[int]]
+    ) -> list[RequestOutput]:
         """Apply one step's results: advance computed tokens, append sampled tokens, check
-        stops, free finished sequences. ``sampled[r]`` has one token per ``do_sample`` row of
-        rank r's batch. Returns a cumulative output for every request that got a token."""
+        stops, free finished sequences. ``sampled[r]`` (a SampledTokens or a plain list of
+        token ids) has one token per ``do_sample`` row of rank r's batch, in batch order.
+        Returns a cumulative output for every request that got a token."""
         if output.step_id != self._pending_step:
             raise ValueError(f"update() got step {output.step_id}, expected step {self._pending_step}")
         if len(sampled) != len(output.batches):
             raise ValueError(f"need one SampledTokens per DP rank ({len(output.batches)}), got {len(sampled)}")
+        sampled = [r if isinstance(r, SampledTokens) else SampledTokens(token_ids=list(r)) for r in sampled]
         for batch, result in zip(output.batches, sampled):
             want = len(batch.sample_rows)
             if len(result.token_ids) != want:

@@ -37,6 +37,9 @@ def test_allocate_counts_blocks_and_usage():
     assert alloc.usage == pytest.approx(0.3)
     alloc.free(seq)
     assert seq.block_ids == [] and alloc.num_free_blocks == 10 and alloc.usage == 0.0
+    whole = make_seq(list(range(9)))
+    assert alloc.can_allocate(whole) and alloc.allocate(whole) == 0  # default: every uncached token
+    assert len(whole.block_ids) == 3
 
 
 def test_append_slots_grows_only_at_block_boundary():

@@ -116,3 +116,18 @@ def test_logprobs_are_raw_model_logprobs_with_top_n():
     assert list(sampled.logprobs[1]) == [out.token_ids[1].item()]  # logprobs=0: sampled token only
     assert sampled.logprobs[2] is None
     assert math.isclose(sum(math.exp(v) for v in raw[2].tolist()), 1.0, rel_tol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_seeded_rows_do_not_depend_on_the_batch():
+    gen = torch.Generator().manual_seed(6)
+    row = torch.randn(1, 1000, generator=gen).cuda()
+    batch = torch.cat([torch.randn(3, 1000, generator=gen).cuda(), row])
+    seeded = SamplingParams(seed=77, top_k=50, top_p=0.9)
+    params = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_p=0.5), seeded]
+    alone = [Sampler(seed=0)(row, [seeded], [k]).token_ids.item() for k in range(10)]
+    mixed = [Sampler(seed=1)(batch, params, [0, 0, 0, k]).token_ids[3].item() for k in range(10)]
+    assert alone == mixed
+    assert set(alone) <= set(row[0].topk(50).indices.tolist())
+    out = Sampler(seed=0)(batch, params)
+    assert out.token_ids.device.type == "cuda" and out.token_ids.shape == (4,)

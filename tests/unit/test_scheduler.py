@@ -287,7 +287,7 @@ def test_eos_stop_token_and_ignore_eos_through_update():
     sched.add_request("ign", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
     sched.add_request("stopid", [5, 6], SamplingParams(max_tokens=10, stop_token_ids=[42]))
     out = sched.schedule()
-    outs = {o.request_id: o for o in sched.update(out, [SampledTokens(token_ids=[EOS, EOS, 42])])}
+    outs = {o.request_id: o for o in sched.update(out, [[EOS, EOS, 42]])}  # plain lists work too
     assert outs["eos"].finished and outs["eos"].outputs[0].finish_reason == "stop"
     assert outs["eos"].outputs[0].stop_reason is None and outs["eos"].outputs[0].token_ids == [EOS]
     assert outs["stopid"].outputs[0].stop_reason == 42
