@@ -1,0 +1,140 @@
+"""``python -m launch <command> ...``: a registry of subcommands, imported lazily.
+
+Each command names its entry point as ``"module:function"``; the module is imported only
+when that command runs (so ``make-tiny`` never imports Ray). The function takes the
+remaining arguments, ``main(argv: list[str]) -> int | None``, and parses them itself with
+``argparse`` (unknown flags are errors). Two-word commands (``bench eplb``) are matched
+before one-word ones. A command whose module does not exist yet prints a clear error and
+exits 1, with no traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 1
+_PROJECT_PACKAGES = ("launch", "moe", "parallel", "balancer")
+
+
+@dataclass(frozen=True)
+class Command:
+    """name: "serve" or "bench eplb"; target: "package.module:function"; help: one line."""
+
+    name: str
+    target: str
+    help: str
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def function(self) -> str:
+        return self.target.partition(":")[2] or "main"
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, target: str, help: str) -> Command:
+    """Add a command; names are one or two words, targets ``module:function``."""
+    words = name.split()
+    if not 1 <= len(words) <= 2 or " ".join(words) != name:
+        raise ValueError(f"command name must be one or two words, got {name!r}")
+    if ":" not in target:
+        raise ValueError(f"command target must be 'module:function', got {target!r}")
+    if name in COMMANDS:
+        raise ValueError(f"command {name!r} is already registered")
+    COMMANDS[name] = cmd = Command(name, target, help)
+    return cmd
+
+
+register("serve", "launch.serve:main", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+register("generate", "launch.generate:main", "generate completions for prompts offline")
+register("demo", "launch.demo:main", "make run: tiny DeepSeek-V3 on local Ray, EP + EPLB, OpenAI API")
+register("make-tiny", "launch.tiny_checkpoint:main", "write a random tiny/small checkpoint with tokenizer")
+register("kvcalc", "launch.kvcalc:main", "KV-cache bytes per token and capacity for a model config")
+register("config", "launch.config:main", "validate config file + --set + flags; print the resolved YAML")
+register("commbench", "parallel.commbench:main", "collective benchmark (nccl-tests style table)")
+register("bench eplb", "launch.bench_eplb:main", "expert-load-balancer benchmark on routing traces")
+register("bench throughput", "launch.bench_throughput:main", "offline generation throughput")
+register("bench serve", "launch.bench_serve:main", "online serving benchmark against a running server")
+register("bench decode", "launch.bench_decode:main", "decode step latency and tokens/s")
+
+
+def is_available(cmd: Command) -> bool:
+    """Whether the command's module exists (imports only its parent packages)."""
+    try:
+        return importlib.util.find_spec(cmd.module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def format_help() -> str:
+    lines = ["usage: python -m launch <command> [args...]", "", "commands:"]
+    width = max(len(n) for n in COMMANDS) + 2
+    for name in sorted(COMMANDS):
+        cmd = COMMANDS[name]
+        mark = "" if is_available(cmd) else "  [not available: module missing]"
+        lines.append(f"  {name:<{width}}{cmd.help}{mark}")
+    lines += ["", "Run `python -m launch <command> --help` for a command's flags."]
+    return "\n".join(lines)
+
+
+def resolve(argv: list[str]) -> tuple[Command, list[str]]:
+    """The command named by the first one or two words of argv, and the rest."""
+    if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in COMMANDS:
+        return COMMANDS[f"{argv[0]} {argv[1]}"], argv[2:]
+    if argv[0] in COMMANDS:
+        return COMMANDS[argv[0]], argv[1:]
+    group = sorted(n for n in COMMANDS if n.startswith(argv[0] + " "))
+    if group:
+        got = f" {argv[1]!r}" if len(argv) > 1 else ""
+        raise LookupError(f"unknown '{argv[0]}' command{got}; choose one of: {', '.join(group)}")
+    close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise LookupError(f"unknown command {argv[0]!r}{hint}; run `python -m launch --help` for the list")
+
+
+def load(cmd: Command) -> Callable[[list[str]], int | None]:
+    """Import the command's module and return its entry function; LookupError if missing."""
+    try:
+        module = importlib.import_module(cmd.module)
+    except ModuleNotFoundError as e:
+        missing = e.name or "?"
+        if cmd.module == missing or cmd.module.startswith(missing + "."):
+            raise LookupError(f"command '{cmd.name}' is not available: module {cmd.module} does not exist") from e
+        if missing.split(".")[0] in _PROJECT_PACKAGES:
+            raise LookupError(f"command '{cmd.name}' is not available: {cmd.module} imports {missing}, "
+                              "which does not exist") from e
+        raise LookupError(f"command '{cmd.name}' needs the Python package {missing!r}, which is not installed") from e
+    fn = getattr(module, cmd.function, None)
+    if not callable(fn):
+        raise LookupError(f"command '{cmd.name}': {cmd.module} has no function {cmd.function}()")
+    return fn
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a registered command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(format_help())
+        return 0 if argv else EXIT_USAGE
+    try:
+        cmd, rest = resolve(argv)
+    except LookupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        fn = load(cmd)
+    except LookupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    rc = fn(rest)
+    return 0 if rc is None else int(rc)

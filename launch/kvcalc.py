@@ -1,0 +1,93 @@
+"""``kvcalc``: how much KV cache fits, from a model's config.json alone (no weights needed).
+
+Prints bytes per token (MLA latent or GQA heads, and what full MHA would need), the
+weights per TP rank, the tokens that fit in the rest of the memory budget, and how many
+sequences of ``--max-model-len`` tokens fit at once. The arithmetic is
+``launch.core.kv_sizing.compute_kv_sizing``; weights are split over TP ranks only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from launch.core.kv_sizing import KVSizing, compute_kv_sizing
+from moe.config import ModelConfig
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_WEIGHT_DTYPE_BYTES = {**_DTYPE_BYTES, "fp8": 1}
+_GIB = 1024**3
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m launch kvcalc", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, type=Path, help="checkpoint directory or a config.json file")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--dtype", choices=tuple(_DTYPE_BYTES), default="bfloat16", help="weights (and 'auto' KV)")
+    p.add_argument("--weight-dtype", choices=tuple(_WEIGHT_DTYPE_BYTES), default=None,
+                   help="stored weight dtype if not --dtype (fp8 for DeepSeek-V3's released weights)")
+    p.add_argument("--memory", default="80GiB", help="accelerator memory per rank, e.g. 80GiB, 141GB")
+    p.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
+                   type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def _layout_line(cfg: ModelConfig) -> str:
+    if cfg.attention == "mla":
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return f"MLA latent: {cfg.kv_lora_rank} + {cfg.qk_rope_head_dim} rope = {width} values per layer"
+    return (f"GQA: 2 x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} = "
+            f"{2 * cfg.num_key_value_heads * cfg.head_dim} values per layer")
+
+
+def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str) -> str:
+    """The human-readable kvcalc table."""
+    lines = [
+        f"model: {cfg.architecture}, {cfg.num_hidden_layers} layers, {cfg.num_parameters() / 1e9:.2f}B parameters "
+        f"({dtype} weights)",
+        f"attention: {_layout_line(cfg)}",
+        f"kv cache dtype: {s.kv_cache_dtype} ({s.kv_dtype_bytes:g} B per value)",
+        f"KV bytes per token (all layers): {s.kv_bytes_per_token:,} B",
+        f"  as full multi-head attention: {s.mha_bytes_per_token:,} B ({s.savings_vs_mha:.1f}x more)",
+        f"  per rank at tensor_parallel_size={s.tensor_parallel_size}: {s.kv_bytes_per_token_per_rank:,} B",
+        f"memory per rank: {s.memory_bytes / _GIB:.2f} GiB x {s.memory_utilization:g} utilization",
+        f"weights per rank: {s.weight_bytes_per_rank / _GIB:.2f} GiB",
+        f"KV budget per rank: {s.kv_budget_bytes / _GIB:.2f} GiB",
+        f"tokens that fit: {s.max_num_tokens:,} ({s.num_blocks(block_size):,} blocks of {block_size})",
+        f"concurrent sequences at max_model_len {s.max_model_len:,}: {s.max_concurrency:.2f}",
+    ]
+    if cfg.unsupported:
+        lines.append("note: config fields the runtime does not implement: " + "; ".join(cfg.unsupported))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvcalc``: KV-cache capacity of one rank for a model config."""
+    args = _build_parser().parse_args(argv)
+    try:
+        cfg = ModelConfig.from_hf(args.model, strict=False)
+        sizing = compute_kv_sizing(
+            cfg, memory_bytes=args.memory, kv_cache_dtype=args.kv_cache_dtype,
+            dtype_bytes=_DTYPE_BYTES[args.dtype],
+            weight_dtype_bytes=_WEIGHT_DTYPE_BYTES[args.weight_dtype] if args.weight_dtype else None,
+            memory_utilization=args.memory_utilization,
+            max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+        )
+        blocks = sizing.num_blocks(args.block_size)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: kvcalc {args.model}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"architecture": cfg.architecture, "attention": cfg.attention,
+                          "num_parameters": cfg.num_parameters(), "num_blocks": blocks,
+                          "block_size": args.block_size, **asdict(sizing)}))
+    else:
+        print(format_report(cfg, sizing, args.block_size, args.weight_dtype or args.dtype))
+    return 0
