@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,6 +38,7 @@ from launch.server.serving import OpenAIServing
 logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health"})
+MAX_BODY_BYTES = 64 * 1024 * 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                 503: "server_overloaded"}
@@ -69,6 +70,38 @@ class APIKeyMiddleware:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over ``max_bytes`` (declared or streamed), before they are buffered."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await error_response(413, self._message())(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"Request body too large: the limit is {self.max_bytes} bytes."
 
 
 def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -148,8 +181,8 @@ def _install_expert_distribution_routes(app: FastAPI, engine: EngineClient, dump
         return {"message": "Dumped the expert distribution.", "path": str(path)}
 
 
-def build_app(engine: EngineClient, server_config: Any) -> FastAPI:
-    """The server app for ``engine``.
+def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The server app for ``engine``; request bodies over ``max_body_bytes`` get 413.
 
     server_config: ``launch.config.ServerConfig`` (reads ``api_key``, ``served_model_name``,
         ``max_queue_len``, ``expert_distribution_dir``; a missing field means its default).
@@ -190,7 +223,8 @@ def build_app(engine: EngineClient, server_config: Any) -> FastAPI:
         return await serving.chat(body, raw)
 
     _install_expert_distribution_routes(app, engine, dump_dir)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     api_key = getattr(server_config, "api_key", None)
-    if api_key:
+    if api_key:  # added last = outermost: unauthenticated bodies are never read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app

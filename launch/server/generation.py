@@ -75,21 +75,41 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(500, f"Internal engine error: {type(exc).__name__}: {exc}", type="internal_error")
 
 
-async def _pump(engine: EngineClient, sub: SubRequest, queue: asyncio.Queue, timer: RequestTimer) -> None:
-    """Feed one sub-request's outputs into ``queue``; always ends with a sentinel or an error."""
+class _Mailbox:
+    """The latest undelivered output of each sub-request (outputs are cumulative, so a
+    newer one supersedes an older one: a slow reader costs O(choices) memory, not O(tokens))."""
+
+    def __init__(self, num_subs: int) -> None:
+        self.latest: dict[int, Any] = {}
+        self.num_open = num_subs
+        self.error: APIError | None = None
+        self.changed = asyncio.Event()
+
+    def put(self, index: int, out: Any) -> None:
+        self.latest[index] = out
+        self.changed.set()
+
+    def close(self, error: APIError | None = None) -> None:
+        self.num_open -= 1
+        self.error = self.error or error
+        self.changed.set()
+
+
+async def _pump(engine: EngineClient, sub: SubRequest, box: _Mailbox, timer: RequestTimer) -> None:
+    """Feed one sub-request's outputs into ``box``; always closes its slot, with or without an error."""
     stream = engine.generate(sub.prompt_token_ids, sub.params, sub.request_id)
     finished = False
+    error = None
     try:
         async for out in stream:
             finished = bool(out.finished)
             timer.on_output(out)
-            queue.put_nowait((sub.index, out, None))
-        queue.put_nowait((sub.index, None, None))
+            box.put(sub.index, out)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # handed to the consumer, which raises it
         finished = True
-        queue.put_nowait((sub.index, None, engine_error(exc)))
+        error = engine_error(exc)
     finally:
         with contextlib.suppress(Exception):
             await stream.aclose()
@@ -97,28 +117,33 @@ async def _pump(engine: EngineClient, sub: SubRequest, queue: asyncio.Queue, tim
             timer.on_abort()
             with contextlib.suppress(Exception):
                 await engine.abort(sub.request_id)
+    box.close(error)
 
 
 async def merge_streams(engine: EngineClient, subs: list[SubRequest],
                         metrics: ServerMetrics) -> AsyncIterator[tuple[int, Any]]:
     """Yield ``(index, RequestOutput)`` from all ``subs`` as they arrive; raises ``APIError``.
 
-    When the consumer stops early (``aclose``, cancellation, an error) every
-    unfinished sub-request is cancelled and aborted before this generator returns.
+    Consecutive outputs of one sub-request not yet read are coalesced (the newest wins);
+    each sub-request's finished output is always delivered. When the consumer stops early
+    (``aclose``, cancellation, an error) every unfinished sub-request is cancelled and
+    aborted before this generator returns.
     """
-    queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(engine, sub, queue, metrics.request_timer(len(sub.prompt_token_ids))))
+    box = _Mailbox(len(subs))
+    tasks = [asyncio.create_task(_pump(engine, sub, box, metrics.request_timer(len(sub.prompt_token_ids))))
              for sub in subs]
     try:
-        remaining = len(tasks)
-        while remaining:
-            index, out, err = await queue.get()
-            if err is not None:
-                raise err
-            if out is None:
-                remaining -= 1
-                continue
-            yield index, out
+        while True:
+            if box.error is not None:
+                raise box.error
+            if box.latest:
+                index = next(iter(box.latest))
+                yield index, box.latest.pop(index)
+            elif box.num_open == 0:
+                return
+            else:
+                box.changed.clear()
+                await box.changed.wait()
     finally:
         for task in tasks:
             task.cancel()
@@ -151,5 +176,8 @@ async def race_disconnect(awaitable: Awaitable[T], request: Request) -> T:
 
 
 async def first_item(stream: AsyncIterator[T]) -> T:
-    """The first item of ``stream`` (``StopAsyncIteration`` if it is empty)."""
-    return await stream.__anext__()
+    """The first item of ``stream``; a 500 ``APIError`` if the engine produced nothing."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise APIError(500, "The engine ended the request without any output.", type="internal_error") from None

@@ -161,8 +161,8 @@ class OpenAIServing:
         stream = merge_streams(self.engine, subs, self.metrics)
         try:
             if not req.stream:
-                finals = await race_disconnect(self._collect(stream), raw)
-                return JSONResponse(formatter.response([finals[s.index] for s in subs]).model_dump())
+                finals = await race_disconnect(self._collect(stream, len(subs)), raw)
+                return JSONResponse(formatter.response(finals).model_dump())
             first = await race_disconnect(first_item(stream), raw)
         except ClientDisconnected:
             self.metrics.on_rejected(CLIENT_CLOSED)
@@ -176,11 +176,15 @@ class OpenAIServing:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @staticmethod
-    async def _collect(stream: AsyncIterator[tuple[int, Any]]) -> dict[int, Any]:
+    async def _collect(stream: AsyncIterator[tuple[int, Any]], num_choices: int) -> list[Any]:
+        """The last output of every choice, in index order."""
         finals: dict[int, Any] = {}
         async for index, out in stream:
             finals[index] = out
-        return finals
+        if len(finals) != num_choices:
+            raise APIError(500, f"The engine ended {num_choices - len(finals)} of {num_choices} choices "
+                           "without any output.", type="internal_error")
+        return [finals[i] for i in range(num_choices)]
 
     @staticmethod
     async def _sse(stream: AsyncIterator[tuple[int, Any]], first: tuple[int, Any], formatter: Any,

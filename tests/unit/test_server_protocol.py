@@ -213,6 +213,19 @@ def test_openai_client_raises_typed_errors(served):
         served.client.completions.create(model="fake-moe", prompt="x", max_tokens=1000)
 
 
+def test_oversized_bodies_get_413():
+    with ServerThread(build_app(FakeEngine(), server_config(), max_body_bytes=1000)) as srv:
+        big = {"prompt": "x" * 2000}
+        r = post(srv.base_url + "/v1/completions", big)
+        assert r.status_code == 413 and "too large" in r.json()["error"]["message"]
+
+        def chunks():  # no content-length: the limit applies while streaming the body in
+            yield json.dumps(big).encode()
+        r = httpx.post(srv.base_url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert post(srv.base_url + "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 def test_api_key_guards_everything_but_health():
     engine = FakeEngine()
     with ServerThread(build_app(engine, server_config(api_key="sekret"))) as srv:
