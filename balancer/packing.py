@@ -100,6 +100,7 @@ def refine_swaps(
     num_bins: int,
     max_iters: int | None = None,
     target: np.ndarray | None = None,
+    forbid_dup: bool = True,
 ) -> np.ndarray:
     """Local search: repeatedly apply the swap between the most loaded bin and any
     other bin that lowers the larger of the two loads the most. Stops for a row when
@@ -107,7 +108,8 @@ def refine_swaps(
 
     item_weight: [X, n]; item_expert: [X, n] int64; bin_of: [X, n] initial bins;
     target: [X] optional; a row stops once its maximum bin load is at most this
-    (fewer swaps, fewer moved copies, when starting from an old placement).
+    (fewer swaps, fewer moved copies, when starting from an old placement);
+    forbid_dup: False lets a swap put a second replica of an expert on a bin.
     Returns: bin_of [X, n] with each bin still holding exactly k items; per row the
     maximum bin load is never higher than the initial one.
     """
@@ -126,7 +128,8 @@ def refine_swaps(
     for _ in range(iters):
         if active.size == 0:
             break
-        active = _swap_step(item_weight, item_expert, members, has, active, num_bins, k, target)
+        active = _swap_step(item_weight, item_expert, members, has if forbid_dup else None, active, num_bins, k,
+                            target)
     out = np.empty_like(bin_of)
     np.put_along_axis(out, members.reshape(num_rows, -1),
                       np.repeat(np.arange(num_bins), k)[None, :].repeat(num_rows, 0), 1)
@@ -145,10 +148,12 @@ def _swap_step(weight, expert, members, has, active, num_bins, k, target) -> np.
     top = loads[ar, hot]
     d = w[ar, hot][:, :, None, None] - w[:, None, :, :]  # [A, k(hot), m, k]
     score = np.maximum(top[:, None, None, None] - d, loads[:, None, :, None] + d)
-    act = active[:, None, None]
-    dup_in_other = has[act, np.arange(num_bins)[None, None, :], ex[ar, hot][:, :, None]] > 0  # [A, k, m]
-    dup_in_hot = has[act, hot[:, None, None], ex] > 0  # [A, m, k]
-    bad = (d <= 0) | dup_in_other[:, :, :, None] | dup_in_hot[:, None, :, :]
+    bad = d <= 0
+    if has is not None:
+        act = active[:, None, None]
+        dup_in_other = has[act, np.arange(num_bins)[None, None, :], ex[ar, hot][:, :, None]] > 0  # [A, k, m]
+        dup_in_hot = has[act, hot[:, None, None], ex] > 0  # [A, m, k]
+        bad = bad | dup_in_other[:, :, :, None] | dup_in_hot[:, None, :, :]
     bad[ar, :, hot, :] = True
     score = np.where(bad, np.inf, score).reshape(a, -1)
     best = score.argmin(1)
@@ -166,6 +171,8 @@ def _swap_step(weight, expert, members, has, active, num_bins, k, target) -> np.
     item_j = members[glob, other, j]
     members[glob, hb, i] = item_j
     members[glob, other, j] = item_i
+    if has is None:
+        return glob
     ei, ej = expert[glob, item_i], expert[glob, item_j]
     np.add.at(has, (glob, hb, ei), -1)
     np.add.at(has, (glob, other, ei), 1)

@@ -7,12 +7,14 @@ Policies:
   "global"        ours: one domain of all GPUs;
   "auto"          ours, hierarchical when num_groups % num_nodes == 0 (DeepSeek's rule).
 Ours differs from DeepSeek's in four ways: replicas of one expert are capped at the
-number of GPUs of the domain and never share a GPU; every greedy packing is refined by
-a swap local search; given old_phy2log, bins are relabelled and slots ordered to keep
-copies in place, and a "sticky" candidate that starts from the old placement is kept
-when its balancedness is within `stability_tolerance` of the fresh one; finally, per
-layer, DeepSeek's own placement is taken wherever it balances better, so ours is never
-worse than the reference.
+number of GPUs of the domain and do not share a GPU (unless, on a layer, only a shared
+GPU lets ours match the reference: two replicas on one GPU are an uneven split of that
+expert's load); every greedy packing is refined by a swap local search; given
+old_phy2log, bins are relabelled and slots ordered to keep copies in place, and a
+"sticky" candidate that starts from the old placement and swaps only until it is
+within `stability_tolerance` of the fresh balancedness (never below the reference's)
+is taken wherever it gets there; finally, per layer, DeepSeek's own placement is taken
+wherever it still balances better, so ours is never worse than the reference.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from balancer.placement import compute_log2phy
 from balancer.stability import greedy_matching, match_bins, order_in_bins, sticky_bins
 
 POLICIES = ("auto", "hierarchical", "global", "deepseek")
+_EPS = 1e-12
 
 
 def rebalance_experts(
@@ -59,23 +62,13 @@ def rebalance_experts(
         if old.min() < 0 or old.max() >= num_experts:
             raise ValueError(f"old_phy2log holds expert ids outside [0, {num_experts})")
     hierarchical = num_groups % num_nodes == 0 if policy in ("auto", "deepseek") else policy == "hierarchical"
-    reference = rebalance_deepseek(w, num_replicas, num_groups, num_nodes, num_gpus)
+    groups, nodes = (num_groups, num_nodes) if hierarchical else (1, 1)
+    # DeepSeek's algorithm on the same family (its global policy is groups = nodes = 1).
+    ref = rebalance_deepseek(w, num_replicas, groups, nodes, num_gpus)
     if policy == "deepseek":
-        phy = reference
+        phy = ref
     else:
-        groups, nodes = (num_groups, num_nodes) if hierarchical else (1, 1)
-        ref = reference if hierarchical == (num_groups % num_nodes == 0) else \
-            rebalance_deepseek(w, num_replicas, groups, nodes, num_gpus)
-        fresh = _place(w, num_replicas, groups, nodes, num_gpus, old, None)
-        sticky = None
-        if old is not None:
-            b_fresh = predict(w, fresh, num_gpus).per_layer.numpy()
-            b_ref = predict(w, ref, num_gpus).per_layer.numpy()
-            goal = np.maximum(b_fresh - stability_tolerance, b_ref)
-            # Highest GPU load that still reaches the goal; the sticky search stops there.
-            max_load = w.sum(1) / num_gpus / np.maximum(goal, 1e-12) * (1 + 1e-9)
-            sticky = _place(w, num_replicas, groups, nodes, num_gpus, old, max_load)
-        phy = _choose(w, num_gpus, fresh, sticky, ref, stability_tolerance)
+        phy = _ours(w, (num_replicas, groups, nodes, num_gpus), old, ref, stability_tolerance)
     phy2log = torch.from_numpy(np.ascontiguousarray(phy, dtype=np.int64))
     log2phy, logcnt = compute_log2phy(phy2log, num_experts)
     return phy2log, log2phy, logcnt
@@ -105,10 +98,11 @@ def _validate(weight, num_replicas, num_groups, num_nodes, num_gpus, policy) -> 
     return w
 
 
-def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, max_load) -> np.ndarray:
+def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, max_load, *, allow_dup: bool) -> np.ndarray:
     """Our placement; w [L, E] float64, old [L, P] or None -> phy2log [L, P].
     max_load [L] (sticky mode, needs old): start from old and only swap until every
-    GPU load is at most this; None: pack afresh, then relabel to overlap old."""
+    GPU load is at most this; None: pack afresh, then relabel to overlap old.
+    allow_dup: let two replicas of an expert share a GPU (no cap on replicas)."""
     num_layers, num_experts = w.shape
     group_size = num_experts // num_groups
     group_weight = w.reshape(num_layers, num_groups, group_size).sum(-1)
@@ -128,7 +122,7 @@ def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, max_load) -> n
         np.put_along_axis(local_of, dom_exp, np.broadcast_to(np.arange(dom_exp.shape[1]), dom_exp.shape), 1)
         old_local = np.take_along_axis(local_of, old.reshape(rows, -1), 1)
     dom_max = None if max_load is None else np.repeat(max_load, num_nodes)
-    slots = _place_domain(dom_w, num_replicas // num_nodes, num_gpus // num_nodes, old_local, dom_max)
+    slots = _place_domain(dom_w, num_replicas // num_nodes, num_gpus // num_nodes, old_local, dom_max, allow_dup)
     return np.take_along_axis(dom_exp, slots, 1).reshape(num_layers, num_replicas)
 
 
@@ -174,19 +168,20 @@ def _sticky_groups(counts: np.ndarray, per_node: int) -> np.ndarray:
     return out
 
 
-def _place_domain(w, num_slots, num_bins, old_local, max_load) -> np.ndarray:
+def _place_domain(w, num_slots, num_bins, old_local, max_load, allow_dup) -> np.ndarray:
     """w [X, e] -> slots [X, num_slots] local expert ids, GPU b owning slots b*k..b*k+k-1."""
     num_rows, num_experts = w.shape
-    counts, extra = replicate(w, num_slots, max_count=num_bins)
+    counts, extra = replicate(w, num_slots, max_count=None if allow_dup else num_bins)
     item_expert = np.concatenate([np.broadcast_to(np.arange(num_experts), (num_rows, num_experts)), extra], 1)
     item_weight = np.take_along_axis(w / counts, item_expert, 1)
     sticky = max_load is not None
     if sticky:
         bins = sticky_bins(item_expert, item_weight, old_local, num_bins)
     else:
-        bins, _ = greedy_pack(item_weight, item_expert, num_bins)
-    bins = repair_duplicates(item_weight, item_expert, bins, num_bins)
-    bins = refine_swaps(item_weight, item_expert, bins, num_bins, target=max_load)
+        bins, _ = greedy_pack(item_weight, None if allow_dup else item_expert, num_bins)
+    if not allow_dup:
+        bins = repair_duplicates(item_weight, item_expert, bins, num_bins)
+    bins = refine_swaps(item_weight, item_expert, bins, num_bins, target=max_load, forbid_dup=not allow_dup)
     if old_local is None:
         return order_in_bins(item_expert, bins, np.full_like(item_expert, -1), num_bins)
     if not sticky:
@@ -195,16 +190,39 @@ def _place_domain(w, num_slots, num_bins, old_local, max_load) -> np.ndarray:
     return order_in_bins(item_expert, bins, old_local, num_bins)
 
 
-def _choose(w, num_gpus, fresh, sticky, reference, tolerance) -> np.ndarray:
-    """Per layer: sticky if within tolerance of fresh and not below the reference, else
-    the better of fresh and the reference (fresh on ties)."""
-    b_fresh = predict(w, fresh, num_gpus).per_layer.numpy()
-    b_ref = predict(w, reference, num_gpus).per_layer.numpy()
-    eps = 1e-12
-    out = np.where((b_fresh + eps >= b_ref)[:, None], fresh, reference)
-    best = np.maximum(b_fresh, b_ref)
-    if sticky is not None:
-        b_sticky = predict(w, sticky, num_gpus).per_layer.numpy()
-        keep = (b_sticky + eps >= best - tolerance) & (b_sticky + eps >= b_ref)
-        out = np.where(keep[:, None], sticky, out)
-    return out
+def _ours(w, shape, old, ref, tolerance) -> np.ndarray:
+    """Per layer: the dup-free placement; one allowing two replicas on a GPU (an
+    uneven split of that expert's load) only where the reference beats dup-free;
+    the reference's own layer where it still wins. Given old, the sticky candidate
+    wherever it reaches max(fresh - tolerance, reference). Returns phy2log [L, P]."""
+    num_gpus = shape[3]
+
+    def bal(weight, phy):
+        return predict(weight, phy, num_gpus).per_layer.numpy()
+
+    def sub(x, rows):
+        return None if x is None else x[rows]
+
+    fresh = _place(w, *shape, old, None, allow_dup=False)
+    b_fresh, b_ref = bal(w, fresh), bal(w, ref)
+    rows = np.nonzero(b_fresh + _EPS < b_ref)[0]
+    if rows.size:
+        alt = _place(w[rows], *shape, sub(old, rows), None, allow_dup=True)
+        b_alt = bal(w[rows], alt)
+        better = b_alt > b_fresh[rows] + _EPS
+        fresh[rows[better]], b_fresh[rows[better]] = alt[better], b_alt[better]
+    worse = b_fresh + _EPS < b_ref
+    fresh[worse], b_fresh[worse] = ref[worse], b_ref[worse]
+    if old is None:
+        return fresh
+    goal = np.maximum(b_fresh - tolerance, b_ref)
+    # Highest GPU load that still reaches the goal; the sticky search stops there.
+    max_load = w.sum(1) / num_gpus / np.maximum(goal, 1e-12) * (1 + 1e-9)
+    sticky = _place(w, *shape, old, max_load, allow_dup=False)
+    ok = bal(w, sticky) + _EPS >= goal
+    rows = np.nonzero(~ok)[0]
+    if rows.size:
+        alt = _place(w[rows], *shape, old[rows], max_load[rows], allow_dup=True)
+        reached = bal(w[rows], alt) + _EPS >= goal[rows]
+        sticky[rows[reached]], ok[rows[reached]] = alt[reached], True
+    return np.where(ok[:, None], sticky, fresh)
