@@ -88,6 +88,16 @@ def compute_node_major_order(bundle_nodes: Sequence[str]) -> list[int]:
     return sorted(range(len(bundle_nodes)), key=lambda i: (first[bundle_nodes[i]], i))
 
 
+def compute_layout_nodes(rank_nodes: Sequence[str]) -> int:
+    """Nodes the layout and the balancer may assume: every node must hold the same number of
+    ranks, else the cluster counts as one node (with a warning)."""
+    counts = {n: rank_nodes.count(n) for n in dict.fromkeys(rank_nodes)}
+    if len(set(counts.values())) == 1:
+        return len(counts)
+    log.warning("ranks are spread unevenly over nodes %s: the layout treats them as one node", counts)
+    return 1
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
@@ -131,7 +141,7 @@ class WorkerGroup:
         nodes = [bundle_nodes[i] for i in range(num_ranks)]
         order = compute_node_major_order(nodes)
         node_ids = list(dict.fromkeys(nodes[b] for b in order))
-        self.num_nodes = len(node_ids)
+        self.num_nodes = compute_layout_nodes([nodes[b] for b in order])
         self.ranks = [
             RankInfo(rank=r, bundle_index=b, node_id=nodes[b], node_rank=node_ids.index(nodes[b]))
             for r, b in enumerate(order)

@@ -1,0 +1,223 @@
+"""The engine: scheduler + executor + balancer, stepped by the caller.
+
+``step()`` is the whole loop: schedule, execute on every worker, update, maybe rebalance.
+The same engine runs one in-process rank or a Ray cluster of TP x DP ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from balancer import Placement
+from launch.config import RuntimeConfig
+from launch.core import (
+    BlockAllocator,
+    RequestOutput,
+    SampledTokens,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    compute_kv_sizing,
+)
+from launch.driver import EplbDriver
+from launch.executor import Executor, build_executor
+from launch.worker import DTYPES, WorkerSpec
+from moe.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_MEMORY = "2GiB"
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    tokens_dropped: int = 0
+    tokens_rerouted: int = 0
+    num_steps: int = 0
+    step_seconds_total: float = 0.0
+    worker_seconds_total: float = 0.0
+
+
+def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_model_len: int) -> int:
+    """KV blocks per DP rank: the override, else what the memory budget holds, capped at
+    what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use."""
+    e = config.engine
+    if e.num_kv_blocks is not None:
+        return int(e.num_kv_blocks)
+    memory = e.memory or (f"{torch.cuda.get_device_properties(0).total_memory}" if torch.cuda.is_available()
+                          else DEFAULT_CPU_MEMORY)
+    sizing = compute_kv_sizing(
+        model_config, memory_bytes=memory, kv_cache_dtype=e.kv_cache_dtype,
+        dtype_bytes=torch.finfo(DTYPES[e.dtype]).bits // 8, memory_utilization=e.memory_utilization,
+        max_model_len=max_model_len, tensor_parallel_size=config.parallel.tensor_parallel_size,
+    )
+    ceiling = -(-e.max_num_seqs * max_model_len // e.block_size) + 1
+    return max(1, min(sizing.num_blocks(e.block_size), ceiling))
+
+
+def build_initial_placement(config: RuntimeConfig, model_config: ModelConfig) -> Placement:
+    """Identity placement (plus redundant slots), or the one in ``server.init_expert_location``."""
+    ep = config.parallel.expert_parallel_size
+    num_layers = len(model_config.moe_layer_ids)
+    if config.server.init_expert_location:
+        from launch.expert_location import load_expert_location
+
+        placement = load_expert_location(config.server.init_expert_location, model_config, config)
+        if placement.num_gpus != ep or placement.num_layers != num_layers:
+            raise ValueError(f"init_expert_location {config.server.init_expert_location}: placement for "
+                             f"{placement.num_layers} layers on {placement.num_gpus} ranks, run has "
+                             f"{num_layers} MoE layers on {ep} EP ranks")
+        return placement
+    redundant = config.balancer.num_redundant_experts if config.balancer.enable_eplb else 0
+    return Placement.identity(num_layers, model_config.num_experts, redundant, ep)
+
+
+class LLMEngine:
+    """Synchronous engine. ``add_request`` / ``abort_request`` / ``step`` / ``stats``."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        path = config.check_model_path()
+        self.model_config = ModelConfig.from_hf(path)
+        config.validate_for_model(self.model_config)
+        self.tokenizer = _load_tokenizer(path)
+        e, p = config.engine, config.parallel
+        self.max_model_len = e.max_model_len or self.model_config.max_position_embeddings
+        self.num_kv_blocks = compute_num_kv_blocks(config, self.model_config, self.max_model_len)
+        self.placement = build_initial_placement(config, self.model_config)
+        moe = config.moe
+        capacity = None
+        if moe.capacity_factor > 0:
+            capacity = {"capacity_factor": moe.capacity_factor, "scope": moe.capacity_scope,
+                        "min_capacity": moe.min_capacity, "policy": moe.capacity_policy,
+                        "overflow": moe.capacity_overflow, "renormalize": False}
+        world = p.world_size
+        spec = WorkerSpec(
+            model_path=str(path), dtype=e.dtype, tp=p.tensor_parallel_size, dp=p.data_parallel_size,
+            ep=p.expert_parallel_size, num_nodes=p.num_nodes, all2all_backend=p.dispatch_backend,
+            num_kv_blocks=self.num_kv_blocks, block_size=e.block_size, kv_cache_dtype=e.kv_cache_dtype,
+            phy2log=self.placement.phy2log, capacity=capacity, seed=e.seed,
+            num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
+        )
+        self.executor: Executor = build_executor(spec, strategy=p.placement_strategy)
+        try:
+            self.eplb = EplbDriver(
+                config.balancer, self.placement, num_groups=self._num_groups(),
+                num_nodes=self.executor.num_nodes if self.executor.num_nodes > 1 else 1,
+                expert_bytes=3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
+                * torch.finfo(DTYPES[e.dtype]).bits // 8,
+            ) if self.model_config.moe_layer_ids else None
+            sched = SchedulerConfig(
+                max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                max_model_len=self.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
+                dp_size=p.data_parallel_size, block_size=e.block_size,
+            )
+            allocators = [BlockAllocator(self.num_kv_blocks, e.block_size, e.enable_prefix_caching)
+                          for _ in range(p.data_parallel_size)]
+            eos = self.model_config.eos_token_ids
+            decode = self.tokenizer.decode if self.tokenizer is not None else None
+            self.scheduler = Scheduler(sched, allocators, eos_token_ids=eos, decode=decode)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.counters = EngineCounters()
+        self._ids = itertools.count()
+        self._force_rebalance = False
+
+    def _num_groups(self) -> int:
+        groups = self.model_config.n_group or 1
+        return groups if self.model_config.num_experts % groups == 0 else 1
+
+    # ---- requests --------------------------------------------------------------------
+
+    def next_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        """Queue a request; ValueError for one that can never run (ids outside the vocab,
+        too long for max_model_len or for the KV pool)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.scheduler.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+        self.counters.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute on every rank, update; maybe rebalance. Returns outputs of
+        requests that got tokens this step (cumulative, vLLM-style)."""
+        started = time.perf_counter()
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return self.scheduler.update(output, [SampledTokens() for _ in output.batches])
+        results = self.executor.execute(output, collect_load=self.eplb is not None)
+        outputs = self.scheduler.update(output, [r.sampled for r in results])
+        self._account(results)
+        self.counters.num_steps += 1
+        self.counters.worker_seconds_total += max(r.seconds for r in results)
+        self.counters.step_seconds_total += time.perf_counter() - started
+        if self.eplb is not None and self.config.balancer.enable_eplb and (self._force_rebalance or self.eplb.due()):
+            self.rebalance()
+        return outputs
+
+    def _account(self, results) -> None:
+        self.counters.generation_tokens_total += sum(len(r.sampled.token_ids) for r in results)
+        for r in results:
+            for dropped, rerouted in r.capacity:
+                self.counters.tokens_dropped += dropped
+                self.counters.tokens_rerouted += rerouted
+        if self.eplb is not None:
+            loads = [r.slot_load for r in results if r.slot_load is not None]
+            if loads:
+                self.eplb.record(torch.stack(loads).sum(0))
+
+    def request_rebalance(self) -> None:
+        """Rebalance after the next step regardless of the trigger (tests, operators)."""
+        self._force_rebalance = True
+
+    def rebalance(self) -> dict[str, float]:
+        """Plan on the driver, move weights on every rank, switch placement together."""
+        assert self.eplb is not None
+        self._force_rebalance = False
+        started = time.perf_counter()
+        new, plan, prediction = self.eplb.plan_rebalance()
+        self.executor.apply_move_plan(plan, new.phy2log)
+        seconds = time.perf_counter() - started
+        before = self.eplb.balancedness()[1]
+        self.eplb.commit(new, plan, seconds)
+        self.placement = new
+        log.info("rebalanced in %.3fs: %d expert copies moved, balancedness %.4f -> predicted %.4f",
+                 seconds, plan.num_copies_moved, before, prediction.overall)
+        return {"seconds": seconds, "copies_moved": plan.num_copies_moved, "before": before,
+                "predicted": float(prediction.overall)}
+
+    def shutdown(self) -> None:
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+            self.executor = None
+
+
+def _load_tokenizer(path):
+    from launch.tokenizer import Tokenizer
+
+    if not (path / "tokenizer.json").is_file():
+        log.warning("%s has no tokenizer.json: prompts must be token ids", path)
+        return None
+    return Tokenizer.from_dir(path)

@@ -1,0 +1,129 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)`` (vLLM-shaped)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from launch.config import RuntimeConfig
+from launch.core import RequestOutput, SamplingParams
+from launch.engine import LLMEngine
+
+_ENGINE_KEYS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                "num_kv_blocks", "enable_prefix_caching", "enable_chunked_prefill", "kv_cache_dtype",
+                "memory_utilization", "memory", "seed")
+_PARALLEL_KEYS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "all2all_backend",
+                  "num_nodes", "placement_strategy")
+_MOE_KEYS = ("capacity_factor", "capacity_scope", "capacity_policy", "capacity_overflow", "min_capacity")
+
+Prompt = str | Mapping[str, Any]
+
+
+def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig:
+    """Map LLM(...) keyword arguments (vLLM names) onto the nested RuntimeConfig; an unknown
+    argument raises TypeError naming it."""
+    data: dict[str, Any] = {"model": str(model), "engine": {}, "parallel": {}, "moe": {}, "balancer": {}}
+    for key, value in kwargs.items():
+        if key == "gpu_memory_utilization":
+            data["engine"]["memory_utilization"] = value
+        elif key in _ENGINE_KEYS:
+            data["engine"][key] = value
+        elif key in _PARALLEL_KEYS:
+            data["parallel"][key] = value
+        elif key in _MOE_KEYS:
+            data["moe"][key] = value
+        elif key == "enable_eplb":
+            data["balancer"]["enable_eplb"] = value
+        elif key == "num_redundant_experts":
+            data["balancer"]["num_redundant_experts"] = value
+        elif key == "eplb_config":
+            data["balancer"].update(dict(value or {}))
+        else:
+            raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+    return RuntimeConfig.from_dict(data)
+
+
+class LLM:
+    """Offline generation on the engine (one rank in-process, or Ray actors when the layout has
+    more than one rank). Same outputs either way."""
+
+    def __init__(self, model: str | None = None, *, config: RuntimeConfig | None = None, **kwargs: Any) -> None:
+        if config is None:
+            if model is None:
+                raise TypeError("LLM() needs model=DIR or config=RuntimeConfig")
+            config = build_runtime_config(model, kwargs)
+        elif kwargs or model is not None:
+            raise TypeError("LLM(config=...) takes no other arguments")
+        self.config = config
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """prompts: a string, ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``, or a list of
+        them. sampling_params: one for all, or one per prompt. Returns one RequestOutput per
+        prompt, in order, each finished."""
+        if isinstance(prompts, str | Mapping):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        for prompt, p in zip(prompts, params):
+            token_ids, text = self._tokenize(prompt)
+            request_id = self.engine.next_request_id()
+            self.engine.add_request(request_id, token_ids, p, prompt=text)
+            ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self._encode(prompt), prompt
+        if "prompt_token_ids" in prompt:
+            return [int(t) for t in prompt["prompt_token_ids"]], prompt.get("prompt")
+        if "prompt" in prompt:
+            return self._encode(prompt["prompt"]), prompt["prompt"]
+        raise ValueError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; got "
+                         f"keys {sorted(prompt)}")
+
+    def _encode(self, text: str) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json: pass {'prompt_token_ids': [...]}")
+        return self.engine.tokenizer.encode(text)
+
+    def shutdown(self) -> None:
+        """Stop the workers (and a Ray cluster this LLM started)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass

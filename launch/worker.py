@@ -1,0 +1,240 @@
+"""One rank of the runtime: its model shard, KV pool, dispatcher and routing statistics.
+
+A plain class: tests build it in-process, ``launch/cluster.py`` wraps it with
+``ray.remote`` at spawn time. Every method is a thin shell: the driver decides
+(batches, placements, move plans) and every worker executes the same decision.
+
+Shape legend: T tokens in this rank's batch, B sequences, L MoE layers, P physical slots.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from launch.core import BatchSpec, SampledTokens, Sampler
+from moe.config import ModelConfig
+from moe.kv_cache import AttentionMetadata, PagedKVCache
+from moe.loader import load_weights
+from moe.model import MoEModel
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to build its shard (picklable; identical on every rank).
+
+    phy2log: initial placement [L, P] int64 (None = identity, no redundant slots).
+    capacity: None (dropless) or dict(capacity_factor, scope "local"|"global", min_capacity,
+    policy, overflow, renormalize).
+    """
+
+    model_path: str
+    dtype: str = "bfloat16"
+    tp: int = 1
+    dp: int = 1
+    ep: int | None = None
+    num_nodes: int = 1
+    all2all_backend: str = "alltoall"
+    num_kv_blocks: int = 256
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    phy2log: torch.Tensor | None = None
+    capacity: dict[str, Any] | None = None
+    seed: int = 0
+    dist_timeout_s: float = 300.0
+    num_threads: int | None = None
+    migration_method: str = "p2p"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+
+@dataclass
+class StepResult:
+    """A rank's reply to one step. sampled: None on ranks that do not report tokens
+    (tp_rank > 0). slot_load: [L, P] int64 assignments per slot this step (tp_rank 0 only).
+    capacity: per MoE layer (dropped, rerouted) this step."""
+
+    sampled: SampledTokens | None
+    slot_load: torch.Tensor | None = None
+    capacity: list[tuple[int, int]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Worker:
+    """One rank: ``Worker(spec, rank)`` is cheap; ``setup(init_method)`` joins the process
+    groups, builds and loads the shard; then ``execute`` once per step."""
+
+    def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        from parallel.layout import Layout
+
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        self.spec, self.rank = spec, rank
+        self.layout = Layout(tp=spec.tp, dp=spec.dp, ep=spec.ep, num_nodes=spec.num_nodes)
+        self.coords = self.layout.coords(rank)
+        self.groups = None
+
+    def rendezvous_address(self) -> str:
+        """A tcp:// init method on this rank's node (called on rank 0 only)."""
+        import socket
+
+        host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def setup(self, init_method: str | None = None) -> dict[str, Any]:
+        """Join the process groups (world > 1), build the model shard, load it, allocate KV."""
+        from parallel.dispatch import GlobalCapacity, build_dispatcher
+
+        spec, rank = self.spec, self.rank
+        if spec.world_size > 1:
+            from parallel.groups import build_process_groups, init_distributed
+
+            init_distributed(rank, spec.world_size, init_method=init_method, timeout=spec.dist_timeout_s)
+            self.groups = build_process_groups(self.layout, rank, timeout=spec.dist_timeout_s)
+        self.config = ModelConfig.from_hf(spec.model_path)
+        self.dtype = DTYPES[spec.dtype]
+        self.phy2log = self._initial_phy2log()
+        cap = dict(spec.capacity or {})
+        scope = cap.pop("scope", "local")
+        global_cap = None
+        if cap and scope == "global":
+            global_cap = GlobalCapacity(float(cap["capacity_factor"]), int(cap.get("min_capacity", 0)),
+                                        bool(cap.get("renormalize", False)))
+        backend = spec.all2all_backend if self.layout.ep_size > 1 else "local"
+        dispatcher = build_dispatcher(backend, self.groups, self.layout, global_capacity=global_cap)
+        self.model = MoEModel(
+            self.config, dtype=self.dtype, local_slots=self._local_slots(), dispatcher=dispatcher,
+            tp_group=self.groups.tp if self.groups else None, tp_rank=self.coords.tp_rank, tp_size=spec.tp,
+        )
+        for i, layer in enumerate(self.model.moe_layers()):
+            layer.set_placement(self.phy2log[i], self.layout.ep_size, self.coords.ep_rank)
+            if cap and scope == "local" and float(cap["capacity_factor"]) > 0:
+                layer.capacity_factor = float(cap["capacity_factor"])
+                layer.capacity_options = {k: v for k, v in cap.items() if k != "capacity_factor"}
+        self.load_report = load_weights(self.model, spec.model_path, dtype=self.dtype)
+        self.model.shard_for_tp()
+        self.kv_cache = PagedKVCache(self.config, spec.num_kv_blocks, spec.block_size, self.dtype,
+                                     spec.kv_cache_dtype, tp_size=spec.tp)
+        self.sampler = Sampler(seed=spec.seed + self.coords.dp_rank)
+        return self.ping()
+
+    # ---- placement -------------------------------------------------------------------
+
+    def _initial_phy2log(self) -> torch.Tensor:
+        num_moe = len(self.config.moe_layer_ids)
+        if self.spec.phy2log is None:
+            return torch.arange(self.config.num_experts).repeat(num_moe, 1)
+        phy2log = torch.as_tensor(self.spec.phy2log, dtype=torch.int64)
+        if phy2log.dim() != 2 or phy2log.shape[0] != num_moe:
+            raise ValueError(f"placement phy2log has shape {tuple(phy2log.shape)}, expected [{num_moe}, P] "
+                             f"for {num_moe} MoE layers")
+        self.layout.num_local_slots(phy2log.shape[1])  # raises when P does not split over ep
+        return phy2log
+
+    def _local_slots(self) -> dict[int, list[int]]:
+        slots = self.layout.local_slots(self.coords.ep_rank, self.phy2log.shape[1])
+        return {layer_id: self.phy2log[i, slots.start:slots.stop].tolist()
+                for i, layer_id in enumerate(self.config.moe_layer_ids)}
+
+    # ---- steps -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: BatchSpec, collect_load: bool = True) -> StepResult:
+        """Run one step on this rank's batch (possibly empty: then only the MoE collectives
+        run, so every EP rank enters every collective)."""
+        started = time.perf_counter()
+        sampled = None
+        if batch.is_empty:
+            self._run_collectives_only()
+        else:
+            meta = AttentionMetadata.build(batch.query_lens, batch.context_lens, batch.block_tables,
+                                           self.spec.block_size)
+            ids = torch.tensor(batch.input_ids, dtype=torch.int64)
+            pos = torch.tensor(batch.positions, dtype=torch.int64)
+            hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
+            rows = batch.logits_indices
+            if rows:
+                logits = self.model.compute_logits(hidden[rows])  # [B_sample, V] float32
+                params = batch.sampling_params
+                sampled = self.sampler(logits, params, batch.output_indices).to_sampled_tokens(params)
+            else:
+                sampled = SampledTokens()
+        report = self.coords.tp_rank == 0
+        load, capacity = self._read_counters(collect_load and report)
+        if batch.is_empty:
+            sampled = SampledTokens()
+        return StepResult(sampled if report else None, load, capacity, time.perf_counter() - started)
+
+    def _run_collectives_only(self) -> None:
+        # An idle DP rank: no attention, but each MoE layer's dispatch is a collective over
+        # the EP group, in layer order, exactly as a non-empty forward would enter it.
+        d, k = self.config.hidden_size, self.config.num_experts_per_tok
+        x = torch.empty(0, d, dtype=self.dtype)
+        ids = torch.empty(0, k, dtype=torch.int64)
+        w = torch.empty(0, k, dtype=torch.float32)
+        for layer in self.model.moe_layers():
+            layer.dispatcher.dispatch_combine(x, ids, w, layer.experts, layer.layer_id)
+
+    def _read_counters(self, collect_load: bool) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
+        layers = list(self.model.moe_layers())
+        load = torch.stack([layer.slot_load for layer in layers]) if collect_load and layers else None
+        capacity = []
+        for layer in layers:
+            layer.slot_load.zero_()
+            dropped, rerouted = layer.counters["dropped"], layer.counters["rerouted"]
+            stats = getattr(layer.dispatcher, "capacity_stats", {}).get(layer.layer_id)
+            if stats is not None:
+                dropped += int(stats.dropped)
+                rerouted += int(getattr(stats, "rerouted", 0))
+                layer.dispatcher.capacity_stats.pop(layer.layer_id, None)
+            capacity.append((dropped, rerouted))
+            layer.counters["dropped"] = layer.counters["rerouted"] = 0
+        return load, capacity
+
+    # ---- rebalancing -----------------------------------------------------------------
+
+    def apply_move_plan(self, plan: Any, new_phy2log: torch.Tensor) -> dict[str, int]:
+        """Move expert weights per ``plan`` (identical on every rank), then switch placement."""
+        from parallel.migration import apply_move_plan
+
+        layers = list(self.model.moe_layers())
+        names = [f"model.layers.{layer.layer_id}.mlp.experts" for layer in layers]
+        result = apply_move_plan(
+            plan, [layer.experts for layer in layers], new_phy2log, self.coords.ep_rank,
+            self.groups.ep if self.groups else None, method=self.spec.migration_method,
+            checkpoint=self.spec.model_path, module_names=names,
+        )
+        for i, layer in enumerate(layers):
+            layer.set_placement(new_phy2log[i], self.layout.ep_size, self.coords.ep_rank)
+        self.phy2log = new_phy2log.clone()
+        return {"received": result.num_received, "sent": result.num_sent, "local": result.num_local_copies,
+                "bytes": result.bytes_received}
+
+    # ---- introspection ---------------------------------------------------------------
+
+    def ping(self) -> dict[str, Any]:
+        """Where this rank lives (for error messages and node-major checks)."""
+        return {"rank": self.rank, "pid": os.getpid(), "coords": self.coords.__dict__,
+                "local_experts": self._local_slots()}
+
+    def expert_fingerprint(self) -> list[list[float]]:
+        """Per MoE layer, per local slot, a checksum of its weights (tests check migrations)."""
+        return [[float(layer.experts.w13[s].float().sum() + layer.experts.w2[s].float().sum())
+                 for s in range(layer.experts.num_local_slots)] for layer in self.model.moe_layers()]
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
