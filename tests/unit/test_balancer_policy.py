@@ -201,3 +201,19 @@ def test_bad_weight_and_policy():
         rebalance_experts(README_WEIGHT, 16, 3, 2, 8, policy="hierarchical")
     with pytest.raises(ValueError, match="old_phy2log has shape"):
         rebalance_experts(README_WEIGHT, 16, 4, 2, 8, old_phy2log=README_PHY2LOG[:, :8])
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems(), st.integers(0, 2**31), st.booleans())
+def test_invariants_and_reference_floor_with_any_old_placement(problem, seed, shuffle_old):
+    weight, num_replicas, num_groups, num_nodes, num_gpus = problem
+    rng = np.random.default_rng(seed)
+    old = rebalance_experts(rng.permuted(weight, axis=1) + 1, num_replicas, num_groups, num_nodes, num_gpus)[0]
+    if shuffle_old:  # an old placement from elsewhere: not group-aligned, duplicates possible
+        old = torch.from_numpy(rng.permuted(old.numpy(), axis=1))
+    phy2log, log2phy, logcnt = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus,
+                                                 old_phy2log=old)
+    check_invariants(weight, phy2log, log2phy, logcnt, num_replicas, num_groups, num_nodes, num_gpus,
+                     num_groups % num_nodes == 0)
+    ref = rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, policy="deepseek")[0]
+    assert (predict(weight, phy2log, num_gpus).per_layer >= predict(weight, ref, num_gpus).per_layer - 1e-9).all()
