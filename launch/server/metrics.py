@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -47,6 +47,16 @@ _COUNTERS = (
 )
 
 
+def _scalar(value: Any) -> float | None:
+    """A stats field as one number: per-DP-rank sequences (e.g. KV usage of each rank's pool,
+    pools of equal size) are averaged."""
+    if value is None:
+        return None
+    if isinstance(value, list | tuple):
+        return sum(float(v) for v in value) / len(value) if value else None
+    return float(value)
+
+
 class EngineStatsCollector(Collector):
     """Reads ``stats()`` at scrape time and exposes it with a ``model_name`` label.
 
@@ -67,13 +77,13 @@ class EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         for name, attr, doc in _GAUGES:
-            value = getattr(stats, attr, None)
+            value = _scalar(getattr(stats, attr, None))
             if value is not None:
                 family = GaugeMetricFamily(name, doc, labels=["model_name"])
                 family.add_metric([self._model_name], float(value))
                 yield family
         for name, attr, doc in _COUNTERS:
-            value = getattr(stats, attr, None)
+            value = _scalar(getattr(stats, attr, None))
             if value is not None:
                 family = CounterMetricFamily(name, doc, labels=["model_name"])
                 family.add_metric([self._model_name], float(value))
@@ -97,6 +107,7 @@ class ServerMetrics:
     def __init__(self, model_name: str, stats: Callable[[], Any] | None = None,
                  moe_layer_ids: tuple[int, ...] | None = None) -> None:
         self.model_name = model_name
+        disable_created_metrics()  # as vLLM does: no *_created series next to every counter
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.",

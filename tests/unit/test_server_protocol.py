@@ -163,6 +163,7 @@ def test_models_health_metrics(served):
                    'moe:rebalance_seconds_total{model_name="fake-moe"} 0.25',
                    'vllm:request_success_total{finished_reason="length",model_name="fake-moe"}'):
         assert needle in text, needle
+    assert "_created" not in text
     count = next(ln for ln in text.splitlines() if ln.startswith("vllm:time_to_first_token_seconds_count"))
     assert float(count.split()[-1]) >= 1
     assert "vllm:inter_token_latency_seconds_bucket" in text and "vllm:e2e_request_latency_seconds_sum" in text
@@ -312,3 +313,14 @@ def test_expert_distribution_record_and_dump(served):
     tensors = load_file(r.json()["path"])
     assert tensors["logical_count"].shape == (3, 2, 4)
     assert tensors["phy2log"].shape == (2, 5)
+
+
+def test_stats_collector_averages_per_rank_sequences():
+    from launch.server.metrics import ServerMetrics
+    stats = SimpleNamespace(num_running=2, num_waiting=0, kv_cache_usage=(0.25, 0.75), prompt_tokens_total=7,
+                            balancedness_per_layer=[0.9, 0.8, 0.7])
+    text = ServerMetrics("m", stats=lambda: stats, moe_layer_ids=(1, 2)).exposition().decode()
+    assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.5' in text
+    assert 'vllm:prompt_tokens_total{model_name="m"} 7.0' in text
+    assert 'moe:layer_balancedness{layer="2",model_name="m"} 0.7' in text  # ids do not match: positions
+    assert "vllm:generation_tokens_total" not in text and "moe:tokens_dropped" not in text  # unreported
