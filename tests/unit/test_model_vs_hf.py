@@ -101,11 +101,14 @@ def test_greedy_tokens_match_hf_generate(loaded: dict, family: str) -> None:
     hf, model = loaded[family]
     prompts = _prompts(model.config.vocab_size, seed=1)
     mine, _ = greedy_generate(model, prompts, NEW_TOKENS)
-    for prompt, toks in zip(prompts, mine):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert toks == ref[0, len(prompt) :].tolist()
+    # one left-padded batch through transformers' generate (pad id 0, masked out)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    assert ref.shape == (len(prompts), width + NEW_TOKENS)
+    assert mine == ref[:, width:].tolist()
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
