@@ -16,9 +16,10 @@ from launch.core.outputs import TokenLogprobs
 from launch.core.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSequence:
-    """One sequence's work this step.
+    """One sequence's work this step (treat as read-only; not frozen because frozen
+    dataclasses construct several times slower and the scheduler builds one per row per step).
 
     token_ids / positions: the tokens to compute (prefill chunk, or the one decode token),
         at positions ``num_computed_tokens ... num_computed_tokens + len(token_ids) - 1``.

@@ -128,6 +128,7 @@ class BlockAllocator:
         for b in hit:
             self._ref(b)
         seq.block_ids = list(hit)
+        seq.num_cached_blocks = len(hit)
         num_hit_tokens = len(hit) * self.block_size
         seq.num_computed_tokens = num_hit_tokens
         if self.enable_prefix_caching:
@@ -166,14 +167,17 @@ class BlockAllocator:
                 else:
                     self._free_uncached.append(b)
         seq.block_ids = []
+        seq.num_cached_blocks = 0
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register every full block whose KV is now computed (call after each step)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+        if num_full <= seq.num_cached_blocks:
+            return
         self._extend_hashes(seq, num_full)
-        for i in range(num_full):
+        for i in range(seq.num_cached_blocks, num_full):
             block = self._blocks[seq.block_ids[i]]
             if block.block_hash is not None:
                 continue
@@ -184,6 +188,7 @@ class BlockAllocator:
             block.key = (parent, tuple(seq.token_slice(i * self.block_size, (i + 1) * self.block_size)))
             block.block_hash = h
             self._cached[h] = block.block_id
+        seq.num_cached_blocks = num_full
 
     # ---- internals -----------------------------------------------------------------
 

@@ -71,6 +71,8 @@ class Sequence:
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
+    finish_reason: FinishReason | None = None
+    num_cached_blocks: int = 0  # leading block_ids already registered in (or shadowed by) the prefix cache
 
     def __post_init__(self) -> None:
         self._detokenizer = None if self.decode is None else IncrementalDetokenizer(self.decode, self.prompt_token_ids)
@@ -120,7 +122,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.finish_reason is not None
 
     # ---- generation ----------------------------------------------------------------
 
@@ -170,13 +172,14 @@ class Sequence:
 
     def _finish(self, status: SequenceStatus, stop_reason: str | int | None) -> None:
         self.status = status
+        self.finish_reason = status.finish_reason
         self.stop_reason = stop_reason
 
     def visible_text(self) -> str:
         """Text safe to show: while running, withhold the longest tail that is the start of
         a stop string (it may be trimmed once the rest of the stop string arrives)."""
         text = self.output_text
-        if self.is_finished or self.params.include_stop_str_in_output:
+        if not self.params.stop or self.is_finished or self.params.include_stop_str_in_output:
             return text
         hold = 0
         for stop in self.params.stop:
@@ -191,9 +194,9 @@ class Sequence:
             index=self.index,
             text=self.visible_text(),
             token_ids=list(self.output_token_ids),
-            finish_reason=self.status.finish_reason,
+            finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            logprobs=None if self.logprobs is None else [dict(d) for d in self.logprobs],
+            logprobs=None if self.logprobs is None else list(self.logprobs),  # dicts are never mutated
             cumulative_logprob=self.cumulative_logprob,
         )
 
@@ -218,7 +221,7 @@ class Request:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_token_ids=self.prompt_token_ids,  # never mutated: shared, not copied
             outputs=[s.to_completion_output() for s in self.seqs],
             finished=self.is_finished,
             metrics=self.metrics,
