@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import tokenizers
@@ -88,12 +89,17 @@ def write_tokenizer(out_dir: str | Path, tok: tokenizers.Tokenizer, *, model_max
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0) -> Path:
-    """Weights + config + tokenizer: a directory ``LLM``/``from_pretrained`` can load."""
+def make_tiny_checkpoint(
+    arch: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0, log: Callable[[str], None] | None = None
+) -> Path:
+    """Weights + config + tokenizer: a directory ``LLM``/``from_pretrained`` can load.
+
+    The vocab size in config.json is the trained tokenizer's (512 tiny, 1024 small).
+    """
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
     tok = train_tokenizer(TOKENIZER_VOCAB_SIZE[size])
-    out = write_tiny_weights(arch, out_dir, size=size, seed=seed, vocab_size=tok.get_vocab_size(), log=print)
+    out = write_tiny_weights(arch, out_dir, size=size, seed=seed, vocab_size=tok.get_vocab_size(), log=log)
     max_len = build_tiny_config(arch, size=size)["max_position_embeddings"]
     write_tokenizer(out, tok, model_max_length=max_len)
     return out
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="tiny", choices=SIZES)
     parser.add_argument("--seed", default=0, type=int)
     args = parser.parse_args(argv)
-    out = make_tiny_checkpoint(args.arch, args.out, size=args.size, seed=args.seed)
+    out = make_tiny_checkpoint(args.arch, args.out, size=args.size, seed=args.seed, log=print)
     cfg = json.loads((out / "config.json").read_text())
     print(f"{args.arch} {args.size}: {count_parameters(cfg):,} parameters, vocab {cfg['vocab_size']} -> {out}")
     return 0
