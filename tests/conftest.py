@@ -46,6 +46,25 @@ HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Held-out style variants of the same families: other routing sizes, layouts and rope settings.
+HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek_v3_top1_halfsplit_bias": ("deepseek_v3", dict(
+        rope_interleave=False, num_experts_per_tok=1, n_group=1, topk_group=1, norm_topk_prob=False,
+        attention_bias=True)),
+    "deepseek_v2_yarn_greedy_qlora": ("deepseek_v2", dict(
+        topk_method="greedy", n_group=None, topk_group=None, q_lora_rank=16, first_k_dense_replace=0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32,
+                             mscale=0.707, mscale_all_dim=0.707))),
+    "mixtral_top1_tied_mqa": ("mixtral", dict(
+        num_experts_per_tok=1, tie_word_embeddings=True, num_key_value_heads=1, head_dim=None)),
+    "qwen3_moe_norm_sparse_step2": ("qwen3_moe", dict(
+        norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[], attention_bias=False,
+        tie_word_embeddings=False)),
+}
+for _name, (_base, _change) in HF_VARIANTS.items():
+    HF_CASES[_name] = (HF_CASES[_base][0], {**HF_CASES[_base][1], **_change})
+
+
 def _redraw_weights(model: torch.nn.Module, seed: int) -> None:
     """Weights ~ N(0, 1/fan_in) (embeddings N(0, 1)), norms 1 + N(0, 0.1^2), biases N(0, 0.1^2)."""
     gen = torch.Generator().manual_seed(seed)

@@ -17,6 +17,7 @@ from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.loader import load_weights
 from moe.model import MoEModel
+from tests.conftest import HF_VARIANTS
 
 FAMILIES = ["deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"]
 PROMPT_LENS = [5, 12, 1, 9]
@@ -147,3 +148,19 @@ def test_empty_batch_still_runs_every_layer(loaded: dict) -> None:
         h.remove()
     assert hidden.shape == (0, model.config.hidden_size)
     assert calls == [(0, model.config.hidden_size)] * len(model.config.moe_layer_ids)
+
+
+@pytest.mark.parametrize("case", sorted(HF_VARIANTS))
+def test_variant_configs_logits_match_hf(hf_checkpoints: dict[str, Path], case: str) -> None:
+    import transformers
+
+    path = hf_checkpoints[case]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = MoEModel(ModelConfig.from_hf(path), dtype=torch.float32)
+    load_weights(model, path, dtype=torch.float32)
+    prompts = _prompts(model.config.vocab_size, seed=4)[:2]
+    tokens, logits = greedy_generate(model, prompts, 8)
+    for prompt, toks, steps in zip(prompts, tokens, logits):
+        with torch.no_grad():
+            ref = hf.eval()(torch.tensor([prompt + toks[:-1]])).logits[0, len(prompt) - 1 :]
+        assert (torch.stack(steps) - ref).abs().max().item() <= TOL
