@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -100,6 +100,12 @@ class SamplingRequest(BaseModel):
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
 
     @property
     def include_usage(self) -> bool:

@@ -37,7 +37,7 @@ class LiveServer:
     def __init__(self, cfg) -> None:
         from tests.unit.server_fakes import free_port
         self.cfg = cfg
-        self.port = cfg.server.port or free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.engine = None
         self.server = None

@@ -66,6 +66,8 @@ def test_sampling_fields_validated():
         with pytest.raises(ValidationError):
             CompletionRequest(prompt="x", **bad)
     assert CompletionRequest(prompt="x", stop="END").stop == ["END"]
+    with pytest.raises(ValidationError, match="stream_options"):
+        CompletionRequest(prompt="x", stream_options={"include_usage": True})
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                        {"type": "text", "text": "b"}]}],
                                  max_tokens=3, max_completion_tokens=5)
