@@ -7,7 +7,9 @@ A sequence's token at position p lives at slot ``block_tables[b][p // S] * S + p
 each layer's pool. MLA pools hold the latent ``[N, S, kv_lora_rank + qk_rope_head_dim]``
 (``[c_kv | k_pe]``); GQA pools hold ``[N, S, 2, Hkv, head_dim]`` (k then v). With
 ``kv_cache_dtype="fp8"`` entries are stored as float8_e4m3fn divided by a per-layer scale
-and dequantised to the compute dtype on read.
+and dequantised to the compute dtype on read. Scales default to 1.0 (vLLM's default);
+``set_scale`` installs calibrated ones, and ``calculate_kv_scales=True`` sets each layer's
+scale from the first entries written to it (amax / 224, 2x headroom under the fp8 max).
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class KVLayerView:
         if not self.cache.is_fp8:
             flat[slot_mapping] = entries.to(flat.dtype)
             return
-        if not self.cache.calibrated[self.layer_id] and entries.numel():
+        if self.cache.calculate_kv_scales and not self.cache.calibrated[self.layer_id] and entries.numel():
             amax = entries.detach().abs().max().float().clamp_min(1e-8)
             self.cache.scales[self.layer_id] = amax / _FP8_CALIBRATION_TARGET
             self.cache.calibrated[self.layer_id] = True
@@ -162,6 +164,7 @@ class PagedKVCache:
         kv_cache_dtype: str = "auto",
         *,
         tp_size: int = 1,
+        calculate_kv_scales: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         if kv_cache_dtype not in ("auto", "fp8"):
@@ -178,6 +181,7 @@ class PagedKVCache:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.is_fp8 = kv_cache_dtype == "fp8"
+        self.calculate_kv_scales = calculate_kv_scales
         store = FP8_DTYPE if self.is_fp8 else dtype
         n = config.num_hidden_layers
         self.pools = [torch.zeros(num_blocks, block_size, *entry, dtype=store, device=device) for _ in range(n)]
