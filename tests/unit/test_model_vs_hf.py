@@ -164,3 +164,17 @@ def test_variant_configs_logits_match_hf(hf_checkpoints: dict[str, Path], case: 
         with torch.no_grad():
             ref = hf.eval()(torch.tensor([prompt + toks[:-1]])).logits[0, len(prompt) - 1 :]
         assert (torch.stack(steps) - ref).abs().max().item() <= TOL
+
+
+def test_local_slots_host_only_named_experts(hf_checkpoints: dict[str, Path], loaded: dict) -> None:
+    _, full = loaded["deepseek_v3"]
+    cfg = full.config
+    first, second = cfg.moe_layer_ids[:2]
+    model = MoEModel(cfg, dtype=torch.float32, local_slots={first: [5, 2, 5], second: [0]})
+    load_weights(model, hf_checkpoints["deepseek_v3"], dtype=torch.float32)
+    layers = list(model.moe_layers())
+    full_layers = list(full.moe_layers())
+    assert layers[0].experts.w13.shape == (3, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    assert torch.equal(layers[0].experts.w13, full_layers[0].experts.w13[[5, 2, 5]])
+    assert torch.equal(layers[1].experts.w2, full_layers[1].experts.w2[[0]])
+    assert layers[0].experts.slot_to_logical.tolist() == [5, 2, 5]
