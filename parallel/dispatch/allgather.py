@@ -59,20 +59,20 @@ class AllGatherDispatcher:
         local_ids = torch.where(mine, ids_all - lo, torch.full_like(ids_all, -1))
         partial = experts(x_all, local_ids, w_all)  # [R * T_max, D] float32
         out = torch.empty((t_max, x.shape[1]), dtype=torch.float32, device=x.device)
-        dist.reduce_scatter_tensor(out, partial, group=self.group)
+        dist.reduce_scatter_single(out, partial, group=self.group)
         return out[:num_tokens]
 
     def _gather_sizes(self, num_tokens: int, device: torch.device) -> list[int]:
         mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
         out = torch.empty(self.num_ranks, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(out, mine, group=self.group)
+        dist.all_gather_single(out, mine, group=self.group)
         return out.tolist()
 
     def _gather_padded(self, t: torch.Tensor, t_max: int, fill: float = 0) -> torch.Tensor:
         padded = torch.full((t_max, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
         padded[: t.shape[0]] = t
         out = torch.empty((self.num_ranks * t_max, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, padded, group=self.group)
+        dist.all_gather_single(out, padded, group=self.group)
         return out
 
     def _apply_capacity(

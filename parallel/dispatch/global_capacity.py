@@ -49,7 +49,7 @@ def gather_slot_counts(slot_ids: torch.Tensor, num_slots: int, group: dist.Proce
     mine[:num_slots] = torch.bincount(valid, minlength=num_slots)
     mine[num_slots] = slot_ids.shape[0]
     out = torch.empty(dist.get_world_size(group) * (num_slots + 1), dtype=torch.int64, device=slot_ids.device)
-    dist.all_gather_into_tensor(out, mine, group=group)
+    dist.all_gather_single(out, mine, group=group)
     return out.view(-1, num_slots + 1).cpu()
 
 

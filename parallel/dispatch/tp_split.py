@@ -53,5 +53,5 @@ class TensorParallelSplit:
         send[: part.shape[0]] = part
         gathered = torch.empty((self.tp_size * chunk, x.shape[1]), dtype=torch.float32, device=x.device)
         if chunk:  # T is the same on every TP rank, so they all skip together
-            dist.all_gather_into_tensor(gathered, send, group=self.tp_group)
+            dist.all_gather_single(gathered, send, group=self.tp_group)
         return torch.cat([gathered[i * chunk : i * chunk + n] for i, n in enumerate(sizes)])

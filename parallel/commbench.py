@@ -1,0 +1,330 @@
+"""Collective benchmark in the nccl-tests format, plus EP dispatch and MoE-layer benchmarks.
+
+``python -m launch commbench allreduce -b 8 -e 32M -f 2 -n 20 -w 5 -np 4`` spawns ``-np``
+ranks (gloo on CPU, nccl with one GPU per rank when CUDA is present) and prints the
+nccl-tests table. Definitions follow nccl-tests: ``size`` is the full buffer (allreduce:
+the vector; allgather: the gathered output; reducescatter: the input; alltoall: one
+rank's send buffer), algbw = size / time (GB/s = 1e9 B/s), busbw = algbw x 2(n-1)/n for
+allreduce and x (n-1)/n for the others. time is the slowest rank's mean per iteration.
+
+torch has no out-of-place all_reduce: its out-of-place column is copy-into-recv-buffer +
+all_reduce, the in-place column all_reduce alone. torch's all_to_all_single cannot alias
+its buffers (gloo corrupts them), so alltoall's in-place column is N/A.
+
+``--dispatch`` and ``--moe-layer`` run ``parallel.dispatchbench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OPS = ("alltoall", "allreduce", "allgather", "reducescatter")
+DTYPES = {"float": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16,
+          "float16": torch.float16, "double": torch.float64, "int32": torch.int32, "int": torch.int32}
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@dataclass(frozen=True)
+class Timing:
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: int | None  # None: not checked (-c 0)
+
+
+@dataclass(frozen=True)
+class Row:
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    out_of_place: Timing
+    in_place: Timing | None  # None: not supported (N/A)
+
+
+def parse_size(text: str) -> int:
+    """'8' -> 8, '32M' -> 33554432, '1K' / '1KB' / '2g' accepted."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGkmg]?)[Bb]?\s*", text)
+    if not m:
+        raise ValueError(f"bad size {text!r}: expected an integer with an optional K, M or G suffix")
+    return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+
+
+def bus_factor(op: str, nranks: int) -> float:
+    """busbw / algbw, as nccl-tests defines it."""
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}; expected one of {OPS}")
+    return 2 * (nranks - 1) / nranks if op == "allreduce" else (nranks - 1) / nranks
+
+
+def compute_sizes(op: str, min_bytes: int, max_bytes: int, factor: int, elem: int, nranks: int) -> list[int]:
+    """Element counts for sizes min_bytes, x factor, ... <= max_bytes. Ops that split the buffer
+    over ranks round the count down to a multiple of nranks (at least nranks); duplicates go."""
+    if min_bytes < 1 or max_bytes < min_bytes or factor < 2:
+        raise ValueError(f"need 1 <= -b ({min_bytes}) <= -e ({max_bytes}) and -f >= 2 (got {factor})")
+    counts, size = [], min_bytes
+    while size <= max_bytes:
+        count = max(size // elem, 1)
+        if op != "allreduce":
+            count = max(count // nranks * nranks, nranks)
+        if count not in counts:
+            counts.append(count)
+        size *= factor
+    return counts
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, *args: Any) -> Any:
+    """Run fn(rank, world, *args) on nprocs fresh ranks; returns rank 0's result."""
+    if torch.cuda.is_available() and nprocs > torch.cuda.device_count():
+        raise ValueError(f"-np {nprocs} exceeds the {torch.cuda.device_count()} visible GPUs")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_rank_entry, args=(nprocs, free_port(), fn, args, queue), nprocs=nprocs,
+                       join=True, start_method="spawn")
+    return queue.get()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_op(op: Callable[[], Any], warmup: int, iters: int) -> float:
+    """Mean seconds per call on the slowest rank (collective over the world)."""
+    import time
+
+    for _ in range(warmup):
+        op()
+    _sync()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        op()
+    _sync()
+    elapsed = torch.tensor([(time.perf_counter() - start) / max(iters, 1)], dtype=torch.float64, device=_device())
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
+def _pattern(n: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Small integers (exact in bf16 even after summing over 64 ranks)."""
+    return ((torch.arange(n, device=_device()) + seed) % 3 + 1).to(dtype)
+
+
+def _buffers(op: str, count: int, rank: int, world: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, expected output) for one check of ``op`` on this rank."""
+    chunk = count // world
+    if op == "allreduce":
+        return _pattern(count, rank, dtype), sum(_pattern(count, r, dtype).double() for r in range(world)).to(dtype)
+    if op == "allgather":
+        return _pattern(chunk, 7 * rank, dtype), torch.cat([_pattern(chunk, 7 * r, dtype) for r in range(world)])
+    if op == "reducescatter":
+        full = sum(_pattern(count, r, dtype).double() for r in range(world)).to(dtype)
+        return _pattern(count, rank, dtype), full[rank * chunk : (rank + 1) * chunk]
+    send = torch.cat([_pattern(chunk, rank * world + d, dtype) for d in range(world)])
+    return send, torch.cat([_pattern(chunk, s * world + rank, dtype) for s in range(world)])
+
+
+def _ops(op: str, count: int, rank: int, world: int, dtype: torch.dtype):
+    """(out-of-place callable, in-place callable or None, function returning the result)."""
+    inp, _ = _buffers(op, count, rank, world, dtype)
+    chunk = count // world
+    if op == "allreduce":
+        recv = torch.empty_like(inp)
+        return (lambda: (recv.copy_(inp), dist.all_reduce(recv)), lambda: dist.all_reduce(recv), recv)
+    if op == "allgather":
+        recv = torch.empty(count, dtype=dtype, device=inp.device)
+        mine = recv[rank * chunk : (rank + 1) * chunk]
+        return (lambda: dist.all_gather_single(recv, inp), lambda: dist.all_gather_single(recv, mine), recv)
+    if op == "reducescatter":
+        recv = torch.empty(chunk, dtype=dtype, device=inp.device)
+        whole = inp.clone()
+        return (lambda: dist.reduce_scatter_single(recv, inp),
+                lambda: dist.reduce_scatter_single(whole[rank * chunk : (rank + 1) * chunk], whole), recv)
+    recv = torch.empty_like(inp)
+    return (lambda: dist.all_to_all_single(recv, inp), None, recv)
+
+
+def _check(op: str, count: int, rank: int, world: int, dtype: torch.dtype, in_place: bool) -> int:
+    """Run ``op`` once on fresh data and count wrong elements, summed over ranks."""
+    inp, want = _buffers(op, count, rank, world, dtype)
+    chunk = count // world
+    if op == "allreduce":
+        got = inp.clone()
+        dist.all_reduce(got)
+    elif op == "allgather":
+        got = torch.zeros(count, dtype=dtype, device=inp.device)
+        if in_place:
+            got[rank * chunk : (rank + 1) * chunk] = inp
+        dist.all_gather_single(got, got[rank * chunk : (rank + 1) * chunk] if in_place else inp)
+    elif op == "reducescatter":
+        whole = inp.clone()
+        got = whole[rank * chunk : (rank + 1) * chunk] if in_place else torch.empty(chunk, dtype=dtype,
+                                                                                    device=inp.device)
+        dist.reduce_scatter_single(got, whole)
+    else:
+        got = torch.empty_like(inp)
+        dist.all_to_all_single(got, inp)
+    wrong = torch.tensor([int((got != want).sum())], dtype=torch.int64, device=inp.device)
+    dist.all_reduce(wrong)
+    return int(wrong.item())
+
+
+def _timing(op: str, seconds: float, size: int, world: int, wrong: int | None) -> Timing:
+    algbw = size / seconds / 1e9 if seconds > 0 else 0.0
+    return Timing(seconds * 1e6, algbw, algbw * bus_factor(op, world), wrong)
+
+
+def run_collective(rank: int, world: int, op: str, counts: list[int], dtype_name: str, warmup: int,
+                   iters: int, check: bool) -> list[Row]:
+    """One rank's part of the table (rank 0's result is printed)."""
+    dtype = DTYPES[dtype_name]
+    elem = torch.empty((), dtype=dtype).element_size()
+    redop = "sum" if op in ("allreduce", "reducescatter") else "none"
+    rows = []
+    for count in counts:
+        oop, ip, _ = _ops(op, count, rank, world, dtype)
+        t_oop = time_op(oop, warmup, iters)
+        w_oop = _check(op, count, rank, world, dtype, False) if check else None
+        in_place = None
+        if ip is not None:
+            t_ip = time_op(ip, warmup, iters)
+            w_ip = _check(op, count, rank, world, dtype, True) if check else None
+            in_place = _timing(op, t_ip, count * elem, world, w_ip)
+        rows.append(Row(count * elem, count, dtype_name, redop, -1,
+                        _timing(op, t_oop, count * elem, world, w_oop), in_place))
+    return rows
+
+
+def format_table(op: str, rows: list[Row], world: int, backend: str) -> str:
+    """nccl-tests style table with the average bus bandwidth footer."""
+    lines = [f"# {op} on {world} ranks ({backend})",
+             f"#{'':<58}{'out-of-place':>22}{'':<10}{'in-place':>22}",
+             f"#{'size':>11}{'count':>13}{'type':>10}{'redop':>8}{'root':>8}"
+             f"{'time':>9}{'algbw':>8}{'busbw':>8}{'#wrong':>7}{'time':>9}{'algbw':>8}{'busbw':>8}{'#wrong':>7}",
+             f"#{'(B)':>11}{'(elements)':>13}{'':>26}{'(us)':>9}{'(GB/s)':>8}{'(GB/s)':>8}{'':>7}"
+             f"{'(us)':>9}{'(GB/s)':>8}{'(GB/s)':>8}"]
+
+    def cols(t: Timing | None) -> str:
+        if t is None:
+            return f"{'N/A':>9}{'N/A':>8}{'N/A':>8}{'N/A':>7}"
+        wrong = "N/A" if t.wrong is None else str(t.wrong)
+        return f"{t.time_us:>9.1f}{t.algbw:>8.2f}{t.busbw:>8.2f}{wrong:>7}"
+
+    for r in rows:
+        lines.append(f" {r.size:>11}{r.count:>13}{r.type:>10}{r.redop:>8}{r.root:>8}"
+                     f"{cols(r.out_of_place)}{cols(r.in_place)}")
+    busbws = [t.busbw for r in rows for t in (r.out_of_place, r.in_place) if t is not None]
+    wrong = sum(t.wrong or 0 for r in rows for t in (r.out_of_place, r.in_place) if t is not None)
+    lines.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    lines.append(f"# Avg bus bandwidth : {sum(busbws) / max(len(busbws), 1):.4f}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commbench", description=__doc__.split("\n\n")[0])
+    p.add_argument("op", nargs="?", choices=OPS, help="collective to time (not with --dispatch/--moe-layer)")
+    p.add_argument("-b", "--minbytes", default="8", help="smallest size, e.g. 8, 1K")
+    p.add_argument("-e", "--maxbytes", default="32M", help="largest size, e.g. 32M")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplication factor")
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("-w", "--warmup_iters", type=int, default=5)
+    p.add_argument("-np", "--nprocs", type=int, default=4, help="ranks to spawn")
+    p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPES))
+    p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results")
+    p.add_argument("-J", "--output_file", default=None, help="write results as JSON here")
+    p.add_argument("--dispatch", action="store_true", help="time EP dispatch+combine vs raw all_to_all_single")
+    p.add_argument("--moe-layer", action="store_true", help="EP MoE layer tokens/s at each of --ranks")
+    p.add_argument("--backend", default="alltoall", choices=("alltoall", "allgather"),
+                   help="dispatcher for --dispatch / --moe-layer")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--topk", type=int, default=6)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--inter", type=int, default=256, help="expert intermediate size (--moe-layer)")
+    p.add_argument("--ranks", default="1,2,4", help="rank counts for --moe-layer")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry (``python -m launch commbench ...``). Returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.nprocs < 1 or args.iters < 1 or args.warmup_iters < 0:
+        raise SystemExit("commbench: need -np >= 1, -n >= 1, -w >= 0")
+    if args.dispatch or args.moe_layer:
+        from parallel import dispatchbench
+
+        report = dispatchbench.run(args, spawn)
+        print(report["text"])
+        _write_json(args.output_file, report["json"])
+        return 0
+    if args.op is None:
+        raise SystemExit("commbench: name a collective (alltoall, allreduce, allgather, reducescatter), "
+                         "or pass --dispatch / --moe-layer")
+    dtype = DTYPES[args.datatype]
+    elem = torch.empty((), dtype=dtype).element_size()
+    counts = compute_sizes(args.op, parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor,
+                           elem, args.nprocs)
+    rows = spawn(run_collective, args.nprocs, args.op, counts, args.datatype, args.warmup_iters, args.iters,
+                 bool(args.check))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    print(format_table(args.op, rows, args.nprocs, backend))
+    busbws = [t.busbw for r in rows for t in (r.out_of_place, r.in_place) if t is not None]
+    _write_json(args.output_file, {"op": args.op, "nranks": args.nprocs, "backend": backend,
+                                   "datatype": args.datatype, "rows": [asdict(r) for r in rows],
+                                   "avg_busbw": sum(busbws) / max(len(busbws), 1)})
+    wrong = sum(t.wrong or 0 for r in rows for t in (r.out_of_place, r.in_place) if t is not None)
+    return 1 if wrong else 0
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

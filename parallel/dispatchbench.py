@@ -1,0 +1,152 @@
+"""EP benchmarks behind ``commbench --dispatch`` and ``commbench --moe-layer``.
+
+``--dispatch``: per rank T tokens, hidden D, top-k K over E experts (uniform random
+routing, E / R slots per rank). Times our dispatch + combine without the expert GEMMs
+(plan, count exchange, packing, AllToAll-v out, per-row hand-back, AllToAll-v back,
+fp32 accumulation) next to two raw ``all_to_all_single`` calls moving exactly the same
+bytes with split sizes known in advance. Prints both and their ratio (ours / raw).
+
+``--moe-layer``: the whole MoE layer (router, replica choice, dispatch, grouped expert
+GEMMs, combine) in bf16 on a DeepSeek-V3-style config, at each rank count of --ranks;
+prints tokens/s over all ranks. One rank uses the local dispatcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from moe.config import ModelConfig
+from moe.moe_layer import MoELayer
+from moe.tiny import build_tiny_config
+from parallel.dispatch import AllToAllDispatcher, build_dispatcher
+from parallel.dispatch.plan import compute_dispatch_plan, row_layout, unpack_rows
+from parallel.groups import build_process_groups
+from parallel.layout import Layout
+
+
+def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform routing: ids [T, K] int64 distinct per token, weights [T, K] float32 rows summing to 1."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    w, ids = torch.topk(scores, top_k, dim=1)
+    return ids, w / w.sum(dim=1, keepdim=True)
+
+
+def time_dispatch(rank: int, world: int, cfg: dict) -> dict:
+    from parallel.commbench import _device, time_op
+
+    torch.manual_seed(rank)
+    layout = Layout(dp=world)
+    groups = build_process_groups(layout, rank, timeout=300)
+    dispatcher = AllToAllDispatcher(groups.ep, rank, world)
+    dev = _device()
+    hidden, top_k = cfg["hidden"], cfg["topk"]
+    num_local = layout.num_local_slots(cfg["experts"])
+    x = torch.randn(cfg["tokens"], hidden, device=dev).to(torch.bfloat16)
+    ids, w = (t.to(dev) for t in random_routing(cfg["tokens"], cfg["experts"], top_k, seed=rank))
+
+    def ours() -> torch.Tensor:
+        plan = compute_dispatch_plan(ids, w, num_local, world)
+        recv, recv_counts = dispatcher.dispatch(x, plan)
+        rx, _, _ = unpack_rows(recv, hidden, top_k, x.dtype)
+        return dispatcher.combine(rx, plan, recv_counts, x.shape[0])
+
+    plan = compute_dispatch_plan(ids, w, num_local, world)
+    send_counts = plan.send_counts
+    _, recv_counts = dispatcher.dispatch(x, plan)
+    _, row_bytes = row_layout(hidden, top_k, x.dtype)
+    fwd_send = torch.randint(0, 255, (sum(send_counts), row_bytes), dtype=torch.uint8, device=dev)
+    fwd_recv = torch.empty((sum(recv_counts), row_bytes), dtype=torch.uint8, device=dev)
+    back_send = torch.randn(sum(recv_counts), hidden, device=dev).to(torch.bfloat16)
+    back_recv = torch.empty((sum(send_counts), hidden), dtype=torch.bfloat16, device=dev)
+
+    def raw() -> None:
+        torch.distributed.all_to_all_single(fwd_recv, fwd_send, recv_counts, send_counts, group=groups.ep)
+        torch.distributed.all_to_all_single(back_recv, back_send, send_counts, recv_counts, group=groups.ep)
+
+    rounds = []
+    for _ in range(cfg["rounds"]):  # alternate to share the machine's noise between the two
+        rounds.append((time_op(ours, cfg["warmup"], cfg["iters"]), time_op(raw, cfg["warmup"], cfg["iters"])))
+    return {"rounds": rounds, "rows_sent": sum(send_counts), "row_bytes": row_bytes}
+
+
+def time_moe_layer(rank: int, world: int, cfg: dict) -> dict:
+    from parallel.commbench import _device, time_op
+
+    torch.manual_seed(0)
+    layout = Layout(dp=world)
+    backend = "local" if world == 1 else cfg["backend"]
+    groups = build_process_groups(layout, rank, timeout=300) if world > 1 else None
+    dispatcher = build_dispatcher(backend, groups, layout)
+    config = moe_layer_config(cfg)
+    local = list(layout.local_slots(rank, config.num_experts))
+    layer = MoELayer(config, 0, dtype=torch.bfloat16, local_slots=local, dispatcher=dispatcher).to(_device())
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.02)
+        layer.set_placement(torch.arange(config.num_experts), layout.ep_size, layout.coords(rank).ep_rank)
+        x = torch.randn(cfg["tokens"], config.hidden_size, device=_device()).to(torch.bfloat16)
+        seconds = time_op(lambda: layer(x), cfg["warmup"], cfg["iters"])
+    return {"seconds": seconds}
+
+
+def moe_layer_config(cfg: dict) -> ModelConfig:
+    """DeepSeek-V3-style MoE layer of the requested sizes (no shared experts, one group)."""
+    raw = build_tiny_config("deepseek_v3")
+    raw.update(hidden_size=cfg["hidden"], moe_intermediate_size=cfg["inter"], n_routed_experts=cfg["experts"],
+               num_experts_per_tok=cfg["topk"], n_shared_experts=0, n_group=1, topk_group=1,
+               first_k_dense_replace=0)
+    return ModelConfig.from_hf(raw)
+
+
+def _cfg(args: argparse.Namespace) -> dict:
+    return {"tokens": args.tokens, "hidden": args.hidden, "topk": args.topk, "experts": args.experts,
+            "inter": args.inter, "iters": args.iters, "warmup": args.warmup_iters, "backend": args.backend,
+            "rounds": 3}
+
+
+def run(args: argparse.Namespace, spawn: Callable[..., Any]) -> dict:
+    """Run the requested mode. Returns {"text": printable report, "json": dict}."""
+    cfg = _cfg(args)
+    if args.dispatch:
+        return _report_dispatch(cfg, args.nprocs, spawn(time_dispatch, args.nprocs, cfg))
+    ranks = [int(r) for r in str(args.ranks).split(",") if r.strip()]
+    if not ranks or any(r < 1 or args.experts % r for r in ranks):
+        raise SystemExit(f"--ranks {args.ranks}: each must be >= 1 and divide --experts {args.experts}")
+    per_world = {r: spawn(time_moe_layer, r, cfg)["seconds"] for r in ranks}
+    return _report_moe_layer(cfg, per_world)
+
+
+def _report_dispatch(cfg: dict, world: int, res: dict) -> dict:
+    ours = sorted(r[0] for r in res["rounds"])
+    raw = sorted(r[1] for r in res["rounds"])
+    ratios = sorted(a / b for a, b in res["rounds"])
+    mid = len(ratios) // 2
+    payload = res["rows_sent"] * res["row_bytes"]
+    text = "\n".join([
+        f"# dispatch+combine vs raw all_to_all_single: {world} ranks, T={cfg['tokens']}/rank, "
+        f"D={cfg['hidden']}, K={cfg['topk']}, E={cfg['experts']}, bf16",
+        f"# rank 0 sends {res['rows_sent']} rows ({res['rows_sent'] / cfg['tokens']:.2f} per token after dedup), "
+        f"{payload / 2**20:.2f} MiB out + {res['rows_sent'] * cfg['hidden'] * 2 / 2**20:.2f} MiB back",
+        f"{'round':>6}{'ours (us)':>14}{'raw (us)':>14}{'ratio':>8}",
+        *[f"{i:>6}{a * 1e6:>14.1f}{b * 1e6:>14.1f}{a / b:>8.3f}" for i, (a, b) in enumerate(res["rounds"])],
+        f"# median: ours {ours[mid] * 1e6:.1f} us, raw {raw[mid] * 1e6:.1f} us, ratio {ratios[mid]:.3f}",
+    ])
+    return {"text": text, "json": {"mode": "dispatch", "nranks": world, **cfg, "rounds": res["rounds"],
+                                   "rows_sent_rank0": res["rows_sent"], "median_ratio": ratios[mid]}}
+
+
+def _report_moe_layer(cfg: dict, per_world: dict[int, float]) -> dict:
+    lines = [f"# EP MoE layer (bf16): T={cfg['tokens']}/rank, D={cfg['hidden']}, I={cfg['inter']}, "
+             f"K={cfg['topk']}, E={cfg['experts']}, backend {cfg['backend']} (1 rank: local)",
+             f"{'ranks':>6}{'step (ms)':>12}{'tokens/s':>12}{'tokens/s/rank':>15}"]
+    rows = []
+    for world, seconds in per_world.items():
+        tps = world * cfg["tokens"] / seconds
+        rows.append({"ranks": world, "step_ms": seconds * 1e3, "tokens_per_s": tps})
+        lines.append(f"{world:>6}{seconds * 1e3:>12.2f}{tps:>12.0f}{tps / world:>15.0f}")
+    return {"text": "\n".join(lines), "json": {"mode": "moe_layer", **cfg, "rows": rows}}

@@ -1,0 +1,100 @@
+"""commbench: size parsing, nccl-tests arithmetic and table, and real runs on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parallel.commbench import (
+    OPS,
+    Row,
+    Timing,
+    bus_factor,
+    compute_sizes,
+    format_table,
+    main,
+    parse_size,
+    run_collective,
+)
+from parallel.dispatchbench import time_dispatch
+from tests.dist.conftest import run_ranks
+
+
+def test_parse_size() -> None:
+    assert parse_size("8") == 8
+    assert parse_size("32M") == 32 * 2**20
+    assert parse_size("1K") == parse_size("1kb") == 1024
+    assert parse_size("2G") == 2 * 2**30
+    with pytest.raises(ValueError, match="bad size '3X'"):
+        parse_size("3X")
+
+
+def test_bus_factors_match_nccl_tests() -> None:
+    assert bus_factor("allreduce", 4) == pytest.approx(1.5)
+    for op in ("alltoall", "allgather", "reducescatter"):
+        assert bus_factor(op, 4) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="unknown collective"):
+        bus_factor("broadcast", 4)
+
+
+def test_compute_sizes() -> None:
+    assert compute_sizes("allreduce", 8, 64, 2, 4, 4) == [2, 4, 8, 16]
+    # split ops: counts are multiples of the rank count, at least one element per rank
+    assert compute_sizes("alltoall", 8, 128, 2, 4, 4) == [4, 8, 16, 32]
+    with pytest.raises(ValueError, match="-f >= 2"):
+        compute_sizes("allreduce", 8, 64, 1, 4, 4)
+
+
+def test_table_format() -> None:
+    t = Timing(10.0, 2.0, 3.0, 0)
+    table = format_table("allreduce", [Row(1024, 256, "float", "sum", -1, t, None)], 4, "gloo")
+    lines = table.splitlines()
+    assert "out-of-place" in lines[1] and "in-place" in lines[1]
+    assert lines[2].split() == ["#", "size", "count", "type", "redop", "root", "time", "algbw", "busbw",
+                                "#wrong", "time", "algbw", "busbw", "#wrong"]
+    assert lines[4].split() == ["1024", "256", "float", "sum", "-1", "10.0", "2.00", "3.00", "0",
+                                "N/A", "N/A", "N/A", "N/A"]
+    assert lines[-1] == "# Avg bus bandwidth : 3.0000"
+
+
+def _all_modes(rank: int, world: int) -> dict:
+    rows = {op: run_collective(rank, world, op, [8, 64], "bfloat16", 1, 2, True) for op in OPS}
+    cfg = {"tokens": 16, "hidden": 8, "topk": 2, "experts": 4, "iters": 1, "warmup": 0, "rounds": 2}
+    return {"rows": rows, "dispatch": time_dispatch(rank, world, cfg)}
+
+
+@pytest.fixture(scope="module")
+def rank0() -> dict:
+    return run_ranks(_all_modes, 2)[0]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_collective_on_two_ranks(op: str, rank0: dict) -> None:
+    rows = rank0["rows"][op]
+    assert [(r.count, r.size) for r in rows] == [(8, 16), (64, 128)]
+    for row in rows:
+        assert row.out_of_place.wrong == 0 and row.out_of_place.time_us > 0
+        assert row.out_of_place.busbw == pytest.approx(row.out_of_place.algbw * bus_factor(op, 2))
+        assert (row.in_place is None) == (op == "alltoall")
+        if row.in_place is not None:
+            assert row.in_place.wrong == 0
+
+
+def test_dispatch_bench_on_two_ranks(rank0: dict) -> None:
+    res = rank0["dispatch"]
+    assert len(res["rounds"]) == 2 and all(a > 0 and b > 0 for a, b in res["rounds"])
+    assert 0 < res["rows_sent"] <= 16 * 2  # at most one row per (token, rank)
+
+
+def test_cli_end_to_end(tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    rc = main(["reducescatter", "-b", "64", "-e", "1K", "-f", "4", "-n", "2", "-w", "1", "-np", "2", "-c", "1",
+               "-d", "bfloat16", "-J", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "# Out of bounds values : 0 OK" in text and "# Avg bus bandwidth : " in text
+    data = json.loads(out.read_text())
+    assert data["op"] == "reducescatter" and data["nranks"] == 2
+    assert [r["size"] for r in data["rows"]] == [64, 256, 1024]
+    assert data["avg_busbw"] > 0
