@@ -49,10 +49,14 @@ def rebalance_experts(
     num_replicas: P physical slots per layer, a multiple of num_gpus, >= E.
     num_groups: expert groups (E % num_groups == 0); num_nodes divides num_gpus.
     old_phy2log: [L, P] current placement, to keep experts in place (ours only).
+    stability_tolerance: balancedness ours may give up per layer to keep copies in
+    place (never below the reference's).
     Returns: phy2log [L, P], log2phy [L, E, max_replicas] (-1 padded, slots ascending),
     logcnt [L, E], all int64 CPU tensors; slot p lives on GPU p // (P / num_gpus).
     """
     w = _validate(weight, num_replicas, num_groups, num_nodes, num_gpus, policy)
+    if not 0.0 <= stability_tolerance <= 1.0:
+        raise ValueError(f"stability_tolerance={stability_tolerance} must be within [0, 1]")
     num_layers, num_experts = w.shape
     old = None
     if old_phy2log is not None:

@@ -199,6 +199,8 @@ def test_bad_weight_and_policy():
         rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="nope")
     with pytest.raises(ValueError, match="divisible by num_nodes"):
         rebalance_experts(README_WEIGHT, 16, 3, 2, 8, policy="hierarchical")
+    with pytest.raises(ValueError, match="stability_tolerance=-1"):
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, stability_tolerance=-1)
     with pytest.raises(ValueError, match="old_phy2log has shape"):
         rebalance_experts(README_WEIGHT, 16, 4, 2, 8, old_phy2log=README_PHY2LOG[:, :8])
 
