@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Protocol
 
 import torch
@@ -61,7 +62,7 @@ class RayExecutor:
         from launch.cluster import WorkerGroup, connect_ray
 
         self.group = None
-        self._owns_ray = connect_ray(address, num_cpus=None)
+        self._owns_ray = connect_ray(address, num_cpus=max(spec.world_size, os.cpu_count() or 1))
         try:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
             self.group = WorkerGroup(Worker, spec.world_size, self._make_args(spec), strategy=strategy,
