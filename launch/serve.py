@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import logging
+import signal
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
@@ -61,22 +64,43 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+async def _shutdown(engine: Any) -> None:
+    result = engine.shutdown()
+    if asyncio.iscoroutine(result):
+        await result
+
+
 async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = None) -> None:
-    """Build the engine (unless given), serve until uvicorn is told to stop, then shut the engine down."""
+    """Build the engine (unless given), serve until uvicorn is told to stop, then shut the engine down.
+
+    The shutdown runs in the app's lifespan, inside uvicorn's serve: uvicorn re-raises a
+    captured SIGTERM/SIGINT after serving, so anything after ``serve()`` might never run.
+    """
     if engine is None:
         from launch.async_llm import AsyncLLM
         engine = AsyncLLM.from_config(cfg)
+    done = False
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        nonlocal done
+        try:
+            yield
+        finally:
+            done = True
+            await _shutdown(engine)
+
     try:
         app = build_app(engine, cfg.server)
+        app.router.lifespan_context = lifespan
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
                                                log_level=log_level, timeout_graceful_shutdown=5))
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", cfg.served_model_name,
                     cfg.server.host, cfg.server.port)
         await server.serve()
     finally:
-        result = engine.shutdown()
-        if asyncio.iscoroutine(result):
-            await result
+        if not done:  # the server never started (e.g. the port was taken)
+            await _shutdown(engine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     if not is_loopback(cfg.server.host) and not cfg.server.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                        cfg.server.host)
+    # uvicorn handles SIGINT/SIGTERM while serving and re-raises them afterwards; by then
+    # the engine is shut down, so the re-raised signal just ends the process with status 0.
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         asyncio.run(serve(cfg, log_level=args.log_level))
     except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)

@@ -253,3 +253,41 @@ def test_queue_full_503_and_init_expert_location(ckpt, tmp_path):
         out = srv.client().completions.create(model=cfg.served_model_name, prompt=[3, 4], max_tokens=3,
                                               extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
+
+
+def test_python_m_launch_serve_cli(ckpt, tmp_path):
+    """The real command line: serve on a free port, answer, exit cleanly on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.unit.server_fakes import free_port
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "launch", "serve", "--model", str(ckpt), "--port", str(port),
+                             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "32",
+                             "--api-key", "sk-test", "--served-model-name", "tiny", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(base + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return proc.poll() is not None
+        assert wait_until(healthy, timeout=90) and proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert httpx.get(base + "/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        out = client.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, proc.stdout.read().decode()[-3000:]
