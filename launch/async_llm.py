@@ -1,0 +1,230 @@
+"""AsyncLLM: the engine stepped in a background thread, results handed to asyncio.
+
+The scheduler is not thread-safe, so every mutation (add, abort, record/dump) travels to
+the engine thread through one inbox; outputs come back to each request's asyncio queue
+with ``call_soon_threadsafe``. ``stats()`` returns the snapshot published after each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launch.config import RuntimeConfig
+from launch.core import RequestOutput, SamplingParams
+from launch.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineQueueFull(RuntimeError):
+    """Too many requests are waiting; the server answers 503 with Retry-After."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; every open request gets it."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    balancedness_per_layer: list[float] = field(default_factory=list)
+    balancedness: float = 1.0
+    tokens_dropped: int = 0
+    tokens_rerouted: int = 0
+    num_rebalances: int = 0
+    rebalance_seconds_total: float = 0.0
+    expert_copies_moved: int = 0
+    num_steps: int = 0
+    step_seconds_total: float = 0.0
+
+
+def snapshot_stats(engine: LLMEngine) -> EngineStats:
+    s = engine.scheduler.stats()
+    c = engine.counters
+    out = EngineStats(
+        num_running=s.num_running, num_waiting=s.num_waiting, num_preemptions=s.num_preemptions,
+        kv_cache_usage=sum(s.kv_cache_usage) / max(1, len(s.kv_cache_usage)),
+        prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+        prompt_tokens_total=c.prompt_tokens_total, generation_tokens_total=c.generation_tokens_total,
+        tokens_dropped=c.tokens_dropped, tokens_rerouted=c.tokens_rerouted, num_steps=c.num_steps,
+        step_seconds_total=c.step_seconds_total,
+    )
+    if engine.eplb is not None:
+        out.balancedness_per_layer, out.balancedness = engine.eplb.balancedness()
+        k = engine.eplb.counters
+        out.num_rebalances, out.rebalance_seconds_total = k.num_rebalances, k.rebalance_seconds_total
+        out.expert_copies_moved = k.expert_copies_moved
+    return out
+
+
+class AsyncLLM:
+    """Async front of ``LLMEngine`` for the OpenAI server (see docs/contracts.md)."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.runtime_config = config
+        self.engine = LLMEngine(config)
+        self.model_config = self.engine.model_config
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.model_name = config.served_model_name
+        self.max_queue_len = config.server.max_queue_len
+        self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = \
+            queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = snapshot_stats(self.engine)
+        self._error: BaseException | None = None
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig) -> AsyncLLM:
+        return cls(config)
+
+    # ---- engine thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while self._running:
+                busy = self.engine.has_unfinished_requests()
+                self._drain(block=not busy)
+                if not self._running:
+                    break
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._stats = snapshot_stats(self.engine)
+                    for out in outputs:
+                        self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - hand the failure to every waiting request
+            log.exception("engine loop stopped")
+            self._error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"engine failed: {e}"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            if block:
+                self._stats = snapshot_stats(self.engine)
+            return
+        while True:
+            fn, fut = item
+            try:
+                result = fn()
+                if fut is not None:
+                    fut.set_result(result)
+            except BaseException as e:  # noqa: BLE001 - returned to the caller
+                if fut is not None:
+                    fut.set_exception(e)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error}")
+        if not self._running:
+            raise EngineDeadError("engine is shut down")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((fn, fut))
+        return fut
+
+    def call(self, fn: Callable[[LLMEngine], Any], timeout: float | None = 600.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps (blocking)."""
+        return self._submit(lambda: fn(self.engine)).result(timeout)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until finished; closing early aborts the request."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = (loop, q)
+        finished = False
+        try:
+            await asyncio.wrap_future(self._submit(lambda: self._add(request_id, prompt_token_ids, params)))
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._running:
+                self._inbox.put((lambda: self.engine.abort_request(request_id), None))
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        waiting = self.engine.scheduler.num_waiting
+        if waiting >= self.max_queue_len:
+            raise EngineQueueFull(f"{waiting} requests are waiting (server.max_queue_len={self.max_queue_len})")
+        self.engine.add_request(request_id, list(prompt_token_ids), params)
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self._submit(lambda: self.engine.abort_request(request_id)))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- expert distribution (SGLang's endpoints) ---------------------------------------
+
+    def _eplb(self):
+        if self.engine.eplb is None:
+            raise ValueError("this model has no MoE layers: nothing to record")
+        return self.engine.eplb
+
+    def start_expert_distribution_record(self) -> None:
+        self.call(lambda e: self._eplb().start_record())
+
+    def stop_expert_distribution_record(self) -> None:
+        self.call(lambda e: self._eplb().stop_record())
+
+    def dump_expert_distribution_record(self, directory: str | Path | None = None) -> Path:
+        directory = directory or self.runtime_config.server.expert_distribution_dir
+        if directory is None:
+            raise ValueError("no directory for the dump: set server.expert_distribution_dir")
+        return self.call(lambda e: self._eplb().dump_record(directory))
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        self.shutdown_sync()
+
+    def shutdown_sync(self, timeout: float = 60.0) -> None:
+        if not self._running:
+            return
+        self._running = False
+        self._inbox.put((lambda: None, None))
+        deadline = time.monotonic() + timeout
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self.engine.shutdown()
