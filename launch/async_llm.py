@@ -136,6 +136,7 @@ class AsyncLLM:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
+                self._stats = snapshot_stats(self.engine)
                 return
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
