@@ -26,6 +26,11 @@ V3_BASE = dict(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention
                q_lora_rank=None, first_k_dense_replace=1, max_position_embeddings=1024)
 
 
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
 def _ours(hf_config: transformers.PreTrainedConfig) -> ModelConfig:
     d = hf_config.to_dict()
     d["architectures"] = [type(hf_config).__name__.replace("Config", "ForCausalLM")]
