@@ -95,9 +95,17 @@ class OpenAIServing:
                            param="max_tokens")
         return requested
 
+    def tokenizer(self, what: str) -> Any:
+        """The engine's tokenizer; 400 when the checkpoint has none (token-id prompts still work)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, f"This model has no tokenizer, so {what} cannot be used: send token ids.",
+                           param="messages" if what == "chat messages" else "prompt")
+        return tok
+
     def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            return self.check_token_ids(list(self.engine.tokenizer.encode(prompt)), param)
+            return self.check_token_ids(list(self.tokenizer("text prompts").encode(prompt)), param)
         return self.check_token_ids(list(prompt), param)
 
     def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
@@ -142,7 +150,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         num_logprobs = req.num_logprobs
-        ids = render_chat_prompt(self.engine.tokenizer, req.messages,
+        ids = render_chat_prompt(self.tokenizer("chat messages"), req.messages,
                                  add_generation_prompt=req.add_generation_prompt)
         prompts = [self.check_token_ids(ids, "messages")]
         self.check_queue()
@@ -152,6 +160,9 @@ class OpenAIServing:
         return await self._respond(subs, formatter, req, raw)
 
     def _token_text(self, token_id: int) -> str:
+        """A token's text for logprobs (``token_id:N`` when the model has no tokenizer, as vLLM)."""
+        if self.engine.tokenizer is None:
+            return f"token_id:{token_id}"
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ------------------------------------------------------------ driving the engine

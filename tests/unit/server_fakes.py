@@ -135,7 +135,7 @@ class FakeEngine:
                 self.recorded_steps += 1
             if logprobs is not None:
                 logprobs.append({last: -0.5, **{(last + k) % 90 + 1: -1.0 - k for k in range(1, params.logprobs + 1)}})
-            text = self.tokenizer.decode(ids)
+            text = CharTokenizer().decode(ids)  # the engine detokenizes even when the server has no tokenizer
             reason, stop_reason = (None, None)
             hit = next((s for s in params.stop if s in text), None)
             if hit is not None:

@@ -326,3 +326,15 @@ def test_stats_collector_averages_per_rank_sequences():
     assert 'vllm:prompt_tokens_total{model_name="m"} 7.0' in text
     assert 'moe:layer_balancedness{layer="2",model_name="m"} 0.7' in text  # ids do not match: positions
     assert "vllm:generation_tokens_total" not in text and "moe:tokens_dropped" not in text  # unreported
+
+
+def test_model_without_tokenizer_takes_token_ids_only():
+    engine = FakeEngine()
+    engine.tokenizer = None
+    with ServerThread(build_app(engine, server_config())) as srv:
+        r = post(srv.base_url + "/v1/completions", {"prompt": "text"})
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+        r = post(srv.base_url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = post(srv.base_url + "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "logprobs": 1})
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
