@@ -178,3 +178,52 @@ def test_local_slots_host_only_named_experts(hf_checkpoints: dict[str, Path], lo
     assert torch.equal(layers[0].experts.w13, full_layers[0].experts.w13[[5, 2, 5]])
     assert torch.equal(layers[1].experts.w2, full_layers[1].experts.w2[[0]])
     assert layers[0].experts.slot_to_logical.tolist() == [5, 2, 5]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_tensor_parallel_shards_match_full_model(hf_checkpoints: dict[str, Path], loaded: dict, family: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two TP shards run in lock-step threads; all_reduce is simulated by summing in-process."""
+    import threading
+
+    import moe.model
+
+    _, full = loaded[family]
+    cfg = full.config
+    barrier, slots = threading.Barrier(2, timeout=60), {}
+
+    def fake_all_reduce(t: torch.Tensor, group: object = None) -> None:
+        slots[threading.get_ident()] = t.clone()
+        barrier.wait()
+        total = sum(slots.values())
+        barrier.wait()
+        t.copy_(total)
+
+    monkeypatch.setattr(moe.model.dist, "all_reduce", fake_all_reduce)
+    ids, pos = torch.tensor([7, 8, 9, 10, 11]), torch.arange(5)
+    steps = [(AttentionMetadata.build([4], [4], [[0, 1]], BLOCK_SIZE), ids[:4], pos[:4]),
+             (AttentionMetadata.build([1], [5], [[0, 1]], BLOCK_SIZE), ids[4:], pos[4:])]
+
+    def run(model: MoEModel, tp_size: int) -> list[torch.Tensor]:
+        cache = PagedKVCache(cfg, 2, BLOCK_SIZE, torch.float32, tp_size=tp_size)
+        with torch.no_grad():
+            return [model.compute_logits(model(i, p, m, cache)) for m, i, p in steps]
+
+    expected = run(full, 1)
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def shard_main(rank: int) -> None:
+        shard = MoEModel(cfg, dtype=torch.float32, tp_rank=rank, tp_size=2)
+        load_weights(shard, hf_checkpoints[family], dtype=torch.float32)
+        shard.shard_for_tp()
+        results[rank] = run(shard, 2)
+
+    threads = [threading.Thread(target=shard_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(results) == [0, 1]
+    for rank in range(2):
+        for got, want in zip(results[rank], expected):
+            assert (got - want).abs().max().item() <= TOL
