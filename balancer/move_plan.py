@@ -14,7 +14,7 @@ the old weights (or before any receive overwrites a source).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +45,18 @@ class MovePlan:
     num_gpus: int
     gpus_per_node: int
     expert_bytes: int
+    _index: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # (kind, rank, layer) -> transfers in plan order; layer None: all layers.
+        index: dict[tuple[str, int, int | None], list[Transfer]] = {}
+        for kind, items, rank_of in (("send", self.transfers, lambda t: t.src_rank),
+                                     ("recv", self.transfers, lambda t: t.dst_rank),
+                                     ("local", self.local_copies, lambda t: t.dst_rank)):
+            for t in items:
+                index.setdefault((kind, rank_of(t), t.layer), []).append(t)
+                index.setdefault((kind, rank_of(t), None), []).append(t)
+        object.__setattr__(self, "_index", index)
 
     @property
     def num_copies_moved(self) -> int:
@@ -65,14 +77,15 @@ class MovePlan:
 
     def sends(self, rank: int, layer: int | None = None) -> list[Transfer]:
         """Transfers `rank` sends (in plan order), optionally of one layer."""
-        return [t for t in self.transfers if t.src_rank == rank and (layer is None or t.layer == layer)]
+        return list(self._index.get(("send", rank, layer), ()))
 
     def recvs(self, rank: int, layer: int | None = None) -> list[Transfer]:
         """Transfers `rank` receives (in plan order), optionally of one layer."""
-        return [t for t in self.transfers if t.dst_rank == rank and (layer is None or t.layer == layer)]
+        return list(self._index.get(("recv", rank, layer), ()))
 
     def local(self, rank: int, layer: int | None = None) -> list[Transfer]:
-        return [t for t in self.local_copies if t.dst_rank == rank and (layer is None or t.layer == layer)]
+        """Same-rank copies onto `rank` (in plan order), optionally of one layer."""
+        return list(self._index.get(("local", rank, layer), ()))
 
     def layers(self) -> list[int]:
         """Layers with any change, ascending."""

@@ -54,6 +54,9 @@ def test_plan_is_deterministic_and_sends_match_receives():
                 sends = [t for t in a.sends(src, layer) if t.dst_rank == dst]
                 recvs = [t for t in a.recvs(dst, layer) if t.src_rank == src]
                 assert sends == recvs
+        assert sum(len(a.sends(r, layer)) for r in range(8)) == sum(t.layer == layer for t in a.transfers)
+        assert a.local(0, layer) == [t for t in a.local_copies if t.dst_rank == 0 and t.layer == layer]
+    assert a.sends(0) == [t for t in a.transfers if t.src_rank == 0]
     # Applying the plan to the old placement yields the new one.
     result = old.clone()
     for t in a.transfers + a.local_copies:
