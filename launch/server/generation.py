@@ -115,8 +115,10 @@ async def _pump(engine: EngineClient, sub: SubRequest, box: _Mailbox, timer: Req
             await stream.aclose()
         if not finished:
             timer.on_abort()
-            with contextlib.suppress(Exception):
-                await engine.abort(sub.request_id)
+            # Shielded: a second cancellation (the caller's cancel scope) must not cancel the
+            # abort half-way; the engine is asked once and finishes it on its own.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.shield(engine.abort(sub.request_id))
     box.close(error)
 
 
@@ -147,7 +149,9 @@ async def merge_streams(engine: EngineClient, subs: list[SubRequest],
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Shielded so that a repeated cancellation of the consumer cannot re-cancel the
+        # pumps' cleanup (each pump closes and aborts its own engine request).
+        await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
 
 
 async def wait_for_disconnect(request: Request) -> None:
