@@ -8,6 +8,7 @@ with ``api_key`` set every route but ``/health`` wants ``Authorization: Bearer K
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import secrets
@@ -146,8 +147,11 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 
 async def _call(method: Any, *args: Any) -> Any:
-    """Call an engine method that may be sync or async."""
-    result = method(*args)
+    """Call an engine method: async ones awaited, sync ones (which may wait for the engine
+    thread to finish a step) in a worker thread so the event loop keeps serving."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    result = await asyncio.to_thread(method, *args)
     return await result if inspect.isawaitable(result) else result
 
 
@@ -203,6 +207,15 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine works; 503 once it reports an error (``errored`` / ``check_health``)."""
+        try:
+            if getattr(engine, "errored", False):
+                raise RuntimeError("the engine has stopped on an error")
+            check = getattr(engine, "check_health", None)
+            if check is not None:
+                await _call(check)
+        except Exception as exc:
+            return error_response(503, f"Engine unhealthy: {exc}")
         return Response(status_code=200)
 
     @app.get("/v1/models")

@@ -338,3 +338,12 @@ def test_model_without_tokenizer_takes_token_ids_only():
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         r = post(srv.base_url + "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "logprobs": 1})
         assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+
+
+def test_health_reflects_a_dead_engine():
+    engine = FakeEngine()
+    with ServerThread(build_app(engine, server_config())) as srv:
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        engine.errored = True
+        r = httpx.get(srv.base_url + "/health")
+        assert r.status_code == 503 and "stopped" in r.json()["error"]["message"]
