@@ -65,25 +65,28 @@ class AttentionMetadata:
                              f"({len(block_tables)}) must have one entry per sequence")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        slots: list[int] = []
         for b, (q, c, table) in enumerate(zip(qs, cs, block_tables)):
             if q < 1 or c < q:
                 raise ValueError(f"sequence {b}: need 1 <= query_len ({q}) <= context_len ({c})")
             if len(table) * block_size < c:
                 raise ValueError(f"sequence {b}: {len(table)} blocks of {block_size} cannot hold {c} tokens")
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c - q, c))
         width = max((len(t) for t in block_tables), default=0)
-        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
-        starts = [0]
-        for q in qs:
-            starts.append(starts[-1] + q)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        tables = tables.reshape(len(qs), width)
+        q_t, c_t = torch.tensor(qs, dtype=torch.int64), torch.tensor(cs, dtype=torch.int64)
+        starts_t = torch.zeros(len(qs) + 1, dtype=torch.int64)
+        starts_t[1:] = torch.cumsum(q_t, 0)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(qs)), q_t)  # [T]
+        token_pos = c_t[seq_of_token] - q_t[seq_of_token] + torch.arange(seq_of_token.numel()) - starts_t[seq_of_token]
+        slots = tables[seq_of_token, token_pos // block_size] * block_size + token_pos % block_size
+        starts = starts_t.tolist()
         as_long = dict(dtype=torch.int64, device=device)
         return cls(
             query_lens=torch.tensor(qs, **as_long),
             context_lens=torch.tensor(cs, **as_long),
             query_start_loc=torch.tensor(starts, **as_long),
-            slot_mapping=torch.tensor(slots, **as_long),
-            block_tables=torch.tensor(padded, **as_long).reshape(len(qs), width),
+            slot_mapping=slots.to(**as_long),
+            block_tables=tables.to(**as_long),
             block_size=block_size,
             query_lens_list=tuple(qs),
             context_lens_list=tuple(cs),
