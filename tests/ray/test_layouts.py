@@ -1,0 +1,59 @@
+"""Ray actors as ep4 (DP attention) and tp2 x dp2: greedy tokens equal the single-process run
+and transformers, with and without a rebalance forced mid-run; a dead actor is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch import LLM, SamplingParams
+from tests.engine.test_engine_fidelity import hf_greedy, make_prompts
+
+NEW = 12
+
+
+def generate(llm: LLM, prompts) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.fixture(scope="module")
+def oracle(hf_checkpoints):
+    path = hf_checkpoints["deepseek_v3"]
+    prompts = make_prompts(5, 7, 96, shared_prefix=4)
+    with LLM(str(path), dtype="float32") as llm:
+        single = generate(llm, prompts)
+    assert single == hf_greedy(path, prompts, NEW)
+    return path, prompts, single
+
+
+@pytest.mark.parametrize("tp,dp,backend", [(1, 4, "alltoall"), (2, 2, "alltoall"), (1, 4, "allgather")])
+def test_layout_matches_single_process_and_transformers(ray_local, oracle, tp, dp, backend):
+    path, prompts, single = oracle
+    with LLM(str(path), dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp,
+             enable_expert_parallel=True, all2all_backend=backend, enable_eplb=True, num_redundant_experts=4,
+             max_num_batched_tokens=24, block_size=4) as llm:
+        assert generate(llm, prompts) == single
+        infos = llm.engine.executor.infos
+        hosted = [sorted(info["local_experts"][1]) for info in infos]
+        assert all(len(h) == 3 for h in hosted)  # (8 experts + 4 redundant) / 4 ranks
+        if tp == 1:  # every expert hosted somewhere, ranks host different slots
+            assert set().union(*map(set, hosted)) == set(range(8))
+        llm.engine.request_rebalance()
+        assert generate(llm, prompts) == single  # the rebalance ran after the first step of this batch
+        assert llm.engine.eplb.counters.num_rebalances == 1
+        assert generate(llm, prompts) == single  # and on the new placement throughout
+
+
+def test_dead_worker_is_named(ray_local, oracle):
+    import ray
+
+    from launch.cluster import WorkerDiedError
+
+    path, prompts, _ = oracle
+    llm = LLM(str(path), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        ray.kill(llm.engine.executor.group.actors[1], no_restart=True)
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            generate(llm, prompts)
+    finally:
+        llm.shutdown()
