@@ -215,6 +215,63 @@ def _repair_row(weight: np.ndarray, expert: np.ndarray, bin_of: np.ndarray, num_
         bin_of[i], bin_of[j] = bin_of[j], b
 
 
+def items_of_counts(weight: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """weight [X, e], counts [X, e] (rows sum to n) -> (item_expert [X, n] ascending,
+    item_weight [X, n] = weight / count of the item's expert)."""
+    n = int(counts[0].sum())
+    ends = np.cumsum(counts, 1)  # [X, e]
+    item_expert = (np.arange(n)[None, :, None] >= ends[:, None, :]).sum(-1)
+    return item_expert, np.take_along_axis(weight / counts, item_expert, 1)
+
+
+def pack_dup_free(item_weight: np.ndarray, item_expert: np.ndarray, num_bins: int,
+                  target: np.ndarray | None = None) -> np.ndarray:
+    """Greedy packing avoiding duplicates, repaired, then refined. Returns bin_of [X, n]."""
+    bins, _ = greedy_pack(item_weight, item_expert, num_bins)
+    bins = repair_duplicates(item_weight, item_expert, bins, num_bins)
+    return refine_swaps(item_weight, item_expert, bins, num_bins, target=target)
+
+
+def search_counts(weight: np.ndarray, counts: np.ndarray, item_expert: np.ndarray, bin_of: np.ndarray,
+                  num_bins: int, max_iters: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Move replicas between experts while that lowers a row's maximum bin load.
+
+    The greedy replication minimises the largest *replica*, not the largest *bin*:
+    with replicas capped at one per bin, two hot experts may be forced to share a bin.
+    Each round gives the heaviest expert of the hottest bin one more replica, taken
+    from the expert that loses least by giving one up, and repacks; rows keep the
+    change only when their maximum drops.
+    weight, counts: [X, e]; item_expert, bin_of: [X, n] the items (counts[x, j] of expert j)
+    and their bins. Returns: (counts, item_expert, bin_of) of the best packing per row.
+    """
+    rows = np.arange(weight.shape[0])
+    item_weight = np.take_along_axis(weight / counts, item_expert, 1)
+    best = bin_loads(item_weight, bin_of, num_bins).max(1)
+    counts, item_expert, bin_of = counts.copy(), item_expert.copy(), bin_of.copy()
+    for _ in range(max_iters):
+        hot = bin_loads(item_weight, bin_of, num_bins).argmax(1)
+        on_hot = np.where(bin_of == hot[:, None], item_weight, -np.inf)
+        heavy = item_expert[rows, on_hot.argmax(1)]
+        give = np.where(counts >= 2, weight / np.maximum(counts - 1, 1), np.inf)
+        give[rows, heavy] = np.inf
+        donor = give.argmin(1)
+        valid = np.isfinite(give[rows, donor]) & (counts[rows, heavy] < num_bins)
+        if not valid.any():
+            break
+        trial = counts.copy()
+        trial[rows[valid], heavy[valid]] += 1
+        trial[rows[valid], donor[valid]] -= 1
+        t_expert, t_weight = items_of_counts(weight, trial)
+        t_bins = pack_dup_free(t_weight, t_expert, num_bins)
+        t_max = bin_loads(t_weight, t_bins, num_bins).max(1)
+        keep = valid & (t_max < best * (1 - 1e-9))
+        if not keep.any():
+            break
+        counts[keep], item_expert[keep], item_weight[keep] = trial[keep], t_expert[keep], t_weight[keep]
+        bin_of[keep], best[keep] = t_bins[keep], t_max[keep]
+    return counts, item_expert, bin_of
+
+
 def bin_loads(item_weight: np.ndarray, bin_of: np.ndarray, num_bins: int) -> np.ndarray:
     """item_weight [X, n], bin_of [X, n] -> loads [X, m]."""
     loads = np.zeros((item_weight.shape[0], num_bins), dtype=np.float64)

@@ -24,7 +24,14 @@ import torch
 
 from balancer.balancedness import as_numpy, predict
 from balancer.deepseek import domain_experts, rebalance_deepseek
-from balancer.packing import greedy_pack, refine_swaps, repair_duplicates, replicate
+from balancer.packing import (
+    greedy_pack,
+    pack_dup_free,
+    refine_swaps,
+    repair_duplicates,
+    replicate,
+    search_counts,
+)
 from balancer.placement import compute_log2phy
 from balancer.stability import greedy_matching, match_bins, order_in_bins, sticky_bins
 
@@ -102,11 +109,13 @@ def _validate(weight, num_replicas, num_groups, num_nodes, num_gpus, policy) -> 
     return w
 
 
-def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, max_load, *, allow_dup: bool) -> np.ndarray:
+def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, max_load, *, allow_dup: bool,
+           search: bool = False) -> np.ndarray:
     """Our placement; w [L, E] float64, old [L, P] or None -> phy2log [L, P].
     max_load [L] (sticky mode, needs old): start from old and only swap until every
     GPU load is at most this; None: pack afresh, then relabel to overlap old.
-    allow_dup: let two replicas of an expert share a GPU (no cap on replicas)."""
+    allow_dup: let two replicas of an expert share a GPU (no cap on replicas);
+    search: also move replicas between experts (search_counts) in fresh mode."""
     num_layers, num_experts = w.shape
     group_size = num_experts // num_groups
     group_weight = w.reshape(num_layers, num_groups, group_size).sum(-1)
@@ -126,7 +135,8 @@ def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, max_load, *, a
         np.put_along_axis(local_of, dom_exp, np.broadcast_to(np.arange(dom_exp.shape[1]), dom_exp.shape), 1)
         old_local = np.take_along_axis(local_of, old.reshape(rows, -1), 1)
     dom_max = None if max_load is None else np.repeat(max_load, num_nodes)
-    slots = _place_domain(dom_w, num_replicas // num_nodes, num_gpus // num_nodes, old_local, dom_max, allow_dup)
+    slots = _place_domain(dom_w, num_replicas // num_nodes, num_gpus // num_nodes, old_local, dom_max, allow_dup,
+                          search)
     return np.take_along_axis(dom_exp, slots, 1).reshape(num_layers, num_replicas)
 
 
@@ -172,7 +182,7 @@ def _sticky_groups(counts: np.ndarray, per_node: int) -> np.ndarray:
     return out
 
 
-def _place_domain(w, num_slots, num_bins, old_local, max_load, allow_dup) -> np.ndarray:
+def _place_domain(w, num_slots, num_bins, old_local, max_load, allow_dup, search) -> np.ndarray:
     """w [X, e] -> slots [X, num_slots] local expert ids, GPU b owning slots b*k..b*k+k-1."""
     num_rows, num_experts = w.shape
     counts, extra = replicate(w, num_slots, max_count=None if allow_dup else num_bins)
@@ -181,11 +191,16 @@ def _place_domain(w, num_slots, num_bins, old_local, max_load, allow_dup) -> np.
     sticky = max_load is not None
     if sticky:
         bins = sticky_bins(item_expert, item_weight, old_local, num_bins)
+        if not allow_dup:
+            bins = repair_duplicates(item_weight, item_expert, bins, num_bins)
+        bins = refine_swaps(item_weight, item_expert, bins, num_bins, target=max_load, forbid_dup=not allow_dup)
+    elif allow_dup:
+        bins, _ = greedy_pack(item_weight, None, num_bins)
+        bins = refine_swaps(item_weight, item_expert, bins, num_bins, forbid_dup=False)
     else:
-        bins, _ = greedy_pack(item_weight, None if allow_dup else item_expert, num_bins)
-    if not allow_dup:
-        bins = repair_duplicates(item_weight, item_expert, bins, num_bins)
-    bins = refine_swaps(item_weight, item_expert, bins, num_bins, target=max_load, forbid_dup=not allow_dup)
+        bins = pack_dup_free(item_weight, item_expert, num_bins)
+        if search:
+            counts, item_expert, bins = search_counts(w, counts, item_expert, bins, num_bins)
     if old_local is None:
         return order_in_bins(item_expert, bins, np.full_like(item_expert, -1), num_bins)
     if not sticky:
@@ -209,12 +224,13 @@ def _ours(w, shape, old, ref, tolerance) -> np.ndarray:
 
     fresh = _place(w, *shape, old, None, allow_dup=False)
     b_fresh, b_ref = bal(w, fresh), bal(w, ref)
-    rows = np.nonzero(b_fresh + _EPS < b_ref)[0]
-    if rows.size:
-        alt = _place(w[rows], *shape, sub(old, rows), None, allow_dup=True)
-        b_alt = bal(w[rows], alt)
-        better = b_alt > b_fresh[rows] + _EPS
-        fresh[rows[better]], b_fresh[rows[better]] = alt[better], b_alt[better]
+    for allow_dup in (False, True):  # dup-free with a replica-count search first
+        rows = np.nonzero(b_fresh + _EPS < b_ref)[0]
+        if rows.size:
+            alt = _place(w[rows], *shape, sub(old, rows), None, allow_dup=allow_dup, search=not allow_dup)
+            b_alt = bal(w[rows], alt)
+            better = b_alt > b_fresh[rows] + _EPS
+            fresh[rows[better]], b_fresh[rows[better]] = alt[better], b_alt[better]
     worse = b_fresh + _EPS < b_ref
     fresh[worse], b_fresh[worse] = ref[worse], b_ref[worse]
     if old is None:
