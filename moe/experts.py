@@ -16,15 +16,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Rows per fp32 staging chunk when accumulating expert outputs into tokens: one
+# index_add per chunk instead of one [N, D] fp32 temporary.
+ACCUMULATE_CHUNK_ROWS = 1024
+
 
 def grouped_expert_forward(
-    x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor
+    x_sorted: torch.Tensor,
+    counts: list[int],
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU experts over rows already grouped by local slot.
 
     x_sorted: [N, D], rows of slot 0 first, then slot 1, ...
     counts: P_local ints summing to N (rows per local slot; zeros allowed).
-    w13: [P_local, 2I, D]; w2: [P_local, D, I].
+    w13: [P_local, 2I, D]; w2: [P_local, D, I]. row_weights: optional [N] float32; row n's
+    output is scaled by it (applied to the [n, I] activation before the down projection,
+    which is linear, so it costs I instead of D multiplies per row).
     Returns: [N, D] in x_sorted's dtype. One GEMM pair per non-empty slot.
     """
     out = torch.empty_like(x_sorted)
@@ -35,8 +45,10 @@ def grouped_expert_forward(
             continue
         rows = x_sorted[start : start + n]
         h = rows @ w13[slot].t()  # [n, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        out[start : start + n] = h @ w2[slot].t()  # [n, D]
+        h = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
+        if row_weights is not None:
+            h = h * row_weights[start : start + n, None].to(h.dtype)
+        torch.matmul(h, w2[slot].t(), out=out[start : start + n])  # [n, D]
         start += n
     return out
 
@@ -105,7 +117,11 @@ class Experts(nn.Module):
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         if order.numel() == 0:
             return out
-        y = self.forward_grouped(x[token_of_row], counts)  # [M, D]
-        w = weights.reshape(-1)[order].unsqueeze(1)  # [M, 1]
-        out.index_add_(0, token_of_row, y.float() * w)
+        w = weights.reshape(-1)[order].float()  # [M]
+        y = grouped_expert_forward(x[token_of_row], counts, self.w13, self.w2, row_weights=w)  # [M, D] weighted
+        if y.dtype == torch.float32:
+            return out.index_add_(0, token_of_row, y)
+        for lo in range(0, y.shape[0], ACCUMULATE_CHUNK_ROWS):  # accumulate in fp32, bounded staging
+            hi = lo + ACCUMULATE_CHUNK_ROWS
+            out.index_add_(0, token_of_row[lo:hi], y[lo:hi].float())
         return out

@@ -31,6 +31,9 @@ from parallel.dispatch.plan import (
     row_layout,
     unpack_rows,
 )
+from parallel.dispatch.workspace import Workspace
+
+COMBINE_CHUNK_ROWS = 1024  # fp32 staging rows per index_add (bounded temp, few calls)
 
 
 class AllToAllDispatcher:
@@ -50,6 +53,7 @@ class AllToAllDispatcher:
         self.num_ranks = num_ranks
         self.global_capacity = global_capacity if global_capacity is not None and global_capacity.enabled else None
         self.capacity_stats: dict[int, CapacityStats] = {}
+        self.workspace = Workspace()
 
     def dispatch_combine(
         self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, experts: Experts, layer_id: int
@@ -62,18 +66,20 @@ class AllToAllDispatcher:
         recv, recv_counts = self.dispatch(x, plan)
         rx, rslots, rweights = unpack_rows(recv, x.shape[1], slot_ids.shape[1], x.dtype)
         partial = experts(rx, rslots.to(torch.int64), rweights)  # [M, D] f32, weighted per row
-        return self.combine(partial.to(x.dtype), plan, recv_counts, x.shape[0])
+        wire = self.workspace.get("partial", tuple(partial.shape), x.dtype, x.device)
+        wire.copy_(partial)
+        return self.combine(wire, plan, recv_counts, x.shape[0])
 
     def dispatch(self, x: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int]]:
-        """Send each planned row to its rank. Returns (received rows [M, row_bytes] uint8,
-        rows received from each rank: R ints)."""
+        """Send each planned row to its rank. Returns (received rows [M, row_bytes] uint8, valid
+        until the next call; rows received from each rank: R ints)."""
         send_counts = torch.tensor(plan.send_counts, dtype=torch.int64, device=x.device)
         recv_counts_t = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts_t, send_counts, group=self.group)
         recv_counts = recv_counts_t.tolist()
-        send = pack_rows(x, plan)
         _, row_bytes = row_layout(x.shape[1], plan.local_slots.shape[1], x.dtype)
-        recv = torch.empty((sum(recv_counts), row_bytes), dtype=torch.uint8, device=x.device)
+        send = pack_rows(x, plan, self.workspace.get("send", (len(plan.pair_token), row_bytes), torch.uint8, x.device))
+        recv = self.workspace.get("recv", (sum(recv_counts), row_bytes), torch.uint8, x.device)
         dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
         return recv, recv_counts
 
@@ -82,10 +88,16 @@ class AllToAllDispatcher:
     ) -> torch.Tensor:
         """partial: [M, D] one weighted row per received row. Returns [T, D] float32: the
         sum of the partial rows sent back for each token."""
-        back = torch.empty((plan.pair_token.numel(), partial.shape[1]), dtype=partial.dtype, device=partial.device)
+        hidden, device = partial.shape[1], partial.device
+        back = self.workspace.get("back", (len(plan.pair_token), hidden), partial.dtype, device)
         dist.all_to_all_single(back, partial.contiguous(), plan.send_counts, recv_counts, group=self.group)
-        out = torch.zeros((num_tokens, partial.shape[1]), dtype=torch.float32, device=partial.device)
-        out.index_add_(0, plan.pair_token, back.float())
+        out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
+        if back.dtype == torch.float32:
+            return out.index_add_(0, plan.pair_token, back)
+        for lo in range(0, back.shape[0], COMBINE_CHUNK_ROWS):  # fp32 accumulation, small staging
+            rows = back[lo : lo + COMBINE_CHUNK_ROWS]
+            staged = self.workspace.get("stage", tuple(rows.shape), torch.float32, device)
+            out.index_add_(0, plan.pair_token[lo : lo + COMBINE_CHUNK_ROWS], staged.copy_(rows))
         return out
 
     def _apply_capacity(

@@ -49,12 +49,15 @@ def compute_dispatch_plan(
     t_idx, k_idx = torch.nonzero(slot_ids >= 0, as_tuple=True)
     slots = slot_ids[t_idx, k_idx]
     dest = torch.div(slots, num_local_slots, rounding_mode="floor")
-    keys = dest * num_tokens + t_idx  # rank-major, then token
-    uniq, row_of = torch.unique(keys, sorted=True, return_inverse=True)
-    pair_token = uniq % max(num_tokens, 1)
-    send_counts = torch.bincount(torch.div(uniq, max(num_tokens, 1), rounding_mode="floor"),
-                                 minlength=num_ranks)
-    n = uniq.numel()
+    # dense [R, T] "token t goes to rank r": O(R*T) with no sort; R is small
+    has = torch.zeros(num_ranks * num_tokens, dtype=torch.bool, device=slot_ids.device)
+    key = dest * num_tokens + t_idx  # rank-major, then token
+    has[key] = True
+    row_id = torch.cumsum(has, 0) - 1
+    pair_token = torch.nonzero(has, as_tuple=False).squeeze(1) % max(num_tokens, 1)
+    send_counts = has.view(num_ranks, num_tokens).sum(1)
+    row_of = row_id[key]
+    n = pair_token.numel()
     local_slots = torch.full((n, top_k), -1, dtype=torch.int32, device=slot_ids.device)
     local_slots[row_of, k_idx] = (slots - dest * num_local_slots).to(torch.int32)
     w = torch.zeros((n, top_k), dtype=torch.float32, device=slot_ids.device)
@@ -69,11 +72,15 @@ def row_layout(hidden_size: int, top_k: int, dtype: torch.dtype) -> tuple[int, i
     return hidden_bytes, hidden_bytes + 8 * top_k
 
 
-def pack_rows(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """x: [T, D]. Returns the send buffer [N, row_bytes] uint8 (one gather of x, no other copy)."""
+def pack_rows(x: torch.Tensor, plan: DispatchPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, D]. Returns the send buffer [N, row_bytes] uint8 (one gather of x, no other copy),
+    written into ``out`` when given (a reused buffer of that shape)."""
     hidden_size, top_k = x.shape[1], plan.local_slots.shape[1]
     hidden_bytes, row_bytes = row_layout(hidden_size, top_k, x.dtype)
-    buf = torch.empty((plan.pair_token.numel(), row_bytes), dtype=torch.uint8, device=x.device)
+    shape = (plan.pair_token.numel(), row_bytes)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != torch.uint8):
+        raise ValueError(f"pack_rows out must be {shape} uint8, got {tuple(out.shape)} {out.dtype}")
+    buf = torch.empty(shape, dtype=torch.uint8, device=x.device) if out is None else out
     nbytes = hidden_size * x.element_size()
     torch.index_select(x, 0, plan.pair_token, out=buf[:, :nbytes].view(x.dtype))
     buf[:, hidden_bytes : hidden_bytes + 4 * top_k].view(torch.int32).copy_(plan.local_slots)
