@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from moe.kv_cache import AttentionMetadata, KVLayerView
 
@@ -23,16 +22,20 @@ AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, H, Lq, dk]; k: [B, Hk, L, dk]; v: [B, Hk, L, dv] (H multiple of Hk); mask:
-    [B, 1, Lq, L] bool (True = attend). Returns [B, H, Lq, dv]; softmax in float32."""
-    if q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    [B, 1, Lq, L] bool (True = attend; every row needs one). Returns [B, H, Lq, dv] in q's dtype.
+
+    Query heads sharing a kv head are folded into the query-length dim, so k/v are never
+    expanded per head (MLA's absorbed decode is one bmm against the shared latent). Softmax
+    runs in float32, like transformers' eager attention.
+    """
     b, h, lq, _ = q.shape
     hk = k.shape[1]
-    q5 = q.view(b, hk, h // hk, lq, -1)  # query head i uses kv head i // (H / Hk)
-    scores = torch.matmul(q5, k[:, :, None].transpose(-1, -2)) * scale  # [B, Hk, H/Hk, Lq, L]
-    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, None])
-    return out.reshape(b, h, lq, -1)
+    rep = h // hk
+    qf = q.reshape(b, hk, rep * lq, q.shape[-1])  # query head i uses kv head i // rep
+    scores = torch.matmul(qf, k.transpose(-1, -2)).float() * scale  # [B, Hk, rep * Lq, L]
+    scores = scores.view(b, hk, rep, lq, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hk, rep * lq, -1)
+    return torch.matmul(probs, v).view(b, h, lq, v.shape[-1])
 
 
 def paged_attention(
