@@ -53,7 +53,9 @@ def time_dispatch(rank: int, world: int, cfg: dict) -> dict:
         plan = compute_dispatch_plan(ids, w, num_local, world)
         recv, recv_counts = dispatcher.dispatch(x, plan)
         rx, _, _ = unpack_rows(recv, hidden, top_k, x.dtype)
-        return dispatcher.combine(rx, plan, recv_counts, x.shape[0])
+        # identity "experts": their output is written into the wire buffer, as in dispatch_combine
+        wire = dispatcher.workspace.get("partial", tuple(rx.shape), x.dtype, dev)
+        return dispatcher.combine(wire.copy_(rx), plan, recv_counts, x.shape[0])
 
     plan = compute_dispatch_plan(ids, w, num_local, world)
     send_counts = plan.send_counts
