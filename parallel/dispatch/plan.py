@@ -40,6 +40,7 @@ def compute_dispatch_plan(
 ) -> DispatchPlan:
     """slot_ids: [T, K] int64 physical slots (-1 dropped), slot p on rank p // num_local_slots;
     weights: [T, K] float. Returns the deduplicated ``DispatchPlan``."""
+    slot_ids = slot_ids.to(torch.int64)
     num_tokens, top_k = slot_ids.shape
     num_slots = num_local_slots * num_ranks
     if slot_ids.numel() and int(slot_ids.max()) >= num_slots:
