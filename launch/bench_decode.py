@@ -1,0 +1,272 @@
+"""``python -m launch bench decode``: steady-state decode step time against the memory-bandwidth bound.
+
+    python -m launch bench decode --model DIR [--batch-sizes 1 8 32 128] [--context-len 128]
+        [--steps 20] [--warmup-steps 3] [--num-threads N] [--json FILE] [engine flags]
+
+For each batch size B, B requests with ``--context-len``-token random prompts are prefilled
+through the engine, then ``--steps`` engine steps in which every one of the B sequences
+decodes exactly one token are timed (``--warmup-steps`` such steps first go untimed).
+
+A decode step must at least read, once each: every dense weight (attention, dense MLPs,
+shared experts, routers, norms, lm_head; of the embedding only the B rows looked up), the
+routed experts the batch's tokens actually touch (distinct physical slots with load > 0 in
+that step, per MoE layer, counted from the worker's per-step slot load), and the KV entries
+of every sequence's context (context_len x the cache's bytes per token, all layers).
+``bound_ms`` = those bytes / the copy bandwidth measured in this run (a large tensor copy,
+read + write bytes / time, best of a few); ``ratio`` = measured step / bound (1.0 would
+be running at the memory-bandwidth limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launch.config import ConfigError, RuntimeConfig, add_runtime_args, runtime_config_from_args
+from launch.core import SamplingParams, SchedulerOutput
+from launch.worker import StepResult
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of the model's weights as a decode step reads them.
+
+    dense: every parameter except routed experts and the embedding table; embed_row: one
+    embedding row; per_slot: one routed expert slot (w13 + w2), per MoE layer [L_moe].
+    """
+
+    dense: int
+    embed_row: int
+    per_slot: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """One batch size's figures (times are medians over the timed steps)."""
+
+    batch_size: int
+    step_ms: float
+    worker_ms: float
+    tokens_per_s: float
+    mean_context_len: float
+    experts_touched_per_layer: float
+    weight_bytes: int
+    kv_bytes: int
+    bytes_read: int
+    bound_ms: float
+    ratio: float
+
+
+class RecordingExecutor:
+    """Wraps an executor so the benchmark sees each step's batch and worker results."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.num_nodes = inner.num_nodes
+        self.last: tuple[SchedulerOutput, list[StepResult]] | None = None
+
+    def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
+        results = self.inner.execute(output, True)  # always collect: slot load counts touched experts
+        self.last = (output, results)
+        return results
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def measure_copy_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy, counting read + write bytes (best of ``repeats``)."""
+    if num_bytes < 1024 or repeats < 1:
+        raise ValueError(f"need num_bytes >= 1024 and repeats >= 1, got {num_bytes}, {repeats}")
+    src = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def compute_weight_bytes(model: torch.nn.Module) -> WeightBytes:
+    """Split ``moe.model.MoEModel``'s parameters into dense bytes, one embedding row and one
+    routed-expert slot per MoE layer."""
+    embed = model.model.embed_tokens.weight
+    expert_params = set()
+    per_slot = []
+    for layer in model.moe_layers():
+        w13, w2 = layer.experts.w13, layer.experts.w2
+        expert_params.update((id(w13), id(w2)))
+        per_slot.append(w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size())
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()
+                if id(p) not in expert_params and p is not embed)
+    if model.config.tie_word_embeddings:
+        dense += embed.numel() * embed.element_size()  # lm_head reads the whole (shared) table
+    return WeightBytes(dense, embed.shape[1] * embed.element_size(), tuple(per_slot))
+
+
+def step_bytes(output: SchedulerOutput, result: StepResult, weights: WeightBytes,
+               kv_bytes_per_token: int) -> tuple[int, int, float]:
+    """(weight bytes, KV bytes, mean distinct slots touched per MoE layer) of one decode step.
+    result.slot_load: [L_moe, P] int64 assignments per physical slot this step."""
+    seqs = output.batches[0].seqs
+    touched = [0] * len(weights.per_slot)
+    if weights.per_slot:
+        if result.slot_load is None:
+            raise RuntimeError("the worker returned no slot load: cannot count touched experts")
+        touched = (result.slot_load > 0).sum(dim=1).tolist()
+    weight = weights.dense + len(seqs) * weights.embed_row + sum(n * b for n, b in zip(touched, weights.per_slot))
+    kv = sum(s.context_len for s in seqs) * kv_bytes_per_token
+    return weight, kv, sum(touched) / max(len(touched), 1)
+
+
+def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context_len: int, steps: int,
+              warmup_steps: int, *, vocab: Sequence[int], seed: int) -> list[tuple[float, SchedulerOutput, StepResult]]:
+    """Prefill ``batch_size`` requests, then time ``steps`` pure decode steps. Returns per timed
+    step (wall seconds, its SchedulerOutput, the rank-0 StepResult)."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=warmup_steps + steps + 2, ignore_eos=True)
+    ids = []
+    for _ in range(batch_size):
+        request_id = engine.next_request_id()
+        engine.add_request(request_id, [rng.choice(vocab) for _ in range(context_len)], params)
+        ids.append(request_id)
+    timed: list[tuple[float, SchedulerOutput, StepResult]] = []
+    decode_steps, max_steps = 0, warmup_steps + steps + 4 * (batch_size * context_len // 64 + 8)
+    for _ in range(max_steps):
+        started = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - started
+        output, results = recorder.last
+        batch = output.batches[0]
+        if batch.num_seqs == batch_size and batch.num_tokens == batch_size:
+            decode_steps += 1
+            if decode_steps > warmup_steps:
+                timed.append((wall, output, results[0]))
+        if len(timed) == steps:
+            break
+    for request_id in ids:
+        engine.abort_request(request_id)
+    if len(timed) < steps:
+        raise RuntimeError(f"batch size {batch_size}: only {len(timed)} of {steps} steps decoded all "
+                           f"{batch_size} sequences (preemption? raise --num-kv-blocks)")
+    return timed
+
+
+def summarize_batch(batch_size: int, timed: list[tuple[float, SchedulerOutput, StepResult]], weights: WeightBytes,
+                    kv_bytes_per_token: int, bandwidth: float) -> DecodeResult:
+    per_step = [step_bytes(out, res, weights, kv_bytes_per_token) for _, out, res in timed]
+    weight = round(statistics.mean(w for w, _, _ in per_step))
+    kv = round(statistics.mean(k for _, k, _ in per_step))
+    step_s = statistics.median(wall for wall, _, _ in timed)
+    bound_s = (weight + kv) / bandwidth
+    return DecodeResult(
+        batch_size=batch_size, step_ms=step_s * 1e3,
+        worker_ms=statistics.median(res.seconds for _, _, res in timed) * 1e3,
+        tokens_per_s=batch_size / step_s,
+        mean_context_len=statistics.mean(s.context_len for _, out, _ in timed for s in out.batches[0].seqs),
+        experts_touched_per_layer=statistics.mean(t for _, _, t in per_step),
+        weight_bytes=weight, kv_bytes=kv, bytes_read=weight + kv, bound_ms=bound_s * 1e3, ratio=step_s / bound_s,
+    )
+
+
+def format_table(rows: Sequence[DecodeResult], bandwidth: float) -> str:
+    head = (f"{'batch':>6} {'step ms':>9} {'worker ms':>10} {'tok/s':>9} {'ctx':>6} {'experts/layer':>14} "
+            f"{'weights MB':>11} {'KV MB':>8} {'bound ms':>9} {'ratio':>7}")
+    lines = [f"# copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s", head]
+    for r in rows:
+        lines.append(f"{r.batch_size:>6} {r.step_ms:>9.2f} {r.worker_ms:>10.2f} {r.tokens_per_s:>9.1f} "
+                     f"{r.mean_context_len:>6.0f} {r.experts_touched_per_layer:>14.1f} {r.weight_bytes / 1e6:>11.1f} "
+                     f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m launch bench decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_runtime_args(parser, server=False)
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    g.add_argument("--context-len", type=int, default=128, help="prompt tokens per sequence before decoding")
+    g.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    g.add_argument("--warmup-steps", type=int, default=3)
+    g.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth measurement")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("context_len", "steps", "copy_mib"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup_steps < 0 or args.num_threads is not None and args.num_threads < 1:
+        raise ValueError("--warmup-steps must be >= 0 and --num-threads >= 1")
+    if any(b < 1 for b in args.batch_sizes):
+        raise ValueError(f"--batch-sizes must all be >= 1, got {args.batch_sizes}")
+
+
+def build_config(args: argparse.Namespace) -> RuntimeConfig:
+    """The runtime config with decode-bench defaults for flags not given: room for the
+    largest batch (max_num_seqs, KV blocks) so no step is preempted."""
+    _check_args(args)
+    biggest = max(args.batch_sizes)
+    block = args.block_size or 16
+    per_seq = -(-(args.context_len + args.warmup_steps + args.steps + 4) // block)
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(biggest, 1)
+    if args.num_kv_blocks is None:
+        args.num_kv_blocks = biggest * per_seq + 1
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = max(8192, biggest)
+    config = runtime_config_from_args(args)
+    if config.parallel.world_size != 1:
+        raise ValueError("bench decode runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
+    config.check_model_path()
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    from launch.engine import LLMEngine
+
+    bandwidth = measure_copy_bandwidth(args.copy_mib * 1024**2)
+    engine = LLMEngine(config)
+    try:
+        recorder = RecordingExecutor(engine.executor)
+        engine.executor = recorder
+        mc = engine.model_config
+        weights = compute_weight_bytes(recorder.inner.worker.model)
+        kv_per_token = mc.kv_bytes_per_token(engine.executor.inner.worker.kv_cache.pools[0].element_size())
+        vocab = [t for t in range(mc.vocab_size) if t not in mc.eos_token_ids]
+        rows = [summarize_batch(b, run_batch(engine, recorder, b, args.context_len, args.steps, args.warmup_steps,
+                                             vocab=vocab, seed=config.engine.seed + b),
+                                weights, kv_per_token, bandwidth) for b in args.batch_sizes]
+    finally:
+        engine.shutdown()
+    print(format_table(rows, bandwidth))
+    if args.json:
+        result = {"model": config.model, "dtype": config.engine.dtype, "num_threads": torch.get_num_threads(),
+                  "context_len": args.context_len, "steps": args.steps, "copy_bandwidth_bytes_per_s": bandwidth,
+                  "dense_weight_bytes": weights.dense, "expert_slot_bytes": list(weights.per_slot),
+                  "kv_bytes_per_token": kv_per_token, "results": [asdict(r) for r in rows]}
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,241 @@
+"""``python -m launch bench throughput``: offline generation throughput, ours vs transformers.
+
+    python -m launch bench throughput --model DIR [--num-prompts 32] [--input-len-range 16 200]
+        [--output-len-range 8 96] [--seed 0] [--baseline hf|none] [--hf-batch-size 8]
+        [--dtype bfloat16] [--num-threads N] [--json FILE] [engine flags: --max-num-seqs ...]
+
+Requests are random token ids with input and output lengths drawn uniformly from the two
+ranges (seeded), decoded greedily with ``ignore_eos`` so every output has exactly its drawn
+length. Ours: ``LLM.generate`` with all requests at once (the engine batches continuously).
+Baseline ``hf``: transformers' ``generate`` on the same checkpoint and prompts in static
+batches of ``--hf-batch-size`` (left-padded; each batch runs until its longest output).
+Both sides count only the requested output tokens, use the same dtype and thread count,
+get one untimed warm-up call, and run in this one process, one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launch.config import ConfigError, RuntimeConfig, add_runtime_args, runtime_config_from_args
+from launch.core import SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request: prompt token ids and the exact number of tokens to generate."""
+
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class RunResult:
+    """One side's timed run. outputs: generated token ids per request (requested length)."""
+
+    elapsed_s: float
+    outputs: list[list[int]]
+
+
+def sample_requests(num_prompts: int, input_len_range: Sequence[int], output_len_range: Sequence[int],
+                    vocab_size: int, *, seed: int = 0, avoid_ids: Sequence[int] = ()) -> list[BenchRequest]:
+    """Random-token prompts; lengths uniform in the inclusive ranges; ids avoid ``avoid_ids``."""
+    (in_lo, in_hi), (out_lo, out_hi) = input_len_range, output_len_range
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    for name, lo, hi in (("--input-len-range", in_lo, in_hi), ("--output-len-range", out_lo, out_hi)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} needs 1 <= LO <= HI, got {lo} {hi}")
+    allowed = [t for t in range(vocab_size) if t not in set(avoid_ids)]
+    if not allowed:
+        raise ValueError(f"no token ids left in a vocabulary of {vocab_size} after excluding {list(avoid_ids)}")
+    rng = random.Random(seed)
+    return [BenchRequest([rng.choice(allowed) for _ in range(rng.randint(in_lo, in_hi))], rng.randint(out_lo, out_hi))
+            for _ in range(num_prompts)]
+
+
+def run_ours(config: RuntimeConfig, requests: Sequence[BenchRequest]) -> RunResult:
+    """All requests at once through ``LLM.generate`` (after one untimed warm-up request)."""
+    from launch.llm import LLM
+
+    llm = LLM(config=config)
+    try:
+        warm = requests[0]
+        llm.generate([{"prompt_token_ids": warm.prompt_token_ids}], _greedy(2))
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        params = [_greedy(r.output_len) for r in requests]
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - started
+    finally:
+        llm.shutdown()
+    outputs = [list(o.outputs[0].token_ids) for o in outs]
+    for r, got in zip(requests, outputs):
+        if len(got) != r.output_len:
+            raise RuntimeError(f"engine returned {len(got)} tokens for a request of {r.output_len}")
+    return RunResult(elapsed, outputs)
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_hf(model_path: str, requests: Sequence[BenchRequest], batch_size: int, dtype: torch.dtype,
+           pad_token_id: int) -> RunResult:
+    """transformers' greedy ``generate`` in static left-padded batches of ``batch_size``
+    (request order); each batch generates max(output_len) tokens, truncated per request."""
+    import transformers
+
+    if batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be >= 1, got {batch_size}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = None  # ignore_eos: every batch runs its full length
+    batches = [list(requests[i: i + batch_size]) for i in range(0, len(requests), batch_size)]
+    with torch.inference_mode():
+        _hf_batch(model, batches[0][:1], 2, pad_token_id)  # warm-up
+        started = time.perf_counter()
+        outputs = [out for batch in batches
+                   for out in _hf_batch(model, batch, max(r.output_len for r in batch), pad_token_id)]
+        elapsed = time.perf_counter() - started
+    return RunResult(elapsed, [out[: r.output_len] for r, out in zip(requests, outputs)])
+
+
+def _hf_batch(model: Any, batch: Sequence[BenchRequest], new_tokens: int, pad_token_id: int) -> list[list[int]]:
+    width = max(len(r.prompt_token_ids) for r in batch)
+    ids = torch.full((len(batch), width), pad_token_id, dtype=torch.int64)  # [b, width] left-padded
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(batch):
+        ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+        mask[i, width - len(r.prompt_token_ids):] = 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=pad_token_id)
+    return out[:, width:].tolist()
+
+
+def agreement(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) -> float:
+    """Mean over requests of (common greedy prefix length / output length), in [0, 1]."""
+    fractions = []
+    for a, b in zip(ours, theirs):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        fractions.append(n / max(len(a), 1))
+    return sum(fractions) / max(len(fractions), 1)
+
+
+def summarize(config: RuntimeConfig, requests: Sequence[BenchRequest], ours: RunResult, hf: RunResult | None,
+              *, num_threads: int, seed: int, hf_batch_size: int,
+              input_len_range: Sequence[int], output_len_range: Sequence[int]) -> dict[str, Any]:
+    """The result JSON (vLLM ``bench throughput`` keys for our side, ``hf_*`` for the baseline)."""
+    out_tokens = sum(r.output_len for r in requests)
+    in_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    result: dict[str, Any] = {
+        "model": config.model, "dtype": config.engine.dtype, "num_threads": num_threads, "seed": seed,
+        "num_requests": len(requests), "input_len_range": list(input_len_range),
+        "output_len_range": list(output_len_range), "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens, "elapsed_time": ours.elapsed_s,
+        "requests_per_second": len(requests) / ours.elapsed_s,
+        "output_tokens_per_second": out_tokens / ours.elapsed_s,
+        "tokens_per_second": (in_tokens + out_tokens) / ours.elapsed_s,
+        "baseline": "hf" if hf is not None else "none",
+    }
+    if hf is not None:
+        result.update({
+            "hf_batch_size": hf_batch_size, "hf_elapsed_time": hf.elapsed_s,
+            "hf_output_tokens_per_second": out_tokens / hf.elapsed_s,
+            "speedup": hf.elapsed_s / ours.elapsed_s,
+            "greedy_agreement": agreement(ours.outputs, hf.outputs),
+        })
+    return result
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [
+        f"{'=' * 16} Offline Throughput Benchmark Result {'=' * 16}",
+        f"{'Model:':<40}{result['model']}",
+        f"{'Dtype / threads:':<40}{result['dtype']} / {result['num_threads']}",
+        f"{'Requests:':<40}{result['num_requests']}",
+        f"{'Total input tokens:':<40}{result['total_input_tokens']}",
+        f"{'Total output tokens (requested):':<40}{result['total_output_tokens']}",
+        f"{'Ours: elapsed (s):':<40}{result['elapsed_time']:.2f}",
+        f"{'Ours: output tokens/s:':<40}{result['output_tokens_per_second']:.1f}",
+        f"{'Ours: requests/s:':<40}{result['requests_per_second']:.2f}",
+    ]
+    if result["baseline"] == "hf":
+        lines += [
+            f"{'HF generate (batch ' + str(result['hf_batch_size']) + '): elapsed (s):':<40}"
+            f"{result['hf_elapsed_time']:.2f}",
+            f"{'HF generate: output tokens/s:':<40}{result['hf_output_tokens_per_second']:.1f}",
+            f"{'Speedup (ours / HF):':<40}{result['speedup']:.2f}x",
+            f"{'Greedy agreement with HF:':<40}{result['greedy_agreement']:.3f}",
+        ]
+    lines.append("=" * 68)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m launch bench throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_runtime_args(parser, server=False)
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--num-prompts", type=int, default=32)
+    g.add_argument("--input-len-range", type=int, nargs=2, default=[16, 200], metavar=("LO", "HI"))
+    g.add_argument("--output-len-range", type=int, nargs=2, default=[8, 96], metavar=("LO", "HI"))
+    g.add_argument("--baseline", choices=("hf", "none"), default="hf")
+    g.add_argument("--hf-batch-size", type=int, default=8)
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = runtime_config_from_args(args)
+        config.check_model_path()
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.num_threads is not None:
+        if args.num_threads < 1:
+            print(f"error: --num-threads must be >= 1, got {args.num_threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.num_threads)
+    from moe.config import ModelConfig
+
+    model_config = ModelConfig.from_hf(config.model)
+    seed = config.engine.seed
+    avoid = tuple(model_config.eos_token_ids) + ((model_config.bos_token_id,) if model_config.bos_token_id is not None
+                                                 else ())
+    try:
+        requests = sample_requests(args.num_prompts, args.input_len_range, args.output_len_range,
+                                   model_config.vocab_size, seed=seed, avoid_ids=avoid)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    ours = run_ours(config, requests)
+    hf = None
+    if args.baseline == "hf":
+        from launch.worker import DTYPES
+
+        hf = run_hf(config.model, requests, args.hf_batch_size, DTYPES[config.engine.dtype],
+                    pad_token_id=model_config.eos_token_ids[0] if model_config.eos_token_ids else 0)
+    result = summarize(config, requests, ours, hf, num_threads=threads, seed=seed, hf_batch_size=args.hf_batch_size,
+                       input_len_range=args.input_len_range, output_len_range=args.output_len_range)
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+__all__ = ["BenchRequest", "RunResult", "agreement", "main", "run_hf", "run_ours", "sample_requests", "summarize"]

@@ -1,0 +1,116 @@
+"""launch/bench_throughput.py and launch/bench_decode.py: request sampling, the agreement and
+byte accounting, and both ``main()``s end to end on a tiny checkpoint with tiny sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from launch import bench_decode, bench_throughput
+from launch.bench_throughput import agreement, sample_requests
+from moe.config import ModelConfig
+from moe.model import MoEModel
+from moe.tiny import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_offline") / "dsv3"
+    write_tiny_checkpoint("deepseek_v3", path, size="tiny", seed=0)
+    return path
+
+
+def test_sample_requests_lengths_ids_and_seed():
+    reqs = sample_requests(20, (3, 7), (1, 4), 50, seed=5, avoid_ids=(0, 1))
+    assert len(reqs) == 20
+    for r in reqs:
+        assert 3 <= len(r.prompt_token_ids) <= 7 and 1 <= r.output_len <= 4
+        assert all(2 <= t < 50 for t in r.prompt_token_ids)
+    assert reqs == sample_requests(20, (3, 7), (1, 4), 50, seed=5, avoid_ids=(0, 1))
+    assert reqs != sample_requests(20, (3, 7), (1, 4), 50, seed=6, avoid_ids=(0, 1))
+    with pytest.raises(ValueError, match="--input-len-range"):
+        sample_requests(4, (8, 2), (1, 4), 50)
+    with pytest.raises(ValueError, match="--num-prompts"):
+        sample_requests(0, (1, 2), (1, 4), 50)
+
+
+def test_agreement_is_mean_common_prefix_fraction():
+    assert agreement([[1, 2, 3, 4]], [[1, 2, 3, 4]]) == 1.0
+    assert agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 9], [7, 6]]) == pytest.approx((0.5 + 0.0) / 2)
+
+
+def test_weight_bytes_partition_the_model():
+    config = ModelConfig.from_hf(_tiny_config())
+    model = MoEModel(config, dtype=torch.bfloat16)
+    w = bench_decode.compute_weight_bytes(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    num_slots = [layer.experts.num_local_slots for layer in model.moe_layers()]
+    assert len(w.per_slot) == len(config.moe_layer_ids) > 0
+    assert w.dense + embed.shape[0] * w.embed_row + sum(n * b for n, b in zip(num_slots, w.per_slot)) == total
+    assert w.per_slot[0] == 3 * config.hidden_size * config.moe_intermediate_size * 2
+
+
+def test_throughput_main_reports_both_sides(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    rc = bench_throughput.main(["--model", str(tiny_ckpt), "--num-prompts", "3", "--input-len-range", "2", "6",
+                                "--output-len-range", "1", "3", "--hf-batch-size", "2", "--num-threads", "1",
+                                "--json", str(out)])
+    assert rc == 0
+    assert "Speedup (ours / HF)" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    for key in ("elapsed_time", "output_tokens_per_second", "requests_per_second", "tokens_per_second",
+                "hf_elapsed_time", "hf_output_tokens_per_second", "speedup"):
+        assert r[key] > 0, key
+    assert r["num_requests"] == 3 and r["num_threads"] == 1 and r["baseline"] == "hf"
+    assert 3 <= r["total_output_tokens"] <= 9 and 6 <= r["total_input_tokens"] <= 18
+    assert r["speedup"] == pytest.approx(r["hf_elapsed_time"] / r["elapsed_time"])
+    assert r["output_tokens_per_second"] == pytest.approx(r["total_output_tokens"] / r["elapsed_time"])
+    assert 0.0 <= r["greedy_agreement"] <= 1.0
+
+
+def test_throughput_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
+    assert bench_throughput.main(["--model", str(tiny_ckpt), "--input-len-range", "9", "3", "--baseline",
+                                  "none"]) == 2
+    assert "--input-len-range" in capsys.readouterr().err
+    assert bench_throughput.main(["--model", str(tmp_path / "missing")]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    rc = bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "1", "3", "--context-len", "5",
+                            "--steps", "2", "--warmup-steps", "1", "--copy-mib", "4", "--num-threads", "1",
+                            "--json", str(out)])
+    assert rc == 0
+    assert "bound ms" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["copy_bandwidth_bytes_per_s"] > 0 and r["kv_bytes_per_token"] > 0
+    assert [row["batch_size"] for row in r["results"]] == [1, 3]
+    config = ModelConfig.from_hf(tiny_ckpt)
+    for row in r["results"]:
+        for key in ("step_ms", "worker_ms", "tokens_per_s", "weight_bytes", "kv_bytes", "bound_ms", "ratio"):
+            assert row[key] > 0, key
+        assert row["bytes_read"] == row["weight_bytes"] + row["kv_bytes"]
+        assert row["weight_bytes"] > r["dense_weight_bytes"]
+        # every sequence decodes after its 5 prompt tokens plus the warm-up token(s)
+        assert 5 < row["mean_context_len"] <= 5 + 1 + 1 + 2
+        assert row["kv_bytes"] == pytest.approx(row["mean_context_len"] * row["batch_size"] * r["kv_bytes_per_token"],
+                                                rel=1e-3)
+        assert config.num_experts_per_tok <= row["experts_touched_per_layer"] <= config.num_experts
+        assert row["ratio"] == pytest.approx(row["step_ms"] / row["bound_ms"])
+
+
+def test_decode_main_rejects_bad_input(tiny_ckpt, capsys):
+    assert bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "0"]) == 2
+    assert "--batch-sizes" in capsys.readouterr().err
+    assert bench_decode.main(["--model", str(tiny_ckpt), "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+def _tiny_config() -> dict:
+    from moe.tiny import build_tiny_config
+
+    return build_tiny_config("deepseek_v3", size="tiny")
