@@ -126,13 +126,15 @@ class AsyncLLM:
             return
         while True:
             fn, fut = item
-            try:
-                result = fn()
-                if fut is not None:
-                    fut.set_result(result)
-            except BaseException as e:  # noqa: BLE001 - returned to the caller
-                if fut is not None:
-                    fut.set_exception(e)
+            # A caller that gave up (cancelled future) no longer wants its command run.
+            if fut is None or fut.set_running_or_notify_cancel():
+                try:
+                    result = fn()
+                    if fut is not None:
+                        fut.set_result(result)
+                except BaseException as e:  # noqa: BLE001 - returned to the caller
+                    if fut is not None:
+                        fut.set_exception(e)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -196,6 +198,16 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine loop has stopped on an error (``/health`` answers 503)."""
+        return self._error is not None or not self._thread.is_alive()
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError when the engine can no longer serve."""
+        if self.errored:
+            raise EngineDeadError(f"engine failed: {self._error}" if self._error else "engine loop is not running")
 
     # ---- expert distribution (SGLang's endpoints) ---------------------------------------
 
