@@ -1,0 +1,59 @@
+"""``make run``: serve a tiny DeepSeek-style checkpoint on a local Ray cluster with EP4
+(DP attention), EPLB on and redundant experts, behind the OpenAI API on 127.0.0.1.
+
+Writes the checkpoint first when it is missing. Stop with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from launch.config import load_runtime_config
+from launch.config_schema import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def example_request(host: str, port: int, model: str) -> str:
+    return (f"curl -s http://{host}:{port}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f"  -d '{{\"model\": \"{model}\", \"prompt\": \"Experts in a mixture\", \"max_tokens\": 32, "
+            f"\"temperature\": 0}}'")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--port", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = list(args.set) + ([f"server.port={args.port}"] if args.port is not None else [])
+    try:
+        cfg = load_runtime_config(args.config, overrides=overrides)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model = Path(cfg.model) if Path(cfg.model).is_absolute() else Path.cwd() / cfg.model
+    if not (model / "config.json").is_file():
+        from launch.tiny_checkpoint import make_tiny_checkpoint
+
+        print(f"writing the tiny DeepSeek-V3-style checkpoint to {model}")
+        make_tiny_checkpoint("deepseek_v3", model)
+    s, p = cfg.server, cfg.parallel
+    print(f"\nstarting {cfg.served_model_name}: tp={p.tensor_parallel_size} dp={p.data_parallel_size} "
+          f"expert-parallel={p.enable_expert_parallel} eplb={cfg.balancer.enable_eplb} "
+          f"(+{cfg.balancer.num_redundant_experts} redundant experts) on a local Ray cluster")
+    print(f"OpenAI API: http://{s.host}:{s.port}/v1   metrics: http://{s.host}:{s.port}/metrics")
+    print("try (once 'Uvicorn running' shows):\n" + example_request(s.host, s.port, cfg.served_model_name) + "\n",
+          flush=True)
+    from launch.serve import serve
+
+    try:
+        asyncio.run(serve(cfg))
+    except KeyboardInterrupt:
+        pass
+    return 0
