@@ -131,12 +131,20 @@ def step_bytes(output: SchedulerOutput, result: StepResult, weights: WeightBytes
     return weight, kv, sum(touched) / max(len(touched), 1)
 
 
+def num_prefill_steps(batch_size: int, context_len: int, max_num_batched_tokens: int) -> int:
+    """Steps the scheduler needs to prefill the batch (sequences prefilled early already decode
+    in the later ones, so they need that many more tokens of headroom)."""
+    return -(-batch_size * context_len // max_num_batched_tokens)
+
+
 def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context_len: int, steps: int,
               warmup_steps: int, *, vocab: Sequence[int], seed: int) -> list[tuple[float, SchedulerOutput, StepResult]]:
     """Prefill ``batch_size`` requests, then time ``steps`` pure decode steps. Returns per timed
     step (wall seconds, its SchedulerOutput, the rank-0 StepResult)."""
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=warmup_steps + steps + 2, ignore_eos=True)
+    budget = engine.config.engine.max_num_batched_tokens
+    max_tokens = warmup_steps + steps + num_prefill_steps(batch_size, context_len, budget) + 2
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = []
     for _ in range(batch_size):
         request_id = engine.next_request_id()
@@ -222,14 +230,14 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     largest batch (max_num_seqs, KV blocks) so no step is preempted."""
     _check_args(args)
     biggest = max(args.batch_sizes)
-    block = args.block_size or 16
-    per_seq = -(-(args.context_len + args.warmup_steps + args.steps + 4) // block)
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = max(8192, biggest)
+    headroom = num_prefill_steps(biggest, args.context_len, args.max_num_batched_tokens) + 4
+    per_seq = -(-(args.context_len + args.warmup_steps + args.steps + headroom) // (args.block_size or 16))
     if args.max_num_seqs is None:
         args.max_num_seqs = max(biggest, 1)
     if args.num_kv_blocks is None:
         args.num_kv_blocks = biggest * per_seq + 1
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = max(8192, biggest)
     config = runtime_config_from_args(args)
     if config.parallel.world_size != 1:
         raise ValueError("bench decode runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
