@@ -191,17 +191,28 @@ class WorkerGroup:
         refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
         return self.wait(refs, method, list(range(self.num_ranks)))
 
-    def shutdown(self) -> None:
-        """Kill the actors and remove the placement group (idempotent)."""
+    def shutdown(self, *, remove_group: bool = True, timeout_s: float = 10.0) -> None:
+        """Kill the actors and remove the placement group (idempotent). The removal is bounded
+        by ``timeout_s``: during interpreter or signal teardown the GCS may not answer."""
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - best effort during teardown
                 log.debug("actor already gone", exc_info=True)
         self.actors = []
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:  # noqa: BLE001
-                log.debug("placement group already removed", exc_info=True)
-            self.pg = None
+        pg, self.pg = self.pg, None
+        if pg is not None and remove_group:
+            import threading
+
+            remover = threading.Thread(target=_remove_quietly, args=(pg,), daemon=True)
+            remover.start()
+            remover.join(timeout_s)
+            if remover.is_alive():
+                log.warning("placement group removal did not finish within %.0fs", timeout_s)
+
+
+def _remove_quietly(pg) -> None:
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - already removed, or the cluster is going away
+        log.debug("placement group already removed", exc_info=True)

@@ -99,7 +99,9 @@ class RayExecutor:
 
         group = getattr(self, "group", None)
         if group is not None:
-            group.shutdown()
+            # A cluster this process started dies whole with ray.shutdown(); on a shared
+            # cluster the placement group must be released explicitly.
+            group.shutdown(remove_group=not self._owns_ray)
             self.group = None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
