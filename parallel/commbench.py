@@ -122,11 +122,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any) -> Any:
     return queue.get()
 
 
-def _device() -> torch.device:
+def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _sync() -> None:
+def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -137,20 +137,20 @@ def time_op(op: Callable[[], Any], warmup: int, iters: int) -> float:
 
     for _ in range(warmup):
         op()
-    _sync()
+    synchronize()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         op()
-    _sync()
-    elapsed = torch.tensor([(time.perf_counter() - start) / max(iters, 1)], dtype=torch.float64, device=_device())
+    synchronize()
+    elapsed = torch.tensor([(time.perf_counter() - start) / max(iters, 1)], dtype=torch.float64, device=current_device())
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed.item())
 
 
 def _pattern(n: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
     """Small integers (exact in bf16 even after summing over 64 ranks)."""
-    return ((torch.arange(n, device=_device()) + seed) % 3 + 1).to(dtype)
+    return ((torch.arange(n, device=current_device()) + seed) % 3 + 1).to(dtype)
 
 
 def _buffers(op: str, count: int, rank: int, world: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,8 @@ prints tokens/s over all ranks. One rank uses the local dispatcher.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 from moe.config import ModelConfig
 from moe.moe_layer import MoELayer
 from moe.tiny import build_tiny_config
+from parallel.commbench import current_device, synchronize, time_op
 from parallel.dispatch import AllToAllDispatcher, build_dispatcher
 from parallel.dispatch.plan import compute_dispatch_plan, row_layout, unpack_rows
 from parallel.groups import build_process_groups
@@ -37,13 +40,12 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int) -> 
 
 
 def time_dispatch(rank: int, world: int, cfg: dict) -> dict:
-    from parallel.commbench import _device, time_op
 
     torch.manual_seed(rank)
     layout = Layout(dp=world)
     groups = build_process_groups(layout, rank, timeout=300)
     dispatcher = AllToAllDispatcher(groups.ep, rank, world)
-    dev = _device()
+    dev = current_device()
     hidden, top_k = cfg["hidden"], cfg["topk"]
     num_local = layout.num_local_slots(cfg["experts"])
     x = torch.randn(cfg["tokens"], hidden, device=dev).to(torch.bfloat16)
@@ -70,14 +72,29 @@ def time_dispatch(rank: int, world: int, cfg: dict) -> dict:
         torch.distributed.all_to_all_single(fwd_recv, fwd_send, recv_counts, send_counts, group=groups.ep)
         torch.distributed.all_to_all_single(back_recv, back_send, send_counts, recv_counts, group=groups.ep)
 
-    rounds = []
-    for _ in range(cfg["rounds"]):  # alternate to share the machine's noise between the two
-        rounds.append((time_op(ours, cfg["warmup"], cfg["iters"]), time_op(raw, cfg["warmup"], cfg["iters"])))
-    return {"rounds": rounds, "rows_sent": sum(send_counts), "row_bytes": row_bytes}
+    pairs = time_interleaved([ours, raw], cfg["warmup"], cfg["iters"])
+    return {"pairs": pairs, "rows_sent": sum(send_counts), "row_bytes": row_bytes}
+
+
+def time_interleaved(fns: list[Callable[[], Any]], warmup: int, iters: int) -> list[tuple[float, ...]]:
+    """Per iteration, each fn once (barrier before each), so machine noise hits all alike.
+    Returns one tuple of seconds per timed iteration: the slowest rank's time of each fn."""
+    times = torch.zeros(iters, len(fns), dtype=torch.float64)
+    for it in range(warmup + iters):
+        for j, fn in enumerate(fns):
+            synchronize()
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            fn()
+            synchronize()
+            if it >= warmup:
+                times[it - warmup, j] = time.perf_counter() - start
+    times = times.to(current_device())
+    torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
+    return [tuple(row) for row in times.cpu().tolist()]
 
 
 def time_moe_layer(rank: int, world: int, cfg: dict) -> dict:
-    from parallel.commbench import _device, time_op
 
     torch.manual_seed(0)
     layout = Layout(dp=world)
@@ -86,12 +103,12 @@ def time_moe_layer(rank: int, world: int, cfg: dict) -> dict:
     dispatcher = build_dispatcher(backend, groups, layout)
     config = moe_layer_config(cfg)
     local = list(layout.local_slots(rank, config.num_experts))
-    layer = MoELayer(config, 0, dtype=torch.bfloat16, local_slots=local, dispatcher=dispatcher).to(_device())
+    layer = MoELayer(config, 0, dtype=torch.bfloat16, local_slots=local, dispatcher=dispatcher).to(current_device())
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.02)
         layer.set_placement(torch.arange(config.num_experts), layout.ep_size, layout.coords(rank).ep_rank)
-        x = torch.randn(cfg["tokens"], config.hidden_size, device=_device()).to(torch.bfloat16)
+        x = torch.randn(cfg["tokens"], config.hidden_size, device=current_device()).to(torch.bfloat16)
         seconds = time_op(lambda: layer(x), cfg["warmup"], cfg["iters"])
     return {"seconds": seconds}
 
@@ -107,8 +124,7 @@ def moe_layer_config(cfg: dict) -> ModelConfig:
 
 def _cfg(args: argparse.Namespace) -> dict:
     return {"tokens": args.tokens, "hidden": args.hidden, "topk": args.topk, "experts": args.experts,
-            "inter": args.inter, "iters": args.iters, "warmup": args.warmup_iters, "backend": args.backend,
-            "rounds": 3}
+            "inter": args.inter, "iters": args.iters, "warmup": args.warmup_iters, "backend": args.backend}
 
 
 def run(args: argparse.Namespace, spawn: Callable[..., Any]) -> dict:
@@ -124,22 +140,24 @@ def run(args: argparse.Namespace, spawn: Callable[..., Any]) -> dict:
 
 
 def _report_dispatch(cfg: dict, world: int, res: dict) -> dict:
-    ours = sorted(r[0] for r in res["rounds"])
-    raw = sorted(r[1] for r in res["rounds"])
-    ratios = sorted(a / b for a, b in res["rounds"])
-    mid = len(ratios) // 2
+    ours = [p[0] for p in res["pairs"]]
+    raw = [p[1] for p in res["pairs"]]
+    ratio = statistics.median(a / b for a, b in res["pairs"])
+    q = statistics.quantiles if len(ours) >= 4 else None
     payload = res["rows_sent"] * res["row_bytes"]
     text = "\n".join([
         f"# dispatch+combine vs raw all_to_all_single: {world} ranks, T={cfg['tokens']}/rank, "
-        f"D={cfg['hidden']}, K={cfg['topk']}, E={cfg['experts']}, bf16",
-        f"# rank 0 sends {res['rows_sent']} rows ({res['rows_sent'] / cfg['tokens']:.2f} per token after dedup), "
-        f"{payload / 2**20:.2f} MiB out + {res['rows_sent'] * cfg['hidden'] * 2 / 2**20:.2f} MiB back",
-        f"{'round':>6}{'ours (us)':>14}{'raw (us)':>14}{'ratio':>8}",
-        *[f"{i:>6}{a * 1e6:>14.1f}{b * 1e6:>14.1f}{a / b:>8.3f}" for i, (a, b) in enumerate(res["rounds"])],
-        f"# median: ours {ours[mid] * 1e6:.1f} us, raw {raw[mid] * 1e6:.1f} us, ratio {ratios[mid]:.3f}",
+        f"D={cfg['hidden']}, K={cfg['topk']}, E={cfg['experts']}, bf16, {len(ours)} interleaved iterations",
+        f"# rank 0 sends {res['rows_sent']} rows ({res['rows_sent'] / max(cfg['tokens'], 1):.2f} per token "
+        f"after dedup), {payload / 2**20:.2f} MiB out + {res['rows_sent'] * cfg['hidden'] * 2 / 2**20:.2f} MiB back",
+        f"{'':>6}{'median (us)':>14}{'p25 (us)':>12}{'p75 (us)':>12}",
+        *[f"{name:>6}{statistics.median(v) * 1e6:>14.1f}"
+          + (f"{q(v, n=4)[0] * 1e6:>12.1f}{q(v, n=4)[2] * 1e6:>12.1f}" if q else "")
+          for name, v in (("ours", ours), ("raw", raw))],
+        f"# median per-iteration ratio ours/raw: {ratio:.3f}",
     ])
-    return {"text": text, "json": {"mode": "dispatch", "nranks": world, **cfg, "rounds": res["rounds"],
-                                   "rows_sent_rank0": res["rows_sent"], "median_ratio": ratios[mid]}}
+    return {"text": text, "json": {"mode": "dispatch", "nranks": world, **cfg, "ours_s": ours, "raw_s": raw,
+                                   "rows_sent_rank0": res["rows_sent"], "median_ratio": ratio}}
 
 
 def _report_moe_layer(cfg: dict, per_world: dict[int, float]) -> dict:

@@ -75,10 +75,12 @@ class AllToAllDispatcher:
         until the next call; rows received from each rank: R ints)."""
         send_counts = torch.tensor(plan.send_counts, dtype=torch.int64, device=x.device)
         recv_counts_t = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts_t, send_counts, group=self.group)
-        recv_counts = recv_counts_t.tolist()
+        work = dist.all_to_all_single(recv_counts_t, send_counts, group=self.group, async_op=True)
         _, row_bytes = row_layout(x.shape[1], plan.local_slots.shape[1], x.dtype)
-        send = pack_rows(x, plan, self.workspace.get("send", (len(plan.pair_token), row_bytes), torch.uint8, x.device))
+        send = self.workspace.get("send", (len(plan.pair_token), row_bytes), torch.uint8, x.device)
+        pack_rows(x, plan, send)  # overlaps the count exchange
+        work.wait()
+        recv_counts = recv_counts_t.tolist()
         recv = self.workspace.get("recv", (sum(recv_counts), row_bytes), torch.uint8, x.device)
         dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
         return recv, recv_counts

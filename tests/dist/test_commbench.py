@@ -60,7 +60,7 @@ def test_table_format() -> None:
 
 def _all_modes(rank: int, world: int) -> dict:
     rows = {op: run_collective(rank, world, op, [8, 64], "bfloat16", 1, 2, True) for op in OPS}
-    cfg = {"tokens": 16, "hidden": 8, "topk": 2, "experts": 4, "iters": 1, "warmup": 0, "rounds": 2}
+    cfg = {"tokens": 16, "hidden": 8, "topk": 2, "experts": 4, "iters": 2, "warmup": 0}
     return {"rows": rows, "dispatch": time_dispatch(rank, world, cfg)}
 
 
@@ -83,7 +83,7 @@ def test_collective_on_two_ranks(op: str, rank0: dict) -> None:
 
 def test_dispatch_bench_on_two_ranks(rank0: dict) -> None:
     res = rank0["dispatch"]
-    assert len(res["rounds"]) == 2 and all(a > 0 and b > 0 for a, b in res["rounds"])
+    assert len(res["pairs"]) == 2 and all(a > 0 and b > 0 for a, b in res["pairs"])
     assert 0 < res["rows_sent"] <= 16 * 2  # at most one row per (token, rank)
 
 
