@@ -1,0 +1,367 @@
+"""``python -m launch bench overhead``: what the driver/actor round trip adds to each engine step.
+
+    python -m launch bench overhead --model DIR [-dp N] [--enable-expert-parallel] [--steps 50]
+        [--batch 8] [--context-len 32] [--warmup-steps 5] [--json FILE] [engine flags]
+    python -m launch bench overhead --model DIR --stats-overhead [--batch 8] [--repeats 2000] [...]
+
+Steady decode: ``--batch`` requests with ``--context-len``-token random prompts are prefilled,
+then ``--steps`` engine steps in which every sequence decodes exactly one token are timed
+(after ``--warmup-steps`` such steps). The executor is the engine's own: in-process for one
+rank, one Ray actor per rank otherwise. Per timed step:
+
+    step_ms       LLMEngine.step() wall time on the driver
+    execute_ms    executor.execute(): send every rank its batch, wait for every reply
+    worker_ms     max over the replies of StepResult.seconds (time inside Worker.execute)
+    scheduler_ms  Scheduler.schedule() + Scheduler.update() on the driver
+    overhead_ms   step - worker: everything the driver loop adds to the model's time
+    transport_ms  execute - worker: serialisation, Ray round trip, waiting for the replies
+    other_ms      step - execute - scheduler: token/capacity accounting, EPLB statistics
+
+Steps in which a rebalance ran are left out (and counted). With tp > 1 only DP leaders
+reply, so worker_ms is the max over those ranks.
+
+``--stats-overhead`` (one in-process rank) times the routing-statistics recording with this
+run's shapes against the same measured decode step: per MoE layer the ``slot_load``
+bincount of ``MoELayer.forward``, the worker's stack + reset of those counters, and on the
+driver the sum over DP replies plus ``balancer.RoutingStats.record``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launch.config import ConfigError, RuntimeConfig, add_runtime_args, runtime_config_from_args
+from launch.core import SamplingParams, SchedulerOutput
+from launch.worker import StepResult
+
+STEP_FIELDS = ("step_ms", "execute_ms", "worker_ms", "scheduler_ms", "overhead_ms", "transport_ms", "other_ms")
+STATS_BUDGET = 0.02  # the issue's bar: recording costs at most 2% of a step
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One timed engine step, milliseconds (definitions in the module docstring)."""
+
+    step_ms: float
+    execute_ms: float
+    worker_ms: float
+    scheduler_ms: float
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.step_ms - self.worker_ms
+
+    @property
+    def transport_ms(self) -> float:
+        return self.execute_ms - self.worker_ms
+
+    @property
+    def other_ms(self) -> float:
+        return self.step_ms - self.execute_ms - self.scheduler_ms
+
+
+class TimedExecutor:
+    """Wraps the engine's executor: wall time of each ``execute`` and the replies it got."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.num_nodes = inner.num_nodes
+        self.last: tuple[SchedulerOutput, list[StepResult], float] | None = None
+
+    def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
+        started = time.perf_counter()
+        results = self.inner.execute(output, collect_load)
+        self.last = (output, results, time.perf_counter() - started)
+        return results
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class TimedScheduler:
+    """Wraps the engine's scheduler: seconds spent in ``schedule`` + ``update`` since ``reset``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+    def schedule(self) -> SchedulerOutput:
+        started = time.perf_counter()
+        try:
+            return self.inner.schedule()
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return self.inner.update(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def is_pure_decode(output: SchedulerOutput, batch_size: int) -> bool:
+    """Whether every one of ``batch_size`` sequences decodes exactly one token this step."""
+    num_seqs = sum(b.num_seqs for b in output.batches)
+    return num_seqs == batch_size and output.num_scheduled_tokens == batch_size
+
+
+def summarize(timings: list[StepTiming]) -> dict[str, dict[str, float]]:
+    """Per field of STEP_FIELDS: median, mean, p90, min over the timed steps (ms)."""
+    if not timings:
+        raise ValueError("no timed steps to summarize")
+    out = {}
+    for name in STEP_FIELDS:
+        values = sorted(getattr(t, name) for t in timings)
+        p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
+        out[name] = {"median": statistics.median(values), "mean": statistics.fmean(values), "p90": p90,
+                     "min": values[0]}
+    return out
+
+
+def run_decode(engine: Any, batch_size: int, context_len: int, steps: int, warmup_steps: int, *,
+               seed: int) -> tuple[list[StepTiming], int]:
+    """Prefill ``batch_size`` requests, then time ``steps`` pure decode steps (the engine's
+    executor and scheduler must be TimedExecutor / TimedScheduler). Returns the timings and
+    the number of decode steps left out because a rebalance ran in them."""
+    executor, scheduler = engine.executor, engine.scheduler
+    mc = engine.model_config
+    vocab = [t for t in range(mc.vocab_size) if t not in mc.eos_token_ids]
+    rng = random.Random(seed)
+    budget = engine.config.engine.max_num_batched_tokens
+    prefill_steps = -(-batch_size * context_len // budget)
+    max_steps = 2 * (warmup_steps + steps) + 4 * prefill_steps + 16
+    params = SamplingParams(temperature=0.0, max_tokens=max_steps + 1, ignore_eos=True)
+    ids = [engine.next_request_id() for _ in range(batch_size)]
+    for request_id in ids:
+        engine.add_request(request_id, [rng.choice(vocab) for _ in range(context_len)], params)
+    timings: list[StepTiming] = []
+    decode_steps = skipped = 0
+    try:
+        for _ in range(max_steps):
+            scheduler.reset()
+            executor.last = None
+            rebalances = engine.eplb.counters.num_rebalances if engine.eplb is not None else 0
+            started = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - started
+            if executor.last is None or not is_pure_decode(executor.last[0], batch_size):
+                continue
+            decode_steps += 1
+            if decode_steps <= warmup_steps:
+                continue
+            if engine.eplb is not None and engine.eplb.counters.num_rebalances != rebalances:
+                skipped += 1
+                continue
+            _, results, execute = executor.last
+            timings.append(StepTiming(wall * 1e3, execute * 1e3, max(r.seconds for r in results) * 1e3,
+                                      scheduler.seconds * 1e3))
+            if len(timings) == steps:
+                break
+    finally:
+        for request_id in ids:
+            engine.abort_request(request_id)
+    if len(timings) < steps:
+        raise RuntimeError(f"only {len(timings)} of {steps} steps decoded all {batch_size} sequences "
+                           "(preemption? raise --num-kv-blocks or lower --batch)")
+    return timings, skipped
+
+
+# ---------------------------------------------------------------- routing-statistics overhead
+
+
+def time_call(fn: Callable[[], Any], repeats: int, rounds: int = 5) -> float:
+    """Seconds per call of ``fn``: the median over ``rounds`` of the mean of ``repeats`` calls."""
+    if repeats < 1 or rounds < 1:
+        raise ValueError(f"repeats and rounds must be >= 1, got {repeats}, {rounds}")
+    fn()  # first-call allocations stay out of the figure
+    means = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        means.append((time.perf_counter() - started) / repeats)
+    return statistics.median(means)
+
+
+def measure_recording(num_layers: int, num_slots: int, num_ranks: int, tokens_per_rank: int, top_k: int,
+                      window_size: int, *, repeats: int, seed: int = 0) -> dict[str, float]:
+    """Microseconds per step of each part of the routing-statistics recording, with the same
+    expressions and shapes as the runtime: slot_ids [T, K] int64 in [0, P), slot_load [P] int64
+    per MoE layer, the worker's [L, P] stack, R replies summed into RoutingStats.record.
+
+    Returns bincount_per_layer_us, bincount_us (x L), worker_collect_us, driver_record_us, total_us.
+    """
+    from balancer import RoutingStats
+
+    if min(num_layers, num_slots, num_ranks, tokens_per_rank, top_k, window_size) < 1:
+        raise ValueError("num_layers, num_slots, num_ranks, tokens_per_rank, top_k and window_size must be >= 1")
+    gen = torch.Generator().manual_seed(seed)
+    slot_ids = torch.randint(0, num_slots, (tokens_per_rank, top_k), generator=gen)  # [T, K]
+    counters = [torch.zeros(num_slots, dtype=torch.int64) for _ in range(num_layers)]  # L x [P]
+    replies = [torch.randint(0, 64, (num_layers, num_slots), generator=gen) for _ in range(num_ranks)]  # R x [L, P]
+    stats = RoutingStats(num_layers, num_slots, num_ranks if num_slots % num_ranks == 0 else 1, window_size)
+    load = counters[0]
+
+    def bincount() -> None:  # MoELayer.forward
+        nonlocal load
+        load += torch.bincount(slot_ids.reshape(-1), minlength=num_slots)
+
+    def worker_collect() -> None:  # Worker._read_counters: stack, then reset each layer's counter
+        torch.stack(counters)
+        for c in counters:
+            c.zero_()
+
+    def driver_record() -> None:  # LLMEngine._account + EplbDriver.record
+        stats.record(torch.stack(replies).sum(0))
+
+    per_layer = time_call(bincount, repeats) * 1e6
+    collect = time_call(worker_collect, repeats) * 1e6
+    driver = time_call(driver_record, repeats) * 1e6
+    return {"bincount_per_layer_us": per_layer, "bincount_us": per_layer * num_layers,
+            "worker_collect_us": collect, "driver_record_us": driver,
+            "total_us": per_layer * num_layers + collect + driver}
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m launch bench overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_runtime_args(parser, server=False)
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--batch", type=int, default=8, help="sequences decoding together")
+    g.add_argument("--context-len", type=int, default=32, help="prompt tokens per sequence before decoding")
+    g.add_argument("--steps", type=int, default=50, help="timed decode steps")
+    g.add_argument("--warmup-steps", type=int, default=5)
+    g.add_argument("--stats-overhead", action="store_true",
+                   help="time the routing-statistics recording against the decode step (one rank)")
+    g.add_argument("--repeats", type=int, default=2000, help="calls per timing round in --stats-overhead")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads on the driver (default: torch's)")
+    g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> RuntimeConfig:
+    """The runtime config with room for the batch (max_num_seqs, KV blocks) so no step is preempted."""
+    for name in ("batch", "context_len", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup_steps < 0 or args.num_threads is not None and args.num_threads < 1:
+        raise ValueError("--warmup-steps must be >= 0 and --num-threads >= 1")
+    if args.max_num_seqs is None:
+        args.max_num_seqs = args.batch
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = max(512, args.batch)
+    if args.num_kv_blocks is None:
+        tokens = args.context_len + 2 * (args.warmup_steps + args.steps) + 64
+        args.num_kv_blocks = args.batch * -(-tokens // (args.block_size or 16)) + 1
+    config = runtime_config_from_args(args)
+    if args.stats_overhead and config.parallel.world_size != 1:
+        raise ValueError("--stats-overhead runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
+    config.check_model_path()
+    return config
+
+
+def format_steps(summary: dict[str, dict[str, float]], label: str) -> str:
+    head = f"{'executor':<22} {'stat':<7}" + "".join(f"{name:>14}" for name in STEP_FIELDS)
+    lines = [head]
+    for stat in ("median", "p90"):
+        lines.append(f"{label:<22} {stat:<7}" + "".join(f"{summary[n][stat]:>14.3f}" for n in STEP_FIELDS))
+    return "\n".join(lines)
+
+
+def describe_executor(config: RuntimeConfig) -> str:
+    p = config.parallel
+    if p.world_size == 1:
+        return "in-process (1 rank)"
+    ep = f" ep{p.expert_parallel_size}" if p.expert_parallel_size > 1 else ""
+    return f"ray tp{p.tensor_parallel_size} dp{p.data_parallel_size}{ep}"
+
+
+def stats_overhead(engine: Any, batch_size: int, step_ms: float, repeats: int) -> dict[str, Any]:
+    """Recording cost (measure_recording with this engine's shapes) against ``step_ms``."""
+    mc = engine.model_config
+    shapes = {"num_layers": len(mc.moe_layer_ids), "num_slots": engine.placement.num_physical,
+              "num_ranks": engine.config.parallel.data_parallel_size, "tokens_per_rank": batch_size,
+              "top_k": mc.num_experts_per_tok, "window_size": engine.config.balancer.window_size}
+    if shapes["num_layers"] == 0:
+        raise ValueError(f"{engine.config.model} has no MoE layers: nothing records routing statistics")
+    cost = measure_recording(**shapes, repeats=repeats, seed=engine.config.engine.seed)
+    ratio = cost["total_us"] / (step_ms * 1e3)
+    return {"shapes": shapes, **cost, "step_ms": step_ms, "ratio": ratio, "budget": STATS_BUDGET,
+            "within_budget": ratio <= STATS_BUDGET}
+
+
+def format_stats(s: dict[str, Any]) -> str:
+    sh = s["shapes"]
+    return "\n".join([
+        f"# routing statistics: L={sh['num_layers']} MoE layers, P={sh['num_slots']} slots, T={sh['tokens_per_rank']} "
+        f"tokens x K={sh['top_k']}, window {sh['window_size']}",
+        f"bincount per layer (us)   {s['bincount_per_layer_us']:>10.2f}",
+        f"bincount, all layers (us) {s['bincount_us']:>10.2f}",
+        f"worker stack + reset (us) {s['worker_collect_us']:>10.2f}",
+        f"driver sum + record (us)  {s['driver_record_us']:>10.2f}",
+        f"total per step (us)       {s['total_us']:>10.2f}",
+        f"decode step median (ms)   {s['step_ms']:>10.3f}",
+        f"ratio                     {100 * s['ratio']:>9.2f}%  (budget {100 * s['budget']:.0f}%: "
+        f"{'within' if s['within_budget'] else 'OVER'})",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    from launch.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    try:
+        engine.executor = TimedExecutor(engine.executor)
+        engine.scheduler = TimedScheduler(engine.scheduler)
+        timings, skipped = run_decode(engine, args.batch, args.context_len, args.steps, args.warmup_steps,
+                                      seed=config.engine.seed)
+        summary = summarize(timings)
+        stats = stats_overhead(engine, args.batch, summary["step_ms"]["median"], args.repeats) \
+            if args.stats_overhead else None
+    finally:
+        engine.shutdown()
+    label = describe_executor(config)
+    print(f"# {args.steps} decode steps of {args.batch} sequences (context {args.context_len}), {label}, "
+          f"{skipped} rebalance steps left out; times in ms")
+    print(format_steps(summary, label))
+    if stats is not None:
+        print(format_stats(stats))
+    if args.json:
+        result = {"model": config.model, "executor": label, "world_size": config.parallel.world_size,
+                  "data_parallel_size": config.parallel.data_parallel_size,
+                  "expert_parallel_size": config.parallel.expert_parallel_size,
+                  "enable_eplb": config.balancer.enable_eplb, "dtype": config.engine.dtype,
+                  "num_threads": torch.get_num_threads(), "batch": args.batch, "context_len": args.context_len,
+                  "steps": args.steps, "rebalance_steps_skipped": skipped, "summary": summary,
+                  "timings": [asdict(t) for t in timings], "stats_overhead": stats}
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,117 @@
+"""launch/bench_overhead.py: the step breakdown, the recording microbenchmark and ``main()``
+end to end on a tiny checkpoint with one in-process rank."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from launch import bench_overhead
+from launch.bench_overhead import (
+    StepTiming,
+    TimedScheduler,
+    is_pure_decode,
+    measure_recording,
+    summarize,
+    time_call,
+)
+from moe.config import ModelConfig
+from moe.tiny import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_overhead") / "dsv3"
+    write_tiny_checkpoint("deepseek_v3", path, size="tiny", seed=0)
+    return path
+
+
+def test_step_timing_breakdown_adds_up():
+    t = StepTiming(step_ms=10.0, execute_ms=7.0, worker_ms=5.5, scheduler_ms=2.0)
+    assert t.overhead_ms == pytest.approx(4.5)
+    assert t.transport_ms == pytest.approx(1.5)
+    assert t.other_ms == pytest.approx(1.0)
+    assert t.overhead_ms == pytest.approx(t.transport_ms + t.scheduler_ms + t.other_ms)
+
+
+def test_summarize_median_p90_min():
+    timings = [StepTiming(float(s), float(s) - 1, float(s) - 2, 0.5) for s in range(1, 11)]
+    s = summarize(timings)
+    assert set(s) == set(bench_overhead.STEP_FIELDS)
+    assert s["step_ms"] == {"median": 5.5, "mean": 5.5, "p90": 10.0, "min": 1.0}
+    assert s["overhead_ms"]["median"] == pytest.approx(2.0)
+    assert s["other_ms"]["median"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="no timed steps"):
+        summarize([])
+
+
+def test_is_pure_decode_needs_every_sequence_one_token():
+    def out(*batches):
+        return SimpleNamespace(batches=[SimpleNamespace(num_seqs=s) for s, _ in batches],
+                               num_scheduled_tokens=sum(t for _, t in batches))
+
+    assert is_pure_decode(out((2, 2), (2, 2)), 4)
+    assert not is_pure_decode(out((2, 2), (2, 9)), 4)  # one rank still prefilling
+    assert not is_pure_decode(out((2, 2), (1, 1)), 4)  # a sequence not scheduled
+
+
+def test_timed_scheduler_accumulates_and_forwards():
+    inner = SimpleNamespace(schedule=lambda: time.sleep(0.01) or "out", update=lambda o, s: [o, s], extra=7)
+    sched = TimedScheduler(inner)
+    assert sched.schedule() == "out" and sched.update("o", "s") == ["o", "s"] and sched.extra == 7
+    assert sched.seconds >= 0.01
+    sched.reset()
+    assert sched.seconds == 0.0
+
+
+def test_time_call_counts_calls_and_rejects_bad_input():
+    calls = []
+    per_call = time_call(lambda: calls.append(1), repeats=10, rounds=3)
+    assert len(calls) == 1 + 10 * 3 and per_call > 0
+    with pytest.raises(ValueError, match="repeats"):
+        time_call(lambda: None, repeats=0)
+
+
+def test_measure_recording_parts_sum_to_total():
+    r = measure_recording(2, 12, 4, 8, 2, 50, repeats=20)
+    assert r["bincount_us"] == pytest.approx(2 * r["bincount_per_layer_us"])
+    assert r["total_us"] == pytest.approx(r["bincount_us"] + r["worker_collect_us"] + r["driver_record_us"])
+    assert all(v > 0 for v in r.values())
+    with pytest.raises(ValueError, match="must be >= 1"):
+        measure_recording(0, 12, 4, 8, 2, 50, repeats=20)
+
+
+def test_main_in_process_with_stats_overhead(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "overhead.json"
+    rc = bench_overhead.main(["--model", str(tiny_ckpt), "--dtype", "float32", "--enable-expert-parallel", "--enable-eplb",
+                              "--num-redundant-experts", "2", "--batch", "3", "--context-len", "5",
+                              "--steps", "4", "--warmup-steps", "1", "--stats-overhead", "--repeats", "20",
+                              "--num-threads", "1", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "in-process (1 rank)" in printed and "ratio" in printed
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 1 and r["batch"] == 3 and len(r["timings"]) == 4
+    for t in r["timings"]:
+        assert t["step_ms"] >= t["execute_ms"] >= t["worker_ms"] > 0
+        assert t["step_ms"] >= t["execute_ms"] + t["scheduler_ms"] and t["scheduler_ms"] > 0
+    assert r["summary"]["step_ms"]["median"] >= r["summary"]["worker_ms"]["median"]
+    s = r["stats_overhead"]
+    mc = ModelConfig.from_hf(tiny_ckpt)
+    assert s["shapes"] == {"num_layers": len(mc.moe_layer_ids), "num_slots": mc.num_experts + 2, "num_ranks": 1,
+                           "tokens_per_rank": 3, "top_k": mc.num_experts_per_tok, "window_size": s["shapes"]["window_size"]}
+    assert s["step_ms"] == r["summary"]["step_ms"]["median"]
+    assert s["ratio"] == pytest.approx(s["total_us"] / (s["step_ms"] * 1e3))
+    assert s["within_budget"] == (s["ratio"] <= 0.02)
+
+
+def test_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
+    assert bench_overhead.main(["--model", str(tiny_ckpt), "--batch", "0"]) == 2
+    assert "--batch must be >= 1" in capsys.readouterr().err
+    assert bench_overhead.main(["--model", str(tiny_ckpt), "-dp", "2", "--stats-overhead"]) == 2
+    assert "one in-process rank" in capsys.readouterr().err
+    assert bench_overhead.main(["--model", str(tmp_path / "missing")]) == 2
+    assert "config.json" in capsys.readouterr().err
