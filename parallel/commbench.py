@@ -17,6 +17,7 @@ its buffers (gloo corrupts them), so alltoall's in-place column is N/A.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -92,7 +93,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _rank_entry(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple,
+                queue: Any) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost"):
@@ -101,7 +103,7 @@ def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: 
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
@@ -111,13 +113,14 @@ def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: 
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, *args: Any) -> Any:
-    """Run fn(rank, world, *args) on nprocs fresh ranks; returns rank 0's result."""
+def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, threads: int = 0) -> Any:
+    """Run fn(rank, world, *args) on nprocs fresh ranks; returns rank 0's result. ``threads``:
+    torch CPU threads per rank (0: cpu_count // nprocs)."""
     if torch.cuda.is_available() and nprocs > torch.cuda.device_count():
         raise ValueError(f"-np {nprocs} exceeds the {torch.cuda.device_count()} visible GPUs")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_entry, args=(nprocs, free_port(), fn, args, queue), nprocs=nprocs,
+    mp.start_processes(_rank_entry, args=(nprocs, free_port(), threads, fn, args, queue), nprocs=nprocs,
                        join=True, start_method="spawn")
     return queue.get()
 
@@ -285,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--inter", type=int, default=256, help="expert intermediate size (--moe-layer)")
     p.add_argument("--ranks", default="1,2,4", help="rank counts for --moe-layer")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: cores / ranks)")
     return p
 
 
@@ -296,7 +300,7 @@ def main(argv: list[str]) -> int:
     if args.dispatch or args.moe_layer:
         from parallel import dispatchbench
 
-        report = dispatchbench.run(args, spawn)
+        report = dispatchbench.run(args, functools.partial(spawn, threads=args.threads))
         print(report["text"])
         _write_json(args.output_file, report["json"])
         return 0
@@ -308,7 +312,7 @@ def main(argv: list[str]) -> int:
     counts = compute_sizes(args.op, parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor,
                            elem, args.nprocs)
     rows = spawn(run_collective, args.nprocs, args.op, counts, args.datatype, args.warmup_iters, args.iters,
-                 bool(args.check))
+                 bool(args.check), threads=args.threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     print(format_table(args.op, rows, args.nprocs, backend))
     busbws = [t.busbw for r in rows for t in (r.out_of_place, r.in_place) if t is not None]

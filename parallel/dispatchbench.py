@@ -124,7 +124,8 @@ def moe_layer_config(cfg: dict) -> ModelConfig:
 
 def _cfg(args: argparse.Namespace) -> dict:
     return {"tokens": args.tokens, "hidden": args.hidden, "topk": args.topk, "experts": args.experts,
-            "inter": args.inter, "iters": args.iters, "warmup": args.warmup_iters, "backend": args.backend}
+            "inter": args.inter, "iters": args.iters, "warmup": args.warmup_iters, "backend": args.backend,
+            "threads": args.threads}
 
 
 def run(args: argparse.Namespace, spawn: Callable[..., Any]) -> dict:
@@ -162,7 +163,8 @@ def _report_dispatch(cfg: dict, world: int, res: dict) -> dict:
 
 def _report_moe_layer(cfg: dict, per_world: dict[int, float]) -> dict:
     lines = [f"# EP MoE layer (bf16): T={cfg['tokens']}/rank, D={cfg['hidden']}, I={cfg['inter']}, "
-             f"K={cfg['topk']}, E={cfg['experts']}, backend {cfg['backend']} (1 rank: local)",
+             f"K={cfg['topk']}, E={cfg['experts']}, backend {cfg['backend']} (1 rank: local), "
+             f"torch threads/rank: {cfg['threads'] or 'cores / ranks'}",
              f"{'ranks':>6}{'step (ms)':>12}{'tokens/s':>12}{'tokens/s/rank':>15}"]
     rows = []
     for world, seconds in per_world.items():
