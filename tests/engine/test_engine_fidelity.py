@@ -109,3 +109,18 @@ def test_bad_requests_name_the_problem(hf_checkpoints):
         assert len(ok[0].outputs[0].token_ids) == 3
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         LLM(str(hf_checkpoints["mixtral"]), bogus=1)
+
+
+def test_fp8_kv_cache_and_capacity_factor(hf_checkpoints):
+    """fp8 KV storage keeps greedy decoding on track; a capacity factor drops (and counts)
+    assignments, while a factor too large to bind changes nothing."""
+    path = hf_checkpoints["deepseek_v3"]
+    prompts = make_prompts(4, 6, 96)
+    exact = run(path, prompts, n=6)
+    fp8 = run(path, prompts, n=6, kv_cache_dtype="fp8")
+    assert sum(a[0] == b[0] for a, b in zip(exact, fp8)) >= 5
+    assert run(path, prompts, n=6, capacity_factor=100.0) == exact
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(str(path), dtype="float32", capacity_factor=0.5) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert llm.engine.counters.tokens_dropped > 0
