@@ -42,7 +42,7 @@ __all__ = [
 # vLLM's --all2all-backend names for what our dispatchers implement.
 _BACKEND_ALIASES = {"allgather_reducescatter": "allgather", "naive": "allgather"}
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -135,9 +135,11 @@ class MoEConfig:
 class EngineConfig:
     """Scheduler and KV cache. max_model_len None = the model's max_position_embeddings;
     num_kv_blocks None = sized from memory x memory_utilization after the weights; memory:
-    per-rank byte budget ("8GiB", "512MB" or bytes), None = what the device reports."""
+    per-rank byte budget ("8GiB", "512MB" or bytes), None = what the device reports.
+    dtype "auto": the checkpoint's own dtype (config.json ``dtype``/``torch_dtype``), bfloat16
+    when it names none."""
 
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None

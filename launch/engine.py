@@ -45,6 +45,14 @@ class EngineCounters:
     worker_seconds_total: float = 0.0
 
 
+def resolve_dtype(name: str, model_config: ModelConfig) -> str:
+    """The compute dtype: ``name`` itself, or for "auto" the checkpoint's dtype (bfloat16 when
+    the checkpoint names none or one the runtime does not compute in)."""
+    if name != "auto":
+        return name
+    return model_config.dtype if model_config.dtype in DTYPES else "bfloat16"
+
+
 def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_model_len: int) -> int:
     """KV blocks per DP rank: the override, else what the memory budget holds, capped at
     what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use."""
@@ -55,7 +63,8 @@ def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_
                           else DEFAULT_CPU_MEMORY)
     sizing = compute_kv_sizing(
         model_config, memory_bytes=memory, kv_cache_dtype=e.kv_cache_dtype,
-        dtype_bytes=torch.finfo(DTYPES[e.dtype]).bits // 8, memory_utilization=e.memory_utilization,
+        dtype_bytes=torch.finfo(DTYPES[resolve_dtype(e.dtype, model_config)]).bits // 8,
+        memory_utilization=e.memory_utilization,
         max_model_len=max_model_len, tensor_parallel_size=config.parallel.tensor_parallel_size,
     )
     ceiling = -(-e.max_num_seqs * max_model_len // e.block_size) + 1
@@ -89,6 +98,7 @@ class LLMEngine:
         config.validate_for_model(self.model_config)
         self.tokenizer = _load_tokenizer(path)
         e, p = config.engine, config.parallel
+        self.dtype = resolve_dtype(e.dtype, self.model_config)
         self.max_model_len = e.max_model_len or self.model_config.max_position_embeddings
         self.num_kv_blocks = compute_num_kv_blocks(config, self.model_config, self.max_model_len)
         self.placement = build_initial_placement(config, self.model_config)
@@ -100,7 +110,7 @@ class LLMEngine:
                         "overflow": moe.capacity_overflow, "renormalize": False}
         world = p.world_size
         spec = WorkerSpec(
-            model_path=str(path), dtype=e.dtype, tp=p.tensor_parallel_size, dp=p.data_parallel_size,
+            model_path=str(path), dtype=self.dtype, tp=p.tensor_parallel_size, dp=p.data_parallel_size,
             ep=p.expert_parallel_size, num_nodes=p.num_nodes, all2all_backend=p.dispatch_backend,
             num_kv_blocks=self.num_kv_blocks, block_size=e.block_size, kv_cache_dtype=e.kv_cache_dtype,
             phy2log=self.placement.phy2log, capacity=capacity, seed=e.seed,
@@ -112,7 +122,7 @@ class LLMEngine:
                 config.balancer, self.placement, num_groups=self._num_groups(),
                 num_nodes=self.executor.num_nodes if self.executor.num_nodes > 1 else 1,
                 expert_bytes=3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
-                * torch.finfo(DTYPES[e.dtype]).bits // 8,
+                * torch.finfo(DTYPES[self.dtype]).bits // 8,
             ) if self.model_config.moe_layer_ids else None
             sched = SchedulerConfig(
                 max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
