@@ -229,6 +229,8 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     """The runtime config with decode-bench defaults for flags not given: room for the
     largest batch (max_num_seqs, KV blocks) so no step is preempted."""
     _check_args(args)
+    if args.dtype is None:
+        args.dtype = "bfloat16"  # the benchmark's default, whatever the checkpoint stores
     biggest = max(args.batch_sizes)
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = max(8192, biggest)

@@ -2,7 +2,7 @@
 
     python -m launch bench throughput --model DIR [--num-prompts 32] [--input-len-range 16 200]
         [--output-len-range 8 96] [--seed 0] [--baseline hf|none] [--hf-batch-size 8]
-        [--dtype bfloat16] [--num-threads N] [--json FILE] [engine flags: --max-num-seqs ...]
+        [--dtype bfloat16 (default)] [--num-threads N] [--json FILE] [engine flags: --max-num-seqs ...]
 
 Requests are random token ids with input and output lengths drawn uniformly from the two
 ranges (seeded), decoded greedily with ``ignore_eos`` so every output has exactly its drawn
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16"  # the benchmark's default, whatever the checkpoint stores
     try:
         config = runtime_config_from_args(args)
         config.check_model_path()

@@ -65,6 +65,7 @@ def test_throughput_main_reports_both_sides(tiny_ckpt, tmp_path, capsys):
                 "hf_elapsed_time", "hf_output_tokens_per_second", "speedup"):
         assert r[key] > 0, key
     assert r["num_requests"] == 3 and r["num_threads"] == 1 and r["baseline"] == "hf"
+    assert r["dtype"] == "bfloat16"  # the benchmark default, though the tiny checkpoint stores float32
     assert 3 <= r["total_output_tokens"] <= 9 and 6 <= r["total_input_tokens"] <= 18
     assert r["speedup"] == pytest.approx(r["hf_elapsed_time"] / r["elapsed_time"])
     assert r["output_tokens_per_second"] == pytest.approx(r["total_output_tokens"] / r["elapsed_time"])
