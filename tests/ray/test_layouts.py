@@ -57,3 +57,15 @@ def test_dead_worker_is_named(ray_local, oracle):
             generate(llm, prompts)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    dict(tensor_parallel_size=2),  # TP attention, every rank holds every expert
+    dict(data_parallel_size=2),  # DP replicas without expert parallelism
+], ids=["tp2-ep2", "tp2", "dp2"])
+def test_gqa_layouts_match_transformers(ray_local, hf_checkpoints, kwargs):
+    path = hf_checkpoints["mixtral"]
+    prompts = make_prompts(6, 5, 96)
+    with LLM(str(path), dtype="float32", **kwargs) as llm:
+        assert generate(llm, prompts) == hf_greedy(path, prompts, NEW)
