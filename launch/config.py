@@ -64,7 +64,9 @@ class ParallelConfig:
     over num_nodes machines; with enable_expert_parallel the experts are spread over all of
     them (EP = world), else every rank holds every expert. all2all_backend: "alltoall" |
     "allgather" | "local" (vLLM's "allgather_reducescatter" = "allgather").
-    placement_strategy: the Ray placement-group strategy for the rank bundles."""
+    placement_strategy: the Ray placement-group strategy for the rank bundles.
+    collective_timeout_s: how long a collective may wait for a peer before failing (a hung
+    or dead rank then surfaces as an error instead of a 30-minute stall)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -72,9 +74,12 @@ class ParallelConfig:
     all2all_backend: str = "alltoall"
     num_nodes: int = 1
     placement_strategy: str = "PACK"
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _check_positive(self, "tensor_parallel_size", "data_parallel_size", "num_nodes")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
         _check_choice("all2all_backend", self.all2all_backend, DISPATCH_BACKENDS + tuple(_BACKEND_ALIASES))
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
         if self.world_size % self.num_nodes:

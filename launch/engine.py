@@ -114,6 +114,7 @@ class LLMEngine:
             ep=p.expert_parallel_size, num_nodes=p.num_nodes, all2all_backend=p.dispatch_backend,
             num_kv_blocks=self.num_kv_blocks, block_size=e.block_size, kv_cache_dtype=e.kv_cache_dtype,
             phy2log=self.placement.phy2log, capacity=capacity, seed=e.seed,
+            dist_timeout_s=p.collective_timeout_s,
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
         )
         self.executor: Executor = build_executor(spec, strategy=p.placement_strategy)
