@@ -124,8 +124,12 @@ class Worker:
                 layer.capacity_options = {k: v for k, v in cap.items() if k != "capacity_factor"}
         self.load_report = load_weights(self.model, spec.model_path, dtype=self.dtype)
         self.model.shard_for_tp()
+        # CPU here; on a GPU node the shard lives on this rank's device (nccl groups).
+        self.device = self.groups.device if self.groups else torch.device(
+            "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.model.to(self.device)
         self.kv_cache = PagedKVCache(self.config, spec.num_kv_blocks, spec.block_size, self.dtype,
-                                     spec.kv_cache_dtype, tp_size=spec.tp)
+                                     spec.kv_cache_dtype, tp_size=spec.tp, device=self.device)
         self.sampler = Sampler(seed=spec.seed + self.coords.dp_rank)
         return self.ping()
 
@@ -159,9 +163,9 @@ class Worker:
             self._run_collectives_only()
         else:
             meta = AttentionMetadata.build(batch.query_lens, batch.context_lens, batch.block_tables,
-                                           self.spec.block_size)
-            ids = torch.tensor(batch.input_ids, dtype=torch.int64)
-            pos = torch.tensor(batch.positions, dtype=torch.int64)
+                                           self.spec.block_size, device=self.device)
+            ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
+            pos = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
             hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
             rows = batch.logits_indices
             if rows:
@@ -180,15 +184,15 @@ class Worker:
         # An idle DP rank: no attention, but each MoE layer's dispatch is a collective over
         # the EP group, in layer order, exactly as a non-empty forward would enter it.
         d, k = self.config.hidden_size, self.config.num_experts_per_tok
-        x = torch.empty(0, d, dtype=self.dtype)
-        ids = torch.empty(0, k, dtype=torch.int64)
-        w = torch.empty(0, k, dtype=torch.float32)
+        x = torch.empty(0, d, dtype=self.dtype, device=self.device)
+        ids = torch.empty(0, k, dtype=torch.int64, device=self.device)
+        w = torch.empty(0, k, dtype=torch.float32, device=self.device)
         for layer in self.model.moe_layers():
             layer.dispatcher.dispatch_combine(x, ids, w, layer.experts, layer.layer_id)
 
     def _read_counters(self, collect_load: bool) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
         layers = list(self.model.moe_layers())
-        load = torch.stack([layer.slot_load for layer in layers]) if collect_load and layers else None
+        load = torch.stack([layer.slot_load for layer in layers]).cpu() if collect_load and layers else None
         capacity = []
         for layer in layers:
             layer.slot_load.zero_()
