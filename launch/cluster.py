@@ -117,6 +117,7 @@ class WorkerGroup:
         *,
         strategy: str = "PACK",
         num_gpus_per_rank: float = 0.0,
+        num_cpus_per_rank: float = 1.0,
         ready_timeout_s: float = 120.0,
         call_timeout_s: float = 600.0,
     ) -> None:
@@ -125,7 +126,7 @@ class WorkerGroup:
             raise ValueError(f"placement strategy {strategy!r} is not one of PACK, STRICT_PACK, SPREAD, STRICT_SPREAD")
         self.num_ranks = num_ranks
         self.call_timeout_s = call_timeout_s
-        bundle = {"CPU": 1.0}
+        bundle = {"CPU": float(num_cpus_per_rank)}
         if num_gpus_per_rank:
             bundle["GPU"] = num_gpus_per_rank
         self.pg = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
@@ -146,7 +147,7 @@ class WorkerGroup:
             RankInfo(rank=r, bundle_index=b, node_id=nodes[b], node_rank=node_ids.index(nodes[b]))
             for r, b in enumerate(order)
         ]
-        remote_cls = ray.remote(num_cpus=1, num_gpus=num_gpus_per_rank)(worker_cls)
+        remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)(worker_cls)
         self.actors = []
         for info in self.ranks:
             args, kwargs = make_args(info.rank, self.num_nodes)

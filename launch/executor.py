@@ -66,7 +66,7 @@ class RayExecutor:
         try:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
             self.group = WorkerGroup(Worker, spec.world_size, self._make_args(spec), strategy=strategy,
-                                     num_gpus_per_rank=gpus)
+                                     num_gpus_per_rank=gpus, num_cpus_per_rank=cpus_per_rank(spec.world_size))
             self.num_nodes = self.group.num_nodes
             init = self.group.call("rendezvous_address", ranks=[0])[0]
             self.infos = self.group.call("setup", init)
@@ -106,6 +106,17 @@ class RayExecutor:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+
+
+def cpus_per_rank(world_size: int) -> float:
+    """One logical CPU per rank, or an equal share when the whole cluster has fewer CPUs than
+    ranks (e.g. ``ray start --head`` on a 2-core box serving 4 ranks): ranks still all fit."""
+    import ray
+
+    total = float(ray.cluster_resources().get("CPU", 0.0))
+    if total >= world_size or total <= 0:
+        return 1.0
+    return max(0.01, int(total / world_size * 100) / 100)
 
 
 def build_executor(spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None) -> Executor:
