@@ -52,7 +52,7 @@ def ray_head():
     dash = free_port()
     head = subprocess.Popen(
         [str(bindir / "ray"), "start", "--head", "--block", "--port", str(free_port()), "--node-ip-address",
-         "127.0.0.1", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "4",
+         "127.0.0.1", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "2",
          "--disable-usage-stats", "--temp-dir", temp],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -84,7 +84,7 @@ def test_job_submit_generate(ray_head, tmp_path):
     dst = tmp_path / "out.jsonl"
     cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", address, "--working-dir",
            str(REPO), "--", "python", "-m", "launch", "generate", "--model", str(model), "--input", str(src),
-           "--output", str(dst), "--data-parallel-size", "2", "--enable-expert-parallel", "--max-tokens", "6",
+           "--output", str(dst), "--data-parallel-size", "4", "--enable-expert-parallel", "--max-tokens", "6",
            "--temperature", "0", "--dtype", "float32"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
