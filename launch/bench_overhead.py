@@ -297,8 +297,9 @@ def describe_executor(config: RuntimeConfig) -> str:
     return f"ray tp{p.tensor_parallel_size} dp{p.data_parallel_size}{ep}"
 
 
-def stats_overhead(engine: Any, batch_size: int, step_ms: float, repeats: int) -> dict[str, Any]:
-    """Recording cost (measure_recording with this engine's shapes) against ``step_ms``."""
+def stats_overhead(engine: Any, batch_size: int, step_ms: float, min_step_ms: float, repeats: int) -> dict[str, Any]:
+    """Recording cost (measure_recording with this engine's shapes) against the median decode
+    step ``step_ms`` (``ratio``) and against the fastest one (``ratio_at_min_step``, the bound)."""
     mc = engine.model_config
     shapes = {"num_layers": len(mc.moe_layer_ids), "num_slots": engine.placement.num_physical,
               "num_ranks": engine.config.parallel.data_parallel_size, "tokens_per_rank": batch_size,
@@ -307,8 +308,9 @@ def stats_overhead(engine: Any, batch_size: int, step_ms: float, repeats: int) -
         raise ValueError(f"{engine.config.model} has no MoE layers: nothing records routing statistics")
     cost = measure_recording(**shapes, repeats=repeats, seed=engine.config.engine.seed)
     ratio = cost["total_us"] / (step_ms * 1e3)
-    return {"shapes": shapes, **cost, "step_ms": step_ms, "ratio": ratio, "budget": STATS_BUDGET,
-            "within_budget": ratio <= STATS_BUDGET}
+    worst = cost["total_us"] / (min_step_ms * 1e3)
+    return {"shapes": shapes, **cost, "step_ms": step_ms, "min_step_ms": min_step_ms, "ratio": ratio,
+            "ratio_at_min_step": worst, "budget": STATS_BUDGET, "within_budget": worst <= STATS_BUDGET}
 
 
 def format_stats(s: dict[str, Any]) -> str:
@@ -322,7 +324,9 @@ def format_stats(s: dict[str, Any]) -> str:
         f"driver sum + record (us)  {s['driver_record_us']:>10.2f}",
         f"total per step (us)       {s['total_us']:>10.2f}",
         f"decode step median (ms)   {s['step_ms']:>10.3f}",
-        f"ratio                     {100 * s['ratio']:>9.2f}%  (budget {100 * s['budget']:.0f}%: "
+        f"decode step min (ms)      {s['min_step_ms']:>10.3f}",
+        f"ratio to median step      {100 * s['ratio']:>9.2f}%",
+        f"ratio to fastest step     {100 * s['ratio_at_min_step']:>9.2f}%  (budget {100 * s['budget']:.0f}%: "
         f"{'within' if s['within_budget'] else 'OVER'})",
     ])
 
@@ -345,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         timings, skipped = run_decode(engine, args.batch, args.context_len, args.steps, args.warmup_steps,
                                       seed=config.engine.seed)
         summary = summarize(timings)
-        stats = stats_overhead(engine, args.batch, summary["step_ms"]["median"], args.repeats) \
+        step = summary["step_ms"]
+        stats = stats_overhead(engine, args.batch, step["median"], step["min"], args.repeats) \
             if args.stats_overhead else None
     finally:
         engine.shutdown()
