@@ -14,7 +14,6 @@ import asyncio
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,15 +21,12 @@ import torch
 import uvicorn
 from safetensors.torch import save_file
 
+from launch.async_llm import EngineQueueFull, EngineStats
 from launch.core.outputs import CompletionOutput, RequestOutput
 from launch.core.sampling_params import SamplingParams
 
 VOCAB = 95
 EOS = 94
-
-
-class EngineQueueFull(RuntimeError):
-    """Same name as the engine's exception (the server matches it by name)."""
 
 
 class CharTokenizer:
@@ -49,23 +45,10 @@ class CharTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
-@dataclass
-class FakeStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    balancedness_per_layer: list[float] = field(default_factory=lambda: [0.5, 0.75])
-    balancedness: float = 0.6
-    tokens_dropped: int = 3
-    tokens_rerouted: int = 2
-    num_rebalances: int = 1
-    rebalance_seconds_total: float = 0.25
-    expert_copies_moved: int = 4
+def fake_stats() -> EngineStats:
+    """The engine's own stats record, with distinctive balancer figures for /metrics tests."""
+    return EngineStats(balancedness_per_layer=[0.5, 0.75], balancedness=0.6, tokens_dropped=3,
+                       tokens_rerouted=2, num_rebalances=1, rebalance_seconds_total=0.25, expert_copies_moved=4)
 
 
 class FakeEngine:
@@ -84,11 +67,11 @@ class FakeEngine:
         self.waiting: list[str] = []
         self.aborted: list[str] = []
         self.seen_params: list[SamplingParams] = []
-        self.totals = FakeStats()
+        self.totals = fake_stats()
         self.recording = False
         self.recorded_steps = 0
 
-    def stats(self) -> FakeStats:
+    def stats(self) -> EngineStats:
         s = self.totals
         s.num_running, s.num_waiting = len(self.running), len(self.waiting)
         s.kv_cache_usage = len(self.running) / self.max_running
