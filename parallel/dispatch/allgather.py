@@ -48,6 +48,10 @@ class AllGatherDispatcher:
         sizes = self._gather_sizes(num_tokens, x.device)
         t_max = max(sizes)
         if t_max == 0:  # every rank sees the same sizes, so every rank returns here together
+            if self.global_capacity is not None:
+                cap = compute_capacity(0, experts.num_local_slots * self.num_ranks, max(top_k, 1),
+                                       self.global_capacity.capacity_factor, self.global_capacity.min_capacity)
+                self.capacity_stats[layer_id] = CapacityStats(0, 0, 0, 0, cap)
             return torch.zeros((0, x.shape[1]), dtype=torch.float32, device=x.device)
         x_all = self._gather_padded(x, t_max)  # [R * T_max, D]
         ids_all = self._gather_padded(slot_ids.to(torch.int64), t_max, fill=-1)  # [R * T_max, K]
