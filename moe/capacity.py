@@ -124,7 +124,7 @@ def compute_slot_positions(
     counts = torch.bincount(sorted_slots, minlength=num_slots)
     starts = torch.cumsum(counts, 0) - counts
     pos = torch.full_like(flat, -1)
-    pos[valid[perm]] = torch.arange(sorted_slots.numel(), dtype=torch.int64) - starts[sorted_slots]
+    pos[valid[perm]] = torch.arange(sorted_slots.numel(), dtype=torch.int64, device=flat.device) - starts[sorted_slots]
     return pos.reshape(topk_ids.shape)
 
 
@@ -228,12 +228,16 @@ def _reroute(
 ) -> torch.Tensor:
     """Greedy second chances, in policy order: each overflowed assignment takes the
     best-scoring slot its token does not use yet that is below capacity.
-    Returns: [T, K] int64 ids (moved ones changed, unplaceable ones -1)."""
+    Returns: [T, K] int64 ids (moved ones changed, unplaceable ones -1). Runs on the CPU
+    (a sequential greedy); the result goes back to the input's device."""
+    device = topk_ids.device
+    topk_ids, kept, valid = topk_ids.cpu(), kept.cpu(), valid.cpu()
+    priority = None if priority is None else priority.cpu()
     ids = topk_ids.to(torch.int64).clone()
     ids[valid & ~kept] = -1
     over = torch.nonzero((valid & ~kept).reshape(-1), as_tuple=False).squeeze(1)
     if over.numel() == 0:
-        return ids
+        return ids.to(device)
     if priority is not None:
         over = over[torch.argsort(-priority.reshape(-1)[over].float(), stable=True)]
     top_k = topk_ids.shape[1]
@@ -253,7 +257,7 @@ def _reroute(
         ids_np[t, k] = best
         taken[t, best] = True
         load[best] += 1
-    return torch.from_numpy(ids_np)
+    return torch.from_numpy(ids_np).to(device)
 
 
 def _finish(
@@ -268,7 +272,7 @@ def _finish(
 ) -> CapacityResult:
     orig = orig_ids.to(torch.int64)
     ids = torch.where(kept, new_ids.to(torch.int64), torch.full_like(orig, -1))
-    w = torch.where(kept, weights.float(), torch.zeros((), dtype=torch.float32))
+    w = torch.where(kept, weights.float(), 0.0)
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
     moved = kept & (ids != orig)
