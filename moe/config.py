@@ -13,6 +13,9 @@ Semantics follow Hugging Face transformers (the numerical oracle):
 - MLA ``head_dim`` here is the q/k head size ``qk_nope_head_dim + qk_rope_head_dim``
   (the Hugging Face field of that name holds the rope dim).
 - ``rope_scaling`` (legacy) and ``rope_parameters`` (transformers 5) are both read.
+- ``sliding_window`` (GQA only): Mixtral applies it to every layer whenever it is set;
+  Qwen3-MoE only when ``use_sliding_window``, then to every layer (transformers 5.24's
+  Qwen3-MoE reads neither ``max_window_layers`` nor ``layer_types``, so neither do we).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     dtype: str | None = None
+    sliding_window: int | None = None
     unsupported: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -131,6 +135,8 @@ class ModelConfig:
             raise ValueError("noaux_tc needs at least 2 experts per group (group score = top-2 sum)")
         if self.moe_layer_freq < 1 or self.decoder_sparse_step < 1:
             raise ValueError("moe_layer_freq and decoder_sparse_step must be >= 1")
+        if self.sliding_window is not None and (self.attention != "gqa" or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window {self.sliding_window} needs GQA attention and a positive size")
 
     # ---- construction -------------------------------------------------------------------
 
@@ -165,6 +171,13 @@ class ModelConfig:
         if self.architecture == "qwen3_moe":
             return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
         return True
+
+    def layer_sliding_window(self, i: int) -> int | None:
+        """Decoder layer ``i``'s attention window w (query p sees keys p - w < k <= p), or
+        None for full causal attention. Both GQA families window every layer alike."""
+        if not 0 <= i < self.num_hidden_layers:
+            raise ValueError(f"layer {i} out of range [0, {self.num_hidden_layers})")
+        return self.sliding_window
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -362,9 +375,15 @@ def _deepseek_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dic
     )
 
 
-def _gqa_sliding_window_in_use(raw: dict[str, Any], flag: bool) -> bool:
+def _sliding_window(raw: dict[str, Any], enabled: bool, problems: list[str]) -> int | None:
+    """The window transformers applies (None when off or unset); a bad value is a problem."""
     window = raw.get("sliding_window")
-    return bool(flag) and window is not None and window < int(raw.get("max_position_embeddings", 0))
+    if not enabled or window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        problems.append(f"sliding_window={window!r} must be a positive integer or null")
+        return None
+    return window
 
 
 def _gqa_common(raw: dict[str, Any]) -> dict[str, Any]:
@@ -379,18 +398,15 @@ def _gqa_common(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mixtral_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-    if _gqa_sliding_window_in_use(raw, True):
-        problems.append(f"sliding_window={raw['sliding_window']} is in use (not implemented)")
     inter = int(_need(raw, "intermediate_size"))
     out = _gqa_common(raw)
     out.update(intermediate_size=inter, moe_intermediate_size=inter,
-               num_experts=int(_need(raw, "num_local_experts", "num_experts")), norm_topk_prob=True)
+               num_experts=int(_need(raw, "num_local_experts", "num_experts")), norm_topk_prob=True,
+               sliding_window=_sliding_window(raw, True, problems))
     return out
 
 
 def _qwen3_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-    if _gqa_sliding_window_in_use(raw, raw.get("use_sliding_window", False)):
-        problems.append(f"sliding_window={raw['sliding_window']} is in use (not implemented)")
     out = _gqa_common(raw)
     out.update(
         intermediate_size=int(_need(raw, "intermediate_size")),
@@ -401,5 +417,6 @@ def _qwen3_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
         decoder_sparse_step=int(raw.get("decoder_sparse_step", 1) or 1),
         qk_norm=True,
         attention_bias=bool(raw.get("attention_bias", False)),
+        sliding_window=_sliding_window(raw, bool(raw.get("use_sliding_window", False)), problems),
     )
     return out

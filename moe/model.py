@@ -36,8 +36,11 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        attn_cls = MLAAttention if config.attention == "mla" else GQAAttention
-        self.self_attn = attn_cls(config, dtype)
+        self.self_attn: nn.Module
+        if config.attention == "mla":
+            self.self_attn = MLAAttention(config, dtype)
+        else:
+            self.self_attn = GQAAttention(config, dtype, layer_id=layer_id)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_id):
             self.mlp = MoELayer(config, layer_id, dtype=dtype, local_slots=local_slots, dispatcher=dispatcher)

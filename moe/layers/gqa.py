@@ -18,10 +18,14 @@ from moe.layers.rope import apply_rotary
 
 
 class GQAAttention(nn.Module):
-    """x: [T, D] -> o_proj output [T, D] (this TP rank's partial sum; all-reduce outside)."""
+    """x: [T, D] -> o_proj output [T, D] (this TP rank's partial sum; all-reduce outside).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    ``layer_id`` selects the layer's attention window (``config.layer_sliding_window``).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, layer_id: int = 0) -> None:
         super().__init__()
+        self.sliding_window = config.layer_sliding_window(layer_id)
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
         self.scale = config.softmax_scale
@@ -52,7 +56,8 @@ class GQAAttention(nn.Module):
         q = apply_rotary(q, cos, sin, self.interleave)
         k = apply_rotary(k, cos, sin, self.interleave)
         cache.write(meta.slot_mapping, torch.stack((k, v), dim=1))  # [T, 2, Hkv, hd]
-        out = paged_attention(q, meta, cache, self.head_dim, self._attend, self._attend)
+        out = paged_attention(q, meta, cache, self.head_dim, self._attend, self._attend,
+                              sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ Shape legend: T tokens, B sequences, H query heads, L gathered context length.
 Sequences with one new token are gathered together by block table and attended in one
 batched call (padding masked by context_lens); sequences with several new tokens
 (prefill chunks, possibly after a cached prefix) are attended one at a time with a
-causal mask offset by the cached length.
+causal mask offset by the cached length. An optional sliding window narrows both masks to
+the last ``sliding_window`` positions (Mixtral / Qwen3-MoE ``sliding_window``).
 """
 
 from __future__ import annotations
@@ -40,12 +41,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
 
 def paged_attention(
     q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, out_dim: int,
-    decode_fn: AttendFn, prefill_fn: AttendFn,
+    decode_fn: AttendFn, prefill_fn: AttendFn, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, H, dq] (rows ordered as meta). Returns [T, H, out_dim] in q's dtype.
 
-    The current step's entries must already be written to ``view``.
+    The current step's entries must already be written to ``view``. ``sliding_window`` w
+    (None: full causal) lets the query at position p see keys k with p - w < k <= p, the rule
+    of transformers' ``sliding_window_overlay``; blocks wholly before every query's window are
+    not gathered.
     """
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     num_heads = q.shape[1]
     out = q.new_empty(q.shape[0], num_heads, out_dim)
     size = meta.block_size
@@ -54,15 +60,31 @@ def paged_attention(
         idx = torch.tensor(dec, dtype=torch.int64, device=q.device)
         rows = meta.query_start_loc[idx]
         ctx = meta.context_lens[idx]
-        nb = -(-max(meta.context_lens_list[b] for b in dec) // size)
-        cache = view.gather(meta.block_tables[idx, :nb])  # [Bd, nb * S, ...]
-        mask = torch.arange(cache.shape[1], device=q.device)[None, :] < ctx[:, None]
+        lens = [meta.context_lens_list[b] for b in dec]
+        nb = -(-max(lens) // size)
+        first = _first_block(min(lens) - 1, sliding_window, size)
+        cache = view.gather(meta.block_tables[idx, first:nb])  # [Bd, (nb - first) * S, ...]
+        kpos = first * size + torch.arange(cache.shape[1], device=q.device)[None, :]  # [1, L]
+        mask = kpos < ctx[:, None]  # [Bd, L]: query at ctx - 1 sees keys <= ctx - 1
+        if sliding_window is not None:
+            mask &= kpos >= (ctx - sliding_window)[:, None]
         out[rows] = decode_fn(q[rows].unsqueeze(2), cache, mask[:, None, None, :]).squeeze(2)
     for b in meta.prefill_seq_ids():
         start, qlen, ctx = int(meta.query_start_loc_list[b]), meta.query_lens_list[b], meta.context_lens_list[b]
-        cache = view.gather(meta.block_tables[b : b + 1, : -(-ctx // size)])[:, :ctx]  # [1, ctx, ...]
-        qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [qlen, ctx]
+        first = _first_block(ctx - qlen, sliding_window, size)
+        cache = view.gather(meta.block_tables[b : b + 1, first : -(-ctx // size)])[:, : ctx - first * size]
+        kpos = torch.arange(first * size, ctx, device=q.device)[None, :]  # [1, L]
+        qpos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]  # [qlen, 1]
+        mask = kpos <= qpos  # [qlen, L]
+        if sliding_window is not None:
+            mask &= kpos > qpos - sliding_window
         rows = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, dq]
         out[start : start + qlen] = prefill_fn(rows, cache, mask[None, None])[0].transpose(0, 1)
     return out
+
+
+def _first_block(first_query_pos: int, sliding_window: int | None, block_size: int) -> int:
+    """The first cache block any query at or after ``first_query_pos`` can see under the window."""
+    if sliding_window is None:
+        return 0
+    return max(first_query_pos - sliding_window + 1, 0) // block_size
