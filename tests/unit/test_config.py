@@ -97,7 +97,7 @@ def test_deepseek_moe_layer_freq() -> None:
 @pytest.mark.parametrize("change,match", [
     (dict(architectures=["LlamaForCausalLM"]), "unsupported architecture"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(sliding_window=4096), "sliding_window"),
+    (dict(sliding_window=0), "sliding_window"),  # a window is honoured; a non-positive one is not
     (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope type 'dynamic'"),
     (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e6)), "rope type 'longrope'"),
 ])
