@@ -57,7 +57,7 @@ class AllGatherDispatcher:
         ids_all = self._gather_padded(slot_ids.to(torch.int64), t_max, fill=-1)  # [R * T_max, K]
         w_all = self._gather_padded(weights.float(), t_max)
         if self.global_capacity is not None:
-            ids_all, w_all = self._apply_capacity(ids_all, w_all, sum(sizes), experts, layer_id)
+            ids_all, w_all = self._apply_capacity(ids_all, w_all, sizes, t_max, experts, layer_id)
         lo = self.rank * experts.num_local_slots
         mine = (ids_all >= lo) & (ids_all < lo + experts.num_local_slots)
         local_ids = torch.where(mine, ids_all - lo, torch.full_like(ids_all, -1))
@@ -80,13 +80,21 @@ class AllGatherDispatcher:
         return out
 
     def _apply_capacity(
-        self, ids_all: torch.Tensor, w_all: torch.Tensor, total_tokens: int, experts: Experts, layer_id: int
+        self, ids_all: torch.Tensor, w_all: torch.Tensor, sizes: list[int], t_max: int, experts: Experts,
+        layer_id: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Capacity over the gathered batch (EP-rank order, pads are -1 and ignored). Stats:
+        this rank's assignments / dropped, group-wide max_slot_load and capacity."""
         cfg = self.global_capacity
         assert cfg is not None
         num_slots = experts.num_local_slots * self.num_ranks
-        capacity = compute_capacity(total_tokens, num_slots, ids_all.shape[1], cfg.capacity_factor, cfg.min_capacity)
+        capacity = compute_capacity(sum(sizes), num_slots, ids_all.shape[1], cfg.capacity_factor, cfg.min_capacity)
         limits = torch.full((num_slots,), capacity, dtype=torch.int64, device=ids_all.device)
-        result = apply_slot_limits(ids_all, w_all, limits, renormalize=cfg.renormalize, capacity=capacity)  # pads are -1: ignored
-        self.capacity_stats[layer_id] = result.stats
+        result = apply_slot_limits(ids_all, w_all, limits, renormalize=cfg.renormalize, capacity=capacity)
+        lo = self.rank * t_max
+        valid = ids_all[lo : lo + sizes[self.rank]] >= 0
+        kept = result.kept[lo : lo + sizes[self.rank]]
+        group = result.stats
+        self.capacity_stats[layer_id] = CapacityStats(
+            int(valid.sum()), int((valid & ~kept).sum()), 0, group.max_slot_load, capacity)
         return result.topk_ids, result.topk_weights

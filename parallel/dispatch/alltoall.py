@@ -39,8 +39,9 @@ COMBINE_CHUNK_ROWS = 1024  # fp32 staging rows per index_add (bounded temp, few 
 class AllToAllDispatcher:
     """ExpertDispatcher over ``group`` (the EP group); ``rank``/``num_ranks`` are EP coordinates.
 
-    ``capacity_stats[layer_id]`` holds the last step's group-wide ``CapacityStats`` when a
-    global capacity is configured.
+    ``capacity_stats[layer_id]`` holds the last step's ``CapacityStats`` when a global
+    capacity is configured: this rank's assignments / dropped (sum over EP ranks for the
+    group), group-wide max_slot_load and capacity.
     """
 
     def __init__(

@@ -63,8 +63,9 @@ def apply_global_capacity(
 ) -> tuple[CapacityResult, CapacityStats]:
     """counts: [R, P + 1] from ``gather_slot_counts``; rank: this rank's index in it.
 
-    Returns this rank's ``CapacityResult`` and the group-wide ``CapacityStats`` (identical
-    on every rank)."""
+    Returns this rank's ``CapacityResult`` and its ``CapacityStats``: assignments / dropped
+    are this source rank's (summing them over the EP group gives the group's totals);
+    max_slot_load and capacity are group-wide (the same on every rank)."""
     num_slots = counts.shape[1] - 1
     per_slot = counts[:, :num_slots]
     capacity = compute_capacity(int(counts[:, num_slots].sum()), num_slots, top_k,
@@ -75,10 +76,10 @@ def apply_global_capacity(
     result = apply_slot_limits(slot_ids, weights, limits[rank].to(slot_ids.device),
                                renormalize=config.renormalize, capacity=capacity)
     accepted = limits.sum(0)
-    total = int(per_slot.sum())
+    mine = int(per_slot[rank].sum())
     stats = CapacityStats(
-        assignments=total,
-        dropped=total - int(accepted.sum()),
+        assignments=mine,
+        dropped=mine - int(limits[rank].sum()),
         rerouted=0,
         max_slot_load=int(accepted.max()) if accepted.numel() else 0,
         capacity=capacity,

@@ -185,4 +185,4 @@ def test_logits_match_single_process(case: ModelCase, dist_results: list[dict], 
     if case.local_cf > 0:
         assert any(r[case.name]["local_dropped"] > 0 for r in dist_results)
     if case.global_cf > 0:
-        assert all(r[case.name]["global_dropped"] > 0 for r in dist_results)
+        assert sum(r[case.name]["global_dropped"] for r in dist_results) > 0
