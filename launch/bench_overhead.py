@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = LLMEngine(config)
     try:
+        if args.stats_overhead and not engine.model_config.moe_layer_ids:
+            raise ValueError(f"{config.model} has no MoE layers: nothing records routing statistics")
         engine.executor = TimedExecutor(engine.executor)
         engine.scheduler = TimedScheduler(engine.scheduler)
         timings, skipped = run_decode(engine, args.batch, args.context_len, args.steps, args.warmup_steps,
@@ -352,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         step = summary["step_ms"]
         stats = stats_overhead(engine, args.batch, step["median"], step["min"], args.repeats) \
             if args.stats_overhead else None
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         engine.shutdown()
     label = describe_executor(config)
