@@ -14,7 +14,9 @@ that step, per MoE layer, counted from the worker's per-step slot load), and the
 of every sequence's context (context_len x the cache's bytes per token, all layers).
 ``bound_ms`` = those bytes / the copy bandwidth measured in this run (a large tensor copy,
 read + write bytes / time, best of a few); ``ratio`` = measured step / bound (1.0 would
-be running at the memory-bandwidth limit).
+be running at the memory-bandwidth limit). ``cpu ms`` is the CPU time this process spent in
+the step (the one rank runs in-process): on a shared machine it moves less with other
+people's load than the wall-clock ``step ms``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class DecodeResult:
 
     batch_size: int
     step_ms: float
+    step_cpu_ms: float
     worker_ms: float
     tokens_per_s: float
     mean_context_len: float
@@ -65,6 +68,10 @@ class DecodeResult:
     bytes_read: int
     bound_ms: float
     ratio: float
+
+
+# (wall seconds, CPU seconds of this process, the step's SchedulerOutput, the rank-0 StepResult)
+TimedStep = tuple[float, float, SchedulerOutput, StepResult]
 
 
 class RecordingExecutor:
@@ -138,9 +145,9 @@ def num_prefill_steps(batch_size: int, context_len: int, max_num_batched_tokens:
 
 
 def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context_len: int, steps: int,
-              warmup_steps: int, *, vocab: Sequence[int], seed: int) -> list[tuple[float, SchedulerOutput, StepResult]]:
+              warmup_steps: int, *, vocab: Sequence[int], seed: int) -> list[TimedStep]:
     """Prefill ``batch_size`` requests, then time ``steps`` pure decode steps. Returns per timed
-    step (wall seconds, its SchedulerOutput, the rank-0 StepResult)."""
+    step (wall seconds, CPU seconds of this process, its SchedulerOutput, the rank-0 StepResult)."""
     rng = random.Random(seed)
     budget = engine.config.engine.max_num_batched_tokens
     max_tokens = warmup_steps + steps + num_prefill_steps(batch_size, context_len, budget) + 2
@@ -150,18 +157,18 @@ def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context
         request_id = engine.next_request_id()
         engine.add_request(request_id, [rng.choice(vocab) for _ in range(context_len)], params)
         ids.append(request_id)
-    timed: list[tuple[float, SchedulerOutput, StepResult]] = []
+    timed: list[TimedStep] = []
     decode_steps, max_steps = 0, warmup_steps + steps + 4 * (batch_size * context_len // 64 + 8)
     for _ in range(max_steps):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         engine.step()
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
         output, results = recorder.last
         batch = output.batches[0]
         if batch.num_seqs == batch_size and batch.num_tokens == batch_size:
             decode_steps += 1
             if decode_steps > warmup_steps:
-                timed.append((wall, output, results[0]))
+                timed.append((wall, cpu, output, results[0]))
         if len(timed) == steps:
             break
     for request_id in ids:
@@ -172,29 +179,30 @@ def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context
     return timed
 
 
-def summarize_batch(batch_size: int, timed: list[tuple[float, SchedulerOutput, StepResult]], weights: WeightBytes,
+def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightBytes,
                     kv_bytes_per_token: int, bandwidth: float) -> DecodeResult:
-    per_step = [step_bytes(out, res, weights, kv_bytes_per_token) for _, out, res in timed]
+    per_step = [step_bytes(out, res, weights, kv_bytes_per_token) for _, _, out, res in timed]
     weight = round(statistics.mean(w for w, _, _ in per_step))
     kv = round(statistics.mean(k for _, k, _ in per_step))
-    step_s = statistics.median(wall for wall, _, _ in timed)
+    step_s = statistics.median(wall for wall, _, _, _ in timed)
     bound_s = (weight + kv) / bandwidth
     return DecodeResult(
         batch_size=batch_size, step_ms=step_s * 1e3,
-        worker_ms=statistics.median(res.seconds for _, _, res in timed) * 1e3,
+        step_cpu_ms=statistics.median(cpu for _, cpu, _, _ in timed) * 1e3,
+        worker_ms=statistics.median(res.seconds for _, _, _, res in timed) * 1e3,
         tokens_per_s=batch_size / step_s,
-        mean_context_len=statistics.mean(s.context_len for _, out, _ in timed for s in out.batches[0].seqs),
+        mean_context_len=statistics.mean(s.context_len for _, _, out, _ in timed for s in out.batches[0].seqs),
         experts_touched_per_layer=statistics.mean(t for _, _, t in per_step),
         weight_bytes=weight, kv_bytes=kv, bytes_read=weight + kv, bound_ms=bound_s * 1e3, ratio=step_s / bound_s,
     )
 
 
 def format_table(rows: Sequence[DecodeResult], bandwidth: float) -> str:
-    head = (f"{'batch':>6} {'step ms':>9} {'worker ms':>10} {'tok/s':>9} {'ctx':>6} {'experts/layer':>14} "
+    head = (f"{'batch':>6} {'step ms':>9} {'cpu ms':>8} {'worker ms':>10} {'tok/s':>9} {'ctx':>6} {'experts/layer':>14} "
             f"{'weights MB':>11} {'KV MB':>8} {'bound ms':>9} {'ratio':>7}")
     lines = [f"# copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s", head]
     for r in rows:
-        lines.append(f"{r.batch_size:>6} {r.step_ms:>9.2f} {r.worker_ms:>10.2f} {r.tokens_per_s:>9.1f} "
+        lines.append(f"{r.batch_size:>6} {r.step_ms:>9.2f} {r.step_cpu_ms:>8.2f} {r.worker_ms:>10.2f} {r.tokens_per_s:>9.1f} "
                      f"{r.mean_context_len:>6.0f} {r.experts_touched_per_layer:>14.1f} {r.weight_bytes / 1e6:>11.1f} "
                      f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f}")
     return "\n".join(lines)

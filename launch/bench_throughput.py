@@ -41,10 +41,13 @@ class BenchRequest:
 
 @dataclass
 class RunResult:
-    """One side's timed run. outputs: generated token ids per request (requested length)."""
+    """One side's timed run. outputs: generated token ids per request (requested length).
+    cpu_s: CPU seconds this process spent in the timed region (None when the work ran in
+    other processes): on a shared box it moves less with other people's load than wall time."""
 
     elapsed_s: float
     outputs: list[list[int]]
+    cpu_s: float | None = None
 
 
 def sample_requests(num_prompts: int, input_len_range: Sequence[int], output_len_range: Sequence[int],
@@ -74,16 +77,16 @@ def run_ours(config: RuntimeConfig, requests: Sequence[BenchRequest]) -> RunResu
         llm.generate([{"prompt_token_ids": warm.prompt_token_ids}], _greedy(2))
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
         params = [_greedy(r.output_len) for r in requests]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     finally:
         llm.shutdown()
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     for r, got in zip(requests, outputs):
         if len(got) != r.output_len:
             raise RuntimeError(f"engine returned {len(got)} tokens for a request of {r.output_len}")
-    return RunResult(elapsed, outputs)
+    return RunResult(elapsed, outputs, cpu if config.parallel.world_size == 1 else None)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -104,11 +107,14 @@ def run_hf(model_path: str, requests: Sequence[BenchRequest], batch_size: int, d
     batches = [list(requests[i: i + batch_size]) for i in range(0, len(requests), batch_size)]
     with torch.inference_mode():
         _hf_batch(model, batches[0][:1], 2, pad_token_id)  # warm-up
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         outputs = [out for batch in batches
                    for out in _hf_batch(model, batch, max(r.output_len for r in batch), pad_token_id)]
-        elapsed = time.perf_counter() - started
-    return RunResult(elapsed, [out[: r.output_len] for r, out in zip(requests, outputs)])
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    short = [i for i, (r, out) in enumerate(zip(requests, outputs)) if len(out) < r.output_len]
+    if short:
+        raise RuntimeError(f"transformers stopped early for requests {short[:5]} (an EOS it was not told to ignore?)")
+    return RunResult(elapsed, [out[: r.output_len] for r, out in zip(requests, outputs)], cpu)
 
 
 def _hf_batch(model: Any, batch: Sequence[BenchRequest], new_tokens: int, pad_token_id: int) -> list[list[int]]:
@@ -146,13 +152,14 @@ def summarize(config: RuntimeConfig, requests: Sequence[BenchRequest], ours: Run
         "requests_per_second": len(requests) / ours.elapsed_s,
         "output_tokens_per_second": out_tokens / ours.elapsed_s,
         "tokens_per_second": (in_tokens + out_tokens) / ours.elapsed_s,
-        "baseline": "hf" if hf is not None else "none",
+        "cpu_time": ours.cpu_s, "baseline": "hf" if hf is not None else "none",
     }
     if hf is not None:
         result.update({
             "hf_batch_size": hf_batch_size, "hf_elapsed_time": hf.elapsed_s,
             "hf_output_tokens_per_second": out_tokens / hf.elapsed_s,
-            "speedup": hf.elapsed_s / ours.elapsed_s,
+            "speedup": hf.elapsed_s / ours.elapsed_s, "hf_cpu_time": hf.cpu_s,
+            "speedup_cpu_time": hf.cpu_s / ours.cpu_s if ours.cpu_s else None,
             "greedy_agreement": agreement(ours.outputs, hf.outputs),
         })
     return result
@@ -170,12 +177,17 @@ def format_report(result: dict[str, Any]) -> str:
         f"{'Ours: output tokens/s:':<40}{result['output_tokens_per_second']:.1f}",
         f"{'Ours: requests/s:':<40}{result['requests_per_second']:.2f}",
     ]
+    if result["cpu_time"] is not None:
+        lines.append(f"{'Ours: CPU time (s):':<40}{result['cpu_time']:.2f}")
     if result["baseline"] == "hf":
         lines += [
             f"{'HF generate (batch ' + str(result['hf_batch_size']) + '): elapsed (s):':<40}"
             f"{result['hf_elapsed_time']:.2f}",
             f"{'HF generate: output tokens/s:':<40}{result['hf_output_tokens_per_second']:.1f}",
+            f"{'HF generate: CPU time (s):':<40}{result['hf_cpu_time']:.2f}",
             f"{'Speedup (ours / HF):':<40}{result['speedup']:.2f}x",
+            *([f"{'Speedup in CPU time:':<40}{result['speedup_cpu_time']:.2f}x"]
+              if result["speedup_cpu_time"] is not None else []),
             f"{'Greedy agreement with HF:':<40}{result['greedy_agreement']:.3f}",
         ]
     lines.append("=" * 68)

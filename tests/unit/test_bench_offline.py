@@ -62,12 +62,14 @@ def test_throughput_main_reports_both_sides(tiny_ckpt, tmp_path, capsys):
     assert "Speedup (ours / HF)" in capsys.readouterr().out
     r = json.loads(out.read_text())
     for key in ("elapsed_time", "output_tokens_per_second", "requests_per_second", "tokens_per_second",
-                "hf_elapsed_time", "hf_output_tokens_per_second", "speedup"):
+                "hf_elapsed_time", "hf_output_tokens_per_second", "speedup", "cpu_time", "hf_cpu_time",
+                "speedup_cpu_time"):
         assert r[key] > 0, key
     assert r["num_requests"] == 3 and r["num_threads"] == 1 and r["baseline"] == "hf"
     assert r["dtype"] == "bfloat16"  # the benchmark default, though the tiny checkpoint stores float32
     assert 3 <= r["total_output_tokens"] <= 9 and 6 <= r["total_input_tokens"] <= 18
     assert r["speedup"] == pytest.approx(r["hf_elapsed_time"] / r["elapsed_time"])
+    assert r["speedup_cpu_time"] == pytest.approx(r["hf_cpu_time"] / r["cpu_time"])
     assert r["output_tokens_per_second"] == pytest.approx(r["total_output_tokens"] / r["elapsed_time"])
     assert 0.0 <= r["greedy_agreement"] <= 1.0
 
@@ -92,7 +94,7 @@ def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
     assert [row["batch_size"] for row in r["results"]] == [1, 3]
     config = ModelConfig.from_hf(tiny_ckpt)
     for row in r["results"]:
-        for key in ("step_ms", "worker_ms", "tokens_per_s", "weight_bytes", "kv_bytes", "bound_ms", "ratio"):
+        for key in ("step_ms", "step_cpu_ms", "worker_ms", "tokens_per_s", "weight_bytes", "kv_bytes", "bound_ms", "ratio"):
             assert row[key] > 0, key
         assert row["bytes_read"] == row["weight_bytes"] + row["kv_bytes"]
         assert row["weight_bytes"] > r["dense_weight_bytes"]
