@@ -86,7 +86,12 @@ class RayExecutor:
     def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
         args = [(output.batches[dp], collect_load) for dp in self.dp_of_rank]
         results = self.group.call_each("execute", args)
-        return [results[r] for r in self.dp_leaders]
+        leaders = {self.dp_of_rank[r]: results[r] for r in self.dp_leaders}
+        for r, result in enumerate(results):
+            if r not in self.dp_leaders:  # a TP follower's own global-capacity drops
+                leader = leaders[self.dp_of_rank[r]]
+                leader.capacity = [(a + c, b + d) for (a, b), (c, d) in zip(leader.capacity, result.capacity)]
+        return [leaders[dp] for dp in sorted(leaders)]
 
     def apply_move_plan(self, plan: Any, new_phy2log: torch.Tensor) -> list[dict[str, int]]:
         return self.group.call("apply_move_plan", plan, new_phy2log)

@@ -60,7 +60,9 @@ class WorkerSpec:
 class StepResult:
     """A rank's reply to one step. sampled: None on ranks that do not report tokens
     (tp_rank > 0). slot_load: [L, P] int64 assignments per slot this step (tp_rank 0 only).
-    capacity: per MoE layer (dropped, rerouted) this step."""
+    capacity: per MoE layer (dropped, rerouted) this step: local-scope decisions (made on
+    the whole batch, identical across a TP group) from tp_rank 0 only, plus this rank's own
+    share of global-scope drops (each TP rank dispatches its own slice: the driver sums them)."""
 
     sampled: SampledTokens | None
     slot_load: torch.Tensor | None = None
@@ -175,7 +177,7 @@ class Worker:
             else:
                 sampled = SampledTokens()
         report = self.coords.tp_rank == 0
-        load, capacity = self._read_counters(collect_load and report)
+        load, capacity = self._read_counters(collect_load and report, report)
         if batch.is_empty:
             sampled = SampledTokens()
         return StepResult(sampled if report else None, load, capacity, time.perf_counter() - started)
@@ -190,13 +192,14 @@ class Worker:
         for layer in self.model.moe_layers():
             layer.dispatcher.dispatch_combine(x, ids, w, layer.experts, layer.layer_id)
 
-    def _read_counters(self, collect_load: bool) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
+    def _read_counters(self, collect_load: bool, count_local: bool) -> tuple[torch.Tensor | None,
+                                                                              list[tuple[int, int]]]:
         layers = list(self.model.moe_layers())
         load = torch.stack([layer.slot_load for layer in layers]).cpu() if collect_load and layers else None
         capacity = []
         for layer in layers:
             layer.slot_load.zero_()
-            dropped, rerouted = layer.counters["dropped"], layer.counters["rerouted"]
+            dropped, rerouted = (layer.counters["dropped"], layer.counters["rerouted"]) if count_local else (0, 0)
             stats = getattr(layer.dispatcher, "capacity_stats", {}).get(layer.layer_id)
             if stats is not None:
                 dropped += int(stats.dropped)
