@@ -59,6 +59,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> b
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return False
     ray.init(
+        address="local",  # a fresh cluster even when some other `ray start` runs on this machine
         num_cpus=num_cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
