@@ -125,3 +125,22 @@ class Experts(nn.Module):
             hi = lo + ACCUMULATE_CHUNK_ROWS
             out.index_add_(0, token_of_row[lo:hi], y[lo:hi].float())
         return out
+
+    def forward_rows(self, x: torch.Tensor, local_slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Routed experts returning each row's weighted sum in x's dtype (the EP wire format).
+
+        x: [T, D]; local_slot_ids: [T, K] int64 (-1 = not here / dropped); weights: [T, K] float32.
+        Returns: [T, D] in x.dtype, sum_k weights[t, k] * expert_{slot[t, k]}(x[t]) accumulated
+        in fp32 and rounded once (one gather + sum over the expert outputs, no fp32 [T, D]
+        temporary and no zero-fill; a row with no local assignment gets zeros).
+        """
+        order, token_of_row, counts = compute_local_routing(local_slot_ids, self.num_local_slots)
+        w = weights.reshape(-1)[order].float()  # [M]
+        y = grouped_expert_forward(x[token_of_row], counts, self.w13, self.w2, row_weights=w)  # [M, D] weighted
+        # y's rows are slot-major; list them per row (token-major, k ascending) for the bag sum
+        valid = local_slot_ids >= 0  # [T, K]
+        position = torch.empty(valid.numel(), dtype=torch.int64, device=x.device)
+        position[order] = torch.arange(order.numel(), device=x.device)
+        index = position[valid.reshape(-1)]
+        per_row = valid.sum(1)
+        return F.embedding_bag(index, y, torch.cumsum(per_row, 0) - per_row, mode="sum")

@@ -2,8 +2,8 @@
 
 ``--dispatch``: per rank T tokens, hidden D, top-k K over E experts (uniform random
 routing, E / R slots per rank). Times our dispatch + combine without the expert GEMMs
-(plan, count exchange, packing, AllToAll-v out, per-row hand-back, AllToAll-v back,
-fp32 accumulation) next to two raw ``all_to_all_single`` calls moving exactly the same
+(plan, count exchange, packing, AllToAll-v out, identity experts writing their output
+rows, AllToAll-v back, fp32 gather + sum per token) next to two raw ``all_to_all_single`` calls moving exactly the same
 bytes with split sizes known in advance. Prints both and their ratio (ours / raw).
 
 ``--moe-layer``: the whole MoE layer (router, replica choice, dispatch, grouped expert
@@ -52,16 +52,17 @@ def time_dispatch(rank: int, world: int, cfg: dict) -> dict:
     ids, w = (t.to(dev) for t in random_routing(cfg["tokens"], cfg["experts"], top_k, seed=rank))
 
     def ours() -> torch.Tensor:
-        plan = compute_dispatch_plan(ids, w, num_local, world)
-        recv, recv_counts = dispatcher.dispatch(x, plan)
+        plan = compute_dispatch_plan(ids, num_local, world)
+        recv, recv_counts = dispatcher.dispatch(x, ids, w, plan)
         rx, _, _ = unpack_rows(recv, hidden, top_k, x.dtype)
-        # identity "experts": their output is written into the wire buffer, as in dispatch_combine
+        # identity "experts": one copy of the received rows into the return buffer stands
+        # for the real experts writing their per-row sums (Experts.forward_rows)
         wire = dispatcher.workspace.get("partial", tuple(rx.shape), x.dtype, dev)
-        return dispatcher.combine(wire.copy_(rx), plan, recv_counts, x.shape[0])
+        return dispatcher.combine(wire.copy_(rx), plan, recv_counts)
 
-    plan = compute_dispatch_plan(ids, w, num_local, world)
+    plan = compute_dispatch_plan(ids, num_local, world)
     send_counts = plan.send_counts
-    _, recv_counts = dispatcher.dispatch(x, plan)
+    _, recv_counts = dispatcher.dispatch(x, ids, w, plan)
     _, row_bytes = row_layout(hidden, top_k, x.dtype)
     fwd_send = torch.randint(0, 255, (sum(send_counts), row_bytes), dtype=torch.uint8, device=dev)
     fwd_recv = torch.empty((sum(recv_counts), row_bytes), dtype=torch.uint8, device=dev)

@@ -10,9 +10,10 @@ order whatever its T (a rank that skipped one would hang the group):
 2. all-to-all of the per-rank row counts;
 3. all-to-all-v of the packed rows (hidden + (local slot, weight) list), once per
    (token, destination rank);
-4. after the grouped expert GEMMs and the per-row weighted sum on the destination,
-   all-to-all-v of one partial row back per (token, destination rank); the source
-   accumulates the partials in fp32.
+4. after the grouped expert GEMMs and the per-row weighted sum on the destination
+   (fp32 accumulation, one rounding to the activation dtype), all-to-all-v of one partial
+   row back per (token, destination rank); the source sums each token's rows (at most
+   min(K, R)) with one gather + sum in fp32.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from parallel.dispatch.global_capacity import GlobalCapacity, apply_global_capac
 from parallel.dispatch.plan import (
     DispatchPlan,
     check_dispatch_args,
+    combine_rows,
     compute_dispatch_plan,
+    localize_slots,
     pack_rows,
     row_layout,
     unpack_rows,
 )
 from parallel.dispatch.workspace import Workspace
-
-COMBINE_CHUNK_ROWS = 1024  # fp32 staging rows per index_add (bounded temp, few calls)
 
 
 class AllToAllDispatcher:
@@ -62,46 +63,38 @@ class AllToAllDispatcher:
         """x: [T, D]; slot_ids: [T, K] int64 physical slots (-1 dropped); weights: [T, K] float32.
         Returns: [T, D] float32. Collective: every EP rank calls it, T = 0 included."""
         check_dispatch_args(x, slot_ids, weights, experts.hidden_size)
-        slot_ids, weights = self._apply_capacity(slot_ids, weights, experts.num_local_slots, layer_id)
-        plan = compute_dispatch_plan(slot_ids, weights, experts.num_local_slots, self.num_ranks)
-        recv, recv_counts = self.dispatch(x, plan)
+        num_local = experts.num_local_slots
+        slot_ids, weights = self._apply_capacity(slot_ids, weights, num_local, layer_id)
+        plan = compute_dispatch_plan(slot_ids, num_local, self.num_ranks)
+        recv, recv_counts = self.dispatch(x, slot_ids, weights, plan)
         rx, rslots, rweights = unpack_rows(recv, x.shape[1], slot_ids.shape[1], x.dtype)
-        partial = experts(rx, rslots.to(torch.int64), rweights)  # [M, D] f32, weighted per row
-        wire = self.workspace.get("partial", tuple(partial.shape), x.dtype, x.device)
-        wire.copy_(partial)
-        return self.combine(wire, plan, recv_counts, x.shape[0])
+        partial = experts.forward_rows(rx, localize_slots(rslots, self.rank, num_local), rweights)  # [M, D]
+        return self.combine(partial, plan, recv_counts)
 
-    def dispatch(self, x: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int]]:
-        """Send each planned row to its rank. Returns (received rows [M, row_bytes] uint8, valid
-        until the next call; rows received from each rank: R ints)."""
+    def dispatch(
+        self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Send each planned row (x [T, D] with its [T, K] slots and weights) to its rank.
+        Returns (received rows [M, row_bytes] uint8, valid until the next call; rows
+        received from each rank: R ints)."""
         send_counts = torch.tensor(plan.send_counts, dtype=torch.int64, device=x.device)
         recv_counts_t = torch.empty_like(send_counts)
         work = dist.all_to_all_single(recv_counts_t, send_counts, group=self.group, async_op=True)
-        _, row_bytes = row_layout(x.shape[1], plan.local_slots.shape[1], x.dtype)
-        send = self.workspace.get("send", (len(plan.pair_token), row_bytes), torch.uint8, x.device)
-        pack_rows(x, plan, send)  # overlaps the count exchange
+        _, row_bytes = row_layout(x.shape[1], slot_ids.shape[1], x.dtype)
+        send = self.workspace.get("send", (plan.num_rows, row_bytes), torch.uint8, x.device)
+        pack_rows(x, slot_ids, weights, plan, send)  # overlaps the count exchange
         work.wait()
         recv_counts = recv_counts_t.tolist()
         recv = self.workspace.get("recv", (sum(recv_counts), row_bytes), torch.uint8, x.device)
         dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
         return recv, recv_counts
 
-    def combine(
-        self, partial: torch.Tensor, plan: DispatchPlan, recv_counts: list[int], num_tokens: int
-    ) -> torch.Tensor:
-        """partial: [M, D] one weighted row per received row. Returns [T, D] float32: the
-        sum of the partial rows sent back for each token."""
-        hidden, device = partial.shape[1], partial.device
-        back = self.workspace.get("back", (len(plan.pair_token), hidden), partial.dtype, device)
+    def combine(self, partial: torch.Tensor, plan: DispatchPlan, recv_counts: list[int]) -> torch.Tensor:
+        """partial: [M, D] one weighted row per received row, in the activation dtype.
+        Returns [T, D] float32: the fp32 sum of the partial rows sent back for each token."""
+        back = self.workspace.get("back", (plan.num_rows, partial.shape[1]), partial.dtype, partial.device)
         dist.all_to_all_single(back, partial.contiguous(), plan.send_counts, recv_counts, group=self.group)
-        out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
-        if back.dtype == torch.float32:
-            return out.index_add_(0, plan.pair_token, back)
-        for lo in range(0, back.shape[0], COMBINE_CHUNK_ROWS):  # fp32 accumulation, small staging
-            rows = back[lo : lo + COMBINE_CHUNK_ROWS]
-            staged = self.workspace.get("stage", tuple(rows.shape), torch.float32, device)
-            out.index_add_(0, plan.pair_token[lo : lo + COMBINE_CHUNK_ROWS], staged.copy_(rows))
-        return out
+        return combine_rows(back, plan)
 
     def _apply_capacity(
         self, slot_ids: torch.Tensor, weights: torch.Tensor, num_local_slots: int, layer_id: int

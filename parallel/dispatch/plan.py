@@ -1,16 +1,22 @@
-"""Pure planning for the deduplicated AllToAll-v: which rows go where, and their wire format.
+"""Pure planning for the deduplicated AllToAll-v: which rows go where, their wire format, and
+how the returned partial rows are summed back into tokens.
 
 Shape legend: T tokens on this rank, D hidden, K top-k, R EP ranks, N (token,
 destination rank) pairs sent, M pairs received.
 
 A token is sent once per destination rank, however many of its top-k slots live there
-(DeepEP-style dedup). Each sent row carries the token's hidden vector plus a K-wide
-list of (local slot, weight) for the assignments it has on that rank (-1 / 0 padded;
-column k is the token's k-th assignment, so no compaction is needed). The destination
-sums the expert outputs of those assignments, weighted, before sending one row back.
+(DeepEP-style dedup). Each sent row carries the token's hidden vector plus its whole
+K-wide assignment list (physical slot, weight); the destination keeps the columns whose
+slot it hosts (``localize_slots``), so the source builds no per-destination metadata.
+The destination sums the weighted expert outputs of those columns and sends one row back.
 
 Wire format of one dispatched row (one uint8 buffer, one collective):
-``[hidden: D * itemsize bytes, padded to 8 | local slots: K int32 | weights: K float32]``.
+``[hidden: D * itemsize bytes, padded to 8 | physical slots: K int32 | weights: K float32]``.
+
+Sort-free plan: one dense [R, T] "token t goes to rank r" mask gives the send order
+(rank-major, tokens ascending) by a cumulative sum, and its transpose gives the combine
+order (token-major), so the source sums each token's returned rows with one
+``embedding_bag`` (gather + sum, fp32 accumulation) instead of a zero-fill and atomics.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -25,45 +32,44 @@ class DispatchPlan:
     """Rows to send, grouped by destination EP rank (ascending), tokens ascending inside.
 
     pair_token: [N] int64 source token of each row; send_counts: R ints (rows per rank);
-    local_slots: [N, K] int32 slot on the destination, -1 where token t's k-th assignment
-    is not for that rank; weights: [N, K] float32, 0 where local_slots is -1.
+    combine_index: [N] int64 the same rows listed token-major (a token's rows in rank order);
+    combine_offsets: [T] int64 start of token t's rows in combine_index (``embedding_bag``
+    offsets; a token with no row, all assignments dropped, has an empty range).
     """
 
     pair_token: torch.Tensor
     send_counts: list[int]
-    local_slots: torch.Tensor
-    weights: torch.Tensor
+    combine_index: torch.Tensor
+    combine_offsets: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.pair_token.numel()
 
 
-def compute_dispatch_plan(
-    slot_ids: torch.Tensor, weights: torch.Tensor, num_local_slots: int, num_ranks: int
-) -> DispatchPlan:
-    """slot_ids: [T, K] int64 physical slots (-1 dropped), slot p on rank p // num_local_slots;
-    weights: [T, K] float. Returns the deduplicated ``DispatchPlan``."""
-    slot_ids = slot_ids.to(torch.int64)
-    num_tokens, top_k = slot_ids.shape
+def compute_dispatch_plan(slot_ids: torch.Tensor, num_local_slots: int, num_ranks: int) -> DispatchPlan:
+    """slot_ids: [T, K] int physical slots (-1 dropped), slot p on rank p // num_local_slots.
+    Returns the deduplicated ``DispatchPlan``."""
+    num_tokens = slot_ids.shape[0]
     num_slots = num_local_slots * num_ranks
-    if slot_ids.numel() and int(slot_ids.max()) >= num_slots:
-        raise ValueError(
-            f"slot id {int(slot_ids.max())} out of range: {num_ranks} ranks x {num_local_slots} local slots"
-        )
+    if slot_ids.numel():
+        lo, hi = torch.aminmax(slot_ids)
+        if int(hi) >= num_slots or int(lo) < -1:
+            bad = int(hi) if int(hi) >= num_slots else int(lo)
+            raise ValueError(f"slot id {bad} out of range: {num_ranks} ranks x {num_local_slots} local slots")
     t_idx, k_idx = torch.nonzero(slot_ids >= 0, as_tuple=True)
-    slots = slot_ids[t_idx, k_idx]
-    dest = torch.div(slots, num_local_slots, rounding_mode="floor")
-    # dense [R, T] "token t goes to rank r": O(R*T) with no sort; R is small
-    has = torch.zeros(num_ranks * num_tokens, dtype=torch.bool, device=slot_ids.device)
-    key = dest * num_tokens + t_idx  # rank-major, then token
-    has[key] = True
-    row_id = torch.cumsum(has, 0) - 1
-    pair_token = torch.nonzero(has, as_tuple=False).squeeze(1) % max(num_tokens, 1)
-    send_counts = has.view(num_ranks, num_tokens).sum(1)
-    row_of = row_id[key]
-    n = pair_token.numel()
-    local_slots = torch.full((n, top_k), -1, dtype=torch.int32, device=slot_ids.device)
-    local_slots[row_of, k_idx] = (slots - dest * num_local_slots).to(torch.int32)
-    w = torch.zeros((n, top_k), dtype=torch.float32, device=slot_ids.device)
-    w[row_of, k_idx] = weights[t_idx, k_idx].float()
-    return DispatchPlan(pair_token, send_counts.tolist(), local_slots, w)
+    dest = torch.div(slot_ids[t_idx, k_idx], num_local_slots, rounding_mode="floor")
+    has = torch.zeros((num_ranks, num_tokens), dtype=torch.bool, device=slot_ids.device)  # [R, T]
+    has.view(-1)[dest * num_tokens + t_idx] = True
+    flat = torch.nonzero(has.view(-1), as_tuple=False).squeeze(1)
+    pair_token = flat % max(num_tokens, 1)
+    row_id = (torch.cumsum(has.view(-1), 0) - 1).view(num_ranks, num_tokens)  # row of (r, t) if has
+    has_t = has.t()  # [T, R]
+    combine_index = row_id.t()[has_t]  # token-major
+    rows_per_token = has_t.sum(1)
+    combine_offsets = torch.cumsum(rows_per_token, 0) - rows_per_token
+    send_counts = has.sum(1).tolist()
+    return DispatchPlan(pair_token, send_counts, combine_index, combine_offsets)
 
 
 def row_layout(hidden_size: int, top_k: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -73,26 +79,30 @@ def row_layout(hidden_size: int, top_k: int, dtype: torch.dtype) -> tuple[int, i
     return hidden_bytes, hidden_bytes + 8 * top_k
 
 
-def pack_rows(x: torch.Tensor, plan: DispatchPlan, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, D]. Returns the send buffer [N, row_bytes] uint8 (one gather of x, no other copy),
-    written into ``out`` when given (a reused buffer of that shape)."""
-    hidden_size, top_k = x.shape[1], plan.local_slots.shape[1]
+def pack_rows(
+    x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [T, D]; slot_ids: [T, K] int; weights: [T, K] float. Returns the send buffer
+    [N, row_bytes] uint8 (two row gathers: hidden, then the [T, 2K] metadata), written
+    into ``out`` when given (a reused buffer of that shape)."""
+    hidden_size, top_k = x.shape[1], slot_ids.shape[1]
     hidden_bytes, row_bytes = row_layout(hidden_size, top_k, x.dtype)
-    shape = (plan.pair_token.numel(), row_bytes)
+    shape = (plan.num_rows, row_bytes)
     if out is not None and (tuple(out.shape) != shape or out.dtype != torch.uint8):
         raise ValueError(f"pack_rows out must be {shape} uint8, got {tuple(out.shape)} {out.dtype}")
     buf = torch.empty(shape, dtype=torch.uint8, device=x.device) if out is None else out
     nbytes = hidden_size * x.element_size()
     torch.index_select(x, 0, plan.pair_token, out=buf[:, :nbytes].view(x.dtype))
-    buf[:, hidden_bytes : hidden_bytes + 4 * top_k].view(torch.int32).copy_(plan.local_slots)
-    buf[:, hidden_bytes + 4 * top_k :].view(torch.float32).copy_(plan.weights)
+    meta = torch.cat([slot_ids.to(torch.int32), weights.to(torch.float32).view(torch.int32)], dim=1)  # [T, 2K]
+    torch.index_select(meta, 0, plan.pair_token, out=buf[:, hidden_bytes:].view(torch.int32))
     return buf
 
 
 def unpack_rows(
     buf: torch.Tensor, hidden_size: int, top_k: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """buf: [M, row_bytes] uint8. Returns views (x [M, D] dtype, local_slots [M, K] int32,
+    """buf: [M, row_bytes] uint8. Returns views (x [M, D] dtype, physical slots [M, K] int32,
     weights [M, K] float32) into ``buf``."""
     hidden_bytes, row_bytes = row_layout(hidden_size, top_k, dtype)
     if buf.dim() != 2 or buf.shape[1] != row_bytes:
@@ -102,6 +112,24 @@ def unpack_rows(
     slots = buf[:, hidden_bytes : hidden_bytes + 4 * top_k].view(torch.int32)
     weights = buf[:, hidden_bytes + 4 * top_k :].view(torch.float32)
     return x, slots, weights
+
+
+def localize_slots(slots: torch.Tensor, rank: int, num_local_slots: int) -> torch.Tensor:
+    """slots: [M, K] int physical slots. Returns [M, K] int64 local slot ids on ``rank``, -1
+    for slots hosted elsewhere and for dropped (-1) assignments."""
+    local = slots.to(torch.int64) - rank * num_local_slots
+    return local.masked_fill_((local < 0) | (local >= num_local_slots), -1)
+
+
+def combine_rows(back: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """back: [N, D] one weighted partial row per sent row (send order). Returns [T, D] float32,
+    each token's rows summed with fp32 accumulation (one gather + sum, no zero-fill; a token
+    without rows gets zeros). For 16-bit rows the fp32 sum is rounded once to that dtype
+    before widening, as the rows themselves were on the wire."""
+    if back.shape[0] != plan.num_rows:
+        raise ValueError(f"combine got {back.shape[0]} rows for a plan of {plan.num_rows}")
+    out = F.embedding_bag(plan.combine_index, back, plan.combine_offsets, mode="sum")
+    return out if out.dtype == torch.float32 else out.float()
 
 
 def split_sizes(total: int, parts: int) -> list[int]:

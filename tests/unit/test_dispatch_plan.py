@@ -4,31 +4,81 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe.dispatch import LocalDispatcher
 from parallel.dispatch import build_dispatcher
-from parallel.dispatch.plan import compute_dispatch_plan, pack_rows, row_layout, split_sizes, unpack_rows
+from parallel.dispatch.plan import (
+    combine_rows,
+    compute_dispatch_plan,
+    localize_slots,
+    pack_rows,
+    row_layout,
+    split_sizes,
+    unpack_rows,
+)
 from parallel.layout import Layout
 
 
 def test_plan_sends_each_token_once_per_rank() -> None:
     # 2 ranks x 2 local slots: slots 0,1 on rank 0; 2,3 on rank 1
     ids = torch.tensor([[0, 1, 3], [2, -1, 3], [1, 0, -1]])
-    w = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.9, 0.4], [0.7, 0.3, 0.1]])
-    plan = compute_dispatch_plan(ids, w, num_local_slots=2, num_ranks=2)
-    assert plan.send_counts == [2, 2]
+    plan = compute_dispatch_plan(ids, num_local_slots=2, num_ranks=2)
+    assert plan.send_counts == [2, 2] and plan.num_rows == 4
     assert plan.pair_token.tolist() == [0, 2, 0, 1]  # rank 0: t0, t2; rank 1: t0, t1
-    assert plan.local_slots.shape == (4, 3) and plan.weights.shape == (4, 3)
-    assert plan.local_slots.tolist() == [[0, 1, -1], [1, 0, -1], [-1, -1, 1], [0, -1, 1]]
-    assert torch.equal(plan.weights, torch.tensor(
-        [[0.5, 0.3, 0.0], [0.7, 0.3, 0.0], [0.0, 0.0, 0.2], [0.6, 0.0, 0.4]]))
+    # token-major: t0's rows (0 on rank 0, 2 on rank 1), t1's row 3, t2's row 1
+    assert plan.combine_index.tolist() == [0, 2, 3, 1]
+    assert plan.combine_offsets.tolist() == [0, 2, 3]
 
 
 def test_plan_empty_and_out_of_range() -> None:
-    plan = compute_dispatch_plan(torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2), 3, 4)
+    plan = compute_dispatch_plan(torch.empty(0, 2, dtype=torch.int64), 3, 4)
     assert plan.send_counts == [0, 0, 0, 0] and plan.pair_token.numel() == 0
+    assert plan.combine_offsets.shape == (0,)
+    dropped = compute_dispatch_plan(torch.full((3, 2), -1), 2, 2)
+    assert dropped.send_counts == [0, 0] and dropped.combine_offsets.tolist() == [0, 0, 0]
     with pytest.raises(ValueError, match="slot id 8 out of range: 2 ranks x 4 local slots"):
-        compute_dispatch_plan(torch.tensor([[8]]), torch.ones(1, 1), 4, 2)
+        compute_dispatch_plan(torch.tensor([[8]]), 4, 2)
+    with pytest.raises(ValueError, match="slot id -3 out of range"):
+        compute_dispatch_plan(torch.tensor([[-3, 1]]), 4, 2)
+
+
+@given(
+    tokens=st.integers(0, 40), top_k=st.integers(1, 6), num_ranks=st.integers(1, 5),
+    num_local=st.integers(1, 4), seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_plan_and_combine_match_a_per_token_loop(
+    tokens: int, top_k: int, num_ranks: int, num_local: int, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, num_ranks * num_local, (tokens, top_k), generator=gen)
+    plan = compute_dispatch_plan(ids, num_local, num_ranks)
+    want = [(r, t) for r in range(num_ranks) for t in range(tokens)
+            if any(int(s) >= 0 and int(s) // num_local == r for s in ids[t])]
+    assert plan.pair_token.tolist() == [t for _, t in want]
+    assert plan.send_counts == [sum(1 for r, _ in want if r == rank) for rank in range(num_ranks)]
+    back = torch.randn(plan.num_rows, 3, generator=gen)
+    out = combine_rows(back, plan)
+    assert out.shape == (tokens, 3) and out.dtype == torch.float32
+    expect = torch.zeros(tokens, 3).index_add_(0, plan.pair_token, back)
+    torch.testing.assert_close(out, expect, atol=1e-6, rtol=1e-6)
+
+
+def test_combine_bf16_accumulates_in_fp32() -> None:
+    ids = torch.tensor([[0, 2, 4, 6]] * 64 + [[-1, -1, -1, -1]])  # 4 ranks, every token everywhere but the last
+    plan = compute_dispatch_plan(ids, 2, 4)
+    back = (torch.randn(plan.num_rows, 16) * 100).to(torch.bfloat16)
+    out = combine_rows(back, plan)
+    assert out.shape == (65, 16) and out.dtype == torch.float32
+    exact = torch.zeros(65, 16, dtype=torch.float64).index_add_(0, plan.pair_token, back.double())
+    assert torch.equal(out[64], torch.zeros(16))
+    # one rounding of the exact sum to bf16 (half an ulp), not a bf16 running sum
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-30)
+    assert bool(((out.double() - exact).abs() <= ulp * 0.5 + 1e-12).all())
+    with pytest.raises(ValueError, match="combine got 3 rows for a plan of 256"):
+        combine_rows(back[:3], plan)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,13 +86,22 @@ def test_pack_unpack_roundtrip(dtype: torch.dtype) -> None:
     x = torch.randn(4, 7).to(dtype)
     ids = torch.tensor([[0, 3], [1, 2], [3, -1], [2, 0]])
     w = torch.rand(4, 2)
-    plan = compute_dispatch_plan(ids, w, 2, 2)
-    buf = pack_rows(x, plan)
+    plan = compute_dispatch_plan(ids, 2, 2)
+    buf = pack_rows(x, ids, w, plan)
     hidden_bytes, row_bytes = row_layout(7, 2, dtype)
     assert hidden_bytes % 8 == 0 and buf.shape == (plan.pair_token.numel(), row_bytes)
     rx, rslots, rw = unpack_rows(buf, 7, 2, dtype)
     assert torch.equal(rx, x[plan.pair_token])
-    assert torch.equal(rslots, plan.local_slots) and torch.equal(rw, plan.weights)
+    assert torch.equal(rslots, ids[plan.pair_token].to(torch.int32)) and torch.equal(rw, w[plan.pair_token])
+    with pytest.raises(ValueError, match="pack_rows out must be"):
+        pack_rows(x, ids, w, plan, torch.empty(1, row_bytes, dtype=torch.uint8))
+
+
+def test_localize_slots_keeps_this_ranks_columns() -> None:
+    slots = torch.tensor([[0, 3, 5], [-1, 4, 2]], dtype=torch.int32)
+    local = localize_slots(slots, rank=1, num_local_slots=2)  # rank 1 hosts slots 2, 3
+    assert local.dtype == torch.int64 and local.shape == (2, 3)
+    assert local.tolist() == [[-1, 1, -1], [-1, -1, 0]]
 
 
 def test_split_sizes() -> None:

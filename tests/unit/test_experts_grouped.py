@@ -64,3 +64,21 @@ def test_no_assignments_and_routing_groups() -> None:
     assert torch.equal(out, torch.zeros(3, 4))
     order, token_of_row, counts = compute_local_routing(torch.tensor([[1, 0], [1, -1]]), 2)
     assert counts == [1, 2] and token_of_row.tolist() == [0, 0, 1] and order.tolist() == [1, 0, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_rows_is_forward_in_the_wire_dtype(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    experts = _experts(4, 10, 6, dtype, seed=5)
+    x = torch.randn(50, 10, generator=gen).to(dtype)
+    ids = torch.randint(-1, 4, (50, 3), generator=gen)
+    ids[7] = -1  # a row with nothing to compute
+    w = torch.rand(50, 3, generator=gen)
+    rows = experts.forward_rows(x, ids, w)
+    assert rows.shape == (50, 10) and rows.dtype == dtype
+    assert torch.equal(rows[7], torch.zeros(10, dtype=dtype))
+    want = experts(x, ids, w)  # [T, D] float32
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(rows.float(), want, **tol)
+    empty = experts.forward_rows(x[:0], ids[:0], w[:0])
+    assert empty.shape == (0, 10)
