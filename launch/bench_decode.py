@@ -14,7 +14,9 @@ that step, per MoE layer, counted from the worker's per-step slot load), and the
 of every sequence's context (context_len x the cache's bytes per token, all layers).
 ``bound_ms`` = those bytes / the copy bandwidth measured in this run (a large tensor copy,
 read + write bytes / time, best of a few); ``ratio`` = measured step / bound (1.0 would
-be running at the memory-bandwidth limit). ``cpu ms`` is the CPU time this process spent in
+be running at the memory-bandwidth limit). Large batches are compute-bound instead:
+``compute ms`` = the step's FLOPs (every token through the dense weights and its top-k
+experts, plus attention over its context) / a square bf16 matmul's rate measured in the run. ``cpu ms`` is the CPU time this process spent in
 the step (the one rank runs in-process): on a shared machine it moves less with other
 people's load than the wall-clock ``step ms``.
 """
@@ -45,11 +47,14 @@ class WeightBytes:
 
     dense: every parameter except routed experts and the embedding table; embed_row: one
     embedding row; per_slot: one routed expert slot (w13 + w2), per MoE layer [L_moe].
+    dense_params / slot_params: the same as parameter counts (what one token multiplies by).
     """
 
     dense: int
     embed_row: int
     per_slot: tuple[int, ...]
+    dense_params: int = 0
+    slot_params: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,8 @@ class DecodeResult:
     bytes_read: int
     bound_ms: float
     ratio: float
+    gflop: float = 0.0
+    compute_bound_ms: float = 0.0
 
 
 # (wall seconds, CPU seconds of this process, the step's SchedulerOutput, the rank-0 StepResult)
@@ -91,7 +98,7 @@ class RecordingExecutor:
         return getattr(self.inner, name)
 
 
-def measure_copy_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> float:
+def measure_copy_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 10) -> float:
     """Bytes/s of a large tensor copy, counting read + write bytes (best of ``repeats``)."""
     if num_bytes < 1024 or repeats < 1:
         raise ValueError(f"need num_bytes >= 1024 and repeats >= 1, got {num_bytes}, {repeats}")
@@ -116,11 +123,44 @@ def compute_weight_bytes(model: torch.nn.Module) -> WeightBytes:
         w13, w2 = layer.experts.w13, layer.experts.w2
         expert_params.update((id(w13), id(w2)))
         per_slot.append(w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size())
-    dense = sum(p.numel() * p.element_size() for p in model.parameters()
-                if id(p) not in expert_params and p is not embed)
+    dense_tensors = [p for p in model.parameters() if id(p) not in expert_params and p is not embed]
     if model.config.tie_word_embeddings:
-        dense += embed.numel() * embed.element_size()  # lm_head reads the whole (shared) table
-    return WeightBytes(dense, embed.shape[1] * embed.element_size(), tuple(per_slot))
+        dense_tensors.append(embed)  # lm_head reads the whole (shared) table
+    slot_params = tuple(layer.experts.w13[0].numel() + layer.experts.w2[0].numel() for layer in model.moe_layers())
+    return WeightBytes(sum(p.numel() * p.element_size() for p in dense_tensors), embed.shape[1] * embed.element_size(),
+                       tuple(per_slot), sum(p.numel() for p in dense_tensors), slot_params)
+
+
+def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a square ``size`` matmul in ``dtype`` (best of ``repeats``): the compute rate
+    the compute bound divides by."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b  # warm-up (kernel selection, packing buffers)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
+def attention_flops_per_key(config: Any) -> int:
+    """FLOPs one query token spends on one cached key over all layers: scores plus the weighted
+    sum of values (MLA's absorbed decode attends over the latent: kv_lora + rope wide keys,
+    kv_lora wide values)."""
+    if config.attention == "mla":
+        width = 2 * config.kv_lora_rank + config.qk_rope_head_dim
+    else:
+        width = 2 * config.head_dim
+    return 2 * config.num_hidden_layers * config.num_attention_heads * width
+
+
+def step_flops(output: SchedulerOutput, weights: WeightBytes, top_k: int, flops_per_key: int) -> int:
+    """Multiply-add FLOPs of one decode step: every token through the dense weights and its
+    top-k experts per MoE layer, plus attention over its context."""
+    seqs = output.batches[0].seqs
+    per_token = weights.dense_params + top_k * sum(weights.slot_params)
+    return 2 * len(seqs) * per_token + flops_per_key * sum(s.context_len for s in seqs)
 
 
 def step_bytes(output: SchedulerOutput, result: StepResult, weights: WeightBytes,
@@ -179,9 +219,13 @@ def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context
     return timed
 
 
-def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightBytes,
-                    kv_bytes_per_token: int, bandwidth: float) -> DecodeResult:
+def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightBytes, kv_bytes_per_token: int,
+                    bandwidth: float, *, top_k: int = 0, flops_per_key: int = 0,
+                    matmul_flops: float = 0.0) -> DecodeResult:
+    """Medians of the timed steps against the bandwidth bound (and, given the matmul rate,
+    the compute bound: step FLOPs / ``matmul_flops``)."""
     per_step = [step_bytes(out, res, weights, kv_bytes_per_token) for _, _, out, res in timed]
+    flops = statistics.mean(step_flops(out, weights, top_k, flops_per_key) for _, _, out, _ in timed)
     weight = round(statistics.mean(w for w, _, _ in per_step))
     kv = round(statistics.mean(k for _, k, _ in per_step))
     step_s = statistics.median(wall for wall, _, _, _ in timed)
@@ -194,17 +238,20 @@ def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightByte
         mean_context_len=statistics.mean(s.context_len for _, _, out, _ in timed for s in out.batches[0].seqs),
         experts_touched_per_layer=statistics.mean(t for _, _, t in per_step),
         weight_bytes=weight, kv_bytes=kv, bytes_read=weight + kv, bound_ms=bound_s * 1e3, ratio=step_s / bound_s,
+        gflop=flops / 1e9, compute_bound_ms=flops / matmul_flops * 1e3 if matmul_flops > 0 else 0.0,
     )
 
 
-def format_table(rows: Sequence[DecodeResult], bandwidth: float) -> str:
+def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: float) -> str:
     head = (f"{'batch':>6} {'step ms':>9} {'cpu ms':>8} {'worker ms':>10} {'tok/s':>9} {'ctx':>6} {'experts/layer':>14} "
-            f"{'weights MB':>11} {'KV MB':>8} {'bound ms':>9} {'ratio':>7}")
-    lines = [f"# copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s", head]
+            f"{'weights MB':>11} {'KV MB':>8} {'bound ms':>9} {'ratio':>7} {'GFLOP':>7} {'compute ms':>11}")
+    lines = [f"# copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s; "
+             f"matmul: {matmul_flops / 1e12:.3f} TFLOP/s", head]
     for r in rows:
         lines.append(f"{r.batch_size:>6} {r.step_ms:>9.2f} {r.step_cpu_ms:>8.2f} {r.worker_ms:>10.2f} {r.tokens_per_s:>9.1f} "
                      f"{r.mean_context_len:>6.0f} {r.experts_touched_per_layer:>14.1f} {r.weight_bytes / 1e6:>11.1f} "
-                     f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f}")
+                     f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f} {r.gflop:>7.2f} "
+                     f"{r.compute_bound_ms:>11.2f}")
     return "\n".join(lines)
 
 
@@ -271,19 +318,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recorder = RecordingExecutor(engine.executor)
         engine.executor = recorder
-        mc = engine.model_config
-        weights = compute_weight_bytes(recorder.inner.worker.model)
-        kv_per_token = mc.kv_bytes_per_token(engine.executor.inner.worker.kv_cache.pools[0].element_size())
+        mc, worker = engine.model_config, recorder.inner.worker
+        matmul_flops = measure_matmul_flops(worker.dtype)
+        weights = compute_weight_bytes(worker.model)
+        kv_per_token = mc.kv_bytes_per_token(worker.kv_cache.pools[0].element_size())
         vocab = [t for t in range(mc.vocab_size) if t not in mc.eos_token_ids]
         rows = [summarize_batch(b, run_batch(engine, recorder, b, args.context_len, args.steps, args.warmup_steps,
                                              vocab=vocab, seed=config.engine.seed + b),
-                                weights, kv_per_token, bandwidth) for b in args.batch_sizes]
+                                weights, kv_per_token, bandwidth, top_k=mc.num_experts_per_tok,
+                                flops_per_key=attention_flops_per_key(mc), matmul_flops=matmul_flops)
+                for b in args.batch_sizes]
     finally:
         engine.shutdown()
-    print(format_table(rows, bandwidth))
+    print(format_table(rows, bandwidth, matmul_flops))
     if args.json:
         result = {"model": config.model, "dtype": config.engine.dtype, "num_threads": torch.get_num_threads(),
                   "context_len": args.context_len, "steps": args.steps, "copy_bandwidth_bytes_per_s": bandwidth,
+                  "matmul_flops_per_s": matmul_flops,
                   "dense_weight_bytes": weights.dense, "expert_slot_bytes": list(weights.per_slot),
                   "kv_bytes_per_token": kv_per_token, "results": [asdict(r) for r in rows]}
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -51,6 +51,9 @@ def test_weight_bytes_partition_the_model():
     assert len(w.per_slot) == len(config.moe_layer_ids) > 0
     assert w.dense + embed.shape[0] * w.embed_row + sum(n * b for n, b in zip(num_slots, w.per_slot)) == total
     assert w.per_slot[0] == 3 * config.hidden_size * config.moe_intermediate_size * 2
+    assert w.slot_params[0] * 2 == w.per_slot[0]  # bf16
+    assert bench_decode.attention_flops_per_key(config) == (
+        2 * config.num_hidden_layers * config.num_attention_heads * (2 * config.kv_lora_rank + config.qk_rope_head_dim))
 
 
 def test_throughput_main_reports_both_sides(tiny_ckpt, tmp_path, capsys):
@@ -94,7 +97,7 @@ def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
     assert [row["batch_size"] for row in r["results"]] == [1, 3]
     config = ModelConfig.from_hf(tiny_ckpt)
     for row in r["results"]:
-        for key in ("step_ms", "step_cpu_ms", "worker_ms", "tokens_per_s", "weight_bytes", "kv_bytes", "bound_ms", "ratio"):
+        for key in ("step_ms", "step_cpu_ms", "worker_ms", "tokens_per_s", "gflop", "compute_bound_ms", "weight_bytes", "kv_bytes", "bound_ms", "ratio"):
             assert row[key] > 0, key
         assert row["bytes_read"] == row["weight_bytes"] + row["kv_bytes"]
         assert row["weight_bytes"] > r["dense_weight_bytes"]
