@@ -28,9 +28,10 @@ from parallel.dispatch.plan import (
     DispatchPlan,
     check_dispatch_args,
     combine_rows,
-    compute_dispatch_plan,
+    destination_mask,
     localize_slots,
     pack_rows,
+    plan_from_mask,
     row_layout,
     unpack_rows,
 )
@@ -65,29 +66,31 @@ class AllToAllDispatcher:
         check_dispatch_args(x, slot_ids, weights, experts.hidden_size)
         num_local = experts.num_local_slots
         slot_ids, weights = self._apply_capacity(slot_ids, weights, num_local, layer_id)
-        plan = compute_dispatch_plan(slot_ids, num_local, self.num_ranks)
-        recv, recv_counts = self.dispatch(x, slot_ids, weights, plan)
+        plan, recv, recv_counts = self.dispatch(x, slot_ids, weights, num_local)
         rx, rslots, rweights = unpack_rows(recv, x.shape[1], slot_ids.shape[1], x.dtype)
         partial = experts.forward_rows(rx, localize_slots(rslots, self.rank, num_local), rweights)  # [M, D]
         return self.combine(partial, plan, recv_counts)
 
     def dispatch(
-        self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Send each planned row (x [T, D] with its [T, K] slots and weights) to its rank.
-        Returns (received rows [M, row_bytes] uint8, valid until the next call; rows
-        received from each rank: R ints)."""
-        send_counts = torch.tensor(plan.send_counts, dtype=torch.int64, device=x.device)
+        self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, num_local_slots: int
+    ) -> tuple[DispatchPlan, torch.Tensor, list[int]]:
+        """Plan and send each (token, destination rank) row: x [T, D] with its [T, K] slots and
+        weights. Returns (plan; received rows [M, row_bytes] uint8, valid until the next
+        call; rows received from each rank: R ints). The count exchange runs while the
+        rest of the plan is computed and the rows are packed."""
+        mask = destination_mask(slot_ids, num_local_slots, self.num_ranks)  # [R, T]
+        send_counts = mask.sum(1)
         recv_counts_t = torch.empty_like(send_counts)
         work = dist.all_to_all_single(recv_counts_t, send_counts, group=self.group, async_op=True)
+        plan = plan_from_mask(mask)
         _, row_bytes = row_layout(x.shape[1], slot_ids.shape[1], x.dtype)
         send = self.workspace.get("send", (plan.num_rows, row_bytes), torch.uint8, x.device)
-        pack_rows(x, slot_ids, weights, plan, send)  # overlaps the count exchange
+        pack_rows(x, slot_ids, weights, plan, send)
         work.wait()
         recv_counts = recv_counts_t.tolist()
         recv = self.workspace.get("recv", (sum(recv_counts), row_bytes), torch.uint8, x.device)
         dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
-        return recv, recv_counts
+        return plan, recv, recv_counts
 
     def combine(self, partial: torch.Tensor, plan: DispatchPlan, recv_counts: list[int]) -> torch.Tensor:
         """partial: [M, D] one weighted row per received row, in the activation dtype.

@@ -50,6 +50,13 @@ class DispatchPlan:
 def compute_dispatch_plan(slot_ids: torch.Tensor, num_local_slots: int, num_ranks: int) -> DispatchPlan:
     """slot_ids: [T, K] int physical slots (-1 dropped), slot p on rank p // num_local_slots.
     Returns the deduplicated ``DispatchPlan``."""
+    return plan_from_mask(destination_mask(slot_ids, num_local_slots, num_ranks))
+
+
+def destination_mask(slot_ids: torch.Tensor, num_local_slots: int, num_ranks: int) -> torch.Tensor:
+    """slot_ids: [T, K] int physical slots (-1 dropped). Returns [R, T] bool: token t has at
+    least one assignment on rank r. ``mask.sum(1)`` are the rows sent to each rank, known
+    before the rest of the plan so the count exchange can start early."""
     num_tokens = slot_ids.shape[0]
     num_slots = num_local_slots * num_ranks
     if slot_ids.numel():
@@ -59,17 +66,23 @@ def compute_dispatch_plan(slot_ids: torch.Tensor, num_local_slots: int, num_rank
             raise ValueError(f"slot id {bad} out of range: {num_ranks} ranks x {num_local_slots} local slots")
     t_idx, k_idx = torch.nonzero(slot_ids >= 0, as_tuple=True)
     dest = torch.div(slot_ids[t_idx, k_idx], num_local_slots, rounding_mode="floor")
-    has = torch.zeros((num_ranks, num_tokens), dtype=torch.bool, device=slot_ids.device)  # [R, T]
-    has.view(-1)[dest * num_tokens + t_idx] = True
-    flat = torch.nonzero(has.view(-1), as_tuple=False).squeeze(1)
+    mask = torch.zeros((num_ranks, num_tokens), dtype=torch.bool, device=slot_ids.device)
+    mask.view(-1)[dest * num_tokens + t_idx] = True
+    return mask
+
+
+def plan_from_mask(mask: torch.Tensor) -> DispatchPlan:
+    """mask: [R, T] bool from ``destination_mask``. Returns the ``DispatchPlan``: one row per
+    True entry, rank-major (the send order), and the token-major view of the same rows."""
+    num_ranks, num_tokens = mask.shape
+    flat = torch.nonzero(mask.view(-1), as_tuple=False).squeeze(1)
     pair_token = flat % max(num_tokens, 1)
-    row_id = (torch.cumsum(has.view(-1), 0) - 1).view(num_ranks, num_tokens)  # row of (r, t) if has
-    has_t = has.t()  # [T, R]
-    combine_index = row_id.t()[has_t]  # token-major
-    rows_per_token = has_t.sum(1)
+    row_id = (torch.cumsum(mask.view(-1), 0) - 1).view(num_ranks, num_tokens)  # row of (r, t) where True
+    mask_t = mask.t()  # [T, R]
+    combine_index = row_id.t()[mask_t]  # token-major
+    rows_per_token = mask_t.sum(1)
     combine_offsets = torch.cumsum(rows_per_token, 0) - rows_per_token
-    send_counts = has.sum(1).tolist()
-    return DispatchPlan(pair_token, send_counts, combine_index, combine_offsets)
+    return DispatchPlan(pair_token, mask.sum(1).tolist(), combine_index, combine_offsets)
 
 
 def row_layout(hidden_size: int, top_k: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -93,7 +106,9 @@ def pack_rows(
         raise ValueError(f"pack_rows out must be {shape} uint8, got {tuple(out.shape)} {out.dtype}")
     buf = torch.empty(shape, dtype=torch.uint8, device=x.device) if out is None else out
     nbytes = hidden_size * x.element_size()
-    torch.index_select(x, 0, plan.pair_token, out=buf[:, :nbytes].view(x.dtype))
+    # gather 8-byte words when the row allows it (fewer, wider element copies)
+    word = torch.int64 if nbytes % 8 == 0 and x.is_contiguous() else x.dtype
+    torch.index_select(x.view(word), 0, plan.pair_token, out=buf[:, :nbytes].view(word))
     meta = torch.cat([slot_ids.to(torch.int32), weights.to(torch.float32).view(torch.int32)], dim=1)  # [T, 2K]
     torch.index_select(meta, 0, plan.pair_token, out=buf[:, hidden_bytes:].view(torch.int32))
     return buf
@@ -128,8 +143,10 @@ def combine_rows(back: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     before widening, as the rows themselves were on the wire."""
     if back.shape[0] != plan.num_rows:
         raise ValueError(f"combine got {back.shape[0]} rows for a plan of {plan.num_rows}")
-    out = F.embedding_bag(plan.combine_index, back, plan.combine_offsets, mode="sum")
-    return out if out.dtype == torch.float32 else out.float()
+    summed = F.embedding_bag(plan.combine_index, back, plan.combine_offsets, mode="sum")
+    if summed.dtype == torch.float32:
+        return summed
+    return torch.empty(summed.shape, dtype=torch.float32, device=summed.device).copy_(summed)
 
 
 def split_sizes(total: int, parts: int) -> list[int]:

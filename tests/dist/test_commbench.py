@@ -83,7 +83,8 @@ def test_collective_on_two_ranks(op: str, rank0: dict) -> None:
 
 def test_dispatch_bench_on_two_ranks(rank0: dict) -> None:
     res = rank0["dispatch"]
-    assert len(res["pairs"]) == 2 and all(a > 0 and b > 0 for a, b in res["pairs"])
+    assert len(res["pairs"]) == 2 and all(len(p) == 3 and min(p) > 0 for p in res["pairs"])
+    assert res["verified"]  # identity experts: each token came back once per rank it visited
     assert 0 < res["rows_sent"] <= 16 * 2  # at most one row per (token, rank)
 
 
