@@ -64,10 +64,12 @@ def destination_mask(slot_ids: torch.Tensor, num_local_slots: int, num_ranks: in
         if int(hi) >= num_slots or int(lo) < -1:
             bad = int(hi) if int(hi) >= num_slots else int(lo)
             raise ValueError(f"slot id {bad} out of range: {num_ranks} ranks x {num_local_slots} local slots")
-    t_idx, k_idx = torch.nonzero(slot_ids >= 0, as_tuple=True)
-    dest = torch.div(slot_ids[t_idx, k_idx], num_local_slots, rounding_mode="floor")
-    mask = torch.zeros((num_ranks, num_tokens), dtype=torch.bool, device=slot_ids.device)
-    mask.view(-1)[dest * num_tokens + t_idx] = True
+    dest = torch.div(slot_ids.long(), num_local_slots, rounding_mode="floor")  # [T, K], -1 stays -1
+    token = torch.arange(num_tokens, device=slot_ids.device).unsqueeze(1)
+    key = (dest * num_tokens + token).masked_fill_(slot_ids < 0, num_ranks * num_tokens)  # dropped: spare cell
+    mask = torch.zeros(num_ranks * num_tokens + 1, dtype=torch.bool, device=slot_ids.device)
+    mask.index_fill_(0, key.view(-1), True)
+    mask = mask[:-1].view(num_ranks, num_tokens)
     return mask
 
 
