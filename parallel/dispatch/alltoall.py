@@ -8,7 +8,7 @@ order whatever its T (a rank that skipped one would hang the group):
 
 1. (global capacity only) all-gather per-slot assignment counts;
 2. all-to-all of the per-rank row counts;
-3. all-to-all-v of the packed rows (hidden + (local slot, weight) list), once per
+3. all-to-all-v of the packed rows (hidden + the token's (physical slot, weight) list), once per
    (token, destination rank);
 4. after the grouped expert GEMMs and the per-row weighted sum on the destination
    (fp32 accumulation, one rounding to the activation dtype), all-to-all-v of one partial
