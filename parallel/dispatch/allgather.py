@@ -16,27 +16,16 @@ import torch.distributed as dist
 
 from moe.capacity import CapacityStats, apply_slot_limits, compute_capacity
 from moe.experts import Experts
-from parallel.dispatch.global_capacity import GlobalCapacity
+from parallel.dispatch.global_capacity import EPDispatcherState
 from parallel.dispatch.plan import check_dispatch_args
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(EPDispatcherState):
     """ExpertDispatcher over ``group`` (the EP group); ``rank``/``num_ranks`` are EP coordinates.
 
     With a global capacity, C is applied to the gathered batch in EP-rank then token order,
     the same decisions as the AllToAll dispatcher; ``capacity_stats[layer_id]`` records them.
     """
-
-    def __init__(
-        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: GlobalCapacity | None = None
-    ) -> None:
-        if not 0 <= rank < num_ranks:
-            raise ValueError(f"EP rank {rank} outside EP size {num_ranks}")
-        self.group = group
-        self.rank = rank
-        self.num_ranks = num_ranks
-        self.global_capacity = global_capacity if global_capacity is not None and global_capacity.enabled else None
-        self.capacity_stats: dict[int, CapacityStats] = {}
 
     def dispatch_combine(
         self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, experts: Experts, layer_id: int

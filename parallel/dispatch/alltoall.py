@@ -21,9 +21,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe.capacity import CapacityStats
 from moe.experts import Experts
-from parallel.dispatch.global_capacity import GlobalCapacity, apply_global_capacity, gather_slot_counts
+from parallel.dispatch.global_capacity import (
+    EPDispatcherState,
+    GlobalCapacity,
+    apply_global_capacity,
+    gather_slot_counts,
+)
 from parallel.dispatch.plan import (
     DispatchPlan,
     check_dispatch_args,
@@ -38,7 +42,7 @@ from parallel.dispatch.plan import (
 from parallel.dispatch.workspace import Workspace
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(EPDispatcherState):
     """ExpertDispatcher over ``group`` (the EP group); ``rank``/``num_ranks`` are EP coordinates.
 
     ``capacity_stats[layer_id]`` holds the last step's ``CapacityStats`` when a global
@@ -49,13 +53,7 @@ class AllToAllDispatcher:
     def __init__(
         self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: GlobalCapacity | None = None
     ) -> None:
-        if not 0 <= rank < num_ranks:
-            raise ValueError(f"EP rank {rank} outside EP size {num_ranks}")
-        self.group = group
-        self.rank = rank
-        self.num_ranks = num_ranks
-        self.global_capacity = global_capacity if global_capacity is not None and global_capacity.enabled else None
-        self.capacity_stats: dict[int, CapacityStats] = {}
+        super().__init__(group, rank, num_ranks, global_capacity=global_capacity)
         self.workspace = Workspace()
 
     def dispatch_combine(

@@ -85,3 +85,19 @@ def apply_global_capacity(
         capacity=capacity,
     )
     return result, stats
+
+
+class EPDispatcherState:
+    """What every EP dispatcher holds: the EP group, this rank's EP coordinates, an optional
+    global capacity (None when disabled) and the last step's ``capacity_stats[layer_id]``."""
+
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: GlobalCapacity | None = None
+    ) -> None:
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"EP rank {rank} outside EP size {num_ranks}")
+        self.group = group
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.global_capacity = global_capacity if global_capacity is not None and global_capacity.enabled else None
+        self.capacity_stats: dict[int, CapacityStats] = {}
