@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.cpu_gemm import native_gemv, use_native_gemv
+
 # Rows per fp32 staging chunk when accumulating expert outputs into tokens: one
 # index_add per chunk instead of one [N, D] fp32 temporary.
 ACCUMULATE_CHUNK_ROWS = 1024
@@ -35,22 +37,39 @@ def grouped_expert_forward(
     w13: [P_local, 2I, D]; w2: [P_local, D, I]. row_weights: optional [N] float32; row n's
     output is scaled by it (applied to the [n, I] activation before the down projection,
     which is linear, so it costs I instead of D multiplies per row).
-    Returns: [N, D] in x_sorted's dtype. One GEMM pair per non-empty slot.
+    Returns: [N, D] in x_sorted's dtype. One GEMM pair per non-empty slot; on CPUs where
+    ``moe.cpu_gemm.use_native_gemv`` holds, one-row slots run as PyTorch's native GEMV.
     """
-    out = torch.empty_like(x_sorted)
     inter = w2.shape[-1]
-    start = 0
+    spans, start = [], 0
     for slot, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = x_sorted[start : start + n]
-        h = rows @ w13[slot].t()  # [n, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
-        if row_weights is not None:
-            h = h * row_weights[start : start + n, None].to(h.dtype)
-        torch.matmul(h, w2[slot].t(), out=out[start : start + n])  # [n, D]
+        if n:
+            spans.append((slot, start, start + n))
         start += n
+    # one-row slots (common in decode) run as GEMVs: see moe.cpu_gemm
+    gemv = use_native_gemv(w13.dtype, w13.device)
+    groups = ([s for s in spans if s[2] - s[1] > 1], [s for s in spans if s[2] - s[1] == 1]) if gemv else (spans, [])
+    # Per slot only the two GEMMs; the activation and the row weights run once over all rows
+    # (elementwise, so the values are those of a per-slot computation).
+    h = x_sorted.new_empty(x_sorted.shape[0], 2 * inter)  # [N, 2I]
+    _grouped_mm(x_sorted, w13, groups, h)
+    act = F.silu(h[:, :inter]) * h[:, inter:]  # [N, I]
+    if row_weights is not None:
+        act = act * row_weights[:, None].to(act.dtype)
+    out = torch.empty_like(x_sorted)
+    _grouped_mm(act, w2, groups, out)
     return out
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, groups: tuple[list, list], out: torch.Tensor) -> None:
+    """out[lo:hi] = x[lo:hi] @ w[slot].T for each (slot, lo, hi); the second group as GEMVs."""
+    many, single = groups
+    for slot, lo, hi in many:
+        torch.mm(x[lo:hi], w[slot].t(), out=out[lo:hi])
+    if single:
+        with native_gemv():
+            for slot, lo, hi in single:
+                torch.mm(x[lo:hi], w[slot].t(), out=out[lo:hi])
 
 
 def compute_local_routing(
