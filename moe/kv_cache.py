@@ -148,8 +148,10 @@ class KVLayerView:
 
     def gather(self, block_tables: torch.Tensor) -> torch.Tensor:
         """block_tables: [B, nb] int64. Returns [B, nb * S, *entry_shape] in the compute dtype."""
-        g = self.pool[block_tables]  # [B, nb, S, ...]
-        g = g.reshape(block_tables.shape[0], -1, *self.pool.shape[2:])
+        # index_select on the flattened table: one contiguous copy per block (advanced
+        # indexing with a 2-D index is several times slower for the same bytes)
+        g = self.pool.index_select(0, block_tables.reshape(-1))  # [B * nb, S, ...]
+        g = g.view(block_tables.shape[0], -1, *self.pool.shape[2:])
         if self.cache.is_fp8:
             return (g.float() * self.scale).to(self.cache.dtype)
         return g

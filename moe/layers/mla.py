@@ -87,7 +87,9 @@ class MLAAttention(nn.Module):
         q_lat = torch.einsum("bhqn,hnc->bhqc", q[..., : self.nope], w_uk)
         q_full = torch.cat((q_lat, q[..., self.nope :]), dim=-1)  # [B, H, Lq, C + R]
         latent = latent.to(q.dtype)[:, None]  # [B, 1, L, C + R]: one shared key head
-        o_lat = sdpa(q_full, latent, latent[..., : self.kv_lora_rank], mask, self.scale)  # [B, H, Lq, C]
+        # values = the whole contiguous latent row, rope columns dropped after: the batched GEMM
+        # against a strided [..., :C] view is ~2x slower, the R extra columns cost R/C more FLOPs
+        o_lat = sdpa(q_full, latent, latent, mask, self.scale)[..., : self.kv_lora_rank]  # [B, H, Lq, C]
         return torch.einsum("bhqc,hvc->bhqv", o_lat, w_uv)
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:

@@ -52,22 +52,27 @@ def paged_attention(
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
-    num_heads = q.shape[1]
-    out = q.new_empty(q.shape[0], num_heads, out_dim)
     size = meta.block_size
     dec = meta.decode_seq_ids()
+    # every row one sequence's decode token, in batch order (a steady decode step): no row
+    # gather or scatter
+    all_decode = bool(dec) and len(dec) == q.shape[0]
+    out = None if all_decode else q.new_empty(q.shape[0], q.shape[1], out_dim)
     if dec:
-        idx = torch.tensor(dec, dtype=torch.int64, device=q.device)
-        rows = meta.query_start_loc[idx]
-        ctx = meta.context_lens[idx]
-        lens = [meta.context_lens_list[b] for b in dec]
+        idx = None if all_decode else torch.tensor(dec, dtype=torch.int64, device=q.device)
+        ctx = meta.context_lens if all_decode else meta.context_lens[idx]
+        lens = meta.context_lens_list if all_decode else [meta.context_lens_list[b] for b in dec]
         nb = -(-max(lens) // size)
         first = _first_block(min(lens) - 1, sliding_window, size)
-        cache = view.gather(meta.block_tables[idx, first:nb])  # [Bd, (nb - first) * S, ...]
+        tables = meta.block_tables if all_decode else meta.block_tables[idx]
+        cache = view.gather(tables[:, first:nb])  # [Bd, (nb - first) * S, ...]
         kpos = first * size + torch.arange(cache.shape[1], device=q.device)[None, :]  # [1, L]
         mask = kpos < ctx[:, None]  # [Bd, L]: query at ctx - 1 sees keys <= ctx - 1
         if sliding_window is not None:
             mask &= kpos >= (ctx - sliding_window)[:, None]
+        if all_decode:
+            return decode_fn(q.unsqueeze(2), cache, mask[:, None, None, :]).squeeze(2)
+        rows = meta.query_start_loc[idx]
         out[rows] = decode_fn(q[rows].unsqueeze(2), cache, mask[:, None, None, :]).squeeze(2)
     for b in meta.prefill_seq_ids():
         start, qlen, ctx = int(meta.query_start_loc_list[b]), meta.query_lens_list[b], meta.context_lens_list[b]
