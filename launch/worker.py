@@ -18,6 +18,7 @@ import torch
 
 from launch.core import BatchSpec, SampledTokens, Sampler
 from moe.config import ModelConfig
+from moe.cpu_gemm import native_gemv, use_native_gemv
 from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.loader import load_weights
 from moe.model import MoEModel
@@ -133,6 +134,7 @@ class Worker:
         self.kv_cache = PagedKVCache(self.config, spec.num_kv_blocks, spec.block_size, self.dtype,
                                      spec.kv_cache_dtype, tp_size=spec.tp, device=self.device)
         self.sampler = Sampler(seed=spec.seed + self.coords.dp_rank)
+        self.one_row_gemv = use_native_gemv(self.dtype, self.device)
         return self.ping()
 
     # ---- placement -------------------------------------------------------------------
@@ -168,10 +170,13 @@ class Worker:
                                            self.spec.block_size, device=self.device)
             ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
             pos = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
-            hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
-            rows = batch.logits_indices
+            # one token: every weight GEMM has one row, where the native GEMV streams the weights
+            # faster than oneDNN (B=1 decode step on the small checkpoint: 33 -> 28 ms)
+            with native_gemv(self.one_row_gemv and len(batch.input_ids) == 1):
+                hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
+                rows = batch.logits_indices
+                logits = self.model.compute_logits(hidden[rows]) if rows else None  # [B_sample, V] float32
             if rows:
-                logits = self.model.compute_logits(hidden[rows])  # [B_sample, V] float32
                 params = batch.sampling_params
                 sampled = self.sampler(logits, params, batch.output_indices).to_sampled_tokens(params)
             else:
