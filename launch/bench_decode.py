@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
     print(format_table(rows, bandwidth, matmul_flops))
     if args.json:
-        result = {"model": config.model, "dtype": config.engine.dtype, "num_threads": torch.get_num_threads(),
+        result = {"model": config.model, "dtype": engine.dtype, "num_threads": torch.get_num_threads(),
                   "context_len": args.context_len, "steps": args.steps, "copy_bandwidth_bytes_per_s": bandwidth,
                   "matmul_flops_per_s": matmul_flops,
                   "dense_weight_bytes": weights.dense, "expert_slot_bytes": list(weights.per_slot),

@@ -139,13 +139,13 @@ def agreement(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) ->
 
 
 def summarize(config: RuntimeConfig, requests: Sequence[BenchRequest], ours: RunResult, hf: RunResult | None,
-              *, num_threads: int, seed: int, hf_batch_size: int,
+              *, num_threads: int, seed: int, dtype: str, hf_batch_size: int,
               input_len_range: Sequence[int], output_len_range: Sequence[int]) -> dict[str, Any]:
     """The result JSON (vLLM ``bench throughput`` keys for our side, ``hf_*`` for the baseline)."""
     out_tokens = sum(r.output_len for r in requests)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     result: dict[str, Any] = {
-        "model": config.model, "dtype": config.engine.dtype, "num_threads": num_threads, "seed": seed,
+        "model": config.model, "dtype": dtype, "num_threads": num_threads, "seed": seed,
         "num_requests": len(requests), "input_len_range": list(input_len_range),
         "output_len_range": list(output_len_range), "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens, "elapsed_time": ours.elapsed_s,
@@ -236,16 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    threads = torch.get_num_threads()
+    from launch.engine import resolve_dtype
+    from launch.worker import DTYPES
+
+    dtype = resolve_dtype(config.engine.dtype, model_config)  # "auto": the checkpoint's, as the engine does
     ours = run_ours(config, requests)
     hf = None
     if args.baseline == "hf":
-        from launch.worker import DTYPES
-
-        hf = run_hf(config.model, requests, args.hf_batch_size, DTYPES[config.engine.dtype],
+        hf = run_hf(config.model, requests, args.hf_batch_size, DTYPES[dtype],
                     pad_token_id=model_config.eos_token_ids[0] if model_config.eos_token_ids else 0)
-    result = summarize(config, requests, ours, hf, num_threads=threads, seed=seed, hf_batch_size=args.hf_batch_size,
-                       input_len_range=args.input_len_range, output_len_range=args.output_len_range)
+    result = summarize(config, requests, ours, hf, num_threads=torch.get_num_threads(), seed=seed, dtype=dtype,
+                       hf_batch_size=args.hf_batch_size, input_len_range=args.input_len_range,
+                       output_len_range=args.output_len_range)
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -77,6 +77,15 @@ def test_throughput_main_reports_both_sides(tiny_ckpt, tmp_path, capsys):
     assert 0.0 <= r["greedy_agreement"] <= 1.0
 
 
+def test_throughput_dtype_auto_is_the_checkpoints(tiny_ckpt, tmp_path):
+    out = tmp_path / "auto.json"
+    assert bench_throughput.main(["--model", str(tiny_ckpt), "--num-prompts", "1", "--input-len-range", "2", "3",
+                                  "--output-len-range", "1", "2", "--dtype", "auto", "--num-threads", "1",
+                                  "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["dtype"] == "float32" and r["hf_elapsed_time"] > 0  # the tiny checkpoint stores float32
+
+
 def test_throughput_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
     assert bench_throughput.main(["--model", str(tiny_ckpt), "--input-len-range", "9", "3", "--baseline",
                                   "none"]) == 2
