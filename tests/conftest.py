@@ -84,12 +84,13 @@ def _redraw_weights(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
-def write_hf_checkpoint(case: str, out_dir: Path, seed: int = 0) -> Path:
-    """Build ``case`` with transformers, redraw its weights, ``save_pretrained`` it (fp32)."""
+def write_hf_checkpoint(case: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Build ``case`` (config fields replaced by ``overrides``) with transformers, redraw its
+    weights, ``save_pretrained`` it (fp32)."""
     import transformers
 
     cls_name, kwargs = HF_CASES[case]
-    config = getattr(transformers, cls_name)(**kwargs)
+    config = getattr(transformers, cls_name)(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _redraw_weights(model, seed)

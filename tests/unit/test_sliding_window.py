@@ -25,7 +25,7 @@ from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.layers.paged import paged_attention, sdpa
 from moe.loader import load_weights
 from moe.model import MoEModel
-from tests.conftest import HF_CASES, _redraw_weights
+from tests.conftest import HF_CASES, write_hf_checkpoint
 from tests.unit.test_model_vs_hf import greedy_generate
 
 WINDOW = 6
@@ -43,16 +43,8 @@ GENERATE_CASES = ["mixtral", "qwen3_moe"]
 
 
 def _write(case: str, out_dir: Path, seed: int) -> Path:
-    import transformers
-
     base, change = CASES[case]
-    cls_name, kwargs = HF_CASES[base]
-    config = getattr(transformers, cls_name)(**{**kwargs, **change})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _redraw_weights(model, seed)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return write_hf_checkpoint(base, out_dir, seed, **change)
 
 
 @pytest.fixture(scope="module")
