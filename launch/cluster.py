@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,13 +67,6 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> b
         configure_logging=False,
     )
     return True
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (for the torch.distributed rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def compute_node_major_order(bundle_nodes: Sequence[str]) -> list[int]:

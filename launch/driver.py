@@ -32,7 +32,6 @@ class BalancerCounters:
     rebalance_seconds_total: float = 0.0
     expert_copies_moved: int = 0
     bytes_moved: int = 0
-    num_skipped: int = 0
 
 
 class EplbDriver:

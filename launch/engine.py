@@ -121,7 +121,7 @@ class LLMEngine:
         try:
             self.eplb = EplbDriver(
                 config.balancer, self.placement, num_groups=self._num_groups(),
-                num_nodes=self.executor.num_nodes if self.executor.num_nodes > 1 else 1,
+                num_nodes=self.executor.num_nodes,
                 expert_bytes=3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
                 * torch.finfo(DTYPES[self.dtype]).bits // 8,
             ) if self.model_config.moe_layer_ids else None
