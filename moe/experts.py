@@ -8,6 +8,14 @@ first, then up rows) and ``w2 [P_local, D, I]``. A slot holds a copy of one
 logical expert; which one is decided by the placement (``phy2log``) and is
 recorded in ``slot_to_logical`` so the loader and the balancer's migration know
 what each slot must contain.
+
+On CPU the grouped computation runs the fused kernel of ``moe.kernels`` on a packed copy
+of the weights, made on first use and remade whenever ``w13`` / ``w2`` change in place
+(loading, migration): their version counters key the copy. ``grouped_expert_forward``
+(PyTorch GEMMs) is the fallback (other devices, shapes the kernel does not take, no
+compiler) and the reference the kernel is tested against. ``quantization="int8"`` packs
+the routed experts as int8 with per-output-channel scales (weight-only; activations stay
+in fp32 inside the kernel); the PyTorch path then runs on the dequantized weights.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe import kernels
 from moe.cpu_gemm import native_gemv, use_native_gemv
 
 # Rows per fp32 staging chunk when accumulating expert outputs into tokens: one
@@ -97,7 +106,7 @@ class Experts(nn.Module):
     """The routed experts hosted by one rank.
 
     w13: [P_local, 2I, D]; w2: [P_local, D, I]; slot_to_logical: [P_local] int64
-    (the logical expert each local slot holds).
+    (the logical expert each local slot holds). quantization: None or "int8".
     """
 
     def __init__(
@@ -107,6 +116,7 @@ class Experts(nn.Module):
         intermediate_size: int,
         slot_to_logical: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
+        quantization: str | None = None,
     ) -> None:
         super().__init__()
         self.num_local_slots = num_local_slots
@@ -121,10 +131,63 @@ class Experts(nn.Module):
         if slot_to_logical is None:
             slot_to_logical = torch.arange(num_local_slots, dtype=torch.int64)
         self.register_buffer("slot_to_logical", slot_to_logical.to(torch.int64).clone(), persistent=False)
+        self.quantization: str | None = None
+        self.use_kernel = True  # the fused CPU kernel when available (False: always the PyTorch path)
+        self._packed: tuple[tuple, kernels.PackedExperts | None] | None = None
+        self._dequantized: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.set_quantization(quantization)
+
+    def set_quantization(self, quantization: str | None) -> None:
+        """None (the stored dtype) or "int8" (weight-only, per-output-channel scales)."""
+        if quantization not in (None, *kernels.QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {list(kernels.QUANTIZATIONS)} or None, "
+                             f"got {quantization!r}")
+        self.quantization = quantization
+        self._packed = self._dequantized = None
+
+    def _weights_key(self) -> tuple:
+        w13, w2 = self.w13, self.w2
+        return (w13._version, w2._version, w13.data_ptr(), w2.data_ptr(), w13.dtype, w13.device, self.quantization)
+
+    def packed_weights(self) -> kernels.PackedExperts | None:
+        """The kernel's copy of the weights (packed, int8 when quantized), or None when the fused
+        kernel does not apply (not CPU, a shape or dtype it does not take, or not built)."""
+        if not self.use_kernel or not kernels.can_pack(self.w13, self.w2) or not kernels.is_available():
+            return None
+        key = self._weights_key()
+        if self._packed is None or self._packed[0] != key:
+            self._packed = None  # drop the old copy before making the new one
+            self._packed = (key, kernels.pack_experts(self.w13.detach(), self.w2.detach(), self.quantization))
+        return self._packed[1]
+
+    def reference_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the PyTorch path multiplies them: the stored weights, or with int8 the
+        dequantized ones (q * scale, in the stored dtype)."""
+        if self.quantization is None:
+            return self.w13, self.w2
+        key = self._weights_key()
+        if self._dequantized is None or self._dequantized[0] != key:
+            q13, s13 = kernels.quantize_int8(self.w13.detach())
+            q2, s2 = kernels.quantize_int8(self.w2.detach())
+            dtype = self.w13.dtype
+            self._dequantized = (key, (kernels.dequantize_int8(q13, s13, dtype), kernels.dequantize_int8(q2, s2, dtype)))
+        return self._dequantized[1]
+
+    def grouped(self, x_sorted: torch.Tensor, counts: list[int], row_weights: torch.Tensor | None = None,
+                *, out_fp32: bool = False) -> torch.Tensor:
+        """SwiGLU over rows grouped by local slot. x_sorted: [N, D]; counts: P_local ints summing
+        to N; row_weights: [N] float32 or None. Returns [N, D], row n scaled by row_weights[n], in
+        x's dtype; with ``out_fp32`` the fused kernel (CPU) returns float32 instead (unrounded),
+        the PyTorch path still x's dtype (callers accept either)."""
+        packed = self.packed_weights() if x_sorted.device.type == "cpu" else None
+        if packed is not None and x_sorted.dtype in (torch.float32, torch.bfloat16):
+            return kernels.experts_forward(x_sorted.contiguous(), counts, packed, row_weights, out_fp32=out_fp32)
+        w13, w2 = self.reference_weights()
+        return grouped_expert_forward(x_sorted, counts, w13, w2, row_weights=row_weights)
 
     def forward_grouped(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_sorted: [N, D] grouped by local slot; counts: P_local ints. Returns [N, D]."""
-        return grouped_expert_forward(x_sorted, counts, self.w13, self.w2)
+        return self.grouped(x_sorted, counts)
 
     def forward(self, x: torch.Tensor, local_slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Single-rank routed experts.
@@ -137,7 +200,7 @@ class Experts(nn.Module):
         if order.numel() == 0:
             return out
         w = weights.reshape(-1)[order].float()  # [M]
-        y = grouped_expert_forward(x[token_of_row], counts, self.w13, self.w2, row_weights=w)  # [M, D] weighted
+        y = self.grouped(x[token_of_row], counts, w, out_fp32=True)  # [M, D] weighted
         if y.dtype == torch.float32:
             return out.index_add_(0, token_of_row, y)
         for lo in range(0, y.shape[0], ACCUMULATE_CHUNK_ROWS):  # accumulate in fp32, bounded staging
@@ -155,7 +218,7 @@ class Experts(nn.Module):
         """
         order, token_of_row, counts = compute_local_routing(local_slot_ids, self.num_local_slots)
         w = weights.reshape(-1)[order].float()  # [M]
-        y = grouped_expert_forward(x[token_of_row], counts, self.w13, self.w2, row_weights=w)  # [M, D] weighted
+        y = self.grouped(x[token_of_row], counts, w)  # [M, D] weighted, x's dtype
         # y's rows are slot-major; list them per row (token-major, k ascending) for the bag sum
         valid = local_slot_ids >= 0  # [T, K]
         position = torch.empty(valid.numel(), dtype=torch.int64, device=x.device)

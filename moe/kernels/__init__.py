@@ -1,0 +1,174 @@
+"""Fused routed-expert CPU kernel (C++ extension) and the packed weight layout it reads.
+
+Shape legend: P local expert slots, D hidden, I expert intermediate, N routed rows.
+
+``experts_forward`` computes what ``moe.experts.grouped_expert_forward`` computes (the
+SwiGLU experts over rows grouped by slot, each row scaled by its routing weight), from
+weights packed once by ``pack_experts``:
+
+- ``w13p [P, I/8, D, 16]``: column blocks of 16 output channels, 8 gate channels then the
+  same 8 up channels, the reduction dimension D outermost inside a block, so one register
+  tile produces both halves of SwiGLU and streams its block contiguously;
+- ``w2p [P, D/16, I, 16]``: the down projection in the same block order;
+- int8 (``quantization="int8"``): the same layout in int8 with one fp32 scale per output
+  channel (``s13 [P, I/8, 16]``, ``s2 [P, D/16, 16]``, absmax / 127, round to nearest).
+
+The extension is compiled with ``torch.utils.cpp_extension`` on first use (or ahead of time
+with ``python -m launch build-kernels``) into a cache directory keyed by the source hash,
+torch version, Python version and machine; ``MOE_KERNEL_CACHE`` overrides the directory
+and ``MOE_CPU_KERNEL=0`` turns the kernel off. The instruction set (AVX-512, AVX2+FMA or
+baseline) is chosen from cpuid when the library loads: one build runs on any x86-64 CPU.
+Without a compiler the model falls back to the PyTorch path after one log line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("experts_cpu.cpp", "experts_body.h")
+QUANTIZATIONS = ("int8",)
+BLOCK = 16  # output channels per packed column block
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """Routed-expert weights in the kernel's layout (see the module docstring).
+
+    w13p: [P, I/8, D, 16]; w2p: [P, D/16, I, 16] (float32, bfloat16 or int8).
+    s13: [P, I/8, 16] float32 and s2: [P, D/16, 16] float32 for int8, else empty tensors.
+    """
+
+    w13p: torch.Tensor
+    w2p: torch.Tensor
+    s13: torch.Tensor
+    s2: torch.Tensor
+
+    @property
+    def quantized(self) -> bool:
+        return self.w13p.dtype == torch.int8
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13p, self.w2p, self.s13, self.s2))
+
+
+def can_pack(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether w13 [P, 2I, D] / w2 [P, D, I] fit the kernel: CPU, fp32/bf16, I % 8 == 0, D % 16 == 0."""
+    if w13.device.type != "cpu" or w13.dtype not in (torch.float32, torch.bfloat16) or w13.dim() != 3:
+        return False
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    return inter % 8 == 0 and hidden % BLOCK == 0 and inter > 0 and tuple(w2.shape[1:]) == (hidden, inter)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: w [..., C, K] -> (q [..., C, K] int8, scale [..., C] float32),
+    w ~= q * scale[..., None]; scale = absmax / 127 (1 for all-zero channels)."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=-1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(wf / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [..., C, K] int8, scale [..., C] -> [..., C, K] in ``dtype`` (q * scale, computed in fp32)."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+def pack_experts(w13: torch.Tensor, w2: torch.Tensor, quantization: str | None = None) -> PackedExperts:
+    """Pack w13 [P, 2I, D] (gate rows, then up rows) and w2 [P, D, I] into the kernel's layout,
+    optionally quantized to int8 per output channel."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
+    slots, two_i, hidden = w13.shape
+    inter = two_i // 2
+    empty = torch.empty(0, dtype=torch.float32)
+    if quantization == "int8":
+        q13, s13 = quantize_int8(w13)  # [P, 2I, D], [P, 2I]
+        q2, s2 = quantize_int8(w2)  # [P, D, I], [P, D]
+        w13, w2 = q13, q2
+        s13 = torch.cat([s13[:, :inter].reshape(slots, inter // 8, 8), s13[:, inter:].reshape(slots, inter // 8, 8)],
+                        dim=2).contiguous()
+        s2 = s2.reshape(slots, hidden // BLOCK, BLOCK).contiguous()
+    else:
+        s13 = s2 = empty
+    gate = w13[:, :inter].reshape(slots, inter // 8, 8, hidden)
+    up = w13[:, inter:].reshape(slots, inter // 8, 8, hidden)
+    w13p = torch.cat([gate, up], dim=2).transpose(2, 3).contiguous()  # [P, I/8, D, 16]
+    w2p = w2.reshape(slots, hidden // BLOCK, BLOCK, inter).transpose(2, 3).contiguous()  # [P, D/16, I, 16]
+    return PackedExperts(w13p, w2p, s13, s2)
+
+
+def cache_dir() -> Path:
+    """Where the compiled extension lives: $MOE_KERNEL_CACHE or ~/.cache/moe_kernels, one folder
+    per (source hash, torch, Python, machine)."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    key = f"{digest.hexdigest()[:16]}-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-" \
+          f"{platform.machine()}"
+    root = Path(os.environ.get("MOE_KERNEL_CACHE") or Path.home() / ".cache" / "moe_kernels")
+    return root / key.replace("+", "_")
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile (or reuse the cached build of) the extension and load it into torch.ops.
+    Returns the build directory. Raises on compiler errors."""
+    from torch.utils import cpp_extension
+
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="moe_kernels_cpu", sources=[str(SOURCE_DIR / "experts_cpu.cpp")], build_directory=str(directory),
+        extra_cflags=["-O3", "-ffp-contract=fast", "-fno-math-errno"], extra_include_paths=[str(SOURCE_DIR)],
+        is_python_module=False, verbose=verbose,
+    )
+    return directory
+
+
+@functools.cache
+def is_available() -> bool:
+    """Build/load the extension once per process; False (with one log line) when it cannot be
+    built or ``MOE_CPU_KERNEL=0``."""
+    if os.environ.get("MOE_CPU_KERNEL", "1") == "0":
+        return False
+    try:
+        build()
+    except Exception as e:  # no compiler, no headers, a read-only cache: the PyTorch path runs instead
+        log.warning("moe.kernels: CPU expert kernel unavailable, using the PyTorch path (%s)",
+                    str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return False
+    return True
+
+
+def isa() -> str:
+    """The instruction set the loaded kernel runs: "avx512", "avx2" or "generic"."""
+    return str(torch.ops.moe_kernels.isa_name())
+
+
+def select_isa(name: str) -> str:
+    """Force an instruction set ("auto", "avx512", "avx2", "generic"); raises if the CPU lacks it."""
+    return str(torch.ops.moe_kernels.select_isa(name))
+
+
+def experts_forward(x_sorted: torch.Tensor, counts: list[int], packed: PackedExperts,
+                    row_weights: torch.Tensor | None = None, *, out_fp32: bool = False) -> torch.Tensor:
+    """SwiGLU experts over rows grouped by slot with packed weights.
+
+    x_sorted: [N, D] float32 or bfloat16; counts: P ints summing to N; row_weights: [N] or None.
+    Returns: [N, D] (x's dtype, or float32 with ``out_fp32``), row n scaled by row_weights[n].
+    """
+    weights = row_weights if row_weights is not None else torch.empty(0, dtype=torch.float32)
+    return torch.ops.moe_kernels.experts_forward(x_sorted, counts, packed.w13p, packed.s13, packed.w2p,
+                                                 packed.s2, weights, out_fp32)

@@ -1,0 +1,144 @@
+// Routed-expert tile kernels, compiled once per instruction set.
+//
+// Included by experts_cpu.cpp inside a namespace under a `#pragma GCC target(...)` region
+// with MOE_W (fp32 lanes per vector) defined: the same source becomes the AVX-512, AVX2+FMA
+// and baseline variants, and the dispatcher picks one at run time from cpuid, so a cached
+// build never executes instructions the CPU lacks.
+//
+// Packed weight layout (built once in Python, moe/kernels/__init__.py): column blocks of 16
+// output channels, the reduction dimension K outermost inside a block: block[k][16]. For the
+// gate/up projection a block holds 8 gate channels then the same 8 up channels, so one tile
+// produces both halves of SwiGLU. Weights are fp32, bf16 (raw uint16) or int8 (with one fp32
+// scale per output channel).
+
+// Per-ISA vector ops (defined before this file is included): vf, vzero(), vload(const T*) for
+// float / bf16 (uint16_t) / int8 weights (8 or 16 fp32 lanes), vbroadcast(const float*),
+// vfma(a, b, c) = a * b + c, vstore(float*, vf).
+constexpr int NV = 16 / MOE_W;  // vectors per 16-column block
+
+// acc[r][0:16] = sum_k x[r * ldx + k] * w[k][0:16] for R rows (R * NV accumulators live in
+// registers; the weight block is read once per tile). Few rows give short FMA dependency
+// chains, so 1-2 row tiles keep KS independent partial sums over interleaved k.
+template <int R, typename WT>
+static inline void tile(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
+                        float* __restrict out) {
+  constexpr int KS = R == 1 ? 4 : R == 2 ? 2 : 1;
+  vf acc[KS][R][NV];
+#pragma GCC unroll 4
+  for (int s = 0; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[s][r][v] = vzero();
+  int64_t k = 0;
+  for (; k + KS <= K; k += KS) {
+#pragma GCC unroll 4
+    for (int s = 0; s < KS; ++s) {
+      vf wv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) wv[v] = vload(w + (k + s) * 16 + v * MOE_W);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const vf xb = vbroadcast(x + r * ldx + k + s);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[s][r][v] = vfma(xb, wv[v], acc[s][r][v]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    vf wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = vload(w + k * 16 + v * MOE_W);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vf xb = vbroadcast(x + r * ldx + k);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[0][r][v] = vfma(xb, wv[v], acc[0][r][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int s = 1; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[0][r][v] = vadd(acc[0][r][v], acc[s][r][v]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vstore(out + r * 16 + v * MOE_W, acc[0][r][v]);
+}
+
+// Rows per register tile: 6 x 16 fp32 = 12 AVX2 accumulators (+2 weights +1 broadcast of 16).
+constexpr int TILE_ROWS = MOE_W == 16 ? 8 : 6;
+
+template <typename WT>
+static void tile_rows(int64_t rows, const float* x, int64_t ldx, const WT* w, int64_t K, float* out) {
+  switch (rows) {
+    case 1: tile<1>(x, ldx, w, K, out); break;
+    case 2: tile<2>(x, ldx, w, K, out); break;
+    case 3: tile<3>(x, ldx, w, K, out); break;
+    case 4: tile<4>(x, ldx, w, K, out); break;
+    case 5: tile<5>(x, ldx, w, K, out); break;
+    case 6: tile<6>(x, ldx, w, K, out); break;
+#if MOE_W == 16
+    case 7: tile<7>(x, ldx, w, K, out); break;
+    case 8: tile<8>(x, ldx, w, K, out); break;
+#endif
+    default: break;
+  }
+}
+
+static inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// One (expert, gate/up column block) work item: act[row, 8b:8b+8] = silu(gate) * up for rows
+// [0, n) of the expert. x: [n, D] fp32 rows; w: [D][16] block; scale: 16 fp32 or null.
+template <typename WT>
+static void gate_up_block(const float* x, int64_t n, int64_t D, const WT* w, const float* scale, float* act,
+                          int64_t ld_act) {
+  alignas(64) float buf[TILE_ROWS * 16];
+  for (int64_t r0 = 0; r0 < n; r0 += TILE_ROWS) {
+    const int64_t rows = std::min<int64_t>(TILE_ROWS, n - r0);
+    tile_rows(rows, x + r0 * D, D, w, D, buf);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = act + (r0 + r) * ld_act;
+      for (int c = 0; c < 8; ++c) {
+        float g = buf[r * 16 + c], u = buf[r * 16 + 8 + c];
+        if (scale) g *= scale[c], u *= scale[8 + c];
+        dst[c] = silu(g) * u;
+      }
+    }
+  }
+}
+
+// One (expert, down column block) work item: out[row, 16b:16b+16] = row_weight[row] *
+// (act[row] @ block) for rows [0, n). act: [n, I] fp32; w: [I][16]; out: fp32 or bf16 rows.
+template <typename WT, typename OT>
+static void down_block(const float* act, int64_t n, int64_t I, const WT* w, const float* scale,
+                       const float* row_weight, OT* out, int64_t ld_out) {
+  alignas(64) float buf[TILE_ROWS * 16];
+  for (int64_t r0 = 0; r0 < n; r0 += TILE_ROWS) {
+    const int64_t rows = std::min<int64_t>(TILE_ROWS, n - r0);
+    tile_rows(rows, act + r0 * I, I, w, I, buf);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float rw = row_weight ? row_weight[r0 + r] : 1.f;
+      OT* dst = out + (r0 + r) * ld_out;
+      for (int c = 0; c < 16; ++c) store_value(dst + c, buf[r * 16 + c] * (scale ? scale[c] : 1.f) * rw);
+    }
+  }
+}
+
+struct Kernels {
+  static void gate_up(int wt, const float* x, int64_t n, int64_t D, const void* w, const float* scale, float* act,
+                      int64_t ld_act) {
+    if (wt == W_F32) gate_up_block(x, n, D, static_cast<const float*>(w), scale, act, ld_act);
+    else if (wt == W_BF16) gate_up_block(x, n, D, static_cast<const uint16_t*>(w), scale, act, ld_act);
+    else gate_up_block(x, n, D, static_cast<const int8_t*>(w), scale, act, ld_act);
+  }
+  template <typename OT>
+  static void down(int wt, const float* act, int64_t n, int64_t I, const void* w, const float* scale,
+                   const float* row_weight, OT* out, int64_t ld_out) {
+    if (wt == W_F32) down_block(act, n, I, static_cast<const float*>(w), scale, row_weight, out, ld_out);
+    else if (wt == W_BF16) down_block(act, n, I, static_cast<const uint16_t*>(w), scale, row_weight, out, ld_out);
+    else down_block(act, n, I, static_cast<const int8_t*>(w), scale, row_weight, out, ld_out);
+  }
+};

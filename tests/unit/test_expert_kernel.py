@@ -1,0 +1,204 @@
+"""moe/kernels: the fused CPU expert kernel against the PyTorch reference path.
+
+The first test to need the extension compiles it (tens of seconds on a fresh cache, then
+cached on disk); those tests are marked slow. Shapes cover rows per expert 0, 1, few and
+many, slots nobody routes to, bf16 and fp32, and every instruction set this CPU runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from moe import kernels
+from moe.experts import Experts, grouped_expert_forward
+
+
+@pytest.fixture(scope="session")
+def kernel_isas() -> list[str]:
+    """Build once per session; the instruction sets to test (always "generic", plus the fastest)."""
+    if not kernels.is_available():
+        pytest.skip("the CPU expert kernel could not be built here")
+    best = kernels.select_isa("auto")
+    return sorted({"generic", best})
+
+
+def _weights(slots: int, hidden: int, inter: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(slots, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(slots, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    return w13, w2
+
+
+COUNTS = {
+    "decode_one_row": [0, 1, 0, 1, 1, 0, 0, 1],
+    "few_rows_and_empty": [0, 2, 3, 0, 5, 1, 0, 4],
+    "many_rows": [40, 0, 17, 33, 0, 0, 64, 9],
+    "all_empty_but_one": [0, 0, 0, 0, 0, 0, 0, 7],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_matches_reference(kernel_isas: list[str], case: str, dtype: torch.dtype, tol: float) -> None:
+    counts = COUNTS[case]
+    hidden, inter = 48, 40  # 3 down blocks, 5 gate/up blocks
+    w13, w2 = _weights(len(counts), hidden, inter, dtype, seed=len(case))
+    gen = torch.Generator().manual_seed(1)
+    n = sum(counts)
+    x = torch.randn(n, hidden, generator=gen).to(dtype)
+    rw = torch.rand(n, generator=gen)
+    want = grouped_expert_forward(x.double(), counts, w13.double(), w2.double(), rw.double())  # [N, D]
+    packed = kernels.pack_experts(w13, w2)
+    assert packed.w13p.shape == (len(counts), inter // 8, hidden, 16)
+    assert packed.w2p.shape == (len(counts), hidden // 16, inter, 16)
+    for isa in kernel_isas:
+        kernels.select_isa(isa)
+        got = kernels.experts_forward(x, counts, packed, rw)
+        assert got.shape == (n, hidden) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+        got32 = kernels.experts_forward(x, counts, packed, rw, out_fp32=True)
+        assert got32.dtype == torch.float32
+        torch.testing.assert_close(got32.double(), want, atol=tol, rtol=tol)
+        unweighted = kernels.experts_forward(x, counts, packed)
+        torch.testing.assert_close(unweighted.double() * rw.double()[:, None], want, atol=tol, rtol=tol)
+    kernels.select_isa("auto")
+
+
+@pytest.mark.slow
+def test_kernel_with_no_rows_returns_empty(kernel_isas: list[str]) -> None:
+    w13, w2 = _weights(4, 32, 16, torch.float32, seed=0)
+    out = kernels.experts_forward(torch.empty(0, 32), [0, 0, 0, 0], kernels.pack_experts(w13, w2))
+    assert out.shape == (0, 32)
+
+
+@pytest.mark.slow
+def test_kernel_rejects_bad_counts(kernel_isas: list[str]) -> None:
+    w13, w2 = _weights(2, 16, 8, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="counts sum to 3"):
+        kernels.experts_forward(torch.randn(4, 16), [1, 2], kernels.pack_experts(w13, w2))
+
+
+def test_int8_quantize_dequantize_is_within_half_a_step() -> None:
+    w = torch.randn(3, 24, 40)
+    w[1, 5] = 0.0  # an all-zero channel keeps scale 1 and dequantizes to exact zeros
+    q, scale = kernels.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == w.shape and scale.shape == (3, 24)
+    assert int(q.abs().max()) == 127
+    back = kernels.dequantize_int8(q, scale)
+    assert torch.all((back - w).abs() <= scale[..., None] / 2 + 1e-7)
+    assert torch.equal(back[1, 5], torch.zeros(40))
+    # the largest magnitude of each channel is represented exactly (up to fp32 rounding)
+    torch.testing.assert_close(back.abs().amax(-1), w.abs().amax(-1).where(scale != 1, back.abs().amax(-1)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_equals_reference_on_dequantized_weights(kernel_isas: list[str], dtype: torch.dtype) -> None:
+    counts = [3, 0, 1, 12]
+    w13, w2 = _weights(4, 32, 24, dtype, seed=5)
+    x = torch.randn(sum(counts), 32).to(dtype)
+    rw = torch.rand(sum(counts))
+    q13, s13 = kernels.quantize_int8(w13)
+    q2, s2 = kernels.quantize_int8(w2)
+    want = grouped_expert_forward(x.double(), counts, kernels.dequantize_int8(q13, s13, torch.float64),
+                                  kernels.dequantize_int8(q2, s2, torch.float64), rw.double())
+    packed = kernels.pack_experts(w13, w2, "int8")
+    assert packed.quantized and packed.w13p.dtype == torch.int8
+    assert packed.nbytes() < kernels.pack_experts(w13.float(), w2.float()).nbytes() / 3
+    for isa in kernel_isas:
+        kernels.select_isa(isa)
+        got = kernels.experts_forward(x, counts, packed, rw, out_fp32=True)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    kernels.select_isa("auto")
+
+
+def _module(dtype: torch.dtype, quantization: str | None = None) -> Experts:
+    e = Experts(6, 32, 16, dtype=dtype, quantization=quantization)
+    w13, w2 = _weights(6, 32, 16, dtype, seed=3)
+    e.w13.data.copy_(w13)
+    e.w2.data.copy_(w2)
+    return e
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_experts_module_kernel_equals_pytorch_path(kernel_isas: list[str], quantization: str | None) -> None:
+    experts = _module(torch.float32, quantization)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 32, generator=gen)
+    ids = torch.randint(-1, 5, (20, 3), generator=gen)  # slot 5 unused, some dropped
+    w = torch.rand(20, 3, generator=gen)
+    assert experts.packed_weights() is not None
+    fused, fused_rows = experts(x, ids, w), experts.forward_rows(x, ids, w)
+    experts.use_kernel = False
+    assert experts.packed_weights() is None
+    plain, plain_rows = experts(x, ids, w), experts.forward_rows(x, ids, w)
+    assert fused.shape == plain.shape == (20, 32)
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_rows, plain_rows, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_packed_copy_follows_in_place_weight_writes(kernel_isas: list[str]) -> None:
+    """Migration and reloads write w13/w2 in place: the kernel must see the new weights."""
+    experts = _module(torch.float32)
+    x, ids, w = torch.randn(4, 32), torch.tensor([[0, 1]] * 4), torch.ones(4, 2)
+    before = experts(x, ids, w)
+    first = experts.packed_weights()
+    assert experts.packed_weights() is first  # cached while the weights are unchanged
+    experts.w13[0].copy_(experts.w13[2])  # what parallel.migration does
+    experts.w2[0].copy_(experts.w2[2])
+    assert experts.packed_weights() is not first
+    after = experts(x, ids, w)
+    experts.use_kernel = False
+    torch.testing.assert_close(after, experts(x, ids, w), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(before, after)
+
+
+def test_fallback_when_the_extension_cannot_build(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    def no_compiler(verbose: bool = False) -> None:
+        raise OSError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr(kernels, "build", no_compiler)
+    kernels.is_available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="moe.kernels"):
+            assert kernels.is_available() is False
+        assert len(caplog.records) == 1 and "PyTorch path" in caplog.records[0].getMessage()
+        experts = _module(torch.float32)
+        assert experts.packed_weights() is None
+        x, ids, w = torch.randn(5, 32), torch.tensor([[0, 3]] * 5), torch.rand(5, 2)
+        want = torch.zeros(5, 32)
+        for k in range(2):
+            want += w[:, k:k + 1] * grouped_expert_forward(x, [5], experts.w13[ids[0, k]:ids[0, k] + 1],
+                                                           experts.w2[ids[0, k]:ids[0, k] + 1])
+        torch.testing.assert_close(experts(x, ids, w), want, atol=1e-5, rtol=1e-5)
+    finally:
+        kernels.is_available.cache_clear()
+
+
+def test_kernel_can_be_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOE_CPU_KERNEL", "0")
+    kernels.is_available.cache_clear()
+    try:
+        assert kernels.is_available() is False
+        assert _module(torch.float32).packed_weights() is None
+    finally:
+        kernels.is_available.cache_clear()
+
+
+def test_shapes_the_kernel_does_not_take_use_pytorch() -> None:
+    odd = Experts(2, 12, 7, dtype=torch.float32)  # I % 8 != 0, D % 16 != 0
+    assert not kernels.can_pack(odd.w13, odd.w2)
+    assert odd.packed_weights() is None
+    assert not kernels.can_pack(torch.empty(2, 16, 16, dtype=torch.float16), torch.empty(2, 16, 8))
+
+
+def test_unknown_quantization_is_refused() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        Experts(2, 16, 8, quantization="fp4")
