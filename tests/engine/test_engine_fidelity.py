@@ -89,11 +89,12 @@ def test_text_prompts_and_stop(tmp_path):
         first = llm.generate("The expert", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
         text = first.outputs[0].text
         assert len(first.outputs[0].token_ids) == 12 and text
-        stop = text[len(text) // 2:][:3]
-        if stop.strip():
-            again = llm.generate("The expert", SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))[0]
-            assert again.outputs[0].finish_reason == "stop"
-            assert stop not in again.outputs[0].text
+        # a 3-character piece of the second half that is not all white space (the stop check
+        # strips nothing, but a blank piece would make a weak test)
+        stop = next(text[i:i + 3] for i in range(len(text) // 2, len(text)) if text[i:i + 3].strip())
+        again = llm.generate("The expert", SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))[0]
+        assert again.outputs[0].finish_reason == "stop"
+        assert again.outputs[0].text == text[:text.index(stop)]
         seeded = [llm.generate("The expert", SamplingParams(temperature=1.0, seed=7, max_tokens=8))[0]
                   for _ in range(2)]
         assert seeded[0].outputs[0].token_ids == seeded[1].outputs[0].token_ids
@@ -118,7 +119,10 @@ def test_fp8_kv_cache_and_capacity_factor(hf_checkpoints):
     prompts = make_prompts(4, 6, 96)
     exact = run(path, prompts, n=6)
     fp8 = run(path, prompts, n=6, kv_cache_dtype="fp8")
-    assert sum(a[0] == b[0] for a, b in zip(exact, fp8)) >= 5
+    # e4m3 KV (3 mantissa bits) may flip a late near-tie, never an early token: every sequence
+    # agrees on its first 4 tokens and most agree throughout
+    assert all(a[:4] == b[:4] for a, b in zip(exact, fp8))
+    assert sum(a == b for a, b in zip(exact, fp8)) >= len(prompts) // 2
     assert run(path, prompts, n=6, capacity_factor=100.0) == exact
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(str(path), dtype="float32", capacity_factor=0.5) as llm:
