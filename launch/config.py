@@ -42,6 +42,8 @@ _BACKEND_ALIASES = {"allgather_reducescatter": "allgather", "naive": "allgather"
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Weight-only quantization of the routed experts (vLLM's --quantization); None = the dtype.
+QUANTIZATIONS = ("int8",)
 
 
 def _check_positive(obj: Any, *names: str) -> None:
@@ -154,6 +156,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     memory_utilization: float = 0.9
     memory: str | int | None = None
     seed: int = 0
@@ -161,6 +164,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.quantization == "fp8":
+            raise ValueError("quantization 'fp8' is not implemented: the CPU kernel has no fp8 path "
+                             "(it needs FP8 instructions this CPU family lacks); use 'int8'")
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                         "num_kv_blocks")
         if not 0.0 < self.memory_utilization <= 1.0:
@@ -289,6 +297,7 @@ VLLM_KEYS: dict[str, str] = {
     "enable_prefix_caching": "engine.enable_prefix_caching",
     "enable_chunked_prefill": "engine.enable_chunked_prefill",
     "kv_cache_dtype": "engine.kv_cache_dtype",
+    "quantization": "engine.quantization",
     "memory_utilization": "engine.memory_utilization",
     "gpu_memory_utilization": "engine.memory_utilization",
     "memory": "engine.memory",

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from launch.config import DTYPES, KV_CACHE_DTYPES, PLACEMENT_STRATEGIES, VLLM_KEYS, RuntimeConfig
+from launch.config import DTYPES, KV_CACHE_DTYPES, PLACEMENT_STRATEGIES, QUANTIZATIONS, VLLM_KEYS, RuntimeConfig
 from launch.config_schema import (
     ConfigError,
     apply_override,
@@ -56,6 +56,8 @@ def _group_engine(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
+    g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                   help="weight-only int8 routed experts (per-output-channel scales); off by default")
     g.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
                    type=float, default=None)
     g.add_argument("--memory", default=None, help="per-rank memory budget, e.g. 8GiB")

@@ -107,7 +107,7 @@ class LLMEngine:
             model_path=str(path), dtype=self.dtype, tp=p.tensor_parallel_size, dp=p.data_parallel_size,
             ep=p.expert_parallel_size, num_nodes=p.num_nodes, all2all_backend=p.dispatch_backend,
             num_kv_blocks=self.num_kv_blocks, block_size=e.block_size, kv_cache_dtype=e.kv_cache_dtype,
-            phy2log=self.placement.phy2log, capacity=config.moe.capacity, seed=e.seed,
+            quantization=e.quantization, phy2log=self.placement.phy2log, capacity=config.moe.capacity, seed=e.seed,
             migration_method=config.balancer.migration_method,
             dist_timeout_s=p.collective_timeout_s,
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,

@@ -46,6 +46,7 @@ class WorkerSpec:
     num_kv_blocks: int = 256
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     phy2log: torch.Tensor | None = None
     capacity: CapacityConfig = CapacityConfig()
     seed: int = 0
@@ -120,6 +121,8 @@ class Worker:
         for i, layer in enumerate(self.model.moe_layers()):
             layer.set_placement(self.phy2log[i], self.layout.ep_size, self.coords.ep_rank)
         self.load_report = load_weights(self.model, spec.model_path, dtype=self.dtype)
+        for layer in self.model.moe_layers():
+            layer.experts.set_quantization(spec.quantization)
         self.model.shard_for_tp()
         # CPU here; on a GPU node the shard lives on this rank's device (nccl groups).
         self.device = self.groups.device if self.groups else torch.device(

@@ -1,0 +1,314 @@
+"""``python -m launch bench moe-layer``: one MoE layer, the same weights through four implementations.
+
+    python -m launch bench moe-layer [--shapes deepseek mixtral] [--tokens 1 32 512 4096]
+        [--impls ours ours-pytorch transformers deepspeed] [--dtype bfloat16] [--num-threads 1]
+        [--min-seconds 1.0] [--json FILE]
+
+Shapes: ``deepseek`` (D 1024, E 64, top-6, I 256, one shared expert, sigmoid scores with the
+correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implementations:
+
+- ``ours``: ``moe.moe_layer.MoELayer`` with the fused CPU expert kernel (``moe.kernels``);
+- ``ours-pytorch``: the same layer on its PyTorch expert path (the kernel switched off);
+- ``transformers``: the model family's own block (``DeepseekV3MoE`` / ``MixtralSparseMoeBlock``)
+  holding the same router, expert and shared-expert weights: its output is checked against
+  ours (``max |diff|`` in the table);
+- ``deepspeed``: ``deepspeed.moe.layer.MoE`` (one process, a gloo group of one) with
+  ``drop_tokens=False`` (capacity = the busiest expert's load: dropless) and the same expert
+  and router weights; its gate is DeepSpeed's softmax top-k, so the routing (not the amount
+  of work: T x K assignments) differs from DeepSeek's sigmoid scores. The shared expert runs
+  beside it (DeepSpeed's layer has none).
+
+Each cell: one untimed warm-up call, then calls until ``--min-seconds`` of CPU time (at least
+one, at most 50); the best call's CPU time (steadier than wall time on a shared machine).
+``roofline ms`` = max(bytes the call must read / the measured read bandwidth, its FLOPs / the
+faster of a measured fp32 and in-dtype 1024^3 matmul): bytes = the routed experts the tokens
+touch (each once) + the shared expert + the router + activations in and out; FLOPs = every
+token through its K experts, the shared expert and the router. ``roofline`` = that bound /
+the measured time (1.0 = at the limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SHAPES = {
+    "deepseek": dict(hidden=1024, experts=64, top_k=6, inter=256, shared=1),
+    "mixtral": dict(hidden=1024, experts=8, top_k=2, inter=2048, shared=0),
+}
+IMPLS = ("ours", "ours-pytorch", "transformers", "deepspeed")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (shape, tokens, implementation) measurement."""
+
+    shape: str
+    tokens: int
+    impl: str
+    cpu_ms: float
+    wall_ms: float
+    tokens_per_s: float
+    roofline_ms: float
+    roofline: float
+    max_abs_diff: float | None = None
+
+
+def hf_config(shape: str) -> Any:
+    """The transformers config of one layer of ``shape`` (a DeepseekV3Config or MixtralConfig)."""
+    s = SHAPES[shape]
+    if shape == "deepseek":
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(hidden_size=s["hidden"], intermediate_size=4 * s["hidden"],
+                                moe_intermediate_size=s["inter"], n_routed_experts=s["experts"],
+                                num_experts_per_tok=s["top_k"], n_shared_experts=s["shared"], n_group=1,
+                                topk_group=1, num_hidden_layers=1, first_k_dense_replace=0, norm_topk_prob=True,
+                                routed_scaling_factor=1.0, vocab_size=1024, num_attention_heads=8,
+                                num_key_value_heads=8)
+    from transformers import MixtralConfig
+
+    return MixtralConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_local_experts=s["experts"],
+                         num_experts_per_tok=s["top_k"], num_hidden_layers=1, vocab_size=1024,
+                         num_attention_heads=8, num_key_value_heads=8)
+
+
+def build_layers(shape: str, dtype: torch.dtype, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """(ours: moe.moe_layer.MoELayer, transformers' block), same random weights, eval mode."""
+    from moe.config import ModelConfig
+    from moe.moe_layer import MoELayer
+
+    cfg = hf_config(shape)
+    if shape == "deepseek":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
+    else:
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+    gen = torch.Generator().manual_seed(seed)
+    hf = Block(cfg).eval()
+    for name, p in hf.named_parameters():
+        fan_in = p.shape[-1]
+        p.data.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
+        if name.endswith("e_score_correction_bias"):
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.01)
+    hf = hf.to(dtype)
+    hf.gate.float() if shape == "deepseek" else None  # DeepSeek's router scores in fp32, like ours
+    model_config = ModelConfig.from_hf(cfg.to_dict())
+    ours = MoELayer(model_config, model_config.moe_layer_ids[0], dtype=dtype).eval()
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight.float())
+        if ours.gate.e_score_correction_bias is not None:
+            ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias.float())
+        ours.experts.w13.copy_(hf.experts.gate_up_proj)
+        ours.experts.w2.copy_(hf.experts.down_proj)
+        if ours.shared_experts is not None:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                getattr(ours.shared_experts, proj).weight.copy_(getattr(hf.shared_experts, proj).weight)
+    return ours, hf
+
+
+class _SwiGLU(nn.Module):
+    """DeepSpeed's expert module: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+def init_single_process_group() -> None:
+    """A gloo group of one on loopback (DeepSpeed's MoE layer needs an expert-parallel group)."""
+    import os
+
+    import deepspeed
+
+    from parallel.groups import free_port
+
+    if torch.distributed.is_initialized():
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+
+def build_deepspeed(ours: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """DeepSpeed's dropless MoE with our expert and router weights (+ our shared expert beside it)."""
+    import logging
+
+    from deepspeed.moe.layer import MoE
+
+    init_single_process_group()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    e = ours.experts
+    layer = MoE(hidden_size=e.hidden_size, expert=_SwiGLU(e.hidden_size, e.intermediate_size, dtype),
+                num_experts=e.num_local_slots, ep_size=1, k=ours.top_k, capacity_factor=1.0,
+                eval_capacity_factor=1.0, min_capacity=0, drop_tokens=False, use_rts=False).eval()
+    layer.set_deepspeed_parallelism()
+    with torch.no_grad():
+        for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            expert.w1.weight.copy_(e.w13[i, :e.intermediate_size])
+            expert.w3.weight.copy_(e.w13[i, e.intermediate_size:])
+            expert.w2.weight.copy_(e.w2[i])
+        layer.deepspeed_moe.gate.wg.weight.copy_(ours.gate.weight)
+    shared = ours.shared_experts
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = layer(x)[0]
+        return out + shared(x) if shared is not None else out
+
+    return forward
+
+
+def measure_read_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> float:
+    """Bytes/s of summing a large bf16 tensor (read only; best of ``repeats``)."""
+    t = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
+    t.sum()
+    best = min(_cpu_seconds(t.sum) for _ in range(repeats))
+    return num_bytes / best
+
+
+def measure_peak_flops(dtype: torch.dtype, size: int = 1024) -> float:
+    """The faster of a fp32 and an in-``dtype`` square matmul (FLOP/s, CPU time, best of 3)."""
+    rates = []
+    for dt in {torch.float32, dtype}:
+        a, b = torch.randn(size, size).to(dt), torch.randn(size, size).to(dt)
+        a @ b
+        rates.append(2 * size**3 / min(_cpu_seconds(lambda a=a, b=b: a @ b) for _ in range(3)))
+    return max(rates)
+
+
+def _cpu_seconds(fn: Callable[[], Any]) -> float:
+    started = time.process_time()
+    fn()
+    return time.process_time() - started
+
+
+def time_call(fn: Callable[[], Any], min_seconds: float) -> tuple[float, float]:
+    """(best CPU seconds, best wall seconds) over calls until ``min_seconds`` of CPU (1-50 calls)."""
+    fn()  # warm-up
+    cpu_best = wall_best = float("inf")
+    spent, calls = 0.0, 0
+    while calls < 1 or (spent < min_seconds and calls < 50):
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        cpu_best, wall_best = min(cpu_best, cpu), min(wall_best, wall)
+        spent, calls = spent + cpu, calls + 1
+    return cpu_best, wall_best
+
+
+def roofline_seconds(ours: nn.Module, x: torch.Tensor, bandwidth: float, peak_flops: float) -> float:
+    """The lower bound on one call's time (see the module docstring). x: [T, D]."""
+    e = ours.experts
+    ids, _ = ours.gate(x)  # [T, K]
+    touched = int(torch.unique(ids).numel())
+    size = e.w13.element_size()
+    per_expert = 3 * e.hidden_size * e.intermediate_size
+    shared = sum(p.numel() for p in ours.shared_experts.parameters()) if ours.shared_experts is not None else 0
+    tokens = x.shape[0]
+    num_bytes = (touched * per_expert + shared) * size + ours.gate.weight.numel() * 4 + 2 * x.numel() * x.element_size()
+    flops = 2 * tokens * (ours.top_k * per_expert + shared + ours.gate.weight.numel())
+    return max(num_bytes / bandwidth, flops / peak_flops)
+
+
+def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: torch.dtype, min_seconds: float,
+              bandwidth: float, peak_flops: float) -> list[Cell]:
+    ours, hf = build_layers(shape, dtype)
+    fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    if "ours" in impls or "ours-pytorch" in impls:
+        ours.experts.packed_weights()  # pack once, as loading does, outside the timing
+
+        def run_ours(x: torch.Tensor, kernel: bool) -> torch.Tensor:
+            ours.experts.use_kernel = kernel
+            return ours(x)
+
+        fns["ours"] = lambda x: run_ours(x, True)
+        fns["ours-pytorch"] = lambda x: run_ours(x, False)
+    fns["transformers"] = lambda x: hf(x[None])[0]  # transformers' blocks take [B, S, D]
+    if "deepspeed" in impls:
+        fns["deepspeed"] = build_deepspeed(ours, dtype)
+    cells = []
+    gen = torch.Generator().manual_seed(1)
+    for t in tokens:
+        x = torch.randn(t, ours.experts.hidden_size, generator=gen).to(dtype)
+        bound = roofline_seconds(ours, x, bandwidth, peak_flops)
+        with torch.inference_mode():
+            reference = fns["ours"](x).float() if "ours" in fns else None
+            for impl in impls:
+                cpu, wall = time_call(lambda impl=impl: fns[impl](x), min_seconds)
+                diff = None
+                if impl in ("transformers", "ours-pytorch") and reference is not None:
+                    diff = float((fns[impl](x).float() - reference).abs().max())
+                cells.append(Cell(shape, t, impl, cpu * 1e3, wall * 1e3, t / cpu, bound * 1e3, bound / cpu, diff))
+                print(_row(cells[-1]), flush=True)
+    return cells
+
+
+def _row(c: Cell) -> str:
+    diff = "" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
+    return (f"{c.shape:>9} {c.tokens:>6} {c.impl:>13} {c.cpu_ms:>10.2f} {c.wall_ms:>10.2f} {c.tokens_per_s:>11.0f} "
+            f"{c.roofline_ms:>11.3f} {c.roofline:>9.2f} {diff:>10}")
+
+
+def speedups(cells: Sequence[Cell]) -> list[str]:
+    """Lines: ours' speedup (CPU time) over each other implementation, per shape and T."""
+    by = {(c.shape, c.tokens, c.impl): c for c in cells}
+    lines = []
+    for (shape, t, impl), c in by.items():
+        if impl == "ours":
+            continue
+        mine = by.get((shape, t, "ours"))
+        if mine is not None:
+            lines.append(f"{shape} T={t}: ours {c.cpu_ms / mine.cpu_ms:.2f}x {impl}")
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m launch bench moe-layer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512, 4096])
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--min-seconds", type=float, default=1.0, help="CPU seconds of timed calls per cell")
+    parser.add_argument("--json", default=None, metavar="FILE")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if any(t < 1 for t in args.tokens) or args.num_threads < 1 or args.min_seconds < 0:
+        print("error: --tokens and --num-threads must be >= 1, --min-seconds >= 0", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.num_threads)
+    dtype = DTYPES[args.dtype]
+    from moe import kernels
+
+    isa = kernels.isa() if kernels.is_available() else "unavailable"
+    bandwidth, peak = measure_read_bandwidth(), measure_peak_flops(dtype)
+    print(f"# dtype {args.dtype}, {args.num_threads} thread(s), kernel isa {isa}; read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s (CPU time)")
+    print(f"{'shape':>9} {'T':>6} {'impl':>13} {'cpu ms':>10} {'wall ms':>10} {'tok/s':>11} {'roofline ms':>11} "
+          f"{'roofline':>9} {'max|diff|':>10}")
+    cells = [c for shape in args.shapes
+             for c in run_shape(shape, args.tokens, args.impls, dtype, args.min_seconds, bandwidth, peak)]
+    print("\n".join(speedups(cells)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "dtype": args.dtype, "num_threads": args.num_threads, "isa": isa, "read_bandwidth_bytes_per_s": bandwidth,
+            "peak_flops_per_s": peak, "cells": [asdict(c) for c in cells]}, indent=2) + "\n")
+    return 0

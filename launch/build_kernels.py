@@ -1,0 +1,35 @@
+"""``python -m launch build-kernels``: compile the CPU expert kernel ahead of first use.
+
+    python -m launch build-kernels [--verbose]
+
+Builds ``moe/kernels`` with torch's extension tooling into its cache directory
+(``$MOE_KERNEL_CACHE`` or ``~/.cache/moe_kernels/<source hash>-<torch>-<python>-<machine>``)
+and prints the directory and the instruction set this CPU will run. ``make setup`` runs it,
+so the first model load does not pay the compile. Exit 1 when the build fails (the runtime
+then uses the PyTorch expert path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch build-kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args(argv)
+    from moe import kernels
+
+    started = time.perf_counter()
+    try:
+        directory = kernels.build(verbose=args.verbose)
+    except Exception as e:  # compiler missing or failing: say so in one line
+        lines = str(e).strip().splitlines()
+        print(f"error: building the CPU expert kernel failed: {lines[-1] if lines else type(e).__name__}",
+              file=sys.stderr)
+        return 1
+    print(f"moe kernels: {directory} (isa {kernels.isa()}, {time.perf_counter() - started:.1f} s)")
+    return 0
