@@ -67,6 +67,7 @@ register("bench throughput", "launch.bench.throughput:main", "offline generation
 register("bench serve", "launch.bench.serve:main", "online serving benchmark against a running server")
 register("build-kernels", "launch.build_kernels:main", "compile the CPU expert kernel now (else on first use)")
 register("bench moe-layer", "launch.bench.moe_layer:main", "one MoE layer: ours (kernel, PyTorch) vs transformers, DeepSpeed")
+register("bench quantization", "launch.bench.quantization:main", "int8 experts vs the checkpoint dtype: perplexity, top-1 agreement")
 register("bench decode", "launch.bench.decode:main", "decode step latency and tokens/s")
 register("bench overhead", "launch.bench.overhead:main", "driver/actor round-trip and routing-statistics overhead per step")
 

@@ -15,7 +15,14 @@ import json
 import sys
 from typing import Any
 
-from launch.config import DTYPES, KV_CACHE_DTYPES, PLACEMENT_STRATEGIES, QUANTIZATIONS, VLLM_KEYS, RuntimeConfig
+from launch.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PLACEMENT_STRATEGIES,
+    QUANTIZATIONS,
+    VLLM_KEYS,
+    RuntimeConfig,
+)
 from launch.config_schema import (
     ConfigError,
     apply_override,

@@ -31,6 +31,17 @@ def has_fast_bf16_gemv() -> bool:
     return bool(capability.get("avx512_bf16", False))
 
 
+@functools.cache
+def has_fast_bf16_gemm() -> bool:
+    """Whether oneDNN has native bf16 GEMMs here (AVX512-BF16 or AMX); without them PyTorch's bf16
+    matmul on CPU converts element by element (about 1 GFLOP/s on an AVX2 Zen 3 core)."""
+    try:
+        capability = torch._C._cpu._get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(capability.get("avx512_bf16", False) or capability.get("amx_bf16", False))
+
+
 def use_native_gemv(dtype: torch.dtype, device: torch.device | str) -> bool:
     """One-row GEMMs of ``dtype`` on ``device`` should run under ``native_gemv()``."""
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and has_fast_bf16_gemv()

@@ -248,7 +248,7 @@ def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: to
         with torch.inference_mode():
             reference = fns["ours"](x).float() if "ours" in fns else None
             for impl in impls:
-                cpu, wall = time_call(lambda impl=impl: fns[impl](x), min_seconds)
+                cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds)
                 diff = None
                 if impl in ("transformers", "ours-pytorch") and reference is not None:
                     diff = float((fns[impl](x).float() - reference).abs().max())

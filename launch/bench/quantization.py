@@ -1,0 +1,115 @@
+"""``python -m launch bench quantization``: what weight-only int8 experts cost in accuracy.
+
+    python -m launch bench quantization --model DIR [--dtype bfloat16] [--max-tokens 512]
+        [--texts FILE ...] [--json FILE]
+
+Runs the checkpoint teacher-forced over text the package ships (``launch/data/*.txt`` unless
+``--texts`` names others; each file cut into ``--max-tokens`` windows) twice: routed experts
+in the checkpoint's weights at ``--dtype``, then ``--quantization int8`` (per-output-channel
+scales). Reports per text and overall: perplexity of each run, and top-1 agreement = the
+fraction of positions whose argmax next token is the same in both runs. A float32 run is
+added as the reference when ``--dtype`` is bfloat16 (so bf16's own drift is visible).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build_model(path: str, dtype: torch.dtype, quantization: str | None) -> torch.nn.Module:
+    """MoEModel loaded from ``path`` on one process, experts optionally int8."""
+    from moe.config import ModelConfig
+    from moe.loader import load_weights
+    from moe.model import MoEModel
+
+    config = ModelConfig.from_hf(path)
+    model = MoEModel(config, dtype=dtype).eval()
+    load_weights(model, path, dtype=dtype)
+    for layer in model.moe_layers():
+        layer.experts.set_quantization(quantization)
+    return model
+
+
+@torch.inference_mode()
+def window_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Teacher-forced logits of one window: ids [L] -> [L, V] float32 (one prefill)."""
+    from moe.kv_cache import AttentionMetadata, PagedKVCache
+
+    n = len(ids)
+    blocks = -(-n // block_size)
+    cache = PagedKVCache(model.config, blocks, block_size, model.dtype)
+    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], block_size)
+    hidden = model(torch.tensor(ids), torch.arange(n), meta, cache)
+    return model.compute_logits(hidden)
+
+
+def evaluate(models: dict[str, torch.nn.Module], windows: list[list[int]]) -> dict[str, dict[str, float]]:
+    """Per run: nll sum, token count and top-1 agreement with the first run."""
+    names = list(models)
+    stats = {name: {"nll": 0.0, "tokens": 0, "agree": 0} for name in names}
+    for ids in windows:
+        target = torch.tensor(ids[1:])
+        base = None
+        for name in names:
+            logits = window_logits(models[name], ids)[:-1]  # [L-1, V]
+            s = stats[name]
+            s["nll"] += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+            s["tokens"] += target.numel()
+            top = logits.argmax(-1)
+            base = top if base is None else base
+            s["agree"] += int((top == base).sum())
+    return {name: {"perplexity": math.exp(s["nll"] / s["tokens"]), "top1_agreement": s["agree"] / s["tokens"],
+                   "tokens": s["tokens"]} for name, s in stats.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch bench quantization", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument("--max-tokens", type=int, default=512, help="tokens per teacher-forced window")
+    parser.add_argument("--texts", nargs="+", default=None, help="text files (default: launch/data/*.txt)")
+    parser.add_argument("--json", default=None, metavar="FILE")
+    args = parser.parse_args(argv)
+    texts = [Path(t) for t in args.texts] if args.texts else sorted(DATA_DIR.glob("*.txt"))
+    missing = [str(t) for t in texts if not t.is_file()]
+    if missing or args.max_tokens < 2 or not Path(args.model, "config.json").is_file():
+        print(f"error: need --model DIR with config.json, existing --texts and --max-tokens >= 2 "
+              f"(missing: {missing or args.model})", file=sys.stderr)
+        return 2
+    from launch.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(args.model)
+    dtype = DTYPES[args.dtype]
+    models = {args.dtype: build_model(args.model, dtype, None), f"{args.dtype}+int8": build_model(args.model, dtype, "int8")}
+    if dtype != torch.float32:
+        models["float32"] = build_model(args.model, torch.float32, None)
+    results = {}
+    for text in texts:
+        ids = tokenizer.encode(text.read_text())
+        windows = [ids[i:i + args.max_tokens] for i in range(0, len(ids) - 1, args.max_tokens)]
+        results[text.name] = evaluate(models, [w for w in windows if len(w) > 1])
+    total = {name: {"perplexity": math.exp(sum(math.log(r[name]["perplexity"]) * r[name]["tokens"]
+                                                for r in results.values()) / sum(r[name]["tokens"] for r in results.values())),
+                    "top1_agreement": sum(r[name]["top1_agreement"] * r[name]["tokens"] for r in results.values())
+                    / sum(r[name]["tokens"] for r in results.values()),
+                    "tokens": sum(r[name]["tokens"] for r in results.values())} for name in models}
+    results["all"] = total
+    base = next(iter(models))
+    print(f"{'text':>16} {'run':>16} {'tokens':>7} {'perplexity':>11} {'top-1 agree vs ' + base:>24}")
+    for text, per_run in results.items():
+        for name, r in per_run.items():
+            print(f"{text:>16} {name:>16} {r['tokens']:>7} {r['perplexity']:>11.3f} {r['top1_agreement']:>24.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "dtype": args.dtype, "results": results},
+                                              indent=2) + "\n")
+    return 0
