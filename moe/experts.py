@@ -25,12 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe import kernels
-from moe.cpu_gemm import has_fast_bf16_gemm, native_gemv, use_native_gemv
-
-# Mean rows per non-empty slot from which a dtype with a fast dense GEMM on this CPU (fp32; bf16
-# with AVX512-BF16 or AMX) runs the PyTorch GEMMs instead of the kernel: measured on Zen 3
-# (fp32), the kernel is 1.2-1.6x faster up to ~400 rows per expert, MKL's sgemm 1.1x at 1024.
-DENSE_GEMM_MIN_ROWS = 512
+from moe.cpu_gemm import native_gemv, use_native_gemv
 
 # Rows per fp32 staging chunk when accumulating expert outputs into tokens: one
 # index_add per chunk instead of one [N, D] fp32 temporary.
@@ -84,15 +79,6 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, groups: tuple[list, list], out
         with native_gemv():
             for slot, lo, hi in single:
                 torch.mm(x[lo:hi], w[slot].t(), out=out[lo:hi])
-
-
-def _prefers_dense_gemm(x_sorted: torch.Tensor, counts: list[int]) -> bool:
-    """Whether rows per expert are many enough (mean over non-empty slots >= DENSE_GEMM_MIN_ROWS)
-    and x's dtype has a fast library GEMM on this CPU."""
-    busy = sum(1 for n in counts if n)
-    if not busy or x_sorted.shape[0] < DENSE_GEMM_MIN_ROWS * busy:
-        return False
-    return x_sorted.dtype == torch.float32 or (x_sorted.dtype == torch.bfloat16 and has_fast_bf16_gemm())
 
 
 def compute_local_routing(
@@ -194,7 +180,9 @@ class Experts(nn.Module):
         x's dtype; with ``out_fp32`` the fused kernel (CPU) returns float32 instead (unrounded),
         the PyTorch path still x's dtype (callers accept either)."""
         packed = self.packed_weights() if x_sorted.device.type == "cpu" else None
-        if packed is not None and not packed.quantized and _prefers_dense_gemm(x_sorted, counts):
+        busy = sum(1 for n in counts if n)
+        if packed is not None and not packed.quantized and kernels.prefers_library_gemm(
+                x_sorted.dtype, x_sorted.shape[0] / max(busy, 1)):
             packed = None  # prefill-size groups: the library GEMM is faster than the kernel here
         if packed is not None and x_sorted.dtype in (torch.float32, torch.bfloat16):
             return kernels.experts_forward(x_sorted.contiguous(), counts, packed, row_weights, out_fp32=out_fp32)

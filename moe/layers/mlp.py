@@ -1,10 +1,18 @@
-"""Dense SwiGLU MLP (dense layers and shared experts), shardable for tensor parallelism."""
+"""Dense SwiGLU MLP (dense layers and shared experts), shardable for tensor parallelism.
+
+On CPU it runs as a one-expert call of the fused expert kernel (``moe.kernels``) on a packed
+copy of its weights (remade when they change: loading, TP sharding) unless PyTorch's GEMM is
+the faster choice for the dtype and row count (``moe.kernels.prefers_library_gemm``): on
+CPUs without native bf16 GEMMs PyTorch's bf16 matmul runs at about 1 GFLOP/s.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moe import kernels
 
 
 class DenseMLP(nn.Module):
@@ -23,7 +31,27 @@ class DenseMLP(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed_weights(x)
+        if packed is not None:
+            return kernels.experts_forward(x.contiguous(), [x.shape[0]], packed)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _packed_weights(self, x: torch.Tensor) -> kernels.PackedExperts | None:
+        """The kernel's copy of the weights when the kernel should run for x [T, D], else None."""
+        gate, up, down = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != gate.dtype or self.down_proj.bias is not None
+                or kernels.prefers_library_gemm(x.dtype, x.shape[0])):
+            return None
+        key = tuple((w._version, w.data_ptr(), tuple(w.shape), w.dtype) for w in (gate, up, down))
+        cached = getattr(self, "_packed", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        packed = None
+        w13, w2 = torch.cat([gate, up])[None], down[None]  # [1, 2I, D], [1, D, I]
+        if kernels.can_pack(w13, w2) and kernels.is_available():
+            packed = kernels.pack_experts(w13, w2)
+        self._packed = (key, packed)
+        return packed
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
         """Keep intermediate columns [r*I/tp, (r+1)*I/tp) of the loaded full weights."""

@@ -202,3 +202,24 @@ def test_shapes_the_kernel_does_not_take_use_pytorch() -> None:
 def test_unknown_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         Experts(2, 16, 8, quantization="fp4")
+
+
+@pytest.mark.slow
+def test_dense_mlp_runs_the_kernel_and_matches_its_linears(kernel_isas: list[str]) -> None:
+    from moe.layers.mlp import DenseMLP
+
+    mlp = DenseMLP(32, 24, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    x = torch.randn(5, 32, generator=gen)
+    want = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert mlp._packed_weights(x) is not None
+    torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
+    mlp.shard_for_tp(1, 3)  # new (sharded) weights: the packed copy follows them
+    got = mlp(x)
+    assert got.shape == (5, 32)
+    torch.testing.assert_close(got, mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)),
+                               atol=1e-5, rtol=1e-5)
+    big = torch.randn(kernels.LIBRARY_GEMM_MIN_ROWS, 32)
+    assert mlp._packed_weights(big) is None  # fp32 prefill-size: the library GEMM
