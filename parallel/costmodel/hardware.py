@@ -60,7 +60,11 @@ class Hardware:
     intra_node_bandwidth / inter_node_bandwidth: B/s per rank, one direction (NVLink;
     the rank's NIC). *_latency_s: fixed cost of one message / collective hop.
     kernel_overhead_s: per operator call; layer_overhead_s: per decoder layer per step;
-    step_overhead_s: per step (scheduler, sampling, host round trip).
+    step_overhead_s: per step (scheduler, sampling, host round trip);
+    multi_rank_step_overhead_s: added per step when an instance spans more than one rank
+    (sending every rank its batch and waiting for the replies, e.g. a Ray actor round trip);
+    seq_overhead_s / layer_seq_overhead_s: per sequence in the step, and per sequence per
+    layer (host-side loops over sequences: scheduling, sampling, paged-attention gathers).
     """
 
     name: str
@@ -79,6 +83,9 @@ class Hardware:
     kernel_overhead_s: float = 0.0
     layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    multi_rank_step_overhead_s: float = 0.0
+    seq_overhead_s: float = 0.0
+    layer_seq_overhead_s: float = 0.0
     gemm_rates: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     collectives: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = ""
@@ -93,7 +100,8 @@ class Hardware:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
         for name in ("intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency_s", "inter_node_latency_s",
-                     "kernel_overhead_s", "layer_overhead_s", "step_overhead_s"):
+                     "kernel_overhead_s", "layer_overhead_s", "step_overhead_s", "multi_rank_step_overhead_s",
+                     "seq_overhead_s", "layer_seq_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
         for key in self.collectives:

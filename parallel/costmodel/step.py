@@ -204,8 +204,10 @@ def predict_phase(cfg: ModelConfig, dep: Deployment, hw: Hardware, rank_load: Ra
     lm = gemm_cost(hw, part.logits_rows, cfg.vocab_size // dep.tp, cfg.hidden_size, dtype=dep.dtype,
                    weight_bytes=dep.act_bytes, act_bytes=dep.act_bytes).seconds * halves
     parts["lm_head"] = lm
-    parts["layer_overhead"] = cfg.num_hidden_layers * hw.layer_overhead_s
-    parts["step_overhead"] = hw.step_overhead_s
+    seqs = work.logits_rows
+    parts["layer_overhead"] = cfg.num_hidden_layers * (hw.layer_overhead_s + seqs * hw.layer_seq_overhead_s)
+    parts["step_overhead"] = (hw.step_overhead_s + seqs * hw.seq_overhead_s
+                              + (hw.multi_rank_step_overhead_s if dep.world_size > 1 else 0.0))
     if hidden:
         parts["overlap_hidden"] = hidden
     step = sum(parts.values())
