@@ -78,7 +78,8 @@ def test_dispatch_bytes_follow_deduplicated_destinations():
     rows = src * distinct * 7 / 8  # minus the share that stays on the rank
     busiest = np.array([8 * src * 2 / 8])  # uniform: each rank receives its 1/8 of the routed rows
     disp, comb = _dispatch_seconds(MIXTRAL, dep, hw, src, busiest)
-    assert disp[0] == pytest.approx(rows * (4096 * 2 + 2 * 12) / 1e9)
+    counts = 8 * 8 / 1e9  # the split sizes: one int64 per rank
+    assert disp[0] == pytest.approx(counts + rows * (4096 * 2 + 2 * 12) / 1e9)
     assert comb[0] == pytest.approx(rows * 4096 * 2 / 1e9)
 
 
@@ -89,7 +90,8 @@ def test_inter_node_dispatch_is_deduplicated_per_node_and_node_limited():
     disp, _ = _dispatch_seconds(V3, dep, hw, src, np.array([src * 8.0]))
     # V3 routes each token to at most topk_group = 4 groups; 4 nodes -> 3 remote nodes at most
     remote_nodes = 3 * (1 - (3 / 4) ** 4)
-    assert disp[0] == pytest.approx(src * remote_nodes * (7168 + 8 * 12) / 1e8, rel=1e-9)
+    # the NIC (1e8 B/s) bounds it; the split-size exchange (256 B) is within the tolerance
+    assert disp[0] == pytest.approx(src * remote_nodes * (7168 + 8 * 12) / 1e8, rel=1e-4)
 
 
 def test_allreduce_is_the_ring_formula_or_the_measured_table():
