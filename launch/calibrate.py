@@ -56,7 +56,7 @@ def cpu_model() -> str:
 
 
 def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]]) -> dict[str, list]:
-    from parallel.commbench import run_collective
+    from parallel.bench.commbench import run_collective
 
     return {op: run_collective(rank, world, op, counts, "float32", 3, 10, False) for op, counts in plan}
 
@@ -64,7 +64,8 @@ def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]]) -
 def measure_collectives(nprocs: int, threads: int, ops: tuple[str, ...] = ("allreduce", "alltoall", "allgather"),
                         max_bytes: int = 4 << 20) -> dict[str, list[tuple[float, float]]]:
     """{"OP:N": ((bytes, seconds), ...)} from commbench on ``nprocs`` spawned gloo ranks."""
-    from parallel.commbench import compute_sizes, spawn
+    from parallel.bench.commbench import compute_sizes
+    from parallel.bench.ranks import spawn
 
     plan = [(op, compute_sizes(op, 64, max_bytes, 4, 4, nprocs)) for op in ops]
     rows = spawn(_run_collectives, nprocs, plan, threads=threads)

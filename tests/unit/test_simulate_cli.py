@@ -134,7 +134,7 @@ def test_nccl_tests_tables_are_read(tmp_path):
 
 
 def test_commbench_tables_are_read():
-    from parallel.commbench import Row, Timing, format_table
+    from parallel.bench.commbench import Row, Timing, format_table
 
     rows = [Row(1024, 256, "float", "sum", -1, Timing(12.5, 0.08, 0.08, 0), Timing(11.0, 0.09, 0.09, 0))]
     text = format_table("allreduce", rows, 2, "gloo")
