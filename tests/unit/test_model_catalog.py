@@ -78,3 +78,13 @@ def test_kvcalc_names_what_it_expected_for_other_files(capsys, path):
     err = capsys.readouterr().err
     assert "expected a checkpoint directory, its config.json, a runtime config YAML" in err
     assert "Traceback" not in err
+
+
+def test_config_command_checks_presets_against_the_shipped_model(capsys):
+    from launch.config_args import main as config_main
+
+    path = str(CONFIGS / "deepseek-v3-decode-ep144.yaml")
+    assert config_main(["--config", path]) == 0
+    capsys.readouterr()
+    assert config_main(["--config", path, "--set", "balancer.num_redundant_experts=31"]) == 2
+    assert "287 slots is not divisible by ep_size=144" in capsys.readouterr().err
