@@ -8,9 +8,11 @@ Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
 - gloo collectives through commbench (``allreduce``, ``alltoall``, ``allgather`` tables on
   ``--nprocs`` ranks, one rank per process with ``--threads`` threads each), and any
   nccl-tests output given with ``--nccl-table FILE`` (``all_to_all_perf``, ``all_reduce_perf``);
-- the engine's fixed costs: decode steps of a tiny DeepSeek-V3 checkpoint cut to 1 and 3
-  layers, run in-process; what the operator model does not explain is split into a
-  per-step and a per-layer overhead (least squares over both depths and two batches).
+- the engine's fixed costs: in-process decode steps of ``--model`` (default a tiny
+  DeepSeek-V3 checkpoint) at its depth and one layer less, at 1, 4 and 8 sequences; what
+  the operator model does not explain is fit as per-step, per-layer, per-sequence and
+  per-sequence-per-layer overheads (least squares, each >= 0);
+- with ``--ray-ranks N``, the driver/actor round trip of an N-rank EP instance on Ray.
 
 The memory per rank is the engine's CPU default (``DEFAULT_CPU_MEMORY``), so KV capacity
 predictions match what the engine sizes on this machine.
@@ -31,6 +33,7 @@ import torch
 
 from launch.core.kv_sizing import parse_memory
 from launch.hardware import save_hardware
+from moe.config import ModelConfig
 from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
 from parallel.costmodel.microbench import (
     measure_attention_rate,
@@ -41,7 +44,6 @@ from parallel.costmodel.microbench import (
     parse_nccl_table,
 )
 
-ENGINE_DEPTHS = (2, 3)  # the tiny DeepSeek-V3's layer 0 is dense: keep a MoE layer
 ENGINE_BATCHES = (1, 4, 8)
 
 
@@ -105,13 +107,14 @@ class _StepRecorder:
         return getattr(self.inner, name)
 
 
-def time_decode_steps(engine: object, batch: int, context: int, steps: int, warmup: int) -> list[float]:
-    """Wall seconds of ``steps`` engine steps in which all ``batch`` sequences (over every DP
-    rank) decode one token each, after ``warmup`` such steps."""
+def time_decode_steps(engine: object, batch: int, context: int, steps: int, warmup: int,
+                      clock: str = "wall") -> list[float]:
+    """Seconds (``clock``: wall, or this process's CPU time) of ``steps`` engine steps in which
+    all ``batch`` sequences (over every DP rank) decode one token each, after ``warmup``."""
     import random
-    import time
 
     from launch.core import SamplingParams
+    from parallel.costmodel.microbench import CLOCKS
 
     recorder = _StepRecorder(engine.executor)
     engine.executor = recorder
@@ -122,9 +125,9 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
         engine.add_request(engine.next_request_id(), [rng.choice(vocab) for _ in range(context)], params)
     timed, seen = [], 0
     for _ in range(steps + warmup + 4 * (batch * context // 16 + 8)):
-        start = time.perf_counter()
+        start = CLOCKS[clock]()
         engine.step()
-        wall = time.perf_counter() - start
+        wall = CLOCKS[clock]() - start
         batches = recorder.last.batches
         if sum(b.num_seqs for b in batches) == batch and all(b.num_tokens == b.num_seqs for b in batches):
             seen += 1
@@ -135,7 +138,8 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
     raise RuntimeError(f"only {len(timed)} of {steps} steps decoded all {batch} sequences")
 
 
-def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 16, ranks: int = 1) -> float:
+def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 16, ranks: int = 1,
+                         clock: str = "wall") -> float:
     from launch.config import RuntimeConfig
     from launch.engine import LLMEngine
 
@@ -145,7 +149,7 @@ def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 1
         "parallel": {"data_parallel_size": ranks, "enable_expert_parallel": ranks > 1}})
     engine = LLMEngine(cfg)
     try:
-        return statistics.median(time_decode_steps(engine, batch, 16, steps, 3))
+        return statistics.median(time_decode_steps(engine, batch, 16, steps, 3, clock))
     finally:
         engine.shutdown()
 
@@ -192,25 +196,33 @@ def fit_overheads(samples: list[tuple[int, int, float]]) -> dict[str, float]:
     return dict(zip(OVERHEAD_FIELDS, (float(c) for c in coef)))
 
 
-def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None]) -> dict[str, float]:
-    """The overhead fields (``fit_overheads``): engine decode steps minus the operator model."""
+def engine_depths(config: ModelConfig) -> tuple[int, ...]:
+    """Depths to time a checkpoint at: its own and one layer less, keeping a MoE layer."""
+    n = config.num_hidden_layers
+    first_moe = config.moe_layer_ids[0] if config.moe_layer_ids else 0
+    return tuple(sorted({max(first_moe + 1, n - 1), n}))
+
+
+def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None], clock: str = "wall",
+                             model: str | None = None) -> dict[str, float]:
+    """The overhead fields (``fit_overheads``): engine decode steps minus the operator model,
+    on ``model`` (a checkpoint dir; default a tiny DeepSeek-V3) at two depths."""
     from launch.tiny_checkpoint import make_tiny_checkpoint
-    from moe.config import ModelConfig
 
     samples = []
     with tempfile.TemporaryDirectory() as tmp:
-        full = make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
-        for depth in ENGINE_DEPTHS:
+        full = Path(model) if model else make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
+        for depth in engine_depths(ModelConfig.from_hf(full)):
             model_dir = _truncated_checkpoint(full, Path(tmp) / f"l{depth}", depth)
             mc = ModelConfig.from_hf(model_dir)
             dep = Deployment(dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256, kv_capacity_tokens=2048)
             rank_load = build_rank_load(mc, dep)
             for batch in ENGINE_BATCHES:
-                measured = _engine_step_seconds(model_dir, batch, dtype)
-                model = predict_phase(mc, dep, hw, rank_load, decode_work(batch, 17), decode=True).step_ms / 1e3
+                measured = _engine_step_seconds(model_dir, batch, dtype, clock=clock)
+                predicted = predict_phase(mc, dep, hw, rank_load, decode_work(batch, 17), decode=True).step_ms / 1e3
                 log(f"engine decode step: {depth} layer(s), batch {batch}: {measured * 1e3:.2f} ms measured, "
-                    f"{model * 1e3:.2f} ms from operators")
-                samples.append((depth, batch, measured - model))
+                    f"{predicted * 1e3:.2f} ms from operators")
+                samples.append((depth, batch, measured - predicted))
     return fit_overheads(samples)
 
 
@@ -218,7 +230,6 @@ def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Calla
     """Seconds per step a ``ranks``-rank EP instance on Ray adds over the operator model and
     the single-rank overheads (the driver/actor round trip; the collectives are modelled)."""
     from launch.tiny_checkpoint import make_tiny_checkpoint
-    from moe.config import ModelConfig
 
     residuals = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,16 +250,21 @@ def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Calla
 
 def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple[str, ...] = ("float32", "bfloat16"),
               nccl_tables: tuple[str, ...] = (), measure_engine: bool = True, engine_dtype: str = "float32",
-              ray_ranks: int = 0, log: Callable[[str], None] = print) -> Hardware:
-    """Measure this machine (see the module docstring) with ``threads`` torch threads per rank."""
+              ray_ranks: int = 0, clock: str = "wall", model: str | None = None,
+              log: Callable[[str], None] = print) -> Hardware:
+    """Measure this machine (see the module docstring) with ``threads`` torch threads per rank.
+    clock "cpu": compute and engine steps timed in CPU time (see ``microbench``); the
+    collectives and the Ray round trip stay wall-clock (waiting is their cost)."""
+    if clock == "cpu" and threads != 1:
+        raise ValueError("--clock cpu needs --threads 1 (CPU time adds up over threads)")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        gemm = {dt: measure_gemm_rates(dt) for dt in dtypes}
+        gemm = {dt: measure_gemm_rates(dt, clock=clock) for dt in dtypes}
         flops = {dt: max(rate for _, rate in table) for dt, table in gemm.items()}
-        attention = measure_attention_rate(dtypes[0])
-        overhead = measure_call_overhead(dtypes[0])
-        bandwidth = measure_copy_bandwidth()
+        attention = measure_attention_rate(dtypes[0], clock=clock)
+        overhead = measure_call_overhead(dtypes[0], clock=clock)
+        bandwidth = measure_copy_bandwidth(clock=clock)
         log(f"GEMM peak: {', '.join(f'{dt} {f / 1e9:.1f} GFLOP/s' for dt, f in flops.items())}; "
             f"attention {attention / 1e9:.1f} GFLOP/s; copy {bandwidth / 1e9:.1f} GB/s; call {overhead * 1e6:.1f} us")
         collectives: dict[str, list[tuple[float, float]]] = {}
@@ -261,7 +277,7 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
                 size, seconds = table[-1]
                 link = max(link, size / seconds)
         hw = Hardware(
-            name="local-cpu", source=f"simulate calibrate: {cpu_model()}, {threads} thread(s) per rank",
+            name="local-cpu", source=f"simulate calibrate: {cpu_model()}, {threads} thread(s) per rank, {clock} clock",
             flops=flops, memory_bandwidth=bandwidth, memory_bytes=parse_memory("2GiB"),
             gpus_per_node=os.cpu_count() or 1, intra_node_bandwidth=link or bandwidth,
             inter_node_bandwidth=link or bandwidth, intra_node_latency_s=0.0, inter_node_latency_s=0.0,
@@ -271,7 +287,7 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
             collectives={k: tuple(v) for k, v in collectives.items()},
         )
         if measure_engine:
-            fitted = measure_engine_overheads(hw, engine_dtype, log)
+            fitted = measure_engine_overheads(hw, engine_dtype, log, clock, model)
             hw = Hardware.from_dict({**hw.to_dict(), **fitted})
             log("engine overheads (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in fitted.items()))
         if ray_ranks > 1:
@@ -293,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nccl-tests output (all_to_all_perf / all_reduce_perf, or commbench's) to include")
     p.add_argument("--no-engine", action="store_true", help="skip the engine overhead measurement")
     p.add_argument("--engine-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir to time the engine overheads on (default: a tiny DeepSeek-V3); use the model "
+                        "the predictions are for")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: time compute and engine steps in CPU time (steady on a shared machine; --threads 1)")
     p.add_argument("--ray-ranks", type=int, default=0,
                    help="also time an EP instance of this many Ray ranks for the per-step round trip (0: skip)")
     return p
@@ -306,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1 or any(n < 2 for n in nprocs) or not dtypes:
             raise ValueError("need --threads >= 1, --nprocs values >= 2 and at least one dtype")
         hw = calibrate(threads=args.threads, nprocs=nprocs, dtypes=dtypes, nccl_tables=tuple(args.nccl_table),
-                       measure_engine=not args.no_engine, engine_dtype=args.engine_dtype, ray_ranks=args.ray_ranks)
+                       measure_engine=not args.no_engine, engine_dtype=args.engine_dtype, ray_ranks=args.ray_ranks,
+                       clock=args.clock, model=args.model)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: simulate calibrate: {e}", file=sys.stderr)
         return 2

@@ -160,3 +160,15 @@ def test_calibrate_writes_a_loadable_hardware_file(tmp_path):
     hw = load_hardware(out)
     assert hw.flops["float32"] > 0 and hw.gemm_rates["float32"] and hw.kernel_overhead_s > 0
     assert hw.memory_bandwidth > 0 and 0 < hw.attention_efficiency <= 1
+
+
+def test_cpu_clock_times_work_and_needs_one_thread():
+    from launch.calibrate import calibrate
+    from parallel.costmodel.microbench import time_call
+
+    def busy() -> int:
+        return sum(range(20000))
+
+    assert time_call(busy, iters=5, clock="cpu") > 0
+    with pytest.raises(ValueError, match="--threads 1"):
+        calibrate(threads=2, nprocs=(), clock="cpu", measure_engine=False)
