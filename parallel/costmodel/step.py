@@ -191,7 +191,7 @@ def predict_phase(cfg: ModelConfig, dep: Deployment, hw: Hardware, rank_load: Ra
                                "dense_mlp": n_dense * base["dense_mlp"] * halves}
     for key in ("attention_proj", "attention_core", "elementwise"):
         parts[key] = cfg.num_hidden_layers * base[key] * halves
-    parts["tp_collectives"] = len(moe_ids) * base["tp_collectives"] * halves
+    parts["tp_collectives"] = cfg.num_hidden_layers * base["tp_collectives"] * halves  # after attention
     dropped = 0.0
     hidden = 0.0
     if moe_ids:

@@ -199,3 +199,14 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="batch_size"):
         predict_point(V3, Deployment(dp=8, ep=8), toy_hw(), batch_size=0, kv_len=10)
     assert math.isfinite(toy_hw().gemm_rate("float32", 5))
+
+
+def test_tensor_parallel_pays_an_all_reduce_per_layer_and_an_all_gather_per_moe_layer():
+    hw = toy_hw(intra_node_latency_s=0.0)
+    dep = Deployment(tp=2, dp=1, dtype="bfloat16", weight_dtype="fp8", kv_cache_dtype="fp8", max_num_seqs=64)
+    small = ModelConfig.from_hf("deepseek-ai/DeepSeek-V2-Lite", strict=False)  # 27 layers, the first dense
+    p = predict_point(small, dep, hw, batch_size=16, kv_len=100)
+    vector = 16 * 2048 * 2  # [T, D] bf16
+    all_reduce = 2 * 1 / 2 * vector / 1e9
+    all_gather = 1 / 2 * vector / 1e9
+    assert p.decode_breakdown["tp_collectives"] == pytest.approx((27 * all_reduce + 26 * all_gather) * 1e3)
