@@ -172,3 +172,12 @@ def test_cpu_clock_times_work_and_needs_one_thread():
     assert time_call(busy, iters=5, clock="cpu") > 0
     with pytest.raises(ValueError, match="--threads 1"):
         calibrate(threads=2, nprocs=(), clock="cpu", measure_engine=False)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "hardware").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_hardware_file_loads_with_public_peaks(path):
+    hw = load_hardware(path)
+    assert hw.peak_flops("fp8") > hw.peak_flops("bfloat16") > hw.peak_flops("float32")
+    assert hw.memory_bytes >= 80e9 and hw.gpus_per_node == 8
+    assert hw.intra_node_bandwidth > hw.inter_node_bandwidth > 0
+    assert hw.source
