@@ -57,21 +57,36 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]]) -> dict[str, list]:
+def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]], repeats: int) -> dict[str, list]:
     from parallel.bench.commbench import run_collective
 
-    return {op: run_collective(rank, world, op, counts, "float32", 3, 10, False) for op, counts in plan}
+    out = {}
+    for op, counts in plan:
+        runs = [run_collective(rank, world, op, counts, "float32", 3, 10, False) for _ in range(repeats)]
+        out[op] = [(rows[0].size, min(r.out_of_place.time_us for r in rows) * 1e-6) for rows in zip(*runs)]
+    return out
+
+
+def monotone(table: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A larger message never takes less time than a smaller one: each time becomes the
+    minimum over itself and every larger size (noise on a shared machine breaks the order)."""
+    out, best = [], float("inf")
+    for size, seconds in sorted(table, reverse=True):
+        best = min(best, seconds)
+        out.append((size, best))
+    return out[::-1]
 
 
 def measure_collectives(nprocs: int, threads: int, ops: tuple[str, ...] = ("allreduce", "alltoall", "allgather"),
-                        max_bytes: int = 4 << 20) -> dict[str, list[tuple[float, float]]]:
-    """{"OP:N": ((bytes, seconds), ...)} from commbench on ``nprocs`` spawned gloo ranks."""
+                        max_bytes: int = 4 << 20, repeats: int = 3) -> dict[str, list[tuple[float, float]]]:
+    """{"OP:N": ((bytes, seconds), ...)} from commbench on ``nprocs`` spawned gloo ranks: the
+    best of ``repeats`` runs per size, made monotone in size."""
     from parallel.bench.commbench import compute_sizes
     from parallel.bench.ranks import spawn
 
     plan = [(op, compute_sizes(op, 64, max_bytes, 4, 4, nprocs)) for op in ops]
-    rows = spawn(_run_collectives, nprocs, plan, threads=threads)
-    return {f"{op}:{nprocs}": [(float(r.size), r.out_of_place.time_us * 1e-6) for r in rows[op]] for op in ops}
+    rows = spawn(_run_collectives, nprocs, plan, repeats, threads=threads)
+    return {f"{op}:{nprocs}": monotone([(float(size), t) for size, t in rows[op]]) for op in ops}
 
 
 def read_nccl_tables(specs: list[str]) -> dict[str, list[tuple[float, float]]]:

@@ -181,3 +181,10 @@ def test_every_hardware_file_loads_with_public_peaks(path):
     assert hw.memory_bytes >= 80e9 and hw.gpus_per_node == 8
     assert hw.intra_node_bandwidth > hw.inter_node_bandwidth > 0
     assert hw.source
+
+
+def test_collective_tables_are_made_monotone_in_size():
+    from launch.calibrate import monotone
+
+    assert monotone([(64, 1.2e-3), (256, 4e-4), (1024, 1.1e-3), (4096, 9e-4)]) == \
+        [(64, 4e-4), (256, 4e-4), (1024, 9e-4), (4096, 9e-4)]
