@@ -14,6 +14,9 @@ Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
   per-sequence-per-layer overheads (least squares, each >= 0);
 - with ``--ray-ranks N``, the driver/actor round trip of an N-rank EP instance on Ray.
 
+On a GPU cluster, ``--base h100 --nccl-table all_to_all_perf.txt:alltoall:16 ...`` writes the
+shipped hardware with the measured link tables added instead (nothing measured here).
+
 The memory per rank is the engine's CPU default (``DEFAULT_CPU_MEMORY``), so KV capacity
 predictions match what the engine sizes on this machine.
 """
@@ -32,7 +35,7 @@ from pathlib import Path
 import torch
 
 from launch.core.kv_sizing import parse_memory
-from launch.hardware import save_hardware
+from launch.hardware import load_hardware, save_hardware
 from moe.config import ModelConfig
 from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
 from parallel.costmodel.microbench import (
@@ -263,6 +266,17 @@ def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Calla
     return max(0.0, statistics.median(residuals))
 
 
+def with_link_tables(base: Hardware, tables: dict[str, list[tuple[float, float]]], source: str) -> Hardware:
+    """``base`` (e.g. the shipped h100) with measured collective tables added (replacing any
+    of the same op and rank count): what a GPU cluster's nccl-tests runs know better than
+    the datasheet."""
+    if not tables:
+        raise ValueError("--base needs at least one --nccl-table to add")
+    merged = {**base.to_dict()["collectives"], **{k: [list(p) for p in v] for k, v in tables.items()}}
+    note = f"{base.source}; collectives from {source}" if base.source else f"collectives from {source}"
+    return Hardware.from_dict({**base.to_dict(), "collectives": merged, "source": note})
+
+
 def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple[str, ...] = ("float32", "bfloat16"),
               nccl_tables: tuple[str, ...] = (), measure_engine: bool = True, engine_dtype: str = "float32",
               ray_ranks: int = 0, clock: str = "wall", model: str | None = None,
@@ -322,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--nccl-table", action="append", default=[], metavar="FILE[:OP:NRANKS]",
                    help="nccl-tests output (all_to_all_perf / all_reduce_perf, or commbench's) to include")
+    p.add_argument("--base", default=None,
+                   help="start from this hardware (h100, a file) and only add the --nccl-table tables: a GPU "
+                        "cluster's measured links on top of the datasheet; nothing is measured here")
     p.add_argument("--no-engine", action="store_true", help="skip the engine overhead measurement")
     p.add_argument("--engine-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--model", default=None,
@@ -341,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
         if args.threads < 1 or any(n < 2 for n in nprocs) or not dtypes:
             raise ValueError("need --threads >= 1, --nprocs values >= 2 and at least one dtype")
+        if args.base:
+            hw = with_link_tables(load_hardware(args.base), read_nccl_tables(args.nccl_table),
+                                  ", ".join(args.nccl_table))
+            save_hardware(hw, args.out)
+            print(f"wrote {args.out}")
+            return 0
         hw = calibrate(threads=args.threads, nprocs=nprocs, dtypes=dtypes, nccl_tables=tuple(args.nccl_table),
                        measure_engine=not args.no_engine, engine_dtype=args.engine_dtype, ray_ranks=args.ray_ranks,
                        clock=args.clock, model=args.model)

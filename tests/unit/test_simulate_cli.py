@@ -188,3 +188,22 @@ def test_collective_tables_are_made_monotone_in_size():
 
     assert monotone([(64, 1.2e-3), (256, 4e-4), (1024, 1.1e-3), (4096, 9e-4)]) == \
         [(64, 4e-4), (256, 4e-4), (1024, 9e-4), (4096, 9e-4)]
+
+
+def test_nccl_tables_on_top_of_a_shipped_hardware_drive_dispatch(tmp_path):
+    from launch.calibrate import main as calibrate_main
+    from parallel.costmodel import predict_point
+
+    table = tmp_path / "a2a.txt"
+    table.write_text(NCCL_ALLTOALL)
+    out = tmp_path / "h100-measured.yaml"
+    assert calibrate_main(["--base", "h100", "--nccl-table", f"{table}:alltoall:8", "--out", str(out)]) == 0
+    measured, datasheet = load_hardware(out), load_hardware("h100")
+    assert measured.collectives["alltoall:8"] == ((1048576.0, pytest.approx(25.3e-6)), (4194304.0, pytest.approx(60.1e-6)))
+    assert measured.flops == datasheet.flops and "collectives from" in measured.source
+    mixtral = ModelConfig.from_hf("mistralai/Mixtral-8x7B-v0.1", strict=False)
+    dep = Deployment(dp=8, ep=8, max_num_seqs=64)
+    a = predict_point(mixtral, dep, measured, batch_size=64, kv_len=1000)
+    b = predict_point(mixtral, dep, datasheet, batch_size=64, kv_len=1000)
+    assert a.decode_breakdown["dispatch"] != b.decode_breakdown["dispatch"]
+    assert calibrate_main(["--base", "h100", "--out", str(out)]) == 2  # nothing to add
