@@ -286,6 +286,8 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
     collectives and the Ray round trip stay wall-clock (waiting is their cost)."""
     if clock == "cpu" and threads != 1:
         raise ValueError("--clock cpu needs --threads 1 (CPU time adds up over threads)")
+    if torch.cuda.is_available():
+        log("note: calibrate measures this machine's CPU ranks; for GPUs use --base NAME with nccl-tests tables")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
