@@ -244,14 +244,16 @@ def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None
     return fit_overheads(samples)
 
 
-def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Callable[[str], None]) -> float:
-    """Seconds per step a ``ranks``-rank EP instance on Ray adds over the operator model and
-    the single-rank overheads (the driver/actor round trip; the collectives are modelled)."""
+def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Callable[[str], None],
+                                model: str | None = None) -> float:
+    """Seconds per step a ``ranks``-rank EP instance of ``model`` (default a tiny DeepSeek-V3)
+    on Ray adds over the operator model and the single-rank overheads: the driver/actor
+    round trip and the EP dispatcher's host work (the collectives themselves are modelled)."""
     from launch.tiny_checkpoint import make_tiny_checkpoint
 
     residuals = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
+        model_dir = Path(model) if model else make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
         mc = ModelConfig.from_hf(model_dir)
         dep = Deployment(dp=ranks, ep=ranks, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256,
                          kv_capacity_tokens=2048)
@@ -286,6 +288,8 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
     collectives and the Ray round trip stay wall-clock (waiting is their cost)."""
     if clock == "cpu" and threads != 1:
         raise ValueError("--clock cpu needs --threads 1 (CPU time adds up over threads)")
+    if clock == "cpu" and ray_ranks > 1:
+        raise ValueError("--ray-ranks times a wall-clock round trip; use it with --clock wall")
     if torch.cuda.is_available():
         log("note: calibrate measures this machine's CPU ranks; for GPUs use --base NAME with nccl-tests tables")
     previous = torch.get_num_threads()
@@ -322,7 +326,7 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
             hw = Hardware.from_dict({**hw.to_dict(), **fitted})
             log("engine overheads (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in fitted.items()))
         if ray_ranks > 1:
-            extra = measure_multi_rank_overhead(hw, engine_dtype, ray_ranks, log)
+            extra = measure_multi_rank_overhead(hw, engine_dtype, ray_ranks, log, model)
             hw = Hardware.from_dict({**hw.to_dict(), "multi_rank_step_overhead_s": extra})
             log(f"multi-rank step overhead: {extra * 1e3:.2f} ms")
         return hw
