@@ -181,7 +181,7 @@ def _as_argv(args: TrainArgs) -> list[str]:
     if args.minutes is not None:
         argv += ["--minutes", str(args.minutes)]
     defaults = TrainArgs(arch=args.arch, out=args.out)
-    for name in ("batch_size", "seq_len", "lr", "bias_update_rate", "dtype"):
+    for name in ("batch_size", "seq_len", "lr", "bias_update_rate", "dtype", "threads"):
         if getattr(args, name) != getattr(defaults, name):
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv
