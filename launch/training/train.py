@@ -145,7 +145,7 @@ def train(args: TrainArgs, *, progress: bool = True, report_prompts: int | None 
     bar = tqdm(total=args.steps, desc=f"train-tiny {args.arch}", unit="step", disable=not progress)
     for step in range(args.steps):
         elapsed = time.perf_counter() - t0
-        if limit is not None and elapsed >= limit:
+        if limit is not None and elapsed >= limit and losses:  # --minutes: always at least one step
             break
         frac = max(step / args.steps, 0.0 if limit is None else elapsed / limit)
         for group in opt.param_groups:

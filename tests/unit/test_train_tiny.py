@@ -184,3 +184,13 @@ def test_a_short_run_writes_a_checkpoint_the_engine_and_transformers_agree_on(tm
         ours = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert ours == [hf_uncached_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.slow
+def test_minutes_stops_early_after_at_least_one_step(tmp_path) -> None:
+    args = TrainArgs(arch="mixtral", out=str(tmp_path / "m"), steps=1000, minutes=1e-6, batch_size=1, seq_len=8,
+                     threads=1)
+    summary = train(args, progress=False, report_prompts=1)
+    assert summary["steps_run"] == 1
+    assert "--minutes 1e-06" in summary["command"]
+    assert (tmp_path / "m" / "model.safetensors").is_file()
