@@ -162,6 +162,14 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        import sys
+
+        argv = sys.argv[1:]
+    if "--series" in argv:
+        from launch.bench_eplb_series import series_main
+
+        return series_main(argv)
     parser = argparse.ArgumentParser(prog="python -m launch bench eplb", description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", metavar="PATH", help="DeepSeek's eplb.py, or the folder holding it")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
