@@ -58,13 +58,13 @@ def forecast_load(history: np.ndarray, horizon: int, *, burst_sigmas: float = 4.
                   burst_steps: int = 16) -> Forecast:
     """history: [W, L, E] per-step loads (W >= 1), oldest first; horizon: steps to forecast.
     Returns: Forecast (mean [L, E] >= 0, std [L, E], half_life [L], trend [L], residuals [S, L, E])."""
-    hist = np.asarray(history, dtype=np.float64)
+    hist = np.asarray(history)  # any real dtype; reduced in float64 without a full copy
     num_steps, num_layers, num_experts = hist.shape
     horizon = max(1, int(horizon))
     # Step 1: block means, newest block last (drop the oldest partial block).
     b = _block_size(num_steps)
     nb = num_steps // b
-    blocks = hist[num_steps - nb * b:].reshape(nb, b, num_layers, num_experts).mean(1)  # [B, L, E]
+    blocks = hist[num_steps - nb * b:].reshape(nb, b, num_layers, num_experts).mean(1, dtype=np.float64)
     flat = blocks.reshape(nb, -1)
     centre = (nb - np.arange(nb) - 0.5) * b  # age of each block's centre at the end of the window
     # Step 2: candidates at the cut points "now" (index 0) and horizon*j steps ago.
@@ -90,7 +90,7 @@ def forecast_load(history: np.ndarray, horizon: int, *, burst_sigmas: float = 4.
         err = np.zeros((cand.shape[1], num_layers))
         for i, back in enumerate(cuts_back[1:], start=1):
             end = num_steps - back
-            actual = hist[end:end + horizon].mean(0)  # [L, E]
+            actual = hist[end:end + horizon].mean(0, dtype=np.float64)  # [L, E]
             total = np.maximum(actual.sum(-1, keepdims=True), 1e-12)
             pred = cand[i] / np.maximum(cand[i].sum(-1, keepdims=True), 1e-12)
             err += ((pred - actual / total) ** 2).sum(-1)
@@ -99,18 +99,18 @@ def forecast_load(history: np.ndarray, horizon: int, *, burst_sigmas: float = 4.
     # Step 5 first (Step 4 needs it): per-step noise around the local (block) level.
     recent = min(num_steps, 256) // b * b
     if recent >= 2 * b and b > 1:
-        tail = hist[num_steps - recent:]
+        tail = hist[num_steps - recent:].astype(np.float64)
         local = tail.reshape(-1, b, num_layers, num_experts).mean(1, keepdims=True)
         resid = (tail.reshape(-1, b, num_layers, num_experts) - local).reshape(recent, num_layers, num_experts)
         std = np.sqrt((resid ** 2).mean(0) * b / (b - 1))
     else:
-        tail = hist[max(0, num_steps - 256):]
+        tail = hist[max(0, num_steps - 256):].astype(np.float64)
         resid = tail - tail.mean(0)
         std = tail.std(0) if len(tail) > 1 else np.zeros((num_layers, num_experts))
     # Step 4: bursts and drops already under way.
     n = min(burst_steps, num_steps)
     if n < num_steps:
-        short = hist[num_steps - n:].mean(0)
+        short = hist[num_steps - n:].mean(0, dtype=np.float64)
         sigma = np.maximum(std, np.sqrt(np.maximum(short, 1.0))) / np.sqrt(n)
         jump = np.abs(short - mean) > burst_sigmas * sigma
         mean = np.where(jump, short, mean)

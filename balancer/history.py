@@ -110,11 +110,11 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
                       options: HistoryOptions | None = None) -> HistoryDecision:
     """The decision behind rebalance_from_history (same arguments), with its reasons."""
     opt = options or HistoryOptions()
-    hist = as_numpy(history, "history", 3).astype(np.float64)
-    if hist.shape[0] == 0:
-        raise ValueError("history must hold at least one step")
-    if not np.isfinite(hist).all() or (hist < 0).any():
-        raise ValueError("history must be finite and non-negative")
+    hist = as_numpy(history, "history", 3)
+    if hist.shape[0] == 0 or 0 in hist.shape:
+        raise ValueError(f"history must be a non-empty [W, L, E], got shape {hist.shape}")
+    if hist.dtype.kind not in "iuf" or hist.dtype.kind == "f" and not np.isfinite(hist).all() or hist.min() < 0:
+        raise ValueError("history must hold finite, non-negative real loads")
     num_layers, num_experts = hist.shape[1:]
     _validate(hist[0], num_replicas, num_groups, num_nodes, num_gpus, opt.policy)
     args = (num_replicas, num_groups, num_nodes, num_gpus)
@@ -129,15 +129,23 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
     if old.shape != (num_layers, num_replicas) or old.min() < 0 or old.max() >= num_experts:
         raise ValueError(f"old_phy2log must be [{num_layers}, {num_replicas}] with ids in [0, {num_experts}), "
                          f"got shape {old.shape}")
-    # Step 2.
-    cands = [rebalance_experts(weight, *args, old_phy2log=old, policy=opt.policy)[0].numpy()]
-    if opt.policy != "deepseek":
-        cands.append(_lighter(weight, args, old, cands[0], opt.policy))
+    horizon = np.clip(opt.horizon_half_lives * fc.half_life, opt.interval, opt.max_horizon)
+    value = opt.step_cost * horizon / num_layers  # [L] seconds per unit of PAR on a layer
+    # Step 2, on the layers where even a perfect split of the forecast could pay for a swap.
+    peak_share = _peak(fc.mean, old, num_gpus) / np.maximum(fc.mean.sum(1) / num_gpus, 1e-12)
+    rows = np.nonzero(value * (peak_share - 1.0) > opt.margin * opt.slot_cost * 2)[0]
+    cands = []
+    if rows.size:
+        first = old.copy()
+        first[rows] = rebalance_experts(weight[rows], *args, old_phy2log=old[rows], policy=opt.policy)[0].numpy()
+        cands.append(first)
+        if opt.policy != "deepseek":
+            second = old.copy()
+            second[rows] = _lighter(weight[rows], args, old[rows], first[rows], opt.policy)
+            cands.append(second)
     # Step 3.
     scenarios = np.maximum(fc.mean[None] + fc.residuals, 0.0)
     par_old = compute_par(scenarios, old, num_gpus).mean(0)
-    horizon = np.clip(opt.horizon_half_lives * fc.half_life, opt.interval, opt.max_horizon)
-    value = opt.step_cost * horizon / num_layers  # [L] seconds per unit of PAR on a layer
     best, best_net = old.copy(), np.zeros(num_layers)
     par_new, moved = par_old.copy(), np.zeros(num_layers, dtype=np.int64)
     gain, cost = np.zeros(num_layers), np.zeros(num_layers)
