@@ -44,6 +44,14 @@ class Forecast:
     residuals: np.ndarray
 
 
+def _shares(x: np.ndarray) -> np.ndarray:
+    """[S, L, E] loads -> float64 shares of each step's layer total (an idle layer-step: uniform).
+    PAR is scale-free per step, so every step counts alike, prefill or decode."""
+    x = x.astype(np.float64)
+    total = x.sum(-1, keepdims=True)
+    return np.where(total > 0, x / np.where(total > 0, total, 1.0), 1.0 / x.shape[-1])
+
+
 def _block_size(num_steps: int) -> int:
     return int(max(1, min(8, num_steps // 32)))
 
@@ -57,14 +65,25 @@ def _weights(ages: np.ndarray, half_lives: np.ndarray, valid: np.ndarray) -> np.
 def forecast_load(history: np.ndarray, horizon: int, *, burst_sigmas: float = 4.0,
                   burst_steps: int = 16) -> Forecast:
     """history: [W, L, E] per-step loads (W >= 1), oldest first; horizon: steps to forecast.
-    Returns: Forecast (mean [L, E] >= 0, std [L, E], half_life [L], trend [L], residuals [S, L, E])."""
-    hist = np.asarray(history)  # any real dtype; reduced in float64 without a full copy
-    num_steps, num_layers, num_experts = hist.shape
+    Every step is first turned into shares of its layer's total (PAR is scale-free).
+    Returns: Forecast of the shares (mean [L, E] >= 0, std [L, E], half_life [L], trend [L],
+    residuals [S, L, E])."""
+    raw = np.asarray(history)  # any real dtype; turned into shares slice by slice
+    num_steps, num_layers, num_experts = raw.shape
     horizon = max(1, int(horizon))
+
+    def hist_slice(a: int, b: int) -> np.ndarray:
+        return _shares(raw[a:b])
+
     # Step 1: block means, newest block last (drop the oldest partial block).
     b = _block_size(num_steps)
     nb = num_steps // b
-    blocks = hist[num_steps - nb * b:].reshape(nb, b, num_layers, num_experts).mean(1, dtype=np.float64)
+    first = num_steps - nb * b
+    part = raw[first:].reshape(nb, b, num_layers, num_experts)
+    total = part.sum(-1, dtype=np.float64)  # [B, b, L]
+    inv = np.where(total > 0, 1.0 / np.where(total > 0, total, 1.0), 0.0)
+    blocks = np.einsum("kble,kbl->kle", part, inv) / b  # [B, L, E] mean shares
+    blocks += ((total == 0).sum(1) / (b * num_experts))[..., None]  # idle steps count as uniform
     flat = blocks.reshape(nb, -1)
     centre = (nb - np.arange(nb) - 0.5) * b  # age of each block's centre at the end of the window
     # Step 2: candidates at the cut points "now" (index 0) and horizon*j steps ago.
@@ -73,7 +92,7 @@ def forecast_load(history: np.ndarray, horizon: int, *, burst_sigmas: float = 4.
     ages = np.stack([centre - c for c in cuts_back])  # [C, B]
     valid = (ages > 0).astype(np.float64)
     wts = np.stack([_weights(ages[i], half, valid[i:i + 1])[0] for i in range(len(cuts_back))])  # [C, H, B]
-    level = np.einsum("chb,bn->chn", wts, flat)  # [C, H, L*E]
+    level = (wts.reshape(-1, nb) @ flat).reshape(len(cuts_back), len(half), -1)  # [C, H, L*E]
     mean_age = np.einsum("chb,cb->ch", wts, np.maximum(ages, 0))  # [C, H]
     cands = [level]
     if len(half) > 1:
@@ -90,7 +109,7 @@ def forecast_load(history: np.ndarray, horizon: int, *, burst_sigmas: float = 4.
         err = np.zeros((cand.shape[1], num_layers))
         for i, back in enumerate(cuts_back[1:], start=1):
             end = num_steps - back
-            actual = hist[end:end + horizon].mean(0, dtype=np.float64)  # [L, E]
+            actual = hist_slice(end, end + horizon).mean(0)  # [L, E]
             total = np.maximum(actual.sum(-1, keepdims=True), 1e-12)
             pred = cand[i] / np.maximum(cand[i].sum(-1, keepdims=True), 1e-12)
             err += ((pred - actual / total) ** 2).sum(-1)
@@ -99,19 +118,19 @@ def forecast_load(history: np.ndarray, horizon: int, *, burst_sigmas: float = 4.
     # Step 5 first (Step 4 needs it): per-step noise around the local (block) level.
     recent = min(num_steps, 256) // b * b
     if recent >= 2 * b and b > 1:
-        tail = hist[num_steps - recent:].astype(np.float64)
+        tail = hist_slice(num_steps - recent, num_steps)
         local = tail.reshape(-1, b, num_layers, num_experts).mean(1, keepdims=True)
         resid = (tail.reshape(-1, b, num_layers, num_experts) - local).reshape(recent, num_layers, num_experts)
         std = np.sqrt((resid ** 2).mean(0) * b / (b - 1))
     else:
-        tail = hist[max(0, num_steps - 256):].astype(np.float64)
+        tail = hist_slice(max(0, num_steps - 256), num_steps)
         resid = tail - tail.mean(0)
         std = tail.std(0) if len(tail) > 1 else np.zeros((num_layers, num_experts))
     # Step 4: bursts and drops already under way.
     n = min(burst_steps, num_steps)
     if n < num_steps:
-        short = hist[num_steps - n:].mean(0, dtype=np.float64)
-        sigma = np.maximum(std, np.sqrt(np.maximum(short, 1.0))) / np.sqrt(n)
+        short = hist_slice(num_steps - n, num_steps).mean(0)
+        sigma = np.maximum(std, 1e-3 / num_experts) / np.sqrt(n)
         jump = np.abs(short - mean) > burst_sigmas * sigma
         mean = np.where(jump, short, mean)
     return Forecast(mean=np.maximum(mean, 0.0), std=std,

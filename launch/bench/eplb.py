@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
         argv = sys.argv[1:]
     if "--series" in argv:
-        from launch.bench_eplb_series import series_main
+        from launch.bench.eplb_series import series_main
 
         return series_main(argv)
     parser = argparse.ArgumentParser(prog="python -m launch bench eplb", description=__doc__.split("\n\n")[0])

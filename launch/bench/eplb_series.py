@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from balancer import compute_par, rebalance_experts, rebalance_from_history
 from balancer.history import LINK_BYTES_PER_S, SLOT_BYTES
-from launch.eplb_traces import KINDS, TraceSpec, load_trace, make_trace
+from launch.bench.eplb_traces import KINDS, TraceSpec, load_trace, make_trace
 
 PAR_SECONDS = 60.0
 POLICY_NAMES = ("ours", "reference", "fixed-hl", "hindsight")
