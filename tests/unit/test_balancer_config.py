@@ -25,6 +25,12 @@ def test_from_dict_accepts_vllm_eplb_config_json():
     assert c.resolved_policy == "auto"
 
 
+def test_forecast_trigger_is_the_default_and_interval_keeps_vllms_schedule():
+    c = BalancerConfig.from_dict({"check_interval": 64, "move_margin": 2.0, "step_seconds": 0.01})
+    assert (c.trigger, c.check_interval, c.move_margin, c.step_seconds) == ("forecast", 64, 2.0, 0.01)
+    assert BalancerConfig.from_dict({"trigger": "interval", "step_interval": 500}).trigger == "interval"
+
+
 def test_from_dict_names_unknown_key():
     with pytest.raises(ValueError, match="window_sise"):
         BalancerConfig.from_dict({"window_sise": 10})
@@ -37,6 +43,10 @@ def test_from_dict_names_unknown_key():
     ({"policy": "fastest"}, "fastest"),
     ({"min_balancedness_to_skip": 1.5}, "min_balancedness_to_skip=1.5"),
     ({"window_size": 2.5}, "must be an int"),
+    ({"trigger": "sometimes"}, "trigger 'sometimes'"),
+    ({"check_interval": 0}, "check_interval=0"),
+    ({"move_margin": -1.0}, "move_margin=-1.0"),
+    ({"transfer_bytes_per_s": 0.0}, "transfer_bytes_per_s=0.0"),
 ])
 def test_bad_values_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
