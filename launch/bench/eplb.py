@@ -1,6 +1,7 @@
 """EPLB benchmark: our placement policy side by side with DeepSeek's reference.
 
     python -m launch bench eplb [--reference PATH] [--json FILE] [--scenario NAME ...]
+    python -m launch bench eplb --series [--full] [--seed N] [--trace DUMP] (launch/bench/eplb_series.py)
 
 For each model shape and synthetic load it reports balancedness (ours, reference and
 an upper bound no placement can beat), the time to compute a placement, and, under a

@@ -176,6 +176,23 @@ def trace_set(full: bool, seeds: list[int]) -> list[TraceSpec]:
     return [TraceSpec(k, m, g, 4096, seed, num_layers=8) for seed in seeds for k, m, g in combos]
 
 
+def time_full_scale(num_calls: int = 4, seed: int = 1) -> list[float]:
+    """CPU seconds of each rebalance_from_history call at DeepSeek-R1 scale (58 x 256,
+    64 GPUs, 2,048-step history of a phases trace, calls 128 steps apart, old chained)."""
+    settings = SeriesSettings()
+    spec = TraceSpec("phases", "deepseek-r1", 64, settings.history + num_calls * settings.interval, seed)
+    trace = make_trace(spec)
+    old = reference_placement(trace[:settings.history], 256 + 64, 64)
+    seconds = []
+    for i in range(num_calls):
+        step = settings.history + i * settings.interval
+        start = time.process_time()
+        old = rebalance_from_history(trace[step - settings.history:step], 320, 1, 1, 64, old_phy2log=old,
+                                     step_cost=PAR_SECONDS / 8192)[0].numpy()
+        seconds.append(time.process_time() - start)
+    return seconds
+
+
 def format_rows(rows: list[dict]) -> str:
     head = (f"{'trace':<34} {'score':>6} {'fixhl':>6} {'hind':>6} {'PAR ours':>8} {'ref':>6} {'fixhl':>6} "
             f"{'hind':>6} {'moved ours':>10} {'ref':>7} {'fixhl':>7} {'hind':>7} {'s/call':>6}")
@@ -202,7 +219,15 @@ def series_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-gpus", type=int, default=32, help="EP size for --trace files (default 32)")
     parser.add_argument("--no-generated", action="store_true", help="only the --trace files")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    parser.add_argument("--time-call", action="store_true",
+                        help="only time rebalance_from_history at 58 x 256 on 64 GPUs (CPU s per call)")
     args = parser.parse_args(argv)
+    if args.time_call:
+        torch.set_num_threads(1)
+        seconds = time_full_scale()
+        print(f"rebalance_from_history, 58 x 256, 64 GPUs, 2,048-step history, one thread: CPU s per call "
+              f"{' '.join(f'{x:.3f}' for x in seconds)} (max {max(seconds):.3f})")
+        return 0
     if args.num_gpus <= 0:
         parser.error("--num-gpus must be positive")
     torch.set_num_threads(1)
