@@ -42,7 +42,7 @@ class BalancerConfig:
     rebalance_below_balancedness: float = 0.0
     use_async: bool = False
     trigger: str = "forecast"
-    check_interval: int = 128
+    check_interval: int = 64
     step_seconds: float = 60.0 / 8192
     transfer_bytes_per_s: float = LINK_BYTES_PER_S
     move_margin: float = 1.5

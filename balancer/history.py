@@ -46,10 +46,11 @@ class HistoryOptions:
     seconds per step per unit of PAR (competition: 60 / trace steps); slot_cost: seconds
     to move one slot; margin: a move must gain margin x its cost; horizon_half_lives,
     max_horizon: how long a gain is counted (in chosen half-lives, capped);
-    volatility_weight: std added to the mean when placing; burst_sigmas: see forecast;
+    volatility_weight: std added to the mean when placing; burst_sigmas, burst_steps:
+    see forecast_load;
     policy: rebalance_experts' policy for the candidates."""
 
-    interval: int = 128
+    interval: int = 64
     step_cost: float = 60.0 / 8192
     slot_cost: float = SLOT_BYTES / LINK_BYTES_PER_S
     margin: float = 1.5
@@ -57,11 +58,13 @@ class HistoryOptions:
     max_horizon: int = 4096
     volatility_weight: float = 1.0
     burst_sigmas: float = 4.0
+    burst_steps: int = 16
     policy: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.interval <= 0 or self.max_horizon <= 0:
-            raise ValueError(f"interval={self.interval} and max_horizon={self.max_horizon} must be positive")
+        if self.interval <= 0 or self.max_horizon <= 0 or self.burst_steps <= 0:
+            raise ValueError(f"interval={self.interval}, max_horizon={self.max_horizon} and "
+                             f"burst_steps={self.burst_steps} must be positive")
         for name in ("step_cost", "slot_cost", "margin", "horizon_half_lives", "volatility_weight", "burst_sigmas"):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
@@ -119,7 +122,7 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
     _validate(hist[0], num_replicas, num_groups, num_nodes, num_gpus, opt.policy)
     args = (num_replicas, num_groups, num_nodes, num_gpus)
     # Step 1.
-    fc = forecast_load(hist, opt.interval, burst_sigmas=opt.burst_sigmas)
+    fc = forecast_load(hist, opt.interval, burst_sigmas=opt.burst_sigmas, burst_steps=opt.burst_steps)
     weight = fc.mean + opt.volatility_weight * fc.std
     if old_phy2log is None:
         phy = rebalance_experts(weight, *args, policy=opt.policy)[0].numpy()
@@ -145,7 +148,9 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
             cands.append(second)
     # Step 3.
     scenarios = np.maximum(fc.mean[None] + fc.residuals, 0.0)
+    recent = hist[-len(fc.residuals):]  # the last steps as they were: a check independent of the forecast
     par_old = compute_par(scenarios, old, num_gpus).mean(0)
+    recent_old = compute_par(recent, old, num_gpus)  # [S, L]
     best, best_net = old.copy(), np.zeros(num_layers)
     par_new, moved = par_old.copy(), np.zeros(num_layers, dtype=np.int64)
     gain, cost = np.zeros(num_layers), np.zeros(num_layers)
@@ -153,8 +158,11 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
         par = compute_par(scenarios, cand, num_gpus).mean(0)
         n = (cand != old).sum(1)
         g, c = value * (par_old - par), opt.slot_cost * n
-        # Step 4.
-        net = g - opt.margin * c
+        # Step 4. A candidate fitted to the forecast's own noise must also win on the last
+        # steps as they were, by more than 2 standard errors (paired), or it is no gain.
+        diff = recent_old - compute_par(recent, cand, num_gpus)
+        noise = 2.0 * diff.std(0) / np.sqrt(max(len(diff) - 1, 1))
+        net = np.where(diff.mean(0) > noise, g - opt.margin * c, 0.0)
         take = net > best_net
         best[take], best_net[take], par_new[take], moved[take] = cand[take], net[take], par[take], n[take]
         gain[take], cost[take] = g[take], c[take]

@@ -10,7 +10,7 @@ domain (num_groups = num_nodes = 1).
 Protocol: the first `warmup` steps (1,024) are history only. At step `warmup` every
 policy starts from the reference's placement of that window and is scored on the steps
 after it. The policies, each called at its own cadence with the steps before the call:
-  ours       rebalance_from_history every 128 steps on the last 2,048 steps (it may stay);
+  ours       rebalance_from_history every 64 steps on the last 2,048 steps (it may stay);
   reference  DeepSeek's EPLB from scratch every 1,024 steps on the last 1,024 steps' sum;
   fixed-hl   a recency-weighted sum (fixed half-life, 256 steps) of the last 1,024 steps,
              re-placed every 128 steps by rebalance_experts(old_phy2log=...);
@@ -42,7 +42,8 @@ POLICY_NAMES = ("ours", "reference", "fixed-hl", "hindsight")
 @dataclass(frozen=True)
 class SeriesSettings:
     warmup: int = 1024
-    interval: int = 128  # ours, fixed-hl, hindsight
+    interval: int = 128  # fixed-hl, hindsight
+    ours_interval: int = 64
     reference_interval: int = 1024
     history: int = 2048  # steps ours sees
     baseline_window: int = 1024
@@ -113,7 +114,7 @@ def build_policies(num_experts: int, num_gpus: int, settings: SeriesSettings, st
 
     def ours(trace, step, old):
         window = trace[max(0, step - s.history):step]
-        return rebalance_from_history(window, *args, old_phy2log=old, interval=s.interval, step_cost=step_cost,
+        return rebalance_from_history(window, *args, old_phy2log=old, interval=s.ours_interval, step_cost=step_cost,
                                       **(options or {}))[0].numpy()
 
     def reference(trace, step, old):
@@ -132,7 +133,7 @@ def build_policies(num_experts: int, num_gpus: int, settings: SeriesSettings, st
         coming = trace[step:step + s.interval].sum(0)
         return rebalance_experts(coming, *args, old_phy2log=old)[0].numpy()
 
-    return {"ours": (ours, s.interval), "reference": (reference, s.reference_interval),
+    return {"ours": (ours, s.ours_interval), "reference": (reference, s.reference_interval),
             "fixed-hl": (fixed_hl, s.interval), "hindsight": (hindsight, s.interval)}
 
 
@@ -157,7 +158,7 @@ def run_trace(trace: np.ndarray, num_gpus: int, settings: SeriesSettings, *, pol
 
 def num_calls(num_steps: int, settings: SeriesSettings, policies=POLICY_NAMES) -> int:
     """Policy calls run_trace makes (for a progress bar)."""
-    table = {"reference": settings.reference_interval}
+    table = {"reference": settings.reference_interval, "ours": settings.ours_interval}
     total = 0
     for name in policies:
         interval = table.get(name, settings.interval)

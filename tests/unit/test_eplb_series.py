@@ -46,11 +46,11 @@ def test_simulate_counts_par_and_moved_slots_by_hand():
 def test_run_trace_reports_every_policy_and_reference_scores_100():
     spec = TraceSpec("bursts", "qwen3-moe", 16, 1536, seed=0, num_layers=2)
     trace = make_trace(spec)
-    settings = SeriesSettings(warmup=1024, interval=128, reference_interval=256)
+    settings = SeriesSettings(warmup=1024, interval=128, ours_interval=64, reference_interval=256)
     results = run_trace(trace, 16, settings)
     assert set(results) == {"ours", "reference", "fixed-hl", "hindsight"}
-    assert results["ours"].calls == 3 and results["reference"].calls == 1
-    assert num_calls(1536, settings) == 3 + 1 + 3 + 3
+    assert results["ours"].calls == 7 and results["reference"].calls == 1
+    assert num_calls(1536, settings) == 7 + 1 + 3 + 3
     for r in results.values():
         assert r.mean_par >= 1.0 and r.moved >= 0
     assert score(results["reference"].time, results["reference"].time) == pytest.approx(100.0)
