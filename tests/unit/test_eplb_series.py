@@ -3,6 +3,8 @@ trace generators and dump readers."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -92,3 +94,35 @@ def test_load_trace_reads_both_dump_formats(tmp_path):
         load_trace(tmp_path / "flat.pt")
     with pytest.raises(ValueError, match="does not exist"):
         load_trace(tmp_path / "missing.pt")
+
+
+def test_series_cli_on_a_dump_prints_the_table_and_json(tmp_path, capsys):
+    from launch.bench.eplb import main
+
+    trace = make_trace(TraceSpec("drift", "qwen3-moe", 16, 1300, seed=3, num_layers=2))[:, :, :16]
+    save_file({"logical_count": torch.from_numpy(trace.astype(np.int64))}, str(tmp_path / "d.safetensors"))
+    out = tmp_path / "series.json"
+    assert main(["--series", "--trace", str(tmp_path / "d.safetensors"), "--num-gpus", "4", "--no-generated",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "file:d.safetensors:ep4" in text and "mean score: ours" in text
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["score"]["reference"] == pytest.approx(100.0)
+    assert set(row["policies"]) == {"ours", "reference", "fixed-hl", "hindsight"}
+    short = tmp_path / "short.pt"
+    torch.save({"logical_count": torch.ones(100, 2, 16, dtype=torch.int64)}, short)
+    with pytest.raises(SystemExit) as exc:
+        main(["--series", "--trace", str(short), "--no-generated"])
+    assert exc.value.code == 2 and "needs more than" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_series_default_quick_set_beats_the_reference(capsys):
+    from launch.bench.eplb import main
+
+    assert main(["--series", "--kind", "steady", "--kind", "phases"]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.startswith(("steady:", "phases:"))]
+    assert len(rows) == 2
+    for r in rows:
+        assert float(r[1]) > 100.0 and float(r[1]) > float(r[2])  # ours > reference and > fixed-hl
