@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return series_main(argv)
     parser = argparse.ArgumentParser(prog="python -m launch bench eplb", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--series", action="store_true",
+                        help="judge balancers over time on load traces instead (see --series --help)")
     parser.add_argument("--reference", metavar="PATH", help="DeepSeek's eplb.py, or the folder holding it")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="repeatable; default all")
