@@ -196,7 +196,10 @@ class LLMEngine:
         if self.eplb is not None:
             loads = [r.slot_load for r in results if r.slot_load is not None]
             if loads:
-                self.eplb.record(torch.stack(loads).sum(0))
+                dropped = None
+                if self.config.moe.capacity_factor > 0:
+                    dropped = torch.tensor([[d for d, _ in r.capacity] for r in results], dtype=torch.int64).sum(0)
+                self.eplb.record(torch.stack(loads).sum(0), dropped)
 
     def request_rebalance(self) -> None:
         """Rebalance after the next step regardless of the trigger (tests, operators)."""

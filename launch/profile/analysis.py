@@ -34,9 +34,10 @@ def check_ep_sizes(ep_sizes: list[int], num_experts: int) -> None:
 
 
 def recorded_num_ranks(recording: Recording, fallback: int | None) -> int:
-    """EP size of the recorded placement: what the dumps say (they must agree), else
-    ``fallback`` (``--recorded-ep``, or the first ``--ep``), else 1."""
-    said = {d.num_ranks for d in recording.dumps if d.num_ranks is not None}
+    """EP size of the recorded placement: what the dumps say (they must agree; one rank says
+    nothing), else ``fallback`` (``--recorded-ep``, or the first ``--ep``), else 1."""
+    # A one-rank run says nothing about how its experts would spread: analyse it at the fallback.
+    said = {d.num_ranks for d in recording.dumps if d.num_ranks is not None and d.num_ranks > 1}
     said |= {len(d.ranks) for d in recording.dumps if d.format == "sglang-per_pass" and len(d.ranks) > 1}
     if len(said) > 1:
         raise DumpError(f"the dumps were recorded at different EP sizes {sorted(said)}; profile them separately")
@@ -65,7 +66,11 @@ def even_slot_load(load: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
 
 
 def dump_rank_load(dump: Dump, num_ranks: int) -> np.ndarray:
-    """[S, L, R] float64 rank loads of one dump under its recorded placement."""
+    """[S, L, R] float64 rank loads of one dump under its recorded placement (the identity
+    placement for a dump recorded on one rank)."""
+    if dump.num_ranks == 1:
+        return slot_rank_load(even_slot_load(dump.logical_count, identity_phy2log(*dump.logical_count.shape[1:])),
+                              num_ranks, dump.path)
     if dump.physical_count is not None:
         return slot_rank_load(dump.physical_count, num_ranks, dump.path)
     phy = dump.phy2log if dump.phy2log is not None else identity_phy2log(*dump.logical_count.shape[1:])

@@ -42,9 +42,10 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
                    help="redundant experts per layer (default: 0 and 1, 2, 4 per rank)")
     g.add_argument("--recorded-ep", type=_positive, default=None, metavar="N",
                    help="EP size of the recorded run when the dump does not say (default: the first --ep)")
-    g.add_argument("--num-nodes", type=_positive, default=2, help="nodes for hierarchical placement (default 2)")
+    g.add_argument("--hierarchical-nodes", type=_positive, default=2,
+                   help="nodes for the hierarchical what-if placement (default 2)")
     g.add_argument("--num-groups", type=_positive, default=None,
-                   help="expert groups for hierarchical placement (default: the model's n_group, else --num-nodes)")
+                   help="expert groups for hierarchical placement (default: the model's n_group, else --hierarchical-nodes)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -52,7 +53,7 @@ def report_options(args: argparse.Namespace, **extra):
     from launch.profile.report import ReportOptions
 
     return ReportOptions(ep_sizes=args.ep, redundant=args.redundant, recorded_ep=args.recorded_ep,
-                         num_groups=args.num_groups, num_nodes=args.num_nodes, progress=not args.no_progress,
+                         num_groups=args.num_groups, num_nodes=args.hierarchical_nodes, progress=not args.no_progress,
                          **extra)
 
 

@@ -79,7 +79,7 @@ def rank_heatmap(a: Analysis, out: Path) -> Figure:
     mean = load.mean(1, keepdims=True)
     ratio = load / np.where(mean > 0, mean, 1.0)
     num_layers, num_ranks = ratio.shape
-    fig, ax = plt.subplots(figsize=(min(11, 3 + 0.6 * num_ranks), _tall(num_layers)))
+    fig, ax = plt.subplots(figsize=(min(11, 5.5 + 0.6 * num_ranks), _tall(num_layers)))
     im = ax.imshow(ratio, aspect="auto", cmap="RdYlBu_r", interpolation="nearest", vmin=0,
                    vmax=max(2.0, float(ratio.max())))
     if num_layers * num_ranks <= 400:

@@ -22,8 +22,13 @@ import numpy as np
 from tqdm import tqdm
 
 from balancer import rebalance_experts
-from launch.profile.analysis import SGLANG_WINDOWS, even_slot_load, identity_phy2log, layer_balancedness, \
-    slot_rank_load
+from launch.profile.analysis import (
+    SGLANG_WINDOWS,
+    even_slot_load,
+    identity_phy2log,
+    layer_balancedness,
+    slot_rank_load,
+)
 
 INTERVALS = (10, 30, 100, 300, 1000, 3000)
 MAX_REBALANCES = 64
@@ -103,7 +108,7 @@ def compute_what_if(count: np.ndarray, ep_sizes: list[int], redundant: list[int]
         held = None
         if first is not None:
             held = predicted(second, _place(first, num_experts + r, ep, policy, num_groups, num_nodes), ep)
-        rows.append(WhatIfRow(ep, r, policy, bal, base, bal / base if base > 0 else 1.0, held, 
+        rows.append(WhatIfRow(ep, r, policy, bal, base, bal / base if base > 0 else 1.0, held,
                               num_nodes if policy == "hierarchical" else 1,
                               num_groups if policy == "hierarchical" else 1))
     return rows, skipped
@@ -111,7 +116,7 @@ def compute_what_if(count: np.ndarray, ep_sizes: list[int], redundant: list[int]
 
 def _hierarchical_problem(ep: int, num_experts: int, num_groups: int, num_nodes: int) -> str | None:
     if num_nodes <= 1:
-        return "needs more than one node (--num-nodes)"
+        return "needs more than one node (--hierarchical-nodes)"
     if ep % num_nodes:
         return f"{ep} ranks do not split over {num_nodes} nodes"
     if num_experts % num_groups:
