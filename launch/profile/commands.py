@@ -49,14 +49,6 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def report_options(args: argparse.Namespace, **extra):
-    from launch.profile.report import ReportOptions
-
-    return ReportOptions(ep_sizes=args.ep, redundant=args.redundant, recorded_ep=args.recorded_ep,
-                         num_groups=args.num_groups, num_nodes=args.hierarchical_nodes, progress=not args.no_progress,
-                         **extra)
-
-
 def report_main(argv: list[str]) -> int:
     """``profile report DUMP [DUMP ...] --out DIR [--ep N ...] [--redundant N ...]``."""
     parser = argparse.ArgumentParser(
@@ -69,10 +61,11 @@ def report_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from launch.profile.readers import DumpError, read_recording
     from launch.profile.report import write_report
+    from launch.profile.study import options_from_args
 
     try:
         recording = read_recording(args.dumps)
-        page = write_report(recording, args.out, report_options(args))
+        page = write_report(recording, args.out, options_from_args(args))
     except DumpError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

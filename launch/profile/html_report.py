@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from launch.profile.plots import Figure
 
 if TYPE_CHECKING:
-    from launch.profile.report import Analysis
+    from launch.profile.study import Analysis
 
 CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px auto; max-width: 1200px;

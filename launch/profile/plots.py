@@ -16,7 +16,7 @@ from tqdm import tqdm  # noqa: E402
 from launch.profile import analysis as an  # noqa: E402
 
 if TYPE_CHECKING:
-    from launch.profile.report import Analysis
+    from launch.profile.study import Analysis
 
 DPI = 110
 PHASE_COLORS = ("#e8eef8", "#fbeee0", "#e6f4ea", "#f6e6f0", "#f2f2dc")

@@ -101,9 +101,9 @@ def run_and_report(args: argparse.Namespace) -> Path:
     """Parse the runtime flags, record the run, dump it into ``args.out`` and write the report there."""
     from launch.config_args import runtime_config_from_args
     from launch.llm import LLM
-    from launch.profile.commands import report_options
     from launch.profile.readers import read_recording
     from launch.profile.report import write_report
+    from launch.profile.study import options_from_args
     from launch.workloads import WorkloadError, load_workload_phases
 
     try:
@@ -136,7 +136,7 @@ def run_and_report(args: argparse.Namespace) -> Path:
     finally:
         llm.shutdown()
     recording = read_recording([dump])
-    options = report_options(args, model_layers=list(model_config.moe_layer_ids), extra=extra,
+    options = options_from_args(args, model_layers=list(model_config.moe_layer_ids), extra=extra,
                              title=f"Expert load profile: {Path(str(config.model)).name}, {args.workload}")
     if options.num_groups is None:
         from dataclasses import replace
