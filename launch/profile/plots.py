@@ -66,7 +66,7 @@ def load_heatmap(a: Analysis, out: Path) -> Figure:
     ax.set_xlabel("logical expert")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(len(ratio)), _layer_labels(a), fontsize=8 if len(ratio) < 40 else 5)
-    fig.colorbar(im, ax=ax, label="tokens / layer mean (1 = uniform)")
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="tokens / layer mean (1 = uniform)")
     ax.set_title(f"Expert load over {a.recording.num_steps} steps")
     _save(fig, out, "load_heatmap.png")
     return Figure("load_heatmap.png", "Load per layer and expert",
@@ -89,7 +89,7 @@ def rank_heatmap(a: Analysis, out: Path) -> Figure:
     ax.set_xlabel("EP rank")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(num_layers), _layer_labels(a), fontsize=8 if num_layers < 40 else 5)
-    fig.colorbar(im, ax=ax, label="rank load / mean rank load")
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="rank load / mean rank load")
     ax.set_title(f"Rank load under the recorded placement (EP {a.num_ranks})")
     _save(fig, out, "rank_load.png")
     return Figure("rank_load.png", "Load per layer and EP rank",
@@ -167,7 +167,7 @@ def hot_experts(a: Analysis, out: Path) -> Figure:
 def expert_share_time(a: Analysis, out: Path) -> Figure:
     layer = a.drift_layer
     count = a.recording.logical_count[:, layer]
-    window = max(1, a.recording.num_steps // 120)
+    window = max(1, round(a.recording.num_steps / 80))
     loads = an.window_loads(count, window)
     total = loads.sum(1, keepdims=True)
     share = loads / np.where(total > 0, total, 1.0)
@@ -179,7 +179,7 @@ def expert_share_time(a: Analysis, out: Path) -> Figure:
         ax.text(start, a.recording.num_experts - 0.5, f" {name}", color="white", va="top", fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel("logical expert")
-    fig.colorbar(im, ax=ax, label="share of the layer's tokens")
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="share of the layer's tokens")
     ax.set_title(f"Layer {_layer_labels(a)[layer]}: expert shares over time ({window}-step windows)")
     _save(fig, out, "expert_share_time.png")
     return Figure("expert_share_time.png", "Where the load moves",
@@ -218,12 +218,12 @@ def drops(a: Analysis, out: Path) -> Figure | None:
     if rec.dropped is None:
         return None
     total, fraction = an.drops_per_layer(rec.dropped, rec.logical_count)
-    fig, ax = plt.subplots(figsize=(max(6, min(14, 2 + 0.3 * rec.num_layers)), 3.4))
+    fig, ax = plt.subplots(figsize=(max(7, min(14, 2 + 0.3 * rec.num_layers)), 3.4))
     ax.bar(range(rec.num_layers), 100 * fraction, color="#c44e52")
     ax.set_xticks(range(rec.num_layers), _layer_labels(a), rotation=90 if rec.num_layers > 16 else 0, fontsize=8)
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("% of assignments dropped")
-    ax.set_title(f"Capacity drops: {int(total.sum())} token-expert assignments over the recording")
+    ax.set_title(f"Capacity drops: {int(total.sum())} token-expert assignments", fontsize=11)
     _save(fig, out, "drops.png")
     return Figure("drops.png", "Capacity drops per layer",
                   "Token-expert assignments dropped by the expert capacity factor, as a share of those routed.")

@@ -11,6 +11,7 @@ prompt of a phase runs to the end before the next phase starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -39,11 +40,16 @@ class _Feeder:
     def __init__(self, engine, params: SamplingParams, max_tokens: int) -> None:
         self.engine, self.params, self.max_tokens = engine, params, max_tokens
         self.live: set[str] = set()
+        self.num_added = 0
 
     def add(self, prompt: str) -> None:
         rid = self.engine.next_request_id()
+        # Lengths staggered over [max/2, max] so requests do not all finish (and prefill) in lockstep.
+        length = self.max_tokens - (5 * self.num_added) % (self.max_tokens // 2 + 1)
+        self.num_added += 1
+        params = dataclasses.replace(self.params, max_tokens=length)
         try:
-            self.engine.add_request(rid, _encode(self.engine, prompt, self.max_tokens), self.params, prompt=prompt)
+            self.engine.add_request(rid, _encode(self.engine, prompt, self.max_tokens), params, prompt=prompt)
         except ValueError as e:
             raise ProfileRunError(f"cannot run a workload prompt: {e}") from None
         self.live.add(rid)
