@@ -152,10 +152,18 @@ def churn_windows(num_steps: int) -> list[int]:
 
 def drift_layer(count: np.ndarray, window: int, top: int) -> int:
     """The layer whose hot set changes most (lowest mean overlap); 0 when nothing to compare."""
-    overlap = hot_set_churn(count, window, top)
-    if overlap.size == 0 or np.isnan(overlap).all():
+    per_layer = mean_over(hot_set_churn(count, window, top), axis=0)
+    if per_layer.size == 0 or np.isnan(per_layer).all():
         return 0
-    return int(np.nanargmin(np.nanmean(np.where(np.isnan(overlap), np.nan, overlap), axis=0)))
+    return int(np.nanargmin(per_layer))
+
+
+def mean_over(x: np.ndarray, axis: int) -> np.ndarray:
+    """Mean ignoring NaN along axis; NaN (no warning) where every value is NaN."""
+    valid = ~np.isnan(x)
+    num = valid.sum(axis)
+    total = np.where(valid, x, 0.0).sum(axis)
+    return np.where(num > 0, total / np.maximum(num, 1), np.nan)
 
 
 def drops_per_layer(dropped: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

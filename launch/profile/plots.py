@@ -197,7 +197,7 @@ def churn(a: Analysis, out: Path) -> Figure | None:
         if overlap.size == 0:
             continue
         x = (np.arange(overlap.shape[0]) + 1) * w
-        ax.plot(x, np.nanmean(overlap, axis=1), marker="o" if overlap.shape[0] < 60 else None, ms=3, color=color,
+        ax.plot(x, an.mean_over(overlap, axis=1), marker="o" if overlap.shape[0] < 60 else None, ms=3, color=color,
                 label=f"{w}-step windows")
     ax.axhline(a.top / a.recording.num_experts, color="black", ls=":", lw=1, label="chance")
     ax.set_ylim(0, 1.05)

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from launch.profile import analysis as an
 from launch.profile.readers import Recording
 from launch.profile.study import Analysis, ReportOptions, analyze
@@ -56,10 +54,10 @@ def _churn(a: Analysis) -> dict:
     out = {"top": a.top, "chance_overlap": a.top / a.recording.num_experts, "drift_layer": a.drift_layer,
            "windows": {}}
     for w, overlap in a.churn.items():
-        per_window = np.nanmean(np.where(np.isnan(overlap), np.nan, overlap), axis=1) if overlap.size else overlap
+        per_window = an.mean_over(overlap, axis=1)
         out["windows"][str(w)] = {
-            "mean_overlap": an.finite(float(np.nanmean(overlap))) if overlap.size else None,
-            "overlap": [an.finite(float(v)) for v in np.atleast_1d(per_window)] if overlap.size else []}
+            "mean_overlap": an.finite(float(an.mean_over(overlap.reshape(-1), axis=0))) if overlap.size else None,
+            "overlap": [an.finite(float(v)) for v in per_window]}
     return out
 
 

@@ -81,7 +81,8 @@ def analyze(recording: Recording, options: ReportOptions) -> Analysis:
                                     num_nodes=options.num_nodes, progress=options.progress)
     rec_ep = num_ranks if any(r.ep == num_ranks for r in rows) else ep_sizes[0]
     redundant = recommend_redundant(rows, rec_ep)
-    mean_churn = {w: float(np.nanmean(o)) for w, o in churn.items() if o.size and not np.isnan(o).all()}
+    mean_churn = {w: float(an.mean_over(o.reshape(-1), axis=0)) for w, o in churn.items()
+                  if o.size and not np.isnan(o).all()}
     eplb = recommend_eplb_config(count, rec_ep, redundant["value"] if redundant else 0, mean_churn,
                                  progress=options.progress)
     return Analysis(recording, options, num_ranks, rank_load, layer_bal, overall, an.step_balancedness(rank_load),

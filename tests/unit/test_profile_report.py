@@ -224,3 +224,17 @@ def test_pickle_with_code_is_refused_without_running_it(tmp_path, capsys):
     with pytest.raises(DumpError, match="neither an SGLang stat dump"):
         torch.save({"something": torch.ones(2)}, str(tmp_path / "other.pt"))
         read_dump(tmp_path / "other.pt")
+
+
+def test_idle_layers_like_sglang_dense_layers(tmp_path):
+    count = skewed_counts(30, L, E, seed=6)
+    count[:, 0] = 0  # SGLang counts every model layer: dense ones stay zero
+    summary = _summary([write_sglang_stat(tmp_path / "s.pt", count)], ep_sizes=[2])
+    first = summary["layers"][0]
+    assert first["idle"] and first["balancedness"] == 1.0 and first["load_share"] == [0.0] * 5
+    want = oracle_balancedness(oracle_identity_rank_load(count.sum(0)[1:], 2))[1]
+    assert summary["overall_balancedness"] == pytest.approx(want, rel=1e-12)
+    churn = an.hot_set_churn(count.astype(float), 10, 2)
+    assert churn.shape == (2, L) and np.isnan(churn[:, 0]).all() and not np.isnan(churn[:, 1:]).any()
+    assert summary["hot_set_churn"]["windows"]["10"]["mean_overlap"] == pytest.approx(np.nanmean(churn))
+    json.dumps(summary, allow_nan=False)
