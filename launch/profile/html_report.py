@@ -123,13 +123,28 @@ def _sources(summary: dict) -> str:
     return f"<ul class='sub'>{items}</ul>{run_line}"
 
 
+def _phase_table(phases: list[dict], top: int) -> str:
+    if not phases:
+        return ""
+    rows = []
+    for p in phases:
+        hot = "; ".join(f"{x}: " + ", ".join(str(i) for i in ids[:3]) for x, ids in enumerate(p["hot_experts"]))
+        overlap = "" if p["overlap_with_previous"] is None else f"{p['overlap_with_previous']:.2f}"
+        rows.append(f"<tr><td class='l'>{_e(p['name'])}</td><td>{p['start']}-{p['end']}</td>"
+                    f"<td>{p['balancedness']:.3f}</td><td>{overlap}</td><td class='l'>{_e(hot)}</td></tr>")
+    return ("<h2 id='phases'>Workload phases</h2><table><tr><th class='l'>phase</th><th>steps</th>"
+            f"<th>balancedness</th><th>top-{top} overlap with previous phase</th>"
+            "<th class='l'>3 hottest experts per layer</th></tr>" + "".join(rows) + "</table>"
+            "<p class='sub'>Overlap: the share of each layer's hottest experts in this phase that were also "
+            "hottest in the previous one, averaged over layers (1.0: the switch did not move the load).</p>")
+
+
 def render_page(a: Analysis, summary: dict, figures: list[Figure]) -> str:
     """The whole index.html as a string."""
     figs = "".join(f"<h2 id='{_e(f.file[:-4])}'>{_e(f.title)}</h2><figure><img src='{_e(f.file)}' "
                    f"alt='{_e(f.title)}'><figcaption>{_e(f.caption)}</figcaption></figure>" for f in figures)
     phases = summary["phases"]
-    phase_line = ("<p class='sub'>Workload phases: " + "; ".join(
-        f"{_e(p['name'])} (steps {p['start']}-{p['end']})" for p in phases) + "</p>") if phases else ""
+    phase_line = _phase_table(phases, a.top)
     nav = "".join(f"<a href='#{_e(f.file[:-4])}'>{_e(f.title)}</a>" for f in figures)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{_e(a.options.title)}</title>

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from launch.profile import analysis as an
 from launch.profile.readers import Recording
 from launch.profile.study import Analysis, ReportOptions, analyze
@@ -70,6 +72,25 @@ def _drops(a: Analysis) -> dict | None:
             "fraction_per_layer": [float(v) for v in fraction]}
 
 
+def _phases(a: Analysis) -> list[dict]:
+    """Per workload phase: its balancedness, hot experts per layer, and how much of its hot set
+    (top ``a.top`` per layer) the previous phase shared: the switch in numbers."""
+    out, prev = [], None
+    for name, start, end in a.recording.phases:
+        count = a.recording.logical_count[start:end].sum(0)
+        ids, share = an.hot_experts(count)
+        top = np.argsort(-count, axis=1, kind="stable")[:, : a.top]
+        entry = {"name": name, "start": start, "end": end,
+                 "balancedness": an.layer_balancedness(a.rank_load[start:end].sum(0))[1],
+                 "hot_experts": ids.tolist(), "load_share": share.tolist(), "overlap_with_previous": None}
+        if prev is not None and end > start:
+            shared = [len(set(t) & set(p)) / a.top for t, p in zip(top.tolist(), prev.tolist())]
+            entry["overlap_with_previous"] = float(np.mean(shared))
+        out.append(entry)
+        prev = top if end > start else prev
+    return out
+
+
 def summary_of(a: Analysis) -> dict:
     """The summary.json document (plain JSON types)."""
     rec = a.recording
@@ -79,7 +100,7 @@ def summary_of(a: Analysis) -> dict:
         "what_if": rows_as_dicts(a.what_if), "what_if_skipped": a.skipped,
         "balancedness_over_time": _over_time(a), "hot_set_churn": _churn(a), "drops": _drops(a),
         "recommendation": a.recommendation,
-        "phases": [{"name": n, "start": s, "end": e} for n, s, e in rec.phases],
+        "phases": _phases(a),
         "sources": [{"path": d.path, "format": d.format, "steps": d.num_steps,
                      "placement": "physical counts" if d.physical_count is not None
                      else "phy2log (even split over copies)" if d.phy2log is not None else "identity"}

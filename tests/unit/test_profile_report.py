@@ -138,7 +138,10 @@ def test_our_dump_physical_counts_drops_and_phases(tmp_path):
         oracle_balancedness(physical.reshape(2, 2, 3).sum(-1))[1], rel=1e-12)
     assert summary["drops"]["per_layer"] == [1.0, 2.0]
     assert summary["drops"]["fraction_per_layer"] == pytest.approx([1 / 22, 2 / 17])
-    assert summary["phases"] == [{"name": "a", "start": 0, "end": 1}, {"name": "b", "start": 1, "end": 2}]
+    phases = summary["phases"]
+    assert [(p["name"], p["start"], p["end"]) for p in phases] == [("a", 0, 1), ("b", 1, 2)]
+    assert phases[0]["hot_experts"][0][:2] == [0, 1] and phases[1]["hot_experts"][0][:2] == [1, 3]
+    assert phases[0]["overlap_with_previous"] is None and phases[1]["overlap_with_previous"] == 0.5  # top-2
 
 
 def test_trailing_mean_churn_and_hot_experts_by_hand():
