@@ -20,6 +20,8 @@ from tqdm import tqdm
 
 from launch.core import SamplingParams
 
+MAX_IDLE_STEPS = 1000
+
 
 class ProfileRunError(ValueError):
     """A run that cannot be profiled (no MoE layers, no tokenizer, a bad workload)."""
@@ -41,6 +43,7 @@ class _Feeder:
         self.engine, self.params, self.max_tokens = engine, params, max_tokens
         self.live: set[str] = set()
         self.num_added = 0
+        self.idle = 0
 
     def add(self, prompt: str) -> None:
         rid = self.engine.next_request_id()
@@ -55,12 +58,18 @@ class _Feeder:
         self.live.add(rid)
 
     def step(self) -> int:
-        """One engine step; returns 1 when it executed (recorded) a step."""
+        """One engine step; returns 1 when it executed (recorded) a step. ProfileRunError when
+        the engine stops making progress (nothing it can schedule)."""
         before = self.engine.counters.num_steps
         for out in self.engine.step():
             if out.finished:
                 self.live.discard(out.request_id)
-        return self.engine.counters.num_steps - before
+        ran = self.engine.counters.num_steps - before
+        self.idle = 0 if ran else self.idle + 1
+        if self.idle > MAX_IDLE_STEPS:
+            raise ProfileRunError(f"the engine ran no batch in {MAX_IDLE_STEPS} steps with {len(self.live)} "
+                                  "requests waiting (KV cache too small for --max-num-seqs / --max-tokens?)")
+        return ran
 
     def abort_all(self) -> None:
         for rid in sorted(self.live):
