@@ -154,9 +154,10 @@ def render_page(a: Analysis, summary: dict, figures: list[Figure]) -> str:
 <p class="sub">{summary['steps']} recorded steps, {summary['num_layers']} MoE layers, {summary['num_experts']}
 logical experts; rank loads under the recorded placement at EP {a.num_ranks}. Files: <code>summary.json</code>
 holds every number on this page.</p>
-{_sources(summary)}{phase_line}
+{_sources(summary)}
 {_cards(a, summary)}
 {_recommendation(summary['recommendation'])}
+{phase_line}
 <nav>{nav}<a href="#layers">Per-layer table</a><a href="#whatif">What-if table</a></nav>
 {figs}
 <h2 id="layers">Per layer</h2>{_layer_table(summary)}
