@@ -33,6 +33,7 @@ from launch.profile.analysis import (
 INTERVALS = (10, 30, 100, 300, 1000, 3000)
 MAX_REBALANCES = 64
 GAIN_SHARE = 0.9
+MIN_GAIN = 0.01
 INTERVAL_TOLERANCE = 0.01
 
 
@@ -160,7 +161,8 @@ def static_realized(count: np.ndarray, phy2log: np.ndarray, num_ranks: int) -> f
 
 def recommend_redundant(rows: list[WhatIfRow], ep: int) -> dict | None:
     """Smallest redundant count at ``ep`` reaching 90 % of the best gain in predicted
-    balancedness (best policy per count); None without rows for ep."""
+    balancedness (best policy per count; the fewest when the best gains < 0.01); None without
+    rows for ep."""
     best: dict[int, WhatIfRow] = {}
     for row in rows:
         if row.ep == ep and (row.redundant not in best or row.balancedness > best[row.redundant].balancedness):
@@ -170,11 +172,12 @@ def recommend_redundant(rows: list[WhatIfRow], ep: int) -> dict | None:
     counts = sorted(best)
     low = best[counts[0]].balancedness
     top = max(best.values(), key=lambda r: r.balancedness)
-    if top.balancedness - low < 0.005:
+    if top.balancedness - low < MIN_GAIN:
         pick = best[counts[0]]
     else:
         pick = next(best[r] for r in counts if best[r].balancedness - low >= GAIN_SHARE * (top.balancedness - low))
-    basis = (f"EP {ep}: predicted balancedness {pick.balancedness:.3f} with {pick.redundant} redundant "
+    held = "" if pick.held_out_balancedness is None else f" (held out {pick.held_out_balancedness:.3f})"
+    basis = (f"EP {ep}: predicted balancedness {pick.balancedness:.3f}{held} with {pick.redundant} redundant "
              f"({pick.policy}), {low:.3f} with {counts[0]}, best {top.balancedness:.3f} with {top.redundant}; "
              f"no EPLB {pick.no_eplb_balancedness:.3f}")
     return {"value": pick.redundant, "ep": ep, "policy": pick.policy, "balancedness": pick.balancedness,

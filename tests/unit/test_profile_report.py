@@ -18,7 +18,7 @@ from launch.profile.commands import report_main
 from launch.profile.readers import DumpError, read_dump, read_recording
 from launch.profile.report import summary_of
 from launch.profile.study import ReportOptions, analyze
-from launch.profile.whatif import recommend_eplb_config, simulate_eplb
+from launch.profile.whatif import WhatIfRow, recommend_eplb_config, recommend_redundant, simulate_eplb
 from tests.unit.profile_dumps import (
     oracle_balancedness,
     oracle_hot,
@@ -241,3 +241,14 @@ def test_idle_layers_like_sglang_dense_layers(tmp_path):
     assert churn.shape == (2, L) and np.isnan(churn[:, 0]).all() and not np.isnan(churn[:, 1:]).any()
     assert summary["hot_set_churn"]["windows"]["10"]["mean_overlap"] == pytest.approx(np.nanmean(churn))
     json.dumps(summary, allow_nan=False)
+
+
+def test_redundant_recommendation_rule():
+    def row(r, bal):
+        return WhatIfRow(4, r, "global", bal, 0.5, bal / 0.5, None, 1, 1)
+
+    rows = [row(0, 0.60), row(4, 0.88), row(8, 0.95), row(16, 0.96)]
+    pick = recommend_redundant(rows, 4)  # 90 % of the 0.36 gain is 0.924: 8 is the first to reach it
+    assert pick["value"] == 8 and "0.950" in pick["basis"] and "best 0.960 with 16" in pick["basis"]
+    assert recommend_redundant([row(0, 0.990), row(4, 0.997)], 4)["value"] == 0  # gains < 0.01
+    assert recommend_redundant(rows, 8) is None
