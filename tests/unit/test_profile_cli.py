@@ -85,7 +85,8 @@ def test_profile_run_on_a_tiny_checkpoint_shows_the_workload_switch(tmp_path, ca
     out = tmp_path / "profile"
     rc = cli.main(["profile", "run", "--model", str(model), "--workload",
                    f"{tmp_path / 'words.txt'}+{tmp_path / 'digits.txt'}", "--steps", "24", "--max-tokens", "4",
-                   "--max-num-seqs", "2", "--out", str(out), "--ep", "2", "--no-progress"])
+                   "--max-num-seqs", "2", "--capacity-factor", "0.5", "--out", str(out), "--ep", "2",
+                   "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 24 and summary["num_layers"] == 2 and summary["num_experts"] == 8
@@ -93,6 +94,9 @@ def test_profile_run_on_a_tiny_checkpoint_shows_the_workload_switch(tmp_path, ca
     assert summary["sources"][0]["format"] == "moe-serve" and summary["run"]["eplb"] == "off"
     assert summary["layers"][0]["model_layer"] == 1  # first_k_dense_replace = 1
     assert sum(x["tokens"] for x in summary["layers"]) > 0
+    drops = summary["drops"]  # capacity factor 0.5: every layer drops some assignments
+    assert drops["total"] > 0 and all(0 < f < 1 for f in drops["fraction_per_layer"])
+    assert (out / "drops.png").stat().st_size > 2000
     dumps = list(out.glob("expert_distribution_*.safetensors"))
     assert len(dumps) == 1
     page = _check_page(out)
