@@ -79,8 +79,16 @@ class Recording:
 # ---- validation ------------------------------------------------------------------------
 
 
+def as_array(value: Any) -> np.ndarray:
+    """A torch tensor (any dtype, bfloat16 included), numpy array or nested list -> numpy."""
+    if hasattr(value, "detach"):
+        t = value.detach().cpu()
+        return (t.double() if t.is_floating_point() else t).numpy()
+    return np.asarray(value)
+
+
 def check_counts(path: Path, name: str, value: Any, ndim: int | tuple[int, ...]) -> np.ndarray:
-    arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+    arr = as_array(value)
     dims = (ndim,) if isinstance(ndim, int) else ndim
     if arr.ndim not in dims:
         want = " or ".join({3: "[steps, L, E]", 2: "[L, E]"}.get(d, f"{d}-D") for d in dims)
@@ -105,7 +113,7 @@ def check_logical(path: Path, value: Any) -> np.ndarray:
 
 
 def check_placement(path: Path, value: Any, num_layers: int, num_experts: int) -> np.ndarray:
-    arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+    arr = as_array(value)
     if arr.ndim != 2 or arr.shape[0] != num_layers or arr.shape[1] < num_experts:
         raise DumpError(f"{path}: placement (physical to logical map) must be [L={num_layers}, P>={num_experts}], "
                         f"got shape {list(arr.shape)}")

@@ -252,3 +252,11 @@ def test_redundant_recommendation_rule():
     assert pick["value"] == 8 and "0.950" in pick["basis"] and "best 0.960 with 16" in pick["basis"]
     assert recommend_redundant([row(0, 0.990), row(4, 0.997)], 4)["value"] == 0  # gains < 0.01
     assert recommend_redundant(rows, 8) is None
+
+
+def test_stat_dump_of_bfloat16_or_nested_lists(tmp_path):
+    count = skewed_counts(4, 2, 4, seed=8)
+    torch.save({"logical_count": torch.from_numpy(count).to(torch.bfloat16)}, str(tmp_path / "bf16.pt"))
+    torch.save({"logical_count": count.tolist()}, str(tmp_path / "lists.pt"))
+    for name in ("bf16.pt", "lists.pt"):
+        np.testing.assert_array_equal(read_dump(tmp_path / name).logical_count, count)  # small ints are exact
