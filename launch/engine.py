@@ -26,6 +26,7 @@ from launch.core import (
 )
 from launch.driver import EplbDriver
 from launch.executor import Executor, build_executor
+from launch.recovery import Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
 from moe.config import ModelConfig
 
@@ -117,7 +118,8 @@ class LLMEngine:
             dist_timeout_s=p.collective_timeout_s,
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
         )
-        self.executor: Executor = build_executor(spec, strategy=p.placement_strategy)
+        self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
+                                                 call_timeout_s=step_timeout_s(config))
         try:
             self.eplb = EplbDriver(
                 config.balancer, self.placement, num_groups=self._num_groups(),
@@ -130,17 +132,21 @@ class LLMEngine:
                 max_model_len=self.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
                 dp_size=p.data_parallel_size, block_size=e.block_size,
             )
-            allocators = [BlockAllocator(self.num_kv_blocks, e.block_size, e.enable_prefix_caching)
-                          for _ in range(p.data_parallel_size)]
             eos = self.model_config.eos_token_ids
             decode = self.tokenizer.decode if self.tokenizer is not None else None
-            self.scheduler = Scheduler(sched, allocators, eos_token_ids=eos, decode=decode)
+            self.scheduler = Scheduler(sched, self._new_allocators(), eos_token_ids=eos, decode=decode)
         except BaseException:
             self.executor.shutdown()
             raise
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self._force_rebalance = False
+        self.supervisor = Supervisor(config.recovery)
+
+    def _new_allocators(self) -> list[BlockAllocator]:
+        e = self.config.engine
+        return [BlockAllocator(self.num_kv_blocks, e.block_size, e.enable_prefix_caching)
+                for _ in range(self.config.parallel.data_parallel_size)]
 
     def _num_groups(self) -> int:
         groups = self.model_config.n_group or 1
@@ -163,28 +169,42 @@ class LLMEngine:
         self.counters.prompt_tokens_total += len(prompt_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.supervisor.forget_request(request_id)
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def needs_recovery(self) -> bool:
+        """A worker fault was seen and the group is not rebuilt yet (the next ``step`` does it)."""
+        return self.supervisor.needs_recovery
 
     # ---- the loop --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute on every rank, update; maybe rebalance. Returns outputs of
         requests that got tokens this step (cumulative, vLLM-style)."""
+        if self.supervisor.needs_recovery:
+            self.recover()
         started = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
             return self.scheduler.update(output, [SampledTokens() for _ in output.batches])
-        results = self.executor.execute(output, collect_load=self.eplb is not None)
+        try:
+            results = self.executor.execute(output, collect_load=self.eplb is not None)
+        except WorkerFault as exc:
+            return self.on_worker_fault(exc)
         outputs = self.scheduler.update(output, [r.sampled for r in results])
         self._account(results)
         self.counters.num_steps += 1
         self.counters.worker_seconds_total += max(r.seconds for r in results)
         self.counters.step_seconds_total += time.perf_counter() - started
         if self.eplb is not None and self.config.balancer.enable_eplb and (self._force_rebalance or self.eplb.due()):
-            self.rebalance()
+            try:
+                self.rebalance()
+            except WorkerFault as exc:  # the placement in force stays the old one
+                return outputs + self.on_worker_fault(exc)
         return outputs
 
     def _account(self, results) -> None:
@@ -218,11 +238,46 @@ class LLMEngine:
         return {"seconds": seconds, "copies_moved": plan.num_copies_moved, "before": before,
                 "predicted": float(prediction.overall)}
 
+    # ---- worker faults (policy in launch.recovery) -------------------------------------
+
+    def on_worker_fault(self, exc: WorkerFault) -> list[RequestOutput]:
+        """Requeue what may be retried, fail the rest (their outputs are returned, finished
+        with "error"); the next ``step`` (or ``recover``) rebuilds the workers."""
+        self.supervisor.on_fault(exc)
+        retry = self.supervisor.may_retry
+        retried, failed = self.scheduler.reset_after_fault(
+            self._new_allocators(), lambda r: retry(r.request_id, sum(s.num_output_tokens for s in r.seqs)))
+        self.supervisor.on_requests_reset(retried, [o.request_id for o in failed])
+        log.warning("after the fault: %d requests requeued, %d failed", len(retried), len(failed))
+        return failed
+
+    def recover(self) -> None:
+        """Rebuild the worker group with the placement in force, with backoff; raises
+        ``EngineDeadError`` when the fault policy allows no further attempt."""
+        restart = getattr(self.executor, "restart", None)
+        while self.supervisor.needs_recovery:
+            if restart is None:
+                self.supervisor.stop(f"{self.supervisor.reason}: this executor cannot rebuild its workers")
+            self.supervisor.next_attempt()  # raises EngineDeadError when none is left
+            try:
+                restart(self.placement.phy2log)
+            except Exception as exc:  # noqa: BLE001 - counted as a fault; the next attempt decides
+                self.supervisor.on_attempt_failed(exc)
+                continue
+            self.supervisor.on_recovered()
+
     def shutdown(self) -> None:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
             self.executor = None
+
+
+def step_timeout_s(config: RuntimeConfig) -> float:
+    """How long the driver waits for the ranks on one call before declaring them hung."""
+    if config.recovery.step_timeout_s is not None:
+        return float(config.recovery.step_timeout_s)
+    return 2 * config.parallel.collective_timeout_s + 30.0
 
 
 def _load_tokenizer(path):

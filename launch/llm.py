@@ -13,7 +13,7 @@ _ENGINE_KEYS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_le
                 "num_kv_blocks", "enable_prefix_caching", "enable_chunked_prefill", "kv_cache_dtype",
                 "memory_utilization", "memory", "seed")
 _PARALLEL_KEYS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "all2all_backend",
-                  "num_nodes", "placement_strategy")
+                  "num_nodes", "placement_strategy", "collective_timeout_s")
 _MOE_KEYS = ("capacity_factor", "capacity_scope", "capacity_policy", "capacity_overflow", "min_capacity")
 
 Prompt = str | Mapping[str, Any]
@@ -22,7 +22,8 @@ Prompt = str | Mapping[str, Any]
 def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig:
     """Map LLM(...) keyword arguments (vLLM names) onto the nested RuntimeConfig; an unknown
     argument raises TypeError naming it."""
-    data: dict[str, Any] = {"model": str(model), "engine": {}, "parallel": {}, "moe": {}, "balancer": {}}
+    data: dict[str, Any] = {"model": str(model), "engine": {}, "parallel": {}, "moe": {}, "balancer": {},
+                            "recovery": {}}
     for key, value in kwargs.items():
         if key == "gpu_memory_utilization":
             data["engine"]["memory_utilization"] = value
@@ -38,6 +39,8 @@ def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig
             data["balancer"]["num_redundant_experts"] = value
         elif key == "eplb_config":
             data["balancer"].update(dict(value or {}))
+        elif key == "recovery_config":  # launch.config.RecoveryConfig fields
+            data["recovery"].update(dict(value or {}))
         else:
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
     return RuntimeConfig.from_dict(data)

@@ -185,6 +185,38 @@ class Scheduler:
         request.metrics.finished_time = self._clock()
         return request.to_output()
 
+    def reset_after_fault(
+        self, allocators: SequenceOf[BlockAllocator], may_retry: Callable[[Request], bool]
+    ) -> tuple[list[str], list[RequestOutput]]:
+        """The workers lost every KV block: adopt ``allocators`` (fresh, same sizes; the prefix
+        cache is gone too), requeue each request with ``may_retry(request)`` from its first
+        token, end every other one with ``finish_reason="error"``. A step scheduled but never
+        updated is dropped. Returns (requeued request ids, final outputs of the failed ones)."""
+        if len(allocators) != len(self.allocators):
+            raise ValueError(f"need {len(self.allocators)} allocators, got {len(allocators)}")
+        self.allocators = list(allocators)
+        self._pending_step = None
+        retried, failed = [], []
+        now = self._clock()
+        for request_id, request in list(self._requests.items()):
+            if may_retry(request):
+                retried.append(request_id)
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.fail()
+                self._seqs.pop(seq.seq_id, None)
+            del self._requests[request_id]
+            request.metrics.finished_time = now
+            failed.append(request.to_output())
+        for rank in range(self.config.dp_size):
+            alive = [s for s in (*self._running[rank], *self._waiting[rank]) if s.seq_id in self._seqs]
+            for seq in alive:
+                seq.reset_to_waiting()
+            self._running[rank] = []
+            self._waiting[rank] = deque(sorted(alive, key=lambda s: s.arrival_order))
+        return retried, failed
+
     def _retire(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and release its blocks."""
         rank = seq.dp_rank
