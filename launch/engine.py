@@ -26,7 +26,7 @@ from launch.core import (
 )
 from launch.driver import EplbDriver
 from launch.executor import Executor, build_executor
-from launch.recovery import Supervisor, WorkerFault
+from launch.recovery import DEAD, SERVING, EngineDeadError, Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
 from moe.config import ModelConfig
 
@@ -185,8 +185,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute on every rank, update; maybe rebalance. Returns outputs of
         requests that got tokens this step (cumulative, vLLM-style)."""
-        if self.supervisor.needs_recovery:
-            self.recover()
+        if self.supervisor.state != SERVING:
+            self.recover()  # raises EngineDeadError when the engine has stopped
         started = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
@@ -200,12 +200,7 @@ class LLMEngine:
         self.counters.num_steps += 1
         self.counters.worker_seconds_total += max(r.seconds for r in results)
         self.counters.step_seconds_total += time.perf_counter() - started
-        if self.eplb is not None and self.config.balancer.enable_eplb and (self._force_rebalance or self.eplb.due()):
-            try:
-                self.rebalance()
-            except WorkerFault as exc:  # the placement in force stays the old one
-                return outputs + self.on_worker_fault(exc)
-        return outputs
+        return outputs + self.rebalance_if_due()
 
     def _account(self, results) -> None:
         self.counters.generation_tokens_total += sum(len(r.sampled.token_ids) for r in results)
@@ -217,6 +212,19 @@ class LLMEngine:
             loads = [r.slot_load for r in results if r.slot_load is not None]
             if loads:
                 self.eplb.record(torch.stack(loads).sum(0))
+
+    def rebalance_if_due(self) -> list[RequestOutput]:
+        """Rebalance when the trigger (or ``request_rebalance``) says so. A worker fault during
+        the move leaves the old placement in force; returns the outputs of requests it failed."""
+        if self.eplb is None or not self.config.balancer.enable_eplb:
+            return []
+        if not (self._force_rebalance or self.eplb.due()):
+            return []
+        try:
+            self.rebalance()
+        except WorkerFault as exc:
+            return self.on_worker_fault(exc)
+        return []
 
     def request_rebalance(self) -> None:
         """Rebalance after the next step regardless of the trigger (tests, operators)."""
@@ -244,6 +252,8 @@ class LLMEngine:
         """Requeue what may be retried, fail the rest (their outputs are returned, finished
         with "error"); the next ``step`` (or ``recover``) rebuilds the workers."""
         self.supervisor.on_fault(exc)
+        if self.supervisor.state == DEAD:  # recovery is off: fail-stop, naming the rank
+            raise EngineDeadError(self.supervisor.reason) from exc
         retry = self.supervisor.may_retry
         retried, failed = self.scheduler.reset_after_fault(
             self._new_allocators(), lambda r: retry(r.request_id, sum(s.num_output_tokens for s in r.seqs)))
@@ -255,8 +265,8 @@ class LLMEngine:
         """Rebuild the worker group with the placement in force, with backoff; raises
         ``EngineDeadError`` when the fault policy allows no further attempt."""
         restart = getattr(self.executor, "restart", None)
-        while self.supervisor.needs_recovery:
-            if restart is None:
+        while self.supervisor.state != SERVING:
+            if restart is None and self.supervisor.needs_recovery:
                 self.supervisor.stop(f"{self.supervisor.reason}: this executor cannot rebuild its workers")
             self.supervisor.next_attempt()  # raises EngineDeadError when none is left
             try:

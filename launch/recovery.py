@@ -88,6 +88,7 @@ class RecoveryCounters:
     recovery_seconds_total: float = 0.0
     num_requests_retried: int = 0
     num_requests_failed: int = 0
+    last_fault_time: float = 0.0  # clock time the latest fault reached the driver
     last_detect_seconds: float = 0.0  # fault raised -> requests failed or requeued
     last_recovery_seconds: float = 0.0  # fault raised -> serving again
 
@@ -106,6 +107,7 @@ class Supervisor:
     sleep: Callable[[float], None] = time.sleep
     state: str = SERVING
     reason: str = ""
+    last_fault: str = ""  # summary of the latest worker fault
     counters: RecoveryCounters = field(default_factory=RecoveryCounters)
     _faults: deque = field(default_factory=deque)  # clock times of recent faults
     _fault_started: float | None = None
@@ -130,6 +132,8 @@ class Supervisor:
             self._faults.popleft()
         if self._fault_started is None:
             self._fault_started = now
+        self.last_fault = exc.summary
+        self.counters.last_fault_time = now
         log.warning("%s%s", exc.summary, f" ({exc.detail})" if exc.detail else "")
         if not self.enabled:
             self.stop(f"{exc.summary}; recovery is off (recovery.enable_recovery=false)")
