@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from balancer import Placement
+from launch.balancing import EplbDriver
 from launch.config import RuntimeConfig
 from launch.core import (
     BlockAllocator,
@@ -24,7 +25,6 @@ from launch.core import (
     SchedulerConfig,
     compute_kv_sizing,
 )
-from launch.driver import EplbDriver
 from launch.executor import Executor, build_executor
 from launch.recovery import DEAD, SERVING, EngineDeadError, Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
