@@ -77,10 +77,16 @@ def compute_layout_nodes(rank_nodes: Sequence[str]) -> int:
 
 @dataclass(frozen=True)
 class RankInfo:
+    """rank: the rank in the full group (its position when no rank is missing)."""
+
     rank: int
     bundle_index: int
     node_id: str
     node_rank: int
+
+    @property
+    def bundle_order(self) -> int:
+        return self.rank
 
 
 class WorkerGroup:
@@ -127,6 +133,7 @@ class WorkerGroup:
         self._remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)(worker_cls)
         self._make_args = make_args
         self._abandoned: list = []
+        self._standby: list = []  # (RankInfo, actor, ready ref) started for lost ranks
         self.actors: list = []
         self.spawn()
 
@@ -143,7 +150,8 @@ class WorkerGroup:
         return self._remote_cls.options(scheduling_strategy=strategy).remote(*args, **kwargs)
 
     def kill_actors(self) -> None:
-        """Kill every rank's actor (no restart), alive, hung or already dead."""
+        """Kill every rank's actor (no restart), alive, hung or already dead, standbys too."""
+        self.grow()
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -227,6 +235,48 @@ class WorkerGroup:
                 log.debug("actor of rank %d already gone", rank, exc_info=True)
             self.actors[rank] = self._start(self.ranks[rank])
 
+    # ---- degraded mode: serve on the survivors while replacements start -------------------
+
+    def shrink(self, lost: Sequence[int]) -> None:
+        """Drop the actors of ranks ``lost`` from the group (survivors are renumbered in order)
+        and start their replacements in the freed bundles as standbys, joined by ``grow``."""
+        lost = set(lost)
+        for rank in sorted(lost):
+            try:
+                ray.kill(self.actors[rank], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                log.debug("actor of rank %d already gone", rank, exc_info=True)
+            info = self.ranks[rank]
+            actor = self._start(info)
+            self._standby.append((info, actor, actor.process_id.remote()))
+        self.actors = [a for r, a in enumerate(self.actors) if r not in lost]
+        self.ranks = [info for r, info in enumerate(self.ranks) if r not in lost]
+        self.num_ranks = len(self.actors)
+
+    @property
+    def num_standby(self) -> int:
+        return len(self._standby)
+
+    def standby_ready(self) -> bool:
+        """True once every standby actor has started (its process answers)."""
+        if not self._standby:
+            return False
+        refs = [ref for _, _, ref in self._standby]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def grow(self) -> None:
+        """Take the standbys back in, every rank in its original (node-major) position."""
+        members = [(info, actor) for info, actor in zip(self.ranks, self.actors)]
+        members += [(info, actor) for info, actor, _ in self._standby]
+        for _, _, ref in self._standby:
+            self._abandoned.append(ref)
+        self._standby = []
+        members.sort(key=lambda m: m[0].bundle_order)
+        self.ranks = [info for info, _ in members]
+        self.actors = [actor for _, actor in members]
+        self.num_ranks = len(self.actors)
+
     def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, timeout_s: float | None = None,
              **kwargs: Any) -> list:
         """Run one method on the given ranks (default all) with the same arguments, waiting at
@@ -235,10 +285,10 @@ class WorkerGroup:
         refs = [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
         return self.wait(refs, method, ranks, timeout_s)
 
-    def call_each(self, method: str, per_rank_args: Sequence[tuple]) -> list:
+    def call_each(self, method: str, per_rank_args: Sequence[tuple], timeout_s: float | None = None) -> list:
         """Run one method on every rank with per-rank positional arguments."""
         refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
-        return self.wait(refs, method, list(range(self.num_ranks)))
+        return self.wait(refs, method, list(range(self.num_ranks)), timeout_s)
 
     def shutdown(self, *, remove_group: bool = True, timeout_s: float = 10.0) -> None:
         """Kill the actors and remove the placement group (idempotent). The removal is bounded

@@ -220,6 +220,7 @@ class RecoveryConfig:
     max_request_retries: int = 1
     step_timeout_s: float | None = None
     health_check_interval_s: float = 5.0
+    degraded_mode: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_restarts", "max_request_retries"):

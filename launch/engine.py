@@ -26,7 +26,7 @@ from launch.core import (
     compute_kv_sizing,
 )
 from launch.executor import Executor, build_executor
-from launch.recovery import DEAD, SERVING, EngineDeadError, Supervisor, WorkerFault
+from launch.recovery import SERVING, EngineRecovery, Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
 from moe.config import ModelConfig
 
@@ -121,12 +121,7 @@ class LLMEngine:
         self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
                                                  call_timeout_s=step_timeout_s(config))
         try:
-            self.eplb = EplbDriver(
-                config.balancer, self.placement, num_groups=self._num_groups(),
-                num_nodes=self.executor.num_nodes,
-                expert_bytes=3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
-                * torch.finfo(DTYPES[self.dtype]).bits // 8,
-            ) if self.model_config.moe_layer_ids else None
+            self.eplb = self._build_eplb(self.placement, self.executor.num_nodes)
             sched = SchedulerConfig(
                 max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                 max_model_len=self.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
@@ -141,12 +136,20 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self._force_rebalance = False
-        self.supervisor = Supervisor(config.recovery)
+        self.recovery = EngineRecovery(self, config.recovery)
 
-    def _new_allocators(self) -> list[BlockAllocator]:
+    def _new_allocators(self, data_parallel_size: int | None = None) -> list[BlockAllocator]:
         e = self.config.engine
         return [BlockAllocator(self.num_kv_blocks, e.block_size, e.enable_prefix_caching)
-                for _ in range(self.config.parallel.data_parallel_size)]
+                for _ in range(data_parallel_size or self.config.parallel.data_parallel_size)]
+
+    def _build_eplb(self, placement: Placement, num_nodes: int) -> EplbDriver | None:
+        if not self.model_config.moe_layer_ids:
+            return None
+        expert_bytes = (3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
+                        * torch.finfo(DTYPES[self.dtype]).bits // 8)
+        return EplbDriver(self.config.balancer, placement, num_groups=self._num_groups(), num_nodes=num_nodes,
+                          expert_bytes=expert_bytes)
 
     def _num_groups(self) -> int:
         groups = self.model_config.n_group or 1
@@ -187,6 +190,9 @@ class LLMEngine:
         requests that got tokens this step (cumulative, vLLM-style)."""
         if self.supervisor.state != SERVING:
             self.recover()  # raises EngineDeadError when the engine has stopped
+        restored = self.recovery.maybe_restore()  # a degraded group takes its replacements back
+        if restored:
+            return restored
         started = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
@@ -251,30 +257,16 @@ class LLMEngine:
     def on_worker_fault(self, exc: WorkerFault) -> list[RequestOutput]:
         """Requeue what may be retried, fail the rest (their outputs are returned, finished
         with "error"); the next ``step`` (or ``recover``) rebuilds the workers."""
-        self.supervisor.on_fault(exc)
-        if self.supervisor.state == DEAD:  # recovery is off: fail-stop, naming the rank
-            raise EngineDeadError(self.supervisor.reason) from exc
-        retry = self.supervisor.may_retry
-        retried, failed = self.scheduler.reset_after_fault(
-            self._new_allocators(), lambda r: retry(r.request_id, sum(s.num_output_tokens for s in r.seqs)))
-        self.supervisor.on_requests_reset(retried, [o.request_id for o in failed])
-        log.warning("after the fault: %d requests requeued, %d failed", len(retried), len(failed))
-        return failed
+        return self.recovery.on_worker_fault(exc)
 
     def recover(self) -> None:
-        """Rebuild the worker group with the placement in force, with backoff; raises
+        """Rebuild the worker group (or serve degraded on the survivors); raises
         ``EngineDeadError`` when the fault policy allows no further attempt."""
-        restart = getattr(self.executor, "restart", None)
-        while self.supervisor.state != SERVING:
-            if restart is None and self.supervisor.needs_recovery:
-                self.supervisor.stop(f"{self.supervisor.reason}: this executor cannot rebuild its workers")
-            self.supervisor.next_attempt()  # raises EngineDeadError when none is left
-            try:
-                restart(self.placement.phy2log)
-            except Exception as exc:  # noqa: BLE001 - counted as a fault; the next attempt decides
-                self.supervisor.on_attempt_failed(exc)
-                continue
-            self.supervisor.on_recovered()
+        self.recovery.recover()
+
+    @property
+    def supervisor(self) -> Supervisor:
+        return self.recovery.supervisor
 
     def shutdown(self) -> None:
         executor = getattr(self, "executor", None)

@@ -63,7 +63,7 @@ class RayExecutor:
         from launch.cluster import WorkerGroup, connect_ray
 
         self.group = None
-        self.spec = spec
+        self.spec = self.full_spec = spec
         self._owns_ray = connect_ray(address, num_cpus=max(spec.world_size, os.cpu_count() or 1))
         try:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
@@ -96,7 +96,8 @@ class RayExecutor:
         their placement-group bundles; then every rank rendezvous afresh and loads its shard
         from the checkpoint with placement ``phy2log [L, P]`` (the one in force on the driver).
         KV caches start empty. Raises what the rebuild raised; the caller decides on a retry."""
-        self.spec = dataclasses.replace(self.spec, phy2log=None if phy2log is None else phy2log.clone())
+        self.group.grow()  # a fault while degraded: rebuild the full group
+        self.spec = dataclasses.replace(self.full_spec, phy2log=None if phy2log is None else phy2log.clone())
         alive = self.group.responsive_ranks(self.restart_ping_timeout_s)
         self.group.collect_abandoned()
         if alive:
@@ -116,6 +117,42 @@ class RayExecutor:
             return (dataclasses.replace(spec, num_nodes=num_nodes), rank), {}
 
         return make
+
+    # ---- degraded mode (launch.recovery): fewer ranks until the replacements join ----------
+
+    def find_lost_ranks(self) -> list[int]:
+        """After a fault: the ranks that do not answer a ping (dead, or stuck in a call)."""
+        alive = self.group.responsive_ranks(self.restart_ping_timeout_s)
+        self.group.collect_abandoned()
+        return [r for r in range(self.group.num_ranks) if r not in alive]
+
+    def degrade(self, lost: list[int], data_parallel_size: int, phy2log: torch.Tensor | None) -> None:
+        """Serve on the survivors: drop ranks ``lost`` (replacements start in their bundles as
+        standbys), renumber the others and rebuild them as a group of ``data_parallel_size``
+        DP ranks (tp 1) with placement ``phy2log [L, P']``; KV caches start empty."""
+        self.group.shrink(lost)
+        ep = data_parallel_size if (self.full_spec.ep or 1) > 1 else 1
+        self.spec = dataclasses.replace(self.full_spec, dp=data_parallel_size, ep=ep, num_nodes=1,
+                                        phy2log=None if phy2log is None else phy2log.clone())
+        self.group.call_each("reset", [(self.spec, r) for r in range(self.group.num_ranks)],
+                             timeout_s=self.restart_ping_timeout_s * 4)
+        self._setup()
+
+    @property
+    def is_degraded(self) -> bool:
+        return self.group.num_standby > 0
+
+    def standby_ready(self) -> bool:
+        """True when every replacement rank started by ``degrade`` is up."""
+        return self.group.standby_ready()
+
+    def restore(self, phy2log: torch.Tensor | None) -> None:
+        """Take the standbys in and rebuild the full layout with placement ``phy2log [L, P]``."""
+        self.group.grow()
+        self.spec = dataclasses.replace(self.full_spec, phy2log=None if phy2log is None else phy2log.clone())
+        self.group.call_each("reset", [(self.spec, r) for r in range(self.group.num_ranks)],
+                             timeout_s=self.restart_ping_timeout_s * 4)
+        self._setup()
 
     def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
         args = [(output.batches[dp], collect_load) for dp in self.dp_of_rank]

@@ -201,3 +201,135 @@ class Supervisor:
             raise EngineRecoveringError(self.reason)
         if self.state == DEAD:
             raise EngineDeadError(self.reason)
+
+
+# ---- degraded mode -----------------------------------------------------------------------
+
+
+def compute_degraded_placement(placement, load, num_gpus: int, num_groups: int = 1):
+    """A placement of every logical expert over ``num_gpus`` surviving EP ranks.
+
+    placement: the ``balancer.Placement`` in force (phy2log [L, P] over more ranks);
+    load: [L, E] recent tokens per logical expert (None or all zero: uniform).
+    Each survivor keeps its number of slots (P / R per rank) when that still holds every
+    expert at least once (the redundant slots absorb the lost rank's experts), else gets
+    ceil(E / num_gpus). Returns a ``Placement`` (phy2log [L, P'], P' = slots x num_gpus).
+    """
+    import torch
+
+    from balancer import Placement, rebalance_experts
+
+    num_layers, num_experts = placement.num_layers, placement.num_logical
+    per_rank = placement.num_physical // placement.num_gpus
+    if per_rank * num_gpus < num_experts:
+        per_rank = -(-num_experts // num_gpus)
+    weight = torch.ones(num_layers, num_experts) if load is None or float(load.sum()) <= 0 else load.float()
+    groups = num_groups if num_experts % max(1, num_groups) == 0 else 1
+    phy2log, log2phy, logcnt = rebalance_experts(weight, per_rank * num_gpus, groups, 1, num_gpus)
+    return Placement(phy2log, log2phy, logcnt, num_gpus)
+
+
+class EngineRecovery:
+    """The engine's side of a worker fault: requeue or fail its requests, then rebuild the
+    group, or (``recovery.degraded_mode``, tp = 1, DP > 1) first serve on the surviving ranks
+    with every expert re-placed over them while replacements start, and restore the full
+    layout once they are up. Mutates ``engine`` (scheduler, placement, balancer, executor)."""
+
+    def __init__(self, engine, config) -> None:
+        self.engine = engine
+        self.config = config
+        self.supervisor = Supervisor(config)
+        self.full_placement = None  # the full layout's placement while serving degraded
+
+    @property
+    def is_degraded(self) -> bool:
+        return self.full_placement is not None
+
+    def on_worker_fault(self, exc: WorkerFault) -> list:
+        """Requeue what may be retried, fail the rest; returns the failed requests' outputs."""
+        engine, sup = self.engine, self.supervisor
+        sup.on_fault(exc)
+        if sup.state == DEAD:  # recovery is off: fail-stop, naming the rank
+            raise EngineDeadError(sup.reason) from exc
+        retried, failed = engine.scheduler.reset_after_fault(
+            engine._new_allocators(engine.scheduler.config.dp_size),
+            lambda r: sup.may_retry(r.request_id, sum(s.num_output_tokens for s in r.seqs)))
+        sup.on_requests_reset(retried, [o.request_id for o in failed])
+        log.warning("after the fault: %d requests requeued, %d failed", len(retried), len(failed))
+        return failed
+
+    def recover(self) -> None:
+        """Rebuild with backoff until serving; raises EngineDeadError when out of attempts."""
+        sup, executor = self.supervisor, self.engine.executor
+        if sup.needs_recovery and not hasattr(executor, "restart"):
+            sup.stop(f"{sup.reason}: this executor cannot rebuild its workers")
+        first = True
+        while sup.state != SERVING:
+            sup.next_attempt()  # raises EngineDeadError when none is left
+            try:
+                if not (first and self._degrade()):
+                    self._restart()
+            except Exception as exc:  # noqa: BLE001 - counted as a fault; the next attempt decides
+                sup.on_attempt_failed(exc)
+                first = False
+                continue
+            sup.on_recovered()
+
+    def _restart(self) -> None:
+        """The whole group, full layout, with the placement in force (or the full one)."""
+        engine = self.engine
+        placement = self.full_placement or engine.placement
+        engine.executor.restart(placement.phy2log)
+        if self.is_degraded:
+            self._adopt(placement, engine.config.parallel.data_parallel_size, engine.executor.num_nodes)
+            self.full_placement = None
+
+    def _degrade(self) -> bool:
+        """Serve on the survivors now; False where degraded mode does not apply."""
+        engine = self.engine
+        p = engine.config.parallel
+        if (not self.config.degraded_mode or self.is_degraded or p.tensor_parallel_size != 1
+                or p.data_parallel_size < 2 or not hasattr(engine.executor, "degrade")):
+            return False
+        lost = engine.executor.find_lost_ranks()
+        survivors = p.data_parallel_size - len(lost)
+        if not lost or survivors < 1:
+            return False
+        placement = engine.placement
+        if engine.eplb is not None and p.expert_parallel_size > 1:
+            load = engine.eplb.stats.logical_load(placement.phy2log) if engine.eplb.stats.num_steps else None
+            placement = compute_degraded_placement(placement, load, survivors, engine._num_groups())
+        engine.executor.degrade(lost, survivors, placement.phy2log)
+        self.full_placement = engine.placement
+        self._adopt(placement, survivors, 1)
+        log.warning("serving degraded on %d of %d ranks (lost %s) while replacements start",
+                    survivors, p.data_parallel_size, lost)
+        return True
+
+    def maybe_restore(self) -> list:
+        """Once the replacements are up, rebuild the full layout (in-flight requests are
+        recomputed, not failed). Returns outputs of requests failed by a fault meanwhile."""
+        engine = self.engine
+        if not self.is_degraded or not engine.executor.standby_ready():
+            return []
+        full = engine.config.parallel.data_parallel_size
+        engine.scheduler.reset_after_fault(engine._new_allocators(full), lambda r: True)
+        try:
+            engine.executor.restore(self.full_placement.phy2log)
+        except WorkerFault as exc:
+            return self.on_worker_fault(exc)
+        self._adopt(self.full_placement, full, engine.executor.num_nodes)
+        self.full_placement = None
+        log.warning("full layout restored: %d ranks", full)
+        return []
+
+    def _adopt(self, placement, data_parallel_size: int, num_nodes: int) -> None:
+        """Driver state for a group of ``data_parallel_size`` DP ranks with ``placement``."""
+        engine = self.engine
+        counters = engine.eplb.counters if engine.eplb is not None else None
+        engine.placement = placement
+        engine.eplb = engine._build_eplb(placement, num_nodes)
+        if engine.eplb is not None and counters is not None:
+            engine.eplb.counters = counters
+        if engine.scheduler.config.dp_size != data_parallel_size:
+            engine.scheduler.reset_after_fault(engine._new_allocators(data_parallel_size), lambda r: True)

@@ -76,15 +76,19 @@ class Worker:
     groups, builds and loads the shard; then ``execute`` once per step."""
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
-        from parallel.layout import Layout
 
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
+        self._place(spec, rank)
+        self.groups = None
+        self._where = "setup"  # the collective this rank is in or about to enter (error messages)
+
+    def _place(self, spec: WorkerSpec, rank: int) -> None:
+        from parallel.layout import Layout
+
         self.spec, self.rank = spec, rank
         self.layout = Layout(tp=spec.tp, dp=spec.dp, ep=spec.ep, num_nodes=spec.num_nodes)
         self.coords = self.layout.coords(rank)
-        self.groups = None
-        self._where = "setup"  # the collective this rank is in or about to enter (error messages)
 
     def process_id(self) -> int:
         """This rank's pid; answering at all means the actor is up."""
@@ -304,17 +308,16 @@ class Worker:
         return [[float(layer.experts.w13[s].float().sum() + layer.experts.w2[s].float().sum())
                  for s in range(layer.experts.num_local_slots)] for layer in self.model.moe_layers()]
 
-    def reset(self, spec: WorkerSpec) -> None:
+    def reset(self, spec: WorkerSpec, rank: int | None = None) -> None:
         """After a peer's fault: leave the (broken) process groups and drop the shard and KV
-        cache; ``setup`` then builds everything again from ``spec`` (same rank and layout)."""
+        cache; ``setup`` then builds everything again from ``spec`` as ``rank`` (default: the
+        same rank; another one when the group shrinks to its survivors or grows back)."""
         import torch.distributed as dist
 
-        if spec.world_size != self.spec.world_size:
-            raise ValueError(f"reset to a world of {spec.world_size} ranks, this rank was built for "
-                             f"{self.spec.world_size}")
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.spec, self.groups, self._where = spec, None, "setup"
+        self._place(spec, self.rank if rank is None else rank)
+        self.groups, self._where = None, "setup"
         for name in ("model", "kv_cache"):
             self.__dict__.pop(name, None)
 

@@ -178,7 +178,7 @@ def ep2(ray_local, hf_checkpoints, tmp_path_factory):
         single = greedy(llm, prompts)
     llm = LLM(str(path), dtype="float32", data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
               num_redundant_experts=2, eplb_config={"window_size": 1000, "step_interval": 100000},
-              collective_timeout_s=3.0, recovery_config={"backoff_s": 0.2})
+              collective_timeout_s=3.0, recovery_config={"backoff_s": 0.2, "degraded_mode": False})
     try:
         assert greedy(llm, prompts) == single
         reference = expert_prints(llm)
@@ -294,3 +294,47 @@ def test_rank_stalled_in_a_collective_becomes_an_error_and_is_replaced(ep2):
     assert greedy(llm, prompts) == single
     report("SIGSTOP rank 1 of EP2 in a collective (offline, collective_timeout_s=3)",
            engine.supervisor.counters, stalled_at, retried, failed, 0)
+
+
+def test_degraded_mode_serves_on_the_survivor_then_restores(ray_local, hf_checkpoints):
+    """recovery.degraded_mode (default): after rank 1 dies the engine serves at once on rank 0
+    alone, every expert re-placed there, then takes the replacement back: token-exact throughout."""
+    path = hf_checkpoints["deepseek_v3"]
+    prompts = make_prompts(31, 6, 96)
+    with LLM(str(path), dtype="float32") as llm:
+        single = greedy(llm, prompts)
+    llm = LLM(str(path), dtype="float32", data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+              num_redundant_experts=2, eplb_config={"window_size": 1000, "step_interval": 100000},
+              collective_timeout_s=5.0, recovery_config={"backoff_s": 0.0})
+    try:
+        engine = llm.engine
+        assert greedy(llm, prompts) == single
+        ids = start_requests(llm, prompts[:2], steps=2) + start_requests(llm, prompts[2:], steps=0)
+        killed_at = time.monotonic()
+        kill(engine.executor.infos[1]["pid"])
+        first = engine.step()  # the fault: two requests had tokens and fail, four are requeued
+        engine.step()  # rebuilt on the survivor
+        counters = engine.supervisor.counters
+        degraded_after = counters.last_recovery_seconds
+        assert engine.recovery.is_degraded and engine.executor.group.num_ranks == 1
+        assert engine.placement.num_gpus == 1 and engine.scheduler.config.dp_size == 1
+        assert sorted({e for _, e in expert_prints(llm)}) == list(range(8))  # every expert on rank 0
+        done = finish(llm, first)
+        retried, failed = check_outcomes(done, ids, prompts, single)
+        assert (retried, failed) == (4, 2)
+        assert greedy(llm, prompts) == single
+        deadline = time.monotonic() + 90
+        while engine.recovery.is_degraded and time.monotonic() < deadline:
+            time.sleep(0.2)
+            engine.step()  # takes the replacement in once it is up
+        restored_after = time.monotonic() - killed_at
+        assert not engine.recovery.is_degraded, "the replacement never joined"
+        assert engine.executor.group.num_ranks == 2 and engine.placement.num_gpus == 2
+        assert engine.scheduler.config.dp_size == 2
+        expert_prints(llm)
+        assert greedy(llm, prompts) == single
+        figures = report("SIGKILL rank 1 of EP2, degraded mode (offline)", counters, killed_at, retried, failed, 0)
+        print("DEGRADED FIGURES " + json.dumps({**figures, "serving_degraded_s": round(degraded_after, 2),
+                                                 "full_layout_s": round(restored_after, 1)}))
+    finally:
+        llm.shutdown()

@@ -316,3 +316,45 @@ def test_stream_that_already_sent_tokens_gets_an_error_event_then_done():
         last = json.loads(events[-2])["error"]
         assert last["code"] == 503 and "rank 1 died" in last["message"]
         assert len(events) >= 4  # two token chunks before the error
+
+
+def test_reset_after_fault_moves_requests_onto_fewer_or_more_ranks():
+    sched = make_scheduler()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(4):
+        sched.add_request(f"r{i}", [1, 2, 3, 4, 5], params)
+    out = sched.schedule()
+    assert sorted(b.dp_rank for b in out.batches if b.seqs) == [0, 1]
+    sched.update(out, [[7] * len(b.sample_rows) for b in out.batches])
+    retried, failed = sched.reset_after_fault([BlockAllocator(16, 4)], lambda r: True)  # degraded: one rank
+    assert sorted(retried) == ["r0", "r1", "r2", "r3"] and failed == []
+    assert sched.config.dp_size == 1 and len(sched.allocators) == 1
+    out = sched.schedule()
+    assert len(out.batches) == 1 and len(out.batches[0].seqs) == 4  # recomputed with their token
+    assert all(s.num_computed_tokens == 0 and len(s.token_ids) == 6 for s in out.batches[0].seqs)
+    sched.update(out, [[8] * 4])
+    sched.reset_after_fault([BlockAllocator(16, 4) for _ in range(2)], lambda r: True)  # restored
+    out = sched.schedule()
+    assert len(out.batches) == 2 and sum(len(b.seqs) for b in out.batches) == 4
+    sched.update(out, [[9] * len(b.sample_rows) for b in out.batches])
+    assert sched.get_request("r0").seqs[0].output_token_ids == [7, 8, 9]
+
+
+@pytest.mark.parametrize("experts,redundant,ranks,survivors,slots", [
+    (8, 0, 2, 1, 8),  # no redundancy: the survivor takes every expert
+    (8, 4, 4, 3, 9),  # 3 slots each still hold all 8 experts: the redundant slots absorb the loss
+    (8, 0, 4, 3, 9),  # 2 slots each would not: grow to ceil(8 / 3) = 3
+])
+def test_degraded_placement_covers_every_expert_on_the_survivors(experts, redundant, ranks, survivors, slots):
+    import torch
+
+    from balancer import Placement
+    from launch.recovery import compute_degraded_placement
+
+    full = Placement.identity(3, experts, redundant, ranks)
+    load = torch.arange(3 * experts, dtype=torch.float32).reshape(3, experts)
+    degraded = compute_degraded_placement(full, load, survivors, num_groups=4)
+    assert degraded.num_gpus == survivors and tuple(degraded.phy2log.shape) == (3, slots)
+    assert (degraded.logcnt >= 1).all() and int(degraded.logcnt.sum()) == 3 * slots
+    uniform = compute_degraded_placement(full, None, survivors)
+    assert (uniform.logcnt >= 1).all()
