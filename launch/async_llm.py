@@ -57,6 +57,7 @@ class EngineStats:
     recovery_seconds_total: float = 0.0
     num_requests_retried: int = 0
     num_requests_failed: int = 0
+    num_missing_ranks: int = 0  # ranks a degraded group serves without
 
 
 def snapshot_stats(engine: LLMEngine) -> EngineStats:
@@ -76,6 +77,7 @@ def snapshot_stats(engine: LLMEngine) -> EngineStats:
     out.num_worker_faults, out.num_recoveries = k.num_worker_faults, k.num_recoveries
     out.recovery_seconds_total = k.recovery_seconds_total
     out.num_requests_retried, out.num_requests_failed = k.num_requests_retried, k.num_requests_failed
+    out.num_missing_ranks = engine.recovery.num_missing_ranks
     if engine.eplb is not None:
         out.balancedness_per_layer, out.balancedness = engine.eplb.balancedness()
         k = engine.eplb.counters
@@ -164,6 +166,8 @@ class AsyncLLM:
         except queue.Empty:
             if block:
                 self._check_workers()
+                for out in self.engine.recovery.maybe_restore():  # idle: take a replacement in now
+                    self._deliver(out.request_id, self._as_error(out) or out)
                 self._stats = snapshot_stats(self.engine)
             return
         while True:

@@ -245,6 +245,13 @@ class EngineRecovery:
     def is_degraded(self) -> bool:
         return self.full_placement is not None
 
+    @property
+    def num_missing_ranks(self) -> int:
+        """Ranks the group serves without while degraded (0 otherwise)."""
+        if not self.is_degraded:
+            return 0
+        return self.engine.config.parallel.data_parallel_size - self.engine.scheduler.config.dp_size
+
     def on_worker_fault(self, exc: WorkerFault) -> list:
         """Requeue what may be retried, fail the rest; returns the failed requests' outputs."""
         engine, sup = self.engine, self.supervisor
@@ -318,6 +325,8 @@ class EngineRecovery:
             engine.executor.restore(self.full_placement.phy2log)
         except WorkerFault as exc:
             return self.on_worker_fault(exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. the rendezvous: rebuild from scratch
+            return self.on_worker_fault(WorkerCallError(f"restoring the full layout failed: {exc}"))
         self._adopt(self.full_placement, full, engine.executor.num_nodes)
         self.full_placement = None
         log.warning("full layout restored: %d ranks", full)

@@ -32,6 +32,7 @@ _GAUGES = (
     ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
     ("moe:balancedness", "balancedness", "Mean over max rank load, summed over MoE layers (1.0 is perfect)."),
     ("moe:engine_state", "engine_state", "0 serving, 1 recovering from a worker fault, 2 stopped."),
+    ("moe:worker_ranks_missing", "num_missing_ranks", "Ranks a degraded group serves without (0 at full size)."),
 )
 # Counters: prometheus_client appends the ``_total`` suffix on exposition.
 _COUNTERS = (
