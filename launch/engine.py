@@ -190,9 +190,9 @@ class LLMEngine:
         requests that got tokens this step (cumulative, vLLM-style)."""
         if self.supervisor.state != SERVING:
             self.recover()  # raises EngineDeadError when the engine has stopped
-        restored = self.recovery.maybe_restore()  # a degraded group takes its replacements back
-        if restored:
-            return restored
+        failed = self.recovery.maybe_restore()  # a degraded group takes its replacements back
+        if self.supervisor.state != SERVING:  # the restore met a fault: rebuild on the next step
+            return failed
         started = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:

@@ -338,3 +338,30 @@ def test_degraded_mode_serves_on_the_survivor_then_restores(ray_local, hf_checkp
                                                  "full_layout_s": round(restored_after, 1)}))
     finally:
         llm.shutdown()
+
+
+def test_every_rank_hung_is_caught_by_the_driver_timeout(ep2):
+    """No collective can time out when every rank is stopped: the driver's own bound on the
+    call (recovery.step_timeout_s) names the ranks, and both are replaced."""
+    llm, prompts, single, _ = ep2
+    engine = llm.engine
+    ids = start_requests(llm, prompts, steps=0)
+    pids = [info["pid"] for info in engine.executor.infos]
+    engine.executor.group.call_timeout_s = 2.0  # as recovery.step_timeout_s=2 would
+    for pid in pids:
+        kill(pid, signal.SIGSTOP)
+    stalled_at = time.monotonic()
+    try:
+        first = engine.step()
+    finally:
+        for pid in pids:
+            kill(pid)
+        engine.executor.group.call_timeout_s = 36.0
+    assert "ranks [0, 1] did not finish execute within 2s (recovery.step_timeout_s): hung" in \
+        engine.supervisor.last_fault
+    done = finish(llm, first)
+    retried, failed = check_outcomes(done, ids, prompts, single)
+    assert (retried, failed) == (len(prompts), 0)
+    assert all(info["pid"] not in pids for info in engine.executor.infos)
+    report("SIGSTOP both ranks of EP2 (offline, driver timeout 2 s)", engine.supervisor.counters, stalled_at,
+           retried, failed, 0)
