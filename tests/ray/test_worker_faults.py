@@ -140,14 +140,23 @@ def test_server_survives_a_worker_killed_mid_generation(ray_local, tiny, tmp_pat
         assert len(ok) + len(failed) == len(prompts)
         assert stats.num_requests_retried >= 1 and stats.num_requests_failed == len(failed) >= 1
         assert stats.num_worker_faults == 1 and stats.num_recoveries == 1 and stats.engine_state == 0
-        # serving again, token-exact, and the gauges back to idle
+        # serving again (degraded on rank 0, then the full layout once the replacement is up,
+        # taken in between requests or while idle), token-exact, and the gauges back to idle
         again = [plain_completion(url, b) for b in bodies[:2]]
         assert [a["text"] for a in again] == expected[:2]
+        deadline = time.monotonic() + 90
+        while srv.engine.stats().num_missing_ranks and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert srv.engine.stats().num_missing_ranks == 0, "the replacement never joined"
+        assert srv.engine.engine.executor.group.num_ranks == 2
+        again = [plain_completion(url, b) for b in bodies[2:4]]
+        assert [a["text"] for a in again] == expected[2:4]
         metrics = httpx.get(srv.base_url + "/metrics", timeout=10).text
         label = f'{{model_name="{cfg.served_model_name}"}}'
         assert f"vllm:num_requests_running{label} 0.0" in metrics
         assert f"vllm:num_requests_waiting{label} 0.0" in metrics
         assert f"moe:requests_failed_total{label} {float(len(failed))}" in metrics
+        assert f"moe:worker_ranks_missing{label} 0.0" in metrics and f"moe:engine_state{label} 0.0" in metrics
         report("SIGKILL rank 1 of EP2 mid-generation (server, 8 requests)",
                srv.engine.engine.supervisor.counters, killed_at, stats.num_requests_retried, len(failed),
                len(prompts) - len(ok) - len(failed))
