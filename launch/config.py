@@ -29,7 +29,7 @@ import yaml
 from balancer.config import BalancerConfig
 from launch.config_schema import ConfigError, apply_override, build_dataclass, load_yaml_mapping
 from launch.core.kv_sizing import parse_memory
-from moe.capacity import OVERFLOWS, POLICIES
+from moe.capacity import CapacityConfig
 from parallel.dispatch import BACKENDS as DISPATCH_BACKENDS
 
 __all__ = [
@@ -123,11 +123,14 @@ class MoEConfig:
     min_capacity: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("capacity_scope", self.capacity_scope, ("local", "global"))
-        _check_choice("capacity_policy", self.capacity_policy, POLICIES)
-        _check_choice("capacity_overflow", self.capacity_overflow, OVERFLOWS)
-        if self.min_capacity < 0:
-            raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
+        _ = self.capacity  # validates every field and their combination (moe.capacity.CapacityConfig)
+
+    @property
+    def capacity(self) -> CapacityConfig:
+        """The typed capacity settings every worker and MoE layer receives."""
+        return CapacityConfig(capacity_factor=self.capacity_factor, scope=self.capacity_scope,
+                              policy=self.capacity_policy, overflow=self.capacity_overflow,
+                              min_capacity=self.min_capacity)
 
     @property
     def is_dropless(self) -> bool:
