@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -20,12 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from launch import LLM, SamplingParams
-from tests.engine.test_engine_fidelity import make_prompts
-
-pytestmark = pytest.mark.slow
+from tests.oracles import make_prompts
+from tests.ray.test_eplb_live import biased_checkpoint
 
 NEW = 16
 
@@ -51,13 +48,6 @@ def greedy(llm: LLM, prompts: list[list[int]], n: int = NEW) -> list[list[int]]:
 
 
 # ---- the server: SIGKILL a rank while 8 requests generate ------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from launch.tiny_checkpoint import make_tiny_checkpoint
-
-    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ckpt") / "tiny-v3")
 
 
 def stream_completion(url: str, body: dict) -> dict:
@@ -90,10 +80,11 @@ def plain_completion(url: str, body: dict) -> dict:
     return {"status": 200, "error": None, "text": r.json()["choices"][0]["text"]}
 
 
-def test_server_survives_a_worker_killed_mid_generation(ray_local, tiny, tmp_path):
+def test_server_survives_a_worker_killed_mid_generation(ray_local, tiny_ckpt_with_tokenizer, tmp_path):
     from launch.config import RuntimeConfig
-    from tests.ray.test_server_live import LiveServer
+    from tests.server.test_server_live import LiveServer
 
+    tiny = tiny_ckpt_with_tokenizer
     prompts = make_prompts(11, 8, 200)
     with LLM(str(tiny), dtype="float32") as llm:
         params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -163,18 +154,6 @@ def test_server_survives_a_worker_killed_mid_generation(ray_local, tiny, tmp_pat
 
 
 # ---- offline: a kill during a live expert migration, and a rank stalled in a collective -----
-
-
-def biased_checkpoint(src, dst):
-    """Copy of ``src`` whose routers prefer experts 0 and 1 (selection bias only)."""
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    for name, t in tensors.items():
-        if name.endswith("e_score_correction_bias"):
-            t.zero_()
-            t[:2] = 5.0
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")

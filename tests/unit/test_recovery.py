@@ -153,13 +153,6 @@ def test_reset_after_fault_requeues_fresh_requests_and_fails_the_rest():
 # ---- engine, in process ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from launch.tiny_checkpoint import make_tiny_checkpoint
-
-    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ckpt") / "tiny-v3")
-
-
 class FlakyExecutor:
     """The in-process executor, failing ``execute`` on the calls listed in ``fail_on`` (1-based)
     as a dead rank 1 would; ``restart`` builds a fresh one, as the Ray executor does."""
@@ -212,12 +205,12 @@ def run_all(engine, requests: dict[str, list[int]], params: SamplingParams) -> d
 
 
 @pytest.mark.slow
-def test_engine_requeues_fails_rebuilds_and_stays_token_exact(tiny):
+def test_engine_requeues_fails_rebuilds_and_stays_token_exact(tiny_ckpt):
     from launch.engine import LLMEngine
 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = {f"p{i}": [3 + i, 5, 7, 11 + i] for i in range(4)}
-    engine = LLMEngine(engine_config(tiny))
+    engine = LLMEngine(engine_config(tiny_ckpt))
     try:
         clean = run_all(engine, prompts, params)
         engine.executor = FlakyExecutor(engine.executor, fail_on={3})
@@ -240,10 +233,10 @@ def test_engine_requeues_fails_rebuilds_and_stays_token_exact(tiny):
 
 
 @pytest.mark.slow
-def test_engine_stops_when_rebuilds_keep_failing(tiny):
+def test_engine_stops_when_rebuilds_keep_failing(tiny_ckpt):
     from launch.engine import LLMEngine
 
-    engine = LLMEngine(engine_config(tiny, max_restarts=2))
+    engine = LLMEngine(engine_config(tiny_ckpt, max_restarts=2))
     try:
         engine.executor = FlakyExecutor(engine.executor, fail_on={1}, fail_restarts=5)
         engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=3))
