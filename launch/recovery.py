@@ -97,7 +97,8 @@ class RecoveryCounters:
 class Supervisor:
     """Engine state and the fault policy (``launch.config.RecoveryConfig``); no processes.
 
-    ``on_fault`` records a fault and says whether to rebuild; ``next_attempt`` hands out the
+    ``on_fault`` records a fault (state "recovering", or "dead" with recovery off); ``may_retry``
+    is the per-request policy; ``next_attempt`` hands out the
     backoff before each rebuild (raising ``EngineDeadError`` when none is left);
     ``on_recovered`` closes the episode. ``clock``/``sleep`` are injectable for tests.
     """
@@ -147,10 +148,9 @@ class Supervisor:
         return self._request_retries.get(request_id, 0) < int(self.config.max_request_retries)
 
     def on_requests_reset(self, retried: list[str], failed: list[str]) -> None:
-        for request_id in retried:
-            self._request_retries[request_id] = self._request_retries.get(request_id, 0) + 1
-        for request_id in failed:
-            self._request_retries.pop(request_id, None)
+        """Count this fault's requeued and failed requests (requeued ids spend one retry; ids
+        not requeued now are finished or gone, so their counts are dropped)."""
+        self._request_retries = {r: self._request_retries.get(r, 0) + 1 for r in retried}
         self.counters.num_requests_retried += len(retried)
         self.counters.num_requests_failed += len(failed)
         if self._fault_started is not None:
