@@ -12,8 +12,8 @@ from balancer import BalancerConfig, RoutingStats, should_rebalance
 
 def test_defaults_match_vllm():
     c = BalancerConfig()
-    assert (c.enable_eplb, c.num_redundant_experts, c.window_size, c.step_interval, c.log_balancedness) == (
-        False, 0, 1000, 3000, False)
+    assert (c.enable_eplb, c.num_redundant_experts, c.window_size, c.resolved_step_interval,
+            c.log_balancedness) == (False, 0, 1000, 3000, False)
     assert c.min_balancedness_to_skip == 0.95 and c.policy == "auto"
 
 
@@ -26,9 +26,14 @@ def test_from_dict_accepts_vllm_eplb_config_json():
 
 
 def test_forecast_trigger_is_the_default_and_interval_keeps_vllms_schedule():
-    c = BalancerConfig.from_dict({"check_interval": 64, "move_margin": 2.0, "step_seconds": 0.01})
-    assert (c.trigger, c.check_interval, c.move_margin, c.step_seconds) == ("forecast", 64, 2.0, 0.01)
-    assert BalancerConfig.from_dict({"trigger": "interval", "step_interval": 500}).trigger == "interval"
+    c = BalancerConfig.from_dict({"window_size": 500, "check_interval": 32, "move_margin": 2.0,
+                                  "step_seconds": 0.01})
+    assert (c.resolved_trigger, c.check_interval, c.move_margin, c.step_seconds) == ("forecast", 32, 2.0, 0.01)
+    assert BalancerConfig().check_interval == 64 and BalancerConfig().resolved_trigger == "forecast"
+    # vLLM's names give vLLM's behaviour; an explicit trigger wins
+    assert BalancerConfig.from_dict({"window_size": 1000, "step_interval": 3000}).resolved_trigger == "interval"
+    assert BalancerConfig(trigger="forecast", step_interval=500).resolved_trigger == "forecast"
+    assert BalancerConfig(trigger="interval").resolved_step_interval == 3000
 
 
 def test_from_dict_names_unknown_key():

@@ -57,7 +57,8 @@ def test_history_is_a_ring_oldest_first():
 
 
 def test_interval_trigger_keeps_vllms_schedule():
-    driver = _driver(trigger="interval", step_interval=10, min_balancedness_to_skip=1.0)
+    driver = _driver(step_interval=10, min_balancedness_to_skip=1.0)  # vLLM's names: interval trigger
+    assert driver.config.resolved_trigger == "interval"
     skew = np.full((2, 8), 10.0)
     skew[:, 0] = 200.0
     due = []
