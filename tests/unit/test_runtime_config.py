@@ -81,7 +81,8 @@ def test_demo_config_rebalances_quickly_on_four_ep_ranks():
     p, b = demo.parallel, demo.balancer
     assert (p.tensor_parallel_size, p.data_parallel_size, p.enable_expert_parallel) == (1, 4, True)
     assert p.dispatch_backend == "alltoall"
-    assert b.enable_eplb and b.num_redundant_experts > 0 and b.step_interval <= 50
+    assert b.enable_eplb and b.num_redundant_experts > 0
+    assert b.resolved_trigger == "forecast" and b.check_interval <= 50
     model = _model_for(demo)
     assert (model.num_experts + b.num_redundant_experts) % 4 == 0
     demo.validate_for_model(model)
