@@ -59,8 +59,11 @@ register("serve", "launch.serve:main", "OpenAI-compatible HTTP server (/v1/compl
 register("generate", "launch.generate:main", "generate completions for prompts offline")
 register("demo", "launch.demo:main", "make run: tiny DeepSeek-V3 on local Ray, EP + EPLB, OpenAI API")
 register("make-tiny", "launch.tiny_checkpoint:main", "write a random tiny/small checkpoint with tokenizer")
+register("train-tiny", "launch.training.train:main", "train a small MoE on the shipped text (CPU, minutes): real routing")
 register("kvcalc", "launch.kvcalc:main", "KV-cache bytes per token and capacity for a model config")
 register("config", "launch.config_args:main", "validate config file + --set + flags; print the resolved YAML")
+register("simulate", "launch.simulate:main", "cost model: predicted step times and throughput of a layout, or --search")
+register("simulate calibrate", "launch.calibrate:main", "measure this machine for the cost model (hardware YAML)")
 register("commbench", "parallel.bench.commbench:main", "collective benchmark (nccl-tests style table)")
 register("bench eplb", "launch.bench.eplb:main", "expert-load-balancer benchmark on routing traces")
 register("bench throughput", "launch.bench.throughput:main", "offline generation throughput")
@@ -69,6 +72,10 @@ register("build-kernels", "launch.build_kernels:main", "compile the CPU expert k
 register("bench moe-layer", "launch.bench.moe_layer:main", "one MoE layer: ours (kernel, PyTorch) vs transformers, DeepSpeed")
 register("bench quantization", "launch.bench.quantization:main", "int8 experts vs the checkpoint dtype: perplexity, top-1 agreement")
 register("bench decode", "launch.bench.decode:main", "decode step latency and tokens/s")
+register("profile run", "launch.profile.commands:run_main",
+         "run a workload with expert-distribution recording on, then write the expert-load report")
+register("profile report", "launch.profile.commands:report_main",
+         "expert-load report (HTML + summary.json) from this project's, SGLang's or plain-array dumps")
 register("bench overhead", "launch.bench.overhead:main", "driver/actor round-trip and routing-statistics overhead per step")
 
 

@@ -16,7 +16,7 @@ from launch.generate import main as generate_main
 from moe.capacity import CapacityConfig, compute_capacity
 from moe.config import ModelConfig
 from moe.moe_layer import MoELayer, compute_slot_scores
-from tests.engine.test_engine_fidelity import make_prompts, run
+from tests.oracles import make_prompts, run
 
 ACCEPTED = [("local", "position", "drop"), ("local", "score", "drop"), ("local", "position", "reroute"),
             ("local", "score", "reroute"), ("global", "position", "drop")]
