@@ -105,7 +105,11 @@ class OpenAIServing:
 
     def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            return self.check_token_ids(list(self.tokenizer("text prompts").encode(prompt)), param)
+            try:
+                ids = self.tokenizer("text prompts").encode(prompt)
+            except ValueError as exc:  # e.g. InvalidTextError: text the tokenizer cannot take
+                raise APIError(400, str(exc), param=param) from exc
+            return self.check_token_ids(list(ids), param)
         return self.check_token_ids(list(prompt), param)
 
     def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
@@ -124,7 +128,7 @@ class OpenAIServing:
     def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         fields: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
                                   "logprobs": logprobs}
-        for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids"):
             value = getattr(req, name)
             if value is not None:
                 fields[name] = value
