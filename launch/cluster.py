@@ -91,6 +91,14 @@ def compute_layout_nodes(rank_nodes: Sequence[str]) -> int:
     return 1
 
 
+def compute_rendezvous_host(rank_ips: Sequence[str]) -> str:
+    """The address the ranks meet at: loopback when every rank is on one machine (one IP),
+    else the IP of rank 0's node. rank_ips: each rank's node IP, by rank."""
+    if not rank_ips:
+        raise ValueError("no ranks")
+    return "127.0.0.1" if len(set(rank_ips)) == 1 else rank_ips[0]
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
@@ -148,6 +156,11 @@ class WorkerGroup:
                 placement_group=self.pg, placement_group_bundle_index=info.bundle_index
             )
             self.actors.append(remote_cls.options(scheduling_strategy=strategy_).remote(*args, **kwargs))
+
+    def rendezvous_host(self) -> str:
+        """``compute_rendezvous_host`` over the node IPs Ray reports for the ranks."""
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        return compute_rendezvous_host([ips.get(info.node_id, info.node_id) for info in self.ranks])
 
     def _node(self, rank: int) -> str:
         info = self.ranks[rank]

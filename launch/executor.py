@@ -68,8 +68,9 @@ class RayExecutor:
             self.group = WorkerGroup(Worker, spec.world_size, self._make_args(spec), strategy=strategy,
                                      num_gpus_per_rank=gpus, num_cpus_per_rank=cpus_per_rank(spec.world_size))
             self.num_nodes = self.group.num_nodes
-            init = self.group.call("rendezvous_address", ranks=[0])[0]
-            self.infos = self.group.call("setup", init)
+            # Rank 0 serves the store on this address only (loopback when one machine holds every rank).
+            self.init_method = self.group.call("rendezvous_address", self.group.rendezvous_host(), ranks=[0])[0]
+            self.infos = self.group.call("setup", self.init_method)
         except BaseException:
             self.shutdown()
             raise

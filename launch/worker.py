@@ -85,11 +85,13 @@ class Worker:
         self.coords = self.layout.coords(rank)
         self.groups = None
 
-    def rendezvous_address(self) -> str:
-        """A tcp:// init method on this rank's node (called on rank 0 only)."""
+    def rendezvous_address(self, host: str | None = None) -> str:
+        """A tcp:// init method on this rank's node (called on rank 0 only): a free port on
+        ``host`` (default MASTER_ADDR, else this host's address). Rank 0's store listens
+        on that address only (``parallel.groups.create_rendezvous_store``)."""
         import socket
 
-        host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        host = host or os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
