@@ -38,6 +38,13 @@ class ProcessGroups:
     device: torch.device
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it; another process may take it later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def default_backend() -> str:
     """nccl when CUDA is present, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"

@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parallel.groups import create_rendezvous_store, init_distributed, parse_init_method
-from tests.dist.conftest import DIST_ENV, free_port
+from parallel.groups import free_port
+from tests.dist.conftest import DIST_ENV
 
 
 def listening(pid: int) -> list[tuple[str, int]]:

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from launch import bench_decode, bench_throughput
-from launch.bench_throughput import agreement, sample_requests
+from launch.bench import decode as bench_decode
+from launch.bench import throughput as bench_throughput
+from launch.bench.throughput import agreement, sample_requests
 from moe.config import ModelConfig
 from moe.model import MoEModel
 from moe.tiny import write_tiny_checkpoint

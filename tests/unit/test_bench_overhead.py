@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from launch import bench_overhead
-from launch.bench_overhead import (
+from launch.bench import overhead as bench_overhead
+from launch.bench.overhead import (
     StepTiming,
     TimedScheduler,
     is_pure_decode,

@@ -14,6 +14,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 from transformers.models.mixtral import modeling_mixtral as hf_mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
 
+from moe.capacity import CapacityConfig
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.layers import DenseMLP, GQAAttention, RMSNorm, RotaryEmbedding, apply_rotary, compute_inv_freq
@@ -194,7 +195,7 @@ def test_moe_layer_replicated_placement_same_output_and_slot_load() -> None:
 
 def test_moe_layer_capacity_counts_drops() -> None:
     cfg = _ours(transformers.DeepseekV3Config(**V3_BASE))
-    layer = MoELayer(cfg, 1, dtype=torch.float32, capacity_factor=0.25)
+    layer = MoELayer(cfg, 1, dtype=torch.float32, capacity=CapacityConfig(0.25))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
     out = layer(torch.randn(32, 32))

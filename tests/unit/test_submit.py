@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch.submit import SubmitError, has_auth_token, main, probe_auth, submission_address, submit_env
-from tests.unit.server_fakes import free_port
+from parallel.groups import free_port
 
 
 class Dashboard:
