@@ -7,7 +7,6 @@ Shape legend: L MoE layers, E logical experts, P physical slots, R EP ranks.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from balancer import (
     rebalance_experts,
     should_rebalance,
 )
+from launch.expert_location import DEFAULT_RECORDER_BUFFER_SIZE, ExpertDistributionRecorder
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class EplbDriver:
     """Owns the placement in force and the routing-statistics window (driver side)."""
 
     def __init__(self, config: BalancerConfig, placement: Placement, *, num_groups: int, num_nodes: int,
-                 expert_bytes: int) -> None:
+                 expert_bytes: int, record_buffer_size: int = DEFAULT_RECORDER_BUFFER_SIZE) -> None:
         self.config = config
         self.placement = placement
         self.num_groups = num_groups
@@ -49,18 +49,19 @@ class EplbDriver:
         self.counters = BalancerCounters()
         self.step = 0
         self.last_balancedness: list[float] = [1.0] * placement.num_layers
-        self._recording: list[torch.Tensor] | None = None
-        self._recorded: list[torch.Tensor] = []
+        self.recorder = ExpertDistributionRecorder(record_buffer_size)
 
     # ---- statistics ------------------------------------------------------------------
 
-    def record(self, slot_load: torch.Tensor) -> None:
-        """slot_load: [L, P] int64 assignments per slot this step, summed over DP ranks."""
+    def record(self, slot_load: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
+        """slot_load: [L, P] int64 assignments per slot this step, summed over DP ranks;
+        dropped: [L] int64 assignments dropped by expert capacity this step (None: dropless)."""
         self.step += 1
         self.stats.record(slot_load)
-        if self._recording is not None:
+        if self.recorder.is_recording:
+            physical = slot_load.to(torch.int64).cpu()
             logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
-            self._recording.append(logical.scatter_add_(1, self.placement.phy2log, slot_load.to(torch.int64)))
+            self.recorder.record(logical.scatter_add_(1, self.placement.phy2log, physical), physical, dropped)
         if self.config.log_balancedness and self.step % 10 == 0:
             per_layer, overall = self.stats.balancedness()
             log.info("eplb step %d: balancedness %.4f (worst layer %.4f)", self.step, overall, float(per_layer.min()))
@@ -100,24 +101,13 @@ class EplbDriver:
     # ---- SGLang-style expert distribution record --------------------------------------
 
     def start_record(self) -> None:
-        self._recording = []
+        self.recorder.start()
 
     def stop_record(self) -> None:
-        if self._recording is not None:
-            self._recorded.extend(self._recording)
-        self._recording = None
+        self.recorder.stop()
 
-    def dump_record(self, directory: str | Path) -> Path:
-        """Write logical_count [steps, L, E] int64 plus the placement in force (safetensors)."""
-        from safetensors.torch import save_file
-
-        steps = list(self._recorded) + list(self._recording or [])
-        p = self.placement
-        count = torch.stack(steps) if steps else torch.zeros(0, p.num_layers, p.num_logical, dtype=torch.int64)
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"expert_distribution_{time.strftime('%Y%m%d-%H%M%S')}_{len(steps)}steps.safetensors"
-        tensors = {"logical_count": count.contiguous(), **{k: v.contiguous() for k, v in p.state_dict().items()}}
-        save_file(tensors, str(path), metadata={"format": "moe-serve expert distribution v1"})
-        self._recorded = []
-        return path
+    def dump_record(self, directory: str | Path, metadata: dict[str, str] | None = None) -> Path:
+        """Write the record (``launch.expert_location`` format: logical_count [steps, L, E],
+        physical_count [steps, L, P], dropped_count [steps, L] when capacity dropped, the
+        placement in force now) and empty it. ``metadata``: extra string entries."""
+        return self.recorder.dump(directory, self.placement, metadata)

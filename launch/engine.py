@@ -119,6 +119,7 @@ class LLMEngine:
                 num_nodes=self.executor.num_nodes,
                 expert_bytes=3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
                 * torch.finfo(DTYPES[self.dtype]).bits // 8,
+                record_buffer_size=config.server.expert_distribution_recorder_buffer_size,
             ) if self.model_config.moe_layer_ids else None
             sched = SchedulerConfig(
                 max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
@@ -191,7 +192,10 @@ class LLMEngine:
         if self.eplb is not None:
             loads = [r.slot_load for r in results if r.slot_load is not None]
             if loads:
-                self.eplb.record(torch.stack(loads).sum(0))
+                dropped = None
+                if self.config.moe.capacity_factor > 0:
+                    dropped = torch.tensor([[d for d, _ in r.capacity] for r in results], dtype=torch.int64).sum(0)
+                self.eplb.record(torch.stack(loads).sum(0), dropped)
 
     def request_rebalance(self) -> None:
         """Rebalance after the next step regardless of the trigger (tests, operators)."""

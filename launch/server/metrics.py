@@ -31,6 +31,8 @@ _GAUGES = (
     ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
     ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
     ("moe:balancedness", "balancedness", "Mean over max rank load, summed over MoE layers (1.0 is perfect)."),
+    ("moe:expert_distribution_steps_buffered", "expert_distribution_steps_buffered",
+     "Steps the expert-distribution record holds for the next dump (at most its buffer size)."),
 )
 # Counters: prometheus_client appends the ``_total`` suffix on exposition.
 _COUNTERS = (
@@ -44,6 +46,8 @@ _COUNTERS = (
     ("moe:rebalances", "num_rebalances", "Expert rebalances applied."),
     ("moe:rebalance_seconds", "rebalance_seconds_total", "Seconds spent rebalancing experts."),
     ("moe:expert_copies_moved", "expert_copies_moved", "Expert weight copies moved between slots."),
+    ("moe:expert_distribution_steps_dropped", "expert_distribution_steps_dropped",
+     "Recorded steps dropped from the full expert-distribution buffer before a dump."),
 )
 
 
