@@ -139,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         rc, saw_no_agent = run_passing_output([*ray_command(), "job", "submit", *args], env)
-        if rc == 0 or not saw_no_agent or time.monotonic() > deadline:
+        if rc == 0 or not saw_no_agent:
+            return rc
+        if time.monotonic() > deadline:
+            print(f"error: the head at {address} has had no job agent for {AGENT_WAIT_S:.0f} s; its log is "
+                  "<temp dir>/session_latest/logs/dashboard_agent.log (another Ray on that machine may hold "
+                  "the agent's port 52365: start the head with --dashboard-agent-listen-port PORT)",
+                  file=sys.stderr)
             return rc
         print(f"launch submit: the head's job agent is not up yet; trying again in 5 s "
               f"(for up to {AGENT_WAIT_S:.0f} s)", file=sys.stderr)

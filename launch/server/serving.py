@@ -114,7 +114,13 @@ class OpenAIServing:
 
     def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
                           max_new_tokens: int | None, logprobs: int | None) -> list[SubRequest]:
-        """P prompts x ``req.n`` choices -> SubRequests with ``index = p * n + j``."""
+        """P prompts x ``req.n`` choices -> SubRequests with ``index = p * n + j``. 400 when they
+        are more than the engine ever queues (a 503 would invite retries that cannot succeed)."""
+        fan_out = len(prompts) * req.n
+        if self.max_queue_len is not None and fan_out > self.max_queue_len:
+            raise APIError(400, f"This request needs {fan_out} engine requests ({len(prompts)} prompt(s) x n={req.n}), "
+                           f"more than the server queues (max_queue_len={self.max_queue_len}). Send fewer prompts "
+                           "or a smaller n per request.", param="n" if req.n > 1 else "prompt")
         subs = []
         for p, ids in enumerate(prompts):
             params = self.sampling_params(req, self.resolve_max_tokens(max_new_tokens, len(ids)), logprobs)

@@ -1,8 +1,9 @@
 """The README's multi-node flow on a real head, as written: ``ray start --head`` (which turns on
 Ray 2.60's token authentication, because a token exists, as on any machine where Ray ran
 before), then ``python -m launch submit ... -- python -m launch generate``. The head runs in
-its own process group with its own HOME (its token) and temp dir, killed at the end. Binds
-Ray's fixed ports next to the two it is given: run it alone."""
+its own process group with its own HOME (its token), temp dir and free ports (so it can run
+beside another Ray on this machine), killed at the end. Ray still binds a few fixed ports of
+its own: run it rarely."""
 
 from __future__ import annotations
 
@@ -56,9 +57,16 @@ def ray_head():
     assert (home / ".ray" / "auth_token").is_file()
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     dash = free_port()
+    # Every port the head binds is picked free: another Ray on this machine (a test's
+    # ray.init with a dashboard) may hold a default one, e.g. the job agent's 52365, and then
+    # the head never gets a job agent ("No available agent to submit job").
+    ports = [arg for flag in ("--port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                              "--ray-client-server-port", "--metrics-export-port", "--runtime-env-agent-port",
+                              "--node-manager-port", "--object-manager-port")
+             for arg in (flag, str(free_port()))]
     head = subprocess.Popen(
-        [str(bindir / "ray"), "start", "--head", "--block", "--port", str(free_port()), "--node-ip-address",
-         "127.0.0.1", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "2",
+        [str(bindir / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), *ports, "--num-cpus", "2",
          "--disable-usage-stats", "--temp-dir", temp],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

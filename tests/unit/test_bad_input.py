@@ -153,3 +153,18 @@ def test_generate_jsonl_rejects_bad_prompts_before_starting(tmp_path, capsys):
                           "--output", str(tmp_path / "out.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "unpaired UTF-16 surrogate" in err and "Traceback" not in err
+
+
+def test_fan_out_beyond_the_queue_is_400_not_503(served):
+    """prompts x n engine requests that could never all be queued: a 400 saying why (a 503
+    would invite retries that cannot succeed); at the limit the request is served."""
+    url = served.url + "/v1/completions"
+    r = httpx.post(url, json={"prompt": "x", "n": 9, "max_tokens": 1}, timeout=10)  # max_queue_len=8
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "needs 9 engine requests" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}, timeout=10)
+    assert r.status_code == 400 and "3 prompt(s) x n=3" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"prompt": [[1]] * 9, "max_tokens": 1}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(url, json={"prompt": ["a", "b"], "n": 4, "max_tokens": 1}, timeout=10)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
