@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_NUM_SEQS = 2
-MAX_QUEUE_LEN = 4
+MAX_QUEUE_LEN = 8
 MAX_MODEL_LEN = 96
 FUZZ_EXAMPLES = int(os.environ.get("MOE_FUZZ_EXAMPLES", "200"))
 SOAK_SECONDS = float(os.environ.get("MOE_SOAK_SECONDS", "90"))
@@ -254,8 +254,9 @@ def test_client_disconnects_abort_requests(server):
 
 
 def test_soak_rss_flat_and_metrics_idle(server):
-    """Steady load (4 clients, mixed endpoints, streaming and not, n up to 2, expert
-    distribution recording on throughout) for MOE_SOAK_SECONDS: no failure, server RSS flat
+    """Steady load (3 clients, mixed endpoints, streaming and not, n up to 2: at most 6 engine
+    requests, within running slots + queue, so none is turned away; expert distribution
+    recording on throughout) for MOE_SOAK_SECONDS: no failure, server RSS flat
     (after warm-up, growth within max(32 MiB, 10 %)), the record stays within its buffer,
     metrics back to idle."""
     stop = threading.Event()
@@ -288,13 +289,13 @@ def test_soak_rss_flat_and_metrics_idle(server):
                     key = type(exc).__name__
                 with lock:
                     outcomes[key] += 1
-                    if key not in (200, 503):
+                    if key != 200:
                         errors.append(f"{kind}: {key}")
 
     samples: list[tuple[float, int]] = []
     started = time.monotonic()
-    with ThreadPoolExecutor(4) as pool:
-        for seed in range(4):
+    with ThreadPoolExecutor(3) as pool:
+        for seed in range(3):
             pool.submit(client_loop, seed)
         while time.monotonic() - started < SOAK_SECONDS:
             samples.append((time.monotonic() - started, server.rss()))
