@@ -16,7 +16,7 @@ from launch.generate import main as generate_main
 from moe.capacity import CapacityConfig, compute_capacity
 from moe.config import ModelConfig
 from moe.moe_layer import MoELayer, compute_slot_scores
-from tests.engine.test_engine_fidelity import make_prompts, run
+from tests.oracles import make_prompts, run
 
 ACCEPTED = [("local", "position", "drop"), ("local", "score", "drop"), ("local", "position", "reroute"),
             ("local", "score", "reroute"), ("global", "position", "drop")]
@@ -74,7 +74,10 @@ def test_moe_layer_reroutes_within_capacity_to_unused_experts(hf_checkpoints, po
     assert ids.shape == (40, config.num_experts_per_tok)
     capacity = compute_capacity(40, 12, config.num_experts_per_tok, 0.6)
     assert torch.bincount(ids[ids >= 0], minlength=12).max() <= capacity
+    overflow = int((layer.slot_load - capacity).clamp(min=0).sum())  # demand past C, slot by slot
     assert layer.counters["rerouted"] > 0
+    assert layer.counters["rerouted"] + layer.counters["dropped"] == overflow
+    assert int((ids >= 0).sum()) == 40 * config.num_experts_per_tok - layer.counters["dropped"]
     logical = torch.where(ids >= 0, layer.phy2log[ids.clamp(min=0)], -1)
     for row in logical.tolist():  # a token never reaches the same expert twice
         kept = [e for e in row if e >= 0]

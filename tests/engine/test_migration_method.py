@@ -8,7 +8,7 @@ import pytest
 from launch import LLM, SamplingParams
 from launch.config import RuntimeConfig
 from launch.config_schema import ConfigError
-from tests.engine.test_engine_fidelity import make_prompts
+from tests.oracles import make_prompts
 
 
 def test_migration_method_is_validated():

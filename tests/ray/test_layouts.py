@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from launch import LLM, SamplingParams
-from tests.engine.test_engine_fidelity import hf_greedy, make_prompts
+from tests.oracles import hf_greedy, make_prompts
 
 NEW = 12
 

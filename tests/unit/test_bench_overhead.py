@@ -19,14 +19,6 @@ from launch.bench.overhead import (
     time_call,
 )
 from moe.config import ModelConfig
-from moe.tiny import write_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench_overhead") / "dsv3"
-    write_tiny_checkpoint("deepseek_v3", path, size="tiny", seed=0)
-    return path
 
 
 def test_step_timing_breakdown_adds_up():

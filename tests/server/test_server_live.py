@@ -96,9 +96,8 @@ def runtime_config(ckpt: Path, dist_dir: Path, **server):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    from launch.tiny_checkpoint import make_tiny_checkpoint
-    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ckpt") / "tiny-v3")
+def ckpt(tiny_ckpt_with_tokenizer) -> Path:
+    return tiny_ckpt_with_tokenizer
 
 
 @pytest.fixture(scope="module")
