@@ -104,13 +104,12 @@ def test_http_min_p_reaches_the_engine():
 
 
 @pytest.mark.slow
-def test_offline_min_p_one_is_greedy(tmp_path):
+def test_offline_min_p_one_is_greedy(tiny_ckpt):
     """min_p=1 keeps only the most likely token: sampling at T=1 then equals greedy decoding,
     through the engine, the worker's sampler and the offline API."""
     from launch import LLM
-    from launch.tiny_checkpoint import make_tiny_checkpoint
 
-    model = make_tiny_checkpoint("deepseek_v3", tmp_path / "ck")
+    model = tiny_ckpt
     prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 3, 40, 41, 42]}]
     with LLM(str(model), dtype="float32") as llm:
         greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

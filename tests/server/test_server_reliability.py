@@ -39,7 +39,7 @@ FUZZ_EXAMPLES = int(os.environ.get("MOE_FUZZ_EXAMPLES", "200"))
 SOAK_SECONDS = float(os.environ.get("MOE_SOAK_SECONDS", "90"))
 REQUEST_TIMEOUT_S = 120.0  # a request that takes longer counts as a hang
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # (the folder is slow too)
 
 
 class Server:
@@ -87,12 +87,9 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from launch.tiny_checkpoint import make_tiny_checkpoint
-
+def server(tmp_path_factory, tiny_ckpt_with_tokenizer):
     root = tmp_path_factory.mktemp("reliability")
-    model = make_tiny_checkpoint("deepseek_v3", root / "ck")
-    srv = Server(model, root / "dumps", root / "server.log")
+    srv = Server(tiny_ckpt_with_tokenizer, root / "dumps", root / "server.log")
     try:
         yield srv
     finally:
