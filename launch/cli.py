@@ -66,6 +66,7 @@ register("bench eplb", "launch.bench_eplb:main", "expert-load-balancer benchmark
 register("bench throughput", "launch.bench_throughput:main", "offline generation throughput")
 register("bench serve", "launch.bench_serve:main", "online serving benchmark against a running server")
 register("bench decode", "launch.bench_decode:main", "decode step latency and tokens/s")
+register("sweep", "launch.sweep.runner:main", "run a grid of layouts for real: results.jsonl/csv, plots, measured vs predicted")
 register("bench overhead", "launch.bench_overhead:main", "driver/actor round-trip and routing-statistics overhead per step")
 
 
