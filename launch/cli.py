@@ -61,6 +61,8 @@ register("demo", "launch.demo:main", "make run: tiny DeepSeek-V3 on local Ray, E
 register("make-tiny", "launch.tiny_checkpoint:main", "write a random tiny/small checkpoint with tokenizer")
 register("kvcalc", "launch.kvcalc:main", "KV-cache bytes per token and capacity for a model config")
 register("config", "launch.config:main", "validate config file + --set + flags; print the resolved YAML")
+register("simulate", "launch.simulate:main", "cost model: predicted step times and throughput of a layout, or --search")
+register("simulate calibrate", "launch.calibrate:main", "measure this machine for the cost model (hardware YAML)")
 register("commbench", "parallel.commbench:main", "collective benchmark (nccl-tests style table)")
 register("bench eplb", "launch.bench_eplb:main", "expert-load-balancer benchmark on routing traces")
 register("bench throughput", "launch.bench_throughput:main", "offline generation throughput")

@@ -3,7 +3,15 @@
 Prints bytes per token (MLA latent or GQA heads, and what full MHA would need), the
 weights per TP rank, the tokens that fit in the rest of the memory budget, and how many
 sequences of ``--max-model-len`` tokens fit at once. The arithmetic is
-``launch.core.kv_sizing.compute_kv_sizing``; weights are split over TP ranks only.
+``launch.core.kv_sizing.compute_kv_sizing``.
+
+``--model`` is a checkpoint directory, its config.json, a released model's name
+(``deepseek-ai/DeepSeek-V3``, shipped offline in ``configs/models``), or a runtime config
+YAML (``configs/deepseek-v3-decode-ep144.yaml``): then its model, TP and EP sizes,
+redundant experts, KV-cache dtype, max_model_len, block size and memory utilization are
+the defaults (flags still win). With expert parallelism a rank holds only its P / ep
+routed expert slots (``parallel.costmodel.weight_bytes_per_rank``); without, weights are
+split over TP ranks.
 """
 
 from __future__ import annotations
@@ -24,19 +32,84 @@ _GIB = 1024**3
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch kvcalc", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, type=Path, help="checkpoint directory or a config.json file")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--model", required=True,
+                   help="checkpoint dir, config.json, model name (deepseek-ai/DeepSeek-V3) or runtime config YAML")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None, help="default: auto")
     p.add_argument("--dtype", choices=tuple(_DTYPE_BYTES), default="bfloat16", help="weights (and 'auto' KV)")
     p.add_argument("--weight-dtype", choices=tuple(_WEIGHT_DTYPE_BYTES), default=None,
                    help="stored weight dtype if not --dtype (fp8 for DeepSeek-V3's released weights)")
     p.add_argument("--memory", default="80GiB", help="accelerator memory per rank, e.g. 80GiB, 141GB")
     p.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
-                   type=float, default=0.9)
+                   type=float, default=None, help="default: 0.9")
     p.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="default: 1")
+    p.add_argument("--expert-parallel-size", "-ep", type=int, default=None,
+                   help="ranks the routed experts are spread over (default 1: every rank holds all)")
+    p.add_argument("--num-redundant-experts", type=int, default=None, help="extra expert slots per layer (EP)")
+    p.add_argument("--block-size", type=int, default=None, help="default: 16")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
+
+
+def _is_runtime_config(path: Path) -> bool:
+    return path.is_file() and path.suffix in (".yaml", ".yml")
+
+
+def _apply_runtime_config(args: argparse.Namespace) -> None:
+    """Fill unset flags from a runtime config YAML named by --model, and point --model at its model."""
+    from launch.config import ConfigError, load_runtime_config
+
+    try:
+        cfg = load_runtime_config(args.model)
+    except ConfigError as e:
+        raise ValueError(f"{args.model} is not a runtime config ({e}); {EXPECTED}") from None
+    p, e, b = cfg.parallel, cfg.engine, cfg.balancer
+    args.model = cfg.model
+    defaults = {"tensor_parallel_size": p.tensor_parallel_size, "expert_parallel_size": p.expert_parallel_size,
+                "num_redundant_experts": b.num_redundant_experts if b.enable_eplb else 0,
+                "kv_cache_dtype": e.kv_cache_dtype, "max_model_len": e.max_model_len,
+                "memory_utilization": e.memory_utilization, "block_size": e.block_size}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if e.dtype in _DTYPE_BYTES and args.dtype == "bfloat16":
+        args.dtype = e.dtype
+    if e.memory is not None and args.memory == "80GiB":
+        args.memory = e.memory
+
+
+EXPECTED = ("expected a checkpoint directory, its config.json, a runtime config YAML (configs/*.yaml) or a "
+            "model name such as deepseek-ai/DeepSeek-V3")
+
+
+def _model_config(model: str) -> ModelConfig:
+    path = Path(model)
+    if path.is_file():
+        try:
+            json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{model} is neither a model config.json nor a runtime config: {EXPECTED}") from None
+    return ModelConfig.from_hf(model, strict=False)
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    for name, value in (("tensor_parallel_size", 1), ("expert_parallel_size", 1), ("num_redundant_experts", 0),
+                        ("kv_cache_dtype", "auto"), ("memory_utilization", 0.9), ("block_size", 16)):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def _ep_weight_bytes(cfg: ModelConfig, args: argparse.Namespace) -> int | None:
+    """The rank's weights under expert parallelism (None: split everything over TP)."""
+    if args.expert_parallel_size <= 1:
+        return None
+    from parallel.costmodel import Deployment, weight_bytes_per_rank
+
+    world = max(args.expert_parallel_size, args.tensor_parallel_size)
+    dep = Deployment(tp=args.tensor_parallel_size, dp=world // args.tensor_parallel_size,
+                     ep=args.expert_parallel_size, num_redundant_experts=args.num_redundant_experts,
+                     dtype=args.dtype, weight_dtype=args.weight_dtype)
+    return weight_bytes_per_rank(cfg, dep)
 
 
 def _layout_line(cfg: ModelConfig) -> str:
@@ -47,7 +120,7 @@ def _layout_line(cfg: ModelConfig) -> str:
             f"{2 * cfg.num_key_value_heads * cfg.head_dim} values per layer")
 
 
-def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str) -> str:
+def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str, ep: int = 1) -> str:
     """The human-readable kvcalc table."""
     lines = [
         f"model: {cfg.architecture}, {cfg.num_hidden_layers} layers, {cfg.num_parameters() / 1e9:.2f}B parameters "
@@ -58,7 +131,8 @@ def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str) ->
         f"  as full multi-head attention: {s.mha_bytes_per_token:,} B ({s.savings_vs_mha:.1f}x more)",
         f"  per rank at tensor_parallel_size={s.tensor_parallel_size}: {s.kv_bytes_per_token_per_rank:,} B",
         f"memory per rank: {s.memory_bytes / _GIB:.2f} GiB x {s.memory_utilization:g} utilization",
-        f"weights per rank: {s.weight_bytes_per_rank / _GIB:.2f} GiB",
+        f"weights per rank: {s.weight_bytes_per_rank / _GIB:.2f} GiB"
+        + (f" (routed experts spread over expert_parallel_size={ep})" if ep > 1 else ""),
         f"KV budget per rank: {s.kv_budget_bytes / _GIB:.2f} GiB",
         f"tokens that fit: {s.max_num_tokens:,} ({s.num_blocks(block_size):,} blocks of {block_size})",
         f"concurrent sequences at max_model_len {s.max_model_len:,}: {s.max_concurrency:.2f}",
@@ -71,23 +145,30 @@ def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str) ->
 def main(argv: list[str] | None = None) -> int:
     """``kvcalc``: KV-cache capacity of one rank for a model config."""
     args = _build_parser().parse_args(argv)
+    model_arg = args.model
     try:
-        cfg = ModelConfig.from_hf(args.model, strict=False)
+        if _is_runtime_config(Path(args.model)):
+            _apply_runtime_config(args)
+        _fill_defaults(args)
+        cfg = _model_config(args.model)
         sizing = compute_kv_sizing(
             cfg, memory_bytes=args.memory, kv_cache_dtype=args.kv_cache_dtype,
             dtype_bytes=_DTYPE_BYTES[args.dtype],
             weight_dtype_bytes=_WEIGHT_DTYPE_BYTES[args.weight_dtype] if args.weight_dtype else None,
             memory_utilization=args.memory_utilization,
             max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+            weight_bytes_per_rank=_ep_weight_bytes(cfg, args),
         )
         blocks = sizing.num_blocks(args.block_size)
     except (OSError, ValueError, KeyError) as e:
-        print(f"error: kvcalc {args.model}: {e}", file=sys.stderr)
+        print(f"error: kvcalc {model_arg}: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"architecture": cfg.architecture, "attention": cfg.attention,
+        print(json.dumps({"model": args.model, "architecture": cfg.architecture, "attention": cfg.attention,
                           "num_parameters": cfg.num_parameters(), "num_blocks": blocks,
-                          "block_size": args.block_size, **asdict(sizing)}))
+                          "block_size": args.block_size, "expert_parallel_size": args.expert_parallel_size,
+                          **asdict(sizing)}))
     else:
-        print(format_report(cfg, sizing, args.block_size, args.weight_dtype or args.dtype))
+        print(format_report(cfg, sizing, args.block_size, args.weight_dtype or args.dtype,
+                            args.expert_parallel_size))
     return 0

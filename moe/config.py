@@ -1,6 +1,7 @@
 """Model configuration: one normalised, frozen view of a Hugging Face MoE config.
 
-``ModelConfig.from_hf`` reads ``config.json`` (or a dict) of MixtralForCausalLM,
+``ModelConfig.from_hf`` reads ``config.json`` (a file, a checkpoint dir, a dict, or a released
+model's name resolved offline by ``moe.model_catalog``) of MixtralForCausalLM,
 DeepseekV2ForCausalLM, DeepseekV3ForCausalLM or Qwen3MoeForCausalLM and keeps every
 field that changes the math, under one set of names. Field values the runtime does not
 implement raise ``ValueError`` naming the field, unless ``strict=False`` (sizing only).
@@ -25,6 +26,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from moe.model_catalog import find_model_config, known_model_names
 
 ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
@@ -249,12 +252,22 @@ def _read_raw(path_or_dict: str | os.PathLike | dict[str, Any]) -> dict[str, Any
     if isinstance(path_or_dict, dict):
         return dict(path_or_dict)
     path = os.fspath(path_or_dict)
+    if not os.path.exists(path):
+        shipped = find_model_config(path)
+        if shipped is not None:
+            return shipped
+        raise ValueError(f"no config.json at {path!r}, and it names none of the shipped model configs "
+                         f"({', '.join(known_model_names())})")
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"no config.json at {path!r}")
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a model config.json (JSON: {e}); expected a checkpoint directory, "
+                             "its config.json, or a model name such as deepseek-ai/DeepSeek-V3") from None
 
 
 def _architecture_of(raw: dict[str, Any]) -> str:

@@ -110,11 +110,14 @@ def compute_kv_sizing(
     max_model_len: int | None = None,
     tensor_parallel_size: int = 1,
     reserved_bytes: int | str = 0,
+    weight_bytes_per_rank: int | None = None,
 ) -> KVSizing:
     """Size the KV cache of one TP rank holding ``memory_bytes`` of accelerator memory.
 
     dtype_bytes: bytes per element of the model dtype (bf16: 2); ``kv_cache_dtype="auto"``
     caches in that dtype, ``"fp8"`` in 1 byte. weight_dtype_bytes defaults to dtype_bytes.
+    weight_bytes_per_rank: the rank's weights when the caller knows better than
+    ``num_parameters() x bytes / tp`` (expert parallelism: ``parallel.costmodel``).
     Raises ValueError when the weights leave no room for KV.
     """
     memory, reserved = parse_memory(memory_bytes), parse_memory(reserved_bytes)
@@ -137,7 +140,10 @@ def compute_kv_sizing(
 
     per_token = config.kv_bytes_per_token(kv_bytes)
     per_rank = _kv_bytes_per_rank(config, per_token, tp)
-    weights = math.ceil(config.num_parameters() * (weight_dtype_bytes or dtype_bytes) / tp)
+    if weight_bytes_per_rank is None:
+        weights = math.ceil(config.num_parameters() * (weight_dtype_bytes or dtype_bytes) / tp)
+    else:
+        weights = int(weight_bytes_per_rank)
     budget = int(memory * memory_utilization) - weights - reserved
     if budget <= 0:
         raise ValueError(

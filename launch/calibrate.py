@@ -1,0 +1,314 @@
+"""``python -m launch simulate calibrate --out FILE``: measure this machine for the cost model.
+
+Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
+
+- GEMM rates by row count (``F.linear``, K = N = 1024) per dtype; the peak FLOP/s is the
+  best of them; the per-call overhead of a near-empty GEMM;
+- decode attention FLOP/s (as a fraction of the peak) and large-copy memory bandwidth;
+- gloo collectives through commbench (``allreduce``, ``alltoall``, ``allgather`` tables on
+  ``--nprocs`` ranks, one rank per process with ``--threads`` threads each), and any
+  nccl-tests output given with ``--nccl-table FILE`` (``all_to_all_perf``, ``all_reduce_perf``);
+- the engine's fixed costs: decode steps of a tiny DeepSeek-V3 checkpoint cut to 1 and 3
+  layers, run in-process; what the operator model does not explain is split into a
+  per-step and a per-layer overhead (least squares over both depths and two batches).
+
+The memory per rank is the engine's CPU default (``DEFAULT_CPU_MEMORY``), so KV capacity
+predictions match what the engine sizes on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from launch.core.kv_sizing import parse_memory
+from launch.hardware import save_hardware
+from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
+from parallel.costmodel.microbench import (
+    measure_attention_rate,
+    measure_call_overhead,
+    measure_copy_bandwidth,
+    measure_gemm_rates,
+    nccl_table_op,
+    parse_nccl_table,
+)
+
+ENGINE_DEPTHS = (2, 3)  # the tiny DeepSeek-V3's layer 0 is dense: keep a MoE layer
+ENGINE_BATCHES = (1, 4, 8)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]]) -> dict[str, list]:
+    from parallel.commbench import run_collective
+
+    return {op: run_collective(rank, world, op, counts, "float32", 3, 10, False) for op, counts in plan}
+
+
+def measure_collectives(nprocs: int, threads: int, ops: tuple[str, ...] = ("allreduce", "alltoall", "allgather"),
+                        max_bytes: int = 4 << 20) -> dict[str, list[tuple[float, float]]]:
+    """{"OP:N": ((bytes, seconds), ...)} from commbench on ``nprocs`` spawned gloo ranks."""
+    from parallel.commbench import compute_sizes, spawn
+
+    plan = [(op, compute_sizes(op, 64, max_bytes, 4, 4, nprocs)) for op in ops]
+    rows = spawn(_run_collectives, nprocs, plan, threads=threads)
+    return {f"{op}:{nprocs}": [(float(r.size), r.out_of_place.time_us * 1e-6) for r in rows[op]] for op in ops}
+
+
+def read_nccl_tables(specs: list[str]) -> dict[str, list[tuple[float, float]]]:
+    """``FILE`` or ``FILE:OP:NRANKS`` -> tables; the op and rank count come from the header
+    when not given."""
+    tables = {}
+    for spec in specs:
+        path, _, rest = spec.partition(":")
+        text = Path(path).read_text()
+        op, n = nccl_table_op(text)
+        if rest:
+            op, _, ranks = rest.partition(":")
+            n = int(ranks) if ranks else n
+        if op is None or not n:
+            raise ValueError(f"{path}: cannot tell the collective and rank count from the table; "
+                             f"pass {path}:OP:NRANKS (e.g. {path}:alltoall:8)")
+        tables[f"{op}:{n}"] = parse_nccl_table(text)
+    return tables
+
+
+class _StepRecorder:
+    """Wraps an executor to see each step's batches (which steps are pure decode)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.last = None
+
+    def execute(self, output, collect_load):  # noqa: ANN001, ANN201 (executor protocol)
+        self.last = output
+        return self.inner.execute(output, collect_load)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+
+def time_decode_steps(engine: object, batch: int, context: int, steps: int, warmup: int) -> list[float]:
+    """Wall seconds of ``steps`` engine steps in which all ``batch`` sequences (over every DP
+    rank) decode one token each, after ``warmup`` such steps."""
+    import random
+    import time
+
+    from launch.core import SamplingParams
+
+    recorder = _StepRecorder(engine.executor)
+    engine.executor = recorder
+    rng = random.Random(batch)
+    vocab = [t for t in range(engine.model_config.vocab_size) if t not in engine.model_config.eos_token_ids]
+    params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + context + 8, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(engine.next_request_id(), [rng.choice(vocab) for _ in range(context)], params)
+    timed, seen = [], 0
+    for _ in range(steps + warmup + 4 * (batch * context // 16 + 8)):
+        start = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - start
+        batches = recorder.last.batches
+        if sum(b.num_seqs for b in batches) == batch and all(b.num_tokens == b.num_seqs for b in batches):
+            seen += 1
+            if seen > warmup:
+                timed.append(wall)
+        if len(timed) == steps:
+            return timed
+    raise RuntimeError(f"only {len(timed)} of {steps} steps decoded all {batch} sequences")
+
+
+def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 16, ranks: int = 1) -> float:
+    from launch.config import RuntimeConfig
+    from launch.engine import LLMEngine
+
+    cfg = RuntimeConfig.from_dict({"model": str(model_dir), "engine": {
+        "dtype": dtype, "max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 256,
+        "block_size": 16, "num_kv_blocks": 128},
+        "parallel": {"data_parallel_size": ranks, "enable_expert_parallel": ranks > 1}})
+    engine = LLMEngine(cfg)
+    try:
+        return statistics.median(time_decode_steps(engine, batch, 16, steps, 3))
+    finally:
+        engine.shutdown()
+
+
+def _truncated_checkpoint(src: Path, dst: Path, num_layers: int) -> Path:
+    """A copy of ``src`` keeping only its first ``num_layers`` decoder layers."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        keep = {k: v for k, v in tensors.items()
+                if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= num_layers)}
+        save_file(keep, f, metadata={"format": "pt"})
+    return dst
+
+
+OVERHEAD_FIELDS = ("step_overhead_s", "layer_overhead_s", "seq_overhead_s", "layer_seq_overhead_s")
+
+
+def fit_overheads(samples: list[tuple[int, int, float]]) -> dict[str, float]:
+    """Least squares of unexplained seconds r = a + b L + c B + d L B over (layers L, sequences
+    B, r) samples -> the four ``Hardware`` overhead fields (a, b, c, d), each >= 0 (a term
+    that fits negative is dropped and the rest refit)."""
+    import numpy as np
+
+    x = np.array([[1.0, layers, seqs, layers * seqs] for layers, seqs, _ in samples])
+    y = np.array([r for _, _, r in samples])
+    active = list(range(4))
+    coef = np.zeros(4)
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return dict(zip(OVERHEAD_FIELDS, (float(c) for c in coef)))
+
+
+def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None]) -> dict[str, float]:
+    """The overhead fields (``fit_overheads``): engine decode steps minus the operator model."""
+    from launch.tiny_checkpoint import make_tiny_checkpoint
+    from moe.config import ModelConfig
+
+    samples = []
+    with tempfile.TemporaryDirectory() as tmp:
+        full = make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
+        for depth in ENGINE_DEPTHS:
+            model_dir = _truncated_checkpoint(full, Path(tmp) / f"l{depth}", depth)
+            mc = ModelConfig.from_hf(model_dir)
+            dep = Deployment(dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256, kv_capacity_tokens=2048)
+            rank_load = build_rank_load(mc, dep)
+            for batch in ENGINE_BATCHES:
+                measured = _engine_step_seconds(model_dir, batch, dtype)
+                model = predict_phase(mc, dep, hw, rank_load, decode_work(batch, 17), decode=True).step_ms / 1e3
+                log(f"engine decode step: {depth} layer(s), batch {batch}: {measured * 1e3:.2f} ms measured, "
+                    f"{model * 1e3:.2f} ms from operators")
+                samples.append((depth, batch, measured - model))
+    return fit_overheads(samples)
+
+
+def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Callable[[str], None]) -> float:
+    """Seconds per step a ``ranks``-rank EP instance on Ray adds over the operator model and
+    the single-rank overheads (the driver/actor round trip; the collectives are modelled)."""
+    from launch.tiny_checkpoint import make_tiny_checkpoint
+    from moe.config import ModelConfig
+
+    residuals = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
+        mc = ModelConfig.from_hf(model_dir)
+        dep = Deployment(dp=ranks, ep=ranks, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256,
+                         kv_capacity_tokens=2048)
+        rank_load = build_rank_load(mc, dep)
+        batch = 4
+        measured = _engine_step_seconds(model_dir, batch, dtype, ranks=ranks)
+        per_rank = decode_work(max(1, batch // ranks), 17)
+        model = predict_phase(mc, dep, hw, rank_load, per_rank, decode=True).step_ms / 1e3
+        log(f"engine decode step on {ranks} Ray ranks, batch {batch}: {measured * 1e3:.2f} ms measured, "
+            f"{model * 1e3:.2f} ms modelled without the round trip")
+        residuals.append(measured - model)
+    return max(0.0, statistics.median(residuals))
+
+
+def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+              nccl_tables: tuple[str, ...] = (), measure_engine: bool = True, engine_dtype: str = "float32",
+              ray_ranks: int = 0, log: Callable[[str], None] = print) -> Hardware:
+    """Measure this machine (see the module docstring) with ``threads`` torch threads per rank."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gemm = {dt: measure_gemm_rates(dt) for dt in dtypes}
+        flops = {dt: max(rate for _, rate in table) for dt, table in gemm.items()}
+        attention = measure_attention_rate(dtypes[0])
+        overhead = measure_call_overhead(dtypes[0])
+        bandwidth = measure_copy_bandwidth()
+        log(f"GEMM peak: {', '.join(f'{dt} {f / 1e9:.1f} GFLOP/s' for dt, f in flops.items())}; "
+            f"attention {attention / 1e9:.1f} GFLOP/s; copy {bandwidth / 1e9:.1f} GB/s; call {overhead * 1e6:.1f} us")
+        collectives: dict[str, list[tuple[float, float]]] = {}
+        for n in nprocs:
+            collectives.update(measure_collectives(n, threads))
+        collectives.update(read_nccl_tables(list(nccl_tables)))
+        link = 0.0
+        for key, table in collectives.items():
+            if key.startswith("alltoall"):
+                size, seconds = table[-1]
+                link = max(link, size / seconds)
+        hw = Hardware(
+            name="local-cpu", source=f"simulate calibrate: {cpu_model()}, {threads} thread(s) per rank",
+            flops=flops, memory_bandwidth=bandwidth, memory_bytes=parse_memory("2GiB"),
+            gpus_per_node=os.cpu_count() or 1, intra_node_bandwidth=link or bandwidth,
+            inter_node_bandwidth=link or bandwidth, intra_node_latency_s=0.0, inter_node_latency_s=0.0,
+            gemm_efficiency=1.0, attention_efficiency=min(1.0, attention / flops[dtypes[0]]),
+            memory_efficiency=1.0, network_efficiency=1.0, kernel_overhead_s=overhead,
+            gemm_rates={dt: tuple(t) for dt, t in gemm.items()},
+            collectives={k: tuple(v) for k, v in collectives.items()},
+        )
+        if measure_engine:
+            fitted = measure_engine_overheads(hw, engine_dtype, log)
+            hw = Hardware.from_dict({**hw.to_dict(), **fitted})
+            log("engine overheads (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in fitted.items()))
+        if ray_ranks > 1:
+            extra = measure_multi_rank_overhead(hw, engine_dtype, ray_ranks, log)
+            hw = Hardware.from_dict({**hw.to_dict(), "multi_rank_step_overhead_s": extra})
+            log(f"multi-rank step overhead: {extra * 1e3:.2f} ms")
+        return hw
+    finally:
+        torch.set_num_threads(previous)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m launch simulate calibrate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="where to write the hardware YAML (or .json)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank while measuring")
+    p.add_argument("--nprocs", default="2", help="rank counts for the gloo collectives, e.g. 2,4 ('' for none)")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--nccl-table", action="append", default=[], metavar="FILE[:OP:NRANKS]",
+                   help="nccl-tests output (all_to_all_perf / all_reduce_perf, or commbench's) to include")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine overhead measurement")
+    p.add_argument("--engine-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--ray-ranks", type=int, default=0,
+                   help="also time an EP instance of this many Ray ranks for the per-step round trip (0: skip)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        nprocs = tuple(int(n) for n in args.nprocs.split(",") if n.strip())
+        dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+        if args.threads < 1 or any(n < 2 for n in nprocs) or not dtypes:
+            raise ValueError("need --threads >= 1, --nprocs values >= 2 and at least one dtype")
+        hw = calibrate(threads=args.threads, nprocs=nprocs, dtypes=dtypes, nccl_tables=tuple(args.nccl_table),
+                       measure_engine=not args.no_engine, engine_dtype=args.engine_dtype, ray_ranks=args.ray_ranks)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"error: simulate calibrate: {e}", file=sys.stderr)
+        return 2
+    save_hardware(hw, args.out)
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,107 @@
+"""Hardware descriptions by name or file, and runtime configs turned into cost-model inputs.
+
+``load_hardware("h100")`` reads ``configs/hardware/h100.yaml`` (names are the files there,
+case-insensitive); any other argument is a YAML/JSON file in the same format, such as
+what ``python -m launch simulate calibrate --out FILE`` wrote for this machine.
+``deployment_from_config`` maps a ``RuntimeConfig`` onto ``parallel.costmodel.Deployment``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from launch.config import RuntimeConfig
+from moe.config import ModelConfig
+from moe.model_catalog import find_model_config
+from parallel.costmodel import Deployment, Hardware
+
+HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
+_RUNTIME_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def hardware_names() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def load_hardware(name_or_path: str | Path) -> Hardware:
+    """A shipped hardware by name (``h800``, ``H100``, ...) or a YAML/JSON file; ValueError
+    naming the problem otherwise."""
+    text = str(name_or_path)
+    path = Path(text)
+    if not path.is_file():
+        shipped = HARDWARE_DIR / f"{text.lower()}.yaml"
+        if not shipped.is_file():
+            raise ValueError(f"hardware {text!r} is neither a file nor one of {hardware_names()}")
+        path = shipped
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not YAML/JSON: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of hardware fields (name, flops, memory_bandwidth, ...)")
+    return Hardware.from_dict(data)
+
+
+def save_hardware(hw: Hardware, path: str | Path) -> None:
+    """Write ``hw`` in the ``configs/hardware`` format (YAML, or JSON for a .json path)."""
+    data = hw.to_dict()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".json":
+        out.write_text(json.dumps(data, indent=2) + "\n")
+    else:
+        out.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def model_raw_config(model: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict of a checkpoint dir / config.json / shipped model name, with
+    ``model_overrides`` applied on top."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        raw = json.loads(path.read_text())
+    else:
+        raw = find_model_config(model)
+        if raw is None:
+            ModelConfig.from_hf(model, strict=False)  # raises the error listing the shipped names
+            raise ValueError(f"model {model!r} not found")
+    raw.update(overrides or {})
+    return raw
+
+
+def stored_weight_dtype(raw: dict[str, Any], compute_dtype: str) -> str:
+    """'fp8' when the checkpoint ships fp8 weights (quantization_config quant_method fp8),
+    else the compute dtype."""
+    quant = raw.get("quantization_config") or {}
+    return "fp8" if str(quant.get("quant_method", "")).lower() == "fp8" else compute_dtype
+
+
+def compute_dtype(engine_dtype: str, model_config: ModelConfig) -> str:
+    """engine.dtype with "auto" resolved like the engine does (the checkpoint's, else bfloat16)."""
+    if engine_dtype != "auto":
+        return engine_dtype
+    return model_config.dtype if model_config.dtype in _RUNTIME_DTYPES else "bfloat16"
+
+
+def deployment_from_config(cfg: RuntimeConfig, model_config: ModelConfig, *, weight_dtype: str | None = None,
+                           enable_two_batch_overlap: bool = False, dispatch_dtype: str | None = None,
+                           memory_bytes: int | None = None) -> Deployment:
+    """The cost model's view of a runtime config. weight_dtype None: the activation dtype;
+    memory_bytes: per-rank memory when the config names none (``engine.memory``)."""
+    p, e, b = cfg.parallel, cfg.engine, cfg.balancer
+    kv_tokens = e.num_kv_blocks * e.block_size if e.num_kv_blocks is not None else None
+    return Deployment(
+        tp=p.tensor_parallel_size, dp=p.data_parallel_size, ep=p.expert_parallel_size, num_nodes=p.num_nodes,
+        num_redundant_experts=b.num_redundant_experts if b.enable_eplb else 0, enable_eplb=b.enable_eplb,
+        eplb_policy=b.resolved_policy, capacity_factor=cfg.moe.capacity_factor,
+        dtype=compute_dtype(e.dtype, model_config), weight_dtype=weight_dtype, kv_cache_dtype=e.kv_cache_dtype,
+        dispatch_dtype=dispatch_dtype, all2all_backend=p.dispatch_backend,
+        enable_two_batch_overlap=enable_two_batch_overlap, max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens, memory_utilization=e.memory_utilization,
+        memory_bytes=e.memory_bytes or memory_bytes, kv_capacity_tokens=kv_tokens,
+    )

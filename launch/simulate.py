@@ -1,0 +1,238 @@
+"""``python -m launch simulate``: predicted step times and throughput of a layout, or a ranked search.
+
+    python -m launch simulate --config CONFIG.yaml --hardware h800 [--input-len N --output-len N
+        --prefix-hit-rate R] [--batch-size B] [--kv-len N] [--two-batch-overlap] [--json OUT]
+    python -m launch simulate --search --model deepseek-ai/DeepSeek-V3 --cluster 4x8xH100
+        --slo ttft_ms=1000,tpot_ms=50 [--input-len N --output-len N] [--top 5] [--json OUT]
+    python -m launch simulate calibrate --out FILE        (this machine; see launch.calibrate)
+
+The first form predicts one runtime config: a decode step of ``--batch-size`` sequences per
+DP rank (default ``engine.max_num_seqs``, capped by the KV tokens that fit) at a context of
+``--kv-len`` (default input + output / 2), and a prefill step of
+``engine.max_num_batched_tokens`` new tokens per DP rank from prompts of ``--input-len``
+tokens whose first ``--prefix-hit-rate`` share is cached. Per-node throughput counts every
+input token, cache hits included (as DeepSeek's figures do). The second form ranks layouts
+by goodput per GPU (``parallel.costmodel.search``). The arithmetic is
+``parallel.costmodel``; the hardware is ``configs/hardware/NAME.yaml`` or a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from launch.config import ConfigError, load_runtime_config
+from launch.hardware import deployment_from_config, load_hardware, model_raw_config, stored_weight_dtype
+from moe.config import ModelConfig
+from parallel.costmodel import Deployment, Hardware, predict_point
+from parallel.costmodel.search import SLO, Candidate, search_layouts
+
+
+def parse_slo(text: str) -> SLO:
+    """'ttft_ms=1000,tpot_ms=50' -> SLO; ValueError naming a bad item."""
+    values: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("ttft_ms", "tpot_ms"):
+            raise ValueError(f"--slo item {item!r}: expected ttft_ms=MS or tpot_ms=MS")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--slo {key}: {value!r} is not a number") from None
+        if values[key] <= 0:
+            raise ValueError(f"--slo {key} must be positive, got {value}")
+    return SLO(**values)
+
+
+def parse_cluster(text: str) -> tuple[int, int, Hardware]:
+    """'4x8xH100' -> (4 nodes, 8 GPUs per node, the H100 hardware)."""
+    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*(\S+)\s*", text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"--cluster {text!r}: expected NODESxGPUSxHARDWARE, e.g. 4x8xH100")
+    return int(m.group(1)), int(m.group(2)), load_hardware(m.group(3))
+
+
+def load_expert_load(path: str) -> np.ndarray:
+    """[L, E] tokens per expert from a .npy / .json array ([L, E], or [steps, L, E] summed), or
+    an expert-distribution dump with ``logical_count``."""
+    p = Path(path)
+    if p.suffix == ".npy":
+        arr = np.load(p)
+    else:
+        data = json.loads(p.read_text())
+        arr = np.asarray(data.get("logical_count", data) if isinstance(data, dict) else data, dtype=np.float64)
+    if arr.ndim == 3:
+        arr = arr.sum(0)
+    if arr.ndim != 2:
+        raise ValueError(f"{path}: expected an [L, E] (or [steps, L, E]) array, got shape {arr.shape}")
+    return arr
+
+
+def _phase_json(step_ms: float, breakdown: dict[str, float], bound: str) -> dict[str, Any]:
+    return {"step_ms": step_ms, "bound": bound, "breakdown_ms": breakdown}
+
+
+def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The first form's report (a JSON-able dict)."""
+    cfg = load_runtime_config(args.config, overrides=args.set)
+    model_name = args.model or cfg.model
+    raw = model_raw_config(model_name, cfg.model_overrides)
+    model = ModelConfig.from_hf(raw, strict=False)
+    cfg.validate_for_model(model)
+    hw = load_hardware(args.hardware)
+    dep = deployment_from_config(cfg, model, weight_dtype=_weight_dtype(args, raw, cfg.engine.dtype, model),
+                                 enable_two_batch_overlap=args.two_batch_overlap, dispatch_dtype=args.dispatch_dtype)
+    prefix = int(round(args.input_len * args.prefix_hit_rate))
+    prefix = min(prefix, args.input_len - 1)
+    kv_len = args.kv_len or args.input_len + args.output_len // 2
+    expert_load = load_expert_load(args.expert_load) if args.expert_load else None
+    pred = predict_point(model, dep, hw, batch_size=args.batch_size or dep.max_num_seqs, kv_len=kv_len,
+                         prompt_len=args.input_len, prefix_len=prefix, prefill_tokens=dep.max_num_batched_tokens,
+                         expert_load=expert_load, load_skew=args.load_skew)
+    dp_per_node = dep.dp / dep.num_nodes
+    hit = prefix / args.input_len
+    prefill_tps = pred.prefill_tokens * dp_per_node / (pred.prefill_step_ms / 1e3) / (1 - hit)
+    decode_tps = pred.batch_size * dp_per_node / (pred.decode_step_ms / 1e3) if pred.batch_size else 0.0
+    return {
+        "model": model_name, "hardware": hw.name, "layout": dep.describe(), "deployment": asdict(dep),
+        "input_len": args.input_len, "output_len": args.output_len, "prefix_hit_rate": hit, "kv_len": kv_len,
+        "kv_capacity_tokens": pred.kv_capacity_tokens, "balancedness": pred.balancedness,
+        "decode": {"batch_size": pred.batch_size, "batch_limited_by": pred.batch_limited_by,
+                   **_phase_json(pred.decode_step_ms, pred.decode_breakdown, pred.decode_bound)},
+        "prefill": {"tokens_per_step": pred.prefill_tokens,
+                    **_phase_json(pred.prefill_step_ms, pred.prefill_breakdown, pred.prefill_bound)},
+        "prefill_input_tokens_per_s_per_node": prefill_tps,
+        "decode_output_tokens_per_s_per_node": decode_tps,
+    }
+
+
+def _weight_dtype(args: argparse.Namespace, raw: dict[str, Any], engine_dtype: str, model: ModelConfig) -> str | None:
+    if args.weight_dtype == "auto":
+        from launch.hardware import compute_dtype
+
+        stored = stored_weight_dtype(raw, compute_dtype(engine_dtype, model))
+        return stored if stored == "fp8" else None
+    return args.weight_dtype
+
+
+def format_config_report(r: dict[str, Any]) -> str:
+    d, p = r["decode"], r["prefill"]
+    lines = [f"{r['model']} on {r['hardware']}: {r['layout']}",
+             f"KV capacity per rank: {r['kv_capacity_tokens']:,} tokens; expert balancedness {r['balancedness']:.3f}",
+             f"decode: batch {d['batch_size']} per DP rank at {r['kv_len']:,} context -> step {d['step_ms']:.2f} ms "
+             f"(bound: {d['bound']}{', batch cut by ' + d['batch_limited_by'] if d['batch_limited_by'] else ''})",
+             f"prefill: {p['tokens_per_step']:,} new tokens per DP rank -> step {p['step_ms']:.2f} ms "
+             f"(bound: {p['bound']})",
+             f"per node: prefill {r['prefill_input_tokens_per_s_per_node']:,.0f} input tok/s (cache hits "
+             f"{r['prefix_hit_rate']:.1%} included), decode {r['decode_output_tokens_per_s_per_node']:,.0f} output tok/s",
+             "", f"{'operator':<18}{'decode ms':>12}{'prefill ms':>12}"]
+    for key in dict.fromkeys([*d["breakdown_ms"], *p["breakdown_ms"]]):
+        lines.append(f"{key:<18}{d['breakdown_ms'].get(key, 0.0):>12.3f}{p['breakdown_ms'].get(key, 0.0):>12.3f}")
+    return "\n".join(lines)
+
+
+def _candidate_json(c: Candidate) -> dict[str, Any]:
+    return {"layout": c.deployment.describe(), "feasible": c.feasible, "goodput_per_gpu": c.goodput_per_gpu,
+            "batch_size": c.batch_size, "tpot_ms": c.tpot_ms, "decode_step_ms": c.decode_step_ms,
+            "ttft_ms": c.ttft_ms, "balancedness": c.balancedness, "bound": c.bound, "decode_bound": c.decode_bound,
+            "kv_capacity_tokens": c.kv_capacity_tokens, "deployment": asdict(c.deployment)}
+
+
+def run_search(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.model or not args.cluster:
+        raise ValueError("--search needs --model (a config.json, checkpoint or model name) and --cluster NxGxHW")
+    raw = model_raw_config(args.model)
+    model = ModelConfig.from_hf(raw, strict=False)
+    nodes, gpus, hw = parse_cluster(args.cluster)
+    slo = parse_slo(args.slo or "")
+    weight = "fp8" if stored_weight_dtype(raw, "bfloat16") == "fp8" else None
+    if args.weight_dtype != "auto":
+        weight = args.weight_dtype
+    base = Deployment(dtype="bfloat16", weight_dtype=weight, kv_cache_dtype=args.kv_cache_dtype,
+                      dispatch_dtype=args.dispatch_dtype, max_num_seqs=1024, max_num_batched_tokens=16384)
+    prefix = min(int(round(args.input_len * args.prefix_hit_rate)), args.input_len - 1)
+    started = time.perf_counter()
+    ranked = search_layouts(model, hw, num_nodes=nodes, gpus_per_node=gpus, slo=slo, input_len=args.input_len,
+                            output_len=args.output_len, prefix_len=prefix, base=base, load_skew=args.load_skew)
+    return {"model": args.model, "cluster": args.cluster, "slo": asdict(slo), "input_len": args.input_len,
+            "output_len": args.output_len, "seconds": time.perf_counter() - started,
+            "num_layouts": len(ranked), "ranked": [_candidate_json(c) for c in ranked]}
+
+
+def format_search(r: dict[str, Any], top: int) -> str:
+    slo = ", ".join(f"{k}={v:g}" for k, v in r["slo"].items() if v is not None) or "none"
+    lines = [f"{r['model']} on {r['cluster']} (SLO {slo}; input {r['input_len']}, output {r['output_len']}): "
+             f"{r['num_layouts']} layouts ranked in {r['seconds']:.1f} s by goodput per GPU", ""]
+    feasible = [c for c in r["ranked"] if c["feasible"]]
+    for i, c in enumerate(feasible[:top], 1):
+        lines.append(f"{i}. {c['layout']}: {c['goodput_per_gpu']:,.0f} output tok/s per GPU at batch {c['batch_size']} "
+                     f"per DP rank (TPOT {c['tpot_ms']:.1f} ms, decode step {c['decode_step_ms']:.1f} ms, "
+                     f"TTFT {c['ttft_ms']:.0f} ms)")
+        lines.append(f"   bounded by {c['bound']}; decode step dominated by {c['decode_bound']}")
+    if not feasible:
+        lines.append("no layout meets the objectives; closest reasons:")
+        for c in r["ranked"][:top]:
+            lines.append(f"- {c['layout']}: {c['bound']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m launch simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="runtime config YAML to predict")
+    p.add_argument("--hardware", default=None, help="h800 | h100 | h200 | b200 or a hardware YAML (calibrate's)")
+    p.add_argument("--model", help="model for --search (config.json, checkpoint dir or name); overrides --config's")
+    p.add_argument("--search", action="store_true", help="rank layouts on --cluster under --slo")
+    p.add_argument("--cluster", help="NODESxGPUSxHARDWARE, e.g. 4x8xH100")
+    p.add_argument("--slo", default="", help="ttft_ms=MS,tpot_ms=MS")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--input-len", type=int, default=2000)
+    p.add_argument("--output-len", type=int, default=500)
+    p.add_argument("--prefix-hit-rate", type=float, default=0.0)
+    p.add_argument("--kv-len", type=int, default=None, help="decode context (default input + output / 2)")
+    p.add_argument("--batch-size", type=int, default=None, help="decode sequences per DP rank")
+    p.add_argument("--weight-dtype", default="auto", choices=("auto", "fp8", "bfloat16", "float16", "float32"),
+                   help="auto: fp8 when the checkpoint ships fp8 weights, else the compute dtype")
+    p.add_argument("--kv-cache-dtype", default="fp8", choices=("auto", "fp8"), help="(--search)")
+    p.add_argument("--dispatch-dtype", default=None, choices=("fp8", "bfloat16", "float32"),
+                   help="wire format of dispatched rows (DeepEP: fp8); default the compute dtype")
+    p.add_argument("--two-batch-overlap", action="store_true", help="overlap dispatch/combine with compute")
+    p.add_argument("--expert-load", help="[L, E] expert load (.npy/.json, or a dump with logical_count)")
+    p.add_argument("--load-skew", type=float, default=0.0, help="synthetic Zipf skew when no --expert-load")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--json", help="write the report here")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.input_len < 1 or args.output_len < 0:
+        raise ValueError("--input-len must be >= 1 and --output-len >= 0")
+    if not 0.0 <= args.prefix_hit_rate < 1.0:
+        raise ValueError(f"--prefix-hit-rate must be in [0, 1), got {args.prefix_hit_rate}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError("--batch-size must be >= 1")
+    if not args.search and (not args.config or not args.hardware):
+        raise ValueError("give --config CONFIG.yaml and --hardware NAME|FILE (or --search --model ... --cluster ...)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _check(args)
+        report = run_search(args) if args.search else simulate_config(args)
+    except (ConfigError, ValueError, OSError, KeyError) as e:
+        print(f"error: simulate: {e}", file=sys.stderr)
+        return 2
+    print(format_search(report, args.top) if args.search else format_config_report(report))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0

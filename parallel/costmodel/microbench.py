@@ -1,0 +1,111 @@
+"""Measurements behind ``simulate calibrate``: GEMM rates by rows, attention, copy bandwidth,
+per-call overhead (one process, torch on this machine), and nccl-tests tables parsed into
+the ``Hardware.collectives`` format.
+
+Timing: best-of-``repeats`` means over ``iters`` calls after a warm-up, in this process with
+the torch threads the caller set (a rank of a sweep runs with its own thread count).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def time_call(fn: Callable[[], object], *, iters: int = 20, repeats: int = 3, warmup: int = 3) -> float:
+    """Seconds per call: the best of ``repeats`` means over ``iters`` calls."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def measure_gemm_rates(dtype: str, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+                       features: int = 1024) -> list[tuple[float, float]]:
+    """((M, FLOP/s), ...) of ``F.linear`` [M, K] x [N, K]^T with K = N = ``features``."""
+    dt = DTYPES[dtype]
+    w = torch.randn(features, features).to(dt)
+    out = []
+    for m in rows:
+        x = torch.randn(m, features).to(dt)
+        iters = max(3, min(200, int(2e8 / (2 * m * features * features) + 3)))
+        t = time_call(lambda x=x: F.linear(x, w), iters=iters)
+        out.append((float(m), 2.0 * m * features * features / t))
+    return out
+
+
+def measure_call_overhead(dtype: str = "float32") -> float:
+    """Seconds of one near-empty ``F.linear`` call ([1, 8] x [8, 8]): the per-kernel floor."""
+    dt = DTYPES[dtype]
+    x, w = torch.randn(1, 8).to(dt), torch.randn(8, 8).to(dt)
+    return time_call(lambda: F.linear(x, w), iters=500)
+
+
+def measure_copy_bandwidth(num_bytes: int = 128 * 1024**2) -> float:
+    """Bytes/s of a large tensor copy, counting read + write."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = time_call(lambda: dst.copy_(src), iters=3, repeats=3, warmup=1)
+    return 2 * num_bytes / t
+
+
+def measure_attention_rate(dtype: str, *, batch: int = 8, heads: int = 8, head_dim: int = 64,
+                           context: int = 512) -> float:
+    """FLOP/s of decode attention (one query per sequence): scores, softmax, weighted sum."""
+    dt = DTYPES[dtype]
+    q = torch.randn(batch * heads, 1, head_dim).to(dt)
+    k = torch.randn(batch * heads, context, head_dim).to(dt)
+    v = torch.randn(batch * heads, context, head_dim).to(dt)
+
+    def attend() -> torch.Tensor:
+        s = torch.bmm(q, k.transpose(1, 2)).float().softmax(-1).to(dt)
+        return torch.bmm(s, v)
+
+    t = time_call(attend, iters=20)
+    return 4.0 * batch * heads * head_dim * context / t
+
+
+_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(-?\d+)\s+([0-9.]+)\s")
+
+
+def parse_nccl_table(text: str) -> list[tuple[float, float]]:
+    """((size bytes, out-of-place seconds), ...) from an nccl-tests / commbench table
+    (``all_to_all_perf``, ``all_reduce_perf``: size, count, type, redop, root, time (us), ...).
+    Comment lines (#) and rows it cannot read are skipped; ValueError when none is left."""
+    rows = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        m = _ROW.match(line)
+        if m and float(m.group(6)) > 0:
+            rows.append((float(m.group(1)), float(m.group(6)) * 1e-6))
+    if not rows:
+        raise ValueError("no nccl-tests rows found (expected lines: size count type redop root time algbw busbw ...)")
+    return rows
+
+
+def nccl_table_op(text: str) -> tuple[str | None, int | None]:
+    """(op, nranks) named by a table's header, when it says: commbench's '# alltoall on 2 ranks',
+    or nccl-tests' '# nThread 1 nGpus 1 ...' / 'all_reduce_perf' with rank lines counted."""
+    m = re.search(r"#\s*(alltoall|allreduce|allgather|reducescatter) on (\d+) ranks", text)
+    if m:
+        return m.group(1), int(m.group(2))
+    op = None
+    for name, key in (("all_to_all", "alltoall"), ("alltoall", "alltoall"), ("all_reduce", "allreduce"),
+                      ("all_gather", "allgather"), ("reduce_scatter", "reducescatter")):
+        if name in text:
+            op = key
+            break
+    ranks = len(re.findall(r"^#\s+Rank\s+\d+", text, flags=re.MULTILINE)) or None
+    return op, ranks

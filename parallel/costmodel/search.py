@@ -1,0 +1,134 @@
+"""Which layout? Enumerate layouts of a model on a cluster, rank them by goodput per GPU.
+
+For every instance size (1..N nodes), TP degree, expert-parallel span, redundant-expert
+count and two-batch overlap on/off, the search finds the largest decode batch per DP rank
+whose mean time between tokens meets the TPOT objective and whose prompt prefill meets
+the TTFT objective, within what KV capacity allows. Serving is colocated: every
+``output_len`` decode steps each sequence also needs its prompt prefilled, so the mean
+time per output token is ``decode_step + (B / output_len) x prefill_of_one_prompt``.
+Goodput per GPU = output tokens/s of the instance meeting both objectives / its GPUs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from moe.config import ModelConfig
+from parallel.costmodel.deployment import Deployment
+from parallel.costmodel.experts import RankLoad
+from parallel.costmodel.hardware import Hardware
+from parallel.costmodel.memory import kv_capacity_tokens
+from parallel.costmodel.predict import build_rank_load
+from parallel.costmodel.step import decode_work, predict_phase, prefill_work
+
+BATCHES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Objectives in ms; None means unconstrained."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout's best operating point (or why it has none)."""
+
+    deployment: Deployment
+    feasible: bool
+    batch_size: int = 0
+    tpot_ms: float = 0.0
+    decode_step_ms: float = 0.0
+    ttft_ms: float = 0.0
+    goodput_per_gpu: float = 0.0
+    balancedness: float = 1.0
+    bound: str = ""
+    decode_bound: str = ""
+    kv_capacity_tokens: int = 0
+
+
+def enumerate_layouts(cfg: ModelConfig, num_nodes: int, gpus_per_node: int, base: Deployment) -> list[Deployment]:
+    """Layouts of one instance on 1..num_nodes nodes: TP in powers of two within a node (and
+    dividing the heads), EP over the whole instance or one node (or none for a single rank
+    group that holds every expert), the fewest redundant slots that split evenly and one
+    more slot per rank, two-batch overlap on and off when experts are spread."""
+    out = []
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and cfg.num_attention_heads % t == 0]
+    for nodes, tp in itertools.product(range(1, num_nodes + 1), tps):
+        world = nodes * gpus_per_node
+        eps = sorted({world, gpus_per_node, 1} if world > 1 else {1})
+        for ep in eps:
+            if world % ep:
+                continue
+            pad = (-cfg.num_experts) % ep
+            redundant = [pad] if ep == 1 else sorted({pad, pad + ep})
+            for extra, tbo in itertools.product(redundant, (False, True) if ep > 1 else (False,)):
+                out.append(replace(base, tp=tp, dp=world // tp, ep=ep, num_nodes=nodes, num_redundant_experts=extra,
+                                   enable_eplb=ep > 1, enable_two_batch_overlap=tbo, kv_capacity_tokens=None))
+    return out
+
+
+def _prompt_prefill_ms(cfg: ModelConfig, dep: Deployment, hw: Hardware, rank_load: RankLoad | None,
+                       input_len: int, prefix_len: int) -> float:
+    new = max(1, input_len - prefix_len)
+    chunks = -(-new // dep.max_num_batched_tokens)
+    per_chunk = min(new, dep.max_num_batched_tokens)
+    step = predict_phase(cfg, dep, hw, rank_load, prefill_work(per_chunk, input_len, prefix_len), decode=False)
+    return chunks * step.step_ms
+
+
+def evaluate(cfg: ModelConfig, dep: Deployment, hw: Hardware, slo: SLO, *, input_len: int, output_len: int,
+             prefix_len: int = 0, rank_load: RankLoad | None = None) -> Candidate:
+    """The best batch of one layout under ``slo`` (see the module docstring)."""
+    capacity = kv_capacity_tokens(cfg, dep, hw.memory_bytes)
+    context = input_len + output_len
+    fit = capacity // context
+    if fit < 1:
+        return Candidate(dep, False, bound=f"memory: weights leave room for {capacity:,} KV tokens per rank, "
+                                           f"not one {context:,}-token sequence", kv_capacity_tokens=capacity)
+    ttft = _prompt_prefill_ms(cfg, dep, hw, rank_load, input_len, prefix_len)
+    if slo.ttft_ms is not None and ttft > slo.ttft_ms:
+        return Candidate(dep, False, ttft_ms=ttft, bound=f"TTFT: one prompt's prefill takes {ttft:.0f} ms",
+                         kv_capacity_tokens=capacity)
+    kv_len = input_len + output_len // 2
+    best = None
+    for b in (x for x in BATCHES if x <= min(fit, dep.max_num_seqs)):
+        step = predict_phase(cfg, dep, hw, rank_load, decode_work(b, kv_len), decode=True)
+        tpot = step.step_ms + b / max(output_len, 1) * ttft
+        if slo.tpot_ms is not None and tpot > slo.tpot_ms:
+            break
+        best = (b, step, tpot)
+    if best is None:
+        return Candidate(dep, False, ttft_ms=ttft, kv_capacity_tokens=capacity,
+                         bound=f"TPOT: even one sequence per rank takes over {slo.tpot_ms:g} ms per token")
+    b, step, tpot = best
+    goodput = b * dep.dp / dep.world_size / (tpot / 1e3)
+    nxt = [x for x in BATCHES if x > b]
+    if nxt and nxt[0] > min(fit, dep.max_num_seqs):
+        why = (f"KV capacity: {capacity:,} tokens per rank hold {fit} sequences" if fit < dep.max_num_seqs
+               else f"max_num_seqs {dep.max_num_seqs}")
+    elif slo.tpot_ms is not None:
+        why = f"TPOT {slo.tpot_ms:g} ms: batch {nxt[0] if nxt else b} would exceed it"
+    else:
+        why = "batch grid end"
+    return Candidate(dep, True, b, tpot, step.step_ms, ttft, goodput, rank_load.balancedness if rank_load else 1.0,
+                     why, step.bound, capacity)
+
+
+def search_layouts(cfg: ModelConfig, hw: Hardware, *, num_nodes: int, gpus_per_node: int, slo: SLO,
+                   input_len: int, output_len: int, prefix_len: int = 0, base: Deployment | None = None,
+                   load_skew: float = 0.0) -> list[Candidate]:
+    """Every enumerated layout evaluated, best goodput per GPU first (infeasible last)."""
+    base = base or Deployment()
+    cache: dict[tuple, RankLoad | None] = {}
+    out = []
+    for dep in enumerate_layouts(cfg, num_nodes, gpus_per_node, base):
+        key = (dep.ep, dep.num_redundant_experts, dep.ranks_per_node, dep.enable_eplb)
+        if key not in cache:
+            cache[key] = build_rank_load(cfg, dep, load_skew=load_skew)
+        out.append(evaluate(cfg, dep, hw, slo, input_len=input_len, output_len=output_len, prefix_len=prefix_len,
+                            rank_load=cache[key]))
+    return sorted(out, key=lambda c: (not c.feasible, -c.goodput_per_gpu, c.deployment.world_size))
