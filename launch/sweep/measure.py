@@ -49,6 +49,7 @@ class StepRecord:
     cpu_s: float
     num_tokens: int
     is_decode: bool
+    mean_context: float = 0.0
 
 
 @dataclass
@@ -65,8 +66,11 @@ class PointRun:
     balancedness: float | None = None
     kv_tokens: int = 0
     ep_size: int = 1
+    dp_size: int = 1
     num_moe_layers: int = 0
     top_k: int = 0
+    expert_load: list[list[int]] | None = None  # [L_moe, E] tokens per logical expert, timed run
+    phy2log: list[list[int]] | None = None  # [L_moe, P] the placement in force at the end
 
 
 class _StepRecorder:
@@ -83,6 +87,12 @@ class _StepRecorder:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def mean_context(output: SchedulerOutput) -> float:
+    """Mean context length (tokens, the new one included) of the step's sequences."""
+    lens = [c for b in output.batches if not b.is_empty for c in b.context_lens]
+    return statistics.fmean(lens) if lens else 0.0
 
 
 def is_decode_step(output: SchedulerOutput) -> bool:
@@ -173,8 +183,9 @@ def _timed_run(engine: Any, recorder: _StepRecorder, tokens: list[list[int]], ma
     def on_step(_outs: list[Any]) -> None:
         if c.num_steps == prev[0] or recorder.last is None:
             return  # nothing ran (an empty schedule)
+        last = recorder.last
         run.steps.append(StepRecord(c.step_seconds_total - prev[1], c.worker_cpu_seconds_total - prev[2],
-                                    recorder.last.num_scheduled_tokens, is_decode_step(recorder.last)))
+                                    last.num_scheduled_tokens, is_decode_step(last), mean_context(last)))
         if on_tokens is not None:
             on_tokens(c.generation_tokens_total - prev[3])
         prev[:] = [c.num_steps, c.step_seconds_total, c.worker_cpu_seconds_total, c.generation_tokens_total]
@@ -195,9 +206,14 @@ def _timed_run(engine: Any, recorder: _StepRecorder, tokens: list[list[int]], ma
     mc, p = engine.model_config, engine.config.parallel
     if engine.eplb is not None:
         run.num_rebalances = engine.eplb.counters.num_rebalances - rebalances0
-        run.balancedness = engine.eplb.balancedness()[1] if engine.eplb.stats.num_steps else None
+        if engine.eplb.stats.num_steps:
+            run.balancedness = engine.eplb.balancedness()[1]
+            phy2log = engine.eplb.placement.phy2log
+            run.expert_load = engine.eplb.stats.logical_load(phy2log).tolist()
+            run.phy2log = phy2log.tolist()
     run.kv_tokens = engine.num_kv_blocks * engine.config.engine.block_size * p.data_parallel_size
-    run.ep_size, run.num_moe_layers, run.top_k = p.expert_parallel_size, len(mc.moe_layer_ids), mc.num_experts_per_tok
+    run.ep_size, run.dp_size = p.expert_parallel_size, p.data_parallel_size
+    run.num_moe_layers, run.top_k = len(mc.moe_layer_ids), mc.num_experts_per_tok
     return run
 
 
@@ -232,5 +248,8 @@ def summarize_run(run: PointRun, baseline: Sequence[Sequence[int]] | None) -> di
         "num_requests": len(run.outputs), "num_output_tokens": out_tokens, "elapsed_s": run.elapsed_s,
         "num_steps": len(run.steps), "num_decode_steps": len(decode),
         "mean_decode_batch": statistics.fmean(s.num_tokens for s in decode) if decode else None,
+        "decode_batch_per_rank_p50": (percentile([s.num_tokens for s in decode], 50) or 0) / run.dp_size
+        if decode else None,
+        "decode_context_mean": statistics.fmean(s.mean_context for s in decode) if decode else None,
         "num_rebalances": run.num_rebalances, "ep_size": run.ep_size,
     }

@@ -1,18 +1,67 @@
-"""The cost model's step time for a sweep point (``parallel.costmodel``), on this machine's calibration."""
+"""The cost model's figures for a sweep point, at the batch, context and expert load it measured.
+
+``--hardware`` picks the hardware data: a shipped name (``h100``), a file written by
+``python -m launch simulate calibrate``, ``auto`` (``DIR/hardware.yaml`` when present, else
+this machine calibrated once into it: one torch thread per rank when the base config pins
+ranks to cores, else torch's thread count), or ``none`` (no predicted columns).
+
+The prediction of a point gets what the run saw: decoding sequences per DP rank (p50 of
+the decode steps), their mean context, the timed run's tokens per logical expert
+``[L_moe, E]`` and the placement in force ``[L_moe, P]`` (so a skewed load and what EPLB
+made of it enter the prediction as they were).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from launch.config import RuntimeConfig
 
+HARDWARE_YAML = "hardware.yaml"
 
-def predict_step_ms(config: RuntimeConfig, row: Mapping[str, Any]) -> float | None:
-    """Predicted p50 decode step (ms) of the point ``config`` at the batch and context the
-    measurement ran (``row``); None while no cost model is installed."""
-    try:
-        import parallel.costmodel  # noqa: F401
-    except ImportError:
+
+def resolve_hardware(spec: str, out_dir: Path, *, threads: int, log: Callable[[str], None] = print) -> Any:
+    """A ``parallel.costmodel.Hardware`` for ``spec`` (see the module docstring), or None for "none"."""
+    from launch.hardware import load_hardware, save_hardware
+
+    if spec == "none":
         return None
-    return None
+    if spec != "auto":
+        return load_hardware(spec)
+    path = out_dir / HARDWARE_YAML
+    if path.is_file():
+        return load_hardware(path)
+    from launch.calibrate import calibrate
+
+    log(f"calibrating this machine for the cost model ({threads} thread(s) per rank) -> {path}")
+    hw = calibrate(threads=threads, log=log)
+    save_hardware(hw, path)
+    return hw
+
+
+def predict_row(config: RuntimeConfig, run: Any, row: Mapping[str, Any], hardware: Any) -> dict[str, Any]:
+    """The predicted columns of one measured point: ``predicted_step_ms`` (decode),
+    ``predicted_prefill_step_ms``, ``predicted_balancedness``, ``predicted_bound``,
+    ``prediction_error`` ((predicted - measured) / measured, decode step p50)."""
+    from launch.simulate_point import predict_runtime_point
+
+    empty = {"predicted_step_ms": None, "prediction_error": None}
+    batch, context = row.get("decode_batch_per_rank_p50"), row.get("decode_context_mean")
+    if hardware is None or not batch or not context:
+        return empty
+    load = np.asarray(run.expert_load, dtype=np.float64) if run.expert_load else None
+    placement = np.asarray(run.phy2log, dtype=np.int64) if run.phy2log else None
+    pred = predict_runtime_point(config, hardware, batch_size=max(1, round(batch)), kv_len=max(1, round(context)),
+                                 expert_load=load, placement=placement)
+    measured = row.get("measured_step_ms")
+    return {
+        "predicted_step_ms": pred.decode_step_ms,
+        "predicted_prefill_step_ms": pred.prefill_step_ms,
+        "predicted_balancedness": pred.balancedness,
+        "predicted_bound": pred.decode_bound,
+        "prediction_error": (pred.decode_step_ms - measured) / measured if measured else None,
+    }

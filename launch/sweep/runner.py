@@ -35,6 +35,7 @@ from launch.config_schema import ConfigError, apply_override, load_yaml_mapping
 from launch.sweep import report
 from launch.sweep.grid import expand_grid, format_settings, parse_grid, point_config, point_key
 from launch.sweep.measure import Workload, run_point, summarize_run
+from launch.sweep.prediction import predict_row, resolve_hardware
 from launch.sweep.workload import load_prompts
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--baseline", choices=("auto", "always", "never"), default="auto",
                    help="dropless single-process run for greedy agreement (auto: when a capacity factor is on)")
+    p.add_argument("--hardware", default="auto", metavar="NAME|FILE|auto|none",
+                   help="cost-model hardware for predicted_step_ms: a shipped name, a `simulate calibrate` file, "
+                        "auto (DIR/hardware.yaml, calibrated here once), none")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -78,9 +82,10 @@ class SweepPlan:
 
     def __init__(self, base: dict[str, Any], grid_keys: list[str], points: list[dict[str, Any]],
                  workload: Workload, out: Path, *, baseline: str = "auto", warmup_prompts: int = 8,
-                 warmup_tokens: int = 4) -> None:
+                 warmup_tokens: int = 4, hardware: str = "auto") -> None:
         self.base, self.grid_keys, self.points, self.workload, self.out = base, grid_keys, points, workload, out
         self.baseline_mode, self.warmup_prompts, self.warmup_tokens = baseline, warmup_prompts, warmup_tokens
+        self.hardware_spec, self.hardware = hardware, None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SweepPlan:
@@ -98,7 +103,7 @@ class SweepPlan:
         name, prompts = load_prompts(args.workload, args.num_prompts)
         workload = Workload(tuple(prompts), args.max_tokens, name)
         return cls(base, [a.key for a in axes], expand_grid(axes), workload, args.out, baseline=args.baseline,
-                   warmup_prompts=args.warmup_prompts, warmup_tokens=args.warmup_tokens)
+                   warmup_prompts=args.warmup_prompts, warmup_tokens=args.warmup_tokens, hardware=args.hardware)
 
     # ---- bookkeeping -----------------------------------------------------------------
 
@@ -140,6 +145,12 @@ class SweepPlan:
         if len(todo) < len(self.points):
             print(f"resuming: {len(self.points) - len(todo)} of {len(self.points)} points already recorded in {results}")
         configs = {point_key(s): _try_config(self.base, s) for s in todo}
+        if todo:
+            try:
+                self.hardware = self._hardware()
+            except (ValueError, OSError, KeyError) as e:
+                print(f"error: --hardware {self.hardware_spec}: {e}", file=sys.stderr)
+                return 2
         baseline = self._baseline(configs, progress)
         bar = tqdm(total=len(self.points), initial=len(self.points) - len(todo), desc="sweep", unit="point",
                    disable=not progress, position=0)
@@ -180,8 +191,17 @@ class SweepPlan:
         finally:
             bar.close()
         row.update(summarize_run(run, baseline))
-        row.update(_prediction(config, row))
+        try:
+            row.update(predict_row(config, run, row, self.hardware))
+        except (ValueError, KeyError) as e:  # a layout the cost model does not cover: say so in the row
+            row.update(predicted_step_ms=None, prediction_error=None, prediction_note=str(e).splitlines()[0])
         return row
+
+    def _hardware(self) -> Any:
+        pinned = bool(self.base.get("parallel", {}).get("enable_cpu_pinning"))
+        import torch
+
+        return resolve_hardware(self.hardware_spec, self.out, threads=1 if pinned else torch.get_num_threads())
 
     def _baseline(self, configs: Mapping[str, RuntimeConfig | str], progress: bool) -> list[list[int]] | None:
         """Greedy outputs of the dropless single-process run of the base config (cached)."""
@@ -216,14 +236,6 @@ def _try_config(base: Mapping[str, Any], settings: Mapping[str, Any]) -> Runtime
     except (ConfigError, ValueError, TypeError) as e:
         return str(e).splitlines()[0]
 
-
-def _prediction(config: RuntimeConfig, row: Mapping[str, Any]) -> dict[str, Any]:
-    from launch.sweep.prediction import predict_step_ms
-
-    predicted = predict_step_ms(config, row)
-    measured = row.get("measured_step_ms")
-    error = (predicted - measured) / measured if predicted is not None and measured else None
-    return {"predicted_step_ms": predicted, "prediction_error": error}
 
 
 __all__: Sequence[str] = ("SweepPlan", "build_parser", "main")

@@ -37,7 +37,7 @@ def sweep_args(tmp_path: Path) -> list[str]:
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello there\nsecond prompt\n")
     return ["--config", str(base), "--workload", str(prompts), "--max-tokens", "3", "--out", str(tmp_path / "out"),
-            "--no-progress", "--grid", "engine.max_num_seqs=[2,4]", "moe.capacity_factor=[0,1.5]",
+            "--no-progress", "--hardware", "none", "--grid", "engine.max_num_seqs=[2,4]", "moe.capacity_factor=[0,1.5]",
             "balancer.num_redundant_experts=[0,2]"]
 
 
