@@ -1,0 +1,92 @@
+"""Prompt workloads: shipped sets of clearly different kinds of text, or the user's own files.
+
+A workload ``spec`` is one of
+
+- a shipped name (``WORKLOAD_NAMES``): ``prose`` (English essays and stories), ``code``
+  (Python and shell snippets), ``tables`` (numbers: CSV and Markdown tables, ledgers) and
+  ``french`` (French prose). Each is ``launch/data/workloads/<name>.jsonl``;
+- a file: ``.jsonl`` with one JSON object per line holding a string ``"prompt"`` (other keys
+  are ignored), or ``.txt`` with one prompt per non-blank line;
+- phases joined by ``+``: ``prose+code`` is every prose prompt, then every code prompt, so a
+  run over it switches kind of text midway (expert load drifts with it).
+
+``load_workload(spec)`` returns the prompts in order; ``load_workload_phases(spec)`` keeps the
+phase boundaries. Every user mistake (unknown name, missing file, bad line, empty workload)
+raises ``WorkloadError`` (a ValueError) with a one-line message naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["WORKLOAD_DIR", "WORKLOAD_NAMES", "WorkloadError", "load_workload", "load_workload_phases"]
+
+WORKLOAD_DIR = Path(__file__).resolve().parent / "data" / "workloads"
+WORKLOAD_NAMES: tuple[str, ...] = ("prose", "code", "tables", "french")
+_FILE_SUFFIXES = (".jsonl", ".txt")
+
+
+class WorkloadError(ValueError):
+    """A workload spec that names nothing loadable, or a file with a malformed line."""
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise WorkloadError(f"{path}:{n}: expected an object with a string \"prompt\"")
+        prompts.append(row["prompt"])
+    return prompts
+
+
+def _read_file(path: Path) -> list[str]:
+    if not path.is_file():
+        raise WorkloadError(f"workload file {path} not found")
+    if path.suffix == ".jsonl":
+        prompts = _read_jsonl(path)
+    elif path.suffix == ".txt":
+        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        raise WorkloadError(f"workload file {path}: expected a .jsonl or .txt file")
+    if not prompts:
+        raise WorkloadError(f"workload file {path} holds no prompts")
+    return prompts
+
+
+def _load_one(spec: str) -> list[str]:
+    if spec in WORKLOAD_NAMES:
+        return _read_file(WORKLOAD_DIR / f"{spec}.jsonl")
+    path = Path(spec).expanduser()
+    if path.suffix in _FILE_SUFFIXES or path.exists() or "/" in spec:
+        return _read_file(path)
+    raise WorkloadError(f"unknown workload {spec!r}; expected one of {', '.join(WORKLOAD_NAMES)}, "
+                        "a .jsonl/.txt file, or phases joined by '+'")
+
+
+def load_workload_phases(spec: str) -> list[tuple[str, list[str]]]:
+    """``[(phase spec, prompts)]`` in order: one entry per ``+``-separated part of ``spec``.
+
+    A spec that is itself an existing file is one phase even if its name holds a ``+``.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise WorkloadError("empty workload spec; expected a name, a file, or phases joined by '+'")
+    spec = spec.strip()
+    if "+" in spec and not Path(spec).expanduser().is_file():
+        parts = [p.strip() for p in spec.split("+")]
+        if any(not p for p in parts):
+            raise WorkloadError(f"workload {spec!r} has an empty phase")
+    else:
+        parts = [spec]
+    return [(part, _load_one(part)) for part in parts]
+
+
+def load_workload(spec: str) -> list[str]:
+    """The prompts of ``spec`` (a shipped name, a .jsonl/.txt file, or phases joined by '+'), in order."""
+    return [p for _, prompts in load_workload_phases(spec) for p in prompts]

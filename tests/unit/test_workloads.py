@@ -1,0 +1,87 @@
+"""Shipped prompt workloads and user workload files (launch.workloads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launch.workloads import WORKLOAD_DIR, WORKLOAD_NAMES, WorkloadError, load_workload, load_workload_phases
+
+
+@pytest.mark.parametrize("name", WORKLOAD_NAMES)
+def test_shipped_workloads_load_and_are_distinct(name: str) -> None:
+    prompts = load_workload(name)
+    assert len(prompts) >= 16
+    assert all(isinstance(p, str) and p.strip() for p in prompts)
+    assert len(set(prompts)) == len(prompts)
+    for other in WORKLOAD_NAMES:
+        if other != name:
+            assert not set(prompts) & set(load_workload(other))
+
+
+def test_shipped_workloads_differ_in_kind() -> None:
+    code, tables, french = load_workload("code"), load_workload("tables"), load_workload("french")
+    assert sum("def " in p or "class " in p for p in code) > len(code) // 2
+    assert all(sum(c.isdigit() for c in p) > 10 for p in tables)
+    assert all(any(c in "éèàçêùâôî" for c in p) or " le " in p.lower() or " la " in p.lower() for p in french)
+
+
+def test_phases_join_in_order() -> None:
+    prose, code = load_workload("prose"), load_workload("code")
+    assert load_workload("prose+code") == prose + code
+    assert load_workload(" code + prose ") == code + prose
+    phases = load_workload_phases("tables+french+tables")
+    assert [name for name, _ in phases] == ["tables", "french", "tables"]
+    assert phases[0][1] == phases[2][1] == load_workload("tables")
+
+
+def test_user_files(tmp_path) -> None:
+    jl = tmp_path / "mine.jsonl"
+    jl.write_text(json.dumps({"prompt": "a\nb", "id": 3}) + "\n\n" + json.dumps({"prompt": "c"}) + "\n")
+    txt = tmp_path / "mine.txt"
+    txt.write_text("first prompt\n\n  \nsecond prompt\n")
+    assert load_workload(str(jl)) == ["a\nb", "c"]
+    assert load_workload(str(txt)) == ["first prompt", "second prompt"]
+    assert load_workload(f"{txt}+code") == ["first prompt", "second prompt"] + load_workload("code")
+    plus = tmp_path / "a+b.txt"
+    plus.write_text("x\n")
+    assert load_workload(str(plus)) == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("poetry", "unknown workload 'poetry'"),
+        ("prose+", "empty phase"),
+        ("", "empty workload spec"),
+        ("missing.jsonl", "missing.jsonl not found"),
+        ("prose+nope.txt", "nope.txt not found"),
+    ],
+)
+def test_bad_specs_name_the_problem(spec: str, message: str) -> None:
+    with pytest.raises(WorkloadError, match=message) as info:
+        load_workload(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_file_lines(tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(WorkloadError, match=r"bad.jsonl:2: expected an object"):
+        load_workload(str(bad))
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(WorkloadError, match=r"bad.jsonl:2: not JSON"):
+        load_workload(str(bad))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(WorkloadError, match="holds no prompts"):
+        load_workload(str(empty))
+    other = tmp_path / "p.csv"
+    other.write_text("a\n")
+    with pytest.raises(WorkloadError, match="expected a .jsonl or .txt"):
+        load_workload(str(other))
+
+
+def test_every_shipped_file_is_named() -> None:
+    assert sorted(p.stem for p in WORKLOAD_DIR.glob("*.jsonl")) == sorted(WORKLOAD_NAMES)
