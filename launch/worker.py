@@ -249,7 +249,8 @@ class Worker:
     def ping(self) -> dict[str, Any]:
         """Where this rank lives (for error messages and node-major checks)."""
         return {"rank": self.rank, "pid": os.getpid(), "coords": self.coords.__dict__,
-                "local_experts": self._local_slots()}
+                "local_experts": self._local_slots(), "cpus": sorted(os.sched_getaffinity(0)),
+                "num_threads": torch.get_num_threads()}
 
     def expert_fingerprint(self) -> list[list[float]]:
         """Per MoE layer, per local slot, a checksum of its weights (tests check migrations)."""

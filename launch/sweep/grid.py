@@ -6,6 +6,10 @@ values: ``parallel.data_parallel_size=[1,2]``, ``balancer.num_redundant_experts=
 list. Points are the cross product in the order the items were given (the last item
 varies fastest). A point's ``key`` is its settings as canonical JSON, so a rerun finds
 finished points whatever order the grid items come in.
+
+Keys joined by commas move together (a zipped axis), each value a list with one entry per
+key: ``parallel.tensor_parallel_size,parallel.data_parallel_size=[[1,1],[1,2],[2,1]]``
+sweeps three layouts, not the nine of a cross product.
 """
 
 from __future__ import annotations
@@ -25,10 +29,18 @@ from launch.config_schema import ConfigError, dotted_keys, set_dotted, suggest_k
 
 @dataclass(frozen=True)
 class GridAxis:
-    """One swept key and its values, in the order given."""
+    """Swept keys (one, or several zipped) and their values in the order given: for one key
+    ``values[i]`` is a scalar, for zipped keys a tuple with one entry per key."""
 
-    key: str
+    keys: tuple[str, ...]
     values: tuple[Any, ...]
+
+    @property
+    def key(self) -> str:
+        return ",".join(self.keys)
+
+    def settings(self, value: Any) -> dict[str, Any]:
+        return dict(zip(self.keys, value)) if len(self.keys) > 1 else {self.keys[0]: value}
 
 
 def _leaf_keys() -> list[str]:
@@ -42,10 +54,12 @@ def parse_grid_item(item: str) -> GridAxis:
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"--grid expects key=[v1,v2,...], got {item!r}")
+    keys = tuple(k.strip() for k in key.split(","))
     leaves = _leaf_keys()
-    if key not in leaves and not key.startswith("model_overrides."):
-        siblings = [k.rsplit(".", 1)[-1] for k in leaves if k.rsplit(".", 1)[0] == key.rsplit(".", 1)[0]]
-        raise ConfigError(f"--grid: unknown config key '{key}'{suggest_key(key, siblings, RuntimeConfig)}")
+    for k in keys:
+        if k not in leaves and not k.startswith("model_overrides."):
+            siblings = [x.rsplit(".", 1)[-1] for x in leaves if x.rsplit(".", 1)[0] == k.rsplit(".", 1)[0]]
+            raise ConfigError(f"--grid: unknown config key '{k}'{suggest_key(k, siblings, RuntimeConfig)}")
     try:
         values = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
@@ -54,11 +68,16 @@ def parse_grid_item(item: str) -> GridAxis:
         values = [values]
     if not values:
         raise ConfigError(f"--grid {key}: the value list is empty")
-    if any(isinstance(v, dict | list) for v in values):
+    if len(keys) > 1:
+        if any(not isinstance(v, list) or len(v) != len(keys) for v in values):
+            raise ConfigError(f"--grid {key}: each value must be a list of {len(keys)} (one per key), got {raw!r}")
+        values = [tuple(v) for v in values]
+    flat = [x for v in values for x in (v if len(keys) > 1 else (v,))]
+    if any(isinstance(x, dict | list) for x in flat):
         raise ConfigError(f"--grid {key}: values must be scalars, got {raw!r}")
     if len({json.dumps(v) for v in values}) != len(values):
         raise ConfigError(f"--grid {key}: repeated value in {raw!r}")
-    return GridAxis(key, tuple(values))
+    return GridAxis(keys, tuple(values))
 
 
 def parse_grid(items: Sequence[str]) -> list[GridAxis]:
@@ -66,15 +85,22 @@ def parse_grid(items: Sequence[str]) -> list[GridAxis]:
     axes = [parse_grid_item(item) for item in items]
     seen: set[str] = set()
     for axis in axes:
-        if axis.key in seen:
-            raise ConfigError(f"--grid: key '{axis.key}' is given twice")
-        seen.add(axis.key)
+        for key in axis.keys:
+            if key in seen:
+                raise ConfigError(f"--grid: key '{key}' is given twice")
+            seen.add(key)
     return axes
 
 
 def expand_grid(axes: Sequence[GridAxis]) -> list[dict[str, Any]]:
     """The cross product: one settings dict (key -> value) per point; [{}] for no axes."""
-    return [dict(zip((a.key for a in axes), combo)) for combo in itertools.product(*(a.values for a in axes))]
+    points = []
+    for combo in itertools.product(*(a.values for a in axes)):
+        settings: dict[str, Any] = {}
+        for axis, value in zip(axes, combo):
+            settings.update(axis.settings(value))
+        points.append(settings)
+    return points
 
 
 def point_key(settings: Mapping[str, Any]) -> str:

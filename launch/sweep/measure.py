@@ -239,6 +239,7 @@ def summarize_run(run: PointRun, baseline: Sequence[Sequence[int]] | None) -> di
         "measured_step_cpu_ms": ms(percentile([s.cpu_s for s in decode], 50)),
         "measured_step_ms_p99": ms(percentile([s.wall_s for s in decode], 99)),
         "prefill_step_ms": ms(percentile([s.wall_s for s in run.steps if not s.is_decode], 50)),
+        "prefill_step_cpu_ms": ms(percentile([s.cpu_s for s in run.steps if not s.is_decode], 50)),
         "ttft_ms_p50": ms(percentile(run.ttft_s, 50)), "ttft_ms_p99": ms(percentile(run.ttft_s, 99)),
         "tpot_ms_p50": ms(percentile(run.tpot_s, 50)), "tpot_ms_p99": ms(percentile(run.tpot_s, 99)),
         "balancedness": run.balancedness,

@@ -8,9 +8,10 @@ Each point is the base config with the point's values set (dotted ``--set`` keys
 on the engine: in this process for one rank, on Ray actors for more (inside
 ``ray job submit`` the job's cluster). Rows go to ``DIR/results.jsonl`` as each point
 finishes; ``results.csv`` and the plots are rewritten after each. Rerunning the same
-command skips points already recorded as "ok" or "skipped" (keyed by their settings) and
-retries "error" ones; a grid with more values adds points to the same folder. A folder
-holding a sweep of another base config or workload is refused.
+command skips points already recorded as "ok" or "skipped" (keyed by their settings, and
+the repeat with ``--repeats N``: every point N times, round-robin) and retries "error"
+ones; a grid with more values adds points to the same folder. A folder holding a sweep of
+another base config or workload is refused.
 
 Invalid points (a combination the config or the model rejects, e.g. redundant experts
 without EPLB, 8 + 3 slots over 2 ranks) are recorded with ``status: "skipped"`` and the
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a shipped workload name (launch.workloads), or a .txt / .jsonl file of prompts")
     p.add_argument("--num-prompts", type=int, default=None, help="use this many prompts (cycled; default: all)")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (greedy, ignore_eos)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every point this many times, round-robin (noisy machines: compare medians)")
     p.add_argument("--warmup-prompts", type=int, default=8)
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--baseline", choices=("auto", "always", "never"), default="auto",
@@ -82,10 +85,10 @@ class SweepPlan:
 
     def __init__(self, base: dict[str, Any], grid_keys: list[str], points: list[dict[str, Any]],
                  workload: Workload, out: Path, *, baseline: str = "auto", warmup_prompts: int = 8,
-                 warmup_tokens: int = 4, hardware: str = "auto") -> None:
+                 warmup_tokens: int = 4, hardware: str = "auto", repeats: int = 1) -> None:
         self.base, self.grid_keys, self.points, self.workload, self.out = base, grid_keys, points, workload, out
         self.baseline_mode, self.warmup_prompts, self.warmup_tokens = baseline, warmup_prompts, warmup_tokens
-        self.hardware_spec, self.hardware = hardware, None
+        self.hardware_spec, self.hardware, self.repeats = hardware, None, repeats
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SweepPlan:
@@ -94,7 +97,7 @@ class SweepPlan:
             apply_override(base, item)
         RuntimeConfig.from_dict(base)  # the base itself must be valid (names its bad key)
         axes = parse_grid(args.grid)
-        for name in ("num_prompts", "max_tokens"):
+        for name in ("num_prompts", "max_tokens", "repeats"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -102,8 +105,9 @@ class SweepPlan:
             raise ValueError("--warmup-prompts and --warmup-tokens must be >= 0")
         name, prompts = load_prompts(args.workload, args.num_prompts)
         workload = Workload(tuple(prompts), args.max_tokens, name)
-        return cls(base, [a.key for a in axes], expand_grid(axes), workload, args.out, baseline=args.baseline,
-                   warmup_prompts=args.warmup_prompts, warmup_tokens=args.warmup_tokens, hardware=args.hardware)
+        return cls(base, [k for a in axes for k in a.keys], expand_grid(axes), workload, args.out, baseline=args.baseline,
+                   warmup_prompts=args.warmup_prompts, warmup_tokens=args.warmup_tokens, hardware=args.hardware,
+                   repeats=args.repeats)
 
     # ---- bookkeeping -----------------------------------------------------------------
 
@@ -141,10 +145,12 @@ class SweepPlan:
 
         results = self.out / report.RESULTS_JSONL
         done = report.latest_rows(report.read_rows(results))
-        todo = [s for s in self.points if done.get(point_key(s), {}).get("status") not in ("ok", "skipped")]
-        if len(todo) < len(self.points):
-            print(f"resuming: {len(self.points) - len(todo)} of {len(self.points)} points already recorded in {results}")
-        configs = {point_key(s): _try_config(self.base, s) for s in todo}
+        configs = {point_key(s): _try_config(self.base, s) for s in self.points}
+        runs = [(s, r) for r in range(self.repeats) for s in self.points
+                if r == 0 or not isinstance(configs[point_key(s)], str)]  # round-robin over the repeats
+        todo = [(s, r) for s, r in runs if done.get(run_key(s, r), {}).get("status") not in ("ok", "skipped")]
+        if len(todo) < len(runs):
+            print(f"resuming: {len(runs) - len(todo)} of {len(runs)} runs already recorded in {results}")
         if todo:
             try:
                 self.hardware = self._hardware()
@@ -152,11 +158,12 @@ class SweepPlan:
                 print(f"error: --hardware {self.hardware_spec}: {e}", file=sys.stderr)
                 return 2
         baseline = self._baseline(configs, progress)
-        bar = tqdm(total=len(self.points), initial=len(self.points) - len(todo), desc="sweep", unit="point",
+        bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="sweep", unit="point",
                    disable=not progress, position=0)
         failures = 0
-        for settings in todo:
+        for settings, repeat in todo:
             row = self._run_one(settings, configs[point_key(settings)], baseline, progress)
+            row.update(key=run_key(settings, repeat), repeat=repeat)
             failures += row["status"] == "error"
             report.append_row(results, row)
             self._rewrite_outputs(results, plots=False)
@@ -227,6 +234,11 @@ class SweepPlan:
         report.write_csv(self.out / report.RESULTS_CSV, rows, keys)
         if plots:
             report.write_plots(self.out, rows)
+
+
+def run_key(settings: Mapping[str, Any], repeat: int) -> str:
+    """A results row's key: the point's canonical settings, plus `` #r`` for repeats after the first."""
+    return point_key(settings) + (f" #{repeat}" if repeat else "")
 
 
 def _try_config(base: Mapping[str, Any], settings: Mapping[str, Any]) -> RuntimeConfig | str:

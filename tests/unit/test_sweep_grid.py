@@ -76,3 +76,18 @@ def test_point_config_applies_settings_and_rejects_invalid_combinations():
 def test_format_settings_is_short():
     assert format_settings({"parallel.data_parallel_size": 2, "balancer.enable_eplb": False}) == "dp=2 eplb=off"
     assert format_settings({}) == "base"
+
+
+def test_zipped_keys_move_together():
+    axes = parse_grid(["parallel.tensor_parallel_size,parallel.data_parallel_size=[[1,1],[1,2],[2,1]]",
+                       "engine.max_num_seqs=[8,32]"])
+    points = expand_grid(axes)
+    assert len(points) == 6
+    assert points[0] == {"parallel.tensor_parallel_size": 1, "parallel.data_parallel_size": 1, "engine.max_num_seqs": 8}
+    assert points[5] == {"parallel.tensor_parallel_size": 2, "parallel.data_parallel_size": 1, "engine.max_num_seqs": 32}
+    with pytest.raises(ConfigError, match="each value must be a list of 2"):
+        parse_grid_item("parallel.tensor_parallel_size,parallel.data_parallel_size=[[1,1],[2]]")
+    with pytest.raises(ConfigError, match="unknown config key 'parallel.dp'"):
+        parse_grid_item("parallel.tensor_parallel_size,parallel.dp=[[1,1]]")
+    with pytest.raises(ConfigError, match="'engine.max_num_seqs' is given twice"):
+        parse_grid(["engine.max_num_seqs,moe.capacity_factor=[[1,0]]", "engine.max_num_seqs=[2]"])

@@ -132,3 +132,53 @@ def test_pareto_front_by_hand():
     pts = [(10.0, 5.0), (20.0, 8.0), (15.0, 9.0), (5.0, 4.0), (20.0, 7.0)]
     # (15, 9) is beaten by (20, 8); (20, 8) by (20, 7)
     assert pareto_front(pts) == [3, 0, 4]
+
+
+def test_predicted_step_ms_is_the_cost_model_at_the_measured_point(tmp_path, monkeypatch):
+    from launch.simulate_point import predict_runtime_point
+    from launch.sweep.grid import point_config
+    from moe.tiny import build_tiny_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(build_tiny_config("deepseek_v3")))
+    base = tmp_path / "base.yaml"
+    base.write_text(f"model: {model}\nparallel: {{data_parallel_size: 2, enable_expert_parallel: true}}\n")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\n")
+    load = [[100, 50, 10, 10, 5, 5, 5, 5], [10, 10, 10, 10, 80, 40, 5, 5]]  # [L_moe=2, E=8]
+
+    def skewed(config, workload, **_kw):
+        run = fake_run(config, workload)
+        run.steps = [StepRecord(0.02, 0.01, 8, True, mean_context=40.0)] * 5
+        run.expert_load, run.phy2log, run.dp_size = load, [list(range(8))] * 2, 2
+        return run
+
+    monkeypatch.setattr(runner, "run_point", skewed)
+    assert runner.main(["--config", str(base), "--workload", str(prompts), "--out", str(tmp_path / "o"),
+                        "--no-progress", "--hardware", "h100", "--grid", "engine.max_num_seqs=[4]"]) == 0
+    row = read_rows(tmp_path / "o" / "results.jsonl")[0]
+    cfg = point_config({"model": str(model), "parallel": {"data_parallel_size": 2, "enable_expert_parallel": True}},
+                       {"engine.max_num_seqs": 4})
+    import numpy as np
+
+    want = predict_runtime_point(cfg, "h100", batch_size=4, kv_len=40, expert_load=np.array(load, dtype=float),
+                                 placement=np.array([list(range(8))] * 2))
+    assert row["decode_batch_per_rank_p50"] == 4 and row["decode_context_mean"] == 40.0
+    assert row["predicted_step_ms"] == pytest.approx(want.decode_step_ms) and row["predicted_step_ms"] > 0
+    assert row["prediction_error"] == pytest.approx((want.decode_step_ms - 20.0) / 20.0)
+    assert row["predicted_balancedness"] == pytest.approx(want.balancedness) and row["predicted_balancedness"] < 1
+
+
+def test_repeats_run_round_robin_and_resume(sweep_args, tmp_path, monkeypatch):
+    order = []
+    monkeypatch.setattr(runner, "run_point", lambda c, w, **kw: order.append(c.engine.max_num_seqs) or fake_run(c, w))
+    args = sweep_args[:-3] + ["engine.max_num_seqs=[2,4]", "balancer.num_redundant_experts=[0,2]", "--repeats", "2"]
+    assert runner.main(args) == 0
+    assert order == [2, 4, 2, 4]  # round-robin; the invalid points are recorded once, not repeated
+    rows = read_rows(tmp_path / "out" / "results.jsonl")
+    assert sorted(r["repeat"] for r in rows if r["status"] == "ok") == [0, 0, 1, 1]
+    assert len([r for r in rows if r["status"] == "skipped"]) == 2
+    order.clear()
+    assert runner.main(args[:-1] + ["3"]) == 0
+    assert order == [2, 4]
