@@ -4,7 +4,8 @@ Row keys: ``key`` (canonical settings JSON), ``settings``, ``status`` ("ok" | "s
 "error"), ``reason`` (why a point was skipped or failed), then the measured columns of
 ``launch.sweep.measure.summarize_run`` plus ``predicted_step_ms`` and ``prediction_error``
 ((predicted - measured) / measured). The CSV has one column per swept key (``settings.*``)
-followed by every measured column. Plots (matplotlib, Agg): ``throughput.png`` (output
+followed by every measured column; with ``--repeats``, ``medians.csv`` holds each point's
+median over its repeats (``num_repeats`` column). Plots (matplotlib, Agg): ``throughput.png`` (output
 tokens/s per point) and ``tpot_vs_throughput.png`` (TPOT p50 against throughput, the
 Pareto front: no other point has both more throughput and lower TPOT).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from launch.sweep.grid import format_settings
 
 RESULTS_JSONL = "results.jsonl"
 RESULTS_CSV = "results.csv"
+MEDIANS_CSV = "medians.csv"
 THROUGHPUT_PNG = "throughput.png"
 PARETO_PNG = "tpot_vs_throughput.png"
 
@@ -59,14 +62,32 @@ def append_row(path: Path, row: Mapping[str, Any]) -> None:
 
 def write_csv(path: Path, rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> None:
     """One line per row: ``settings.<key>`` for each swept key, then status, reason, COLUMNS."""
-    header = [f"settings.{k}" for k in keys] + ["status", "reason", *COLUMNS]
+    extra = ["num_repeats"] if any("num_repeats" in r for r in rows) else []
+    header = [f"settings.{k}" for k in keys] + ["status", "reason", *extra, *COLUMNS]
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(header)
         for row in rows:
             settings = row.get("settings", {})
             w.writerow([_cell(settings.get(k)) for k in keys] + [row.get("status"), row.get("reason") or ""]
-                       + [_cell(row.get(c)) for c in COLUMNS])
+                       + [_cell(row.get(c)) for c in (*extra, *COLUMNS)])
+
+
+def median_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per point over its "ok" repeats: the median of every numeric column, plus
+    ``num_repeats`` (``--repeats``: compare points by these, not by single runs)."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        if row.get("status") == "ok":
+            groups.setdefault(json.dumps(row["settings"], sort_keys=True), []).append(row)
+    out = []
+    for group in groups.values():
+        merged: dict[str, Any] = {"settings": group[0]["settings"], "status": "ok", "num_repeats": len(group)}
+        for col in COLUMNS:
+            values = [r[col] for r in group if isinstance(r.get(col), int | float) and not isinstance(r[col], bool)]
+            merged[col] = statistics.median(values) if values else group[0].get(col)
+        out.append(merged)
+    return out
 
 
 def _cell(value: Any) -> Any:

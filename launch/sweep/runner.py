@@ -232,6 +232,8 @@ class SweepPlan:
         rows = list(report.latest_rows(report.read_rows(results)).values())
         keys = list(dict.fromkeys(k for r in rows for k in r.get("settings", {})))
         report.write_csv(self.out / report.RESULTS_CSV, rows, keys)
+        if self.repeats > 1:
+            report.write_csv(self.out / report.MEDIANS_CSV, report.median_rows(rows), keys)
         if plots:
             report.write_plots(self.out, rows)
 

@@ -179,6 +179,10 @@ def test_repeats_run_round_robin_and_resume(sweep_args, tmp_path, monkeypatch):
     rows = read_rows(tmp_path / "out" / "results.jsonl")
     assert sorted(r["repeat"] for r in rows if r["status"] == "ok") == [0, 0, 1, 1]
     assert len([r for r in rows if r["status"] == "skipped"]) == 2
+    with (tmp_path / "out" / "medians.csv").open() as f:
+        medians = list(csv.DictReader(f))
+    assert [m["num_repeats"] for m in medians] == ["2", "2"]
+    assert float(medians[0]["measured_step_ms"]) == pytest.approx(20.0)
     order.clear()
     assert runner.main(args[:-1] + ["3"]) == 0
     assert order == [2, 4]
