@@ -1,13 +1,14 @@
-"""Sweep outputs: ``results.jsonl`` (the record, one row per point), ``results.csv`` and plots.
+"""Sweep outputs: ``results.jsonl`` (the record, one row per run), ``results.csv`` and plots.
 
-Row keys: ``key`` (canonical settings JSON), ``settings``, ``status`` ("ok" | "skipped" |
+Row keys: ``key`` (canonical settings JSON, `` #r`` for repeat r > 0), ``settings``, ``repeat``, ``status`` ("ok" | "skipped" |
 "error"), ``reason`` (why a point was skipped or failed), then the measured columns of
 ``launch.sweep.measure.summarize_run`` plus ``predicted_step_ms`` and ``prediction_error``
 ((predicted - measured) / measured). The CSV has one column per swept key (``settings.*``)
 followed by every measured column; with ``--repeats``, ``medians.csv`` holds each point's
-median over its repeats (``num_repeats`` column). Plots (matplotlib, Agg): ``throughput.png`` (output
-tokens/s per point) and ``tpot_vs_throughput.png`` (TPOT p50 against throughput, the
-Pareto front: no other point has both more throughput and lower TPOT).
+median over its repeats (``num_repeats`` column) and the plots show those medians. Plots
+(matplotlib, Agg): ``throughput.png`` (output tokens/s per point) and
+``tpot_vs_throughput.png`` (TPOT p50 against throughput, and the Pareto front: the points
+no other point beats on both, more throughput and lower TPOT).
 """
 
 from __future__ import annotations

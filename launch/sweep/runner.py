@@ -232,10 +232,11 @@ class SweepPlan:
         rows = list(report.latest_rows(report.read_rows(results)).values())
         keys = list(dict.fromkeys(k for r in rows for k in r.get("settings", {})))
         report.write_csv(self.out / report.RESULTS_CSV, rows, keys)
-        if self.repeats > 1:
-            report.write_csv(self.out / report.MEDIANS_CSV, report.median_rows(rows), keys)
-        if plots:
-            report.write_plots(self.out, rows)
+        medians = report.median_rows(rows) if self.repeats > 1 else None
+        if medians is not None:
+            report.write_csv(self.out / report.MEDIANS_CSV, medians, keys)
+        if plots:  # one mark per point: its median over the repeats
+            report.write_plots(self.out, medians if medians is not None else rows)
 
 
 def run_key(settings: Mapping[str, Any], repeat: int) -> str:
