@@ -7,7 +7,7 @@ export MASTER_ADDR := 127.0.0.1
 export GLOO_SOCKET_IFNAME := lo
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test test-fast lint clean
 
 # Order matters: the CPU torch wheel first (a looser spec pulls a multi-GB CUDA build), then
 # DeepSpeed built against it without build isolation, then the project with its test extra.
@@ -28,6 +28,10 @@ run: setup
 test: setup
 	$(BIN)/ruff check moe parallel balancer launch tests
 	$(BIN)/python -m pytest -q --durations=20
+
+# The inner loop (about a minute): everything but the tests marked slow (engines, ranks, Ray, benchmarks).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check moe parallel balancer launch tests

@@ -8,6 +8,8 @@ from typing import Any
 from balancer.policy import POLICIES
 from balancer.stats import RoutingStats
 
+MIGRATION_METHODS = ("p2p", "reload")
+
 # vLLM's `--eplb-config` calls our "auto" policy "default".
 _POLICY_ALIASES = {"default": "auto"}
 
@@ -20,7 +22,10 @@ class BalancerConfig:
     log_balancedness: log avg_tokens, max_tokens, balancedness each step;
     min_balancedness_to_skip: a due rebalance is skipped when balancedness >= this;
     rebalance_below_balancedness: rebalance early once a full window falls below this
-    (0 disables); use_async: accepted from vLLM's config for the runtime's transport."""
+    (0 disables); use_async: accepted from vLLM's config for the runtime's transport;
+    migration_method: how moved experts reach their new slots, "p2p" (isend/irecv from the
+    rank that holds a copy) or "reload" (each rank re-reads them from the checkpoint: no peer
+    traffic, suits a shared fast filesystem)."""
 
     enable_eplb: bool = False
     num_redundant_experts: int = 0
@@ -31,8 +36,11 @@ class BalancerConfig:
     min_balancedness_to_skip: float = 0.95
     rebalance_below_balancedness: float = 0.0
     use_async: bool = False
+    migration_method: str = "p2p"
 
     def __post_init__(self) -> None:
+        if self.migration_method not in MIGRATION_METHODS:
+            raise ValueError(f"migration_method {self.migration_method!r} is not one of {MIGRATION_METHODS}")
         if self.policy not in POLICIES and self.policy not in _POLICY_ALIASES:
             raise ValueError(f"policy {self.policy!r} is not one of {POLICIES + tuple(_POLICY_ALIASES)}")
         for name in ("num_redundant_experts", "window_size", "step_interval"):

@@ -60,16 +60,16 @@ register("generate", "launch.generate:main", "generate completions for prompts o
 register("demo", "launch.demo:main", "make run: tiny DeepSeek-V3 on local Ray, EP + EPLB, OpenAI API")
 register("make-tiny", "launch.tiny_checkpoint:main", "write a random tiny/small checkpoint with tokenizer")
 register("kvcalc", "launch.kvcalc:main", "KV-cache bytes per token and capacity for a model config")
-register("config", "launch.config:main", "validate config file + --set + flags; print the resolved YAML")
+register("config", "launch.config_args:main", "validate config file + --set + flags; print the resolved YAML")
+register("commbench", "parallel.bench.commbench:main", "collective benchmark (nccl-tests style table)")
+register("bench eplb", "launch.bench.eplb:main", "expert-load-balancer benchmark on routing traces")
+register("bench throughput", "launch.bench.throughput:main", "offline generation throughput")
+register("bench serve", "launch.bench.serve:main", "online serving benchmark against a running server")
+register("bench decode", "launch.bench.decode:main", "decode step latency and tokens/s")
+register("bench overhead", "launch.bench.overhead:main", "driver/actor round-trip and routing-statistics overhead per step")
 register("simulate", "launch.simulate:main", "cost model: predicted step times and throughput of a layout, or --search")
 register("simulate calibrate", "launch.calibrate:main", "measure this machine for the cost model (hardware YAML)")
-register("commbench", "parallel.commbench:main", "collective benchmark (nccl-tests style table)")
-register("bench eplb", "launch.bench_eplb:main", "expert-load-balancer benchmark on routing traces")
-register("bench throughput", "launch.bench_throughput:main", "offline generation throughput")
-register("bench serve", "launch.bench_serve:main", "online serving benchmark against a running server")
-register("bench decode", "launch.bench_decode:main", "decode step latency and tokens/s")
 register("sweep", "launch.sweep.runner:main", "run a grid of layouts for real: results.jsonl/csv, plots, measured vs predicted")
-register("bench overhead", "launch.bench_overhead:main", "driver/actor round-trip and routing-statistics overhead per step")
 
 
 def is_available(cmd: Command) -> bool:

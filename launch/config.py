@@ -19,8 +19,6 @@ are not on disk); ``check_model_path`` and ``validate_for_model`` check it at st
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,12 +29,12 @@ import yaml
 from balancer.config import BalancerConfig
 from launch.config_schema import ConfigError, apply_override, build_dataclass, load_yaml_mapping
 from launch.core.kv_sizing import parse_memory
-from moe.capacity import OVERFLOWS, POLICIES
+from moe.capacity import CapacityConfig
 from parallel.dispatch import BACKENDS as DISPATCH_BACKENDS
 
 __all__ = [
     "BalancerConfig", "ConfigError", "EngineConfig", "MoEConfig", "ParallelConfig", "RuntimeConfig",
-    "ServerConfig", "add_runtime_args", "load_runtime_config", "runtime_config_from_args",
+    "ServerConfig", "VLLM_KEYS", "load_runtime_config",
 ]
 
 # vLLM's --all2all-backend names for what our dispatchers implement.
@@ -129,11 +127,14 @@ class MoEConfig:
     min_capacity: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("capacity_scope", self.capacity_scope, ("local", "global"))
-        _check_choice("capacity_policy", self.capacity_policy, POLICIES)
-        _check_choice("capacity_overflow", self.capacity_overflow, OVERFLOWS)
-        if self.min_capacity < 0:
-            raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
+        _ = self.capacity  # validates every field and their combination (moe.capacity.CapacityConfig)
+
+    @property
+    def capacity(self) -> CapacityConfig:
+        """The typed capacity settings every worker and MoE layer receives."""
+        return CapacityConfig(capacity_factor=self.capacity_factor, scope=self.capacity_scope,
+                              policy=self.capacity_policy, overflow=self.capacity_overflow,
+                              min_capacity=self.min_capacity)
 
     @property
     def is_dropless(self) -> bool:
@@ -266,6 +267,45 @@ class RuntimeConfig:
         self.balancer.validate_for(mc.num_experts, p.expert_parallel_size)
 
 
+# Flat vLLM-style names (``LLM(...)`` keyword arguments and CLI flag dests) -> dotted config keys.
+# The one home of this mapping: ``launch.config_args`` (flags) and ``launch.llm`` (keywords) use it.
+VLLM_KEYS: dict[str, str] = {
+    "model": "model",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "data_parallel_size": "parallel.data_parallel_size",
+    "enable_expert_parallel": "parallel.enable_expert_parallel",
+    "all2all_backend": "parallel.all2all_backend",
+    "num_nodes": "parallel.num_nodes",
+    "placement_strategy": "parallel.placement_strategy",
+    "enable_cpu_pinning": "parallel.enable_cpu_pinning",
+    "capacity_factor": "moe.capacity_factor",
+    "capacity_scope": "moe.capacity_scope",
+    "capacity_policy": "moe.capacity_policy",
+    "capacity_overflow": "moe.capacity_overflow",
+    "min_capacity": "moe.min_capacity",
+    "enable_eplb": "balancer.enable_eplb",
+    "num_redundant_experts": "balancer.num_redundant_experts",
+    "dtype": "engine.dtype",
+    "max_num_seqs": "engine.max_num_seqs",
+    "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "max_model_len": "engine.max_model_len",
+    "block_size": "engine.block_size",
+    "num_kv_blocks": "engine.num_kv_blocks",
+    "enable_prefix_caching": "engine.enable_prefix_caching",
+    "enable_chunked_prefill": "engine.enable_chunked_prefill",
+    "kv_cache_dtype": "engine.kv_cache_dtype",
+    "memory_utilization": "engine.memory_utilization",
+    "gpu_memory_utilization": "engine.memory_utilization",
+    "memory": "engine.memory",
+    "seed": "engine.seed",
+    "host": "server.host",
+    "port": "server.port",
+    "api_key": "server.api_key",
+    "served_model_name": "server.served_model_name",
+    "max_queue_len": "server.max_queue_len",
+}
+
+
 def load_runtime_config(
     path: str | Path | None = None, *, overrides: Sequence[str] = (), base: dict[str, Any] | None = None
 ) -> RuntimeConfig:
@@ -276,31 +316,3 @@ def load_runtime_config(
     for item in overrides:
         apply_override(data, item)
     return RuntimeConfig.from_dict(data)
-
-
-def add_runtime_args(parser: argparse.ArgumentParser, *, server: bool = True) -> argparse.ArgumentParser:
-    """vLLM-style runtime flags (see ``launch.config_args``)."""
-    from launch import config_args
-
-    return config_args.add_runtime_args(parser, server=server)
-
-
-def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
-    """defaults < --config file < --set < --eplb-config < flags (see ``launch.config_args``)."""
-    from launch import config_args
-
-    return config_args.runtime_config_from_args(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``config``: resolve config file + --set + flags, validate, print the result as YAML."""
-    parser = argparse.ArgumentParser(prog="python -m launch config", description=main.__doc__)
-    add_runtime_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        cfg = runtime_config_from_args(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    sys.stdout.write(cfg.to_yaml())
-    return 0

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
-from launch.config import DTYPES, KV_CACHE_DTYPES, PLACEMENT_STRATEGIES, RuntimeConfig
+from launch.config import DTYPES, KV_CACHE_DTYPES, PLACEMENT_STRATEGIES, VLLM_KEYS, RuntimeConfig
 from launch.config_schema import (
     ConfigError,
     apply_override,
@@ -24,37 +25,8 @@ from launch.config_schema import (
     suggest_key,
 )
 
-# argparse dest -> dotted config key.
-FLAG_KEYS = {
-    "model": "model",
-    "tensor_parallel_size": "parallel.tensor_parallel_size",
-    "data_parallel_size": "parallel.data_parallel_size",
-    "enable_expert_parallel": "parallel.enable_expert_parallel",
-    "all2all_backend": "parallel.all2all_backend",
-    "num_nodes": "parallel.num_nodes",
-    "placement_strategy": "parallel.placement_strategy",
-    "enable_cpu_pinning": "parallel.enable_cpu_pinning",
-    "capacity_factor": "moe.capacity_factor",
-    "enable_eplb": "balancer.enable_eplb",
-    "num_redundant_experts": "balancer.num_redundant_experts",
-    "dtype": "engine.dtype",
-    "max_num_seqs": "engine.max_num_seqs",
-    "max_num_batched_tokens": "engine.max_num_batched_tokens",
-    "max_model_len": "engine.max_model_len",
-    "block_size": "engine.block_size",
-    "num_kv_blocks": "engine.num_kv_blocks",
-    "enable_prefix_caching": "engine.enable_prefix_caching",
-    "enable_chunked_prefill": "engine.enable_chunked_prefill",
-    "kv_cache_dtype": "engine.kv_cache_dtype",
-    "memory_utilization": "engine.memory_utilization",
-    "memory": "engine.memory",
-    "seed": "engine.seed",
-    "host": "server.host",
-    "port": "server.port",
-    "api_key": "server.api_key",
-    "served_model_name": "server.served_model_name",
-    "max_queue_len": "server.max_queue_len",
-}
+# argparse dest -> dotted config key: every flat vLLM name is a flag.
+FLAG_KEYS = VLLM_KEYS
 
 
 def _group_parallel(parser: argparse.ArgumentParser) -> None:
@@ -145,3 +117,17 @@ def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     if not data.get("model"):
         raise ConfigError("missing required config key 'model': pass --model DIR or set 'model:' in --config")
     return RuntimeConfig.from_dict(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``config``: resolve config file + --set + flags, validate, print the result as YAML."""
+    parser = argparse.ArgumentParser(prog="python -m launch config", description=main.__doc__)
+    add_runtime_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = runtime_config_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(cfg.to_yaml())
+    return 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from balancer import Placement
+from launch.balancing import EplbDriver
 from launch.config import RuntimeConfig
 from launch.core import (
     BlockAllocator,
@@ -24,7 +25,6 @@ from launch.core import (
     SchedulerConfig,
     compute_kv_sizing,
 )
-from launch.driver import EplbDriver
 from launch.executor import Executor, build_executor
 from launch.worker import DTYPES, WorkerSpec
 from moe.config import ModelConfig
@@ -103,18 +103,13 @@ class LLMEngine:
         self.max_model_len = e.max_model_len or self.model_config.max_position_embeddings
         self.num_kv_blocks = compute_num_kv_blocks(config, self.model_config, self.max_model_len)
         self.placement = build_initial_placement(config, self.model_config)
-        moe = config.moe
-        capacity = None
-        if moe.capacity_factor > 0:
-            capacity = {"capacity_factor": moe.capacity_factor, "scope": moe.capacity_scope,
-                        "min_capacity": moe.min_capacity, "policy": moe.capacity_policy,
-                        "overflow": moe.capacity_overflow, "renormalize": False}
         world = p.world_size
         spec = WorkerSpec(
             model_path=str(path), dtype=self.dtype, tp=p.tensor_parallel_size, dp=p.data_parallel_size,
             ep=p.expert_parallel_size, num_nodes=p.num_nodes, all2all_backend=p.dispatch_backend,
             num_kv_blocks=self.num_kv_blocks, block_size=e.block_size, kv_cache_dtype=e.kv_cache_dtype,
-            phy2log=self.placement.phy2log, capacity=capacity, seed=e.seed,
+            phy2log=self.placement.phy2log, capacity=config.moe.capacity, seed=e.seed,
+            migration_method=config.balancer.migration_method,
             dist_timeout_s=p.collective_timeout_s,
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
             pin_cpu=p.enable_cpu_pinning,

@@ -5,16 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from launch.config import RuntimeConfig
+from launch.config import VLLM_KEYS, RuntimeConfig
+from launch.config_schema import set_dotted
 from launch.core import RequestOutput, SamplingParams
 from launch.engine import LLMEngine
 
-_ENGINE_KEYS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                "num_kv_blocks", "enable_prefix_caching", "enable_chunked_prefill", "kv_cache_dtype",
-                "memory_utilization", "memory", "seed")
-_PARALLEL_KEYS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "all2all_backend",
-                  "num_nodes", "placement_strategy")
-_MOE_KEYS = ("capacity_factor", "capacity_scope", "capacity_policy", "capacity_overflow", "min_capacity")
+# Flat names that configure the HTTP server or name the model: flags only, not LLM() keywords.
+_SERVER_ONLY = frozenset({"model", "host", "port", "api_key", "served_model_name", "max_queue_len"})
 
 Prompt = str | Mapping[str, Any]
 
@@ -22,22 +19,13 @@ Prompt = str | Mapping[str, Any]
 def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig:
     """Map LLM(...) keyword arguments (vLLM names) onto the nested RuntimeConfig; an unknown
     argument raises TypeError naming it."""
-    data: dict[str, Any] = {"model": str(model), "engine": {}, "parallel": {}, "moe": {}, "balancer": {}}
+    data: dict[str, Any] = {"model": str(model)}
     for key, value in kwargs.items():
-        if key == "gpu_memory_utilization":
-            data["engine"]["memory_utilization"] = value
-        elif key in _ENGINE_KEYS:
-            data["engine"][key] = value
-        elif key in _PARALLEL_KEYS:
-            data["parallel"][key] = value
-        elif key in _MOE_KEYS:
-            data["moe"][key] = value
-        elif key == "enable_eplb":
-            data["balancer"]["enable_eplb"] = value
-        elif key == "num_redundant_experts":
-            data["balancer"]["num_redundant_experts"] = value
-        elif key == "eplb_config":
-            data["balancer"].update(dict(value or {}))
+        if key == "eplb_config":
+            for sub, sub_value in dict(value or {}).items():
+                set_dotted(data, f"balancer.{sub}", sub_value)
+        elif key in VLLM_KEYS and key not in _SERVER_ONLY:
+            set_dotted(data, VLLM_KEYS[key], value)
         else:
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
     return RuntimeConfig.from_dict(data)

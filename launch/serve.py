@@ -24,7 +24,8 @@ from typing import Any
 
 import uvicorn
 
-from launch.config import RuntimeConfig, add_runtime_args, runtime_config_from_args
+from launch.config import RuntimeConfig
+from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.config_schema import ConfigError
 from launch.server import build_app
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from launch.core import BatchSpec, SampledTokens, Sampler
+from moe.capacity import CapacityConfig
 from moe.config import ModelConfig
 from moe.cpu_gemm import native_gemv, use_native_gemv
 from moe.kv_cache import AttentionMetadata, PagedKVCache
@@ -31,8 +32,8 @@ class WorkerSpec:
     """Everything a rank needs to build its shard (picklable; identical on every rank).
 
     phy2log: initial placement [L, P] int64 (None = identity, no redundant slots).
-    capacity: None (dropless) or dict(capacity_factor, scope "local"|"global", min_capacity,
-    policy, overflow, renormalize).
+    capacity: the typed capacity settings (dropless by default); the MoE layers enforce the
+    "local" scope, the dispatcher the "global" one.
     pin_cpu: pin this rank's process to one CPU (its index among the node's ranks, modulo
     the CPUs it may use) and one torch thread; ``shutdown`` undoes it.
     """
@@ -48,7 +49,7 @@ class WorkerSpec:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     phy2log: torch.Tensor | None = None
-    capacity: dict[str, Any] | None = None
+    capacity: CapacityConfig = CapacityConfig()
     seed: int = 0
     dist_timeout_s: float = 300.0
     num_threads: int | None = None
@@ -107,7 +108,7 @@ class Worker:
 
     def setup(self, init_method: str | None = None) -> dict[str, Any]:
         """Join the process groups (world > 1), build the model shard, load it, allocate KV."""
-        from parallel.dispatch import GlobalCapacity, build_dispatcher
+        from parallel.dispatch import build_dispatcher
 
         spec, rank = self.spec, self.rank
         if spec.world_size > 1:
@@ -118,23 +119,16 @@ class Worker:
         self.config = ModelConfig.from_hf(spec.model_path)
         self.dtype = DTYPES[spec.dtype]
         self.phy2log = self._initial_phy2log()
-        cap = dict(spec.capacity or {})
-        scope = cap.pop("scope", "local")
-        global_cap = None
-        if cap and scope == "global":
-            global_cap = GlobalCapacity(float(cap["capacity_factor"]), int(cap.get("min_capacity", 0)),
-                                        bool(cap.get("renormalize", False)))
         backend = spec.all2all_backend if self.layout.ep_size > 1 else "local"
+        global_cap = spec.capacity if spec.capacity.is_global else None
         dispatcher = build_dispatcher(backend, self.groups, self.layout, global_capacity=global_cap)
         self.model = MoEModel(
             self.config, dtype=self.dtype, local_slots=self._local_slots(), dispatcher=dispatcher,
             tp_group=self.groups.tp if self.groups else None, tp_rank=self.coords.tp_rank, tp_size=spec.tp,
+            capacity=spec.capacity,
         )
         for i, layer in enumerate(self.model.moe_layers()):
             layer.set_placement(self.phy2log[i], self.layout.ep_size, self.coords.ep_rank)
-            if cap and scope == "local" and float(cap["capacity_factor"]) > 0:
-                layer.capacity_factor = float(cap["capacity_factor"])
-                layer.capacity_options = {k: v for k, v in cap.items() if k != "capacity_factor"}
         self.load_report = load_weights(self.model, spec.model_path, dtype=self.dtype)
         self.model.shard_for_tp()
         # CPU here; on a GPU node the shard lives on this rank's device (nccl groups).

@@ -32,6 +32,54 @@ import torch
 
 POLICIES = ("position", "score")
 OVERFLOWS = ("drop", "reroute")
+SCOPES = ("local", "global")
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """How capacity is enforced; carried typed from the runtime config to every MoE layer.
+
+    capacity_factor: cf; <= 0 means dropless (the default: every other field is then inert).
+    scope: "local" (each source rank caps its own tokens before dispatch, no collective) or
+    "global" (the dispatcher caps the EP group's tokens after its count exchange).
+    policy / overflow / min_capacity / renormalize: as ``apply_capacity`` takes them.
+    The global scope shares each slot's C between ranks in rank order, then token order: it
+    supports policy "position" with overflow "drop" only (a score order or a reroute would
+    need every rank's scores); other combinations raise here, naming them.
+    """
+
+    capacity_factor: float = 0.0
+    scope: str = "local"
+    policy: str = "position"
+    overflow: str = "drop"
+    min_capacity: int = 0
+    renormalize: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value, choices in (("scope", self.scope, SCOPES), ("policy", self.policy, POLICIES),
+                                     ("overflow", self.overflow, OVERFLOWS)):
+            if value not in choices:
+                raise ValueError(f"capacity_{name} must be one of {choices}, got {value!r}")
+        if self.min_capacity < 0:
+            raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
+        if self.enabled and self.scope == "global" and (self.policy, self.overflow) != ("position", "drop"):
+            raise ValueError(
+                f"capacity_scope 'global' supports capacity_policy 'position' with capacity_overflow 'drop' only, "
+                f"got policy {self.policy!r} with overflow {self.overflow!r}: use capacity_scope 'local'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_factor > 0
+
+    @property
+    def is_local(self) -> bool:
+        """Enforced by each MoE layer before dispatch."""
+        return self.enabled and self.scope == "local"
+
+    @property
+    def is_global(self) -> bool:
+        """Enforced by the EP dispatcher over the whole group."""
+        return self.enabled and self.scope == "global"
 
 
 @dataclass(frozen=True)

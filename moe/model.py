@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe.capacity import CapacityConfig
 from moe.config import ModelConfig
 from moe.dispatch import ExpertDispatcher
 from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
@@ -31,7 +32,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention + FFN (dense MLP or MoE) with residuals. h: [T, D] -> [T, D]."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, local_slots: Sequence[int] | None,
-                 dispatcher: ExpertDispatcher | None) -> None:
+                 dispatcher: ExpertDispatcher | None, capacity: CapacityConfig | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -43,7 +44,8 @@ class DecoderLayer(nn.Module):
             self.self_attn = GQAAttention(config, dtype, layer_id=layer_id)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_id):
-            self.mlp = MoELayer(config, layer_id, dtype=dtype, local_slots=local_slots, dispatcher=dispatcher)
+            self.mlp = MoELayer(config, layer_id, dtype=dtype, local_slots=local_slots, dispatcher=dispatcher,
+                                capacity=capacity)
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
         self.tp_group: dist.ProcessGroup | None = None
@@ -67,12 +69,12 @@ class DecoderLayer(nn.Module):
 
 class _Backbone(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, local_slots: LocalSlots,
-                 dispatcher: ExpertDispatcher | None) -> None:
+                 dispatcher: ExpertDispatcher | None, capacity: CapacityConfig | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype, _slots_for(local_slots, i), dispatcher)
+            DecoderLayer(config, i, dtype, _slots_for(local_slots, i), dispatcher, capacity)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -90,6 +92,8 @@ class MoEModel(nn.Module):
 
     local_slots: the logical experts this rank hosts, in local-slot order, either one list for
     every MoE layer or a mapping layer_id -> list (default: all experts, identity placement).
+    capacity: enforced by every MoE layer when its scope is "local" (None or dropless: none); the
+    "global" scope is the dispatcher's, built from the same ``CapacityConfig``.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class MoEModel(nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        capacity: CapacityConfig | None = None,
     ) -> None:
         super().__init__()
         if not 0 <= tp_rank < tp_size:
@@ -109,7 +114,7 @@ class MoEModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
-        self.model = _Backbone(config, dtype, local_slots, dispatcher)
+        self.model = _Backbone(config, dtype, local_slots, dispatcher, capacity)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -12,13 +12,12 @@ capacity drop: it measures demand); the worker reads and resets it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from moe.capacity import apply_capacity
+from moe.capacity import CapacityConfig, apply_capacity
 from moe.config import ModelConfig
 from moe.dispatch import ExpertDispatcher, LocalDispatcher
 from moe.experts import Experts
@@ -59,6 +58,18 @@ def choose_replicas(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch
     return log2phy[flat, replica].view_as(topk_ids)
 
 
+def compute_slot_scores(scores: torch.Tensor, topk_ids: torch.Tensor, phy2log: torch.Tensor) -> torch.Tensor:
+    """Router selection scores seen per physical slot, for rerouting an over-full slot's tokens.
+
+    scores: [T, E] float32 (-inf where the router may not pick an expert, e.g. outside the
+    token's top groups); topk_ids: [T, K] logical experts the token already uses; phy2log: [P].
+    Returns [T, P]: a slot scores as its logical expert; every copy of an expert the token
+    already uses is -inf, so a reroute never sends a token to the same expert twice."""
+    used = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, topk_ids, True)  # [T, E]
+    slot = scores[:, phy2log]
+    return slot.masked_fill(used[:, phy2log], float("-inf"))
+
+
 class MoELayer(nn.Module):
     """Routed experts (hosted slots only) plus shared experts. x: [T, D] -> [T, D] in x's dtype."""
 
@@ -70,8 +81,7 @@ class MoELayer(nn.Module):
         dtype: torch.dtype = torch.float32,
         local_slots: Sequence[int] | None = None,
         dispatcher: ExpertDispatcher | None = None,
-        capacity_factor: float | None = None,
-        capacity_options: Mapping[str, Any] | None = None,
+        capacity: CapacityConfig | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -84,13 +94,13 @@ class MoELayer(nn.Module):
         shared = config.moe_intermediate_size * config.num_shared_experts
         self.shared_experts = DenseMLP(config.hidden_size, shared, dtype) if shared else None
         self.dispatcher: ExpertDispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
-        self.capacity_factor = capacity_factor
-        # forwarded to moe.capacity.apply_capacity: min_capacity, policy, overflow="drop", renormalize
-        self.capacity_options = dict(capacity_options or {})
+        # the layer enforces the "local" scope; the dispatcher enforces "global" (None here)
+        self.capacity = capacity if capacity is not None and capacity.is_local else None
         self.counters = {"dropped": 0, "rerouted": 0}
         self.rank = int(getattr(self.dispatcher, "rank", 0))
         self.num_ranks = int(getattr(self.dispatcher, "num_ranks", 1))
         log2phy, logcnt = compute_placement_tables(torch.arange(config.num_experts), config.num_experts)
+        self.register_buffer("phy2log", torch.arange(config.num_experts), persistent=False)
         self.register_buffer("log2phy", log2phy, persistent=False)
         self.register_buffer("logcnt", logcnt, persistent=False)
         self.register_buffer("slot_load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
@@ -110,27 +120,35 @@ class MoELayer(nn.Module):
         log2phy, logcnt = compute_placement_tables(row, self.num_experts)
         device = self.slot_load.device
         self.log2phy, self.logcnt = log2phy.to(device), logcnt.to(device)
+        self.phy2log = row.to(device)
         self.slot_load = torch.zeros(row.numel(), dtype=torch.int64, device=device)
         self.num_ranks, self.rank = num_ranks, rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D]. Every EP rank must call this for every layer of every step, even with T = 0:
         ``dispatch_combine`` is a collective."""
-        topk_ids, weights = self.gate(x)  # [T, K] int64, [T, K] float32
+        reroute = self.capacity is not None and self.capacity.overflow == "reroute"
+        topk_ids, weights, scores = self.gate.route(x, with_scores=reroute)  # [T, K], [T, K], [T, E] | None
         slot_ids = choose_replicas(topk_ids, self.log2phy, self.logcnt, self.rank)
         if slot_ids.numel():
             self.slot_load += torch.bincount(slot_ids.reshape(-1), minlength=self.slot_load.shape[0])
-        if self.capacity_factor is not None:
-            slot_ids, weights = self._apply_capacity(slot_ids, weights)
+        if self.capacity is not None:
+            slot_ids, weights = self._apply_capacity(slot_ids, weights, topk_ids, scores)
         out = self.dispatcher.dispatch_combine(x, slot_ids, weights, self.experts, self.layer_id)  # [T, D] f32
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
         return out.to(x.dtype)
 
-    def _apply_capacity(self, slot_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local-scope capacity (before dispatch): dropped assignments get slot -1, weight 0."""
-        result = apply_capacity(slot_ids, weights, self.num_physical_slots, float(self.capacity_factor),
-                                **self.capacity_options)
+    def _apply_capacity(self, slot_ids: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
+                        scores: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local-scope capacity (before dispatch): dropped assignments get slot -1, weight 0.
+        slot_ids / weights / topk_ids: [T, K]; scores: [T, E] router selection scores (reroute only)."""
+        cap = self.capacity
+        assert cap is not None
+        slot_scores = None if scores is None else compute_slot_scores(scores, topk_ids, self.phy2log)
+        result = apply_capacity(slot_ids, weights, self.num_physical_slots, cap.capacity_factor,
+                                min_capacity=cap.min_capacity, policy=cap.policy, overflow=cap.overflow,
+                                renormalize=cap.renormalize, router_scores=slot_scores)
         stats = result.stats
         self.counters["dropped"] += stats.dropped
         self.counters["rerouted"] += stats.rerouted

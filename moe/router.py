@@ -52,29 +52,40 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D]. Returns topk_ids [T, K] int64, topk_weights [T, K] float32."""
+        ids, weights, _ = self.route(x)
+        return ids, weights
+
+    def route(self, x: torch.Tensor, *, with_scores: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x: [T, D]. Returns topk_ids [T, K] int64, topk_weights [T, K] float32 and, when asked,
+        the selection scores [T, E] float32 the top-k was taken on (bias-corrected for noaux_tc),
+        -inf for experts outside the token's top groups; else None."""
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
         if self.scoring_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:
             scores = logits.sigmoid()
         if self.topk_method == "noaux_tc":
-            ids = self._select_noaux_tc(scores)
+            selection = self._selection_noaux_tc(scores)
+            ids = torch.topk(selection, k=self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, ids)
         else:
+            selection = scores
             if self.topk_method == "group_limited_greedy":
                 group_max = scores.view(-1, self.n_group, self.num_experts // self.n_group).amax(dim=-1)
                 scores = mask_to_top_groups(scores, group_max, self.topk_group, 0.0)
+                selection = mask_to_top_groups(selection, group_max, self.topk_group, float("-inf"))
             weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
         if self.norm_topk_prob:
             # transformers adds 1e-20 only on the sigmoid (noaux_tc) path
             eps = 1e-20 if self.topk_method == "noaux_tc" else 0.0
             weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
-        return ids.to(torch.int64), (weights * self.routed_scaling_factor).float()
+        return ids.to(torch.int64), (weights * self.routed_scaling_factor).float(), selection if with_scores else None
 
-    def _select_noaux_tc(self, scores: torch.Tensor) -> torch.Tensor:
-        """scores: [T, E] sigmoid. Returns ids [T, K] chosen on bias-corrected, group-limited scores."""
+    def _selection_noaux_tc(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores: [T, E] sigmoid. Returns the bias-corrected scores [T, E] with experts outside
+        the top groups at -inf (the top-k is taken on these)."""
         biased = scores + self.e_score_correction_bias.float()
         per_group = biased.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-        biased = mask_to_top_groups(biased, group_scores, self.topk_group, float("-inf"))
-        return torch.topk(biased, k=self.top_k, dim=-1, sorted=False)[1]
+        return mask_to_top_groups(biased, group_scores, self.topk_group, float("-inf"))

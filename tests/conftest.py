@@ -98,8 +98,39 @@ def write_hf_checkpoint(case: str, out_dir: Path, seed: int = 0, **overrides: An
     return out_dir
 
 
+# Folders whose every test runs a whole engine, spawns ranks or a Ray cluster: `-m "not slow"` skips
+# them (the inner loop); unit tests that take seconds carry @pytest.mark.slow themselves.
+SLOW_FOLDERS = ("dist", "engine", "ray", "server", "gpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).resolve().parent
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(root).parts
+        if parts and parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """case name -> directory of a tiny random save_pretrained checkpoint (fp32)."""
     root = tmp_path_factory.mktemp("hf_ckpt")
     return {case: write_hf_checkpoint(case, root / case, seed=i) for i, case in enumerate(HF_CASES)}
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random tiny DeepSeek-V3-style checkpoint of ``make-tiny`` (seed 0, fp32, no tokenizer)."""
+    from moe.tiny import write_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny") / "dsv3"
+    write_tiny_checkpoint("deepseek_v3", path, size="tiny", seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``make-tiny --arch deepseek_v3``: the same kind of checkpoint with its trained BPE tokenizer."""
+    from launch.tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("tiny_tok") / "tiny-v3")

@@ -219,7 +219,7 @@ def _timed_run(engine: Any, recorder: _StepRecorder, tokens: list[list[int]], ma
 
 def agreement(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) -> float:
     """Mean over requests of (common greedy prefix length / output length), in [0, 1]."""
-    from launch.bench_throughput import agreement as prefix_agreement
+    from launch.bench.throughput import agreement as prefix_agreement
 
     return prefix_agreement(ours, theirs)
 

@@ -12,10 +12,10 @@ only its 1/tp share of the (identical) tokens. All implement ``moe.dispatch.Expe
 
 from __future__ import annotations
 
+from moe.capacity import CapacityConfig
 from moe.dispatch import ExpertDispatcher, LocalDispatcher
 from parallel.dispatch.allgather import AllGatherDispatcher
 from parallel.dispatch.alltoall import AllToAllDispatcher
-from parallel.dispatch.global_capacity import GlobalCapacity
 from parallel.dispatch.local import CappedLocalDispatcher
 from parallel.dispatch.tp_split import TensorParallelSplit
 from parallel.groups import ProcessGroups
@@ -28,7 +28,6 @@ __all__ = [
     "AllGatherDispatcher",
     "AllToAllDispatcher",
     "CappedLocalDispatcher",
-    "GlobalCapacity",
     "TensorParallelSplit",
     "build_dispatcher",
 ]
@@ -39,7 +38,7 @@ def build_dispatcher(
     groups: ProcessGroups | None,
     layout: Layout,
     *,
-    global_capacity: GlobalCapacity | None = None,
+    global_capacity: CapacityConfig | None = None,
 ) -> ExpertDispatcher:
     """The dispatcher for this rank. ``groups`` may be None only for ``"local"`` with tp = 1.
 

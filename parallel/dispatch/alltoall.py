@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe.capacity import CapacityConfig
 from moe.experts import Experts
 from parallel.dispatch.global_capacity import (
     EPDispatcherState,
-    GlobalCapacity,
     apply_global_capacity,
     gather_slot_counts,
 )
@@ -51,7 +51,7 @@ class AllToAllDispatcher(EPDispatcherState):
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: GlobalCapacity | None = None
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: CapacityConfig | None = None
     ) -> None:
         super().__init__(group, rank, num_ranks, global_capacity=global_capacity)
         self.workspace = Workspace()

@@ -9,12 +9,11 @@ every rank's tokens in EP-rank order, without moving any token twice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from moe.capacity import (
+    CapacityConfig,
     CapacityResult,
     CapacityStats,
     apply_slot_limits,
@@ -23,22 +22,10 @@ from moe.capacity import (
 )
 
 
-@dataclass(frozen=True)
-class GlobalCapacity:
-    """capacity_factor <= 0 disables it (dropless); min_capacity floors C; renormalize
-    rescales each token's surviving weights to sum to one."""
-
-    capacity_factor: float
-    min_capacity: int = 0
-    renormalize: bool = False
-
-    def __post_init__(self) -> None:
-        if self.min_capacity < 0:
-            raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.capacity_factor > 0
+def check_global(config: CapacityConfig | None) -> None:
+    """A dispatcher enforces only the "global" scope (the MoE layer enforces "local")."""
+    if config is not None and config.enabled and config.scope != "global":
+        raise ValueError(f"a dispatcher enforces capacity_scope 'global', got {config.scope!r}")
 
 
 def gather_slot_counts(slot_ids: torch.Tensor, num_slots: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -59,7 +46,7 @@ def apply_global_capacity(
     counts: torch.Tensor,
     rank: int,
     top_k: int,
-    config: GlobalCapacity,
+    config: CapacityConfig,
 ) -> tuple[CapacityResult, CapacityStats]:
     """counts: [R, P + 1] from ``gather_slot_counts``; rank: this rank's index in it.
 
@@ -92,10 +79,11 @@ class EPDispatcherState:
     global capacity (None when disabled) and the last step's ``capacity_stats[layer_id]``."""
 
     def __init__(
-        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: GlobalCapacity | None = None
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: CapacityConfig | None = None
     ) -> None:
         if not 0 <= rank < num_ranks:
             raise ValueError(f"EP rank {rank} outside EP size {num_ranks}")
+        check_global(global_capacity)
         self.group = group
         self.rank = rank
         self.num_ranks = num_ranks

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from moe.capacity import CapacityStats, apply_capacity
+from moe.capacity import CapacityConfig, CapacityStats, apply_capacity
 from moe.experts import Experts
-from parallel.dispatch.global_capacity import GlobalCapacity
+from parallel.dispatch.global_capacity import check_global
 from parallel.dispatch.plan import check_dispatch_args
 
 
@@ -17,7 +17,8 @@ class CappedLocalDispatcher:
     rank = 0
     num_ranks = 1
 
-    def __init__(self, global_capacity: GlobalCapacity) -> None:
+    def __init__(self, global_capacity: CapacityConfig) -> None:
+        check_global(global_capacity)
         self.global_capacity = global_capacity
         self.capacity_stats: dict[int, CapacityStats] = {}
 

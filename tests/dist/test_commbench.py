@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from parallel.commbench import (
+from parallel.bench.commbench import (
     OPS,
     Row,
     Timing,
@@ -17,7 +17,7 @@ from parallel.commbench import (
     parse_size,
     run_collective,
 )
-from parallel.dispatchbench import time_dispatch
+from parallel.bench.dispatch import time_dispatch
 from tests.dist.conftest import run_ranks
 
 

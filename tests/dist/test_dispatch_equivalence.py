@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.dispatch import GlobalCapacity, build_dispatcher
+from moe.capacity import CapacityConfig
+from parallel.dispatch import build_dispatcher
 from parallel.groups import build_process_groups
 from parallel.layout import Layout
 from tests.dist.conftest import COLLECTIVE_TIMEOUT_S, run_ranks
@@ -65,7 +66,7 @@ def _run_scenarios(rank: int, world_size: int, scenarios: list[Scenario]) -> dic
         if layout not in groups_by_layout:  # same order on every rank: new_group is collective
             groups_by_layout[layout] = build_process_groups(layout, rank, timeout=COLLECTIVE_TIMEOUT_S)
         groups = groups_by_layout[layout]
-        cap = GlobalCapacity(s.capacity_factor, renormalize=s.renormalize) if s.capacity == "global" else None
+        cap = CapacityConfig(s.capacity_factor, scope="global", renormalize=s.renormalize) if s.capacity == "global" else None
         dispatcher = build_dispatcher(s.backend, groups, layout, global_capacity=cap)
         experts = build_experts(s, layout.local_slots(rank, s.num_slots))
         x, ids, w = dp_inputs(s)[groups.coords.dp_rank]

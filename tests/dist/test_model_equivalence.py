@@ -21,7 +21,8 @@ from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.loader import load_weights
 from moe.model import MoEModel
 from moe.tiny import write_tiny_checkpoint
-from parallel.dispatch import CappedLocalDispatcher, GlobalCapacity, build_dispatcher
+from moe.capacity import CapacityConfig
+from parallel.dispatch import CappedLocalDispatcher, build_dispatcher
 from parallel.groups import build_process_groups
 from parallel.layout import Layout
 from tests.dist.conftest import COLLECTIVE_TIMEOUT_S, run_ranks
@@ -115,14 +116,13 @@ def _rank_model(case: ModelCase, path: Path, rank: int, groups_cache: dict) -> t
     config = ModelConfig.from_hf(path)
     phy2log = case.phy2log or tuple(range(config.num_experts))
     local = [phy2log[p] for p in layout.local_slots(rank, len(phy2log))]
-    cap = GlobalCapacity(case.global_cf) if case.global_cf > 0 else None
+    cap = CapacityConfig(case.global_cf, scope="global") if case.global_cf > 0 else None
     dispatcher = build_dispatcher(case.backend, groups, layout, global_capacity=cap)
     model = MoEModel(config, dtype=torch.float32, local_slots=local, dispatcher=dispatcher,
-                     tp_group=groups.tp, tp_rank=groups.coords.tp_rank, tp_size=case.tp)
+                     tp_group=groups.tp, tp_rank=groups.coords.tp_rank, tp_size=case.tp,
+                     capacity=CapacityConfig(case.local_cf))
     for layer in model.moe_layers():
         layer.set_placement(torch.tensor(phy2log), layout.ep_size, groups.coords.ep_rank)
-        if case.local_cf > 0:
-            layer.capacity_factor = case.local_cf
     load_weights(model, path, dtype=torch.float32)
     model.shard_for_tp()
     return model, groups.coords.dp_rank, groups.coords.tp_rank
@@ -156,11 +156,9 @@ def dist_results(checkpoints: dict[str, str]) -> list[dict]:
 def _oracle(case: ModelCase, path: str) -> list[list[torch.Tensor]]:
     """Logits per DP rank per step from one unsharded process."""
     config = ModelConfig.from_hf(path)
-    dispatcher = CappedLocalDispatcher(GlobalCapacity(case.global_cf)) if case.global_cf > 0 else None
-    model = MoEModel(config, dtype=torch.float32, dispatcher=dispatcher)
-    for layer in model.moe_layers():
-        if case.local_cf > 0:
-            layer.capacity_factor = case.local_cf
+    global_cap = CapacityConfig(case.global_cf, scope="global")
+    dispatcher = CappedLocalDispatcher(global_cap) if case.global_cf > 0 else None
+    model = MoEModel(config, dtype=torch.float32, dispatcher=dispatcher, capacity=CapacityConfig(case.local_cf))
     load_weights(model, path, dtype=torch.float32)
     all_seqs = sequences(case, config.vocab_size)
     num_blocks = _num_blocks(all_seqs)

@@ -3,45 +3,10 @@ caching and preemption (single process; the Ray layouts are in tests/ray)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 from launch import LLM, SamplingParams
-
-NEW_TOKENS = 20
-
-
-def hf_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """transformers' generate, one prompt at a time (the oracle), fp32."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                 pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
-    return outs
-
-
-def make_prompts(seed: int, num: int, vocab: int, *, shared_prefix: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(2, vocab) for _ in range(shared_prefix)]
-    return [prefix + [rng.randrange(2, vocab) for _ in range(rng.randrange(1, 40))] for _ in range(num)]
-
-
-def run(path, prompts, n=NEW_TOKENS, **kwargs) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    with LLM(str(path), dtype="float32", **kwargs) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for out in outs:
-        assert out.finished and out.outputs[0].finish_reason == "length"
-    return [list(o.outputs[0].token_ids) for o in outs]
+from tests.oracles import NEW_TOKENS, hf_greedy, make_prompts, run
 
 
 @pytest.mark.parametrize("case", ["deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"])
@@ -89,11 +54,12 @@ def test_text_prompts_and_stop(tmp_path):
         first = llm.generate("The expert", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
         text = first.outputs[0].text
         assert len(first.outputs[0].token_ids) == 12 and text
-        stop = text[len(text) // 2:][:3]
-        if stop.strip():
-            again = llm.generate("The expert", SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))[0]
-            assert again.outputs[0].finish_reason == "stop"
-            assert stop not in again.outputs[0].text
+        # a 3-character piece of the second half that is not all white space (the stop check
+        # strips nothing, but a blank piece would make a weak test)
+        stop = next(text[i:i + 3] for i in range(len(text) // 2, len(text)) if text[i:i + 3].strip())
+        again = llm.generate("The expert", SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))[0]
+        assert again.outputs[0].finish_reason == "stop"
+        assert again.outputs[0].text == text[:text.index(stop)]
         seeded = [llm.generate("The expert", SamplingParams(temperature=1.0, seed=7, max_tokens=8))[0]
                   for _ in range(2)]
         assert seeded[0].outputs[0].token_ids == seeded[1].outputs[0].token_ids
@@ -118,7 +84,10 @@ def test_fp8_kv_cache_and_capacity_factor(hf_checkpoints):
     prompts = make_prompts(4, 6, 96)
     exact = run(path, prompts, n=6)
     fp8 = run(path, prompts, n=6, kv_cache_dtype="fp8")
-    assert sum(a[0] == b[0] for a, b in zip(exact, fp8)) >= 5
+    # e4m3 KV (3 mantissa bits) may flip a late near-tie, never an early token: every sequence
+    # agrees on its first 4 tokens and most agree throughout
+    assert all(a[:4] == b[:4] for a, b in zip(exact, fp8))
+    assert sum(a == b for a, b in zip(exact, fp8)) >= len(prompts) // 2
     assert run(path, prompts, n=6, capacity_factor=100.0) == exact
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(str(path), dtype="float32", capacity_factor=0.5) as llm:

@@ -18,6 +18,6 @@ def test_gpu_greedy_equals_cpu(hf_checkpoints):
     with LLM(str(path), dtype="float32") as llm:
         assert llm.engine.executor.worker.device.type == "cuda"
         gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    from tests.engine.test_engine_fidelity import hf_greedy
+    from tests.oracles import hf_greedy
 
     assert gpu == hf_greedy(path, [p["prompt_token_ids"] for p in prompts], 12)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from launch import LLM, SamplingParams
-from tests.engine.test_engine_fidelity import make_prompts
+from tests.oracles import make_prompts
 
 
 def biased_checkpoint(src, dst):

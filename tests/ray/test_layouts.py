@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from launch import LLM, SamplingParams
-from tests.engine.test_engine_fidelity import hf_greedy, make_prompts
+from tests.oracles import hf_greedy, make_prompts
 
 NEW = 12
 
@@ -69,3 +69,24 @@ def test_gqa_layouts_match_transformers(ray_local, hf_checkpoints, kwargs):
     prompts = make_prompts(6, 5, 96)
     with LLM(str(path), dtype="float32", **kwargs) as llm:
         assert generate(llm, prompts) == hf_greedy(path, prompts, NEW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope,policy,overflow", [("local", "score", "reroute"), ("global", "position", "drop")])
+def test_capacity_on_an_ep_group(ray_local, oracle, scope, policy, overflow):
+    """Typed capacity settings reach every EP rank: a binding factor drops or reroutes (counted
+    over the group), a factor too large to bind gives the single-process tokens."""
+    path, prompts, single = oracle
+    common = dict(dtype="float32", data_parallel_size=2, enable_expert_parallel=True, capacity_scope=scope,
+                  capacity_policy=policy, capacity_overflow=overflow)
+    with LLM(str(path), capacity_factor=100.0, **common) as llm:
+        assert generate(llm, prompts) == single
+        assert llm.engine.counters.tokens_dropped == 0
+    with LLM(str(path), capacity_factor=0.5, **common) as llm:
+        outs = generate(llm, prompts)
+        counters = llm.engine.counters
+    assert [len(o) for o in outs] == [NEW] * len(prompts)
+    if overflow == "reroute":
+        assert counters.tokens_rerouted > 0
+    else:
+        assert counters.tokens_dropped > 0 and counters.tokens_rerouted == 0

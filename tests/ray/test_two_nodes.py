@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from launch import LLM, SamplingParams
-from tests.engine.test_engine_fidelity import make_prompts
+from tests.oracles import make_prompts
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ prompt and the seed. Token i is the character ``chr(32 + i)``.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from safetensors.torch import save_file
 from launch.async_llm import EngineQueueFull, EngineStats
 from launch.core.outputs import CompletionOutput, RequestOutput
 from launch.core.sampling_params import SamplingParams
+from parallel.groups import free_port
 
 VOCAB = 95
 EOS = 94
@@ -146,10 +146,6 @@ class FakeEngine:
         return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

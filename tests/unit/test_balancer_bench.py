@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from balancer import predict, rebalance_experts
-from launch.bench_eplb import balancedness_bound, main, make_load
+from launch.bench.eplb import balancedness_bound, main, make_load
 
 
 def test_bound_is_never_beaten_and_is_tight_when_trivial():

@@ -107,6 +107,7 @@ def problems(draw):
     return weight, num_replicas, num_groups, num_nodes, num_gpus
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(problems(), st.sampled_from(["auto", "global", "deepseek"]))
 def test_invariants_hold(problem, policy):
@@ -118,6 +119,7 @@ def test_invariants_hold(problem, policy):
                      hierarchical)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(problems())
 def test_ours_never_worse_than_deepseek_and_avoids_duplicates(problem):
@@ -205,6 +207,7 @@ def test_bad_weight_and_policy():
         rebalance_experts(README_WEIGHT, 16, 4, 2, 8, old_phy2log=README_PHY2LOG[:, :8])
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(problems(), st.integers(0, 2**31), st.booleans())
 def test_invariants_and_reference_floor_with_any_old_placement(problem, seed, shuffle_old):

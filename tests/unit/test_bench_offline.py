@@ -8,18 +8,11 @@ import json
 import pytest
 import torch
 
-from launch import bench_decode, bench_throughput
-from launch.bench_throughput import agreement, sample_requests
+from launch.bench import decode as bench_decode
+from launch.bench import throughput as bench_throughput
+from launch.bench.throughput import agreement, sample_requests
 from moe.config import ModelConfig
 from moe.model import MoEModel
-from moe.tiny import write_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench_offline") / "dsv3"
-    write_tiny_checkpoint("deepseek_v3", path, size="tiny", seed=0)
-    return path
 
 
 def test_sample_requests_lengths_ids_and_seed():
@@ -94,6 +87,7 @@ def test_throughput_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "decode.json"
     rc = bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "1", "3", "--context-len", "5",

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from launch import bench_overhead
-from launch.bench_overhead import (
+from launch.bench import overhead as bench_overhead
+from launch.bench.overhead import (
     StepTiming,
     TimedScheduler,
     is_pure_decode,
@@ -19,14 +19,6 @@ from launch.bench_overhead import (
     time_call,
 )
 from moe.config import ModelConfig
-from moe.tiny import write_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench_overhead") / "dsv3"
-    write_tiny_checkpoint("deepseek_v3", path, size="tiny", seed=0)
-    return path
 
 
 def test_step_timing_breakdown_adds_up():

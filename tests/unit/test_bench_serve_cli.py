@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from launch.bench_serve import main, sample_random_requests
+from launch.bench.serve import main, sample_random_requests
 from launch.server import build_app
 from tests.unit.server_fakes import VOCAB, FakeEngine, ServerThread
 

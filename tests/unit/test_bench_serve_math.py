@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from launch.bench_serve import (
+from launch.bench.serve import (
     arrival_intervals,
     compute_metrics,
     compute_tpot,
@@ -16,7 +16,7 @@ from launch.bench_serve import (
     sample_random_requests,
     summarize,
 )
-from launch.bench_serve_client import RequestOutcome
+from launch.bench.serve_client import RequestOutcome
 
 
 def outcome(ttft, latency, itl, out, prompt_len=10, success=True):

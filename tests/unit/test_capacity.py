@@ -195,6 +195,7 @@ def _dense(ids: torch.Tensor, w: torch.Tensor, num_experts: int) -> torch.Tensor
     policy=st.sampled_from(["position", "score"]),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_matches_deepspeed_topkgating(num_tokens, num_experts, top_k, cf, min_capacity, policy, seed) -> None:
     sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
     top_k = min(top_k, num_experts)

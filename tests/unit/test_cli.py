@@ -32,6 +32,7 @@ def test_help_lists_every_command():
     assert _run().returncode == cli.EXIT_USAGE
 
 
+@pytest.mark.slow
 def test_make_tiny_writes_a_loadable_checkpoint_without_importing_ray(tmp_path):
     code = ("import sys; from launch.cli import main; rc = main(sys.argv[1:]); "
             "assert 'ray' not in sys.modules, 'make-tiny imported ray'; "
@@ -66,6 +67,7 @@ def _write_config(tmp_path: Path, cfg: dict) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_kvcalc_deepseek_v3_mla_bytes_per_token(tmp_path, capsys):
     d = _write_config(tmp_path, DEEPSEEK_V3)
     r = _run("kvcalc", "--model", str(d), "--memory", "141GiB", "-tp", "16", "--max-model-len", "32768")
@@ -114,6 +116,7 @@ def test_config_command_prints_resolved_yaml(capsys):
     ],
     ids=["unknown-config-key", "bad-eplb-key", "unknown-flag"],
 )
+@pytest.mark.slow
 def test_config_errors_exit_2_without_traceback(argv, message):
     r = _run("config", "--config", "configs/demo.yaml", *argv)
     assert r.returncode == 2

@@ -2,8 +2,9 @@
 
 moe <- parallel <- launch, balancer <- launch: ``moe/`` imports only torch, safetensors,
 numpy, the standard library and itself; ``balancer/`` only numpy, torch, the standard
-library and itself; ``launch/core/`` neither ``ray`` nor ``torch.distributed``, and
-torch only in the sampler.
+library and itself; ``parallel/`` only moe, balancer, torch, numpy, safetensors, the standard
+library and itself; only ``launch/`` imports ``ray``; ``launch/core/`` neither ``ray`` nor
+``torch.distributed``, and torch only in the sampler.
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ def test_balancer_imports_only_numpy_and_torch():
     if not (ROOT / "balancer").exists():
         pytest.skip("no balancer/ package yet")
     assert violations("balancer", {"balancer", "numpy", "torch"}) == []
+
+
+def test_parallel_imports_only_moe_balancer_and_torch():
+    assert violations("parallel", {"parallel", "moe", "balancer", "torch", "numpy", "safetensors"}) == []
+
+
+def test_only_launch_imports_ray():
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for package in ("moe", "parallel", "balancer") for path in files_under(package)
+           for line, module in imports_of(path) if top(module) == "ray"]
+    assert bad == []
+    assert any(top(m) == "ray" for path in files_under("launch") for _, m in imports_of(path))
 
 
 def core_violations() -> list[str]:

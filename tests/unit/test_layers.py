@@ -14,6 +14,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 from transformers.models.mixtral import modeling_mixtral as hf_mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
 
+from moe.capacity import CapacityConfig, compute_capacity
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.layers import DenseMLP, GQAAttention, RMSNorm, RotaryEmbedding, apply_rotary, compute_inv_freq
@@ -194,12 +195,15 @@ def test_moe_layer_replicated_placement_same_output_and_slot_load() -> None:
 
 def test_moe_layer_capacity_counts_drops() -> None:
     cfg = _ours(transformers.DeepseekV3Config(**V3_BASE))
-    layer = MoELayer(cfg, 1, dtype=torch.float32, capacity_factor=0.25)
+    layer = MoELayer(cfg, 1, dtype=torch.float32, capacity=CapacityConfig(0.25))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
     out = layer(torch.randn(32, 32))
     assert out.shape == (32, 32)
-    assert layer.counters["dropped"] > 0 and layer.slot_load.sum().item() == 32 * cfg.num_experts_per_tok
+    demand = layer.slot_load  # [P] assignments requested per slot (capacity does not change demand)
+    assert demand.sum().item() == 32 * cfg.num_experts_per_tok
+    capacity = compute_capacity(32, cfg.num_experts, cfg.num_experts_per_tok, 0.25)
+    assert layer.counters["dropped"] == int((demand - capacity).clamp(min=0).sum()) > 0
 
 
 def test_metadata_build_and_logits_indices() -> None:

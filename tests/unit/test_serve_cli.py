@@ -1,4 +1,4 @@
-"""``python -m launch serve`` argument handling (the live server is in tests/ray/test_server_live.py)."""
+"""``python -m launch serve`` argument handling (the live server is in tests/server/test_server_live.py)."""
 
 from __future__ import annotations
 

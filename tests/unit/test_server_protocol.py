@@ -1,6 +1,6 @@
 """The OpenAI server against a deterministic fake engine: wire format, errors, streaming, metrics.
 
-The real engine is exercised in tests/ray/test_server_live.py; here the engine is
+The real engine is exercised in tests/server/test_server_live.py; here the engine is
 ``server_fakes.FakeEngine`` so every behaviour of the HTTP layer is checked in
 about a second, through the official ``openai`` client and raw HTTP.
 """

@@ -170,6 +170,7 @@ def test_prompt_and_decode_logits_match_hf(checkpoints: dict[str, Path], case: s
         assert (plain[0] - mine[0]).abs().max().item() > 1e-2  # the window changes the math here
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", GENERATE_CASES)
 def test_llm_chunked_prefill_greedy_matches_hf_generate(checkpoints: dict[str, Path], case: str) -> None:
     from launch import LLM, SamplingParams

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launch.tiny_checkpoint import SPECIAL_TOKENS, make_tiny_checkpoint, train_tokenizer
+from launch.tiny_checkpoint import SPECIAL_TOKENS, train_tokenizer
 from launch.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 
 MIXED = "Héllo wörld! 早上好 καλημέρα 🚀🐝 naïve — done."
@@ -16,8 +16,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("tok"))
+def ckpt(tiny_ckpt_with_tokenizer):
+    return tiny_ckpt_with_tokenizer
 
 
 @pytest.fixture(scope="module")

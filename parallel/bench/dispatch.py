@@ -27,7 +27,7 @@ import torch
 from moe.config import ModelConfig
 from moe.moe_layer import MoELayer
 from moe.tiny import build_tiny_config
-from parallel.commbench import current_device, synchronize, time_op
+from parallel.bench.ranks import current_device, synchronize, time_op
 from parallel.dispatch import AllToAllDispatcher, build_dispatcher
 from parallel.dispatch.plan import DispatchPlan, row_layout, unpack_rows
 from parallel.groups import build_process_groups

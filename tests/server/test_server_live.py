@@ -35,7 +35,7 @@ class LiveServer:
     """``AsyncLLM.from_config(cfg)`` + ``build_app`` under uvicorn, all in one background event loop."""
 
     def __init__(self, cfg) -> None:
-        from tests.unit.server_fakes import free_port
+        from parallel.groups import free_port
         self.cfg = cfg
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -96,9 +96,8 @@ def runtime_config(ckpt: Path, dist_dir: Path, **server):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    from launch.tiny_checkpoint import make_tiny_checkpoint
-    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ckpt") / "tiny-v3")
+def ckpt(tiny_ckpt_with_tokenizer) -> Path:
+    return tiny_ckpt_with_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +238,7 @@ def test_expert_distribution_dump(main_server):
 
 
 def test_bench_serve_against_live_server(main_server, ckpt, tmp_path, capsys):
-    from launch.bench_serve import main
+    from launch.bench.serve import main
     rc = main(["--base-url", main_server.base_url, "--tokenizer", str(ckpt), "--num-prompts", "4",
                "--random-input-len", "12", "--random-output-len", "6", "--max-concurrency", "2",
                "--disable-tqdm", "--result-filename", str(tmp_path / "bench.json")])
@@ -290,7 +289,7 @@ def test_python_m_launch_serve_cli(ckpt, tmp_path):
     import subprocess
     import sys
 
-    from tests.unit.server_fakes import free_port
+    from parallel.groups import free_port
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "launch", "serve", "--model", str(ckpt), "--port", str(port),

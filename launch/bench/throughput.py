@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from launch.config import ConfigError, RuntimeConfig, add_runtime_args, runtime_config_from_args
+from launch.config import ConfigError, RuntimeConfig
+from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams
 
 

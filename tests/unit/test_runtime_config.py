@@ -14,10 +14,9 @@ from launch.config import (
     EngineConfig,
     ParallelConfig,
     RuntimeConfig,
-    add_runtime_args,
     load_runtime_config,
-    runtime_config_from_args,
 )
+from launch.config_args import add_runtime_args, runtime_config_from_args
 from moe.config import ModelConfig
 from moe.tiny import build_tiny_config, write_tiny_checkpoint
 from tests.unit.hf_reference_configs import PRESET_MODELS

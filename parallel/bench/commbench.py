@@ -11,7 +11,7 @@ torch has no out-of-place all_reduce: its out-of-place column is copy-into-recv-
 all_reduce, the in-place column all_reduce alone. torch's all_to_all_single cannot alias
 its buffers (gloo corrupts them), so alltoall's in-place column is N/A.
 
-``--dispatch`` and ``--moe-layer`` run ``parallel.dispatchbench``.
+``--dispatch`` and ``--moe-layer`` run ``parallel.bench.dispatch``.
 """
 
 from __future__ import annotations
@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import re
-import socket
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from parallel.bench.ranks import current_device, spawn, time_op
 
 OPS = ("alltoall", "allreduce", "allgather", "reducescatter")
 DTYPES = {"float": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16,
@@ -85,70 +82,6 @@ def compute_sizes(op: str, min_bytes: int, max_bytes: int, factor: int, elem: in
             counts.append(count)
         size *= factor
     return counts
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_entry(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple,
-                queue: Any) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, threads: int = 0) -> Any:
-    """Run fn(rank, world, *args) on nprocs fresh ranks; returns rank 0's result. ``threads``:
-    torch CPU threads per rank (0: cpu_count // nprocs)."""
-    if torch.cuda.is_available() and nprocs > torch.cuda.device_count():
-        raise ValueError(f"-np {nprocs} exceeds the {torch.cuda.device_count()} visible GPUs")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_entry, args=(nprocs, free_port(), threads, fn, args, queue), nprocs=nprocs,
-                       join=True, start_method="spawn")
-    return queue.get()
-
-
-def current_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def time_op(op: Callable[[], Any], warmup: int, iters: int) -> float:
-    """Mean seconds per call on the slowest rank (collective over the world)."""
-    import time
-
-    for _ in range(warmup):
-        op()
-    synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        op()
-    synchronize()
-    elapsed = torch.tensor([(time.perf_counter() - start) / max(iters, 1)], dtype=torch.float64, device=current_device())
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed.item())
 
 
 def _pattern(n: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -298,7 +231,7 @@ def main(argv: list[str]) -> int:
     if args.nprocs < 1 or args.iters < 1 or args.warmup_iters < 0:
         raise SystemExit("commbench: need -np >= 1, -n >= 1, -w >= 0")
     if args.dispatch or args.moe_layer:
-        from parallel import dispatchbench
+        from parallel.bench import dispatch as dispatchbench
 
         report = dispatchbench.run(args, functools.partial(spawn, threads=args.threads))
         print(report["text"])

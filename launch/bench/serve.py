@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from launch.bench_serve_client import (
+from launch.bench.serve_client import (
     BenchTarget,
     RequestInput,
     RequestOutcome,
