@@ -44,7 +44,7 @@ def test_config_key_and_flag():
     assert load_runtime_config(overrides=["model=ckpt"]).parallel.enable_cpu_pinning is False
     import argparse
 
-    from launch.config import add_runtime_args, runtime_config_from_args
+    from launch.config_args import add_runtime_args, runtime_config_from_args
 
     args = add_runtime_args(argparse.ArgumentParser()).parse_args(["--model", "m", "--enable-cpu-pinning"])
     assert runtime_config_from_args(args).parallel.enable_cpu_pinning is True

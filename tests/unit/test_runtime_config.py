@@ -26,9 +26,16 @@ ALL_YAML = sorted(CONFIGS.glob("*.yaml"))
 TINY_V3 = ModelConfig.from_hf(build_tiny_config("deepseek_v3"))
 
 
+# configs/sweep-ep2-skew.yaml's checkpoint: make-tiny deepseek_v3 with these --override values
+SKEWED_V3 = ModelConfig.from_hf({**build_tiny_config("deepseek_v3"), "hidden_size": 512,
+                                 "moe_intermediate_size": 1024, "intermediate_size": 1024})
+
+
 def _model_for(cfg: RuntimeConfig) -> ModelConfig:
     if cfg.model in PRESET_MODELS:
         return ModelConfig.from_hf(PRESET_MODELS[cfg.model], strict=False)
+    if cfg.model.endswith("skewed-dsv3"):
+        return SKEWED_V3
     assert "tiny-deepseek-v3" in cfg.model
     return TINY_V3
 
