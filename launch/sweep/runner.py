@@ -95,8 +95,10 @@ class SweepPlan:
         base = load_yaml_mapping(args.config)
         for item in args.overrides:
             apply_override(base, item)
-        RuntimeConfig.from_dict(base)  # the base itself must be valid (names its bad key)
+        base_config = RuntimeConfig.from_dict(base)  # the base itself must be valid (names its bad key)
         axes = parse_grid(args.grid)
+        if "model" not in {k for a in axes for k in a.keys}:
+            base_config.check_model_path()
         for name in ("num_prompts", "max_tokens", "repeats"):
             value = getattr(args, name)
             if value is not None and value < 1:

@@ -11,6 +11,7 @@ import pytest
 from launch.sweep import runner
 from launch.sweep.measure import PointRun, StepRecord, Workload, percentile, summarize_run
 from launch.sweep.report import pareto_front, read_rows
+from moe.tiny import build_tiny_config
 
 ROW_KEYS = {"key", "settings", "status", "reason", "output_tokens_per_s", "measured_step_ms", "predicted_step_ms",
             "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "balancedness", "drop_rate", "kv_tokens",
@@ -32,8 +33,11 @@ def fake_run(config, workload, **_kw) -> PointRun:
 
 @pytest.fixture
 def sweep_args(tmp_path: Path) -> list[str]:
+    model = tmp_path / "ckpt"  # only config.json: the fake run never loads weights
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(build_tiny_config("deepseek_v3")))
     base = tmp_path / "base.yaml"
-    base.write_text("model: ckpt\nengine: {max_num_seqs: 4}\n")
+    base.write_text(f"model: {model}\nengine: {{max_num_seqs: 4}}\n")
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello there\nsecond prompt\n")
     return ["--config", str(base), "--workload", str(prompts), "--max-tokens", "3", "--out", str(tmp_path / "out"),
@@ -137,7 +141,6 @@ def test_pareto_front_by_hand():
 def test_predicted_step_ms_is_the_cost_model_at_the_measured_point(tmp_path, monkeypatch):
     from launch.simulate_point import predict_runtime_point
     from launch.sweep.grid import point_config
-    from moe.tiny import build_tiny_config
 
     model = tmp_path / "model"
     model.mkdir()
