@@ -46,7 +46,9 @@ def resolve_hardware(spec: str, out_dir: Path, *, threads: int, log: Callable[[s
 def predict_row(config: RuntimeConfig, run: Any, row: Mapping[str, Any], hardware: Any) -> dict[str, Any]:
     """The predicted columns of one measured point: ``predicted_step_ms`` (decode),
     ``predicted_prefill_step_ms``, ``predicted_balancedness``, ``predicted_bound``,
-    ``prediction_error`` ((predicted - measured) / measured, decode step p50)."""
+    ``prediction_error`` ((predicted - measured) / measured, decode step p50 wall) and
+    ``prediction_error_cpu`` (the same against the slowest rank's CPU time per step: on a
+    shared machine, what the step takes with its cores to itself)."""
     from launch.simulate_point import predict_runtime_point
 
     empty = {"predicted_step_ms": None, "prediction_error": None}
@@ -57,11 +59,12 @@ def predict_row(config: RuntimeConfig, run: Any, row: Mapping[str, Any], hardwar
     placement = np.asarray(run.phy2log, dtype=np.int64) if run.phy2log else None
     pred = predict_runtime_point(config, hardware, batch_size=max(1, round(batch)), kv_len=max(1, round(context)),
                                  expert_load=load, placement=placement)
-    measured = row.get("measured_step_ms")
+    measured, cpu = row.get("measured_step_ms"), row.get("measured_step_cpu_ms")
     return {
         "predicted_step_ms": pred.decode_step_ms,
         "predicted_prefill_step_ms": pred.prefill_step_ms,
         "predicted_balancedness": pred.balancedness,
         "predicted_bound": pred.decode_bound,
         "prediction_error": (pred.decode_step_ms - measured) / measured if measured else None,
+        "prediction_error_cpu": (pred.decode_step_ms - cpu) / cpu if cpu else None,
     }

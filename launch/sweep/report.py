@@ -30,6 +30,7 @@ PARETO_PNG = "tpot_vs_throughput.png"
 
 COLUMNS = (
     "output_tokens_per_s", "measured_step_ms", "measured_step_cpu_ms", "predicted_step_ms", "prediction_error",
+    "prediction_error_cpu",
     "measured_step_ms_p99", "prefill_step_ms", "prefill_step_cpu_ms", "predicted_prefill_step_ms", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
     "balancedness", "drop_rate", "kv_tokens", "greedy_agreement", "num_requests", "num_output_tokens",
     "elapsed_s", "num_steps", "num_decode_steps", "mean_decode_batch", "decode_batch_per_rank_p50",

@@ -170,6 +170,7 @@ def test_predicted_step_ms_is_the_cost_model_at_the_measured_point(tmp_path, mon
     assert row["decode_batch_per_rank_p50"] == 4 and row["decode_context_mean"] == 40.0
     assert row["predicted_step_ms"] == pytest.approx(want.decode_step_ms) and row["predicted_step_ms"] > 0
     assert row["prediction_error"] == pytest.approx((want.decode_step_ms - 20.0) / 20.0)
+    assert row["prediction_error_cpu"] == pytest.approx((want.decode_step_ms - 10.0) / 10.0)
     assert row["predicted_balancedness"] == pytest.approx(want.balancedness) and row["predicted_balancedness"] < 1
 
 
