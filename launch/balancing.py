@@ -49,18 +49,22 @@ class EplbDriver:
         self.counters = BalancerCounters()
         self.step = 0
         self.last_balancedness: list[float] = [1.0] * placement.num_layers
-        self._recording: list[torch.Tensor] | None = None
-        self._recorded: list[torch.Tensor] = []
+        # Each recorded step: (logical [L, E], physical [L, P], dropped [L] or None).
+        self._recording: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
+        self._recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     # ---- statistics ------------------------------------------------------------------
 
-    def record(self, slot_load: torch.Tensor) -> None:
-        """slot_load: [L, P] int64 assignments per slot this step, summed over DP ranks."""
+    def record(self, slot_load: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
+        """slot_load: [L, P] int64 assignments per slot this step, summed over DP ranks;
+        dropped: [L] int64 assignments dropped by expert capacity this step (None: dropless)."""
         self.step += 1
         self.stats.record(slot_load)
         if self._recording is not None:
+            physical = slot_load.to(torch.int64).cpu()
             logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
-            self._recording.append(logical.scatter_add_(1, self.placement.phy2log, slot_load.to(torch.int64)))
+            logical.scatter_add_(1, self.placement.phy2log, physical)
+            self._recording.append((logical, physical, None if dropped is None else dropped.to(torch.int64)))
         if self.config.log_balancedness and self.step % 10 == 0:
             per_layer, overall = self.stats.balancedness()
             log.info("eplb step %d: balancedness %.4f (worst layer %.4f)", self.step, overall, float(per_layer.min()))
@@ -107,17 +111,29 @@ class EplbDriver:
             self._recorded.extend(self._recording)
         self._recording = None
 
-    def dump_record(self, directory: str | Path) -> Path:
-        """Write logical_count [steps, L, E] int64 plus the placement in force (safetensors)."""
+    def dump_record(self, directory: str | Path, metadata: dict[str, str] | None = None) -> Path:
+        """Write the record (safetensors): logical_count [steps, L, E] and physical_count
+        [steps, L, P] int64 (per slot, under the placement in force at each step), dropped_count
+        [steps, L] when expert capacity was on, plus the placement in force now (phy2log,
+        log2phy, logcnt, num_gpus). ``metadata``: extra string entries (e.g. workload phases)."""
         from safetensors.torch import save_file
 
         steps = list(self._recorded) + list(self._recording or [])
         p = self.placement
-        count = torch.stack(steps) if steps else torch.zeros(0, p.num_layers, p.num_logical, dtype=torch.int64)
+        if steps:
+            count = torch.stack([s[0] for s in steps])
+            physical = torch.stack([s[1] for s in steps])
+        else:
+            count = torch.zeros(0, p.num_layers, p.num_logical, dtype=torch.int64)
+            physical = torch.zeros(0, p.num_layers, p.num_physical, dtype=torch.int64)
+        tensors = {"logical_count": count.contiguous(), "physical_count": physical.contiguous(),
+                   **{k: v.contiguous() for k, v in p.state_dict().items()}}
+        if any(s[2] is not None for s in steps):
+            tensors["dropped_count"] = torch.stack([
+                s[2] if s[2] is not None else torch.zeros(p.num_layers, dtype=torch.int64) for s in steps])
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"expert_distribution_{time.strftime('%Y%m%d-%H%M%S')}_{len(steps)}steps.safetensors"
-        tensors = {"logical_count": count.contiguous(), **{k: v.contiguous() for k, v in p.state_dict().items()}}
-        save_file(tensors, str(path), metadata={"format": "moe-serve expert distribution v1"})
+        save_file(tensors, str(path), metadata={"format": "moe-serve expert distribution v1", **(metadata or {})})
         self._recorded = []
         return path

@@ -8,9 +8,14 @@ Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
 - gloo collectives through commbench (``allreduce``, ``alltoall``, ``allgather`` tables on
   ``--nprocs`` ranks, one rank per process with ``--threads`` threads each), and any
   nccl-tests output given with ``--nccl-table FILE`` (``all_to_all_perf``, ``all_reduce_perf``);
-- the engine's fixed costs: decode steps of a tiny DeepSeek-V3 checkpoint cut to 1 and 3
-  layers, run in-process; what the operator model does not explain is split into a
-  per-step and a per-layer overhead (least squares over both depths and two batches).
+- the engine's fixed costs: in-process decode steps of ``--model`` (default a tiny
+  DeepSeek-V3 checkpoint) at its depth and one layer less, at 1, 4 and 8 sequences; what
+  the operator model does not explain is fit as per-step, per-layer, per-sequence and
+  per-sequence-per-layer overheads (least squares, each >= 0);
+- with ``--ray-ranks N``, the driver/actor round trip of an N-rank EP instance on Ray.
+
+On a GPU cluster, ``--base h100 --nccl-table all_to_all_perf.txt:alltoall:16 ...`` writes the
+shipped hardware with the measured link tables added instead (nothing measured here).
 
 The memory per rank is the engine's CPU default (``DEFAULT_CPU_MEMORY``), so KV capacity
 predictions match what the engine sizes on this machine.
@@ -30,7 +35,8 @@ from pathlib import Path
 import torch
 
 from launch.core.kv_sizing import parse_memory
-from launch.hardware import save_hardware
+from launch.hardware import load_hardware, save_hardware
+from moe.config import ModelConfig
 from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
 from parallel.costmodel.microbench import (
     measure_attention_rate,
@@ -41,7 +47,6 @@ from parallel.costmodel.microbench import (
     parse_nccl_table,
 )
 
-ENGINE_DEPTHS = (2, 3)  # the tiny DeepSeek-V3's layer 0 is dense: keep a MoE layer
 ENGINE_BATCHES = (1, 4, 8)
 
 
@@ -55,20 +60,36 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]]) -> dict[str, list]:
-    from parallel.commbench import run_collective
+def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]], repeats: int) -> dict[str, list]:
+    from parallel.bench.commbench import run_collective
 
-    return {op: run_collective(rank, world, op, counts, "float32", 3, 10, False) for op, counts in plan}
+    out = {}
+    for op, counts in plan:
+        runs = [run_collective(rank, world, op, counts, "float32", 3, 10, False) for _ in range(repeats)]
+        out[op] = [(rows[0].size, min(r.out_of_place.time_us for r in rows) * 1e-6) for rows in zip(*runs)]
+    return out
+
+
+def monotone(table: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A larger message never takes less time than a smaller one: each time becomes the
+    minimum over itself and every larger size (noise on a shared machine breaks the order)."""
+    out, best = [], float("inf")
+    for size, seconds in sorted(table, reverse=True):
+        best = min(best, seconds)
+        out.append((size, best))
+    return out[::-1]
 
 
 def measure_collectives(nprocs: int, threads: int, ops: tuple[str, ...] = ("allreduce", "alltoall", "allgather"),
-                        max_bytes: int = 4 << 20) -> dict[str, list[tuple[float, float]]]:
-    """{"OP:N": ((bytes, seconds), ...)} from commbench on ``nprocs`` spawned gloo ranks."""
-    from parallel.commbench import compute_sizes, spawn
+                        max_bytes: int = 4 << 20, repeats: int = 3) -> dict[str, list[tuple[float, float]]]:
+    """{"OP:N": ((bytes, seconds), ...)} from commbench on ``nprocs`` spawned gloo ranks: the
+    best of ``repeats`` runs per size, made monotone in size."""
+    from parallel.bench.commbench import compute_sizes
+    from parallel.bench.ranks import spawn
 
     plan = [(op, compute_sizes(op, 64, max_bytes, 4, 4, nprocs)) for op in ops]
-    rows = spawn(_run_collectives, nprocs, plan, threads=threads)
-    return {f"{op}:{nprocs}": [(float(r.size), r.out_of_place.time_us * 1e-6) for r in rows[op]] for op in ops}
+    rows = spawn(_run_collectives, nprocs, plan, repeats, threads=threads)
+    return {f"{op}:{nprocs}": monotone([(float(size), t) for size, t in rows[op]]) for op in ops}
 
 
 def read_nccl_tables(specs: list[str]) -> dict[str, list[tuple[float, float]]]:
@@ -104,13 +125,14 @@ class _StepRecorder:
         return getattr(self.inner, name)
 
 
-def time_decode_steps(engine: object, batch: int, context: int, steps: int, warmup: int) -> list[float]:
-    """Wall seconds of ``steps`` engine steps in which all ``batch`` sequences (over every DP
-    rank) decode one token each, after ``warmup`` such steps."""
+def time_decode_steps(engine: object, batch: int, context: int, steps: int, warmup: int,
+                      clock: str = "wall") -> list[float]:
+    """Seconds (``clock``: wall, or this process's CPU time) of ``steps`` engine steps in which
+    all ``batch`` sequences (over every DP rank) decode one token each, after ``warmup``."""
     import random
-    import time
 
     from launch.core import SamplingParams
+    from parallel.costmodel.microbench import CLOCKS
 
     recorder = _StepRecorder(engine.executor)
     engine.executor = recorder
@@ -121,9 +143,9 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
         engine.add_request(engine.next_request_id(), [rng.choice(vocab) for _ in range(context)], params)
     timed, seen = [], 0
     for _ in range(steps + warmup + 4 * (batch * context // 16 + 8)):
-        start = time.perf_counter()
+        start = CLOCKS[clock]()
         engine.step()
-        wall = time.perf_counter() - start
+        wall = CLOCKS[clock]() - start
         batches = recorder.last.batches
         if sum(b.num_seqs for b in batches) == batch and all(b.num_tokens == b.num_seqs for b in batches):
             seen += 1
@@ -134,7 +156,8 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
     raise RuntimeError(f"only {len(timed)} of {steps} steps decoded all {batch} sequences")
 
 
-def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 16, ranks: int = 1) -> float:
+def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 16, ranks: int = 1,
+                         clock: str = "wall") -> float:
     from launch.config import RuntimeConfig
     from launch.engine import LLMEngine
 
@@ -144,7 +167,7 @@ def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 1
         "parallel": {"data_parallel_size": ranks, "enable_expert_parallel": ranks > 1}})
     engine = LLMEngine(cfg)
     try:
-        return statistics.median(time_decode_steps(engine, batch, 16, steps, 3))
+        return statistics.median(time_decode_steps(engine, batch, 16, steps, 3, clock))
     finally:
         engine.shutdown()
 
@@ -191,37 +214,46 @@ def fit_overheads(samples: list[tuple[int, int, float]]) -> dict[str, float]:
     return dict(zip(OVERHEAD_FIELDS, (float(c) for c in coef)))
 
 
-def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None]) -> dict[str, float]:
-    """The overhead fields (``fit_overheads``): engine decode steps minus the operator model."""
+def engine_depths(config: ModelConfig) -> tuple[int, ...]:
+    """Depths to time a checkpoint at: its own and one layer less, keeping a MoE layer."""
+    n = config.num_hidden_layers
+    first_moe = config.moe_layer_ids[0] if config.moe_layer_ids else 0
+    return tuple(sorted({max(first_moe + 1, n - 1), n}))
+
+
+def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None], clock: str = "wall",
+                             model: str | None = None) -> dict[str, float]:
+    """The overhead fields (``fit_overheads``): engine decode steps minus the operator model,
+    on ``model`` (a checkpoint dir; default a tiny DeepSeek-V3) at two depths."""
     from launch.tiny_checkpoint import make_tiny_checkpoint
-    from moe.config import ModelConfig
 
     samples = []
     with tempfile.TemporaryDirectory() as tmp:
-        full = make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
-        for depth in ENGINE_DEPTHS:
+        full = Path(model) if model else make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
+        for depth in engine_depths(ModelConfig.from_hf(full)):
             model_dir = _truncated_checkpoint(full, Path(tmp) / f"l{depth}", depth)
             mc = ModelConfig.from_hf(model_dir)
             dep = Deployment(dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256, kv_capacity_tokens=2048)
             rank_load = build_rank_load(mc, dep)
             for batch in ENGINE_BATCHES:
-                measured = _engine_step_seconds(model_dir, batch, dtype)
-                model = predict_phase(mc, dep, hw, rank_load, decode_work(batch, 17), decode=True).step_ms / 1e3
+                measured = _engine_step_seconds(model_dir, batch, dtype, clock=clock)
+                predicted = predict_phase(mc, dep, hw, rank_load, decode_work(batch, 17), decode=True).step_ms / 1e3
                 log(f"engine decode step: {depth} layer(s), batch {batch}: {measured * 1e3:.2f} ms measured, "
-                    f"{model * 1e3:.2f} ms from operators")
-                samples.append((depth, batch, measured - model))
+                    f"{predicted * 1e3:.2f} ms from operators")
+                samples.append((depth, batch, measured - predicted))
     return fit_overheads(samples)
 
 
-def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Callable[[str], None]) -> float:
-    """Seconds per step a ``ranks``-rank EP instance on Ray adds over the operator model and
-    the single-rank overheads (the driver/actor round trip; the collectives are modelled)."""
+def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Callable[[str], None],
+                                model: str | None = None) -> float:
+    """Seconds per step a ``ranks``-rank EP instance of ``model`` (default a tiny DeepSeek-V3)
+    on Ray adds over the operator model and the single-rank overheads: the driver/actor
+    round trip and the EP dispatcher's host work (the collectives themselves are modelled)."""
     from launch.tiny_checkpoint import make_tiny_checkpoint
-    from moe.config import ModelConfig
 
     residuals = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
+        model_dir = Path(model) if model else make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
         mc = ModelConfig.from_hf(model_dir)
         dep = Deployment(dp=ranks, ep=ranks, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256,
                          kv_capacity_tokens=2048)
@@ -236,18 +268,38 @@ def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Calla
     return max(0.0, statistics.median(residuals))
 
 
+def with_link_tables(base: Hardware, tables: dict[str, list[tuple[float, float]]], source: str) -> Hardware:
+    """``base`` (e.g. the shipped h100) with measured collective tables added (replacing any
+    of the same op and rank count): what a GPU cluster's nccl-tests runs know better than
+    the datasheet."""
+    if not tables:
+        raise ValueError("--base needs at least one --nccl-table to add")
+    merged = {**base.to_dict()["collectives"], **{k: [list(p) for p in v] for k, v in tables.items()}}
+    note = f"{base.source}; collectives from {source}" if base.source else f"collectives from {source}"
+    return Hardware.from_dict({**base.to_dict(), "collectives": merged, "source": note})
+
+
 def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple[str, ...] = ("float32", "bfloat16"),
               nccl_tables: tuple[str, ...] = (), measure_engine: bool = True, engine_dtype: str = "float32",
-              ray_ranks: int = 0, log: Callable[[str], None] = print) -> Hardware:
-    """Measure this machine (see the module docstring) with ``threads`` torch threads per rank."""
+              ray_ranks: int = 0, clock: str = "wall", model: str | None = None,
+              log: Callable[[str], None] = print) -> Hardware:
+    """Measure this machine (see the module docstring) with ``threads`` torch threads per rank.
+    clock "cpu": compute and engine steps timed in CPU time (see ``microbench``); the
+    collectives and the Ray round trip stay wall-clock (waiting is their cost)."""
+    if clock == "cpu" and threads != 1:
+        raise ValueError("--clock cpu needs --threads 1 (CPU time adds up over threads)")
+    if clock == "cpu" and ray_ranks > 1:
+        raise ValueError("--ray-ranks times a wall-clock round trip; use it with --clock wall")
+    if torch.cuda.is_available():
+        log("note: calibrate measures this machine's CPU ranks; for GPUs use --base NAME with nccl-tests tables")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        gemm = {dt: measure_gemm_rates(dt) for dt in dtypes}
+        gemm = {dt: measure_gemm_rates(dt, clock=clock) for dt in dtypes}
         flops = {dt: max(rate for _, rate in table) for dt, table in gemm.items()}
-        attention = measure_attention_rate(dtypes[0])
-        overhead = measure_call_overhead(dtypes[0])
-        bandwidth = measure_copy_bandwidth()
+        attention = measure_attention_rate(dtypes[0], clock=clock)
+        overhead = measure_call_overhead(dtypes[0], clock=clock)
+        bandwidth = measure_copy_bandwidth(clock=clock)
         log(f"GEMM peak: {', '.join(f'{dt} {f / 1e9:.1f} GFLOP/s' for dt, f in flops.items())}; "
             f"attention {attention / 1e9:.1f} GFLOP/s; copy {bandwidth / 1e9:.1f} GB/s; call {overhead * 1e6:.1f} us")
         collectives: dict[str, list[tuple[float, float]]] = {}
@@ -260,7 +312,7 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
                 size, seconds = table[-1]
                 link = max(link, size / seconds)
         hw = Hardware(
-            name="local-cpu", source=f"simulate calibrate: {cpu_model()}, {threads} thread(s) per rank",
+            name="local-cpu", source=f"simulate calibrate: {cpu_model()}, {threads} thread(s) per rank, {clock} clock",
             flops=flops, memory_bandwidth=bandwidth, memory_bytes=parse_memory("2GiB"),
             gpus_per_node=os.cpu_count() or 1, intra_node_bandwidth=link or bandwidth,
             inter_node_bandwidth=link or bandwidth, intra_node_latency_s=0.0, inter_node_latency_s=0.0,
@@ -270,11 +322,11 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
             collectives={k: tuple(v) for k, v in collectives.items()},
         )
         if measure_engine:
-            fitted = measure_engine_overheads(hw, engine_dtype, log)
+            fitted = measure_engine_overheads(hw, engine_dtype, log, clock, model)
             hw = Hardware.from_dict({**hw.to_dict(), **fitted})
             log("engine overheads (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in fitted.items()))
         if ray_ranks > 1:
-            extra = measure_multi_rank_overhead(hw, engine_dtype, ray_ranks, log)
+            extra = measure_multi_rank_overhead(hw, engine_dtype, ray_ranks, log, model)
             hw = Hardware.from_dict({**hw.to_dict(), "multi_rank_step_overhead_s": extra})
             log(f"multi-rank step overhead: {extra * 1e3:.2f} ms")
         return hw
@@ -290,8 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--nccl-table", action="append", default=[], metavar="FILE[:OP:NRANKS]",
                    help="nccl-tests output (all_to_all_perf / all_reduce_perf, or commbench's) to include")
+    p.add_argument("--base", default=None,
+                   help="start from this hardware (h100, a file) and only add the --nccl-table tables: a GPU "
+                        "cluster's measured links on top of the datasheet; nothing is measured here")
     p.add_argument("--no-engine", action="store_true", help="skip the engine overhead measurement")
     p.add_argument("--engine-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir to time the engine overheads on (default: a tiny DeepSeek-V3); use the model "
+                        "the predictions are for")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: time compute and engine steps in CPU time (steady on a shared machine; --threads 1)")
     p.add_argument("--ray-ranks", type=int, default=0,
                    help="also time an EP instance of this many Ray ranks for the per-step round trip (0: skip)")
     return p
@@ -304,8 +364,15 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
         if args.threads < 1 or any(n < 2 for n in nprocs) or not dtypes:
             raise ValueError("need --threads >= 1, --nprocs values >= 2 and at least one dtype")
+        if args.base:
+            hw = with_link_tables(load_hardware(args.base), read_nccl_tables(args.nccl_table),
+                                  ", ".join(args.nccl_table))
+            save_hardware(hw, args.out)
+            print(f"wrote {args.out}")
+            return 0
         hw = calibrate(threads=args.threads, nprocs=nprocs, dtypes=dtypes, nccl_tables=tuple(args.nccl_table),
-                       measure_engine=not args.no_engine, engine_dtype=args.engine_dtype, ray_ranks=args.ray_ranks)
+                       measure_engine=not args.no_engine, engine_dtype=args.engine_dtype, ray_ranks=args.ray_ranks,
+                       clock=args.clock, model=args.model)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: simulate calibrate: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from launch.config import DTYPES, KV_CACHE_DTYPES, PLACEMENT_STRATEGIES, VLLM_KEYS, RuntimeConfig
@@ -129,5 +130,30 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        check_against_model(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     sys.stdout.write(cfg.to_yaml())
     return 0
+
+
+def check_against_model(cfg: RuntimeConfig) -> bool:
+    """Validate the layout against the model's config.json when it can be found (a checkpoint
+    directory, or a released model shipped by name in configs/models); False when it cannot.
+    Raises ValueError naming the mismatch."""
+    from moe.config import ModelConfig
+    from moe.model_catalog import find_model_config
+
+    path = Path(cfg.model)
+    if (path / "config.json").is_file():
+        raw = json.loads((path / "config.json").read_text())
+    else:
+        raw = find_model_config(cfg.model)
+        if raw is None:
+            print(f"note: model {cfg.model!r} not found here; layout not checked against it", file=sys.stderr)
+            return False
+    raw.update(cfg.model_overrides)
+    cfg.validate_for_model(ModelConfig.from_hf(raw, strict=False))
+    return True

@@ -58,23 +58,58 @@ class LocalExecutor:
 class RayExecutor:
     """One Ray actor per rank (node-major), rendezvous through rank 0's address."""
 
-    def __init__(self, spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None,
+                 call_timeout_s: float = 600.0) -> None:
         from launch.cluster import WorkerGroup, connect_ray
 
         self.group = None
+        self.spec = self.full_spec = spec
         self._owns_ray = connect_ray(address, num_cpus=max(spec.world_size, os.cpu_count() or 1))
         try:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
             self.group = WorkerGroup(Worker, spec.world_size, self._make_args(spec), strategy=strategy,
-                                     num_gpus_per_rank=gpus, num_cpus_per_rank=cpus_per_rank(spec.world_size))
+                                     num_gpus_per_rank=gpus, num_cpus_per_rank=cpus_per_rank(spec.world_size),
+                                     call_timeout_s=call_timeout_s)
             self.num_nodes = self.group.num_nodes
-            init = self.group.call("rendezvous_address", ranks=[0])[0]
-            self.infos = self.group.call("setup", init)
+            self._setup()
         except BaseException:
             self.shutdown()
             raise
+
+    def _setup(self) -> None:
+        """Rendezvous on rank 0's address, build and load every shard (bounded by ``setup_timeout_s``).
+        Waits for every actor to be up first: the rendezvous itself only waits
+        ``collective_timeout_s`` for the slowest rank, and a new process may take longer to start."""
+        self.group.call("process_id", timeout_s=self.setup_timeout_s)
+        init = self.group.call("rendezvous_address", ranks=[0])[0]
+        self.infos = self.group.call("setup", init, timeout_s=self.setup_timeout_s)
         self.dp_leaders = [r for r, info in enumerate(self.infos) if info["coords"]["tp_rank"] == 0]
         self.dp_of_rank = [info["coords"]["dp_rank"] for info in self.infos]
+
+    setup_timeout_s = 600.0
+
+    restart_ping_timeout_s = 5.0
+
+    def restart(self, phy2log: torch.Tensor | None) -> None:
+        """After a worker fault: ranks that still answer drop their broken process groups and
+        model; the others (dead, or stuck in a call) are killed and replaced by new actors in
+        their placement-group bundles; then every rank rendezvous afresh and loads its shard
+        from the checkpoint with placement ``phy2log [L, P]`` (the one in force on the driver).
+        KV caches start empty. Raises what the rebuild raised; the caller decides on a retry."""
+        self.group.grow()  # a fault while degraded: rebuild the full group
+        self.spec = dataclasses.replace(self.full_spec, phy2log=None if phy2log is None else phy2log.clone())
+        alive = self.group.responsive_ranks(self.restart_ping_timeout_s)
+        self.group.collect_abandoned()
+        if alive:
+            try:
+                self.group.call("reset", self.spec, ranks=alive, timeout_s=self.restart_ping_timeout_s * 4)
+            except Exception as exc:  # noqa: BLE001 - replace them all then
+                log.warning("resetting the surviving ranks failed (%s): replacing every rank", exc)
+                alive = []
+        dead = [r for r in range(self.group.num_ranks) if r not in alive]
+        log.warning("rebuilding the worker group: reusing ranks %s, starting new actors for ranks %s", alive, dead)
+        self.group.replace(dead, self._make_args(self.spec))
+        self._setup()
 
     @staticmethod
     def _make_args(spec: WorkerSpec):
@@ -82,6 +117,42 @@ class RayExecutor:
             return (dataclasses.replace(spec, num_nodes=num_nodes), rank), {}
 
         return make
+
+    # ---- degraded mode (launch.recovery): fewer ranks until the replacements join ----------
+
+    def find_lost_ranks(self) -> list[int]:
+        """After a fault: the ranks that do not answer a ping (dead, or stuck in a call)."""
+        alive = self.group.responsive_ranks(self.restart_ping_timeout_s)
+        self.group.collect_abandoned()
+        return [r for r in range(self.group.num_ranks) if r not in alive]
+
+    def degrade(self, lost: list[int], data_parallel_size: int, phy2log: torch.Tensor | None) -> None:
+        """Serve on the survivors: drop ranks ``lost`` (replacements start in their bundles as
+        standbys), renumber the others and rebuild them as a group of ``data_parallel_size``
+        DP ranks (tp 1) with placement ``phy2log [L, P']``; KV caches start empty."""
+        self.group.shrink(lost)
+        ep = data_parallel_size if (self.full_spec.ep or 1) > 1 else 1
+        self.spec = dataclasses.replace(self.full_spec, dp=data_parallel_size, ep=ep, num_nodes=1,
+                                        phy2log=None if phy2log is None else phy2log.clone())
+        self.group.call_each("reset", [(self.spec, r) for r in range(self.group.num_ranks)],
+                             timeout_s=self.restart_ping_timeout_s * 4)
+        self._setup()
+
+    @property
+    def is_degraded(self) -> bool:
+        return self.group.num_standby > 0
+
+    def standby_ready(self) -> bool:
+        """True when every replacement rank started by ``degrade`` is up."""
+        return self.group.standby_ready()
+
+    def restore(self, phy2log: torch.Tensor | None) -> None:
+        """Take the standbys in and rebuild the full layout with placement ``phy2log [L, P]``."""
+        self.group.grow()
+        self.spec = dataclasses.replace(self.full_spec, phy2log=None if phy2log is None else phy2log.clone())
+        self.group.call_each("reset", [(self.spec, r) for r in range(self.group.num_ranks)],
+                             timeout_s=self.restart_ping_timeout_s * 4)
+        self._setup()
 
     def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
         args = [(output.batches[dp], collect_load) for dp in self.dp_of_rank]
@@ -99,6 +170,10 @@ class RayExecutor:
 
     def call(self, method: str, *args: Any) -> list[Any]:
         return self.group.call(method, *args)
+
+    def check_alive(self, timeout_s: float = 10.0) -> None:
+        """Ping every rank; raises a ``WorkerFault`` naming a rank that is gone or hung."""
+        self.group.call("ping", timeout_s=timeout_s)
 
     def shutdown(self) -> None:
         import ray
@@ -125,8 +200,10 @@ def cpus_per_rank(world_size: int) -> float:
     return max(0.01, int(total / world_size * 100) / 100)
 
 
-def build_executor(spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None) -> Executor:
-    """In-process for one rank, Ray actors otherwise."""
+def build_executor(spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None,
+                   call_timeout_s: float = 600.0) -> Executor:
+    """In-process for one rank, Ray actors otherwise. call_timeout_s: how long the driver waits
+    for the ranks on one step or move before it declares them hung (``WorkerTimeoutError``)."""
     if spec.world_size == 1:
         return LocalExecutor(spec)
-    return RayExecutor(spec, strategy=strategy, address=address)
+    return RayExecutor(spec, strategy=strategy, address=address, call_timeout_s=call_timeout_s)

@@ -38,8 +38,8 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
             raise ValueError(f"hardware {text!r} is neither a file nor one of {hardware_names()}")
         path = shipped
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
+        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not YAML/JSON: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of hardware fields (name, flops, memory_bandwidth, ...)")

@@ -97,6 +97,10 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
     pred = predict_point(model, dep, hw, batch_size=args.batch_size or dep.max_num_seqs, kv_len=kv_len,
                          prompt_len=args.input_len, prefix_len=prefix, prefill_tokens=dep.max_num_batched_tokens,
                          expert_load=expert_load, load_skew=args.load_skew)
+    if pred.kv_capacity_tokens < kv_len:
+        raise ValueError(f"{dep.describe()} on {hw.name}: the weights leave room for {pred.kv_capacity_tokens:,} KV "
+                         f"tokens per rank, not one {kv_len:,}-token sequence (more expert parallelism, fp8 "
+                         "weights or a bigger memory)")
     dp_per_node = dep.dp / dep.num_nodes
     hit = prefix / args.input_len
     prefill_tps = pred.prefill_tokens * dp_per_node / (pred.prefill_step_ms / 1e3) / (1 - hit)

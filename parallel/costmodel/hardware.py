@@ -121,9 +121,12 @@ class Hardware:
         kw["gemm_rates"] = {canonical_dtype(k): _table(v, f"gemm_rates.{k}")
                             for k, v in dict(data.get("gemm_rates") or {}).items()}
         kw["collectives"] = {k: _table(v, f"collectives.{k}") for k, v in dict(data.get("collectives") or {}).items()}
-        for name in ("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
-            if name in kw:
-                kw[name] = float(kw[name])
+        for f in fields(cls):  # YAML 1.1 reads "5e-06" as a string: numbers are coerced here
+            if f.name in kw and f.type in ("float", float):
+                try:
+                    kw[f.name] = float(kw[f.name])
+                except (TypeError, ValueError):
+                    raise ValueError(f"hardware key {f.name}: {kw[f.name]!r} is not a number") from None
         if "memory_bytes" in kw:
             kw["memory_bytes"] = int(float(kw["memory_bytes"]))
         return cls(**kw)

@@ -4,6 +4,9 @@ the ``Hardware.collectives`` format.
 
 Timing: best-of-``repeats`` means over ``iters`` calls after a warm-up, in this process with
 the torch threads the caller set (a rank of a sweep runs with its own thread count).
+``clock="cpu"`` times with this process's CPU time instead of the wall clock: on an
+oversubscribed machine that is the time the work itself takes (one thread per rank only:
+with more threads CPU time adds up over them).
 """
 
 from __future__ import annotations
@@ -16,23 +19,26 @@ import torch
 import torch.nn.functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def time_call(fn: Callable[[], object], *, iters: int = 20, repeats: int = 3, warmup: int = 3) -> float:
-    """Seconds per call: the best of ``repeats`` means over ``iters`` calls."""
+def time_call(fn: Callable[[], object], *, iters: int = 20, repeats: int = 3, warmup: int = 3,
+              clock: str = "wall") -> float:
+    """Seconds per call: the best of ``repeats`` means over ``iters`` calls (``clock``: wall | cpu)."""
+    now = CLOCKS[clock]
     for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         for _ in range(iters):
             fn()
-        best = min(best, (time.perf_counter() - start) / iters)
+        best = min(best, (now() - start) / iters)
     return best
 
 
 def measure_gemm_rates(dtype: str, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-                       features: int = 1024) -> list[tuple[float, float]]:
+                       features: int = 1024, clock: str = "wall") -> list[tuple[float, float]]:
     """((M, FLOP/s), ...) of ``F.linear`` [M, K] x [N, K]^T with K = N = ``features``."""
     dt = DTYPES[dtype]
     w = torch.randn(features, features).to(dt)
@@ -40,28 +46,28 @@ def measure_gemm_rates(dtype: str, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 
     for m in rows:
         x = torch.randn(m, features).to(dt)
         iters = max(3, min(200, int(2e8 / (2 * m * features * features) + 3)))
-        t = time_call(lambda x=x: F.linear(x, w), iters=iters)
+        t = time_call(lambda x=x: F.linear(x, w), iters=iters, clock=clock)
         out.append((float(m), 2.0 * m * features * features / t))
     return out
 
 
-def measure_call_overhead(dtype: str = "float32") -> float:
+def measure_call_overhead(dtype: str = "float32", clock: str = "wall") -> float:
     """Seconds of one near-empty ``F.linear`` call ([1, 8] x [8, 8]): the per-kernel floor."""
     dt = DTYPES[dtype]
     x, w = torch.randn(1, 8).to(dt), torch.randn(8, 8).to(dt)
-    return time_call(lambda: F.linear(x, w), iters=500)
+    return time_call(lambda: F.linear(x, w), iters=500, clock=clock)
 
 
-def measure_copy_bandwidth(num_bytes: int = 128 * 1024**2) -> float:
+def measure_copy_bandwidth(num_bytes: int = 128 * 1024**2, clock: str = "wall") -> float:
     """Bytes/s of a large tensor copy, counting read + write."""
     src = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    t = time_call(lambda: dst.copy_(src), iters=3, repeats=3, warmup=1)
+    t = time_call(lambda: dst.copy_(src), iters=3, repeats=3, warmup=1, clock=clock)
     return 2 * num_bytes / t
 
 
 def measure_attention_rate(dtype: str, *, batch: int = 8, heads: int = 8, head_dim: int = 64,
-                           context: int = 512) -> float:
+                           context: int = 512, clock: str = "wall") -> float:
     """FLOP/s of decode attention (one query per sequence): scores, softmax, weighted sum."""
     dt = DTYPES[dtype]
     q = torch.randn(batch * heads, 1, head_dim).to(dt)
@@ -72,7 +78,7 @@ def measure_attention_rate(dtype: str, *, batch: int = 8, heads: int = 8, head_d
         s = torch.bmm(q, k.transpose(1, 2)).float().softmax(-1).to(dt)
         return torch.bmm(s, v)
 
-    t = time_call(attend, iters=20)
+    t = time_call(attend, iters=20, clock=clock)
     return 4.0 * batch * heads * head_dim * context / t
 
 

@@ -99,7 +99,8 @@ def _dense_layer_costs(cfg: ModelConfig, dep: Deployment, hw: Hardware, work: At
 def _dispatch_seconds(cfg: ModelConfig, dep: Deployment, hw: Hardware, src_tokens: float, recv_rows: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray]:
     """(dispatch, combine) seconds per MoE layer for one EP rank that sends src_tokens and
-    receives recv_rows [L] deduplicated rows (alltoall), or the all-gather backend."""
+    receives recv_rows [L] deduplicated rows (alltoall: an AllToAll of the split sizes, then
+    AllToAll-v of the rows), or the all-gather backend."""
     ep, d, k = dep.ep, cfg.hidden_size, cfg.num_experts_per_tok
     layers = recv_rows.shape[0]
     if ep <= 1 or dep.all2all_backend == "local":
@@ -121,7 +122,9 @@ def _dispatch_seconds(cfg: ModelConfig, dep: Deployment, hw: Hardware, src_token
     send_rows = src_tokens * distinct * off_rank
     recv = recv_rows * (distinct / k) * off_rank
     remote = min(1.0, remote_nodes / max(distinct * off_rank, 1e-9))
-    disp = np.array([alltoall_seconds(hw, send_rows * row, r * row, ep, remote_fraction=remote) for r in recv])
+    counts = alltoall_seconds(hw, ep * 8, ep * 8, ep, remote_fraction=remote)  # split sizes go first
+    disp = np.array([counts + alltoall_seconds(hw, send_rows * row, r * row, ep, remote_fraction=remote)
+                     for r in recv])
     back = d * dep.act_bytes
     comb = np.array([alltoall_seconds(hw, r * back, send_rows * back, ep, remote_fraction=remote) for r in recv])
     return disp, comb
@@ -188,7 +191,7 @@ def predict_phase(cfg: ModelConfig, dep: Deployment, hw: Hardware, rank_load: Ra
                                "dense_mlp": n_dense * base["dense_mlp"] * halves}
     for key in ("attention_proj", "attention_core", "elementwise"):
         parts[key] = cfg.num_hidden_layers * base[key] * halves
-    parts["tp_collectives"] = len(moe_ids) * base["tp_collectives"] * halves
+    parts["tp_collectives"] = cfg.num_hidden_layers * base["tp_collectives"] * halves  # after attention
     dropped = 0.0
     hidden = 0.0
     if moe_ids:

@@ -45,15 +45,18 @@ def test_layout_matches_single_process_and_transformers(ray_local, oracle, tp, d
 
 
 def test_dead_worker_is_named(ray_local, oracle):
+    """With recovery off the engine fails fast, naming the rank (tests/ray/test_worker_faults.py
+    covers recovery)."""
     import ray
 
-    from launch.cluster import WorkerDiedError
+    from launch.recovery import EngineDeadError
 
     path, prompts, _ = oracle
-    llm = LLM(str(path), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
+    llm = LLM(str(path), dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
+              recovery_config={"enable_recovery": False})
     try:
         ray.kill(llm.engine.executor.group.actors[1], no_restart=True)
-        with pytest.raises(WorkerDiedError, match="rank 1"):
+        with pytest.raises(EngineDeadError, match=r"worker rank 1 on node 0 \(\w+\) died \(killed by the driver\)"):
             generate(llm, prompts)
     finally:
         llm.shutdown()

@@ -1,0 +1,209 @@
+"""``simulate`` and ``simulate calibrate``: reports, search, hardware files, nccl-tests tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch.calibrate import fit_overheads, read_nccl_tables
+from launch.cli import resolve
+from launch.hardware import hardware_names, load_hardware, save_hardware
+from launch.simulate import main, parse_cluster, parse_slo
+from moe.config import ModelConfig
+from parallel.costmodel import Deployment
+from parallel.costmodel.microbench import nccl_table_op, parse_nccl_table
+from parallel.costmodel.search import SLO, enumerate_layouts, search_layouts
+
+ROOT = Path(__file__).resolve().parents[2]
+
+NCCL_ALLTOALL = """# nThread 1 nGpus 1 minBytes 8 maxBytes 134217728 step: 2(factor) warmup iters: 5 iters: 20
+#  Rank  0 Group  0 Pid  1 on node0 device  0 [0x1b] NVIDIA H100 80GB HBM3
+#  Rank  1 Group  0 Pid  2 on node0 device  1 [0x29] NVIDIA H100 80GB HBM3
+#                                                              out-of-place                       in-place
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+     1048576        131072     float    none      -1    25.30   41.45   20.72      0    24.90   42.11   21.06      0
+     4194304        524288     float    none      -1    60.10   69.79   34.89      0    59.80   70.14   35.07      0
+# Out of bounds values : 0 OK
+# Avg bus bandwidth    : 27.9
+"""
+
+
+def test_commands_are_registered():
+    assert resolve(["simulate", "--help"])[0].target == "launch.simulate:main"
+    assert resolve(["simulate", "calibrate"])[0].target == "launch.calibrate:main"
+
+
+def test_config_report_has_the_throughput_keys(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["--config", str(ROOT / "configs/mixtral-8x7b-ep8.yaml"), "--hardware", "h100", "--input-len", "1000",
+                 "--output-len", "200", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["prefill_input_tokens_per_s_per_node"] > 0 and report["decode_output_tokens_per_s_per_node"] > 0
+    assert report["kv_len"] == 1100 and report["decode"]["batch_size"] == 256
+    assert report["layout"].startswith("TP1 DP8 EP8")
+    assert "routed_experts" in report["decode"]["breakdown_ms"]
+    assert "per node" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--hardware", "h100"], "give --config"),
+    (["--config", "configs/mixtral-8x7b-ep8.yaml", "--hardware", "tpu9"], "neither a file nor one of"),
+    (["--config", "configs/tiny.yaml", "--hardware", "h100"], "none of the shipped model configs"),
+    (["--config", "configs/mixtral-8x7b-ep8.yaml", "--hardware", "h100", "--prefix-hit-rate", "1.5"],
+     "--prefix-hit-rate"),
+    (["--search", "--model", "deepseek-ai/DeepSeek-V3", "--cluster", "4xH100"], "NODESxGPUSxHARDWARE"),
+    (["--search", "--model", "deepseek-ai/DeepSeek-V3", "--cluster", "1x8xH100", "--slo", "tpot=5"], "--slo item"),
+    (["--config", "configs/deepseek-v3-decode-ep144.yaml", "--hardware", "h100", "--set",
+      "parallel.data_parallel_size=8", "--set", "parallel.num_nodes=1", "--set",
+      "balancer.num_redundant_experts=0"], "leave room for"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(ROOT)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_slo_and_cluster_parsing():
+    assert parse_slo("ttft_ms=1000,tpot_ms=50") == SLO(1000.0, 50.0)
+    assert parse_slo("") == SLO()
+    nodes, gpus, hw = parse_cluster("4x8xH100")
+    assert (nodes, gpus, hw.name) == (4, 8, "H100")
+
+
+def test_layouts_cover_tp_ep_redundancy_and_overlap():
+    mixtral = ModelConfig.from_hf("mistralai/Mixtral-8x7B-v0.1", strict=False)
+    layouts = enumerate_layouts(mixtral, 2, 8, Deployment())
+    assert {d.tp for d in layouts} == {1, 2, 4, 8}
+    assert {d.ep for d in layouts} == {1, 8, 16}
+    assert any(d.enable_two_batch_overlap for d in layouts) and any(d.num_redundant_experts for d in layouts)
+    for d in layouts:
+        assert (8 + d.num_redundant_experts) % d.ep == 0 and d.world_size == 8 * d.num_nodes
+
+
+def test_search_ranks_by_goodput_and_respects_the_slo():
+    mixtral = ModelConfig.from_hf("mistralai/Mixtral-8x7B-v0.1", strict=False)
+    hw = load_hardware("h100")
+    ranked = search_layouts(mixtral, hw, num_nodes=1, gpus_per_node=8, slo=SLO(ttft_ms=500, tpot_ms=30),
+                            input_len=1000, output_len=200, base=Deployment(max_num_seqs=512))
+    feasible = [c for c in ranked if c.feasible]
+    assert feasible, [c.bound for c in ranked]
+    goodputs = [c.goodput_per_gpu for c in feasible]
+    assert goodputs == sorted(goodputs, reverse=True)
+    for c in feasible:
+        assert c.tpot_ms <= 30 and c.ttft_ms <= 500 and c.bound
+    assert all(not c.feasible for c in ranked[len(feasible):])
+
+
+@pytest.mark.slow
+def test_deepseek_on_4x8_h100_answer_in_seconds(capsys):
+    assert main(["--search", "--model", "deepseek-ai/DeepSeek-V3", "--cluster", "4x8xH100", "--slo",
+                 "ttft_ms=1000,tpot_ms=50", "--dispatch-dtype", "fp8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "1. " in out and "bounded by" in out and "output tok/s per GPU" in out
+
+
+def test_hardware_files_round_trip(tmp_path):
+    assert {"h800", "h100", "h200", "b200"} <= set(hardware_names())
+    h100 = load_hardware("H100")
+    assert h100.peak_flops("fp8") == pytest.approx(2 * h100.peak_flops("bf16"), rel=1e-3)
+    for ext in ("yaml", "json"):
+        path = tmp_path / f"hw.{ext}"
+        save_hardware(h100, path)
+        assert load_hardware(path) == h100
+    (tmp_path / "bad.yaml").write_text("- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_hardware(tmp_path / "bad.yaml")
+
+
+def test_nccl_tests_tables_are_read(tmp_path):
+    rows = parse_nccl_table(NCCL_ALLTOALL)
+    assert rows == [(1048576.0, pytest.approx(25.30e-6)), (4194304.0, pytest.approx(60.10e-6))]
+    assert nccl_table_op(NCCL_ALLTOALL.replace("# nThread", "# all_to_all_perf\n# nThread")) == ("alltoall", 2)
+    path = tmp_path / "a2a.txt"
+    path.write_text(NCCL_ALLTOALL)
+    tables = read_nccl_tables([f"{path}:alltoall:8"])
+    assert list(tables) == ["alltoall:8"]
+    with pytest.raises(ValueError, match="OP:NRANKS"):
+        read_nccl_tables([str(path)])
+    with pytest.raises(ValueError, match="no nccl-tests rows"):
+        parse_nccl_table("# nothing here\n")
+
+
+def test_commbench_tables_are_read():
+    from parallel.bench.commbench import Row, Timing, format_table
+
+    rows = [Row(1024, 256, "float", "sum", -1, Timing(12.5, 0.08, 0.08, 0), Timing(11.0, 0.09, 0.09, 0))]
+    text = format_table("allreduce", rows, 2, "gloo")
+    assert nccl_table_op(text) == ("allreduce", 2)
+    assert parse_nccl_table(text) == [(1024.0, pytest.approx(12.5e-6))]
+
+
+def test_overhead_fit_recovers_a_known_model():
+    truth = {"step_overhead_s": 2e-3, "layer_overhead_s": 5e-4, "seq_overhead_s": 1e-4, "layer_seq_overhead_s": 0.0}
+    samples = [(layers, seqs, 2e-3 + 5e-4 * layers + 1e-4 * seqs) for layers in (2, 3) for seqs in (1, 4, 8)]
+    fitted = fit_overheads(samples)
+    for key, value in truth.items():
+        assert fitted[key] == pytest.approx(value, abs=1e-9)
+    assert all(v >= 0 for v in fit_overheads([(2, 1, 5e-3), (3, 1, 4e-3)]).values())
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_loadable_hardware_file(tmp_path):
+    from launch.calibrate import main as calibrate_main
+
+    out = tmp_path / "local.yaml"
+    assert calibrate_main(["--out", str(out), "--nprocs", "", "--dtypes", "float32", "--no-engine"]) == 0
+    hw = load_hardware(out)
+    assert hw.flops["float32"] > 0 and hw.gemm_rates["float32"] and hw.kernel_overhead_s > 0
+    assert hw.memory_bandwidth > 0 and 0 < hw.attention_efficiency <= 1
+
+
+def test_cpu_clock_times_work_and_needs_one_thread():
+    from launch.calibrate import calibrate
+    from parallel.costmodel.microbench import time_call
+
+    def busy() -> int:
+        return sum(range(20000))
+
+    assert time_call(busy, iters=5, clock="cpu") > 0
+    with pytest.raises(ValueError, match="--threads 1"):
+        calibrate(threads=2, nprocs=(), clock="cpu", measure_engine=False)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "hardware").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_hardware_file_loads_with_public_peaks(path):
+    hw = load_hardware(path)
+    assert hw.peak_flops("fp8") > hw.peak_flops("bfloat16") > hw.peak_flops("float32")
+    assert hw.memory_bytes >= 80e9 and hw.gpus_per_node == 8
+    assert hw.intra_node_bandwidth > hw.inter_node_bandwidth > 0
+    assert hw.source
+
+
+def test_collective_tables_are_made_monotone_in_size():
+    from launch.calibrate import monotone
+
+    assert monotone([(64, 1.2e-3), (256, 4e-4), (1024, 1.1e-3), (4096, 9e-4)]) == \
+        [(64, 4e-4), (256, 4e-4), (1024, 9e-4), (4096, 9e-4)]
+
+
+def test_nccl_tables_on_top_of_a_shipped_hardware_drive_dispatch(tmp_path):
+    from launch.calibrate import main as calibrate_main
+    from parallel.costmodel import predict_point
+
+    table = tmp_path / "a2a.txt"
+    table.write_text(NCCL_ALLTOALL)
+    out = tmp_path / "h100-measured.yaml"
+    assert calibrate_main(["--base", "h100", "--nccl-table", f"{table}:alltoall:8", "--out", str(out)]) == 0
+    measured, datasheet = load_hardware(out), load_hardware("h100")
+    assert measured.collectives["alltoall:8"] == ((1048576.0, pytest.approx(25.3e-6)), (4194304.0, pytest.approx(60.1e-6)))
+    assert measured.flops == datasheet.flops and "collectives from" in measured.source
+    mixtral = ModelConfig.from_hf("mistralai/Mixtral-8x7B-v0.1", strict=False)
+    dep = Deployment(dp=8, ep=8, max_num_seqs=64)
+    a = predict_point(mixtral, dep, measured, batch_size=64, kv_len=1000)
+    b = predict_point(mixtral, dep, datasheet, batch_size=64, kv_len=1000)
+    assert a.decode_breakdown["dispatch"] != b.decode_breakdown["dispatch"]
+    assert calibrate_main(["--base", "h100", "--out", str(out)]) == 2  # nothing to add
