@@ -61,11 +61,8 @@ register("demo", "launch.demo:main", "make run: tiny DeepSeek-V3 on local Ray, E
 register("make-tiny", "launch.tiny_checkpoint:main", "write a random tiny/small checkpoint with tokenizer")
 register("kvcalc", "launch.kvcalc:main", "KV-cache bytes per token and capacity for a model config")
 register("config", "launch.config_args:main", "validate config file + --set + flags; print the resolved YAML")
-<<<<<<< HEAD
-=======
 register("simulate", "launch.simulate:main", "cost model: predicted step times and throughput of a layout, or --search")
 register("simulate calibrate", "launch.calibrate:main", "measure this machine for the cost model (hardware YAML)")
->>>>>>> main
 register("commbench", "parallel.bench.commbench:main", "collective benchmark (nccl-tests style table)")
 register("bench eplb", "launch.bench.eplb:main", "expert-load-balancer benchmark on routing traces")
 register("bench throughput", "launch.bench.throughput:main", "offline generation throughput")
@@ -76,12 +73,7 @@ register("profile run", "launch.profile.commands:run_main",
 register("profile report", "launch.profile.commands:report_main",
          "expert-load report (HTML + summary.json) from this project's, SGLang's or plain-array dumps")
 register("bench overhead", "launch.bench.overhead:main", "driver/actor round-trip and routing-statistics overhead per step")
-<<<<<<< HEAD
-register("simulate", "launch.simulate:main", "cost model: predicted step times and throughput of a layout, or --search")
-register("simulate calibrate", "launch.calibrate:main", "measure this machine for the cost model (hardware YAML)")
 register("sweep", "launch.sweep.runner:main", "run a grid of layouts for real: results.jsonl/csv, plots, measured vs predicted")
-=======
->>>>>>> main
 
 
 def is_available(cmd: Command) -> bool:

@@ -2,8 +2,8 @@
 
 ``--hardware`` picks the hardware data: a shipped name (``h100``), a file written by
 ``python -m launch simulate calibrate``, ``auto`` (``DIR/hardware.yaml`` when present, else
-this machine calibrated once into it: one torch thread per rank when the base config pins
-ranks to cores, else torch's thread count), or ``none`` (no predicted columns).
+this machine calibrated once into it on the base model: one torch thread per rank timed in
+CPU time when the base config pins ranks to cores, else torch's thread count in wall time), or ``none`` (no predicted columns).
 
 The prediction of a point gets what the run saw: decoding sequences per DP rank (p50 of
 the decode steps), their mean context, the timed run's tokens per logical expert
@@ -24,8 +24,11 @@ from launch.config import RuntimeConfig
 HARDWARE_YAML = "hardware.yaml"
 
 
-def resolve_hardware(spec: str, out_dir: Path, *, threads: int, log: Callable[[str], None] = print) -> Any:
-    """A ``parallel.costmodel.Hardware`` for ``spec`` (see the module docstring), or None for "none"."""
+def resolve_hardware(spec: str, out_dir: Path, *, threads: int, model: str | None = None,
+                     log: Callable[[str], None] = print) -> Any:
+    """A ``parallel.costmodel.Hardware`` for ``spec`` (see the module docstring), or None for
+    "none". ``auto`` calibrates on ``model``'s engine steps, in CPU time when ranks run one
+    thread each (what ``measured_step_cpu_ms`` measures), else in wall time."""
     from launch.hardware import load_hardware, save_hardware
 
     if spec == "none":
@@ -37,8 +40,9 @@ def resolve_hardware(spec: str, out_dir: Path, *, threads: int, log: Callable[[s
         return load_hardware(path)
     from launch.calibrate import calibrate
 
-    log(f"calibrating this machine for the cost model ({threads} thread(s) per rank) -> {path}")
-    hw = calibrate(threads=threads, log=log)
+    clock = "cpu" if threads == 1 else "wall"
+    log(f"calibrating this machine for the cost model ({threads} thread(s) per rank, {clock} clock) -> {path}")
+    hw = calibrate(threads=threads, clock=clock, model=model, log=log)
     save_hardware(hw, path)
     return hw
 

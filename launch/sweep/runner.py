@@ -200,6 +200,7 @@ class SweepPlan:
         finally:
             bar.close()
         row.update(summarize_run(run, baseline))
+        row.update(expert_load=run.expert_load, phy2log=run.phy2log)  # what the prediction is fed, for audit
         try:
             row.update(predict_row(config, run, row, self.hardware))
         except (ValueError, KeyError) as e:  # a layout the cost model does not cover: say so in the row
@@ -210,7 +211,9 @@ class SweepPlan:
         pinned = bool(self.base.get("parallel", {}).get("enable_cpu_pinning"))
         import torch
 
-        return resolve_hardware(self.hardware_spec, self.out, threads=1 if pinned else torch.get_num_threads())
+        model = self.base.get("model")
+        return resolve_hardware(self.hardware_spec, self.out, threads=1 if pinned else torch.get_num_threads(),
+                                model=str(model) if model and Path(str(model)).is_dir() else None)
 
     def _baseline(self, configs: Mapping[str, RuntimeConfig | str], progress: bool) -> list[list[int]] | None:
         """Greedy outputs of the dropless single-process run of the base config (cached)."""
