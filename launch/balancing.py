@@ -1,6 +1,11 @@
 """The balancing side of the driver: statistics window, trigger, rebalance, distribution record.
 
 Decide once here, broadcast the same move plan to every worker, switch together.
+Two triggers (``BalancerConfig.resolved_trigger``): "forecast" (default) keeps the last
+``window_size`` steps of per-expert loads and every ``check_interval`` steps asks
+``rebalance_from_history``, which moves only when the modeled gain pays for the moved
+slots; "interval" is vLLM's schedule (every ``step_interval`` steps, the window's sum),
+chosen by ``trigger`` or by giving ``step_interval`` (vLLM's names, vLLM's behaviour).
 Shape legend: L MoE layers, E logical experts, P physical slots, R EP ranks.
 """
 
@@ -15,9 +20,11 @@ import torch
 
 from balancer import (
     BalancerConfig,
+    HistoryOptions,
     Placement,
     RoutingStats,
     compute_move_plan,
+    plan_from_history,
     predict,
     rebalance_experts,
     should_rebalance,
@@ -52,6 +59,11 @@ class EplbDriver:
         # Each recorded step: (logical [L, E], physical [L, P], dropped [L] or None).
         self._recording: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
         self._recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        # [window, L, E] per-step logical loads, a ring (kept across rebalances: logical ids do not move)
+        self._history = torch.zeros(config.window_size, placement.num_layers, placement.num_logical,
+                                    dtype=torch.int32)
+        self._num_history = 0
+        self.last_reason = ""
 
     # ---- statistics ------------------------------------------------------------------
 
@@ -60,10 +72,12 @@ class EplbDriver:
         dropped: [L] int64 assignments dropped by expert capacity this step (None: dropless)."""
         self.step += 1
         self.stats.record(slot_load)
+        physical = slot_load.to(torch.int64).cpu()
+        logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
+        logical.scatter_add_(1, self.placement.phy2log, physical)
+        self._history[self._num_history % self.config.window_size] = logical
+        self._num_history += 1
         if self._recording is not None:
-            physical = slot_load.to(torch.int64).cpu()
-            logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
-            logical.scatter_add_(1, self.placement.phy2log, physical)
             self._recording.append((logical, physical, None if dropped is None else dropped.to(torch.int64)))
         if self.config.log_balancedness and self.step % 10 == 0:
             per_layer, overall = self.stats.balancedness()
@@ -78,16 +92,35 @@ class EplbDriver:
 
     # ---- rebalancing -----------------------------------------------------------------
 
+    def history(self) -> torch.Tensor:
+        """[W, L, E] int32 per-step logical loads, oldest first (W <= window_size)."""
+        w = self.config.window_size
+        if self._num_history <= w:
+            return self._history[:self._num_history]
+        pos = self._num_history % w
+        return torch.cat([self._history[pos:], self._history[:pos]])
+
     def due(self) -> bool:
+        if self.config.resolved_trigger == "forecast":
+            return self.config.enable_eplb and self.step > 0 and self.step % self.config.check_interval == 0
         return bool(should_rebalance(self.step, self.stats, self.config))
 
     def plan_rebalance(self):
-        """Compute (new Placement, MovePlan, predicted balancedness) from the window."""
+        """Compute (new Placement, MovePlan, predicted balancedness) from the window; with the
+        forecast trigger the new placement may be the old one (then the plan moves nothing)."""
         load = self.stats.logical_load(self.placement.phy2log)  # [L, E]
-        phy2log, _, _ = rebalance_experts(
-            load, self.placement.num_physical, self.num_groups, self.num_nodes, self.placement.num_gpus,
-            old_phy2log=self.placement.phy2log, policy=self.config.resolved_policy,
-        )
+        args = (self.placement.num_physical, self.num_groups, self.num_nodes, self.placement.num_gpus)
+        if self.config.resolved_trigger == "forecast" and self._num_history > 0:
+            c = self.config
+            options = HistoryOptions(interval=c.check_interval, step_cost=c.step_seconds, margin=c.move_margin,
+                                     slot_cost=self.expert_bytes / c.transfer_bytes_per_s, policy=c.resolved_policy)
+            decision = plan_from_history(self.history(), *args, old_phy2log=self.placement.phy2log, options=options)
+            phy2log = torch.from_numpy(decision.phy2log)
+            self.last_reason = decision.reason
+        else:
+            phy2log, _, _ = rebalance_experts(load, *args, old_phy2log=self.placement.phy2log,
+                                              policy=self.config.resolved_policy)
+            self.last_reason = "rebalance on the window's sum"
         new = Placement.from_phy2log(phy2log, self.placement.num_logical, self.placement.num_gpus)
         plan = compute_move_plan(self.placement.phy2log, new.phy2log, new.num_gpus,
                                  new.num_gpus // self.num_nodes, self.expert_bytes)

@@ -243,9 +243,13 @@ class LLMEngine:
         self._force_rebalance = False
         started = time.perf_counter()
         new, plan, prediction = self.eplb.plan_rebalance()
+        before = self.eplb.balancedness()[1]
+        if torch.equal(new.phy2log, self.placement.phy2log):  # the forecast says stay
+            log.info("eplb step %d: %s", self.eplb.step, self.eplb.last_reason)
+            return {"seconds": time.perf_counter() - started, "copies_moved": 0, "before": before,
+                    "predicted": float(prediction.overall)}
         self.executor.apply_move_plan(plan, new.phy2log)
         seconds = time.perf_counter() - started
-        before = self.eplb.balancedness()[1]
         self.eplb.commit(new, plan, seconds)
         self.placement = new
         log.info("rebalanced in %.3fs: %d expert copies moved, balancedness %.4f -> predicted %.4f",
