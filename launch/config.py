@@ -64,7 +64,10 @@ class ParallelConfig:
     "allgather" | "local" (vLLM's "allgather_reducescatter" = "allgather").
     placement_strategy: the Ray placement-group strategy for the rank bundles.
     collective_timeout_s: how long a collective may wait for a peer before failing (a hung
-    or dead rank then surfaces as an error instead of a 30-minute stall)."""
+    or dead rank then surfaces as an error instead of a 30-minute stall).
+    enable_cpu_pinning: pin each rank's process to one CPU core (the node's k-th rank to the
+    k-th CPU it may use) with one torch thread, so ranks on a CPU node run side by side
+    instead of time-sharing cores (what makes a rank's extra expert load cost step time)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -73,6 +76,7 @@ class ParallelConfig:
     num_nodes: int = 1
     placement_strategy: str = "PACK"
     collective_timeout_s: float = 300.0
+    enable_cpu_pinning: bool = False
 
     def __post_init__(self) -> None:
         _check_positive(self, "tensor_parallel_size", "data_parallel_size", "num_nodes")
@@ -317,6 +321,7 @@ VLLM_KEYS: dict[str, str] = {
     "all2all_backend": "parallel.all2all_backend",
     "num_nodes": "parallel.num_nodes",
     "placement_strategy": "parallel.placement_strategy",
+    "enable_cpu_pinning": "parallel.enable_cpu_pinning",
     "capacity_factor": "moe.capacity_factor",
     "capacity_scope": "moe.capacity_scope",
     "capacity_policy": "moe.capacity_policy",

@@ -39,6 +39,8 @@ def _group_parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--all2all-backend", default=None, help="alltoall | allgather (allgather_reducescatter) | local")
     g.add_argument("--num-nodes", type=int, default=None)
     g.add_argument("--placement-strategy", choices=PLACEMENT_STRATEGIES, default=None)
+    g.add_argument("--enable-cpu-pinning", action=argparse.BooleanOptionalAction, default=None,
+                   help="pin each rank to one CPU core and one torch thread (CPU runs)")
     g.add_argument("--capacity-factor", type=float, default=None, help="<= 0: dropless (default)")
     g.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--eplb-config", default=None, metavar="JSON",

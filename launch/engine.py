@@ -44,6 +44,7 @@ class EngineCounters:
     num_steps: int = 0
     step_seconds_total: float = 0.0
     worker_seconds_total: float = 0.0
+    worker_cpu_seconds_total: float = 0.0
 
 
 def resolve_dtype(name: str, model_config: ModelConfig) -> str:
@@ -112,6 +113,7 @@ class LLMEngine:
             migration_method=config.balancer.migration_method,
             dist_timeout_s=p.collective_timeout_s,
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
+            pin_cpu=p.enable_cpu_pinning,
         )
         self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
                                                  call_timeout_s=step_timeout_s(config))
@@ -201,6 +203,7 @@ class LLMEngine:
         self._account(results)
         self.counters.num_steps += 1
         self.counters.worker_seconds_total += max(r.seconds for r in results)
+        self.counters.worker_cpu_seconds_total += max(r.cpu_seconds for r in results)
         self.counters.step_seconds_total += time.perf_counter() - started
         return outputs + self.rebalance_if_due()
 

@@ -163,6 +163,7 @@ class RayExecutor:
             if r not in self.dp_leaders:  # a TP follower's own global-capacity drops
                 leader = leaders[self.dp_of_rank[r]]
                 leader.capacity = [(a + c, b + d) for (a, b), (c, d) in zip(leader.capacity, result.capacity)]
+                leader.cpu_seconds = max(leader.cpu_seconds, result.cpu_seconds)
         return [leaders[dp] for dp in sorted(leaders)]
 
     def apply_move_plan(self, plan: Any, new_phy2log: torch.Tensor) -> list[dict[str, int]]:

@@ -34,6 +34,8 @@ class WorkerSpec:
     phy2log: initial placement [L, P] int64 (None = identity, no redundant slots).
     capacity: the typed capacity settings (dropless by default); the MoE layers enforce the
     "local" scope, the dispatcher the "global" one.
+    pin_cpu: pin this rank's process to one CPU (its index among the node's ranks, modulo
+    the CPUs it may use) and one torch thread; ``shutdown`` undoes it.
     """
 
     model_path: str
@@ -52,6 +54,7 @@ class WorkerSpec:
     dist_timeout_s: float = 300.0
     num_threads: int | None = None
     migration_method: str = "p2p"
+    pin_cpu: bool = False
 
     @property
     def world_size(self) -> int:
@@ -64,12 +67,16 @@ class StepResult:
     (tp_rank > 0). slot_load: [L, P] int64 assignments per slot this step (tp_rank 0 only).
     capacity: per MoE layer (dropped, rerouted) this step: local-scope decisions (made on
     the whole batch, identical across a TP group) from tp_rank 0 only, plus this rank's own
-    share of global-scope drops (each TP rank dispatches its own slice: the driver sums them)."""
+    share of global-scope drops (each TP rank dispatches its own slice: the driver sums them).
+    seconds / cpu_seconds: wall and process CPU time of the step on this rank (the Ray
+    executor reports the slowest rank of the DP group in cpu_seconds: the step's critical
+    path in CPU time, which other people's load on a shared machine moves far less)."""
 
     sampled: SampledTokens | None
     slot_load: torch.Tensor | None = None
     capacity: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
 
 class Worker:
@@ -77,12 +84,14 @@ class Worker:
     groups, builds and loads the shard; then ``execute`` once per step."""
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
-
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self._place(spec, rank)
         self.groups = None
         self._where = "setup"  # the collective this rank is in or about to enter (error messages)
+        self._unpinned: tuple[set[int], int] | None = None
+        if spec.pin_cpu:
+            self._unpinned = pin_to_cpu(rank % (spec.world_size // max(spec.num_nodes, 1)))
 
     def _place(self, spec: WorkerSpec, rank: int) -> None:
         from parallel.layout import Layout
@@ -212,7 +221,7 @@ class Worker:
             raise error from None
 
     def _execute(self, batch: BatchSpec, collect_load: bool) -> StepResult:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         sampled = None
         if batch.is_empty:
             self._run_collectives_only()
@@ -236,7 +245,8 @@ class Worker:
         load, capacity = self._read_counters(collect_load and report, report)
         if batch.is_empty:
             sampled = SampledTokens()
-        return StepResult(sampled if report else None, load, capacity, time.perf_counter() - started)
+        return StepResult(sampled if report else None, load, capacity, time.perf_counter() - started,
+                          time.process_time() - cpu_started)
 
     def _run_collectives_only(self) -> None:
         # An idle DP rank: no attention, but each MoE layer's dispatch is a collective over
@@ -297,7 +307,8 @@ class Worker:
     def ping(self) -> dict[str, Any]:
         """Where this rank lives (for error messages and node-major checks)."""
         return {"rank": self.rank, "pid": os.getpid(), "coords": self.coords.__dict__,
-                "local_experts": self._local_slots()}
+                "local_experts": self._local_slots(), "cpus": sorted(os.sched_getaffinity(0)),
+                "num_threads": torch.get_num_threads()}
 
     def expert_fingerprint(self) -> list[list[float]]:
         """Per MoE layer, per local slot, a checksum of its weights (tests check migrations)."""
@@ -313,6 +324,9 @@ class Worker:
         if dist.is_initialized():
             dist.destroy_process_group()
         self._place(spec, self.rank if rank is None else rank)
+        if spec.pin_cpu:  # a new rank index may mean another core; undo to the state before the first pin
+            before = pin_to_cpu(self.rank % (spec.world_size // max(spec.num_nodes, 1)))
+            self._unpinned = self._unpinned or before
         self.groups, self._where = None, "setup"
         for name in ("model", "kv_cache"):
             self.__dict__.pop(name, None)
@@ -322,3 +336,28 @@ class Worker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._unpinned is not None:
+            cpus, threads = self._unpinned
+            _set_process_affinity(cpus)
+            torch.set_num_threads(threads)
+            self._unpinned = None
+
+
+def pin_to_cpu(index: int) -> tuple[set[int], int]:
+    """Pin every thread of this process to the ``index``-th CPU it may use (modulo their
+    count) and torch to one thread. Returns (the CPUs and torch threads before), to undo."""
+    allowed = sorted(os.sched_getaffinity(0))
+    before = (set(allowed), torch.get_num_threads())
+    torch.set_num_threads(1)
+    _set_process_affinity({allowed[index % len(allowed)]})
+    return before
+
+
+def _set_process_affinity(cpus: set[int]) -> None:
+    # sched_setaffinity(0) moves only the calling thread; move every thread that exists
+    # (Ray's and gloo's included), and threads started later inherit the mask.
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that exited meanwhile
+            pass
