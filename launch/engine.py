@@ -112,7 +112,8 @@ class LLMEngine:
             dist_timeout_s=p.collective_timeout_s,
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
         )
-        self.executor: Executor = build_executor(spec, strategy=p.placement_strategy)
+        self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
+                                                 transport=p.step_transport)
         try:
             self.eplb = EplbDriver(
                 config.balancer, self.placement, num_groups=self._num_groups(),

@@ -2,6 +2,10 @@
 
 Both take a ``SchedulerOutput`` (one batch per DP rank) and return one ``StepResult`` per
 DP rank (from the rank with tp_rank 0 of that DP group).
+
+Ray actors get their steps over the step channel (``launch.step_channel``: one TCP
+connection per rank, compact ``launch.core.wire`` messages) when it can be opened, else as
+Ray actor calls; everything else (setup, moves, introspection) is a Ray call.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ from typing import Any, Protocol
 
 import torch
 
+from launch.config import STEP_TRANSPORTS
 from launch.core import SchedulerOutput
+from launch.core.wire import encode_batch
 from launch.worker import StepResult, Worker, WorkerSpec
 
 log = logging.getLogger(__name__)
+
 
 
 class Executor(Protocol):
@@ -58,10 +65,15 @@ class LocalExecutor:
 class RayExecutor:
     """One Ray actor per rank (node-major), rendezvous through rank 0's address."""
 
-    def __init__(self, spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None,
+                 transport: str = "auto") -> None:
         from launch.cluster import WorkerGroup, connect_ray
 
+        if transport not in STEP_TRANSPORTS:
+            raise ValueError(f"step transport must be one of {list(STEP_TRANSPORTS)}, got {transport!r}")
         self.group = None
+        self.transport = transport
+        self.channel = None
         self._owns_ray = connect_ray(address, num_cpus=max(spec.world_size, os.cpu_count() or 1))
         try:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
@@ -70,11 +82,73 @@ class RayExecutor:
             self.num_nodes = self.group.num_nodes
             init = self.group.call("rendezvous_address", ranks=[0])[0]
             self.infos = self.group.call("setup", init)
+            self.dp_leaders = [r for r, info in enumerate(self.infos) if info["coords"]["tp_rank"] == 0]
+            self.dp_of_rank = [info["coords"]["dp_rank"] for info in self.infos]
+            self.open_channel()
         except BaseException:
             self.shutdown()
             raise
-        self.dp_leaders = [r for r, info in enumerate(self.infos) if info["coords"]["tp_rank"] == 0]
-        self.dp_of_rank = [info["coords"]["dp_rank"] for info in self.infos]
+
+    # ---- the fast step transport ---------------------------------------------------------
+
+    def open_channel(self) -> None:
+        """Connect the step channel to every rank (transport "socket" or "auto"); with "auto"
+        a failure (no route to a node, a port that cannot be bound) leaves steps on Ray calls."""
+        from launch.step_channel import StepClient
+
+        self.close_channel()
+        if self.transport == "ray":
+            return
+        try:
+            self.channel = StepClient(self.group.call("open_step_channel"))
+        except Exception as e:
+            if self.transport == "socket":
+                raise
+            log.warning("step channel unavailable (%s: %s): steps go through Ray actor calls",
+                        type(e).__name__, e)
+            self.close_channel()
+
+    def close_channel(self) -> None:
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel.close()
+            try:
+                self.group.call("close_step_channel")
+            except Exception:  # noqa: BLE001 - a dead rank has no channel left to close
+                log.debug("closing the worker ends of the step channel", exc_info=True)
+
+    @property
+    def active_transport(self) -> str:
+        """"socket" while the step channel is up, else "ray"."""
+        return "socket" if self.channel is not None else "ray"
+
+    def _execute_channel(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
+        from launch.step_channel import ChannelError
+
+        flag = b"\x01" if collect_load else b"\x00"
+        messages = {dp: flag + encode_batch(batch) for dp, batch in enumerate(output.batches)}
+        try:
+            replies = self.channel.roundtrip([messages[dp] for dp in self.dp_of_rank], self.group.call_timeout_s)
+        except ChannelError as e:
+            self.close_channel()  # a failed round trip leaves replies unread: never reuse it
+            raise self._channel_fault(e) from e
+        return [StepResult.from_bytes(reply) for reply in replies]
+
+    def _channel_fault(self, error: Exception) -> Exception:
+        """The error the Ray path would have raised for the same fault."""
+        from launch.cluster import WorkerCallError
+        from launch.step_channel import ChannelClosed, ChannelTimeout, RemoteError
+
+        rank = error.rank
+        if isinstance(error, RemoteError):
+            return WorkerCallError(rank, self.group._node(rank), "execute", error.cause)
+        if isinstance(error, ChannelTimeout):
+            return TimeoutError(f"execute did not finish within {self.group.call_timeout_s:.0f}s "
+                                f"on ranks {error.ranks}")
+        assert isinstance(error, ChannelClosed)
+        # Ask Ray whether the actor is gone: it raises the typed WorkerDiedError with Ray's cause.
+        self.group.call("ping", ranks=[rank])
+        return RuntimeError(f"worker rank {rank} on node {self.group._node(rank)}: {error}")
 
     @staticmethod
     def _make_args(spec: WorkerSpec):
@@ -84,8 +158,11 @@ class RayExecutor:
         return make
 
     def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
-        args = [(output.batches[dp], collect_load) for dp in self.dp_of_rank]
-        results = self.group.call_each("execute", args)
+        if self.channel is not None:
+            results = self._execute_channel(output, collect_load)
+        else:
+            args = [(output.batches[dp], collect_load) for dp in self.dp_of_rank]
+            results = self.group.call_each("execute", args)
         leaders = {self.dp_of_rank[r]: results[r] for r in self.dp_leaders}
         for r, result in enumerate(results):
             if r not in self.dp_leaders:  # a TP follower's own global-capacity drops
@@ -103,6 +180,9 @@ class RayExecutor:
         import ray
 
         group = getattr(self, "group", None)
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()  # the actors are killed next: no need to tell them
+            self.channel = None
         if group is not None:
             # A cluster this process started dies whole with ray.shutdown(); on a shared
             # cluster the placement group must be released explicitly.
@@ -124,8 +204,10 @@ def cpus_per_rank(world_size: int) -> float:
     return max(0.01, int(total / world_size * 100) / 100)
 
 
-def build_executor(spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None) -> Executor:
-    """In-process for one rank, Ray actors otherwise."""
+def build_executor(spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None,
+                   transport: str = "auto") -> Executor:
+    """In-process for one rank, Ray actors otherwise. transport: how steps reach the actors
+    ("auto": the step channel when every rank can be reached, else Ray calls)."""
     if spec.world_size == 1:
         return LocalExecutor(spec)
-    return RayExecutor(spec, strategy=strategy, address=address)
+    return RayExecutor(spec, strategy=strategy, address=address, transport=transport)
