@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch.config import DTYPES, KV_CACHE_DTYPES, PLACEMENT_STRATEGIES, STEP_TRANSPORTS, VLLM_KEYS, RuntimeConfig
+from launch.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PLACEMENT_STRATEGIES,
+    STEP_TRANSPORTS,
+    VLLM_KEYS,
+    RuntimeConfig,
+)
 from launch.config_schema import (
     ConfigError,
     apply_override,

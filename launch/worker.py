@@ -27,6 +27,7 @@ from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.loader import load_weights
 from moe.model import MoEModel
 
+
 def node_host() -> str:
     """This node's address as the cluster sees it (Ray's node IP inside a Ray worker)."""
     try:

@@ -8,10 +8,11 @@ transport (``launch.step_channel``); ``decode_batch(bytes) -> WireBatch`` gives 
 object with the same read-only views ``Worker.execute`` uses from a ``BatchSpec``
 (``input_ids``, ``positions``, ``query_lens``, ``context_lens``, ``block_tables``,
 ``logits_indices``, ``sampling_params``, ``output_indices``). Request ids and per-sequence
-objects stay on the driver; ``SamplingParams`` travel once per distinct object in the batch
-(all sequences of a request, and usually all requests of a benchmark, share one).
+objects stay on the driver; ``SamplingParams`` travel once per distinct value of the fields
+the sampler reads (``SAMPLER_FIELDS``): rows of greedy requests share one entry, and a row's
+entry may be another request's params object with the same sampler fields.
 
-Layout (numpy, little-endian): a 20-byte header (magic, version, dp_rank, block_size, B) then
+Layout (little-endian): a 20-byte header (magic, version, dp_rank, block_size, B) then
 the int32 arrays ``input_ids [T]``, ``positions [T]``, ``query_lens [B]``,
 ``context_lens [B]``, ``num_blocks [B]``, ``block_ids [N]``, ``sampled [S]`` (batch rows with
 ``do_sample``), ``output_indices [S]``, ``param_index [S]`` (into the params table), each
@@ -22,9 +23,9 @@ from __future__ import annotations
 
 import pickle
 import struct
-from itertools import chain
-
-import numpy as np
+import sys
+from array import array
+from itertools import accumulate, chain
 
 from launch.core.batch import BatchSpec
 from launch.core.sampling_params import SamplingParams
@@ -37,6 +38,16 @@ _ARRAYS = ("input_ids", "positions", "query_lens", "context_lens", "num_blocks",
            "output_indices", "param_index")
 
 
+# The SamplingParams fields the worker uses (launch.core.sampler); the others (stop strings,
+# max_tokens, ...) act on the driver only.
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs")
+_KEYS: dict[int, tuple[SamplingParams, tuple]] = {}
+_KEYS_MAX = 4096
+_SWAP = sys.byteorder != "little"  # the format is little-endian on every host
+if array("i").itemsize != 4:
+    raise ImportError("launch.core.wire needs a 4-byte C int")
+
+
 class WireError(ValueError):
     """Bytes that are not a step message of this version."""
 
@@ -44,17 +55,15 @@ class WireError(ValueError):
 def encode_batch(batch: BatchSpec) -> bytes:
     """One DP rank's batch as a compact message (layout in the module docstring)."""
     seqs = batch.seqs
-    by_id: dict[int, int] = {}
-    by_value: dict[SamplingParams, int] = {}
+    by_key: dict[tuple, int] = {}
     params: list[SamplingParams] = []
     sampled, out_idx, p_idx = [], [], []
     for b, s in enumerate(seqs):
         if s.do_sample:
-            index = by_id.get(id(s.params))
-            if index is None:  # equal params of different requests share one entry
-                index = by_id[id(s.params)] = by_value.setdefault(s.params, len(params))
-                if index == len(params):
-                    params.append(s.params)
+            key = _sampler_key(s.params)
+            index = by_key.setdefault(key, len(params))
+            if index == len(params):
+                params.append(s.params)
             sampled.append(b)
             out_idx.append(s.num_output_tokens)
             p_idx.append(index)
@@ -69,11 +78,38 @@ def encode_batch(batch: BatchSpec) -> bytes:
     )
     parts = [_HEADER.pack(MAGIC, VERSION, batch.dp_rank, batch.block_size, len(seqs))]
     for values in arrays:
-        data = np.asarray(values, dtype="<i4").tobytes()
+        data = _to_bytes(array("i", values))
         parts.append(_LEN.pack(len(data)))
         parts.append(data)
     parts.append(pickle.dumps(tuple(params), protocol=pickle.HIGHEST_PROTOCOL))
     return b"".join(parts)
+
+
+def _to_bytes(values: array) -> bytes:
+    if _SWAP:
+        values.byteswap()
+    return values.tobytes()
+
+
+def _from_bytes(data: memoryview) -> array:
+    values = array("i")
+    values.frombytes(data)
+    if _SWAP:
+        values.byteswap()
+    return values
+
+
+def _sampler_key(params: SamplingParams) -> tuple:
+    """What the worker's sampler reads from ``params``: rows whose keys are equal share one
+    table entry. Cached per object (kept alive by the cache, so its id cannot be reused)."""
+    hit = _KEYS.get(id(params))
+    if hit is not None and hit[0] is params:
+        return hit[1]
+    if len(_KEYS) >= _KEYS_MAX:
+        _KEYS.clear()
+    key = tuple(getattr(params, name) for name in SAMPLER_FIELDS)
+    _KEYS[id(params)] = (params, key)
+    return key
 
 
 def decode_batch(data: bytes | bytearray | memoryview) -> WireBatch:
@@ -93,71 +129,71 @@ def decode_batch(data: bytes | bytearray | memoryview) -> WireBatch:
         offset += _LEN.size
         if size % 4 or offset + size > len(view):
             raise WireError(f"step message truncated in {name}")
-        arrays[name] = np.frombuffer(view[offset:offset + size], dtype="<i4")
+        arrays[name] = _from_bytes(view[offset:offset + size])
         offset += size
     params = pickle.loads(view[offset:])
     batch = WireBatch(dp_rank, block_size, params=params, **arrays)
-    if not (len(batch.query_lens_np) == len(batch.context_lens_np) == len(batch.num_blocks) == num_seqs):
+    if not (len(batch.query_lens_arr) == len(batch.context_lens_arr) == len(batch.num_blocks) == num_seqs):
         raise WireError(f"step message for {num_seqs} sequences has per-sequence arrays of other lengths")
     return batch
 
 
 class WireBatch:
     """A decoded step message: the views of ``BatchSpec`` that a worker reads (same names,
-    same values). Arrays are int32 numpy; the list views are built on first use."""
+    same values). Arrays are ``array('i')`` (int32, the ``*_arr`` names and the others); the list views are
+    built on each use."""
 
-    __slots__ = ("dp_rank", "block_size", "input_ids_np", "positions_np", "query_lens_np", "context_lens_np",
-                 "num_blocks", "block_ids", "sampled", "output_indices_np", "param_index", "params")
+    __slots__ = ("dp_rank", "block_size", "input_ids_arr", "positions_arr", "query_lens_arr", "context_lens_arr",
+                 "num_blocks", "block_ids", "sampled", "output_indices_arr", "param_index", "params")
 
-    def __init__(self, dp_rank: int, block_size: int, *, input_ids: np.ndarray, positions: np.ndarray,
-                 query_lens: np.ndarray, context_lens: np.ndarray, num_blocks: np.ndarray,
-                 block_ids: np.ndarray, sampled: np.ndarray, output_indices: np.ndarray,
-                 param_index: np.ndarray, params: tuple[SamplingParams, ...]) -> None:
+    def __init__(self, dp_rank: int, block_size: int, *, input_ids: array, positions: array,
+                 query_lens: array, context_lens: array, num_blocks: array, block_ids: array, sampled: array,
+                 output_indices: array, param_index: array, params: tuple[SamplingParams, ...]) -> None:
         self.dp_rank, self.block_size = dp_rank, block_size
-        self.input_ids_np, self.positions_np = input_ids, positions
-        self.query_lens_np, self.context_lens_np = query_lens, context_lens
+        self.input_ids_arr, self.positions_arr = input_ids, positions
+        self.query_lens_arr, self.context_lens_arr = query_lens, context_lens
         self.num_blocks, self.block_ids = num_blocks, block_ids
-        self.sampled, self.output_indices_np, self.param_index = sampled, output_indices, param_index
+        self.sampled, self.output_indices_arr, self.param_index = sampled, output_indices, param_index
         self.params = params
 
     @property
     def is_empty(self) -> bool:
-        return len(self.query_lens_np) == 0
+        return len(self.query_lens_arr) == 0
 
     @property
     def num_seqs(self) -> int:
-        return len(self.query_lens_np)
+        return len(self.query_lens_arr)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.input_ids_np)
+        return len(self.input_ids_arr)
 
     @property
     def input_ids(self) -> list[int]:
         """[T] token ids of all sequences, concatenated in batch order."""
-        return self.input_ids_np.tolist()
+        return self.input_ids_arr.tolist()
 
     @property
     def positions(self) -> list[int]:
         """[T] position of each token in its sequence."""
-        return self.positions_np.tolist()
+        return self.positions_arr.tolist()
 
     @property
     def query_lens(self) -> list[int]:
         """[B] tokens computed per sequence this step."""
-        return self.query_lens_np.tolist()
+        return self.query_lens_arr.tolist()
 
     @property
     def context_lens(self) -> list[int]:
         """[B] cached + new tokens per sequence after this step."""
-        return self.context_lens_np.tolist()
+        return self.context_lens_arr.tolist()
 
     @property
     def block_tables(self) -> list[list[int]]:
         """[B][blocks] block ids per sequence (ragged)."""
         flat = self.block_ids.tolist()
-        ends = np.cumsum(self.num_blocks).tolist()
-        return [flat[start:end] for start, end in zip([0] + ends[:-1], ends)]
+        ends = list(accumulate(self.num_blocks))
+        return [flat[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
     @property
     def sample_rows(self) -> list[int]:
@@ -167,10 +203,8 @@ class WireBatch:
     @property
     def logits_indices(self) -> list[int]:
         """[S] index into the flat [T] tokens of each sampled row's last token."""
-        if not len(self.sampled):
-            return []
-        ends = np.cumsum(self.query_lens_np) - 1
-        return ends[self.sampled].tolist()
+        ends = list(accumulate(self.query_lens_arr))
+        return [ends[b] - 1 for b in self.sampled]
 
     @property
     def sampling_params(self) -> list[SamplingParams]:
@@ -181,4 +215,4 @@ class WireBatch:
     @property
     def output_indices(self) -> list[int]:
         """[S] per sampled row, the index of the output token being sampled (for seeding)."""
-        return self.output_indices_np.tolist()
+        return self.output_indices_arr.tolist()

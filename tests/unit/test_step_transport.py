@@ -41,7 +41,7 @@ def test_wire_batch_has_every_view_of_the_batch():
     for name in VIEWS:
         assert getattr(wire, name) == getattr(batch, name), name
     assert (wire.dp_rank, wire.block_size) == (1, 16)
-    assert wire.input_ids_np.shape == (batch.num_tokens,) and wire.query_lens_np.shape == (4,)
+    assert len(wire.input_ids_arr) == batch.num_tokens and len(wire.query_lens_arr) == 4
     # one params object per distinct SamplingParams, not one per row
     assert len(wire.params) == 2
 
@@ -65,7 +65,7 @@ def test_wire_message_is_smaller_than_the_pickled_batch():
     batch = BatchSpec(0, 16, seqs)
     wire = decode_batch(encode_batch(batch))
     assert len(wire.params) == 1 and wire.sampling_params == [SamplingParams(temperature=0.0)] * 32
-    assert wire.block_tables == batch.block_tables and wire.input_ids_np.dtype.itemsize == 4
+    assert wire.block_tables == batch.block_tables and wire.input_ids_arr.itemsize == 4
     assert len(encode_batch(batch)) < len(pickle.dumps(batch)) / 2
 
 
