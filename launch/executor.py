@@ -74,6 +74,7 @@ class RayExecutor:
         self.group = None
         self.transport = transport
         self.channel = None
+        self._reopen = False
         self._owns_ray = connect_ray(address, num_cpus=max(spec.world_size, os.cpu_count() or 1))
         try:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
@@ -131,6 +132,7 @@ class RayExecutor:
             replies = self.channel.roundtrip([messages[dp] for dp in self.dp_of_rank], self.group.call_timeout_s)
         except ChannelError as e:
             self.close_channel()  # a failed round trip leaves replies unread: never reuse it
+            self._reopen = True  # the next step (after a rebuild, say) connects afresh
             raise self._channel_fault(e) from e
         return [StepResult.from_bytes(reply) for reply in replies]
 
@@ -158,6 +160,9 @@ class RayExecutor:
         return make
 
     def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
+        if self._reopen:
+            self._reopen = False
+            self.open_channel()
         if self.channel is not None:
             results = self._execute_channel(output, collect_load)
         else:

@@ -186,3 +186,94 @@ def test_worker_serves_steps_over_the_channel(tiny_ckpt):
         client.close()
         served.shutdown()
         direct.shutdown()
+
+
+class FakeGroup:
+    """The parts of launch.cluster.WorkerGroup the executor's channel code uses."""
+
+    call_timeout_s = 5.0
+
+    def __init__(self, servers=None, open_error=None, dead=()):
+        self.servers, self.open_error, self.dead, self.calls = servers or [], open_error, set(dead), []
+
+    def call(self, method, *args, ranks=None):
+        from launch.cluster import WorkerDiedError
+
+        self.calls.append((method, ranks))
+        if method == "open_step_channel":
+            if self.open_error:
+                raise self.open_error
+            return [s.address for s in self.servers]
+        if method == "ping":
+            for r in ranks or ():
+                if r in self.dead:
+                    raise WorkerDiedError(r, "0 (node)", RuntimeError("actor died"))
+        return [None] * len(self.servers)
+
+    def _node(self, rank):
+        return "0 (node)"
+
+
+def fake_executor(transport, group):
+    from launch.executor import RayExecutor
+
+    ex = object.__new__(RayExecutor)
+    ex.transport, ex.channel, ex.group, ex._reopen = transport, None, group, False
+    ex.dp_of_rank, ex.dp_leaders = list(range(len(group.servers))), list(range(len(group.servers)))
+    return ex
+
+
+def test_auto_transport_falls_back_to_ray_calls_and_socket_does_not(caplog):
+    ex = fake_executor("auto", FakeGroup(open_error=ConnectionRefusedError("no route")))
+    ex.open_channel()
+    assert ex.active_transport == "ray" and "steps go through Ray actor calls" in caplog.text
+    with pytest.raises(ConnectionRefusedError):
+        fake_executor("socket", FakeGroup(open_error=ConnectionRefusedError("no route"))).open_channel()
+    ex = fake_executor("ray", FakeGroup())
+    ex.open_channel()
+    assert ex.active_transport == "ray" and ex.group.calls == []
+
+
+def step_output(num_ranks):
+    from launch.core import SchedulerOutput
+
+    batch = make_batch()
+    return SchedulerOutput(0, tuple(BatchSpec(r, batch.block_size, batch.seqs) for r in range(num_ranks)))
+
+
+def result_handler(payload):
+    batch = decode_batch(memoryview(payload)[1:])
+    load = torch.full((2, 4), batch.dp_rank, dtype=torch.int64) if payload[0] else None
+    return StepResult(SampledTokens(batch.logits_indices), load, [(batch.dp_rank, 0)] * 2, 0.001).to_bytes()
+
+
+def test_executor_steps_over_the_channel_and_maps_faults_to_the_ray_errors():
+    from launch.cluster import WorkerCallError, WorkerDiedError
+
+    def crash(payload):
+        raise ValueError("bad batch")
+
+    servers = [StepServer(result_handler), StepServer(result_handler)]
+    ex = fake_executor("socket", FakeGroup(servers))
+    ex.open_channel()
+    assert ex.active_transport == "socket"
+    results = ex.execute(step_output(2), collect_load=True)
+    assert [r.sampled.token_ids for r in results] == [make_batch().logits_indices] * 2
+    assert [int(r.slot_load[0, 0]) for r in results] == [0, 1] and results[1].capacity == [(1, 0), (1, 0)]
+    assert ex.execute(step_output(2), collect_load=False)[0].slot_load is None
+    # a dead rank: the channel closes, the executor asks Ray, Ray's typed error comes out
+    servers[1].close()
+    ex.group.dead.add(1)
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        ex.execute(step_output(2), collect_load=True)
+    assert ex.active_transport == "ray"  # a broken channel is never reused
+    # a rank whose step raises: WorkerCallError naming it, with the worker's exception as the cause
+    servers = [StepServer(result_handler), StepServer(crash)]
+    ex = fake_executor("socket", FakeGroup(servers))
+    ex.open_channel()
+    with pytest.raises(WorkerCallError, match="rank 1 .* failed in execute: bad batch"):
+        ex.execute(step_output(2), collect_load=True)
+    # the next step connects afresh (after a recovery rebuild the ranks serve new channels)
+    ex.group.servers = [StepServer(result_handler), StepServer(result_handler)]
+    assert len(ex.execute(step_output(2), collect_load=False)) == 2 and ex.active_transport == "socket"
+    ex.close_channel()
