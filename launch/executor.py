@@ -110,13 +110,13 @@ class RayExecutor:
             self.close_channel()
 
     def close_channel(self) -> None:
+        """Close the driver's ends; each rank's server thread sees it and stops (no Ray call:
+        a hung rank cannot hold this up)."""
         channel, self.channel = self.channel, None
         if channel is not None:
             channel.close()
-            try:
-                self.group.call("close_step_channel")
-            except Exception:  # noqa: BLE001 - a dead rank has no channel left to close
-                log.debug("closing the worker ends of the step channel", exc_info=True)
+
+    fault_ping_timeout_s = 10.0
 
     @property
     def active_transport(self) -> str:
@@ -149,7 +149,7 @@ class RayExecutor:
                                 f"on ranks {error.ranks}")
         assert isinstance(error, ChannelClosed)
         # Ask Ray whether the actor is gone: it raises the typed WorkerDiedError with Ray's cause.
-        self.group.call("ping", ranks=[rank])
+        self.group.wait([self.group.actors[rank].ping.remote()], "ping", [rank], self.fault_ping_timeout_s)
         return RuntimeError(f"worker rank {rank} on node {self.group._node(rank)}: {error}")
 
     @staticmethod

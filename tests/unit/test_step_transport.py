@@ -197,18 +197,27 @@ class FakeGroup:
         self.servers, self.open_error, self.dead, self.calls = servers or [], open_error, set(dead), []
 
     def call(self, method, *args, ranks=None):
-        from launch.cluster import WorkerDiedError
-
         self.calls.append((method, ranks))
         if method == "open_step_channel":
             if self.open_error:
                 raise self.open_error
             return [s.address for s in self.servers]
-        if method == "ping":
-            for r in ranks or ():
-                if r in self.dead:
-                    raise WorkerDiedError(r, "0 (node)", RuntimeError("actor died"))
         return [None] * len(self.servers)
+
+    @property
+    def actors(self):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(ping=SimpleNamespace(remote=lambda r=r: r)) for r in range(len(self.servers))]
+
+    def wait(self, refs, method, ranks, timeout_s=None):
+        from launch.cluster import WorkerDiedError
+
+        self.calls.append((method, ranks, timeout_s))
+        for r in refs:
+            if r in self.dead:
+                raise WorkerDiedError(r, "0 (node)", RuntimeError("actor died"))
+        return [None] * len(refs)
 
     def _node(self, rank):
         return "0 (node)"
@@ -266,6 +275,7 @@ def test_executor_steps_over_the_channel_and_maps_faults_to_the_ray_errors():
     ex.group.dead.add(1)
     with pytest.raises(WorkerDiedError, match="rank 1"):
         ex.execute(step_output(2), collect_load=True)
+    assert ex.group.calls[-1] == ("ping", [1], ex.fault_ping_timeout_s)  # bounded
     assert ex.active_transport == "ray"  # a broken channel is never reused
     # a rank whose step raises: WorkerCallError naming it, with the worker's exception as the cause
     servers = [StepServer(result_handler), StepServer(crash)]
