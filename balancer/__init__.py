@@ -6,8 +6,10 @@ or slot is a copy hosted on a rank (P = E + redundant per layer). phy2log [L, P]
 log2phy [L, E, max_replicas] (-1 padded), logcnt [L, E]: DeepSeek EPLB's names.
 """
 
-from balancer.balancedness import Prediction, compute_balancedness, predict
+from balancer.balancedness import Prediction, compute_balancedness, compute_par, predict
 from balancer.config import BalancerConfig, RebalanceDecision, should_rebalance
+from balancer.forecast import Forecast, forecast_load
+from balancer.history import HistoryDecision, HistoryOptions, plan_from_history, rebalance_from_history
 from balancer.move_plan import MovePlan, Transfer, compute_move_plan
 from balancer.placement import Placement, compute_log2phy
 from balancer.policy import POLICIES, rebalance_experts
@@ -17,6 +19,9 @@ __all__ = [
     "POLICIES",
     "BalancerConfig",
     "Diagnostics",
+    "Forecast",
+    "HistoryDecision",
+    "HistoryOptions",
     "MovePlan",
     "Placement",
     "Prediction",
@@ -26,7 +31,11 @@ __all__ = [
     "compute_balancedness",
     "compute_log2phy",
     "compute_move_plan",
+    "compute_par",
+    "forecast_load",
+    "plan_from_history",
     "predict",
     "rebalance_experts",
+    "rebalance_from_history",
     "should_rebalance",
 ]

@@ -83,3 +83,24 @@ def predict(load: torch.Tensor | np.ndarray, phy2log: torch.Tensor | np.ndarray,
     ranks = rank_load_of_slots(slot_load_of_experts(load_np, phy), num_gpus)
     per_layer, overall = compute_balancedness(ranks)
     return Prediction(per_layer=per_layer, overall=overall, rank_load=torch.from_numpy(ranks))
+
+
+def compute_par(load: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Peak-to-average ratio per step and layer (the load-balancing competition's metric).
+
+    load: [S, L, E] tokens per logical expert per step (a replicated expert's load is
+    split evenly over its copies); phy2log: [L, P], P % num_gpus == 0.
+    Returns: [S, L] float64 max GPU load / mean GPU load; 1.0 where a layer is idle.
+    """
+    load = np.asarray(load, dtype=np.float64)
+    phy = np.asarray(phy2log, dtype=np.int64)
+    num_steps, num_layers, num_experts = load.shape
+    if phy.shape[0] != num_layers or phy.shape[1] % num_gpus:
+        raise ValueError(f"phy2log {phy.shape} does not fit load {load.shape} on {num_gpus} GPUs")
+    counts = np.zeros((num_layers, num_experts), dtype=np.float64)
+    np.add.at(counts, (np.arange(num_layers)[:, None], phy), 1.0)
+    share = load / np.maximum(counts, 1.0)  # [S, L, E] load of one copy
+    slot = np.take_along_axis(share, np.broadcast_to(phy, (num_steps, *phy.shape)), 2)  # [S, L, P]
+    gpu = slot.reshape(num_steps, num_layers, num_gpus, -1).sum(-1)
+    mean = gpu.mean(-1)
+    return np.where(mean > 0, gpu.max(-1) / np.where(mean > 0, mean, 1.0), 1.0)

@@ -6,6 +6,10 @@ Policies:
                   its node, replicas packed to the node's GPUs;
   "global"        ours: one domain of all GPUs;
   "auto"          ours, hierarchical when num_groups % num_nodes == 0 (DeepSeek's rule).
+As in DeepSeek's reference, "auto" and "deepseek" fall back to the global policy when
+num_groups % num_nodes != 0, whatever num_groups is (E % num_groups need not be 0 then).
+Given old_phy2log, "deepseek" keeps the experts that stay on a GPU in the slots they
+held there (vLLM's DeepSeek policy does the same); the GPU of every copy is DeepSeek's.
 Ours differs from DeepSeek's in four ways: replicas of one expert are capped at the
 number of GPUs of the domain and do not share a GPU (unless, on a layer, only a shared
 GPU lets ours match the reference: two replicas on one GPU are an uneven split of that
@@ -33,7 +37,7 @@ from balancer.packing import (
     search_counts,
 )
 from balancer.placement import compute_log2phy
-from balancer.stability import greedy_matching, match_bins, order_in_bins, sticky_bins
+from balancer.stability import greedy_matching, keep_slots_on_gpu, match_bins, order_in_bins, sticky_bins
 
 POLICIES = ("auto", "hierarchical", "global", "deepseek")
 _EPS = 1e-12
@@ -54,8 +58,10 @@ def rebalance_experts(
 
     weight: [L, E] load per logical expert (torch or numpy, any real dtype, >= 0).
     num_replicas: P physical slots per layer, a multiple of num_gpus, >= E.
-    num_groups: expert groups (E % num_groups == 0); num_nodes divides num_gpus.
-    old_phy2log: [L, P] current placement, to keep experts in place (ours only).
+    num_groups: expert groups (E % num_groups == 0 where the hierarchical policy runs);
+    num_nodes divides num_gpus.
+    old_phy2log: [L, P] current placement, to keep experts in place ("deepseek": only
+    the slot order within each GPU).
     stability_tolerance: balancedness ours may give up per layer to keep copies in
     place (never below the reference's).
     Returns: phy2log [L, P], log2phy [L, E, max_replicas] (-1 padded, slots ascending),
@@ -77,7 +83,7 @@ def rebalance_experts(
     # DeepSeek's algorithm on the same family (its global policy is groups = nodes = 1).
     ref = rebalance_deepseek(w, num_replicas, groups, nodes, num_gpus)
     if policy == "deepseek":
-        phy = ref
+        phy = ref if old is None else keep_slots_on_gpu(ref, old, num_gpus)
     else:
         phy = _ours(w, (num_replicas, groups, nodes, num_gpus), old, ref, stability_tolerance)
     phy2log = torch.from_numpy(np.ascontiguousarray(phy, dtype=np.int64))
@@ -102,7 +108,8 @@ def _validate(weight, num_replicas, num_groups, num_nodes, num_gpus, policy) -> 
         raise ValueError(f"num_replicas={num_replicas} is not a multiple of num_gpus={num_gpus}")
     if num_gpus % num_nodes:
         raise ValueError(f"num_gpus={num_gpus} is not a multiple of num_nodes={num_nodes}")
-    if num_experts % num_groups:
+    hierarchical = num_groups % num_nodes == 0 if policy in ("auto", "deepseek") else policy == "hierarchical"
+    if hierarchical and num_experts % num_groups:
         raise ValueError(f"{num_experts} experts cannot form {num_groups} equal groups")
     if policy == "hierarchical" and num_groups % num_nodes:
         raise ValueError(f"hierarchical policy needs num_groups={num_groups} divisible by num_nodes={num_nodes}")

@@ -142,3 +142,12 @@ def _sticky_row(expert: np.ndarray, weight: np.ndarray, old: np.ndarray, m: int,
         load[g] += weight[i]
         held.add((g, e))
     return bin_of
+
+
+def keep_slots_on_gpu(new: np.ndarray, old: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Reorder each GPU's slots of new so that an expert it held in old keeps that slot.
+
+    new, old: phy2log [L, P]. Returns: [L, P] with the same experts on every GPU as new.
+    """
+    gpu_of = np.broadcast_to(np.arange(new.shape[1]) // (new.shape[1] // num_gpus), new.shape)
+    return order_in_bins(new, np.ascontiguousarray(gpu_of), old, num_gpus)

@@ -21,16 +21,15 @@ from typing import Any
 from launch.config import RuntimeConfig
 from launch.core import RequestOutput, SamplingParams
 from launch.engine import LLMEngine
+from launch.recovery import ENGINE_STATES, EngineDeadError, EngineRecoveringError, WorkerFault
 
 log = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineQueueFull", "EngineRecoveringError", "EngineStats"]
 
 
 class EngineQueueFull(RuntimeError):
     """Too many requests are waiting; the server answers 503 with Retry-After."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an error; every open request gets it."""
 
 
 @dataclass
@@ -52,6 +51,13 @@ class EngineStats:
     expert_copies_moved: int = 0
     num_steps: int = 0
     step_seconds_total: float = 0.0
+    engine_state: int = 0  # index in launch.recovery.ENGINE_STATES: 0 serving, 1 recovering, 2 dead
+    num_worker_faults: int = 0
+    num_recoveries: int = 0
+    recovery_seconds_total: float = 0.0
+    num_requests_retried: int = 0
+    num_requests_failed: int = 0
+    num_missing_ranks: int = 0  # ranks a degraded group serves without
 
 
 def snapshot_stats(engine: LLMEngine) -> EngineStats:
@@ -65,6 +71,13 @@ def snapshot_stats(engine: LLMEngine) -> EngineStats:
         tokens_dropped=c.tokens_dropped, tokens_rerouted=c.tokens_rerouted, num_steps=c.num_steps,
         step_seconds_total=c.step_seconds_total,
     )
+    sup = engine.supervisor
+    k = sup.counters
+    out.engine_state = ENGINE_STATES.index(sup.state)
+    out.num_worker_faults, out.num_recoveries = k.num_worker_faults, k.num_recoveries
+    out.recovery_seconds_total = k.recovery_seconds_total
+    out.num_requests_retried, out.num_requests_failed = k.num_requests_retried, k.num_requests_failed
+    out.num_missing_ranks = engine.recovery.num_missing_ranks
     if engine.eplb is not None:
         out.balancedness_per_layer, out.balancedness = engine.eplb.balancedness()
         k = engine.eplb.counters
@@ -89,6 +102,7 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stats = snapshot_stats(self.engine)
         self._error: BaseException | None = None
+        self._last_check = time.monotonic()
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -102,26 +116,58 @@ class AsyncLLM:
     def _loop(self) -> None:
         try:
             while self._running:
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_unfinished_requests() or self.engine.needs_recovery
                 self._drain(block=not busy)
                 if not self._running:
                     break
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
+                if self.engine.has_unfinished_requests() or self.engine.needs_recovery:
+                    outputs = self.engine.step()  # rebuilds the workers first after a fault
                     self._stats = snapshot_stats(self.engine)
                     for out in outputs:
-                        self._deliver(out.request_id, out)
+                        self._deliver(out.request_id, self._as_error(out) or out)
         except BaseException as e:  # noqa: BLE001 - hand the failure to every waiting request
-            log.exception("engine loop stopped")
-            self._error = e
+            if isinstance(e, EngineDeadError):
+                error = e  # the supervisor logged the reason once
+            else:
+                log.exception("engine loop stopped")
+                error = EngineDeadError(f"engine failed: {type(e).__name__}: {e}")
+            self._error = error
             for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"engine failed: {e}"))
+                self._deliver(request_id, error)
+        finally:
+            self._stats = snapshot_stats(self.engine)
+
+    def _as_error(self, out: RequestOutput) -> EngineRecoveringError | None:
+        """A request the engine failed after a worker fault: the error its client gets."""
+        if out.finished and any(c.finish_reason == "error" for c in out.outputs):
+            reason = self.engine.supervisor.reason or "a worker failed"
+            return EngineRecoveringError(f"{reason}; this request had already produced output, so it was not "
+                                         "retried: send it again")
+        return None
+
+    def _check_workers(self) -> None:
+        """While idle, ping the ranks every ``recovery.health_check_interval_s`` so that a rank
+        that died between requests is rebuilt before the next request needs it."""
+        now = time.monotonic()
+        if now - self._last_check < self.runtime_config.recovery.health_check_interval_s:
+            return
+        self._last_check = now
+        check = getattr(self.engine.executor, "check_alive", None)
+        if check is None or self.engine.needs_recovery:
+            return
+        try:
+            check()
+        except WorkerFault as exc:
+            self.engine.on_worker_fault(exc)
 
     def _drain(self, block: bool) -> None:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             if block:
+                self._check_workers()
+                for out in self.engine.recovery.maybe_restore():  # idle: take a replacement in now
+                    self._deliver(out.request_id, self._as_error(out) or out)
                 self._stats = snapshot_stats(self.engine)
             return
         while True:
@@ -149,9 +195,10 @@ class AsyncLLM:
 
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         if self._error is not None:
-            raise EngineDeadError(f"engine failed: {self._error}")
+            raise self._error
         if not self._running:
             raise EngineDeadError("engine is shut down")
+        self.engine.supervisor.check_serving()  # 503 while recovering
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put((fn, fut))
         return fut
@@ -205,9 +252,13 @@ class AsyncLLM:
         return self._error is not None or not self._thread.is_alive()
 
     async def check_health(self) -> None:
-        """Raise EngineDeadError when the engine can no longer serve."""
-        if self.errored:
-            raise EngineDeadError(f"engine failed: {self._error}" if self._error else "engine loop is not running")
+        """Raise EngineDeadError when the engine can no longer serve, EngineRecoveringError
+        while it rebuilds its workers (``/health`` answers 503 with the reason either way)."""
+        if self._error is not None:
+            raise self._error
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+        self.engine.supervisor.check_serving()
 
     # ---- expert distribution (SGLang's endpoints) ---------------------------------------
 

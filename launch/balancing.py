@@ -1,6 +1,11 @@
 """The balancing side of the driver: statistics window, trigger, rebalance, distribution record.
 
 Decide once here, broadcast the same move plan to every worker, switch together.
+Two triggers (``BalancerConfig.resolved_trigger``): "forecast" (default) keeps the last
+``window_size`` steps of per-expert loads and every ``check_interval`` steps asks
+``rebalance_from_history``, which moves only when the modeled gain pays for the moved
+slots; "interval" is vLLM's schedule (every ``step_interval`` steps, the window's sum),
+chosen by ``trigger`` or by giving ``step_interval`` (vLLM's names, vLLM's behaviour).
 Shape legend: L MoE layers, E logical experts, P physical slots, R EP ranks.
 """
 
@@ -15,9 +20,11 @@ import torch
 
 from balancer import (
     BalancerConfig,
+    HistoryOptions,
     Placement,
     RoutingStats,
     compute_move_plan,
+    plan_from_history,
     predict,
     rebalance_experts,
     should_rebalance,
@@ -49,18 +56,29 @@ class EplbDriver:
         self.counters = BalancerCounters()
         self.step = 0
         self.last_balancedness: list[float] = [1.0] * placement.num_layers
-        self._recording: list[torch.Tensor] | None = None
-        self._recorded: list[torch.Tensor] = []
+        # Each recorded step: (logical [L, E], physical [L, P], dropped [L] or None).
+        self._recording: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
+        self._recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        # [window, L, E] per-step logical loads, a ring (kept across rebalances: logical ids do not move)
+        self._history = torch.zeros(config.window_size, placement.num_layers, placement.num_logical,
+                                    dtype=torch.int32)
+        self._num_history = 0
+        self.last_reason = ""
 
     # ---- statistics ------------------------------------------------------------------
 
-    def record(self, slot_load: torch.Tensor) -> None:
-        """slot_load: [L, P] int64 assignments per slot this step, summed over DP ranks."""
+    def record(self, slot_load: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
+        """slot_load: [L, P] int64 assignments per slot this step, summed over DP ranks;
+        dropped: [L] int64 assignments dropped by expert capacity this step (None: dropless)."""
         self.step += 1
         self.stats.record(slot_load)
+        physical = slot_load.to(torch.int64).cpu()
+        logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
+        logical.scatter_add_(1, self.placement.phy2log, physical)
+        self._history[self._num_history % self.config.window_size] = logical
+        self._num_history += 1
         if self._recording is not None:
-            logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
-            self._recording.append(logical.scatter_add_(1, self.placement.phy2log, slot_load.to(torch.int64)))
+            self._recording.append((logical, physical, None if dropped is None else dropped.to(torch.int64)))
         if self.config.log_balancedness and self.step % 10 == 0:
             per_layer, overall = self.stats.balancedness()
             log.info("eplb step %d: balancedness %.4f (worst layer %.4f)", self.step, overall, float(per_layer.min()))
@@ -74,16 +92,35 @@ class EplbDriver:
 
     # ---- rebalancing -----------------------------------------------------------------
 
+    def history(self) -> torch.Tensor:
+        """[W, L, E] int32 per-step logical loads, oldest first (W <= window_size)."""
+        w = self.config.window_size
+        if self._num_history <= w:
+            return self._history[:self._num_history]
+        pos = self._num_history % w
+        return torch.cat([self._history[pos:], self._history[:pos]])
+
     def due(self) -> bool:
+        if self.config.resolved_trigger == "forecast":
+            return self.config.enable_eplb and self.step > 0 and self.step % self.config.check_interval == 0
         return bool(should_rebalance(self.step, self.stats, self.config))
 
     def plan_rebalance(self):
-        """Compute (new Placement, MovePlan, predicted balancedness) from the window."""
+        """Compute (new Placement, MovePlan, predicted balancedness) from the window; with the
+        forecast trigger the new placement may be the old one (then the plan moves nothing)."""
         load = self.stats.logical_load(self.placement.phy2log)  # [L, E]
-        phy2log, _, _ = rebalance_experts(
-            load, self.placement.num_physical, self.num_groups, self.num_nodes, self.placement.num_gpus,
-            old_phy2log=self.placement.phy2log, policy=self.config.resolved_policy,
-        )
+        args = (self.placement.num_physical, self.num_groups, self.num_nodes, self.placement.num_gpus)
+        if self.config.resolved_trigger == "forecast" and self._num_history > 0:
+            c = self.config
+            options = HistoryOptions(interval=c.check_interval, step_cost=c.step_seconds, margin=c.move_margin,
+                                     slot_cost=self.expert_bytes / c.transfer_bytes_per_s, policy=c.resolved_policy)
+            decision = plan_from_history(self.history(), *args, old_phy2log=self.placement.phy2log, options=options)
+            phy2log = torch.from_numpy(decision.phy2log)
+            self.last_reason = decision.reason
+        else:
+            phy2log, _, _ = rebalance_experts(load, *args, old_phy2log=self.placement.phy2log,
+                                              policy=self.config.resolved_policy)
+            self.last_reason = "rebalance on the window's sum"
         new = Placement.from_phy2log(phy2log, self.placement.num_logical, self.placement.num_gpus)
         plan = compute_move_plan(self.placement.phy2log, new.phy2log, new.num_gpus,
                                  new.num_gpus // self.num_nodes, self.expert_bytes)
@@ -107,17 +144,29 @@ class EplbDriver:
             self._recorded.extend(self._recording)
         self._recording = None
 
-    def dump_record(self, directory: str | Path) -> Path:
-        """Write logical_count [steps, L, E] int64 plus the placement in force (safetensors)."""
+    def dump_record(self, directory: str | Path, metadata: dict[str, str] | None = None) -> Path:
+        """Write the record (safetensors): logical_count [steps, L, E] and physical_count
+        [steps, L, P] int64 (per slot, under the placement in force at each step), dropped_count
+        [steps, L] when expert capacity was on, plus the placement in force now (phy2log,
+        log2phy, logcnt, num_gpus). ``metadata``: extra string entries (e.g. workload phases)."""
         from safetensors.torch import save_file
 
         steps = list(self._recorded) + list(self._recording or [])
         p = self.placement
-        count = torch.stack(steps) if steps else torch.zeros(0, p.num_layers, p.num_logical, dtype=torch.int64)
+        if steps:
+            count = torch.stack([s[0] for s in steps])
+            physical = torch.stack([s[1] for s in steps])
+        else:
+            count = torch.zeros(0, p.num_layers, p.num_logical, dtype=torch.int64)
+            physical = torch.zeros(0, p.num_layers, p.num_physical, dtype=torch.int64)
+        tensors = {"logical_count": count.contiguous(), "physical_count": physical.contiguous(),
+                   **{k: v.contiguous() for k, v in p.state_dict().items()}}
+        if any(s[2] is not None for s in steps):
+            tensors["dropped_count"] = torch.stack([
+                s[2] if s[2] is not None else torch.zeros(p.num_layers, dtype=torch.int64) for s in steps])
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"expert_distribution_{time.strftime('%Y%m%d-%H%M%S')}_{len(steps)}steps.safetensors"
-        tensors = {"logical_count": count.contiguous(), **{k: v.contiguous() for k, v in p.state_dict().items()}}
-        save_file(tensors, str(path), metadata={"format": "moe-serve expert distribution v1"})
+        save_file(tensors, str(path), metadata={"format": "moe-serve expert distribution v1", **(metadata or {})})
         self._recorded = []
         return path

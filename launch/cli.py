@@ -68,6 +68,10 @@ register("bench eplb", "launch.bench.eplb:main", "expert-load-balancer benchmark
 register("bench throughput", "launch.bench.throughput:main", "offline generation throughput")
 register("bench serve", "launch.bench.serve:main", "online serving benchmark against a running server")
 register("bench decode", "launch.bench.decode:main", "decode step latency and tokens/s")
+register("profile run", "launch.profile.commands:run_main",
+         "run a workload with expert-distribution recording on, then write the expert-load report")
+register("profile report", "launch.profile.commands:report_main",
+         "expert-load report (HTML + summary.json) from this project's, SGLang's or plain-array dumps")
 register("bench overhead", "launch.bench.overhead:main", "driver/actor round-trip and routing-statistics overhead per step")
 
 

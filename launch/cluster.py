@@ -19,25 +19,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from launch.recovery import WorkerCallError, WorkerDiedError, WorkerTimeoutError
+
 log = logging.getLogger(__name__)
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker actor died; names its rank and node."""
-
-    def __init__(self, rank: int, node: str, cause: BaseException) -> None:
-        super().__init__(f"worker rank {rank} on node {node} died: {type(cause).__name__}: {cause}")
-        self.rank = rank
-        self.node = node
-
-
-class WorkerCallError(RuntimeError):
-    """A worker raised while executing a method; names its rank and node."""
-
-    def __init__(self, rank: int, node: str, method: str, cause: BaseException) -> None:
-        super().__init__(f"worker rank {rank} on node {node} failed in {method}: {cause}")
-        self.rank = rank
-        self.node = node
 
 
 def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
@@ -93,10 +77,16 @@ def compute_layout_nodes(rank_nodes: Sequence[str]) -> int:
 
 @dataclass(frozen=True)
 class RankInfo:
+    """rank: the rank in the full group (its position when no rank is missing)."""
+
     rank: int
     bundle_index: int
     node_id: str
     node_rank: int
+
+    @property
+    def bundle_order(self) -> int:
+        return self.rank
 
 
 class WorkerGroup:
@@ -140,14 +130,34 @@ class WorkerGroup:
             RankInfo(rank=r, bundle_index=b, node_id=nodes[b], node_rank=node_ids.index(nodes[b]))
             for r, b in enumerate(order)
         ]
-        remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)(worker_cls)
+        self._remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)(worker_cls)
+        self._make_args = make_args
+        self._abandoned: list = []
+        self._standby: list = []  # (RankInfo, actor, ready ref) started for lost ranks
+        self.actors: list = []
+        self.spawn()
+
+    def spawn(self, make_args: Callable[[int, int], tuple[tuple, dict]] | None = None) -> None:
+        """Start one actor per rank in its bundle (after ``kill_actors``: fresh processes, same
+        bundles; Ray starts each once its bundle's resources are released)."""
+        self._make_args = make_args or self._make_args
+        self.actors = [self._start(info) for info in self.ranks]
+
+    def _start(self, info: RankInfo) -> Any:
+        args, kwargs = self._make_args(info.rank, self.num_nodes)
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                    placement_group_bundle_index=info.bundle_index)
+        return self._remote_cls.options(scheduling_strategy=strategy).remote(*args, **kwargs)
+
+    def kill_actors(self) -> None:
+        """Kill every rank's actor (no restart), alive, hung or already dead, standbys too."""
+        self.grow()
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - best effort: the actor may be gone already
+                log.debug("actor already gone", exc_info=True)
         self.actors = []
-        for info in self.ranks:
-            args, kwargs = make_args(info.rank, self.num_nodes)
-            strategy_ = PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=info.bundle_index
-            )
-            self.actors.append(remote_cls.options(scheduling_strategy=strategy_).remote(*args, **kwargs))
 
     def _node(self, rank: int) -> str:
         info = self.ranks[rank]
@@ -159,41 +169,131 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout
         results: list[Any] = [None] * len(refs)
         pending = dict(zip(refs, range(len(refs))))
+        try:
+            self._wait_all(pending, results, method, ranks, timeout, deadline)
+        except BaseException:
+            self._abandoned.extend(pending)  # their errors are collected later, not printed by Ray
+            raise
+        return results
+
+    def _wait_all(self, pending: dict, results: list, method: str, ranks: Sequence[int], timeout: float,
+                  deadline: float) -> None:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 slow = [ranks[i] for i in pending.values()]
-                raise TimeoutError(f"{method} did not finish within {timeout:.0f}s on ranks {slow}")
+                raise WorkerTimeoutError(f"ranks {slow} did not finish {method} within {timeout:.0f}s "
+                                         "(recovery.step_timeout_s): hung", rank=slow[0] if len(slow) == 1 else -1)
             ref = ready[0]
             i = pending.pop(ref)
             try:
                 results[i] = ray.get(ref)
             except RayActorError as e:
-                raise WorkerDiedError(ranks[i], self._node(ranks[i]), e) from e
+                rank = ranks[i]
+                raise WorkerDiedError(f"worker rank {rank} on node {self._node(rank)} died ({_exit_kind(e)})",
+                                      rank=rank, detail=_one_line(e)) from e
             except RayTaskError as e:
-                raise WorkerCallError(ranks[i], self._node(ranks[i]), method, e.cause or e) from e
-        return results
+                rank, cause = ranks[i], e.cause or e
+                raise WorkerCallError(f"worker rank {rank} on node {self._node(rank)} failed in {method}: "
+                                      f"{_first_line(cause)}", rank=rank, detail=type(cause).__name__) from e
 
-    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list:
-        """Run one method on the given ranks (default all) with the same arguments."""
+    def collect_abandoned(self, timeout_s: float = 1.0) -> None:
+        """Retrieve the results of calls given up on after a fault (Ray would otherwise print
+        each unretrieved error with its traceback when the reference is dropped)."""
+        refs, self._abandoned = self._abandoned, []
+        if not refs:
+            return
+        ready, rest = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - the fault was already reported once
+                pass
+        self._abandoned = list(rest)
+
+    def responsive_ranks(self, timeout_s: float) -> list[int]:
+        """Ranks whose actor answers a ping within ``timeout_s`` (not dead, not stuck in a call)."""
+        refs = {actor.ping.remote(): r for r, actor in enumerate(self.actors)}
+        ready, rest = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        alive = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+                alive.append(refs[ref])
+            except Exception:  # noqa: BLE001 - a dead actor: not responsive
+                pass
+        self._abandoned.extend(rest)
+        return sorted(alive)
+
+    def replace(self, ranks: Sequence[int], make_args: Callable[[int, int], tuple[tuple, dict]]) -> None:
+        """Kill the actors of ``ranks`` and start new ones in the same bundles."""
+        self._make_args = make_args
+        for rank in ranks:
+            try:
+                ray.kill(self.actors[rank], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                log.debug("actor of rank %d already gone", rank, exc_info=True)
+            self.actors[rank] = self._start(self.ranks[rank])
+
+    # ---- degraded mode: serve on the survivors while replacements start -------------------
+
+    def shrink(self, lost: Sequence[int]) -> None:
+        """Drop the actors of ranks ``lost`` from the group (survivors are renumbered in order)
+        and start their replacements in the freed bundles as standbys, joined by ``grow``."""
+        lost = set(lost)
+        for rank in sorted(lost):
+            try:
+                ray.kill(self.actors[rank], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                log.debug("actor of rank %d already gone", rank, exc_info=True)
+            info = self.ranks[rank]
+            actor = self._start(info)
+            self._standby.append((info, actor, actor.process_id.remote()))
+        self.actors = [a for r, a in enumerate(self.actors) if r not in lost]
+        self.ranks = [info for r, info in enumerate(self.ranks) if r not in lost]
+        self.num_ranks = len(self.actors)
+
+    @property
+    def num_standby(self) -> int:
+        return len(self._standby)
+
+    def standby_ready(self) -> bool:
+        """True once every standby actor has started (its process answers)."""
+        if not self._standby:
+            return False
+        refs = [ref for _, _, ref in self._standby]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def grow(self) -> None:
+        """Take the standbys back in, every rank in its original (node-major) position."""
+        members = [(info, actor) for info, actor in zip(self.ranks, self.actors)]
+        members += [(info, actor) for info, actor, _ in self._standby]
+        for _, _, ref in self._standby:
+            self._abandoned.append(ref)
+        self._standby = []
+        members.sort(key=lambda m: m[0].bundle_order)
+        self.ranks = [info for info, _ in members]
+        self.actors = [actor for _, actor in members]
+        self.num_ranks = len(self.actors)
+
+    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, timeout_s: float | None = None,
+             **kwargs: Any) -> list:
+        """Run one method on the given ranks (default all) with the same arguments, waiting at
+        most ``timeout_s`` (default ``call_timeout_s``)."""
         ranks = list(range(self.num_ranks)) if ranks is None else list(ranks)
         refs = [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
-        return self.wait(refs, method, ranks)
+        return self.wait(refs, method, ranks, timeout_s)
 
-    def call_each(self, method: str, per_rank_args: Sequence[tuple]) -> list:
+    def call_each(self, method: str, per_rank_args: Sequence[tuple], timeout_s: float | None = None) -> list:
         """Run one method on every rank with per-rank positional arguments."""
         refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
-        return self.wait(refs, method, list(range(self.num_ranks)))
+        return self.wait(refs, method, list(range(self.num_ranks)), timeout_s)
 
     def shutdown(self, *, remove_group: bool = True, timeout_s: float = 10.0) -> None:
         """Kill the actors and remove the placement group (idempotent). The removal is bounded
         by ``timeout_s``: during interpreter or signal teardown the GCS may not answer."""
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - best effort during teardown
-                log.debug("actor already gone", exc_info=True)
-        self.actors = []
+        self.kill_actors()
         pg, self.pg = self.pg, None
         if pg is not None and remove_group:
             import threading
@@ -203,6 +303,25 @@ class WorkerGroup:
             remover.join(timeout_s)
             if remover.is_alive():
                 log.warning("placement group removal did not finish within %.0fs", timeout_s)
+
+
+def _exit_kind(error: BaseException) -> str:
+    """Why an actor died, in a few words (Ray's message holds ids, pids and OOM advice)."""
+    text = str(error)
+    if "ray.kill" in text:
+        return "killed by the driver"
+    if "node has died" in text or "node is dead" in text:
+        return "its node was lost"
+    return "its process exited"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 def _remove_quietly(pg) -> None:

@@ -2,7 +2,7 @@
 
 ``RuntimeConfig`` = ``model`` (a checkpoint dir or a Hugging Face repo name) +
 ``model_overrides`` (config.json fields to override) + ``parallel`` + ``moe`` +
-``balancer`` (``balancer.config.BalancerConfig``) + ``engine`` + ``server``. YAML files in
+``balancer`` (``balancer.config.BalancerConfig``) + ``engine`` + ``server`` + ``recovery``. YAML files in
 ``configs/`` mirror this nesting::
 
     model: checkpoints/tiny-deepseek-v3
@@ -33,8 +33,8 @@ from moe.capacity import CapacityConfig
 from parallel.dispatch import BACKENDS as DISPATCH_BACKENDS
 
 __all__ = [
-    "BalancerConfig", "ConfigError", "EngineConfig", "MoEConfig", "ParallelConfig", "RuntimeConfig",
-    "ServerConfig", "VLLM_KEYS", "load_runtime_config",
+    "BalancerConfig", "ConfigError", "EngineConfig", "MoEConfig", "ParallelConfig", "RecoveryConfig",
+    "RuntimeConfig", "ServerConfig", "VLLM_KEYS", "load_runtime_config",
 ]
 
 # vLLM's --all2all-backend names for what our dispatchers implement.
@@ -209,6 +209,42 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    """What the engine does when a worker rank dies, fails or hangs (``launch.recovery``).
+
+    enable_recovery: rebuild the worker group and serve again (False: stop at the first fault).
+    max_restarts: rebuilds allowed within ``restart_window_s``; one fault more stops the engine.
+    backoff_s / max_backoff_s: wait before a rebuild, doubling per fault in the window.
+    max_request_retries: times a request that produced no token yet is requeued from scratch
+    (a request that keeps meeting faults, or has produced tokens, ends with an error).
+    step_timeout_s: how long the driver waits for the ranks on one call (a step, a move)
+    before it declares them hung; None = 2 x parallel.collective_timeout_s + 30.
+    health_check_interval_s: while idle, how often the server engine checks its ranks are alive."""
+
+    enable_recovery: bool = True
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_request_retries: int = 1
+    step_timeout_s: float | None = None
+    health_check_interval_s: float = 5.0
+    degraded_mode: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_restarts", "max_request_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("restart_window_s", "health_check_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"need 0 <= backoff_s <= max_backoff_s, got {self.backoff_s} and {self.max_backoff_s}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0 seconds, got {self.step_timeout_s}")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """Everything a run needs; see the module docstring for YAML layout and precedence."""
 
@@ -219,6 +255,7 @@ class RuntimeConfig:
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     def __post_init__(self) -> None:
         if not self.model:

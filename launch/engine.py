@@ -26,6 +26,7 @@ from launch.core import (
     compute_kv_sizing,
 )
 from launch.executor import Executor, build_executor
+from launch.recovery import SERVING, EngineRecovery, Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
 from moe.config import ModelConfig
 
@@ -113,30 +114,38 @@ class LLMEngine:
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
         )
         self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
-                                                 transport=p.step_transport)
+                                                 transport=p.step_transport,
+                                                 call_timeout_s=step_timeout_s(config))
         try:
-            self.eplb = EplbDriver(
-                config.balancer, self.placement, num_groups=self._num_groups(),
-                num_nodes=self.executor.num_nodes,
-                expert_bytes=3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
-                * torch.finfo(DTYPES[self.dtype]).bits // 8,
-            ) if self.model_config.moe_layer_ids else None
+            self.eplb = self._build_eplb(self.placement, self.executor.num_nodes)
             sched = SchedulerConfig(
                 max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                 max_model_len=self.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
                 dp_size=p.data_parallel_size, block_size=e.block_size,
             )
-            allocators = [BlockAllocator(self.num_kv_blocks, e.block_size, e.enable_prefix_caching)
-                          for _ in range(p.data_parallel_size)]
             eos = self.model_config.eos_token_ids
             decode = self.tokenizer.decode if self.tokenizer is not None else None
-            self.scheduler = Scheduler(sched, allocators, eos_token_ids=eos, decode=decode)
+            self.scheduler = Scheduler(sched, self._new_allocators(), eos_token_ids=eos, decode=decode)
         except BaseException:
             self.executor.shutdown()
             raise
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self._force_rebalance = False
+        self.recovery = EngineRecovery(self, config.recovery)
+
+    def _new_allocators(self, data_parallel_size: int | None = None) -> list[BlockAllocator]:
+        e = self.config.engine
+        return [BlockAllocator(self.num_kv_blocks, e.block_size, e.enable_prefix_caching)
+                for _ in range(data_parallel_size or self.config.parallel.data_parallel_size)]
+
+    def _build_eplb(self, placement: Placement, num_nodes: int) -> EplbDriver | None:
+        if not self.model_config.moe_layer_ids:
+            return None
+        expert_bytes = (3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
+                        * torch.finfo(DTYPES[self.dtype]).bits // 8)
+        return EplbDriver(self.config.balancer, placement, num_groups=self._num_groups(), num_nodes=num_nodes,
+                          expert_bytes=expert_bytes)
 
     def _num_groups(self) -> int:
         groups = self.model_config.n_group or 1
@@ -159,29 +168,41 @@ class LLMEngine:
         self.counters.prompt_tokens_total += len(prompt_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.supervisor.forget_request(request_id)
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def needs_recovery(self) -> bool:
+        """A worker fault was seen and the group is not rebuilt yet (the next ``step`` does it)."""
+        return self.supervisor.needs_recovery
 
     # ---- the loop --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute on every rank, update; maybe rebalance. Returns outputs of
         requests that got tokens this step (cumulative, vLLM-style)."""
+        if self.supervisor.state != SERVING:
+            self.recover()  # raises EngineDeadError when the engine has stopped
+        failed = self.recovery.maybe_restore()  # a degraded group takes its replacements back
+        if self.supervisor.state != SERVING:  # the restore met a fault: rebuild on the next step
+            return failed
         started = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
             return self.scheduler.update(output, [SampledTokens() for _ in output.batches])
-        results = self.executor.execute(output, collect_load=self.eplb is not None)
+        try:
+            results = self.executor.execute(output, collect_load=self.eplb is not None)
+        except WorkerFault as exc:
+            return self.on_worker_fault(exc)
         outputs = self.scheduler.update(output, [r.sampled for r in results])
         self._account(results)
         self.counters.num_steps += 1
         self.counters.worker_seconds_total += max(r.seconds for r in results)
         self.counters.step_seconds_total += time.perf_counter() - started
-        if self.eplb is not None and self.config.balancer.enable_eplb and (self._force_rebalance or self.eplb.due()):
-            self.rebalance()
-        return outputs
+        return outputs + self.rebalance_if_due()
 
     def _account(self, results) -> None:
         self.counters.generation_tokens_total += sum(len(r.sampled.token_ids) for r in results)
@@ -192,7 +213,23 @@ class LLMEngine:
         if self.eplb is not None:
             loads = [r.slot_load for r in results if r.slot_load is not None]
             if loads:
-                self.eplb.record(torch.stack(loads).sum(0))
+                dropped = None
+                if self.config.moe.capacity_factor > 0:
+                    dropped = torch.tensor([[d for d, _ in r.capacity] for r in results], dtype=torch.int64).sum(0)
+                self.eplb.record(torch.stack(loads).sum(0), dropped)
+
+    def rebalance_if_due(self) -> list[RequestOutput]:
+        """Rebalance when the trigger (or ``request_rebalance``) says so. A worker fault during
+        the move leaves the old placement in force; returns the outputs of requests it failed."""
+        if self.eplb is None or not self.config.balancer.enable_eplb:
+            return []
+        if not (self._force_rebalance or self.eplb.due()):
+            return []
+        try:
+            self.rebalance()
+        except WorkerFault as exc:
+            return self.on_worker_fault(exc)
+        return []
 
     def request_rebalance(self) -> None:
         """Rebalance after the next step regardless of the trigger (tests, operators)."""
@@ -204,9 +241,13 @@ class LLMEngine:
         self._force_rebalance = False
         started = time.perf_counter()
         new, plan, prediction = self.eplb.plan_rebalance()
+        before = self.eplb.balancedness()[1]
+        if torch.equal(new.phy2log, self.placement.phy2log):  # the forecast says stay
+            log.info("eplb step %d: %s", self.eplb.step, self.eplb.last_reason)
+            return {"seconds": time.perf_counter() - started, "copies_moved": 0, "before": before,
+                    "predicted": float(prediction.overall)}
         self.executor.apply_move_plan(plan, new.phy2log)
         seconds = time.perf_counter() - started
-        before = self.eplb.balancedness()[1]
         self.eplb.commit(new, plan, seconds)
         self.placement = new
         log.info("rebalanced in %.3fs: %d expert copies moved, balancedness %.4f -> predicted %.4f",
@@ -214,11 +255,34 @@ class LLMEngine:
         return {"seconds": seconds, "copies_moved": plan.num_copies_moved, "before": before,
                 "predicted": float(prediction.overall)}
 
+    # ---- worker faults (policy in launch.recovery) -------------------------------------
+
+    def on_worker_fault(self, exc: WorkerFault) -> list[RequestOutput]:
+        """Requeue what may be retried, fail the rest (their outputs are returned, finished
+        with "error"); the next ``step`` (or ``recover``) rebuilds the workers."""
+        return self.recovery.on_worker_fault(exc)
+
+    def recover(self) -> None:
+        """Rebuild the worker group (or serve degraded on the survivors); raises
+        ``EngineDeadError`` when the fault policy allows no further attempt."""
+        self.recovery.recover()
+
+    @property
+    def supervisor(self) -> Supervisor:
+        return self.recovery.supervisor
+
     def shutdown(self) -> None:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
             self.executor = None
+
+
+def step_timeout_s(config: RuntimeConfig) -> float:
+    """How long the driver waits for the ranks on one call before declaring them hung."""
+    if config.recovery.step_timeout_s is not None:
+        return float(config.recovery.step_timeout_s)
+    return 2 * config.parallel.collective_timeout_s + 30.0
 
 
 def _load_tokenizer(path):

@@ -66,7 +66,7 @@ class RayExecutor:
     """One Ray actor per rank (node-major), rendezvous through rank 0's address."""
 
     def __init__(self, spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None,
-                 transport: str = "auto") -> None:
+                 call_timeout_s: float = 600.0, transport: str = "auto") -> None:
         from launch.cluster import WorkerGroup, connect_ray
 
         if transport not in STEP_TRANSPORTS:
@@ -75,20 +75,29 @@ class RayExecutor:
         self.transport = transport
         self.channel = None
         self._reopen = False
+        self.spec = self.full_spec = spec
         self._owns_ray = connect_ray(address, num_cpus=max(spec.world_size, os.cpu_count() or 1))
         try:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
             self.group = WorkerGroup(Worker, spec.world_size, self._make_args(spec), strategy=strategy,
-                                     num_gpus_per_rank=gpus, num_cpus_per_rank=cpus_per_rank(spec.world_size))
+                                     num_gpus_per_rank=gpus, num_cpus_per_rank=cpus_per_rank(spec.world_size),
+                                     call_timeout_s=call_timeout_s)
             self.num_nodes = self.group.num_nodes
-            init = self.group.call("rendezvous_address", ranks=[0])[0]
-            self.infos = self.group.call("setup", init)
-            self.dp_leaders = [r for r, info in enumerate(self.infos) if info["coords"]["tp_rank"] == 0]
-            self.dp_of_rank = [info["coords"]["dp_rank"] for info in self.infos]
-            self.open_channel()
+            self._setup()
         except BaseException:
             self.shutdown()
             raise
+
+    def _setup(self) -> None:
+        """Rendezvous on rank 0's address, build and load every shard (bounded by ``setup_timeout_s``).
+        Waits for every actor to be up first: the rendezvous itself only waits
+        ``collective_timeout_s`` for the slowest rank, and a new process may take longer to start."""
+        self.group.call("process_id", timeout_s=self.setup_timeout_s)
+        init = self.group.call("rendezvous_address", ranks=[0])[0]
+        self.infos = self.group.call("setup", init, timeout_s=self.setup_timeout_s)
+        self.dp_leaders = [r for r, info in enumerate(self.infos) if info["coords"]["tp_rank"] == 0]
+        self.dp_of_rank = [info["coords"]["dp_rank"] for info in self.infos]
+        self.open_channel()  # at start and after every rebuild: the ranks serve fresh channels
 
     # ---- the fast step transport ---------------------------------------------------------
 
@@ -98,6 +107,7 @@ class RayExecutor:
         from launch.step_channel import StepClient
 
         self.close_channel()
+        self._reopen = False
         if self.transport == "ray":
             return
         try:
@@ -137,20 +147,49 @@ class RayExecutor:
         return [StepResult.from_bytes(reply) for reply in replies]
 
     def _channel_fault(self, error: Exception) -> Exception:
-        """The error the Ray path would have raised for the same fault."""
-        from launch.cluster import WorkerCallError
+        """The ``WorkerFault`` the Ray path would have raised for the same fault."""
+        from launch.recovery import WorkerCallError, WorkerTimeoutError
         from launch.step_channel import ChannelClosed, ChannelTimeout, RemoteError
 
         rank = error.rank
+        where = f"worker rank {rank} on node {self.group._node(rank)}"
         if isinstance(error, RemoteError):
-            return WorkerCallError(rank, self.group._node(rank), "execute", error.cause)
+            cause = error.cause
+            first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+            return WorkerCallError(f"{where} failed in execute: {first}", rank=rank, detail=type(cause).__name__)
         if isinstance(error, ChannelTimeout):
-            return TimeoutError(f"execute did not finish within {self.group.call_timeout_s:.0f}s "
-                                f"on ranks {error.ranks}")
+            return WorkerTimeoutError(f"ranks {error.ranks} did not finish execute within "
+                                      f"{self.group.call_timeout_s:.0f}s (recovery.step_timeout_s): hung",
+                                      rank=rank if len(error.ranks) == 1 else -1)
         assert isinstance(error, ChannelClosed)
         # Ask Ray whether the actor is gone: it raises the typed WorkerDiedError with Ray's cause.
         self.group.wait([self.group.actors[rank].ping.remote()], "ping", [rank], self.fault_ping_timeout_s)
-        return RuntimeError(f"worker rank {rank} on node {self.group._node(rank)}: {error}")
+        return WorkerCallError(f"{where}: {error}", rank=rank, detail="ChannelClosed")
+
+    setup_timeout_s = 600.0
+
+    restart_ping_timeout_s = 5.0
+
+    def restart(self, phy2log: torch.Tensor | None) -> None:
+        """After a worker fault: ranks that still answer drop their broken process groups and
+        model; the others (dead, or stuck in a call) are killed and replaced by new actors in
+        their placement-group bundles; then every rank rendezvous afresh and loads its shard
+        from the checkpoint with placement ``phy2log [L, P]`` (the one in force on the driver).
+        KV caches start empty. Raises what the rebuild raised; the caller decides on a retry."""
+        self.group.grow()  # a fault while degraded: rebuild the full group
+        self.spec = dataclasses.replace(self.full_spec, phy2log=None if phy2log is None else phy2log.clone())
+        alive = self.group.responsive_ranks(self.restart_ping_timeout_s)
+        self.group.collect_abandoned()
+        if alive:
+            try:
+                self.group.call("reset", self.spec, ranks=alive, timeout_s=self.restart_ping_timeout_s * 4)
+            except Exception as exc:  # noqa: BLE001 - replace them all then
+                log.warning("resetting the surviving ranks failed (%s): replacing every rank", exc)
+                alive = []
+        dead = [r for r in range(self.group.num_ranks) if r not in alive]
+        log.warning("rebuilding the worker group: reusing ranks %s, starting new actors for ranks %s", alive, dead)
+        self.group.replace(dead, self._make_args(self.spec))
+        self._setup()
 
     @staticmethod
     def _make_args(spec: WorkerSpec):
@@ -158,6 +197,42 @@ class RayExecutor:
             return (dataclasses.replace(spec, num_nodes=num_nodes), rank), {}
 
         return make
+
+    # ---- degraded mode (launch.recovery): fewer ranks until the replacements join ----------
+
+    def find_lost_ranks(self) -> list[int]:
+        """After a fault: the ranks that do not answer a ping (dead, or stuck in a call)."""
+        alive = self.group.responsive_ranks(self.restart_ping_timeout_s)
+        self.group.collect_abandoned()
+        return [r for r in range(self.group.num_ranks) if r not in alive]
+
+    def degrade(self, lost: list[int], data_parallel_size: int, phy2log: torch.Tensor | None) -> None:
+        """Serve on the survivors: drop ranks ``lost`` (replacements start in their bundles as
+        standbys), renumber the others and rebuild them as a group of ``data_parallel_size``
+        DP ranks (tp 1) with placement ``phy2log [L, P']``; KV caches start empty."""
+        self.group.shrink(lost)
+        ep = data_parallel_size if (self.full_spec.ep or 1) > 1 else 1
+        self.spec = dataclasses.replace(self.full_spec, dp=data_parallel_size, ep=ep, num_nodes=1,
+                                        phy2log=None if phy2log is None else phy2log.clone())
+        self.group.call_each("reset", [(self.spec, r) for r in range(self.group.num_ranks)],
+                             timeout_s=self.restart_ping_timeout_s * 4)
+        self._setup()
+
+    @property
+    def is_degraded(self) -> bool:
+        return self.group.num_standby > 0
+
+    def standby_ready(self) -> bool:
+        """True when every replacement rank started by ``degrade`` is up."""
+        return self.group.standby_ready()
+
+    def restore(self, phy2log: torch.Tensor | None) -> None:
+        """Take the standbys in and rebuild the full layout with placement ``phy2log [L, P]``."""
+        self.group.grow()
+        self.spec = dataclasses.replace(self.full_spec, phy2log=None if phy2log is None else phy2log.clone())
+        self.group.call_each("reset", [(self.spec, r) for r in range(self.group.num_ranks)],
+                             timeout_s=self.restart_ping_timeout_s * 4)
+        self._setup()
 
     def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
         if self._reopen:
@@ -180,6 +255,10 @@ class RayExecutor:
 
     def call(self, method: str, *args: Any) -> list[Any]:
         return self.group.call(method, *args)
+
+    def check_alive(self, timeout_s: float = 10.0) -> None:
+        """Ping every rank; raises a ``WorkerFault`` naming a rank that is gone or hung."""
+        self.group.call("ping", timeout_s=timeout_s)
 
     def shutdown(self) -> None:
         import ray
@@ -210,9 +289,11 @@ def cpus_per_rank(world_size: int) -> float:
 
 
 def build_executor(spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None,
-                   transport: str = "auto") -> Executor:
-    """In-process for one rank, Ray actors otherwise. transport: how steps reach the actors
-    ("auto": the step channel when every rank can be reached, else Ray calls)."""
+                   call_timeout_s: float = 600.0, transport: str = "auto") -> Executor:
+    """In-process for one rank, Ray actors otherwise. call_timeout_s: how long the driver waits
+    for the ranks on one step or move before it declares them hung (``WorkerTimeoutError``).
+    transport: how steps reach the actors ("auto": the step channel when every rank can be
+    reached, else Ray calls)."""
     if spec.world_size == 1:
         return LocalExecutor(spec)
-    return RayExecutor(spec, strategy=strategy, address=address, transport=transport)
+    return RayExecutor(spec, strategy=strategy, address=address, call_timeout_s=call_timeout_s, transport=transport)

@@ -24,6 +24,11 @@ def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig
         if key == "eplb_config":
             for sub, sub_value in dict(value or {}).items():
                 set_dotted(data, f"balancer.{sub}", sub_value)
+        elif key == "recovery_config":  # launch.config.RecoveryConfig fields
+            for sub, sub_value in dict(value or {}).items():
+                set_dotted(data, f"recovery.{sub}", sub_value)
+        elif key == "collective_timeout_s":
+            set_dotted(data, "parallel.collective_timeout_s", value)
         elif key in VLLM_KEYS and key not in _SERVER_ONLY:
             set_dotted(data, VLLM_KEYS[key], value)
         else:

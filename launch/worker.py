@@ -132,14 +132,23 @@ class Worker:
     groups, builds and loads the shard; then ``execute`` once per step."""
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
-        from parallel.layout import Layout
 
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
+        self._place(spec, rank)
+        self.groups = None
+        self._where = "setup"  # the collective this rank is in or about to enter (error messages)
+
+    def _place(self, spec: WorkerSpec, rank: int) -> None:
+        from parallel.layout import Layout
+
         self.spec, self.rank = spec, rank
         self.layout = Layout(tp=spec.tp, dp=spec.dp, ep=spec.ep, num_nodes=spec.num_nodes)
         self.coords = self.layout.coords(rank)
-        self.groups = None
+
+    def process_id(self) -> int:
+        """This rank's pid; answering at all means the actor is up."""
+        return os.getpid()
 
     def rendezvous_address(self) -> str:
         """A tcp:// init method on this rank's node (called on rank 0 only)."""
@@ -184,7 +193,43 @@ class Worker:
                                      spec.kv_cache_dtype, tp_size=spec.tp, device=self.device)
         self.sampler = Sampler(seed=spec.seed + self.coords.dp_rank)
         self.one_row_gemv = use_native_gemv(self.dtype, self.device)
+        if spec.world_size > 1:
+            self._track_collectives()
         return self.ping()
+
+    def _track_collectives(self) -> None:
+        """Label each layer's collective before it is entered, so a failure can name it."""
+        ep = f"all_to_all over the EP group ({self.layout.ep_size} ranks)"
+        for layer in self.model.model.layers:
+            i = layer.layer_id
+            self._label(layer.self_attn, f"layer {i} attention all_reduce over the TP group")
+            self._label(layer.mlp, f"layer {i} MoE dispatch/combine {ep}" if hasattr(layer.mlp, "experts")
+                        else f"layer {i} MLP all_reduce over the TP group")
+
+    def _label(self, module: torch.nn.Module, where: str) -> None:
+        def hook(*_: Any) -> None:
+            self._where = where
+
+        module.register_forward_pre_hook(hook)
+
+    def _collective_error(self, exc: BaseException) -> BaseException:
+        """A failed or timed-out collective as ``CollectiveError`` naming rank and collective
+        (other errors unchanged)."""
+        import torch.distributed as dist
+
+        from launch.recovery import CollectiveError
+
+        text = str(exc)
+        if not (isinstance(exc, dist.DistError) or any(k in text for k in ("gloo", "Timed out", "Connection",
+                                                                          "NCCL", "timed out"))):
+            return exc
+        first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+        if "imed out" in text:
+            what = (f"did not complete within parallel.collective_timeout_s={self.spec.dist_timeout_s:g}s "
+                    "(a peer rank stalled or died)")
+        else:
+            what = "failed: a peer rank went away"
+        return CollectiveError(f"rank {self.rank}: {self._where} {what} [{first[:200]}]")
 
     # ---- placement -------------------------------------------------------------------
 
@@ -209,7 +254,17 @@ class Worker:
     @torch.inference_mode()
     def execute(self, batch: BatchSpec, collect_load: bool = True) -> StepResult:
         """Run one step on this rank's batch (possibly empty: then only the MoE collectives
-        run, so every EP rank enters every collective)."""
+        run, so every EP rank enters every collective). A collective that fails or times
+        out raises ``CollectiveError`` naming this rank and the collective."""
+        try:
+            return self._execute(batch, collect_load)
+        except RuntimeError as exc:
+            error = self._collective_error(exc)
+            if error is exc:
+                raise
+            raise error from None
+
+    def _execute(self, batch: BatchSpec, collect_load: bool) -> StepResult:
         started = time.perf_counter()
         sampled = None
         if batch.is_empty:
@@ -244,6 +299,7 @@ class Worker:
         ids = torch.empty(0, k, dtype=torch.int64, device=self.device)
         w = torch.empty(0, k, dtype=torch.float32, device=self.device)
         for layer in self.model.moe_layers():
+            self._where = f"layer {layer.layer_id} MoE dispatch/combine over the EP group (idle rank)"
             layer.dispatcher.dispatch_combine(x, ids, w, layer.experts, layer.layer_id)
 
     def _read_counters(self, collect_load: bool, count_local: bool) -> tuple[torch.Tensor | None,
@@ -271,11 +327,18 @@ class Worker:
 
         layers = list(self.model.moe_layers())
         names = [f"model.layers.{layer.layer_id}.mlp.experts" for layer in layers]
-        result = apply_move_plan(
-            plan, [layer.experts for layer in layers], new_phy2log, self.coords.ep_rank,
-            self.groups.ep if self.groups else None, method=self.spec.migration_method,
-            checkpoint=self.spec.model_path, module_names=names,
-        )
+        self._where = "expert migration (isend/irecv over the EP group)"
+        try:
+            result = apply_move_plan(
+                plan, [layer.experts for layer in layers], new_phy2log, self.coords.ep_rank,
+                self.groups.ep if self.groups else None, method=self.spec.migration_method,
+                checkpoint=self.spec.model_path, module_names=names,
+            )
+        except RuntimeError as exc:
+            error = self._collective_error(exc)
+            if error is exc:
+                raise
+            raise error from None
         for i, layer in enumerate(layers):
             layer.set_placement(new_phy2log[i], self.layout.ep_size, self.coords.ep_rank)
         self.phy2log = new_phy2log.clone()
@@ -318,6 +381,20 @@ class Worker:
         server = self.__dict__.pop("_step_server", None)
         if server is not None:
             server.close()
+
+    def reset(self, spec: WorkerSpec, rank: int | None = None) -> None:
+        """After a peer's fault: leave the (broken) process groups and drop the shard and KV
+        cache; ``setup`` then builds everything again from ``spec`` as ``rank`` (default: the
+        same rank; another one when the group shrinks to its survivors or grows back)."""
+        import torch.distributed as dist
+
+        self.close_step_channel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._place(spec, self.rank if rank is None else rank)
+        self.groups, self._where = None, "setup"
+        for name in ("model", "kv_cache"):
+            self.__dict__.pop(name, None)
 
     def shutdown(self) -> None:
         import torch.distributed as dist

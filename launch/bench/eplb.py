@@ -1,6 +1,7 @@
 """EPLB benchmark: our placement policy side by side with DeepSeek's reference.
 
     python -m launch bench eplb [--reference PATH] [--json FILE] [--scenario NAME ...]
+    python -m launch bench eplb --series [--full] [--seed N] [--trace DUMP] (launch/bench/eplb_series.py)
 
 For each model shape and synthetic load it reports balancedness (ours, reference and
 an upper bound no placement can beat), the time to compute a placement, and, under a
@@ -162,7 +163,17 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        import sys
+
+        argv = sys.argv[1:]
+    if "--series" in argv:
+        from launch.bench.eplb_series import series_main
+
+        return series_main(argv)
     parser = argparse.ArgumentParser(prog="python -m launch bench eplb", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--series", action="store_true",
+                        help="judge balancers over time on load traces instead (see --series --help)")
     parser.add_argument("--reference", metavar="PATH", help="DeepSeek's eplb.py, or the folder holding it")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="repeatable; default all")

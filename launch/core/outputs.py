@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 TokenLogprobs = dict[int, float]
 
 
@@ -20,7 +20,8 @@ class CompletionOutput:
     """One of the n completions of a request.
 
     finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens
-        or max_model_len), "abort", or None while still generating.
+        or max_model_len), "abort", "error" (the engine lost the workers running it: see
+        ``launch.recovery``), or None while still generating.
     stop_reason: the stop string or stop token id that ended it; None for EOS/length.
     cumulative_logprob: sum of the sampled tokens' logprobs (None without logprobs).
     """

@@ -25,6 +25,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -39,6 +40,7 @@ _FINISH_REASONS: dict[SequenceStatus, FinishReason] = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -169,6 +171,17 @@ class Sequence:
 
     def abort(self) -> None:
         self._finish(SequenceStatus.FINISHED_ABORTED, None)
+
+    def fail(self) -> None:
+        """End with ``finish_reason="error"`` (the engine lost the workers holding its state)."""
+        self._finish(SequenceStatus.FINISHED_ERROR, None)
+
+    def reset_to_waiting(self) -> None:
+        """Forget every computed token (its KV is gone); it runs again from its first token."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.num_cached_blocks = 0
 
     def _finish(self, status: SequenceStatus, stop_reason: str | int | None) -> None:
         self.status = status

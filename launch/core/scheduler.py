@@ -14,6 +14,7 @@ The engine loop is: ``out = schedule()``, run every rank's batch, ``update(out, 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -184,6 +185,46 @@ class Scheduler:
             self._seqs.pop(seq.seq_id, None)
         request.metrics.finished_time = self._clock()
         return request.to_output()
+
+    def reset_after_fault(
+        self, allocators: SequenceOf[BlockAllocator], may_retry: Callable[[Request], bool]
+    ) -> tuple[list[str], list[RequestOutput]]:
+        """The workers lost every KV block: adopt ``allocators`` (fresh; the prefix cache is
+        gone too; one per DP rank of the group that runs next, which may have fewer or more
+        ranks than before), requeue each request with ``may_retry(request)`` to be recomputed
+        from its first token, end every other one with ``finish_reason="error"``. A step
+        scheduled but never updated is dropped. Returns (requeued ids, outputs of the failed)."""
+        if not allocators or any(a.block_size != self.config.block_size for a in allocators):
+            raise ValueError(f"need at least one allocator of block_size {self.config.block_size}")
+        old_dp = self.config.dp_size
+        self.config = dataclasses.replace(self.config, dp_size=len(allocators))
+        self.allocators = list(allocators)
+        self._pending_step = None
+        retried, failed = [], []
+        now = self._clock()
+        for request_id, request in list(self._requests.items()):
+            if may_retry(request):
+                retried.append(request_id)
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.fail()
+                self._seqs.pop(seq.seq_id, None)
+            del self._requests[request_id]
+            request.metrics.finished_time = now
+            failed.append(request.to_output())
+        alive = [s for rank in range(old_dp) for s in (*self._running[rank], *self._waiting[rank])
+                 if s.seq_id in self._seqs]
+        self._running = [[] for _ in range(self.config.dp_size)]
+        self._waiting = [deque() for _ in range(self.config.dp_size)]
+        for request in self._requests.values():  # a request's seqs stay together on one rank
+            request.dp_rank %= self.config.dp_size
+            for seq in request.seqs:
+                seq.dp_rank = request.dp_rank
+        for seq in sorted(alive, key=lambda s: s.arrival_order):
+            seq.reset_to_waiting()
+            self._waiting[seq.dp_rank].append(seq)
+        return retried, failed
 
     def _retire(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and release its blocks."""

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from launch.server.generation import EngineClient
+from launch.server.generation import EngineClient, unavailable_error
 from launch.server.metrics import ServerMetrics
 from launch.server.protocol import (
     APIError,
@@ -207,15 +207,20 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine works; 503 once it reports an error (``errored`` / ``check_health``)."""
+        """200 while the engine serves; 503 with the reason while it recovers from a worker
+        fault (with Retry-After) or once it has stopped (``errored`` / ``check_health``)."""
         try:
-            if getattr(engine, "errored", False):
-                raise RuntimeError("the engine has stopped on an error")
             check = getattr(engine, "check_health", None)
             if check is not None:
                 await _call(check)
+            if getattr(engine, "errored", False):
+                raise RuntimeError("the engine has stopped on an error")
         except Exception as exc:
-            return error_response(503, f"Engine unhealthy: {exc}")
+            unavailable = unavailable_error(exc)
+            if unavailable is not None:
+                return error_response(503, unavailable.message, type="service_unavailable",
+                                      headers=unavailable.headers)
+            return error_response(503, f"Engine unhealthy: {exc}", type="service_unavailable")
         return Response(status_code=200)
 
     @app.get("/v1/models")

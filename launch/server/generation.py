@@ -57,9 +57,29 @@ class SubRequest:
     params: Any
 
 
+def _is(exc: BaseException, name: str) -> bool:
+    """Matched by class name: the engine's error classes live with the engine."""
+    return any(cls.__name__ == name for cls in type(exc).__mro__)
+
+
 def is_queue_full(exc: BaseException) -> bool:
-    """True for the engine's ``EngineQueueFull`` (matched by name: the class lives in the engine)."""
-    return any(cls.__name__ == "EngineQueueFull" for cls in type(exc).__mro__)
+    """True for the engine's ``EngineQueueFull``."""
+    return _is(exc, "EngineQueueFull")
+
+
+# Seconds a client is asked to wait while the engine rebuilds a worker group.
+RECOVERY_RETRY_AFTER_S = 5
+
+
+def unavailable_error(exc: BaseException) -> APIError | None:
+    """503 for an engine that is recovering (with Retry-After) or dead (``launch.recovery``);
+    None for any other error. The reason is the engine's one-line summary, no Ray internals."""
+    if _is(exc, "EngineRecoveringError"):
+        return APIError(503, f"The engine is recovering: {exc}", type="service_unavailable",
+                        headers={"Retry-After": str(RECOVERY_RETRY_AFTER_S)})
+    if _is(exc, "EngineDeadError"):
+        return APIError(503, f"The engine has stopped: {exc}", type="service_unavailable")
+    return None
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -69,6 +89,9 @@ def engine_error(exc: Exception) -> APIError:
     if is_queue_full(exc):
         return APIError(503, f"The server is overloaded: {exc}. Retry later.", type="server_overloaded",
                         headers={"Retry-After": "1"})
+    unavailable = unavailable_error(exc)
+    if unavailable is not None:
+        return unavailable  # the engine logged the fault once; nothing per request
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     logger.exception("engine failed a request", exc_info=exc)

@@ -31,6 +31,8 @@ _GAUGES = (
     ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
     ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
     ("moe:balancedness", "balancedness", "Mean over max rank load, summed over MoE layers (1.0 is perfect)."),
+    ("moe:engine_state", "engine_state", "0 serving, 1 recovering from a worker fault, 2 stopped."),
+    ("moe:worker_ranks_missing", "num_missing_ranks", "Ranks a degraded group serves without (0 at full size)."),
 )
 # Counters: prometheus_client appends the ``_total`` suffix on exposition.
 _COUNTERS = (
@@ -44,6 +46,11 @@ _COUNTERS = (
     ("moe:rebalances", "num_rebalances", "Expert rebalances applied."),
     ("moe:rebalance_seconds", "rebalance_seconds_total", "Seconds spent rebalancing experts."),
     ("moe:expert_copies_moved", "expert_copies_moved", "Expert weight copies moved between slots."),
+    ("moe:worker_faults", "num_worker_faults", "Worker ranks lost: died, failed a collective or hung."),
+    ("moe:engine_recoveries", "num_recoveries", "Worker groups rebuilt after a fault."),
+    ("moe:engine_recovery_seconds", "recovery_seconds_total", "Seconds from worker faults to serving again."),
+    ("moe:requests_retried", "num_requests_retried", "Requests requeued from scratch after a worker fault."),
+    ("moe:requests_failed", "num_requests_failed", "Requests ended with an error by a worker fault."),
 )
 
 

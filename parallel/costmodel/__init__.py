@@ -3,7 +3,7 @@
 Pure code (no processes): ``predict_point(model_config, deployment, hardware, batch_size=,
 kv_len=)`` -> ``StepPrediction``. Hardware is data (``Hardware.from_dict`` of a
 ``configs/hardware/*.yaml`` or of what ``simulate calibrate`` measured); ``Deployment``
-is the layout and engine settings (``launch.simulate.deployment_from_config`` builds it
+is the layout and engine settings (``launch.hardware.deployment_from_config`` builds it
 from a runtime config). See docs/layouts.md, "Cost model".
 """
 

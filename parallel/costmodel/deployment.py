@@ -1,7 +1,7 @@
 """What the cost model predicts for: a layout plus the engine settings that change step time.
 
 ``Deployment`` is plain data so ``parallel`` never imports ``launch``:
-``launch.simulate.deployment_from_config`` builds it from a ``RuntimeConfig``.
+``launch.hardware.deployment_from_config`` builds it from a ``RuntimeConfig``.
 """
 
 from __future__ import annotations

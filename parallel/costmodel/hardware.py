@@ -1,7 +1,7 @@
 """Hardware as data: peak rates, bandwidths and efficiencies one cost-model prediction reads.
 
 A ``Hardware`` is built from a plain mapping (``configs/hardware/*.yaml`` parsed by
-``launch.simulate``, or what ``simulate calibrate`` measured), so this module does no
+``launch.hardware.load_hardware``, or what ``simulate calibrate`` measured), so this module does no
 file I/O. Rates are per accelerator (one rank); bandwidths are one direction, bytes/s.
 
 Efficiencies are global per hardware (never per workload): an operator's time is

@@ -1,5 +1,6 @@
 """EPLB on a live EP4 cluster: a router biased toward two experts makes them hot; after a
-rebalance they hold replicas, measured balancedness rises, and greedy tokens do not change."""
+rebalance they hold replicas, measured balancedness rises, and greedy tokens do not change.
+The forecasting trigger (the default): the rebalance asked for is rebalance_from_history's."""
 
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def test_hot_experts_gain_replicas_and_balance_rises(ray_local, hf_checkpoints, 
     with LLM(str(path), dtype="float32") as llm:
         single = [o.outputs[0].token_ids for o in llm.generate(requests, params)]
     with LLM(str(path), dtype="float32", data_parallel_size=4, enable_expert_parallel=True, enable_eplb=True,
-             num_redundant_experts=4, eplb_config={"window_size": 1000, "step_interval": 100000}) as llm:
+             num_redundant_experts=4, eplb_config={"window_size": 1000, "check_interval": 100000}) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(requests, params)] == single
         eplb = llm.engine.eplb
+        assert eplb.config.resolved_trigger == "forecast"
         _, before = eplb.balancedness()
         load = eplb.stats.logical_load(eplb.placement.phy2log)  # [L, E]
         assert (load[:, :2].sum(1) > load[:, 2:].sum(1) / 2).all()  # experts 0, 1 are hot

@@ -48,20 +48,22 @@ def test_layout_matches_single_process_and_transformers(ray_local, oracle, tp, d
 
 @pytest.mark.parametrize("transport", ["socket", "ray"])
 def test_dead_worker_is_named(ray_local, oracle, transport):
+    """With recovery off the engine fails fast, naming the rank (tests/ray/test_worker_faults.py
+    covers recovery), on either step transport."""
     import time
 
     import ray
 
-    from launch.cluster import WorkerDiedError
+    from launch.recovery import EngineDeadError
 
     path, prompts, _ = oracle
     llm = LLM(str(path), dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
-              step_transport=transport)
+              recovery_config={"enable_recovery": False}, step_transport=transport)
     try:
         assert llm.engine.executor.active_transport == transport
         ray.kill(llm.engine.executor.group.actors[1], no_restart=True)
         started = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="rank 1"):
+        with pytest.raises(EngineDeadError, match=r"worker rank 1 on node 0 \(\w+\) died \(killed by the driver\)"):
             generate(llm, prompts)
         assert time.monotonic() - started < 60  # promptly, not after a collective or call timeout
     finally:

@@ -12,8 +12,8 @@ from balancer import BalancerConfig, RoutingStats, should_rebalance
 
 def test_defaults_match_vllm():
     c = BalancerConfig()
-    assert (c.enable_eplb, c.num_redundant_experts, c.window_size, c.step_interval, c.log_balancedness) == (
-        False, 0, 1000, 3000, False)
+    assert (c.enable_eplb, c.num_redundant_experts, c.window_size, c.resolved_step_interval,
+            c.log_balancedness) == (False, 0, 1000, 3000, False)
     assert c.min_balancedness_to_skip == 0.95 and c.policy == "auto"
 
 
@@ -23,6 +23,17 @@ def test_from_dict_accepts_vllm_eplb_config_json():
         ' "use_async": true, "policy": "default"}'))
     assert c.num_redundant_experts == 32 and c.log_balancedness and c.use_async
     assert c.resolved_policy == "auto"
+
+
+def test_forecast_trigger_is_the_default_and_interval_keeps_vllms_schedule():
+    c = BalancerConfig.from_dict({"window_size": 500, "check_interval": 32, "move_margin": 2.0,
+                                  "step_seconds": 0.01})
+    assert (c.resolved_trigger, c.check_interval, c.move_margin, c.step_seconds) == ("forecast", 32, 2.0, 0.01)
+    assert BalancerConfig().check_interval == 64 and BalancerConfig().resolved_trigger == "forecast"
+    # vLLM's names give vLLM's behaviour; an explicit trigger wins
+    assert BalancerConfig.from_dict({"window_size": 1000, "step_interval": 3000}).resolved_trigger == "interval"
+    assert BalancerConfig(trigger="forecast", step_interval=500).resolved_trigger == "forecast"
+    assert BalancerConfig(trigger="interval").resolved_step_interval == 3000
 
 
 def test_from_dict_names_unknown_key():
@@ -37,6 +48,10 @@ def test_from_dict_names_unknown_key():
     ({"policy": "fastest"}, "fastest"),
     ({"min_balancedness_to_skip": 1.5}, "min_balancedness_to_skip=1.5"),
     ({"window_size": 2.5}, "must be an int"),
+    ({"trigger": "sometimes"}, "trigger 'sometimes'"),
+    ({"check_interval": 0}, "check_interval=0"),
+    ({"move_margin": -1.0}, "move_margin=-1.0"),
+    ({"transfer_bytes_per_s": 0.0}, "transfer_bytes_per_s=0.0"),
 ])
 def test_bad_values_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -211,12 +211,12 @@ class FakeGroup:
         return [SimpleNamespace(ping=SimpleNamespace(remote=lambda r=r: r)) for r in range(len(self.servers))]
 
     def wait(self, refs, method, ranks, timeout_s=None):
-        from launch.cluster import WorkerDiedError
+        from launch.recovery import WorkerDiedError
 
         self.calls.append((method, ranks, timeout_s))
         for r in refs:
             if r in self.dead:
-                raise WorkerDiedError(r, "0 (node)", RuntimeError("actor died"))
+                raise WorkerDiedError(f"worker rank {r} on node 0 (node) died (its process exited)", rank=r)
         return [None] * len(refs)
 
     def _node(self, rank):
@@ -257,7 +257,11 @@ def result_handler(payload):
 
 
 def test_executor_steps_over_the_channel_and_maps_faults_to_the_ray_errors():
-    from launch.cluster import WorkerCallError, WorkerDiedError
+    from launch.recovery import WorkerCallError, WorkerDiedError, WorkerTimeoutError
+
+    def slow(payload):
+        time.sleep(1.0)
+        return result_handler(payload)
 
     def crash(payload):
         raise ValueError("bad batch")
@@ -281,9 +285,23 @@ def test_executor_steps_over_the_channel_and_maps_faults_to_the_ray_errors():
     servers = [StepServer(result_handler), StepServer(crash)]
     ex = fake_executor("socket", FakeGroup(servers))
     ex.open_channel()
-    with pytest.raises(WorkerCallError, match="rank 1 .* failed in execute: bad batch"):
+    with pytest.raises(WorkerCallError, match="rank 1 .* failed in execute: bad batch") as info:
         ex.execute(step_output(2), collect_load=True)
+    assert info.value.rank == 1 and info.value.detail == "ValueError"
     # the next step connects afresh (after a recovery rebuild the ranks serve new channels)
     ex.group.servers = [StepServer(result_handler), StepServer(result_handler)]
     assert len(ex.execute(step_output(2), collect_load=False)) == 2 and ex.active_transport == "socket"
     ex.close_channel()
+    # a rank that does not answer within the call timeout: WorkerTimeoutError naming it
+    ex = fake_executor("socket", FakeGroup([StepServer(result_handler), StepServer(slow)]))
+    ex.group.call_timeout_s = 0.3
+    ex.open_channel()
+    with pytest.raises(WorkerTimeoutError, match=r"ranks \[1\] did not finish execute") as info:
+        ex.execute(step_output(2), collect_load=True)
+    assert info.value.rank == 1
+    # a channel closed under a live actor is still a fault the engine recovers from
+    ex.group.servers = [StepServer(result_handler), StepServer(result_handler)]
+    ex.open_channel()
+    ex.group.servers[0].close()
+    with pytest.raises(WorkerCallError, match="rank 0 .*closed by the worker"):
+        ex.execute(step_output(2), collect_load=True)

@@ -1,0 +1,103 @@
+"""``python -m launch profile report DUMP... --out DIR`` and ``profile run --model DIR --workload W --out DIR``.
+
+Bad input (unreadable or mismatched dumps, a pickle with code in it, an EP size that does not
+divide the experts, an unknown workload) prints one line ``error: ...`` and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_BAD_INPUT = 2
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def add_report_args(parser: argparse.ArgumentParser) -> None:
+    """--out and the what-if flags shared by both commands."""
+    parser.add_argument("--out", required=True, help="report folder (index.html, summary.json, PNGs)")
+    g = parser.add_argument_group("what-if")
+    g.add_argument("--ep", type=_positive, nargs="+", default=None, metavar="N",
+                   help="EP sizes for the what-if table (default: powers of two up to 64 that divide E)")
+    g.add_argument("--redundant", type=_non_negative, nargs="+", default=None, metavar="N",
+                   help="redundant experts per layer (default: 0 and 1, 2, 4 per rank)")
+    g.add_argument("--recorded-ep", type=_positive, default=None, metavar="N",
+                   help="EP size of the recorded run when the dump does not say (default: the first --ep)")
+    g.add_argument("--hierarchical-nodes", type=_positive, default=2,
+                   help="nodes for the hierarchical what-if placement (default 2)")
+    g.add_argument("--num-groups", type=_positive, default=None,
+                   help="expert groups for hierarchical placement (default: the model's n_group, else --hierarchical-nodes)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def report_main(argv: list[str]) -> int:
+    """``profile report DUMP [DUMP ...] --out DIR [--ep N ...] [--redundant N ...]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m launch profile report",
+        description="Expert-load report from expert-distribution dumps: this project's .safetensors, SGLang's "
+                    "stat / per_pass .pt (torch.save), or [steps, L, E] counts as .npy / .npz / .csv. Several "
+                    "dumps are concatenated in the order given.")
+    parser.add_argument("dumps", nargs="+", metavar="DUMP")
+    add_report_args(parser)
+    args = parser.parse_args(argv)
+    from launch.profile.readers import DumpError, read_recording
+    from launch.profile.report import write_report
+    from launch.profile.study import options_from_args
+
+    try:
+        recording = read_recording(args.dumps)
+        page = write_report(recording, args.out, options_from_args(args))
+    except DumpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"report: {page}")
+    return 0
+
+
+def run_main(argv: list[str]) -> int:
+    """``profile run --model DIR [layout flags] --workload NAME|FILE [--steps N] --out DIR``."""
+    from launch.config_args import add_runtime_args
+
+    parser = argparse.ArgumentParser(
+        prog="python -m launch profile run",
+        description="Run the engine over a workload with expert-distribution recording on, dump it, and write "
+                    "the expert-load report. Workload phases joined by '+' (prose+code) run one after the other.")
+    add_runtime_args(parser, server=False)
+    parser.add_argument("--workload", required=True, metavar="NAME|FILE",
+                        help="shipped workload name, a .jsonl/.txt file, or phases joined by '+'")
+    parser.add_argument("--steps", type=_positive, default=None,
+                        help="engine steps to record, split evenly over the phases (prompts repeat as needed); "
+                             "default: every prompt once")
+    parser.add_argument("--max-tokens", type=_positive, default=32, help="tokens generated per prompt (default 32)")
+    add_report_args(parser)
+    args = parser.parse_args(argv)
+    from launch.config_schema import ConfigError
+    from launch.profile.readers import DumpError
+    from launch.profile.runner import ProfileRunError, run_and_report
+
+    try:
+        page = run_and_report(args)
+    except (ConfigError, DumpError, ProfileRunError, FileNotFoundError) as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"report: {page}")
+    return 0

@@ -1,0 +1,146 @@
+"""Expert counts read from one dump file (``Dump``), a recording of several (``Recording``),
+and the checks every reader applies. Shape legend: S steps, L layers, E experts, P slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Dump", "DumpError", "Recording", "check_counts", "check_dropped", "check_logical", "check_placement",
+           "physical_to_logical"]
+
+
+class DumpError(ValueError):
+    """A dump that cannot be read as expert counts; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Dump:
+    """One file's counts.
+
+    logical_count: [S, L, E] float64 (integral for every format but float .npy/.csv input);
+    physical_count: [S, L, P] float64 exact per-slot counts, or None;
+    phy2log: [L, P] int64 placement in force (the last one when it changed), or None;
+    num_ranks: EP size of that placement when the dump records it; dropped: [S, L] or None;
+    phases: (name, first step, end step) of workload phases, steps relative to this dump;
+    ranks: SGLang ranks whose records a per_pass dump holds.
+    """
+
+    path: str
+    format: str
+    logical_count: np.ndarray
+    physical_count: np.ndarray | None = None
+    phy2log: np.ndarray | None = None
+    num_ranks: int | None = None
+    dropped: np.ndarray | None = None
+    phases: tuple[tuple[str, int, int], ...] = ()
+    ranks: frozenset[int] = field(default_factory=frozenset)
+    pass_ids: np.ndarray | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.logical_count.shape[0])
+
+
+@dataclass(frozen=True)
+class Recording:
+    """Dumps concatenated in time (same L and E). ``logical_count`` [S, L, E] float64."""
+
+    dumps: tuple[Dump, ...]
+    logical_count: np.ndarray
+    dropped: np.ndarray | None
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.logical_count.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.logical_count.shape[1])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.logical_count.shape[2])
+
+    @property
+    def offsets(self) -> list[int]:
+        """First step of each dump in the concatenated recording."""
+        return [int(x) for x in np.cumsum([0] + [d.num_steps for d in self.dumps])[:-1]]
+
+    @property
+    def phases(self) -> list[tuple[str, int, int]]:
+        """Workload phases with steps in recording coordinates."""
+        return [(name, a + off, b + off) for d, off in zip(self.dumps, self.offsets) for name, a, b in d.phases]
+
+
+# ---- validation ------------------------------------------------------------------------
+
+
+def as_array(value: Any) -> np.ndarray:
+    """A torch tensor (any dtype, bfloat16 included), numpy array or nested list -> numpy."""
+    if hasattr(value, "detach"):
+        t = value.detach().cpu()
+        return (t.double() if t.is_floating_point() else t).numpy()
+    return np.asarray(value)
+
+
+def check_counts(path: Path, name: str, value: Any, ndim: int | tuple[int, ...]) -> np.ndarray:
+    arr = as_array(value)
+    dims = (ndim,) if isinstance(ndim, int) else ndim
+    if arr.ndim not in dims:
+        want = " or ".join({3: "[steps, L, E]", 2: "[L, E]"}.get(d, f"{d}-D") for d in dims)
+        raise DumpError(f"{path}: {name} must be {want}, got shape {list(arr.shape)}")
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise DumpError(f"{path}: {name} must hold numbers, got dtype {arr.dtype}")
+    arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all() or (arr < 0).any():
+        raise DumpError(f"{path}: {name} must hold finite non-negative counts")
+    return arr
+
+
+def check_logical(path: Path, value: Any) -> np.ndarray:
+    arr = check_counts(path, "logical_count", value, (2, 3))
+    if arr.ndim == 2:
+        arr = arr[None]
+    if arr.shape[0] == 0:
+        raise DumpError(f"{path}: holds no recorded steps (logical_count is {list(arr.shape)})")
+    if arr.shape[1] == 0 or arr.shape[2] == 0:
+        raise DumpError(f"{path}: logical_count {list(arr.shape)} has no layers or no experts")
+    return arr
+
+
+def check_placement(path: Path, value: Any, num_layers: int, num_experts: int) -> np.ndarray:
+    arr = as_array(value)
+    if arr.ndim != 2 or arr.shape[0] != num_layers or arr.shape[1] < num_experts:
+        raise DumpError(f"{path}: placement (physical to logical map) must be [L={num_layers}, P>={num_experts}], "
+                        f"got shape {list(arr.shape)}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise DumpError(f"{path}: placement must hold integer expert ids, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if arr.min() < 0 or arr.max() >= num_experts:
+        raise DumpError(f"{path}: placement holds expert ids outside [0, {num_experts})")
+    covered = np.zeros((num_layers, num_experts), dtype=bool)
+    covered[np.arange(num_layers)[:, None], arr] = True
+    if not covered.all():
+        layer, expert = np.argwhere(~covered)[0]
+        raise DumpError(f"{path}: placement gives expert {expert} of layer {layer} no slot")
+    return arr
+
+
+def check_dropped(path: Path, value: Any, shape: tuple[int, int]) -> np.ndarray:
+    arr = check_counts(path, "dropped_count", value, 2)
+    if arr.shape != shape:
+        raise DumpError(f"{path}: dropped_count must be [steps, L] = {list(shape)}, got {list(arr.shape)}")
+    return arr
+
+
+def physical_to_logical(physical: np.ndarray, phy2log: np.ndarray, num_experts: int) -> np.ndarray:
+    """physical: [S, L, P] per-slot counts; phy2log: [L, P] -> [S, L, E] per-expert counts."""
+    steps, num_layers, _ = physical.shape
+    out = np.zeros((steps, num_layers, num_experts), dtype=np.float64)
+    for layer in range(num_layers):
+        np.add.at(out[:, layer], (slice(None), phy2log[layer]), physical[:, layer])
+    return out

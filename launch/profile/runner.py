@@ -1,0 +1,160 @@
+"""``profile run``: drive the engine over a workload with expert-distribution recording on,
+dump the record beside the report, then write the report.
+
+Phases of a workload (``prose+code``) run one after the other. With ``--steps N`` each phase
+gets N / phases engine steps: its prompts are fed (repeating when they run out) so that up
+to ``max_num_seqs`` requests per DP rank are always running, and the ones still running
+when its steps are spent are aborted, so the switch is sharp. Without ``--steps`` every
+prompt of a phase runs to the end before the next phase starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from launch.core import SamplingParams
+
+MAX_IDLE_STEPS = 1000
+
+
+class ProfileRunError(ValueError):
+    """A run that cannot be profiled (no MoE layers, no tokenizer, a bad workload)."""
+
+
+def _encode(engine, prompt: str, max_tokens: int) -> list[int]:
+    ids = engine.tokenizer.encode(prompt)
+    room = engine.max_model_len - max_tokens
+    if room < 1:
+        raise ProfileRunError(f"--max-tokens {max_tokens} leaves no room for a prompt in max_model_len "
+                              f"{engine.max_model_len}")
+    return ids[:room] or [0]
+
+
+class _Feeder:
+    """Adds requests to the engine and tracks the ones still running."""
+
+    def __init__(self, engine, params: SamplingParams, max_tokens: int) -> None:
+        self.engine, self.params, self.max_tokens = engine, params, max_tokens
+        self.live: set[str] = set()
+        self.num_added = 0
+        self.idle = 0
+
+    def add(self, prompt: str) -> None:
+        rid = self.engine.next_request_id()
+        # Lengths staggered over [max/2, max] so requests do not all finish (and prefill) in lockstep.
+        length = self.max_tokens - (5 * self.num_added) % (self.max_tokens // 2 + 1)
+        self.num_added += 1
+        params = dataclasses.replace(self.params, max_tokens=length)
+        try:
+            self.engine.add_request(rid, _encode(self.engine, prompt, self.max_tokens), params, prompt=prompt)
+        except ValueError as e:
+            raise ProfileRunError(f"cannot run a workload prompt: {e}") from None
+        self.live.add(rid)
+
+    def step(self) -> int:
+        """One engine step; returns 1 when it executed (recorded) a step. ProfileRunError when
+        the engine stops making progress (nothing it can schedule)."""
+        before = self.engine.counters.num_steps
+        for out in self.engine.step():
+            if out.finished:
+                self.live.discard(out.request_id)
+        ran = self.engine.counters.num_steps - before
+        self.idle = 0 if ran else self.idle + 1
+        if self.idle > MAX_IDLE_STEPS:
+            raise ProfileRunError(f"the engine ran no batch in {MAX_IDLE_STEPS} steps with {len(self.live)} "
+                                  "requests waiting (KV cache too small for --max-num-seqs / --max-tokens?)")
+        return ran
+
+    def abort_all(self) -> None:
+        for rid in sorted(self.live):
+            self.engine.abort_request(rid)
+        self.live.clear()
+
+
+def drive(engine, phases: list[tuple[str, list[str]]], steps: int | None, max_tokens: int,
+          progress: bool = True) -> list[tuple[str, int, int]]:
+    """Run the phases; returns (name, first step, end step) of each, in engine steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    feeder = _Feeder(engine, params, max_tokens)
+    concurrency = engine.config.engine.max_num_seqs * engine.config.parallel.data_parallel_size
+    spans = []
+    total = steps if steps else None
+    with tqdm(total=total, desc="profiling", unit="step", disable=not progress) as bar:
+        for i, (name, prompts) in enumerate(phases):
+            start = engine.counters.num_steps
+            if steps is None:
+                for prompt in prompts:
+                    feeder.add(prompt)
+                while engine.has_unfinished_requests():
+                    bar.update(feeder.step())
+            else:
+                budget = steps // len(phases) + (steps % len(phases) if i == len(phases) - 1 else 0)
+                source = itertools.cycle(prompts)
+                while engine.counters.num_steps - start < budget:
+                    while len(feeder.live) < concurrency:
+                        feeder.add(next(source))
+                    bar.update(feeder.step())
+                feeder.abort_all()
+            spans.append((name, start, engine.counters.num_steps))
+    return spans
+
+
+def _num_groups(model_config, requested: int | None) -> int | None:
+    if requested:
+        return requested
+    groups = model_config.n_group or 1
+    return groups if groups > 1 and model_config.num_experts % groups == 0 else None
+
+
+def run_and_report(args: argparse.Namespace) -> Path:
+    """Parse the runtime flags, record the run, dump it into ``args.out`` and write the report there."""
+    from launch.config_args import runtime_config_from_args
+    from launch.llm import LLM
+    from launch.profile.readers import read_recording
+    from launch.profile.report import write_report
+    from launch.profile.study import options_from_args
+    from launch.workloads import WorkloadError, load_workload_phases
+
+    try:
+        phases = load_workload_phases(args.workload)
+    except WorkloadError as e:
+        raise ProfileRunError(str(e)) from None
+    config = runtime_config_from_args(args)
+    out = Path(args.out)
+    llm = LLM(config=config)
+    try:
+        engine = llm.engine
+        if engine.eplb is None:
+            raise ProfileRunError(f"{config.model} has no MoE layers: nothing to profile")
+        if engine.tokenizer is None:
+            raise ProfileRunError(f"{config.model} has no tokenizer.json: workloads are text")
+        engine.eplb.start_record()
+        base = engine.counters.num_steps
+        spans = drive(engine, phases, args.steps, args.max_tokens, progress=not args.no_progress)
+        engine.eplb.stop_record()
+        meta = {"phases": json.dumps([{"name": n, "start": a - base, "end": b - base} for n, a, b in spans]),
+                "model": str(config.model), "workload": args.workload}
+        dump = engine.eplb.dump_record(out, metadata=meta)
+        model_config = engine.model_config
+        p = config.parallel
+        extra = {"model": str(config.model), "workload": args.workload,
+                 "layout": f"TP {p.tensor_parallel_size} x DP {p.data_parallel_size}, EP {p.expert_parallel_size}",
+                 "eplb": "on" if config.balancer.enable_eplb else "off",
+                 "rebalances": engine.eplb.counters.num_rebalances,
+                 "capacity_factor": config.moe.capacity_factor, "max_tokens": args.max_tokens, "dump": dump.name}
+    finally:
+        llm.shutdown()
+    recording = read_recording([dump])
+    options = options_from_args(args, model_layers=list(model_config.moe_layer_ids), extra=extra,
+                             title=f"Expert load profile: {Path(str(config.model)).name}, {args.workload}")
+    if options.num_groups is None:
+        from dataclasses import replace
+
+        options = replace(options, num_groups=_num_groups(model_config, None))
+    return write_report(recording, out, options)

@@ -1,0 +1,140 @@
+"""SGLang's expert-distribution dumps (``torch.save`` files of ``expert_distribution.py``).
+
+- ``stat`` mode: ``{"rank": int, "logical_count": [S, L, E], "average_utilization_rate_over_window":
+  float | None}``; trailing all-zero steps (the unfilled part of its ring buffer) are dropped.
+- ``per_pass`` mode, one file per rank: ``{"records": [{"forward_pass_id": int, "rank": int,
+  "gatherer_key": str, "global_physical_count": [L, P], ...}], "last_physical_to_logical_map":
+  [L, P]}``; the records of one pass are summed, passes in id order.
+
+Loaded with ``torch.load(weights_only=True)``, then checked to hold only tensors, dicts,
+lists/tuples, strings and numbers; anything else is refused with a one-line ``DumpError``.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from launch.profile.dumps import (
+    Dump,
+    DumpError,
+    check_counts,
+    check_logical,
+    check_placement,
+    physical_to_logical,
+)
+
+__all__ = ["merge_rank_files", "read_torch_dump"]
+
+
+def _check_plain(path: Path, obj: Any, where: str = "") -> None:
+    import torch
+
+    if isinstance(obj, torch.Tensor) or obj is None or isinstance(obj, bool | int | float | str):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str | int):
+                raise DumpError(f"{path}: dict key {k!r} at {where or 'top level'} is not a string or number")
+            _check_plain(path, v, f"{where}.{k}" if where else str(k))
+        return
+    if isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _check_plain(path, v, f"{where}[{i}]")
+        return
+    raise DumpError(f"{path}: {where or 'top level'} holds a {type(obj).__name__}, not plain tensors, dicts, "
+                    "lists or numbers")
+
+
+def _torch_load(path: Path) -> Any:
+    import pickle
+
+    import torch
+
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        if "Unsupported global" in str(e) or "weights_only" in str(e).lower():
+            first = next((line.strip() for line in str(e).splitlines() if "Unsupported" in line), first)
+        raise DumpError(f"{path}: refused: holds more than plain tensors, dicts, lists and numbers "
+                        f"({first.strip()[:200]})") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise DumpError(f"{path}: not a readable torch.save file ({first.strip()[:200]})") from None
+    _check_plain(path, obj)
+    return obj
+
+
+def read_torch_dump(path: Path) -> Dump:
+    obj = _torch_load(path)
+    if not isinstance(obj, dict):
+        raise DumpError(f"{path}: expected SGLang's dict dump, found a {type(obj).__name__}")
+    if "logical_count" in obj:
+        count = check_logical(path, obj["logical_count"])
+        nonzero = np.flatnonzero(count.reshape(count.shape[0], -1).sum(1) > 0)
+        if nonzero.size == 0:
+            raise DumpError(f"{path}: every recorded step is empty (no tokens)")
+        return Dump(str(path), "sglang-stat", count[: nonzero[-1] + 1])
+    if "records" in obj and "last_physical_to_logical_map" in obj:
+        return _read_per_pass(path, obj)
+    raise DumpError(f"{path}: neither an SGLang stat dump (logical_count) nor a per_pass dump "
+                    f"(records + last_physical_to_logical_map); found keys {sorted(map(str, obj))}")
+
+
+def _read_per_pass(path: Path, obj: dict) -> Dump:
+    records = obj["records"]
+    if not isinstance(records, list | tuple) or not records:
+        raise DumpError(f"{path}: per_pass dump has no records")
+    phy_raw = obj["last_physical_to_logical_map"]
+    if getattr(phy_raw, "ndim", None) != 2:
+        raise DumpError(f"{path}: last_physical_to_logical_map must be [L, P], got {_shape(phy_raw)}")
+    num_layers, num_slots = phy_raw.shape
+    num_experts = int(phy_raw.max()) + 1
+    phy = check_placement(path, phy_raw, num_layers, num_experts)
+    by_pass: dict[int, np.ndarray] = {}
+    ranks = set()
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict) or "global_physical_count" not in rec or "forward_pass_id" not in rec:
+            raise DumpError(f"{path}: records[{i}] lacks forward_pass_id or global_physical_count")
+        count = check_counts(path, f"records[{i}].global_physical_count", rec["global_physical_count"], 2)
+        if count.shape != (num_layers, num_slots):
+            raise DumpError(f"{path}: records[{i}].global_physical_count is {list(count.shape)}, the map is "
+                            f"[{num_layers}, {num_slots}]")
+        pid = int(rec["forward_pass_id"])
+        by_pass[pid] = by_pass[pid] + count if pid in by_pass else count
+        ranks.add(int(rec.get("rank", 0)))
+    ids = np.array(sorted(by_pass), dtype=np.int64)
+    physical = np.stack([by_pass[int(p)] for p in ids])
+    return Dump(str(path), "sglang-per_pass", physical_to_logical(physical, phy, num_experts), physical, phy,
+                None, ranks=frozenset(ranks), pass_ids=ids)
+
+
+def _shape(x: Any) -> str:
+    return str(list(x.shape)) if hasattr(x, "shape") else type(x).__name__
+
+
+def merge_rank_files(dumps: list[Dump]) -> list[Dump]:
+    """Consecutive SGLang per_pass dumps of different ranks under one map are one recording:
+    their passes are summed by forward_pass_id."""
+    out: list[Dump] = []
+    for d in dumps:
+        prev = out[-1] if out else None
+        if (prev is not None and d.format == prev.format == "sglang-per_pass" and not (d.ranks & prev.ranks)
+                and np.array_equal(d.phy2log, prev.phy2log)
+                and np.intersect1d(d.pass_ids, prev.pass_ids).size):
+            ids = np.union1d(prev.pass_ids, d.pass_ids)
+            physical = np.zeros((ids.size, *d.physical_count.shape[1:]), dtype=np.float64)
+            physical[np.searchsorted(ids, prev.pass_ids)] += prev.physical_count
+            physical[np.searchsorted(ids, d.pass_ids)] += d.physical_count
+            experts = prev.logical_count.shape[2]
+            out[-1] = replace(prev, path=f"{prev.path}+{Path(d.path).name}", physical_count=physical,
+                              logical_count=physical_to_logical(physical, d.phy2log, experts),
+                              ranks=prev.ranks | d.ranks, pass_ids=ids)
+        else:
+            out.append(d)
+    return out

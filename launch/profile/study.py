@@ -1,0 +1,97 @@
+"""One profiling study: the options (``ReportOptions``) and every analysis of a recording
+(``Analysis``, built by ``analyze``) that the summary, plots and page read.
+
+Shape legend: S steps, L layers, E experts, R ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from launch.profile import analysis as an
+from launch.profile.readers import Recording
+from launch.profile.whatif import (
+    WhatIfRow,
+    compute_what_if,
+    default_ep_sizes,
+    recommend_eplb_config,
+    recommend_redundant,
+)
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """ep_sizes / redundant: what-if grid (None: defaults); recorded_ep: EP size of the
+    recorded placement when the dumps do not say (None: the first EP size); num_groups /
+    num_nodes: hierarchical placement (None groups: num_nodes groups); model_layers: model
+    layer id of each MoE layer, when known; extra: run facts shown in the report."""
+
+    ep_sizes: list[int] | None = None
+    redundant: list[int] | None = None
+    recorded_ep: int | None = None
+    num_groups: int | None = None
+    num_nodes: int = 2
+    model_layers: list[int] | None = None
+    title: str = "Expert load profile"
+    extra: dict = field(default_factory=dict)
+    progress: bool = True
+
+
+@dataclass
+class Analysis:
+    """Everything the plots, page and summary read. Shapes: S steps, L layers, E experts, R ranks."""
+
+    recording: Recording
+    options: ReportOptions
+    num_ranks: int
+    rank_load: np.ndarray  # [S, L, R]
+    layer_bal: np.ndarray  # [L]
+    overall: float
+    step_bal: np.ndarray  # [S]
+    hot_ids: np.ndarray  # [L, n]
+    hot_share: np.ndarray  # [L, n]
+    top: int
+    churn: dict[int, np.ndarray]  # window -> [W - 1, L]
+    drift_layer: int
+    drift_window: int
+    what_if: list[WhatIfRow]
+    skipped: list[str]
+    ep_sizes: list[int]
+    recommendation: dict
+
+
+def analyze(recording: Recording, options: ReportOptions) -> Analysis:
+    """Run every analysis; DumpError for an EP size that does not divide the experts."""
+    count = recording.logical_count
+    steps, num_layers, num_experts = count.shape
+    ep_sizes = options.ep_sizes or default_ep_sizes(num_experts)
+    an.check_ep_sizes(ep_sizes, num_experts)
+    num_ranks = an.recorded_num_ranks(recording, options.recorded_ep or ep_sizes[0])
+    rank_load = an.recording_rank_load(recording, num_ranks)
+    layer_bal, overall = an.layer_balancedness(rank_load.sum(0))
+    hot_ids, hot_share = an.hot_experts(count.sum(0))
+    top = an.default_top(num_experts)
+    churn = {w: an.hot_set_churn(count, w, top) for w in an.churn_windows(steps)}
+    drift_window = min(churn) if churn else max(1, steps)
+    groups = options.num_groups or options.num_nodes
+    rows, skipped = compute_what_if(count, ep_sizes, options.redundant, num_groups=groups,
+                                    num_nodes=options.num_nodes, progress=options.progress)
+    rec_ep = num_ranks if any(r.ep == num_ranks for r in rows) else ep_sizes[0]
+    redundant = recommend_redundant(rows, rec_ep)
+    mean_churn = {w: float(an.mean_over(o.reshape(-1), axis=0)) for w, o in churn.items()
+                  if o.size and not np.isnan(o).all()}
+    eplb = recommend_eplb_config(count, rec_ep, redundant["value"] if redundant else 0, mean_churn,
+                                 progress=options.progress)
+    return Analysis(recording, options, num_ranks, rank_load, layer_bal, overall, an.step_balancedness(rank_load),
+                    hot_ids, hot_share, top, churn, an.drift_layer(count, drift_window, top), drift_window, rows,
+                    skipped, ep_sizes, {"num_redundant_experts": redundant, "eplb_config": eplb})
+
+
+def options_from_args(args: argparse.Namespace, **extra) -> ReportOptions:
+    """ReportOptions from the what-if flags both commands share (``commands.add_report_args``)."""
+    return ReportOptions(ep_sizes=args.ep, redundant=args.redundant, recorded_ep=args.recorded_ep,
+                         num_groups=args.num_groups, num_nodes=args.hierarchical_nodes,
+                         progress=not args.no_progress, **extra)

@@ -1,0 +1,128 @@
+"""bench eplb --series: the competition's scoring by hand, the simulation protocol, the
+trace generators and dump readers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from launch.bench.eplb_series import (
+    SeriesSettings,
+    modeled_time,
+    num_calls,
+    run_trace,
+    score,
+    simulate,
+)
+from launch.bench.eplb_traces import KINDS, TraceSpec, load_trace, make_trace
+
+
+def test_modeled_time_and_score_by_hand():
+    assert modeled_time(1.2, 0) == pytest.approx(72.0)
+    assert modeled_time(1.0, 1000) == pytest.approx(60.0 + 1000 * 88_080_384 / 9e11)
+    assert score(80.0, 64.0) == pytest.approx(125.0)
+
+
+def test_simulate_counts_par_and_moved_slots_by_hand():
+    # 1 layer, 3 experts, 2 GPUs, 4 slots; load 6:2:2 every step, 6 steps, warm-up 2, interval 2
+    trace = np.tile(np.array([6.0, 2.0, 2.0]), (6, 1, 1))
+    stacked = np.array([[0, 0, 1, 2]])  # GPU loads 6 | 4 -> PAR 1.2
+    split = np.array([[0, 1, 2, 0]])  # 5 | 5 -> PAR 1.0
+    calls = []
+
+    def policy(tr, step, old):
+        calls.append(step)
+        return split
+
+    result = simulate(trace, 2, policy, 2, 2, stacked)
+    assert calls == [4]  # steps 2-3 run the initial placement, the call at 4 switches
+    assert result.moved == 3  # slots 1, 2 and 3 changed expert
+    assert result.mean_par == pytest.approx((1.2 * 2 + 1.0 * 2) / 4)
+    assert result.time == pytest.approx(60 * 1.1 + 3 * 88_080_384 / 9e11)
+
+
+def test_run_trace_reports_every_policy_and_reference_scores_100():
+    spec = TraceSpec("bursts", "qwen3-moe", 16, 1536, seed=0, num_layers=2)
+    trace = make_trace(spec)
+    settings = SeriesSettings(warmup=1024, interval=128, ours_interval=64, reference_interval=256)
+    results = run_trace(trace, 16, settings)
+    assert set(results) == {"ours", "reference", "fixed-hl", "hindsight"}
+    assert results["ours"].calls == 7 and results["reference"].calls == 1
+    assert num_calls(1536, settings) == 7 + 1 + 3 + 3
+    for r in results.values():
+        assert r.mean_par >= 1.0 and r.moved >= 0
+    assert score(results["reference"].time, results["reference"].time) == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generated_traces_are_deterministic_counts(kind):
+    spec = TraceSpec(kind, "deepseek-r1", 32, 300, seed=7, num_layers=2)
+    a, b = make_trace(spec), make_trace(spec)
+    assert a.shape == (300, 2, 256) and a.dtype == np.int32
+    assert np.array_equal(a, b) and (a >= 0).all()
+    tokens = a.sum(-1).mean()
+    expected = (64 if kind == "noisy-decode" else 4096) * 8
+    assert tokens == pytest.approx(expected, rel=0.2)
+    assert spec.name == f"{kind}:deepseek-r1:2/58L:ep32:s7"
+
+
+def test_bursts_and_phases_change_the_hot_experts():
+    for kind in ("bursts", "phases"):
+        trace = make_trace(TraceSpec(kind, "qwen3-moe", 16, 4096, seed=1, num_layers=2)).astype(np.float64)
+        early, late = trace[:512].mean(0), trace[-512:].mean(0)
+        assert np.abs(early / early.sum(-1, keepdims=True) - late / late.sum(-1, keepdims=True)).sum() > 0.1
+    steady = make_trace(TraceSpec("steady", "qwen3-moe", 16, 4096, seed=1, num_layers=2)).astype(np.float64)
+    early, late = steady[:512].mean(0), steady[-512:].mean(0)
+    assert np.abs(early / early.sum(-1, keepdims=True) - late / late.sum(-1, keepdims=True)).sum() < 0.1
+
+
+def test_load_trace_reads_both_dump_formats(tmp_path):
+    count = torch.randint(0, 50, (20, 3, 8))
+    save_file({"logical_count": count}, str(tmp_path / "ours.safetensors"))
+    torch.save({"logical_count": count, "rank": 0}, tmp_path / "sglang.pt")
+    for name in ("ours.safetensors", "sglang.pt"):
+        assert np.array_equal(load_trace(tmp_path / name), count.numpy())
+    (tmp_path / "junk.pt").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="neither safetensors nor a torch.save"):
+        load_trace(tmp_path / "junk.pt")
+    torch.save({"logical_count": count[0]}, tmp_path / "flat.pt")
+    with pytest.raises(ValueError, match=r"must be \[steps >= 2, L, E\]"):
+        load_trace(tmp_path / "flat.pt")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_trace(tmp_path / "missing.pt")
+
+
+def test_series_cli_on_a_dump_prints_the_table_and_json(tmp_path, capsys):
+    from launch.bench.eplb import main
+
+    trace = make_trace(TraceSpec("drift", "qwen3-moe", 16, 1300, seed=3, num_layers=2))[:, :, :16]
+    save_file({"logical_count": torch.from_numpy(trace.astype(np.int64))}, str(tmp_path / "d.safetensors"))
+    out = tmp_path / "series.json"
+    assert main(["--series", "--trace", str(tmp_path / "d.safetensors"), "--num-gpus", "4", "--no-generated",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "file:d.safetensors:ep4" in text and "mean score: ours" in text
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["score"]["reference"] == pytest.approx(100.0)
+    assert set(row["policies"]) == {"ours", "reference", "fixed-hl", "hindsight"}
+    short = tmp_path / "short.pt"
+    torch.save({"logical_count": torch.ones(100, 2, 16, dtype=torch.int64)}, short)
+    with pytest.raises(SystemExit) as exc:
+        main(["--series", "--trace", str(short), "--no-generated"])
+    assert exc.value.code == 2 and "needs more than" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_series_default_quick_set_beats_the_reference(capsys):
+    from launch.bench.eplb import main
+
+    assert main(["--series", "--kind", "steady", "--kind", "phases"]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.startswith(("steady:", "phases:"))]
+    assert len(rows) == 2
+    for r in rows:
+        assert float(r[1]) > 100.0 and float(r[1]) > float(r[2])  # ours > reference and > fixed-hl

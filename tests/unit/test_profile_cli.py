@@ -1,0 +1,108 @@
+"""``python -m launch profile report|run`` end to end: the report folder on disk (summary.json
+against an independent computation, PNGs, a page with no network references) and a short
+recorded run on a ``make-tiny`` checkpoint whose workload switches kind midway."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from launch import cli
+from tests.unit.profile_dumps import (
+    oracle_balancedness,
+    oracle_hot,
+    oracle_identity_rank_load,
+    skewed_counts,
+    write_sglang_per_pass,
+    write_sglang_stat,
+)
+
+FIGURES = {"load_heatmap.png", "rank_load.png", "balancedness_layers.png", "balancedness_time.png",
+           "hot_experts.png", "expert_share_time.png", "hot_set_churn.png", "what_if.png"}
+
+
+def _check_page(out) -> str:
+    page = (out / "index.html").read_text()
+    for name in FIGURES:
+        assert (out / name).stat().st_size > 2000, name
+        assert f"src='{name}'" in page
+    assert not re.search(r"(src|href)=['\"]?(https?:|//)", page), "the page must not reach the network"
+    assert "<script" not in page
+    return page
+
+
+@pytest.mark.slow
+def test_report_from_sglang_stat_and_per_pass_dumps(tmp_path, capsys):
+    count = skewed_counts(30, 4, 8, seed=7)
+    stat = write_sglang_stat(tmp_path / "stat.pt", count, empty_tail=5)
+    out = tmp_path / "report"
+    assert cli.main(["profile", "report", str(stat), "--out", str(out), "--ep", "2", "4", "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    load = count.sum(0)
+    per_layer, overall = oracle_balancedness(oracle_identity_rank_load(load, 2))
+    assert (summary["steps"], summary["num_layers"], summary["num_experts"]) == (30, 4, 8)
+    assert summary["overall_balancedness"] == pytest.approx(overall, rel=1e-12)
+    assert [x["balancedness"] for x in summary["layers"]] == pytest.approx(per_layer, rel=1e-12)
+    ids, shares = oracle_hot(load)
+    assert [x["hot_experts"] for x in summary["layers"]] == ids
+    assert [x["load_share"] for x in summary["layers"]] == [pytest.approx(s, rel=1e-12) for s in shares]
+    assert {(r["ep"], r["policy"]) for r in summary["what_if"]} == {(e, p) for e in (2, 4)
+                                                                      for p in ("global", "hierarchical")}
+    page = _check_page(out)
+    assert f"{overall:.3f}" in page and "--num-redundant-experts" in page
+
+    phy2log = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]] * 4)
+    physical = np.random.default_rng(3).integers(0, 30, size=(25, 4, 10))
+    per_pass = write_sglang_per_pass(tmp_path / "pp.pt", physical, phy2log, 0, list(range(25)))
+    out2 = tmp_path / "report2"
+    assert cli.main(["profile", "report", str(per_pass), "--out", str(out2), "--recorded-ep", "2",
+                     "--no-progress"]) == 0
+    summary = json.loads((out2 / "summary.json").read_text())
+    assert summary["recorded_ep"] == 2 and summary["steps"] == 25
+    want = oracle_balancedness(physical.sum(0).reshape(4, 2, 5).sum(-1))[1]
+    assert summary["overall_balancedness"] == pytest.approx(want, rel=1e-12)
+    _check_page(out2)
+
+
+def test_profile_run_rejects_an_unknown_workload_in_one_line(tmp_path, capsys):
+    pytest.importorskip("launch.workloads")
+    rc = cli.main(["profile", "run", "--model", str(tmp_path), "--workload", "no-such-kind", "--out",
+                   str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "no-such-kind" in err
+
+
+@pytest.mark.slow
+def test_profile_run_on_a_tiny_checkpoint_shows_the_workload_switch(tmp_path, capsys):
+    pytest.importorskip("launch.workloads")
+    model = tmp_path / "tiny"
+    assert cli.main(["make-tiny", "--arch", "deepseek_v3", "--out", str(model)]) == 0
+    (tmp_path / "words.txt").write_text("the cat sat on the mat\nan essay about rivers and the sea\n")
+    (tmp_path / "digits.txt").write_text("1, 2, 3, 5, 8, 13, 21\n| a | b |\n| 3 | 4 |\n")
+    out = tmp_path / "profile"
+    rc = cli.main(["profile", "run", "--model", str(model), "--workload",
+                   f"{tmp_path / 'words.txt'}+{tmp_path / 'digits.txt'}", "--steps", "24", "--max-tokens", "4",
+                   "--max-num-seqs", "2", "--capacity-factor", "0.5", "--out", str(out), "--ep", "2",
+                   "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 24 and summary["num_layers"] == 2 and summary["num_experts"] == 8
+    assert [(p["start"], p["end"]) for p in summary["phases"]] == [(0, 12), (12, 24)]
+    assert summary["sources"][0]["format"] == "moe-serve" and summary["run"]["eplb"] == "off"
+    assert summary["layers"][0]["model_layer"] == 1  # first_k_dense_replace = 1
+    assert sum(x["tokens"] for x in summary["layers"]) > 0
+    drops = summary["drops"]  # capacity factor 0.5: every layer drops some assignments
+    assert drops["total"] > 0 and all(0 < f < 1 for f in drops["fraction_per_layer"])
+    assert (out / "drops.png").stat().st_size > 2000
+    dumps = list(out.glob("expert_distribution_*.safetensors"))
+    assert len(dumps) == 1
+    page = _check_page(out)
+    assert "words.txt" in page and "digits.txt" in page
+    # The dump reads back on its own with the same numbers.
+    again = tmp_path / "again"
+    assert cli.main(["profile", "report", str(dumps[0]), "--out", str(again), "--ep", "2", "--no-progress"]) == 0
+    assert json.loads((again / "summary.json").read_text())["overall_balancedness"] == \
+        pytest.approx(summary["overall_balancedness"], rel=1e-12)
