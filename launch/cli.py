@@ -59,6 +59,7 @@ register("serve", "launch.serve:main", "OpenAI-compatible HTTP server (/v1/compl
 register("generate", "launch.generate:main", "generate completions for prompts offline")
 register("demo", "launch.demo:main", "make run: tiny DeepSeek-V3 on local Ray, EP + EPLB, OpenAI API")
 register("make-tiny", "launch.tiny_checkpoint:main", "write a random tiny/small checkpoint with tokenizer")
+register("train-tiny", "launch.training.train:main", "train a small MoE on the shipped text (CPU, minutes): real routing")
 register("kvcalc", "launch.kvcalc:main", "KV-cache bytes per token and capacity for a model config")
 register("config", "launch.config_args:main", "validate config file + --set + flags; print the resolved YAML")
 register("simulate", "launch.simulate:main", "cost model: predicted step times and throughput of a layout, or --search")

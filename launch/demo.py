@@ -1,13 +1,17 @@
 """``make run``: serve a tiny DeepSeek-style checkpoint on a local Ray cluster with EP4
 (DP attention), EPLB on and redundant experts, behind the OpenAI API on 127.0.0.1.
 
-Writes the checkpoint first when it is missing. Stop with Ctrl-C.
+The default model is the shipped trained checkpoint ``launch/data/models/tiny-dsv3`` (real,
+skewed routing). A relative model path is looked up in the working directory, then in the
+repository; a model directory that does not exist gets a random ``make-tiny`` checkpoint
+written into it first. Stop with Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -24,6 +28,16 @@ def example_request(host: str, port: int, model: str) -> str:
             f"\"temperature\": 0}}'")
 
 
+def resolve_model_dir(model: str) -> Path:
+    """An absolute path: ``model`` itself, else relative to the working directory when it
+    exists there, else relative to the repository (where the shipped checkpoint lives)."""
+    path = Path(model).expanduser()
+    if path.is_absolute() or path.exists():
+        return path.resolve()
+    shipped = REPO / path
+    return shipped if shipped.exists() else Path.cwd() / path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch demo", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
@@ -37,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = Path(cfg.model) if Path(cfg.model).is_absolute() else Path.cwd() / cfg.model
+    model = resolve_model_dir(cfg.model)
+    cfg = dataclasses.replace(cfg, model=str(model))
     if not (model / "config.json").is_file():
         from launch.tiny_checkpoint import make_tiny_checkpoint
 

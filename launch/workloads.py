@@ -23,6 +23,9 @@ from pathlib import Path
 __all__ = ["WORKLOAD_DIR", "WORKLOAD_NAMES", "WorkloadError", "load_workload", "load_workload_phases"]
 
 WORKLOAD_DIR = Path(__file__).resolve().parent / "data" / "workloads"
+# The trained tiny DeepSeek-V3-style checkpoint shipped with the package (train-tiny --seed 0):
+# the default model of `make run` and of `profile run`.
+SHIPPED_MODEL = Path(__file__).resolve().parent / "data" / "models" / "tiny-dsv3"
 WORKLOAD_NAMES: tuple[str, ...] = ("prose", "code", "tables", "french")
 _FILE_SUFFIXES = (".jsonl", ".txt")
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -169,12 +169,14 @@ def _qwen3_moe_config(d: dict, common: dict) -> dict:
 
 
 def build_tiny_config(
-    arch: str, *, size: str = "tiny", vocab_size: int | None = None, dtype: torch.dtype | None = None
+    arch: str, *, size: str = "tiny", vocab_size: int | None = None, dtype: torch.dtype | None = None,
+    dims: Mapping[str, int] | None = None,
 ) -> dict:
     """The ``config.json`` dict (Hugging Face format of ``arch``) for a tiny or small model.
 
     vocab_size defaults to ``DEFAULT_VOCAB_SIZE[size]``; dtype (stored weights) defaults to
-    float32 for tiny, bfloat16 for small.
+    float32 for tiny, bfloat16 for small. ``dims`` replaces entries of the size's width/depth
+    table (keys of ``_DIMS[size]``: hidden, layers, experts, top_k, n_group, ...).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHITECTURES}")
@@ -186,7 +188,10 @@ def build_tiny_config(
     dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported dtype {dtype}; expected one of {list(_DTYPE_NAMES)}")
-    d = _DIMS[size]
+    unknown = sorted(set(dims or {}) - set(_DIMS[size]))
+    if unknown:
+        raise ValueError(f"unknown dims {unknown}; expected keys of {sorted(_DIMS[size])}")
+    d = {**_DIMS[size], **(dims or {})}
     common = _common(vocab_size, dtype, d)
     if arch in ("deepseek_v3", "deepseek_v2"):
         return _deepseek_config(arch, d, common)
@@ -323,6 +328,61 @@ def _iter_shards(
         yield {n: _init_tensor(n, shapes[n], gen).to(dtype).contiguous() for n in names}
 
 
+def _write_files(
+    config: dict, out: Path, plan: list[list[str]], shards: Iterator[dict[str, torch.Tensor]], elem: int
+) -> int:
+    """Write the safetensors files of ``plan`` (one dict per shard from ``shards``), the index
+    when sharded, config.json and generation_config.json. Returns the number of files."""
+    n = len(plan)
+    files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map: dict[str, str] = {}
+    for fname, tensors in zip(files, shards):
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        weight_map |= {name: fname for name in tensors}
+    if n > 1:
+        total = sum(math.prod(s) for s in compute_checkpoint_shapes(config).values()) * elem
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen_cfg = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    return n
+
+
+def _config_dtype(config: dict) -> torch.dtype:
+    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    by_name = {v: k for k, v in _DTYPE_NAMES.items()}
+    if name not in by_name:
+        raise ValueError(f"unsupported checkpoint dtype {name!r}; expected one of {sorted(by_name)}")
+    return by_name[name]
+
+
+def save_checkpoint(
+    config: dict, tensors: Mapping[str, torch.Tensor], out_dir: str | Path, *, shard_bytes: int | None = None
+) -> Path:
+    """Write given weights in the same layout as ``write_tiny_checkpoint`` (trained models).
+
+    config: a ``build_tiny_config`` dict; its dtype (``torch_dtype``) is the stored dtype.
+    tensors: exactly the names and shapes of ``compute_checkpoint_shapes(config)`` (any float
+    dtype; cast on write). Raises ValueError naming a missing, unexpected or misshapen tensor.
+    """
+    shapes = compute_checkpoint_shapes(config)
+    missing, extra = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"checkpoint tensors do not match the config: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(tensors[name].shape)}, config wants {shape}")
+    dtype = _config_dtype(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    elem = torch.empty((), dtype=dtype).element_size()
+    plan = _shard_plan(shapes, elem, shard_bytes)
+    shards = ({n: tensors[n].detach().to("cpu", dtype).contiguous() for n in names} for names in plan)
+    _write_files(config, out, plan, shards, elem)
+    return out
+
+
 def write_tiny_checkpoint(
     arch: str,
     out_dir: str | Path,
@@ -351,19 +411,7 @@ def write_tiny_checkpoint(
         shard_bytes = DEFAULT_SHARD_BYTES[size]
     elem = torch.empty((), dtype=dtype).element_size()
     plan = _shard_plan(shapes, elem, shard_bytes)  # type: ignore[arg-type]
-    n = len(plan)
-    files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map: dict[str, str] = {}
-    for fname, tensors in zip(files, _iter_shards(shapes, plan, dtype, seed)):
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map |= {name: fname for name in tensors}
-    if n > 1:
-        total = sum(math.prod(s) for s in shapes.values()) * elem
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen_cfg = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    n = _write_files(config, out, plan, _iter_shards(shapes, plan, dtype, seed), elem)
     if log is not None:
         log(f"wrote {arch} {size} checkpoint to {out}: {count_parameters(config):,} parameters, {n} file(s)")
     return out

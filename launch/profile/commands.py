@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch.workloads import SHIPPED_MODEL
+
 EXIT_BAD_INPUT = 2
 
 
@@ -74,7 +76,8 @@ def report_main(argv: list[str]) -> int:
 
 
 def run_main(argv: list[str]) -> int:
-    """``profile run --model DIR [layout flags] --workload NAME|FILE [--steps N] --out DIR``."""
+    """``profile run [--model DIR] [layout flags] --workload NAME|FILE [--steps N] --out DIR``; the model
+    defaults to the shipped trained checkpoint."""
     from launch.config_args import add_runtime_args
 
     parser = argparse.ArgumentParser(
@@ -90,6 +93,8 @@ def run_main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=_positive, default=32, help="tokens generated per prompt (default 32)")
     add_report_args(parser)
     args = parser.parse_args(argv)
+    if not args.model and not args.config:
+        args.model = str(SHIPPED_MODEL)  # the trained tiny DeepSeek-V3: its routing means something
     from launch.config_schema import ConfigError
     from launch.profile.readers import DumpError
     from launch.profile.runner import ProfileRunError, run_and_report

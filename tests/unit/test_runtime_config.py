@@ -24,9 +24,13 @@ from tests.unit.hf_reference_configs import PRESET_MODELS
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ALL_YAML = sorted(CONFIGS.glob("*.yaml"))
 TINY_V3 = ModelConfig.from_hf(build_tiny_config("deepseek_v3"))
+REPO = CONFIGS.parent
+SHIPPED_MODEL = "launch/data/models/tiny-dsv3"
 
 
 def _model_for(cfg: RuntimeConfig) -> ModelConfig:
+    if cfg.model == SHIPPED_MODEL:
+        return ModelConfig.from_hf(REPO / SHIPPED_MODEL)
     if "tiny-deepseek-v3" in cfg.model:
         return TINY_V3
     shipped = ModelConfig.from_hf(cfg.model, strict=False)  # released models resolve offline by name
@@ -73,12 +77,15 @@ def test_deepseek_presets_match_published_deployments():
 
 def test_demo_config_rebalances_quickly_on_four_ep_ranks():
     demo = load_runtime_config(CONFIGS / "demo.yaml")
-    assert demo.model == "checkpoints/tiny-deepseek-v3"
+    assert demo.model == SHIPPED_MODEL  # the trained checkpoint, shipped in the repository
     p, b = demo.parallel, demo.balancer
     assert (p.tensor_parallel_size, p.data_parallel_size, p.enable_expert_parallel) == (1, 4, True)
     assert p.dispatch_backend == "alltoall"
-    assert b.enable_eplb and b.num_redundant_experts > 0 and b.step_interval <= 50
-    assert (TINY_V3.num_experts + b.num_redundant_experts) % 4 == 0
+    assert b.enable_eplb and b.num_redundant_experts > 0
+    assert b.resolved_trigger == "forecast" and b.check_interval <= 50
+    model = _model_for(demo)
+    assert (model.num_experts + b.num_redundant_experts) % 4 == 0
+    demo.validate_for_model(model)
 
 
 def test_unknown_keys_name_the_dotted_key_and_suggest():

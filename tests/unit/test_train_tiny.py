@@ -1,0 +1,196 @@
+"""train-tiny: the trainable model is the checkpoint's model, training moves the routers,
+and what it writes loads back token-exact in the engine and in transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from launch.training.corpus import CORPUS_KINDS, TokenWindows, load_corpus
+from launch.training.model import TrainableMoE
+from launch.training.report import compute_balancedness
+from launch.training.train import (
+    TRAIN_ARCHITECTURES,
+    TrainArgs,
+    apply_bias_update_,
+    build_train_config,
+    learning_rate,
+    main,
+    train,
+)
+from moe.config import ModelConfig
+from moe.tiny import compute_checkpoint_shapes, count_parameters, save_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one thread avoids OpenMP barrier stalls on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(arch: str, seed: int = 0) -> TrainableMoE:
+    model = TrainableMoE(ModelConfig.from_hf(build_train_config(arch)))
+    model.init_weights_(seed)
+    return model
+
+
+def hf_uncached_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    """transformers' full forward over the whole sequence for every new token (no KV cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf_model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("arch", TRAIN_ARCHITECTURES)
+def test_train_configs_are_a_few_million_parameters(arch: str) -> None:
+    cfg = build_train_config(arch)
+    assert 1_000_000 < count_parameters(cfg) < 5_000_000
+    model = _model(arch)
+    hf = model.hf_state_dict()
+    shapes = compute_checkpoint_shapes(cfg)
+    assert {k: tuple(v.shape) for k, v in hf.items()} == shapes
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", TRAIN_ARCHITECTURES)
+def test_trainable_logits_equal_transformers(arch: str, tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    model = _model(arch, seed=1)
+    with torch.no_grad():
+        for m in model.moe_layers():
+            if m.gate.e_score_correction_bias is not None:
+                m.gate.e_score_correction_bias.copy_(0.1 * torch.randn(m.gate.e_score_correction_bias.shape))
+    save_checkpoint(build_train_config(arch), model.hf_state_dict(), tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(2, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine, ref = model(ids), hf(ids).logits
+    assert mine.shape == ref.shape == (2, 33, 512)
+    assert (mine - ref).abs().max() < 1e-4
+    counts = model.last_expert_counts
+    cfg = model.config
+    assert counts.shape == (len(cfg.moe_layer_ids), cfg.num_experts)
+    assert (counts.sum(-1) == 2 * 33 * cfg.num_experts_per_tok).all()
+
+
+def test_bias_update_moves_toward_balance() -> None:
+    model = _model("deepseek_v3")
+    ids = torch.randint(2, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(ids)
+    counts = model.last_expert_counts.float()
+    apply_bias_update_(model, 0.01)
+    for m, c in zip(model.moe_layers(), counts):
+        bias = m.gate.e_score_correction_bias
+        assert not bias.requires_grad
+        assert torch.equal(bias, 0.01 * torch.sign(c.mean() - c))
+
+
+def test_gradients_reach_routers_but_not_the_bias() -> None:
+    model = _model("deepseek_v3")
+    ids = torch.randint(2, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(ids[:, :-1])
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 512), ids[:, 1:].reshape(-1)).backward()
+    for m in model.moe_layers():
+        assert m.gate.weight.grad is not None and m.gate.weight.grad.abs().sum() > 0
+        assert m.gate.e_score_correction_bias.grad is None
+
+
+def test_balancedness_and_schedule() -> None:
+    counts = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1], [8, 0, 0, 0, 0, 0, 0, 0], [0] * 8])
+    assert compute_balancedness(counts, 4) == [1.0, 0.25, 1.0]
+    assert compute_balancedness(counts, 8)[1] == pytest.approx(1 / 8)
+    args = TrainArgs(arch="mixtral", out="x", lr=1.0, warmup_steps=10)
+    assert learning_rate(args, 0.0, 0) == pytest.approx(0.1)
+    assert learning_rate(args, 0.0, 10) == pytest.approx(1.0)
+    assert learning_rate(args, 1.0, 99) == pytest.approx(0.1)
+
+
+def test_corpus_windows_start_with_bos_and_cover_every_kind(tmp_path) -> None:
+    from launch.tiny_checkpoint import train_tokenizer, write_tokenizer
+    from launch.tokenizer import Tokenizer
+
+    write_tokenizer(tmp_path, train_tokenizer(512), model_max_length=2048)
+    tok = Tokenizer.from_dir(tmp_path)
+    windows = TokenWindows(tok, load_corpus())
+    assert set(windows.num_tokens()) == set(CORPUS_KINDS)
+    assert min(windows.num_tokens().values()) > 5000
+    ids, kinds = windows.sample(torch.Generator().manual_seed(0), 8, 64)
+    assert ids.shape == (8, 65) and ids.dtype == torch.int64
+    assert (ids[:, 0] == tok.bos_token_id).all() and (ids[:, 1:] != tok.bos_token_id).all()
+    assert sorted(set(kinds)) == sorted(CORPUS_KINDS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--arch", "deepseek_v3", "--out", "x", "--steps", "0"], "--steps must be >= 1"),
+        (["--arch", "deepseek_v3", "--out", "x", "--minutes", "-1"], "--minutes must be > 0"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv, message, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_save_checkpoint_names_a_wrong_tensor(tmp_path) -> None:
+    cfg = build_train_config("mixtral")
+    tensors = _model("mixtral").hf_state_dict()
+    tensors["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match=r"model.norm.weight: shape \(3,\)"):
+        save_checkpoint(cfg, tensors, tmp_path)
+    del tensors["model.norm.weight"]
+    with pytest.raises(ValueError, match="missing \\['model.norm.weight'\\]"):
+        save_checkpoint(cfg, tensors, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_short_run_writes_a_checkpoint_the_engine_and_transformers_agree_on(tmp_path) -> None:
+    """A few DeepSeek-V3 steps: sigmoid + groups + a nonzero trained bias, saved and loaded back;
+    the engine's greedy tokens equal transformers' uncached greedy tokens."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from launch import LLM, SamplingParams
+    from launch.tokenizer import Tokenizer
+    from launch.workloads import load_workload
+
+    out = tmp_path / "ckpt"
+    args = TrainArgs(arch="deepseek_v3", out=str(out), steps=4, batch_size=4, seq_len=32, warmup_steps=2,
+                     bias_update_rate=0.01, threads=1)
+    summary = train(args, progress=False, report_prompts=2)
+    assert summary["steps_run"] == 4
+    assert json.loads((out / "training.json").read_text())["routing"]["kinds"].keys() == {
+        "prose", "code", "tables", "french"}
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["scoring_func"], cfg["topk_method"], cfg["n_group"]) == ("sigmoid", "noaux_tc", 4)
+    weights = load_file(str(out / "model.safetensors"))
+    biases = [v for k, v in weights.items() if k.endswith("e_score_correction_bias")]
+    assert len(biases) == len(ModelConfig.from_hf(cfg).moe_layer_ids)
+    assert all(b.abs().max() > 0 for b in biases)
+
+    tok = Tokenizer.from_dir(out)
+    prompts = [tok.encode(p) for name in ("prose", "code", "tables") for p in load_workload(name)[:1]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(out), dtype="float32") as llm:
+        ours = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert ours == [hf_uncached_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.slow
+def test_minutes_stops_early_after_at_least_one_step(tmp_path) -> None:
+    args = TrainArgs(arch="mixtral", out=str(tmp_path / "m"), steps=1000, minutes=1e-6, batch_size=1, seq_len=8,
+                     threads=1)
+    summary = train(args, progress=False, report_prompts=1)
+    assert summary["steps_run"] == 1
+    assert "--minutes 1e-06" in summary["command"]
+    assert (tmp_path / "m" / "model.safetensors").is_file()
