@@ -164,7 +164,8 @@ class RayExecutor:
         assert isinstance(error, ChannelClosed)
         # Ask Ray whether the actor is gone: it raises the typed WorkerDiedError with Ray's cause.
         self.group.wait([self.group.actors[rank].ping.remote()], "ping", [rank], self.fault_ping_timeout_s)
-        return WorkerCallError(f"{where}: {error}", rank=rank, detail="ChannelClosed")
+        reason = str(error).split(": ", 1)[-1]  # without its own "rank N: " prefix
+        return WorkerCallError(f"{where}: {reason}", rank=rank, detail="ChannelClosed")
 
     setup_timeout_s = 600.0
 
