@@ -190,7 +190,9 @@ class EngineConfig:
 class ServerConfig:
     """OpenAI-compatible server. served_model_name None = the model string; max_queue_len:
     waiting requests beyond which new ones get 503; expert_distribution_dir: where
-    /dump_expert_distribution_record writes; init_expert_location: a dump to place from."""
+    /dump_expert_distribution_record writes; init_expert_location: a dump to place from;
+    expert_distribution_recorder_buffer_size: steps the expert-distribution record keeps
+    between dumps (SGLang's flag; older steps are dropped and counted; -1 keeps all)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -199,8 +201,13 @@ class ServerConfig:
     max_queue_len: int = 1024
     expert_distribution_dir: str | None = None
     init_expert_location: str | None = None
+    expert_distribution_recorder_buffer_size: int = 1000
 
     def __post_init__(self) -> None:
+        size = self.expert_distribution_recorder_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or size >= 1):
+            raise ValueError(f"expert_distribution_recorder_buffer_size must be >= 1, or -1 for unbounded; "
+                             f"got {size!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         _check_positive(self, "max_queue_len")

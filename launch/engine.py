@@ -145,7 +145,8 @@ class LLMEngine:
         expert_bytes = (3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
                         * torch.finfo(DTYPES[self.dtype]).bits // 8)
         return EplbDriver(self.config.balancer, placement, num_groups=self._num_groups(), num_nodes=num_nodes,
-                          expert_bytes=expert_bytes)
+                          expert_bytes=expert_bytes,
+                          record_buffer_size=self.config.server.expert_distribution_recorder_buffer_size)
 
     def _num_groups(self) -> int:
         groups = self.model_config.n_group or 1

@@ -93,8 +93,9 @@ class RayExecutor:
         Waits for every actor to be up first: the rendezvous itself only waits
         ``collective_timeout_s`` for the slowest rank, and a new process may take longer to start."""
         self.group.call("process_id", timeout_s=self.setup_timeout_s)
-        init = self.group.call("rendezvous_address", ranks=[0])[0]
-        self.infos = self.group.call("setup", init, timeout_s=self.setup_timeout_s)
+        # Rank 0 serves the store on this address only (loopback when one machine holds every rank).
+        self.init_method = self.group.call("rendezvous_address", self.group.rendezvous_host(), ranks=[0])[0]
+        self.infos = self.group.call("setup", self.init_method, timeout_s=self.setup_timeout_s)
         self.dp_leaders = [r for r, info in enumerate(self.infos) if info["coords"]["tp_rank"] == 0]
         self.dp_of_rank = [info["coords"]["dp_rank"] for info in self.infos]
         self.open_channel()  # at start and after every rebuild: the ranks serve fresh channels

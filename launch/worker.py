@@ -150,11 +150,13 @@ class Worker:
         """This rank's pid; answering at all means the actor is up."""
         return os.getpid()
 
-    def rendezvous_address(self) -> str:
-        """A tcp:// init method on this rank's node (called on rank 0 only)."""
+    def rendezvous_address(self, host: str | None = None) -> str:
+        """A tcp:// init method on this rank's node (called on rank 0 only): a free port on
+        ``host`` (default MASTER_ADDR, else this host's address). Rank 0's store listens
+        on that address only (``parallel.groups.create_rendezvous_store``)."""
         import socket
 
-        host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        host = host or os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
