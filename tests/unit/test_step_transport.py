@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import threading
 import time
 
 import pytest
@@ -102,7 +103,7 @@ def echo_handler(payload: bytearray) -> bytes:
     if text == b"fail":
         raise Boom("handler failed on purpose")
     if text == b"sleep":
-        time.sleep(1.0)
+        time.sleep(3.0)
     return text[::-1] * (50_000 if text == b"big" else 1)
 
 
@@ -129,7 +130,7 @@ def test_channel_names_a_closed_and_a_slow_rank():
     client = StepClient([s.address for s in servers])
     try:
         with pytest.raises(ChannelTimeout, match=r"ranks \[1\] did not answer") as info:
-            client.roundtrip([b"a", b"sleep"], 0.3)
+            client.roundtrip([b"a", b"sleep"], 1.0)  # rank 0 answers well within it
         assert info.value.ranks == [1]
     finally:
         client.close()
@@ -260,8 +261,10 @@ def result_handler(payload):
 def test_executor_steps_over_the_channel_and_maps_faults_to_the_ray_errors():
     from launch.recovery import WorkerCallError, WorkerDiedError, WorkerTimeoutError
 
+    release = threading.Event()
+
     def slow(payload):
-        time.sleep(1.0)
+        release.wait(30)
         return result_handler(payload)
 
     def crash(payload):
@@ -295,10 +298,11 @@ def test_executor_steps_over_the_channel_and_maps_faults_to_the_ray_errors():
     ex.close_channel()
     # a rank that does not answer within the call timeout: WorkerTimeoutError naming it
     ex = fake_executor("socket", FakeGroup([StepServer(result_handler), StepServer(slow)]))
-    ex.group.call_timeout_s = 0.3
+    ex.group.call_timeout_s = 1.0  # rank 0 answers well within it, rank 1 never does
     ex.open_channel()
     with pytest.raises(WorkerTimeoutError, match=r"ranks \[1\] did not finish execute") as info:
         ex.execute(step_output(2), collect_load=True)
+    release.set()
     assert info.value.rank == 1
     # a channel closed under a live actor is still a fault the engine recovers from
     ex.group.servers = [StepServer(result_handler), StepServer(result_handler)]
