@@ -39,6 +39,7 @@ __all__ = [
 
 # vLLM's --all2all-backend names for what our dispatchers implement.
 _BACKEND_ALIASES = {"allgather_reducescatter": "allgather", "naive": "allgather"}
+STEP_TRANSPORTS = ("auto", "socket", "ray")  # launch.executor.RayExecutor
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -67,7 +68,10 @@ class ParallelConfig:
     or dead rank then surfaces as an error instead of a 30-minute stall).
     enable_cpu_pinning: pin each rank's process to one CPU core (the node's k-th rank to the
     k-th CPU it may use) with one torch thread, so ranks on a CPU node run side by side
-    instead of time-sharing cores (what makes a rank's extra expert load cost step time)."""
+    instead of time-sharing cores (what makes a rank's extra expert load cost step time).
+    step_transport: how the driver sends Ray workers their steps: "socket" (a kept-open TCP
+    connection per rank with compact messages), "ray" (one Ray actor call per rank), or
+    "auto" (socket when every rank can be reached, else ray)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -77,9 +81,11 @@ class ParallelConfig:
     placement_strategy: str = "PACK"
     collective_timeout_s: float = 300.0
     enable_cpu_pinning: bool = False
+    step_transport: str = "auto"
 
     def __post_init__(self) -> None:
         _check_positive(self, "tensor_parallel_size", "data_parallel_size", "num_nodes")
+        _check_choice("step_transport", self.step_transport, STEP_TRANSPORTS)
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
         _check_choice("all2all_backend", self.all2all_backend, DISPATCH_BACKENDS + tuple(_BACKEND_ALIASES))
@@ -322,6 +328,7 @@ VLLM_KEYS: dict[str, str] = {
     "num_nodes": "parallel.num_nodes",
     "placement_strategy": "parallel.placement_strategy",
     "enable_cpu_pinning": "parallel.enable_cpu_pinning",
+    "step_transport": "parallel.step_transport",
     "capacity_factor": "moe.capacity_factor",
     "capacity_scope": "moe.capacity_scope",
     "capacity_policy": "moe.capacity_policy",

@@ -116,6 +116,7 @@ class LLMEngine:
             pin_cpu=p.enable_cpu_pinning,
         )
         self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
+                                                 transport=p.step_transport,
                                                  call_timeout_s=step_timeout_s(config))
         try:
             self.eplb = self._build_eplb(self.placement, self.executor.num_nodes)

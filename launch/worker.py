@@ -10,10 +10,13 @@ Shape legend: T tokens in this rank's batch, B sequences, L MoE layers, P physic
 from __future__ import annotations
 
 import os
+import pickle
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from launch.core import BatchSpec, SampledTokens, Sampler
@@ -23,6 +26,19 @@ from moe.cpu_gemm import native_gemv, use_native_gemv
 from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.loader import load_weights
 from moe.model import MoEModel
+
+
+def node_host() -> str:
+    """This node's address as the cluster sees it (Ray's node IP inside a Ray worker)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -77,6 +93,45 @@ class StepResult:
     capacity: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+
+    _HEAD = struct.Struct("<ddBBqqq")  # seconds, cpu_seconds, has sampled, has logprobs, S, L, P (-1: no load)
+
+    def to_bytes(self) -> bytes:
+        """The reply on the fast step transport: a header, token ids [S], capacity [L, 2] and
+        slot load [L, P] as int64, then the logprobs pickled when any row asked for them."""
+        sampled = self.sampled
+        ids = np.asarray(sampled.token_ids if sampled is not None else [], dtype="<i8")
+        capacity = np.asarray(self.capacity, dtype="<i8").reshape(-1, 2)
+        load = None if self.slot_load is None else self.slot_load.numpy().astype("<i8", copy=False)
+        if load is not None and (load.ndim != 2 or load.shape[0] != len(capacity)):
+            raise ValueError(f"slot load of shape {load.shape} with capacity counters for {len(capacity)} layers")
+        logprobs = sampled.logprobs if sampled is not None else None
+        parts = [self._HEAD.pack(self.seconds, self.cpu_seconds, sampled is not None, logprobs is not None, len(ids), len(capacity),
+                                 -1 if load is None else load.shape[1]), ids.tobytes(), capacity.tobytes()]
+        if load is not None:
+            parts.append(load.tobytes())
+        if logprobs is not None:
+            parts.append(pickle.dumps(logprobs, protocol=pickle.HIGHEST_PROTOCOL))
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray) -> StepResult:
+        """What ``to_bytes`` wrote (slot_load as an int64 tensor [L, P])."""
+        seconds, cpu_seconds, has_sampled, has_logprobs, num_ids, num_layers, num_slots = cls._HEAD.unpack_from(data, 0)
+        offset = cls._HEAD.size
+        ids = np.frombuffer(data, dtype="<i8", count=num_ids, offset=offset)
+        offset += 8 * num_ids
+        capacity = np.frombuffer(data, dtype="<i8", count=2 * num_layers, offset=offset).reshape(num_layers, 2)
+        offset += 16 * num_layers
+        load = None
+        if num_slots >= 0:
+            count = num_layers * num_slots
+            load = torch.from_numpy(np.frombuffer(data, dtype="<i8", count=count, offset=offset)
+                                    .reshape(num_layers, num_slots).copy())
+            offset += 8 * count
+        logprobs = pickle.loads(memoryview(data)[offset:]) if has_logprobs else None
+        sampled = SampledTokens(token_ids=ids.tolist(), logprobs=logprobs) if has_sampled else None
+        return cls(sampled, load, [(a, b) for a, b in capacity.tolist()], seconds, cpu_seconds)
 
 
 class Worker:
@@ -315,12 +370,38 @@ class Worker:
         return [[float(layer.experts.w13[s].float().sum() + layer.experts.w2[s].float().sum())
                  for s in range(layer.experts.num_local_slots)] for layer in self.model.moe_layers()]
 
+    # ---- fast step transport (launch.step_channel) --------------------------------------
+
+    def open_step_channel(self, host: str | None = None) -> tuple[str, int, bytes]:
+        """Listen for the driver's step connection on ``host`` (default: this node's address);
+        returns (host, port, token) for ``StepClient``. Steps then arrive as
+        ``launch.core.wire`` messages and run ``execute`` on the channel's thread."""
+        from launch.step_channel import StepServer
+
+        self.close_step_channel()
+        self._step_server = StepServer(self._serve_step, host or node_host())
+        return self._step_server.address
+
+    def _serve_step(self, payload: bytearray) -> bytes:
+        from launch.core.wire import decode_batch
+
+        if self.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(self.device)
+        batch = decode_batch(memoryview(payload)[1:])
+        return self.execute(batch, bool(payload[0])).to_bytes()
+
+    def close_step_channel(self) -> None:
+        server = self.__dict__.pop("_step_server", None)
+        if server is not None:
+            server.close()
+
     def reset(self, spec: WorkerSpec, rank: int | None = None) -> None:
         """After a peer's fault: leave the (broken) process groups and drop the shard and KV
         cache; ``setup`` then builds everything again from ``spec`` as ``rank`` (default: the
         same rank; another one when the group shrinks to its survivors or grows back)."""
         import torch.distributed as dist
 
+        self.close_step_channel()
         if dist.is_initialized():
             dist.destroy_process_group()
         self._place(spec, self.rank if rank is None else rank)
@@ -334,6 +415,7 @@ class Worker:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        self.close_step_channel()
         if dist.is_initialized():
             dist.destroy_process_group()
         if self._unpinned is not None:
