@@ -49,6 +49,8 @@ class EngineStats:
     num_rebalances: int = 0
     rebalance_seconds_total: float = 0.0
     expert_copies_moved: int = 0
+    expert_distribution_steps_buffered: int = 0
+    expert_distribution_steps_dropped: int = 0
     num_steps: int = 0
     step_seconds_total: float = 0.0
     engine_state: int = 0  # index in launch.recovery.ENGINE_STATES: 0 serving, 1 recovering, 2 dead
@@ -83,6 +85,8 @@ def snapshot_stats(engine: LLMEngine) -> EngineStats:
         k = engine.eplb.counters
         out.num_rebalances, out.rebalance_seconds_total = k.num_rebalances, k.rebalance_seconds_total
         out.expert_copies_moved = k.expert_copies_moved
+        out.expert_distribution_steps_buffered = engine.eplb.recorder.num_steps
+        out.expert_distribution_steps_dropped = engine.eplb.recorder.num_steps_dropped
     return out
 
 

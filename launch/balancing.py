@@ -12,7 +12,6 @@ Shape legend: L MoE layers, E logical experts, P physical slots, R EP ranks.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from balancer import (
     rebalance_experts,
     should_rebalance,
 )
+from launch.expert_location import DEFAULT_RECORDER_BUFFER_SIZE, ExpertDistributionRecorder
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class EplbDriver:
     """Owns the placement in force and the routing-statistics window (driver side)."""
 
     def __init__(self, config: BalancerConfig, placement: Placement, *, num_groups: int, num_nodes: int,
-                 expert_bytes: int) -> None:
+                 expert_bytes: int, record_buffer_size: int = DEFAULT_RECORDER_BUFFER_SIZE) -> None:
         self.config = config
         self.placement = placement
         self.num_groups = num_groups
@@ -56,9 +56,7 @@ class EplbDriver:
         self.counters = BalancerCounters()
         self.step = 0
         self.last_balancedness: list[float] = [1.0] * placement.num_layers
-        # Each recorded step: (logical [L, E], physical [L, P], dropped [L] or None).
-        self._recording: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
-        self._recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self.recorder = ExpertDistributionRecorder(record_buffer_size)
         # [window, L, E] per-step logical loads, a ring (kept across rebalances: logical ids do not move)
         self._history = torch.zeros(config.window_size, placement.num_layers, placement.num_logical,
                                     dtype=torch.int32)
@@ -77,8 +75,7 @@ class EplbDriver:
         logical.scatter_add_(1, self.placement.phy2log, physical)
         self._history[self._num_history % self.config.window_size] = logical
         self._num_history += 1
-        if self._recording is not None:
-            self._recording.append((logical, physical, None if dropped is None else dropped.to(torch.int64)))
+        self.recorder.record(logical, physical, dropped)  # a no-op unless recording
         if self.config.log_balancedness and self.step % 10 == 0:
             per_layer, overall = self.stats.balancedness()
             log.info("eplb step %d: balancedness %.4f (worst layer %.4f)", self.step, overall, float(per_layer.min()))
@@ -137,36 +134,13 @@ class EplbDriver:
     # ---- SGLang-style expert distribution record --------------------------------------
 
     def start_record(self) -> None:
-        self._recording = []
+        self.recorder.start()
 
     def stop_record(self) -> None:
-        if self._recording is not None:
-            self._recorded.extend(self._recording)
-        self._recording = None
+        self.recorder.stop()
 
     def dump_record(self, directory: str | Path, metadata: dict[str, str] | None = None) -> Path:
-        """Write the record (safetensors): logical_count [steps, L, E] and physical_count
-        [steps, L, P] int64 (per slot, under the placement in force at each step), dropped_count
-        [steps, L] when expert capacity was on, plus the placement in force now (phy2log,
-        log2phy, logcnt, num_gpus). ``metadata``: extra string entries (e.g. workload phases)."""
-        from safetensors.torch import save_file
-
-        steps = list(self._recorded) + list(self._recording or [])
-        p = self.placement
-        if steps:
-            count = torch.stack([s[0] for s in steps])
-            physical = torch.stack([s[1] for s in steps])
-        else:
-            count = torch.zeros(0, p.num_layers, p.num_logical, dtype=torch.int64)
-            physical = torch.zeros(0, p.num_layers, p.num_physical, dtype=torch.int64)
-        tensors = {"logical_count": count.contiguous(), "physical_count": physical.contiguous(),
-                   **{k: v.contiguous() for k, v in p.state_dict().items()}}
-        if any(s[2] is not None for s in steps):
-            tensors["dropped_count"] = torch.stack([
-                s[2] if s[2] is not None else torch.zeros(p.num_layers, dtype=torch.int64) for s in steps])
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"expert_distribution_{time.strftime('%Y%m%d-%H%M%S')}_{len(steps)}steps.safetensors"
-        save_file(tensors, str(path), metadata={"format": "moe-serve expert distribution v1", **(metadata or {})})
-        self._recorded = []
-        return path
+        """Write the record (``launch.expert_location`` format: logical_count [steps, L, E],
+        physical_count [steps, L, P], dropped_count [steps, L] when capacity dropped, the
+        placement in force now) and empty it. ``metadata``: extra string entries."""
+        return self.recorder.dump(directory, self.placement, metadata)

@@ -57,6 +57,7 @@ def register(name: str, target: str, help: str) -> Command:
 
 register("serve", "launch.serve:main", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
 register("generate", "launch.generate:main", "generate completions for prompts offline")
+register("submit", "launch.submit:main", "`ray job submit` that handles Ray's token authentication")
 register("demo", "launch.demo:main", "make run: tiny DeepSeek-V3 on local Ray, EP + EPLB, OpenAI API")
 register("make-tiny", "launch.tiny_checkpoint:main", "write a random tiny/small checkpoint with tokenizer")
 register("train-tiny", "launch.training.train:main", "train a small MoE on the shipped text (CPU, minutes): real routing")
@@ -77,6 +78,7 @@ register("profile run", "launch.profile.commands:run_main",
 register("profile report", "launch.profile.commands:report_main",
          "expert-load report (HTML + summary.json) from this project's, SGLang's or plain-array dumps")
 register("bench overhead", "launch.bench.overhead:main", "driver/actor round-trip and routing-statistics overhead per step")
+register("sweep", "launch.sweep.runner:main", "run a grid of layouts for real: results.jsonl/csv, plots, measured vs predicted")
 
 
 def is_available(cmd: Command) -> bool:

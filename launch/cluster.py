@@ -75,6 +75,14 @@ def compute_layout_nodes(rank_nodes: Sequence[str]) -> int:
     return 1
 
 
+def compute_rendezvous_host(rank_ips: Sequence[str]) -> str:
+    """The address the ranks meet at: loopback when every rank is on one machine (one IP),
+    else the IP of rank 0's node. rank_ips: each rank's node IP, by rank."""
+    if not rank_ips:
+        raise ValueError("no ranks")
+    return "127.0.0.1" if len(set(rank_ips)) == 1 else rank_ips[0]
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """rank: the rank in the full group (its position when no rank is missing)."""
@@ -158,6 +166,11 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - best effort: the actor may be gone already
                 log.debug("actor already gone", exc_info=True)
         self.actors = []
+
+    def rendezvous_host(self) -> str:
+        """``compute_rendezvous_host`` over the node IPs Ray reports for the ranks."""
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        return compute_rendezvous_host([ips.get(info.node_id, info.node_id) for info in self.ranks])
 
     def _node(self, rank: int) -> str:
         info = self.ranks[rank]

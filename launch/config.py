@@ -39,6 +39,7 @@ __all__ = [
 
 # vLLM's --all2all-backend names for what our dispatchers implement.
 _BACKEND_ALIASES = {"allgather_reducescatter": "allgather", "naive": "allgather"}
+STEP_TRANSPORTS = ("auto", "socket", "ray")  # launch.executor.RayExecutor
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -66,7 +67,13 @@ class ParallelConfig:
     "allgather" | "local" (vLLM's "allgather_reducescatter" = "allgather").
     placement_strategy: the Ray placement-group strategy for the rank bundles.
     collective_timeout_s: how long a collective may wait for a peer before failing (a hung
-    or dead rank then surfaces as an error instead of a 30-minute stall)."""
+    or dead rank then surfaces as an error instead of a 30-minute stall).
+    enable_cpu_pinning: pin each rank's process to one CPU core (the node's k-th rank to the
+    k-th CPU it may use) with one torch thread, so ranks on a CPU node run side by side
+    instead of time-sharing cores (what makes a rank's extra expert load cost step time).
+    step_transport: how the driver sends Ray workers their steps: "socket" (a kept-open TCP
+    connection per rank with compact messages), "ray" (one Ray actor call per rank), or
+    "auto" (socket when every rank can be reached, else ray)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -75,9 +82,12 @@ class ParallelConfig:
     num_nodes: int = 1
     placement_strategy: str = "PACK"
     collective_timeout_s: float = 300.0
+    enable_cpu_pinning: bool = False
+    step_transport: str = "auto"
 
     def __post_init__(self) -> None:
         _check_positive(self, "tensor_parallel_size", "data_parallel_size", "num_nodes")
+        _check_choice("step_transport", self.step_transport, STEP_TRANSPORTS)
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
         _check_choice("all2all_backend", self.all2all_backend, DISPATCH_BACKENDS + tuple(_BACKEND_ALIASES))
@@ -192,7 +202,9 @@ class EngineConfig:
 class ServerConfig:
     """OpenAI-compatible server. served_model_name None = the model string; max_queue_len:
     waiting requests beyond which new ones get 503; expert_distribution_dir: where
-    /dump_expert_distribution_record writes; init_expert_location: a dump to place from."""
+    /dump_expert_distribution_record writes; init_expert_location: a dump to place from;
+    expert_distribution_recorder_buffer_size: steps the expert-distribution record keeps
+    between dumps (SGLang's flag; older steps are dropped and counted; -1 keeps all)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -201,8 +213,13 @@ class ServerConfig:
     max_queue_len: int = 1024
     expert_distribution_dir: str | None = None
     init_expert_location: str | None = None
+    expert_distribution_recorder_buffer_size: int = 1000
 
     def __post_init__(self) -> None:
+        size = self.expert_distribution_recorder_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or size >= 1):
+            raise ValueError(f"expert_distribution_recorder_buffer_size must be >= 1, or -1 for unbounded; "
+                             f"got {size!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         _check_positive(self, "max_queue_len")
@@ -318,6 +335,8 @@ VLLM_KEYS: dict[str, str] = {
     "all2all_backend": "parallel.all2all_backend",
     "num_nodes": "parallel.num_nodes",
     "placement_strategy": "parallel.placement_strategy",
+    "enable_cpu_pinning": "parallel.enable_cpu_pinning",
+    "step_transport": "parallel.step_transport",
     "capacity_factor": "moe.capacity_factor",
     "capacity_scope": "moe.capacity_scope",
     "capacity_policy": "moe.capacity_policy",

@@ -21,6 +21,7 @@ from launch.config import (
     KV_CACHE_DTYPES,
     PLACEMENT_STRATEGIES,
     QUANTIZATIONS,
+    STEP_TRANSPORTS,
     VLLM_KEYS,
     RuntimeConfig,
 )
@@ -46,6 +47,10 @@ def _group_parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--all2all-backend", default=None, help="alltoall | allgather (allgather_reducescatter) | local")
     g.add_argument("--num-nodes", type=int, default=None)
     g.add_argument("--placement-strategy", choices=PLACEMENT_STRATEGIES, default=None)
+    g.add_argument("--enable-cpu-pinning", action=argparse.BooleanOptionalAction, default=None,
+                   help="pin each rank to one CPU core and one torch thread (CPU runs)")
+    g.add_argument("--step-transport", choices=STEP_TRANSPORTS, default=None,
+                   help="driver -> Ray worker steps: socket channel, Ray calls, or auto (socket when reachable)")
     g.add_argument("--capacity-factor", type=float, default=None, help="<= 0: dropless (default)")
     g.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--eplb-config", default=None, metavar="JSON",

@@ -44,6 +44,7 @@ class EngineCounters:
     num_steps: int = 0
     step_seconds_total: float = 0.0
     worker_seconds_total: float = 0.0
+    worker_cpu_seconds_total: float = 0.0
 
 
 def resolve_dtype(name: str, model_config: ModelConfig) -> str:
@@ -112,8 +113,10 @@ class LLMEngine:
             migration_method=config.balancer.migration_method,
             dist_timeout_s=p.collective_timeout_s,
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
+            pin_cpu=p.enable_cpu_pinning,
         )
         self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
+                                                 transport=p.step_transport,
                                                  call_timeout_s=step_timeout_s(config))
         try:
             self.eplb = self._build_eplb(self.placement, self.executor.num_nodes)
@@ -144,7 +147,8 @@ class LLMEngine:
         expert_bytes = (3 * self.model_config.hidden_size * self.model_config.moe_intermediate_size
                         * torch.finfo(DTYPES[self.dtype]).bits // 8)
         return EplbDriver(self.config.balancer, placement, num_groups=self._num_groups(), num_nodes=num_nodes,
-                          expert_bytes=expert_bytes)
+                          expert_bytes=expert_bytes,
+                          record_buffer_size=self.config.server.expert_distribution_recorder_buffer_size)
 
     def _num_groups(self) -> int:
         groups = self.model_config.n_group or 1
@@ -200,6 +204,7 @@ class LLMEngine:
         self._account(results)
         self.counters.num_steps += 1
         self.counters.worker_seconds_total += max(r.seconds for r in results)
+        self.counters.worker_cpu_seconds_total += max(r.cpu_seconds for r in results)
         self.counters.step_seconds_total += time.perf_counter() - started
         return outputs + self.rebalance_if_due()
 

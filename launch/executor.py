@@ -2,6 +2,10 @@
 
 Both take a ``SchedulerOutput`` (one batch per DP rank) and return one ``StepResult`` per
 DP rank (from the rank with tp_rank 0 of that DP group).
+
+Ray actors get their steps over the step channel (``launch.step_channel``: one TCP
+connection per rank, compact ``launch.core.wire`` messages) when it can be opened, else as
+Ray actor calls; everything else (setup, moves, introspection) is a Ray call.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ from typing import Any, Protocol
 
 import torch
 
+from launch.config import STEP_TRANSPORTS
 from launch.core import SchedulerOutput
+from launch.core.wire import encode_batch
 from launch.worker import StepResult, Worker, WorkerSpec
 
 log = logging.getLogger(__name__)
+
 
 
 class Executor(Protocol):
@@ -59,10 +66,15 @@ class RayExecutor:
     """One Ray actor per rank (node-major), rendezvous through rank 0's address."""
 
     def __init__(self, spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None,
-                 call_timeout_s: float = 600.0) -> None:
+                 call_timeout_s: float = 600.0, transport: str = "auto") -> None:
         from launch.cluster import WorkerGroup, connect_ray
 
+        if transport not in STEP_TRANSPORTS:
+            raise ValueError(f"step transport must be one of {list(STEP_TRANSPORTS)}, got {transport!r}")
         self.group = None
+        self.transport = transport
+        self.channel = None
+        self._reopen = False
         self.spec = self.full_spec = spec
         self._owns_ray = connect_ray(address, num_cpus=max(spec.world_size, os.cpu_count() or 1))
         try:
@@ -81,10 +93,80 @@ class RayExecutor:
         Waits for every actor to be up first: the rendezvous itself only waits
         ``collective_timeout_s`` for the slowest rank, and a new process may take longer to start."""
         self.group.call("process_id", timeout_s=self.setup_timeout_s)
-        init = self.group.call("rendezvous_address", ranks=[0])[0]
-        self.infos = self.group.call("setup", init, timeout_s=self.setup_timeout_s)
+        # Rank 0 serves the store on this address only (loopback when one machine holds every rank).
+        self.init_method = self.group.call("rendezvous_address", self.group.rendezvous_host(), ranks=[0])[0]
+        self.infos = self.group.call("setup", self.init_method, timeout_s=self.setup_timeout_s)
         self.dp_leaders = [r for r, info in enumerate(self.infos) if info["coords"]["tp_rank"] == 0]
         self.dp_of_rank = [info["coords"]["dp_rank"] for info in self.infos]
+        self.open_channel()  # at start and after every rebuild: the ranks serve fresh channels
+
+    # ---- the fast step transport ---------------------------------------------------------
+
+    def open_channel(self) -> None:
+        """Connect the step channel to every rank (transport "socket" or "auto"); with "auto"
+        a failure (no route to a node, a port that cannot be bound) leaves steps on Ray calls."""
+        from launch.step_channel import StepClient
+
+        self.close_channel()
+        self._reopen = False
+        if self.transport == "ray":
+            return
+        try:
+            self.channel = StepClient(self.group.call("open_step_channel"))
+        except Exception as e:
+            if self.transport == "socket":
+                raise
+            log.warning("step channel unavailable (%s: %s): steps go through Ray actor calls",
+                        type(e).__name__, e)
+            self.close_channel()
+
+    def close_channel(self) -> None:
+        """Close the driver's ends; each rank's server thread sees it and stops (no Ray call:
+        a hung rank cannot hold this up)."""
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel.close()
+
+    fault_ping_timeout_s = 10.0
+
+    @property
+    def active_transport(self) -> str:
+        """"socket" while the step channel is up, else "ray"."""
+        return "socket" if self.channel is not None else "ray"
+
+    def _execute_channel(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
+        from launch.step_channel import ChannelError
+
+        flag = b"\x01" if collect_load else b"\x00"
+        messages = {dp: flag + encode_batch(batch) for dp, batch in enumerate(output.batches)}
+        try:
+            replies = self.channel.roundtrip([messages[dp] for dp in self.dp_of_rank], self.group.call_timeout_s)
+        except ChannelError as e:
+            self.close_channel()  # a failed round trip leaves replies unread: never reuse it
+            self._reopen = True  # the next step (after a rebuild, say) connects afresh
+            raise self._channel_fault(e) from e
+        return [StepResult.from_bytes(reply) for reply in replies]
+
+    def _channel_fault(self, error: Exception) -> Exception:
+        """The ``WorkerFault`` the Ray path would have raised for the same fault."""
+        from launch.recovery import WorkerCallError, WorkerTimeoutError
+        from launch.step_channel import ChannelClosed, ChannelTimeout, RemoteError
+
+        rank = error.rank
+        where = f"worker rank {rank} on node {self.group._node(rank)}"
+        if isinstance(error, RemoteError):
+            cause = error.cause
+            first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+            return WorkerCallError(f"{where} failed in execute: {first}", rank=rank, detail=type(cause).__name__)
+        if isinstance(error, ChannelTimeout):
+            return WorkerTimeoutError(f"ranks {error.ranks} did not finish execute within "
+                                      f"{self.group.call_timeout_s:.0f}s (recovery.step_timeout_s): hung",
+                                      rank=rank if len(error.ranks) == 1 else -1)
+        assert isinstance(error, ChannelClosed)
+        # Ask Ray whether the actor is gone: it raises the typed WorkerDiedError with Ray's cause.
+        self.group.wait([self.group.actors[rank].ping.remote()], "ping", [rank], self.fault_ping_timeout_s)
+        reason = str(error).split(": ", 1)[-1]  # without its own "rank N: " prefix
+        return WorkerCallError(f"{where}: {reason}", rank=rank, detail="ChannelClosed")
 
     setup_timeout_s = 600.0
 
@@ -155,13 +237,20 @@ class RayExecutor:
         self._setup()
 
     def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
-        args = [(output.batches[dp], collect_load) for dp in self.dp_of_rank]
-        results = self.group.call_each("execute", args)
+        if self._reopen:
+            self._reopen = False
+            self.open_channel()
+        if self.channel is not None:
+            results = self._execute_channel(output, collect_load)
+        else:
+            args = [(output.batches[dp], collect_load) for dp in self.dp_of_rank]
+            results = self.group.call_each("execute", args)
         leaders = {self.dp_of_rank[r]: results[r] for r in self.dp_leaders}
         for r, result in enumerate(results):
             if r not in self.dp_leaders:  # a TP follower's own global-capacity drops
                 leader = leaders[self.dp_of_rank[r]]
                 leader.capacity = [(a + c, b + d) for (a, b), (c, d) in zip(leader.capacity, result.capacity)]
+                leader.cpu_seconds = max(leader.cpu_seconds, result.cpu_seconds)
         return [leaders[dp] for dp in sorted(leaders)]
 
     def apply_move_plan(self, plan: Any, new_phy2log: torch.Tensor) -> list[dict[str, int]]:
@@ -178,6 +267,9 @@ class RayExecutor:
         import ray
 
         group = getattr(self, "group", None)
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()  # the actors are killed next: no need to tell them
+            self.channel = None
         if group is not None:
             # A cluster this process started dies whole with ray.shutdown(); on a shared
             # cluster the placement group must be released explicitly.
@@ -200,9 +292,11 @@ def cpus_per_rank(world_size: int) -> float:
 
 
 def build_executor(spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None,
-                   call_timeout_s: float = 600.0) -> Executor:
+                   call_timeout_s: float = 600.0, transport: str = "auto") -> Executor:
     """In-process for one rank, Ray actors otherwise. call_timeout_s: how long the driver waits
-    for the ranks on one step or move before it declares them hung (``WorkerTimeoutError``)."""
+    for the ranks on one step or move before it declares them hung (``WorkerTimeoutError``).
+    transport: how steps reach the actors ("auto": the step channel when every rank can be
+    reached, else Ray calls)."""
     if spec.world_size == 1:
         return LocalExecutor(spec)
-    return RayExecutor(spec, strategy=strategy, address=address, call_timeout_s=call_timeout_s)
+    return RayExecutor(spec, strategy=strategy, address=address, call_timeout_s=call_timeout_s, transport=transport)

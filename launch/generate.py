@@ -1,7 +1,7 @@
 """``python -m launch generate --model DIR --input IN.jsonl --output OUT.jsonl [flags]``.
 
 Input lines: ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``, optionally with sampling
-fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``n``, ``logprobs``). Output lines repeat the input and add
 ``text``, ``token_ids``, ``finish_reason`` (lists of them when n > 1 under ``outputs``).
 """
@@ -19,6 +19,7 @@ from typing import Any
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.config_schema import ConfigError
 from launch.core import SamplingParams
+from launch.tokenizer import check_text
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -39,10 +40,26 @@ def read_requests(path: Path) -> list[dict[str, Any]]:
             unknown = set(row) - _SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "id"}
             if unknown:
                 raise ValueError(f"{path}:{n}: unknown field(s) {sorted(unknown)}")
+            check_prompt(row, f"{path}:{n}")
             rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no requests")
     return rows
+
+
+def check_prompt(row: dict[str, Any], where: str) -> None:
+    """``prompt`` a non-empty valid-Unicode string, or ``prompt_token_ids`` a non-empty list of
+    non-negative ints; else ValueError naming ``where``."""
+    if "prompt" in row:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+        check_text(prompt, f"{where}: 'prompt'")
+        return
+    ids = row["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                   for t in ids):
+        raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of non-negative integers")
 
 
 def sampling_params_for(row: dict[str, Any], defaults: dict[str, Any], where: str) -> SamplingParams:

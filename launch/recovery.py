@@ -336,9 +336,11 @@ class EngineRecovery:
         """Driver state for a group of ``data_parallel_size`` DP ranks with ``placement``."""
         engine = self.engine
         counters = engine.eplb.counters if engine.eplb is not None else None
+        recorder = engine.eplb.recorder if engine.eplb is not None else None
         engine.placement = placement
         engine.eplb = engine._build_eplb(placement, num_nodes)
         if engine.eplb is not None and counters is not None:
             engine.eplb.counters = counters
+            engine.eplb.recorder = recorder  # an expert-distribution record survives the new layout
         if engine.scheduler.config.dp_size != data_parallel_size:
             engine.scheduler.reset_after_fault(engine._new_allocators(data_parallel_size), lambda r: True)

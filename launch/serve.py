@@ -4,7 +4,8 @@ Flags: every runtime flag of ``launch.config.add_runtime_args`` (layout, engine,
 ``--host`` (127.0.0.1 unless told otherwise), ``--port``, ``--api-key``,
 ``--served-model-name``, ``--max-queue-len``, ``--config FILE``, ``--set k=v``), plus
 ``--init-expert-location FILE`` (start from a dump's placement) and
-``--expert-distribution-dir DIR`` (where ``/dump_expert_distribution_record`` writes).
+``--expert-distribution-dir DIR`` (where ``/dump_expert_distribution_record`` writes) and
+``--expert-distribution-recorder-buffer-size N`` (steps the record keeps between dumps).
 The engine is built inside the server's event loop and shut down when uvicorn exits
 (Ctrl-C / SIGTERM).
 """
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-distribution dump (safetensors) to take the initial placement from")
     g.add_argument("--expert-distribution-dir", default=None, metavar="DIR",
                    help="directory /dump_expert_distribution_record writes to")
+    g.add_argument("--expert-distribution-recorder-buffer-size", type=int, default=None, metavar="N",
+                   help="steps the record keeps between dumps; older ones are dropped and counted "
+                        "(moe:expert_distribution_steps_dropped_total); -1 keeps every step (default 1000)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     return parser
 
@@ -49,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     """The runtime config with the serve-only flags folded into ``server``."""
     cfg = runtime_config_from_args(args)
-    extra = {name: getattr(args, name) for name in ("init_expert_location", "expert_distribution_dir")
+    extra = {name: getattr(args, name) for name in ("init_expert_location", "expert_distribution_dir",
+                                                    "expert_distribution_recorder_buffer_size")
              if getattr(args, name) is not None}
     if extra:
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **extra))

@@ -7,15 +7,18 @@ The tokenizer is a byte-level BPE trained with ``tokenizers`` on the text shippe
 ``encode`` prepends ``<|bos|>`` (post-processor); ``tokenizer_config.json`` carries the
 bos/eos/pad tokens and ``DEFAULT_CHAT_TEMPLATE``.
 
-CLI: ``python -m launch make-tiny --arch deepseek_v3 --out DIR [--size tiny|small] [--seed N]``.
+CLI: ``python -m launch make-tiny --arch deepseek_v3 --out DIR [--size tiny|small] [--seed N]
+[--router-skew S] [--override KEY=VALUE ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -90,19 +93,37 @@ def write_tokenizer(out_dir: str | Path, tok: tokenizers.Tokenizer, *, model_max
 
 
 def make_tiny_checkpoint(
-    arch: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0, log: Callable[[str], None] | None = None
+    arch: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0, log: Callable[[str], None] | None = None,
+    router_skew: float = 0.0, config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Weights + config + tokenizer: a directory ``LLM``/``from_pretrained`` can load.
 
     The vocab size in config.json is the trained tokenizer's (512 tiny, 1024 small).
+    router_skew / config_overrides: see ``moe.tiny.write_tiny_checkpoint`` (the vocab size
+    cannot be overridden: it is the tokenizer's).
     """
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    overrides = dict(config_overrides or {})
+    if "vocab_size" in overrides:
+        raise ValueError("config override 'vocab_size' is not allowed: the vocabulary is the trained tokenizer's")
     tok = train_tokenizer(TOKENIZER_VOCAB_SIZE[size])
-    out = write_tiny_weights(arch, out_dir, size=size, seed=seed, vocab_size=tok.get_vocab_size(), log=log)
-    max_len = build_tiny_config(arch, size=size)["max_position_embeddings"]
+    out = write_tiny_weights(arch, out_dir, size=size, seed=seed, vocab_size=tok.get_vocab_size(), log=log,
+                             router_skew=router_skew, config_overrides=overrides)
+    max_len = {**build_tiny_config(arch, size=size), **overrides}["max_position_embeddings"]
     write_tokenizer(out, tok, model_max_length=max_len)
     return out
+
+
+def parse_config_override(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` (VALUE parsed as JSON, else kept as a string) -> (key, value)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--override expects KEY=VALUE, got {item!r}")
+    try:
+        return key.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return key.strip(), raw
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
     parser.add_argument("--size", default="tiny", choices=SIZES)
     parser.add_argument("--seed", default=0, type=int)
+    parser.add_argument("--router-skew", default=0.0, type=float, metavar="S",
+                        help="bias each MoE layer's router toward a few experts (0: none; 2-4: strong)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="replace a config.json field, e.g. --override hidden_size=256 (repeatable)")
     args = parser.parse_args(argv)
-    out = make_tiny_checkpoint(args.arch, args.out, size=args.size, seed=args.seed, log=print)
+    try:
+        overrides = dict(parse_config_override(item) for item in args.override)
+        out = make_tiny_checkpoint(args.arch, args.out, size=args.size, seed=args.seed, log=print,
+                                   router_skew=args.router_skew, config_overrides=overrides)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cfg = json.loads((out / "config.json").read_text())
     print(f"{args.arch} {args.size}: {count_parameters(cfg):,} parameters, vocab {cfg['vocab_size']} -> {out}")
     return 0

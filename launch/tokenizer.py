@@ -38,7 +38,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from launch.core.detokenizer import IncrementalDetokenizer
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "IncrementalDetokenizer", "InvalidTextError", "Tokenizer", "check_text"]
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -47,6 +47,23 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+
+
+class InvalidTextError(ValueError):
+    """Text that is not valid Unicode (an unpaired UTF-16 surrogate): a user error, not a crash."""
+
+
+def check_text(text: str, what: str = "text") -> str:
+    """Return ``text`` unchanged, or raise ``InvalidTextError`` naming ``what`` and the position
+    of its first unpaired surrogate (U+D800..U+DFFF). JSON's ``"\\ud800"`` escape decodes to
+    such a string; it cannot be encoded to UTF-8, so no tokenizer can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidTextError(
+            f"{what} holds an unpaired UTF-16 surrogate (U+{ord(text[e.start]):04X}) at character {e.start}: "
+            "text must be valid Unicode (send a surrogate pair, or the character itself)") from None
+    return text
 
 
 def _read_json(path: Path) -> dict:
@@ -108,7 +125,7 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
             content = "".join(parts)
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({**m, "content": content})
+        out.append({**m, "content": check_text(content, f"messages[{i}].content")})
     return out
 
 
@@ -183,9 +200,11 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with ``add_special_tokens`` the post-processor adds bos etc."""
+        """Token ids of ``text``; with ``add_special_tokens`` the post-processor adds bos etc.
+        Raises ``InvalidTextError`` (a ValueError) for text with an unpaired surrogate."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
+        check_text(text, "the prompt")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

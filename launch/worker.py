@@ -10,10 +10,13 @@ Shape legend: T tokens in this rank's batch, B sequences, L MoE layers, P physic
 from __future__ import annotations
 
 import os
+import pickle
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from launch.core import BatchSpec, SampledTokens, Sampler
@@ -23,6 +26,19 @@ from moe.cpu_gemm import native_gemv, use_native_gemv
 from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.loader import load_weights
 from moe.model import MoEModel
+
+
+def node_host() -> str:
+    """This node's address as the cluster sees it (Ray's node IP inside a Ray worker)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -34,6 +50,8 @@ class WorkerSpec:
     phy2log: initial placement [L, P] int64 (None = identity, no redundant slots).
     capacity: the typed capacity settings (dropless by default); the MoE layers enforce the
     "local" scope, the dispatcher the "global" one.
+    pin_cpu: pin this rank's process to one CPU (its index among the node's ranks, modulo
+    the CPUs it may use) and one torch thread; ``shutdown`` undoes it.
     """
 
     model_path: str
@@ -53,6 +71,7 @@ class WorkerSpec:
     dist_timeout_s: float = 300.0
     num_threads: int | None = None
     migration_method: str = "p2p"
+    pin_cpu: bool = False
 
     @property
     def world_size(self) -> int:
@@ -65,12 +84,55 @@ class StepResult:
     (tp_rank > 0). slot_load: [L, P] int64 assignments per slot this step (tp_rank 0 only).
     capacity: per MoE layer (dropped, rerouted) this step: local-scope decisions (made on
     the whole batch, identical across a TP group) from tp_rank 0 only, plus this rank's own
-    share of global-scope drops (each TP rank dispatches its own slice: the driver sums them)."""
+    share of global-scope drops (each TP rank dispatches its own slice: the driver sums them).
+    seconds / cpu_seconds: wall and process CPU time of the step on this rank (the Ray
+    executor reports the slowest rank of the DP group in cpu_seconds: the step's critical
+    path in CPU time, which other people's load on a shared machine moves far less)."""
 
     sampled: SampledTokens | None
     slot_load: torch.Tensor | None = None
     capacity: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    _HEAD = struct.Struct("<ddBBqqq")  # seconds, cpu_seconds, has sampled, has logprobs, S, L, P (-1: no load)
+
+    def to_bytes(self) -> bytes:
+        """The reply on the fast step transport: a header, token ids [S], capacity [L, 2] and
+        slot load [L, P] as int64, then the logprobs pickled when any row asked for them."""
+        sampled = self.sampled
+        ids = np.asarray(sampled.token_ids if sampled is not None else [], dtype="<i8")
+        capacity = np.asarray(self.capacity, dtype="<i8").reshape(-1, 2)
+        load = None if self.slot_load is None else self.slot_load.numpy().astype("<i8", copy=False)
+        if load is not None and (load.ndim != 2 or load.shape[0] != len(capacity)):
+            raise ValueError(f"slot load of shape {load.shape} with capacity counters for {len(capacity)} layers")
+        logprobs = sampled.logprobs if sampled is not None else None
+        parts = [self._HEAD.pack(self.seconds, self.cpu_seconds, sampled is not None, logprobs is not None, len(ids), len(capacity),
+                                 -1 if load is None else load.shape[1]), ids.tobytes(), capacity.tobytes()]
+        if load is not None:
+            parts.append(load.tobytes())
+        if logprobs is not None:
+            parts.append(pickle.dumps(logprobs, protocol=pickle.HIGHEST_PROTOCOL))
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray) -> StepResult:
+        """What ``to_bytes`` wrote (slot_load as an int64 tensor [L, P])."""
+        seconds, cpu_seconds, has_sampled, has_logprobs, num_ids, num_layers, num_slots = cls._HEAD.unpack_from(data, 0)
+        offset = cls._HEAD.size
+        ids = np.frombuffer(data, dtype="<i8", count=num_ids, offset=offset)
+        offset += 8 * num_ids
+        capacity = np.frombuffer(data, dtype="<i8", count=2 * num_layers, offset=offset).reshape(num_layers, 2)
+        offset += 16 * num_layers
+        load = None
+        if num_slots >= 0:
+            count = num_layers * num_slots
+            load = torch.from_numpy(np.frombuffer(data, dtype="<i8", count=count, offset=offset)
+                                    .reshape(num_layers, num_slots).copy())
+            offset += 8 * count
+        logprobs = pickle.loads(memoryview(data)[offset:]) if has_logprobs else None
+        sampled = SampledTokens(token_ids=ids.tolist(), logprobs=logprobs) if has_sampled else None
+        return cls(sampled, load, [(a, b) for a, b in capacity.tolist()], seconds, cpu_seconds)
 
 
 class Worker:
@@ -78,12 +140,14 @@ class Worker:
     groups, builds and loads the shard; then ``execute`` once per step."""
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
-
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self._place(spec, rank)
         self.groups = None
         self._where = "setup"  # the collective this rank is in or about to enter (error messages)
+        self._unpinned: tuple[set[int], int] | None = None
+        if spec.pin_cpu:
+            self._unpinned = pin_to_cpu(rank % (spec.world_size // max(spec.num_nodes, 1)))
 
     def _place(self, spec: WorkerSpec, rank: int) -> None:
         from parallel.layout import Layout
@@ -96,11 +160,13 @@ class Worker:
         """This rank's pid; answering at all means the actor is up."""
         return os.getpid()
 
-    def rendezvous_address(self) -> str:
-        """A tcp:// init method on this rank's node (called on rank 0 only)."""
+    def rendezvous_address(self, host: str | None = None) -> str:
+        """A tcp:// init method on this rank's node (called on rank 0 only): a free port on
+        ``host`` (default MASTER_ADDR, else this host's address). Rank 0's store listens
+        on that address only (``parallel.groups.create_rendezvous_store``)."""
         import socket
 
-        host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        host = host or os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
@@ -213,7 +279,7 @@ class Worker:
             raise error from None
 
     def _execute(self, batch: BatchSpec, collect_load: bool) -> StepResult:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         sampled = None
         if batch.is_empty:
             self._run_collectives_only()
@@ -237,7 +303,8 @@ class Worker:
         load, capacity = self._read_counters(collect_load and report, report)
         if batch.is_empty:
             sampled = SampledTokens()
-        return StepResult(sampled if report else None, load, capacity, time.perf_counter() - started)
+        return StepResult(sampled if report else None, load, capacity, time.perf_counter() - started,
+                          time.process_time() - cpu_started)
 
     def _run_collectives_only(self) -> None:
         # An idle DP rank: no attention, but each MoE layer's dispatch is a collective over
@@ -298,12 +365,38 @@ class Worker:
     def ping(self) -> dict[str, Any]:
         """Where this rank lives (for error messages and node-major checks)."""
         return {"rank": self.rank, "pid": os.getpid(), "coords": self.coords.__dict__,
-                "local_experts": self._local_slots()}
+                "local_experts": self._local_slots(), "cpus": sorted(os.sched_getaffinity(0)),
+                "num_threads": torch.get_num_threads()}
 
     def expert_fingerprint(self) -> list[list[float]]:
         """Per MoE layer, per local slot, a checksum of its weights (tests check migrations)."""
         return [[float(layer.experts.w13[s].float().sum() + layer.experts.w2[s].float().sum())
                  for s in range(layer.experts.num_local_slots)] for layer in self.model.moe_layers()]
+
+    # ---- fast step transport (launch.step_channel) --------------------------------------
+
+    def open_step_channel(self, host: str | None = None) -> tuple[str, int, bytes]:
+        """Listen for the driver's step connection on ``host`` (default: this node's address);
+        returns (host, port, token) for ``StepClient``. Steps then arrive as
+        ``launch.core.wire`` messages and run ``execute`` on the channel's thread."""
+        from launch.step_channel import StepServer
+
+        self.close_step_channel()
+        self._step_server = StepServer(self._serve_step, host or node_host())
+        return self._step_server.address
+
+    def _serve_step(self, payload: bytearray) -> bytes:
+        from launch.core.wire import decode_batch
+
+        if self.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(self.device)
+        batch = decode_batch(memoryview(payload)[1:])
+        return self.execute(batch, bool(payload[0])).to_bytes()
+
+    def close_step_channel(self) -> None:
+        server = self.__dict__.pop("_step_server", None)
+        if server is not None:
+            server.close()
 
     def reset(self, spec: WorkerSpec, rank: int | None = None) -> None:
         """After a peer's fault: leave the (broken) process groups and drop the shard and KV
@@ -311,9 +404,13 @@ class Worker:
         same rank; another one when the group shrinks to its survivors or grows back)."""
         import torch.distributed as dist
 
+        self.close_step_channel()
         if dist.is_initialized():
             dist.destroy_process_group()
         self._place(spec, self.rank if rank is None else rank)
+        if spec.pin_cpu:  # a new rank index may mean another core; undo to the state before the first pin
+            before = pin_to_cpu(self.rank % (spec.world_size // max(spec.num_nodes, 1)))
+            self._unpinned = self._unpinned or before
         self.groups, self._where = None, "setup"
         for name in ("model", "kv_cache"):
             self.__dict__.pop(name, None)
@@ -321,5 +418,31 @@ class Worker:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        self.close_step_channel()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._unpinned is not None:
+            cpus, threads = self._unpinned
+            _set_process_affinity(cpus)
+            torch.set_num_threads(threads)
+            self._unpinned = None
+
+
+def pin_to_cpu(index: int) -> tuple[set[int], int]:
+    """Pin every thread of this process to the ``index``-th CPU it may use (modulo their
+    count) and torch to one thread. Returns (the CPUs and torch threads before), to undo."""
+    allowed = sorted(os.sched_getaffinity(0))
+    before = (set(allowed), torch.get_num_threads())
+    torch.set_num_threads(1)
+    _set_process_affinity({allowed[index % len(allowed)]})
+    return before
+
+
+def _set_process_affinity(cpus: set[int]) -> None:
+    # sched_setaffinity(0) moves only the calling thread; move every thread that exists
+    # (Ray's and gloo's included), and threads started later inherit the mask.
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that exited meanwhile
+            pass

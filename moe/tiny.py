@@ -22,6 +22,15 @@ any width; embeddings ~ N(0, 1); norm weights 1 + N(0, 0.05^2). Router rows are
 scaled per expert by exp(N(0, 0.5^2)), so some experts are selected much more
 often than others (non-uniform routing for balancer tests); DeepSeek-V3's
 ``e_score_correction_bias`` ~ N(0, 0.05^2).
+
+Router skew (``router_skew`` S > 0, default 0 = the init above, unchanged): each MoE
+layer draws its own order of the experts, and the router row of the expert ranked j-th
+(0 = hottest) is scaled by exp(-S * j / (E - 1)); a larger-norm row wins the top-k far
+more often, so a few experts take most tokens, and which ones differs by layer. On
+DeepSeek-V3 the ``e_score_correction_bias`` of the ranked experts also gets
++S * 0.1 * (1 - 2 j / (E - 1)), which the selection adds to the sigmoid scores.
+``config_overrides`` replace config.json fields before the shapes are derived (a wider
+hidden size, more experts, fewer layers): the weights follow the overridden config.
 """
 
 from __future__ import annotations
@@ -305,6 +314,34 @@ def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> tor
     return w
 
 
+def _skew_order(name: str, num_experts: int, seed: int) -> torch.Tensor:
+    """rank [E] float: 0 for the layer's hottest expert .. 1 for its coldest (a per-layer
+    permutation drawn from (seed, layer), independent of the weights' own random stream)."""
+    layer = int(name.split(".")[2]) if name.startswith("model.layers.") else 0
+    gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + layer)
+    order = torch.randperm(num_experts, generator=gen)
+    rank = torch.empty(num_experts)
+    rank[order] = torch.arange(num_experts, dtype=torch.float32) / max(num_experts - 1, 1)
+    return rank
+
+
+def apply_router_skew(name: str, tensor: torch.Tensor, skew: float, seed: int) -> torch.Tensor:
+    """Skew one router tensor (see the module docstring); other tensors pass through.
+
+    tensor: a router weight [E, D] (``*.gate.weight``) or DeepSeek-V3's
+    ``e_score_correction_bias`` [E]. Returns a tensor of the same shape.
+    """
+    if skew <= 0:
+        return tensor
+    if name.endswith(".gate.weight") and tensor.dim() == 2:
+        rank = _skew_order(name, tensor.shape[0], seed)
+        return tensor * torch.exp(-skew * rank)[:, None]
+    if name.endswith("e_score_correction_bias"):
+        rank = _skew_order(name, tensor.shape[0], seed)
+        return tensor + skew * 0.1 * (1 - 2 * rank)
+    return tensor
+
+
 def _shard_plan(shapes: dict, elem_bytes: int, shard_bytes: int | None) -> list[list[str]]:
     if shard_bytes is None:
         return [list(shapes)]
@@ -321,11 +358,12 @@ def _shard_plan(shapes: dict, elem_bytes: int, shard_bytes: int | None) -> list[
 
 
 def _iter_shards(
-    shapes: dict, plan: list[list[str]], dtype: torch.dtype, seed: int
+    shapes: dict, plan: list[list[str]], dtype: torch.dtype, seed: int, router_skew: float = 0.0
 ) -> Iterator[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     for names in plan:
-        yield {n: _init_tensor(n, shapes[n], gen).to(dtype).contiguous() for n in names}
+        yield {n: apply_router_skew(n, _init_tensor(n, shapes[n], gen), router_skew, seed).to(dtype).contiguous()
+               for n in names}
 
 
 def _write_files(
@@ -393,6 +431,8 @@ def write_tiny_checkpoint(
     dtype: torch.dtype | None = None,
     shard_bytes: int | None | str = "auto",
     log: Callable[[str], None] | None = None,
+    router_skew: float = 0.0,
+    config_overrides: dict | None = None,
 ) -> Path:
     """Write config.json, generation_config.json and random safetensors weights to out_dir.
 
@@ -400,9 +440,18 @@ def write_tiny_checkpoint(
     function of (arch, size, seed, vocab_size, dtype). shard_bytes: "auto" (unsharded for
     tiny, 256 MiB shards for small), None (one file) or a byte budget per shard; sharded
     output has ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
+    router_skew: >= 0, how strongly routers prefer a few experts per layer (0: as before).
+    config_overrides: config.json fields to replace (``build_tiny_config`` then these).
     Returns: the checkpoint directory. The tokenizer is not written here (see launch).
     """
+    if not router_skew >= 0:
+        raise ValueError(f"router_skew must be >= 0, got {router_skew}")
     config = build_tiny_config(arch, size=size, vocab_size=vocab_size, dtype=dtype)
+    unknown = sorted(set(config_overrides or {}) - set(config))
+    if unknown:
+        raise ValueError(f"config override {unknown[0]!r} is not a field of the {arch} config.json; "
+                         f"fields: {sorted(config)}")
+    config.update(config_overrides or {})
     dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -411,7 +460,7 @@ def write_tiny_checkpoint(
         shard_bytes = DEFAULT_SHARD_BYTES[size]
     elem = torch.empty((), dtype=dtype).element_size()
     plan = _shard_plan(shapes, elem, shard_bytes)  # type: ignore[arg-type]
-    n = _write_files(config, out, plan, _iter_shards(shapes, plan, dtype, seed), elem)
+    n = _write_files(config, out, plan, _iter_shards(shapes, plan, dtype, seed, router_skew), elem)
     if log is not None:
         log(f"wrote {arch} {size} checkpoint to {out}: {count_parameters(config):,} parameters, {n} file(s)")
     return out

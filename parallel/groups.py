@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import urllib.parse
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,41 @@ def _timeout(timeout: float | datetime.timedelta) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout)
 
 
+def parse_init_method(init_method: str | None) -> tuple[str, int]:
+    """(host, port) of a ``tcp://HOST:PORT`` init method, or of MASTER_ADDR / MASTER_PORT for
+    ``env://`` (None). IPv6 hosts may be bracketed: ``tcp://[::1]:29500``."""
+    if init_method is None or init_method == "env://":
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise ValueError("init_distributed with env:// needs MASTER_ADDR and MASTER_PORT in the environment")
+        host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    else:
+        parsed = urllib.parse.urlsplit(init_method)
+        if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
+            raise ValueError(f"init_method must be env:// or tcp://HOST:PORT, got {init_method!r}")
+        host, port = parsed.hostname, parsed.port
+    if not str(port).isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rendezvous port must be 1..65535, got {port!r}")
+    return host, int(port)
+
+
+def create_rendezvous_store(host: str, port: int, rank: int, world_size: int,
+                            timeout: datetime.timedelta) -> dist.TCPStore:
+    """The TCPStore the ranks meet at. Rank 0 serves it on ``host:port`` only: torch's own
+    tcp:// and env:// rendezvous listen on every interface, whatever host they are given,
+    which would expose the store beyond the address the ranks use (loopback on one machine)."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.create_server((host, port), family=family, backlog=max(128, world_size))
+    try:
+        # detach(): the store owns the descriptor from here on (and closes it).
+        return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                             master_listen_fd=listener.detach())
+    except BaseException:
+        listener.close()
+        raise
+
+
 def init_distributed(
     rank: int,
     world_size: int,
@@ -65,22 +101,17 @@ def init_distributed(
     init_method: str | None = None,
     timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
 ) -> None:
-    """Join the default process group (env:// unless ``init_method`` is given).
-
-    With env://, MASTER_ADDR and MASTER_PORT must be set; a clear error says so.
+    """Join the default process group through a store on ``init_method``'s host and port
+    (``tcp://HOST:PORT``; env:// or None reads MASTER_ADDR and MASTER_PORT, and says so when
+    they are missing). Rank 0's store listens on that host only (``create_rendezvous_store``).
     """
-    if init_method is None and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
-        raise ValueError("init_distributed with env:// needs MASTER_ADDR and MASTER_PORT in the environment")
+    host, port = parse_init_method(init_method)
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend,
-        init_method=init_method or "env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=_timeout(timeout),
-    )
+    td = _timeout(timeout)
+    store = create_rendezvous_store(host, port, rank, world_size, td)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
 
 
 def build_process_groups(

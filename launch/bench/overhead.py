@@ -1,7 +1,8 @@
 """``python -m launch bench overhead``: what the driver/actor round trip adds to each engine step.
 
     python -m launch bench overhead --model DIR [-dp N] [--enable-expert-parallel] [--steps 50]
-        [--batch 8] [--context-len 32] [--warmup-steps 5] [--json FILE] [engine flags]
+        [--batch 8] [--context-len 32] [--warmup-steps 5] [--transports ray,socket] [--json FILE]
+        [engine flags]
     python -m launch bench overhead --model DIR --stats-overhead [--batch 8] [--repeats 2000] [...]
 
 Steady decode: ``--batch`` requests with ``--context-len``-token random prompts are prefilled,
@@ -16,6 +17,14 @@ rank, one Ray actor per rank otherwise. Per timed step:
     overhead_ms   step - worker: everything the driver loop adds to the model's time
     transport_ms  execute - worker: serialisation, Ray round trip, waiting for the replies
     other_ms      step - execute - scheduler: token/capacity accounting, EPLB statistics
+    step_cpu_ms   driver process CPU time over the step (steadier than wall on a shared box)
+    execute_cpu_ms  driver process CPU time inside executor.execute (all threads: Ray's own too)
+    execute_thread_cpu_ms  the calling thread's CPU time inside executor.execute (encoding,
+                  sends, receives, decoding; Ray's submission work on this thread)
+
+``--transports ray,socket`` runs the same measurement once per step transport
+(``parallel.step_transport``) in this process, one engine after the other, and prints the
+medians side by side with their ratios to the first.
 
 Steps in which a rebalance ran are left out (and counted). With tp > 1 only DP leaders
 reply, so worker_ms is the max over those ranks.
@@ -29,6 +38,7 @@ driver the sum over DP replies plus ``balancer.RoutingStats.record``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -46,7 +56,8 @@ from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
 from launch.worker import StepResult
 
-STEP_FIELDS = ("step_ms", "execute_ms", "worker_ms", "scheduler_ms", "overhead_ms", "transport_ms", "other_ms")
+STEP_FIELDS = ("step_ms", "execute_ms", "worker_ms", "scheduler_ms", "overhead_ms", "transport_ms", "other_ms",
+               "step_cpu_ms", "execute_cpu_ms", "execute_thread_cpu_ms")
 STATS_BUDGET = 0.02  # the issue's bar: recording costs at most 2% of a step
 
 
@@ -58,6 +69,9 @@ class StepTiming:
     execute_ms: float
     worker_ms: float
     scheduler_ms: float
+    step_cpu_ms: float = 0.0
+    execute_cpu_ms: float = 0.0
+    execute_thread_cpu_ms: float = 0.0
 
     @property
     def overhead_ms(self) -> float:
@@ -79,11 +93,13 @@ class TimedExecutor:
         self.inner = inner
         self.num_nodes = inner.num_nodes
         self.last: tuple[SchedulerOutput, list[StepResult], float] | None = None
+        self.last_cpu = self.last_thread_cpu = 0.0
 
     def execute(self, output: SchedulerOutput, collect_load: bool) -> list[StepResult]:
-        started = time.perf_counter()
+        started, cpu, thread = time.perf_counter(), time.process_time(), time.thread_time()
         results = self.inner.execute(output, collect_load)
         self.last = (output, results, time.perf_counter() - started)
+        self.last_cpu, self.last_thread_cpu = time.process_time() - cpu, time.thread_time() - thread
         return results
 
     def __getattr__(self, name: str) -> Any:
@@ -160,9 +176,9 @@ def run_decode(engine: Any, batch_size: int, context_len: int, steps: int, warmu
             scheduler.reset()
             executor.last = None
             rebalances = engine.eplb.counters.num_rebalances if engine.eplb is not None else 0
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             engine.step()
-            wall = time.perf_counter() - started
+            wall, cpu = time.perf_counter() - started, time.process_time() - cpu
             if executor.last is None or not is_pure_decode(executor.last[0], batch_size):
                 continue
             decode_steps += 1
@@ -173,7 +189,8 @@ def run_decode(engine: Any, batch_size: int, context_len: int, steps: int, warmu
                 continue
             _, results, execute = executor.last
             timings.append(StepTiming(wall * 1e3, execute * 1e3, max(r.seconds for r in results) * 1e3,
-                                      scheduler.seconds * 1e3))
+                                      scheduler.seconds * 1e3, cpu * 1e3, executor.last_cpu * 1e3,
+                                      executor.last_thread_cpu * 1e3))
             if len(timings) == steps:
                 break
     finally:
@@ -257,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the routing-statistics recording against the decode step (one rank)")
     g.add_argument("--repeats", type=int, default=2000, help="calls per timing round in --stats-overhead")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on the driver (default: torch's)")
+    g.add_argument("--transports", default=None, metavar="LIST",
+                   help="comma-separated step transports to run one after another in this process "
+                        "(e.g. ray,socket: before/after side by side); default: the configured one")
     g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
     return parser
 
@@ -332,21 +352,16 @@ def format_stats(s: dict[str, Any]) -> str:
     ])
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        config = build_config(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.num_threads is not None:
-        torch.set_num_threads(args.num_threads)
+def measure(config: RuntimeConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """One engine on ``config``: the timed decode steps, their summary, and the statistics
+    overhead when asked. Returns timings, summary, skipped, stats and the transport used."""
     from launch.engine import LLMEngine
 
     engine = LLMEngine(config)
     try:
         if args.stats_overhead and not engine.model_config.moe_layer_ids:
             raise ValueError(f"{config.model} has no MoE layers: nothing records routing statistics")
+        transport = getattr(engine.executor, "active_transport", "in-process")
         engine.executor = TimedExecutor(engine.executor)
         engine.scheduler = TimedScheduler(engine.scheduler)
         timings, skipped = run_decode(engine, args.batch, args.context_len, args.steps, args.warmup_steps,
@@ -355,24 +370,80 @@ def main(argv: list[str] | None = None) -> int:
         step = summary["step_ms"]
         stats = stats_overhead(engine, args.batch, step["median"], step["min"], args.repeats) \
             if args.stats_overhead else None
+    finally:
+        engine.shutdown()
+    return {"timings": timings, "summary": summary, "skipped": skipped, "stats": stats, "transport": transport}
+
+
+def parse_transports(text: str | None, config: RuntimeConfig) -> list[str]:
+    """``--transports ray,socket`` -> ["ray", "socket"]; None -> the config's own."""
+    from launch.config import STEP_TRANSPORTS
+
+    if text is None:
+        return [config.parallel.step_transport]
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in STEP_TRANSPORTS]
+    if bad or not names:
+        raise ValueError(f"--transports takes a comma-separated list of {list(STEP_TRANSPORTS)}, got {text!r}")
+    if config.parallel.world_size == 1 and len(names) > 1:
+        raise ValueError("--transports compares Ray transports: it needs more than one rank (-dp/-tp)")
+    return names
+
+
+def format_comparison(runs: list[dict[str, Any]]) -> str:
+    """Each run's driver-side medians against the first run's: transport wall, execute CPU."""
+    base = runs[0]["summary"]
+    keys = ("transport_ms", "execute_cpu_ms", "execute_thread_cpu_ms", "step_cpu_ms")
+    lines = [f"# {'transport':<10}" + "".join(f"{k:>22}" for k in keys) + f"  ratios to {runs[0]['transport']}"]
+    for run in runs:
+        s = run["summary"]
+        ratios = [s[k]["median"] / base[k]["median"] if base[k]["median"] > 0 else float("nan") for k in keys]
+        lines.append(f"# {run['transport']:<10}" + "".join(f"{s[k]['median']:>22.3f}" for k in keys) + "  "
+                     + " ".join(f"{r:.2f}" for r in ratios))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+        transports = parse_transports(args.transports, config)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    runs = []
+    try:
+        for name in transports:
+            run_config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, step_transport=name))
+            runs.append(measure(run_config, args))
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        engine.shutdown()
     label = describe_executor(config)
-    print(f"# {args.steps} decode steps of {args.batch} sequences (context {args.context_len}), {label}, "
-          f"{skipped} rebalance steps left out; times in ms")
-    print(format_steps(summary, label))
-    if stats is not None:
-        print(format_stats(stats))
+    for run in runs:
+        run_label = label if config.parallel.world_size == 1 else f"{label} {run['transport']}"
+        print(f"# {args.steps} decode steps of {args.batch} sequences (context {args.context_len}), {run_label}, "
+              f"{run['skipped']} rebalance steps left out; times in ms (cpu: driver process CPU time)")
+        print(format_steps(run["summary"], run_label))
+        if run["stats"] is not None:
+            print(format_stats(run["stats"]))
+    if len(runs) > 1:
+        print(format_comparison(runs))
     if args.json:
         result = {"model": config.model, "executor": label, "world_size": config.parallel.world_size,
                   "data_parallel_size": config.parallel.data_parallel_size,
                   "expert_parallel_size": config.parallel.expert_parallel_size,
                   "enable_eplb": config.balancer.enable_eplb, "dtype": config.engine.dtype,
                   "num_threads": torch.get_num_threads(), "batch": args.batch, "context_len": args.context_len,
-                  "steps": args.steps, "rebalance_steps_skipped": skipped, "summary": summary,
-                  "timings": [asdict(t) for t in timings], "stats_overhead": stats}
+                  "steps": args.steps,
+                  "runs": [{"transport": r["transport"], "rebalance_steps_skipped": r["skipped"],
+                            "summary": r["summary"], "timings": [asdict(t) for t in r["timings"]],
+                            "stats_overhead": r["stats"]} for r in runs]}
+        # the first run's figures also at the top level (the layout before --transports)
+        first = result["runs"][0]
+        result.update(rebalance_steps_skipped=first["rebalance_steps_skipped"], summary=first["summary"],
+                      timings=first["timings"], stats_overhead=first["stats_overhead"])
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

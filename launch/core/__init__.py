@@ -10,7 +10,7 @@ from launch.core.detokenizer import IncrementalDetokenizer, find_stop_string
 from launch.core.kv_sizing import KVSizing, compute_kv_sizing, parse_memory
 from launch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from launch.core.request import Request, Sequence, SequenceStatus
-from launch.core.sampler import Sampler, SamplerOutput, apply_temperature_top_k_top_p
+from launch.core.sampler import Sampler, SamplerOutput, apply_sampling_filters
 from launch.core.sampling_params import SamplingParams
 from launch.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
@@ -18,6 +18,6 @@ __all__ = [
     "BatchSpec", "BlockAllocator", "CompletionOutput", "IncrementalDetokenizer", "KVSizing",
     "PrefixCacheStats", "Request", "RequestMetrics", "RequestOutput", "SampledTokens", "Sampler",
     "SamplerOutput", "SamplingParams", "ScheduledSequence", "Scheduler", "SchedulerConfig",
-    "SchedulerOutput", "SchedulerStats", "Sequence", "SequenceStatus", "apply_temperature_top_k_top_p",
+    "SchedulerOutput", "SchedulerStats", "Sequence", "SequenceStatus", "apply_sampling_filters",
     "compute_kv_sizing", "find_stop_string", "parse_memory",
 ]

@@ -1,4 +1,4 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, seeded per request.
+"""Token sampling from logits: greedy, temperature, min-p, top-k, top-p, seeded per request.
 
 Shape letters: B rows (sequences sampling this step), V vocabulary, N top logprobs.
 
@@ -10,8 +10,9 @@ so seeded output does not change with batch composition, preemption or worker re
 (on a given device type: CPU and CUDA generators produce different streams). Unseeded rows
 share the sampler's generator.
 
-Logprobs are the raw model's (log-softmax of the unprocessed logits, before temperature,
-top-k and top-p), as vLLM returns by default.
+Filters run in vLLM's order: temperature, then min-p (on the tempered probabilities), then
+top-k, then top-p. Logprobs are the raw model's (log-softmax of the unprocessed logits, before
+any of them), as vLLM returns by default.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Sampler:
             token_ids[greedy] = logits[greedy].argmax(dim=-1)
         if random:
             rows = [params[b] for b in random]
-            processed = apply_temperature_top_k_top_p(logits[random], rows)
+            processed = apply_sampling_filters(logits[random], rows)
             token_ids[random] = self._draw(processed.softmax(dim=-1), rows, [output_indices[b] for b in random])
         return _with_logprobs(logits, token_ids, params)
 
@@ -119,13 +120,20 @@ class Sampler:
         return self._device_generators[key]
 
 
-def apply_temperature_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def apply_sampling_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits: [B, V] float32 of non-greedy rows -> [B, V] float32 scaled by 1/temperature
-    with filtered-out tokens at -inf. Top-k keeps each row's k largest; top-p then keeps the
-    smallest set of most likely tokens whose probability reaches p (the top token always)."""
+    with filtered-out tokens at -inf. Min-p drops tokens whose tempered probability is below
+    ``min_p`` x the row's largest; top-k keeps each row's k largest; top-p then keeps the
+    smallest set of most likely tokens whose probability reaches p. The most likely token
+    always survives."""
     num_rows, vocab = logits.shape
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     x = logits / temps.unsqueeze(1)
+    if any(p.min_p_enabled for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+        probs = x.softmax(dim=-1)  # [B, V]
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+        x = x.masked_fill(probs < threshold, float("-inf"))
     use_k = any(0 < p.top_k < vocab for p in params)
     use_p = any(p.top_p_enabled for p in params)
     if not (use_k or use_p):

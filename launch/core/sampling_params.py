@@ -1,7 +1,7 @@
 """Per-request sampling parameters, with vLLM's names and meanings.
 
-``temperature == 0`` means greedy decoding; ``top_k`` of -1 or 0 and ``top_p == 1``
-switch those filters off; ``max_tokens=None`` generates until ``max_model_len``.
+``temperature == 0`` means greedy decoding; ``top_k`` of -1 or 0, ``top_p == 1`` and
+``min_p == 0`` switch those filters off; ``max_tokens=None`` generates until ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ class SamplingParams:
     temperature: >= 0; 0 is greedy (argmax).
     top_p: in (0, 1]; nucleus filter applied after top-k.
     top_k: -1 or 0 disables; otherwise keep the k largest logits.
+    min_p: in [0, 1]; drop tokens whose probability (after temperature) is below
+        ``min_p`` times the most likely token's; 0 disables. Applied before top-k and top-p.
     max_tokens: generated tokens at most (>= 1), or None for "until max_model_len".
     stop: stop strings (a string or a list); the matched string is trimmed from the text
         unless ``include_stop_str_in_output``.
@@ -34,6 +36,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     max_tokens: int | None = 16
     stop: str | list[str] | tuple[str, ...] | None = None
     stop_token_ids: list[int] | tuple[int, ...] | None = None
@@ -57,6 +60,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if self.max_tokens is not None and (
@@ -88,6 +93,10 @@ class SamplingParams:
     @property
     def top_p_enabled(self) -> bool:
         return self.top_p < 1.0
+
+    @property
+    def min_p_enabled(self) -> bool:
+        return self.min_p > 0.0
 
     @property
     def max_stop_len(self) -> int:

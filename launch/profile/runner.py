@@ -126,6 +126,10 @@ def run_and_report(args: argparse.Namespace) -> Path:
     except WorkloadError as e:
         raise ProfileRunError(str(e)) from None
     config = runtime_config_from_args(args)
+    # The report needs every step of the run (phase spans count from its first step): the record
+    # is unbounded here; the run itself is bounded by --steps.
+    config = dataclasses.replace(config, server=dataclasses.replace(
+        config.server, expert_distribution_recorder_buffer_size=-1))
     out = Path(args.out)
     llm = LLM(config=config)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import secrets
 import tempfile
@@ -45,12 +46,20 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 503: "server_overloaded"}
 
 
+class ErrorJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote what the client sent, and text
+    that is not valid Unicode (a lone surrogate) must not turn a 4xx into a failed render."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, *, type: str | None = None, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """A JSONResponse in OpenAI's error shape."""
     body = ErrorResponse(error=ErrorInfo(message=message, type=type or _ERROR_TYPES.get(status, "api_error"),
                                          param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    return ErrorJSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 class APIKeyMiddleware:
@@ -105,17 +114,25 @@ class BodyLimitMiddleware:
         return f"Request body too large: the limit is {self.max_bytes} bytes."
 
 
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the union branch it tried in ``loc`` ('str', 'list[TextPart]', ...)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part)
+
+
 def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     """The first pydantic error as ``(message, param)``; ``param`` is the offending field."""
     errors = exc.errors()
     if not errors:
         return "Invalid request.", None
-    err = errors[0]
-    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    # A validator's own message (value_error) says most; union branches add noise to ``loc``.
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    loc = [str(part) for part in err.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     if err.get("type") == "json_invalid":
         return f"Malformed JSON body: {err.get('msg')} ({err.get('ctx', {}).get('error', '')}).", None
     field = ".".join(loc)
-    message = f"{field}: {err.get('msg')}" if field else str(err.get("msg"))
+    msg = str(err.get("ctx", {}).get("error", "")) if err.get("type") == "value_error" else ""
+    msg = msg or str(err.get("msg"))
+    message = f"{field}: {msg}" if field else msg
     if err.get("type") == "missing":
         message = f"Missing required field '{field}'."
     if len(errors) > 1:
@@ -127,7 +144,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         metrics.on_rejected(exc.status_code)
-        return JSONResponse(exc.to_response().model_dump(), status_code=exc.status_code, headers=exc.headers)
+        return ErrorJSONResponse(exc.to_response().model_dump(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

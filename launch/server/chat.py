@@ -37,5 +37,8 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
             raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
         raise
     if isinstance(rendered, str):
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
+        try:
+            return list(tokenizer.encode(rendered, add_special_tokens=False))
+        except ValueError as exc:  # e.g. InvalidTextError from a template that injects bad text
+            raise APIError(400, str(exc), param="messages") from exc
     return [int(t) for t in rendered]

@@ -33,6 +33,8 @@ _GAUGES = (
     ("moe:balancedness", "balancedness", "Mean over max rank load, summed over MoE layers (1.0 is perfect)."),
     ("moe:engine_state", "engine_state", "0 serving, 1 recovering from a worker fault, 2 stopped."),
     ("moe:worker_ranks_missing", "num_missing_ranks", "Ranks a degraded group serves without (0 at full size)."),
+    ("moe:expert_distribution_steps_buffered", "expert_distribution_steps_buffered",
+     "Steps the expert-distribution record holds for the next dump (at most its buffer size)."),
 )
 # Counters: prometheus_client appends the ``_total`` suffix on exposition.
 _COUNTERS = (
@@ -51,6 +53,8 @@ _COUNTERS = (
     ("moe:engine_recovery_seconds", "recovery_seconds_total", "Seconds from worker faults to serving again."),
     ("moe:requests_retried", "num_requests_retried", "Requests requeued from scratch after a worker fault."),
     ("moe:requests_failed", "num_requests_failed", "Requests ended with an error by a worker fault."),
+    ("moe:expert_distribution_steps_dropped", "expert_distribution_steps_dropped",
+     "Recorded steps dropped from the full expert-distribution buffer before a dump."),
 )
 
 

@@ -15,11 +15,26 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
+from launch.tokenizer import check_text
+
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+def check_texts(value: Any, name: str) -> Any:
+    """``value`` unchanged when every string in it (a string or a list of them) is valid Unicode;
+    else ValueError naming ``name[i]``. JSON's ``"\\ud800"`` escape decodes to an unpaired
+    surrogate, which no tokenizer (and no UTF-8 response) can carry: a 400, not a 500."""
+    if isinstance(value, str):
+        check_text(value, name)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                check_text(item, f"{name}[{i}]")
+    return value
 
 
 def random_id(prefix: str) -> str:
@@ -89,11 +104,17 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    @field_validator("model", "user")
+    @classmethod
+    def _check_unicode(cls, value: str | None, info: Any) -> str | None:
+        return check_texts(value, info.field_name)
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> list[str] | None:
         if value is None:
             return None
+        check_texts(value, "stop")
         stops = [value] if isinstance(value, str) else list(value)
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
@@ -128,7 +149,7 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("prompt must not be empty")
         if isinstance(value, list) and any(isinstance(p, str) and not p for p in value):
             raise ValueError("prompt strings must not be empty")
-        return value
+        return check_texts(value, "prompt")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""
@@ -144,11 +165,21 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _check_unicode(cls, value: str) -> str:
+        return check_text(value, "text")
+
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", "name")
+    @classmethod
+    def _check_unicode(cls, value: Any, info: Any) -> Any:
+        return check_texts(value, info.field_name)
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""

@@ -105,12 +105,22 @@ class OpenAIServing:
 
     def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            return self.check_token_ids(list(self.tokenizer("text prompts").encode(prompt)), param)
+            try:
+                ids = self.tokenizer("text prompts").encode(prompt)
+            except ValueError as exc:  # e.g. InvalidTextError: text the tokenizer cannot take
+                raise APIError(400, str(exc), param=param) from exc
+            return self.check_token_ids(list(ids), param)
         return self.check_token_ids(list(prompt), param)
 
     def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
                           max_new_tokens: int | None, logprobs: int | None) -> list[SubRequest]:
-        """P prompts x ``req.n`` choices -> SubRequests with ``index = p * n + j``."""
+        """P prompts x ``req.n`` choices -> SubRequests with ``index = p * n + j``. 400 when they
+        are more than the engine ever queues (a 503 would invite retries that cannot succeed)."""
+        fan_out = len(prompts) * req.n
+        if self.max_queue_len is not None and fan_out > self.max_queue_len:
+            raise APIError(400, f"This request needs {fan_out} engine requests ({len(prompts)} prompt(s) x n={req.n}), "
+                           f"more than the server queues (max_queue_len={self.max_queue_len}). Send fewer prompts "
+                           "or a smaller n per request.", param="n" if req.n > 1 else "prompt")
         subs = []
         for p, ids in enumerate(prompts):
             params = self.sampling_params(req, self.resolve_max_tokens(max_new_tokens, len(ids)), logprobs)
@@ -124,7 +134,7 @@ class OpenAIServing:
     def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         fields: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
                                   "logprobs": logprobs}
-        for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids"):
             value = getattr(req, name)
             if value is not None:
                 fields[name] = value

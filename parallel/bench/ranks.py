@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel.groups import free_port
+from parallel.groups import default_backend, free_port, init_distributed
 
 
 def _rank_entry(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple,
@@ -24,12 +24,10 @@ def _rank_entry(rank: int, world: int, port: int, threads: int, fn: Callable[...
     os.environ["MASTER_PORT"] = str(port)
     if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    else:
+    backend = default_backend()
+    if backend != "nccl":
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    init_distributed(rank, world, backend=backend)  # the store listens on MASTER_ADDR only
     try:
         result = fn(rank, world, *args)
         if rank == 0:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from parallel.groups import free_port
+from parallel.groups import free_port, init_distributed
 
 COLLECTIVE_TIMEOUT_S = 60.0
 DIST_ENV = {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
@@ -35,8 +35,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
     try:
         os.environ.update(DIST_ENV, MASTER_PORT=str(port))
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        init_distributed(rank, world_size, backend="gloo", timeout=COLLECTIVE_TIMEOUT_S)  # store on loopback only
         result = fn(rank, world_size, *args)
         torch.save(result, out / f"rank{rank}.pt")
         dist.destroy_process_group()

@@ -26,12 +26,14 @@ def oracle(hf_checkpoints):
     return path, prompts, single
 
 
-@pytest.mark.parametrize("tp,dp,backend", [(1, 4, "alltoall"), (2, 2, "alltoall"), (1, 4, "allgather")])
-def test_layout_matches_single_process_and_transformers(ray_local, oracle, tp, dp, backend):
+@pytest.mark.parametrize("tp,dp,backend,transport", [(1, 4, "alltoall", "auto"), (2, 2, "alltoall", "socket"),
+                                                     (1, 4, "allgather", "ray")])
+def test_layout_matches_single_process_and_transformers(ray_local, oracle, tp, dp, backend, transport):
     path, prompts, single = oracle
     with LLM(str(path), dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp,
              enable_expert_parallel=True, all2all_backend=backend, enable_eplb=True, num_redundant_experts=4,
-             max_num_batched_tokens=24, block_size=4) as llm:
+             max_num_batched_tokens=24, block_size=4, step_transport=transport) as llm:
+        assert llm.engine.executor.active_transport == ("ray" if transport == "ray" else "socket")
         assert generate(llm, prompts) == single
         infos = llm.engine.executor.infos
         hosted = [sorted(info["local_experts"][1]) for info in infos]
@@ -44,20 +46,26 @@ def test_layout_matches_single_process_and_transformers(ray_local, oracle, tp, d
         assert generate(llm, prompts) == single  # and on the new placement throughout
 
 
-def test_dead_worker_is_named(ray_local, oracle):
+@pytest.mark.parametrize("transport", ["socket", "ray"])
+def test_dead_worker_is_named(ray_local, oracle, transport):
     """With recovery off the engine fails fast, naming the rank (tests/ray/test_worker_faults.py
-    covers recovery)."""
+    covers recovery), on either step transport."""
+    import time
+
     import ray
 
     from launch.recovery import EngineDeadError
 
     path, prompts, _ = oracle
     llm = LLM(str(path), dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
-              recovery_config={"enable_recovery": False})
+              recovery_config={"enable_recovery": False}, step_transport=transport)
     try:
+        assert llm.engine.executor.active_transport == transport
         ray.kill(llm.engine.executor.group.actors[1], no_restart=True)
+        started = time.monotonic()
         with pytest.raises(EngineDeadError, match=r"worker rank 1 on node 0 \(\w+\) died \(killed by the driver\)"):
             generate(llm, prompts)
+        assert time.monotonic() - started < 60  # promptly, not after a collective or call timeout
     finally:
         llm.shutdown()
 

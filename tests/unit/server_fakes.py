@@ -18,11 +18,11 @@ from types import SimpleNamespace
 
 import torch
 import uvicorn
-from safetensors.torch import save_file
 
 from launch.async_llm import EngineQueueFull, EngineStats
 from launch.core.outputs import CompletionOutput, RequestOutput
 from launch.core.sampling_params import SamplingParams
+from launch.expert_location import write_expert_distribution_dump
 from parallel.groups import free_port
 
 VOCAB = 95
@@ -141,9 +141,7 @@ class FakeEngine:
         steps = max(self.recorded_steps, 1)
         count = torch.arange(steps * 2 * 4, dtype=torch.int64).reshape(steps, 2, 4)
         phy2log = torch.tensor([[0, 1, 2, 3, 3], [3, 2, 1, 0, 0]])
-        path = Path(directory) / f"expert_distribution_{time.time_ns()}.safetensors"
-        save_file({"logical_count": count, "phy2log": phy2log}, str(path))
-        return path
+        return write_expert_distribution_dump(directory, count, phy2log)
 
 
 

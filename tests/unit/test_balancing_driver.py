@@ -66,3 +66,38 @@ def test_interval_trigger_keeps_vllms_schedule():
         driver.record(_slot_load(driver, skew))
         due.append(driver.due())
     assert [i + 1 for i, d in enumerate(due) if d] == [10, 20]
+
+
+def test_statistics_decision_plan_and_dump_round_trip(tmp_path):
+    """record -> due -> plan_rebalance -> commit -> dump written and read back: the dump holds
+    exactly the recorded per-step loads and the placement now in force, and loading it as an
+    initial placement gives that placement back."""
+    from launch.expert_location import placement_from_dump, read_expert_distribution_dump
+
+    driver = _driver(check_interval=16)
+    driver.start_record()
+    rng = np.random.default_rng(1)
+    load = np.full((2, 8), 30.0)
+    load[0, 2] = load[1, 6] = 500.0  # a hot expert per layer
+    recorded = []
+    for _ in range(16):
+        logical = rng.poisson(load)
+        slot = _slot_load(driver, logical)
+        recorded.append(torch.zeros(2, 8, dtype=torch.int64).scatter_add_(1, driver.placement.phy2log, slot))
+        driver.record(slot)
+    assert driver.due()
+    new, plan, predicted = driver.plan_rebalance()
+    assert new.logcnt[0, 2] >= 2 and new.logcnt[1, 6] >= 2  # each hot expert gains a replica
+    assert plan.num_copies_moved > 0 and plan.total_bytes == plan.num_copies_moved * (1 << 20)
+    assert predicted.overall > driver.balancedness()[1] and predicted.rank_load.shape == (2, 4)
+    driver.commit(new, plan, 0.25)
+    assert driver.counters.num_rebalances == 1 and driver.counters.expert_copies_moved == plan.num_copies_moved
+    path = driver.dump_record(tmp_path)
+    dump = read_expert_distribution_dump(path)
+    assert dump["logical_count"].shape == (16, 2, 8)
+    assert torch.equal(dump["logical_count"], torch.stack(recorded))
+    assert dump["physical_count"].shape == (16, 2, 12)
+    assert torch.equal(dump["phy2log"], new.phy2log)
+    assert torch.equal(dump["logcnt"], new.logcnt)
+    back = placement_from_dump(path, num_layers=2, num_experts=8, num_physical_experts=12, num_gpus=4)
+    assert torch.equal(back.phy2log, new.phy2log)

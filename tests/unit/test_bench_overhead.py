@@ -110,3 +110,26 @@ def test_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
     assert "one in-process rank" in capsys.readouterr().err
     assert bench_overhead.main(["--model", str(tmp_path / "missing")]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_transports_list_and_side_by_side_ratios():
+    from launch.bench.overhead import format_comparison, parse_transports
+    from launch.config import ParallelConfig, RuntimeConfig
+
+    ray_config = RuntimeConfig(model="m", parallel=ParallelConfig(data_parallel_size=2, step_transport="socket"))
+    assert parse_transports(None, ray_config) == ["socket"]
+    assert parse_transports("ray, socket,ray", ray_config) == ["ray", "socket", "ray"]
+    with pytest.raises(ValueError, match="comma-separated list"):
+        parse_transports("ray,zmq", ray_config)
+    with pytest.raises(ValueError, match="needs more than one rank"):
+        parse_transports("ray,socket", RuntimeConfig(model="m"))
+
+    def run(name, transport_ms, cpu):
+        t = StepTiming(10.0, 5.0 + transport_ms, 5.0, 0.5, cpu + 1, cpu, cpu / 2)
+        return {"transport": name, "summary": summarize([t])}
+
+    text = format_comparison([run("ray", 4.0, 4.0), run("socket", 1.0, 1.0)])
+    lines = text.splitlines()
+    assert len(lines) == 3 and lines[0].split()[1:5] == ["transport", "transport_ms", "execute_cpu_ms",
+                                                         "execute_thread_cpu_ms"]
+    assert lines[2].split()[1] == "socket" and lines[2].split()[-4:] == ["0.25", "0.25", "0.25", "0.40"]

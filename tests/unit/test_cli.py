@@ -26,10 +26,19 @@ def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
 def test_help_lists_every_command():
     r = _run("--help")
     assert r.returncode == 0, r.stderr
-    for name in ("serve", "generate", "demo", "make-tiny", "kvcalc", "config", "commbench", "bench eplb",
-                 "bench throughput", "bench serve", "bench decode"):
+    for name in cli.COMMANDS:
         assert f"  {name} " in r.stdout
+        assert cli.is_available(cli.COMMANDS[name]), name
     assert _run().returncode == cli.EXIT_USAGE
+
+
+def test_readme_command_table_has_a_row_per_command():
+    """README's command table is where users look: every registered command has its own row."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    first_cells = [line.split("|")[1].strip().strip("`") for line in readme.splitlines() if line.startswith("| `")]
+    missing = [name for name in cli.COMMANDS
+               if not any(cell == name or cell.startswith(name + " ") for cell in first_cells)]
+    assert missing == []
 
 
 @pytest.mark.slow

@@ -28,11 +28,18 @@ REPO = CONFIGS.parent
 SHIPPED_MODEL = "launch/data/models/tiny-dsv3"
 
 
+# configs/sweep-ep2-skew.yaml's checkpoint: make-tiny deepseek_v3 with these --override values
+SKEWED_V3 = ModelConfig.from_hf({**build_tiny_config("deepseek_v3"), "hidden_size": 512,
+                                 "moe_intermediate_size": 1024, "intermediate_size": 1024})
+
+
 def _model_for(cfg: RuntimeConfig) -> ModelConfig:
     if cfg.model == SHIPPED_MODEL:
         return ModelConfig.from_hf(REPO / SHIPPED_MODEL)
     if "tiny-deepseek-v3" in cfg.model:
         return TINY_V3
+    if cfg.model.endswith("skewed-dsv3"):
+        return SKEWED_V3
     shipped = ModelConfig.from_hf(cfg.model, strict=False)  # released models resolve offline by name
     if cfg.model in PRESET_MODELS:
         assert shipped == ModelConfig.from_hf(PRESET_MODELS[cfg.model], strict=False)

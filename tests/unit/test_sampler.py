@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from launch.core.sampler import Sampler, apply_temperature_top_k_top_p
+from launch.core.sampler import Sampler, apply_sampling_filters
 from launch.core.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
@@ -34,7 +34,7 @@ def test_rejects_mismatched_inputs():
 def test_top_k_keeps_exactly_the_k_largest():
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(top_k=3), SamplingParams(top_k=-1), SamplingParams(top_k=25)]
-    out = apply_temperature_top_k_top_p(logits, params)
+    out = apply_sampling_filters(logits, params)
     assert out.shape == (3, 20)
     kept = torch.isfinite(out[0])
     assert kept.sum() == 3
@@ -47,7 +47,7 @@ def test_top_p_keeps_smallest_set_reaching_p():
     probs = torch.tensor([0.125, 0.5, 0.125, 0.25])
     logits = probs.log().expand(3, 4).clone()
     params = [SamplingParams(top_p=0.75), SamplingParams(top_p=0.76), SamplingParams(top_p=0.1)]
-    out = apply_temperature_top_k_top_p(logits, params)
+    out = apply_sampling_filters(logits, params)
     kept = [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in out]
     assert kept[0] == {1, 3}  # 0.5 + 0.25 reaches 0.75
     assert len(kept[1]) == 3 and {1, 3} < kept[1]  # one of the 0.125 ties is needed
@@ -56,7 +56,7 @@ def test_top_p_keeps_smallest_set_reaching_p():
 
 def test_top_k_then_top_p_and_temperature_scaling():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    out = apply_temperature_top_k_top_p(logits, [SamplingParams(temperature=2.0, top_k=3, top_p=0.5)])
+    out = apply_sampling_filters(logits, [SamplingParams(temperature=2.0, top_k=3, top_p=0.5)])
     # After top-k and T=2, softmax of [2, 1.5, 1] gives the top token ~0.51 >= 0.5.
     assert torch.isfinite(out).flatten().tolist() == [True, False, False, False, False]
     assert out[0, 0].item() == pytest.approx(2.0)

@@ -11,12 +11,15 @@ def test_serve_flags_land_in_server_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({}))
     args = build_parser().parse_args(["--model", str(tmp_path), "--port", "0", "--api-key", "k",
                                       "--max-queue-len", "3", "--init-expert-location", "/d/x.safetensors",
-                                      "--expert-distribution-dir", "/d"])
+                                      "--expert-distribution-dir", "/d",
+                                      "--expert-distribution-recorder-buffer-size", "64"])
     cfg = config_from_args(args)
     s = cfg.server
     assert (s.host, s.port, s.api_key, s.max_queue_len) == ("127.0.0.1", 0, "k", 3)
     assert (s.init_expert_location, s.expert_distribution_dir) == ("/d/x.safetensors", "/d")
-    assert config_from_args(build_parser().parse_args(["--model", str(tmp_path)])).server.init_expert_location is None
+    assert s.expert_distribution_recorder_buffer_size == 64
+    default = config_from_args(build_parser().parse_args(["--model", str(tmp_path)])).server
+    assert default.init_expert_location is None and default.expert_distribution_recorder_buffer_size == 1000
 
 
 def test_loopback_detection():

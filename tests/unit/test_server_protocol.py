@@ -249,9 +249,11 @@ def test_api_key_guards_everything_but_health():
 
 
 def test_full_queue_gets_503_and_recovers():
-    engine = FakeEngine(max_running=1, max_queue_len=1, step_s=0.02)
+    # The first stream must outlast the next two posts even on a loaded machine: it is long
+    # (up to 20 s) and ends early when the `with` closes its connection.
+    engine = FakeEngine(max_running=1, max_queue_len=1, step_s=0.02, max_model_len=1024)
     with ServerThread(build_app(engine, server_config(max_queue_len=1))) as srv, ThreadPoolExecutor(1) as pool:
-        body = {"prompt": "q", "max_tokens": 20, "stream": True}
+        body = {"prompt": "q", "max_tokens": 1000, "stream": True}
         with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=10) as first:
             lines = first.iter_lines()  # (a dropped iterator would close the connection)
             next(lines)  # running; the next request has to wait

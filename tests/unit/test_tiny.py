@@ -150,3 +150,75 @@ def test_bad_arguments_raise_clear_errors(tmp_path):
         build_tiny_config("mixtral", size="huge")
     with pytest.raises(ValueError, match="vocab_size"):
         build_tiny_config("mixtral", vocab_size=1)
+
+
+def test_router_skew_zero_keeps_the_weights_and_skew_touches_only_routers(tmp_path):
+    plain = _read_all(write_tiny_checkpoint("deepseek_v3", tmp_path / "a", seed=5))
+    same = _read_all(write_tiny_checkpoint("deepseek_v3", tmp_path / "b", seed=5, router_skew=0.0))
+    skewed = _read_all(write_tiny_checkpoint("deepseek_v3", tmp_path / "c", seed=5, router_skew=3.0))
+    assert all(torch.equal(plain[k], same[k]) for k in plain)
+    changed = {k for k in plain if not torch.equal(plain[k], skewed[k])}
+    assert changed == {k for k in plain if k.endswith((".mlp.gate.weight", "e_score_correction_bias"))}
+
+
+def test_router_skew_ranks_experts_per_layer(tmp_path):
+    from moe.tiny import apply_router_skew
+
+    w = torch.ones(8, 16)
+    a = apply_router_skew("model.layers.1.mlp.gate.weight", w, 2.0, seed=0)
+    b = apply_router_skew("model.layers.2.mlp.gate.weight", w, 2.0, seed=0)
+    scale_a = a[:, 0]
+    # ranked scales exp(-S * j / (E - 1)), j = 0..E-1: hottest 1.0, coldest exp(-2)
+    assert sorted(scale_a.tolist(), reverse=True) == pytest.approx([math.exp(-2.0 * j / 7) for j in range(8)])
+    assert not torch.equal(scale_a.argsort(), b[:, 0].argsort())  # another order in another layer
+    bias = apply_router_skew("model.layers.1.mlp.gate.e_score_correction_bias", torch.zeros(8), 2.0, seed=0)
+    assert torch.equal(bias.argsort(), scale_a.argsort())  # the same experts are hot in both
+    assert float(bias.max()) == pytest.approx(0.2) and float(bias.min()) == pytest.approx(-0.2)
+    assert torch.equal(apply_router_skew("model.layers.1.mlp.gate.weight", w, 0.0, seed=0), w)
+
+
+def test_router_skew_concentrates_routing(tmp_path):
+    """Top-k selection over random hidden states: the skewed router sends most picks to few experts."""
+    from moe.tiny import apply_router_skew
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 64, generator=gen)
+    w = torch.randn(8, 64, generator=gen) / 8
+    bias = torch.zeros(8)
+    name = "model.layers.1.mlp.gate."
+
+    def top2_share(weight, b):
+        scores = torch.sigmoid(x @ weight.T) + b  # DeepSeek-V3 selection: scores + correction bias
+        counts = torch.bincount(scores.topk(2, dim=1).indices.flatten(), minlength=8).float()
+        return float(counts.sort(descending=True).values[:2].sum() / counts.sum())
+
+    flat = top2_share(w, bias)
+    skewed = top2_share(apply_router_skew(name + "weight", w, 3.0, 0),
+                        apply_router_skew(name + "e_score_correction_bias", bias, 3.0, 0))
+    assert flat < 0.4 and skewed > 0.7
+
+
+def test_config_overrides_shape_the_checkpoint(tmp_path):
+    out = write_tiny_checkpoint("mixtral", tmp_path / "m", config_overrides={"hidden_size": 96,
+                                                                             "num_local_experts": 4})
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["hidden_size"] == 96 and cfg["num_local_experts"] == 4
+    tensors = _read_all(out)
+    assert tuple(tensors["model.layers.0.block_sparse_moe.gate.weight"].shape) == (4, 96)
+    with pytest.raises(ValueError, match="'hiden_size' is not a field"):
+        write_tiny_checkpoint("mixtral", tmp_path / "x", config_overrides={"hiden_size": 96})
+    with pytest.raises(ValueError, match="router_skew must be >= 0"):
+        write_tiny_checkpoint("mixtral", tmp_path / "y", router_skew=-1.0)
+
+
+def test_make_tiny_override_flags(tmp_path, capsys):
+    from launch.tiny_checkpoint import main, parse_config_override
+
+    assert parse_config_override("hidden_size=256") == ("hidden_size", 256)
+    assert parse_config_override("rope_scaling=null") == ("rope_scaling", None)
+    assert parse_config_override("hidden_act=gelu") == ("hidden_act", "gelu")
+    for bad, needle in (["--override", "hidden_size"], "--override expects KEY=VALUE"), \
+            (["--override", "vocab_size=100"], "'vocab_size' is not allowed"):
+        assert main(["--arch", "mixtral", "--out", str(tmp_path / "t"), *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0]

@@ -1,0 +1,165 @@
+"""``python -m launch submit [ray job submit flags] -- ENTRYPOINT``: ``ray job submit`` that works
+when the cluster uses Ray's token authentication.
+
+Ray 2.60's ``ray start --head`` turns token authentication on whenever the head has a token
+(``~/.ray/auth_token``, written by ``ray get-auth-token --generate`` or by any earlier local
+``ray.init()``), but the ``ray job submit`` client sends no token unless ``RAY_AUTH_MODE=token``
+is set, and fails with "Missing authentication token". This wrapper asks the cluster's
+dashboard (``GET /api/version``) first:
+
+- 401/403: the cluster wants a token. With ``RAY_AUTH_MODE`` unset it switches the client to
+  token mode when a token is at hand (``RAY_AUTH_TOKEN``, the file at ``RAY_AUTH_TOKEN_PATH``,
+  or ``~/.ray/auth_token``, where Ray itself looks), and otherwise stops with a one-line error
+  saying how to fetch the token from the head (``ray get-auth-token``).
+- 200: the cluster runs without authentication; the command is passed on as is.
+- no answer: a one-line error naming the address.
+
+Then it runs ``ray job submit`` with the same arguments (the ``ray`` next to this Python),
+passing its output through, and returns its exit code. A head that has just started may not
+have its job agent yet ("No available agent to submit job, please try again later": nothing
+was submitted); the wrapper then tries again every 5 s for up to ``AGENT_WAIT_S``. Every ``ray job submit`` flag works (``--address``, ``--working-dir``,
+``--runtime-env-json``, ``--no-wait``, ...); the address comes from ``--address``, else
+``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``, else ``http://127.0.0.1:8265``, as Ray's CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+EXIT_USAGE = 2
+AGENT_WAIT_S = 120.0
+NO_AGENT = "No available agent to submit job"
+
+USAGE = """usage: python -m launch submit [ray job submit flags] -- ENTRYPOINT...
+
+`ray job submit` with Ray's token authentication handled (see the module doc):
+  python -m launch submit --address http://HEAD:8265 --working-dir . -- \\
+      python -m launch generate --model DIR --input IN.jsonl --output OUT.jsonl
+Flags are `ray job submit`'s (`ray job submit --help`)."""
+
+
+class SubmitError(RuntimeError):
+    """A problem the user can fix (no cluster at the address, no token): one line, exit 2."""
+
+
+def submission_address(args: Sequence[str], env: Mapping[str, str]) -> str:
+    """The dashboard address ``ray job submit`` will use, as an http(s) URL."""
+    flags = list(args[: args.index("--")] if "--" in args else args)
+    address = None
+    for i, arg in enumerate(flags):
+        if arg == "--address" and i + 1 < len(flags):
+            address = flags[i + 1]
+        elif arg.startswith("--address="):
+            address = arg.split("=", 1)[1]
+    address = address or env.get("RAY_API_SERVER_ADDRESS") or env.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+    return address if "://" in address else f"http://{address}"
+
+
+def has_auth_token(env: Mapping[str, str], home: Path | None = None) -> bool:
+    """Whether Ray's client would find a token: RAY_AUTH_TOKEN, the file at
+    RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token (non-empty)."""
+    if env.get("RAY_AUTH_TOKEN", "").strip():
+        return True
+    path = Path(env["RAY_AUTH_TOKEN_PATH"]) if env.get("RAY_AUTH_TOKEN_PATH") else \
+        (home or Path.home()) / ".ray" / "auth_token"
+    try:
+        return bool(path.read_text().strip())
+    except OSError:
+        return False
+
+
+def probe_auth(address: str, timeout_s: float = 10.0) -> bool:
+    """True when the dashboard at ``address`` wants a token (401/403), False when it answers
+    without one; SubmitError when nothing answers."""
+    url = address.rstrip("/") + "/api/version"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return False
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            return True
+        raise SubmitError(f"the Ray dashboard at {address} answered {e.code} to {url}") from e
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise SubmitError(f"no Ray dashboard answers at {address} ({reason}): start a head with "
+                          "`ray start --head` there, or pass --address http://HEAD:8265") from e
+
+
+def submit_env(address: str, env: Mapping[str, str], *, home: Path | None = None,
+               wants_token: bool | None = None) -> dict[str, str]:
+    """The environment for ``ray job submit``: token mode on when the cluster wants a token and
+    the user has not chosen a mode. ``wants_token`` None probes the dashboard."""
+    out = dict(env)
+    if out.get("RAY_AUTH_MODE"):
+        return out  # the user's explicit choice
+    if address.startswith(("http://", "https://")):
+        wants = probe_auth(address) if wants_token is None else wants_token
+    else:
+        wants = has_auth_token(out, home)  # cannot ask: behave as `ray start` does on the head
+    if not wants:
+        return out
+    if not has_auth_token(out, home):
+        raise SubmitError(
+            f"the Ray cluster at {address} uses token authentication and no token was found here: "
+            "run `ray get-auth-token` on the head node, then `export RAY_AUTH_TOKEN=<token>` "
+            "(or save it to ~/.ray/auth_token) and submit again")
+    out["RAY_AUTH_MODE"] = "token"
+    return out
+
+
+def ray_command() -> list[str]:
+    """The ``ray`` CLI of this Python environment."""
+    script = Path(sys.executable).parent / "ray"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else EXIT_USAGE
+    if "--" not in args:
+        print("error: put the job's command after `--`, e.g. `python -m launch submit --address "
+              "http://HEAD:8265 --working-dir . -- python -m launch generate ...`", file=sys.stderr)
+        return EXIT_USAGE
+    address = submission_address(args, os.environ)
+    try:
+        env = submit_env(address, os.environ)
+    except SubmitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        rc, saw_no_agent = run_passing_output([*ray_command(), "job", "submit", *args], env)
+        if rc == 0 or not saw_no_agent:
+            return rc
+        if time.monotonic() > deadline:
+            print(f"error: the head at {address} has had no job agent for {AGENT_WAIT_S:.0f} s; its log is "
+                  "<temp dir>/session_latest/logs/dashboard_agent.log (another Ray on that machine may hold "
+                  "the agent's port 52365: start the head with --dashboard-agent-listen-port PORT)",
+                  file=sys.stderr)
+            return rc
+        print(f"launch submit: the head's job agent is not up yet; trying again in 5 s "
+              f"(for up to {AGENT_WAIT_S:.0f} s)", file=sys.stderr)
+        time.sleep(5.0)
+
+
+def run_passing_output(cmd: list[str], env: Mapping[str, str]) -> tuple[int, bool]:
+    """Run ``cmd``, copying its output (stdout and stderr merged) to our stdout line by line.
+    Returns (exit code, whether the output said the head had no job agent yet)."""
+    saw = False
+    with subprocess.Popen(cmd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1) as proc:
+        for line in proc.stdout:
+            saw = saw or NO_AGENT in line
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    return proc.returncode, saw

@@ -1,0 +1,261 @@
+"""``python -m launch sweep``: run every point of a layout grid for real, one at a time.
+
+    python -m launch sweep --config BASE.yaml \\
+        --grid 'parallel.data_parallel_size=[1,2]' 'balancer.num_redundant_experts=[0,2]' ... \\
+        --workload SPEC [--num-prompts N] [--max-tokens N] --out DIR
+
+Each point is the base config with the point's values set (dotted ``--set`` keys). It runs
+on the engine: in this process for one rank, on Ray actors for more (inside
+``ray job submit`` the job's cluster). Rows go to ``DIR/results.jsonl`` as each point
+finishes; ``results.csv`` and the plots are rewritten after each. Rerunning the same
+command skips points already recorded as "ok" or "skipped" (keyed by their settings, and
+the repeat with ``--repeats N``: every point N times, round-robin) and retries "error"
+ones; a grid with more values adds points to the same folder. A folder holding a sweep of
+another base config or workload is refused.
+
+Invalid points (a combination the config or the model rejects, e.g. redundant experts
+without EPLB, 8 + 3 slots over 2 ranks) are recorded with ``status: "skipped"`` and the
+one-line reason, and the sweep goes on. With a capacity factor on in any point, the
+dropless single-process baseline runs once (``DIR/baseline.json``) and every point gets
+``greedy_agreement`` with it (``--baseline always`` runs it for any grid, ``never`` skips it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from launch.config import RuntimeConfig
+from launch.config_schema import ConfigError, apply_override, load_yaml_mapping
+from launch.sweep import report
+from launch.sweep.grid import expand_grid, format_settings, parse_grid, point_config, point_key
+from launch.sweep.measure import Workload, run_point, summarize_run
+from launch.sweep.prediction import predict_row, resolve_hardware
+from launch.sweep.workload import load_prompts
+
+log = logging.getLogger(__name__)
+META_JSON = "sweep.json"
+BASELINE_JSON = "baseline.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m launch sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, metavar="BASE.yaml", help="base runtime config (YAML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a base config value (repeatable), e.g. --set model=DIR")
+    p.add_argument("--grid", nargs="+", default=[], metavar="KEY=[V1,V2]",
+                   help="swept config keys with their values (YAML lists)")
+    p.add_argument("--workload", required=True, metavar="SPEC",
+                   help="a shipped workload name (launch.workloads), or a .txt / .jsonl file of prompts")
+    p.add_argument("--num-prompts", type=int, default=None, help="use this many prompts (cycled; default: all)")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (greedy, ignore_eos)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every point this many times, round-robin (noisy machines: compare medians)")
+    p.add_argument("--warmup-prompts", type=int, default=8)
+    p.add_argument("--warmup-tokens", type=int, default=4)
+    p.add_argument("--baseline", choices=("auto", "always", "never"), default="auto",
+                   help="dropless single-process run for greedy agreement (auto: when a capacity factor is on)")
+    p.add_argument("--hardware", default="auto", metavar="NAME|FILE|auto|none",
+                   help="cost-model hardware for predicted_step_ms: a shipped name, a `simulate calibrate` file, "
+                        "auto (DIR/hardware.yaml, calibrated here once), none")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = SweepPlan.from_args(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return plan.run(progress=not args.no_progress)
+
+
+class SweepPlan:
+    """A resolved sweep: base config data, grid points, workload, output folder."""
+
+    def __init__(self, base: dict[str, Any], grid_keys: list[str], points: list[dict[str, Any]],
+                 workload: Workload, out: Path, *, baseline: str = "auto", warmup_prompts: int = 8,
+                 warmup_tokens: int = 4, hardware: str = "auto", repeats: int = 1) -> None:
+        self.base, self.grid_keys, self.points, self.workload, self.out = base, grid_keys, points, workload, out
+        self.baseline_mode, self.warmup_prompts, self.warmup_tokens = baseline, warmup_prompts, warmup_tokens
+        self.hardware_spec, self.hardware, self.repeats = hardware, None, repeats
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SweepPlan:
+        base = load_yaml_mapping(args.config)
+        for item in args.overrides:
+            apply_override(base, item)
+        base_config = RuntimeConfig.from_dict(base)  # the base itself must be valid (names its bad key)
+        axes = parse_grid(args.grid)
+        if "model" not in {k for a in axes for k in a.keys}:
+            base_config.check_model_path()
+        for name in ("num_prompts", "max_tokens", "repeats"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if args.warmup_prompts < 0 or args.warmup_tokens < 0:
+            raise ValueError("--warmup-prompts and --warmup-tokens must be >= 0")
+        name, prompts = load_prompts(args.workload, args.num_prompts)
+        workload = Workload(tuple(prompts), args.max_tokens, name)
+        return cls(base, [k for a in axes for k in a.keys], expand_grid(axes), workload, args.out, baseline=args.baseline,
+                   warmup_prompts=args.warmup_prompts, warmup_tokens=args.warmup_tokens, hardware=args.hardware,
+                   repeats=args.repeats)
+
+    # ---- bookkeeping -----------------------------------------------------------------
+
+    def meta(self) -> dict[str, Any]:
+        digest = hashlib.sha256(json.dumps(list(self.workload.prompts)).encode()).hexdigest()[:16]
+        return {"base": self.base, "workload": {"name": self.workload.name, "num_prompts": len(self.workload.prompts),
+                                                "max_tokens": self.workload.max_tokens, "sha256_16": digest},
+                "warmup": {"prompts": self.warmup_prompts, "tokens": self.warmup_tokens}}
+
+    def check_folder(self) -> None:
+        """Create the folder, or check that its sweep is this one (base + workload)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / META_JSON
+        meta = self.meta()
+        if path.is_file():
+            old = json.loads(path.read_text())
+            for part in ("base", "workload", "warmup"):
+                if old.get(part) != meta[part]:
+                    raise ValueError(f"{self.out} holds a sweep with another {part} ({old.get(part)} vs "
+                                     f"{meta[part]}); use another --out")
+            meta["grid_keys"] = list(dict.fromkeys([*old.get("grid_keys", []), *self.grid_keys]))
+        else:
+            meta["grid_keys"] = self.grid_keys
+        path.write_text(json.dumps(meta, indent=2) + "\n")
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def run(self, *, progress: bool = True) -> int:
+        try:
+            self.check_folder()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        from tqdm import tqdm
+
+        results = self.out / report.RESULTS_JSONL
+        done = report.latest_rows(report.read_rows(results))
+        configs = {point_key(s): _try_config(self.base, s) for s in self.points}
+        runs = [(s, r) for r in range(self.repeats) for s in self.points
+                if r == 0 or not isinstance(configs[point_key(s)], str)]  # round-robin over the repeats
+        todo = [(s, r) for s, r in runs if done.get(run_key(s, r), {}).get("status") not in ("ok", "skipped")]
+        if len(todo) < len(runs):
+            print(f"resuming: {len(runs) - len(todo)} of {len(runs)} runs already recorded in {results}")
+        if todo:
+            try:
+                self.hardware = self._hardware()
+            except (ValueError, OSError, KeyError) as e:
+                print(f"error: --hardware {self.hardware_spec}: {e}", file=sys.stderr)
+                return 2
+        baseline = self._baseline(configs, progress)
+        bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="sweep", unit="point",
+                   disable=not progress, position=0)
+        failures = 0
+        for settings, repeat in todo:
+            row = self._run_one(settings, configs[point_key(settings)], baseline, progress)
+            row.update(key=run_key(settings, repeat), repeat=repeat)
+            failures += row["status"] == "error"
+            report.append_row(results, row)
+            self._rewrite_outputs(results, plots=False)
+            bar.update(1)
+            bar.set_postfix_str(f"{format_settings(settings)}: {row['status']}")
+        bar.close()
+        self._rewrite_outputs(results)
+        print(f"wrote {results}, {self.out / report.RESULTS_CSV} and plots in {self.out}")
+        return 1 if failures else 0
+
+    def _run_one(self, settings: dict[str, Any], config: RuntimeConfig | str, baseline: list[list[int]] | None,
+                 progress: bool) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        row: dict[str, Any] = {"key": point_key(settings), "settings": settings, "status": "ok", "reason": None}
+        if isinstance(config, str):
+            print(f"skipped {format_settings(settings)}: {config}", file=sys.stderr)
+            return {**row, "status": "skipped", "reason": config}
+        total = len(self.workload.prompts) * self.workload.max_tokens
+        bar = tqdm(total=total, desc=format_settings(settings), unit="tok", leave=False, disable=not progress,
+                   position=1)
+        try:
+            run = run_point(config, self.workload, warmup_prompts=self.warmup_prompts,
+                            warmup_tokens=self.warmup_tokens, on_tokens=bar.update)
+        except ValueError as e:  # the model rejects the layout (validate_for_model and friends)
+            print(f"skipped {format_settings(settings)}: {e}", file=sys.stderr)
+            return {**row, "status": "skipped", "reason": str(e).splitlines()[0]}
+        except Exception as e:  # noqa: BLE001 - one failed point must not end the sweep
+            log.exception("point %s failed", row["key"])
+            print(f"error {format_settings(settings)}: {type(e).__name__}: {e}", file=sys.stderr)
+            return {**row, "status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        finally:
+            bar.close()
+        row.update(summarize_run(run, baseline))
+        row.update(expert_load=run.expert_load, phy2log=run.phy2log)  # what the prediction is fed, for audit
+        try:
+            row.update(predict_row(config, run, row, self.hardware))
+        except (ValueError, KeyError) as e:  # a layout the cost model does not cover: say so in the row
+            row.update(predicted_step_ms=None, prediction_error=None, prediction_note=str(e).splitlines()[0])
+        return row
+
+    def _hardware(self) -> Any:
+        pinned = bool(self.base.get("parallel", {}).get("enable_cpu_pinning"))
+        import torch
+
+        model = self.base.get("model")
+        return resolve_hardware(self.hardware_spec, self.out, threads=1 if pinned else torch.get_num_threads(),
+                                model=str(model) if model and Path(str(model)).is_dir() else None)
+
+    def _baseline(self, configs: Mapping[str, RuntimeConfig | str], progress: bool) -> list[list[int]] | None:
+        """Greedy outputs of the dropless single-process run of the base config (cached)."""
+        wants = self.baseline_mode == "always" or (self.baseline_mode == "auto" and any(
+            not isinstance(c, str) and c.moe.capacity_factor > 0 for c in configs.values()))
+        path = self.out / BASELINE_JSON
+        if path.is_file():
+            return json.loads(path.read_text())["outputs"]
+        if not wants or self.baseline_mode == "never":
+            return None
+        settings = {"parallel.tensor_parallel_size": 1, "parallel.data_parallel_size": 1,
+                    "parallel.enable_expert_parallel": False, "balancer.enable_eplb": False,
+                    "balancer.num_redundant_experts": 0, "moe.capacity_factor": 0.0}
+        config = point_config(self.base, settings)
+        print("running the dropless single-process baseline for greedy agreement")
+        run = run_point(config, self.workload, warmup_prompts=0, warmup_tokens=0)
+        path.write_text(json.dumps({"settings": settings, "outputs": run.outputs}) + "\n")
+        return run.outputs
+
+    def _rewrite_outputs(self, results: Path, *, plots: bool = True) -> None:
+        rows = list(report.latest_rows(report.read_rows(results)).values())
+        keys = list(dict.fromkeys(k for r in rows for k in r.get("settings", {})))
+        report.write_csv(self.out / report.RESULTS_CSV, rows, keys)
+        medians = report.median_rows(rows) if self.repeats > 1 else None
+        if medians is not None:
+            report.write_csv(self.out / report.MEDIANS_CSV, medians, keys)
+        if plots:  # one mark per point: its median over the repeats
+            report.write_plots(self.out, medians if medians is not None else rows)
+
+
+def run_key(settings: Mapping[str, Any], repeat: int) -> str:
+    """A results row's key: the point's canonical settings, plus `` #r`` for repeats after the first."""
+    return point_key(settings) + (f" #{repeat}" if repeat else "")
+
+
+def _try_config(base: Mapping[str, Any], settings: Mapping[str, Any]) -> RuntimeConfig | str:
+    """The point's config, or the one-line reason it is invalid."""
+    try:
+        return point_config(base, settings)
+    except (ConfigError, ValueError, TypeError) as e:
+        return str(e).splitlines()[0]
+
+
+
+__all__: Sequence[str] = ("SweepPlan", "build_parser", "main")

@@ -1,0 +1,192 @@
+"""launch.sweep.runner on a fake engine run: rows, CSV, plots, resume, skipped and failed points."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from launch.sweep import runner
+from launch.sweep.measure import PointRun, StepRecord, Workload, percentile, summarize_run
+from launch.sweep.report import pareto_front, read_rows
+from moe.tiny import build_tiny_config
+
+ROW_KEYS = {"key", "settings", "status", "reason", "output_tokens_per_s", "measured_step_ms", "predicted_step_ms",
+            "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "balancedness", "drop_rate", "kv_tokens",
+            "greedy_agreement"}
+
+
+def fake_run(config, workload, **_kw) -> PointRun:
+    """Step time grows with max_num_seqs; a capacity factor drops tokens and changes output."""
+    seqs = config.engine.max_num_seqs
+    cf = config.moe.capacity_factor
+    steps = [StepRecord(0.050, 0.040, 40, False)] + [StepRecord(0.010 * seqs, 0.008 * seqs, seqs, True)] * 9
+    outputs = [[7] * workload.max_tokens for _ in workload.prompts]
+    if cf > 0:
+        outputs[0] = [8] * workload.max_tokens
+    return PointRun(steps=steps, outputs=outputs, ttft_s=[0.1, 0.2], tpot_s=[0.01 * seqs, 0.02 * seqs],
+                    elapsed_s=1.0 * seqs, tokens_dropped=10 if cf > 0 else 0, balancedness=0.5 + 0.1 * seqs,
+                    kv_tokens=1024, ep_size=1, num_moe_layers=2, top_k=2)
+
+
+@pytest.fixture
+def sweep_args(tmp_path: Path) -> list[str]:
+    model = tmp_path / "ckpt"  # only config.json: the fake run never loads weights
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(build_tiny_config("deepseek_v3")))
+    base = tmp_path / "base.yaml"
+    base.write_text(f"model: {model}\nengine: {{max_num_seqs: 4}}\n")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\nsecond prompt\n")
+    return ["--config", str(base), "--workload", str(prompts), "--max-tokens", "3", "--out", str(tmp_path / "out"),
+            "--no-progress", "--hardware", "none", "--grid", "engine.max_num_seqs=[2,4]", "moe.capacity_factor=[0,1.5]",
+            "balancer.num_redundant_experts=[0,2]"]
+
+
+def test_outputs_have_the_right_keys_and_resume_skips_finished(sweep_args, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(runner, "run_point", lambda c, w, **kw: calls.append(c) or fake_run(c, w))
+    assert runner.main(sweep_args) == 0
+    out = tmp_path / "out"
+    rows = read_rows(out / "results.jsonl")
+    assert len(rows) == 8
+    ok = [r for r in rows if r["status"] == "ok"]
+    skipped = [r for r in rows if r["status"] == "skipped"]
+    assert len(ok) == 4 and len(skipped) == 4  # redundant experts without EPLB: invalid, recorded
+    assert all("num_redundant_experts=2 needs" in r["reason"] for r in skipped)
+    for r in ok:
+        assert ROW_KEYS <= set(r)
+        seqs = r["settings"]["engine.max_num_seqs"]
+        assert r["measured_step_ms"] == pytest.approx(10.0 * seqs)
+        assert r["output_tokens_per_s"] == pytest.approx(2 * 3 / seqs)
+    capped = [r for r in ok if r["settings"]["moe.capacity_factor"] > 0]
+    assert all(r["greedy_agreement"] == pytest.approx(0.5) and r["drop_rate"] > 0 for r in capped)
+    assert all(r["greedy_agreement"] == 1.0 for r in ok if r["settings"]["moe.capacity_factor"] == 0)
+    assert len(calls) == 5  # 4 valid points + the dropless single-process baseline
+    base_cfg = calls[0]
+    assert base_cfg.moe.capacity_factor == 0 and base_cfg.parallel.world_size == 1
+    with (out / "results.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 8 and {"settings.engine.max_num_seqs", "measured_step_ms", "predicted_step_ms",
+                                "tpot_ms_p99", "greedy_agreement"} <= set(table[0])
+    assert (out / "throughput.png").stat().st_size > 1000 and (out / "tpot_vs_throughput.png").stat().st_size > 1000
+    assert json.loads((out / "sweep.json").read_text())["workload"]["num_prompts"] == 2
+
+    calls.clear()
+    assert runner.main(sweep_args) == 0  # everything recorded: nothing runs again
+    assert calls == [] and len(read_rows(out / "results.jsonl")) == 8
+
+
+def test_failed_points_are_retried_and_a_grown_grid_adds_points(sweep_args, tmp_path, monkeypatch):
+    def flaky(config, workload, **_kw):
+        if config.engine.max_num_seqs == 4:
+            raise RuntimeError("rank 1 died")
+        return fake_run(config, workload)
+
+    monkeypatch.setattr(runner, "run_point", flaky)
+    args = sweep_args[:-3] + ["engine.max_num_seqs=[2,4]"]
+    assert runner.main(args) == 1
+    rows = read_rows(tmp_path / "out" / "results.jsonl")
+    assert [r["status"] for r in rows] == ["ok", "error"] and "rank 1 died" in rows[1]["reason"]
+    seen = []
+    monkeypatch.setattr(runner, "run_point", lambda c, w, **kw: seen.append(c.engine.max_num_seqs) or fake_run(c, w))
+    assert runner.main(sweep_args[:-3] + ["engine.max_num_seqs=[2,4,8]"]) == 0
+    assert seen == [4, 8]
+
+
+def test_a_folder_of_another_sweep_is_refused(sweep_args, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "run_point", fake_run)
+    assert runner.main(sweep_args) == 0
+    capsys.readouterr()
+    other = tmp_path / "other.txt"
+    other.write_text("a different prompt\n")
+    args = list(sweep_args)
+    args[args.index("--workload") + 1] = str(other)
+    assert runner.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a sweep with another workload" in err[0]
+
+
+@pytest.mark.parametrize("grid, needle", [
+    (["engine.max_num_sqs=[1,2]"], "'engine.max_num_sqs' (did you mean 'engine.max_num_seqs'?)"),
+    (["engine.max_num_seqs=[1,"], "--grid engine.max_num_seqs:"),
+])
+def test_grid_errors_are_one_line_exit_2(sweep_args, grid, needle, capsys):
+    args = sweep_args[: sweep_args.index("--grid") + 1] + grid
+    assert runner.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+
+
+def test_summarize_run_percentiles_and_drop_rate():
+    run = fake_run(type("C", (), {"engine": type("E", (), {"max_num_seqs": 4}),
+                                  "moe": type("M", (), {"capacity_factor": 1.0})})(),
+                   Workload(("a", "b"), 3))
+    row = summarize_run(run, baseline=[[7, 7, 7], [7, 7, 7]])
+    assert row["measured_step_ms"] == pytest.approx(40.0) and row["prefill_step_ms"] == pytest.approx(50.0)
+    assert row["ttft_ms_p50"] == pytest.approx(150.0) and row["ttft_ms_p99"] == pytest.approx(199.0)
+    assert row["drop_rate"] == pytest.approx(10 / ((40 + 9 * 4) * 2 * 2))
+    assert row["num_decode_steps"] == 9 and row["greedy_agreement"] == pytest.approx(0.5)
+    assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
+
+
+def test_pareto_front_by_hand():
+    pts = [(10.0, 5.0), (20.0, 8.0), (15.0, 9.0), (5.0, 4.0), (20.0, 7.0)]
+    # (15, 9) is beaten by (20, 8); (20, 8) by (20, 7)
+    assert pareto_front(pts) == [3, 0, 4]
+
+
+def test_predicted_step_ms_is_the_cost_model_at_the_measured_point(tmp_path, monkeypatch):
+    from launch.simulate_point import predict_runtime_point
+    from launch.sweep.grid import point_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(build_tiny_config("deepseek_v3")))
+    base = tmp_path / "base.yaml"
+    base.write_text(f"model: {model}\nparallel: {{data_parallel_size: 2, enable_expert_parallel: true}}\n")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\n")
+    load = [[100, 50, 10, 10, 5, 5, 5, 5], [10, 10, 10, 10, 80, 40, 5, 5]]  # [L_moe=2, E=8]
+
+    def skewed(config, workload, **_kw):
+        run = fake_run(config, workload)
+        run.steps = [StepRecord(0.02, 0.01, 8, True, mean_context=40.0)] * 5
+        run.expert_load, run.phy2log, run.dp_size = load, [list(range(8))] * 2, 2
+        return run
+
+    monkeypatch.setattr(runner, "run_point", skewed)
+    assert runner.main(["--config", str(base), "--workload", str(prompts), "--out", str(tmp_path / "o"),
+                        "--no-progress", "--hardware", "h100", "--grid", "engine.max_num_seqs=[4]"]) == 0
+    row = read_rows(tmp_path / "o" / "results.jsonl")[0]
+    cfg = point_config({"model": str(model), "parallel": {"data_parallel_size": 2, "enable_expert_parallel": True}},
+                       {"engine.max_num_seqs": 4})
+    import numpy as np
+
+    want = predict_runtime_point(cfg, "h100", batch_size=4, kv_len=40, expert_load=np.array(load, dtype=float),
+                                 placement=np.array([list(range(8))] * 2))
+    assert row["decode_batch_per_rank_p50"] == 4 and row["decode_context_mean"] == 40.0
+    assert row["predicted_step_ms"] == pytest.approx(want.decode_step_ms) and row["predicted_step_ms"] > 0
+    assert row["prediction_error"] == pytest.approx((want.decode_step_ms - 20.0) / 20.0)
+    assert row["prediction_error_cpu"] == pytest.approx((want.decode_step_ms - 10.0) / 10.0)
+    assert row["predicted_balancedness"] == pytest.approx(want.balancedness) and row["predicted_balancedness"] < 1
+
+
+def test_repeats_run_round_robin_and_resume(sweep_args, tmp_path, monkeypatch):
+    order = []
+    monkeypatch.setattr(runner, "run_point", lambda c, w, **kw: order.append(c.engine.max_num_seqs) or fake_run(c, w))
+    args = sweep_args[:-3] + ["engine.max_num_seqs=[2,4]", "balancer.num_redundant_experts=[0,2]", "--repeats", "2"]
+    assert runner.main(args) == 0
+    assert order == [2, 4, 2, 4]  # round-robin; the invalid points are recorded once, not repeated
+    rows = read_rows(tmp_path / "out" / "results.jsonl")
+    assert sorted(r["repeat"] for r in rows if r["status"] == "ok") == [0, 0, 1, 1]
+    assert len([r for r in rows if r["status"] == "skipped"]) == 2
+    with (tmp_path / "out" / "medians.csv").open() as f:
+        medians = list(csv.DictReader(f))
+    assert [m["num_repeats"] for m in medians] == ["2", "2"]
+    assert float(medians[0]["measured_step_ms"]) == pytest.approx(20.0)
+    order.clear()
+    assert runner.main(args[:-1] + ["3"]) == 0
+    assert order == [2, 4]
