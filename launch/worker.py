@@ -166,11 +166,10 @@ class Worker:
         on that address only (``parallel.groups.create_rendezvous_store``)."""
         import socket
 
+        from parallel.groups import free_port
+
         host = host or os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{host}:{port}"
+        return f"tcp://{host}:{free_port(host)}"
 
     def setup(self, init_method: str | None = None) -> dict[str, Any]:
         """Join the process groups (world > 1), build the model shard, load it, allocate KV."""
