@@ -202,6 +202,10 @@ class Worker:
         self.device = self.groups.device if self.groups else torch.device(
             "cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.model.to(self.device)
+        if self.device.type == "cpu":
+            from moe import kernels
+
+            kernels.is_available()  # load (or build) the CPU expert kernel now, not inside a step's collective
         self.kv_cache = PagedKVCache(self.config, spec.num_kv_blocks, spec.block_size, self.dtype,
                                      spec.kv_cache_dtype, tp_size=spec.tp, device=self.device)
         self.sampler = Sampler(seed=spec.seed + self.coords.dp_rank)

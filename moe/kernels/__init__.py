@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,19 +137,47 @@ def cache_dir() -> Path:
     return root / key.replace("+", "_")
 
 
+# A build lock older than this belongs to a process that died while compiling (a compile takes
+# well under a minute of CPU); torch's baton would wait for it forever.
+STALE_LOCK_S = 600.0
+LIBRARY = "moe_kernels_cpu.so"
+COMPLETE = "complete"  # written (atomically) after a successful build
+
+
 def build(verbose: bool = False) -> Path:
     """Compile (or reuse the cached build of) the extension and load it into torch.ops.
-    Returns the build directory. Raises on compiler errors."""
+    Returns the build directory. Raises on compiler errors.
+
+    A finished build is loaded directly (``torch.ops.load_library``): no compiler check and no
+    build lock, so a process killed while loading (tests kill ranks) cannot leave a lock that
+    would stall every later load. Only a missing build takes torch's lock and compiles."""
+    directory = cache_dir()
+    library = directory / LIBRARY
+    if (directory / COMPLETE).exists() and library.exists():
+        torch.ops.load_library(str(library))
+        return directory
     from torch.utils import cpp_extension
 
-    directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(directory / "lock")
     cpp_extension.load(
         name="moe_kernels_cpu", sources=[str(SOURCE_DIR / "experts_cpu.cpp")], build_directory=str(directory),
         extra_cflags=["-O3", "-ffp-contract=fast", "-fno-math-errno"], extra_include_paths=[str(SOURCE_DIR)],
         is_python_module=False, verbose=verbose,
     )
+    partial = directory / f".{COMPLETE}.{os.getpid()}"
+    partial.write_text(f"{LIBRARY}\n")
+    os.replace(partial, directory / COMPLETE)
     return directory
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            log.warning("moe.kernels: removed a stale build lock %s (its process died while compiling)", lock)
+    except FileNotFoundError:
+        pass
 
 
 @functools.cache

@@ -223,3 +223,37 @@ def test_dense_mlp_runs_the_kernel_and_matches_its_linears(kernel_isas: list[str
                                atol=1e-5, rtol=1e-5)
     big = torch.randn(kernels.LIBRARY_GEMM_MIN_ROWS, 32)
     assert mlp._packed_weights(big) is None  # fp32 prefill-size: the library GEMM
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels._remove_stale_lock(lock)
+    assert lock.exists()  # someone may be compiling right now
+    old = time.time() - kernels.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    kernels._remove_stale_lock(lock)
+    assert not lock.exists()
+    kernels._remove_stale_lock(lock)  # nothing there: fine
+
+
+@pytest.mark.slow
+def test_a_finished_build_loads_without_the_build_lock() -> None:
+    """A rank killed while loading left torch's baton file behind once and every later load
+    waited on it forever: a finished build must load without touching the lock."""
+    import subprocess
+    import sys
+
+    if not kernels.is_available():
+        pytest.skip("the extension cannot be built here")
+    lock = kernels.cache_dir() / "lock"
+    lock.touch()  # as a killed process leaves it
+    try:
+        code = "from moe import kernels; kernels.build(); import torch; print(hasattr(torch.ops.moe_kernels, 'experts_forward'))"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+    finally:
+        lock.unlink(missing_ok=True)
