@@ -7,12 +7,13 @@ object store, one ``ray.get`` per reply); a step here is one ``sendall`` of a co
 Worker side: ``StepServer(handler)`` listens on this node's address, accepts the one driver
 connection that presents its token, then answers frames on a daemon thread:
 ``handler(payload) -> reply`` per step frame; an exception in the handler goes back as an
-error frame (the pickled exception, else its text) and the loop keeps serving.
+error frame (the exception's class name and text, as JSON) and the loop keeps serving.
 Driver side: ``StepClient(addresses)`` connects to every rank (address = (host, port, token)
 as ``StepServer.address`` gives) and ``roundtrip(payloads)`` sends each rank its payload and
 returns each rank's reply bytes, raising ``ChannelClosed`` (a rank's process went away:
 EOF or reset), ``ChannelTimeout`` (no reply by the deadline) or ``RemoteError`` (the
-handler raised; ``.cause`` is the worker's exception when it could be pickled).
+handler raised; ``.cause`` is a ``WorkerException`` carrying the worker exception's class name
+and text: nothing is unpickled from the network).
 
 Frames: 8-byte little-endian length, 1-byte kind, payload. Kinds: ``S`` step, ``X`` close
 (driver -> worker); ``R`` reply, ``E`` error (worker -> driver).
@@ -23,8 +24,8 @@ the replies. No Ray, no torch: the channel works (and is tested) without either.
 
 from __future__ import annotations
 
+import json
 import logging
-import pickle
 import secrets
 import selectors
 import socket
@@ -61,11 +62,20 @@ class ChannelTimeout(ChannelError):
         self.ranks = list(ranks)
 
 
-class RemoteError(ChannelError):
-    """The worker's handler raised; ``cause`` is its exception (or a RuntimeError with its text)."""
+class WorkerException(Exception):
+    """An exception raised by a worker's step handler as the driver sees it: ``type_name`` is
+    its class name (``"CollectiveError"``), ``str()`` its text."""
 
-    def __init__(self, rank: int, cause: BaseException) -> None:
-        super().__init__(f"rank {rank}: {type(cause).__name__}: {cause}", rank)
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(message)
+        self.type_name = type_name
+
+
+class RemoteError(ChannelError):
+    """The worker's handler raised; ``cause`` is a ``WorkerException`` with its class name and text."""
+
+    def __init__(self, rank: int, cause: WorkerException) -> None:
+        super().__init__(f"rank {rank}: {cause.type_name}: {cause}", rank)
         self.cause = cause
 
 
@@ -155,7 +165,7 @@ class StepServer:
                 try:
                     reply = self.handler(frame[1])
                 except BaseException as e:  # noqa: BLE001 - every failure goes back to the driver
-                    _send_frame(conn, ERROR, _pickle_error(e))
+                    _send_frame(conn, ERROR, _encode_error(e))
                     continue
                 _send_frame(conn, REPLY, reply)
         except OSError:
@@ -179,13 +189,9 @@ class StepServer:
                 sock.close()
 
 
-def _pickle_error(e: BaseException) -> bytes:
-    try:
-        data = pickle.dumps(e)
-        pickle.loads(data)
-        return data
-    except Exception:  # noqa: BLE001 - an exception that does not round-trip goes as text
-        return pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+def _encode_error(e: BaseException) -> bytes:
+    """A handler's exception as JSON: its class name and text (never a pickle)."""
+    return json.dumps({"type": type(e).__name__, "message": str(e)}).encode()
 
 
 # ---------------------------------------------------------------- driver side
@@ -245,7 +251,7 @@ class StepClient:
                     raise ChannelClosed(f"rank {rank}: step channel closed by the worker", rank)
                 kind, body = frame
                 if kind == ERROR:
-                    raise RemoteError(rank, _unpickle_error(body))
+                    raise RemoteError(rank, _decode_error(body))
                 replies[rank] = body
                 pending -= 1
         return replies  # type: ignore[return-value]
@@ -266,9 +272,9 @@ class StepClient:
         self.socks = []
 
 
-def _unpickle_error(body: bytearray) -> BaseException:
+def _decode_error(body: bytearray) -> WorkerException:
     try:
-        error = pickle.loads(body)
-    except Exception as e:  # noqa: BLE001 - the worker's exception class may not import here
-        return RuntimeError(f"worker error that could not be unpickled here ({e})")
-    return error if isinstance(error, BaseException) else RuntimeError(str(error))
+        data = json.loads(bytes(body))
+        return WorkerException(str(data["type"]), str(data["message"]))
+    except (ValueError, KeyError, TypeError):
+        return WorkerException("RuntimeError", bytes(body[:200]).decode("utf-8", "replace"))

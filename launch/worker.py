@@ -9,8 +9,8 @@ Shape legend: T tokens in this rank's batch, B sequences, L MoE layers, P physic
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import struct
 import time
 from dataclasses import dataclass, field
@@ -99,7 +99,8 @@ class StepResult:
 
     def to_bytes(self) -> bytes:
         """The reply on the fast step transport: a header, token ids [S], capacity [L, 2] and
-        slot load [L, P] as int64, then the logprobs pickled when any row asked for them."""
+        slot load [L, P] as int64, then the logprobs as JSON (rows of [token id, logprob] pairs, or
+        null) when any row asked for them."""
         sampled = self.sampled
         ids = np.asarray(sampled.token_ids if sampled is not None else [], dtype="<i8")
         capacity = np.asarray(self.capacity, dtype="<i8").reshape(-1, 2)
@@ -112,7 +113,7 @@ class StepResult:
         if load is not None:
             parts.append(load.tobytes())
         if logprobs is not None:
-            parts.append(pickle.dumps(logprobs, protocol=pickle.HIGHEST_PROTOCOL))
+            parts.append(json.dumps([None if row is None else list(row.items()) for row in logprobs]).encode())
         return b"".join(parts)
 
     @classmethod
@@ -130,9 +131,14 @@ class StepResult:
             load = torch.from_numpy(np.frombuffer(data, dtype="<i8", count=count, offset=offset)
                                     .reshape(num_layers, num_slots).copy())
             offset += 8 * count
-        logprobs = pickle.loads(memoryview(data)[offset:]) if has_logprobs else None
+        logprobs = _decode_logprobs(bytes(memoryview(data)[offset:])) if has_logprobs else None
         sampled = SampledTokens(token_ids=ids.tolist(), logprobs=logprobs) if has_sampled else None
         return cls(sampled, load, [(a, b) for a, b in capacity.tolist()], seconds, cpu_seconds)
+
+
+def _decode_logprobs(data: bytes) -> list[dict[int, float] | None]:
+    """Per sampled row {token id: logprob} (insertion order kept: the sampled token first), or None."""
+    return [None if row is None else {int(t): float(lp) for t, lp in row} for row in json.loads(data)]
 
 
 class Worker:

@@ -16,12 +16,14 @@ Layout (little-endian): a 20-byte header (magic, version, dp_rank, block_size, B
 the int32 arrays ``input_ids [T]``, ``positions [T]``, ``query_lens [B]``,
 ``context_lens [B]``, ``num_blocks [B]``, ``block_ids [N]``, ``sampled [S]`` (batch rows with
 ``do_sample``), ``output_indices [S]``, ``param_index [S]`` (into the params table), each
-prefixed by its length, then the pickled params table (tuple of U ``SamplingParams``).
+prefixed by its length, then the params table as JSON (U ``SamplingParams`` field dicts; no pickle
+crosses the channel).
 """
 
 from __future__ import annotations
 
-import pickle
+import dataclasses
+import json
 import struct
 import sys
 from array import array
@@ -81,7 +83,7 @@ def encode_batch(batch: BatchSpec) -> bytes:
         data = _to_bytes(array("i", values))
         parts.append(_LEN.pack(len(data)))
         parts.append(data)
-    parts.append(pickle.dumps(tuple(params), protocol=pickle.HIGHEST_PROTOCOL))
+    parts.append(json.dumps([dataclasses.asdict(p) for p in params], separators=(",", ":")).encode())
     return b"".join(parts)
 
 
@@ -131,7 +133,7 @@ def decode_batch(data: bytes | bytearray | memoryview) -> WireBatch:
             raise WireError(f"step message truncated in {name}")
         arrays[name] = _from_bytes(view[offset:offset + size])
         offset += size
-    params = pickle.loads(view[offset:])
+    params = _decode_params(view[offset:])
     batch = WireBatch(dp_rank, block_size, params=params, **arrays)
     if not (len(batch.query_lens_arr) == len(batch.context_lens_arr) == len(batch.num_blocks) == num_seqs):
         raise WireError(f"step message for {num_seqs} sequences has per-sequence arrays of other lengths")
@@ -216,3 +218,13 @@ class WireBatch:
     def output_indices(self) -> list[int]:
         """[S] per sampled row, the index of the output token being sampled (for seeding)."""
         return self.output_indices_arr.tolist()
+
+
+def _decode_params(data: memoryview) -> tuple[SamplingParams, ...]:
+    """The params table: a JSON list of ``SamplingParams`` field dicts (``__post_init__`` turns the
+    lists back into the tuples it holds, so the round trip is exact)."""
+    try:
+        rows = json.loads(bytes(data))
+        return tuple(SamplingParams(**row) for row in rows)
+    except (ValueError, TypeError) as e:
+        raise WireError(f"step message has a malformed params table ({e})") from None
