@@ -12,11 +12,13 @@ from launch import LLM, SamplingParams
 NEW_TOKENS = 20
 
 
-def hf_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """transformers' generate, one prompt at a time (the oracle), fp32."""
+def hf_greedy(path, prompts: list[list[int]], n: int, *, attn_implementation: str | None = None) -> list[list[int]]:
+    """transformers' generate, one prompt at a time (the oracle), fp32. ``attn_implementation``:
+    e.g. "eager" where sdpa would not apply a model's sliding window the same way."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
     model.generation_config.eos_token_id = None
     outs = []
     with torch.no_grad():

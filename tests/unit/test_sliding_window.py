@@ -26,6 +26,7 @@ from moe.layers.paged import paged_attention, sdpa
 from moe.loader import load_weights
 from moe.model import MoEModel
 from tests.conftest import HF_CASES, write_hf_checkpoint
+from tests.oracles import hf_greedy
 from tests.unit.test_model_vs_hf import greedy_generate
 
 WINDOW = 6
@@ -178,14 +179,7 @@ def test_llm_chunked_prefill_greedy_matches_hf_generate(checkpoints: dict[str, P
     path = checkpoints[case]
     prompts = _prompts(2, 4)
     prompts.append(prompts[0][:17] + prompts[1][:9])  # shares a 4-block prefix with prompts[0]
-    hf = _hf(path)
-    oracle = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=0)
-            oracle.append(out[0, len(p) :].tolist())
+    oracle = hf_greedy(path, prompts, NEW_TOKENS, attn_implementation="eager")
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=True,
              enable_prefix_caching=True, max_model_len=64) as llm:
