@@ -99,8 +99,9 @@ def compute_par(load: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndar
         raise ValueError(f"phy2log {phy.shape} does not fit load {load.shape} on {num_gpus} GPUs")
     counts = np.zeros((num_layers, num_experts), dtype=np.float64)
     np.add.at(counts, (np.arange(num_layers)[:, None], phy), 1.0)
-    share = load / np.maximum(counts, 1.0)  # [S, L, E] load of one copy
-    slot = np.take_along_axis(share, np.broadcast_to(phy, (num_steps, *phy.shape)), 2)  # [S, L, P]
+    share = (load / np.maximum(counts, 1.0)).reshape(num_steps, -1)  # [S, L * E] load of one copy
+    flat = (np.arange(num_layers)[:, None] * num_experts + phy).ravel()  # [L * P] into L * E
+    slot = np.take(share, flat, axis=1)  # [S, L * P]
     gpu = slot.reshape(num_steps, num_layers, num_gpus, -1).sum(-1)
     mean = gpu.mean(-1)
     return np.where(mean > 0, gpu.max(-1) / np.where(mean > 0, mean, 1.0), 1.0)

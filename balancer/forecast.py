@@ -49,6 +49,8 @@ def _shares(x: np.ndarray) -> np.ndarray:
     PAR is scale-free per step, so every step counts alike, prefill or decode."""
     x = x.astype(np.float64)
     total = x.sum(-1, keepdims=True)
+    if (total > 0).all():
+        return np.divide(x, total, out=x)
     return np.where(total > 0, x / np.where(total > 0, total, 1.0), 1.0 / x.shape[-1])
 
 

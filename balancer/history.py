@@ -155,12 +155,15 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
     par_new, moved = par_old.copy(), np.zeros(num_layers, dtype=np.int64)
     gain, cost = np.zeros(num_layers), np.zeros(num_layers)
     for cand in cands:
-        par = compute_par(scenarios, cand, num_gpus).mean(0)
         n = (cand != old).sum(1)
+        changed = np.nonzero(n)[0]  # PAR is per layer: unchanged layers keep par_old exactly
+        par = par_old.copy()
+        par[changed] = compute_par(scenarios[:, changed], cand[changed], num_gpus).mean(0)
         g, c = value * (par_old - par), opt.slot_cost * n
         # Step 4. A candidate fitted to the forecast's own noise must also win on the last
         # steps as they were, by more than 2 standard errors (paired), or it is no gain.
-        diff = recent_old - compute_par(recent, cand, num_gpus)
+        diff = np.zeros_like(recent_old)
+        diff[:, changed] = recent_old[:, changed] - compute_par(recent[:, changed], cand[changed], num_gpus)
         noise = 2.0 * diff.std(0) / np.sqrt(max(len(diff) - 1, 1))
         net = np.where(diff.mean(0) > noise, g - opt.margin * c, 0.0)
         take = net > best_net

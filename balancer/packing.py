@@ -64,26 +64,32 @@ def greedy_pack(
     else:
         order = np.argsort(-item_weight, axis=1, kind="stable")
     loads = np.zeros((num_rows, num_bins), dtype=item_weight.dtype)
+    avail = loads.copy()  # loads, inf where the bin is full
     fill = np.zeros((num_rows, num_bins), dtype=np.int64)
     bin_of = np.empty((num_rows, n), dtype=np.int64)
     rank_of = np.empty((num_rows, n), dtype=np.int64)
-    has = None
+    weight_in_order = np.take_along_axis(item_weight, order, 1)
+    has = expert_in_order = None
     if item_expert is not None:
-        has = np.zeros((num_rows, num_bins, int(item_expert.max()) + 1), dtype=bool)
+        has = np.zeros((num_rows, int(item_expert.max()) + 1, num_bins), dtype=bool)  # [X, e, m]
+        expert_in_order = np.take_along_axis(item_expert, order, 1)
     for t in range(n):
         item = order[:, t]
-        cand = np.where(fill >= per_bin, np.inf, loads)
-        if has is not None:
-            expert = item_expert[rows, item]
-            no_dup = np.where(has[rows, :, expert], np.inf, cand)
-            cand = np.where(np.isinf(no_dup).all(axis=1, keepdims=True), cand, no_dup)
-        b = cand.argmin(axis=1)
+        if has is None:
+            b = avail.argmin(axis=1)
+        else:
+            expert = expert_in_order[:, t]
+            no_dup = np.where(has[rows, expert], np.inf, avail)
+            b = no_dup.argmin(axis=1)
+            stuck = np.isinf(no_dup[rows, b])  # every bin with room holds the expert: allow a duplicate
+            if stuck.any():
+                b[stuck] = avail[stuck].argmin(axis=1)
+            has[rows, expert, b] = True
         bin_of[rows, item] = b
         rank_of[rows, item] = fill[rows, b]
-        loads[rows, b] += item_weight[rows, item]
+        loads[rows, b] += weight_in_order[:, t]
         fill[rows, b] += 1
-        if has is not None:
-            has[rows, b, expert] = True
+        avail[rows, b] = np.where(fill[rows, b] >= per_bin, np.inf, loads[rows, b])
     return bin_of, rank_of
 
 
@@ -119,45 +125,62 @@ def refine_swaps(
         return bin_of.copy()
     members = members_of(bin_of, num_bins)
     num_experts = int(item_expert.max()) + 1
+    # Per-bin copies of the items' weights and experts, swapped along with members.
+    member_weight = np.take_along_axis(item_weight, members.reshape(num_rows, -1), 1).reshape(members.shape)
     member_expert = np.take_along_axis(item_expert, members.reshape(num_rows, -1), 1).reshape(members.shape)
-    flat = (np.arange(num_rows)[:, None, None] * num_bins + np.arange(num_bins)[None, :, None]) * num_experts
-    has = np.bincount((flat + member_expert).ravel(), minlength=num_rows * num_bins * num_experts)
-    has = has.reshape(num_rows, num_bins, num_experts)
+    has = None
+    if forbid_dup:
+        flat = (np.arange(num_rows)[:, None, None] * num_bins + np.arange(num_bins)[None, :, None]) * num_experts
+        has = np.bincount((flat + member_expert).ravel(), minlength=num_rows * num_bins * num_experts)
+        has = has.reshape(num_rows, num_bins, num_experts).astype(np.int32)
+    # Work buffers for the [A, k, m, k] swap scores, reused every step (fresh
+    # temporaries of this size cost more in page faults than in arithmetic).
+    size = num_rows * k * num_bins * k
+    work = (np.empty(size), np.empty(size))
     active = np.arange(num_rows)
     iters = max_iters if max_iters is not None else 4 * n
     for _ in range(iters):
         if active.size == 0:
             break
-        active = _swap_step(item_weight, item_expert, members, has if forbid_dup else None, active, num_bins, k,
-                            target)
+        active = _swap_step(member_weight, member_expert, members, has, active, target, work)
     out = np.empty_like(bin_of)
     np.put_along_axis(out, members.reshape(num_rows, -1),
                       np.repeat(np.arange(num_bins), k)[None, :].repeat(num_rows, 0), 1)
     return out
 
 
-def _swap_step(weight, expert, members, has, active, num_bins, k, target) -> np.ndarray:
-    """One improving swap for each active row (in place); returns rows still improving."""
-    mem = members[active]  # [A, m, k]
+def _swap_step(member_weight, member_expert, members, has, active, target, work) -> np.ndarray:
+    """One improving swap for each active row (in place on members, member_weight,
+    member_expert [X, m, k] and has [X, m, e]); returns the rows still improving.
+    work: two float buffers of >= X * k * m * k elements."""
     a = active.size
+    num_bins, k = members.shape[1:]
+    shape = (a, k, num_bins, k)
+    d, score = (buf[:a * k * num_bins * k].reshape(shape) for buf in work)
     ar = np.arange(a)
-    w = np.take_along_axis(weight[active], mem.reshape(a, -1), 1).reshape(mem.shape)
-    ex = np.take_along_axis(expert[active], mem.reshape(a, -1), 1).reshape(mem.shape)
+    whole = a == members.shape[0]
+    w = member_weight if whole else member_weight[active]  # [A, m, k]
     loads = w.sum(-1)  # [A, m]
     hot = loads.argmax(1)
     top = loads[ar, hot]
-    d = w[ar, hot][:, :, None, None] - w[:, None, :, :]  # [A, k(hot), m, k]
-    score = np.maximum(top[:, None, None, None] - d, loads[:, None, :, None] + d)
-    bad = d <= 0
-    if has is not None:
-        act = active[:, None, None]
-        dup_in_other = has[act, np.arange(num_bins)[None, None, :], ex[ar, hot][:, :, None]] > 0  # [A, k, m]
-        dup_in_hot = has[act, hot[:, None, None], ex] > 0  # [A, m, k]
-        bad = bad | dup_in_other[:, :, :, None] | dup_in_hot[:, None, :, :]
-    bad[ar, :, hot, :] = True
-    score = np.where(bad, np.inf, score).reshape(a, -1)
-    best = score.argmin(1)
-    gain = score[ar, best] < top - 1e-9 * np.maximum(top, 1e-30)
+    # Swap item i of the hot bin with item j of bin o: d = w_i - w_j, new loads top - d and
+    # load_o + d. Swaps with d <= 0 or inside the hot bin score >= top, so they never win.
+    np.subtract(w[ar, hot][:, :, None, None], w[:, None, :, :], out=d)  # [A, k(hot), m, k]
+    np.subtract(top[:, None, None, None], d, out=score)
+    np.add(loads[:, None, :, None], d, out=d)
+    np.maximum(score, d, out=score)
+    if has is not None:  # no swap may put a second copy of an expert on a bin
+        num_experts = has.shape[2]
+        ex = member_expert if whole else member_expert[active]
+        base = active[:, None, None] * num_bins
+        ex_hot = ex[ar, hot][:, :, None]  # [A, k, 1]
+        in_other = np.take(has, (base + np.arange(num_bins)[None, None, :]) * num_experts + ex_hot)  # [A, k, m]
+        in_hot = np.take(has, (base + hot[:, None, None]) * num_experts + ex)  # [A, m, k]
+        np.copyto(score, np.inf, where=(in_other > 0)[:, :, :, None])
+        np.copyto(score, np.inf, where=(in_hot > 0)[:, None, :, :])
+    flat = score.reshape(a, -1)
+    best = flat.argmin(1)
+    gain = flat[ar, best] < top - 1e-9 * np.maximum(top, 1e-30)
     if target is not None:
         gain &= top > target[active]
     rows = np.nonzero(gain)[0]
@@ -167,13 +190,13 @@ def _swap_step(weight, expert, members, has, active, num_bins, k, target) -> np.
     other, j = np.divmod(rest, k)
     glob = active[rows]
     hb = hot[rows]
-    item_i = members[glob, hb, i]
-    item_j = members[glob, other, j]
-    members[glob, hb, i] = item_j
-    members[glob, other, j] = item_i
+    for arr in (members, member_weight, member_expert):
+        x_i = arr[glob, hb, i]
+        arr[glob, hb, i] = arr[glob, other, j]
+        arr[glob, other, j] = x_i
     if has is None:
         return glob
-    ei, ej = expert[glob, item_i], expert[glob, item_j]
+    ei, ej = member_expert[glob, other, j], member_expert[glob, hb, i]  # after the swap
     np.add.at(has, (glob, hb, ei), -1)
     np.add.at(has, (glob, other, ei), 1)
     np.add.at(has, (glob, other, ej), -1)

@@ -100,47 +100,51 @@ def sticky_bins(item_expert: np.ndarray, item_weight: np.ndarray, old_local: np.
     """
     num_rows, n = item_expert.shape
     k = n // num_bins
-    bin_of = np.full((num_rows, n), -1, dtype=np.int64)
-    for x in range(num_rows):
-        bin_of[x] = _sticky_row(item_expert[x], item_weight[x], old_local[x], num_bins, k)
-    return bin_of
-
-
-def _sticky_row(expert: np.ndarray, weight: np.ndarray, old: np.ndarray, m: int, k: int) -> np.ndarray:
-    n = expert.size
-    homes: dict[int, list[int]] = {}
-    for slot, e in enumerate(old.tolist()):
-        g = slot // k
-        if e >= 0 and g not in homes.setdefault(e, []):
-            homes[e].append(g)
-    bin_of = np.full(n, -1, dtype=np.int64)
-    fill = np.zeros(m, dtype=np.int64)
-    load = np.zeros(m, dtype=np.float64)
-    held: set[tuple[int, int]] = set()
-    rest = []
-    for i, e in enumerate(expert.tolist()):
-        gs = homes.get(e)
-        if gs:
-            g = gs.pop(0)
-            bin_of[i] = g
-            fill[g] += 1
-            load[g] += weight[i]
-            held.add((g, e))
-        else:
-            rest.append(i)
-    rest.sort(key=lambda i: -weight[i])
-    for i in rest:
-        e = int(expert[i])
-        cand = np.where(fill >= k, np.inf, load)
-        no_dup = cand.copy()
-        for g in range(m):
-            if (g, e) in held:
-                no_dup[g] = np.inf
-        g = int(no_dup.argmin()) if np.isfinite(no_dup).any() else int(cand.argmin())
-        bin_of[i] = g
-        fill[g] += 1
-        load[g] += weight[i]
-        held.add((g, e))
+    num_experts = int(max(item_expert.max(), old_local.max())) + 1
+    rows = np.arange(num_rows)
+    # Homes: the distinct GPUs holding each expert in old, ascending (= old slot order).
+    gpu = np.broadcast_to(np.arange(n) // k, old_local.shape)
+    valid = old_local >= 0
+    row_of = np.broadcast_to(rows[:, None], old_local.shape)
+    pairs = np.unique(((row_of * num_experts + old_local) * num_bins + gpu)[valid])  # sorted (row, expert, gpu)
+    owner = pairs // num_bins  # row * E + expert
+    count = np.bincount(owner, minlength=num_rows * num_experts)
+    start = np.cumsum(count) - count
+    # Replica r of an expert (r-th in item order) goes to its r-th home while there is one.
+    gid = (rows[:, None] * num_experts + item_expert).ravel()
+    order = np.argsort(gid, kind="stable")
+    first = np.searchsorted(gid[order], gid[order])
+    occurrence = np.empty(gid.size, dtype=np.int64)
+    occurrence[order] = np.arange(gid.size) - first
+    placed = occurrence < count[gid]
+    home = np.full(gid.size, -1, dtype=np.int64)
+    home[placed] = pairs[start[gid[placed]] + occurrence[placed]] % num_bins
+    bin_of = home.reshape(num_rows, n)
+    placed = placed.reshape(num_rows, n)
+    fill = np.zeros((num_rows, num_bins), dtype=np.int64)
+    load = np.zeros((num_rows, num_bins), dtype=np.float64)
+    held = np.zeros((num_rows, num_bins, num_experts), dtype=bool)
+    r_idx, i_idx = np.nonzero(placed)  # row-major: each GPU's load sums its items in item order
+    np.add.at(fill, (r_idx, bin_of[r_idx, i_idx]), 1)
+    np.add.at(load, (r_idx, bin_of[r_idx, i_idx]), item_weight[r_idx, i_idx])
+    held[r_idx, bin_of[r_idx, i_idx], item_expert[r_idx, i_idx]] = True
+    # The rest, heaviest first (stable), each to the lightest GPU with room not holding its expert.
+    by_weight = np.argsort(-item_weight, axis=1, kind="stable")
+    rest_first = np.argsort(np.take_along_axis(placed, by_weight, 1), axis=1, kind="stable")
+    rest = np.take_along_axis(by_weight, rest_first, 1)
+    num_rest = (~placed).sum(1)
+    for t in range(int(num_rest.max(initial=0))):
+        live = np.nonzero(num_rest > t)[0]
+        item = rest[live, t]
+        expert = item_expert[live, item]
+        cand = np.where(fill[live] >= k, np.inf, load[live])
+        no_dup = np.where(held[live, :, expert], np.inf, cand)
+        cand = np.where(np.isinf(no_dup).all(axis=1, keepdims=True), cand, no_dup)
+        g = cand.argmin(axis=1)
+        bin_of[live, item] = g
+        fill[live, g] += 1
+        load[live, g] += item_weight[live, item]
+        held[live, g, expert] = True
     return bin_of
 
 
