@@ -102,6 +102,6 @@ def compute_par(load: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndar
     share = (load / np.maximum(counts, 1.0)).reshape(num_steps, -1)  # [S, L * E] load of one copy
     flat = (np.arange(num_layers)[:, None] * num_experts + phy).ravel()  # [L * P] into L * E
     slot = np.take(share, flat, axis=1)  # [S, L * P]
-    gpu = slot.reshape(num_steps, num_layers, num_gpus, -1).sum(-1)
+    gpu = slot.reshape(num_steps, num_layers, num_gpus, phy.shape[1] // num_gpus).sum(-1)
     mean = gpu.mean(-1)
     return np.where(mean > 0, gpu.max(-1) / np.where(mean > 0, mean, 1.0), 1.0)

@@ -35,6 +35,12 @@ class BalancerConfig:
     the moved slots; "interval": vLLM's fixed schedule (every step_interval steps on the
     window's sum, should_rebalance). None (default): "interval" when step_interval is
     given (vLLM's names give vLLM's behaviour), else "forecast".
+    full_check_interval: a full evaluation at least this often; the checks in between
+    (those after which the next check still comes within full_check_interval steps of the
+    last full one; none when check_interval > full_check_interval / 2) first ask whether
+    the last check_interval steps are balanced as well as the steps before them and stay
+    cheaply if so (HistoryOptions.early_stay): a burst is answered within check_interval
+    steps at little CPU.
     step_seconds: modeled seconds one step costs per unit of peak-to-average ratio
     (the competition's 60 / trace steps); transfer_bytes_per_s: link speed that prices a
     moved slot (expert bytes / this); move_margin: a move must gain this x its cost."""
@@ -50,7 +56,8 @@ class BalancerConfig:
     use_async: bool = False
     migration_method: str = "p2p"
     trigger: str | None = None
-    check_interval: int = 64
+    check_interval: int = 16
+    full_check_interval: int = 64
     step_seconds: float = 60.0 / 8192
     transfer_bytes_per_s: float = LINK_BYTES_PER_S
     move_margin: float = 1.5
@@ -62,7 +69,8 @@ class BalancerConfig:
             raise ValueError(f"policy {self.policy!r} is not one of {POLICIES + tuple(_POLICY_ALIASES)}")
         if self.trigger is not None and self.trigger not in TRIGGERS:
             raise ValueError(f"trigger {self.trigger!r} is not one of {TRIGGERS}")
-        for name in ("num_redundant_experts", "window_size", "step_interval", "check_interval"):
+        for name in ("num_redundant_experts", "window_size", "step_interval", "check_interval",
+                     "full_check_interval"):
             value = getattr(self, name)
             if name == "step_interval" and value is None:
                 continue
@@ -74,8 +82,9 @@ class BalancerConfig:
             raise ValueError(f"window_size={self.window_size} must be > 0")
         if self.step_interval is not None and self.step_interval <= 0:
             raise ValueError(f"step_interval={self.step_interval} must be > 0")
-        if self.check_interval <= 0:
-            raise ValueError(f"check_interval={self.check_interval} must be > 0")
+        if self.check_interval <= 0 or self.full_check_interval <= 0:
+            raise ValueError(f"check_interval={self.check_interval} and full_check_interval="
+                             f"{self.full_check_interval} must be > 0")
         if not self.step_seconds >= 0 or not self.move_margin >= 0 or not self.transfer_bytes_per_s > 0:
             raise ValueError(f"step_seconds={self.step_seconds} and move_margin={self.move_margin} must be >= 0, "
                              f"transfer_bytes_per_s={self.transfer_bytes_per_s} > 0")

@@ -60,12 +60,15 @@ class HistoryOptions:
     burst_sigmas: float = 4.0
     burst_steps: int = 16
     policy: str = "auto"
+    early_stay: bool = False
+    stay_sigmas: float = 3.0
 
     def __post_init__(self) -> None:
         if self.interval <= 0 or self.max_horizon <= 0 or self.burst_steps <= 0:
             raise ValueError(f"interval={self.interval}, max_horizon={self.max_horizon} and "
                              f"burst_steps={self.burst_steps} must be positive")
-        for name in ("step_cost", "slot_cost", "margin", "horizon_half_lives", "volatility_weight", "burst_sigmas"):
+        for name in ("step_cost", "slot_cost", "margin", "horizon_half_lives", "volatility_weight", "burst_sigmas",
+                     "stay_sigmas"):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"{name}={value} must be finite and >= 0")
@@ -84,8 +87,10 @@ class HistoryOptions:
 @dataclass(frozen=True)
 class HistoryDecision:
     """phy2log [L, P] int64 (old_phy2log where staying); moved [L] slots changed per layer;
-    par_old, par_new [L] predicted mean PAR over sampled steps; gain, cost: modeled
-    seconds won and spent; forecast: what the decision was based on."""
+    par_old, par_new [L] predicted mean PAR over sampled steps (early stay: the old
+    placement's mean PAR on the last interval steps, both); gain, cost: modeled seconds
+    won and spent; forecast: what the decision was based on (None: early stay, no
+    forecast was needed)."""
 
     phy2log: np.ndarray
     moved: np.ndarray
@@ -93,7 +98,7 @@ class HistoryDecision:
     par_new: np.ndarray
     gain: float
     cost: float
-    forecast: Forecast
+    forecast: Forecast | None
 
     @property
     def num_moved(self) -> int:
@@ -101,6 +106,8 @@ class HistoryDecision:
 
     @property
     def reason(self) -> str:
+        if self.forecast is None:
+            return "stay: the last steps are balanced as well as the steps before them"
         if self.num_moved == 0:
             return "stay: no move pays for itself"
         layers = int((self.moved > 0).sum())
@@ -121,17 +128,24 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
     num_layers, num_experts = hist.shape[1:]
     _validate(hist[0], num_replicas, num_groups, num_nodes, num_gpus, opt.policy)
     args = (num_replicas, num_groups, num_nodes, num_gpus)
+    old = None
+    if old_phy2log is not None:
+        old = as_numpy(old_phy2log, "old_phy2log", 2).astype(np.int64)
+        if old.shape != (num_layers, num_replicas) or old.min() < 0 or old.max() >= num_experts:
+            raise ValueError(f"old_phy2log must be [{num_layers}, {num_replicas}] with ids in [0, {num_experts}), "
+                             f"got shape {old.shape}")
+        if opt.early_stay:
+            par_recent = _handles_recent(hist, old, num_gpus, opt)
+            if par_recent is not None:
+                return HistoryDecision(old, np.zeros(num_layers, dtype=np.int64), par_recent, par_recent,
+                                       0.0, 0.0, None)
     # Step 1.
     fc = forecast_load(hist, opt.interval, burst_sigmas=opt.burst_sigmas, burst_steps=opt.burst_steps)
     weight = fc.mean + opt.volatility_weight * fc.std
-    if old_phy2log is None:
+    if old is None:
         phy = rebalance_experts(weight, *args, policy=opt.policy)[0].numpy()
         zeros = np.zeros(num_layers)
         return HistoryDecision(phy, np.full(num_layers, num_replicas), zeros, zeros, 0.0, 0.0, fc)
-    old = as_numpy(old_phy2log, "old_phy2log", 2).astype(np.int64)
-    if old.shape != (num_layers, num_replicas) or old.min() < 0 or old.max() >= num_experts:
-        raise ValueError(f"old_phy2log must be [{num_layers}, {num_replicas}] with ids in [0, {num_experts}), "
-                         f"got shape {old.shape}")
     horizon = np.clip(opt.horizon_half_lives * fc.half_life, opt.interval, opt.max_horizon)
     value = opt.step_cost * horizon / num_layers  # [L] seconds per unit of PAR on a layer
     # Step 2, on the layers where even a perfect split of the forecast could pay for a swap.
@@ -157,6 +171,8 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
     for cand in cands:
         n = (cand != old).sum(1)
         changed = np.nonzero(n)[0]  # PAR is per layer: unchanged layers keep par_old exactly
+        if changed.size == 0:
+            continue
         par = par_old.copy()
         par[changed] = compute_par(scenarios[:, changed], cand[changed], num_gpus).mean(0)
         g, c = value * (par_old - par), opt.slot_cost * n
@@ -170,6 +186,24 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
         best[take], best_net[take], par_new[take], moved[take] = cand[take], net[take], par[take], n[take]
         gain[take], cost[take] = g[take], c[take]
     return HistoryDecision(best, moved, par_old, par_new, float(gain.sum()), float(cost.sum()), fc)
+
+
+def _handles_recent(hist: np.ndarray, old: np.ndarray, num_gpus: int, opt: HistoryOptions) -> np.ndarray | None:
+    """The early check: old's per-step PAR on the last `interval` steps against the (up to
+    4 x interval, >= 64) steps before them, per layer. Returns the recent mean PAR [L] when
+    no layer got worse by more than stay_sigmas standard errors (stay), else None (or
+    when the window is too short to tell)."""
+    num_steps = hist.shape[0]
+    recent = min(opt.interval, num_steps // 2)
+    before = min(num_steps - recent, max(64, 4 * opt.interval))
+    if recent < 2 or before < 2:
+        return None
+    par = compute_par(hist[num_steps - recent - before:], old, num_gpus)  # [before + recent, L]
+    now, then = par[before:], par[:before]
+    se = np.sqrt(now.var(0, ddof=1) / recent + then.var(0, ddof=1) / before)
+    if (now.mean(0) - then.mean(0) > opt.stay_sigmas * se + 1e-12).any():
+        return None
+    return now.mean(0)
 
 
 def _lighter(weight, args, old, target_phy, policy) -> np.ndarray:
@@ -207,6 +241,6 @@ def rebalance_from_history(history: torch.Tensor | np.ndarray, num_replicas: int
     decision = plan_from_history(history, num_replicas, num_groups, num_nodes, num_gpus,
                                  old_phy2log=old_phy2log, options=opt)
     phy2log = torch.from_numpy(np.ascontiguousarray(decision.phy2log, dtype=np.int64))
-    log2phy, logcnt = compute_log2phy(phy2log, decision.forecast.mean.shape[1])
+    log2phy, logcnt = compute_log2phy(phy2log, as_numpy(history, "history", 3).shape[2])
     return phy2log, log2phy, logcnt
 

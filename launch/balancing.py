@@ -6,6 +6,8 @@ Two triggers (``BalancerConfig.resolved_trigger``): "forecast" (default) keeps t
 ``rebalance_from_history``, which moves only when the modeled gain pays for the moved
 slots; "interval" is vLLM's schedule (every ``step_interval`` steps, the window's sum),
 chosen by ``trigger`` or by giving ``step_interval`` (vLLM's names, vLLM's behaviour).
+Between full evaluations (every ``full_check_interval`` steps) a check first tests whether
+the last steps are balanced as well as before and stays cheaply if so.
 Shape legend: L MoE layers, E logical experts, P physical slots, R EP ranks.
 """
 
@@ -61,6 +63,7 @@ class EplbDriver:
         self._history = torch.zeros(config.window_size, placement.num_layers, placement.num_logical,
                                     dtype=torch.int32)
         self._num_history = 0
+        self._last_full_step: int | None = None  # step of the last full (not early-stay) evaluation
         self.last_reason = ""
 
     # ---- statistics ------------------------------------------------------------------
@@ -109,8 +112,16 @@ class EplbDriver:
         args = (self.placement.num_physical, self.num_groups, self.num_nodes, self.placement.num_gpus)
         if self.config.resolved_trigger == "forecast" and self._num_history > 0:
             c = self.config
+            # Between full evaluations the cheap check comes first (it stays unless the last
+            # steps got worse); a check is full when the next one would come later than
+            # full_check_interval steps after the last full one.
+            early = (self._last_full_step is not None
+                     and self.step - self._last_full_step + c.check_interval <= c.full_check_interval)
+            if not early:
+                self._last_full_step = self.step
             options = HistoryOptions(interval=c.check_interval, step_cost=c.step_seconds, margin=c.move_margin,
-                                     slot_cost=self.expert_bytes / c.transfer_bytes_per_s, policy=c.resolved_policy)
+                                     slot_cost=self.expert_bytes / c.transfer_bytes_per_s, policy=c.resolved_policy,
+                                     early_stay=early)
             decision = plan_from_history(self.history(), *args, old_phy2log=self.placement.phy2log, options=options)
             phy2log = torch.from_numpy(decision.phy2log)
             self.last_reason = decision.reason

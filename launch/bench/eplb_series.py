@@ -10,7 +10,9 @@ domain (num_groups = num_nodes = 1).
 Protocol: the first `warmup` steps (1,024) are history only. At step `warmup` every
 policy starts from the reference's placement of that window and is scored on the steps
 after it. The policies, each called at its own cadence with the steps before the call:
-  ours       rebalance_from_history every 64 steps on the last 2,048 steps (it may stay);
+  ours       rebalance_from_history every 16 steps on the last 2,048 steps (it may stay),
+             a full evaluation at least every 64 steps and early_stay=True in between
+             (the cheap check: stay unless the last 16 steps got worse);
   reference  DeepSeek's EPLB from scratch every 1,024 steps on the last 1,024 steps' sum;
   fixed-hl   a recency-weighted sum (fixed half-life, 256 steps) of the last 1,024 steps,
              re-placed every 128 steps by rebalance_experts(old_phy2log=...);
@@ -43,7 +45,8 @@ POLICY_NAMES = ("ours", "reference", "fixed-hl", "hindsight")
 class SeriesSettings:
     warmup: int = 1024
     interval: int = 128  # fixed-hl, hindsight
-    ours_interval: int = 64
+    ours_interval: int = 16  # ours is called this often ...
+    ours_full_interval: int = 64  # ... with a full evaluation at least this often (early_stay between)
     reference_interval: int = 1024
     history: int = 2048  # steps ours sees
     baseline_window: int = 1024
@@ -112,10 +115,17 @@ def build_policies(num_experts: int, num_gpus: int, settings: SeriesSettings, st
     args = (num_replicas, 1, 1, num_gpus)
     s = settings
 
+    last_full = -s.ours_full_interval  # the first call is a full evaluation
+
     def ours(trace, step, old):
+        nonlocal last_full
         window = trace[max(0, step - s.history):step]
+        # between full evaluations the cheap check first; full when the next call would be too late
+        early = step - last_full + s.ours_interval <= s.ours_full_interval
+        if not early:
+            last_full = step
         return rebalance_from_history(window, *args, old_phy2log=old, interval=s.ours_interval, step_cost=step_cost,
-                                      **(options or {}))[0].numpy()
+                                      early_stay=early, **(options or {}))[0].numpy()
 
     def reference(trace, step, old):
         return reference_placement(trace[max(0, step - s.reference_interval):step], num_replicas, num_gpus)
@@ -177,21 +187,27 @@ def trace_set(full: bool, seeds: list[int]) -> list[TraceSpec]:
     return [TraceSpec(k, m, g, 4096, seed, num_layers=8) for seed in seeds for k, m, g in combos]
 
 
-def time_full_scale(num_calls: int = 4, seed: int = 1) -> list[float]:
-    """CPU seconds of each rebalance_from_history call at DeepSeek-R1 scale (58 x 256,
-    64 GPUs, 2,048-step history of a phases trace, calls 128 steps apart, old chained)."""
+def time_full_scale(num_calls: int = 4, seed: int = 1) -> tuple[list[float], list[float]]:
+    """CPU seconds of rebalance_from_history calls at DeepSeek-R1 scale (58 x 256, 64 GPUs,
+    2,048-step history of a phases trace, calls 128 steps apart, old chained). Returns
+    (full evaluations, early-stay checks on the same windows with the placement just chosen)."""
     settings = SeriesSettings()
     spec = TraceSpec("phases", "deepseek-r1", 64, settings.history + num_calls * settings.interval, seed)
     trace = make_trace(spec)
     old = reference_placement(trace[:settings.history], 256 + 64, 64)
-    seconds = []
+    full, early = [], []
     for i in range(num_calls):
         step = settings.history + i * settings.interval
+        window = trace[step - settings.history:step]
         start = time.process_time()
-        old = rebalance_from_history(trace[step - settings.history:step], 320, 1, 1, 64, old_phy2log=old,
+        old = rebalance_from_history(window, 320, 1, 1, 64, old_phy2log=old, interval=settings.ours_interval,
                                      step_cost=PAR_SECONDS / 8192)[0].numpy()
-        seconds.append(time.process_time() - start)
-    return seconds
+        full.append(time.process_time() - start)
+        start = time.process_time()
+        rebalance_from_history(window, 320, 1, 1, 64, old_phy2log=old, interval=settings.ours_interval,
+                               step_cost=PAR_SECONDS / 8192, early_stay=True)
+        early.append(time.process_time() - start)
+    return full, early
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -220,19 +236,27 @@ def series_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-gpus", type=int, default=32, help="EP size for --trace files (default 32)")
     parser.add_argument("--no-generated", action="store_true", help="only the --trace files")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    parser.add_argument("--check-interval", type=int, default=SeriesSettings.ours_interval,
+                        help="steps between calls of ours (default %(default)s)")
+    parser.add_argument("--full-interval", type=int, default=SeriesSettings.ours_full_interval,
+                        help="a full evaluation of ours at least this often, early-stay checks between "
+                             "(default %(default)s; <= --check-interval: every call is full)")
     parser.add_argument("--time-call", action="store_true",
                         help="only time rebalance_from_history at 58 x 256 on 64 GPUs (CPU s per call)")
     args = parser.parse_args(argv)
     if args.time_call:
         torch.set_num_threads(1)
-        seconds = time_full_scale()
+        full, early = time_full_scale()
         print(f"rebalance_from_history, 58 x 256, 64 GPUs, 2,048-step history, one thread: CPU s per call "
-              f"{' '.join(f'{x:.3f}' for x in seconds)} (max {max(seconds):.3f})")
+              f"{' '.join(f'{x:.3f}' for x in full)} (max {max(full):.3f}); early-stay check "
+              f"{' '.join(f'{x:.3f}' for x in early)} (max {max(early):.3f})")
         return 0
     if args.num_gpus <= 0:
         parser.error("--num-gpus must be positive")
+    if args.check_interval <= 0 or args.full_interval <= 0:
+        parser.error("--check-interval and --full-interval must be positive")
     torch.set_num_threads(1)
-    settings = SeriesSettings()
+    settings = SeriesSettings(ours_interval=args.check_interval, ours_full_interval=args.full_interval)
     jobs: list[tuple[str, Callable[[], np.ndarray], int, int]] = []
     for path in args.trace:
         try:

@@ -29,7 +29,10 @@ def test_forecast_trigger_is_the_default_and_interval_keeps_vllms_schedule():
     c = BalancerConfig.from_dict({"window_size": 500, "check_interval": 32, "move_margin": 2.0,
                                   "step_seconds": 0.01})
     assert (c.resolved_trigger, c.check_interval, c.move_margin, c.step_seconds) == ("forecast", 32, 2.0, 0.01)
-    assert BalancerConfig().check_interval == 64 and BalancerConfig().resolved_trigger == "forecast"
+    assert BalancerConfig().resolved_trigger == "forecast"
+    # cheap checks every 16 steps, a full evaluation at least every 64 (the series benchmark's choice)
+    assert (BalancerConfig().check_interval, BalancerConfig().full_check_interval) == (16, 64)
+    assert BalancerConfig.from_dict({"full_check_interval": 128}).full_check_interval == 128
     # vLLM's names give vLLM's behaviour; an explicit trigger wins
     assert BalancerConfig.from_dict({"window_size": 1000, "step_interval": 3000}).resolved_trigger == "interval"
     assert BalancerConfig(trigger="forecast", step_interval=500).resolved_trigger == "forecast"
@@ -50,6 +53,8 @@ def test_from_dict_names_unknown_key():
     ({"window_size": 2.5}, "must be an int"),
     ({"trigger": "sometimes"}, "trigger 'sometimes'"),
     ({"check_interval": 0}, "check_interval=0"),
+    ({"full_check_interval": 0}, "full_check_interval=0"),
+    ({"full_check_interval": 1.5}, "full_check_interval must be an int"),
     ({"move_margin": -1.0}, "move_margin=-1.0"),
     ({"transfer_bytes_per_s": 0.0}, "transfer_bytes_per_s=0.0"),
 ])

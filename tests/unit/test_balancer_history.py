@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from balancer import (
+    HistoryOptions,
     compute_par,
     forecast_load,
     plan_from_history,
@@ -182,3 +183,57 @@ def test_deepseek_policy_keeps_slots_on_a_gpu():
                 if e in fresh[layer, sl].tolist() and old[layer, sl].tolist().count(e) == 1:
                     assert int(kept[layer, j]) == e  # stayed on the GPU -> same slot
     assert (kept != old).sum() <= (fresh != old).sum()
+
+
+def test_early_stay_returns_what_the_full_path_returns_on_steady_load():
+    """Steady load, a placement the full path keeps: the early check stays too, with the
+    same placement, without a forecast (the cheap path)."""
+    rng = np.random.default_rng(0)
+    rate = _rates(rng)
+    old = rebalance_from_history(_poisson(rng, rate, 1024), 40, 1, 1, 8, old_phy2log=None)[0]
+    old = torch.from_numpy(plan_from_history(_poisson(rng, rate, 1024), 40, 1, 1, 8, old_phy2log=old).phy2log)
+    for _ in range(3):
+        history = _poisson(rng, rate, 1024)
+        full = plan_from_history(history, 40, 1, 1, 8, old_phy2log=old)
+        early = plan_from_history(history, 40, 1, 1, 8, old_phy2log=old,
+                                  options=HistoryOptions(early_stay=True, interval=16))
+        assert full.num_moved == 0 and early.num_moved == 0
+        assert np.array_equal(early.phy2log, full.phy2log) and np.array_equal(early.phy2log, old.numpy())
+        assert early.forecast is None and "as well as" in early.reason and full.forecast is not None
+        assert early.par_old.shape == (4,) and (early.par_old >= 1.0).all()
+        out = rebalance_from_history(history, 40, 1, 1, 8, old_phy2log=old, early_stay=True, interval=16)
+        assert torch.equal(out[0], old) and out[2].shape == (4, 32)
+
+
+def test_early_stay_hands_a_burst_to_the_full_path():
+    """A burst in the last steps: the early check does not stay; the answer is exactly the
+    full path's (a move that replicates the bursting expert)."""
+    rng = np.random.default_rng(3)
+    rate = _rates(rng)
+    old = rebalance_experts(rate, 40, 1, 1, 8)[0]
+    burst = rate.copy()
+    cold = np.argmin(rate, axis=1)
+    burst[np.arange(4), cold] = rate.sum(1) * 0.25
+    history = np.concatenate([_poisson(rng, rate, 1008), _poisson(rng, burst, 16)])
+    full = plan_from_history(history, 40, 1, 1, 8, old_phy2log=old, options=HistoryOptions(interval=16))
+    early = plan_from_history(history, 40, 1, 1, 8, old_phy2log=old,
+                              options=HistoryOptions(interval=16, early_stay=True))
+    assert early.forecast is not None and full.num_moved > 0
+    assert np.array_equal(early.phy2log, full.phy2log) and np.array_equal(early.moved, full.moved)
+    logcnt = rebalance_from_history(history, 40, 1, 1, 8, old_phy2log=old, interval=16, early_stay=True)[2]
+    assert (logcnt[torch.arange(4), torch.from_numpy(cold)] >= 2).all()
+
+
+def test_early_stay_is_deterministic_and_checks_its_option():
+    rng = np.random.default_rng(4)
+    rate = _rates(rng)
+    old = rebalance_experts(rate, 40, 1, 1, 8)[0]
+    history = _poisson(rng, rate, 512)
+    a = rebalance_from_history(history, 40, 1, 1, 8, old_phy2log=old, early_stay=True)[0]
+    b = rebalance_from_history(history.astype(np.float32), 40, 1, 1, 8, old_phy2log=old, early_stay=True)[0]
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="stay_sigmas"):
+        HistoryOptions(stay_sigmas=-1.0)
+    # too short a window to compare: the full path decides
+    short = plan_from_history(history[:3], 40, 1, 1, 8, old_phy2log=old, options=HistoryOptions(early_stay=True))
+    assert short.forecast is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from balancer import BalancerConfig, Placement
+from balancer import BalancerConfig, HistoryOptions, Placement, plan_from_history
 from launch.balancing import EplbDriver
 
 
@@ -101,3 +101,56 @@ def test_statistics_decision_plan_and_dump_round_trip(tmp_path):
     assert torch.equal(dump["logcnt"], new.logcnt)
     back = placement_from_dump(path, num_layers=2, num_experts=8, num_physical_experts=12, num_gpus=4)
     assert torch.equal(back.phy2log, new.phy2log)
+
+
+def test_cheap_checks_between_full_evaluations_and_a_burst_is_answered_at_the_next_check():
+    """check_interval 16, full_check_interval 64: the first check is a full evaluation;
+    the checks in between stay cheaply (no forecast) while the load is as before; a full
+    evaluation runs again 64 steps later; a burst is answered at the next 16-step check."""
+    driver = _driver(check_interval=16, full_check_interval=64)
+    rng = np.random.default_rng(2)
+    load = np.full((2, 8), 40.0)
+    load[:, 5] = 600.0
+    reasons = {}
+
+    def run(steps, rates):
+        for _ in range(steps):
+            driver.record(_slot_load(driver, rng.poisson(rates)))
+            if driver.due():
+                new, plan, _ = driver.plan_rebalance()
+                reasons[driver.step] = driver.last_reason
+                if plan.num_copies_moved:
+                    driver.commit(new, plan, 0.0)
+
+    run(80, load)
+    assert sorted(reasons) == [16, 32, 48, 64, 80]
+    assert "move" in reasons[16] and (driver.placement.logcnt[:, 5] >= 2).all()
+    assert all("as well as" in reasons[s] for s in (32, 48, 64))  # cheap stays
+    assert "as well as" not in reasons[80]  # 64 steps after the last full one: full again
+    burst = load.copy()
+    burst[:, 2] = 900.0  # a cold expert flares up after step 84
+    run(4, load)
+    for _ in range(12):
+        driver.record(_slot_load(driver, rng.poisson(burst)))
+    assert driver.step == 96 and driver.due()
+    full = plan_from_history(driver.history(), 12, 1, 1, 4, old_phy2log=driver.placement.phy2log,
+                             options=HistoryOptions(interval=16, step_cost=driver.config.step_seconds,
+                                                    slot_cost=(1 << 20) / driver.config.transfer_bytes_per_s))
+    new, plan, _ = driver.plan_rebalance()  # 16 steps after a full one, but the burst escalates it
+    assert "as well as" not in driver.last_reason and driver.last_reason == full.reason
+    assert np.array_equal(new.phy2log.numpy(), full.phy2log)
+
+
+def test_every_check_is_full_when_the_next_would_come_too_late():
+    """check_interval 40 > full_check_interval / 2: no early stays (as before the early check)."""
+    driver = _driver(check_interval=40, full_check_interval=64)
+    rng = np.random.default_rng(5)
+    load = np.full((2, 8), 40.0)
+    load[:, 3] = 500.0
+    for _ in range(160):
+        driver.record(_slot_load(driver, rng.poisson(load)))
+        if driver.due():
+            new, plan, _ = driver.plan_rebalance()
+            assert "as well as" not in driver.last_reason
+            if plan.num_copies_moved:
+                driver.commit(new, plan, 0.0)

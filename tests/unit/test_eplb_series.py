@@ -126,3 +126,30 @@ def test_series_default_quick_set_beats_the_reference(capsys):
     assert len(rows) == 2
     for r in rows:
         assert float(r[1]) > 100.0 and float(r[1]) > float(r[2])  # ours > reference and > fixed-hl
+
+
+@pytest.mark.parametrize("check, full, pattern", [
+    (16, 64, [False, True, True, True, False, True, True, True, False]),  # the default
+    (32, 64, [False, True, False, True, False]),
+    (64, 64, [False] * 4),  # every call full
+    (50, 64, [False] * 4),  # the next check would come too late: full
+])
+def test_ours_checks_cheaply_between_full_evaluations(monkeypatch, check, full, pattern):
+    from launch.bench import eplb_series
+
+    calls = []
+
+    def fake(window, *args, old_phy2log, early_stay, **options):
+        calls.append(early_stay)
+        assert window.shape[0] <= 2048 and options["interval"] == check
+        return (torch.from_numpy(old_phy2log),)
+
+    monkeypatch.setattr(eplb_series, "rebalance_from_history", fake)
+    settings = SeriesSettings(ours_interval=check, ours_full_interval=full)
+    ours, interval = eplb_series.build_policies(8, 4, settings, 0.01)["ours"]
+    assert interval == check
+    old = np.tile(np.arange(12) % 8, (2, 1))
+    for i in range(len(pattern)):
+        ours(np.zeros((2048, 2, 8), dtype=np.int32), 1024 + (i + 1) * check, old)
+    assert calls == pattern
+    assert (SeriesSettings().ours_interval, SeriesSettings().ours_full_interval) == (16, 64)
