@@ -9,7 +9,13 @@ log2phy [L, E, max_replicas] (-1 padded), logcnt [L, E]: DeepSeek EPLB's names.
 from balancer.balancedness import Prediction, compute_balancedness, compute_par, predict
 from balancer.config import BalancerConfig, RebalanceDecision, should_rebalance
 from balancer.forecast import Forecast, forecast_load
-from balancer.history import HistoryDecision, HistoryOptions, plan_from_history, rebalance_from_history
+from balancer.history import (
+    HistoryDecision,
+    HistoryOptions,
+    full_horizon,
+    plan_from_history,
+    rebalance_from_history,
+)
 from balancer.move_plan import MovePlan, Transfer, compute_move_plan
 from balancer.placement import Placement, compute_log2phy
 from balancer.policy import POLICIES, rebalance_experts
@@ -33,6 +39,7 @@ __all__ = [
     "compute_move_plan",
     "compute_par",
     "forecast_load",
+    "full_horizon",
     "plan_from_history",
     "predict",
     "rebalance_experts",

@@ -223,6 +223,13 @@ def _peak(weight: np.ndarray, phy: np.ndarray, num_gpus: int) -> np.ndarray:
     return slot.reshape(slot.shape[0], num_gpus, -1).sum(-1).max(1)
 
 
+def full_horizon(check_interval: int, full_interval: int) -> int:
+    """Steps from a scheduled full evaluation to the next one (checks every check_interval,
+    a full one at least every full_interval): the largest multiple of check_interval within
+    full_interval, at least check_interval."""
+    return max(check_interval, full_interval // check_interval * check_interval)
+
+
 def rebalance_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num_groups: int,
                            num_nodes: int, num_gpus: int, *,
                            old_phy2log: torch.Tensor | np.ndarray | None,

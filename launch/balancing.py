@@ -25,6 +25,7 @@ from balancer import (
     Placement,
     RoutingStats,
     compute_move_plan,
+    full_horizon,
     plan_from_history,
     predict,
     rebalance_experts,
@@ -119,7 +120,9 @@ class EplbDriver:
                      and self.step - self._last_full_step + c.check_interval <= c.full_check_interval)
             if not early:
                 self._last_full_step = self.step
-            options = HistoryOptions(interval=c.check_interval, step_cost=c.step_seconds, margin=c.move_margin,
+            # horizon: the next check (an early one that escalates) or the next full evaluation
+            interval = c.check_interval if early else full_horizon(c.check_interval, c.full_check_interval)
+            options = HistoryOptions(interval=interval, step_cost=c.step_seconds, margin=c.move_margin,
                                      slot_cost=self.expert_bytes / c.transfer_bytes_per_s, policy=c.resolved_policy,
                                      early_stay=early)
             decision = plan_from_history(self.history(), *args, old_phy2log=self.placement.phy2log, options=options)

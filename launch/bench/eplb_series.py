@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from balancer import compute_par, rebalance_experts, rebalance_from_history
-from balancer.history import LINK_BYTES_PER_S, SLOT_BYTES
+from balancer.history import LINK_BYTES_PER_S, SLOT_BYTES, full_horizon
 from launch.bench.eplb_traces import KINDS, TraceSpec, load_trace, make_trace
 
 PAR_SECONDS = 60.0
@@ -124,7 +124,10 @@ def build_policies(num_experts: int, num_gpus: int, settings: SeriesSettings, st
         early = step - last_full + s.ours_interval <= s.ours_full_interval
         if not early:
             last_full = step
-        return rebalance_from_history(window, *args, old_phy2log=old, interval=s.ours_interval, step_cost=step_cost,
+        # The forecast horizon: until the next call (an early check that escalates: a jump to
+        # follow at once), or until the next full evaluation (a scheduled full one).
+        interval = s.ours_interval if early else full_horizon(s.ours_interval, s.ours_full_interval)
+        return rebalance_from_history(window, *args, old_phy2log=old, interval=interval, step_cost=step_cost,
                                       early_stay=early, **(options or {}))[0].numpy()
 
     def reference(trace, step, old):
@@ -200,7 +203,7 @@ def time_full_scale(num_calls: int = 4, seed: int = 1) -> tuple[list[float], lis
         step = settings.history + i * settings.interval
         window = trace[step - settings.history:step]
         start = time.process_time()
-        old = rebalance_from_history(window, 320, 1, 1, 64, old_phy2log=old, interval=settings.ours_interval,
+        old = rebalance_from_history(window, 320, 1, 1, 64, old_phy2log=old, interval=full_horizon(settings.ours_interval, settings.ours_full_interval),
                                      step_cost=PAR_SECONDS / 8192)[0].numpy()
         full.append(time.process_time() - start)
         start = time.process_time()

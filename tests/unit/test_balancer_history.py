@@ -11,6 +11,7 @@ from balancer import (
     HistoryOptions,
     compute_par,
     forecast_load,
+    full_horizon,
     plan_from_history,
     rebalance_experts,
     rebalance_from_history,
@@ -237,3 +238,7 @@ def test_early_stay_is_deterministic_and_checks_its_option():
     # too short a window to compare: the full path decides
     short = plan_from_history(history[:3], 40, 1, 1, 8, old_phy2log=old, options=HistoryOptions(early_stay=True))
     assert short.forecast is not None
+
+
+def test_full_horizon_is_the_gap_between_scheduled_full_evaluations():
+    assert [full_horizon(c, 64) for c in (16, 32, 40, 50, 64, 100)] == [64, 64, 40, 50, 64, 100]

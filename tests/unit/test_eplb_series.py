@@ -141,7 +141,8 @@ def test_ours_checks_cheaply_between_full_evaluations(monkeypatch, check, full, 
 
     def fake(window, *args, old_phy2log, early_stay, **options):
         calls.append(early_stay)
-        assert window.shape[0] <= 2048 and options["interval"] == check
+        # horizon: the next call for a check, the next full evaluation for a full one
+        assert window.shape[0] <= 2048 and options["interval"] == (check if early_stay else max(check, full // check * check))
         return (torch.from_numpy(old_phy2log),)
 
     monkeypatch.setattr(eplb_series, "rebalance_from_history", fake)
