@@ -15,6 +15,9 @@
 // float / bf16 (uint16_t) / int8 weights (8 or 16 fp32 lanes), vbroadcast(const float*),
 // vfma(a, b, c) = a * b + c, vstore(float*, vf).
 constexpr int NV = 16 / MOE_W;  // vectors per 16-column block
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
 
 // acc[r][0:16] = sum_k x[r * ldx + k] * w[k][0:16] for R rows (R * NV accumulators live in
 // registers; the weight block is read once per tile). Few rows give short FMA dependency
@@ -32,6 +35,9 @@ static inline void tile(const float* __restrict x, int64_t ldx, const WT* __rest
       for (int v = 0; v < NV; ++v) acc[s][r][v] = vzero();
   int64_t k = 0;
   for (; k + KS <= K; k += KS) {
+    // the block streams once from memory: ask for it 2 KB ahead so the loads overlap the FMAs
+    // (Zen 3, bf16, 48 experts x 2-4 rows: 1.3-1.5x over no prefetch; 512 B ahead was slower)
+    __builtin_prefetch(reinterpret_cast<const char*>(w + k * 16) + PREFETCH_BYTES);
 #pragma GCC unroll 4
     for (int s = 0; s < KS; ++s) {
       vf wv[NV];
