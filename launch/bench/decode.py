@@ -391,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     from launch.engine import LLMEngine
 
     bandwidth = measure_copy_bandwidth(args.copy_mib * 1024**2)
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(config)
+    except (ConfigError, ValueError) as e:  # e.g. no room for the KV cache in --memory
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         recorder = RecordingExecutor(engine.executor)
         engine.executor = recorder

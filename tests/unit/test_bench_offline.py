@@ -85,6 +85,10 @@ def test_throughput_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
     assert "--input-len-range" in capsys.readouterr().err
     assert bench_throughput.main(["--model", str(tmp_path / "missing")]) == 2
     assert "config.json" in capsys.readouterr().err
+    # a memory budget the weights do not leave KV room in: one line, no traceback
+    assert bench_throughput.main(["--model", str(tiny_ckpt), "--memory", "64KiB", "--baseline", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "KV cache" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -124,6 +128,10 @@ def test_decode_main_rejects_bad_input(tiny_ckpt, capsys):
     assert "--batch-sizes" in capsys.readouterr().err
     assert bench_decode.main(["--model", str(tiny_ckpt), "--steps", "0"]) == 2
     assert "--steps" in capsys.readouterr().err
+    assert bench_decode.main(["--model", str(tiny_ckpt), "--memory", "64KiB", "--num-kv-blocks", "0",
+                              "--copy-mib", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
 
 
 def _tiny_config() -> dict:
