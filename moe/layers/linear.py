@@ -12,11 +12,16 @@ GEMM), off CPU, under autograd, or when the kernel is unavailable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe import kernels
+
+T = TypeVar("T")
 
 
 class Linear(nn.Linear):
@@ -51,7 +56,7 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
             and not kernels.prefers_library_gemm(x.dtype, rows) and kernels.is_available())
 
 
-def cached_pack(owner: object, attr: str, weight: torch.Tensor, pack) -> object:
+def cached_pack(owner: object, attr: str, weight: torch.Tensor, pack: Callable[[torch.Tensor], T]) -> T:
     """``pack(weight)``, cached on ``owner.<attr>`` and remade when the weight's storage, version
     (in-place writes: loading, migration), shape or dtype changes."""
     key = (weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype)
