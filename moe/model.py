@@ -23,6 +23,7 @@ from moe.config import ModelConfig
 from moe.dispatch import ExpertDispatcher
 from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
 from moe.layers import DenseMLP, GQAAttention, MLAAttention, RMSNorm, RotaryEmbedding
+from moe.layers.linear import Linear
 from moe.moe_layer import MoELayer
 
 LocalSlots = Sequence[int] | Mapping[int, Sequence[int]] | None
@@ -115,7 +116,7 @@ class MoEModel(nn.Module):
         self.dtype = dtype
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
         self.model = _Backbone(config, dtype, local_slots, dispatcher, capacity)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.lm_head.weight.requires_grad_(False)

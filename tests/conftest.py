@@ -134,3 +134,15 @@ def tiny_ckpt_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from launch.tiny_checkpoint import make_tiny_checkpoint
 
     return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("tiny_tok") / "tiny-v3")
+
+
+@pytest.fixture(scope="session")
+def kernel_isas() -> list[str]:
+    """The CPU kernels (moe.kernels) built once per session; the instruction sets to test
+    (always "generic", plus the fastest this CPU runs). Skips where the extension cannot build."""
+    from moe import kernels
+
+    if not kernels.is_available():
+        pytest.skip("the CPU expert kernel could not be built here")
+    best = kernels.select_isa("auto")
+    return sorted({"generic", best})

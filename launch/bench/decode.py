@@ -1,7 +1,7 @@
 """``python -m launch bench decode``: steady-state decode step time against the memory-bandwidth bound.
 
     python -m launch bench decode --model DIR [--batch-sizes 1 8 32 128] [--context-len 128]
-        [--steps 20] [--warmup-steps 3] [--num-threads N] [--json FILE] [engine flags]
+        [--steps 20] [--warmup-steps 3] [--num-threads N] [--breakdown] [--json FILE] [engine flags]
 
 For each batch size B, B requests with ``--context-len``-token random prompts are prefilled
 through the engine, then ``--steps`` engine steps in which every one of the B sequences
@@ -16,9 +16,15 @@ of every sequence's context (context_len x the cache's bytes per token, all laye
 read + write bytes / time, best of a few); ``ratio`` = measured step / bound (1.0 would
 be running at the memory-bandwidth limit). Large batches are compute-bound instead:
 ``compute ms`` = the step's FLOPs (every token through the dense weights and its top-k
-experts, plus attention over its context) / a square bf16 matmul's rate measured in the run. ``cpu ms`` is the CPU time this process spent in
+experts, plus attention over its context) / the rate of the faster GEMM path measured in
+the run (PyTorch's matmul or the packed CPU linear kernel, in the model's dtype); the
+roof is the larger of the two bounds. ``cpu ms`` is the CPU time this process spent in
 the step (the one rank runs in-process): on a shared machine it moves less with other
-people's load than the wall-clock ``step ms``.
+people's load than the wall-clock ``step ms``; ``cpu ratio`` and ``cpu/roof`` divide it by
+the bandwidth bound and by the roof. ``--breakdown`` profiles extra steps (torch.profiler
+self CPU time) and splits them into the routed/shared expert kernel, the linear kernel,
+PyTorch GEMMs (attention products, fallbacks), gathers/scatters (paged KV, dispatch),
+copies/casts, other ops, and "outside ops" (Python, scheduler, sampler).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +82,10 @@ class DecodeResult:
     ratio: float
     gflop: float = 0.0
     compute_bound_ms: float = 0.0
+    cpu_ratio: float = 0.0  # step CPU time / bound
+    roof_ms: float = 0.0  # max(bandwidth bound, compute bound)
+    cpu_roof_ratio: float = 0.0  # step CPU time / roof
+    breakdown_ms: dict[str, float] = field(default_factory=dict)  # per step, by kind of work (--breakdown)
 
 
 # (wall seconds, CPU seconds of this process, the step's SchedulerOutput, the rank-0 StepResult)
@@ -132,17 +142,31 @@ def compute_weight_bytes(model: torch.nn.Module) -> WeightBytes:
                        tuple(per_slot), sum(p.numel() for p in dense_tensors), slot_params)
 
 
-def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a square ``size`` matmul in ``dtype`` (best of ``repeats``): the compute rate
-    the compute bound divides by."""
+def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> tuple[float, str]:
+    """(FLOP/s, what was timed): the compute rate the compute bound divides by, that of the
+    faster of the two GEMM paths the model runs on this machine: PyTorch's square ``size``
+    matmul in ``dtype``, and (on CPU, when built) the packed linear kernel on a ``size`` x
+    ``size`` weight with 96 rows (one full row panel). Best of ``repeats`` each."""
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    a @ b  # warm-up (kernel selection, packing buffers)
+    rates = {"torch matmul": 2 * size**3 / _best_seconds(lambda: a @ b, repeats)}
+    from moe import kernels
+
+    if dtype in (torch.float32, torch.bfloat16) and kernels.is_available():
+        packed = kernels.pack_linear(b)
+        x = a[:96].contiguous()
+        rates["linear kernel"] = 2 * 96 * size * size / _best_seconds(lambda: kernels.linear_forward(x, packed), repeats)
+    name = max(rates, key=rates.__getitem__)
+    return rates[name], name
+
+
+def _best_seconds(fn: Any, repeats: int) -> float:
+    fn()  # warm-up (kernel selection, packing buffers)
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        a @ b
+        fn()
         best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best
+    return best
 
 
 def attention_flops_per_key(config: Any) -> int:
@@ -186,12 +210,16 @@ def num_prefill_steps(batch_size: int, context_len: int, max_num_batched_tokens:
 
 
 def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context_len: int, steps: int,
-              warmup_steps: int, *, vocab: Sequence[int], seed: int) -> list[TimedStep]:
+              warmup_steps: int, *, vocab: Sequence[int], seed: int,
+              breakdown: dict[str, float] | None = None) -> list[TimedStep]:
     """Prefill ``batch_size`` requests, then time ``steps`` pure decode steps. Returns per timed
-    step (wall seconds, CPU seconds of this process, its SchedulerOutput, the rank-0 StepResult)."""
+    step (wall seconds, CPU seconds of this process, its SchedulerOutput, the rank-0 StepResult).
+    Given a ``breakdown`` dict, ``steps`` more decode steps then run under torch.profiler and
+    fill it with ``profile_steps``' CPU ms per step by kind of work."""
     rng = random.Random(seed)
     budget = engine.config.engine.max_num_batched_tokens
-    max_tokens = warmup_steps + steps + num_prefill_steps(batch_size, context_len, budget) + 2
+    extra = steps if breakdown is not None else 0
+    max_tokens = warmup_steps + steps + extra + num_prefill_steps(batch_size, context_len, budget) + 2
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = []
     for _ in range(batch_size):
@@ -212,6 +240,8 @@ def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context
                 timed.append((wall, cpu, output, results[0]))
         if len(timed) == steps:
             break
+    if breakdown is not None and len(timed) == steps:
+        breakdown.update(profile_steps(engine, steps))
     for request_id in ids:
         engine.abort_request(request_id)
     if len(timed) < steps:
@@ -230,30 +260,72 @@ def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightByte
     weight = round(statistics.mean(w for w, _, _ in per_step))
     kv = round(statistics.mean(k for _, k, _ in per_step))
     step_s = statistics.median(wall for wall, _, _, _ in timed)
+    cpu_s = statistics.median(cpu for _, cpu, _, _ in timed)
     bound_s = (weight + kv) / bandwidth
+    compute_s = flops / matmul_flops if matmul_flops > 0 else 0.0
+    roof_s = max(bound_s, compute_s)
     return DecodeResult(
-        batch_size=batch_size, step_ms=step_s * 1e3,
-        step_cpu_ms=statistics.median(cpu for _, cpu, _, _ in timed) * 1e3,
+        batch_size=batch_size, step_ms=step_s * 1e3, step_cpu_ms=cpu_s * 1e3,
         worker_ms=statistics.median(res.seconds for _, _, _, res in timed) * 1e3,
         tokens_per_s=batch_size / step_s,
         mean_context_len=statistics.mean(s.context_len for _, _, out, _ in timed for s in out.batches[0].seqs),
         experts_touched_per_layer=statistics.mean(t for _, _, t in per_step),
         weight_bytes=weight, kv_bytes=kv, bytes_read=weight + kv, bound_ms=bound_s * 1e3, ratio=step_s / bound_s,
-        gflop=flops / 1e9, compute_bound_ms=flops / matmul_flops * 1e3 if matmul_flops > 0 else 0.0,
+        gflop=flops / 1e9, compute_bound_ms=compute_s * 1e3, cpu_ratio=cpu_s / bound_s, roof_ms=roof_s * 1e3,
+        cpu_roof_ratio=cpu_s / roof_s,
     )
 
 
-def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: float) -> str:
+def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: float, matmul_name: str = "") -> str:
     head = (f"{'batch':>6} {'step ms':>9} {'cpu ms':>8} {'worker ms':>10} {'tok/s':>9} {'ctx':>6} {'experts/layer':>14} "
-            f"{'weights MB':>11} {'KV MB':>8} {'bound ms':>9} {'ratio':>7} {'GFLOP':>7} {'compute ms':>11}")
+            f"{'weights MB':>11} {'KV MB':>8} {'bound ms':>9} {'ratio':>7} {'cpu ratio':>9} {'GFLOP':>7} "
+            f"{'compute ms':>11} {'cpu/roof':>9}")
     lines = [f"# copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s; "
-             f"matmul: {matmul_flops / 1e12:.3f} TFLOP/s", head]
+             f"compute: {matmul_flops / 1e9:.1f} GFLOP/s ({matmul_name or 'matmul'}); roof = max(bound, compute)", head]
     for r in rows:
         lines.append(f"{r.batch_size:>6} {r.step_ms:>9.2f} {r.step_cpu_ms:>8.2f} {r.worker_ms:>10.2f} {r.tokens_per_s:>9.1f} "
                      f"{r.mean_context_len:>6.0f} {r.experts_touched_per_layer:>14.1f} {r.weight_bytes / 1e6:>11.1f} "
-                     f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f} {r.gflop:>7.2f} "
-                     f"{r.compute_bound_ms:>11.2f}")
+                     f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f} {r.cpu_ratio:>9.2f} {r.gflop:>7.2f} "
+                     f"{r.compute_bound_ms:>11.2f} {r.cpu_roof_ratio:>9.2f}")
+    with_breakdown = [r for r in rows if r.breakdown_ms]
+    if with_breakdown:
+        kinds = list(with_breakdown[0].breakdown_ms)
+        lines += ["", "# CPU ms per decode step by kind of work (torch.profiler, self time; 'outside ops' = "
+                  "Python, scheduler, sampler)", f"{'batch':>6} " + " ".join(f"{k:>14}" for k in kinds)]
+        lines += [f"{r.batch_size:>6} " + " ".join(f"{r.breakdown_ms[k]:>14.2f}" for k in kinds) for r in with_breakdown]
     return "\n".join(lines)
+
+
+# profiler op name -> kind of work in the --breakdown table (anything else: "other ops")
+BREAKDOWN_KINDS = {
+    "moe_kernels::experts_forward": "experts kernel",
+    "moe_kernels::linear_forward": "linear kernel",
+    "aten::mm": "torch GEMMs", "aten::addmm": "torch GEMMs", "aten::bmm": "torch GEMMs",
+    "aten::_grouped_mm": "torch GEMMs",
+    "aten::index_select": "gather/scatter", "aten::index": "gather/scatter", "aten::index_put_": "gather/scatter",
+    "aten::index_copy_": "gather/scatter", "aten::scatter_add_": "gather/scatter", "aten::index_add_": "gather/scatter",
+    "aten::copy_": "copies/casts", "aten::_to_copy": "copies/casts",
+}
+
+
+def profile_steps(engine: Any, steps: int) -> dict[str, float]:
+    """CPU ms per engine step by kind of work (``BREAKDOWN_KINDS``, self CPU time of each op,
+    plus "outside ops": the step's CPU time no op accounts for), over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.process_time()
+        for _ in range(steps):
+            engine.step()
+        cpu = time.process_time() - started
+    kinds = dict.fromkeys(["experts kernel", "linear kernel", "torch GEMMs", "gather/scatter", "copies/casts",
+                           "other ops"], 0.0)
+    for event in prof.key_averages():
+        kinds[BREAKDOWN_KINDS.get(event.key, "other ops")] += event.self_cpu_time_total / 1e3
+    in_ops = sum(kinds.values())
+    kinds["outside ops"] = max(0.0, cpu * 1e3 - in_ops)
+    kinds["total"] = max(cpu * 1e3, in_ops)
+    return {k: v / steps for k, v in kinds.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth measurement")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
+    g.add_argument("--breakdown", action="store_true",
+                   help="after the timed steps, profile as many more and split their CPU time by kind of work "
+                        "(experts kernel, linear kernel, torch GEMMs, gathers, casts, other ops, outside ops)")
     return parser
 
 
@@ -291,7 +366,8 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = max(8192, biggest)
     headroom = num_prefill_steps(biggest, args.context_len, args.max_num_batched_tokens) + 4
-    per_seq = -(-(args.context_len + args.warmup_steps + args.steps + headroom) // (args.block_size or 16))
+    profiled = args.steps if args.breakdown else 0
+    per_seq = -(-(args.context_len + args.warmup_steps + args.steps + profiled + headroom) // (args.block_size or 16))
     if args.max_num_seqs is None:
         args.max_num_seqs = max(biggest, 1)
     if args.num_kv_blocks is None:
@@ -315,27 +391,34 @@ def main(argv: list[str] | None = None) -> int:
     from launch.engine import LLMEngine
 
     bandwidth = measure_copy_bandwidth(args.copy_mib * 1024**2)
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(config)
+    except (ConfigError, ValueError) as e:  # e.g. no room for the KV cache in --memory
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         recorder = RecordingExecutor(engine.executor)
         engine.executor = recorder
         mc, worker = engine.model_config, recorder.inner.worker
-        matmul_flops = measure_matmul_flops(worker.dtype)
+        matmul_flops, matmul_name = measure_matmul_flops(worker.dtype)
         weights = compute_weight_bytes(worker.model)
         kv_per_token = mc.kv_bytes_per_token(worker.kv_cache.pools[0].element_size())
         vocab = [t for t in range(mc.vocab_size) if t not in mc.eos_token_ids]
-        rows = [summarize_batch(b, run_batch(engine, recorder, b, args.context_len, args.steps, args.warmup_steps,
-                                             vocab=vocab, seed=config.engine.seed + b),
-                                weights, kv_per_token, bandwidth, top_k=mc.num_experts_per_tok,
-                                flops_per_key=attention_flops_per_key(mc), matmul_flops=matmul_flops)
-                for b in args.batch_sizes]
+        rows = []
+        for b in args.batch_sizes:
+            breakdown: dict[str, float] | None = {} if args.breakdown else None
+            timed = run_batch(engine, recorder, b, args.context_len, args.steps, args.warmup_steps,
+                              vocab=vocab, seed=config.engine.seed + b, breakdown=breakdown)
+            row = summarize_batch(b, timed, weights, kv_per_token, bandwidth, top_k=mc.num_experts_per_tok,
+                                  flops_per_key=attention_flops_per_key(mc), matmul_flops=matmul_flops)
+            rows.append(replace(row, breakdown_ms=breakdown or {}))
     finally:
         engine.shutdown()
-    print(format_table(rows, bandwidth, matmul_flops))
+    print(format_table(rows, bandwidth, matmul_flops, matmul_name))
     if args.json:
         result = {"model": config.model, "dtype": engine.dtype, "num_threads": torch.get_num_threads(),
                   "context_len": args.context_len, "steps": args.steps, "copy_bandwidth_bytes_per_s": bandwidth,
-                  "matmul_flops_per_s": matmul_flops,
+                  "matmul_flops_per_s": matmul_flops, "matmul_path": matmul_name,
                   "dense_weight_bytes": weights.dense, "expert_slot_bytes": list(weights.per_slot),
                   "kv_bytes_per_token": kv_per_token, "results": [asdict(r) for r in rows]}
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

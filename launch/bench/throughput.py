@@ -241,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     from launch.worker import DTYPES
 
     dtype = resolve_dtype(config.engine.dtype, model_config)  # "auto": the checkpoint's, as the engine does
-    ours = run_ours(config, requests)
+    try:
+        ours = run_ours(config, requests)
+    except (ConfigError, ValueError) as e:  # e.g. no room for the KV cache in --memory
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     hf = None
     if args.baseline == "hf":
         hf = run_hf(config.model, requests, args.hf_batch_size, DTYPES[dtype],

@@ -2,6 +2,11 @@
 
 Shape legend: P local expert slots, D hidden, I expert intermediate, N routed rows.
 
+``linear_forward`` runs a plain (optionally batched) linear on weights packed the same way
+by ``pack_linear`` (``wp [G, C/16, K, 16]``): the attention projections, lm_head and MLA's
+per-head absorbed products, which PyTorch runs at about 1 GFLOP/s in bf16 on CPUs without
+native bf16 GEMMs.
+
 ``experts_forward`` computes what ``moe.experts.grouped_expert_forward`` computes (the
 SwiGLU experts over rows grouped by slot, each row scaled by its routing weight), from
 weights packed once by ``pack_experts``:
@@ -115,6 +120,55 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor, quantization: str | None =
     w13p = torch.cat([gate, up], dim=2).transpose(2, 3).contiguous()  # [P, I/8, D, 16]
     w2p = w2.reshape(slots, hidden // BLOCK, BLOCK, inter).transpose(2, 3).contiguous()  # [P, D/16, I, 16]
     return PackedExperts(w13p, w2p, s13, s2)
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A [G, C, K] stack of linear weights (G = 1 for one ``nn.Linear``) in the kernel's layout.
+
+    wp: [G, Cp/16, K, 16] float32 or bfloat16, Cp = C rounded up to 16 (zero columns past C);
+    out_features: C.
+    """
+
+    wp: torch.Tensor
+    out_features: int
+
+    def nbytes(self) -> int:
+        return self.wp.numel() * self.wp.element_size()
+
+
+def can_pack_linear(weight: torch.Tensor) -> bool:
+    """Whether weight [C, K] or [G, C, K] fits the linear kernel: CPU, float32 or bfloat16."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.dim() in (2, 3) and weight.numel() > 0)
+
+
+def pack_linear(weight: torch.Tensor) -> PackedLinear:
+    """Pack weight [C, K] (an ``nn.Linear``'s, out x in) or [G, C, K] into column blocks of 16
+    output channels with K outermost inside a block: wp [G, Cp/16, K, 16]."""
+    w = weight.detach()
+    if w.dim() == 2:
+        w = w[None]
+    groups, out_features, k = w.shape
+    padded = -(-out_features // BLOCK) * BLOCK
+    if padded != out_features:
+        w = torch.cat([w, w.new_zeros(groups, padded - out_features, k)], dim=1)
+    wp = w.reshape(groups, padded // BLOCK, BLOCK, k).transpose(2, 3).contiguous()
+    return PackedLinear(wp, out_features)
+
+
+def linear_forward(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None, *,
+                   out_fp32: bool = False) -> torch.Tensor:
+    """x @ W^T (+ bias) on packed weights.
+
+    x: [N, K] (G = 1) or [G, N, K], float32 or bfloat16; bias: [C] or [G, C] or None.
+    Returns [N, C] or [G, N, C] in x's dtype (float32 with ``out_fp32``).
+    """
+    squeeze = x.dim() == 2
+    x3 = x[None] if squeeze else x
+    b = bias if bias is not None else torch.empty(0, dtype=torch.float32)
+    out = torch.ops.moe_kernels.linear_forward(x3, packed.wp, b, packed.out_features, out_fp32)
+    return out[0] if squeeze else out
 
 
 def prefers_library_gemm(dtype: torch.dtype, mean_rows: float) -> bool:

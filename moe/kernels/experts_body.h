@@ -15,6 +15,9 @@
 // float / bf16 (uint16_t) / int8 weights (8 or 16 fp32 lanes), vbroadcast(const float*),
 // vfma(a, b, c) = a * b + c, vstore(float*, vf).
 constexpr int NV = 16 / MOE_W;  // vectors per 16-column block
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
 
 // acc[r][0:16] = sum_k x[r * ldx + k] * w[k][0:16] for R rows (R * NV accumulators live in
 // registers; the weight block is read once per tile). Few rows give short FMA dependency
@@ -32,6 +35,9 @@ static inline void tile(const float* __restrict x, int64_t ldx, const WT* __rest
       for (int v = 0; v < NV; ++v) acc[s][r][v] = vzero();
   int64_t k = 0;
   for (; k + KS <= K; k += KS) {
+    // the block streams once from memory: ask for it 2 KB ahead so the loads overlap the FMAs
+    // (Zen 3, bf16, 48 experts x 2-4 rows: 1.3-1.5x over no prefetch; 512 B ahead was slower)
+    __builtin_prefetch(reinterpret_cast<const char*>(w + k * 16) + PREFETCH_BYTES);
 #pragma GCC unroll 4
     for (int s = 0; s < KS; ++s) {
       vf wv[NV];
@@ -127,6 +133,23 @@ static void down_block(const float* act, int64_t n, int64_t I, const WT* w, cons
   }
 }
 
+// One (group, output column block) work item of a plain linear: out[row, 0:ncols] = x[row] @ block
+// (+ bias) for rows [0, n). x: [n, K] fp32; w: [K][16] (columns past ncols are zero padding);
+// bias: ncols fp32 or null; out: fp32 or bf16 rows.
+template <typename WT, typename OT>
+static void linear_block(const float* x, int64_t n, int64_t K, const WT* w, const float* bias, int64_t ncols,
+                         OT* out, int64_t ld_out) {
+  alignas(64) float buf[TILE_ROWS * 16];
+  for (int64_t r0 = 0; r0 < n; r0 += TILE_ROWS) {
+    const int64_t rows = std::min<int64_t>(TILE_ROWS, n - r0);
+    tile_rows(rows, x + r0 * K, K, w, K, buf);
+    for (int64_t r = 0; r < rows; ++r) {
+      OT* dst = out + (r0 + r) * ld_out;
+      for (int64_t c = 0; c < ncols; ++c) store_value(dst + c, buf[r * 16 + c] + (bias ? bias[c] : 0.f));
+    }
+  }
+}
+
 struct Kernels {
   static void gate_up(int wt, const float* x, int64_t n, int64_t D, const void* w, const float* scale, float* act,
                       int64_t ld_act) {
@@ -140,5 +163,11 @@ struct Kernels {
     if (wt == W_F32) down_block(act, n, I, static_cast<const float*>(w), scale, row_weight, out, ld_out);
     else if (wt == W_BF16) down_block(act, n, I, static_cast<const uint16_t*>(w), scale, row_weight, out, ld_out);
     else down_block(act, n, I, static_cast<const int8_t*>(w), scale, row_weight, out, ld_out);
+  }
+  template <typename OT>
+  static void linear(int wt, const float* x, int64_t n, int64_t K, const void* w, const float* bias, int64_t ncols,
+                     OT* out, int64_t ld_out) {
+    if (wt == W_F32) linear_block(x, n, K, static_cast<const float*>(w), bias, ncols, out, ld_out);
+    else linear_block(x, n, K, static_cast<const uint16_t*>(w), bias, ncols, out, ld_out);
   }
 };

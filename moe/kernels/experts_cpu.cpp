@@ -1,4 +1,6 @@
-// Fused routed-expert forward for CPU: one op, torch.ops.moe_kernels.experts_forward.
+// Fused routed-expert forward for CPU: torch.ops.moe_kernels.experts_forward, and a plain (batched)
+// linear on the same packed tiles, torch.ops.moe_kernels.linear_forward, for the other weights of
+// a model (attention projections, lm_head, MLA's absorbed per-head products).
 //
 // y[n] = row_weight[n] * W2_e (silu(W1_e x[n]) * W3_e x[n]) for the rows n of each local
 // expert slot e (rows grouped by slot, as moe.experts.grouped_expert_forward takes them).
@@ -119,17 +121,22 @@ using DownF32Fn = void (*)(int, const float*, int64_t, int64_t, const void*, con
                            int64_t);
 using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, const float*,
                             uint16_t*, int64_t);
+template <typename OT>
+using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, int64_t, OT*, int64_t);
 
 struct Isa {
   std::string name;
   GateUpFn gate_up;
   DownF32Fn down_f32;
   DownBf16Fn down_bf16;
+  LinearFn<float> linear_f32;
+  LinearFn<uint16_t> linear_bf16;
 };
 
 template <typename K>
 static Isa make_isa(const char* name) {
-  return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>};
+  return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::template linear<float>,
+             &K::template linear<uint16_t>};
 }
 
 static bool cpu_has(const std::string& name) {
@@ -272,13 +279,70 @@ at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at
   return out;
 }
 
+// Rows of x a linear work item covers: a panel that stays in L2 while the item's thread walks
+// consecutive column blocks (a multiple of the 6- and 8-row register tiles).
+constexpr int64_t LINEAR_PANEL = 96;
+
+// x: [G, N, K] float32 or bfloat16; wp: [G, Cp/16, K, 16] float32 or bfloat16 (Cp = C rounded up
+// to 16, zero padded); bias: [G, C] float32 or empty. Returns [G, N, C] in x's dtype (fp32 when
+// out_fp32): out[g] = x[g] @ W[g]^T + bias[g], W[g] the [C, K] weight packed into wp[g].
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& bias, int64_t C,
+                          bool out_fp32) {
+  TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(x.dim() == 3 && wp.dim() == 4, "moe_kernels: x [G, N, K], wp [G, Cp/16, K, 16] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "moe_kernels: x must be "
+              "float32 or bfloat16");
+  const int wt = weight_type(wp);
+  TORCH_CHECK(wt != W_I8, "moe_kernels: linear weights must be float32 or bfloat16");
+  const int64_t G = x.size(0), N = x.size(1), K = x.size(2), nb = wp.size(1);
+  TORCH_CHECK(wp.size(0) == G && wp.size(2) == K && wp.size(3) == 16 && C > 0 && C <= nb * 16 && C > (nb - 1) * 16,
+              "moe_kernels: packed linear weight shape does not match x / out_features");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == G * C, "moe_kernels: bias must have G * C entries");
+  const auto out_dtype = out_fp32 ? at::kFloat : x.scalar_type();
+  at::Tensor out = at::empty({G, N, C}, x.options().dtype(out_dtype));
+  if (N == 0) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor wc = wp.contiguous();
+  const at::Tensor bc = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
+  const Isa& isa = current_isa();
+  const int64_t esize = wc.element_size();
+  const char* w_ptr = static_cast<const char*>(wc.data_ptr());
+  const float* xs = xf.data_ptr<float>();
+  const float* b_ptr = bc.numel() ? bc.data_ptr<float>() : nullptr;
+  const bool bf16_out = out_dtype == at::kBFloat16;
+  char* out_ptr = static_cast<char*>(out.data_ptr());
+  const int64_t panels = (N + LINEAR_PANEL - 1) / LINEAR_PANEL;
+  // items (group, row panel, column block), column blocks innermost: a thread's consecutive items
+  // reuse one panel of x from cache while the weight streams
+  at::parallel_for(0, G * panels * nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / (panels * nb), p = (i / nb) % panels, b = i % nb;
+      const int64_t r0 = p * LINEAR_PANEL, rows = std::min(LINEAR_PANEL, N - r0);
+      const int64_t ncols = std::min<int64_t>(16, C - b * 16);
+      const float* xr = xs + (g * N + r0) * K;
+      const void* w = w_ptr + ((g * nb + b) * K * 16) * esize;
+      const float* bp = b_ptr ? b_ptr + g * C + b * 16 : nullptr;
+      const int64_t first = (g * N + r0) * C + b * 16;
+      if (bf16_out)
+        isa.linear_bf16(wt, xr, rows, K, w, bp, ncols, reinterpret_cast<uint16_t*>(out_ptr) + first, C);
+      else
+        isa.linear_f32(wt, xr, rows, K, w, bp, ncols, reinterpret_cast<float*>(out_ptr) + first, C);
+    }
+  });
+  return out;
+}
+
 }  // namespace moe_kernels
 
 TORCH_LIBRARY(moe_kernels, m) {
   m.def("experts_forward(Tensor x, int[] counts, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, "
         "Tensor row_weights, bool out_fp32) -> Tensor");
+  m.def("linear_forward(Tensor x, Tensor wp, Tensor bias, int out_features, bool out_fp32) -> Tensor");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
 }
 
-TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) { m.impl("experts_forward", &moe_kernels::experts_forward); }
+TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
+  m.impl("experts_forward", &moe_kernels::experts_forward);
+  m.impl("linear_forward", &moe_kernels::linear_forward);
+}

@@ -11,6 +11,7 @@ from torch import nn
 
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, KVLayerView
+from moe.layers.linear import Linear
 from moe.layers.mlp import shard_linear_
 from moe.layers.norm import RMSNorm
 from moe.layers.paged import paged_attention, sdpa
@@ -31,10 +32,10 @@ class GQAAttention(nn.Module):
         self.scale = config.softmax_scale
         self.interleave = config.rope_interleave
         bias = config.attention_bias
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias, dtype=dtype)
+        self.q_proj = Linear(d, self.num_heads * hd, bias=bias, dtype=dtype)
+        self.k_proj = Linear(d, self.num_kv_heads * hd, bias=bias, dtype=dtype)
+        self.v_proj = Linear(d, self.num_kv_heads * hd, bias=bias, dtype=dtype)
+        self.o_proj = Linear(self.num_heads * hd, d, bias=bias, dtype=dtype)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)

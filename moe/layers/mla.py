@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe import kernels
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, KVLayerView
+from moe.layers.linear import Linear, cached_pack, kernel_applies
 from moe.layers.mlp import shard_linear_
 from moe.layers.norm import RMSNorm
 from moe.layers.paged import paged_attention, sdpa
@@ -41,16 +43,16 @@ class MLAAttention(nn.Module):
         bias = config.attention_bias
         qk = self.nope + self.rope
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, h * qk, bias=False, dtype=dtype)
+            self.q_proj = Linear(d, h * qk, bias=False, dtype=dtype)
         else:
-            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=bias, dtype=dtype)
+            self.q_a_proj = Linear(d, config.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, _LATENT_NORM_EPS, dtype)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, h * qk, bias=False, dtype=dtype)
+            self.q_b_proj = Linear(config.q_lora_rank, h * qk, bias=False, dtype=dtype)
         self.q_lora_rank = config.q_lora_rank
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=bias, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora_rank + self.rope, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(h * self.v_dim, d, bias=bias, dtype=dtype)
+        self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False, dtype=dtype)
+        self.o_proj = Linear(h * self.v_dim, d, bias=bias, dtype=dtype)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -82,15 +84,37 @@ class MLAAttention(nn.Module):
 
     def _attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Same contract as ``_attend_naive``, computed in the latent space."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, Nn, C], [H, Vd, C]
-        q_lat = torch.einsum("bhqn,hnc->bhqc", q[..., : self.nope], w_uk)
+        packed = self._absorbed_packed(q)
+        if packed is None:
+            w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+            w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, Nn, C], [H, Vd, C]
+            q_lat = torch.einsum("bhqn,hnc->bhqc", q[..., : self.nope], w_uk)
+        else:  # per-head products on the packed linear kernel: x [H, B * Lq, K] @ W[h]^T
+            b, h, lq = q.shape[:3]
+            q_nope = q[..., : self.nope].permute(1, 0, 2, 3).reshape(h, b * lq, self.nope)
+            q_lat = kernels.linear_forward(q_nope, packed[0]).view(h, b, lq, -1).permute(1, 0, 2, 3)
         q_full = torch.cat((q_lat, q[..., self.nope :]), dim=-1)  # [B, H, Lq, C + R]
         latent = latent.to(q.dtype)[:, None]  # [B, 1, L, C + R]: one shared key head
         # values = the whole contiguous latent row, rope columns dropped after: the batched GEMM
         # against a strided [..., :C] view is ~2x slower, the R extra columns cost R/C more FLOPs
         o_lat = sdpa(q_full, latent, latent, mask, self.scale)[..., : self.kv_lora_rank]  # [B, H, Lq, C]
-        return torch.einsum("bhqc,hvc->bhqv", o_lat, w_uv)
+        if packed is None:
+            return torch.einsum("bhqc,hvc->bhqv", o_lat, w_uv)
+        o_rows = o_lat.permute(1, 0, 2, 3).reshape(h, b * lq, self.kv_lora_rank)
+        return kernels.linear_forward(o_rows, packed[1]).view(h, b, lq, self.v_dim).permute(1, 0, 2, 3)
+
+    def _absorbed_packed(self, q: torch.Tensor) -> tuple[kernels.PackedLinear, kernels.PackedLinear] | None:
+        """W_UK^T [H, C, Nn] and W_UV [H, Vd, C] packed for the linear kernel (remade when kv_b_proj's
+        weight changes), or None when the kernel should not run for q [B, H, Lq, Nn + R]."""
+        weight = self.kv_b_proj.weight
+        if not self.kv_b_proj.use_kernel or not kernel_applies(q, weight, q.shape[0] * q.shape[2]):
+            return None
+
+        def pack(w: torch.Tensor) -> tuple[kernels.PackedLinear, kernels.PackedLinear]:
+            w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+            return kernels.pack_linear(w[:, : self.nope].transpose(1, 2)), kernels.pack_linear(w[:, self.nope :])
+
+        return cached_pack(self, "_absorbed", weight, pack)
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
         """Keep heads [r*H/tp, (r+1)*H/tp); the latent projections (and cache) stay replicated."""

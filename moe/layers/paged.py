@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from moe.cpu_gemm import has_fast_bf16_gemm
 from moe.kv_cache import AttentionMetadata, KVLayerView
 
 # (queries [B, H, Lq, dq], gathered cache [B, L, *entry], mask [B, 1, Lq, L] bool) -> [B, H, Lq, dv]
@@ -33,10 +34,21 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
     hk = k.shape[1]
     rep = h // hk
     qf = q.reshape(b, hk, rep * lq, q.shape[-1])  # query head i uses kv head i // rep
-    scores = torch.matmul(qf, k.transpose(-1, -2)).float() * scale  # [B, Hk, rep * Lq, L]
+    if _slow_half_gemm(q):  # products in fp32, rounded where the half-precision GEMM rounds
+        scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)).to(q.dtype).float() * scale
+    else:
+        scores = torch.matmul(qf, k.transpose(-1, -2)).float() * scale  # [B, Hk, rep * Lq, L]
     scores = scores.view(b, hk, rep, lq, -1).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hk, rep * lq, -1)
+    if _slow_half_gemm(q):
+        return torch.matmul(probs.float(), v.float()).to(q.dtype).view(b, h, lq, v.shape[-1])
     return torch.matmul(probs, v).view(b, h, lq, v.shape[-1])
+
+
+def _slow_half_gemm(x: torch.Tensor) -> bool:
+    """bf16 on a CPU without native bf16 GEMMs, where PyTorch's bf16 matmul runs at ~1 GFLOP/s:
+    the same products are ~50x faster upcast to fp32 (rounded back to bf16 after each)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not has_fast_bf16_gemm()
 
 
 def paged_attention(

@@ -85,6 +85,10 @@ def test_throughput_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
     assert "--input-len-range" in capsys.readouterr().err
     assert bench_throughput.main(["--model", str(tmp_path / "missing")]) == 2
     assert "config.json" in capsys.readouterr().err
+    # a memory budget the weights do not leave KV room in: one line, no traceback
+    assert bench_throughput.main(["--model", str(tiny_ckpt), "--memory", "64KiB", "--baseline", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "KV cache" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -92,9 +96,10 @@ def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "decode.json"
     rc = bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "1", "3", "--context-len", "5",
                             "--steps", "2", "--warmup-steps", "1", "--copy-mib", "4", "--num-threads", "1",
-                            "--json", str(out)])
+                            "--breakdown", "--json", str(out)])
     assert rc == 0
-    assert "bound ms" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "bound ms" in printed and "by kind of work" in printed
     r = json.loads(out.read_text())
     assert r["copy_bandwidth_bytes_per_s"] > 0 and r["kv_bytes_per_token"] > 0
     assert [row["batch_size"] for row in r["results"]] == [1, 3]
@@ -110,6 +115,12 @@ def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
                                                 rel=1e-3)
         assert config.num_experts_per_tok <= row["experts_touched_per_layer"] <= config.num_experts
         assert row["ratio"] == pytest.approx(row["step_ms"] / row["bound_ms"])
+        assert row["roof_ms"] == pytest.approx(max(row["bound_ms"], row["compute_bound_ms"]))
+        assert row["cpu_roof_ratio"] == pytest.approx(row["step_cpu_ms"] / row["roof_ms"])
+        parts = row["breakdown_ms"]  # --breakdown: profiled steps split by kind of work, summing to their total
+        assert {"experts kernel", "linear kernel", "torch GEMMs", "outside ops", "total"} <= set(parts)
+        assert all(v >= 0 for v in parts.values()) and parts["total"] > 0
+        assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], rel=1e-6)
 
 
 def test_decode_main_rejects_bad_input(tiny_ckpt, capsys):
@@ -117,6 +128,10 @@ def test_decode_main_rejects_bad_input(tiny_ckpt, capsys):
     assert "--batch-sizes" in capsys.readouterr().err
     assert bench_decode.main(["--model", str(tiny_ckpt), "--steps", "0"]) == 2
     assert "--steps" in capsys.readouterr().err
+    assert bench_decode.main(["--model", str(tiny_ckpt), "--memory", "64KiB", "--num-kv-blocks", "0",
+                              "--copy-mib", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
 
 
 def _tiny_config() -> dict:

@@ -16,15 +16,6 @@ from moe import kernels
 from moe.experts import Experts, grouped_expert_forward
 
 
-@pytest.fixture(scope="session")
-def kernel_isas() -> list[str]:
-    """Build once per session; the instruction sets to test (always "generic", plus the fastest)."""
-    if not kernels.is_available():
-        pytest.skip("the CPU expert kernel could not be built here")
-    best = kernels.select_isa("auto")
-    return sorted({"generic", best})
-
-
 def _weights(slots: int, hidden: int, inter: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(slots, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)

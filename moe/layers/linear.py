@@ -1,0 +1,68 @@
+"""``nn.Linear`` that runs the packed linear kernel of ``moe.kernels`` on CPU.
+
+On CPUs without native bf16 GEMMs (no AVX512-BF16 / AMX) PyTorch's bf16 matmul converts
+element by element at about 1 GFLOP/s, so the attention projections and lm_head of a bf16
+model, not the routed experts, set the decode step time. ``Linear`` keeps ``nn.Linear``'s
+parameters, state-dict keys and in-place slicing (TP sharding, ``shard_linear_``) and swaps
+only the compute: a packed copy of the weight (remade when the weight changes) through
+``kernels.linear_forward``. PyTorch's GEMM runs instead where it is the faster choice
+(``kernels.prefers_library_gemm``: prefill-size row counts in a dtype with a fast library
+GEMM), off CPU, under autograd, or when the kernel is unavailable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe import kernels
+
+T = TypeVar("T")
+
+
+class Linear(nn.Linear):
+    """x: [..., in_features] -> [..., out_features]; ``nn.Linear`` with a CPU kernel path.
+
+    ``use_kernel = False`` pins PyTorch's ``F.linear`` (the reference in tests).
+    """
+
+    use_kernel: bool = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed_weight(x)
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = kernels.linear_forward(rows.contiguous(), packed, self.bias)
+        return out.view(*x.shape[:-1], packed.out_features)
+
+    def packed_weight(self, x: torch.Tensor) -> kernels.PackedLinear | None:
+        """The kernel's copy of the weight when the kernel should run for x [..., in_features], else None."""
+        if not self.use_kernel or x.dim() == 0 or not kernel_applies(x, self.weight, x.numel() // max(1, x.shape[-1])):
+            return None
+        return cached_pack(self, "_packed", self.weight, kernels.pack_linear)
+
+
+def kernel_applies(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Whether ``rows`` rows of x times ``weight`` ([C, K] or [G, C, K]) should run on the packed
+    linear kernel: CPU, same dtype, no autograd, not a row count where the library GEMM is faster
+    (``kernels.prefers_library_gemm``), and the kernel built."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and kernels.can_pack_linear(weight)
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not kernels.prefers_library_gemm(x.dtype, rows) and kernels.is_available())
+
+
+def cached_pack(owner: object, attr: str, weight: torch.Tensor, pack: Callable[[torch.Tensor], T]) -> T:
+    """``pack(weight)``, cached on ``owner.<attr>`` and remade when the weight's storage, version
+    (in-place writes: loading, migration), shape or dtype changes."""
+    key = (weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype)
+    cached = getattr(owner, attr, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    packed = pack(weight)
+    setattr(owner, attr, (key, packed))
+    return packed
