@@ -31,15 +31,24 @@ def replicate(weight: np.ndarray, num_slots: int, max_count: int | None = None) 
     counts = np.ones((num_rows, num_experts), dtype=np.int64)
     extra = np.empty((num_rows, num_slots - num_experts), dtype=np.int64)
     rows = np.arange(num_rows)
+    # Load per replica, and the same with experts at the cap masked; only the picked
+    # expert's entry changes per round.
+    score = weight / counts.astype(weight.dtype)
+    capped = score.copy()
+    if max_count is not None:
+        capped[counts >= max_count] = -np.inf
     for t in range(num_slots - num_experts):
-        score = weight / counts.astype(weight.dtype)
+        pick = capped.argmax(axis=1)
         if max_count is not None:
-            capped = np.where(counts >= max_count, -np.inf, score)
-            full = np.isneginf(capped).all(axis=1, keepdims=True)
-            score = np.where(full, score, capped)
-        pick = score.argmax(axis=1)
+            full = np.isneginf(capped[rows, pick])  # every expert at the cap: the cap is lifted
+            if full.any():
+                pick[full] = score[full].argmax(axis=1)
         extra[:, t] = pick
         counts[rows, pick] += 1
+        score[rows, pick] = weight[rows, pick] / counts[rows, pick].astype(weight.dtype)
+        capped[rows, pick] = score[rows, pick]
+        if max_count is not None:
+            capped[rows, pick] = np.where(counts[rows, pick] >= max_count, -np.inf, score[rows, pick])
     return counts, extra
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from balancer.balancedness import compute_par
-from balancer.packing import greedy_pack, refine_swaps
+from balancer.packing import greedy_pack, refine_swaps, replicate
 from balancer.stability import sticky_bins
 
 
@@ -164,3 +164,25 @@ def test_compute_par_matches_a_per_step_loop():
             gpu = (load[s, x][phy[x]] / copies[phy[x]]).reshape(gpus, -1).sum(1)
             want = gpu.max() / gpu.mean() if gpu.mean() > 0 else 1.0
             assert got[s, x] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replicate_matches_the_per_row_rule(seed):
+    """Each redundant slot goes to the expert with the highest load per replica among
+    those below the cap (the cap lifted once every expert is at it), first index on ties."""
+    rng = np.random.default_rng(300 + seed)
+    experts = int(rng.integers(2, 12))
+    slots = experts + int(rng.integers(0, 3 * experts))
+    weight = np.round(rng.lognormal(0.0, 1.0, (4, experts)) * 2) / 2
+    cap = [None, 1, 2][seed % 3]
+    counts, extra = replicate(weight, slots, cap)
+    assert counts.shape == (4, experts) and extra.shape == (4, slots - experts)
+    for x in range(4):
+        c = np.ones(experts, dtype=np.int64)
+        for t in range(slots - experts):
+            per = weight[x] / c
+            below = per if cap is None or (c >= cap).all() else np.where(c >= cap, -np.inf, per)
+            pick = int(np.argmax(below))
+            assert extra[x, t] == pick
+            c[pick] += 1
+        assert np.array_equal(counts[x], c)
