@@ -26,7 +26,7 @@ seconds per unit of PAR. Shape legend: W steps, L layers, E logical experts, P s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -48,7 +48,15 @@ class HistoryOptions:
     max_horizon: how long a gain is counted (in chosen half-lives, capped);
     volatility_weight: std added to the mean when placing; burst_sigmas, burst_steps:
     see forecast_load;
-    policy: rebalance_experts' policy for the candidates."""
+    policy: rebalance_experts' policy for the candidates;
+    early_stay: first check, per layer, whether the placement in force still handles the
+    last `interval` steps as well as the steps before them (its PAR has not risen by more
+    than stay_sigmas standard errors); those layers stay without forecasting or building
+    candidates, the others get a full evaluation (the decision is per layer, so their
+    answer is a full call's). A caller that sets it between full evaluations (the driver:
+    every check_interval steps, full every full_check_interval) answers a burst within one
+    short interval at little CPU; it must still run full evaluations (early_stay=False)
+    regularly, since a slow drift never looks like a jump."""
 
     interval: int = 64
     step_cost: float = 60.0 / 8192
@@ -87,10 +95,11 @@ class HistoryOptions:
 @dataclass(frozen=True)
 class HistoryDecision:
     """phy2log [L, P] int64 (old_phy2log where staying); moved [L] slots changed per layer;
-    par_old, par_new [L] predicted mean PAR over sampled steps (early stay: the old
-    placement's mean PAR on the last interval steps, both); gain, cost: modeled seconds
-    won and spent; forecast: what the decision was based on (None: early stay, no
-    forecast was needed)."""
+    par_old, par_new [L] predicted mean PAR over sampled steps (layers the early check kept:
+    the old placement's mean PAR on the last interval steps, both); gain, cost: modeled
+    seconds won and spent; forecast: what the decision was based on, for the evaluated
+    layers (None: the early check kept every layer); evaluated: [L] bool, the layers that
+    got a full evaluation (None: all)."""
 
     phy2log: np.ndarray
     moved: np.ndarray
@@ -99,6 +108,7 @@ class HistoryDecision:
     gain: float
     cost: float
     forecast: Forecast | None
+    evaluated: np.ndarray | None = None  # None: every layer
 
     @property
     def num_moved(self) -> int:
@@ -108,6 +118,8 @@ class HistoryDecision:
     def reason(self) -> str:
         if self.forecast is None:
             return "stay: the last steps are balanced as well as the steps before them"
+        if self.num_moved == 0 and self.evaluated is not None and not self.evaluated.all():
+            return f"stay: no move pays for itself on the {int(self.evaluated.sum())} layers that got worse"
         if self.num_moved == 0:
             return "stay: no move pays for itself"
         layers = int((self.moved > 0).sum())
@@ -135,10 +147,9 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
             raise ValueError(f"old_phy2log must be [{num_layers}, {num_replicas}] with ids in [0, {num_experts}), "
                              f"got shape {old.shape}")
         if opt.early_stay:
-            par_recent = _handles_recent(hist, old, num_gpus, opt)
-            if par_recent is not None:
-                return HistoryDecision(old, np.zeros(num_layers, dtype=np.int64), par_recent, par_recent,
-                                       0.0, 0.0, None)
+            checked = _early_check(hist, old, num_gpus, opt)
+            if checked is not None:
+                return _escalate(hist, args, old, opt, *checked)
     # Step 1.
     fc = forecast_load(hist, opt.interval, burst_sigmas=opt.burst_sigmas, burst_steps=opt.burst_steps)
     weight = fc.mean + opt.volatility_weight * fc.std
@@ -188,11 +199,12 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
     return HistoryDecision(best, moved, par_old, par_new, float(gain.sum()), float(cost.sum()), fc)
 
 
-def _handles_recent(hist: np.ndarray, old: np.ndarray, num_gpus: int, opt: HistoryOptions) -> np.ndarray | None:
+def _early_check(hist: np.ndarray, old: np.ndarray, num_gpus: int,
+                 opt: HistoryOptions) -> tuple[np.ndarray, np.ndarray] | None:
     """The early check: old's per-step PAR on the last `interval` steps against the (up to
-    4 x interval, >= 64) steps before them, per layer. Returns the recent mean PAR [L] when
-    no layer got worse by more than stay_sigmas standard errors (stay), else None (or
-    when the window is too short to tell)."""
+    4 x interval, >= 64) steps before them, per layer. Returns (worse [L] bool: got worse by
+    more than stay_sigmas standard errors, recent mean PAR [L]), or None when the window is
+    too short to tell (then every layer gets a full evaluation)."""
     num_steps = hist.shape[0]
     recent = min(opt.interval, num_steps // 2)
     before = min(num_steps - recent, max(64, 4 * opt.interval))
@@ -201,9 +213,26 @@ def _handles_recent(hist: np.ndarray, old: np.ndarray, num_gpus: int, opt: Histo
     par = compute_par(hist[num_steps - recent - before:], old, num_gpus)  # [before + recent, L]
     now, then = par[before:], par[:before]
     se = np.sqrt(now.var(0, ddof=1) / recent + then.var(0, ddof=1) / before)
-    if (now.mean(0) - then.mean(0) > opt.stay_sigmas * se + 1e-12).any():
-        return None
-    return now.mean(0)
+    return now.mean(0) - then.mean(0) > opt.stay_sigmas * se + 1e-12, now.mean(0)
+
+
+def _escalate(hist, args, old, opt, worse, par_recent) -> HistoryDecision:
+    """Layers the early check kept stay; the others are planned by a full evaluation of
+    just those layers (step_cost scaled so each layer's value matches an all-layer call)."""
+    num_layers = old.shape[0]
+    layers = np.nonzero(worse)[0]
+    if layers.size == 0:
+        return HistoryDecision(old.copy(), np.zeros(num_layers, dtype=np.int64), par_recent, par_recent.copy(),
+                               0.0, 0.0, None, worse)
+    if layers.size == num_layers:
+        full = plan_from_history(hist, *args, old_phy2log=old, options=replace(opt, early_stay=False))
+        return replace(full, evaluated=worse)
+    sub = plan_from_history(hist[:, layers], *args, old_phy2log=old[layers],
+                            options=replace(opt, early_stay=False, step_cost=opt.step_cost * layers.size / num_layers))
+    phy2log, moved = old.copy(), np.zeros(num_layers, dtype=np.int64)
+    par_old, par_new = par_recent.copy(), par_recent.copy()
+    phy2log[layers], moved[layers], par_old[layers], par_new[layers] = sub.phy2log, sub.moved, sub.par_old, sub.par_new
+    return HistoryDecision(phy2log, moved, par_old, par_new, sub.gain, sub.cost, sub.forecast, worse)
 
 
 def _lighter(weight, args, old, target_phy, policy) -> np.ndarray:

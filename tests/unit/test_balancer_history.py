@@ -242,3 +242,23 @@ def test_early_stay_is_deterministic_and_checks_its_option():
 
 def test_full_horizon_is_the_gap_between_scheduled_full_evaluations():
     assert [full_horizon(c, 64) for c in (16, 32, 40, 50, 64, 100)] == [64, 64, 40, 50, 64, 100]
+
+
+def test_early_stay_evaluates_only_the_layers_that_got_worse():
+    """A burst on layer 2 only: that layer gets the full path's answer (the same as an
+    all-layer full call gives it), the other layers stay without a forecast."""
+    rng = np.random.default_rng(6)
+    rate = _rates(rng)
+    old = rebalance_experts(rate, 40, 1, 1, 8)[0].numpy()
+    burst = rate.copy()
+    cold = int(np.argmin(rate[2]))
+    burst[2, cold] = rate[2].sum() * 0.25
+    history = np.concatenate([_poisson(rng, rate, 1008), _poisson(rng, burst, 16)])
+    opts = dict(interval=16, step_cost=0.05)
+    early = plan_from_history(history, 40, 1, 1, 8, old_phy2log=old, options=HistoryOptions(early_stay=True, **opts))
+    full = plan_from_history(history, 40, 1, 1, 8, old_phy2log=old, options=HistoryOptions(**opts))
+    assert early.evaluated.tolist() == [False, False, True, False]
+    assert early.moved[2] > 0 and np.array_equal(early.phy2log[2], full.phy2log[2])
+    assert early.moved[2] == full.moved[2] and early.par_new[2] == pytest.approx(full.par_new[2])
+    assert np.array_equal(early.phy2log[[0, 1, 3]], old[[0, 1, 3]]) and early.forecast.mean.shape == (1, 32)
+    assert "move" in early.reason
