@@ -3,6 +3,9 @@
 Called often (every ~100 steps) with the per-step load window; the decision when to
 move is its own. Per call:
 
+  Step 0 (early_stay only): per layer, the placement in force on the last `interval`
+          steps against the steps before them; layers that did not get worse stay
+          here, the others go through Steps 1-4;
   Step 1: forecast the next `interval` steps (balancer/forecast.py): mean load per
           expert (adaptive half-life, trend, bursts) and each expert's step noise;
   Step 2: candidates from the current placement, built by `rebalance_experts`'
@@ -171,6 +174,13 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
             second = old.copy()
             second[rows] = _lighter(weight[rows], args, old[rows], first[rows], opt.policy)
             cands.append(second)
+    return _choose(hist, fc, old, cands, value, opt, num_gpus)
+
+
+def _choose(hist, fc: Forecast, old: np.ndarray, cands: list[np.ndarray], value: np.ndarray,
+            opt: HistoryOptions, num_gpus: int) -> HistoryDecision:
+    """Steps 3-4: per layer the candidate with the largest net modeled gain, or old."""
+    num_layers = old.shape[0]
     # Step 3.
     scenarios = np.maximum(fc.mean[None] + fc.residuals, 0.0)
     recent = hist[-len(fc.residuals):]  # the last steps as they were: a check independent of the forecast
