@@ -179,7 +179,8 @@ class Experts(nn.Module):
         to N; row_weights: [N] float32 or None. Returns [N, D], row n scaled by row_weights[n], in
         x's dtype; with ``out_fp32`` the fused kernel (CPU) returns float32 instead (unrounded),
         the PyTorch path still x's dtype (callers accept either)."""
-        packed = self.packed_weights() if x_sorted.device.type == "cpu" else None
+        differentiable = kernels.needs_autograd(x_sorted, self.w13, self.w2, row_weights)
+        packed = self.packed_weights() if x_sorted.device.type == "cpu" and not differentiable else None
         busy = sum(1 for n in counts if n)
         if packed is not None and not packed.quantized and kernels.prefers_library_gemm(
                 x_sorted.dtype, x_sorted.shape[0] / max(busy, 1)):

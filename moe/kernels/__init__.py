@@ -171,6 +171,12 @@ def linear_forward(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | N
     return out[0] if squeeze else out
 
 
+def needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    """Whether a product of these tensors must be differentiable: the kernels have no backward,
+    so the PyTorch path runs instead (training reuses the serving layers)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def prefers_library_gemm(dtype: torch.dtype, mean_rows: float) -> bool:
     """Whether groups of ``mean_rows`` rows in ``dtype`` run faster as PyTorch's GEMMs here:
     prefill-size groups in a dtype this CPU has a fast library GEMM for."""

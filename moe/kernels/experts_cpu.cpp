@@ -188,12 +188,19 @@ struct Item {
   int64_t expert, block, row0, rows;
 };
 
+// Rows a work item covers: a panel that stays in L2 while a thread walks consecutive column
+// blocks (a multiple of the 6- and 8-row register tiles). Without it a prefill-size expert
+// re-streams all its rows from L3 once per column block.
+constexpr int64_t ROW_PANEL = 96;
+
+// Work items (expert, row panel, column block), column blocks innermost.
 static std::vector<Item> work_items(const std::vector<int64_t>& offsets, int64_t num_blocks) {
   std::vector<Item> items;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];
-    if (n == 0) continue;
-    for (int64_t b = 0; b < num_blocks; ++b) items.push_back({static_cast<int64_t>(e), b, offsets[e], n});
+    for (int64_t r0 = 0; r0 < n; r0 += ROW_PANEL)
+      for (int64_t b = 0; b < num_blocks; ++b)
+        items.push_back({static_cast<int64_t>(e), b, offsets[e] + r0, std::min(ROW_PANEL, n - r0)});
   }
   return items;
 }
@@ -279,10 +286,6 @@ at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at
   return out;
 }
 
-// Rows of x a linear work item covers: a panel that stays in L2 while the item's thread walks
-// consecutive column blocks (a multiple of the 6- and 8-row register tiles).
-constexpr int64_t LINEAR_PANEL = 96;
-
 // x: [G, N, K] float32 or bfloat16; wp: [G, Cp/16, K, 16] float32 or bfloat16 (Cp = C rounded up
 // to 16, zero padded); bias: [G, C] float32 or empty. Returns [G, N, C] in x's dtype (fp32 when
 // out_fp32): out[g] = x[g] @ W[g]^T + bias[g], W[g] the [C, K] weight packed into wp[g].
@@ -311,13 +314,13 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   const float* b_ptr = bc.numel() ? bc.data_ptr<float>() : nullptr;
   const bool bf16_out = out_dtype == at::kBFloat16;
   char* out_ptr = static_cast<char*>(out.data_ptr());
-  const int64_t panels = (N + LINEAR_PANEL - 1) / LINEAR_PANEL;
+  const int64_t panels = (N + ROW_PANEL - 1) / ROW_PANEL;
   // items (group, row panel, column block), column blocks innermost: a thread's consecutive items
   // reuse one panel of x from cache while the weight streams
   at::parallel_for(0, G * panels * nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i / (panels * nb), p = (i / nb) % panels, b = i % nb;
-      const int64_t r0 = p * LINEAR_PANEL, rows = std::min(LINEAR_PANEL, N - r0);
+      const int64_t r0 = p * ROW_PANEL, rows = std::min(ROW_PANEL, N - r0);
       const int64_t ncols = std::min<int64_t>(16, C - b * 16);
       const float* xr = xs + (g * N + r0) * K;
       const void* w = w_ptr + ((g * nb + b) * K * 16) * esize;

@@ -52,7 +52,7 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
     linear kernel: CPU, same dtype, no autograd, not a row count where the library GEMM is faster
     (``kernels.prefers_library_gemm``), and the kernel built."""
     return (x.device.type == "cpu" and x.dtype == weight.dtype and kernels.can_pack_linear(weight)
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not kernels.needs_autograd(x, weight)
             and not kernels.prefers_library_gemm(x.dtype, rows) and kernels.is_available())
 
 

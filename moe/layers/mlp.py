@@ -40,7 +40,7 @@ class DenseMLP(nn.Module):
         """The kernel's copy of the weights when the kernel should run for x [T, D], else None."""
         gate, up, down = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
         if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != gate.dtype or self.down_proj.bias is not None
-                or kernels.prefers_library_gemm(x.dtype, x.shape[0])):
+                or kernels.prefers_library_gemm(x.dtype, x.shape[0]) or kernels.needs_autograd(x, gate, up, down)):
             return None
         key = tuple((w._version, w.data_ptr(), tuple(w.shape), w.dtype) for w in (gate, up, down))
         cached = getattr(self, "_packed", None)

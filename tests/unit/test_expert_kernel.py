@@ -216,6 +216,28 @@ def test_dense_mlp_runs_the_kernel_and_matches_its_linears(kernel_isas: list[str
     assert mlp._packed_weights(big) is None  # fp32 prefill-size: the library GEMM
 
 
+def test_trainable_layers_keep_their_gradients(kernel_isas: list[str]) -> None:
+    """The kernels have no backward: under autograd (training reuses DenseMLP) the PyTorch
+    path runs, so gradients reach the weights and the input as with plain linears."""
+    from moe.layers.mlp import DenseMLP
+
+    mlp = DenseMLP(32, 24, torch.float32).requires_grad_(True)
+    x = torch.randn(5, 32, requires_grad=True)
+    assert mlp._packed_weights(x) is None
+    mlp(x).square().sum().backward()
+    want = [p.grad.clone() for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)]
+    x_grad = x.grad.clone()
+    mlp.zero_grad()
+    x.grad = None
+    plain = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    plain.square().sum().backward()
+    for got, p in zip(want, (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)):
+        torch.testing.assert_close(got, p.grad)
+    torch.testing.assert_close(x_grad, x.grad)
+    with torch.no_grad():  # inference on the same module: the kernel again
+        assert mlp._packed_weights(x) is not None
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
     import os
     import time
