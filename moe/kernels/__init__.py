@@ -191,6 +191,7 @@ def cache_dir() -> Path:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     key = f"{digest.hexdigest()[:16]}-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-" \
           f"{platform.machine()}"
     root = Path(os.environ.get("MOE_KERNEL_CACHE") or Path.home() / ".cache" / "moe_kernels")
@@ -201,6 +202,11 @@ def cache_dir() -> Path:
 # well under a minute of CPU); torch's baton would wait for it forever.
 STALE_LOCK_S = 600.0
 LIBRARY = "moe_kernels_cpu.so"
+# -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself
+# is built with OpenMP; at run time libgomp.so.1 resolves to the copy torch already loaded, so
+# torch.set_num_threads governs the kernels' threads too.
+CFLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 COMPLETE = "complete"  # written (atomically) after a successful build
 
 
@@ -222,7 +228,7 @@ def build(verbose: bool = False) -> Path:
     _remove_stale_lock(directory / "lock")
     cpp_extension.load(
         name="moe_kernels_cpu", sources=[str(SOURCE_DIR / "experts_cpu.cpp")], build_directory=str(directory),
-        extra_cflags=["-O3", "-ffp-contract=fast", "-fno-math-errno"], extra_include_paths=[str(SOURCE_DIR)],
+        extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, extra_include_paths=[str(SOURCE_DIR)],
         is_python_module=False, verbose=verbose,
     )
     partial = directory / f".{COMPLETE}.{os.getpid()}"
