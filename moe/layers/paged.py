@@ -34,14 +34,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
     hk = k.shape[1]
     rep = h // hk
     qf = q.reshape(b, hk, rep * lq, q.shape[-1])  # query head i uses kv head i // rep
-    if _slow_half_gemm(q):  # products in fp32, rounded where the half-precision GEMM rounds
-        scores = torch.matmul(qf.float(), k.float().transpose(-1, -2)).to(q.dtype).float() * scale
+    upcast = _slow_half_gemm(q)
+    if upcast:  # products in fp32, rounded where the half-precision GEMM rounds
+        kf = k.float()
+        vf = kf if v is k else v.float()  # MLA's absorbed decode: keys and values are one latent
+        scores = torch.matmul(qf.float(), kf.transpose(-1, -2)).to(q.dtype).float() * scale
     else:
         scores = torch.matmul(qf, k.transpose(-1, -2)).float() * scale  # [B, Hk, rep * Lq, L]
     scores = scores.view(b, hk, rep, lq, -1).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hk, rep * lq, -1)
-    if _slow_half_gemm(q):
-        return torch.matmul(probs.float(), v.float()).to(q.dtype).view(b, h, lq, v.shape[-1])
+    if upcast:
+        return torch.matmul(probs.float(), vf).to(q.dtype).view(b, h, lq, v.shape[-1])
     return torch.matmul(probs, v).view(b, h, lq, v.shape[-1])
 
 
