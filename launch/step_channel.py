@@ -156,7 +156,10 @@ class StepServer:
         self._listener.close()
         if conn is None:
             return
-        self._conn = conn
+        self._conn = conn  # set, then check: close() sets the flag, then reads _conn
+        if self._closed:  # closed while the driver's connection was being accepted
+            conn.close()
+            return
         try:
             while True:
                 frame = _recv_frame(conn)
