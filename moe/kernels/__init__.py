@@ -205,8 +205,8 @@ LIBRARY = "moe_kernels_cpu.so"
 # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself
 # is built with OpenMP; at run time libgomp.so.1 resolves to the copy torch already loaded, so
 # torch.set_num_threads governs the kernels' threads too.
-CFLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 COMPLETE = "complete"  # written (atomically) after a successful build
 
 
@@ -228,7 +228,8 @@ def build(verbose: bool = False) -> Path:
     _remove_stale_lock(directory / "lock")
     cpp_extension.load(
         name="moe_kernels_cpu", sources=[str(SOURCE_DIR / "experts_cpu.cpp")], build_directory=str(directory),
-        extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, extra_include_paths=[str(SOURCE_DIR)],
+        # fresh lists: cpp_extension appends to the ones it is given
+        extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), extra_include_paths=[str(SOURCE_DIR)],
         is_python_module=False, verbose=verbose,
     )
     partial = directory / f".{COMPLETE}.{os.getpid()}"

@@ -238,6 +238,28 @@ def test_trainable_layers_keep_their_gradients(kernel_isas: list[str]) -> None:
         assert mlp._packed_weights(x) is not None
 
 
+def test_compiling_leaves_the_build_flags_and_cache_key_as_they_were(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path) -> None:
+    """cpp_extension appends to the flag lists it is given; a second build in the process must
+    still find the first one's cache folder (a new key compiled and loaded the library twice,
+    and the second registration of the op namespace aborted the process)."""
+    from torch.utils import cpp_extension
+
+    seen: dict = {}
+
+    def fake_load(**kwargs) -> None:
+        kwargs["extra_cflags"].append("-fPIC")
+        kwargs["extra_ldflags"].append("-shared")
+        seen.update(kwargs)
+
+    monkeypatch.setenv("MOE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    before = kernels.cache_dir()
+    assert kernels.build() == before
+    assert "-fopenmp" in seen["extra_cflags"] and "-fopenmp" in seen["extra_ldflags"]
+    assert kernels.cache_dir() == before and "-fPIC" not in kernels.CFLAGS
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
     import os
     import time
