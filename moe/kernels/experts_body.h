@@ -96,24 +96,31 @@ static void tile_rows(int64_t rows, const float* x, int64_t ldx, const WT* w, in
 
 static inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
+// Runs the register tiles over rows [0, n) of x ([n, K] fp32) against one [K][16] block and hands
+// each row's 16 accumulated columns to the work item's epilogue: epilogue(row, acc[16]).
+template <typename WT, typename Epilogue>
+static inline void tiles_over_rows(const float* x, int64_t n, int64_t K, const WT* w, Epilogue&& epilogue) {
+  alignas(64) float buf[TILE_ROWS * 16];
+  for (int64_t r0 = 0; r0 < n; r0 += TILE_ROWS) {
+    const int64_t rows = std::min<int64_t>(TILE_ROWS, n - r0);
+    tile_rows(rows, x + r0 * K, K, w, K, buf);
+    for (int64_t r = 0; r < rows; ++r) epilogue(r0 + r, buf + r * 16);
+  }
+}
+
 // One (expert, gate/up column block) work item: act[row, 8b:8b+8] = silu(gate) * up for rows
 // [0, n) of the expert. x: [n, D] fp32 rows; w: [D][16] block; scale: 16 fp32 or null.
 template <typename WT>
 static void gate_up_block(const float* x, int64_t n, int64_t D, const WT* w, const float* scale, float* act,
                           int64_t ld_act) {
-  alignas(64) float buf[TILE_ROWS * 16];
-  for (int64_t r0 = 0; r0 < n; r0 += TILE_ROWS) {
-    const int64_t rows = std::min<int64_t>(TILE_ROWS, n - r0);
-    tile_rows(rows, x + r0 * D, D, w, D, buf);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* dst = act + (r0 + r) * ld_act;
-      for (int c = 0; c < 8; ++c) {
-        float g = buf[r * 16 + c], u = buf[r * 16 + 8 + c];
-        if (scale) g *= scale[c], u *= scale[8 + c];
-        dst[c] = silu(g) * u;
-      }
+  tiles_over_rows(x, n, D, w, [&](int64_t row, const float* acc) {
+    float* dst = act + row * ld_act;
+    for (int c = 0; c < 8; ++c) {
+      float g = acc[c], u = acc[8 + c];
+      if (scale) g *= scale[c], u *= scale[8 + c];
+      dst[c] = silu(g) * u;
     }
-  }
+  });
 }
 
 // One (expert, down column block) work item: out[row, 16b:16b+16] = row_weight[row] *
@@ -121,16 +128,11 @@ static void gate_up_block(const float* x, int64_t n, int64_t D, const WT* w, con
 template <typename WT, typename OT>
 static void down_block(const float* act, int64_t n, int64_t I, const WT* w, const float* scale,
                        const float* row_weight, OT* out, int64_t ld_out) {
-  alignas(64) float buf[TILE_ROWS * 16];
-  for (int64_t r0 = 0; r0 < n; r0 += TILE_ROWS) {
-    const int64_t rows = std::min<int64_t>(TILE_ROWS, n - r0);
-    tile_rows(rows, act + r0 * I, I, w, I, buf);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float rw = row_weight ? row_weight[r0 + r] : 1.f;
-      OT* dst = out + (r0 + r) * ld_out;
-      for (int c = 0; c < 16; ++c) store_value(dst + c, buf[r * 16 + c] * (scale ? scale[c] : 1.f) * rw);
-    }
-  }
+  tiles_over_rows(act, n, I, w, [&](int64_t row, const float* acc) {
+    const float rw = row_weight ? row_weight[row] : 1.f;
+    OT* dst = out + row * ld_out;
+    for (int c = 0; c < 16; ++c) store_value(dst + c, acc[c] * (scale ? scale[c] : 1.f) * rw);
+  });
 }
 
 // One (group, output column block) work item of a plain linear: out[row, 0:ncols] = x[row] @ block
@@ -139,15 +141,10 @@ static void down_block(const float* act, int64_t n, int64_t I, const WT* w, cons
 template <typename WT, typename OT>
 static void linear_block(const float* x, int64_t n, int64_t K, const WT* w, const float* bias, int64_t ncols,
                          OT* out, int64_t ld_out) {
-  alignas(64) float buf[TILE_ROWS * 16];
-  for (int64_t r0 = 0; r0 < n; r0 += TILE_ROWS) {
-    const int64_t rows = std::min<int64_t>(TILE_ROWS, n - r0);
-    tile_rows(rows, x + r0 * K, K, w, K, buf);
-    for (int64_t r = 0; r < rows; ++r) {
-      OT* dst = out + (r0 + r) * ld_out;
-      for (int64_t c = 0; c < ncols; ++c) store_value(dst + c, buf[r * 16 + c] + (bias ? bias[c] : 0.f));
-    }
-  }
+  tiles_over_rows(x, n, K, w, [&](int64_t row, const float* acc) {
+    OT* dst = out + row * ld_out;
+    for (int64_t c = 0; c < ncols; ++c) store_value(dst + c, acc[c] + (bias ? bias[c] : 0.f));
+  });
 }
 
 struct Kernels {
