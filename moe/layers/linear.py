@@ -44,7 +44,7 @@ class Linear(nn.Linear):
         """The kernel's copy of the weight when the kernel should run for x [..., in_features], else None."""
         if not self.use_kernel or x.dim() == 0 or not kernel_applies(x, self.weight, x.numel() // max(1, x.shape[-1])):
             return None
-        return cached_pack(self, "_packed", self.weight, kernels.pack_linear)
+        return cached_pack(self, "_packed", (self.weight,), kernels.pack_linear)
 
 
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
@@ -56,13 +56,13 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
             and not kernels.prefers_library_gemm(x.dtype, rows) and kernels.is_available())
 
 
-def cached_pack(owner: object, attr: str, weight: torch.Tensor, pack: Callable[[torch.Tensor], T]) -> T:
-    """``pack(weight)``, cached on ``owner.<attr>`` and remade when the weight's storage, version
-    (in-place writes: loading, migration), shape or dtype changes."""
-    key = (weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype)
+def cached_pack(owner: object, attr: str, weights: tuple[torch.Tensor, ...], pack: Callable[..., T]) -> T:
+    """``pack(*weights)``, cached on ``owner.<attr>`` and remade when any weight's storage,
+    version (in-place writes: loading, migration), shape or dtype changes."""
+    key = tuple((w._version, w.data_ptr(), tuple(w.shape), w.dtype) for w in weights)
     cached = getattr(owner, attr, None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    packed = pack(weight)
+    packed = pack(*weights)
     setattr(owner, attr, (key, packed))
     return packed

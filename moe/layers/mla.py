@@ -114,7 +114,7 @@ class MLAAttention(nn.Module):
             w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
             return kernels.pack_linear(w[:, : self.nope].transpose(1, 2)), kernels.pack_linear(w[:, self.nope :])
 
-        return cached_pack(self, "_absorbed", weight, pack)
+        return cached_pack(self, "_absorbed", (weight,), pack)
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
         """Keep heads [r*H/tp, (r+1)*H/tp); the latent projections (and cache) stay replicated."""

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe import kernels
+from moe.layers.linear import cached_pack
 
 
 class DenseMLP(nn.Module):
@@ -42,16 +43,7 @@ class DenseMLP(nn.Module):
         if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != gate.dtype or self.down_proj.bias is not None
                 or kernels.prefers_library_gemm(x.dtype, x.shape[0]) or kernels.needs_autograd(x, gate, up, down)):
             return None
-        key = tuple((w._version, w.data_ptr(), tuple(w.shape), w.dtype) for w in (gate, up, down))
-        cached = getattr(self, "_packed", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        packed = None
-        w13, w2 = torch.cat([gate, up])[None], down[None]  # [1, 2I, D], [1, D, I]
-        if kernels.can_pack(w13, w2) and kernels.is_available():
-            packed = kernels.pack_experts(w13, w2)
-        self._packed = (key, packed)
-        return packed
+        return cached_pack(self, "_packed", (gate, up, down), _pack_dense)
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
         """Keep intermediate columns [r*I/tp, (r+1)*I/tp) of the loaded full weights."""
@@ -62,6 +54,14 @@ class DenseMLP(nn.Module):
         shard_linear_(self.gate_proj, out_slice=rows)
         shard_linear_(self.up_proj, out_slice=rows)
         shard_linear_(self.down_proj, in_slice=rows, keep_bias=tp_rank == 0)
+
+
+def _pack_dense(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> kernels.PackedExperts | None:
+    """gate/up [I, D], down [D, I] as a one-expert kernel weight, or None where the kernel cannot take them."""
+    w13, w2 = torch.cat([gate, up])[None], down[None]  # [1, 2I, D], [1, D, I]
+    if kernels.can_pack(w13, w2) and kernels.is_available():
+        return kernels.pack_experts(w13, w2)
+    return None
 
 
 def shard_linear_(
