@@ -147,26 +147,18 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5)
     faster of the two GEMM paths the model runs on this machine: PyTorch's square ``size``
     matmul in ``dtype``, and (on CPU, when built) the packed linear kernel on a ``size`` x
     ``size`` weight with 96 rows (one full row panel). Best of ``repeats`` each."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    rates = {"torch matmul": 2 * size**3 / _best_seconds(lambda: a @ b, repeats)}
     from moe import kernels
+    from parallel.costmodel.microbench import time_call
 
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    rates = {"torch matmul": 2 * size**3 / time_call(lambda: a @ b, iters=1, repeats=repeats, warmup=1)}
     if dtype in (torch.float32, torch.bfloat16) and kernels.is_available():
         packed = kernels.pack_linear(b)
         x = a[:96].contiguous()
-        rates["linear kernel"] = 2 * 96 * size * size / _best_seconds(lambda: kernels.linear_forward(x, packed), repeats)
+        seconds = time_call(lambda: kernels.linear_forward(x, packed), iters=1, repeats=repeats, warmup=1)
+        rates["linear kernel"] = 2 * 96 * size * size / seconds
     name = max(rates, key=rates.__getitem__)
     return rates[name], name
-
-
-def _best_seconds(fn: Any, repeats: int) -> float:
-    fn()  # warm-up (kernel selection, packing buffers)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def attention_flops_per_key(config: Any) -> int:
