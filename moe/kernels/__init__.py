@@ -2,6 +2,9 @@
 
 Shape legend: P local expert slots, D hidden, I expert intermediate, N routed rows.
 
+``mla_decode`` is MLA's absorbed decode attention read straight from the paged latent cache
+(no gathered copy, all of a sequence's heads per pass over its blocks).
+
 ``linear_forward`` runs a plain (optionally batched) linear on weights packed the same way
 by ``pack_linear`` (``wp [G, C/16, K, 16]``): the attention projections, lm_head and MLA's
 per-head absorbed products, which PyTorch runs at about 1 GFLOP/s in bf16 on CPUs without
@@ -45,7 +48,7 @@ from moe.cpu_gemm import has_fast_bf16_gemm
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts_cpu.cpp", "experts_body.h")
+SOURCES = ("experts_cpu.cpp", "experts_body.h", "mla_body.h")
 QUANTIZATIONS = ("int8",)
 BLOCK = 16  # output channels per packed column block
 # Mean rows per non-empty expert from which a dtype with a fast library GEMM on this CPU (fp32;
@@ -169,6 +172,19 @@ def linear_forward(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | N
     b = bias if bias is not None else torch.empty(0, dtype=torch.float32)
     out = torch.ops.moe_kernels.linear_forward(x3, packed.wp, b, packed.out_features, out_fp32)
     return out[0] if squeeze else out
+
+
+def mla_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+               value_dim: int, scale: float) -> torch.Tensor:
+    """MLA absorbed decode attention read straight from the paged latent cache.
+
+    q: [B, H, C + R] absorbed queries (latent part, then rope part); pool: [N, S, C + R] one
+    layer's cache in q's dtype (float32 or bfloat16); block_tables: [B, nb] int64; context_lens:
+    [B] int64 (each sequence's query sees its whole context). Returns [B, H, value_dim] in q's
+    dtype: softmax(q latent^T * scale) @ latent[..., :value_dim], softmax in fp32; bf16 inputs
+    round the scores and probabilities to bf16 as ``moe.layers.paged.sdpa`` does.
+    """
+    return torch.ops.moe_kernels.mla_decode(q, pool, block_tables, context_lens, value_dim, scale)
 
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:

@@ -61,8 +61,10 @@ static inline vf vload(const int8_t* p) { vb b; std::memcpy(&b, p, sizeof(b)); r
 static inline vf vbroadcast(const float* p) { return vf{} + *p; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 #include "experts_body.h"
+#include "mla_body.h"
 #undef MOE_W
 }  // namespace generic
 
@@ -85,8 +87,10 @@ static inline vf vload(const int8_t* p) {
 static inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 #include "experts_body.h"
+#include "mla_body.h"
 #undef MOE_W
 }  // namespace avx2
 #pragma GCC pop_options
@@ -109,8 +113,10 @@ static inline vf vload(const int8_t* p) {
 static inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #include "experts_body.h"
+#include "mla_body.h"
 #undef MOE_W
 }  // namespace avx512
 #pragma GCC pop_options
@@ -123,6 +129,8 @@ using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, co
                             uint16_t*, int64_t);
 template <typename OT>
 using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, int64_t, OT*, int64_t);
+using MlaDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, int64_t, int64_t, const int64_t*,
+                             int64_t, float, bool, float*, float*, float*);
 
 struct Isa {
   std::string name;
@@ -131,12 +139,13 @@ struct Isa {
   DownBf16Fn down_bf16;
   LinearFn<float> linear_f32;
   LinearFn<uint16_t> linear_bf16;
+  MlaDecodeFn mla_decode;
 };
 
-template <typename K>
+template <typename K, typename M>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::template linear<float>,
-             &K::template linear<uint16_t>};
+             &K::template linear<uint16_t>, &M::decode};
 }
 
 static bool cpu_has(const std::string& name) {
@@ -154,10 +163,10 @@ static Isa isa_by_name(const std::string& name) {
               "' (expected generic, avx2 or avx512)");
   TORCH_CHECK(cpu_has(name), "moe_kernels: this CPU does not support ", name);
 #if defined(__x86_64__) || defined(__i386__)
-  if (name == "avx512") return make_isa<avx512::Kernels>("avx512");
-  if (name == "avx2") return make_isa<avx2::Kernels>("avx2");
+  if (name == "avx512") return make_isa<avx512::Kernels, avx512::MlaKernels>("avx512");
+  if (name == "avx2") return make_isa<avx2::Kernels, avx2::MlaKernels>("avx2");
 #endif
-  return make_isa<generic::Kernels>("generic");
+  return make_isa<generic::Kernels, generic::MlaKernels>("generic");
 }
 
 static Isa& current_isa() {
@@ -335,12 +344,78 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   return out;
 }
 
+// q: [B, H, W] float32 or bfloat16 (W = C + R: the absorbed query, then its rope part); pool:
+// [N, S, W] in q's dtype (one layer's latent cache); block_tables: [B, nb] int64; context_lens: [B]
+// int64 (every sequence's one query sits at position context_len - 1 and sees all its keys).
+// Returns [B, H, C] in q's dtype: softmax(q k^T * scale) v over the latent, values = its first C
+// columns. bf16 inputs round the scores and probabilities to bf16 where a bf16 GEMM path does.
+at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, int64_t C, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 3 && block_tables.dim() == 2 && context_lens.dim() == 1,
+              "moe_kernels: q [B, H, W], pool [N, S, W], block_tables [B, nb], context_lens [B] expected");
+  TORCH_CHECK(q.scalar_type() == pool.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "moe_kernels: q and pool must both be float32 or both bfloat16");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "moe_kernels: block_tables and context_lens must be int64");
+  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), N = pool.size(0), S = pool.size(1);
+  const int64_t nb = block_tables.size(1);
+  TORCH_CHECK(pool.size(2) == W && C > 0 && C <= W, "moe_kernels: pool width ", pool.size(2), " / value width ",
+              C, " do not match q width ", W);
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "moe_kernels: one block table and context "
+              "length per sequence expected");
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= nb * S, "moe_kernels: context length ", lp[b], " of sequence ", b,
+                " is outside [1, ", nb * S, "]");
+    for (int64_t j = 0; j < (lp[b] + S - 1) / S; ++j)
+      TORCH_CHECK(tp[b * nb + j] >= 0 && tp[b * nb + j] < N, "moe_kernels: block id ", tp[b * nb + j],
+                  " outside the pool of ", N);
+    max_len = std::max(max_len, lp[b]);
+  }
+  at::Tensor out = at::empty({B, H, C}, q.options());
+  if (B == 0 || H == 0) return out;
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const at::Tensor pc = pool.contiguous();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  // (sequence, head group) items: enough groups that every thread gets work at small batches
+  const int64_t threads = at::get_num_threads();
+  int64_t groups = std::min<int64_t>(H, std::max<int64_t>(1, (2 * threads + B - 1) / B));
+  const int64_t per_group = (H + groups - 1) / groups;
+  groups = (H + per_group - 1) / per_group;
+  const Isa& isa = current_isa();
+  const float* qs = qf.data_ptr<float>();
+  const void* pool_ptr = pc.data_ptr();
+  char* out_ptr = static_cast<char*>(out.data_ptr());
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(per_group * max_len), kbuf(S * W), o(per_group * C);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / groups, h0 = (i % groups) * per_group, hh = std::min(per_group, H - h0);
+      isa.mla_decode(bf16, qs + (b * H + h0) * W, hh, pool_ptr, S, W, C, tp + b * nb, lp[b], sc, bf16,
+                     scores.data(), kbuf.data(), o.data());
+      const int64_t first = (b * H + h0) * C;
+      for (int64_t j = 0; j < hh * C; ++j) {
+        if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
+        else reinterpret_cast<float*>(out_ptr)[first + j] = o[j];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace moe_kernels
 
 TORCH_LIBRARY(moe_kernels, m) {
   m.def("experts_forward(Tensor x, int[] counts, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, "
         "Tensor row_weights, bool out_fp32) -> Tensor");
   m.def("linear_forward(Tensor x, Tensor wp, Tensor bias, int out_features, bool out_fp32) -> Tensor");
+  m.def("mla_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, int value_dim, "
+        "float scale) -> Tensor");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
 }
@@ -348,4 +423,5 @@ TORCH_LIBRARY(moe_kernels, m) {
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("experts_forward", &moe_kernels::experts_forward);
   m.impl("linear_forward", &moe_kernels::linear_forward);
+  m.impl("mla_decode", &moe_kernels::mla_decode);
 }

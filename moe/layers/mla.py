@@ -40,6 +40,9 @@ class MLAAttention(nn.Module):
         self.scale = config.softmax_scale
         self.interleave = config.rope_interleave
         self.absorb_decode = True
+        # decode attention by the CPU kernel straight from the paged cache (False: gather + sdpa,
+        # the reference in tests)
+        self.use_paged_kernel = True
         bias = config.attention_bias
         qk = self.nope + self.rope
         if config.q_lora_rank is None:
@@ -69,7 +72,8 @@ class MLAAttention(nn.Module):
         k_pe = apply_rotary(latent[:, None, self.kv_lora_rank :], cos, sin, self.interleave)[:, 0]
         cache.write(meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1))  # [T, C + R]
         decode_fn = self._attend_absorbed if self.absorb_decode else self._attend_naive
-        out = paged_attention(q, meta, cache, self.v_dim, decode_fn, self._attend_naive)
+        paged_fn = self._attend_paged if self._paged_decode_applies(q, cache) else None
+        out = paged_attention(q, meta, cache, self.v_dim, decode_fn, self._attend_naive, decode_paged_fn=paged_fn)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
     def _attend_naive(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -85,21 +89,48 @@ class MLAAttention(nn.Module):
     def _attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Same contract as ``_attend_naive``, computed in the latent space."""
         packed = self._absorbed_packed(q)
-        if packed is None:
-            w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-            w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, Nn, C], [H, Vd, C]
-            q_lat = torch.einsum("bhqn,hnc->bhqc", q[..., : self.nope], w_uk)
-        else:  # per-head products on the packed linear kernel: x [H, B * Lq, K] @ W[h]^T
-            b, h, lq = q.shape[:3]
-            q_nope = q[..., : self.nope].permute(1, 0, 2, 3).reshape(h, b * lq, self.nope)
-            q_lat = kernels.linear_forward(q_nope, packed[0]).view(h, b, lq, -1).permute(1, 0, 2, 3)
-        q_full = torch.cat((q_lat, q[..., self.nope :]), dim=-1)  # [B, H, Lq, C + R]
+        q_full = self._absorb_query(q, packed)  # [B, H, Lq, C + R]
         latent = latent.to(q.dtype)[:, None]  # [B, 1, L, C + R]: one shared key head
         # values = the whole contiguous latent row, rope columns dropped after: the batched GEMM
         # against a strided [..., :C] view is ~2x slower, the R extra columns cost R/C more FLOPs
         o_lat = sdpa(q_full, latent, latent, mask, self.scale)[..., : self.kv_lora_rank]  # [B, H, Lq, C]
+        return self._expand_values(o_lat, packed)
+
+    def _attend_paged(self, q: torch.Tensor, view: KVLayerView, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor) -> torch.Tensor:
+        """Absorbed decode read straight from the paged cache by the CPU kernel (no gathered copy).
+        q: [B, H, Nn + R]; block_tables: [B, nb]; context_lens: [B]. Returns [B, H, Vd]."""
+        q4 = q[:, :, None]
+        packed = self._absorbed_packed(q4)
+        q_full = self._absorb_query(q4, packed)[:, :, 0]  # [B, H, C + R]
+        o_lat = kernels.mla_decode(q_full.contiguous(), view.pool, block_tables, context_lens, self.kv_lora_rank,
+                                   self.scale)  # [B, H, C]
+        return self._expand_values(o_lat[:, :, None], packed)[:, :, 0]
+
+    def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
+        """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, Nn + R]: CPU, the
+        kernel built, the cache stored in q's dtype (not fp8), no autograd, the absorbed path on."""
+        return (self.absorb_decode and self.use_paged_kernel and q.device.type == "cpu"
+                and q.dtype in (torch.float32, torch.bfloat16) and view.pool.dtype == q.dtype
+                and not kernels.needs_autograd(q, self.kv_b_proj.weight) and kernels.is_available())
+
+    def _absorb_query(self, q: torch.Tensor, packed: tuple[kernels.PackedLinear, ...] | None) -> torch.Tensor:
+        """q: [B, H, Lq, Nn + R] -> [B, H, Lq, C + R]: q_nope W_UK, then the rope part unchanged."""
         if packed is None:
-            return torch.einsum("bhqc,hvc->bhqv", o_lat, w_uv)
+            w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+            q_lat = torch.einsum("bhqn,hnc->bhqc", q[..., : self.nope], w[:, : self.nope])  # W_UK [H, Nn, C]
+        else:  # per-head products on the packed linear kernel: x [H, B * Lq, K] @ W[h]^T
+            b, h, lq = q.shape[:3]
+            q_nope = q[..., : self.nope].permute(1, 0, 2, 3).reshape(h, b * lq, self.nope)
+            q_lat = kernels.linear_forward(q_nope, packed[0]).view(h, b, lq, -1).permute(1, 0, 2, 3)
+        return torch.cat((q_lat, q[..., self.nope :]), dim=-1)
+
+    def _expand_values(self, o_lat: torch.Tensor, packed: tuple[kernels.PackedLinear, ...] | None) -> torch.Tensor:
+        """o_lat: [B, H, Lq, C] -> [B, H, Lq, Vd] through W_UV [H, Vd, C]."""
+        if packed is None:
+            w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+            return torch.einsum("bhqc,hvc->bhqv", o_lat, w[:, self.nope :])
+        b, h, lq = o_lat.shape[:3]
         o_rows = o_lat.permute(1, 0, 2, 3).reshape(h, b * lq, self.kv_lora_rank)
         return kernels.linear_forward(o_rows, packed[1]).view(h, b, lq, self.v_dim).permute(1, 0, 2, 3)
 

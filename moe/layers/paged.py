@@ -20,6 +20,9 @@ from moe.kv_cache import AttentionMetadata, KVLayerView
 
 # (queries [B, H, Lq, dq], gathered cache [B, L, *entry], mask [B, 1, Lq, L] bool) -> [B, H, Lq, dv]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (decode queries [B, H, dq], the layer's cache, block_tables [B, nb], context_lens [B]) -> [B, H, dv]:
+# attention that reads the paged cache itself (each query sees its whole context)
+PagedDecodeFn = Callable[[torch.Tensor, KVLayerView, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -57,13 +60,15 @@ def _slow_half_gemm(x: torch.Tensor) -> bool:
 def paged_attention(
     q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, out_dim: int,
     decode_fn: AttendFn, prefill_fn: AttendFn, sliding_window: int | None = None,
+    decode_paged_fn: PagedDecodeFn | None = None,
 ) -> torch.Tensor:
     """q: [T, H, dq] (rows ordered as meta). Returns [T, H, out_dim] in q's dtype.
 
     The current step's entries must already be written to ``view``. ``sliding_window`` w
     (None: full causal) lets the query at position p see keys k with p - w < k <= p, the rule
     of transformers' ``sliding_window_overlay``; blocks wholly before every query's window are
-    not gathered.
+    not gathered. ``decode_paged_fn``, when given (full attention only), serves the decode rows
+    from the block tables instead of a gathered copy.
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
@@ -76,10 +81,16 @@ def paged_attention(
     if dec:
         idx = None if all_decode else torch.tensor(dec, dtype=torch.int64, device=q.device)
         ctx = meta.context_lens if all_decode else meta.context_lens[idx]
+        tables = meta.block_tables if all_decode else meta.block_tables[idx]
+        rows = None if all_decode else meta.query_start_loc[idx]
+        if decode_paged_fn is not None and sliding_window is None:
+            if all_decode:
+                return decode_paged_fn(q, view, tables, ctx)
+            out[rows] = decode_paged_fn(q[rows], view, tables, ctx)
+            return _prefill_rows(q, meta, view, prefill_fn, sliding_window, out)
         lens = meta.context_lens_list if all_decode else [meta.context_lens_list[b] for b in dec]
         nb = -(-max(lens) // size)
         first = _first_block(min(lens) - 1, sliding_window, size)
-        tables = meta.block_tables if all_decode else meta.block_tables[idx]
         cache = view.gather(tables[:, first:nb])  # [Bd, (nb - first) * S, ...]
         kpos = first * size + torch.arange(cache.shape[1], device=q.device)[None, :]  # [1, L]
         mask = kpos < ctx[:, None]  # [Bd, L]: query at ctx - 1 sees keys <= ctx - 1
@@ -87,8 +98,14 @@ def paged_attention(
             mask &= kpos >= (ctx - sliding_window)[:, None]
         if all_decode:
             return decode_fn(q.unsqueeze(2), cache, mask[:, None, None, :]).squeeze(2)
-        rows = meta.query_start_loc[idx]
         out[rows] = decode_fn(q[rows].unsqueeze(2), cache, mask[:, None, None, :]).squeeze(2)
+    return _prefill_rows(q, meta, view, prefill_fn, sliding_window, out)
+
+
+def _prefill_rows(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, prefill_fn: AttendFn,
+                  sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
+    """Attend the rows of every sequence with several new tokens into ``out`` [T, H, dv]; returns it."""
+    size = meta.block_size
     for b in meta.prefill_seq_ids():
         start, qlen, ctx = int(meta.query_start_loc_list[b]), meta.query_lens_list[b], meta.context_lens_list[b]
         first = _first_block(ctx - qlen, sliding_window, size)

@@ -1,0 +1,226 @@
+// MLA absorbed decode attention over the paged latent cache, compiled once per instruction set
+// (included by experts_cpu.cpp after experts_body.h, inside the same per-ISA namespace).
+//
+// One work item is (sequence, group of heads). It reads the sequence's cache blocks straight from
+// the pool through its block table (no gathered copy), converts each block to fp32 once for all
+// the item's heads, and keeps the item's scores [heads, L] and output [heads, C] in fp32 scratch:
+//   pass 1: s[h][t] = q[h] . latent[t]            (over C + R: the latent plus the rope key)
+//   pass 2: p[h] = softmax(round(s[h]) * scale)    (round: to bf16 when the inputs are bf16,
+//           then p rounded to bf16, where the library's bf16 GEMM and transformers round)
+//   pass 3: o[h] = sum_t p[h][t] latent[t][0:C]    (the values are the first C latent columns)
+// Register tiles: 3 tokens x 4 heads of dot products (the k and q vectors each feed several FMAs);
+// 6 heads x 2 vectors of output columns for the value products.
+
+// out[h * ldo + t] = dot(q[h * ldq : + n], k[t * ldk : + n]) for TT tokens x HH heads.
+template <int TT, int HH>
+static inline void mla_dot_tile(const float* __restrict q, int64_t ldq, const float* __restrict k, int64_t ldk,
+                                int64_t n, float* __restrict out, int64_t ldo) {
+  vf acc[TT][HH];
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 4
+    for (int h = 0; h < HH; ++h) acc[t][h] = vzero();
+  int64_t c = 0;
+  for (; c + MOE_W <= n; c += MOE_W) {
+    vf kv[TT];
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) kv[t] = vload(k + t * ldk + c);
+#pragma GCC unroll 4
+    for (int h = 0; h < HH; ++h) {
+      const vf qv = vload(q + h * ldq + c);
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) acc[t][h] = vfma(qv, kv[t], acc[t][h]);
+    }
+  }
+  alignas(64) float lanes[MOE_W];
+  for (int t = 0; t < TT; ++t)
+    for (int h = 0; h < HH; ++h) {
+      vstore(lanes, acc[t][h]);
+      float s = 0.f;
+      for (int i = 0; i < MOE_W; ++i) s += lanes[i];
+      for (int64_t cc = c; cc < n; ++cc) s += q[h * ldq + cc] * k[t * ldk + cc];
+      out[h * ldo + t] = s;
+    }
+}
+
+template <int TT>
+static inline void mla_dot_heads(int64_t hh, const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t n,
+                                 float* out, int64_t ldo) {
+  int64_t h = 0;
+  for (; h + 4 <= hh; h += 4) mla_dot_tile<TT, 4>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo);
+  switch (hh - h) {
+    case 1: mla_dot_tile<TT, 1>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo); break;
+    case 2: mla_dot_tile<TT, 2>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo); break;
+    case 3: mla_dot_tile<TT, 3>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// o[h * ldo + c] += sum_{t < T} p[h * ldp + t] * v[t * ldv + c] for HH heads and columns [c0, c0 + NC * MOE_W).
+template <int HH, int NC>
+static inline void mla_pv_tile(const float* __restrict p, int64_t ldp, int64_t T, const float* __restrict v,
+                               int64_t ldv, int64_t c0, float* __restrict o, int64_t ldo) {
+  vf acc[HH][NC];
+#pragma GCC unroll 8
+  for (int h = 0; h < HH; ++h)
+#pragma GCC unroll 2
+    for (int j = 0; j < NC; ++j) acc[h][j] = vload(o + h * ldo + c0 + j * MOE_W);
+  for (int64_t t = 0; t < T; ++t) {
+    vf vv[NC];
+#pragma GCC unroll 2
+    for (int j = 0; j < NC; ++j) vv[j] = vload(v + t * ldv + c0 + j * MOE_W);
+#pragma GCC unroll 8
+    for (int h = 0; h < HH; ++h) {
+      const vf pb = vbroadcast(p + h * ldp + t);
+#pragma GCC unroll 2
+      for (int j = 0; j < NC; ++j) acc[h][j] = vfma(pb, vv[j], acc[h][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < HH; ++h)
+#pragma GCC unroll 2
+    for (int j = 0; j < NC; ++j) vstore(o + h * ldo + c0 + j * MOE_W, acc[h][j]);
+}
+
+template <int HH>
+static inline void mla_pv_columns(const float* p, int64_t ldp, int64_t T, const float* v, int64_t ldv, int64_t C,
+                                  float* o, int64_t ldo) {
+  int64_t c = 0;
+  for (; c + 2 * MOE_W <= C; c += 2 * MOE_W) mla_pv_tile<HH, 2>(p, ldp, T, v, ldv, c, o, ldo);
+  for (; c + MOE_W <= C; c += MOE_W) mla_pv_tile<HH, 1>(p, ldp, T, v, ldv, c, o, ldo);
+  for (; c < C; ++c)
+    for (int h = 0; h < HH; ++h) {
+      float s = o[h * ldo + c];
+      for (int64_t t = 0; t < T; ++t) s += p[h * ldp + t] * v[t * ldv + c];
+      o[h * ldo + c] = s;
+    }
+}
+
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the
+// degree-6 Taylor polynomial (relative error ~1e-7); below -87 it returns exp(-87) ~ 1.6e-38, nothing
+// next to the max term's 1. Written once for GCC vector types of any width (T = float: one lane).
+typedef float vxf __attribute__((vector_size(MOE_W * 4)));
+typedef int32_t vxi __attribute__((vector_size(MOE_W * 4)));
+template <typename F, typename I>
+static inline F exp_nonpositive_t(F x) {
+  const F lo = x - x - 87.f;  // -87 in every lane
+  x = x > lo ? x : lo;
+  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const F n = (x * 1.44269504f + magic) - magic;
+  F r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187e-06f;
+  F p = r * (1.f / 720.f) + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  I bits;
+  if constexpr (sizeof(F) == 4) bits = (static_cast<I>(n) + 127) << 23;
+  else bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F two_n;
+  std::memcpy(&two_n, &bits, sizeof(F));
+  return p * two_n;
+}
+static inline vxf exp_nonpositive_v(vxf x) { return exp_nonpositive_t<vxf, vxi>(x); }
+static inline float exp_nonpositive(float x) { return exp_nonpositive_t<float, int32_t>(x); }
+
+// bf16 rounding (nearest even) of every entry of s[0:n), NaN kept NaN; branch-free.
+static inline void round_bf16_inplace(float* s, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) {
+    uint32_t u;
+    std::memcpy(&u, s + t, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : rounded;
+    std::memcpy(s + t, &r, 4);
+  }
+}
+
+// s[0:L) <- softmax(round(s) * scale) in fp32, then rounded to bf16 when round_half.
+static inline void mla_softmax(float* s, int64_t L, float scale, bool round_half) {
+  if (round_half) round_bf16_inplace(s, L);
+  vf mv = vbroadcast(s);
+  int64_t t = 0;
+  for (; t + MOE_W <= L; t += MOE_W) mv = vmax(mv, vload(s + t));
+  alignas(64) float lanes[MOE_W];
+  vstore(lanes, mv);
+  float m = lanes[0];
+  for (int i = 1; i < MOE_W; ++i) m = std::max(m, lanes[i]);
+  for (; t < L; ++t) m = std::max(m, s[t]);
+  m *= scale;  // scale > 0: the max of the scaled scores
+  for (t = 0; t + MOE_W <= L; t += MOE_W) {
+    vxf x;
+    std::memcpy(&x, s + t, sizeof(x));
+    x = exp_nonpositive_v(x * scale - m);
+    std::memcpy(s + t, &x, sizeof(x));
+  }
+  for (; t < L; ++t) s[t] = exp_nonpositive(s[t] * scale - m);
+  vf sv = vzero();
+  for (t = 0; t + MOE_W <= L; t += MOE_W) sv = vadd(sv, vload(s + t));
+  vstore(lanes, sv);
+  float sum = 0.f;
+  for (int i = 0; i < MOE_W; ++i) sum += lanes[i];
+  for (; t < L; ++t) sum += s[t];
+  const float inv = 1.f / sum;
+  for (t = 0; t < L; ++t) s[t] *= inv;
+  if (round_half) round_bf16_inplace(s, L);
+}
+
+// Rows [0, rows) of one cache block as fp32: the block itself for an fp32 pool, else converted
+// into buf ([rows, width]).
+static inline const float* mla_block_f32(const float* src, int64_t, int64_t, float*) { return src; }
+static inline const float* mla_block_f32(const uint16_t* src, int64_t rows, int64_t width, float* buf) {
+  const int64_t n = rows * width;
+  int64_t i = 0;
+  for (; i + MOE_W <= n; i += MOE_W) vstore(buf + i, vload(src + i));
+  for (; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(buf + i, &u, 4);
+  }
+  return buf;
+}
+
+// One work item: heads [0, hh) of one sequence. q: [hh, W] fp32 rows (W = C + R); pool: [N, S, W];
+// table: the sequence's block ids; L: its context length. scores: [hh, L] and kbuf: [S, W] fp32
+// scratch; o: [hh, C] fp32 output. round_half: round scores and probabilities to bf16.
+template <typename PT>
+static void mla_decode_item(const float* q, int64_t hh, const PT* pool, int64_t S, int64_t W, int64_t C,
+                            const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
+                            float* kbuf, float* o) {
+  const int64_t nblocks = (L + S - 1) / S;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t rows = std::min(S, L - blk * S);
+    const float* k = mla_block_f32(pool + table[blk] * S * W, rows, W, kbuf);
+    int64_t t = 0;
+    for (; t + 3 <= rows; t += 3) mla_dot_heads<3>(hh, q, W, k + t * W, W, W, scores + blk * S + t, L);
+    for (; t < rows; ++t) mla_dot_heads<1>(hh, q, W, k + t * W, W, W, scores + blk * S + t, L);
+  }
+  for (int64_t h = 0; h < hh; ++h) mla_softmax(scores + h * L, L, scale, round_half);
+  std::fill(o, o + hh * C, 0.f);
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t rows = std::min(S, L - blk * S);
+    const float* v = mla_block_f32(pool + table[blk] * S * W, rows, W, kbuf);
+    const float* p = scores + blk * S;
+    int64_t h = 0;
+    for (; h + 6 <= hh; h += 6) mla_pv_columns<6>(p + h * L, L, rows, v, W, C, o + h * C, C);
+    switch (hh - h) {
+      case 1: mla_pv_columns<1>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
+      case 2: mla_pv_columns<2>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
+      case 3: mla_pv_columns<3>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
+      case 4: mla_pv_columns<4>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
+      case 5: mla_pv_columns<5>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
+      default: break;
+    }
+  }
+}
+
+struct MlaKernels {
+  static void decode(bool bf16_pool, const float* q, int64_t hh, const void* pool, int64_t S, int64_t W, int64_t C,
+                     const int64_t* table, int64_t L, float scale, bool round_half, float* scores, float* kbuf,
+                     float* o) {
+    if (bf16_pool)
+      mla_decode_item(q, hh, static_cast<const uint16_t*>(pool), S, W, C, table, L, scale, round_half, scores, kbuf, o);
+    else
+      mla_decode_item(q, hh, static_cast<const float*>(pool), S, W, C, table, L, scale, round_half, scores, kbuf, o);
+  }
+};

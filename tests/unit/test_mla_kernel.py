@@ -1,0 +1,137 @@
+"""MLA decode attention read straight from the paged cache (moe.kernels.mla_decode) against the
+gather + sdpa path, alone and inside the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe import kernels
+from moe.config import ModelConfig
+from moe.kv_cache import AttentionMetadata, PagedKVCache
+from moe.layers.paged import sdpa
+from moe.loader import load_weights
+from moe.model import MoEModel
+from tests.unit.test_model_vs_hf import greedy_generate
+
+
+def _reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, value_dim: int,
+               scale: float) -> torch.Tensor:
+    """Gather each sequence's blocks, mask past its length, run sdpa with the latent as key and value."""
+    b, _, width = q.shape
+    size = pool.shape[1]
+    nb = -(-int(lens.max()) // size)
+    cache = pool.index_select(0, tables[:, :nb].reshape(-1)).view(b, nb * size, width)[:, None]
+    mask = torch.arange(nb * size)[None] < lens[:, None]  # [B, L]
+    return sdpa(q[:, :, None], cache, cache, mask[:, None, None], scale)[:, :, 0, :value_dim]
+
+
+# (sequences, heads, value width C, rope width R, block size, pool blocks): DeepSeek-like widths, then
+# widths that are no multiple of any vector length, then a single head, column and block
+CASES = [(3, 16, 256, 32, 16, 40), (5, 7, 20, 6, 4, 30), (1, 1, 3, 1, 2, 9)]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_equals_gather_and_sdpa(kernel_isas: list[str], case: tuple[int, ...], dtype: torch.dtype) -> None:
+    b, h, c, r, size, n = case
+    gen = torch.Generator().manual_seed(sum(case))
+    pool = torch.randn(n, size, c + r, generator=gen).to(dtype)  # [N, S, C + R]
+    nb = 6
+    tables = torch.stack([torch.randperm(n, generator=gen)[:nb] for _ in range(b)])  # [B, nb], scattered blocks
+    lens = torch.randint(1, nb * size + 1, (b,), generator=gen)
+    lens[0] = nb * size  # one sequence fills its last block
+    q = torch.randn(b, h, c + r, generator=gen).to(dtype)  # [B, H, C + R]
+    want = _reference(q, pool, tables, lens, c, 0.3)
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        got = kernels.mla_decode(q, pool, tables, lens, c, 0.3)
+        assert got.shape == (b, h, c) and got.dtype == dtype
+        # fp32: summation order only; bf16: a score or probability may round to the other
+        # neighbour, one bf16 ulp (2^-8 relative) of one term
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item(), name
+    kernels.select_isa("auto")
+
+
+def test_mla_decode_spreads_heads_over_threads_at_batch_one(kernel_isas: list[str]) -> None:
+    gen = torch.Generator().manual_seed(1)
+    pool = torch.randn(8, 4, 40, generator=gen)
+    tables, lens = torch.tensor([[3, 1, 6]]), torch.tensor([11])
+    q = torch.randn(1, 10, 40, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 3):  # 3 threads: head groups of 2 (10 heads, 2 * 3 items wanted)
+            torch.set_num_threads(n)
+            results.append(kernels.mla_decode(q, pool, tables, lens, 32, 0.2))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    assert (results[0] - _reference(q, pool, tables, lens, 32, 0.2)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(("lens", "table", "message"), [
+    ([0], [[0, 1]], "context length 0"),
+    ([9], [[0, 1]], "context length 9"),
+    ([5], [[0, 7]], "block id 7"),
+])
+def test_mla_decode_rejects_lengths_and_blocks_outside_the_cache(kernel_isas: list[str], lens: list[int],
+                                                                 table: list[list[int]], message: str) -> None:
+    pool, q = torch.zeros(4, 4, 8), torch.zeros(1, 2, 8)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.mla_decode(q, pool, torch.tensor(table), torch.tensor(lens), 6, 1.0)
+
+
+def _model(path: Path, dtype: torch.dtype = torch.float32) -> MoEModel:
+    model = MoEModel(ModelConfig.from_hf(path), dtype=dtype)
+    load_weights(model, path, dtype=dtype)
+    return model
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_model_decodes_the_same_with_the_paged_kernel(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                                      family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(hf_checkpoints[family])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14]]
+    calls = []
+    decode = kernels.mla_decode
+    monkeypatch.setattr(kernels, "mla_decode", lambda q, *a: calls.append(q.shape[0]) or decode(q, *a))
+    # chunk=3: steps mix prefill chunks (gather path) with decode rows (paged kernel)
+    tokens_kernel, logits_kernel = greedy_generate(model, prompts, 6, chunk=3)
+    assert calls and max(calls) == len(prompts)  # the kernel served every decode row, mixed steps too
+    for layer in model.model.layers:
+        layer.self_attn.use_paged_kernel = False
+    tokens_ref, logits_ref = greedy_generate(model, prompts, 6, chunk=3)
+    assert tokens_kernel == tokens_ref
+    for a, b in zip(logits_kernel, logits_ref):
+        assert (torch.stack(a) - torch.stack(b)).abs().max().item() < 1e-4
+
+
+def test_paged_kernel_serves_only_caches_it_can_read(kernel_isas: list[str], hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"])
+    attn = model.model.layers[0].self_attn
+    cfg = model.config
+    q = torch.zeros(2, attn.num_heads, attn.nope + attn.rope)
+    assert attn._paged_decode_applies(q, PagedKVCache(cfg, 4, 4, torch.float32).layer(0))
+    assert not attn._paged_decode_applies(q, PagedKVCache(cfg, 4, 4, torch.float32, "fp8").layer(0))
+    assert not attn._paged_decode_applies(q, PagedKVCache(cfg, 4, 4, torch.bfloat16).layer(0))
+    attn.absorb_decode = False
+    assert not attn._paged_decode_applies(q, PagedKVCache(cfg, 4, 4, torch.float32).layer(0))
+
+
+def test_paged_kernel_output_shape_in_a_mixed_step(kernel_isas: list[str], hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    attn, cfg = model.model.layers[0].self_attn, model.config
+    cache = PagedKVCache(cfg, 8, 4, torch.bfloat16)
+    meta = AttentionMetadata.build([1, 3, 1], [5, 3, 2], [[1, 2], [3], [4]], 4)  # decode, prefill, decode
+    x = torch.randn(5, cfg.hidden_size).to(torch.bfloat16)
+    cos, sin = torch.ones(5, attn.rope // 2), torch.zeros(5, attn.rope // 2)
+    with torch.no_grad():
+        got = attn(x, cos, sin, meta, cache.layer(0))
+        attn.use_paged_kernel = False
+        want = attn(x, cos, sin, meta, cache.layer(0))
+    assert got.shape == (5, cfg.hidden_size) and got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
