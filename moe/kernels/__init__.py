@@ -5,6 +5,8 @@ Shape legend: P local expert slots, D hidden, I expert intermediate, N routed ro
 ``mla_decode`` is MLA's absorbed decode attention read straight from the paged latent cache
 (no gathered copy, all of a sequence's heads per pass over its blocks).
 
+``rms_norm`` is RMSNorm in one op (the PyTorch expression is eight).
+
 ``linear_forward`` runs a plain (optionally batched) linear on weights packed the same way
 by ``pack_linear`` (``wp [G, C/16, K, 16]``): the attention projections, lm_head and MLA's
 per-head absorbed products, which PyTorch runs at about 1 GFLOP/s in bf16 on CPUs without
@@ -48,7 +50,7 @@ from moe.cpu_gemm import has_fast_bf16_gemm
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts_cpu.cpp", "experts_body.h", "mla_body.h")
+SOURCES = ("experts_cpu.cpp", "experts_body.h", "mla_body.h", "norm_body.h")
 QUANTIZATIONS = ("int8",)
 BLOCK = 16  # output channels per packed column block
 # Mean rows per non-empty expert from which a dtype with a fast library GEMM on this CPU (fp32;
@@ -185,6 +187,12 @@ def mla_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, 
     round the scores and probabilities to bf16 as ``moe.layers.paged.sdpa`` does.
     """
     return torch.ops.moe_kernels.mla_decode(q, pool, block_tables, context_lens, value_dim, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, D] with weight [D] (both float32 or both bfloat16) -> [T, D] in x's dtype:
+    weight * (x / sqrt(mean(x^2) + eps)), statistics in fp32, as ``moe.layers.norm.RMSNorm``."""
+    return torch.ops.moe_kernels.rms_norm(x, weight, eps)
 
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:

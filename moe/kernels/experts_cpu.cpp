@@ -32,6 +32,13 @@ namespace moe_kernels {
 
 enum WeightType { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 
+static inline float to_float(float v) { return v; }
+static inline float to_float(uint16_t h) {  // bf16 -> fp32
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
 static inline void store_value(float* p, float v) { *p = v; }
 static inline void store_value(uint16_t* p, float v) {  // fp32 -> bf16, round to nearest even
   uint32_t u;
@@ -65,6 +72,7 @@ static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 #include "experts_body.h"
 #include "mla_body.h"
+#include "norm_body.h"
 #undef MOE_W
 }  // namespace generic
 
@@ -91,6 +99,7 @@ static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 #include "experts_body.h"
 #include "mla_body.h"
+#include "norm_body.h"
 #undef MOE_W
 }  // namespace avx2
 #pragma GCC pop_options
@@ -117,6 +126,7 @@ static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #include "experts_body.h"
 #include "mla_body.h"
+#include "norm_body.h"
 #undef MOE_W
 }  // namespace avx512
 #pragma GCC pop_options
@@ -129,6 +139,7 @@ using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, co
                             uint16_t*, int64_t);
 template <typename OT>
 using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, int64_t, OT*, int64_t);
+using RmsNormFn = void (*)(bool, const void*, const void*, void*, int64_t, int64_t, float);
 using MlaDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, int64_t, int64_t, const int64_t*,
                              int64_t, float, bool, float*, float*, float*);
 
@@ -140,12 +151,13 @@ struct Isa {
   LinearFn<float> linear_f32;
   LinearFn<uint16_t> linear_bf16;
   MlaDecodeFn mla_decode;
+  RmsNormFn rms_norm;
 };
 
-template <typename K, typename M>
+template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::template linear<float>,
-             &K::template linear<uint16_t>, &M::decode};
+             &K::template linear<uint16_t>, &M::decode, &N::rms_norm};
 }
 
 static bool cpu_has(const std::string& name) {
@@ -163,10 +175,10 @@ static Isa isa_by_name(const std::string& name) {
               "' (expected generic, avx2 or avx512)");
   TORCH_CHECK(cpu_has(name), "moe_kernels: this CPU does not support ", name);
 #if defined(__x86_64__) || defined(__i386__)
-  if (name == "avx512") return make_isa<avx512::Kernels, avx512::MlaKernels>("avx512");
-  if (name == "avx2") return make_isa<avx2::Kernels, avx2::MlaKernels>("avx2");
+  if (name == "avx512") return make_isa<avx512::Kernels, avx512::MlaKernels, avx512::NormKernels>("avx512");
+  if (name == "avx2") return make_isa<avx2::Kernels, avx2::MlaKernels, avx2::NormKernels>("avx2");
 #endif
-  return make_isa<generic::Kernels, generic::MlaKernels>("generic");
+  return make_isa<generic::Kernels, generic::MlaKernels, generic::NormKernels>("generic");
 }
 
 static Isa& current_isa() {
@@ -408,6 +420,33 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Ten
   return out;
 }
 
+// x: [T, D] float32 or bfloat16 (rows contiguous); weight: [D] in x's dtype. Returns [T, D]:
+// weight * (x / sqrt(mean(x^2) + eps)) with the statistics in fp32 (see norm_body.h).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "moe_kernels: x [T, D] and "
+              "weight [D] expected");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "moe_kernels: x and weight must both be float32 or both bfloat16");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t T = xc.size(0), D = xc.size(1);
+  if (T == 0 || D == 0) return out;
+  const Isa& isa = current_isa();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t esize = xc.element_size();
+  const char* xp = static_cast<const char*>(xc.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const float e = static_cast<float>(eps);
+  // rows in chunks of at least ~32K elements per thread: one decode row is not worth a thread
+  const int64_t grain = std::max<int64_t>(1, 32768 / D);
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    isa.rms_norm(bf16, xp + begin * D * esize, wc.data_ptr(), op + begin * D * esize, end - begin, D, e);
+  });
+  return out;
+}
+
 }  // namespace moe_kernels
 
 TORCH_LIBRARY(moe_kernels, m) {
@@ -416,6 +455,7 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("linear_forward(Tensor x, Tensor wp, Tensor bias, int out_features, bool out_fp32) -> Tensor");
   m.def("mla_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, int value_dim, "
         "float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
 }
@@ -424,4 +464,5 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("experts_forward", &moe_kernels::experts_forward);
   m.impl("linear_forward", &moe_kernels::linear_forward);
   m.impl("mla_decode", &moe_kernels::mla_decode);
+  m.impl("rms_norm", &moe_kernels::rms_norm);
 }
