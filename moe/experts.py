@@ -133,6 +133,7 @@ class Experts(nn.Module):
         self.register_buffer("slot_to_logical", slot_to_logical.to(torch.int64).clone(), persistent=False)
         self.quantization: str | None = None
         self.use_kernel = True  # the fused CPU kernel when available (False: always the PyTorch path)
+        self.fused_topk = True  # forward() in one op from the router's output (False: group in PyTorch first)
         self._packed: tuple[tuple, kernels.PackedExperts | None] | None = None
         self._dequantized: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.set_quantization(quantization)
@@ -200,6 +201,9 @@ class Experts(nn.Module):
         x: [T, D]; local_slot_ids: [T, K] int64 (-1 = dropped); weights: [T, K] float32.
         Returns: [T, D] float32, sum_k weights[t, k] * expert_{slot[t, k]}(x[t]).
         """
+        packed = self._fused_packed(x, local_slot_ids, weights)
+        if packed is not None:  # grouping, gather, experts and the per-token sum in one op
+            return kernels.experts_forward_topk(x, local_slot_ids, weights, packed)
         order, token_of_row, counts = compute_local_routing(local_slot_ids, self.num_local_slots)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         if order.numel() == 0:
@@ -212,6 +216,25 @@ class Experts(nn.Module):
             hi = lo + ACCUMULATE_CHUNK_ROWS
             out.index_add_(0, token_of_row[lo:hi], y[lo:hi].float())
         return out
+
+    def _fused_packed(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
+                      ) -> kernels.PackedExperts | None:
+        """The packed weights when ``kernels.experts_forward_topk`` should serve this call: CPU,
+        fp32/bf16 x, no autograd, the kernel built, and not prefill-size groups in a dtype with a
+        fast library GEMM (judged on the fewest rows per slot the assignments allow, since the
+        per-slot counts are the op's own work)."""
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or not self.fused_topk:
+            return None
+        if kernels.needs_autograd(x, self.w13, self.w2, weights):
+            return None
+        packed = self.packed_weights()
+        if packed is None:
+            return None
+        assignments = slot_ids.numel()
+        if not packed.quantized and kernels.prefers_library_gemm(x.dtype, assignments / max(1, min(
+                self.num_local_slots, assignments))):
+            return None
+        return packed
 
     def forward_rows(self, x: torch.Tensor, local_slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Routed experts returning each row's weighted sum in x's dtype (the EP wire format).

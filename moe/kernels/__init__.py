@@ -176,6 +176,19 @@ def linear_forward(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | N
     return out[0] if squeeze else out
 
 
+def experts_forward_topk(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
+                         packed: PackedExperts) -> torch.Tensor:
+    """The routed experts straight from the router's output, in one op: grouping by slot, the
+    row gather, the experts and the weighted sum per token.
+
+    x: [T, D] float32 or bfloat16; slot_ids: [T, K] int64 local slots (-1: not computed here);
+    weights: [T, K] float32. Returns [T, D] float32: sum over kept k of weights[t, k] *
+    expert_{slot_ids[t, k]}(x[t]), summed in slot order like ``Experts.forward``'s index_add_.
+    """
+    return torch.ops.moe_kernels.experts_forward_topk(x, slot_ids, weights, packed.w13p, packed.s13, packed.w2p,
+                                                      packed.s2)
+
+
 def mla_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                value_dim: int, scale: float) -> torch.Tensor:
     """MLA absorbed decode attention read straight from the paged latent cache.

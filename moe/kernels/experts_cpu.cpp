@@ -226,55 +226,43 @@ static std::vector<Item> work_items(const std::vector<int64_t>& offsets, int64_t
   return items;
 }
 
-// x: [N, D] float32 or bfloat16, rows grouped by slot; counts: P ints summing to N.
-// w13p: [P, I/8, D, 16] (8 gate + 8 up channels per block); s13: [P, I/8, 16] fp32 or empty.
-// w2p: [P, D/16, I, 16]; s2: [P, D/16, 16] fp32 or empty. row_weights: [N] fp32 or empty.
-// Returns [N, D] in x's dtype, or fp32 when out_fp32.
-at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at::Tensor& w13p,
-                           const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
-                           const at::Tensor& row_weights, bool out_fp32) {
+// Checks x and the packed expert weights against each other.
+static void check_experts(const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p,
+                          const at::Tensor& s2) {
   TORCH_CHECK(x.device().is_cpu() && w13p.device().is_cpu() && w2p.device().is_cpu(), "moe_kernels: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && w13p.dim() == 4 && w2p.dim() == 4, "moe_kernels: x [N, D], w13p [P, I/8, D, 16], "
               "w2p [P, D/16, I, 16] expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "moe_kernels: x must be "
               "float32 or bfloat16");
-  const int64_t N = x.size(0), D = x.size(1), P = w13p.size(0), nb13 = w13p.size(1), I = nb13 * 8;
-  const int64_t nb2 = w2p.size(1);
+  const int64_t D = x.size(1), P = w13p.size(0), I = w13p.size(1) * 8, nb2 = w2p.size(1);
   TORCH_CHECK(w13p.size(2) == D && w13p.size(3) == 16 && w2p.size(0) == P && nb2 * 16 == D && w2p.size(2) == I &&
               w2p.size(3) == 16, "moe_kernels: packed weight shapes do not match x");
   TORCH_CHECK(w13p.scalar_type() == w2p.scalar_type(), "moe_kernels: w13p and w2p dtypes differ");
-  TORCH_CHECK(static_cast<int64_t>(counts.size()) == P, "moe_kernels: counts has ", counts.size(), " entries for ",
-              P, " slots");
   const bool quantized = w13p.scalar_type() == at::kChar;
   TORCH_CHECK(!quantized || (s13.numel() == P * I * 2 && s2.numel() == P * D), "moe_kernels: int8 weights need scales");
-  TORCH_CHECK(row_weights.numel() == 0 || row_weights.numel() == N, "moe_kernels: row_weights must have N entries");
-  std::vector<int64_t> offsets(P + 1, 0);
-  for (int64_t e = 0; e < P; ++e) {
-    TORCH_CHECK(counts[e] >= 0, "moe_kernels: negative count");
-    offsets[e + 1] = offsets[e] + counts[e];
-  }
-  TORCH_CHECK(offsets[P] == N, "moe_kernels: counts sum to ", offsets[P], ", x has ", N, " rows");
-  const auto out_dtype = out_fp32 ? at::kFloat : x.scalar_type();
-  at::Tensor out = at::empty({N, D}, x.options().dtype(out_dtype));
-  if (N == 0) return out;
+}
 
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+// The two phases over fp32 rows xs [N, D] grouped by slot (offsets: P + 1 row offsets): gate/up +
+// SiLU into fp32 activations, then down with the routing weight rw[n] (null: 1) and the int8 scale
+// in the epilogue, into out [N, D] (bf16 when bf16_out, else fp32).
+static void run_experts(const float* xs, const std::vector<int64_t>& offsets, int64_t D, const at::Tensor& w13p,
+                        const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2, const float* rw_ptr,
+                        bool bf16_out, void* out) {
+  const int64_t N = offsets.back(), nb13 = w13p.size(1), I = nb13 * 8, nb2 = w2p.size(1);
+  const bool quantized = w13p.scalar_type() == at::kChar;
   const at::Tensor w13c = w13p.contiguous(), w2c = w2p.contiguous();
   const at::Tensor s13c = quantized ? s13.to(at::kFloat).contiguous() : s13;
   const at::Tensor s2c = quantized ? s2.to(at::kFloat).contiguous() : s2;
-  const at::Tensor rwc = row_weights.numel() ? row_weights.to(at::kFloat).contiguous() : row_weights;
-  at::Tensor act = at::empty({N, I}, x.options().dtype(at::kFloat));
+  at::Tensor act = at::empty({N, I}, at::TensorOptions().dtype(at::kFloat));
 
   const Isa& isa = current_isa();
   const int wt = weight_type(w13c);
   const int64_t esize = w13c.element_size();
   const char* w13_ptr = static_cast<const char*>(w13c.data_ptr());
   const char* w2_ptr = static_cast<const char*>(w2c.data_ptr());
-  const float* xs = xf.data_ptr<float>();
   float* acts = act.data_ptr<float>();
   const float* s13_ptr = quantized ? s13c.data_ptr<float>() : nullptr;
   const float* s2_ptr = quantized ? s2c.data_ptr<float>() : nullptr;
-  const float* rw_ptr = rwc.numel() ? rwc.data_ptr<float>() : nullptr;
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
   const std::vector<Item> up_items = work_items(offsets, nb13);
@@ -288,8 +276,7 @@ at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at
   });
   // Phase 2: down projection, items (expert, 16 output channels); routing weight in the epilogue.
   const std::vector<Item> down_items = work_items(offsets, nb2);
-  const bool bf16_out = out_dtype == at::kBFloat16;
-  char* out_ptr = static_cast<char*>(out.data_ptr());
+  char* out_ptr = static_cast<char*>(out);
   at::parallel_for(0, static_cast<int64_t>(down_items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = down_items[i];
@@ -302,6 +289,98 @@ at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at
         isa.down_bf16(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<uint16_t*>(out_ptr) + first, D);
       else
         isa.down_f32(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<float*>(out_ptr) + first, D);
+    }
+  });
+}
+
+// x: [N, D] float32 or bfloat16, rows grouped by slot; counts: P ints summing to N.
+// w13p: [P, I/8, D, 16] (8 gate + 8 up channels per block); s13: [P, I/8, 16] fp32 or empty.
+// w2p: [P, D/16, I, 16]; s2: [P, D/16, 16] fp32 or empty. row_weights: [N] fp32 or empty.
+// Returns [N, D] in x's dtype, or fp32 when out_fp32.
+at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at::Tensor& w13p,
+                           const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
+                           const at::Tensor& row_weights, bool out_fp32) {
+  check_experts(x, w13p, s13, w2p, s2);
+  const int64_t N = x.size(0), D = x.size(1), P = w13p.size(0);
+  TORCH_CHECK(static_cast<int64_t>(counts.size()) == P, "moe_kernels: counts has ", counts.size(), " entries for ",
+              P, " slots");
+  TORCH_CHECK(row_weights.numel() == 0 || row_weights.numel() == N, "moe_kernels: row_weights must have N entries");
+  std::vector<int64_t> offsets(P + 1, 0);
+  for (int64_t e = 0; e < P; ++e) {
+    TORCH_CHECK(counts[e] >= 0, "moe_kernels: negative count");
+    offsets[e + 1] = offsets[e] + counts[e];
+  }
+  TORCH_CHECK(offsets[P] == N, "moe_kernels: counts sum to ", offsets[P], ", x has ", N, " rows");
+  const auto out_dtype = out_fp32 ? at::kFloat : x.scalar_type();
+  at::Tensor out = at::empty({N, D}, x.options().dtype(out_dtype));
+  if (N == 0) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor rwc = row_weights.numel() ? row_weights.to(at::kFloat).contiguous() : row_weights;
+  run_experts(xf.data_ptr<float>(), offsets, D, w13p, s13, w2p, s2, rwc.numel() ? rwc.data_ptr<float>() : nullptr,
+              out_dtype == at::kBFloat16, out.data_ptr());
+  return out;
+}
+
+// The whole routed-expert step from the router's output: x [T, D] float32 or bfloat16; slot_ids
+// [T, K] int64 local slots (-1: dropped / not here); weights [T, K] routing weights. Groups the
+// (token, k) assignments by slot (row-major order within a slot), gathers their rows, runs the
+// experts with each row's weight in the epilogue and sums every token's rows in that same order.
+// Returns [T, D] float32: sum over kept k of weights[t, k] * expert_{slot[t, k]}(x[t]), the values
+// of compute_local_routing + experts_forward + index_add_ (same arithmetic, same order).
+at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights,
+                                const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p,
+                                const at::Tensor& s2) {
+  check_experts(x, w13p, s13, w2p, s2);
+  const int64_t T = x.size(0), D = x.size(1), P = w13p.size(0);
+  TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.size(0) == T && slot_ids.scalar_type() == at::kLong,
+              "moe_kernels: slot_ids must be [T, K] int64");
+  TORCH_CHECK(weights.sizes() == slot_ids.sizes(), "moe_kernels: weights must be [T, K] like slot_ids");
+  const int64_t K = slot_ids.size(1);
+  const at::Tensor ids = slot_ids.contiguous(), wts = weights.to(at::kFloat).contiguous();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const float* wp = wts.data_ptr<float>();
+  std::vector<int64_t> offsets(P + 1, 0);
+  for (int64_t i = 0; i < T * K; ++i) {
+    TORCH_CHECK(idp[i] < P, "moe_kernels: slot id ", idp[i], " outside the ", P, " local slots");
+    if (idp[i] >= 0) ++offsets[idp[i] + 1];
+  }
+  for (int64_t e = 0; e < P; ++e) offsets[e + 1] += offsets[e];
+  const int64_t M = offsets[P];
+  at::Tensor out = at::zeros({T, D}, x.options().dtype(at::kFloat));
+  if (M == 0) return out;
+  std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1), token(M);
+  at::Tensor row_w = at::empty({M}, at::TensorOptions().dtype(at::kFloat));
+  float* rw = row_w.data_ptr<float>();
+  for (int64_t i = 0; i < T * K; ++i)
+    if (idp[i] >= 0) {
+      const int64_t r = fill[idp[i]]++;
+      token[r] = i / K;
+      rw[r] = wp[i];
+    }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor rows = at::empty({M, D}, at::TensorOptions().dtype(at::kFloat));
+  float* xs = rows.data_ptr<float>();
+  const bool bf16_in = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (bf16_in) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr()) + token[r] * D;
+        for (int64_t c = 0; c < D; ++c) xs[r * D + c] = to_float(src[c]);
+      } else {
+        std::memcpy(xs + r * D, xc.data_ptr<float>() + token[r] * D, D * sizeof(float));
+      }
+    }
+  });
+  at::Tensor y = at::empty({M, D}, at::TensorOptions().dtype(at::kFloat));
+  run_experts(xs, offsets, D, w13p, s13, w2p, s2, rw, false, y.data_ptr());
+  // combine: rows added in slot order, per column chunk (each output element sums in row order)
+  const float* yp = y.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, D, 256, [&](int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < M; ++r) {
+      float* dst = op + token[r] * D;
+      const float* src = yp + r * D;
+      for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
     }
   });
   return out;
@@ -452,6 +531,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 TORCH_LIBRARY(moe_kernels, m) {
   m.def("experts_forward(Tensor x, int[] counts, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, "
         "Tensor row_weights, bool out_fp32) -> Tensor");
+  m.def("experts_forward_topk(Tensor x, Tensor slot_ids, Tensor weights, Tensor w13p, Tensor s13, Tensor w2p, "
+        "Tensor s2) -> Tensor");
   m.def("linear_forward(Tensor x, Tensor wp, Tensor bias, int out_features, bool out_fp32) -> Tensor");
   m.def("mla_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, int value_dim, "
         "float scale) -> Tensor");
@@ -462,6 +543,7 @@ TORCH_LIBRARY(moe_kernels, m) {
 
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("experts_forward", &moe_kernels::experts_forward);
+  m.impl("experts_forward_topk", &moe_kernels::experts_forward_topk);
   m.impl("linear_forward", &moe_kernels::linear_forward);
   m.impl("mla_decode", &moe_kernels::mla_decode);
   m.impl("rms_norm", &moe_kernels::rms_norm);

@@ -115,6 +115,38 @@ def _module(dtype: torch.dtype, quantization: str | None = None) -> Experts:
     return e
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_op_from_router_output_equals_grouping_first(kernel_isas: list[str], dtype: torch.dtype,
+                                                         quantization: str | None) -> None:
+    experts = _module(dtype, quantization)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 32, generator=gen).to(dtype)
+    ids = torch.randint(-1, 5, (20, 3), generator=gen)  # slot 5 unused, some assignments dropped
+    ids[3] = -1  # a token with no kept assignment gets zeros
+    w = torch.rand(20, 3, generator=gen)
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        experts.fused_topk = True
+        assert experts._fused_packed(x, ids, w) is not None
+        got = experts(x, ids, w)
+        experts.fused_topk = False
+        want = experts(x, ids, w)  # compute_local_routing + experts_forward + index_add_
+        assert got.shape == (20, 32) and got.dtype == torch.float32
+        assert torch.equal(got, want), name  # same arithmetic in the same order
+        assert not got[3].any()
+    kernels.select_isa("auto")
+    experts.fused_topk = True
+    assert experts(x[:0], ids[:0], w[:0]).shape == (0, 32)
+    assert not experts(x, torch.full_like(ids, -1), w).any()
+
+
+def test_one_op_from_router_output_rejects_slots_it_does_not_host(kernel_isas: list[str]) -> None:
+    packed = _module(torch.float32).packed_weights()
+    with pytest.raises(RuntimeError, match="slot id 6 outside the 6 local slots"):
+        kernels.experts_forward_topk(torch.zeros(2, 32), torch.tensor([[0, 6], [1, 2]]), torch.ones(2, 2), packed)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_experts_module_kernel_equals_pytorch_path(kernel_isas: list[str], quantization: str | None) -> None:
