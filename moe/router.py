@@ -17,7 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe import kernels
 from moe.config import ModelConfig
+
+_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}  # moe_kernels.route_topk's method ids
 
 
 def mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
@@ -50,6 +53,8 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    use_kernel: bool = True  # False pins the PyTorch ops below (the reference in tests)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D]. Returns topk_ids [T, K] int64, topk_weights [T, K] float32."""
         ids, weights, _ = self.route(x)
@@ -61,6 +66,13 @@ class Router(nn.Module):
         the selection scores [T, E] float32 the top-k was taken on (bias-corrected for noaux_tc),
         -inf for experts outside the token's top groups; else None."""
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
+        if not with_scores and self._kernel_applies(logits):  # everything after the logits in one CPU op
+            bias = self.e_score_correction_bias
+            ids, weights = torch.ops.moe_kernels.route_topk(
+                logits, bias.float() if bias is not None else logits.new_empty(0), self.scoring_func == "sigmoid",
+                _METHODS[self.topk_method], self.n_group or 1, self.topk_group or 1, self.top_k, self.norm_topk_prob,
+                float(self.routed_scaling_factor))
+            return ids, weights, None
         if self.scoring_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:
@@ -81,6 +93,12 @@ class Router(nn.Module):
             eps = 1e-20 if self.topk_method == "noaux_tc" else 0.0
             weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
         return ids.to(torch.int64), (weights * self.routed_scaling_factor).float(), selection if with_scores else None
+
+    def _kernel_applies(self, logits: torch.Tensor) -> bool:
+        """The fused CPU op (``moe_kernels.route_topk``): CPU, no autograd, the kernel built. Its
+        ids come highest score first (ties: lower id); torch.topk's unsorted order may differ."""
+        return (self.use_kernel and logits.device.type == "cpu" and not kernels.needs_autograd(logits)
+                and kernels.is_available())
 
     def _selection_noaux_tc(self, scores: torch.Tensor) -> torch.Tensor:
         """scores: [T, E] sigmoid. Returns the bias-corrected scores [T, E] with experts outside

@@ -290,8 +290,9 @@ def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: f
 
 # profiler op name -> kind of work in the --breakdown table (anything else: "other ops")
 BREAKDOWN_KINDS = {
-    "moe_kernels::experts_forward": "experts kernel",
+    "moe_kernels::experts_forward": "experts kernel", "moe_kernels::experts_forward_topk": "experts kernel",
     "moe_kernels::linear_forward": "linear kernel",
+    "moe_kernels::mla_decode": "attention kernel",
     "aten::mm": "torch GEMMs", "aten::addmm": "torch GEMMs", "aten::bmm": "torch GEMMs",
     "aten::_grouped_mm": "torch GEMMs",
     "aten::index_select": "gather/scatter", "aten::index": "gather/scatter", "aten::index_put_": "gather/scatter",
@@ -310,8 +311,8 @@ def profile_steps(engine: Any, steps: int) -> dict[str, float]:
         for _ in range(steps):
             engine.step()
         cpu = time.process_time() - started
-    kinds = dict.fromkeys(["experts kernel", "linear kernel", "torch GEMMs", "gather/scatter", "copies/casts",
-                           "other ops"], 0.0)
+    kinds = dict.fromkeys(["experts kernel", "linear kernel", "attention kernel", "torch GEMMs", "gather/scatter",
+                           "copies/casts", "other ops"], 0.0)
     for event in prof.key_averages():
         kinds[BREAKDOWN_KINDS.get(event.key, "other ops")] += event.self_cpu_time_total / 1e3
     in_ops = sum(kinds.values())
@@ -334,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
     g.add_argument("--breakdown", action="store_true",
                    help="after the timed steps, profile as many more and split their CPU time by kind of work "
-                        "(experts kernel, linear kernel, torch GEMMs, gathers, casts, other ops, outside ops)")
+                        "(experts kernel, linear kernel, attention kernel, torch GEMMs, gathers, casts, other ops, outside ops)")
     return parser
 
 

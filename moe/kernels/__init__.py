@@ -189,6 +189,16 @@ def experts_forward_topk(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch
                                                       packed.s2)
 
 
+def mla_rope_cache(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor, interleave: bool, pool: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """MLA's pre-attention step in one op. q: [T, H, Nn + R]; latent: [T, C + R] (kv_a_proj_with_mqa's
+    output); norm_weight: [C] (kv_a_layernorm); cos, sin: [T, R/2] float32; pool: [N, S, C + R] one
+    layer's cache; slot_mapping: [T] int64. Writes [rmsnorm(latent[:, :C]) | rope(latent[:, C:])] to
+    the pool's slots and returns q [T, H, Nn + R] with its last R columns rotated. q, latent, the
+    weight and the pool share one dtype (float32 or bfloat16)."""
+    return torch.ops.moe_kernels.mla_rope_cache(q, latent, norm_weight, eps, cos, sin, interleave, pool, slot_mapping)
+
+
 def mla_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                value_dim: int, scale: float) -> torch.Tensor:
     """MLA absorbed decode attention read straight from the paged latent cache.

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -139,7 +140,7 @@ using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, co
                             uint16_t*, int64_t);
 template <typename OT>
 using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, int64_t, OT*, int64_t);
-using RmsNormFn = void (*)(bool, const void*, const void*, void*, int64_t, int64_t, float);
+using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
 using MlaDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, int64_t, int64_t, const int64_t*,
                              int64_t, float, bool, float*, float*, float*);
 
@@ -521,9 +522,191 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   // rows in chunks of at least ~32K elements per thread: one decode row is not worth a thread
   const int64_t grain = std::max<int64_t>(1, 32768 / D);
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
-    isa.rms_norm(bf16, xp + begin * D * esize, wc.data_ptr(), op + begin * D * esize, end - begin, D, e);
+    isa.rms_norm(bf16, xp + begin * D * esize, D, wc.data_ptr(), op + begin * D * esize, D, end - begin, D, e);
   });
   return out;
+}
+
+// Rotary embedding of one R-wide vector in fp32 (moe.layers.rope.apply_rotary): x1, x2 = the even
+// and odd entries (interleave) or the two halves; out = [x1 c - x2 s | x2 c + x1 s] rounded to T.
+template <typename T>
+static inline void rope_row(const T* x, const float* cos, const float* sin, int64_t R, bool interleave, T* out) {
+  const int64_t half = R / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_float(interleave ? x[2 * i] : x[i]), x2 = to_float(interleave ? x[2 * i + 1] : x[half + i]);
+    const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
+    store_value(out + i, a - b);
+    store_value(out + half + i, c + d);
+  }
+}
+
+template <typename T>
+static void mla_rope_cache_rows(const T* q, int64_t H, int64_t nope, const T* latent, const T* norm_w, float eps,
+                                const float* cos, const float* sin, bool interleave, T* pool, const int64_t* slots,
+                                int64_t C, int64_t R, T* q_out, int64_t begin, int64_t end) {
+  const Isa& isa = current_isa();
+  const bool bf16 = sizeof(T) == 2;
+  const int64_t W = C + R, Q = nope + R;
+  for (int64_t t = begin; t < end; ++t) {
+    const float* c = cos + t * (R / 2);
+    const float* s = sin + t * (R / 2);
+    for (int64_t h = 0; h < H; ++h) {
+      const T* src = q + (t * H + h) * Q;
+      T* dst = q_out + (t * H + h) * Q;
+      std::memcpy(dst, src, nope * sizeof(T));
+      rope_row(src + nope, c, s, R, interleave, dst + nope);
+    }
+    T* entry = pool + slots[t] * W;
+    isa.rms_norm(bf16, latent + t * W, W, norm_w, entry, W, 1, C, eps);
+    rope_row(latent + t * W + C, c, s, R, interleave, entry + C);
+  }
+}
+
+// MLA's step before attention, in one op: q [T, H, Nn + R] -> q with its rope part rotated
+// (returned); the cache entry of token t, [rmsnorm(latent[t, :C]) | rope(latent[t, C:])], written to
+// pool [N, S, C + R] at flat slot slot_mapping[t]. latent: [T, C + R] (kv_a_proj_with_mqa's output);
+// norm_weight: [C]; cos, sin: [T, R/2] float32. q, latent, norm_weight and pool share one dtype
+// (float32 or bfloat16).
+at::Tensor mla_rope_cache(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& norm_weight, double eps,
+                          const at::Tensor& cos, const at::Tensor& sin, bool interleave, const at::Tensor& pool,
+                          const at::Tensor& slot_mapping) {
+  TORCH_CHECK(q.device().is_cpu() && latent.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && latent.dim() == 2 && pool.dim() == 3 && norm_weight.dim() == 1 && cos.dim() == 2 &&
+              slot_mapping.dim() == 1, "moe_kernels: q [T, H, Nn + R], latent [T, C + R], norm_weight [C], "
+              "cos/sin [T, R/2], pool [N, S, C + R], slot_mapping [T] expected");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && latent.scalar_type() == dt &&
+              norm_weight.scalar_type() == dt && pool.scalar_type() == dt,
+              "moe_kernels: q, latent, norm_weight and pool must share one dtype, float32 or bfloat16");
+  const int64_t T = q.size(0), H = q.size(1), C = norm_weight.size(0), W = latent.size(1), R = W - C;
+  const int64_t nope = q.size(2) - R;
+  TORCH_CHECK(latent.size(0) == T && R > 0 && R % 2 == 0 && nope >= 0 && pool.size(2) == W,
+              "moe_kernels: latent / pool width ", W, " does not split into C = ", C, " and an even rope width");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == R / 2 &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "moe_kernels: cos and sin must be [T, R/2] float32");
+  TORCH_CHECK(slot_mapping.size(0) == T && slot_mapping.scalar_type() == at::kLong,
+              "moe_kernels: slot_mapping must be [T] int64");
+  TORCH_CHECK(pool.is_contiguous(), "moe_kernels: the cache pool must be contiguous");
+  const at::Tensor qc = q.contiguous(), lc = latent.contiguous(), wc = norm_weight.contiguous();
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = pool.size(0) * pool.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "moe_kernels: slot ", sp[t], " outside the pool of ", num_slots);
+  at::Tensor q_out = at::empty_like(qc);
+  if (T == 0) return q_out;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    if (dt == at::kBFloat16)
+      mla_rope_cache_rows(reinterpret_cast<const uint16_t*>(qc.data_ptr()), H, nope,
+                          reinterpret_cast<const uint16_t*>(lc.data_ptr()), reinterpret_cast<const uint16_t*>(wc.data_ptr()),
+                          e, cc.data_ptr<float>(), sc.data_ptr<float>(), interleave,
+                          reinterpret_cast<uint16_t*>(pool.data_ptr()), sp, C, R,
+                          reinterpret_cast<uint16_t*>(q_out.data_ptr()), begin, end);
+    else
+      mla_rope_cache_rows(qc.data_ptr<float>(), H, nope, lc.data_ptr<float>(), wc.data_ptr<float>(), e,
+                          cc.data_ptr<float>(), sc.data_ptr<float>(), interleave, pool.data_ptr<float>(), sp, C, R,
+                          q_out.data_ptr<float>(), begin, end);
+  });
+  return q_out;
+}
+
+// Router selection after the gate's logits, per token (moe.router.Router.route's arithmetic):
+// scores = softmax or sigmoid of logits [T, E] (fp32); selection on scores (+ bias for noaux_tc)
+// restricted to the topk_group best of n_group groups (group score: max for group_limited_greedy,
+// sum of the top two biased scores for noaux_tc; experts outside score -inf, or 0 for
+// group_limited_greedy like transformers' masked_fill); the top_k by selection, highest first (ties:
+// lower expert id); weights = the unbiased scores (group_limited_greedy: the masked ones),
+// renormalised when norm_topk_prob (+1e-20 for noaux_tc), times scaling.
+// method: 0 greedy, 1 group_limited_greedy, 2 noaux_tc; sigmoid: else softmax.
+// Returns (ids [T, top_k] int64, weights [T, top_k] float32).
+std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at::Tensor& bias, bool sigmoid,
+                                              int64_t method, int64_t n_group, int64_t topk_group, int64_t top_k,
+                                              bool norm_topk_prob, double scaling) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "moe_kernels: logits must be a [T, E] float32 CPU tensor");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(method >= 0 && method <= 2, "moe_kernels: unknown routing method ", method);
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_kernels: top_k ", top_k, " outside [1, ", E, "]");
+  const bool grouped = method != 0;
+  TORCH_CHECK(!grouped || (n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group),
+              "moe_kernels: ", E, " experts do not split into ", n_group, " groups with ", topk_group, " kept");
+  TORCH_CHECK(method != 2 || (bias.numel() == E && bias.scalar_type() == at::kFloat),
+              "moe_kernels: noaux_tc needs an [E] float32 bias");
+  TORCH_CHECK(method != 2 || E / n_group >= 2, "moe_kernels: noaux_tc needs at least 2 experts per group");
+  at::Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
+  at::Tensor weights = at::empty({T, top_k}, logits.options());
+  if (T == 0) return {ids, weights};
+  const at::Tensor lc = logits.contiguous();
+  const at::Tensor bc = method == 2 ? bias.contiguous() : bias;
+  const float* lp = lc.data_ptr<float>();
+  const float* bp = method == 2 ? bc.data_ptr<float>() : nullptr;
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  const int64_t per_group = grouped ? E / n_group : E;
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(E), sel(E), group_score(grouped ? n_group : 0);
+    std::vector<char> keep(grouped ? n_group : 0), taken(E);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* l = lp + t * E;
+      if (sigmoid) {
+        for (int64_t e = 0; e < E; ++e) scores[e] = 1.f / (1.f + std::exp(-l[e]));
+      } else {
+        float m = l[0];
+        for (int64_t e = 1; e < E; ++e) m = std::max(m, l[e]);
+        float sum = 0.f;
+        for (int64_t e = 0; e < E; ++e) sum += (scores[e] = std::exp(l[e] - m));
+        for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
+      }
+      for (int64_t e = 0; e < E; ++e) sel[e] = bp ? scores[e] + bp[e] : scores[e];
+      if (grouped) {
+        for (int64_t g = 0; g < n_group; ++g) {
+          const float* v = sel.data() + g * per_group;
+          if (method == 1) {
+            group_score[g] = *std::max_element(v, v + per_group);
+          } else {  // sum of the two largest
+            float a = -INFINITY, b = -INFINITY;
+            for (int64_t j = 0; j < per_group; ++j) {
+              if (v[j] > a) b = a, a = v[j];
+              else if (v[j] > b) b = v[j];
+            }
+            group_score[g] = a + b;
+          }
+          keep[g] = 0;
+        }
+        for (int64_t n = 0; n < topk_group; ++n) {  // the best groups, ties to the lower group id
+          int64_t best = -1;
+          for (int64_t g = 0; g < n_group; ++g)
+            if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+          keep[best] = 1;
+        }
+        const float fill = method == 1 ? 0.f : -INFINITY;
+        for (int64_t e = 0; e < E; ++e)
+          if (!keep[e / per_group]) sel[e] = fill;
+      }
+      int64_t* row_ids = ip + t * top_k;
+      float* row_w = wp + t * top_k;
+      std::fill(taken.begin(), taken.end(), 0);
+      for (int64_t k = 0; k < top_k; ++k) {  // highest selection first, ties to the lower expert id
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (!taken[e] && (best < 0 || sel[e] > sel[best])) best = e;
+        taken[best] = 1;
+        row_ids[k] = best;
+        row_w[k] = method == 1 ? sel[best] : scores[best];
+      }
+      if (norm_topk_prob) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < top_k; ++k) sum += row_w[k];
+        const float denom = sum + (method == 2 ? 1e-20f : 0.f);
+        for (int64_t k = 0; k < top_k; ++k) row_w[k] /= denom;
+      }
+      for (int64_t k = 0; k < top_k; ++k) row_w[k] *= scale;
+    }
+  });
+  return {ids, weights};
 }
 
 }  // namespace moe_kernels
@@ -537,6 +720,10 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("mla_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, int value_dim, "
         "float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("route_topk(Tensor logits, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, int top_k, "
+        "bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
+  m.def("mla_rope_cache(Tensor q, Tensor latent, Tensor norm_weight, float eps, Tensor cos, Tensor sin, "
+        "bool interleave, Tensor(a!) pool, Tensor slot_mapping) -> Tensor");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
 }
@@ -547,4 +734,6 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("linear_forward", &moe_kernels::linear_forward);
   m.impl("mla_decode", &moe_kernels::mla_decode);
   m.impl("rms_norm", &moe_kernels::rms_norm);
+  m.impl("route_topk", &moe_kernels::route_topk);
+  m.impl("mla_rope_cache", &moe_kernels::mla_rope_cache);
 }

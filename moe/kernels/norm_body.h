@@ -3,11 +3,13 @@
 // round() the cast back to x's dtype, as transformers' LlamaRMSNorm / DeepseekV3RMSNorm compute it
 // (for bf16 the product with the weight is rounded once more, like a bf16 multiply).
 
+// x rows at stride ldx, out rows at stride ldo.
 template <typename T>
-static void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t D, float eps) {
+static void rms_norm_rows(const T* x, int64_t ldx, const T* w, T* out, int64_t ldo, int64_t rows, int64_t D,
+                          float eps) {
   alignas(64) float lanes[MOE_W];
   for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * D;
+    const T* xr = x + r * ldx;
     vf a0 = vzero(), a1 = vzero();
     int64_t c = 0;
     for (; c + 2 * MOE_W <= D; c += 2 * MOE_W) {
@@ -27,7 +29,7 @@ static void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t 
       ss += v * v;
     }
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-    T* o = out + r * D;
+    T* o = out + r * ldo;
     for (int64_t j = 0; j < D; ++j) {
       T h;
       store_value(&h, to_float(xr[j]) * inv);  // the cast back to x's dtype
@@ -37,11 +39,13 @@ static void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t 
 }
 
 struct NormKernels {
-  static void rms_norm(bool bf16, const void* x, const void* w, void* out, int64_t rows, int64_t D, float eps) {
+  static void rms_norm(bool bf16, const void* x, int64_t ldx, const void* w, void* out, int64_t ldo, int64_t rows,
+                       int64_t D, float eps) {
     if (bf16)
-      rms_norm_rows(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out),
-                    rows, D, eps);
+      rms_norm_rows(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out),
+                    ldo, rows, D, eps);
     else
-      rms_norm_rows(static_cast<const float*>(x), static_cast<const float*>(w), static_cast<float*>(out), rows, D, eps);
+      rms_norm_rows(static_cast<const float*>(x), ldx, static_cast<const float*>(w), static_cast<float*>(out), ldo, rows,
+                    D, eps);
   }
 };

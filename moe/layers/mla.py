@@ -43,6 +43,8 @@ class MLAAttention(nn.Module):
         # decode attention by the CPU kernel straight from the paged cache (False: gather + sdpa,
         # the reference in tests)
         self.use_paged_kernel = True
+        # rope, kv_a_layernorm and the cache write as one CPU op (False: the PyTorch ops)
+        self.use_fused_rope_cache = True
         bias = config.attention_bias
         qk = self.nope + self.rope
         if config.q_lora_rank is None:
@@ -66,11 +68,15 @@ class MLAAttention(nn.Module):
         t = x.shape[0]
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope + self.rope)
-        q = torch.cat((q[..., : self.nope], apply_rotary(q[..., self.nope :], cos, sin, self.interleave)), dim=-1)
-        latent = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
-        k_pe = apply_rotary(latent[:, None, self.kv_lora_rank :], cos, sin, self.interleave)[:, 0]
-        cache.write(meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1))  # [T, C + R]
+        latent = self.kv_a_proj_with_mqa(x)  # [T, C + R]
+        if self._fused_rope_cache_applies(q, latent, cache):  # rope, latent norm and cache write in one op
+            q = kernels.mla_rope_cache(q, latent, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin,
+                                       self.interleave, cache.pool, meta.slot_mapping)
+        else:
+            q = torch.cat((q[..., : self.nope], apply_rotary(q[..., self.nope :], cos, sin, self.interleave)), dim=-1)
+            c_kv = self.kv_a_layernorm(latent[:, : self.kv_lora_rank])
+            k_pe = apply_rotary(latent[:, None, self.kv_lora_rank :], cos, sin, self.interleave)[:, 0]
+            cache.write(meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1))  # [T, C + R]
         decode_fn = self._attend_absorbed if self.absorb_decode else self._attend_naive
         paged_fn = self._attend_paged if self._paged_decode_applies(q, cache) else None
         out = paged_attention(q, meta, cache, self.v_dim, decode_fn, self._attend_naive, decode_paged_fn=paged_fn)
@@ -106,6 +112,14 @@ class MLAAttention(nn.Module):
         o_lat = kernels.mla_decode(q_full.contiguous(), view.pool, block_tables, context_lens, self.kv_lora_rank,
                                    self.scale)  # [B, H, C]
         return self._expand_values(o_lat[:, :, None], packed)[:, :, 0]
+
+    def _fused_rope_cache_applies(self, q: torch.Tensor, latent: torch.Tensor, view: KVLayerView) -> bool:
+        """Whether ``kernels.mla_rope_cache`` can stand in for the rope / norm / cache-write ops: CPU,
+        q, latent, the norm weight and the cache in one dtype (so not an fp8 cache), no autograd, built."""
+        dtype = q.dtype
+        return (self.use_fused_rope_cache and q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                and latent.dtype == dtype and self.kv_a_layernorm.weight.dtype == dtype and view.pool.dtype == dtype
+                and not kernels.needs_autograd(q, latent) and kernels.is_available())
 
     def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, Nn + R]: CPU, the

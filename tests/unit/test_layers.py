@@ -101,11 +101,15 @@ def test_rotary_layouts_match_hf() -> None:
 
 
 def _check_router(ours: Router, ref_ids: torch.Tensor, ref_w: torch.Tensor, x: torch.Tensor) -> None:
-    ids, w = ours(x)
-    assert ids.shape == ref_ids.shape and ids.dtype == torch.int64 and w.dtype == torch.float32
-    o1, o2 = ids.sort(-1), ref_ids.sort(-1)
-    assert torch.equal(o1.values, o2.values)
-    assert torch.allclose(w.gather(1, o1.indices), ref_w.float().gather(1, o2.indices), atol=1e-6)
+    """Both of our paths (the fused CPU op, where it builds, and the PyTorch ops) pick HF's experts
+    with HF's weights."""
+    for use_kernel in (True, False):
+        ours.use_kernel = use_kernel
+        ids, w = ours(x)
+        assert ids.shape == ref_ids.shape and ids.dtype == torch.int64 and w.dtype == torch.float32
+        o1, o2 = ids.sort(-1), ref_ids.sort(-1)
+        assert torch.equal(o1.values, o2.values), use_kernel
+        assert torch.allclose(w.gather(1, o1.indices), ref_w.float().gather(1, o2.indices), atol=1e-6), use_kernel
 
 
 @pytest.mark.parametrize("norm,top_k,groups", [(True, 4, (4, 2)), (False, 1, (2, 1)), (True, 2, (1, 1))])

@@ -135,3 +135,37 @@ def test_paged_kernel_output_shape_in_a_mixed_step(kernel_isas: list[str], hf_ch
         want = attn(x, cos, sin, meta, cache.layer(0))
     assert got.shape == (5, cfg.hidden_size) and got.dtype == torch.bfloat16
     assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_norm_and_cache_write_in_one_op_equal_the_pytorch_ops(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                                                   dtype: torch.dtype, interleave: bool) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], dtype)
+    attn, cfg = model.model.layers[0].self_attn, model.config
+    attn.interleave = interleave
+    meta = AttentionMetadata.build([1, 3, 1], [5, 3, 2], [[1, 2], [3], [4]], 4)  # decode, prefill, decode
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    cos, sin = model.model.rotary(torch.tensor([4, 0, 1, 2, 1]))
+    caches, outputs = [], []
+    for fused in (True, False):
+        attn.use_fused_rope_cache = fused
+        cache = PagedKVCache(cfg, 8, 4, dtype)
+        assert attn._fused_rope_cache_applies(torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype),
+                                              cache.layer(0)) == fused
+        with torch.no_grad():
+            outputs.append(attn(x, cos, sin, meta, cache.layer(0)))
+        caches.append(cache.pools[0])
+    assert outputs[0].shape == (5, cfg.hidden_size) and caches[0].shape == (8, 4, attn.kv_lora_rank + attn.rope)
+    # the same entries in the same slots (fp32: up to the norm's summation order)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    assert (caches[0].float() - caches[1].float()).abs().max().item() <= tol * caches[1].float().abs().max().item()
+    assert caches[0][0].abs().sum() == 0 and caches[0][1, :3].abs().sum() == 0  # untouched slots stay zero
+    assert (outputs[0].float() - outputs[1].float()).abs().max().item() <= 4 * tol * outputs[1].float().abs().max()
+
+
+def test_rope_cache_op_refuses_slots_outside_the_pool(kernel_isas: list[str]) -> None:
+    q, latent, pool = torch.zeros(1, 2, 6), torch.zeros(1, 10), torch.zeros(2, 4, 10)
+    cos, sin = torch.ones(1, 2), torch.zeros(1, 2)
+    with pytest.raises(RuntimeError, match="slot 8 outside the pool of 8"):
+        kernels.mla_rope_cache(q, latent, torch.ones(6), 1e-6, cos, sin, False, pool, torch.tensor([8]))

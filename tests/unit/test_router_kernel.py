@@ -1,0 +1,70 @@
+"""The router's selection as one CPU op (moe_kernels.route_topk) against the PyTorch ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe.config import ModelConfig
+from moe.router import Router
+
+BASE = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=32, hidden_size=24, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=32, moe_intermediate_size=8, kv_lora_rank=8,
+            qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, q_lora_rank=None, first_k_dense_replace=0)
+CASES = {  # name -> config overrides
+    "noaux_tc": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, topk_method="noaux_tc",
+                     scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5),
+    "noaux_tc_one_group": dict(n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
+                               topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=False),
+    "group_limited_greedy": dict(architectures=["DeepseekV2ForCausalLM"], n_routed_experts=16, num_experts_per_tok=3,
+                                 n_group=4, topk_group=2, topk_method="group_limited_greedy", scoring_func="softmax",
+                                 norm_topk_prob=False, routed_scaling_factor=16.0),
+    "softmax_greedy_norm": dict(architectures=["DeepseekV2ForCausalLM"], n_routed_experts=6, num_experts_per_tok=2,
+                                topk_method="greedy", scoring_func="softmax", norm_topk_prob=True),
+}
+
+
+def _router(case: str) -> Router:
+    router = Router(ModelConfig.from_hf({**BASE, **CASES[case]}))
+    gen = torch.Generator().manual_seed(0)
+    router.weight.data = torch.randn(router.weight.shape, generator=gen)
+    if router.e_score_correction_bias is not None:
+        router.e_score_correction_bias.data = torch.randn(router.num_experts, generator=gen) * 0.3
+    return router
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_op_picks_the_pytorch_experts_highest_first(kernel_isas: list[str], case: str,
+                                                         dtype: torch.dtype) -> None:
+    router = _router(case)
+    x = torch.randn(50, 24, generator=torch.Generator().manual_seed(1)).to(dtype)
+    logits = torch.nn.functional.linear(x.float(), router.weight)
+    assert router._kernel_applies(logits)
+    ids, w, _ = router.route(x)
+    router.use_kernel = False
+    ref_ids, ref_w, selection = router.route(x, with_scores=True)
+    assert ids.shape == ref_ids.shape == (50, router.top_k) and ids.dtype == torch.int64 and w.dtype == torch.float32
+    mine, ref = ids.sort(-1), ref_ids.sort(-1)
+    assert torch.equal(mine.values, ref.values)
+    torch.testing.assert_close(w.gather(1, mine.indices), ref_w.gather(1, ref.indices), atol=1e-6, rtol=1e-5)
+    picked = selection.gather(1, ids)  # [T, K] selection scores in the op's order
+    assert (picked[:, :-1] >= picked[:, 1:]).all()  # highest first
+
+
+def test_route_op_is_skipped_where_scores_are_asked_for_or_autograd_runs(kernel_isas: list[str]) -> None:
+    router = _router("noaux_tc")
+    x = torch.randn(4, 24)
+    ids, _, scores = router.route(x, with_scores=True)  # capacity rerouting wants [T, E] scores
+    assert scores is not None and scores.shape == (4, 16)
+    logits = torch.randn(4, 16, requires_grad=True)
+    assert not router._kernel_applies(logits)
+    assert router.route(x[:0])[0].shape == (0, 4)
+
+
+def test_route_op_rejects_impossible_groupings(kernel_isas: list[str]) -> None:
+    logits, bias = torch.zeros(2, 6), torch.zeros(6)
+    with pytest.raises(RuntimeError, match="do not split into 4 groups"):
+        torch.ops.moe_kernels.route_topk(logits, bias, True, 2, 4, 2, 2, True, 1.0)
+    with pytest.raises(RuntimeError, match="top_k 7 outside"):
+        torch.ops.moe_kernels.route_topk(logits, bias, False, 0, 1, 1, 7, True, 1.0)
