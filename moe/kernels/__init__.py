@@ -59,6 +59,11 @@ BLOCK = 16  # output channels per packed column block
 LIBRARY_GEMM_MIN_ROWS = 512
 
 
+# "no tensor" for the ops' optional arguments (bias, row weights): one shared empty tensor instead
+# of a new one per call (the ops only read it)
+_NONE = torch.empty(0, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class PackedExperts:
     """Routed-expert weights in the kernel's layout (see the module docstring).
@@ -171,7 +176,7 @@ def linear_forward(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | N
     """
     squeeze = x.dim() == 2
     x3 = x[None] if squeeze else x
-    b = bias if bias is not None else torch.empty(0, dtype=torch.float32)
+    b = bias if bias is not None else _NONE
     out = torch.ops.moe_kernels.linear_forward(x3, packed.wp, b, packed.out_features, out_fp32)
     return out[0] if squeeze else out
 
@@ -326,6 +331,6 @@ def experts_forward(x_sorted: torch.Tensor, counts: list[int], packed: PackedExp
     x_sorted: [N, D] float32 or bfloat16; counts: P ints summing to N; row_weights: [N] or None.
     Returns: [N, D] (x's dtype, or float32 with ``out_fp32``), row n scaled by row_weights[n].
     """
-    weights = row_weights if row_weights is not None else torch.empty(0, dtype=torch.float32)
+    weights = row_weights if row_weights is not None else _NONE
     return torch.ops.moe_kernels.experts_forward(x_sorted, counts, packed.w13p, packed.s13, packed.w2p,
                                                  packed.s2, weights, out_fp32)

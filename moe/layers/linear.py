@@ -36,8 +36,10 @@ class Linear(nn.Linear):
         packed = self.packed_weight(x)
         if packed is None:
             return F.linear(x, self.weight, self.bias)
+        if x.dim() == 2:
+            return kernels.linear_forward(x, packed, self.bias)  # the op makes x contiguous if it is not
         rows = x.reshape(-1, x.shape[-1])
-        out = kernels.linear_forward(rows.contiguous(), packed, self.bias)
+        out = kernels.linear_forward(rows, packed, self.bias)
         return out.view(*x.shape[:-1], packed.out_features)
 
     def packed_weight(self, x: torch.Tensor) -> kernels.PackedLinear | None:
