@@ -13,7 +13,7 @@
 
 // Per-ISA vector ops (defined before this file is included): vf, vzero(), vload(const T*) for
 // float / bf16 (uint16_t) / int8 weights (8 or 16 fp32 lanes), vbroadcast(const float*),
-// vfma(a, b, c) = a * b + c, vadd, vmax (lane-wise), vstore(float*, vf).
+// vfma(a, b, c) = a * b + c, vadd, vmax (lane-wise), vhsum (sum of the lanes), vstore(float*, vf).
 constexpr int NV = 16 / MOE_W;  // vectors per 16-column block
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048

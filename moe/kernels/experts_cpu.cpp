@@ -33,6 +33,10 @@ namespace moe_kernels {
 
 enum WeightType { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 
+// MLA decode (mla_body.h): a bf16 sequence whose fp32 rows fit this many bytes is converted once and
+// kept (in L2) for both passes; longer ones convert each block again for the value pass.
+constexpr int64_t MLA_KEEP_BYTES = 256 * 1024;
+
 static inline float to_float(float v) { return v; }
 static inline float to_float(uint16_t h) {  // bf16 -> fp32
   const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -70,6 +74,11 @@ static inline vf vbroadcast(const float* p) { return vf{} + *p; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vadd(vf a, vf b) { return a + b; }
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+static inline float vhsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < MOE_W; ++i) s += v[i];
+  return s;
+}
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 #include "experts_body.h"
 #include "mla_body.h"
@@ -97,6 +106,12 @@ static inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vhsum(vf v) {  // (lo + hi) then pairwise within 128 bits
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 #include "experts_body.h"
 #include "mla_body.h"
@@ -124,6 +139,7 @@ static inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #include "experts_body.h"
 #include "mla_body.h"
@@ -485,7 +501,10 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Ten
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(per_group * max_len), kbuf(S * W), o(per_group * C);
+    // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block
+    const int64_t keep_len = std::min(max_len, MLA_KEEP_BYTES / (W * static_cast<int64_t>(sizeof(float))));
+    std::vector<float> scores(per_group * max_len), kbuf(std::max(S, (keep_len + S - 1) / S * S) * W),
+        o(per_group * C);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / groups, h0 = (i % groups) * per_group, hh = std::min(per_group, H - h0);
       isa.mla_decode(bf16, qs + (b * H + h0) * W, hh, pool_ptr, S, W, C, tp + b * nb, lp[b], sc, bf16,

@@ -8,6 +8,7 @@
 //   pass 2: p[h] = softmax(round(s[h]) * scale)    (round: to bf16 when the inputs are bf16,
 //           then p rounded to bf16, where the library's bf16 GEMM and transformers round)
 //   pass 3: o[h] = sum_t p[h][t] latent[t][0:C]    (the values are the first C latent columns)
+// A bf16 sequence of up to MLA_KEEP_BYTES in fp32 is converted once for both passes.
 // Register tiles: 3 tokens x 4 heads of dot products (the k and q vectors each feed several FMAs);
 // 6 heads x 2 vectors of output columns for the value products.
 
@@ -32,12 +33,9 @@ static inline void mla_dot_tile(const float* __restrict q, int64_t ldq, const fl
       for (int t = 0; t < TT; ++t) acc[t][h] = vfma(qv, kv[t], acc[t][h]);
     }
   }
-  alignas(64) float lanes[MOE_W];
   for (int t = 0; t < TT; ++t)
-    for (int h = 0; h < HH; ++h) {
-      vstore(lanes, acc[t][h]);
-      float s = 0.f;
-      for (int i = 0; i < MOE_W; ++i) s += lanes[i];
+    for (int h = 0; h < HH; ++h) {  // independent reductions: they pipeline
+      float s = vhsum(acc[t][h]);
       for (int64_t cc = c; cc < n; ++cc) s += q[h * ldq + cc] * k[t * ldk + cc];
       out[h * ldo + t] = s;
     }
@@ -181,16 +179,18 @@ static inline const float* mla_block_f32(const uint16_t* src, int64_t rows, int6
 }
 
 // One work item: heads [0, hh) of one sequence. q: [hh, W] fp32 rows (W = C + R); pool: [N, S, W];
-// table: the sequence's block ids; L: its context length. scores: [hh, L] and kbuf: [S, W] fp32
-// scratch; o: [hh, C] fp32 output. round_half: round scores and probabilities to bf16.
+// table: the sequence's block ids; L: its context length. scores: [hh, L] and kbuf: [max(S, L'), W]
+// fp32 scratch (L' = L rounded up to S when the sequence fits MLA_KEEP_BYTES); o: [hh, C] fp32
+// output. round_half: round scores and probabilities to bf16.
 template <typename PT>
 static void mla_decode_item(const float* q, int64_t hh, const PT* pool, int64_t S, int64_t W, int64_t C,
                             const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
                             float* kbuf, float* o) {
   const int64_t nblocks = (L + S - 1) / S;
+  const bool keep = sizeof(PT) == 2 && L * W * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
-    const float* k = mla_block_f32(pool + table[blk] * S * W, rows, W, kbuf);
+    const float* k = mla_block_f32(pool + table[blk] * S * W, rows, W, keep ? kbuf + blk * S * W : kbuf);
     int64_t t = 0;
     for (; t + 3 <= rows; t += 3) mla_dot_heads<3>(hh, q, W, k + t * W, W, W, scores + blk * S + t, L);
     for (; t < rows; ++t) mla_dot_heads<1>(hh, q, W, k + t * W, W, W, scores + blk * S + t, L);
@@ -199,7 +199,7 @@ static void mla_decode_item(const float* q, int64_t hh, const PT* pool, int64_t 
   std::fill(o, o + hh * C, 0.f);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
-    const float* v = mla_block_f32(pool + table[blk] * S * W, rows, W, kbuf);
+    const float* v = keep ? kbuf + blk * S * W : mla_block_f32(pool + table[blk] * S * W, rows, W, kbuf);
     const float* p = scores + blk * S;
     int64_t h = 0;
     for (; h + 6 <= hh; h += 6) mla_pv_columns<6>(p + h * L, L, rows, v, W, C, o + h * C, C);

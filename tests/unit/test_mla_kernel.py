@@ -56,6 +56,23 @@ def test_mla_decode_equals_gather_and_sdpa(kernel_isas: list[str], case: tuple[i
     kernels.select_isa("auto")
 
 
+def test_mla_decode_long_and_short_contexts_in_one_batch(kernel_isas: list[str]) -> None:
+    # bf16 sequences whose fp32 rows fit 256 KiB are converted once for both passes, longer ones
+    # block by block: a batch holding both (300 and 50 tokens of width 288) takes both routes
+    gen = torch.Generator().manual_seed(5)
+    pool = torch.randn(48, 16, 288, generator=gen).to(torch.bfloat16)
+    tables = torch.stack([torch.randperm(48, generator=gen)[:20] for _ in range(2)])
+    lens = torch.tensor([300, 50])
+    q = torch.randn(2, 16, 288, generator=gen).to(torch.bfloat16)
+    want = _reference(q, pool, tables, lens, 256, 0.1)
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        got = kernels.mla_decode(q, pool, tables, lens, 256, 0.1)
+        assert got.shape == (2, 16, 256)
+        assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item(), name
+    kernels.select_isa("auto")
+
+
 def test_mla_decode_spreads_heads_over_threads_at_batch_one(kernel_isas: list[str]) -> None:
     gen = torch.Generator().manual_seed(1)
     pool = torch.randn(8, 4, 40, generator=gen)
