@@ -21,10 +21,12 @@ from torch import nn
 from moe.capacity import CapacityConfig
 from moe.config import ModelConfig
 from moe.dispatch import ExpertDispatcher
+from moe.experts import Experts
 from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
 from moe.layers import DenseMLP, GQAAttention, MLAAttention, RMSNorm, RotaryEmbedding
 from moe.layers.linear import Linear
 from moe.moe_layer import MoELayer
+from moe.router import Router
 
 LocalSlots = Sequence[int] | Mapping[int, Sequence[int]] | None
 
@@ -138,6 +140,24 @@ class MoEModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, D]. Returns logits [B, V] float32."""
         return self.lm_head(hidden).float()
+
+    def set_fused_ops(self, enabled: bool) -> int:
+        """Switch the small fused CPU ops on or off together (off: their PyTorch ops, the reference):
+        RMSNorm, router selection, MLA's rope + latent norm + cache write, MLA's paged decode
+        attention and the routed experts straight from the router's output. The GEMM kernels
+        (``moe.kernels`` experts / linear) stay as they are. Returns how many modules were set."""
+        count = 0
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Router)):
+                module.use_kernel = enabled
+            elif isinstance(module, MLAAttention):
+                module.use_fused_rope_cache = module.use_paged_kernel = enabled
+            elif isinstance(module, Experts):
+                module.fused_topk = enabled
+            else:
+                continue
+            count += 1
+        return count
 
     def moe_layers(self) -> Iterator[MoELayer]:
         for layer in self.model.layers:

@@ -1,7 +1,8 @@
 """``python -m launch bench decode``: steady-state decode step time against the memory-bandwidth bound.
 
     python -m launch bench decode --model DIR [--batch-sizes 1 8 32 128] [--context-len 128]
-        [--steps 20] [--warmup-steps 3] [--num-threads N] [--breakdown] [--json FILE] [engine flags]
+        [--steps 20] [--warmup-steps 3] [--num-threads N] [--breakdown] [--ab-fused-ops] [--json FILE]
+        [engine flags]
 
 For each batch size B, B requests with ``--context-len``-token random prompts are prefilled
 through the engine, then ``--steps`` engine steps in which every one of the B sequences
@@ -25,6 +26,12 @@ the bandwidth bound and by the roof. ``--breakdown`` profiles extra steps (torch
 self CPU time) and splits them into the routed/shared expert kernel, the linear kernel,
 PyTorch GEMMs (attention products, fallbacks), gathers/scatters (paged KV, dispatch),
 copies/casts, other ops, and "outside ops" (Python, scheduler, sampler).
+
+``--ab-fused-ops`` times every batch size with the small fused CPU ops (RMSNorm, router
+selection, MLA rope + cache write, MLA paged decode attention, routed experts from the
+router's output: ``MoEModel.set_fused_ops``) on and off in alternating steps of the same
+run, so a noisy machine's slow minutes hit both sides alike; the extra table gives both
+CPU medians and their ratio.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -85,6 +92,7 @@ class DecodeResult:
     cpu_ratio: float = 0.0  # step CPU time / bound
     roof_ms: float = 0.0  # max(bandwidth bound, compute bound)
     cpu_roof_ratio: float = 0.0  # step CPU time / roof
+    fused_off_cpu_ms: float = 0.0  # --ab-fused-ops: median CPU ms of the steps with the fused ops off
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per step, by kind of work (--breakdown)
 
 
@@ -203,14 +211,17 @@ def num_prefill_steps(batch_size: int, context_len: int, max_num_batched_tokens:
 
 def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context_len: int, steps: int,
               warmup_steps: int, *, vocab: Sequence[int], seed: int,
-              breakdown: dict[str, float] | None = None) -> list[TimedStep]:
+              breakdown: dict[str, float] | None = None, fused_off: list[float] | None = None,
+              set_fused: Callable[[bool], Any] | None = None) -> list[TimedStep]:
     """Prefill ``batch_size`` requests, then time ``steps`` pure decode steps. Returns per timed
     step (wall seconds, CPU seconds of this process, its SchedulerOutput, the rank-0 StepResult).
     Given a ``breakdown`` dict, ``steps`` more decode steps then run under torch.profiler and
-    fill it with ``profile_steps``' CPU ms per step by kind of work."""
+    fill it with ``profile_steps``' CPU ms per step by kind of work. Given ``fused_off`` (and
+    ``set_fused(on)``), every timed step is followed by one with the fused ops off, whose CPU
+    seconds go to ``fused_off``."""
     rng = random.Random(seed)
     budget = engine.config.engine.max_num_batched_tokens
-    extra = steps if breakdown is not None else 0
+    extra = (steps if breakdown is not None else 0) + (steps if fused_off is not None else 0)
     max_tokens = warmup_steps + steps + extra + num_prefill_steps(batch_size, context_len, budget) + 2
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = []
@@ -230,6 +241,8 @@ def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context
             decode_steps += 1
             if decode_steps > warmup_steps:
                 timed.append((wall, cpu, output, results[0]))
+                if fused_off is not None and set_fused is not None:
+                    fused_off.append(_step_with_fused_off(engine, recorder, set_fused, batch_size))
         if len(timed) == steps:
             break
     if breakdown is not None and len(timed) == steps:
@@ -240,6 +253,22 @@ def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context
         raise RuntimeError(f"batch size {batch_size}: only {len(timed)} of {steps} steps decoded all "
                            f"{batch_size} sequences (preemption? raise --num-kv-blocks)")
     return timed
+
+
+def _step_with_fused_off(engine: Any, recorder: RecordingExecutor, set_fused: Callable[[bool], Any],
+                         batch_size: int) -> float:
+    """One engine step with the fused ops off; its CPU seconds. Raises if it was not a pure decode step."""
+    set_fused(False)
+    try:
+        cpu = time.process_time()
+        engine.step()
+        cpu = time.process_time() - cpu
+    finally:
+        set_fused(True)
+    batch = recorder.last[0].batches[0]
+    if not (batch.num_seqs == batch_size and batch.num_tokens == batch_size):
+        raise RuntimeError(f"batch size {batch_size}: a step with the fused ops off did not decode every sequence")
+    return cpu
 
 
 def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightBytes, kv_bytes_per_token: int,
@@ -279,6 +308,14 @@ def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: f
                      f"{r.mean_context_len:>6.0f} {r.experts_touched_per_layer:>14.1f} {r.weight_bytes / 1e6:>11.1f} "
                      f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f} {r.cpu_ratio:>9.2f} {r.gflop:>7.2f} "
                      f"{r.compute_bound_ms:>11.2f} {r.cpu_roof_ratio:>9.2f}")
+    with_ab = [r for r in rows if r.fused_off_cpu_ms]
+    if with_ab:
+        lines += ["", "# fused small ops on vs off (their PyTorch ops), alternating steps of this run: median CPU ms",
+                  f"{'batch':>6} {'cpu ms on':>10} {'cpu ms off':>11} {'off / on':>9} {'on / bound':>11} "
+                  f"{'off / bound':>12}"]
+        lines += [f"{r.batch_size:>6} {r.step_cpu_ms:>10.2f} {r.fused_off_cpu_ms:>11.2f} "
+                  f"{r.fused_off_cpu_ms / r.step_cpu_ms:>9.2f} {r.cpu_ratio:>11.2f} "
+                  f"{r.fused_off_cpu_ms / r.bound_ms:>12.2f}" for r in with_ab]
     with_breakdown = [r for r in rows if r.breakdown_ms]
     if with_breakdown:
         kinds = list(with_breakdown[0].breakdown_ms)
@@ -333,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth measurement")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
+    g.add_argument("--ab-fused-ops", action="store_true",
+                   help="also time each batch size with the small fused CPU ops off (their PyTorch ops), "
+                        "alternating with the timed steps, and print both medians")
     g.add_argument("--breakdown", action="store_true",
                    help="after the timed steps, profile as many more and split their CPU time by kind of work "
                         "(experts kernel, linear kernel, attention kernel, torch GEMMs, gathers, casts, other ops, outside ops)")
@@ -359,7 +399,7 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = max(8192, biggest)
     headroom = num_prefill_steps(biggest, args.context_len, args.max_num_batched_tokens) + 4
-    profiled = args.steps if args.breakdown else 0
+    profiled = (args.steps if args.breakdown else 0) + (args.steps if args.ab_fused_ops else 0)
     per_seq = -(-(args.context_len + args.warmup_steps + args.steps + profiled + headroom) // (args.block_size or 16))
     if args.max_num_seqs is None:
         args.max_num_seqs = max(biggest, 1)
@@ -400,11 +440,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for b in args.batch_sizes:
             breakdown: dict[str, float] | None = {} if args.breakdown else None
+            fused_off: list[float] | None = [] if args.ab_fused_ops else None
             timed = run_batch(engine, recorder, b, args.context_len, args.steps, args.warmup_steps,
-                              vocab=vocab, seed=config.engine.seed + b, breakdown=breakdown)
+                              vocab=vocab, seed=config.engine.seed + b, breakdown=breakdown, fused_off=fused_off,
+                              set_fused=worker.model.set_fused_ops)
             row = summarize_batch(b, timed, weights, kv_per_token, bandwidth, top_k=mc.num_experts_per_tok,
                                   flops_per_key=attention_flops_per_key(mc), matmul_flops=matmul_flops)
-            rows.append(replace(row, breakdown_ms=breakdown or {}))
+            off_ms = statistics.median(fused_off) * 1e3 if fused_off else 0.0
+            rows.append(replace(row, breakdown_ms=breakdown or {}, fused_off_cpu_ms=off_ms))
     finally:
         engine.shutdown()
     print(format_table(rows, bandwidth, matmul_flops, matmul_name))

@@ -92,6 +92,20 @@ def test_throughput_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_decode_main_times_the_fused_ops_against_their_pytorch_ops(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "ab.json"
+    rc = bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "2", "--context-len", "4", "--steps", "3",
+                            "--warmup-steps", "1", "--copy-mib", "4", "--num-threads", "1", "--ab-fused-ops",
+                            "--json", str(out)])
+    assert rc == 0
+    assert "fused small ops on vs off" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["fused_off_cpu_ms"] > 0 and row["step_cpu_ms"] > 0
+    # each timed step is followed by one with the fused ops off: the context grows two per timed step
+    assert 4 + 1 + 1 < row["mean_context_len"] <= 4 + 1 + 1 + 2 * 3
+
+
+@pytest.mark.slow
 def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "decode.json"
     rc = bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "1", "3", "--context-len", "5",

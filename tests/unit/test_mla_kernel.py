@@ -10,10 +10,13 @@ import torch
 
 from moe import kernels
 from moe.config import ModelConfig
+from moe.experts import Experts
 from moe.kv_cache import AttentionMetadata, PagedKVCache
+from moe.layers.norm import RMSNorm
 from moe.layers.paged import sdpa
 from moe.loader import load_weights
 from moe.model import MoEModel
+from moe.router import Router
 from tests.unit.test_model_vs_hf import greedy_generate
 
 
@@ -186,3 +189,23 @@ def test_rope_cache_op_refuses_slots_outside_the_pool(kernel_isas: list[str]) ->
     cos, sin = torch.ones(1, 2), torch.zeros(1, 2)
     with pytest.raises(RuntimeError, match="slot 8 outside the pool of 8"):
         kernels.mla_rope_cache(q, latent, torch.ones(6), 1e-6, cos, sin, False, pool, torch.tensor([8]))
+
+
+def test_set_fused_ops_switches_every_fused_op_and_keeps_the_tokens(kernel_isas: list[str],
+                                                                    hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14]]
+    tokens_on, logits_on = greedy_generate(model, prompts, 5, chunk=3)
+    toggled = model.set_fused_ops(False)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert routers and experts and toggled == len(norms) + len(routers) + len(experts) + len(attns)
+    assert not any(m.use_kernel for m in norms + routers) and not any(e.fused_topk for e in experts)
+    assert not any(a.use_paged_kernel or a.use_fused_rope_cache for a in attns)
+    tokens_off, logits_off = greedy_generate(model, prompts, 5, chunk=3)
+    assert tokens_on == tokens_off
+    for a, b in zip(logits_on, logits_off):
+        assert (torch.stack(a) - torch.stack(b)).abs().max().item() < 1e-4
+    assert model.set_fused_ops(True) == toggled and all(a.use_paged_kernel for a in attns)
