@@ -3,7 +3,8 @@
 Shape legend: P local expert slots, D hidden, I expert intermediate, N routed rows.
 
 ``mla_decode`` is MLA's absorbed decode attention read straight from the paged latent cache
-(no gathered copy, all of a sequence's heads per pass over its blocks).
+(no gathered copy, all of a sequence's heads per pass over its blocks); ``gqa_decode`` the same
+for a grouped-query cache.
 
 ``rms_norm`` is RMSNorm in one op (the PyTorch expression is eight).
 
@@ -221,6 +222,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [T, D] with weight [D] (both float32 or both bfloat16) -> [T, D] in x's dtype:
     weight * (x / sqrt(mean(x^2) + eps)), statistics in fp32, as ``moe.layers.norm.RMSNorm``."""
     return torch.ops.moe_kernels.rms_norm(x, weight, eps)
+
+
+def gqa_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """Grouped-query decode attention read straight from the paged cache.
+
+    q: [B, H, hd]; pool: [N, S, 2, Hkv, hd] one layer's cache (keys, then values) in q's dtype
+    (float32 or bfloat16); block_tables: [B, nb] int64; context_lens: [B] int64 (each query sees
+    its whole context). Query head h uses kv head h // (H / Hkv). Returns [B, H, hd] in q's dtype,
+    with ``mla_decode``'s fp32 softmax and bf16 rounding.
+    """
+    return torch.ops.moe_kernels.gqa_decode(q, pool, block_tables, context_lens, scale)
 
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:

@@ -37,6 +37,14 @@ enum WeightType { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 // kept (in L2) for both passes; longer ones convert each block again for the value pass.
 constexpr int64_t MLA_KEEP_BYTES = 256 * 1024;
 
+// Where one kv head's keys and values sit in a layer's pool (mla_body.h): token t of block b at
+// pool + (b * S + t) * token_stride, its key at + k_off (dk wide), its value at + v_off (dv wide).
+// MLA: one head, key = the whole latent row, value = its first C columns (v_off == k_off).
+// GQA ([N, S, 2, Hkv, hd]): head g's key at g * hd, value at (Hkv + g) * hd.
+struct PagedHead {
+  int64_t token_stride, k_off, v_off, dk, dv;
+};
+
 static inline float to_float(float v) { return v; }
 static inline float to_float(uint16_t h) {  // bf16 -> fp32
   const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -157,8 +165,8 @@ using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, co
 template <typename OT>
 using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, int64_t, OT*, int64_t);
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
-using MlaDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, int64_t, int64_t, const int64_t*,
-                             int64_t, float, bool, float*, float*, float*);
+using MlaDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
+                             int64_t, float, bool, float*, float*, float*, float*);
 
 struct Isa {
   std::string name;
@@ -452,27 +460,26 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   return out;
 }
 
-// q: [B, H, W] float32 or bfloat16 (W = C + R: the absorbed query, then its rope part); pool:
-// [N, S, W] in q's dtype (one layer's latent cache); block_tables: [B, nb] int64; context_lens: [B]
-// int64 (every sequence's one query sits at position context_len - 1 and sees all its keys).
-// Returns [B, H, C] in q's dtype: softmax(q k^T * scale) v over the latent, values = its first C
-// columns. bf16 inputs round the scores and probabilities to bf16 where a bf16 GEMM path does.
-at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, int64_t C, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && pool.dim() == 3 && block_tables.dim() == 2 && context_lens.dim() == 1,
-              "moe_kernels: q [B, H, W], pool [N, S, W], block_tables [B, nb], context_lens [B] expected");
+// Decode attention straight from a paged cache: q [B, H, dk] (one query per sequence, at position
+// context_len - 1, seeing all its keys); kv head g (of num_kv_heads) serves query heads
+// [g * H / num_kv_heads, (g + 1) * H / num_kv_heads) and sits at head0's offsets + g * kv_stride.
+// Returns [B, H, dv] in q's dtype. bf16 inputs round scores and probabilities to bf16 where a bf16
+// GEMM path does. Checks the tables against the pool's N blocks of S tokens.
+static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, int64_t num_kv_heads, const PagedHead& head0,
+                               int64_t kv_stride, double scale) {
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.scalar_type() == at::kLong &&
+              context_lens.scalar_type() == at::kLong, "moe_kernels: block_tables [B, nb] and context_lens [B] "
+              "int64 expected");
   TORCH_CHECK(q.scalar_type() == pool.scalar_type() &&
               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "moe_kernels: q and pool must both be float32 or both bfloat16");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "moe_kernels: block_tables and context_lens must be int64");
-  const int64_t B = q.size(0), H = q.size(1), W = q.size(2), N = pool.size(0), S = pool.size(1);
-  const int64_t nb = block_tables.size(1);
-  TORCH_CHECK(pool.size(2) == W && C > 0 && C <= W, "moe_kernels: pool width ", pool.size(2), " / value width ",
-              C, " do not match q width ", W);
+  const int64_t B = q.size(0), H = q.size(1), N = pool.size(0), S = pool.size(1), nb = block_tables.size(1);
+  const int64_t dk = head0.dk, dv = head0.dv;
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "moe_kernels: one block table and context "
               "length per sequence expected");
+  TORCH_CHECK(num_kv_heads >= 1 && H % num_kv_heads == 0, "moe_kernels: ", H, " query heads do not share ",
+              num_kv_heads, " kv heads evenly");
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -485,38 +492,70 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Ten
                   " outside the pool of ", N);
     max_len = std::max(max_len, lp[b]);
   }
-  at::Tensor out = at::empty({B, H, C}, q.options());
+  at::Tensor out = at::empty({B, H, dv}, q.options());
   if (B == 0 || H == 0) return out;
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   const at::Tensor pc = pool.contiguous();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  // (sequence, head group) items: enough groups that every thread gets work at small batches
-  const int64_t threads = at::get_num_threads();
-  int64_t groups = std::min<int64_t>(H, std::max<int64_t>(1, (2 * threads + B - 1) / B));
-  const int64_t per_group = (H + groups - 1) / groups;
-  groups = (H + per_group - 1) / per_group;
+  // (sequence, kv head, group of its query heads) items: enough groups that every thread gets work
+  const int64_t rep = H / num_kv_heads, threads = at::get_num_threads();
+  int64_t groups = std::min<int64_t>(rep, std::max<int64_t>(1, (2 * threads + B * num_kv_heads - 1) /
+                                                                   (B * num_kv_heads)));
+  const int64_t per_group = (rep + groups - 1) / groups;
+  groups = (rep + per_group - 1) / per_group;
   const Isa& isa = current_isa();
   const float* qs = qf.data_ptr<float>();
   const void* pool_ptr = pc.data_ptr();
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * num_kv_heads * groups, 1, [&](int64_t begin, int64_t end) {
     // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block
-    const int64_t keep_len = std::min(max_len, MLA_KEEP_BYTES / (W * static_cast<int64_t>(sizeof(float))));
-    std::vector<float> scores(per_group * max_len), kbuf(std::max(S, (keep_len + S - 1) / S * S) * W),
-        o(per_group * C);
+    const int64_t keep_len = std::min(max_len, MLA_KEEP_BYTES / (dk * static_cast<int64_t>(sizeof(float))));
+    std::vector<float> scores(per_group * max_len), kbuf(std::max(S, (keep_len + S - 1) / S * S) * dk),
+        vbuf(S * dv), o(per_group * dv);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / groups, h0 = (i % groups) * per_group, hh = std::min(per_group, H - h0);
-      isa.mla_decode(bf16, qs + (b * H + h0) * W, hh, pool_ptr, S, W, C, tp + b * nb, lp[b], sc, bf16,
-                     scores.data(), kbuf.data(), o.data());
-      const int64_t first = (b * H + h0) * C;
-      for (int64_t j = 0; j < hh * C; ++j) {
+      const int64_t b = i / (num_kv_heads * groups), g = (i / groups) % num_kv_heads;
+      const int64_t h0 = g * rep + (i % groups) * per_group, hh = std::min(per_group, (g + 1) * rep - h0);
+      const PagedHead head{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, dk, dv};
+      isa.mla_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
+                     scores.data(), kbuf.data(), vbuf.data(), o.data());
+      const int64_t first = (b * H + h0) * dv;
+      for (int64_t j = 0; j < hh * dv; ++j) {
         if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
         else reinterpret_cast<float*>(out_ptr)[first + j] = o[j];
       }
     }
   });
   return out;
+}
+
+// q: [B, H, W] float32 or bfloat16 (W = C + R: the absorbed query, then its rope part); pool:
+// [N, S, W] in q's dtype (one layer's latent cache); block_tables: [B, nb] int64; context_lens: [B]
+// int64. Returns [B, H, C] in q's dtype: softmax(q k^T * scale) v over the latent, values = its
+// first C columns.
+at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, int64_t C, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 3, "moe_kernels: q [B, H, W], pool [N, S, W], block_tables [B, nb], "
+              "context_lens [B] expected");
+  const int64_t W = q.size(2);
+  TORCH_CHECK(pool.size(2) == W && C > 0 && C <= W, "moe_kernels: pool width ", pool.size(2), " / value width ",
+              C, " do not match q width ", W);
+  return paged_decode(q, pool, block_tables, context_lens, 1, PagedHead{W, 0, 0, W, C}, 0, scale);
+}
+
+// q: [B, H, hd] float32 or bfloat16; pool: [N, S, 2, Hkv, hd] in q's dtype (one layer's GQA cache:
+// keys, then values); block_tables: [B, nb] int64; context_lens: [B] int64. Query head h uses kv
+// head h / (H / Hkv). Returns [B, H, hd] in q's dtype: softmax(q k^T * scale) v.
+at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 5 && pool.size(2) == 2, "moe_kernels: q [B, H, hd], pool [N, S, 2, "
+              "Hkv, hd], block_tables [B, nb], context_lens [B] expected");
+  const int64_t hkv = pool.size(3), hd = pool.size(4);
+  TORCH_CHECK(q.size(2) == hd, "moe_kernels: q head dim ", q.size(2), " does not match the cache's ", hd);
+  return paged_decode(q, pool, block_tables, context_lens, hkv, PagedHead{2 * hkv * hd, 0, hkv * hd, hd, hd}, hd,
+                      scale);
 }
 
 // x: [T, D] float32 or bfloat16 (rows contiguous); weight: [D] in x's dtype. Returns [T, D]:
@@ -738,6 +777,7 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("linear_forward(Tensor x, Tensor wp, Tensor bias, int out_features, bool out_fp32) -> Tensor");
   m.def("mla_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, int value_dim, "
         "float scale) -> Tensor");
+  m.def("gqa_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("route_topk(Tensor logits, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, int top_k, "
         "bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
@@ -752,6 +792,7 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("experts_forward_topk", &moe_kernels::experts_forward_topk);
   m.impl("linear_forward", &moe_kernels::linear_forward);
   m.impl("mla_decode", &moe_kernels::mla_decode);
+  m.impl("gqa_decode", &moe_kernels::gqa_decode);
   m.impl("rms_norm", &moe_kernels::rms_norm);
   m.impl("route_topk", &moe_kernels::route_topk);
   m.impl("mla_rope_cache", &moe_kernels::mla_rope_cache);

@@ -1,14 +1,16 @@
-// MLA absorbed decode attention over the paged latent cache, compiled once per instruction set
-// (included by experts_cpu.cpp after experts_body.h, inside the same per-ISA namespace).
+// Decode attention over the paged cache (MLA's absorbed latent, or GQA's k/v heads), compiled once
+// per instruction set (included by experts_cpu.cpp after experts_body.h, inside the same per-ISA
+// namespace).
 //
-// One work item is (sequence, group of heads). It reads the sequence's cache blocks straight from
-// the pool through its block table (no gathered copy), converts each block to fp32 once for all
-// the item's heads, and keeps the item's scores [heads, L] and output [heads, C] in fp32 scratch:
-//   pass 1: s[h][t] = q[h] . latent[t]            (over C + R: the latent plus the rope key)
+// One work item is (sequence, kv head, group of its query heads). It reads the sequence's cache
+// blocks straight from the pool through its block table (no gathered copy), converts each block
+// to fp32 once for all the item's heads, and keeps the item's scores [heads, L] and output
+// [heads, dv] in fp32 scratch:
+//   pass 1: s[h][t] = q[h] . key[t]                (MLA: over C + R, the latent plus the rope key)
 //   pass 2: p[h] = softmax(round(s[h]) * scale)    (round: to bf16 when the inputs are bf16,
 //           then p rounded to bf16, where the library's bf16 GEMM and transformers round)
-//   pass 3: o[h] = sum_t p[h][t] latent[t][0:C]    (the values are the first C latent columns)
-// A bf16 sequence of up to MLA_KEEP_BYTES in fp32 is converted once for both passes.
+//   pass 3: o[h] = sum_t p[h][t] value[t]          (MLA: the first C latent columns)
+// An MLA bf16 sequence of up to MLA_KEEP_BYTES in fp32 is converted once for both passes.
 // Register tiles: 3 tokens x 4 heads of dot products (the k and q vectors each feed several FMAs);
 // 6 heads x 2 vectors of output columns for the value products.
 
@@ -164,63 +166,75 @@ static inline void mla_softmax(float* s, int64_t L, float scale, bool round_half
   if (round_half) round_bf16_inplace(s, L);
 }
 
-// Rows [0, rows) of one cache block as fp32: the block itself for an fp32 pool, else converted
-// into buf ([rows, width]).
-static inline const float* mla_block_f32(const float* src, int64_t, int64_t, float*) { return src; }
-static inline const float* mla_block_f32(const uint16_t* src, int64_t rows, int64_t width, float* buf) {
-  const int64_t n = rows * width;
-  int64_t i = 0;
-  for (; i + MOE_W <= n; i += MOE_W) vstore(buf + i, vload(src + i));
-  for (; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(buf + i, &u, 4);
+// Rows [0, rows) of a block (row r at src + r * stride, width wide) as fp32: the rows in place for
+// an fp32 pool (returns their stride), else converted into buf (returns width).
+static inline int64_t rows_f32(const float* src, int64_t, int64_t, int64_t stride, float*, const float** out) {
+  *out = src;
+  return stride;
+}
+static inline int64_t rows_f32(const uint16_t* src, int64_t rows, int64_t width, int64_t stride, float* buf,
+                               const float** out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* s = src + r * stride;
+    float* d = buf + r * width;
+    int64_t i = 0;
+    for (; i + MOE_W <= width; i += MOE_W) vstore(d + i, vload(s + i));
+    for (; i < width; ++i) d[i] = to_float(s[i]);
   }
-  return buf;
+  *out = buf;
+  return width;
 }
 
-// One work item: heads [0, hh) of one sequence. q: [hh, W] fp32 rows (W = C + R); pool: [N, S, W];
-// table: the sequence's block ids; L: its context length. scores: [hh, L] and kbuf: [max(S, L'), W]
-// fp32 scratch (L' = L rounded up to S when the sequence fits MLA_KEEP_BYTES); o: [hh, C] fp32
-// output. round_half: round scores and probabilities to bf16.
+// One work item: query heads [0, hh) of one sequence against one kv head. q: [hh, dk] fp32 rows;
+// pool: one layer's cache, S tokens per block; table: the sequence's block ids; L: its context
+// length. scores: [hh, L]; kbuf: [max(S, L'), dk] fp32 scratch (L' = L rounded up to S when the
+// sequence is kept whole: values are the key rows and fit MLA_KEEP_BYTES); vbuf: [S, dv]; o: [hh,
+// dv] fp32 output. round_half: round scores and probabilities to bf16.
 template <typename PT>
-static void mla_decode_item(const float* q, int64_t hh, const PT* pool, int64_t S, int64_t W, int64_t C,
-                            const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
-                            float* kbuf, float* o) {
-  const int64_t nblocks = (L + S - 1) / S;
-  const bool keep = sizeof(PT) == 2 && L * W * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
+static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_t S, const PagedHead& head,
+                              const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
+                              float* kbuf, float* vbuf, float* o) {
+  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv, stride = head.token_stride;
+  const bool keep = sizeof(PT) == 2 && head.v_off == head.k_off &&
+                    L * dk * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
-    const float* k = mla_block_f32(pool + table[blk] * S * W, rows, W, keep ? kbuf + blk * S * W : kbuf);
+    const float* k;
+    const int64_t ldk = rows_f32(pool + table[blk] * S * stride + head.k_off, rows, dk, stride,
+                                 keep ? kbuf + blk * S * dk : kbuf, &k);
     int64_t t = 0;
-    for (; t + 3 <= rows; t += 3) mla_dot_heads<3>(hh, q, W, k + t * W, W, W, scores + blk * S + t, L);
-    for (; t < rows; ++t) mla_dot_heads<1>(hh, q, W, k + t * W, W, W, scores + blk * S + t, L);
+    for (; t + 3 <= rows; t += 3) mla_dot_heads<3>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
+    for (; t < rows; ++t) mla_dot_heads<1>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
   }
   for (int64_t h = 0; h < hh; ++h) mla_softmax(scores + h * L, L, scale, round_half);
-  std::fill(o, o + hh * C, 0.f);
+  std::fill(o, o + hh * dv, 0.f);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
-    const float* v = keep ? kbuf + blk * S * W : mla_block_f32(pool + table[blk] * S * W, rows, W, kbuf);
+    const float* v = kbuf + blk * S * dk;
+    const int64_t ldv = keep ? dk : rows_f32(pool + table[blk] * S * stride + head.v_off, rows, dv, stride, vbuf, &v);
     const float* p = scores + blk * S;
     int64_t h = 0;
-    for (; h + 6 <= hh; h += 6) mla_pv_columns<6>(p + h * L, L, rows, v, W, C, o + h * C, C);
+    for (; h + 6 <= hh; h += 6) mla_pv_columns<6>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv);
     switch (hh - h) {
-      case 1: mla_pv_columns<1>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
-      case 2: mla_pv_columns<2>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
-      case 3: mla_pv_columns<3>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
-      case 4: mla_pv_columns<4>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
-      case 5: mla_pv_columns<5>(p + h * L, L, rows, v, W, C, o + h * C, C); break;
+      case 1: mla_pv_columns<1>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
+      case 2: mla_pv_columns<2>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
+      case 3: mla_pv_columns<3>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
+      case 4: mla_pv_columns<4>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
+      case 5: mla_pv_columns<5>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
       default: break;
     }
   }
 }
 
 struct MlaKernels {
-  static void decode(bool bf16_pool, const float* q, int64_t hh, const void* pool, int64_t S, int64_t W, int64_t C,
+  static void decode(bool bf16_pool, const float* q, int64_t hh, const void* pool, int64_t S, const PagedHead& head,
                      const int64_t* table, int64_t L, float scale, bool round_half, float* scores, float* kbuf,
-                     float* o) {
+                     float* vbuf, float* o) {
     if (bf16_pool)
-      mla_decode_item(q, hh, static_cast<const uint16_t*>(pool), S, W, C, table, L, scale, round_half, scores, kbuf, o);
+      paged_decode_item(q, hh, static_cast<const uint16_t*>(pool), S, head, table, L, scale, round_half, scores, kbuf,
+                        vbuf, o);
     else
-      mla_decode_item(q, hh, static_cast<const float*>(pool), S, W, C, table, L, scale, round_half, scores, kbuf, o);
+      paged_decode_item(q, hh, static_cast<const float*>(pool), S, head, table, L, scale, round_half, scores, kbuf,
+                        vbuf, o);
   }
 };

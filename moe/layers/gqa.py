@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe import kernels
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, KVLayerView
 from moe.layers.linear import Linear
@@ -43,6 +44,9 @@ class GQAAttention(nn.Module):
             self.q_norm = self.k_norm = None
         for p in self.parameters():
             p.requires_grad_(False)
+        # decode attention by the CPU kernel straight from the paged cache (False: gather + sdpa,
+        # the reference in tests)
+        self.use_paged_kernel = True
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVLayerView
@@ -57,8 +61,9 @@ class GQAAttention(nn.Module):
         q = apply_rotary(q, cos, sin, self.interleave)
         k = apply_rotary(k, cos, sin, self.interleave)
         cache.write(meta.slot_mapping, torch.stack((k, v), dim=1))  # [T, 2, Hkv, hd]
+        paged_fn = self._attend_paged if self._paged_decode_applies(q, cache) else None
         out = paged_attention(q, meta, cache, self.head_dim, self._attend, self._attend,
-                              sliding_window=self.sliding_window)
+                              sliding_window=self.sliding_window, decode_paged_fn=paged_fn)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -66,6 +71,19 @@ class GQAAttention(nn.Module):
         k = kv[:, :, 0].transpose(1, 2)
         v = kv[:, :, 1].transpose(1, 2)
         return sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, self.scale)
+
+    def _attend_paged(self, q: torch.Tensor, view: KVLayerView, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor) -> torch.Tensor:
+        """Decode rows read straight from the paged cache by the CPU kernel. q: [B, H, hd];
+        block_tables: [B, nb]; context_lens: [B]. Returns [B, H, hd]."""
+        return kernels.gqa_decode(q.contiguous(), view.pool, block_tables, context_lens, self.scale)
+
+    def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
+        """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, hd]: CPU, the kernel
+        built, the cache stored in q's dtype (not fp8), no autograd. (Sliding-window layers keep the
+        gather path: ``paged_attention`` only hands full-attention decode rows to the kernel.)"""
+        return (self.use_paged_kernel and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+                and view.pool.dtype == q.dtype and not kernels.needs_autograd(q) and kernels.is_available())
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
         """Keep heads [r*H/tp, (r+1)*H/tp) and kv heads likewise (after loading full weights)."""

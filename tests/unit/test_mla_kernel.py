@@ -1,5 +1,5 @@
-"""MLA decode attention read straight from the paged cache (moe.kernels.mla_decode) against the
-gather + sdpa path, alone and inside the model."""
+"""Decode attention read straight from the paged cache (moe.kernels.mla_decode for MLA's latent,
+gqa_decode for grouped-query k/v) against the gather + sdpa path, alone and inside the model."""
 
 from __future__ import annotations
 
@@ -209,3 +209,62 @@ def test_set_fused_ops_switches_every_fused_op_and_keeps_the_tokens(kernel_isas:
     for a, b in zip(logits_on, logits_off):
         assert (torch.stack(a) - torch.stack(b)).abs().max().item() < 1e-4
     assert model.set_fused_ops(True) == toggled and all(a.use_paged_kernel for a in attns)
+
+
+def _gqa_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    b, size = q.shape[0], pool.shape[1]
+    nb = -(-int(lens.max()) // size)
+    kv = pool.index_select(0, tables[:, :nb].reshape(-1)).view(b, nb * size, *pool.shape[2:])  # [B, L, 2, Hkv, hd]
+    mask = torch.arange(nb * size)[None] < lens[:, None]
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, L, hd]
+    return sdpa(q[:, :, None], k, v, mask[:, None, None], scale)[:, :, 0]
+
+
+# (sequences, query heads, kv heads, head dim, block size, pool blocks): GQA, MHA with an odd head
+# dim, MQA with a tiny one
+GQA_CASES = [(3, 8, 2, 64, 16, 40), (2, 6, 6, 20, 4, 30), (4, 4, 1, 8, 2, 20)]
+
+
+@pytest.mark.parametrize("case", GQA_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_decode_equals_gather_and_sdpa(kernel_isas: list[str], case: tuple[int, ...], dtype: torch.dtype) -> None:
+    b, h, hkv, hd, size, n = case
+    gen = torch.Generator().manual_seed(sum(case))
+    pool = torch.randn(n, size, 2, hkv, hd, generator=gen).to(dtype)
+    tables = torch.stack([torch.randperm(n, generator=gen)[:6] for _ in range(b)])
+    lens = torch.randint(1, 6 * size + 1, (b,), generator=gen)
+    q = torch.randn(b, h, hd, generator=gen).to(dtype)
+    want = _gqa_reference(q, pool, tables, lens, 0.2)
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        got = kernels.gqa_decode(q, pool, tables, lens, 0.2)
+        assert got.shape == (b, h, hd) and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item(), name
+    kernels.select_isa("auto")
+
+
+def test_gqa_decode_rejects_heads_that_do_not_share_kv_heads(kernel_isas: list[str]) -> None:
+    pool = torch.zeros(2, 4, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="4 query heads do not share 3 kv heads"):
+        kernels.gqa_decode(torch.zeros(1, 4, 8), pool, torch.tensor([[0]]), torch.tensor([2]), 1.0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "mixtral_top1_tied_mqa"])
+def test_gqa_models_decode_the_same_with_the_paged_kernel(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                                          family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(hf_checkpoints[family])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14]]
+    calls = []
+    decode = kernels.gqa_decode
+    monkeypatch.setattr(kernels, "gqa_decode", lambda q, *a: calls.append(q.shape[0]) or decode(q, *a))
+    tokens_kernel, logits_kernel = greedy_generate(model, prompts, 6, chunk=3)
+    full = [layer for layer in model.model.layers if layer.self_attn.sliding_window is None]
+    assert bool(calls) == bool(full)  # the kernel serves full-attention layers; windowed ones gather
+    for layer in model.model.layers:
+        layer.self_attn.use_paged_kernel = False
+    tokens_ref, logits_ref = greedy_generate(model, prompts, 6, chunk=3)
+    assert tokens_kernel == tokens_ref
+    for a, b in zip(logits_kernel, logits_ref):
+        assert (torch.stack(a) - torch.stack(b)).abs().max().item() < 1e-4
