@@ -329,7 +329,7 @@ def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: f
 BREAKDOWN_KINDS = {
     "moe_kernels::experts_forward": "experts kernel", "moe_kernels::experts_forward_topk": "experts kernel",
     "moe_kernels::linear_forward": "linear kernel",
-    "moe_kernels::mla_decode": "attention kernel",
+    "moe_kernels::mla_decode": "attention kernel", "moe_kernels::gqa_decode": "attention kernel",
     "aten::mm": "torch GEMMs", "aten::addmm": "torch GEMMs", "aten::bmm": "torch GEMMs",
     "aten::_grouped_mm": "torch GEMMs",
     "aten::index_select": "gather/scatter", "aten::index": "gather/scatter", "aten::index_put_": "gather/scatter",
