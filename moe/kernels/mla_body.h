@@ -185,6 +185,18 @@ static inline int64_t rows_f32(const uint16_t* src, int64_t rows, int64_t width,
   return width;
 }
 
+// Asks for rows [0, rows) of the next block (row r at src + r * stride, width wide) while the
+// current one is computed: blocks sit wherever the block table puts them, so the hardware
+// prefetcher cannot run ahead across them (GQA rows are also strided by the other heads).
+template <typename PT>
+static inline void prefetch_rows(const PT* src, int64_t rows, int64_t width, int64_t stride) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(PT));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(src + r * stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  }
+}
+
 // One work item: query heads [0, hh) of one sequence against one kv head. q: [hh, dk] fp32 rows;
 // pool: one layer's cache, S tokens per block; table: the sequence's block ids; L: its context
 // length. scores: [hh, L]; kbuf: [max(S, L'), dk] fp32 scratch (L' = L rounded up to S when the
@@ -199,6 +211,8 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
                     L * dk * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
+    if (blk + 1 < nblocks)
+      prefetch_rows(pool + table[blk + 1] * S * stride + head.k_off, std::min(S, L - (blk + 1) * S), dk, stride);
     const float* k;
     const int64_t ldk = rows_f32(pool + table[blk] * S * stride + head.k_off, rows, dk, stride,
                                  keep ? kbuf + blk * S * dk : kbuf, &k);
@@ -210,6 +224,8 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
   std::fill(o, o + hh * dv, 0.f);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
+    if (!keep && blk + 1 < nblocks)
+      prefetch_rows(pool + table[blk + 1] * S * stride + head.v_off, std::min(S, L - (blk + 1) * S), dv, stride);
     const float* v = kbuf + blk * S * dk;
     const int64_t ldv = keep ? dk : rows_f32(pool + table[blk] * S * stride + head.v_off, rows, dv, stride, vbuf, &v);
     const float* p = scores + blk * S;
