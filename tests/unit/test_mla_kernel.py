@@ -31,6 +31,19 @@ def _reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: 
     return sdpa(q[:, :, None], cache, cache, mask[:, None, None], scale)[:, :, 0, :value_dim]
 
 
+def _random_batch(seed: int, b: int, h: int, q_width: int, pool_shape: tuple[int, ...], dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random pool [N, S, ...], block tables [B, 6] of scattered blocks, context lengths [B] (the
+    first sequence fills its last block) and queries [B, H, q_width]."""
+    gen = torch.Generator().manual_seed(seed)
+    n, size, nb = pool_shape[0], pool_shape[1], 6
+    pool = torch.randn(*pool_shape, generator=gen).to(dtype)
+    tables = torch.stack([torch.randperm(n, generator=gen)[:nb] for _ in range(b)])
+    lens = torch.randint(1, nb * size + 1, (b,), generator=gen)
+    lens[0] = nb * size
+    return pool, tables, lens, torch.randn(b, h, q_width, generator=gen).to(dtype)
+
+
 # (sequences, heads, value width C, rope width R, block size, pool blocks): DeepSeek-like widths, then
 # widths that are no multiple of any vector length, then a single head, column and block
 CASES = [(3, 16, 256, 32, 16, 40), (5, 7, 20, 6, 4, 30), (1, 1, 3, 1, 2, 9)]
@@ -40,13 +53,7 @@ CASES = [(3, 16, 256, 32, 16, 40), (5, 7, 20, 6, 4, 30), (1, 1, 3, 1, 2, 9)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_decode_equals_gather_and_sdpa(kernel_isas: list[str], case: tuple[int, ...], dtype: torch.dtype) -> None:
     b, h, c, r, size, n = case
-    gen = torch.Generator().manual_seed(sum(case))
-    pool = torch.randn(n, size, c + r, generator=gen).to(dtype)  # [N, S, C + R]
-    nb = 6
-    tables = torch.stack([torch.randperm(n, generator=gen)[:nb] for _ in range(b)])  # [B, nb], scattered blocks
-    lens = torch.randint(1, nb * size + 1, (b,), generator=gen)
-    lens[0] = nb * size  # one sequence fills its last block
-    q = torch.randn(b, h, c + r, generator=gen).to(dtype)  # [B, H, C + R]
+    pool, tables, lens, q = _random_batch(sum(case), b, h, c + r, (n, size, c + r), dtype)  # pool [N, S, C + R]
     want = _reference(q, pool, tables, lens, c, 0.3)
     for name in kernel_isas:
         kernels.select_isa(name)
@@ -111,17 +118,21 @@ def _model(path: Path, dtype: torch.dtype = torch.float32) -> MoEModel:
     return model
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize(("family", "op"), [("deepseek_v2", "mla_decode"), ("deepseek_v3", "mla_decode"),
+                                          ("mixtral", "gqa_decode"), ("qwen3_moe", "gqa_decode"),
+                                          ("mixtral_top1_tied_mqa", "gqa_decode")])
 def test_model_decodes_the_same_with_the_paged_kernel(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
-                                                      family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                      family: str, op: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(hf_checkpoints[family])
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14]]
     calls = []
-    decode = kernels.mla_decode
-    monkeypatch.setattr(kernels, "mla_decode", lambda q, *a: calls.append(q.shape[0]) or decode(q, *a))
+    decode = getattr(kernels, op)
+    monkeypatch.setattr(kernels, op, lambda q, *a: calls.append(q.shape[0]) or decode(q, *a))
     # chunk=3: steps mix prefill chunks (gather path) with decode rows (paged kernel)
     tokens_kernel, logits_kernel = greedy_generate(model, prompts, 6, chunk=3)
-    assert calls and max(calls) == len(prompts)  # the kernel served every decode row, mixed steps too
+    full = [layer for layer in model.model.layers if getattr(layer.self_attn, "sliding_window", None) is None]
+    # the kernel served every decode row of the full-attention layers, mixed steps too; windowed ones gather
+    assert bool(calls) == bool(full) and (not calls or max(calls) == len(prompts))
     for layer in model.model.layers:
         layer.self_attn.use_paged_kernel = False
     tokens_ref, logits_ref = greedy_generate(model, prompts, 6, chunk=3)
@@ -230,11 +241,7 @@ GQA_CASES = [(3, 8, 2, 64, 16, 40), (2, 6, 6, 20, 4, 30), (4, 4, 1, 8, 2, 20)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_decode_equals_gather_and_sdpa(kernel_isas: list[str], case: tuple[int, ...], dtype: torch.dtype) -> None:
     b, h, hkv, hd, size, n = case
-    gen = torch.Generator().manual_seed(sum(case))
-    pool = torch.randn(n, size, 2, hkv, hd, generator=gen).to(dtype)
-    tables = torch.stack([torch.randperm(n, generator=gen)[:6] for _ in range(b)])
-    lens = torch.randint(1, 6 * size + 1, (b,), generator=gen)
-    q = torch.randn(b, h, hd, generator=gen).to(dtype)
+    pool, tables, lens, q = _random_batch(sum(case), b, h, hd, (n, size, 2, hkv, hd), dtype)
     want = _gqa_reference(q, pool, tables, lens, 0.2)
     for name in kernel_isas:
         kernels.select_isa(name)
@@ -249,22 +256,3 @@ def test_gqa_decode_rejects_heads_that_do_not_share_kv_heads(kernel_isas: list[s
     pool = torch.zeros(2, 4, 2, 3, 8)
     with pytest.raises(RuntimeError, match="4 query heads do not share 3 kv heads"):
         kernels.gqa_decode(torch.zeros(1, 4, 8), pool, torch.tensor([[0]]), torch.tensor([2]), 1.0)
-
-
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "mixtral_top1_tied_mqa"])
-def test_gqa_models_decode_the_same_with_the_paged_kernel(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
-                                                          family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _model(hf_checkpoints[family])
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14]]
-    calls = []
-    decode = kernels.gqa_decode
-    monkeypatch.setattr(kernels, "gqa_decode", lambda q, *a: calls.append(q.shape[0]) or decode(q, *a))
-    tokens_kernel, logits_kernel = greedy_generate(model, prompts, 6, chunk=3)
-    full = [layer for layer in model.model.layers if layer.self_attn.sliding_window is None]
-    assert bool(calls) == bool(full)  # the kernel serves full-attention layers; windowed ones gather
-    for layer in model.model.layers:
-        layer.self_attn.use_paged_kernel = False
-    tokens_ref, logits_ref = greedy_generate(model, prompts, 6, chunk=3)
-    assert tokens_kernel == tokens_ref
-    for a, b in zip(logits_kernel, logits_ref):
-        assert (torch.stack(a) - torch.stack(b)).abs().max().item() < 1e-4
