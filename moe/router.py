@@ -68,10 +68,10 @@ class Router(nn.Module):
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
         if not with_scores and self._kernel_applies(logits):  # everything after the logits in one CPU op
             bias = self.e_score_correction_bias
-            ids, weights = torch.ops.moe_kernels.route_topk(
-                logits, bias.float() if bias is not None else logits.new_empty(0), self.scoring_func == "sigmoid",
-                _METHODS[self.topk_method], self.n_group or 1, self.topk_group or 1, self.top_k, self.norm_topk_prob,
-                float(self.routed_scaling_factor))
+            ids, weights = kernels.route_topk(
+                logits, bias.float() if bias is not None else None, sigmoid=self.scoring_func == "sigmoid",
+                method=_METHODS[self.topk_method], n_group=self.n_group or 1, topk_group=self.topk_group or 1,
+                top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, scaling=float(self.routed_scaling_factor))
             return ids, weights, None
         if self.scoring_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
@@ -97,8 +97,7 @@ class Router(nn.Module):
     def _kernel_applies(self, logits: torch.Tensor) -> bool:
         """The fused CPU op (``moe_kernels.route_topk``): CPU, no autograd, the kernel built. Its
         ids come highest score first (ties: lower id); torch.topk's unsorted order may differ."""
-        return (self.use_kernel and logits.device.type == "cpu" and not kernels.needs_autograd(logits)
-                and kernels.is_available())
+        return self.use_kernel and kernels.cpu_op_applies(logits)
 
     def _selection_noaux_tc(self, scores: torch.Tensor) -> torch.Tensor:
         """scores: [T, E] sigmoid. Returns the bias-corrected scores [T, E] with experts outside

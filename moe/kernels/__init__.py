@@ -242,6 +242,24 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def cpu_op_applies(*tensors: torch.Tensor) -> bool:
+    """Whether a CPU op of this module can take these tensors: all on CPU, all in one dtype
+    (float32 or bfloat16: not an fp8 cache), none needing autograd, and the extension built."""
+    dtype = tensors[0].dtype
+    return (dtype in (torch.float32, torch.bfloat16)
+            and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+            and not needs_autograd(*tensors) and is_available())
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int, n_group: int,
+               topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's selection after its logits [T, E] float32, in one op (``moe.router.Router.route``'s
+    arithmetic; method 0 greedy, 1 group_limited_greedy, 2 noaux_tc with ``bias`` [E]). Returns ids
+    [T, top_k] int64, highest selection first (ties: lower id), and weights [T, top_k] float32."""
+    return torch.ops.moe_kernels.route_topk(logits, bias if bias is not None else _NONE, sigmoid, method, n_group,
+                                            topk_group, top_k, norm_topk_prob, scaling)
+
+
 def prefers_library_gemm(dtype: torch.dtype, mean_rows: float) -> bool:
     """Whether groups of ``mean_rows`` rows in ``dtype`` run faster as PyTorch's GEMMs here:
     prefill-size groups in a dtype this CPU has a fast library GEMM for."""

@@ -82,8 +82,7 @@ class GQAAttention(nn.Module):
         """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, hd]: CPU, the kernel
         built, the cache stored in q's dtype (not fp8), no autograd. (Sliding-window layers keep the
         gather path: ``paged_attention`` only hands full-attention decode rows to the kernel.)"""
-        return (self.use_paged_kernel and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-                and view.pool.dtype == q.dtype and not kernels.needs_autograd(q) and kernels.is_available())
+        return self.use_paged_kernel and kernels.cpu_op_applies(q, view.pool)
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
         """Keep heads [r*H/tp, (r+1)*H/tp) and kv heads likewise (after loading full weights)."""

@@ -116,17 +116,13 @@ class MLAAttention(nn.Module):
     def _fused_rope_cache_applies(self, q: torch.Tensor, latent: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``kernels.mla_rope_cache`` can stand in for the rope / norm / cache-write ops: CPU,
         q, latent, the norm weight and the cache in one dtype (so not an fp8 cache), no autograd, built."""
-        dtype = q.dtype
-        return (self.use_fused_rope_cache and q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                and latent.dtype == dtype and self.kv_a_layernorm.weight.dtype == dtype and view.pool.dtype == dtype
-                and not kernels.needs_autograd(q, latent) and kernels.is_available())
+        return self.use_fused_rope_cache and kernels.cpu_op_applies(q, latent, self.kv_a_layernorm.weight, view.pool)
 
     def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, Nn + R]: CPU, the
         kernel built, the cache stored in q's dtype (not fp8), no autograd, the absorbed path on."""
-        return (self.absorb_decode and self.use_paged_kernel and q.device.type == "cpu"
-                and q.dtype in (torch.float32, torch.bfloat16) and view.pool.dtype == q.dtype
-                and not kernels.needs_autograd(q, self.kv_b_proj.weight) and kernels.is_available())
+        return (self.absorb_decode and self.use_paged_kernel and kernels.cpu_op_applies(q, view.pool)
+                and not kernels.needs_autograd(self.kv_b_proj.weight))
 
     def _absorb_query(self, q: torch.Tensor, packed: tuple[kernels.PackedLinear, ...] | None) -> torch.Tensor:
         """q: [B, H, Lq, Nn + R] -> [B, H, Lq, C + R]: q_nope W_UK, then the rope part unchanged."""

@@ -30,9 +30,7 @@ class RMSNorm(nn.Module):
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """The one-op CPU kernel: CPU, x in the weight's dtype (float32 or bfloat16), no autograd, built."""
-        w = self.weight
-        return (x.device.type == "cpu" and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16)
-                and x.dim() >= 1 and not kernels.needs_autograd(x, w) and kernels.is_available())
+        return x.dim() >= 1 and kernels.cpu_op_applies(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

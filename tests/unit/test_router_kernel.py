@@ -1,10 +1,11 @@
-"""The router's selection as one CPU op (moe_kernels.route_topk) against the PyTorch ops."""
+"""The router's selection as one CPU op (moe.kernels.route_topk) against the PyTorch ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moe import kernels
 from moe.config import ModelConfig
 from moe.router import Router
 
@@ -65,6 +66,8 @@ def test_route_op_is_skipped_where_scores_are_asked_for_or_autograd_runs(kernel_
 def test_route_op_rejects_impossible_groupings(kernel_isas: list[str]) -> None:
     logits, bias = torch.zeros(2, 6), torch.zeros(6)
     with pytest.raises(RuntimeError, match="do not split into 4 groups"):
-        torch.ops.moe_kernels.route_topk(logits, bias, True, 2, 4, 2, 2, True, 1.0)
+        kernels.route_topk(logits, bias, sigmoid=True, method=2, n_group=4, topk_group=2, top_k=2,
+                           norm_topk_prob=True, scaling=1.0)
     with pytest.raises(RuntimeError, match="top_k 7 outside"):
-        torch.ops.moe_kernels.route_topk(logits, bias, False, 0, 1, 1, 7, True, 1.0)
+        kernels.route_topk(logits, None, sigmoid=False, method=0, n_group=1, topk_group=1, top_k=7,
+                           norm_topk_prob=True, scaling=1.0)
