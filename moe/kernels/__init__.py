@@ -51,7 +51,7 @@ from moe.cpu_gemm import has_fast_bf16_gemm
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts_cpu.cpp", "experts_body.h", "mla_body.h", "norm_body.h")
+SOURCES = ("experts_cpu.cpp", "experts_body.h", "attention_body.h", "norm_body.h")
 QUANTIZATIONS = ("int8",)
 BLOCK = 16  # output channels per packed column block
 # Mean rows per non-empty expert from which a dtype with a fast library GEMM on this CPU (fp32;

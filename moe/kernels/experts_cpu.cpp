@@ -33,11 +33,12 @@ namespace moe_kernels {
 
 enum WeightType { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 
-// MLA decode (mla_body.h): a bf16 sequence whose fp32 rows fit this many bytes is converted once and
-// kept (in L2) for both passes; longer ones convert each block again for the value pass.
+// Paged decode attention (attention_body.h): when values are the key rows (MLA's latent), a bf16
+// sequence whose fp32 rows fit this many bytes is converted once and kept (in L2) for both passes;
+// longer ones convert each block again for the value pass.
 constexpr int64_t MLA_KEEP_BYTES = 256 * 1024;
 
-// Where one kv head's keys and values sit in a layer's pool (mla_body.h): token t of block b at
+// Where one kv head's keys and values sit in a layer's pool (attention_body.h): token t of block b at
 // pool + (b * S + t) * token_stride, its key at + k_off (dk wide), its value at + v_off (dv wide).
 // MLA: one head, key = the whole latent row, value = its first C columns (v_off == k_off).
 // GQA ([N, S, 2, Hkv, hd]): head g's key at g * hd, value at (Hkv + g) * hd.
@@ -89,7 +90,7 @@ static inline float vhsum(vf v) {
 }
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 #include "experts_body.h"
-#include "mla_body.h"
+#include "attention_body.h"
 #include "norm_body.h"
 #undef MOE_W
 }  // namespace generic
@@ -122,7 +123,7 @@ static inline float vhsum(vf v) {  // (lo + hi) then pairwise within 128 bits
 }
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 #include "experts_body.h"
-#include "mla_body.h"
+#include "attention_body.h"
 #include "norm_body.h"
 #undef MOE_W
 }  // namespace avx2
@@ -150,7 +151,7 @@ static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #include "experts_body.h"
-#include "mla_body.h"
+#include "attention_body.h"
 #include "norm_body.h"
 #undef MOE_W
 }  // namespace avx512
@@ -165,7 +166,7 @@ using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, co
 template <typename OT>
 using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, int64_t, OT*, int64_t);
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
-using MlaDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
+using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
                              int64_t, float, bool, float*, float*, float*, float*);
 
 struct Isa {
@@ -175,7 +176,7 @@ struct Isa {
   DownBf16Fn down_bf16;
   LinearFn<float> linear_f32;
   LinearFn<uint16_t> linear_bf16;
-  MlaDecodeFn mla_decode;
+  PagedDecodeFn paged_decode;
   RmsNormFn rms_norm;
 };
 
@@ -200,10 +201,10 @@ static Isa isa_by_name(const std::string& name) {
               "' (expected generic, avx2 or avx512)");
   TORCH_CHECK(cpu_has(name), "moe_kernels: this CPU does not support ", name);
 #if defined(__x86_64__) || defined(__i386__)
-  if (name == "avx512") return make_isa<avx512::Kernels, avx512::MlaKernels, avx512::NormKernels>("avx512");
-  if (name == "avx2") return make_isa<avx2::Kernels, avx2::MlaKernels, avx2::NormKernels>("avx2");
+  if (name == "avx512") return make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512");
+  if (name == "avx2") return make_isa<avx2::Kernels, avx2::AttentionKernels, avx2::NormKernels>("avx2");
 #endif
-  return make_isa<generic::Kernels, generic::MlaKernels, generic::NormKernels>("generic");
+  return make_isa<generic::Kernels, generic::AttentionKernels, generic::NormKernels>("generic");
 }
 
 static Isa& current_isa() {
@@ -517,7 +518,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
       const int64_t b = i / (num_kv_heads * groups), g = (i / groups) % num_kv_heads;
       const int64_t h0 = g * rep + (i % groups) * per_group, hh = std::min(per_group, (g + 1) * rep - h0);
       const PagedHead head{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, dk, dv};
-      isa.mla_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
+      isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
                      scores.data(), kbuf.data(), vbuf.data(), o.data());
       const int64_t first = (b * H + h0) * dv;
       for (int64_t j = 0; j < hh * dv; ++j) {

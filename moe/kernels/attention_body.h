@@ -16,7 +16,7 @@
 
 // out[h * ldo + t] = dot(q[h * ldq : + n], k[t * ldk : + n]) for TT tokens x HH heads.
 template <int TT, int HH>
-static inline void mla_dot_tile(const float* __restrict q, int64_t ldq, const float* __restrict k, int64_t ldk,
+static inline void attn_dot_tile(const float* __restrict q, int64_t ldq, const float* __restrict k, int64_t ldk,
                                 int64_t n, float* __restrict out, int64_t ldo) {
   vf acc[TT][HH];
 #pragma GCC unroll 4
@@ -44,21 +44,21 @@ static inline void mla_dot_tile(const float* __restrict q, int64_t ldq, const fl
 }
 
 template <int TT>
-static inline void mla_dot_heads(int64_t hh, const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t n,
+static inline void attn_dot_heads(int64_t hh, const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t n,
                                  float* out, int64_t ldo) {
   int64_t h = 0;
-  for (; h + 4 <= hh; h += 4) mla_dot_tile<TT, 4>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo);
+  for (; h + 4 <= hh; h += 4) attn_dot_tile<TT, 4>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo);
   switch (hh - h) {
-    case 1: mla_dot_tile<TT, 1>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo); break;
-    case 2: mla_dot_tile<TT, 2>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo); break;
-    case 3: mla_dot_tile<TT, 3>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo); break;
+    case 1: attn_dot_tile<TT, 1>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo); break;
+    case 2: attn_dot_tile<TT, 2>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo); break;
+    case 3: attn_dot_tile<TT, 3>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo); break;
     default: break;
   }
 }
 
 // o[h * ldo + c] += sum_{t < T} p[h * ldp + t] * v[t * ldv + c] for HH heads and columns [c0, c0 + NC * MOE_W).
 template <int HH, int NC>
-static inline void mla_pv_tile(const float* __restrict p, int64_t ldp, int64_t T, const float* __restrict v,
+static inline void attn_pv_tile(const float* __restrict p, int64_t ldp, int64_t T, const float* __restrict v,
                                int64_t ldv, int64_t c0, float* __restrict o, int64_t ldo) {
   vf acc[HH][NC];
 #pragma GCC unroll 8
@@ -83,11 +83,11 @@ static inline void mla_pv_tile(const float* __restrict p, int64_t ldp, int64_t T
 }
 
 template <int HH>
-static inline void mla_pv_columns(const float* p, int64_t ldp, int64_t T, const float* v, int64_t ldv, int64_t C,
+static inline void attn_pv_columns(const float* p, int64_t ldp, int64_t T, const float* v, int64_t ldv, int64_t C,
                                   float* o, int64_t ldo) {
   int64_t c = 0;
-  for (; c + 2 * MOE_W <= C; c += 2 * MOE_W) mla_pv_tile<HH, 2>(p, ldp, T, v, ldv, c, o, ldo);
-  for (; c + MOE_W <= C; c += MOE_W) mla_pv_tile<HH, 1>(p, ldp, T, v, ldv, c, o, ldo);
+  for (; c + 2 * MOE_W <= C; c += 2 * MOE_W) attn_pv_tile<HH, 2>(p, ldp, T, v, ldv, c, o, ldo);
+  for (; c + MOE_W <= C; c += MOE_W) attn_pv_tile<HH, 1>(p, ldp, T, v, ldv, c, o, ldo);
   for (; c < C; ++c)
     for (int h = 0; h < HH; ++h) {
       float s = o[h * ldo + c];
@@ -137,7 +137,7 @@ static inline void round_bf16_inplace(float* s, int64_t n) {
 }
 
 // s[0:L) <- softmax(round(s) * scale) in fp32, then rounded to bf16 when round_half.
-static inline void mla_softmax(float* s, int64_t L, float scale, bool round_half) {
+static inline void attn_softmax(float* s, int64_t L, float scale, bool round_half) {
   if (round_half) round_bf16_inplace(s, L);
   vf mv = vbroadcast(s);
   int64_t t = 0;
@@ -217,10 +217,10 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
     const int64_t ldk = rows_f32(pool + table[blk] * S * stride + head.k_off, rows, dk, stride,
                                  keep ? kbuf + blk * S * dk : kbuf, &k);
     int64_t t = 0;
-    for (; t + 3 <= rows; t += 3) mla_dot_heads<3>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
-    for (; t < rows; ++t) mla_dot_heads<1>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
+    for (; t + 3 <= rows; t += 3) attn_dot_heads<3>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
+    for (; t < rows; ++t) attn_dot_heads<1>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
   }
-  for (int64_t h = 0; h < hh; ++h) mla_softmax(scores + h * L, L, scale, round_half);
+  for (int64_t h = 0; h < hh; ++h) attn_softmax(scores + h * L, L, scale, round_half);
   std::fill(o, o + hh * dv, 0.f);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
@@ -230,19 +230,19 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
     const int64_t ldv = keep ? dk : rows_f32(pool + table[blk] * S * stride + head.v_off, rows, dv, stride, vbuf, &v);
     const float* p = scores + blk * S;
     int64_t h = 0;
-    for (; h + 6 <= hh; h += 6) mla_pv_columns<6>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv);
+    for (; h + 6 <= hh; h += 6) attn_pv_columns<6>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv);
     switch (hh - h) {
-      case 1: mla_pv_columns<1>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
-      case 2: mla_pv_columns<2>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
-      case 3: mla_pv_columns<3>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
-      case 4: mla_pv_columns<4>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
-      case 5: mla_pv_columns<5>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
+      case 1: attn_pv_columns<1>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
+      case 2: attn_pv_columns<2>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
+      case 3: attn_pv_columns<3>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
+      case 4: attn_pv_columns<4>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
+      case 5: attn_pv_columns<5>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
       default: break;
     }
   }
 }
 
-struct MlaKernels {
+struct AttentionKernels {
   static void decode(bool bf16_pool, const float* q, int64_t hh, const void* pool, int64_t S, const PagedHead& head,
                      const int64_t* table, int64_t L, float scale, bool round_half, float* scores, float* kbuf,
                      float* vbuf, float* o) {
