@@ -28,7 +28,7 @@ PyTorch GEMMs (attention products, fallbacks), gathers/scatters (paged KV, dispa
 copies/casts, other ops, and "outside ops" (Python, scheduler, sampler).
 
 ``--ab-fused-ops`` times every batch size with the small fused CPU ops (RMSNorm, router
-selection, MLA rope + cache write, MLA paged decode attention, routed experts from the
+selection, MLA rope + cache write, MLA / GQA paged decode attention, routed experts from the
 router's output: ``MoEModel.set_fused_ops``) on and off in alternating steps of the same
 run, so a noisy machine's slow minutes hit both sides alike; the extra table gives both
 CPU medians and their ratio.
@@ -236,8 +236,7 @@ def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context
         engine.step()
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu
         output, results = recorder.last
-        batch = output.batches[0]
-        if batch.num_seqs == batch_size and batch.num_tokens == batch_size:
+        if _decoded_every_sequence(recorder, batch_size):
             decode_steps += 1
             if decode_steps > warmup_steps:
                 timed.append((wall, cpu, output, results[0]))
@@ -255,6 +254,12 @@ def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context
     return timed
 
 
+def _decoded_every_sequence(recorder: RecordingExecutor, batch_size: int) -> bool:
+    """Whether the last step was a pure decode step of all ``batch_size`` sequences."""
+    batch = recorder.last[0].batches[0]
+    return batch.num_seqs == batch_size and batch.num_tokens == batch_size
+
+
 def _step_with_fused_off(engine: Any, recorder: RecordingExecutor, set_fused: Callable[[bool], Any],
                          batch_size: int) -> float:
     """One engine step with the fused ops off; its CPU seconds. Raises if it was not a pure decode step."""
@@ -265,8 +270,7 @@ def _step_with_fused_off(engine: Any, recorder: RecordingExecutor, set_fused: Ca
         cpu = time.process_time() - cpu
     finally:
         set_fused(True)
-    batch = recorder.last[0].batches[0]
-    if not (batch.num_seqs == batch_size and batch.num_tokens == batch_size):
+    if not _decoded_every_sequence(recorder, batch_size):
         raise RuntimeError(f"batch size {batch_size}: a step with the fused ops off did not decode every sequence")
     return cpu
 
