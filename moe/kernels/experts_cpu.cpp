@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -235,6 +236,34 @@ struct Item {
   int64_t expert, block, row0, rows;
 };
 
+// Runs worker(claim) once on each of torch's threads (inline on one). claim(begin, end) hands
+// out the next unclaimed contiguous range of item indices from one shared counter (false: none
+// left), guided: each range is a share of what is left, so ranges start long (a thread streams
+// neighbouring weight blocks, which its prefetches and the hardware's expect) and end short.
+// Items of unequal cost (experts with more rows, longer sequences) thus even out over the
+// threads, where at::parallel_for's static split gives each thread one fixed half.
+template <typename Worker>
+static void for_each_claimed(int64_t num_items, Worker&& worker) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  auto claim = [&next, num_items, threads](int64_t& begin, int64_t& end) {
+    int64_t cur = next.load(std::memory_order_relaxed);
+    do {
+      if (cur >= num_items) return false;
+      end = cur + std::max<int64_t>(1, (num_items - cur) / (2 * threads));
+    } while (!next.compare_exchange_weak(cur, end, std::memory_order_relaxed));
+    begin = cur;
+    return true;
+  };
+  if (threads <= 1 || at::in_parallel_region()) {
+    worker(claim);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) worker(claim);
+  });
+}
+
 // Rows a work item covers: a panel that stays in L2 while a thread walks consecutive column
 // blocks (a multiple of the 6- and 8-row register tiles). Without it a prefill-size expert
 // re-streams all its rows from L3 once per column block.
@@ -292,30 +321,34 @@ static void run_experts(const float* xs, const std::vector<int64_t>& offsets, in
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
   const std::vector<Item> up_items = work_items(offsets, nb13);
-  at::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& it = up_items[i];
-      const int64_t block = it.expert * nb13 + it.block;
-      isa.gate_up(wt, xs + it.row0 * D, it.rows, D, w13_ptr + block * D * 16 * esize,
-                  s13_ptr ? s13_ptr + block * 16 : nullptr, acts + it.row0 * I + it.block * 8, I);
-    }
+  const int64_t num_up = static_cast<int64_t>(up_items.size());
+  for_each_claimed(num_up, [&](auto& claim) {
+    for (int64_t begin, end; claim(begin, end);)
+      for (int64_t i = begin; i < end; ++i) {
+        const Item& it = up_items[i];
+        const int64_t block = it.expert * nb13 + it.block;
+        isa.gate_up(wt, xs + it.row0 * D, it.rows, D, w13_ptr + block * D * 16 * esize,
+                    s13_ptr ? s13_ptr + block * 16 : nullptr, acts + it.row0 * I + it.block * 8, I);
+      }
   });
   // Phase 2: down projection, items (expert, 16 output channels); routing weight in the epilogue.
   const std::vector<Item> down_items = work_items(offsets, nb2);
   char* out_ptr = static_cast<char*>(out);
-  at::parallel_for(0, static_cast<int64_t>(down_items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& it = down_items[i];
-      const int64_t block = it.expert * nb2 + it.block;
-      const void* w = w2_ptr + block * I * 16 * esize;
-      const float* sc = s2_ptr ? s2_ptr + block * 16 : nullptr;
-      const float* rw = rw_ptr ? rw_ptr + it.row0 : nullptr;
-      const int64_t first = it.row0 * D + it.block * 16;
-      if (bf16_out)
-        isa.down_bf16(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<uint16_t*>(out_ptr) + first, D);
-      else
-        isa.down_f32(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<float*>(out_ptr) + first, D);
-    }
+  const int64_t num_down = static_cast<int64_t>(down_items.size());
+  for_each_claimed(num_down, [&](auto& claim) {
+    for (int64_t begin, end; claim(begin, end);)
+      for (int64_t i = begin; i < end; ++i) {
+        const Item& it = down_items[i];
+        const int64_t block = it.expert * nb2 + it.block;
+        const void* w = w2_ptr + block * I * 16 * esize;
+        const float* sc = s2_ptr ? s2_ptr + block * 16 : nullptr;
+        const float* rw = rw_ptr ? rw_ptr + it.row0 : nullptr;
+        const int64_t first = it.row0 * D + it.block * 16;
+        if (bf16_out)
+          isa.down_bf16(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<uint16_t*>(out_ptr) + first, D);
+        else
+          isa.down_f32(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<float*>(out_ptr) + first, D);
+      }
   });
 }
 
@@ -509,23 +542,26 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const void* pool_ptr = pc.data_ptr();
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * num_kv_heads * groups, 1, [&](int64_t begin, int64_t end) {
+  // items claimed one at a time: their cost follows the sequence's context length
+  const int64_t num_items = B * num_kv_heads * groups;
+  for_each_claimed(num_items, [&](auto& claim) {
     // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block
     const int64_t keep_len = std::min(max_len, MLA_KEEP_BYTES / (dk * static_cast<int64_t>(sizeof(float))));
     std::vector<float> scores(per_group * max_len), kbuf(std::max(S, (keep_len + S - 1) / S * S) * dk),
         vbuf(S * dv), o(per_group * dv);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / (num_kv_heads * groups), g = (i / groups) % num_kv_heads;
-      const int64_t h0 = g * rep + (i % groups) * per_group, hh = std::min(per_group, (g + 1) * rep - h0);
-      const PagedHead head{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, dk, dv};
-      isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
-                     scores.data(), kbuf.data(), vbuf.data(), o.data());
-      const int64_t first = (b * H + h0) * dv;
-      for (int64_t j = 0; j < hh * dv; ++j) {
-        if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
-        else reinterpret_cast<float*>(out_ptr)[first + j] = o[j];
+    for (int64_t begin, end; claim(begin, end);)
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / (num_kv_heads * groups), g = (i / groups) % num_kv_heads;
+        const int64_t h0 = g * rep + (i % groups) * per_group, hh = std::min(per_group, (g + 1) * rep - h0);
+        const PagedHead head{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, dk, dv};
+        isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
+                       scores.data(), kbuf.data(), vbuf.data(), o.data());
+        const int64_t first = (b * H + h0) * dv;
+        for (int64_t j = 0; j < hh * dv; ++j) {
+          if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
+          else reinterpret_cast<float*>(out_ptr)[first + j] = o[j];
+        }
       }
-    }
   });
   return out;
 }
