@@ -264,6 +264,16 @@ static void for_each_claimed(int64_t num_items, Worker&& worker) {
   });
 }
 
+// body(item) for every item of ``items``, the items claimed as for_each_claimed hands them out.
+template <typename Body>
+static void for_each_item(const std::vector<Item>& items, Body&& body) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  for_each_claimed(n, [&](auto& claim) {
+    for (int64_t begin, end; claim(begin, end);)
+      for (int64_t i = begin; i < end; ++i) body(items[i]);
+  });
+}
+
 // Rows a work item covers: a panel that stays in L2 while a thread walks consecutive column
 // blocks (a multiple of the 6- and 8-row register tiles). Without it a prefill-size expert
 // re-streams all its rows from L3 once per column block.
@@ -321,34 +331,24 @@ static void run_experts(const float* xs, const std::vector<int64_t>& offsets, in
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
   const std::vector<Item> up_items = work_items(offsets, nb13);
-  const int64_t num_up = static_cast<int64_t>(up_items.size());
-  for_each_claimed(num_up, [&](auto& claim) {
-    for (int64_t begin, end; claim(begin, end);)
-      for (int64_t i = begin; i < end; ++i) {
-        const Item& it = up_items[i];
-        const int64_t block = it.expert * nb13 + it.block;
-        isa.gate_up(wt, xs + it.row0 * D, it.rows, D, w13_ptr + block * D * 16 * esize,
-                    s13_ptr ? s13_ptr + block * 16 : nullptr, acts + it.row0 * I + it.block * 8, I);
-      }
+  for_each_item(up_items, [&](const Item& it) {
+    const int64_t block = it.expert * nb13 + it.block;
+    isa.gate_up(wt, xs + it.row0 * D, it.rows, D, w13_ptr + block * D * 16 * esize,
+                s13_ptr ? s13_ptr + block * 16 : nullptr, acts + it.row0 * I + it.block * 8, I);
   });
   // Phase 2: down projection, items (expert, 16 output channels); routing weight in the epilogue.
   const std::vector<Item> down_items = work_items(offsets, nb2);
   char* out_ptr = static_cast<char*>(out);
-  const int64_t num_down = static_cast<int64_t>(down_items.size());
-  for_each_claimed(num_down, [&](auto& claim) {
-    for (int64_t begin, end; claim(begin, end);)
-      for (int64_t i = begin; i < end; ++i) {
-        const Item& it = down_items[i];
-        const int64_t block = it.expert * nb2 + it.block;
-        const void* w = w2_ptr + block * I * 16 * esize;
-        const float* sc = s2_ptr ? s2_ptr + block * 16 : nullptr;
-        const float* rw = rw_ptr ? rw_ptr + it.row0 : nullptr;
-        const int64_t first = it.row0 * D + it.block * 16;
-        if (bf16_out)
-          isa.down_bf16(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<uint16_t*>(out_ptr) + first, D);
-        else
-          isa.down_f32(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<float*>(out_ptr) + first, D);
-      }
+  for_each_item(down_items, [&](const Item& it) {
+    const int64_t block = it.expert * nb2 + it.block;
+    const void* w = w2_ptr + block * I * 16 * esize;
+    const float* sc = s2_ptr ? s2_ptr + block * 16 : nullptr;
+    const float* rw = rw_ptr ? rw_ptr + it.row0 : nullptr;
+    const int64_t first = it.row0 * D + it.block * 16;
+    if (bf16_out)
+      isa.down_bf16(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<uint16_t*>(out_ptr) + first, D);
+    else
+      isa.down_f32(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<float*>(out_ptr) + first, D);
   });
 }
 

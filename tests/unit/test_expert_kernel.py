@@ -60,6 +60,35 @@ def test_kernel_matches_reference(kernel_isas: list[str], case: str, dtype: torc
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_claiming_items_give_the_one_thread_result(kernel_isas: list[str], dtype: torch.dtype) -> None:
+    """Work items of very unequal cost (one expert with most rows, panels of 96 rows, empty
+    slots) claimed by 1, 2 and 3 threads: the same bits, every row written once."""
+    counts = [300, 0, 1, 7, 0, 2, 96, 0, 5, 1, 0, 0, 3, 190, 0, 1]
+    hidden, inter = 64, 48
+    w13, w2 = _weights(len(counts), hidden, inter, dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    n = sum(counts)
+    x = torch.randn(n, hidden, generator=gen).to(dtype)
+    rw = torch.rand(n, generator=gen)
+    packed = kernels.pack_experts(w13, w2)
+    threads = torch.get_num_threads()
+    try:
+        for isa in kernel_isas:
+            kernels.select_isa(isa)
+            torch.set_num_threads(1)
+            want = kernels.experts_forward(x, counts, packed, rw)
+            assert want.shape == (n, hidden) and torch.isfinite(want.float()).all()
+            for num in (2, 3):
+                torch.set_num_threads(num)
+                got = kernels.experts_forward(x, counts, packed, rw)
+                assert torch.equal(got, want), (isa, num)
+    finally:
+        torch.set_num_threads(threads)
+        kernels.select_isa("auto")
+
+
+@pytest.mark.slow
 def test_kernel_with_no_rows_returns_empty(kernel_isas: list[str]) -> None:
     w13, w2 = _weights(4, 32, 16, torch.float32, seed=0)
     out = kernels.experts_forward(torch.empty(0, 32), [0, 0, 0, 0], kernels.pack_experts(w13, w2))
