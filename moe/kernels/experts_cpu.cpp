@@ -542,7 +542,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const void* pool_ptr = pc.data_ptr();
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const float sc = static_cast<float>(scale);
-  // items claimed one at a time: their cost follows the sequence's context length
+  // items claimed in guided ranges (for_each_claimed): their cost follows the sequence's context length
   const int64_t num_items = B * num_kv_heads * groups;
   for_each_claimed(num_items, [&](auto& claim) {
     // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block
