@@ -143,15 +143,15 @@ class MoEModel(nn.Module):
 
     def set_fused_ops(self, enabled: bool) -> int:
         """Switch the small fused CPU ops on or off together (off: their PyTorch ops, the reference):
-        RMSNorm, router selection, MLA's rope + latent norm + cache write, MLA's and GQA's paged
-        decode attention and the routed experts straight from the router's output. The GEMM kernels
+        RMSNorm, router selection, MLA's rope + latent norm + cache write, MLA's whole decode
+        attention as one op, MLA's and GQA's paged decode attention and the routed experts straight from the router's output. The GEMM kernels
         (``moe.kernels`` experts / linear) stay as they are. Returns how many modules were set."""
         count = 0
         for module in self.modules():
             if isinstance(module, (RMSNorm, Router)):
                 module.use_kernel = enabled
             elif isinstance(module, MLAAttention):
-                module.use_fused_rope_cache = module.use_paged_kernel = enabled
+                module.use_fused_rope_cache = module.use_paged_kernel = module.use_fused_decode = enabled
             elif isinstance(module, GQAAttention):
                 module.use_paged_kernel = enabled
             elif isinstance(module, Experts):

@@ -2,15 +2,20 @@
 
     python -m launch bench throughput --model DIR [--num-prompts 32] [--input-len-range 16 200]
         [--output-len-range 8 96] [--seed 0] [--baseline hf|none] [--hf-batch-size 8]
-        [--dtype bfloat16 (default)] [--num-threads N] [--json FILE] [engine flags: --max-num-seqs ...]
+        [--dtype bfloat16 (default)] [--hf-dtype same|float32|bfloat16|float16] [--num-threads N]
+        [--json FILE] [engine flags: --max-num-seqs ...]
 
 Requests are random token ids with input and output lengths drawn uniformly from the two
 ranges (seeded), decoded greedily with ``ignore_eos`` so every output has exactly its drawn
 length. Ours: ``LLM.generate`` with all requests at once (the engine batches continuously).
 Baseline ``hf``: transformers' ``generate`` on the same checkpoint and prompts in static
 batches of ``--hf-batch-size`` (left-padded; each batch runs until its longest output).
-Both sides count only the requested output tokens, use the same dtype and thread count,
-get one untimed warm-up call, and run in this one process, one after the other.
+Both sides count only the requested output tokens, use the same thread count, get one
+untimed warm-up call, and run in this one process, one after the other. transformers runs
+in ours' dtype unless ``--hf-dtype`` names another: on CPUs without native bf16 GEMMs its bf16
+matmuls run at ~1 GFLOP/s, so its fastest choice for a bf16 checkpoint is float32 there
+(``--dtype bfloat16 --hf-dtype float32`` compares each side at its fastest; the greedy
+agreement then also measures the two dtypes' rounding, not only the runtimes).
 """
 
 from __future__ import annotations
@@ -140,7 +145,7 @@ def agreement(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) ->
 
 
 def summarize(config: RuntimeConfig, requests: Sequence[BenchRequest], ours: RunResult, hf: RunResult | None,
-              *, num_threads: int, seed: int, dtype: str, hf_batch_size: int,
+              *, num_threads: int, seed: int, dtype: str, hf_batch_size: int, hf_dtype: str | None = None,
               input_len_range: Sequence[int], output_len_range: Sequence[int]) -> dict[str, Any]:
     """The result JSON (vLLM ``bench throughput`` keys for our side, ``hf_*`` for the baseline)."""
     out_tokens = sum(r.output_len for r in requests)
@@ -157,7 +162,7 @@ def summarize(config: RuntimeConfig, requests: Sequence[BenchRequest], ours: Run
     }
     if hf is not None:
         result.update({
-            "hf_batch_size": hf_batch_size, "hf_elapsed_time": hf.elapsed_s,
+            "hf_batch_size": hf_batch_size, "hf_dtype": hf_dtype or dtype, "hf_elapsed_time": hf.elapsed_s,
             "hf_output_tokens_per_second": out_tokens / hf.elapsed_s,
             "speedup": hf.elapsed_s / ours.elapsed_s, "hf_cpu_time": hf.cpu_s,
             "speedup_cpu_time": hf.cpu_s / ours.cpu_s if ours.cpu_s else None,
@@ -182,6 +187,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"{'Ours: CPU time (s):':<40}{result['cpu_time']:.2f}")
     if result["baseline"] == "hf":
         lines += [
+            f"{'HF generate: dtype:':<40}{result['hf_dtype']}",
             f"{'HF generate (batch ' + str(result['hf_batch_size']) + '): elapsed (s):':<40}"
             f"{result['hf_elapsed_time']:.2f}",
             f"{'HF generate: output tokens/s:':<40}{result['hf_output_tokens_per_second']:.1f}",
@@ -205,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-len-range", type=int, nargs=2, default=[8, 96], metavar=("LO", "HI"))
     g.add_argument("--baseline", choices=("hf", "none"), default="hf")
     g.add_argument("--hf-batch-size", type=int, default=8)
+    g.add_argument("--hf-dtype", choices=("same", "float32", "bfloat16", "float16"), default="same",
+                   help="transformers' dtype (default: ours', --dtype); float32 is its fastest on CPUs "
+                        "without native bf16 GEMMs")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
     return parser
@@ -241,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     from launch.worker import DTYPES
 
     dtype = resolve_dtype(config.engine.dtype, model_config)  # "auto": the checkpoint's, as the engine does
+    hf_dtype = dtype if args.hf_dtype == "same" else args.hf_dtype
     try:
         ours = run_ours(config, requests)
     except (ConfigError, ValueError) as e:  # e.g. no room for the KV cache in --memory
@@ -248,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hf = None
     if args.baseline == "hf":
-        hf = run_hf(config.model, requests, args.hf_batch_size, DTYPES[dtype],
+        hf = run_hf(config.model, requests, args.hf_batch_size, DTYPES[hf_dtype],
                     pad_token_id=model_config.eos_token_ids[0] if model_config.eos_token_ids else 0)
     result = summarize(config, requests, ours, hf, num_threads=torch.get_num_threads(), seed=seed, dtype=dtype,
-                       hf_batch_size=args.hf_batch_size, input_len_range=args.input_len_range,
+                       hf_batch_size=args.hf_batch_size, hf_dtype=hf_dtype, input_len_range=args.input_len_range,
                        output_len_range=args.output_len_range)
     print(format_report(result))
     if args.json:

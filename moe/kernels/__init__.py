@@ -8,6 +8,10 @@ for a grouped-query cache.
 
 ``rms_norm`` is RMSNorm in one op (the PyTorch expression is eight).
 
+``mla_decode_attention`` is MLA's whole attention for a step of decode rows (projections, latent
+norm, rope, cache write, absorbed products, ``mla_decode``, o_proj) in one op: the same C++ calls
+in the same order as the op-by-op path, without a Python round trip between them.
+
 ``linear_forward`` runs a plain (optionally batched) linear on weights packed the same way
 by ``pack_linear`` (``wp [G, C/16, K, 16]``): the attention projections, lm_head and MLA's
 per-head absorbed products, which PyTorch runs at about 1 GFLOP/s in bf16 on CPUs without
@@ -216,6 +220,29 @@ def mla_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, 
     round the scores and probabilities to bf16 as ``moe.layers.paged.sdpa`` does.
     """
     return torch.ops.moe_kernels.mla_decode(q, pool, block_tables, context_lens, value_dim, scale)
+
+
+def mla_decode_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
+                         norms: tuple[torch.Tensor | None, torch.Tensor], eps: tuple[float, float],
+                         dims: tuple[int, ...], cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                         pool: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """MLA's whole attention for a step of decode rows only (row b: sequence b's one new token), in
+    one op; bit-equal to ``moe.layers.mla.MLAAttention``'s op-by-op kernel path.
+
+    x: [B, D]; weights: packed (q_a or None, q, kv_a, W_UK^T [H, C, Nn], W_UV [H, Vd, C], o) as
+    ``pack_linear`` returns their ``wp``; biases: (q_a, q, kv_a, o), each float/x-dtype or None;
+    norms: (q_a_layernorm weight or None, kv_a_layernorm weight [C]); eps: theirs; dims: (H, Nn, Vd,
+    q_a columns or 0, q columns, D); cos, sin: [B, R/2] float32; pool: [N, S, C + R] (this step's
+    entries are written at slot_mapping [B]); block_tables: [B, nb]; context_lens: [B].
+    Returns o_proj's output [B, D] in x's dtype."""
+    q_a, q, kv_a, wuk, wuv, o = weights
+    q_a_bias, q_bias, kv_a_bias, o_bias = (b if b is not None else _NONE for b in biases)
+    q_a_norm, kv_norm = norms
+    return torch.ops.moe_kernels.mla_decode_attention(
+        x, q_a if q_a is not None else _NONE, q_a_bias, q_a_norm if q_a_norm is not None else _NONE, eps[0], q,
+        q_bias, kv_a, kv_a_bias, kv_norm, eps[1], wuk, wuv, o, o_bias, dims, cos, sin, interleave, pool,
+        slot_mapping, block_tables, context_lens, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

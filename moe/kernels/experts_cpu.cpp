@@ -707,6 +707,50 @@ at::Tensor mla_rope_cache(const at::Tensor& q, const at::Tensor& latent, const a
   return q_out;
 }
 
+// MLA's whole attention for a step whose rows are all decode rows (row b = sequence b's one new token),
+// in one op: the same ops in the same order as moe.layers.mla.MLAAttention.forward's kernel path, so
+// the result is bit-equal to it, without a Python round trip per op.
+// x: [B, D]; weights (packed as kernels.pack_linear packs them; biases float32 or empty):
+//   q_a_wp / q_a_bias / q_a_norm: q_a_proj and q_a_layernorm, or all empty without a q LoRA;
+//   q_wp / q_bias: q_b_proj (q_proj without a q LoRA), H * (Nn + R) columns;
+//   kv_a_wp / kv_a_bias: kv_a_proj_with_mqa, C + R columns; kv_norm: kv_a_layernorm [C];
+//   wuk_wp: W_UK^T [H, C, Nn] packed; wuv_wp: W_UV [H, Vd, C] packed; o_wp / o_bias: o_proj.
+// cos, sin: [B, R/2] float32; pool: [N, S, C + R] this layer's latent cache (written at
+// slot_mapping [B]); block_tables: [B, nb] int64; context_lens: [B] int64.
+// dims: (H, Nn, Vd, q_a columns or 0, q columns, D). Returns o_proj's output [B, D] in x's dtype.
+at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, const at::Tensor& q_a_bias,
+                                const at::Tensor& q_a_norm, double q_a_eps, const at::Tensor& q_wp,
+                                const at::Tensor& q_bias, const at::Tensor& kv_a_wp, const at::Tensor& kv_a_bias,
+                                const at::Tensor& kv_norm, double kv_eps, const at::Tensor& wuk_wp,
+                                const at::Tensor& wuv_wp, const at::Tensor& o_wp, const at::Tensor& o_bias,
+                                at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
+                                const at::Tensor& pool, const at::Tensor& slot_mapping,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(x.dim() == 2 && dims.size() == 6, "moe_kernels: x [B, D] and dims (H, Nn, Vd, q_a columns, "
+              "q columns, D) expected");
+  const int64_t H = dims[0], nope = dims[1], vd = dims[2], q_a_cols = dims[3], q_cols = dims[4], D = dims[5];
+  const int64_t B = x.size(0), C = kv_norm.size(0), W = pool.size(2), R = W - C;
+  TORCH_CHECK(H > 0 && q_cols == H * (nope + R) && R > 0, "moe_kernels: ", q_cols, " query columns do not split "
+              "into ", H, " heads of ", nope, " + ", R);
+  const at::Tensor no_bias = at::empty({0}, x.options().dtype(at::kFloat));
+  auto lin = [](const at::Tensor& in, const at::Tensor& wp, const at::Tensor& bias, int64_t cols) {
+    return linear_forward(in.unsqueeze(0), wp, bias, cols, false).select(0, 0);
+  };
+  at::Tensor q = q_a_cols ? lin(rms_norm(lin(x, q_a_wp, q_a_bias, q_a_cols), q_a_norm, q_a_eps), q_wp, q_bias, q_cols)
+                          : lin(x, q_wp, q_bias, q_cols);
+  q = q.view({B, H, nope + R});
+  const at::Tensor latent = lin(x, kv_a_wp, kv_a_bias, W);  // [B, C + R]
+  q = mla_rope_cache(q, latent, kv_norm, kv_eps, cos, sin, interleave, pool, slot_mapping);
+  // absorbed query: q_nope W_UK per head ([H, B, Nn] through the [H]-batched linear), then the rope part
+  const at::Tensor q_nope = q.slice(2, 0, nope).permute({1, 0, 2}).reshape({H, B, nope});
+  const at::Tensor q_lat = linear_forward(q_nope, wuk_wp, no_bias, C, false).permute({1, 0, 2});  // [B, H, C]
+  const at::Tensor q_full = at::cat({q_lat, q.slice(2, nope)}, -1).contiguous();  // [B, H, C + R]
+  const at::Tensor o_lat = mla_decode(q_full, pool, block_tables, context_lens, C, scale);  // [B, H, C]
+  const at::Tensor o = linear_forward(o_lat.permute({1, 0, 2}).reshape({H, B, C}), wuv_wp, no_bias, vd, false)
+                           .permute({1, 0, 2}).reshape({B, H * vd});  // [B, H * Vd]
+  return lin(o, o_wp, o_bias, D);
+}
+
 // Router selection after the gate's logits, per token (moe.router.Router.route's arithmetic):
 // scores = softmax or sigmoid of logits [T, E] (fp32); selection on scores (+ bias for noaux_tc)
 // restricted to the topk_group best of n_group groups (group score: max for group_limited_greedy,
@@ -820,6 +864,11 @@ TORCH_LIBRARY(moe_kernels, m) {
         "bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("mla_rope_cache(Tensor q, Tensor latent, Tensor norm_weight, float eps, Tensor cos, Tensor sin, "
         "bool interleave, Tensor(a!) pool, Tensor slot_mapping) -> Tensor");
+  m.def("mla_decode_attention(Tensor x, Tensor q_a_wp, Tensor q_a_bias, Tensor q_a_norm, float q_a_eps, "
+        "Tensor q_wp, Tensor q_bias, Tensor kv_a_wp, Tensor kv_a_bias, Tensor kv_norm, float kv_eps, "
+        "Tensor wuk_wp, Tensor wuv_wp, Tensor o_wp, Tensor o_bias, int[] dims, Tensor cos, Tensor sin, "
+        "bool interleave, Tensor(a!) pool, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
 }
@@ -833,4 +882,5 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("rms_norm", &moe_kernels::rms_norm);
   m.impl("route_topk", &moe_kernels::route_topk);
   m.impl("mla_rope_cache", &moe_kernels::mla_rope_cache);
+  m.impl("mla_decode_attention", &moe_kernels::mla_decode_attention);
 }

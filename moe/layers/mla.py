@@ -45,6 +45,8 @@ class MLAAttention(nn.Module):
         self.use_paged_kernel = True
         # rope, kv_a_layernorm and the cache write as one CPU op (False: the PyTorch ops)
         self.use_fused_rope_cache = True
+        # a step of decode rows only: the whole attention as one CPU op (False: op by op)
+        self.use_fused_decode = True
         bias = config.attention_bias
         qk = self.nope + self.rope
         if config.q_lora_rank is None:
@@ -66,6 +68,10 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, D]; cos, sin: [T, R/2]. Writes [c_kv | k_pe] to ``cache``. Returns [T, D]."""
         t = x.shape[0]
+        if self.use_fused_decode and t == len(meta.query_lens_list) and t:  # every row a decode row
+            weights = self._fused_decode_weights(x, cache)
+            if weights is not None:
+                return self._decode_fused(x, weights, cos, sin, meta, cache)
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope + self.rope)
         latent = self.kv_a_proj_with_mqa(x)  # [T, C + R]
@@ -113,6 +119,56 @@ class MLAAttention(nn.Module):
                                    self.scale)  # [B, H, C]
         return self._expand_values(o_lat[:, :, None], packed)[:, :, 0]
 
+    def _fused_decode_weights(self, x: torch.Tensor, view: KVLayerView) -> tuple[torch.Tensor | None, ...] | None:
+        """The packed weights of ``kernels.mla_decode_attention`` when it can stand in for this
+        forward on decode rows x [B, D], else None: exactly when every op of the op-by-op path
+        would take its CPU kernel (fused rope / cache write, paged decode, the absorbed path and
+        every projection on the packed linear kernel at B rows)."""
+        if not (self.use_fused_rope_cache and self.use_paged_kernel and self.absorb_decode):
+            return None
+        linears = self._linears()
+        weight = self.kv_a_layernorm.weight
+        if not kernels.cpu_op_applies(x, weight, view.pool):
+            return None
+        rows = x.shape[0]
+        for lin in linears:
+            if not lin.use_kernel or not kernel_applies(x, lin.weight, rows):
+                return None
+        if self.q_lora_rank is not None and not (self.q_a_layernorm.use_kernel
+                                                 and kernels.cpu_op_applies(x, self.q_a_layernorm.weight)):
+            return None
+
+        def pack(*weights: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            packs = [cached_pack(lin, "_packed", (lin.weight,), kernels.pack_linear).wp for lin in linears]
+            wuk, wuv = self._absorbed_packed_weights()
+            if self.q_lora_rank is None:
+                packs.insert(0, None)
+            q_a, q, kv_a, _, o = packs
+            return q_a, q, kv_a, wuk.wp, wuv.wp, o
+
+        return cached_pack(self, "_fused_decode", tuple(lin.weight for lin in linears), pack)
+
+    def _decode_fused(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...], cos: torch.Tensor,
+                      sin: torch.Tensor, meta: AttentionMetadata, cache: KVLayerView) -> torch.Tensor:
+        """``kernels.mla_decode_attention`` for decode rows x [B, D]. Returns [B, D]."""
+        lora = self.q_lora_rank is not None
+        q_lin = self.q_b_proj if lora else self.q_proj
+        q_a = self.q_a_proj if lora else None
+        biases = (q_a.bias if q_a is not None else None, q_lin.bias, self.kv_a_proj_with_mqa.bias, self.o_proj.bias)
+        norms = (self.q_a_layernorm.weight if lora else None, self.kv_a_layernorm.weight)
+        eps = (self.q_a_layernorm.eps if lora else 0.0, self.kv_a_layernorm.eps)
+        dims = (self.num_heads, self.nope, self.v_dim, self.q_lora_rank or 0, q_lin.weight.shape[0],
+                self.o_proj.weight.shape[0])
+        return kernels.mla_decode_attention(x, weights, biases, norms, eps, dims, cos, sin, self.interleave,
+                                            cache.pool, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                            self.scale)
+
+    def _linears(self) -> list[Linear]:
+        """The projections in ``kernels.mla_decode_attention``'s order: [q_a_proj,] q (q_b_proj or
+        q_proj), kv_a_proj_with_mqa, kv_b_proj (the absorbed W_UK / W_UV), o_proj."""
+        q = [self.q_proj] if self.q_lora_rank is None else [self.q_a_proj, self.q_b_proj]
+        return [*q, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj]
+
     def _fused_rope_cache_applies(self, q: torch.Tensor, latent: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``kernels.mla_rope_cache`` can stand in for the rope / norm / cache-write ops: CPU,
         q, latent, the norm weight and the cache in one dtype (so not an fp8 cache), no autograd, built."""
@@ -150,12 +206,16 @@ class MLAAttention(nn.Module):
         weight = self.kv_b_proj.weight
         if not self.kv_b_proj.use_kernel or not kernel_applies(q, weight, q.shape[0] * q.shape[2]):
             return None
+        return self._absorbed_packed_weights()
+
+    def _absorbed_packed_weights(self) -> tuple[kernels.PackedLinear, kernels.PackedLinear]:
+        """W_UK^T [H, C, Nn] and W_UV [H, Vd, C] packed (cached; remade when kv_b_proj's weight changes)."""
 
         def pack(w: torch.Tensor) -> tuple[kernels.PackedLinear, kernels.PackedLinear]:
             w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
             return kernels.pack_linear(w[:, : self.nope].transpose(1, 2)), kernels.pack_linear(w[:, self.nope :])
 
-        return cached_pack(self, "_absorbed", (weight,), pack)
+        return cached_pack(self, "_absorbed", (self.kv_b_proj.weight,), pack)
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
         """Keep heads [r*H/tp, (r+1)*H/tp); the latent projections (and cache) stay replicated."""

@@ -63,6 +63,7 @@ def test_throughput_main_reports_both_sides(tiny_ckpt, tmp_path, capsys):
         assert r[key] > 0, key
     assert r["num_requests"] == 3 and r["num_threads"] == 1 and r["baseline"] == "hf"
     assert r["dtype"] == "bfloat16"  # the benchmark default, though the tiny checkpoint stores float32
+    assert r["hf_dtype"] == "bfloat16"  # transformers runs in ours' dtype unless told otherwise
     assert 3 <= r["total_output_tokens"] <= 9 and 6 <= r["total_input_tokens"] <= 18
     assert r["speedup"] == pytest.approx(r["hf_elapsed_time"] / r["elapsed_time"])
     assert r["speedup_cpu_time"] == pytest.approx(r["hf_cpu_time"] / r["cpu_time"])
@@ -77,6 +78,28 @@ def test_throughput_dtype_auto_is_the_checkpoints(tiny_ckpt, tmp_path):
                                   "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["dtype"] == "float32" and r["hf_elapsed_time"] > 0  # the tiny checkpoint stores float32
+
+
+def test_throughput_hf_dtype_sets_only_the_baselines_dtype(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    seen = []
+    real = bench_throughput.run_hf
+
+    def spy(model_path, requests, batch_size, dtype, pad_token_id):
+        seen.append(dtype)
+        return real(model_path, requests, batch_size, dtype, pad_token_id)
+
+    monkeypatch.setattr(bench_throughput, "run_hf", spy)
+    out = tmp_path / "mixed.json"
+    assert bench_throughput.main(["--model", str(tiny_ckpt), "--num-prompts", "2", "--input-len-range", "2", "4",
+                                  "--output-len-range", "1", "3", "--dtype", "bfloat16", "--hf-dtype", "float32",
+                                  "--num-threads", "1", "--json", str(out)]) == 0
+    assert seen == [torch.float32]
+    r = json.loads(out.read_text())
+    assert (r["dtype"], r["hf_dtype"]) == ("bfloat16", "float32")
+    assert "HF generate: dtype:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:  # argparse: usage and one error line
+        bench_throughput.main(["--model", str(tiny_ckpt), "--hf-dtype", "int8"])
+    assert exit_info.value.code == 2 and "--hf-dtype" in capsys.readouterr().err
 
 
 def test_throughput_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):

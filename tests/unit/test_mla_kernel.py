@@ -3,6 +3,7 @@ gqa_decode for grouped-query k/v) against the gather + sdpa path, alone and insi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from moe import kernels
 from moe.config import ModelConfig
 from moe.experts import Experts
 from moe.kv_cache import AttentionMetadata, PagedKVCache
+from moe.layers.mla import MLAAttention
 from moe.layers.norm import RMSNorm
 from moe.layers.paged import sdpa
+from moe.layers.rope import RotaryEmbedding
 from moe.loader import load_weights
 from moe.model import MoEModel
 from moe.router import Router
@@ -124,6 +127,9 @@ def _model(path: Path, dtype: torch.dtype = torch.float32) -> MoEModel:
 def test_model_decodes_the_same_with_the_paged_kernel(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
                                                       family: str, op: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(hf_checkpoints[family])
+    for layer in model.model.layers:  # MLA op by op (its whole-attention op calls mla_decode in C++)
+        if isinstance(layer.self_attn, MLAAttention):
+            layer.self_attn.use_fused_decode = False
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14]]
     calls = []
     decode = getattr(kernels, op)
@@ -195,6 +201,67 @@ def test_rope_norm_and_cache_write_in_one_op_equal_the_pytorch_ops(kernel_isas: 
     assert (outputs[0].float() - outputs[1].float()).abs().max().item() <= 4 * tol * outputs[1].float().abs().max()
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])  # q_proj; q_a_proj + norm + q_b_proj
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_whole_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
+        kernel_isas: list[str], hf_checkpoints: dict[str, Path], family: str, dtype: torch.dtype, bias: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ModelConfig.from_hf(hf_checkpoints[family])
+    torch.manual_seed(3)
+    attn = MLAAttention(dataclasses.replace(cfg, attention_bias=bias), dtype)  # random weights, biases
+    for p in attn.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * 0.1)
+    assert (attn.o_proj.bias is not None) == bias and (attn.q_lora_rank is None) == (family == "deepseek_v2")
+    calls = []
+    fused_op = kernels.mla_decode_attention
+    monkeypatch.setattr(kernels, "mla_decode_attention", lambda x, *a: calls.append(x.shape) or fused_op(x, *a))
+    rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleave)
+    steps = [([1, 1, 1], [5, 3, 2]), ([1, 3, 1], [6, 3, 3])]  # decode rows only; then a mixed step
+    gen = torch.Generator().manual_seed(4)
+    start = torch.randn(8, 4, attn.kv_lora_rank + attn.rope, generator=gen).to(dtype)  # earlier tokens' entries
+    xs = [torch.randn(sum(q), cfg.hidden_size, generator=gen).to(dtype) for q, _ in steps]
+    results = {}
+    for isa in kernel_isas:
+        kernels.select_isa(isa)
+        for fused in (True, False):
+            attn.use_fused_decode = fused
+            cache = PagedKVCache(cfg, 8, 4, dtype)
+            cache.pools[0].copy_(start)
+            outs = []
+            for (query_lens, context_lens), x in zip(steps, xs):
+                meta = AttentionMetadata.build(query_lens, context_lens, [[1, 2], [3], [4]], 4)
+                positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
+                cos, sin = rotary(positions)
+                with torch.no_grad():
+                    outs.append(attn(x, cos, sin, meta, cache.layer(0)))
+            results[isa, fused] = (outs, cache.pools[0].clone())
+    kernels.select_isa("auto")
+    # the fused op served the all-decode step only (once per ISA), never the mixed one
+    assert calls == [torch.Size([3, cfg.hidden_size])] * len(kernel_isas)
+    for isa in kernel_isas:
+        (outs_on, pool_on), (outs_off, pool_off) = results[isa, True], results[isa, False]
+        assert outs_on[0].shape == (3, cfg.hidden_size) and outs_on[0].dtype == dtype
+        assert all(torch.equal(a, b) for a, b in zip(outs_on, outs_off)), isa
+        assert torch.equal(pool_on, pool_off), isa
+
+
+def test_whole_decode_attention_op_steps_aside_when_an_op_would_not_run_its_kernel(
+        kernel_isas: list[str], hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    attn, cfg = model.model.layers[0].self_attn, model.config
+    x = torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16)
+    view = PagedKVCache(cfg, 4, 4, torch.bfloat16).layer(0)
+    assert attn._fused_decode_weights(x, view) is not None
+    assert attn._fused_decode_weights(x, PagedKVCache(cfg, 4, 4, torch.bfloat16, "fp8").layer(0)) is None
+    assert attn._fused_decode_weights(x.float(), view) is None  # input in another dtype than the weights
+    attn.o_proj.use_kernel = False  # one projection pinned to PyTorch's GEMM
+    assert attn._fused_decode_weights(x, view) is None
+    attn.o_proj.use_kernel = True
+    attn.q_a_layernorm.use_kernel = False
+    assert attn._fused_decode_weights(x, view) is None
+
+
 def test_rope_cache_op_refuses_slots_outside_the_pool(kernel_isas: list[str]) -> None:
     q, latent, pool = torch.zeros(1, 2, 6), torch.zeros(1, 10), torch.zeros(2, 4, 10)
     cos, sin = torch.ones(1, 2), torch.zeros(1, 2)
@@ -214,7 +281,7 @@ def test_set_fused_ops_switches_every_fused_op_and_keeps_the_tokens(kernel_isas:
     attns = [layer.self_attn for layer in model.model.layers]
     assert routers and experts and toggled == len(norms) + len(routers) + len(experts) + len(attns)
     assert not any(m.use_kernel for m in norms + routers) and not any(e.fused_topk for e in experts)
-    assert not any(a.use_paged_kernel or a.use_fused_rope_cache for a in attns)
+    assert not any(a.use_paged_kernel or a.use_fused_rope_cache or a.use_fused_decode for a in attns)
     tokens_off, logits_off = greedy_generate(model, prompts, 5, chunk=3)
     assert tokens_on == tokens_off
     for a, b in zip(logits_on, logits_off):
