@@ -223,14 +223,20 @@ class Experts(nn.Module):
         fp32/bf16 x, no autograd, the kernel built, and not prefill-size groups in a dtype with a
         fast library GEMM (judged on the fewest rows per slot the assignments allow, since the
         per-slot counts are the op's own work)."""
+        if kernels.needs_autograd(weights):
+            return None
+        return self.fused_packed_for(x, slot_ids.numel())
+
+    def fused_packed_for(self, x: torch.Tensor, assignments: int) -> kernels.PackedExperts | None:
+        """``_fused_packed``'s answer for x [T, D] and ``assignments`` (token, k) pairs, routing
+        weights not needing autograd."""
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or not self.fused_topk:
             return None
-        if kernels.needs_autograd(x, self.w13, self.w2, weights):
+        if kernels.needs_autograd(x, self.w13, self.w2):
             return None
         packed = self.packed_weights()
         if packed is None:
             return None
-        assignments = slot_ids.numel()
         if not packed.quantized and kernels.prefers_library_gemm(x.dtype, assignments / max(1, min(
                 self.num_local_slots, assignments))):
             return None

@@ -144,7 +144,8 @@ class MoEModel(nn.Module):
     def set_fused_ops(self, enabled: bool) -> int:
         """Switch the small fused CPU ops on or off together (off: their PyTorch ops, the reference):
         RMSNorm, router selection, MLA's rope + latent norm + cache write, MLA's whole decode
-        attention as one op, MLA's and GQA's paged decode attention and the routed experts straight from the router's output. The GEMM kernels
+        attention as one op, MLA's and GQA's paged decode attention, the routed experts straight
+        from the router's output and the whole MoE feed-forward as one op. The GEMM kernels
         (``moe.kernels`` experts / linear) stay as they are. Returns how many modules were set."""
         count = 0
         for module in self.modules():
@@ -156,6 +157,8 @@ class MoEModel(nn.Module):
                 module.use_paged_kernel = enabled
             elif isinstance(module, Experts):
                 module.fused_topk = enabled
+            elif isinstance(module, MoELayer):
+                module.use_fused_ffn = enabled
             else:
                 continue
             count += 1

@@ -17,12 +17,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from moe import kernels
 from moe.capacity import CapacityConfig, apply_capacity
 from moe.config import ModelConfig
 from moe.dispatch import ExpertDispatcher, LocalDispatcher
 from moe.experts import Experts
 from moe.layers.mlp import DenseMLP
-from moe.router import Router
+from moe.router import ROUTING_METHODS, Router
 
 
 def compute_placement_tables(phy2log_row: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +105,8 @@ class MoELayer(nn.Module):
         self.register_buffer("log2phy", log2phy, persistent=False)
         self.register_buffer("logcnt", logcnt, persistent=False)
         self.register_buffer("slot_load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
+        # the whole feed-forward as one CPU op where it applies (False: op by op, the reference)
+        self.use_fused_ffn = True
 
     @property
     def num_physical_slots(self) -> int:
@@ -127,6 +130,16 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D]. Every EP rank must call this for every layer of every step, even with T = 0:
         ``dispatch_combine`` is a collective."""
+        fused = self._fused_ffn_weights(x) if self.use_fused_ffn else None
+        if fused is not None:  # router, replicas, slot load, routed and shared experts in one CPU op
+            gate = self.gate
+            bias = gate.e_score_correction_bias
+            return kernels.moe_ffn(
+                x, gate.weight, bias.float() if bias is not None else None, sigmoid=gate.scoring_func == "sigmoid",
+                method=ROUTING_METHODS[gate.topk_method], n_group=gate.n_group or 1, topk_group=gate.topk_group or 1,
+                top_k=gate.top_k, norm_topk_prob=gate.norm_topk_prob, scaling=float(gate.routed_scaling_factor),
+                log2phy=self.log2phy, logcnt=self.logcnt, rank=self.rank, slot_load=self.slot_load,
+                packed=fused[0], shared=fused[1])
         reroute = self.capacity is not None and self.capacity.overflow == "reroute"
         topk_ids, weights, scores = self.gate.route(x, with_scores=reroute)  # [T, K], [T, K], [T, E] | None
         slot_ids = choose_replicas(topk_ids, self.log2phy, self.logcnt, self.rank)
@@ -138,6 +151,31 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
         return out.to(x.dtype)
+
+    def _fused_ffn_weights(self, x: torch.Tensor
+                           ) -> tuple[kernels.PackedExperts, kernels.PackedExperts | None] | None:
+        """(routed, shared or None) packed weights when ``kernels.moe_ffn`` can stand in for this
+        forward on x [T, D], else None: one rank hosts every slot (no dispatcher, no capacity), and
+        every op of the op-by-op path would take its CPU kernel (router selection, the routed
+        experts from the router's output, the shared experts)."""
+        if self.capacity is not None or type(self.dispatcher) is not LocalDispatcher:
+            return None
+        gate = self.gate
+        if not gate.use_kernel or gate.weight.dtype != torch.float32 or not kernels.cpu_op_applies(x):
+            return None
+        if kernels.needs_autograd(x, gate.weight, gate.e_score_correction_bias):
+            return None
+        if gate.weight.device.type != "cpu" or self.slot_load.device.type != "cpu":
+            return None
+        routed = self.experts.fused_packed_for(x, x.shape[0] * self.top_k)
+        if routed is None:
+            return None
+        shared = None
+        if self.shared_experts is not None:
+            shared = self.shared_experts._packed_weights(x)
+            if shared is None:
+                return None
+        return routed, shared
 
     def _apply_capacity(self, slot_ids: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
                         scores: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from torch import nn
 from moe import kernels
 from moe.config import ModelConfig
 
-_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}  # moe_kernels.route_topk's method ids
+ROUTING_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}  # moe_kernels.route_topk's method ids
 
 
 def mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
@@ -70,7 +70,7 @@ class Router(nn.Module):
             bias = self.e_score_correction_bias
             ids, weights = kernels.route_topk(
                 logits, bias.float() if bias is not None else None, sigmoid=self.scoring_func == "sigmoid",
-                method=_METHODS[self.topk_method], n_group=self.n_group or 1, topk_group=self.topk_group or 1,
+                method=ROUTING_METHODS[self.topk_method], n_group=self.n_group or 1, topk_group=self.topk_group or 1,
                 top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, scaling=float(self.routed_scaling_factor))
             return ids, weights, None
         if self.scoring_func == "softmax":

@@ -10,7 +10,9 @@ for a grouped-query cache.
 
 ``mla_decode_attention`` is MLA's whole attention for a step of decode rows (projections, latent
 norm, rope, cache write, absorbed products, ``mla_decode``, o_proj) in one op: the same C++ calls
-in the same order as the op-by-op path, without a Python round trip between them.
+in the same order as the op-by-op path, without a Python round trip between them. ``moe_ffn`` does
+the same for the MoE feed-forward of a rank that hosts every slot (router, replica choice, slot load,
+routed and shared experts).
 
 ``linear_forward`` runs a plain (optionally batched) linear on weights packed the same way
 by ``pack_linear`` (``wp [G, C/16, K, 16]``): the attention projections, lm_head and MLA's
@@ -243,6 +245,24 @@ def mla_decode_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bia
         x, q_a if q_a is not None else _NONE, q_a_bias, q_a_norm if q_a_norm is not None else _NONE, eps[0], q,
         q_bias, kv_a, kv_a_bias, kv_norm, eps[1], wuk, wuv, o, o_bias, dims, cos, sin, interleave, pool,
         slot_mapping, block_tables, context_lens, scale)
+
+
+def moe_ffn(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int,
+            n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, log2phy: torch.Tensor,
+            logcnt: torch.Tensor, rank: int, slot_load: torch.Tensor, packed: PackedExperts,
+            shared: PackedExperts | None) -> torch.Tensor:
+    """The MoE feed-forward of a rank hosting every physical slot (no dispatch, no capacity) in one op;
+    bit-equal to ``moe.moe_layer.MoELayer.forward``'s op-by-op kernel path.
+
+    x: [T, D] float32 or bfloat16; gate_weight: [E, D] float32; bias: [E] float32 (noaux_tc) or None;
+    the routing arguments as ``route_topk`` takes them; log2phy: [E, R] int64, logcnt: [E] int64, rank:
+    ``choose_replicas``' arguments; slot_load: [P] int64, incremented in place by the assignments per
+    slot; packed: the routed experts (P slots); shared: the shared experts as one slot, or None.
+    Returns [T, D] in x's dtype."""
+    sh = (shared.w13p, shared.s13, shared.w2p, shared.s2) if shared is not None else (_NONE,) * 4
+    return torch.ops.moe_kernels.moe_ffn(x, gate_weight, bias if bias is not None else _NONE, sigmoid, method,
+                                         n_group, topk_group, top_k, norm_topk_prob, scaling, log2phy, logcnt, rank,
+                                         slot_load, packed.w13p, packed.s13, packed.w2p, packed.s2, *sh)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

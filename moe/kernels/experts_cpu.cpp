@@ -848,6 +848,55 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
   return {ids, weights};
 }
 
+// The MoE feed-forward of a rank that hosts every physical slot (no dispatch, no capacity), in one
+// op: the same calls in the same order as moe.moe_layer.MoELayer.forward's kernel path, so bit-equal
+// to it. x: [T, D] float32 or bfloat16; gate_w: [E, D] float32 (logits = x in fp32 @ gate_w^T);
+// bias and the routing arguments as route_topk takes them; log2phy: [E, R] int64 replicas of each
+// expert (-1 padded), logcnt: [E] int64, rank: the replica offset (the n-th assignment of expert e
+// in the batch, row-major, goes to replica (n + rank) % logcnt[e]); slot_load: [P] int64, += the
+// assignments per slot; routed experts packed as experts_forward_topk takes them (P slots); the
+// shared experts as a one-slot experts_forward weight, or sh_w13p empty without shared experts.
+// Returns [T, D] in x's dtype: (routed sum in fp32 + shared output) rounded once.
+at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tensor& bias, bool sigmoid, int64_t method,
+                   int64_t n_group, int64_t topk_group, int64_t top_k, bool norm_topk_prob, double scaling,
+                   const at::Tensor& log2phy, const at::Tensor& logcnt, int64_t rank, at::Tensor slot_load,
+                   const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
+                   const at::Tensor& sh_w13p, const at::Tensor& sh_s13, const at::Tensor& sh_w2p,
+                   const at::Tensor& sh_s2) {
+  TORCH_CHECK(x.dim() == 2 && gate_w.dim() == 2 && gate_w.size(1) == x.size(1), "moe_kernels: x [T, D] and "
+              "gate_w [E, D] expected");
+  const int64_t T = x.size(0), E = gate_w.size(0), P = slot_load.size(0);
+  TORCH_CHECK(log2phy.dim() == 2 && log2phy.size(0) == E && logcnt.numel() == E && log2phy.scalar_type() == at::kLong &&
+              logcnt.scalar_type() == at::kLong && slot_load.scalar_type() == at::kLong && slot_load.is_contiguous(),
+              "moe_kernels: log2phy [E, R], logcnt [E] and slot_load [P] int64 expected");
+  const at::Tensor logits = at::linear(x.to(at::kFloat), gate_w.to(at::kFloat));  // [T, E]
+  auto [ids, weights] = route_topk(logits, bias, sigmoid, method, n_group, topk_group, top_k, norm_topk_prob, scaling);
+  const at::Tensor table = log2phy.contiguous(), counts = logcnt.contiguous();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  const int64_t R = table.size(1), n = ids.numel();
+  at::Tensor slots = at::empty_like(ids);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  int64_t* sp = slots.data_ptr<int64_t>();
+  int64_t* load = slot_load.data_ptr<int64_t>();
+  std::vector<int64_t> seen(R > 1 ? E : 0, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t e = ip[j];
+    const int64_t replica = R > 1 ? (seen[e]++ + rank) % cp[e] : 0;
+    const int64_t slot = tp[e * R + replica];
+    TORCH_CHECK(slot >= 0 && slot < P, "moe_kernels: expert ", e, " maps to slot ", slot, " outside ", P, " slots");
+    sp[j] = slot;
+    ++load[slot];
+  }
+  at::Tensor out = experts_forward_topk(x, slots, weights, w13p, s13, w2p, s2);  // [T, D] fp32
+  if (sh_w13p.numel()) {
+    const int64_t rows[1] = {T};
+    out = out + experts_forward(x.contiguous(), at::IntArrayRef(rows, 1), sh_w13p, sh_s13, sh_w2p, sh_s2,
+                                at::empty({0}, x.options().dtype(at::kFloat)), false).to(at::kFloat);
+  }
+  return out.to(x.scalar_type());
+}
+
 }  // namespace moe_kernels
 
 TORCH_LIBRARY(moe_kernels, m) {
@@ -869,6 +918,10 @@ TORCH_LIBRARY(moe_kernels, m) {
         "Tensor wuk_wp, Tensor wuv_wp, Tensor o_wp, Tensor o_bias, int[] dims, Tensor cos, Tensor sin, "
         "bool interleave, Tensor(a!) pool, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
+  m.def("moe_ffn(Tensor x, Tensor gate_w, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, "
+        "int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, Tensor(a!) slot_load, "
+        "Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, Tensor sh_w2p, "
+        "Tensor sh_s2) -> Tensor");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
 }
@@ -883,4 +936,5 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("route_topk", &moe_kernels::route_topk);
   m.impl("mla_rope_cache", &moe_kernels::mla_rope_cache);
   m.impl("mla_decode_attention", &moe_kernels::mla_decode_attention);
+  m.impl("moe_ffn", &moe_kernels::moe_ffn);
 }

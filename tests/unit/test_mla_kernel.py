@@ -279,7 +279,9 @@ def test_set_fused_ops_switches_every_fused_op_and_keeps_the_tokens(kernel_isas:
     routers = [m for m in model.modules() if isinstance(m, Router)]
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     attns = [layer.self_attn for layer in model.model.layers]
-    assert routers and experts and toggled == len(norms) + len(routers) + len(experts) + len(attns)
+    moe_layers = list(model.moe_layers())
+    assert routers and experts and toggled == len(norms) + len(routers) + len(experts) + len(attns) + len(moe_layers)
+    assert not any(m.use_fused_ffn for m in moe_layers)
     assert not any(m.use_kernel for m in norms + routers) and not any(e.fused_topk for e in experts)
     assert not any(a.use_paged_kernel or a.use_fused_rope_cache or a.use_fused_decode for a in attns)
     tokens_off, logits_off = greedy_generate(model, prompts, 5, chunk=3)

@@ -1,0 +1,120 @@
+"""The MoE feed-forward in one CPU op (moe.kernels.moe_ffn) against MoELayer's op-by-op kernel path:
+bit-equal outputs and slot load, and the cases where it must step aside."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe import kernels
+from moe.capacity import CapacityConfig
+from moe.config import ModelConfig
+from moe.loader import load_weights
+from moe.model import MoEModel
+from moe.moe_layer import MoELayer
+
+
+def _moe_layer(path: Path, dtype: torch.dtype) -> MoELayer:
+    model = MoEModel(ModelConfig.from_hf(path), dtype=dtype)
+    load_weights(model, path, dtype=dtype)
+    return next(model.moe_layers())
+
+
+def _both_paths(layer: MoELayer, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """(output, slot load) with the fused op, then op by op, from a zeroed slot load."""
+    results = []
+    for fused in (True, False):
+        layer.use_fused_ffn = fused
+        layer.slot_load.zero_()
+        with torch.no_grad():
+            out = layer(x)
+        results.append((out, layer.slot_load.clone()))
+    layer.use_fused_ffn = True
+    return tuple(results)
+
+
+@pytest.fixture
+def ffn_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    calls: list[tuple[int, ...]] = []
+    fused = kernels.moe_ffn
+
+    def spy(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return fused(x, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "moe_ffn", spy)
+    return calls
+
+
+# group_limited_greedy + 2 shared; noaux_tc (sigmoid, bias) + 1 shared; softmax greedy, no shared
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_ffn_is_bit_equal_to_the_op_by_op_path(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                                   family: str, dtype: torch.dtype,
+                                                   ffn_calls: list[tuple[int, ...]]) -> None:
+    layer = _moe_layer(hf_checkpoints[family], dtype)
+    d = layer.experts.w13.shape[-1]
+    for isa in kernel_isas:
+        kernels.select_isa(isa)
+        for rows in (1, 7, 33):
+            x = torch.randn(rows, d, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            (out, load), (want, want_load) = _both_paths(layer, x)
+            assert out.shape == (rows, d) and out.dtype == dtype
+            assert torch.equal(out, want), (isa, rows)
+            assert torch.equal(load, want_load) and load.sum().item() == rows * layer.top_k
+    kernels.select_isa("auto")
+    assert ffn_calls == [(rows, d) for _ in kernel_isas for rows in (1, 7, 33)]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_moe_ffn_spreads_replicas_like_choose_replicas(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                                       rank: int, ffn_calls: list[tuple[int, ...]]) -> None:
+    cfg = ModelConfig.from_hf(hf_checkpoints["deepseek_v3"])
+    base = _moe_layer(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    phy2log = torch.cat((torch.arange(cfg.num_experts), torch.tensor([3, 3, 5, 0])))  # 3 has three copies
+    layer = MoELayer(cfg, base.layer_id, dtype=torch.bfloat16, local_slots=phy2log.tolist())
+    layer.gate.load_state_dict(base.gate.state_dict())
+    layer.shared_experts.load_state_dict(base.shared_experts.state_dict())
+    layer.experts.w13.data.copy_(base.experts.w13.data[phy2log])
+    layer.experts.w2.data.copy_(base.experts.w2.data[phy2log])
+    layer.set_placement(phy2log, num_ranks=1, rank=0)
+    layer.rank = rank  # the replica offset choose_replicas takes
+    x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    (out, load), (want, want_load) = _both_paths(layer, x)
+    assert ffn_calls == [(40, cfg.hidden_size)]
+    assert torch.equal(out, want) and torch.equal(load, want_load)
+    assert load.shape == (cfg.num_experts + 4,) and load[[3, cfg.num_experts, cfg.num_experts + 1]].min() > 0
+
+
+def test_moe_ffn_with_no_rows(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                              ffn_calls: list[tuple[int, ...]]) -> None:
+    layer = _moe_layer(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    d = layer.experts.w13.shape[-1]
+    (out, load), (want, _) = _both_paths(layer, torch.zeros(0, d, dtype=torch.bfloat16))
+    assert out.shape == want.shape == (0, d) and load.sum().item() == 0 and ffn_calls == [(0, d)]
+
+
+def test_moe_ffn_steps_aside_where_an_op_would_not_run_its_kernel(kernel_isas: list[str],
+                                                                  hf_checkpoints: dict[str, Path]) -> None:
+    layer = _moe_layer(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    x = torch.zeros(4, layer.experts.w13.shape[-1], dtype=torch.bfloat16)
+    assert layer._fused_ffn_weights(x) is not None
+    assert layer._fused_ffn_weights(x.float()) is None  # rows in another dtype than the experts
+    for module, attr in ((layer.gate, "use_kernel"), (layer.experts, "fused_topk")):
+        setattr(module, attr, False)
+        assert layer._fused_ffn_weights(x) is None
+        setattr(module, attr, True)
+    layer.capacity = CapacityConfig(1.0)  # local capacity enforcement stays op by op
+    assert layer._fused_ffn_weights(x) is None
+    layer.capacity = None
+
+    class Remote:  # any dispatcher other than the local one (EP over ranks)
+        rank, num_ranks = 0, 2
+
+    local = layer.dispatcher
+    layer.dispatcher = Remote()
+    assert layer._fused_ffn_weights(x) is None
+    layer.dispatcher = local
+    assert layer._fused_ffn_weights(x) is not None
