@@ -147,13 +147,14 @@ class Experts(nn.Module):
         self._packed = self._dequantized = None
 
     def _weights_key(self) -> tuple:
-        w13, w2 = self.w13, self.w2
+        w13, w2 = self._parameters["w13"], self._parameters["w2"]
         return (w13._version, w2._version, w13.data_ptr(), w2.data_ptr(), w13.dtype, w13.device, self.quantization)
 
     def packed_weights(self) -> kernels.PackedExperts | None:
         """The kernel's copy of the weights (packed, int8 when quantized), or None when the fused
         kernel does not apply (not CPU, a shape or dtype it does not take, or not built)."""
-        if not self.use_kernel or not kernels.can_pack(self.w13, self.w2) or not kernels.is_available():
+        params = self._parameters
+        if not self.use_kernel or not kernels.can_pack(params["w13"], params["w2"]) or not kernels.is_available():
             return None
         key = self._weights_key()
         if self._packed is None or self._packed[0] != key:
@@ -230,9 +231,10 @@ class Experts(nn.Module):
     def fused_packed_for(self, x: torch.Tensor, assignments: int) -> kernels.PackedExperts | None:
         """``_fused_packed``'s answer for x [T, D] and ``assignments`` (token, k) pairs, routing
         weights not needing autograd."""
-        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or not self.fused_topk:
+        if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or not self.fused_topk:
             return None
-        if kernels.needs_autograd(x, self.w13, self.w2):
+        params = self._parameters  # without nn.Module.__getattr__: this runs every layer of every step
+        if kernels.needs_autograd(x, params["w13"], params["w2"]):
             return None
         packed = self.packed_weights()
         if packed is None:

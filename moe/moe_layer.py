@@ -160,19 +160,22 @@ class MoELayer(nn.Module):
         experts from the router's output, the shared experts)."""
         if self.capacity is not None or type(self.dispatcher) is not LocalDispatcher:
             return None
-        gate = self.gate
-        if not gate.use_kernel or gate.weight.dtype != torch.float32 or not kernels.cpu_op_applies(x):
+        mods = self._modules  # submodules and parameters without nn.Module.__getattr__ (every layer, every step)
+        gate = mods["gate"]
+        weight = gate._parameters["weight"]
+        if not gate.use_kernel or weight.dtype != torch.float32 or not weight.is_cpu or not kernels.cpu_op_applies(x):
             return None
-        if kernels.needs_autograd(x, gate.weight, gate.e_score_correction_bias):
+        if kernels.needs_autograd(x, weight, gate._parameters.get("e_score_correction_bias")):
             return None
-        if gate.weight.device.type != "cpu" or self.slot_load.device.type != "cpu":
+        if not self._buffers["slot_load"].is_cpu:
             return None
-        routed = self.experts.fused_packed_for(x, x.shape[0] * self.top_k)
+        routed = mods["experts"].fused_packed_for(x, x.shape[0] * self.top_k)
         if routed is None:
             return None
+        shared_mlp = mods.get("shared_experts")  # None: not a registered module
         shared = None
-        if self.shared_experts is not None:
-            shared = self.shared_experts._packed_weights(x)
+        if shared_mlp is not None:
+            shared = shared_mlp._packed_weights(x)
             if shared is None:
                 return None
         return routed, shared

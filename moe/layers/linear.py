@@ -61,7 +61,7 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
 def cached_pack(owner: object, attr: str, weights: tuple[torch.Tensor, ...], pack: Callable[..., T]) -> T:
     """``pack(*weights)``, cached on ``owner.<attr>`` and remade when any weight's storage,
     version (in-place writes: loading, migration), shape or dtype changes."""
-    key = tuple((w._version, w.data_ptr(), tuple(w.shape), w.dtype) for w in weights)
+    key = tuple((w._version, w.data_ptr(), w.shape, w.dtype) for w in weights)
     cached = getattr(owner, attr, None)
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -126,17 +126,25 @@ class MLAAttention(nn.Module):
         every projection on the packed linear kernel at B rows)."""
         if not (self.use_fused_rope_cache and self.use_paged_kernel and self.absorb_decode):
             return None
+        # kernel_applies / cpu_op_applies for every op, with x's checks made once (this runs every layer
+        # of every decode step)
+        mods = self._modules  # submodules without nn.Module.__getattr__
+        dtype = x.dtype
+        if not kernels.cpu_op_applies(x, mods["kv_a_layernorm"].weight, view.pool):
+            return None
+        if kernels.prefers_library_gemm(dtype, x.shape[0]):
+            return None
         linears = self._linears()
-        weight = self.kv_a_layernorm.weight
-        if not kernels.cpu_op_applies(x, weight, view.pool):
-            return None
-        rows = x.shape[0]
-        for lin in linears:
-            if not lin.use_kernel or not kernel_applies(x, lin.weight, rows):
+        weights = tuple(lin._parameters["weight"] for lin in linears)
+        for lin, w in zip(linears, weights):  # kernels.can_pack_linear, x's dtype (float32 / bfloat16) known
+            if not (lin.use_kernel and w.dtype == dtype and w.is_cpu and w.dim() == 2 and w.numel()):
                 return None
-        if self.q_lora_rank is not None and not (self.q_a_layernorm.use_kernel
-                                                 and kernels.cpu_op_applies(x, self.q_a_layernorm.weight)):
+        if kernels.needs_autograd(*weights):
             return None
+        if self.q_lora_rank is not None:
+            norm = mods["q_a_layernorm"]
+            if not (norm.use_kernel and kernels.cpu_op_applies(x, norm.weight)):
+                return None
 
         def pack(*weights: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
             packs = [cached_pack(lin, "_packed", (lin.weight,), kernels.pack_linear).wp for lin in linears]
@@ -146,19 +154,22 @@ class MLAAttention(nn.Module):
             q_a, q, kv_a, _, o = packs
             return q_a, q, kv_a, wuk.wp, wuv.wp, o
 
-        return cached_pack(self, "_fused_decode", tuple(lin.weight for lin in linears), pack)
+        return cached_pack(self, "_fused_decode", weights, pack)
 
     def _decode_fused(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...], cos: torch.Tensor,
                       sin: torch.Tensor, meta: AttentionMetadata, cache: KVLayerView) -> torch.Tensor:
         """``kernels.mla_decode_attention`` for decode rows x [B, D]. Returns [B, D]."""
+        mods = self._modules
         lora = self.q_lora_rank is not None
-        q_lin = self.q_b_proj if lora else self.q_proj
-        q_a = self.q_a_proj if lora else None
-        biases = (q_a.bias if q_a is not None else None, q_lin.bias, self.kv_a_proj_with_mqa.bias, self.o_proj.bias)
-        norms = (self.q_a_layernorm.weight if lora else None, self.kv_a_layernorm.weight)
-        eps = (self.q_a_layernorm.eps if lora else 0.0, self.kv_a_layernorm.eps)
+        q_lin = mods["q_b_proj"] if lora else mods["q_proj"]
+        q_a = mods["q_a_proj"] if lora else None
+        kv_norm, o_proj = mods["kv_a_layernorm"], mods["o_proj"]
+        biases = (q_a.bias if q_a is not None else None, q_lin.bias, mods["kv_a_proj_with_mqa"].bias, o_proj.bias)
+        q_norm = mods["q_a_layernorm"] if lora else None
+        norms = (q_norm.weight if q_norm is not None else None, kv_norm.weight)
+        eps = (q_norm.eps if q_norm is not None else 0.0, kv_norm.eps)
         dims = (self.num_heads, self.nope, self.v_dim, self.q_lora_rank or 0, q_lin.weight.shape[0],
-                self.o_proj.weight.shape[0])
+                o_proj.weight.shape[0])
         return kernels.mla_decode_attention(x, weights, biases, norms, eps, dims, cos, sin, self.interleave,
                                             cache.pool, meta.slot_mapping, meta.block_tables, meta.context_lens,
                                             self.scale)
@@ -166,8 +177,9 @@ class MLAAttention(nn.Module):
     def _linears(self) -> list[Linear]:
         """The projections in ``kernels.mla_decode_attention``'s order: [q_a_proj,] q (q_b_proj or
         q_proj), kv_a_proj_with_mqa, kv_b_proj (the absorbed W_UK / W_UV), o_proj."""
-        q = [self.q_proj] if self.q_lora_rank is None else [self.q_a_proj, self.q_b_proj]
-        return [*q, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj]
+        mods = self._modules
+        q = [mods["q_proj"]] if self.q_lora_rank is None else [mods["q_a_proj"], mods["q_b_proj"]]
+        return [*q, mods["kv_a_proj_with_mqa"], mods["kv_b_proj"], mods["o_proj"]]
 
     def _fused_rope_cache_applies(self, q: torch.Tensor, latent: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``kernels.mla_rope_cache`` can stand in for the rope / norm / cache-write ops: CPU,

@@ -39,8 +39,9 @@ class DenseMLP(nn.Module):
 
     def _packed_weights(self, x: torch.Tensor) -> kernels.PackedExperts | None:
         """The kernel's copy of the weights when the kernel should run for x [T, D], else None."""
-        gate, up, down = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-        if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != gate.dtype or self.down_proj.bias is not None
+        mods = self._modules  # without nn.Module.__getattr__: this runs every layer of every step
+        gate, up, down = (mods[name]._parameters["weight"] for name in ("gate_proj", "up_proj", "down_proj"))
+        if (not x.is_cpu or x.dim() != 2 or x.dtype != gate.dtype or mods["down_proj"].bias is not None
                 or kernels.prefers_library_gemm(x.dtype, x.shape[0]) or kernels.needs_autograd(x, gate, up, down)):
             return None
         return cached_pack(self, "_packed", (gate, up, down), _pack_dense)
