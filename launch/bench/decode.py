@@ -334,6 +334,8 @@ BREAKDOWN_KINDS = {
     "moe_kernels::experts_forward": "experts kernel", "moe_kernels::experts_forward_topk": "experts kernel",
     "moe_kernels::linear_forward": "linear kernel",
     "moe_kernels::mla_decode": "attention kernel", "moe_kernels::gqa_decode": "attention kernel",
+    # the whole-block ops (their projections, attention, router and experts run inside them)
+    "moe_kernels::mla_decode_attention": "MLA attention op", "moe_kernels::moe_ffn": "MoE FFN op",
     "aten::mm": "torch GEMMs", "aten::addmm": "torch GEMMs", "aten::bmm": "torch GEMMs",
     "aten::_grouped_mm": "torch GEMMs",
     "aten::index_select": "gather/scatter", "aten::index": "gather/scatter", "aten::index_put_": "gather/scatter",
@@ -352,8 +354,8 @@ def profile_steps(engine: Any, steps: int) -> dict[str, float]:
         for _ in range(steps):
             engine.step()
         cpu = time.process_time() - started
-    kinds = dict.fromkeys(["experts kernel", "linear kernel", "attention kernel", "torch GEMMs", "gather/scatter",
-                           "copies/casts", "other ops"], 0.0)
+    kinds = dict.fromkeys(["MLA attention op", "MoE FFN op", "experts kernel", "linear kernel", "attention kernel",
+                           "torch GEMMs", "gather/scatter", "copies/casts", "other ops"], 0.0)
     for event in prof.key_averages():
         kinds[BREAKDOWN_KINDS.get(event.key, "other ops")] += event.self_cpu_time_total / 1e3
     in_ops = sum(kinds.values())
@@ -379,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "alternating with the timed steps, and print both medians")
     g.add_argument("--breakdown", action="store_true",
                    help="after the timed steps, profile as many more and split their CPU time by kind of work "
-                        "(experts kernel, linear kernel, attention kernel, torch GEMMs, gathers, casts, other ops, outside ops)")
+                        "(MLA attention op, MoE FFN op, experts kernel, linear kernel, attention kernel, "
+                        "torch GEMMs, gathers, casts, other ops, outside ops)")
     return parser
 
 

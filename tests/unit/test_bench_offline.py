@@ -11,6 +11,7 @@ import torch
 from launch.bench import decode as bench_decode
 from launch.bench import throughput as bench_throughput
 from launch.bench.throughput import agreement, sample_requests
+from moe import kernels
 from moe.config import ModelConfig
 from moe.model import MoEModel
 
@@ -158,6 +159,8 @@ def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
         assert {"experts kernel", "linear kernel", "torch GEMMs", "outside ops", "total"} <= set(parts)
         assert all(v >= 0 for v in parts.values()) and parts["total"] > 0
         assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], rel=1e-6)
+        if kernels.is_available():  # steady decode steps run MLA's attention and the MoE FFN as one op each
+            assert parts["MLA attention op"] > 0 and parts["MoE FFN op"] > 0
 
 
 def test_decode_main_rejects_bad_input(tiny_ckpt, capsys):
