@@ -66,6 +66,31 @@ static inline void store_value(uint16_t* p, float v) {  // fp32 -> bf16, round t
   *p = static_cast<uint16_t>(u >> 16);
 }
 
+// Tensors up to this many elements (a decode step's rows) are converted by the loops below: at::Tensor::to
+// and a TensorIterator add spend ~5-10 us of dispatch and setup per call, more than such a conversion.
+constexpr int64_t SMALL_ELEMENTS = int64_t{1} << 16;
+
+// x (float32 or bfloat16, up to 4 dims, any strides) as a contiguous float32 tensor: x itself when it
+// already is one, else a copy (bf16 -> fp32 is exact, so the values are those of x.to(at::kFloat)).
+static at::Tensor float32_contiguous(const at::Tensor& x) {
+  if (x.scalar_type() != at::kBFloat16 || x.numel() > SMALL_ELEMENTS || x.dim() > 4)
+    return x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  float* d = out.data_ptr<float>();
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  if (x.is_contiguous()) {
+    for (int64_t i = 0, n = x.numel(); i < n; ++i) d[i] = to_float(src[i]);
+    return out;
+  }
+  int64_t size[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};
+  for (int64_t i = 0, off = 4 - x.dim(); i < x.dim(); ++i) size[off + i] = x.size(i), st[off + i] = x.stride(i);
+  for (int64_t a = 0; a < size[0]; ++a)
+    for (int64_t b = 0; b < size[1]; ++b)
+      for (int64_t c = 0; c < size[2]; ++c)
+        for (int64_t e = 0; e < size[3]; ++e) *d++ = to_float(src[a * st[0] + b * st[1] + c * st[2] + e * st[3]]);
+  return out;
+}
+
 namespace generic {  // GCC vector extensions at the baseline ISA (SSE2 on x86-64, NEON on arm64)
 #define MOE_W 8
 typedef float vf __attribute__((vector_size(32)));
@@ -373,7 +398,7 @@ at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at
   const auto out_dtype = out_fp32 ? at::kFloat : x.scalar_type();
   at::Tensor out = at::empty({N, D}, x.options().dtype(out_dtype));
   if (N == 0) return out;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = float32_contiguous(x);
   const at::Tensor rwc = row_weights.numel() ? row_weights.to(at::kFloat).contiguous() : row_weights;
   run_experts(xf.data_ptr<float>(), offsets, D, w13p, s13, w2p, s2, rwc.numel() ? rwc.data_ptr<float>() : nullptr,
               out_dtype == at::kBFloat16, out.data_ptr());
@@ -463,7 +488,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   const auto out_dtype = out_fp32 ? at::kFloat : x.scalar_type();
   at::Tensor out = at::empty({G, N, C}, x.options().dtype(out_dtype));
   if (N == 0) return out;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf = float32_contiguous(x);
   const at::Tensor wc = wp.contiguous();
   const at::Tensor bc = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
   const Isa& isa = current_isa();
@@ -528,7 +553,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   }
   at::Tensor out = at::empty({B, H, dv}, q.options());
   if (B == 0 || H == 0) return out;
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const at::Tensor qf = float32_contiguous(q);
   const at::Tensor pc = pool.contiguous();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   // (sequence, kv head, group of its query heads) items: enough groups that every thread gets work
@@ -742,11 +767,11 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
   const at::Tensor latent = lin(x, kv_a_wp, kv_a_bias, W);  // [B, C + R]
   q = mla_rope_cache(q, latent, kv_norm, kv_eps, cos, sin, interleave, pool, slot_mapping);
   // absorbed query: q_nope W_UK per head ([H, B, Nn] through the [H]-batched linear), then the rope part
-  const at::Tensor q_nope = q.slice(2, 0, nope).permute({1, 0, 2}).reshape({H, B, nope});
+  const at::Tensor q_nope = q.slice(2, 0, nope).permute({1, 0, 2});  // [H, B, Nn], converted to fp32 rows inside
   const at::Tensor q_lat = linear_forward(q_nope, wuk_wp, no_bias, C, false).permute({1, 0, 2});  // [B, H, C]
   const at::Tensor q_full = at::cat({q_lat, q.slice(2, nope)}, -1).contiguous();  // [B, H, C + R]
   const at::Tensor o_lat = mla_decode(q_full, pool, block_tables, context_lens, C, scale);  // [B, H, C]
-  const at::Tensor o = linear_forward(o_lat.permute({1, 0, 2}).reshape({H, B, C}), wuv_wp, no_bias, vd, false)
+  const at::Tensor o = linear_forward(o_lat.permute({1, 0, 2}), wuv_wp, no_bias, vd, false)
                            .permute({1, 0, 2}).reshape({B, H * vd});  // [B, H * Vd]
   return lin(o, o_wp, o_bias, D);
 }
@@ -869,7 +894,7 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tens
   TORCH_CHECK(log2phy.dim() == 2 && log2phy.size(0) == E && logcnt.numel() == E && log2phy.scalar_type() == at::kLong &&
               logcnt.scalar_type() == at::kLong && slot_load.scalar_type() == at::kLong && slot_load.is_contiguous(),
               "moe_kernels: log2phy [E, R], logcnt [E] and slot_load [P] int64 expected");
-  const at::Tensor logits = at::linear(x.to(at::kFloat), gate_w.to(at::kFloat));  // [T, E]
+  const at::Tensor logits = at::linear(float32_contiguous(x), gate_w.to(at::kFloat));  // [T, E]
   auto [ids, weights] = route_topk(logits, bias, sigmoid, method, n_group, topk_group, top_k, norm_topk_prob, scaling);
   const at::Tensor table = log2phy.contiguous(), counts = logcnt.contiguous();
   const int64_t* tp = table.data_ptr<int64_t>();
@@ -889,12 +914,31 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tens
     ++load[slot];
   }
   at::Tensor out = experts_forward_topk(x, slots, weights, w13p, s13, w2p, s2);  // [T, D] fp32
+  at::Tensor shared;
   if (sh_w13p.numel()) {
     const int64_t rows[1] = {T};
-    out = out + experts_forward(x.contiguous(), at::IntArrayRef(rows, 1), sh_w13p, sh_s13, sh_w2p, sh_s2,
-                                at::empty({0}, x.options().dtype(at::kFloat)), false).to(at::kFloat);
+    shared = experts_forward(x.contiguous(), at::IntArrayRef(rows, 1), sh_w13p, sh_s13, sh_w2p, sh_s2,
+                             at::empty({0}, x.options().dtype(at::kFloat)), false);  // [T, D] in x's dtype
   }
-  return out.to(x.scalar_type());
+  if (out.numel() > SMALL_ELEMENTS) {
+    if (shared.defined()) out = out + shared.to(at::kFloat);
+    return out.to(x.scalar_type());
+  }
+  // (out + shared in fp32) rounded to x's dtype: an fp32 add and one rounding per element, as above
+  at::Tensor result = at::empty(out.sizes(), x.options());
+  const float* o = out.data_ptr<float>();
+  const int64_t count = out.numel();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (bf16) {
+    uint16_t* r = reinterpret_cast<uint16_t*>(result.data_ptr());
+    const uint16_t* sh = shared.defined() ? reinterpret_cast<const uint16_t*>(shared.data_ptr()) : nullptr;
+    for (int64_t i = 0; i < count; ++i) store_value(r + i, sh ? o[i] + to_float(sh[i]) : o[i]);
+  } else {
+    float* r = result.data_ptr<float>();
+    const float* sh = shared.defined() ? shared.data_ptr<float>() : nullptr;
+    for (int64_t i = 0; i < count; ++i) r[i] = sh ? o[i] + sh[i] : o[i];
+  }
+  return result;
 }
 
 }  // namespace moe_kernels
