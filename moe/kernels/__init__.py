@@ -293,9 +293,12 @@ def cpu_op_applies(*tensors: torch.Tensor) -> bool:
     """Whether a CPU op of this module can take these tensors: all on CPU, all in one dtype
     (float32 or bfloat16: not an fp8 cache), none needing autograd, and the extension built."""
     dtype = tensors[0].dtype
-    return (dtype in (torch.float32, torch.bfloat16)
-            and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
-            and not needs_autograd(*tensors) and is_available())
+    if dtype != torch.float32 and dtype != torch.bfloat16:
+        return False
+    for t in tensors:  # a plain loop: this runs for several ops of every layer of every step
+        if not t.is_cpu or t.dtype != dtype:
+            return False
+    return not needs_autograd(*tensors) and is_available()
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int, n_group: int,
