@@ -8,6 +8,10 @@ assignments of one expert in a step are spread over its copies round-robin by th
 occurrence index in the batch, offset by this rank (deterministic, even: replica counts
 differ by at most one). ``slot_load [P]`` accumulates assignments per slot (before any
 capacity drop: it measures demand); the worker reads and resets it.
+
+On CPU, a rank that hosts every slot with no capacity enforcement runs the whole
+feed-forward (router, replica choice, slot load, routed and shared experts) as one op,
+``kernels.moe_ffn``, bit-equal to the op-by-op path.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ R qk_rope_head_dim, Nn qk_nope_head_dim, Vd v_head_dim, L gathered context lengt
 The cache holds only ``[c_kv | k_pe]`` ([C + R] per token). Prefill chunks use the naive
 path (expand c_kv with kv_b_proj to per-head keys/values); decode uses the absorbed path:
 W_UK [H, Nn, C] folds into the query (q_lat = q_nope W_UK), attention runs as MQA over the
-latent, and W_UV [H, Vd, C] maps the C-wide result back per head.
+latent, and W_UV [H, Vd, C] maps the C-wide result back per head. On CPU a step of decode
+rows only runs the whole attention (projections, latent norm, rope, cache write, absorbed
+products, paged attention, o_proj) as one op, ``kernels.mla_decode_attention``, bit-equal to
+running those ops one by one.
 """
 
 from __future__ import annotations
