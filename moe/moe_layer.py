@@ -27,7 +27,7 @@ from moe.config import ModelConfig
 from moe.dispatch import ExpertDispatcher, LocalDispatcher
 from moe.experts import Experts
 from moe.layers.mlp import DenseMLP
-from moe.router import ROUTING_METHODS, Router
+from moe.router import Router
 
 
 def compute_placement_tables(phy2log_row: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,14 +136,9 @@ class MoELayer(nn.Module):
         ``dispatch_combine`` is a collective."""
         fused = self._fused_ffn_weights(x) if self.use_fused_ffn else None
         if fused is not None:  # router, replicas, slot load, routed and shared experts in one CPU op
-            gate = self.gate
-            bias = gate.e_score_correction_bias
-            return kernels.moe_ffn(
-                x, gate.weight, bias.float() if bias is not None else None, sigmoid=gate.scoring_func == "sigmoid",
-                method=ROUTING_METHODS[gate.topk_method], n_group=gate.n_group or 1, topk_group=gate.topk_group or 1,
-                top_k=gate.top_k, norm_topk_prob=gate.norm_topk_prob, scaling=float(gate.routed_scaling_factor),
-                log2phy=self.log2phy, logcnt=self.logcnt, rank=self.rank, slot_load=self.slot_load,
-                packed=fused[0], shared=fused[1])
+            return kernels.moe_ffn(x, self.gate.weight, **self.gate.selection_args(), log2phy=self.log2phy,
+                                   logcnt=self.logcnt, rank=self.rank, slot_load=self.slot_load, packed=fused[0],
+                                   shared=fused[1])
         reroute = self.capacity is not None and self.capacity.overflow == "reroute"
         topk_ids, weights, scores = self.gate.route(x, with_scores=reroute)  # [T, K], [T, K], [T, E] | None
         slot_ids = choose_replicas(topk_ids, self.log2phy, self.logcnt, self.rank)

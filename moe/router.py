@@ -14,13 +14,15 @@ All weights are finally multiplied by ``routed_scaling_factor``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from moe import kernels
 from moe.config import ModelConfig
 
-ROUTING_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}  # moe_kernels.route_topk's method ids
+_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}  # moe_kernels.route_topk's method ids
 
 
 def mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
@@ -67,11 +69,7 @@ class Router(nn.Module):
         -inf for experts outside the token's top groups; else None."""
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
         if not with_scores and self._kernel_applies(logits):  # everything after the logits in one CPU op
-            bias = self.e_score_correction_bias
-            ids, weights = kernels.route_topk(
-                logits, bias.float() if bias is not None else None, sigmoid=self.scoring_func == "sigmoid",
-                method=ROUTING_METHODS[self.topk_method], n_group=self.n_group or 1, topk_group=self.topk_group or 1,
-                top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, scaling=float(self.routed_scaling_factor))
+            ids, weights = kernels.route_topk(logits, **self.selection_args())
             return ids, weights, None
         if self.scoring_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
@@ -93,6 +91,15 @@ class Router(nn.Module):
             eps = 1e-20 if self.topk_method == "noaux_tc" else 0.0
             weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
         return ids.to(torch.int64), (weights * self.routed_scaling_factor).float(), selection if with_scores else None
+
+    def selection_args(self) -> dict[str, Any]:
+        """This router's selection as ``kernels.route_topk`` (and ``kernels.moe_ffn``) take it: the
+        correction bias (float32 [E] or None) and the method's arguments."""
+        bias = self.e_score_correction_bias
+        return dict(bias=bias.float() if bias is not None else None, sigmoid=self.scoring_func == "sigmoid",
+                    method=_METHODS[self.topk_method], n_group=self.n_group or 1,
+                    topk_group=self.topk_group or 1, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
+                    scaling=float(self.routed_scaling_factor))
 
     def _kernel_applies(self, logits: torch.Tensor) -> bool:
         """The fused CPU op (``moe_kernels.route_topk``): CPU, no autograd, the kernel built. Its
