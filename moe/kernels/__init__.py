@@ -156,7 +156,8 @@ class PackedLinear:
 
 def can_pack_linear(weight: torch.Tensor) -> bool:
     """Whether weight [C, K] or [G, C, K] fits the linear kernel: CPU, float32 or bfloat16."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+    dtype = weight.dtype  # plain comparisons: this runs for every projection of every step
+    return (weight.is_cpu and (dtype == torch.float32 or dtype == torch.bfloat16)
             and weight.dim() in (2, 3) and weight.numel() > 0)
 
 

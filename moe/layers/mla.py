@@ -139,8 +139,8 @@ class MLAAttention(nn.Module):
             return None
         linears = self._linears()
         weights = tuple(lin._parameters["weight"] for lin in linears)
-        for lin, w in zip(linears, weights):  # kernels.can_pack_linear, x's dtype (float32 / bfloat16) known
-            if not (lin.use_kernel and w.dtype == dtype and w.is_cpu and w.dim() == 2 and w.numel()):
+        for lin, w in zip(linears, weights):
+            if not (lin.use_kernel and w.dtype == dtype and kernels.can_pack_linear(w)):
                 return None
         if kernels.needs_autograd(*weights):
             return None
@@ -149,13 +149,16 @@ class MLAAttention(nn.Module):
             if not (norm.use_kernel and kernels.cpu_op_applies(x, norm.weight)):
                 return None
 
+        def packed(name: str) -> torch.Tensor:  # a projection's own packed copy, shared with the op-by-op path
+            lin = mods[name]
+            return cached_pack(lin, "_packed", (lin.weight,), kernels.pack_linear).wp
+
         def pack(*weights: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-            packs = [cached_pack(lin, "_packed", (lin.weight,), kernels.pack_linear).wp for lin in linears]
+            # kv_b_proj enters only as the absorbed W_UK / W_UV, never as a plain linear
+            lora = self.q_lora_rank is not None
             wuk, wuv = self._absorbed_packed_weights()
-            if self.q_lora_rank is None:
-                packs.insert(0, None)
-            q_a, q, kv_a, _, o = packs
-            return q_a, q, kv_a, wuk.wp, wuv.wp, o
+            return (packed("q_a_proj") if lora else None, packed("q_b_proj" if lora else "q_proj"),
+                    packed("kv_a_proj_with_mqa"), wuk.wp, wuv.wp, packed("o_proj"))
 
         return cached_pack(self, "_fused_decode", weights, pack)
 
