@@ -109,6 +109,8 @@ class Experts(nn.Module):
     (the logical expert each local slot holds). quantization: None or "int8".
     """
 
+    DECISION_ATTRS = ("use_kernel", "fused_topk", "quantization", "num_local_slots")  # fused_packed_for's switches
+
     def __init__(
         self,
         num_local_slots: int,

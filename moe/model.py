@@ -20,6 +20,7 @@ from torch import nn
 
 from moe.capacity import CapacityConfig
 from moe.config import ModelConfig
+from moe.decode_plan import DecodePlan, plan_applies
 from moe.dispatch import ExpertDispatcher
 from moe.experts import Experts
 from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
@@ -122,6 +123,10 @@ class MoEModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.lm_head.weight.requires_grad_(False)
+        # all-decode steps call each layer's resolved ops directly (moe.decode_plan; False: the
+        # modules every step, the reference)
+        self.use_decode_plan = True
+        self._plan: DecodePlan | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: PagedKVCache) -> torch.Tensor:
@@ -133,9 +138,22 @@ class MoEModel(nn.Module):
             raise ValueError(f"{input_ids.shape[0]} tokens but metadata describes {meta.num_tokens}")
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, meta, kv_cache.layer(i))
+        if self.use_decode_plan and plan_applies(h, meta):
+            h = self._decode_plan(h, kv_cache).run(h, cos, sin, meta, kv_cache)
+        else:
+            if self._plan is not None and self._plan.weights_changed():
+                self._plan = None  # let the modules' caches drop the old packed weights as they repack
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, cos, sin, meta, kv_cache.layer(i))
         return self.model.norm(h)
+
+    def _decode_plan(self, h: torch.Tensor, kv_cache: PagedKVCache) -> DecodePlan:
+        """The layers' resolved ops for decode rows h [B, D]: the kept plan while its state holds."""
+        plan = self._plan
+        if plan is None or plan.state(h, kv_cache) != plan.key:
+            self._plan = None  # drop the old plan's bound weights before resolving anew
+            plan = self._plan = DecodePlan(self.model.layers, h, kv_cache)
+        return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, D]. Returns logits [B, V] float32."""

@@ -16,7 +16,7 @@ feed-forward (router, replica choice, slot load, routed and shared experts) as o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -78,6 +78,8 @@ def compute_slot_scores(scores: torch.Tensor, topk_ids: torch.Tensor, phy2log: t
 class MoELayer(nn.Module):
     """Routed experts (hosted slots only) plus shared experts. x: [T, D] -> [T, D] in x's dtype."""
 
+    DECISION_ATTRS = ("use_fused_ffn", "capacity", "dispatcher", "top_k")  # fused_ffn_op's switches
+
     def __init__(
         self,
         config: ModelConfig,
@@ -134,11 +136,9 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D]. Every EP rank must call this for every layer of every step, even with T = 0:
         ``dispatch_combine`` is a collective."""
-        fused = self._fused_ffn_weights(x) if self.use_fused_ffn else None
+        fused = self.fused_ffn_op(x)
         if fused is not None:  # router, replicas, slot load, routed and shared experts in one CPU op
-            return kernels.moe_ffn(x, self.gate.weight, **self.gate.selection_args(), log2phy=self.log2phy,
-                                   logcnt=self.logcnt, rank=self.rank, slot_load=self.slot_load, packed=fused[0],
-                                   shared=fused[1])
+            return fused(x)
         reroute = self.capacity is not None and self.capacity.overflow == "reroute"
         topk_ids, weights, scores = self.gate.route(x, with_scores=reroute)  # [T, K], [T, K], [T, E] | None
         slot_ids = choose_replicas(topk_ids, self.log2phy, self.logcnt, self.rank)
@@ -150,6 +150,23 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
         return out.to(x.dtype)
+
+    def fused_ffn_op(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``kernels.moe_ffn`` with this layer's router and expert weights bound, when it can stand in
+        for this forward on x [T, D] (``_fused_ffn_weights``), else None. The op maps x [T, D] ->
+        [T, D] and reads the placement (log2phy, logcnt, rank, slot_load) at each call; its weights
+        hold until one of them or a switch changes."""
+        fused = self._fused_ffn_weights(x) if self.use_fused_ffn else None
+        if fused is None:
+            return None
+        run = kernels.moe_ffn_op(self._modules["gate"]._parameters["weight"], **self.gate.selection_args(),
+                                 packed=fused[0], shared=fused[1])
+        buffers = self._buffers
+
+        def ffn(x: torch.Tensor) -> torch.Tensor:
+            return run(x, buffers["log2phy"], buffers["logcnt"], self.rank, buffers["slot_load"])
+
+        return ffn
 
     def _fused_ffn_weights(self, x: torch.Tensor
                            ) -> tuple[kernels.PackedExperts, kernels.PackedExperts | None] | None:

@@ -56,6 +56,9 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
 
     use_kernel: bool = True  # False pins the PyTorch ops below (the reference in tests)
+    # what the fused ops' routing arguments and their choice read besides the weights
+    DECISION_ATTRS = ("use_kernel", "scoring_func", "topk_method", "top_k", "n_group", "topk_group", "norm_topk_prob",
+                      "routed_scaling_factor")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D]. Returns topk_ids [T, K] int64, topk_weights [T, K] float32."""

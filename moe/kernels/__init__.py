@@ -47,6 +47,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,13 +240,28 @@ def mla_decode_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bia
     q_a columns or 0, q columns, D); cos, sin: [B, R/2] float32; pool: [N, S, C + R] (this step's
     entries are written at slot_mapping [B]); block_tables: [B, nb]; context_lens: [B].
     Returns o_proj's output [B, D] in x's dtype."""
+    run = mla_decode_attention_op(weights, biases, norms, eps, dims, interleave, scale)
+    return run(x, cos, sin, pool, slot_mapping, block_tables, context_lens)
+
+
+def mla_decode_attention_op(weights: tuple[torch.Tensor | None, ...], biases: tuple[torch.Tensor | None, ...],
+                            norms: tuple[torch.Tensor | None, torch.Tensor], eps: tuple[float, float],
+                            dims: tuple[int, ...], interleave: bool, scale: float) -> Callable[..., torch.Tensor]:
+    """``mla_decode_attention`` with one layer's weights and dimensions bound once: returns
+    ``run(x, cos, sin, pool, slot_mapping, block_tables, context_lens)`` (the per-step arguments,
+    shaped as ``mla_decode_attention`` takes them) -> [B, D]."""
     q_a, q, kv_a, wuk, wuv, o = weights
     q_a_bias, q_bias, kv_a_bias, o_bias = (b if b is not None else _NONE for b in biases)
     q_a_norm, kv_norm = norms
-    return torch.ops.moe_kernels.mla_decode_attention(
-        x, q_a if q_a is not None else _NONE, q_a_bias, q_a_norm if q_a_norm is not None else _NONE, eps[0], q,
-        q_bias, kv_a, kv_a_bias, kv_norm, eps[1], wuk, wuv, o, o_bias, dims, cos, sin, interleave, pool,
-        slot_mapping, block_tables, context_lens, scale)
+    head = (q_a if q_a is not None else _NONE, q_a_bias, q_a_norm if q_a_norm is not None else _NONE, eps[0], q,
+            q_bias, kv_a, kv_a_bias, kv_norm, eps[1], wuk, wuv, o, o_bias, list(dims))
+    op = torch.ops.moe_kernels.mla_decode_attention.default
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        return op(x, *head, cos, sin, interleave, pool, slot_mapping, block_tables, context_lens, scale)
+
+    return run
 
 
 def moe_ffn(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int,
@@ -260,10 +276,28 @@ def moe_ffn(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | Non
     ``choose_replicas``' arguments; slot_load: [P] int64, incremented in place by the assignments per
     slot; packed: the routed experts (P slots); shared: the shared experts as one slot, or None.
     Returns [T, D] in x's dtype."""
+    run = moe_ffn_op(gate_weight, bias, sigmoid=sigmoid, method=method, n_group=n_group, topk_group=topk_group,
+                     top_k=top_k, norm_topk_prob=norm_topk_prob, scaling=scaling, packed=packed, shared=shared)
+    return run(x, log2phy, logcnt, rank, slot_load)
+
+
+def moe_ffn_op(gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int, n_group: int,
+               topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, packed: PackedExperts,
+               shared: PackedExperts | None) -> Callable[..., torch.Tensor]:
+    """``moe_ffn`` with one layer's router and expert weights bound once: returns
+    ``run(x, log2phy, logcnt, rank, slot_load)`` (the placement, read per call since a rebalance
+    replaces it) -> [T, D]."""
+    routing = (gate_weight, bias if bias is not None else _NONE, sigmoid, method, n_group, topk_group, top_k,
+               norm_topk_prob, scaling)
     sh = (shared.w13p, shared.s13, shared.w2p, shared.s2) if shared is not None else (_NONE,) * 4
-    return torch.ops.moe_kernels.moe_ffn(x, gate_weight, bias if bias is not None else _NONE, sigmoid, method,
-                                         n_group, topk_group, top_k, norm_topk_prob, scaling, log2phy, logcnt, rank,
-                                         slot_load, packed.w13p, packed.s13, packed.w2p, packed.s2, *sh)
+    weights = (packed.w13p, packed.s13, packed.w2p, packed.s2, *sh)
+    op = torch.ops.moe_kernels.moe_ffn.default
+
+    def run(x: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, rank: int,
+            slot_load: torch.Tensor) -> torch.Tensor:
+        return op(x, *routing, log2phy, logcnt, rank, slot_load, *weights)
+
+    return run
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

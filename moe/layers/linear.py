@@ -31,6 +31,7 @@ class Linear(nn.Linear):
     """
 
     use_kernel: bool = True
+    DECISION_ATTRS = ("use_kernel",)  # what the kernel-or-library choice reads besides x and the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed_weight(x)

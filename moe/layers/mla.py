@@ -14,6 +14,8 @@ running those ops one by one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -26,6 +28,9 @@ from moe.layers.norm import RMSNorm
 from moe.layers.paged import paged_attention, sdpa
 from moe.layers.rope import apply_rotary
 
+# (x [B, D], cos, sin, meta, view) -> [B, D]: one layer's whole decode attention with its weights bound
+DecodeAttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, KVLayerView], torch.Tensor]
+
 # transformers (and DeepSeek's reference code) build q_a_layernorm / kv_a_layernorm with
 # the default eps, not config.rms_norm_eps
 _LATENT_NORM_EPS = 1e-6
@@ -33,6 +38,10 @@ _LATENT_NORM_EPS = 1e-6
 
 class MLAAttention(nn.Module):
     """x: [T, D] -> o_proj output [T, D] (this TP rank's partial sum; all-reduce outside)."""
+
+    # what fused_decode_op's answer and bound arguments read besides x, the cache and the weights
+    DECISION_ATTRS = ("use_fused_decode", "use_fused_rope_cache", "use_paged_kernel", "absorb_decode", "num_heads",
+                      "q_lora_rank", "nope", "v_dim", "interleave", "scale")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -72,9 +81,9 @@ class MLAAttention(nn.Module):
         """x: [T, D]; cos, sin: [T, R/2]. Writes [c_kv | k_pe] to ``cache``. Returns [T, D]."""
         t = x.shape[0]
         if self.use_fused_decode and t == len(meta.query_lens_list) and t:  # every row a decode row
-            weights = self._fused_decode_weights(x, cache)
-            if weights is not None:
-                return self._decode_fused(x, weights, cos, sin, meta, cache)
+            fused = self.fused_decode_op(x, cache)
+            if fused is not None:
+                return fused(x, cos, sin, meta, cache)
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope + self.rope)
         latent = self.kv_a_proj_with_mqa(x)  # [T, C + R]
@@ -162,9 +171,16 @@ class MLAAttention(nn.Module):
 
         return cached_pack(self, "_fused_decode", weights, pack)
 
-    def _decode_fused(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...], cos: torch.Tensor,
-                      sin: torch.Tensor, meta: AttentionMetadata, cache: KVLayerView) -> torch.Tensor:
-        """``kernels.mla_decode_attention`` for decode rows x [B, D]. Returns [B, D]."""
+    def fused_decode_op(self, x: torch.Tensor, view: KVLayerView) -> DecodeAttentionOp | None:
+        """``kernels.mla_decode_attention`` with this layer's weights bound, when it can stand in for
+        this forward on decode rows x [B, D] (``_fused_decode_weights``), else None. The op takes
+        ``(x [B, D], cos, sin, meta, view)`` and returns [B, D]; its weights hold until one of them
+        or a switch changes (``moe.decode_plan`` keeps it over steps on that condition)."""
+        if not self.use_fused_decode:
+            return None
+        weights = self._fused_decode_weights(x, view)
+        if weights is None:
+            return None
         mods = self._modules
         lora = self.q_lora_rank is not None
         q_lin = mods["q_b_proj"] if lora else mods["q_proj"]
@@ -176,9 +192,13 @@ class MLAAttention(nn.Module):
         eps = (q_norm.eps if q_norm is not None else 0.0, kv_norm.eps)
         dims = (self.num_heads, self.nope, self.v_dim, self.q_lora_rank or 0, q_lin.weight.shape[0],
                 o_proj.weight.shape[0])
-        return kernels.mla_decode_attention(x, weights, biases, norms, eps, dims, cos, sin, self.interleave,
-                                            cache.pool, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                                            self.scale)
+        run = kernels.mla_decode_attention_op(weights, biases, norms, eps, dims, self.interleave, self.scale)
+
+        def attend(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   view: KVLayerView) -> torch.Tensor:
+            return run(x, cos, sin, view.pool, meta.slot_mapping, meta.block_tables, meta.context_lens)
+
+        return attend
 
     def _linears(self) -> list[Linear]:
         """The projections in ``kernels.mla_decode_attention``'s order: [q_a_proj,] q (q_b_proj or

@@ -8,6 +8,8 @@ CPUs without native bf16 GEMMs PyTorch's bf16 matmul runs at about 1 GFLOP/s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,18 @@ class DenseMLP(nn.Module):
         if packed is not None:
             return kernels.experts_forward(x.contiguous(), [x.shape[0]], packed)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fused_op(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The kernel call ``forward`` makes for x [T, D] with the packed weights bound (x [T', D]
+        -> [T', D] for any T' in x's row regime), or None when ``forward`` takes PyTorch's ops."""
+        packed = self._packed_weights(x)
+        if packed is None:
+            return None
+
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            return kernels.experts_forward(x.contiguous(), [x.shape[0]], packed)
+
+        return mlp
 
     def _packed_weights(self, x: torch.Tensor) -> kernels.PackedExperts | None:
         """The kernel's copy of the weights when the kernel should run for x [T, D], else None."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     use_kernel: bool = True  # False pins the PyTorch expression (the reference in tests)
+    DECISION_ATTRS = ("use_kernel", "eps")  # what fused_op's answer reads besides x and the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel and self._kernel_applies(x):
@@ -27,6 +30,18 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(in_dtype)
+
+    def fused_op(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The kernel call ``forward`` makes for a 2-D x [T, D] with the weight bound, or None when
+        ``forward`` takes the PyTorch expression (or x is not 2-D)."""
+        if not (self.use_kernel and x.dim() == 2 and self._kernel_applies(x)):
+            return None
+        op, weight, eps = torch.ops.moe_kernels.rms_norm.default, self.weight, self.eps
+
+        def norm(x: torch.Tensor) -> torch.Tensor:
+            return op(x, weight, eps)
+
+        return norm
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """The one-op CPU kernel: CPU, x in the weight's dtype (float32 or bfloat16), no autograd, built."""

@@ -3,6 +3,7 @@ bit-equal outputs and slot load, and the cases where it must step aside."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,13 +39,18 @@ def _both_paths(layer: MoELayer, x: torch.Tensor) -> tuple[tuple[torch.Tensor, t
 @pytest.fixture
 def ffn_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     calls: list[tuple[int, ...]] = []
-    fused = kernels.moe_ffn
+    bind = kernels.moe_ffn_op
 
-    def spy(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        calls.append(tuple(x.shape))
-        return fused(x, *args, **kwargs)
+    def spy(*bound, **kwargs) -> Callable[..., torch.Tensor]:  # records the rows of every call of the bound op
+        run = bind(*bound, **kwargs)
 
-    monkeypatch.setattr(kernels, "moe_ffn", spy)
+        def call(x: torch.Tensor, *args) -> torch.Tensor:
+            calls.append(tuple(x.shape))
+            return run(x, *args)
+
+        return call
+
+    monkeypatch.setattr(kernels, "moe_ffn_op", spy)
     return calls
 
 

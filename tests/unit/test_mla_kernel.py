@@ -214,8 +214,13 @@ def test_whole_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
         p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * 0.1)
     assert (attn.o_proj.bias is not None) == bias and (attn.q_lora_rank is None) == (family == "deepseek_v2")
     calls = []
-    fused_op = kernels.mla_decode_attention
-    monkeypatch.setattr(kernels, "mla_decode_attention", lambda x, *a: calls.append(x.shape) or fused_op(x, *a))
+    bind = kernels.mla_decode_attention_op
+
+    def spy(*bound):  # records the rows of every call of the bound op
+        run = bind(*bound)
+        return lambda x, *a: calls.append(x.shape) or run(x, *a)
+
+    monkeypatch.setattr(kernels, "mla_decode_attention_op", spy)
     rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleave)
     steps = [([1, 1, 1], [5, 3, 2]), ([1, 3, 1], [6, 3, 3])]  # decode rows only; then a mixed step
     gen = torch.Generator().manual_seed(4)

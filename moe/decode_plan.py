@@ -1,0 +1,128 @@
+"""Decode steps without the per-layer Python: every layer's ops resolved once, then called directly.
+
+Shape legend: B decode rows (one new token per sequence), D hidden.
+
+A step whose rows are all decode rows runs the same ops with the same weights step after step;
+only the rows, positions and block tables change. The module path re-decides every layer of every
+step whether each whole-block CPU op applies and rebuilds its argument lists: on the small
+DeepSeek-style checkpoint that Python is ~2-3 ms of a ~20 ms batch-1 step. ``DecodePlan`` asks
+each module once (``RMSNorm.fused_op``, ``MLAAttention.fused_decode_op``, ``MoELayer.fused_ffn_op``,
+``DenseMLP.fused_op``; the module itself where it has none or declines) and then runs the layers
+as ``DecoderLayer.forward`` does, calling those ops directly.
+
+The plan holds while its ``state`` is unchanged: the row dtype, the row-count regime
+(``kernels.prefers_library_gemm`` at B rows and at B * top_k expert assignments), the cache pools'
+dtypes, every switch its decisions read (each module class's ``DECISION_ATTRS``), and every
+parameter's identity and in-place version (loading, TP slicing and expert migration all show
+there). The placement (log2phy, logcnt, rank, slot_load) is read at each call, so a rebalance
+needs no new plan. Outputs, cache writes and slot loads are bit-equal to the module path's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe import kernels
+from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
+
+RowOp = Callable[[torch.Tensor], torch.Tensor]
+AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, KVLayerView], torch.Tensor]
+
+
+class _LayerOps:
+    """One decoder layer's four ops (resolved op or the module itself) and its TP reduce."""
+
+    __slots__ = ("layer", "norm1", "attn", "norm2", "ffn", "reduce_ffn")
+
+    def __init__(self, layer: nn.Module, x: torch.Tensor, view: KVLayerView) -> None:
+        mods = layer._modules
+        self.layer = layer
+        self.norm1: RowOp = _resolved(mods["input_layernorm"], "fused_op", x)
+        attn = mods["self_attn"]
+        op = attn.fused_decode_op(x, view) if hasattr(attn, "fused_decode_op") else None
+        self.attn: AttentionOp = op if op is not None else attn
+        self.norm2: RowOp = _resolved(mods["post_attention_layernorm"], "fused_op", x)
+        mlp = mods["mlp"]
+        self.ffn: RowOp = _resolved(mlp, "fused_ffn_op" if hasattr(mlp, "fused_ffn_op") else "fused_op", x)
+        self.reduce_ffn = not hasattr(mlp, "fused_ffn_op")  # a dense MLP's output is a TP partial sum
+
+
+def _resolved(module: nn.Module, method: str, x: torch.Tensor) -> RowOp:
+    """module.<method>(x) when it has that method and it returns an op, else the module itself."""
+    resolve = getattr(module, method, None)
+    op = resolve(x) if resolve is not None else None
+    return op if op is not None else module
+
+
+class DecodePlan:
+    """The decoder layers of a model resolved for decode rows like x [B, D] (see the module docstring).
+
+    layers: the model's ``DecoderLayer`` list; x: this step's hidden rows (only dtype, device and
+    row count are read); kv_cache: the paged cache the layers write."""
+
+    def __init__(self, layers: Sequence[nn.Module], x: torch.Tensor, kv_cache: PagedKVCache) -> None:
+        self._layers = list(layers)
+        modules = [m for layer in self._layers for m in layer.modules()]
+        self._switches = [(m, name) for m in modules for name in _decision_attrs(type(m))]
+        self._params = [m._parameters for m in modules if m._parameters]
+        self._expert_shapes = sorted({(int(m.experts.num_local_slots), int(m.top_k)) for m in modules
+                                      if hasattr(m, "fused_ffn_op")})
+        self.key = self.state(x, kv_cache)  # before resolving: packing happens below
+        self._ops = [_LayerOps(layer, x, kv_cache.layer(i)) for i, layer in enumerate(self._layers)]
+
+    def state(self, x: torch.Tensor, kv_cache: PagedKVCache) -> tuple[Any, ...]:
+        """Everything the resolved ops depend on, for x [B, D] (equal states: the same ops)."""
+        rows = x.shape[0]
+        regime = (kernels.prefers_library_gemm(x.dtype, rows),
+                  *(kernels.prefers_library_gemm(x.dtype, rows * k / max(1, min(p, rows * k)))
+                    for p, k in self._expert_shapes))
+        switches = tuple(getattr(m, name) for m, name in self._switches)
+        return (x.dtype, x.device, regime, id(kv_cache), tuple(pool.dtype for pool in kv_cache.pools), switches,
+                self._weights())
+
+    def weights_changed(self) -> bool:
+        """Whether a parameter changed since the plan was made (its bound packed copies are stale)."""
+        return self._weights() != self.key[-1]
+
+    def _weights(self) -> tuple[tuple[int, int] | None, ...]:
+        return tuple((p._version, p.data_ptr()) if p is not None else None for d in self._params for p in d.values())
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+            kv_cache: PagedKVCache) -> torch.Tensor:
+        """``DecoderLayer.forward`` over every layer. h: [B, D]; cos, sin: [B, R/2]. Returns [B, D]."""
+        for i, ops in enumerate(self._ops):
+            layer = ops.layer
+            attn = ops.attn(ops.norm1(h), cos, sin, meta, kv_cache.layer(i))
+            h = h + layer._tp_reduce(attn)
+            ffn = ops.ffn(ops.norm2(h))
+            if ops.reduce_ffn:
+                ffn = layer._tp_reduce(ffn)
+            h = h + ffn
+        return h
+
+
+def plan_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether a step of rows x [T, D] can run on a plan: every row a decode row, outside autograd
+    (the resolved ops have no backward)."""
+    rows = x.shape[0]
+    return rows > 0 and rows == len(meta.query_lens_list) and not torch.is_grad_enabled() and not x.requires_grad
+
+
+_ATTRS_BY_CLASS: dict[type, tuple[str, ...]] = {}
+
+
+def _decision_attrs(cls: type) -> tuple[str, ...]:
+    """The switches a module class's op decision reads: ``DECISION_ATTRS`` of the class and its bases."""
+    attrs = _ATTRS_BY_CLASS.get(cls)
+    if attrs is None:
+        names: list[str] = []
+        for klass in cls.__mro__:
+            for name in klass.__dict__.get("DECISION_ATTRS", ()):
+                if name not in names:
+                    names.append(name)
+        attrs = _ATTRS_BY_CLASS[cls] = tuple(names)
+    return attrs

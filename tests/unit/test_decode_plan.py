@@ -1,0 +1,207 @@
+"""moe.decode_plan: decode steps on each layer's resolved ops against the module path, bit for bit,
+and the plan remade (or dropped) whenever a switch or a weight it bound changes."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe import decode_plan, kernels
+from moe.config import ModelConfig
+from moe.kv_cache import AttentionMetadata, PagedKVCache
+from moe.loader import load_weights
+from moe.model import MoEModel
+
+BLOCK = 4
+FAMILIES = ["deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"]
+
+
+def _model(path: Path, dtype: torch.dtype) -> MoEModel:
+    model = MoEModel(ModelConfig.from_hf(path), dtype=dtype)
+    load_weights(model, path, dtype=dtype)
+    return model
+
+
+class _Run:
+    """Prompts prefilled in one mixed step, then greedy decode steps over a cache in the model's dtype;
+    sequence b stops after new_tokens[b] tokens, so the decode batch shrinks (3, 2, 1 rows)."""
+
+    def __init__(self, model: MoEModel, prompts: list[list[int]], new_tokens: list[int]) -> None:
+        self.model, self.seqs, self.new_tokens = model, [list(p) for p in prompts], new_tokens
+        per_seq = -(-(max(map(len, prompts)) + max(new_tokens)) // BLOCK)
+        self.cache = PagedKVCache(model.config, per_seq * len(prompts) + 1, BLOCK, model.dtype)
+        self.tables = [[1 + b + len(prompts) * i for i in range(per_seq)] for b in range(len(prompts))]
+        self.done = [0] * len(prompts)
+        self.generated = [0] * len(prompts)
+
+    def step(self) -> torch.Tensor | None:
+        """One step over the unfinished sequences; its hidden rows [T, D], or None when all are done."""
+        active = [b for b in range(len(self.seqs)) if self.generated[b] < self.new_tokens[b]]
+        if not active:
+            return None
+        qlens = [len(self.seqs[b]) - self.done[b] for b in active]
+        ids = torch.tensor([t for b in active for t in self.seqs[b][self.done[b]:]])
+        pos = torch.tensor([p for b in active for p in range(self.done[b], len(self.seqs[b]))])
+        ctx = [len(self.seqs[b]) for b in active]
+        meta = AttentionMetadata.build(qlens, ctx, [self.tables[b] for b in active], BLOCK)
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, meta, self.cache)
+            logits = self.model.compute_logits(hidden[meta.logits_indices()])
+        for row, b in enumerate(active):
+            self.done[b] = len(self.seqs[b])
+            self.seqs[b].append(int(logits[row].argmax()))
+            self.generated[b] += 1
+        return hidden
+
+    def slot_loads(self) -> list[torch.Tensor]:
+        return [layer.slot_load.clone() for layer in self.model.moe_layers()]
+
+
+@pytest.fixture
+def plans_made(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row count of every DecodePlan made."""
+    made: list[int] = []
+    make = decode_plan.DecodePlan.__init__
+
+    def spy(self: decode_plan.DecodePlan, layers: list, x: torch.Tensor, kv_cache: PagedKVCache) -> None:
+        made.append(x.shape[0])
+        make(self, layers, x, kv_cache)
+
+    monkeypatch.setattr(decode_plan.DecodePlan, "__init__", spy)
+    return made
+
+
+def _twin_runs(model: MoEModel, mutations: dict[int, Callable[[MoEModel], None]] | None = None
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor], _Run, _Run]:
+    """The same steps on a plan (model) and on the modules (a deep copy), with mutations[k](model)
+    applied to both before step k. Returns both runs' hidden rows per step and the runs."""
+    twin = copy.deepcopy(model)
+    twin.use_decode_plan = False
+    prompts, new_tokens = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]], [6, 4, 2]
+    runs = (_Run(model, prompts, new_tokens), _Run(twin, prompts, new_tokens))
+    outs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for k in range(max(new_tokens)):
+        for run, out in zip(runs, outs):
+            if mutations and k in mutations:
+                mutations[k](run.model)
+            out.append(run.step())
+    return outs[0], outs[1], runs[0], runs[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plan_steps_are_bit_equal_to_the_module_path(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                                     family: str, dtype: torch.dtype, plans_made: list[int]) -> None:
+    model = _model(hf_checkpoints[family], dtype)
+    planned, modules, run, twin = _twin_runs(model)
+    d = model.config.hidden_size
+    assert [h.shape for h in planned] == [(15, d), (3, d), (2, d), (2, d), (1, d), (1, d)]
+    for k, (a, b) in enumerate(zip(planned, modules)):
+        assert a.dtype == dtype and torch.equal(a, b), (family, dtype, k)
+    for a, b in zip(run.cache.pools, twin.cache.pools):
+        assert torch.equal(a, b)
+    for a, b in zip(run.slot_loads(), twin.slot_loads()):
+        assert torch.equal(a, b) and a.sum() > 0
+    assert run.seqs == twin.seqs
+    # one plan served the five decode steps as the batch shrank from 3 rows to 1
+    assert plans_made == [3]
+    plan = model._plan
+    assert plan is not None
+    layers = list(model.model.layers)
+    mla = [layer.self_attn for layer in layers if hasattr(layer.self_attn, "fused_decode_op")]
+    # the whole-block ops are bound where they apply (MLA attention; the MoE FFN on a rank hosting all slots)
+    assert all(ops.attn is not layer.self_attn for ops, layer in zip(plan._ops, layers) if layer.self_attn in mla)
+    assert all(ops.ffn is not layer.mlp for ops, layer in zip(plan._ops, layers))
+    assert all(ops.norm1 is not layer.input_layernorm for ops, layer in zip(plan._ops, layers))
+    assert (len(mla) == len(layers)) == family.startswith("deepseek")
+
+
+def _scale_experts(model: MoEModel) -> None:
+    with torch.no_grad():
+        next(model.moe_layers()).experts.w2.mul_(2)  # in place: the packed copy is stale
+
+
+def _replace_o_proj(model: MoEModel) -> None:
+    o_proj = model.model.layers[-1].self_attn.o_proj
+    o_proj.weight = torch.nn.Parameter(o_proj.weight.detach() * 0.5, requires_grad=False)
+
+
+def _one_attention_op_by_op(model: MoEModel) -> None:
+    model.model.layers[0].self_attn.use_fused_decode = False
+
+
+@pytest.mark.parametrize("mutation", [_scale_experts, _replace_o_proj, _one_attention_op_by_op,
+                                      lambda m: m.set_fused_ops(False)])
+def test_plan_is_remade_when_a_weight_or_switch_changes(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                                        mutation: Callable[[MoEModel], None],
+                                                        plans_made: list[int]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    planned, modules, run, twin = _twin_runs(model, {3: mutation})
+    for k, (a, b) in enumerate(zip(planned, modules)):
+        assert torch.equal(a, b), k
+    assert plans_made == [3, 2]  # made at the first decode step and again after the change (step 3, two rows)
+    assert run.seqs == twin.seqs
+
+
+def test_plan_switched_off_and_back_on(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                       plans_made: list[int]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    switches = {2: lambda m: m.set_fused_ops(False), 4: lambda m: m.set_fused_ops(True)}
+    planned, modules, _, _ = _twin_runs(model, switches)
+    assert all(torch.equal(a, b) for a, b in zip(planned, modules))
+    assert plans_made == [3, 2, 1]
+
+
+def test_a_weight_change_drops_the_plan_at_the_next_mixed_step(kernel_isas: list[str],
+                                                               hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    run = _Run(model, [[5, 6, 7], [8, 9]], [5, 5])
+    run.step()  # prefill
+    run.step()  # decode: makes the plan
+    assert model._plan is not None
+    run.seqs[0] += [20, 21]  # sequence 0 gets a prompt extension: the next step mixes a chunk in
+    run.step()
+    assert model._plan is not None  # nothing changed: kept (no bound weights dropped)
+    _scale_experts(model)
+    run.seqs[1] += [22, 23]
+    run.step()
+    assert model._plan is None  # its packed copies would outlive the modules' repacking
+
+
+def test_plan_needs_decode_rows_outside_autograd(hf_checkpoints: dict[str, Path]) -> None:
+    x = torch.zeros(2, 8)
+    decode = AttentionMetadata.build([1, 1], [3, 4], [[1], [2]], BLOCK)
+    mixed = AttentionMetadata.build([2, 1], [3, 4], [[1], [2]], BLOCK)
+    with torch.no_grad():
+        assert decode_plan.plan_applies(x, decode)
+        assert not decode_plan.plan_applies(torch.zeros(3, 8), mixed)
+        assert not decode_plan.plan_applies(x[:0], AttentionMetadata.build([], [], [], BLOCK))
+    assert not decode_plan.plan_applies(x, decode)  # grad mode on: the modules' PyTorch paths run
+
+
+def test_every_switch_of_the_layers_is_in_the_plan_state(kernel_isas: list[str],
+                                                         hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    run = _Run(model, [[5, 6, 7]], [3])
+    run.step()
+    run.step()
+    plan = model._plan
+    assert plan is not None
+    x = torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert plan.state(x, run.cache) == plan.key
+    switched = {name for _, name in plan._switches}
+    assert {"use_kernel", "use_fused_decode", "use_fused_rope_cache", "use_paged_kernel", "use_fused_ffn",
+            "fused_topk", "quantization", "capacity", "dispatcher"} <= switched
+    for module, name in plan._switches:
+        value = getattr(module, name)
+        if isinstance(value, bool):
+            setattr(module, name, not value)
+            with torch.inference_mode():
+                assert plan.state(x, run.cache) != plan.key, (type(module).__name__, name)
+            setattr(module, name, value)
+    assert kernels.is_available()
