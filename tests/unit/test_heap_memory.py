@@ -28,7 +28,9 @@ def test_a_freed_large_block_is_reused_without_new_page_faults():
     pages = nbytes // 4096
     assert keep_freed_heap_memory()
     faults_of_a_fresh_block(nbytes)  # the heap grows once (faults then, as before)
-    again = faults_of_a_fresh_block(nbytes)
+    # a block a little smaller than the freed one fits in it wherever the heap's top chunk now is
+    # (the same size plus posix_memalign's slack may not when a small allocation landed above it)
+    again = faults_of_a_fresh_block(nbytes - (1 << 20))
     assert again < pages // 10, f"{again} page faults for a {pages}-page block freed just before"
 
 
