@@ -8,7 +8,7 @@ step whether each whole-block CPU op applies and rebuilds its argument lists: on
 DeepSeek-style checkpoint that Python is ~2-3 ms of a ~20 ms batch-1 step. ``DecodePlan`` asks
 each module once (``RMSNorm.fused_op``, ``MLAAttention.fused_decode_op``, ``MoELayer.fused_ffn_op``,
 ``DenseMLP.fused_op``; the module itself where it has none or declines) and then runs the layers
-as ``DecoderLayer.forward`` does, calling those ops directly.
+through ``DecoderLayer.run_ops`` (``forward``'s own sequence) with those ops.
 
 The plan holds while its ``state`` is unchanged: the row dtype, the row-count regime
 (``kernels.prefers_library_gemm`` at B rows and at B * top_k expert assignments), the cache pools'
@@ -29,32 +29,23 @@ from torch import nn
 from moe import kernels
 from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
 
-RowOp = Callable[[torch.Tensor], torch.Tensor]
-AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, KVLayerView], torch.Tensor]
+Op = Callable[..., torch.Tensor]
 
 
-class _LayerOps:
-    """One decoder layer's four ops (resolved op or the module itself) and its TP reduce."""
-
-    __slots__ = ("layer", "norm1", "attn", "norm2", "ffn", "reduce_ffn")
-
-    def __init__(self, layer: nn.Module, x: torch.Tensor, view: KVLayerView) -> None:
-        mods = layer._modules
-        self.layer = layer
-        self.norm1: RowOp = _resolved(mods["input_layernorm"], "fused_op", x)
-        attn = mods["self_attn"]
-        op = attn.fused_decode_op(x, view) if hasattr(attn, "fused_decode_op") else None
-        self.attn: AttentionOp = op if op is not None else attn
-        self.norm2: RowOp = _resolved(mods["post_attention_layernorm"], "fused_op", x)
-        mlp = mods["mlp"]
-        self.ffn: RowOp = _resolved(mlp, "fused_ffn_op" if hasattr(mlp, "fused_ffn_op") else "fused_op", x)
-        self.reduce_ffn = not hasattr(mlp, "fused_ffn_op")  # a dense MLP's output is a TP partial sum
+def _layer_ops(layer: nn.Module, x: torch.Tensor, view: KVLayerView) -> tuple[Op, Op, Op, Op]:
+    """A decoder layer's (norm1, attention, norm2, FFN) for ``DecoderLayer.run_ops``: each submodule's
+    resolved op, or the submodule itself where it has none or declines."""
+    mods = layer._modules
+    mlp = mods["mlp"]
+    return (_resolved(mods["input_layernorm"], "fused_op", x), _resolved(mods["self_attn"], "fused_decode_op", x, view),
+            _resolved(mods["post_attention_layernorm"], "fused_op", x),
+            _resolved(mlp, "fused_ffn_op" if hasattr(mlp, "fused_ffn_op") else "fused_op", x))
 
 
-def _resolved(module: nn.Module, method: str, x: torch.Tensor) -> RowOp:
-    """module.<method>(x) when it has that method and it returns an op, else the module itself."""
+def _resolved(module: nn.Module, method: str, *args: Any) -> Op:
+    """module.<method>(*args) when it has that method and it returns an op, else the module itself."""
     resolve = getattr(module, method, None)
-    op = resolve(x) if resolve is not None else None
+    op = resolve(*args) if resolve is not None else None
     return op if op is not None else module
 
 
@@ -65,14 +56,13 @@ class DecodePlan:
     row count are read); kv_cache: the paged cache the layers write."""
 
     def __init__(self, layers: Sequence[nn.Module], x: torch.Tensor, kv_cache: PagedKVCache) -> None:
-        self._layers = list(layers)
-        modules = [m for layer in self._layers for m in layer.modules()]
+        modules = [m for layer in layers for m in layer.modules()]
         self._switches = [(m, name) for m in modules for name in _decision_attrs(type(m))]
         self._params = [m._parameters for m in modules if m._parameters]
         self._expert_shapes = sorted({(int(m.experts.num_local_slots), int(m.top_k)) for m in modules
                                       if hasattr(m, "fused_ffn_op")})
         self.key = self.state(x, kv_cache)  # before resolving: packing happens below
-        self._ops = [_LayerOps(layer, x, kv_cache.layer(i)) for i, layer in enumerate(self._layers)]
+        self._ops = [(layer, _layer_ops(layer, x, kv_cache.layer(i))) for i, layer in enumerate(layers)]
 
     def state(self, x: torch.Tensor, kv_cache: PagedKVCache) -> tuple[Any, ...]:
         """Everything the resolved ops depend on, for x [B, D] (equal states: the same ops)."""
@@ -93,15 +83,9 @@ class DecodePlan:
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_cache: PagedKVCache) -> torch.Tensor:
-        """``DecoderLayer.forward`` over every layer. h: [B, D]; cos, sin: [B, R/2]. Returns [B, D]."""
-        for i, ops in enumerate(self._ops):
-            layer = ops.layer
-            attn = ops.attn(ops.norm1(h), cos, sin, meta, kv_cache.layer(i))
-            h = h + layer._tp_reduce(attn)
-            ffn = ops.ffn(ops.norm2(h))
-            if ops.reduce_ffn:
-                ffn = layer._tp_reduce(ffn)
-            h = h + ffn
+        """Every layer's ``run_ops`` on its resolved ops. h: [B, D]; cos, sin: [B, R/2]. Returns [B, D]."""
+        for i, (layer, ops) in enumerate(self._ops):
+            h = layer.run_ops(h, cos, sin, meta, kv_cache.layer(i), *ops)
         return h
 
 

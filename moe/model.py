@@ -12,7 +12,7 @@ cache is replicated across the TP group.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,12 @@ from moe.experts import Experts
 from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
 from moe.layers import DenseMLP, GQAAttention, MLAAttention, RMSNorm, RotaryEmbedding
 from moe.layers.linear import Linear
+from moe.layers.mla import DecodeAttentionOp
 from moe.moe_layer import MoELayer
 from moe.router import Router
 
 LocalSlots = Sequence[int] | Mapping[int, Sequence[int]] | None
+RowOp = Callable[[torch.Tensor], torch.Tensor]  # x [T, D] -> [T, D]: a norm or an FFN
 
 
 class DecoderLayer(nn.Module):
@@ -57,12 +59,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 cache: KVLayerView) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, meta, cache)
-        h = h + self._tp_reduce(attn)
-        ffn = self.mlp(self.post_attention_layernorm(h))
-        if isinstance(self.mlp, DenseMLP):
-            ffn = self._tp_reduce(ffn)
-        return h + ffn
+        return self.run_ops(h, cos, sin, meta, cache, self.input_layernorm, self.self_attn,
+                            self.post_attention_layernorm, self.mlp)
+
+    def run_ops(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache: KVLayerView, norm1: RowOp, attn: DecodeAttentionOp | nn.Module, norm2: RowOp, ffn: RowOp) -> torch.Tensor:
+        """``forward``'s sequence with each op given: the submodule itself, or the op it resolved to
+        (``moe.decode_plan``). h: [T, D] -> [T, D]."""
+        a = attn(norm1(h), cos, sin, meta, cache)
+        h = h + self._tp_reduce(a)
+        f = ffn(norm2(h))
+        if isinstance(self.mlp, DenseMLP):  # a dense MLP's output is a TP partial sum (MoE combines its own)
+            f = self._tp_reduce(f)
+        return h + f
 
     def _tp_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         # every TP rank reaches this for every layer of every step (T may be 0): no rank skips it

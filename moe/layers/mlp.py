@@ -34,9 +34,9 @@ class DenseMLP(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed_weights(x)
-        if packed is not None:
-            return kernels.experts_forward(x.contiguous(), [x.shape[0]], packed)
+        fused = self.fused_op(x)
+        if fused is not None:
+            return fused(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fused_op(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
