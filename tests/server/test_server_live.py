@@ -268,11 +268,17 @@ def test_queue_full_503_and_init_expert_location(ckpt, tmp_path):
         with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=30) as first:
             lines = first.iter_lines()
             next(lines)
+            # Hold the first request in its slot (no engine steps) until the queue has been tried:
+            # on a fast CPU its 60 tokens could otherwise finish before the second request queues.
+            resume = threading.Event()
+            engine, step = srv.engine.engine, srv.engine.engine.step
+            engine.step = lambda: step() if resume.is_set() else time.sleep(0.01) or []
             second = pool.submit(httpx.post, srv.base_url + "/v1/completions",
                                  json={"prompt": [7, 8], "max_tokens": 2, "ignore_eos": True}, timeout=60)
             assert wait_until(lambda: srv.engine.stats().num_waiting == 1)
             third = httpx.post(srv.base_url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=30)
             assert third.status_code == 503 and "retry-after" in third.headers
+            resume.set()
         assert second.result().status_code == 200
         assert wait_until(lambda: engine_idle(srv))
         r = httpx.post(srv.base_url + "/dump_expert_distribution_record")
