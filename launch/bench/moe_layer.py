@@ -19,7 +19,8 @@ correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implemen
   beside it (DeepSpeed's layer has none).
 
 Each cell: one untimed warm-up call, then calls until ``--min-seconds`` of CPU time (at least
-one, at most 50); the best call's CPU time (steadier than wall time on a shared machine).
+one, at most 50); the best call's CPU time (steadier than wall time on a shared machine). The
+process keeps freed heap memory as a serving worker does (``MOE_MALLOC_KEEP=0``: not).
 ``roofline ms`` = max(bytes the call must read / the measured read bandwidth, its FLOPs / the
 faster of a measured fp32 and in-dtype 1024^3 matmul): bytes = the routed experts the tokens
 touch (each once) + the shared expert + the router + activations in and out; FLOPs = every
@@ -296,12 +297,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.num_threads)
     dtype = DTYPES[args.dtype]
+    from launch.worker import keep_freed_heap_memory
     from moe import kernels
 
     isa = kernels.isa() if kernels.is_available() else "unavailable"
+    # as in a serving worker: a layer's large temporaries reuse freed heap memory instead of fresh
+    # zeroed pages (for every implementation alike: the setting is the process's)
+    kept = keep_freed_heap_memory()
     bandwidth, peak = measure_read_bandwidth(), measure_peak_flops(dtype)
     print(f"# dtype {args.dtype}, {args.num_threads} thread(s), kernel isa {isa}; read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s (CPU time)")
+          f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s (CPU time); freed heap memory "
+          f"{'kept' if kept else 'returned'}")
     print(f"{'shape':>9} {'T':>6} {'impl':>13} {'cpu ms':>10} {'wall ms':>10} {'tok/s':>11} {'roofline ms':>11} "
           f"{'roofline':>9} {'max|diff|':>10}")
     cells = [c for shape in args.shapes

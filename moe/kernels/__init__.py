@@ -27,14 +27,19 @@ weights packed once by ``pack_experts``:
   same 8 up channels, the reduction dimension D outermost inside a block, so one register
   tile produces both halves of SwiGLU and streams its block contiguously;
 - ``w2p [P, D/16, I, 16]``: the down projection in the same block order;
+- bf16 blocks hold k pairs: memory order ``[K/2, 16, 2]`` inside a ``[K, 16]`` block (K even),
+  the order AVX512-BF16's ``vdpbf16ps`` reads; ``unpack_blocks`` inverts any block order;
 - int8 (``quantization="int8"``): the same layout in int8 with one fp32 scale per output
   channel (``s13 [P, I/8, 16]``, ``s2 [P, D/16, 16]``, absmax / 127, round to nearest).
 
 The extension is compiled with ``torch.utils.cpp_extension`` on first use (or ahead of time
 with ``python -m launch build-kernels``) into a cache directory keyed by the source hash,
 torch version, Python version and machine; ``MOE_KERNEL_CACHE`` overrides the directory
-and ``MOE_CPU_KERNEL=0`` turns the kernel off. The instruction set (AVX-512, AVX2+FMA or
-baseline) is chosen from cpuid when the library loads: one build runs on any x86-64 CPU.
+and ``MOE_CPU_KERNEL=0`` turns the kernel off. The instruction set (AVX512-BF16, AVX-512,
+AVX2+FMA or baseline) is chosen from cpuid when the library loads: one build runs on any x86-64
+CPU. With AVX512-BF16, bf16 rows against bf16 weights run on the dot product (``dot_body.h``):
+the SwiGLU activations between the two projections are then rounded to bf16, as the bf16
+PyTorch path rounds them; elsewhere rows widen to fp32 and stay fp32 inside the op.
 Without a compiler the model falls back to the PyTorch path after one log line.
 """
 
@@ -58,7 +63,7 @@ from moe.cpu_gemm import has_fast_bf16_gemm
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts_cpu.cpp", "experts_body.h", "attention_body.h", "norm_body.h")
+SOURCES = ("experts_cpu.cpp", "experts_body.h", "dot_body.h", "attention_body.h", "norm_body.h")
 QUANTIZATIONS = ("int8",)
 BLOCK = 16  # output channels per packed column block
 # Mean rows per non-empty expert from which a dtype with a fast library GEMM on this CPU (fp32;
@@ -135,9 +140,29 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor, quantization: str | None =
         s13 = s2 = empty
     gate = w13[:, :inter].reshape(slots, inter // 8, 8, hidden)
     up = w13[:, inter:].reshape(slots, inter // 8, 8, hidden)
-    w13p = torch.cat([gate, up], dim=2).transpose(2, 3).contiguous()  # [P, I/8, D, 16]
-    w2p = w2.reshape(slots, hidden // BLOCK, BLOCK, inter).transpose(2, 3).contiguous()  # [P, D/16, I, 16]
+    w13p = _blocks(torch.cat([gate, up], dim=2))  # [P, I/8, D, 16]
+    w2p = _blocks(w2.reshape(slots, hidden // BLOCK, BLOCK, inter))  # [P, D/16, I, 16]
     return PackedExperts(w13p, w2p, s13, s2)
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    """Column blocks [..., 16, K] (16 output channels, the reduction K) -> the kernel's [..., K, 16]:
+    K outermost, and for bf16 in k pairs (memory order [..., K/2, 16, 2], K even), the order
+    AVX512-BF16's dot product reads; the FMA tiles widen a pair to its two k rows."""
+    if w.dtype != torch.bfloat16:
+        return w.transpose(-1, -2).contiguous()
+    *lead, cols, k = w.shape
+    pairs = w.reshape(*lead, cols, k // 2, 2).permute(*range(len(lead)), -2, -3, -1)  # [..., K/2, 16, 2]
+    return pairs.contiguous().reshape(*lead, k, cols)
+
+
+def unpack_blocks(wp: torch.Tensor) -> torch.Tensor:
+    """The inverse of the packing's block order: wp [..., K, 16] -> [..., 16, K] (row c, column k =
+    output channel c's weight for input k), for fp32, bf16 (k pairs) and int8 blocks alike."""
+    if wp.dtype != torch.bfloat16:
+        return wp.transpose(-1, -2)
+    *lead, k, cols = wp.shape
+    return wp.reshape(*lead, k // 2, cols, 2).permute(*range(len(lead)), -2, -3, -1).reshape(*lead, cols, k)
 
 
 @dataclass(frozen=True)
@@ -156,9 +181,10 @@ class PackedLinear:
 
 
 def can_pack_linear(weight: torch.Tensor) -> bool:
-    """Whether weight [C, K] or [G, C, K] fits the linear kernel: CPU, float32 or bfloat16."""
+    """Whether weight [C, K] or [G, C, K] fits the linear kernel: CPU, float32 or bfloat16 (K even:
+    bf16 blocks hold k pairs)."""
     dtype = weight.dtype  # plain comparisons: this runs for every projection of every step
-    return (weight.is_cpu and (dtype == torch.float32 or dtype == torch.bfloat16)
+    return (weight.is_cpu and (dtype == torch.float32 or (dtype == torch.bfloat16 and weight.shape[-1] % 2 == 0))
             and weight.dim() in (2, 3) and weight.numel() > 0)
 
 
@@ -169,10 +195,12 @@ def pack_linear(weight: torch.Tensor) -> PackedLinear:
     if w.dim() == 2:
         w = w[None]
     groups, out_features, k = w.shape
+    if w.dtype == torch.bfloat16 and k % 2:
+        raise ValueError(f"a bf16 weight packs in k pairs: in_features must be even, got {k}")
     padded = -(-out_features // BLOCK) * BLOCK
     if padded != out_features:
         w = torch.cat([w, w.new_zeros(groups, padded - out_features, k)], dim=1)
-    wp = w.reshape(groups, padded // BLOCK, BLOCK, k).transpose(2, 3).contiguous()
+    wp = _blocks(w.reshape(groups, padded // BLOCK, BLOCK, k))
     return PackedLinear(wp, out_features)
 
 
@@ -431,12 +459,30 @@ def is_available() -> bool:
 
 
 def isa() -> str:
-    """The instruction set the loaded kernel runs: "avx512", "avx2" or "generic"."""
+    """The instruction set the loaded kernel runs: "avx512bf16", "avx512", "avx2" or "generic"."""
     return str(torch.ops.moe_kernels.isa_name())
 
 
+ISAS = ("generic", "avx2", "avx512", "avx512bf16")  # slowest first
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU runs the kernel with (``ISAS`` order); leaves the current one selected."""
+    current = isa()
+    found = []
+    for name in ISAS:
+        try:
+            select_isa(name)
+        except RuntimeError:
+            continue
+        found.append(name)
+    select_isa(current)
+    return found
+
+
 def select_isa(name: str) -> str:
-    """Force an instruction set ("auto", "avx512", "avx2", "generic"); raises if the CPU lacks it."""
+    """Force an instruction set ("auto", "avx512bf16", "avx512", "avx2", "generic"); raises if the CPU
+    lacks it."""
     return str(torch.ops.moe_kernels.select_isa(name))
 
 

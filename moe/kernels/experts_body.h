@@ -6,18 +6,26 @@
 // build never executes instructions the CPU lacks.
 //
 // Packed weight layout (built once in Python, moe/kernels/__init__.py): column blocks of 16
-// output channels, the reduction dimension K outermost inside a block: block[k][16]. For the
-// gate/up projection a block holds 8 gate channels then the same 8 up channels, so one tile
-// produces both halves of SwiGLU. Weights are fp32, bf16 (raw uint16) or int8 (with one fp32
-// scale per output channel).
+// output channels, the reduction dimension K outermost inside a block: block[k][16] for fp32 and
+// int8 (with one fp32 scale per output channel); bf16 (raw uint16) in k pairs, block[k/2][16][2]
+// (the order AVX512-BF16's dot product reads; K even). For the gate/up projection a block holds
+// 8 gate channels then the same 8 up channels, so one tile produces both halves of SwiGLU.
 
 // Per-ISA vector ops (defined before this file is included): vf, vzero(), vload(const T*) for
-// float / bf16 (uint16_t) / int8 weights (8 or 16 fp32 lanes), vbroadcast(const float*),
-// vfma(a, b, c) = a * b + c, vadd, vmax (lane-wise), vhsum (sum of the lanes), vstore(float*, vf).
+// float / bf16 (uint16_t) / int8 (8 or 16 fp32 lanes), vload_pair(const uint16_t*, vf& k0, vf& k1)
+// for MOE_W columns of a bf16 k pair, vbroadcast(const float*), vfma(a, b, c) = a * b + c, vadd,
+// vmax (lane-wise), vhsum (sum of the lanes), vstore(float*, vf).
 constexpr int NV = 16 / MOE_W;  // vectors per 16-column block
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
+
+// Independent partial sums per accumulator in an R-row tile: enough chains (R x NV x sets >= 8)
+// to cover the FMA latency on two pipes, as few as that takes (registers).
+template <int R>
+constexpr int partial_sums() {
+  return 8 / (R * NV) >= 1 ? 8 / (R * NV) : 1;
+}
 
 // acc[r][0:16] = sum_k x[r * ldx + k] * w[k][0:16] for R rows (R * NV accumulators live in
 // registers; the weight block is read once per tile). Few rows give short FMA dependency
@@ -25,7 +33,7 @@ constexpr int NV = 16 / MOE_W;  // vectors per 16-column block
 template <int R, typename WT>
 static inline void tile(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                         float* __restrict out) {
-  constexpr int KS = R == 1 ? 4 : R == 2 ? 2 : 1;
+  constexpr int KS = partial_sums<R>();
   vf acc[KS][R][NV];
 #pragma GCC unroll 4
   for (int s = 0; s < KS; ++s)
@@ -65,6 +73,67 @@ static inline void tile(const float* __restrict x, int64_t ldx, const WT* __rest
     }
   }
 #pragma GCC unroll 4
+  for (int s = 1; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[0][r][v] = vadd(acc[0][r][v], acc[s][r][v]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vstore(out + r * 16 + v * MOE_W, acc[0][r][v]);
+}
+
+// The same for bf16 weights in k pairs (block[k/2][16][2], K even): a pair widens to its two fp32
+// k rows (a shift and a mask), which feed separate partial sums when there are two or more.
+template <int R>
+static inline void tile(const float* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t K,
+                        float* __restrict out) {
+  constexpr int KS = partial_sums<R>() >= 2 ? partial_sums<R>() / 2 * 2 : 1;  // sets: even, odd, ...
+  constexpr int PP = KS >= 2 ? KS / 2 : 1;                                     // pairs per step
+  vf acc[KS][R][NV];
+#pragma GCC unroll 8
+  for (int s = 0; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[s][r][v] = vzero();
+  const int64_t pairs = K / 2;
+  int64_t p = 0;
+  for (; p + PP <= pairs; p += PP) {
+#pragma GCC unroll 4
+    for (int line = 0; line < PP * 64; line += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(w + p * 32) + PREFETCH_BYTES + line);
+#pragma GCC unroll 4
+    for (int j = 0; j < PP; ++j) {
+      constexpr int odd_set = KS >= 2 ? 1 : 0;
+      vf w0[NV], w1[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) vload_pair(w + (p + j) * 32 + v * 2 * MOE_W, w0[v], w1[v]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + 2 * (p + j);
+        const vf x0 = vbroadcast(xr), x1 = vbroadcast(xr + 1);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          acc[2 * j * odd_set][r][v] = vfma(x0, w0[v], acc[2 * j * odd_set][r][v]);
+          acc[2 * j * odd_set + odd_set][r][v] = vfma(x1, w1[v], acc[2 * j * odd_set + odd_set][r][v]);
+        }
+      }
+    }
+  }
+  for (; p < pairs; ++p) {
+    vf w0[NV], w1[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vload_pair(w + p * 32 + v * 2 * MOE_W, w0[v], w1[v]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vf x0 = vbroadcast(x + r * ldx + 2 * p), x1 = vbroadcast(x + r * ldx + 2 * p + 1);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[0][r][v] = vfma(x1, w1[v], vfma(x0, w0[v], acc[0][r][v]));
+    }
+  }
+#pragma GCC unroll 8
   for (int s = 1; s < KS; ++s)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)

@@ -12,7 +12,9 @@
 //
 // Instruction sets: the tile source (experts_body.h) is compiled three times under
 // per-function target pragmas (AVX-512F/BW, AVX2+FMA+F16C, baseline) and chosen from cpuid at
-// first use; no -march flag applies to the whole file.
+// first use; no -march flag applies to the whole file. On AVX512-BF16 ("avx512bf16": the AVX-512
+// kernels plus dot_body.h) bf16 rows against bf16 weights run on vdpbf16ps instead, with bf16
+// activations between the two projections.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -70,6 +72,22 @@ static inline void store_value(uint16_t* p, float v) {  // fp32 -> bf16, round t
 // and a TensorIterator add spend ~5-10 us of dispatch and setup per call, more than such a conversion.
 constexpr int64_t SMALL_ELEMENTS = int64_t{1} << 16;
 
+// x (bfloat16, up to 4 dims, any strides) as a contiguous tensor: x itself when it already is one, else
+// a copy made by the loop below for decode-size tensors (at::Tensor::contiguous costs more there).
+static at::Tensor bf16_contiguous(const at::Tensor& x) {
+  if (x.is_contiguous() || x.numel() > SMALL_ELEMENTS || x.dim() > 4) return x.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  int64_t size[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};
+  for (int64_t i = 0, off = 4 - x.dim(); i < x.dim(); ++i) size[off + i] = x.size(i), st[off + i] = x.stride(i);
+  for (int64_t a = 0; a < size[0]; ++a)
+    for (int64_t b = 0; b < size[1]; ++b)
+      for (int64_t c = 0; c < size[2]; ++c)
+        for (int64_t e = 0; e < size[3]; ++e) *d++ = src[a * st[0] + b * st[1] + c * st[2] + e * st[3]];
+  return out;
+}
+
 // x (float32 or bfloat16, up to 4 dims, any strides) as a contiguous float32 tensor: x itself when it
 // already is one, else a copy (bf16 -> fp32 is exact, so the values are those of x.to(at::kFloat)).
 static at::Tensor float32_contiguous(const at::Tensor& x) {
@@ -105,6 +123,12 @@ static inline vf vload(const uint16_t* p) {
   return (vf)(__builtin_convertvector(h, vu) << 16);  // bf16 -> fp32 is a 16-bit shift
 }
 static inline vf vload(const int8_t* p) { vb b; std::memcpy(&b, p, sizeof(b)); return __builtin_convertvector(b, vf); }
+static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 8 columns x (k, k + 1), bf16
+  vu u;
+  std::memcpy(&u, p, sizeof(u));
+  k0 = (vf)(u << 16);
+  k1 = (vf)(u & 0xffff0000u);
+}
 static inline vf vbroadcast(const float* p) { return vf{} + *p; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vadd(vf a, vf b) { return a + b; }
@@ -136,6 +160,11 @@ static inline vf vload(const uint16_t* p) {
 static inline vf vload(const int8_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 8 columns x (k, k + 1), bf16
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  k0 = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  k1 = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 static inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
@@ -170,6 +199,11 @@ static inline vf vload(const int8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
+static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 16 columns x (k, k + 1), bf16
+  const __m512i u = _mm512_loadu_si512(p);
+  k0 = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  k1 = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 static inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
@@ -181,6 +215,14 @@ static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #include "norm_body.h"
 #undef MOE_W
 }  // namespace avx512
+#pragma GCC pop_options
+
+// AVX-512 with the BF16 dot product: the AVX-512 kernels, plus bf16 x bf16 tiles on vdpbf16ps
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+namespace avx512bf16 {
+#include "dot_body.h"
+}  // namespace avx512bf16
 #pragma GCC pop_options
 #endif
 
@@ -194,6 +236,20 @@ using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, cons
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
                              int64_t, float, bool, float*, float*, float*, float*);
+using GateUpDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, uint16_t*, int64_t);
+template <typename OT>
+using DownDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, OT*, int64_t);
+template <typename OT>
+using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t, OT*, int64_t);
+
+// bf16 x bf16 tiles (null where the ISA has no bf16 dot product): bf16 rows against bf16 weights
+struct DotIsa {
+  GateUpDotFn gate_up = nullptr;
+  DownDotFn<float> down_f32 = nullptr;
+  DownDotFn<uint16_t> down_bf16 = nullptr;
+  LinearDotFn<float> linear_f32 = nullptr;
+  LinearDotFn<uint16_t> linear_bf16 = nullptr;
+};
 
 struct Isa {
   std::string name;
@@ -204,12 +260,17 @@ struct Isa {
   LinearFn<uint16_t> linear_bf16;
   PagedDecodeFn paged_decode;
   RmsNormFn rms_norm;
+  DotIsa dot;
+  // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
+  bool dot_bf16(int wt, at::ScalarType x_type) const {
+    return dot.gate_up != nullptr && wt == W_BF16 && x_type == at::kBFloat16;
+  }
 };
 
 template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::template linear<float>,
-             &K::template linear<uint16_t>, &M::decode, &N::rms_norm};
+             &K::template linear<uint16_t>, &M::decode, &N::rms_norm, DotIsa{}};
 }
 
 static bool cpu_has(const std::string& name) {
@@ -218,15 +279,29 @@ static bool cpu_has(const std::string& name) {
   if (name == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                                __builtin_cpu_supports("avx512vl");
   if (name == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (name == "avx512bf16") return cpu_has("avx512") && __builtin_cpu_supports("avx512bf16");
 #endif
   return name == "generic";
 }
 
+// The fastest instruction set this CPU runs.
+static std::string best_isa() {
+  for (const char* name : {"avx512bf16", "avx512", "avx2"})
+    if (cpu_has(name)) return name;
+  return "generic";
+}
+
 static Isa isa_by_name(const std::string& name) {
-  TORCH_CHECK(name == "generic" || name == "avx2" || name == "avx512", "moe_kernels: unknown ISA '", name,
-              "' (expected generic, avx2 or avx512)");
+  TORCH_CHECK(name == "generic" || name == "avx2" || name == "avx512" || name == "avx512bf16",
+              "moe_kernels: unknown ISA '", name, "' (expected generic, avx2, avx512 or avx512bf16)");
   TORCH_CHECK(cpu_has(name), "moe_kernels: this CPU does not support ", name);
 #if defined(__x86_64__) || defined(__i386__)
+  if (name == "avx512bf16") {
+    Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512bf16");
+    using D = avx512bf16::DotKernels;
+    isa.dot = DotIsa{&D::gate_up, &D::down<float>, &D::down<uint16_t>, &D::linear<float>, &D::linear<uint16_t>};
+    return isa;
+  }
   if (name == "avx512") return make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512");
   if (name == "avx2") return make_isa<avx2::Kernels, avx2::AttentionKernels, avx2::NormKernels>("avx2");
 #endif
@@ -234,7 +309,7 @@ static Isa isa_by_name(const std::string& name) {
 }
 
 static Isa& current_isa() {
-  static Isa isa = isa_by_name(cpu_has("avx512") ? "avx512" : cpu_has("avx2") ? "avx2" : "generic");
+  static Isa isa = isa_by_name(best_isa());
   return isa;
 }
 
@@ -242,7 +317,7 @@ std::string isa_name() { return current_isa().name; }
 
 std::string select_isa(const std::string& name) {
   std::string wanted = name;
-  if (wanted == "auto") wanted = cpu_has("avx512") ? "avx512" : cpu_has("avx2") ? "avx2" : "generic";
+  if (wanted == "auto") wanted = best_isa();
   current_isa() = isa_by_name(wanted);
   return current_isa().name;
 }
@@ -332,34 +407,43 @@ static void check_experts(const at::Tensor& x, const at::Tensor& w13p, const at:
   TORCH_CHECK(!quantized || (s13.numel() == P * I * 2 && s2.numel() == P * D), "moe_kernels: int8 weights need scales");
 }
 
-// The two phases over fp32 rows xs [N, D] grouped by slot (offsets: P + 1 row offsets): gate/up +
-// SiLU into fp32 activations, then down with the routing weight rw[n] (null: 1) and the int8 scale
-// in the epilogue, into out [N, D] (bf16 when bf16_out, else fp32).
-static void run_experts(const float* xs, const std::vector<int64_t>& offsets, int64_t D, const at::Tensor& w13p,
-                        const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2, const float* rw_ptr,
-                        bool bf16_out, void* out) {
+// The two phases over rows xs [N, D] grouped by slot (offsets: P + 1 row offsets): gate/up + SiLU
+// into activations, then down with the routing weight rw[n] (null: 1) and the int8 scale in the
+// epilogue, into out [N, D] (bf16 when bf16_out, else fp32). xs and the activations are bf16 on the
+// dot tiles (dot: Isa::dot_bf16 holds), else fp32.
+static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& offsets, int64_t D,
+                        const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
+                        const float* rw_ptr, bool bf16_out, void* out) {
   const int64_t N = offsets.back(), nb13 = w13p.size(1), I = nb13 * 8, nb2 = w2p.size(1);
   const bool quantized = w13p.scalar_type() == at::kChar;
   const at::Tensor w13c = w13p.contiguous(), w2c = w2p.contiguous();
   const at::Tensor s13c = quantized ? s13.to(at::kFloat).contiguous() : s13;
   const at::Tensor s2c = quantized ? s2.to(at::kFloat).contiguous() : s2;
-  at::Tensor act = at::empty({N, I}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor act = at::empty({N, I}, at::TensorOptions().dtype(dot ? at::kBFloat16 : at::kFloat));
 
   const Isa& isa = current_isa();
   const int wt = weight_type(w13c);
   const int64_t esize = w13c.element_size();
   const char* w13_ptr = static_cast<const char*>(w13c.data_ptr());
   const char* w2_ptr = static_cast<const char*>(w2c.data_ptr());
-  float* acts = act.data_ptr<float>();
   const float* s13_ptr = quantized ? s13c.data_ptr<float>() : nullptr;
   const float* s2_ptr = quantized ? s2c.data_ptr<float>() : nullptr;
+  const float* xf = static_cast<const float*>(xs);
+  const uint16_t* xb = static_cast<const uint16_t*>(xs);
+  float* act_f = dot ? nullptr : act.data_ptr<float>();
+  uint16_t* act_b = dot ? reinterpret_cast<uint16_t*>(act.data_ptr()) : nullptr;
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
   const std::vector<Item> up_items = work_items(offsets, nb13);
   for_each_item(up_items, [&](const Item& it) {
     const int64_t block = it.expert * nb13 + it.block;
-    isa.gate_up(wt, xs + it.row0 * D, it.rows, D, w13_ptr + block * D * 16 * esize,
-                s13_ptr ? s13_ptr + block * 16 : nullptr, acts + it.row0 * I + it.block * 8, I);
+    const char* w = w13_ptr + block * D * 16 * esize;
+    if (dot)
+      isa.dot.gate_up(xb + it.row0 * D, it.rows, D, reinterpret_cast<const uint16_t*>(w),
+                      act_b + it.row0 * I + it.block * 8, I);
+    else
+      isa.gate_up(wt, xf + it.row0 * D, it.rows, D, w, s13_ptr ? s13_ptr + block * 16 : nullptr,
+                  act_f + it.row0 * I + it.block * 8, I);
   });
   // Phase 2: down projection, items (expert, 16 output channels); routing weight in the epilogue.
   const std::vector<Item> down_items = work_items(offsets, nb2);
@@ -370,10 +454,18 @@ static void run_experts(const float* xs, const std::vector<int64_t>& offsets, in
     const float* sc = s2_ptr ? s2_ptr + block * 16 : nullptr;
     const float* rw = rw_ptr ? rw_ptr + it.row0 : nullptr;
     const int64_t first = it.row0 * D + it.block * 16;
-    if (bf16_out)
-      isa.down_bf16(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<uint16_t*>(out_ptr) + first, D);
-    else
-      isa.down_f32(wt, acts + it.row0 * I, it.rows, I, w, sc, rw, reinterpret_cast<float*>(out_ptr) + first, D);
+    uint16_t* ob = reinterpret_cast<uint16_t*>(out_ptr) + first;
+    float* of = reinterpret_cast<float*>(out_ptr) + first;
+    if (dot) {
+      const uint16_t* a = act_b + it.row0 * I;
+      const uint16_t* wb = static_cast<const uint16_t*>(w);
+      if (bf16_out) isa.dot.down_bf16(a, it.rows, I, wb, rw, ob, D);
+      else isa.dot.down_f32(a, it.rows, I, wb, rw, of, D);
+    } else if (bf16_out) {
+      isa.down_bf16(wt, act_f + it.row0 * I, it.rows, I, w, sc, rw, ob, D);
+    } else {
+      isa.down_f32(wt, act_f + it.row0 * I, it.rows, I, w, sc, rw, of, D);
+    }
   });
 }
 
@@ -398,9 +490,10 @@ at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at
   const auto out_dtype = out_fp32 ? at::kFloat : x.scalar_type();
   at::Tensor out = at::empty({N, D}, x.options().dtype(out_dtype));
   if (N == 0) return out;
-  const at::Tensor xf = float32_contiguous(x);
+  const bool dot = current_isa().dot_bf16(weight_type(w13p), x.scalar_type());
+  const at::Tensor xr = dot ? x.contiguous() : float32_contiguous(x);
   const at::Tensor rwc = row_weights.numel() ? row_weights.to(at::kFloat).contiguous() : row_weights;
-  run_experts(xf.data_ptr<float>(), offsets, D, w13p, s13, w2p, s2, rwc.numel() ? rwc.data_ptr<float>() : nullptr,
+  run_experts(xr.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rwc.numel() ? rwc.data_ptr<float>() : nullptr,
               out_dtype == at::kBFloat16, out.data_ptr());
   return out;
 }
@@ -442,21 +535,26 @@ at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids,
       rw[r] = wp[i];
     }
   const at::Tensor xc = x.contiguous();
-  at::Tensor rows = at::empty({M, D}, at::TensorOptions().dtype(at::kFloat));
-  float* xs = rows.data_ptr<float>();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
+  const bool dot = current_isa().dot_bf16(weight_type(w13p), x.scalar_type());
+  // the rows gathered in slot order: bf16 copies for the dot tiles, else fp32
+  at::Tensor rows = at::empty({M, D}, at::TensorOptions().dtype(dot ? at::kBFloat16 : at::kFloat));
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      if (bf16_in) {
+      if (dot) {
+        std::memcpy(static_cast<char*>(rows.data_ptr()) + r * D * 2,
+                    static_cast<const char*>(xc.data_ptr()) + token[r] * D * 2, D * 2);
+      } else if (bf16_in) {
         const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr()) + token[r] * D;
-        for (int64_t c = 0; c < D; ++c) xs[r * D + c] = to_float(src[c]);
+        float* xs = rows.data_ptr<float>() + r * D;
+        for (int64_t c = 0; c < D; ++c) xs[c] = to_float(src[c]);
       } else {
-        std::memcpy(xs + r * D, xc.data_ptr<float>() + token[r] * D, D * sizeof(float));
+        std::memcpy(rows.data_ptr<float>() + r * D, xc.data_ptr<float>() + token[r] * D, D * sizeof(float));
       }
     }
   });
   at::Tensor y = at::empty({M, D}, at::TensorOptions().dtype(at::kFloat));
-  run_experts(xs, offsets, D, w13p, s13, w2p, s2, rw, false, y.data_ptr());
+  run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, y.data_ptr());
   // combine: rows added in slot order, per column chunk (each output element sums in row order)
   const float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -488,13 +586,15 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   const auto out_dtype = out_fp32 ? at::kFloat : x.scalar_type();
   at::Tensor out = at::empty({G, N, C}, x.options().dtype(out_dtype));
   if (N == 0) return out;
-  const at::Tensor xf = float32_contiguous(x);
+  const Isa& isa = current_isa();
+  const bool dot = isa.dot_bf16(wt, x.scalar_type());
+  const at::Tensor xr = dot ? bf16_contiguous(x) : float32_contiguous(x);
   const at::Tensor wc = wp.contiguous();
   const at::Tensor bc = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
-  const Isa& isa = current_isa();
   const int64_t esize = wc.element_size();
   const char* w_ptr = static_cast<const char*>(wc.data_ptr());
-  const float* xs = xf.data_ptr<float>();
+  const float* xs = dot ? nullptr : xr.data_ptr<float>();
+  const uint16_t* xb = dot ? reinterpret_cast<const uint16_t*>(xr.data_ptr()) : nullptr;
   const float* b_ptr = bc.numel() ? bc.data_ptr<float>() : nullptr;
   const bool bf16_out = out_dtype == at::kBFloat16;
   char* out_ptr = static_cast<char*>(out.data_ptr());
@@ -506,14 +606,21 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
       const int64_t g = i / (panels * nb), p = (i / nb) % panels, b = i % nb;
       const int64_t r0 = p * ROW_PANEL, rows = std::min(ROW_PANEL, N - r0);
       const int64_t ncols = std::min<int64_t>(16, C - b * 16);
-      const float* xr = xs + (g * N + r0) * K;
       const void* w = w_ptr + ((g * nb + b) * K * 16) * esize;
       const float* bp = b_ptr ? b_ptr + g * C + b * 16 : nullptr;
       const int64_t first = (g * N + r0) * C + b * 16;
-      if (bf16_out)
-        isa.linear_bf16(wt, xr, rows, K, w, bp, ncols, reinterpret_cast<uint16_t*>(out_ptr) + first, C);
-      else
-        isa.linear_f32(wt, xr, rows, K, w, bp, ncols, reinterpret_cast<float*>(out_ptr) + first, C);
+      uint16_t* ob = reinterpret_cast<uint16_t*>(out_ptr) + first;
+      float* of = reinterpret_cast<float*>(out_ptr) + first;
+      if (dot) {
+        const uint16_t* x_rows = xb + (g * N + r0) * K;
+        const uint16_t* wb = static_cast<const uint16_t*>(w);
+        if (bf16_out) isa.dot.linear_bf16(x_rows, rows, K, wb, bp, ncols, ob, C);
+        else isa.dot.linear_f32(x_rows, rows, K, wb, bp, ncols, of, C);
+      } else if (bf16_out) {
+        isa.linear_bf16(wt, xs + (g * N + r0) * K, rows, K, w, bp, ncols, ob, C);
+      } else {
+        isa.linear_f32(wt, xs + (g * N + r0) * K, rows, K, w, bp, ncols, of, C);
+      }
     }
   });
   return out;

@@ -153,6 +153,8 @@ class MLAAttention(nn.Module):
                 return None
         if kernels.needs_autograd(*weights):
             return None
+        if dtype == torch.bfloat16 and self.nope % 2:  # W_UK^T [H, C, Nn] packs with K = Nn: pairs need it even
+            return None
         if self.q_lora_rank is not None:
             norm = mods["q_a_layernorm"]
             if not (norm.use_kernel and kernels.cpu_op_applies(x, norm.weight)):
@@ -243,6 +245,8 @@ class MLAAttention(nn.Module):
         weight changes), or None when the kernel should not run for q [B, H, Lq, Nn + R]."""
         weight = self.kv_b_proj.weight
         if not self.kv_b_proj.use_kernel or not kernel_applies(q, weight, q.shape[0] * q.shape[2]):
+            return None
+        if weight.dtype == torch.bfloat16 and self.nope % 2:  # bf16 blocks hold k pairs: W_UK^T's K = Nn
             return None
         return self._absorbed_packed_weights()
 

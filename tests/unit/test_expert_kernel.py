@@ -102,6 +102,19 @@ def test_kernel_rejects_bad_counts(kernel_isas: list[str]) -> None:
         kernels.experts_forward(torch.randn(4, 16), [1, 2], kernels.pack_experts(w13, w2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_unpack_to_the_weights(dtype: torch.dtype) -> None:
+    """w13p block b holds gate channels 8b..8b+7 then the same up channels; w2p block b output
+    channels 16b..16b+15: unpacking each block gives those rows of w13 / w2 back."""
+    slots, hidden, inter = 3, 32, 16
+    w13, w2 = _weights(slots, hidden, inter, dtype, seed=2)
+    packed = kernels.pack_experts(w13, w2)
+    up = kernels.unpack_blocks(packed.w13p)  # [P, I/8, 16, D]
+    assert torch.equal(up[:, :, :8].reshape(slots, inter, hidden), w13[:, :inter])
+    assert torch.equal(up[:, :, 8:].reshape(slots, inter, hidden), w13[:, inter:])
+    assert torch.equal(kernels.unpack_blocks(packed.w2p).reshape(slots, hidden, inter), w2)
+
+
 def test_int8_quantize_dequantize_is_within_half_a_step() -> None:
     w = torch.randn(3, 24, 40)
     w[1, 5] = 0.0  # an all-zero channel keeps scale 1 and dequantizes to exact zeros

@@ -152,3 +152,27 @@ def test_bf16_attention_products_upcast_where_bf16_gemms_are_slow(monkeypatch: p
     assert upcast.shape == native.shape == (2, 4, 3, 8) and upcast.dtype == torch.bfloat16
     # same math, rounded to bf16 at the same points: within a couple of bf16 ulps
     assert (upcast.float() - native.float()).abs().max().item() <= 2 ** -6 * native.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_blocks_unpack_to_the_weight(dtype: torch.dtype) -> None:
+    """The block layout ([K][16]; bf16 in k pairs, [K/2][16][2]) holds each weight once, where the
+    kernel reads it: unpacking gives the weight back, and bf16 pairs sit side by side in memory."""
+    w = torch.randn(2, 40, 24).to(dtype)  # [G, C, K], C padded to 48
+    wp = kernels.pack_linear(w).wp  # [G, 3, K, 16]
+    back = kernels.unpack_blocks(wp).reshape(2, 48, 24)  # [G, Cp, K]
+    assert torch.equal(back[:, :40], w) and not back[:, 40:].any()
+    flat = wp.reshape(-1)
+    if dtype == torch.bfloat16:  # block 0 of group 0: channel 0's k = 0, 1, then channel 1's k = 0, 1
+        assert torch.equal(flat[:4], torch.stack([w[0, 0, 0], w[0, 0, 1], w[0, 1, 0], w[0, 1, 1]]))
+    else:
+        assert torch.equal(flat[:2], torch.stack([w[0, 0, 0], w[0, 1, 0]]))
+
+
+def test_bf16_weight_with_odd_in_features_is_not_packed() -> None:
+    """bf16 blocks hold k pairs: an odd K stays on PyTorch's GEMM (fp32 packs any K)."""
+    w = torch.randn(16, 7)
+    assert kernels.can_pack_linear(w) and not kernels.can_pack_linear(w.bfloat16())
+    assert kernels.pack_linear(w).wp.shape == (1, 1, 7, 16)
+    with pytest.raises(ValueError, match="in_features must be even, got 7"):
+        kernels.pack_linear(w.bfloat16())
