@@ -6,75 +6,98 @@
 // products of the pair into fp32 (no widening of the weight). Activations enter as bf16: the rows
 // of a bf16 model are bf16 already; the SwiGLU activations are rounded once to bf16 between the
 // two projections, as the bf16 PyTorch path rounds them.
-static inline __m512 dot_pair(__m512 acc, const uint16_t* x, __m512i w) {
-  int32_t pair;
-  std::memcpy(&pair, x, 4);
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)w);
-}
-
-// acc[r][0:16] = sum_k x[r * ldx + k] * w[k][0:16] over bf16 x rows and a bf16 pair block.
-template <int R>
-static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t K,
-                            float* __restrict out) {
-  constexpr int KS = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;  // >= 8 chains over the dot latency
-  __m512 acc[KS][R];
+// acc[r][16j:16j+16] = sum_k x[r * ldx + k] * w_j[k][0:16] for bf16 x rows and NB bf16 pair blocks
+// w_j = w + j * w_stride: each broadcast row pair feeds NB dot products (fewer loads per dot).
+template <int R, int NB>
+static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t w_stride,
+                            int64_t K, float* __restrict out) {
+  constexpr int KS = R * NB >= 8 ? 1 : 8 / (R * NB);  // >= 8 chains over the dot latency
+  __m512 acc[KS][R][NB];
 #pragma GCC unroll 8
   for (int s = 0; s < KS; ++s)
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int j = 0; j < NB; ++j) acc[s][r][j] = _mm512_setzero_ps();
   const int64_t pairs = K / 2;
   int64_t p = 0;
   for (; p + KS <= pairs; p += KS) {
 #pragma GCC unroll 8
     for (int s = 0; s < KS; ++s) {
-      __builtin_prefetch(reinterpret_cast<const char*>(w + (p + s) * 32) + PREFETCH_BYTES);
-      const __m512i wv = _mm512_loadu_si512(w + (p + s) * 32);
+      __m512i wv[NB];
+#pragma GCC unroll 2
+      for (int j = 0; j < NB; ++j) {
+        __builtin_prefetch(reinterpret_cast<const char*>(w + j * w_stride + (p + s) * 32) + PREFETCH_BYTES);
+        wv[j] = _mm512_loadu_si512(w + j * w_stride + (p + s) * 32);
+      }
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[s][r] = dot_pair(acc[s][r], x + r * ldx + 2 * (p + s), wv);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + 2 * (p + s), 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; ++j) acc[s][r][j] = _mm512_dpbf16_ps(acc[s][r][j], xb, (__m512bh)wv[j]);
+      }
     }
   }
   for (; p < pairs; ++p) {
-    const __m512i wv = _mm512_loadu_si512(w + p * 32);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[0][r] = dot_pair(acc[0][r], x + r * ldx + 2 * p, wv);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 2
+      for (int j = 0; j < NB; ++j)
+        acc[0][r][j] = _mm512_dpbf16_ps(acc[0][r][j], xb, (__m512bh)_mm512_loadu_si512(w + j * w_stride + p * 32));
+    }
   }
 #pragma GCC unroll 8
   for (int s = 1; s < KS; ++s)
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[s][r]);
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int j = 0; j < NB; ++j) acc[0][r][j] = _mm512_add_ps(acc[0][r][j], acc[s][r][j]);
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * 16, acc[0][r]);
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + (r * NB + j) * 16, acc[0][r][j]);
 }
 
-constexpr int DOT_TILE_ROWS = 12;  // 12 accumulators + a weight and a broadcast of 32 registers
+// Rows per tile: 12 x 2 accumulators + two weights and a broadcast fit AVX-512's 32 registers.
+constexpr int DOT_TILE_ROWS = 12;
 
-static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out) {
+template <int NB>
+static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride,
+                          int64_t K, float* out) {
   switch (rows) {
-    case 1: dot_tile<1>(x, ldx, w, K, out); break;
-    case 2: dot_tile<2>(x, ldx, w, K, out); break;
-    case 3: dot_tile<3>(x, ldx, w, K, out); break;
-    case 4: dot_tile<4>(x, ldx, w, K, out); break;
-    case 5: dot_tile<5>(x, ldx, w, K, out); break;
-    case 6: dot_tile<6>(x, ldx, w, K, out); break;
-    case 7: dot_tile<7>(x, ldx, w, K, out); break;
-    case 8: dot_tile<8>(x, ldx, w, K, out); break;
-    case 9: dot_tile<9>(x, ldx, w, K, out); break;
-    case 10: dot_tile<10>(x, ldx, w, K, out); break;
-    case 11: dot_tile<11>(x, ldx, w, K, out); break;
-    case 12: dot_tile<12>(x, ldx, w, K, out); break;
+    case 1: dot_tile<1, NB>(x, ldx, w, w_stride, K, out); break;
+    case 2: dot_tile<2, NB>(x, ldx, w, w_stride, K, out); break;
+    case 3: dot_tile<3, NB>(x, ldx, w, w_stride, K, out); break;
+    case 4: dot_tile<4, NB>(x, ldx, w, w_stride, K, out); break;
+    case 5: dot_tile<5, NB>(x, ldx, w, w_stride, K, out); break;
+    case 6: dot_tile<6, NB>(x, ldx, w, w_stride, K, out); break;
+    case 7: dot_tile<7, NB>(x, ldx, w, w_stride, K, out); break;
+    case 8: dot_tile<8, NB>(x, ldx, w, w_stride, K, out); break;
+    case 9: dot_tile<9, NB>(x, ldx, w, w_stride, K, out); break;
+    case 10: dot_tile<10, NB>(x, ldx, w, w_stride, K, out); break;
+    case 11: dot_tile<11, NB>(x, ldx, w, w_stride, K, out); break;
+    case 12: dot_tile<12, NB>(x, ldx, w, w_stride, K, out); break;
     default: break;
   }
 }
 
-// tiles_over_rows for bf16 rows: epilogue(row, acc[16]) for rows [0, n) of x ([n, K] bf16).
+// tiles_over_rows for bf16 rows and nb (1 or 2) blocks w, w + w_stride: epilogue(row, block j,
+// acc[16]) for rows [0, n) of x ([n, K] bf16).
 template <typename Epilogue>
-static inline void dot_tiles_over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w,
-                                       Epilogue&& epilogue) {
-  alignas(64) float buf[DOT_TILE_ROWS * 16];
+static inline void dot_tiles_over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb,
+                                       int64_t w_stride, Epilogue&& epilogue) {
+  alignas(64) float buf[DOT_TILE_ROWS * 2 * 16];
   for (int64_t r0 = 0; r0 < n; r0 += DOT_TILE_ROWS) {
     const int64_t rows = std::min<int64_t>(DOT_TILE_ROWS, n - r0);
-    dot_tile_rows(rows, x + r0 * K, K, w, K, buf);
-    for (int64_t r = 0; r < rows; ++r) epilogue(r0 + r, buf + r * 16);
+    if (nb == 2) dot_tile_rows<2>(rows, x + r0 * K, K, w, w_stride, K, buf);
+    else dot_tile_rows<1>(rows, x + r0 * K, K, w, w_stride, K, buf);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int j = 0; j < nb; ++j) epilogue(r0 + r, j, buf + (r * nb + j) * 16);
   }
 }
 
@@ -101,34 +124,38 @@ static inline void store_bf16x8(uint16_t* dst, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), (__m128i)_mm256_cvtneps_pbh(v));
 }
 
+// Each op covers nb (1 or 2) neighbouring column blocks, w_stride elements apart.
 struct DotKernels {
-  // act[row, 8b:8b+8] = bf16(silu(gate) * up) for rows [0, n): x [n, D] bf16, w the [D/2][16][2] block.
-  static void gate_up(const uint16_t* x, int64_t n, int64_t D, const uint16_t* w, uint16_t* act, int64_t ld_act) {
-    dot_tiles_over_rows(x, n, D, w, [&](int64_t row, const float* acc) {
+  // act[row, 8b:8b+8] = bf16(silu(gate) * up) for rows [0, n) and blocks b, b + 1 (nb == 2; act
+  // columns 8 further): x [n, D] bf16, w the [D/2][16][2] block.
+  static void gate_up(const uint16_t* x, int64_t n, int64_t D, const uint16_t* w, int nb, int64_t w_stride,
+                      uint16_t* act, int64_t ld_act) {
+    dot_tiles_over_rows(x, n, D, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
       const __m256 g = _mm256_loadu_ps(acc), u = _mm256_loadu_ps(acc + 8);
       const __m256 one = _mm256_set1_ps(1.f);
       const __m256 silu_g = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-      store_bf16x8(act + row * ld_act, _mm256_mul_ps(silu_g, u));
+      store_bf16x8(act + row * ld_act + 8 * j, _mm256_mul_ps(silu_g, u));
     });
   }
-  // out[row, 16b:16b+16] = row_weight[row] * (act[row] @ block): act [n, I] bf16.
+  // out[row, 16b:16b+16] = row_weight[row] * (act[row] @ block) (and block b + 1 at 16 columns on):
+  // act [n, I] bf16.
   template <typename OT>
-  static void down(const uint16_t* act, int64_t n, int64_t I, const uint16_t* w, const float* row_weight, OT* out,
-                   int64_t ld_out) {
-    dot_tiles_over_rows(act, n, I, w, [&](int64_t row, const float* acc) {
+  static void down(const uint16_t* act, int64_t n, int64_t I, const uint16_t* w, int nb, int64_t w_stride,
+                   const float* row_weight, OT* out, int64_t ld_out) {
+    dot_tiles_over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
       const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f));
-      OT* dst = out + row * ld_out;
+      OT* dst = out + row * ld_out + 16 * j;
       if constexpr (sizeof(OT) == 2)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
       else
         _mm512_storeu_ps(reinterpret_cast<float*>(dst), v);
     });
   }
-  // out[row, 0:ncols] = x[row] @ block (+ bias): x [n, K] bf16.
+  // out[row, 0:ncols] = x[row] @ block (+ bias): x [n, K] bf16; one block.
   template <typename OT>
   static void linear(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, const float* bias, int64_t ncols,
                      OT* out, int64_t ld_out) {
-    dot_tiles_over_rows(x, n, K, w, [&](int64_t row, const float* acc) {
+    dot_tiles_over_rows(x, n, K, w, 1, 0, [&](int64_t row, int, const float* acc) {
       OT* dst = out + row * ld_out;
       for (int64_t c = 0; c < ncols; ++c) store_value(dst + c, acc[c] + (bias ? bias[c] : 0.f));
     });
