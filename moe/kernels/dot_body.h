@@ -161,3 +161,131 @@ struct DotKernels {
     });
   }
 };
+
+// Paged decode attention on the dot product (attention_body.h's passes, bf16 cache and queries):
+// scores q . key over dk in 32-wide bf16 steps (tail lanes masked to zero), the AVX-512 softmax with
+// its bf16 roundings, then o = p v over token pairs: two value rows interleaved into (t, t + 1)
+// pairs per column (vpermt2w) feed every head's dot product. Values equal to those of the FMA
+// path up to the order of the fp32 sums.
+
+// s[h * lds + t] = q[h] . key[t] for TT tokens (rows k[t]) x HH heads over dk columns.
+template <int TT, int HH>
+static inline void attn_dot_tile_bf16(const uint16_t* __restrict q, int64_t ldq, const uint16_t* const* k, int64_t dk,
+                                      float* __restrict out, int64_t ldo) {
+  __m512 acc[TT][HH];
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 4
+    for (int h = 0; h < HH; ++h) acc[t][h] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < dk; c += 32) {
+    const __mmask32 m = dk - c >= 32 ? ~__mmask32{0} : (__mmask32{1} << (dk - c)) - 1;
+    __m512i kv[TT];
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) kv[t] = _mm512_maskz_loadu_epi16(m, k[t] + c);
+#pragma GCC unroll 4
+    for (int h = 0; h < HH; ++h) {
+      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + h * ldq + c);
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) acc[t][h] = _mm512_dpbf16_ps(acc[t][h], qv, (__m512bh)kv[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int h = 0; h < HH; ++h) out[h * ldo + t] = _mm512_reduce_add_ps(acc[t][h]);
+}
+
+template <int TT>
+static inline void attn_dot_heads_bf16(int64_t hh, const uint16_t* q, int64_t ldq, const uint16_t* const* k,
+                                       int64_t dk, float* out, int64_t ldo) {
+  int64_t h = 0;
+  for (; h + 4 <= hh; h += 4) attn_dot_tile_bf16<TT, 4>(q + h * ldq, ldq, k, dk, out + h * ldo, ldo);
+  switch (hh - h) {
+    case 1: attn_dot_tile_bf16<TT, 1>(q + h * ldq, ldq, k, dk, out + h * ldo, ldo); break;
+    case 2: attn_dot_tile_bf16<TT, 2>(q + h * ldq, ldq, k, dk, out + h * ldo, ldo); break;
+    case 3: attn_dot_tile_bf16<TT, 3>(q + h * ldq, ldq, k, dk, out + h * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// o[h * ldo + c0 : + 32] = sum over token pairs of p pairs [h][pair] (bf16, 32 bits each) x the
+// interleaved value pairs, for HH heads; v[t] the value rows (v[L] a zero row when L is odd).
+template <int HH>
+static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t ldp, int64_t pairs,
+                                     const uint16_t* const* v, int64_t c0, int64_t dv, float* __restrict o,
+                                     int64_t ldo) {
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const __mmask32 m = dv - c0 >= 32 ? ~__mmask32{0} : (__mmask32{1} << (dv - c0)) - 1;
+  __m512 acc[HH][2];
+#pragma GCC unroll 12
+  for (int h = 0; h < HH; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512i a = _mm512_maskz_loadu_epi16(m, v[2 * j] + c0), b = _mm512_maskz_loadu_epi16(m, v[2 * j + 1] + c0);
+    const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);  // columns c0..c0+15, (t, t+1)
+    const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);  // columns c0+16..c0+31
+#pragma GCC unroll 12
+    for (int h = 0; h < HH; ++h) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[h * ldp + j]));
+      acc[h][0] = _mm512_dpbf16_ps(acc[h][0], pb, lo);
+      acc[h][1] = _mm512_dpbf16_ps(acc[h][1], pb, hi);
+    }
+  }
+  const int64_t n = std::min<int64_t>(32, dv - c0);
+#pragma GCC unroll 12
+  for (int h = 0; h < HH; ++h) {
+    if (n == 32) {
+      _mm512_storeu_ps(o + h * ldo + c0, acc[h][0]);
+      _mm512_storeu_ps(o + h * ldo + c0 + 16, acc[h][1]);
+    } else {
+      alignas(64) float buf[32];
+      _mm512_store_ps(buf, acc[h][0]);
+      _mm512_store_ps(buf + 16, acc[h][1]);
+      std::memcpy(o + h * ldo + c0, buf, n * sizeof(float));
+    }
+  }
+}
+
+template <int HH>
+static inline void attn_pv_heads_bf16(const uint32_t* p, int64_t ldp, int64_t pairs, const uint16_t* const* v,
+                                      int64_t dv, float* o, int64_t ldo) {
+  for (int64_t c0 = 0; c0 < dv; c0 += 32) attn_pv_tile_bf16<HH>(p, ldp, pairs, v, c0, dv, o, ldo);
+}
+
+struct AttentionDotKernels {
+  // One (sequence, kv head, query heads [0, hh)) item on a bf16 cache: q [hh, dk] bf16 rows; scores
+  // [hh, L] fp32 scratch; pbuf [hh, L + 1] bf16 scratch; rows [2 (L + 1)] row pointers scratch; zero
+  // a row of dv zeros; o [hh, dv] fp32 output. Scores and probabilities rounded to bf16.
+  static void decode(const uint16_t* q, int64_t hh, const uint16_t* pool, int64_t S, const PagedHead& head,
+                     const int64_t* table, int64_t L, float scale, float* scores, uint16_t* pbuf,
+                     const uint16_t** rows, const uint16_t* zero, float* o) {
+    const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
+    const uint16_t** krow = rows;
+    const uint16_t** vrow = rows + L + 1;
+    for (int64_t t = 0; t < L; ++t) {
+      const uint16_t* tok = pool + (table[t / S] * S + t % S) * stride;
+      krow[t] = tok + head.k_off;
+      vrow[t] = tok + head.v_off;
+    }
+    vrow[L] = zero;  // the odd token's partner (probability 0)
+    int64_t t = 0;
+    for (; t + 3 <= L; t += 3) attn_dot_heads_bf16<3>(hh, q, dk, krow + t, dk, scores + t, L);
+    for (; t < L; ++t) attn_dot_heads_bf16<1>(hh, q, dk, krow + t, dk, scores + t, L);
+    const int64_t pairs = (L + 1) / 2, ldp = 2 * pairs;
+    for (int64_t h = 0; h < hh; ++h) {
+      float* s = scores + h * L;
+      avx512::attn_softmax(s, L, scale, true);  // probabilities rounded to bf16: the top halves are exact
+      uint16_t* ph = pbuf + h * ldp;
+      for (int64_t i = 0; i < L; ++i) {
+        uint32_t u;
+        std::memcpy(&u, s + i, 4);
+        ph[i] = static_cast<uint16_t>(u >> 16);
+      }
+      if (L % 2) ph[L] = 0;
+    }
+    const uint32_t* pp = reinterpret_cast<const uint32_t*>(pbuf);
+    int64_t h = 0;
+    for (; h + 12 <= hh; h += 12) attn_pv_heads_bf16<12>(pp + h * pairs, pairs, pairs, vrow, dv, o + h * dv, dv);
+    for (; h + 4 <= hh; h += 4) attn_pv_heads_bf16<4>(pp + h * pairs, pairs, pairs, vrow, dv, o + h * dv, dv);
+    for (; h < hh; ++h) attn_pv_heads_bf16<1>(pp + h * pairs, pairs, pairs, vrow, dv, o + h * dv, dv);
+  }
+};

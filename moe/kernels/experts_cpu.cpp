@@ -243,6 +243,10 @@ using DownDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, i
 template <typename OT>
 using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t, OT*, int64_t);
 
+using PagedDecodeDotFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const PagedHead&,
+                                 const int64_t*, int64_t, float, float*, uint16_t*, const uint16_t**,
+                                 const uint16_t*, float*);
+
 // bf16 x bf16 tiles (null where the ISA has no bf16 dot product): bf16 rows against bf16 weights
 struct DotIsa {
   GateUpDotFn gate_up = nullptr;
@@ -250,6 +254,7 @@ struct DotIsa {
   DownDotFn<uint16_t> down_bf16 = nullptr;
   LinearDotFn<float> linear_f32 = nullptr;
   LinearDotFn<uint16_t> linear_bf16 = nullptr;
+  PagedDecodeDotFn paged_decode = nullptr;  // bf16 queries over a bf16 cache
 };
 
 struct Isa {
@@ -300,7 +305,8 @@ static Isa isa_by_name(const std::string& name) {
   if (name == "avx512bf16") {
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512bf16");
     using D = avx512bf16::DotKernels;
-    isa.dot = DotIsa{&D::gate_up, &D::down<float>, &D::down<uint16_t>, &D::linear<float>, &D::linear<uint16_t>};
+    isa.dot = DotIsa{&D::gate_up, &D::down<float>, &D::down<uint16_t>, &D::linear<float>, &D::linear<uint16_t>,
+                     &avx512bf16::AttentionDotKernels::decode};
     return isa;
   }
   if (name == "avx512") return make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512");
@@ -670,34 +676,44 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   }
   at::Tensor out = at::empty({B, H, dv}, q.options());
   if (B == 0 || H == 0) return out;
-  const at::Tensor qf = float32_contiguous(q);
-  const at::Tensor pc = pool.contiguous();
   const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const Isa& isa = current_isa();
+  const bool dot = bf16 && isa.dot.paged_decode != nullptr;  // bf16 queries and cache on the dot product
+  const at::Tensor qf = dot ? bf16_contiguous(q) : float32_contiguous(q);
+  const at::Tensor pc = pool.contiguous();
   // (sequence, kv head, group of its query heads) items: enough groups that every thread gets work
   const int64_t rep = H / num_kv_heads, threads = at::get_num_threads();
   int64_t groups = std::min<int64_t>(rep, std::max<int64_t>(1, (2 * threads + B * num_kv_heads - 1) /
                                                                    (B * num_kv_heads)));
   const int64_t per_group = (rep + groups - 1) / groups;
   groups = (rep + per_group - 1) / per_group;
-  const Isa& isa = current_isa();
-  const float* qs = qf.data_ptr<float>();
+  const float* qs = dot ? nullptr : qf.data_ptr<float>();
+  const uint16_t* qb = dot ? reinterpret_cast<const uint16_t*>(qf.data_ptr()) : nullptr;
+  const std::vector<uint16_t> zero_row(dot ? dv : 0, 0);
   const void* pool_ptr = pc.data_ptr();
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const float sc = static_cast<float>(scale);
   // items claimed in guided ranges (for_each_claimed): their cost follows the sequence's context length
   const int64_t num_items = B * num_kv_heads * groups;
   for_each_claimed(num_items, [&](auto& claim) {
-    // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block
-    const int64_t keep_len = std::min(max_len, MLA_KEEP_BYTES / (dk * static_cast<int64_t>(sizeof(float))));
-    std::vector<float> scores(per_group * max_len), kbuf(std::max(S, (keep_len + S - 1) / S * S) * dk),
-        vbuf(S * dv), o(per_group * dv);
+    // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block;
+    // the dot path instead keeps bf16 probabilities and the sequence's key / value row pointers
+    const int64_t keep_len = dot ? 0 : std::min(max_len, MLA_KEEP_BYTES / (dk * static_cast<int64_t>(sizeof(float))));
+    std::vector<float> scores(per_group * max_len), kbuf(dot ? 0 : std::max(S, (keep_len + S - 1) / S * S) * dk),
+        vbuf(dot ? 0 : S * dv), o(per_group * dv);
+    std::vector<uint16_t> pbuf(dot ? per_group * (max_len + 1) : 0);
+    std::vector<const uint16_t*> rows(dot ? 2 * (max_len + 1) : 0);
     for (int64_t begin, end; claim(begin, end);)
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / (num_kv_heads * groups), g = (i / groups) % num_kv_heads;
         const int64_t h0 = g * rep + (i % groups) * per_group, hh = std::min(per_group, (g + 1) * rep - h0);
         const PagedHead head{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, dk, dv};
-        isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
-                       scores.data(), kbuf.data(), vbuf.data(), o.data());
+        if (dot)
+          isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(pool_ptr), S, head, tp + b * nb,
+                               lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(), o.data());
+        else
+          isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
+                           scores.data(), kbuf.data(), vbuf.data(), o.data());
         const int64_t first = (b * H + h0) * dv;
         for (int64_t j = 0; j < hh * dv; ++j) {
           if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
