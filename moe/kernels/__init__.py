@@ -35,7 +35,8 @@ weights packed once by ``pack_experts``:
 The extension is compiled with ``torch.utils.cpp_extension`` on first use (or ahead of time
 with ``python -m launch build-kernels``) into a cache directory keyed by the source hash,
 torch version, Python version and machine; ``MOE_KERNEL_CACHE`` overrides the directory
-and ``MOE_CPU_KERNEL=0`` turns the kernel off. The instruction set (AVX512-BF16, AVX-512,
+and ``MOE_CPU_KERNEL=0`` turns the kernel off (``MOE_KERNEL_ISA=avx512`` etc. picks an instruction
+set for the process, for A/B runs). The instruction set (AVX512-BF16, AVX-512,
 AVX2+FMA or baseline) is chosen from cpuid when the library loads: one build runs on any x86-64
 CPU. With AVX512-BF16, bf16 rows against bf16 weights run on the dot product (``dot_body.h``):
 the SwiGLU activations between the two projections are then rounded to bf16, as the bf16
@@ -455,7 +456,21 @@ def is_available() -> bool:
         log.warning("moe.kernels: CPU expert kernel unavailable, using the PyTorch path (%s)",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return False
+    select_isa_from_env()
     return True
+
+
+def select_isa_from_env() -> str:
+    """Select the instruction set ``$MOE_KERNEL_ISA`` names (unset: the fastest here); a name that is
+    unknown or that this CPU lacks logs one line and selects the fastest. Returns the one selected."""
+    wanted = os.environ.get(ISA_ENV, "auto")
+    try:
+        return select_isa(wanted)
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[0].removeprefix("moe_kernels: ")
+        chosen = select_isa("auto")
+        log.warning("moe.kernels: %s=%s not used (%s); running %s", ISA_ENV, wanted, reason, chosen)
+        return chosen
 
 
 def isa() -> str:
@@ -464,6 +479,8 @@ def isa() -> str:
 
 
 ISAS = ("generic", "avx2", "avx512", "avx512bf16")  # slowest first
+# names one of ISAS for the whole process (A/B runs of one build); unset or "auto": the fastest here
+ISA_ENV = "MOE_KERNEL_ISA"
 
 
 def supported_isas() -> list[str]:

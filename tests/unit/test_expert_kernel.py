@@ -366,3 +366,20 @@ def test_a_finished_build_loads_without_the_build_lock() -> None:
         assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
     finally:
         lock.unlink(missing_ok=True)
+
+
+def test_isa_from_environment(kernel_isas: list[str], monkeypatch: pytest.MonkeyPatch,
+                              caplog: pytest.LogCaptureFixture) -> None:
+    """MOE_KERNEL_ISA picks the instruction set for the process; a bad name keeps the fastest."""
+    best = kernels.select_isa("auto")
+    try:
+        monkeypatch.setenv("MOE_KERNEL_ISA", "generic")
+        assert kernels.select_isa_from_env() == "generic" == kernels.isa()
+        monkeypatch.setenv("MOE_KERNEL_ISA", "avx9000")
+        with caplog.at_level(logging.WARNING, logger="moe.kernels"):
+            assert kernels.select_isa_from_env() == best
+        assert "MOE_KERNEL_ISA=avx9000 not used (unknown ISA 'avx9000'" in caplog.text
+        monkeypatch.delenv("MOE_KERNEL_ISA")
+        assert kernels.select_isa_from_env() == best
+    finally:
+        kernels.select_isa("auto")
