@@ -267,8 +267,18 @@ struct AttentionDotKernels {
       vrow[t] = tok + head.v_off;
     }
     vrow[L] = zero;  // the odd token's partner (probability 0)
+    // rows a few tokens ahead are asked for while these are computed: blocks sit wherever the block
+    // table puts them, so the hardware prefetcher cannot run ahead across them
+    constexpr int64_t AHEAD = 6;
+    const int64_t row_bytes = dk * static_cast<int64_t>(sizeof(uint16_t));
+    for (int64_t t = 0; t < std::min(AHEAD, L); ++t)
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(krow[t]) + b);
     int64_t t = 0;
-    for (; t + 3 <= L; t += 3) attn_dot_heads_bf16<3>(hh, q, dk, krow + t, dk, scores + t, L);
+    for (; t + 3 <= L; t += 3) {
+      for (int64_t a = t + AHEAD; a < std::min(t + AHEAD + 3, L); ++a)
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(krow[a]) + b);
+      attn_dot_heads_bf16<3>(hh, q, dk, krow + t, dk, scores + t, L);
+    }
     for (; t < L; ++t) attn_dot_heads_bf16<1>(hh, q, dk, krow + t, dk, scores + t, L);
     const int64_t pairs = (L + 1) / 2, ldp = 2 * pairs;
     for (int64_t h = 0; h < hh; ++h) {
