@@ -27,6 +27,21 @@ constexpr int partial_sums() {
   return 8 / (R * NV) >= 1 ? 8 / (R * NV) : 1;
 }
 
+// out[r * 16 : + 16] = the sum of a tile's KS partial-sum sets acc[s][r] (set 0 first).
+template <int KS, int R>
+static inline void sum_and_store(vf (&acc)[KS][R][NV], float* __restrict out) {
+#pragma GCC unroll 8
+  for (int s = 1; s < KS; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[0][r][v] = vadd(acc[0][r][v], acc[s][r][v]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vstore(out + r * 16 + v * MOE_W, acc[0][r][v]);
+}
+
 // acc[r][0:16] = sum_k x[r * ldx + k] * w[k][0:16] for R rows (R * NV accumulators live in
 // registers; the weight block is read once per tile). Few rows give short FMA dependency
 // chains, so 1-2 row tiles keep KS independent partial sums over interleaved k.
@@ -72,16 +87,7 @@ static inline void tile(const float* __restrict x, int64_t ldx, const WT* __rest
       for (int v = 0; v < NV; ++v) acc[0][r][v] = vfma(xb, wv[v], acc[0][r][v]);
     }
   }
-#pragma GCC unroll 4
-  for (int s = 1; s < KS; ++s)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[0][r][v] = vadd(acc[0][r][v], acc[s][r][v]);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vstore(out + r * 16 + v * MOE_W, acc[0][r][v]);
+  sum_and_store<KS, R>(acc, out);
 }
 
 // The same for bf16 weights in k pairs (block[k/2][16][2], K even): a pair widens to its two fp32
@@ -133,16 +139,7 @@ static inline void tile(const float* __restrict x, int64_t ldx, const uint16_t* 
       for (int v = 0; v < NV; ++v) acc[0][r][v] = vfma(x1, w1[v], vfma(x0, w0[v], acc[0][r][v]));
     }
   }
-#pragma GCC unroll 8
-  for (int s = 1; s < KS; ++s)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[0][r][v] = vadd(acc[0][r][v], acc[s][r][v]);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vstore(out + r * 16 + v * MOE_W, acc[0][r][v]);
+  sum_and_store<KS, R>(acc, out);
 }
 
 // Rows per register tile: 6 x 16 fp32 = 12 AVX2 accumulators (+2 weights +1 broadcast of 16).
