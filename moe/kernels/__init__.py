@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("experts_cpu.cpp", "experts_body.h", "dot_body.h", "attention_body.h", "norm_body.h")
 QUANTIZATIONS = ("int8",)
+ISAS = ("generic", "avx2", "avx512", "avx512bf16")  # slowest first
+# names one of ISAS for the whole process (A/B runs of one build); unset or "auto": the fastest here
+ISA_ENV = "MOE_KERNEL_ISA"
 BLOCK = 16  # output channels per packed column block
 # Mean rows per non-empty expert from which a dtype with a fast library GEMM on this CPU (fp32;
 # bf16 with AVX512-BF16 or AMX) runs PyTorch's GEMMs instead of the kernel. Measured on Zen 3
@@ -476,11 +479,6 @@ def select_isa_from_env() -> str:
 def isa() -> str:
     """The instruction set the loaded kernel runs: "avx512bf16", "avx512", "avx2" or "generic"."""
     return str(torch.ops.moe_kernels.isa_name())
-
-
-ISAS = ("generic", "avx2", "avx512", "avx512bf16")  # slowest first
-# names one of ISAS for the whole process (A/B runs of one build); unset or "auto": the fastest here
-ISA_ENV = "MOE_KERNEL_ISA"
 
 
 def supported_isas() -> list[str]:

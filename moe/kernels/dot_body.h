@@ -69,21 +69,7 @@ constexpr int DOT_TILE_ROWS = 12;
 template <int NB>
 static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride,
                           int64_t K, float* out) {
-  switch (rows) {
-    case 1: dot_tile<1, NB>(x, ldx, w, w_stride, K, out); break;
-    case 2: dot_tile<2, NB>(x, ldx, w, w_stride, K, out); break;
-    case 3: dot_tile<3, NB>(x, ldx, w, w_stride, K, out); break;
-    case 4: dot_tile<4, NB>(x, ldx, w, w_stride, K, out); break;
-    case 5: dot_tile<5, NB>(x, ldx, w, w_stride, K, out); break;
-    case 6: dot_tile<6, NB>(x, ldx, w, w_stride, K, out); break;
-    case 7: dot_tile<7, NB>(x, ldx, w, w_stride, K, out); break;
-    case 8: dot_tile<8, NB>(x, ldx, w, w_stride, K, out); break;
-    case 9: dot_tile<9, NB>(x, ldx, w, w_stride, K, out); break;
-    case 10: dot_tile<10, NB>(x, ldx, w, w_stride, K, out); break;
-    case 11: dot_tile<11, NB>(x, ldx, w, w_stride, K, out); break;
-    case 12: dot_tile<12, NB>(x, ldx, w, w_stride, K, out); break;
-    default: break;
-  }
+  with_row_count<DOT_TILE_ROWS>(rows, [&](auto r) { dot_tile<decltype(r)::value, NB>(x, ldx, w, w_stride, K, out); });
 }
 
 // tiles_over_rows for bf16 rows and nb (1 or 2) blocks w, w + w_stride: epilogue(row, block j,

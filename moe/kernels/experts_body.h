@@ -147,19 +147,7 @@ constexpr int TILE_ROWS = MOE_W == 16 ? 8 : 6;
 
 template <typename WT>
 static void tile_rows(int64_t rows, const float* x, int64_t ldx, const WT* w, int64_t K, float* out) {
-  switch (rows) {
-    case 1: tile<1>(x, ldx, w, K, out); break;
-    case 2: tile<2>(x, ldx, w, K, out); break;
-    case 3: tile<3>(x, ldx, w, K, out); break;
-    case 4: tile<4>(x, ldx, w, K, out); break;
-    case 5: tile<5>(x, ldx, w, K, out); break;
-    case 6: tile<6>(x, ldx, w, K, out); break;
-#if MOE_W == 16
-    case 7: tile<7>(x, ldx, w, K, out); break;
-    case 8: tile<8>(x, ldx, w, K, out); break;
-#endif
-    default: break;
-  }
+  with_row_count<TILE_ROWS>(rows, [&](auto r) { tile<decltype(r)::value>(x, ldx, w, K, out); });
 }
 
 static inline float silu(float g) { return g / (1.f + std::exp(-g)); }

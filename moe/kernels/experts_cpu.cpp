@@ -27,6 +27,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -72,19 +73,25 @@ static inline void store_value(uint16_t* p, float v) {  // fp32 -> bf16, round t
 // and a TensorIterator add spend ~5-10 us of dispatch and setup per call, more than such a conversion.
 constexpr int64_t SMALL_ELEMENTS = int64_t{1} << 16;
 
-// x (bfloat16, up to 4 dims, any strides) as a contiguous tensor: x itself when it already is one, else
-// a copy made by the loop below for decode-size tensors (at::Tensor::contiguous costs more there).
-static at::Tensor bf16_contiguous(const at::Tensor& x) {
-  if (x.is_contiguous() || x.numel() > SMALL_ELEMENTS || x.dim() > 4) return x.contiguous();
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr());
+// Copies x (up to 4 dims, any strides, uint16_t elements: bf16) into d in row-major order, each
+// element through convert.
+template <typename Out, typename Convert>
+static void copy_strided(const at::Tensor& x, Out* d, Convert&& convert) {
   const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int64_t size[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};
   for (int64_t i = 0, off = 4 - x.dim(); i < x.dim(); ++i) size[off + i] = x.size(i), st[off + i] = x.stride(i);
   for (int64_t a = 0; a < size[0]; ++a)
     for (int64_t b = 0; b < size[1]; ++b)
       for (int64_t c = 0; c < size[2]; ++c)
-        for (int64_t e = 0; e < size[3]; ++e) *d++ = src[a * st[0] + b * st[1] + c * st[2] + e * st[3]];
+        for (int64_t e = 0; e < size[3]; ++e) *d++ = convert(src[a * st[0] + b * st[1] + c * st[2] + e * st[3]]);
+}
+
+// x (bfloat16, up to 4 dims, any strides) as a contiguous tensor: x itself when it already is one, else
+// a copy made by the loop below for decode-size tensors (at::Tensor::contiguous costs more there).
+static at::Tensor bf16_contiguous(const at::Tensor& x) {
+  if (x.is_contiguous() || x.numel() > SMALL_ELEMENTS || x.dim() > 4) return x.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  copy_strided(x, reinterpret_cast<uint16_t*>(out.data_ptr()), [](uint16_t h) { return h; });
   return out;
 }
 
@@ -95,18 +102,23 @@ static at::Tensor float32_contiguous(const at::Tensor& x) {
     return x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   float* d = out.data_ptr<float>();
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
   if (x.is_contiguous()) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
     for (int64_t i = 0, n = x.numel(); i < n; ++i) d[i] = to_float(src[i]);
     return out;
   }
-  int64_t size[4] = {1, 1, 1, 1}, st[4] = {0, 0, 0, 0};
-  for (int64_t i = 0, off = 4 - x.dim(); i < x.dim(); ++i) size[off + i] = x.size(i), st[off + i] = x.stride(i);
-  for (int64_t a = 0; a < size[0]; ++a)
-    for (int64_t b = 0; b < size[1]; ++b)
-      for (int64_t c = 0; c < size[2]; ++c)
-        for (int64_t e = 0; e < size[3]; ++e) *d++ = to_float(src[a * st[0] + b * st[1] + c * st[2] + e * st[3]]);
+  copy_strided(x, d, [](uint16_t h) { return to_float(h); });
   return out;
+}
+
+// f(std::integral_constant<int, R>{}) for R == rows in [1, MAX] (nothing outside): a row count known
+// at run time picks the register tile compiled for it. always_inline, so it takes the caller's ISA.
+template <int MAX, int R = 1, typename F>
+__attribute__((always_inline)) static inline void with_row_count(int64_t rows, F&& f) {
+  if constexpr (R <= MAX) {
+    if (rows == R) f(std::integral_constant<int, R>{});
+    else with_row_count<MAX, R + 1>(rows, f);
+  }
 }
 
 namespace generic {  // GCC vector extensions at the baseline ISA (SSE2 on x86-64, NEON on arm64)
@@ -555,17 +567,16 @@ at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids,
   const bool dot = current_isa().dot_bf16(weight_type(w13p), x.scalar_type());
   // the rows gathered in slot order: bf16 copies for the dot tiles, else fp32
   at::Tensor rows = at::empty({M, D}, at::TensorOptions().dtype(dot ? at::kBFloat16 : at::kFloat));
+  const int64_t row_bytes = D * rows.element_size();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      if (dot) {
-        std::memcpy(static_cast<char*>(rows.data_ptr()) + r * D * 2,
-                    static_cast<const char*>(xc.data_ptr()) + token[r] * D * 2, D * 2);
-      } else if (bf16_in) {
+      if (bf16_in && !dot) {  // widened to fp32
         const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr()) + token[r] * D;
         float* xs = rows.data_ptr<float>() + r * D;
         for (int64_t c = 0; c < D; ++c) xs[c] = to_float(src[c]);
-      } else {
-        std::memcpy(rows.data_ptr<float>() + r * D, xc.data_ptr<float>() + token[r] * D, D * sizeof(float));
+      } else {  // same dtype as x
+        std::memcpy(static_cast<char*>(rows.data_ptr()) + r * row_bytes,
+                    static_cast<const char*>(xc.data_ptr()) + token[r] * row_bytes, row_bytes);
       }
     }
   });
@@ -698,7 +709,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   for_each_claimed(num_items, [&](auto& claim) {
     // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block;
     // the dot path instead keeps bf16 probabilities and the sequence's key / value row pointers
-    const int64_t keep_len = dot ? 0 : std::min(max_len, MLA_KEEP_BYTES / (dk * static_cast<int64_t>(sizeof(float))));
+    const int64_t keep_len = std::min(max_len, MLA_KEEP_BYTES / (dk * static_cast<int64_t>(sizeof(float))));
     std::vector<float> scores(per_group * max_len), kbuf(dot ? 0 : std::max(S, (keep_len + S - 1) / S * S) * dk),
         vbuf(dot ? 0 : S * dv), o(per_group * dv);
     std::vector<uint16_t> pbuf(dot ? per_group * (max_len + 1) : 0);

@@ -153,7 +153,7 @@ class MLAAttention(nn.Module):
                 return None
         if kernels.needs_autograd(*weights):
             return None
-        if dtype == torch.bfloat16 and self.nope % 2:  # W_UK^T [H, C, Nn] packs with K = Nn: pairs need it even
+        if not self._absorbed_packs(dtype):
             return None
         if self.q_lora_rank is not None:
             norm = mods["q_a_layernorm"]
@@ -246,9 +246,14 @@ class MLAAttention(nn.Module):
         weight = self.kv_b_proj.weight
         if not self.kv_b_proj.use_kernel or not kernel_applies(q, weight, q.shape[0] * q.shape[2]):
             return None
-        if weight.dtype == torch.bfloat16 and self.nope % 2:  # bf16 blocks hold k pairs: W_UK^T's K = Nn
+        if not self._absorbed_packs(weight.dtype):
             return None
         return self._absorbed_packed_weights()
+
+    def _absorbed_packs(self, dtype: torch.dtype) -> bool:
+        """Whether W_UK^T [H, C, Nn] packs for the linear kernel in ``dtype``: its K is Nn, and bf16
+        blocks hold k pairs (``kernels.can_pack_linear``), so bf16 needs Nn even."""
+        return dtype != torch.bfloat16 or self.nope % 2 == 0
 
     def _absorbed_packed_weights(self) -> tuple[kernels.PackedLinear, kernels.PackedLinear]:
         """W_UK^T [H, C, Nn] and W_UV [H, Vd, C] packed (cached; remade when kv_b_proj's weight changes)."""
