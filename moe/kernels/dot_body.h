@@ -148,54 +148,136 @@ struct DotKernels {
   }
 };
 
-// Paged decode attention on the dot product (attention_body.h's passes, bf16 cache and queries):
-// scores q . key over dk in 32-wide bf16 steps (tail lanes masked to zero), the AVX-512 softmax with
-// its bf16 roundings, then o = p v over token pairs: two value rows interleaved into (t, t + 1)
-// pairs per column (vpermt2w) feed every head's dot product. Values equal to those of the FMA
-// path up to the order of the fp32 sums.
+// Paged decode attention on the dot product (attention_body.h's passes, bf16 cache and queries),
+// up to 16 query heads at a time in the 16 lanes of a vector:
+//   scores: the heads' queries are laid out once in k pairs ([dk / 2][16 heads] pairs), and each key
+//     row's pair (k, k + 1) is broadcast into one dot product that adds to all the heads at once;
+//     no horizontal sums (the heads share every key row: MLA's latent, a GQA group);
+//   softmax: per lane, so per head, over the tokens, with the FMA path's bf16 roundings;
+//   o = p v over token pairs: two value rows interleaved into (t, t + 1) pairs per column
+//     (vpermt2w) feed every head's dot product.
+// Values equal to those of the FMA path up to the order of the fp32 sums.
+constexpr int HEAD_LANES = DOT_HEAD_LANES;
 
-// s[h * lds + t] = q[h] . key[t] for TT tokens (rows k[t]) x HH heads over dk columns.
-template <int TT, int HH>
-static inline void attn_dot_tile_bf16(const uint16_t* __restrict q, int64_t ldq, const uint16_t* const* k, int64_t dk,
-                                      float* __restrict out, int64_t ldo) {
-  __m512 acc[TT][HH];
-#pragma GCC unroll 4
-  for (int t = 0; t < TT; ++t)
-#pragma GCC unroll 4
-    for (int h = 0; h < HH; ++h) acc[t][h] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < dk; c += 32) {
-    const __mmask32 m = dk - c >= 32 ? ~__mmask32{0} : (__mmask32{1} << (dk - c)) - 1;
-    __m512i kv[TT];
-#pragma GCC unroll 4
-    for (int t = 0; t < TT; ++t) kv[t] = _mm512_maskz_loadu_epi16(m, k[t] + c);
-#pragma GCC unroll 4
-    for (int h = 0; h < HH; ++h) {
-      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + h * ldq + c);
-#pragma GCC unroll 4
-      for (int t = 0; t < TT; ++t) acc[t][h] = _mm512_dpbf16_ps(acc[t][h], qv, (__m512bh)kv[t]);
+// out[t][0:16] = sum over k pairs of qp[p][0:16] . key[t][2p : 2p + 2] for TT tokens (rows k[t]):
+// qp [pairs][16] the heads' query pairs; an odd dk's last pair has a zero partner in qp.
+template <int TT>
+static inline void attn_scores_lanes_tile(const uint32_t* __restrict qp, const uint16_t* const* k, int64_t dk,
+                                          float* __restrict out) {
+  constexpr int KS = TT >= 8 ? 1 : 2;  // >= 8 chains over the dot latency where the tile allows
+  __m512 acc[KS][TT];
+#pragma GCC unroll 2
+  for (int s = 0; s < KS; ++s)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) acc[s][t] = _mm512_setzero_ps();
+  const int64_t pairs = dk / 2;
+  int64_t p = 0;
+  for (; p + KS <= pairs; p += KS) {
+#pragma GCC unroll 2
+    for (int s = 0; s < KS; ++s) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + (p + s) * HEAD_LANES);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) {
+        int32_t pair;
+        std::memcpy(&pair, k[t] + 2 * (p + s), 4);
+        acc[s][t] = _mm512_dpbf16_ps(acc[s][t], (__m512bh)_mm512_set1_epi32(pair), qv);
+      }
     }
   }
-  for (int t = 0; t < TT; ++t)
-    for (int h = 0; h < HH; ++h) out[h * ldo + t] = _mm512_reduce_add_ps(acc[t][h]);
-}
-
-template <int TT>
-static inline void attn_dot_heads_bf16(int64_t hh, const uint16_t* q, int64_t ldq, const uint16_t* const* k,
-                                       int64_t dk, float* out, int64_t ldo) {
-  int64_t h = 0;
-  for (; h + 4 <= hh; h += 4) attn_dot_tile_bf16<TT, 4>(q + h * ldq, ldq, k, dk, out + h * ldo, ldo);
-  switch (hh - h) {
-    case 1: attn_dot_tile_bf16<TT, 1>(q + h * ldq, ldq, k, dk, out + h * ldo, ldo); break;
-    case 2: attn_dot_tile_bf16<TT, 2>(q + h * ldq, ldq, k, dk, out + h * ldo, ldo); break;
-    case 3: attn_dot_tile_bf16<TT, 3>(q + h * ldq, ldq, k, dk, out + h * ldo, ldo); break;
-    default: break;
+  for (; p < (dk + 1) / 2; ++p) {  // KS's remainder, and an odd dk's last column (partner zero)
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + p * HEAD_LANES);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) {
+      int32_t pair = k[t][2 * p];
+      if (2 * p + 1 < dk) std::memcpy(&pair, k[t] + 2 * p, 4);
+      acc[0][t] = _mm512_dpbf16_ps(acc[0][t], (__m512bh)_mm512_set1_epi32(pair), qv);
+    }
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) {
+    __m512 a = acc[0][t];
+#pragma GCC unroll 2
+    for (int s = 1; s < KS; ++s) a = _mm512_add_ps(a, acc[s][t]);
+    _mm512_storeu_ps(out + t * HEAD_LANES, a);
   }
 }
 
-// o[h * ldo + c0 : + 32] = sum over token pairs of p pairs [h][pair] (bf16, 32 bits each) x the
-// interleaved value pairs, for HH heads; v[t] the value rows (v[L] a zero row when L is odd).
+// qp[p][h] = (q[h][2p], q[h][2p + 1]) for the hc <= 16 query rows q [hc, dk] (bf16); lanes past
+// hc and an odd dk's last partner are zero.
+static inline void query_pairs(const uint16_t* q, int64_t hc, int64_t dk, uint32_t* qp) {
+  const int64_t kpairs = (dk + 1) / 2;
+  if (dk % 2 == 0) {  // row h's pairs are 32-bit words dk / 2 apart: one masked gather per pair
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(static_cast<int>(kpairs)));
+    const __mmask16 live = static_cast<__mmask16>((uint32_t{1} << hc) - 1);
+    for (int64_t p = 0; p < kpairs; ++p)
+      _mm512_storeu_si512(qp + p * HEAD_LANES,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                      _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(p))),
+                                                      q, 4));
+    return;
+  }
+  std::fill(qp, qp + kpairs * HEAD_LANES, 0u);
+  uint16_t* half = reinterpret_cast<uint16_t*>(qp);
+  for (int64_t h = 0; h < hc; ++h)
+    for (int64_t c = 0; c < dk; ++c) half[(c / 2 * HEAD_LANES + h) * 2 + c % 2] = q[h * dk + c];
+}
+
+// Scores tile rows: 12 accumulators, a query pair vector and a broadcast within 32 registers.
+constexpr int SCORE_TILE_TOKENS = 12;
+
+// bf16 rounding (nearest even) of 16 fp32 lanes, NaN kept NaN: round_bf16_inplace's arithmetic.
+static inline __m512i round_bf16_lanes(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb),
+                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+}
+
+static inline __m512 exp_nonpositive_lanes(__m512 x) {
+  avx512::vxf v;
+  std::memcpy(&v, &x, sizeof(v));
+  v = avx512::exp_nonpositive_v(v);
+  std::memcpy(&x, &v, sizeof(x));
+  return x;
+}
+
+// s [L][16] (one row of 16 head lanes per token) -> the per-lane softmax of round(s) * scale
+// (attn_softmax's arithmetic, lane-wise), rounded to bf16 and written as token pairs: p [(L + 1) /
+// 2][16] with token 2j in the low half of p[j][h] and token 2j + 1 (zero past L) in the high half.
+static inline void attn_softmax_lanes(float* s, int64_t L, float scale, uint32_t* p) {
+  __m512 mv = _mm512_castsi512_ps(round_bf16_lanes(_mm512_loadu_ps(s)));
+  for (int64_t t = 0; t < L; ++t) {
+    const __m512 x = _mm512_castsi512_ps(round_bf16_lanes(_mm512_loadu_ps(s + t * HEAD_LANES)));
+    _mm512_storeu_ps(s + t * HEAD_LANES, x);
+    mv = _mm512_max_ps(mv, x);
+  }
+  const __m512 sc = _mm512_set1_ps(scale), m = _mm512_mul_ps(mv, sc);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const __m512 e = exp_nonpositive_lanes(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t * HEAD_LANES), sc), m));
+    _mm512_storeu_ps(s + t * HEAD_LANES, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t j = 0; 2 * j < L; ++j) {
+    const __m512i a = round_bf16_lanes(_mm512_mul_ps(_mm512_loadu_ps(s + 2 * j * HEAD_LANES), inv));
+    const __m512i b = 2 * j + 1 < L
+                          ? round_bf16_lanes(_mm512_mul_ps(_mm512_loadu_ps(s + (2 * j + 1) * HEAD_LANES), inv))
+                          : _mm512_setzero_si512();
+    _mm512_storeu_si512(p + j * HEAD_LANES, _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi_mask)));
+  }
+}
+
+// o[h * ldo + c0 : + 32] = sum over token pairs of p pairs [pair][h] (bf16, 32 bits each, rows of
+// HEAD_LANES) x the interleaved value pairs, for HH heads; v[t] the value rows (v[L] a zero row when
+// L is odd).
 template <int HH>
-static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t ldp, int64_t pairs,
+static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pairs,
                                      const uint16_t* const* v, int64_t c0, int64_t dv, float* __restrict o,
                                      int64_t ldo) {
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
@@ -211,7 +293,7 @@ static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t ldp, 
     const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);  // columns c0+16..c0+31
 #pragma GCC unroll 12
     for (int h = 0; h < HH; ++h) {
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[h * ldp + j]));
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[j * HEAD_LANES + h]));
       acc[h][0] = _mm512_dpbf16_ps(acc[h][0], pb, lo);
       acc[h][1] = _mm512_dpbf16_ps(acc[h][1], pb, hi);
     }
@@ -232,15 +314,16 @@ static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t ldp, 
 }
 
 template <int HH>
-static inline void attn_pv_heads_bf16(const uint32_t* p, int64_t ldp, int64_t pairs, const uint16_t* const* v,
-                                      int64_t dv, float* o, int64_t ldo) {
-  for (int64_t c0 = 0; c0 < dv; c0 += 32) attn_pv_tile_bf16<HH>(p, ldp, pairs, v, c0, dv, o, ldo);
+static inline void attn_pv_heads_bf16(const uint32_t* p, int64_t pairs, const uint16_t* const* v, int64_t dv, float* o,
+                                      int64_t ldo) {
+  for (int64_t c0 = 0; c0 < dv; c0 += 32) attn_pv_tile_bf16<HH>(p, pairs, v, c0, dv, o, ldo);
 }
 
 struct AttentionDotKernels {
   // One (sequence, kv head, query heads [0, hh)) item on a bf16 cache: q [hh, dk] bf16 rows; scores
-  // [hh, L] fp32 scratch; pbuf [hh, L + 1] bf16 scratch; rows [2 (L + 1)] row pointers scratch; zero
-  // a row of dv zeros; o [hh, dv] fp32 output. Scores and probabilities rounded to bf16.
+  // [L, 16] fp32 scratch; pbuf [(dk + 1) / 2 + (L + 1) / 2, 16] pairs of bf16 scratch (the query
+  // pairs, then the probability pairs); rows [2 (L + 1)] row pointers scratch; zero a row of dv zeros;
+  // o [hh, dv] fp32 output. Scores and probabilities rounded to bf16.
   static void decode(const uint16_t* q, int64_t hh, const uint16_t* pool, int64_t S, const PagedHead& head,
                      const int64_t* table, int64_t L, float scale, float* scores, uint16_t* pbuf,
                      const uint16_t** rows, const uint16_t* zero, float* o) {
@@ -253,35 +336,33 @@ struct AttentionDotKernels {
       vrow[t] = tok + head.v_off;
     }
     vrow[L] = zero;  // the odd token's partner (probability 0)
-    // rows a few tokens ahead are asked for while these are computed: blocks sit wherever the block
-    // table puts them, so the hardware prefetcher cannot run ahead across them
-    constexpr int64_t AHEAD = 6;
+    const int64_t kpairs = (dk + 1) / 2, pairs = (L + 1) / 2;
+    uint32_t* qp = reinterpret_cast<uint32_t*>(pbuf);
+    uint32_t* pp = qp + kpairs * HEAD_LANES;
+    // rows a tile ahead are asked for while these are computed: blocks sit wherever the block table
+    // puts them, so the hardware prefetcher cannot run ahead across them
     const int64_t row_bytes = dk * static_cast<int64_t>(sizeof(uint16_t));
-    for (int64_t t = 0; t < std::min(AHEAD, L); ++t)
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(krow[t]) + b);
-    int64_t t = 0;
-    for (; t + 3 <= L; t += 3) {
-      for (int64_t a = t + AHEAD; a < std::min(t + AHEAD + 3, L); ++a)
+    auto prefetch = [&](int64_t from, int64_t to) {
+      for (int64_t a = from; a < std::min(to, L); ++a)
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(krow[a]) + b);
-      attn_dot_heads_bf16<3>(hh, q, dk, krow + t, dk, scores + t, L);
-    }
-    for (; t < L; ++t) attn_dot_heads_bf16<1>(hh, q, dk, krow + t, dk, scores + t, L);
-    const int64_t pairs = (L + 1) / 2, ldp = 2 * pairs;
-    for (int64_t h = 0; h < hh; ++h) {
-      float* s = scores + h * L;
-      avx512::attn_softmax(s, L, scale, true);  // probabilities rounded to bf16: the top halves are exact
-      uint16_t* ph = pbuf + h * ldp;
-      for (int64_t i = 0; i < L; ++i) {
-        uint32_t u;
-        std::memcpy(&u, s + i, 4);
-        ph[i] = static_cast<uint16_t>(u >> 16);
+    };
+    for (int64_t h0 = 0; h0 < hh; h0 += HEAD_LANES) {
+      const int64_t hc = std::min<int64_t>(HEAD_LANES, hh - h0);
+      query_pairs(q + h0 * dk, hc, dk, qp);
+      prefetch(0, SCORE_TILE_TOKENS);
+      for (int64_t t = 0; t < L; t += SCORE_TILE_TOKENS) {
+        prefetch(t + SCORE_TILE_TOKENS, t + 2 * SCORE_TILE_TOKENS);
+        with_row_count<SCORE_TILE_TOKENS>(std::min<int64_t>(SCORE_TILE_TOKENS, L - t), [&](auto n) {
+          attn_scores_lanes_tile<decltype(n)::value>(qp, krow + t, dk, scores + t * HEAD_LANES);
+        });
       }
-      if (L % 2) ph[L] = 0;
+      attn_softmax_lanes(scores, L, scale, pp);
+      const uint32_t* ph = pp;
+      float* oh = o + h0 * dv;
+      int64_t h = 0;
+      for (; h + 12 <= hc; h += 12) attn_pv_heads_bf16<12>(ph + h, pairs, vrow, dv, oh + h * dv, dv);
+      for (; h + 4 <= hc; h += 4) attn_pv_heads_bf16<4>(ph + h, pairs, vrow, dv, oh + h * dv, dv);
+      for (; h < hc; ++h) attn_pv_heads_bf16<1>(ph + h, pairs, vrow, dv, oh + h * dv, dv);
     }
-    const uint32_t* pp = reinterpret_cast<const uint32_t*>(pbuf);
-    int64_t h = 0;
-    for (; h + 12 <= hh; h += 12) attn_pv_heads_bf16<12>(pp + h * pairs, pairs, pairs, vrow, dv, o + h * dv, dv);
-    for (; h + 4 <= hh; h += 4) attn_pv_heads_bf16<4>(pp + h * pairs, pairs, pairs, vrow, dv, o + h * dv, dv);
-    for (; h < hh; ++h) attn_pv_heads_bf16<1>(pp + h * pairs, pairs, pairs, vrow, dv, o + h * dv, dv);
   }
 };

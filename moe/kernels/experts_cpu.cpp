@@ -41,6 +41,8 @@ enum WeightType { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 // sequence whose fp32 rows fit this many bytes is converted once and kept (in L2) for both passes;
 // longer ones convert each block again for the value pass.
 constexpr int64_t MLA_KEEP_BYTES = 256 * 1024;
+// query heads the dot-product decode attention keeps in the lanes of one vector (fp32 scores)
+constexpr int64_t DOT_HEAD_LANES = 16;
 
 // Where one kv head's keys and values sit in a layer's pool (attention_body.h): token t of block b at
 // pool + (b * S + t) * token_stride, its key at + k_off (dk wide), its value at + v_off (dv wide).
@@ -708,11 +710,12 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const int64_t num_items = B * num_kv_heads * groups;
   for_each_claimed(num_items, [&](auto& claim) {
     // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block;
-    // the dot path instead keeps bf16 probabilities and the sequence's key / value row pointers
+    // the dot path instead keeps scores [L, DOT_HEAD_LANES], the query pairs and bf16 probability
+    // pairs ([(dk + 1) / 2 + (L + 1) / 2, DOT_HEAD_LANES] pairs) and the key / value row pointers
     const int64_t keep_len = std::min(max_len, MLA_KEEP_BYTES / (dk * static_cast<int64_t>(sizeof(float))));
-    std::vector<float> scores(per_group * max_len), kbuf(dot ? 0 : std::max(S, (keep_len + S - 1) / S * S) * dk),
-        vbuf(dot ? 0 : S * dv), o(per_group * dv);
-    std::vector<uint16_t> pbuf(dot ? per_group * (max_len + 1) : 0);
+    std::vector<float> scores((dot ? DOT_HEAD_LANES : per_group) * max_len),
+        kbuf(dot ? 0 : std::max(S, (keep_len + S - 1) / S * S) * dk), vbuf(dot ? 0 : S * dv), o(per_group * dv);
+    std::vector<uint16_t> pbuf(dot ? DOT_HEAD_LANES * (dk + max_len + 3) : 0);
     std::vector<const uint16_t*> rows(dot ? 2 * (max_len + 1) : 0);
     for (int64_t begin, end; claim(begin, end);)
       for (int64_t i = begin; i < end; ++i) {

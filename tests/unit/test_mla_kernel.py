@@ -48,8 +48,9 @@ def _random_batch(seed: int, b: int, h: int, q_width: int, pool_shape: tuple[int
 
 
 # (sequences, heads, value width C, rope width R, block size, pool blocks): DeepSeek-like widths, then
-# widths that are no multiple of any vector length, then a single head, column and block
-CASES = [(3, 16, 256, 32, 16, 40), (5, 7, 20, 6, 4, 30), (1, 1, 3, 1, 2, 9)]
+# widths that are no multiple of any vector length, more heads than one vector's 16 lanes with an odd
+# key width (C + R = 25), then a single head, column and block
+CASES = [(3, 16, 256, 32, 16, 40), (5, 7, 20, 6, 4, 30), (2, 20, 21, 4, 4, 30), (1, 1, 3, 1, 2, 9)]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -306,9 +307,10 @@ def _gqa_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, le
     return sdpa(q[:, :, None], k, v, mask[:, None, None], scale)[:, :, 0]
 
 
-# (sequences, query heads, kv heads, head dim, block size, pool blocks): GQA, MHA with an odd head
-# dim, MQA with a tiny one
-GQA_CASES = [(3, 8, 2, 64, 16, 40), (2, 6, 6, 20, 4, 30), (4, 4, 1, 8, 2, 20)]
+# (sequences, query heads, kv heads, head dim, block size, pool blocks): GQA, MHA with a head dim no
+# multiple of a vector, groups of 17 query heads (over one vector's 16 lanes) with an odd head dim,
+# MQA with a tiny one
+GQA_CASES = [(3, 8, 2, 64, 16, 40), (2, 6, 6, 20, 4, 30), (2, 34, 2, 15, 4, 30), (4, 4, 1, 8, 2, 20)]
 
 
 @pytest.mark.parametrize("case", GQA_CASES)
