@@ -154,16 +154,17 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5)
     """(FLOP/s, what was timed): the compute rate the compute bound divides by, that of the
     faster of the two GEMM paths the model runs on this machine: PyTorch's square ``size``
     matmul in ``dtype``, and (on CPU, when built) the packed linear kernel on a ``size`` x
-    ``size`` weight with 96 rows (one full row panel). Best of ``repeats`` each."""
+    ``size`` weight with 96 rows (one full row panel). Best of ``repeats`` each (fewer where a
+    path is slow here: ``best_call_seconds``)."""
     from moe import kernels
-    from parallel.costmodel.microbench import time_call
+    from parallel.costmodel.microbench import best_call_seconds
 
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    rates = {"torch matmul": 2 * size**3 / time_call(lambda: a @ b, iters=1, repeats=repeats, warmup=1)}
+    rates = {"torch matmul": 2 * size**3 / best_call_seconds(lambda: a @ b, repeats=repeats)}
     if dtype in (torch.float32, torch.bfloat16) and kernels.is_available():
         packed = kernels.pack_linear(b)
         x = a[:96].contiguous()
-        seconds = time_call(lambda: kernels.linear_forward(x, packed), iters=1, repeats=repeats, warmup=1)
+        seconds = best_call_seconds(lambda: kernels.linear_forward(x, packed), repeats=repeats)
         rates["linear kernel"] = 2 * 96 * size * size / seconds
     name = max(rates, key=rates.__getitem__)
     return rates[name], name

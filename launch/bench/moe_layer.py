@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel.costmodel.microbench import best_call_seconds
+
 SHAPES = {
     "deepseek": dict(hidden=1024, experts=64, top_k=6, inter=256, shared=1),
     "mixtral": dict(hidden=1024, experts=8, top_k=2, inter=2048, shared=0),
@@ -182,12 +184,13 @@ def measure_read_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> 
 
 
 def measure_peak_flops(dtype: torch.dtype, size: int = 1024) -> float:
-    """The faster of a fp32 and an in-``dtype`` square matmul (FLOP/s, CPU time, best of 3)."""
+    """The faster of a fp32 and an in-``dtype`` square matmul (FLOP/s, CPU time, best of 3; a
+    path slow here, such as bf16 without native bf16 GEMMs, is timed once)."""
     rates = []
     for dt in {torch.float32, dtype}:
         a, b = torch.randn(size, size).to(dt), torch.randn(size, size).to(dt)
-        a @ b
-        rates.append(2 * size**3 / min(_cpu_seconds(lambda a=a, b=b: a @ b) for _ in range(3)))
+        seconds = best_call_seconds(lambda a=a, b=b: a @ b, repeats=3, clock="cpu")
+        rates.append(2 * size**3 / seconds)
     return max(rates)
 
 

@@ -37,6 +37,23 @@ def time_call(fn: Callable[[], object], *, iters: int = 20, repeats: int = 3, wa
     return best
 
 
+def best_call_seconds(fn: Callable[[], object], *, repeats: int = 5, budget_s: float = 1.0,
+                      clock: str = "wall") -> float:
+    """Seconds of one call: the best of up to ``repeats`` timed calls after one timed warm-up,
+    as many as fit ``budget_s`` by the warm-up's time (at least the warm-up itself). A path
+    that is slow on this machine (PyTorch's bf16 matmul without native bf16 GEMMs: ~2 s for a
+    1024^3 product) is timed once instead of holding a benchmark up for ``repeats`` calls."""
+    now = CLOCKS[clock]
+    start = now()
+    fn()
+    best = now() - start
+    for _ in range(min(repeats, int(budget_s / max(best, 1e-9)))):
+        start = now()
+        fn()
+        best = min(best, now() - start)
+    return best
+
+
 def measure_gemm_rates(dtype: str, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
                        features: int = 1024, clock: str = "wall") -> list[tuple[float, float]]:
     """((M, FLOP/s), ...) of ``F.linear`` [M, K] x [N, K]^T with K = N = ``features``."""

@@ -174,6 +174,27 @@ def test_cpu_clock_times_work_and_needs_one_thread():
         calibrate(threads=2, nprocs=(), clock="cpu", measure_engine=False)
 
 
+def test_best_call_seconds_times_a_slow_call_once_and_a_fast_one_repeatedly(monkeypatch):
+    import parallel.costmodel.microbench as mb
+
+    clock = {"now": 0.0}
+    calls = []
+    monkeypatch.setitem(mb.CLOCKS, "wall", lambda: clock["now"])
+
+    def timed(seconds: float) -> float:
+        calls.clear()
+
+        def fn() -> None:
+            calls.append(seconds)
+            clock["now"] += seconds
+
+        return mb.best_call_seconds(fn, repeats=5, budget_s=1.0)
+
+    assert timed(2.0) == 2.0 and len(calls) == 1  # over the budget: the warm-up is the only call
+    assert timed(0.01) == pytest.approx(0.01) and len(calls) == 6  # warm-up + every repeat
+    assert timed(0.4) == pytest.approx(0.4) and len(calls) == 3  # warm-up + the two that fit
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "hardware").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_hardware_file_loads_with_public_peaks(path):
     hw = load_hardware(path)
