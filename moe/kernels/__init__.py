@@ -296,6 +296,32 @@ def mla_decode_attention_op(weights: tuple[torch.Tensor | None, ...], biases: tu
     return run
 
 
+def gqa_decode_attention_op(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
+                            norms: tuple[torch.Tensor, torch.Tensor] | None, eps: tuple[float, float],
+                            dims: tuple[int, int, int, int], interleave: bool,
+                            scale: float) -> Callable[..., torch.Tensor]:
+    """Grouped-query attention's whole decode step as one op (``moe_kernels::gqa_decode_attention``),
+    bit-equal to ``moe.layers.gqa.GQAAttention``'s op-by-op kernel path, with one layer's weights
+    and dimensions bound once.
+
+    weights: packed (q, k, v, o) as ``pack_linear`` returns their ``wp``; biases: theirs or None;
+    norms: the per-head (q_norm, k_norm) RMSNorm weights [hd] (Qwen3) or None; eps: theirs; dims:
+    (H, Hkv, hd, D). Returns ``run(x [B, D], cos [B, hd/2], sin, pool [N, S, 2, Hkv, hd],
+    slot_mapping [B], block_tables [B, nb], context_lens [B])`` -> o_proj's output [B, D] (this
+    step's roped keys and values written to the pool)."""
+    q, k, v, o = weights
+    q_bias, k_bias, v_bias, o_bias = (b if b is not None else _NONE for b in biases)
+    q_norm, k_norm = norms if norms is not None else (_NONE, _NONE)
+    head = (q, q_bias, k, k_bias, v, v_bias, q_norm, k_norm, eps[0], eps[1], o, o_bias, list(dims))
+    op = torch.ops.moe_kernels.gqa_decode_attention.default
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        return op(x, *head, cos, sin, interleave, pool, slot_mapping, block_tables, context_lens, scale)
+
+    return run
+
+
 def moe_ffn(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int,
             n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, log2phy: torch.Tensor,
             logcnt: torch.Tensor, rank: int, slot_load: torch.Tensor, packed: PackedExperts,

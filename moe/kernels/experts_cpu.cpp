@@ -796,8 +796,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // Rotary embedding of one R-wide vector in fp32 (moe.layers.rope.apply_rotary): x1, x2 = the even
 // and odd entries (interleave) or the two halves; out = [x1 c - x2 s | x2 c + x1 s] rounded to T.
+// Not contracted into FMAs: PyTorch rounds each product, so this is bit-equal to apply_rotary.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 template <typename T>
-static inline void rope_row(const T* x, const float* cos, const float* sin, int64_t R, bool interleave, T* out) {
+static void rope_row(const T* x, const float* cos, const float* sin, int64_t R, bool interleave, T* out) {
   const int64_t half = R / 2;
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = to_float(interleave ? x[2 * i] : x[i]), x2 = to_float(interleave ? x[2 * i + 1] : x[half + i]);
@@ -806,6 +809,7 @@ static inline void rope_row(const T* x, const float* cos, const float* sin, int6
     store_value(out + half + i, c + d);
   }
 }
+#pragma GCC pop_options
 
 template <typename T>
 static void mla_rope_cache_rows(const T* q, int64_t H, int64_t nope, const T* latent, const T* norm_w, float eps,
@@ -921,6 +925,78 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
   const at::Tensor o = linear_forward(o_lat.permute({1, 0, 2}), wuv_wp, no_bias, vd, false)
                            .permute({1, 0, 2}).reshape({B, H * vd});  // [B, H * Vd]
   return lin(o, o_wp, o_bias, D);
+}
+
+// GQA's whole attention for a step whose rows are all decode rows (row b = sequence b's one new token),
+// in one op: the same ops in the same order as moe.layers.gqa.GQAAttention.forward's kernel path, so
+// the result is bit-equal to it, without a Python round trip per op.
+// x: [B, D]; q_wp / k_wp / v_wp / o_wp: q_proj, k_proj, v_proj, o_proj packed as kernels.pack_linear
+// packs them, each with its bias (or empty); q_norm / k_norm: the per-head RMSNorm weights [hd]
+// (Qwen3) or both empty, with their eps; cos, sin: [B, hd/2] float32; pool: [N, S, 2, Hkv, hd] this
+// layer's cache in x's dtype (this step's roped keys and values are written at slot_mapping [B]);
+// block_tables: [B, nb] int64; context_lens: [B] int64; dims: (H, Hkv, hd, D).
+// Returns o_proj's output [B, D] in x's dtype.
+at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, const at::Tensor& q_bias,
+                                const at::Tensor& k_wp, const at::Tensor& k_bias, const at::Tensor& v_wp,
+                                const at::Tensor& v_bias, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                                double q_eps, double k_eps, const at::Tensor& o_wp, const at::Tensor& o_bias,
+                                at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
+                                const at::Tensor& pool, const at::Tensor& slot_mapping,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(x.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && dims.size() == 4, "moe_kernels: x [B, D] and dims (H, Hkv, hd, D) expected");
+  const int64_t H = dims[0], Hkv = dims[1], hd = dims[2], D = dims[3], B = x.size(0);
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && hd > 0 && hd % 2 == 0, "moe_kernels: ", H, " query heads, ",
+              Hkv, " kv heads of ", hd, " do not make grouped-query attention with an even head dim");
+  TORCH_CHECK(pool.dim() == 5 && pool.size(2) == 2 && pool.size(3) == Hkv && pool.size(4) == hd &&
+              pool.scalar_type() == x.scalar_type() && pool.is_contiguous(),
+              "moe_kernels: the cache pool must be a contiguous [N, S, 2, ", Hkv, ", ", hd, "] tensor in x's dtype");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) * 2 == hd &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "moe_kernels: cos and sin must be [B, hd/2] float32 (rope over the whole head)");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == B && slot_mapping.scalar_type() == at::kLong,
+              "moe_kernels: slot_mapping must be [B] int64");
+  TORCH_CHECK(q_norm.numel() == k_norm.numel() && (q_norm.numel() == 0 || q_norm.numel() == hd),
+              "moe_kernels: q_norm and k_norm must both be [hd] or both empty");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = pool.size(0) * pool.size(1);
+  for (int64_t t = 0; t < B; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "moe_kernels: slot ", sp[t], " outside the pool of ", num_slots);
+  auto lin = [](const at::Tensor& in, const at::Tensor& wp, const at::Tensor& bias, int64_t cols) {
+    return linear_forward(in.unsqueeze(0), wp, bias, cols, false).select(0, 0);
+  };
+  at::Tensor q = lin(x, q_wp, q_bias, H * hd);
+  at::Tensor k = lin(x, k_wp, k_bias, Hkv * hd);
+  const at::Tensor v = lin(x, v_wp, v_bias, Hkv * hd).contiguous();
+  if (q_norm.numel()) {  // per-head RMSNorm of q and k (Qwen3), as RMSNorm.forward runs it on [T * heads, hd]
+    q = rms_norm(q.reshape({B * H, hd}), q_norm, q_eps);
+    k = rms_norm(k.reshape({B * Hkv, hd}), k_norm, k_eps);
+  }
+  q = q.contiguous();
+  k = k.contiguous();
+  at::Tensor q_rot = at::empty({B, H, hd}, q.options());
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  auto rope_and_write = [&](auto* qp, auto* kp, auto* vp, auto* qo, auto* pp) {
+    const int64_t half = hd / 2, entry = 2 * Hkv * hd;
+    for (int64_t t = 0; t < B; ++t) {
+      const float* c = cc.data_ptr<float>() + t * half;
+      const float* s = sc.data_ptr<float>() + t * half;
+      for (int64_t h = 0; h < H; ++h) rope_row(qp + (t * H + h) * hd, c, s, hd, interleave, qo + (t * H + h) * hd);
+      auto* dst = pp + sp[t] * entry;  // [2, Hkv, hd]: roped keys, then values
+      for (int64_t g = 0; g < Hkv; ++g) rope_row(kp + (t * Hkv + g) * hd, c, s, hd, interleave, dst + g * hd);
+      std::memcpy(dst + Hkv * hd, vp + t * Hkv * hd, Hkv * hd * sizeof(*vp));
+    }
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    auto u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    rope_and_write(u16(q), u16(k), u16(v), u16(q_rot), u16(pool));
+  } else {
+    rope_and_write(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q_rot.data_ptr<float>(),
+                   pool.data_ptr<float>());
+  }
+  const at::Tensor o = gqa_decode(q_rot, pool, block_tables, context_lens, scale);  // [B, H, hd]
+  return lin(o.view({B, H * hd}), o_wp, o_bias, D);
 }
 
 // Router selection after the gate's logits, per token (moe.router.Router.route's arithmetic):
@@ -1109,6 +1185,10 @@ TORCH_LIBRARY(moe_kernels, m) {
         "Tensor wuk_wp, Tensor wuv_wp, Tensor o_wp, Tensor o_bias, int[] dims, Tensor cos, Tensor sin, "
         "bool interleave, Tensor(a!) pool, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
+  m.def("gqa_decode_attention(Tensor x, Tensor q_wp, Tensor q_bias, Tensor k_wp, Tensor k_bias, Tensor v_wp, "
+        "Tensor v_bias, Tensor q_norm, Tensor k_norm, float q_eps, float k_eps, Tensor o_wp, Tensor o_bias, "
+        "int[] dims, Tensor cos, Tensor sin, bool interleave, Tensor(a!) pool, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("moe_ffn(Tensor x, Tensor gate_w, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, "
         "int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, Tensor(a!) slot_load, "
         "Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, Tensor sh_w2p, "
@@ -1127,5 +1207,6 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("route_topk", &moe_kernels::route_topk);
   m.impl("mla_rope_cache", &moe_kernels::mla_rope_cache);
   m.impl("mla_decode_attention", &moe_kernels::mla_decode_attention);
+  m.impl("gqa_decode_attention", &moe_kernels::gqa_decode_attention);
   m.impl("moe_ffn", &moe_kernels::moe_ffn);
 }

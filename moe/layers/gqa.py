@@ -12,7 +12,8 @@ from torch import nn
 from moe import kernels
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, KVLayerView
-from moe.layers.linear import Linear
+from moe.layers.linear import Linear, cached_pack
+from moe.layers.mla import DecodeAttentionOp
 from moe.layers.mlp import shard_linear_
 from moe.layers.norm import RMSNorm
 from moe.layers.paged import paged_attention, sdpa
@@ -24,6 +25,10 @@ class GQAAttention(nn.Module):
 
     ``layer_id`` selects the layer's attention window (``config.layer_sliding_window``).
     """
+
+    # what fused_decode_op's answer and bound arguments read besides x, the cache and the weights
+    DECISION_ATTRS = ("use_fused_decode", "use_paged_kernel", "num_heads", "num_kv_heads", "head_dim", "interleave",
+                      "scale", "sliding_window")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, layer_id: int = 0) -> None:
         super().__init__()
@@ -47,12 +52,18 @@ class GQAAttention(nn.Module):
         # decode attention by the CPU kernel straight from the paged cache (False: gather + sdpa,
         # the reference in tests)
         self.use_paged_kernel = True
+        # a step of decode rows only: the whole attention as one CPU op (False: op by op)
+        self.use_fused_decode = True
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: KVLayerView
     ) -> torch.Tensor:
         """x: [T, D]; cos, sin: [T, hd/2]. Writes this step's k/v to ``cache``. Returns [T, D]."""
         t = x.shape[0]
+        if self.use_fused_decode and t == len(meta.query_lens_list) and t:  # every row a decode row
+            fused = self.fused_decode_op(x, cache)
+            if fused is not None:
+                return fused(x, cos, sin, meta, cache)
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -83,6 +94,48 @@ class GQAAttention(nn.Module):
         built, the cache stored in q's dtype (not fp8), no autograd. (Sliding-window layers keep the
         gather path: ``paged_attention`` only hands full-attention decode rows to the kernel.)"""
         return self.use_paged_kernel and kernels.cpu_op_applies(q, view.pool)
+
+    def fused_decode_op(self, x: torch.Tensor, view: KVLayerView) -> DecodeAttentionOp | None:
+        """``kernels.gqa_decode_attention_op`` with this layer's weights bound, when it can stand in
+        for this forward on decode rows x [B, D], else None: exactly when every op of the op-by-op
+        path would take its CPU kernel (every projection on the packed linear kernel at B rows, the
+        per-head norms on theirs, the paged decode kernel: full attention, a cache in x's dtype) and
+        rope spans the whole head. The op takes ``(x [B, D], cos, sin, meta, view)`` and returns
+        [B, D]; its weights hold until one of them or a switch changes (``moe.decode_plan`` keeps it
+        over steps on that condition)."""
+        if not (self.use_fused_decode and self.use_paged_kernel) or self.sliding_window is not None:
+            return None
+        if self.head_dim % 2:
+            return None
+        mods = self._modules  # submodules without nn.Module.__getattr__
+        linears = [mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["o_proj"]]
+        dtype = x.dtype
+        if not kernels.cpu_op_applies(x, view.pool) or kernels.prefers_library_gemm(dtype, x.shape[0]):
+            return None
+        weights = tuple(lin._parameters["weight"] for lin in linears)
+        for lin, w in zip(linears, weights):
+            if not (lin.use_kernel and w.dtype == dtype and kernels.can_pack_linear(w)):
+                return None
+        if kernels.needs_autograd(*weights):
+            return None
+        norms = None
+        if self.q_norm is not None:
+            q_norm, k_norm = mods["q_norm"], mods["k_norm"]
+            if not (q_norm.use_kernel and k_norm.use_kernel and kernels.cpu_op_applies(x, q_norm.weight, k_norm.weight)):
+                return None
+            norms, eps = (q_norm.weight, k_norm.weight), (q_norm.eps, k_norm.eps)
+        else:
+            eps = (0.0, 0.0)
+        packed = tuple(cached_pack(lin, "_packed", (lin.weight,), kernels.pack_linear).wp for lin in linears)
+        biases = tuple(lin.bias for lin in linears)
+        dims = (self.num_heads, self.num_kv_heads, self.head_dim, linears[3].weight.shape[0])
+        run = kernels.gqa_decode_attention_op(packed, biases, norms, eps, dims, self.interleave, self.scale)
+
+        def attend(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   view: KVLayerView) -> torch.Tensor:
+            return run(x, cos, sin, view.pool, meta.slot_mapping, meta.block_tables, meta.context_lens)
+
+        return attend
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
         """Keep heads [r*H/tp, (r+1)*H/tp) and kv heads likewise (after loading full weights)."""

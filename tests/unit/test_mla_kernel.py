@@ -13,6 +13,7 @@ from moe import kernels
 from moe.config import ModelConfig
 from moe.experts import Experts
 from moe.kv_cache import AttentionMetadata, PagedKVCache
+from moe.layers.gqa import GQAAttention
 from moe.layers.mla import MLAAttention
 from moe.layers.norm import RMSNorm
 from moe.layers.paged import sdpa
@@ -128,9 +129,8 @@ def _model(path: Path, dtype: torch.dtype = torch.float32) -> MoEModel:
 def test_model_decodes_the_same_with_the_paged_kernel(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
                                                       family: str, op: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(hf_checkpoints[family])
-    for layer in model.model.layers:  # MLA op by op (its whole-attention op calls mla_decode in C++)
-        if isinstance(layer.self_attn, MLAAttention):
-            layer.self_attn.use_fused_decode = False
+    for layer in model.model.layers:  # op by op (the whole-attention ops call the decode kernels in C++)
+        layer.self_attn.use_fused_decode = False
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14]]
     calls = []
     decode = getattr(kernels, op)
@@ -266,6 +266,93 @@ def test_whole_decode_attention_op_steps_aside_when_an_op_would_not_run_its_kern
     attn.o_proj.use_kernel = True
     attn.q_a_layernorm.use_kernel = False
     assert attn._fused_decode_weights(x, view) is None
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "mixtral_top1_tied_mqa"])  # GQA, q/k norms + bias, MQA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_whole_gqa_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
+        kernel_isas: list[str], hf_checkpoints: dict[str, Path], family: str, dtype: torch.dtype, interleave: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ModelConfig.from_hf(hf_checkpoints[family])
+    torch.manual_seed(5)
+    attn = GQAAttention(cfg, dtype)
+    for p in attn.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * 0.1 + (1.0 if p.dim() == 1 and
+                     p.shape[0] == attn.head_dim else 0.0))
+    attn.interleave = interleave
+    assert (attn.q_norm is not None) == (family == "qwen3_moe") and (attn.o_proj.bias is not None) == cfg.attention_bias
+    calls = []
+    bind = kernels.gqa_decode_attention_op
+
+    def spy(*bound):  # records the rows of every call of the bound op
+        run = bind(*bound)
+        return lambda x, *a: calls.append(x.shape) or run(x, *a)
+
+    monkeypatch.setattr(kernels, "gqa_decode_attention_op", spy)
+    rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, interleave)
+    steps = [([1, 1, 1], [5, 3, 2]), ([1, 3, 1], [6, 3, 3]), ([1, 1, 1], [7, 4, 4])]  # decode; mixed; decode
+    gen = torch.Generator().manual_seed(6)
+    hkv, hd = attn.num_kv_heads, attn.head_dim
+    start = torch.randn(8, 4, 2, hkv, hd, generator=gen).to(dtype)  # earlier tokens' entries
+    xs = [torch.randn(sum(q), cfg.hidden_size, generator=gen).to(dtype) for q, _ in steps]
+    results = {}
+    for isa in kernel_isas:
+        kernels.select_isa(isa)
+        for fused in (True, False):
+            attn.use_fused_decode = fused
+            cache = PagedKVCache(cfg, 8, 4, dtype)
+            cache.pools[0].copy_(start)
+            outs = []
+            for (query_lens, context_lens), x in zip(steps, xs):
+                meta = AttentionMetadata.build(query_lens, context_lens, [[1, 2], [3], [4, 5]], 4)
+                positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
+                cos, sin = rotary(positions)
+                with torch.no_grad():
+                    outs.append(attn(x, cos, sin, meta, cache.layer(0)))
+            results[isa, fused] = (outs, cache.pools[0].clone())
+    kernels.select_isa("auto")
+    # the fused op served the all-decode steps only (twice per ISA), never the mixed one
+    assert calls == [torch.Size([3, cfg.hidden_size])] * 2 * len(kernel_isas)
+    for isa in kernel_isas:
+        (outs_on, pool_on), (outs_off, pool_off) = results[isa, True], results[isa, False]
+        assert outs_on[0].shape == (3, cfg.hidden_size) and outs_on[0].dtype == dtype
+        assert all(torch.equal(a, b) for a, b in zip(outs_on, outs_off)), isa
+        assert torch.equal(pool_on, pool_off), isa
+        assert not torch.equal(pool_on, start)  # this step's keys and values were written
+
+
+def test_whole_gqa_decode_attention_op_steps_aside_when_an_op_would_not_run_its_kernel(
+        kernel_isas: list[str], hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["qwen3_moe"], torch.bfloat16)
+    attn, cfg = model.model.layers[0].self_attn, model.config
+    x = torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16)
+    view = PagedKVCache(cfg, 4, 4, torch.bfloat16).layer(0)
+    assert attn.fused_decode_op(x, view) is not None
+    assert attn.fused_decode_op(x, PagedKVCache(cfg, 4, 4, torch.bfloat16, "fp8").layer(0)) is None
+    assert attn.fused_decode_op(x.float(), view) is None  # input in another dtype than the weights
+    attn.v_proj.use_kernel = False  # one projection pinned to PyTorch's GEMM
+    assert attn.fused_decode_op(x, view) is None
+    attn.v_proj.use_kernel = True
+    attn.k_norm.use_kernel = False
+    assert attn.fused_decode_op(x, view) is None
+    attn.k_norm.use_kernel = True
+    attn.sliding_window = 8  # windowed layers gather their keys
+    assert attn.fused_decode_op(x, view) is None
+    attn.sliding_window = None
+    attn.use_paged_kernel = False
+    assert attn.fused_decode_op(x, view) is None
+
+
+def test_gqa_decode_attention_op_refuses_a_cache_of_another_shape(kernel_isas: list[str]) -> None:
+    x = torch.zeros(1, 8)
+    w = kernels.pack_linear(torch.zeros(8, 8)).wp
+    run = kernels.gqa_decode_attention_op((w, w, w, w), (None,) * 4, None, (0.0, 0.0), (2, 2, 4, 8), False, 1.0)
+    cos, sin, lens, tables = torch.ones(1, 2), torch.zeros(1, 2), torch.tensor([1]), torch.tensor([[0]])
+    with pytest.raises(RuntimeError, match=r"contiguous \[N, S, 2, 2, 4\]"):
+        run(x, cos, sin, torch.zeros(2, 4, 2, 1, 4), torch.tensor([0]), tables, lens)
+    with pytest.raises(RuntimeError, match="slot 8 outside the pool of 8"):
+        run(x, cos, sin, torch.zeros(2, 4, 2, 2, 4), torch.tensor([8]), tables, lens)
 
 
 def test_rope_cache_op_refuses_slots_outside_the_pool(kernel_isas: list[str]) -> None:
