@@ -23,13 +23,15 @@ roof is the larger of the two bounds. ``cpu ms`` is the CPU time this process sp
 the step (the one rank runs in-process): on a shared machine it moves less with other
 people's load than the wall-clock ``step ms``; ``cpu ratio`` and ``cpu/roof`` divide it by
 the bandwidth bound and by the roof. ``--breakdown`` profiles extra steps (torch.profiler
-self CPU time) and splits them into the routed/shared expert kernel, the linear kernel,
+self CPU time) and splits them into the whole-block ops (the attention op: MLA's or GQA's
+whole decode attention; the MoE FFN op), the routed/shared expert kernel, the linear kernel,
 PyTorch GEMMs (attention products, fallbacks), gathers/scatters (paged KV, dispatch),
 copies/casts, other ops, and "outside ops" (Python, scheduler, sampler).
 
 ``--ab-fused-ops`` times every batch size with the small fused CPU ops (RMSNorm, router
-selection, MLA rope + cache write, MLA / GQA paged decode attention, routed experts from the
-router's output: ``MoEModel.set_fused_ops``) on and off in alternating steps of the same
+selection, MLA rope + cache write, MLA / GQA paged decode attention, MLA's and GQA's whole
+decode attention, routed experts from the router's output, the whole MoE FFN:
+``MoEModel.set_fused_ops``) on and off in alternating steps of the same
 run, so a noisy machine's slow minutes hit both sides alike; the extra table gives both
 CPU medians and their ratio.
 """
@@ -336,7 +338,8 @@ BREAKDOWN_KINDS = {
     "moe_kernels::linear_forward": "linear kernel",
     "moe_kernels::mla_decode": "attention kernel", "moe_kernels::gqa_decode": "attention kernel",
     # the whole-block ops (their projections, attention, router and experts run inside them)
-    "moe_kernels::mla_decode_attention": "MLA attention op", "moe_kernels::moe_ffn": "MoE FFN op",
+    "moe_kernels::mla_decode_attention": "attention op", "moe_kernels::gqa_decode_attention": "attention op",
+    "moe_kernels::moe_ffn": "MoE FFN op",
     "aten::mm": "torch GEMMs", "aten::addmm": "torch GEMMs", "aten::bmm": "torch GEMMs",
     "aten::_grouped_mm": "torch GEMMs",
     "aten::index_select": "gather/scatter", "aten::index": "gather/scatter", "aten::index_put_": "gather/scatter",
@@ -355,7 +358,7 @@ def profile_steps(engine: Any, steps: int) -> dict[str, float]:
         for _ in range(steps):
             engine.step()
         cpu = time.process_time() - started
-    kinds = dict.fromkeys(["MLA attention op", "MoE FFN op", "experts kernel", "linear kernel", "attention kernel",
+    kinds = dict.fromkeys(["attention op", "MoE FFN op", "experts kernel", "linear kernel", "attention kernel",
                            "torch GEMMs", "gather/scatter", "copies/casts", "other ops"], 0.0)
     for event in prof.key_averages():
         kinds[BREAKDOWN_KINDS.get(event.key, "other ops")] += event.self_cpu_time_total / 1e3
@@ -382,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "alternating with the timed steps, and print both medians")
     g.add_argument("--breakdown", action="store_true",
                    help="after the timed steps, profile as many more and split their CPU time by kind of work "
-                        "(MLA attention op, MoE FFN op, experts kernel, linear kernel, attention kernel, "
+                        "(attention op: MLA's or GQA's whole decode attention, MoE FFN op, experts kernel, linear kernel, attention kernel, "
                         "torch GEMMs, gathers, casts, other ops, outside ops)")
     return parser
 
