@@ -6,7 +6,7 @@ A step whose rows are all decode rows runs the same ops with the same weights st
 only the rows, positions and block tables change. The module path re-decides every layer of every
 step whether each whole-block CPU op applies and rebuilds its argument lists: on the small
 DeepSeek-style checkpoint that Python is ~2-3 ms of a ~20 ms batch-1 step. ``DecodePlan`` asks
-each module once (``RMSNorm.fused_op``, ``MLAAttention.fused_decode_op``, ``MoELayer.fused_ffn_op``,
+each module once (``RMSNorm.fused_op``, ``MLAAttention`` / ``GQAAttention.fused_decode_op``, ``MoELayer.fused_ffn_op``,
 ``DenseMLP.fused_op``; the module itself where it has none or declines) and then runs the layers
 through ``DecoderLayer.run_ops`` (``forward``'s own sequence) with those ops.
 
