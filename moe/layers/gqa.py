@@ -12,7 +12,7 @@ from torch import nn
 from moe import kernels
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, KVLayerView
-from moe.layers.linear import Linear, cached_pack
+from moe.layers.linear import Linear, cached_pack, kernel_weights
 from moe.layers.mla import DecodeAttentionOp
 from moe.layers.mlp import shard_linear_
 from moe.layers.norm import RMSNorm
@@ -100,7 +100,7 @@ class GQAAttention(nn.Module):
         for this forward on decode rows x [B, D], else None: exactly when every op of the op-by-op
         path would take its CPU kernel (every projection on the packed linear kernel at B rows, the
         per-head norms on theirs, the paged decode kernel: full attention, a cache in x's dtype) and
-        rope spans the whole head. The op takes ``(x [B, D], cos, sin, meta, view)`` and returns
+        the head dim is even. The op takes ``(x [B, D], cos, sin, meta, view)`` and returns
         [B, D]; its weights hold until one of them or a switch changes (``moe.decode_plan`` keeps it
         over steps on that condition)."""
         if not (self.use_fused_decode and self.use_paged_kernel) or self.sliding_window is not None:
@@ -112,11 +112,7 @@ class GQAAttention(nn.Module):
         dtype = x.dtype
         if not kernels.cpu_op_applies(x, view.pool) or kernels.prefers_library_gemm(dtype, x.shape[0]):
             return None
-        weights = tuple(lin._parameters["weight"] for lin in linears)
-        for lin, w in zip(linears, weights):
-            if not (lin.use_kernel and w.dtype == dtype and kernels.can_pack_linear(w)):
-                return None
-        if kernels.needs_autograd(*weights):
+        if kernel_weights(linears, dtype) is None:
             return None
         norms = None
         if self.q_norm is not None:

@@ -12,7 +12,7 @@ GEMM), off CPU, under autograd, or when the kernel is unavailable.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -57,6 +57,17 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
     return (x.device.type == "cpu" and x.dtype == weight.dtype and kernels.can_pack_linear(weight)
             and not kernels.needs_autograd(x, weight)
             and not kernels.prefers_library_gemm(x.dtype, rows) and kernels.is_available())
+
+
+def kernel_weights(linears: Sequence[Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
+    """The weights of ``linears`` when each would run the packed kernel on rows of ``dtype`` (its
+    switch on, its weight in ``dtype`` and packable, no autograd), else None. A whole-block op
+    checks its projections once with this; rows, device and the library-GEMM choice are its own."""
+    weights = tuple(lin._parameters["weight"] for lin in linears)  # without nn.Module.__getattr__
+    for lin, w in zip(linears, weights):
+        if not (lin.use_kernel and w.dtype == dtype and kernels.can_pack_linear(w)):
+            return None
+    return None if kernels.needs_autograd(*weights) else weights
 
 
 def cached_pack(owner: object, attr: str, weights: tuple[torch.Tensor, ...], pack: Callable[..., T]) -> T:

@@ -22,7 +22,7 @@ from torch import nn
 from moe import kernels
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, KVLayerView
-from moe.layers.linear import Linear, cached_pack, kernel_applies
+from moe.layers.linear import Linear, cached_pack, kernel_applies, kernel_weights
 from moe.layers.mlp import shard_linear_
 from moe.layers.norm import RMSNorm
 from moe.layers.paged import paged_attention, sdpa
@@ -146,12 +146,8 @@ class MLAAttention(nn.Module):
             return None
         if kernels.prefers_library_gemm(dtype, x.shape[0]):
             return None
-        linears = self._linears()
-        weights = tuple(lin._parameters["weight"] for lin in linears)
-        for lin, w in zip(linears, weights):
-            if not (lin.use_kernel and w.dtype == dtype and kernels.can_pack_linear(w)):
-                return None
-        if kernels.needs_autograd(*weights):
+        weights = kernel_weights(self._linears(), dtype)
+        if weights is None:
             return None
         if not self._absorbed_packs(dtype):
             return None

@@ -214,35 +214,10 @@ def test_whole_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
     for p in attn.parameters():
         p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * 0.1)
     assert (attn.o_proj.bias is not None) == bias and (attn.q_lora_rank is None) == (family == "deepseek_v2")
-    calls = []
-    bind = kernels.mla_decode_attention_op
-
-    def spy(*bound):  # records the rows of every call of the bound op
-        run = bind(*bound)
-        return lambda x, *a: calls.append(x.shape) or run(x, *a)
-
-    monkeypatch.setattr(kernels, "mla_decode_attention_op", spy)
-    rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleave)
     steps = [([1, 1, 1], [5, 3, 2]), ([1, 3, 1], [6, 3, 3])]  # decode rows only; then a mixed step
-    gen = torch.Generator().manual_seed(4)
-    start = torch.randn(8, 4, attn.kv_lora_rank + attn.rope, generator=gen).to(dtype)  # earlier tokens' entries
-    xs = [torch.randn(sum(q), cfg.hidden_size, generator=gen).to(dtype) for q, _ in steps]
-    results = {}
-    for isa in kernel_isas:
-        kernels.select_isa(isa)
-        for fused in (True, False):
-            attn.use_fused_decode = fused
-            cache = PagedKVCache(cfg, 8, 4, dtype)
-            cache.pools[0].copy_(start)
-            outs = []
-            for (query_lens, context_lens), x in zip(steps, xs):
-                meta = AttentionMetadata.build(query_lens, context_lens, [[1, 2], [3], [4]], 4)
-                positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
-                cos, sin = rotary(positions)
-                with torch.no_grad():
-                    outs.append(attn(x, cos, sin, meta, cache.layer(0)))
-            results[isa, fused] = (outs, cache.pools[0].clone())
-    kernels.select_isa("auto")
+    start_shape = (8, 4, attn.kv_lora_rank + attn.rope)
+    calls, results = _fused_and_op_by_op(attn, cfg, dtype, steps, start_shape, cfg.rope_interleave,
+                                         "mla_decode_attention_op", kernel_isas, monkeypatch)
     # the fused op served the all-decode step only (once per ISA), never the mixed one
     assert calls == [torch.Size([3, cfg.hidden_size])] * len(kernel_isas)
     for isa in kernel_isas:
@@ -252,49 +227,25 @@ def test_whole_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
         assert torch.equal(pool_on, pool_off), isa
 
 
-def test_whole_decode_attention_op_steps_aside_when_an_op_would_not_run_its_kernel(
-        kernel_isas: list[str], hf_checkpoints: dict[str, Path]) -> None:
-    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
-    attn, cfg = model.model.layers[0].self_attn, model.config
-    x = torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16)
-    view = PagedKVCache(cfg, 4, 4, torch.bfloat16).layer(0)
-    assert attn._fused_decode_weights(x, view) is not None
-    assert attn._fused_decode_weights(x, PagedKVCache(cfg, 4, 4, torch.bfloat16, "fp8").layer(0)) is None
-    assert attn._fused_decode_weights(x.float(), view) is None  # input in another dtype than the weights
-    attn.o_proj.use_kernel = False  # one projection pinned to PyTorch's GEMM
-    assert attn._fused_decode_weights(x, view) is None
-    attn.o_proj.use_kernel = True
-    attn.q_a_layernorm.use_kernel = False
-    assert attn._fused_decode_weights(x, view) is None
-
-
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "mixtral_top1_tied_mqa"])  # GQA, q/k norms + bias, MQA
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("interleave", [False, True])
-def test_whole_gqa_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
-        kernel_isas: list[str], hf_checkpoints: dict[str, Path], family: str, dtype: torch.dtype, interleave: bool,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = ModelConfig.from_hf(hf_checkpoints[family])
-    torch.manual_seed(5)
-    attn = GQAAttention(cfg, dtype)
-    for p in attn.parameters():
-        p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * 0.1 + (1.0 if p.dim() == 1 and
-                     p.shape[0] == attn.head_dim else 0.0))
-    attn.interleave = interleave
-    assert (attn.q_norm is not None) == (family == "qwen3_moe") and (attn.o_proj.bias is not None) == cfg.attention_bias
-    calls = []
-    bind = kernels.gqa_decode_attention_op
+def _fused_and_op_by_op(attn: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
+                        steps: list[tuple[list[int], list[int]]], start_shape: tuple[int, ...], interleave: bool,
+                        op_name: str, kernel_isas: list[str], monkeypatch: pytest.MonkeyPatch
+                        ) -> tuple[list[torch.Size], dict[tuple[str, bool], tuple[list[torch.Tensor], torch.Tensor]]]:
+    """Runs ``steps`` ((query_lens, context_lens) over three sequences) through ``attn`` with its
+    whole-attention op on and off, on every ISA, from one random cache of ``start_shape``.
+    Returns (the row shapes of every call of the bound ``kernels.<op_name>``, {(isa, fused):
+    (each step's output, the final pool)})."""
+    calls: list[torch.Size] = []
+    bind = getattr(kernels, op_name)
 
     def spy(*bound):  # records the rows of every call of the bound op
         run = bind(*bound)
         return lambda x, *a: calls.append(x.shape) or run(x, *a)
 
-    monkeypatch.setattr(kernels, "gqa_decode_attention_op", spy)
+    monkeypatch.setattr(kernels, op_name, spy)
     rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, interleave)
-    steps = [([1, 1, 1], [5, 3, 2]), ([1, 3, 1], [6, 3, 3]), ([1, 1, 1], [7, 4, 4])]  # decode; mixed; decode
-    gen = torch.Generator().manual_seed(6)
-    hkv, hd = attn.num_kv_heads, attn.head_dim
-    start = torch.randn(8, 4, 2, hkv, hd, generator=gen).to(dtype)  # earlier tokens' entries
+    gen = torch.Generator().manual_seed(4)
+    start = torch.randn(*start_shape, generator=gen).to(dtype)  # earlier tokens' entries
     xs = [torch.randn(sum(q), cfg.hidden_size, generator=gen).to(dtype) for q, _ in steps]
     results = {}
     for isa in kernel_isas:
@@ -312,34 +263,57 @@ def test_whole_gqa_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
                     outs.append(attn(x, cos, sin, meta, cache.layer(0)))
             results[isa, fused] = (outs, cache.pools[0].clone())
     kernels.select_isa("auto")
+    assert not torch.equal(results[kernel_isas[0], True][1], start)  # the steps wrote their entries
+    return calls, results
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "mixtral_top1_tied_mqa"])  # GQA, q/k norms + bias, MQA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_whole_gqa_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
+        kernel_isas: list[str], hf_checkpoints: dict[str, Path], family: str, dtype: torch.dtype, interleave: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ModelConfig.from_hf(hf_checkpoints[family])
+    torch.manual_seed(5)
+    attn = GQAAttention(cfg, dtype)
+    for p in attn.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * 0.1 + (1.0 if p.dim() == 1 and
+                     p.shape[0] == attn.head_dim else 0.0))
+    attn.interleave = interleave
+    assert (attn.q_norm is not None) == (family == "qwen3_moe") and (attn.o_proj.bias is not None) == cfg.attention_bias
+    steps = [([1, 1, 1], [5, 3, 2]), ([1, 3, 1], [6, 3, 3]), ([1, 1, 1], [7, 4, 4])]  # decode; mixed; decode
+    start_shape = (8, 4, 2, attn.num_kv_heads, attn.head_dim)
+    calls, results = _fused_and_op_by_op(attn, cfg, dtype, steps, start_shape, interleave,
+                                         "gqa_decode_attention_op", kernel_isas, monkeypatch)
     # the fused op served the all-decode steps only (twice per ISA), never the mixed one
     assert calls == [torch.Size([3, cfg.hidden_size])] * 2 * len(kernel_isas)
     for isa in kernel_isas:
         (outs_on, pool_on), (outs_off, pool_off) = results[isa, True], results[isa, False]
-        assert outs_on[0].shape == (3, cfg.hidden_size) and outs_on[0].dtype == dtype
+        assert [o.shape for o in outs_on] == [(3, cfg.hidden_size), (5, cfg.hidden_size), (3, cfg.hidden_size)]
+        assert outs_on[0].dtype == dtype
         assert all(torch.equal(a, b) for a, b in zip(outs_on, outs_off)), isa
         assert torch.equal(pool_on, pool_off), isa
-        assert not torch.equal(pool_on, start)  # this step's keys and values were written
 
 
-def test_whole_gqa_decode_attention_op_steps_aside_when_an_op_would_not_run_its_kernel(
-        kernel_isas: list[str], hf_checkpoints: dict[str, Path]) -> None:
-    model = _model(hf_checkpoints["qwen3_moe"], torch.bfloat16)
+@pytest.mark.parametrize(("family", "projection", "norm"), [("deepseek_v3", "o_proj", "q_a_layernorm"),
+                                                            ("qwen3_moe", "v_proj", "k_norm")])
+def test_whole_decode_attention_op_steps_aside_when_an_op_would_not_run_its_kernel(
+        kernel_isas: list[str], hf_checkpoints: dict[str, Path], family: str, projection: str, norm: str) -> None:
+    model = _model(hf_checkpoints[family], torch.bfloat16)
     attn, cfg = model.model.layers[0].self_attn, model.config
     x = torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16)
     view = PagedKVCache(cfg, 4, 4, torch.bfloat16).layer(0)
     assert attn.fused_decode_op(x, view) is not None
     assert attn.fused_decode_op(x, PagedKVCache(cfg, 4, 4, torch.bfloat16, "fp8").layer(0)) is None
     assert attn.fused_decode_op(x.float(), view) is None  # input in another dtype than the weights
-    attn.v_proj.use_kernel = False  # one projection pinned to PyTorch's GEMM
-    assert attn.fused_decode_op(x, view) is None
-    attn.v_proj.use_kernel = True
-    attn.k_norm.use_kernel = False
-    assert attn.fused_decode_op(x, view) is None
-    attn.k_norm.use_kernel = True
-    attn.sliding_window = 8  # windowed layers gather their keys
-    assert attn.fused_decode_op(x, view) is None
-    attn.sliding_window = None
+    for module in (getattr(attn, projection), getattr(attn, norm)):  # pinned to PyTorch's op
+        module.use_kernel = False
+        assert attn.fused_decode_op(x, view) is None
+        module.use_kernel = True
+    if isinstance(attn, GQAAttention):
+        attn.sliding_window = 8  # windowed layers gather their keys
+        assert attn.fused_decode_op(x, view) is None
+        attn.sliding_window = None
     attn.use_paged_kernel = False
     assert attn.fused_decode_op(x, view) is None
 
