@@ -142,23 +142,33 @@ static inline void tile(const float* __restrict x, int64_t ldx, const uint16_t* 
   sum_and_store<KS, R>(acc, out);
 }
 
-// Rows per register tile: 6 x 16 fp32 = 12 AVX2 accumulators (+2 weights +1 broadcast of 16).
-constexpr int TILE_ROWS = MOE_W == 16 ? 8 : 6;
+// Rows per register tile, by weight type. AVX2 has 16 vector registers: fp32 and int8 weights take
+// 6 rows x 16 columns = 12 accumulators + 2 weight vectors + 1 broadcast; a bf16 k pair widens to 4
+// weight vectors and takes 2 broadcasts, so 6 rows would spill accumulators to the stack and chain
+// the FMAs through store-to-load forwarding: 5 rows = 10 + 4 + 2. AVX-512: 8 rows of 32 registers.
+template <typename WT>
+constexpr int tile_rows_of() {
+  return MOE_W == 16 ? 8 : sizeof(WT) == 2 ? 5 : 6;
+}
 
 template <typename WT>
 static void tile_rows(int64_t rows, const float* x, int64_t ldx, const WT* w, int64_t K, float* out) {
-  with_row_count<TILE_ROWS>(rows, [&](auto r) { tile<decltype(r)::value>(x, ldx, w, K, out); });
+  with_row_count<tile_rows_of<WT>()>(rows, [&](auto r) { tile<decltype(r)::value>(x, ldx, w, K, out); });
 }
 
 static inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // Runs the register tiles over rows [0, n) of x ([n, K] fp32) against one [K][16] block and hands
 // each row's 16 accumulated columns to the work item's epilogue: epilogue(row, acc[16]).
+// The last two tiles split their rows evenly (8 rows at 6 per tile: 4 + 4, not 6 + 2): a tile of few
+// rows streams the whole block for little work.
 template <typename WT, typename Epilogue>
 static inline void tiles_over_rows(const float* x, int64_t n, int64_t K, const WT* w, Epilogue&& epilogue) {
-  alignas(64) float buf[TILE_ROWS * 16];
-  for (int64_t r0 = 0; r0 < n; r0 += TILE_ROWS) {
-    const int64_t rows = std::min<int64_t>(TILE_ROWS, n - r0);
+  constexpr int64_t TR = tile_rows_of<WT>();
+  alignas(64) float buf[TR * 16];
+  for (int64_t r0 = 0, rows; r0 < n; r0 += rows) {
+    const int64_t left = n - r0;
+    rows = left <= TR ? left : left < 2 * TR ? (left + 1) / 2 : TR;
     tile_rows(rows, x + r0 * K, K, w, K, buf);
     for (int64_t r = 0; r < rows; ++r) epilogue(r0 + r, buf + r * 16);
   }
