@@ -811,6 +811,24 @@ static void rope_row(const T* x, const float* cos, const float* sin, int64_t R, 
 }
 #pragma GCC pop_options
 
+// slot_mapping [T] int64 checked against the pool's N * S slots (a cache write lands in each); returned
+// contiguous.
+static at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t T, const at::Tensor& pool) {
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.scalar_type() == at::kLong,
+              "moe_kernels: slot_mapping must be [T] int64");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = pool.size(0) * pool.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "moe_kernels: slot ", sp[t], " outside the pool of ", num_slots);
+  return slots;
+}
+
+// x [N, K] @ one packed linear (+ bias) -> [N, cols] in x's dtype: linear_forward with G = 1.
+static at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& bias, int64_t cols) {
+  return linear_forward(x.unsqueeze(0), wp, bias, cols, false).select(0, 0);
+}
+
 template <typename T>
 static void mla_rope_cache_rows(const T* q, int64_t H, int64_t nope, const T* latent, const T* norm_w, float eps,
                                 const float* cos, const float* sin, bool interleave, T* pool, const int64_t* slots,
@@ -856,15 +874,10 @@ at::Tensor mla_rope_cache(const at::Tensor& q, const at::Tensor& latent, const a
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == R / 2 &&
               cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "moe_kernels: cos and sin must be [T, R/2] float32");
-  TORCH_CHECK(slot_mapping.size(0) == T && slot_mapping.scalar_type() == at::kLong,
-              "moe_kernels: slot_mapping must be [T] int64");
   TORCH_CHECK(pool.is_contiguous(), "moe_kernels: the cache pool must be contiguous");
   const at::Tensor qc = q.contiguous(), lc = latent.contiguous(), wc = norm_weight.contiguous();
-  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), slots = slot_mapping.contiguous();
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), slots = checked_slots(slot_mapping, T, pool);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t num_slots = pool.size(0) * pool.size(1);
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "moe_kernels: slot ", sp[t], " outside the pool of ", num_slots);
   at::Tensor q_out = at::empty_like(qc);
   if (T == 0) return q_out;
   const float e = static_cast<float>(eps);
@@ -909,13 +922,11 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
   TORCH_CHECK(H > 0 && q_cols == H * (nope + R) && R > 0, "moe_kernels: ", q_cols, " query columns do not split "
               "into ", H, " heads of ", nope, " + ", R);
   const at::Tensor no_bias = at::empty({0}, x.options().dtype(at::kFloat));
-  auto lin = [](const at::Tensor& in, const at::Tensor& wp, const at::Tensor& bias, int64_t cols) {
-    return linear_forward(in.unsqueeze(0), wp, bias, cols, false).select(0, 0);
-  };
-  at::Tensor q = q_a_cols ? lin(rms_norm(lin(x, q_a_wp, q_a_bias, q_a_cols), q_a_norm, q_a_eps), q_wp, q_bias, q_cols)
-                          : lin(x, q_wp, q_bias, q_cols);
+  at::Tensor q = q_a_cols ? linear_rows(rms_norm(linear_rows(x, q_a_wp, q_a_bias, q_a_cols), q_a_norm, q_a_eps), q_wp,
+                                        q_bias, q_cols)
+                          : linear_rows(x, q_wp, q_bias, q_cols);
   q = q.view({B, H, nope + R});
-  const at::Tensor latent = lin(x, kv_a_wp, kv_a_bias, W);  // [B, C + R]
+  const at::Tensor latent = linear_rows(x, kv_a_wp, kv_a_bias, W);  // [B, C + R]
   q = mla_rope_cache(q, latent, kv_norm, kv_eps, cos, sin, interleave, pool, slot_mapping);
   // absorbed query: q_nope W_UK per head ([H, B, Nn] through the [H]-batched linear), then the rope part
   const at::Tensor q_nope = q.slice(2, 0, nope).permute({1, 0, 2});  // [H, B, Nn], converted to fp32 rows inside
@@ -924,7 +935,7 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
   const at::Tensor o_lat = mla_decode(q_full, pool, block_tables, context_lens, C, scale);  // [B, H, C]
   const at::Tensor o = linear_forward(o_lat.permute({1, 0, 2}), wuv_wp, no_bias, vd, false)
                            .permute({1, 0, 2}).reshape({B, H * vd});  // [B, H * Vd]
-  return lin(o, o_wp, o_bias, D);
+  return linear_rows(o, o_wp, o_bias, D);
 }
 
 // GQA's whole attention for a step whose rows are all decode rows (row b = sequence b's one new token),
@@ -954,21 +965,13 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) * 2 == hd &&
               cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "moe_kernels: cos and sin must be [B, hd/2] float32 (rope over the whole head)");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == B && slot_mapping.scalar_type() == at::kLong,
-              "moe_kernels: slot_mapping must be [B] int64");
   TORCH_CHECK(q_norm.numel() == k_norm.numel() && (q_norm.numel() == 0 || q_norm.numel() == hd),
               "moe_kernels: q_norm and k_norm must both be [hd] or both empty");
-  const at::Tensor slots = slot_mapping.contiguous();
+  const at::Tensor slots = checked_slots(slot_mapping, B, pool);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t num_slots = pool.size(0) * pool.size(1);
-  for (int64_t t = 0; t < B; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "moe_kernels: slot ", sp[t], " outside the pool of ", num_slots);
-  auto lin = [](const at::Tensor& in, const at::Tensor& wp, const at::Tensor& bias, int64_t cols) {
-    return linear_forward(in.unsqueeze(0), wp, bias, cols, false).select(0, 0);
-  };
-  at::Tensor q = lin(x, q_wp, q_bias, H * hd);
-  at::Tensor k = lin(x, k_wp, k_bias, Hkv * hd);
-  const at::Tensor v = lin(x, v_wp, v_bias, Hkv * hd).contiguous();
+  at::Tensor q = linear_rows(x, q_wp, q_bias, H * hd);
+  at::Tensor k = linear_rows(x, k_wp, k_bias, Hkv * hd);
+  const at::Tensor v = linear_rows(x, v_wp, v_bias, Hkv * hd).contiguous();
   if (q_norm.numel()) {  // per-head RMSNorm of q and k (Qwen3), as RMSNorm.forward runs it on [T * heads, hd]
     q = rms_norm(q.reshape({B * H, hd}), q_norm, q_eps);
     k = rms_norm(k.reshape({B * Hkv, hd}), k_norm, k_eps);
@@ -996,7 +999,7 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
                    pool.data_ptr<float>());
   }
   const at::Tensor o = gqa_decode(q_rot, pool, block_tables, context_lens, scale);  // [B, H, hd]
-  return lin(o.view({B, H * hd}), o_wp, o_bias, D);
+  return linear_rows(o.view({B, H * hd}), o_wp, o_bias, D);
 }
 
 // Router selection after the gate's logits, per token (moe.router.Router.route's arithmetic):

@@ -12,7 +12,7 @@ from torch import nn
 from moe import kernels
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, KVLayerView
-from moe.layers.linear import Linear, cached_pack, kernel_weights
+from moe.layers.linear import Linear, kernel_weights
 from moe.layers.mla import DecodeAttentionOp
 from moe.layers.mlp import shard_linear_
 from moe.layers.norm import RMSNorm
@@ -122,7 +122,7 @@ class GQAAttention(nn.Module):
             norms, eps = (q_norm.weight, k_norm.weight), (q_norm.eps, k_norm.eps)
         else:
             eps = (0.0, 0.0)
-        packed = tuple(cached_pack(lin, "_packed", (lin.weight,), kernels.pack_linear).wp for lin in linears)
+        packed = tuple(lin.packed().wp for lin in linears)
         biases = tuple(lin.bias for lin in linears)
         dims = (self.num_heads, self.num_kv_heads, self.head_dim, linears[3].weight.shape[0])
         run = kernels.gqa_decode_attention_op(packed, biases, norms, eps, dims, self.interleave, self.scale)

@@ -47,6 +47,11 @@ class Linear(nn.Linear):
         """The kernel's copy of the weight when the kernel should run for x [..., in_features], else None."""
         if not self.use_kernel or x.dim() == 0 or not kernel_applies(x, self.weight, x.numel() // max(1, x.shape[-1])):
             return None
+        return self.packed()
+
+    def packed(self) -> kernels.PackedLinear:
+        """The kernel's packed copy of the weight (made on first use, remade when the weight changes),
+        without asking whether the kernel should run: a whole-block op that checked that binds it."""
         return cached_pack(self, "_packed", (self.weight,), kernels.pack_linear)
 
 

@@ -157,8 +157,7 @@ class MLAAttention(nn.Module):
                 return None
 
         def packed(name: str) -> torch.Tensor:  # a projection's own packed copy, shared with the op-by-op path
-            lin = mods[name]
-            return cached_pack(lin, "_packed", (lin.weight,), kernels.pack_linear).wp
+            return mods[name].packed().wp
 
         def pack(*weights: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
             # kv_b_proj enters only as the absorbed W_UK / W_UV, never as a plain linear
