@@ -42,6 +42,16 @@ def has_fast_bf16_gemm() -> bool:
     return bool(capability.get("avx512_bf16", False) or capability.get("amx_bf16", False))
 
 
+@functools.cache
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (oneDNN's bf16 GEMMs then outrun fp32 ones)."""
+    try:
+        capability = torch._C._cpu._get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(capability.get("amx_bf16", False))
+
+
 def use_native_gemv(dtype: torch.dtype, device: torch.device | str) -> bool:
     """One-row GEMMs of ``dtype`` on ``device`` should run under ``native_gemv()``."""
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and has_fast_bf16_gemv()

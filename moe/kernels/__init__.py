@@ -38,7 +38,10 @@ torch version, Python version and machine; ``MOE_KERNEL_CACHE`` overrides the di
 and ``MOE_CPU_KERNEL=0`` turns the kernel off (``MOE_KERNEL_ISA=avx512`` etc. picks an instruction
 set for the process, for A/B runs). The instruction set (AVX512-BF16, AVX-512,
 AVX2+FMA or baseline) is chosen from cpuid when the library loads: one build runs on any x86-64
-CPU. With AVX512-BF16, bf16 rows against bf16 weights run on the dot product (``dot_body.h``):
+CPU. AVX512-BF16 is chosen only where a ~2 ms probe at load finds its dot product faster than the
+fp32 FMA (``bf16_dot_rate``: ~2x on AMD Zen 4/5, ~0.5x on Intel cores without AMX, whose
+oneDNN bf16 GEMMs are then slower than fp32 ones too). On it, bf16 rows against bf16 weights run on
+the dot product (``dot_body.h``):
 the SwiGLU activations between the two projections are then rounded to bf16, as the bf16
 PyTorch path rounds them; elsewhere rows widen to fp32 and stay fp32 inside the op.
 Without a compiler the model falls back to the PyTorch path after one log line.
@@ -59,12 +62,12 @@ from pathlib import Path
 
 import torch
 
-from moe.cpu_gemm import has_fast_bf16_gemm
+from moe.cpu_gemm import has_amx_bf16, has_fast_bf16_gemm
 
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts_cpu.cpp", "experts_body.h", "dot_body.h", "attention_body.h", "norm_body.h")
+SOURCES = ("experts_cpu.cpp", "experts_body.h", "exp_body.h", "dot_body.h", "attention_body.h", "norm_body.h")
 QUANTIZATIONS = ("int8",)
 ISAS = ("generic", "avx2", "avx512", "avx512bf16")  # slowest first
 # names one of ISAS for the whole process (A/B runs of one build); unset or "auto": the fastest here
@@ -405,10 +408,24 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool
 
 def prefers_library_gemm(dtype: torch.dtype, mean_rows: float) -> bool:
     """Whether groups of ``mean_rows`` rows in ``dtype`` run faster as PyTorch's GEMMs here:
-    prefill-size groups in a dtype this CPU has a fast library GEMM for."""
+    prefill-size groups in a dtype this CPU has a fast library GEMM for. bf16 counts as fast with
+    AMX, or with AVX512-BF16 whose dot product out-runs the fp32 FMA (``bf16_dot_rate``); where it
+    runs at half the FMA's rate oneDNN's bf16 GEMM does too (76 against 139 GFLOP/s for fp32 on
+    an Intel core without AMX) and the kernel's FMA tiles are faster."""
     if mean_rows < LIBRARY_GEMM_MIN_ROWS:
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and has_fast_bf16_gemm())
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and has_fast_bf16_gemm() and (has_amx_bf16() or bf16_dot_rate() >= 1.0)
+
+
+def bf16_dot_rate() -> float:
+    """The AVX512-BF16 dot product's flop rate over the fp32 FMA's on this core (both on 512-bit
+    registers), probed once per process by the loaded kernel; 0.0 where the CPU lacks the dot
+    product, or the kernel is not loaded."""
+    if not is_available():
+        return 0.0
+    return float(torch.ops.moe_kernels.bf16_dot_rate())
 
 
 def cache_dir() -> Path:

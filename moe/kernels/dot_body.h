@@ -87,24 +87,6 @@ static inline void dot_tiles_over_rows(const uint16_t* x, int64_t n, int64_t K, 
   }
 }
 
-// e^x for 8 fp32 lanes: Cephes' expf (x = n ln2 + r with ln2 in two parts, a degree-6 polynomial in
-// r, then 2^n by scalef), within 2 ulp of std::exp; x clamped to [-88, 88].
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_roundscale_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  return _mm256_scalef_ps(p, n);
-}
-
 // 8 fp32 -> 8 bf16 (round to nearest even) at dst
 static inline void store_bf16x8(uint16_t* dst, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), (__m128i)_mm256_cvtneps_pbh(v));
@@ -117,10 +99,7 @@ struct DotKernels {
   static void gate_up(const uint16_t* x, int64_t n, int64_t D, const uint16_t* w, int nb, int64_t w_stride,
                       uint16_t* act, int64_t ld_act) {
     dot_tiles_over_rows(x, n, D, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
-      const __m256 g = _mm256_loadu_ps(acc), u = _mm256_loadu_ps(acc + 8);
-      const __m256 one = _mm256_set1_ps(1.f);
-      const __m256 silu_g = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-      store_bf16x8(act + row * ld_act + 8 * j, _mm256_mul_ps(silu_g, u));
+      store_bf16x8(act + row * ld_act + 8 * j, silu_mul8(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)));
     });
   }
   // out[row, 16b:16b+16] = row_weight[row] * (act[row] @ block) (and block b + 1 at 16 columns on):
@@ -366,3 +345,47 @@ struct AttentionDotKernels {
     }
   }
 };
+
+// The dot product's fp32-equivalent rate against the FMA's on this core: seconds for `iters` rounds
+// of 20 independent vdpbf16ps (64 flops each) or vfmadd231ps (32 flops each) on zeroed zmm
+// registers, in asm so that every chain stays in a register. Some cores run the dot product at half
+// the FMA's rate (Intel's AVX512-BF16 without AMX: 0.5x the fp32 flops there), others at twice it
+// (AMD Zen 4 and 5), so which tiles are faster is measured, not read from cpuid.
+#define MOE_ZERO(i) "vpxord %%zmm" #i ", %%zmm" #i ", %%zmm" #i "\n\t"
+#define MOE_DOT(i) "vdpbf16ps %%zmm0, %%zmm1, %%zmm" #i "\n\t"
+#define MOE_FMA(i) "vfmadd231ps %%zmm0, %%zmm1, %%zmm" #i "\n\t"
+#define MOE_CHAINS(op) op(4) op(5) op(6) op(7) op(8) op(9) op(10) op(11) op(12) op(13) op(14) op(15) op(16) \
+  op(17) op(18) op(19) op(20) op(21) op(22) op(23)
+#define MOE_RATE_LOOP(op)                                                                              \
+  asm volatile(MOE_ZERO(0) MOE_ZERO(1) MOE_CHAINS(MOE_ZERO) "1:\n\t" MOE_CHAINS(op) "dec %0\n\t"     \
+               "jnz 1b"                                                                              \
+               : "+r"(n)                                                                             \
+               :                                                                                     \
+               : "cc", "xmm0", "xmm1", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", \
+                 "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", \
+                 "xmm22", "xmm23")
+static double dot_rate_seconds(int64_t iters, bool dot) {
+  int64_t n = iters;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (dot) MOE_RATE_LOOP(MOE_DOT);
+  else MOE_RATE_LOOP(MOE_FMA);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+#undef MOE_RATE_LOOP
+#undef MOE_CHAINS
+#undef MOE_FMA
+#undef MOE_DOT
+#undef MOE_ZERO
+
+// bf16 dot-product flops per second over fp32 FMA flops per second on this core: the best of seven
+// alternating ~0.1 ms runs of each (a descheduled run only lengthens its own time).
+static double dot_to_fma_rate() {
+  constexpr int64_t iters = 4096;
+  double dot = 1e30, fma = 1e30;
+  dot_rate_seconds(iters, true), dot_rate_seconds(iters, false);  // warm up the wide units
+  for (int rep = 0; rep < 7; ++rep) {
+    dot = std::min(dot, dot_rate_seconds(iters, true));
+    fma = std::min(fma, dot_rate_seconds(iters, false));
+  }
+  return (64.0 / dot) / (32.0 / fma);
+}

@@ -156,6 +156,65 @@ static void tile_rows(int64_t rows, const float* x, int64_t ldx, const WT* w, in
   with_row_count<tile_rows_of<WT>()>(rows, [&](auto r) { tile<decltype(r)::value>(x, ldx, w, K, out); });
 }
 
+// Two neighbouring column blocks per tile (w and w + w_stride), for AVX-512's 32 registers: each
+// broadcast row element feeds both blocks' FMAs, so a tile issues half the loads per FMA of the
+// one-block tile and keeps 2R accumulator chains (the one-block 8-row tile's 8 chains, each taking
+// a k pair's two FMAs in turn, just cover two FMA pipes of latency 4: 0.5 of the FMA peak on an
+// Intel core). Each accumulator sums over k in the one-block tile's order (its 8-row tile has a
+// single partial sum), so the two give the same values.
+constexpr bool PAIR_TILES = MOE_W == 16;
+constexpr int PAIR_TILE_ROWS = 12;  // 24 accumulators + 4 weight vectors + the pair mask
+
+template <int R>
+static inline void tile2(const float* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t w_stride,
+                         int64_t K, float* __restrict out) {
+  vf acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+  const uint16_t* __restrict w1 = w + w_stride;
+  const int64_t pairs = K / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __builtin_prefetch(reinterpret_cast<const char*>(w + p * 32) + PREFETCH_BYTES);
+    __builtin_prefetch(reinterpret_cast<const char*>(w1 + p * 32) + PREFETCH_BYTES);
+    vf a0, a1, b0, b1;
+    vload_pair(w + p * 32, a0, a1);
+    vload_pair(w1 + p * 32, b0, b1);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * ldx + 2 * p;
+      const vf x0 = vbroadcast(xr), x1 = vbroadcast(xr + 1);
+      acc[r][0] = vfma(x1, a1, vfma(x0, a0, acc[r][0]));
+      acc[r][1] = vfma(x1, b1, vfma(x0, b0, acc[r][1]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) vstore(out + r * 32, acc[r][0]), vstore(out + r * 32 + 16, acc[r][1]);
+}
+
+template <int R, typename WT>  // fp32 and int8 weights: block[k][16]
+static inline void tile2(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t w_stride, int64_t K,
+                         float* __restrict out) {
+  vf acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+  const WT* __restrict w1 = w + w_stride;
+  for (int64_t k = 0; k < K; ++k) {
+    if ((k * 16 * sizeof(WT)) % 64 == 0) {
+      __builtin_prefetch(reinterpret_cast<const char*>(w + k * 16) + PREFETCH_BYTES);
+      __builtin_prefetch(reinterpret_cast<const char*>(w1 + k * 16) + PREFETCH_BYTES);
+    }
+    const vf a = vload(w + k * 16), b = vload(w1 + k * 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const vf xb = vbroadcast(x + r * ldx + k);
+      acc[r][0] = vfma(xb, a, acc[r][0]);
+      acc[r][1] = vfma(xb, b, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) vstore(out + r * 32, acc[r][0]), vstore(out + r * 32 + 16, acc[r][1]);
+}
+
 static inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // Runs the register tiles over rows [0, n) of x ([n, K] fp32) against one [K][16] block and hands
@@ -174,30 +233,64 @@ static inline void tiles_over_rows(const float* x, int64_t n, int64_t K, const W
   }
 }
 
-// One (expert, gate/up column block) work item: act[row, 8b:8b+8] = silu(gate) * up for rows
-// [0, n) of the expert. x: [n, D] fp32 rows; w: [D][16] block; scale: 16 fp32 or null.
+// tiles_over_rows for nb (1 or 2) blocks w, w + w_stride: epilogue(row, block j, acc[16]). Two
+// blocks take the two-block tiles where the ISA has them (rows split as tiles_over_rows splits them),
+// else each block its own tiles.
+template <typename WT, typename Epilogue>
+static inline void tiles_over_rows_nb(const float* x, int64_t n, int64_t K, const WT* w, int nb, int64_t w_stride,
+                                      Epilogue&& epilogue) {
+  if constexpr (PAIR_TILES) {
+    if (nb == 2) {
+      constexpr int64_t TR = PAIR_TILE_ROWS;
+      alignas(64) float buf[TR * 32];
+      for (int64_t r0 = 0, rows; r0 < n; r0 += rows) {
+        const int64_t left = n - r0;
+        rows = left <= TR ? left : left < 2 * TR ? (left + 1) / 2 : TR;
+        with_row_count<PAIR_TILE_ROWS>(
+            rows, [&](auto r) { tile2<decltype(r)::value>(x + r0 * K, K, w, w_stride, K, buf); });
+        for (int64_t r = 0; r < rows; ++r) epilogue(r0 + r, 0, buf + r * 32), epilogue(r0 + r, 1, buf + r * 32 + 16);
+      }
+      return;
+    }
+  }
+  for (int j = 0; j < nb; ++j)
+    tiles_over_rows(x, n, K, w + j * w_stride, [&](int64_t row, const float* acc) { epilogue(row, j, acc); });
+}
+
+// One (expert, gate/up column blocks) work item: act[row, 8b:8b+8] = silu(gate) * up for rows
+// [0, n) of the expert and nb (1 or 2) blocks from b (w_stride elements apart; act 8 columns on).
+// x: [n, D] fp32 rows; w: [D][16] block; scale: 16 fp32 per block or null.
 template <typename WT>
-static void gate_up_block(const float* x, int64_t n, int64_t D, const WT* w, const float* scale, float* act,
-                          int64_t ld_act) {
-  tiles_over_rows(x, n, D, w, [&](int64_t row, const float* acc) {
-    float* dst = act + row * ld_act;
+static void gate_up_block(const float* x, int64_t n, int64_t D, const WT* w, int nb, int64_t w_stride,
+                          const float* scale, float* act, int64_t ld_act) {
+  tiles_over_rows_nb(x, n, D, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
+    float* dst = act + row * ld_act + 8 * j;
+    const float* sc = scale ? scale + 16 * j : nullptr;
+#ifdef MOE_EXP8
+    __m256 g = _mm256_loadu_ps(acc), u = _mm256_loadu_ps(acc + 8);
+    if (sc) g = _mm256_mul_ps(g, _mm256_loadu_ps(sc)), u = _mm256_mul_ps(u, _mm256_loadu_ps(sc + 8));
+    _mm256_storeu_ps(dst, silu_mul8(g, u));
+#else
     for (int c = 0; c < 8; ++c) {
       float g = acc[c], u = acc[8 + c];
-      if (scale) g *= scale[c], u *= scale[8 + c];
+      if (sc) g *= sc[c], u *= sc[8 + c];
       dst[c] = silu(g) * u;
     }
+#endif
   });
 }
 
-// One (expert, down column block) work item: out[row, 16b:16b+16] = row_weight[row] *
-// (act[row] @ block) for rows [0, n). act: [n, I] fp32; w: [I][16]; out: fp32 or bf16 rows.
+// One (expert, down column blocks) work item: out[row, 16b:16b+16] = row_weight[row] *
+// (act[row] @ block) for rows [0, n), nb blocks from b as above. act: [n, I] fp32; w: [I][16];
+// out: fp32 or bf16 rows.
 template <typename WT, typename OT>
-static void down_block(const float* act, int64_t n, int64_t I, const WT* w, const float* scale,
-                       const float* row_weight, OT* out, int64_t ld_out) {
-  tiles_over_rows(act, n, I, w, [&](int64_t row, const float* acc) {
+static void down_block(const float* act, int64_t n, int64_t I, const WT* w, int nb, int64_t w_stride,
+                       const float* scale, const float* row_weight, OT* out, int64_t ld_out) {
+  tiles_over_rows_nb(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
     const float rw = row_weight ? row_weight[row] : 1.f;
-    OT* dst = out + row * ld_out;
-    for (int c = 0; c < 16; ++c) store_value(dst + c, acc[c] * (scale ? scale[c] : 1.f) * rw);
+    OT* dst = out + row * ld_out + 16 * j;
+    const float* sc = scale ? scale + 16 * j : nullptr;
+    for (int c = 0; c < 16; ++c) store_value(dst + c, acc[c] * (sc ? sc[c] : 1.f) * rw);
   });
 }
 
@@ -214,18 +307,21 @@ static void linear_block(const float* x, int64_t n, int64_t K, const WT* w, cons
 }
 
 struct Kernels {
-  static void gate_up(int wt, const float* x, int64_t n, int64_t D, const void* w, const float* scale, float* act,
-                      int64_t ld_act) {
-    if (wt == W_F32) gate_up_block(x, n, D, static_cast<const float*>(w), scale, act, ld_act);
-    else if (wt == W_BF16) gate_up_block(x, n, D, static_cast<const uint16_t*>(w), scale, act, ld_act);
-    else gate_up_block(x, n, D, static_cast<const int8_t*>(w), scale, act, ld_act);
+  static constexpr bool pair_tiles = PAIR_TILES;
+  // nb (1 or 2) neighbouring blocks from w, w_stride elements apart
+  static void gate_up(int wt, const float* x, int64_t n, int64_t D, const void* w, int nb, int64_t w_stride,
+                      const float* scale, float* act, int64_t ld_act) {
+    if (wt == W_F32) gate_up_block(x, n, D, static_cast<const float*>(w), nb, w_stride, scale, act, ld_act);
+    else if (wt == W_BF16) gate_up_block(x, n, D, static_cast<const uint16_t*>(w), nb, w_stride, scale, act, ld_act);
+    else gate_up_block(x, n, D, static_cast<const int8_t*>(w), nb, w_stride, scale, act, ld_act);
   }
   template <typename OT>
-  static void down(int wt, const float* act, int64_t n, int64_t I, const void* w, const float* scale,
-                   const float* row_weight, OT* out, int64_t ld_out) {
-    if (wt == W_F32) down_block(act, n, I, static_cast<const float*>(w), scale, row_weight, out, ld_out);
-    else if (wt == W_BF16) down_block(act, n, I, static_cast<const uint16_t*>(w), scale, row_weight, out, ld_out);
-    else down_block(act, n, I, static_cast<const int8_t*>(w), scale, row_weight, out, ld_out);
+  static void down(int wt, const float* act, int64_t n, int64_t I, const void* w, int nb, int64_t w_stride,
+                   const float* scale, const float* row_weight, OT* out, int64_t ld_out) {
+    if (wt == W_F32) down_block(act, n, I, static_cast<const float*>(w), nb, w_stride, scale, row_weight, out, ld_out);
+    else if (wt == W_BF16)
+      down_block(act, n, I, static_cast<const uint16_t*>(w), nb, w_stride, scale, row_weight, out, ld_out);
+    else down_block(act, n, I, static_cast<const int8_t*>(w), nb, w_stride, scale, row_weight, out, ld_out);
   }
   template <typename OT>
   static void linear(int wt, const float* x, int64_t n, int64_t K, const void* w, const float* bias, int64_t ncols,

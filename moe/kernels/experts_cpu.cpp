@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -191,10 +192,12 @@ static inline float vhsum(vf v) {  // (lo + hi) then pairwise within 128 bits
   return _mm_cvtss_f32(s);
 }
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+#include "exp_body.h"
 #include "experts_body.h"
 #include "attention_body.h"
 #include "norm_body.h"
 #undef MOE_W
+#undef MOE_EXP8
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -224,10 +227,12 @@ static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+#include "exp_body.h"
 #include "experts_body.h"
 #include "attention_body.h"
 #include "norm_body.h"
 #undef MOE_W
+#undef MOE_EXP8
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -235,16 +240,19 @@ static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace avx512bf16 {
+#include "exp_body.h"
 #include "dot_body.h"
+#undef MOE_EXP8
 }  // namespace avx512bf16
 #pragma GCC pop_options
 #endif
 
-using GateUpFn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, float*, int64_t);
-using DownF32Fn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, const float*, float*,
-                           int64_t);
-using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, const float*,
-                            uint16_t*, int64_t);
+using GateUpFn = void (*)(int, const float*, int64_t, int64_t, const void*, int, int64_t, const float*, float*,
+                          int64_t);
+using DownF32Fn = void (*)(int, const float*, int64_t, int64_t, const void*, int, int64_t, const float*, const float*,
+                           float*, int64_t);
+using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, int, int64_t, const float*,
+                            const float*, uint16_t*, int64_t);
 template <typename OT>
 using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, int64_t, OT*, int64_t);
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
@@ -281,6 +289,7 @@ struct Isa {
   PagedDecodeFn paged_decode;
   RmsNormFn rms_norm;
   DotIsa dot;
+  bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
   bool dot_bf16(int wt, at::ScalarType x_type) const {
     return dot.gate_up != nullptr && wt == W_BF16 && x_type == at::kBFloat16;
@@ -290,7 +299,7 @@ struct Isa {
 template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::template linear<float>,
-             &K::template linear<uint16_t>, &M::decode, &N::rms_norm, DotIsa{}};
+             &K::template linear<uint16_t>, &M::decode, &N::rms_norm, DotIsa{}, K::pair_tiles};
 }
 
 static bool cpu_has(const std::string& name) {
@@ -304,9 +313,22 @@ static bool cpu_has(const std::string& name) {
   return name == "generic";
 }
 
-// The fastest instruction set this CPU runs.
+// The bf16 dot product's flop rate over the fp32 FMA's on this core, measured once per process
+// (dot_body.h); 0 where the CPU has no AVX512-BF16.
+double bf16_dot_rate() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const double rate = cpu_has("avx512bf16") ? avx512bf16::dot_to_fma_rate() : 0.0;
+  return rate;
+#else
+  return 0.0;
+#endif
+}
+
+// The fastest instruction set this CPU runs: the dot tiles only where the dot product out-runs the
+// FMA (where it runs at half the FMA's rate, the FMA tiles widening bf16 weights are faster).
 static std::string best_isa() {
-  for (const char* name : {"avx512bf16", "avx512", "avx2"})
+  if (cpu_has("avx512bf16") && bf16_dot_rate() >= 1.0) return "avx512bf16";
+  for (const char* name : {"avx512", "avx2"})
     if (cpu_has(name)) return name;
   return "generic";
 }
@@ -400,9 +422,9 @@ static void for_each_item(const std::vector<Item>& items, Body&& body) {
 // re-streams all its rows from L3 once per column block.
 constexpr int64_t ROW_PANEL = 96;
 
-// Rows from which a dot-tile work item covers two neighbouring column blocks (each row broadcast
-// then feeds two dot products: fewer loads per dot, 1.1x at 64-384 rows per expert on Zen 5);
-// fewer rows stream one block per item (two streams were 1.2x slower at 4 rows).
+// Rows from which a work item covers two neighbouring column blocks (each row broadcast then feeds
+// two dot products or FMAs: fewer loads per product; dot tiles 1.1x at 64-384 rows per expert on
+// Zen 5); fewer rows stream one block per item (two streams were 1.2x slower at 4 rows).
 constexpr int64_t PAIR_BLOCK_MIN_ROWS = 16;
 
 // Work items (expert, row panel, column blocks), column blocks innermost; with pair_blocks, panels
@@ -464,7 +486,8 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
   uint16_t* act_b = dot ? reinterpret_cast<uint16_t*>(act.data_ptr()) : nullptr;
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
-  const std::vector<Item> up_items = work_items(offsets, nb13, dot);
+  const bool pairs = dot || isa.pair_tiles;
+  const std::vector<Item> up_items = work_items(offsets, nb13, pairs);
   for_each_item(up_items, [&](const Item& it) {
     const int64_t block = it.expert * nb13 + it.block;
     const char* w = w13_ptr + block * D * 16 * esize;
@@ -472,11 +495,11 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
       isa.dot.gate_up(xb + it.row0 * D, it.rows, D, reinterpret_cast<const uint16_t*>(w), it.blocks, D * 16,
                       act_b + it.row0 * I + it.block * 8, I);
     else
-      isa.gate_up(wt, xf + it.row0 * D, it.rows, D, w, s13_ptr ? s13_ptr + block * 16 : nullptr,
+      isa.gate_up(wt, xf + it.row0 * D, it.rows, D, w, it.blocks, D * 16, s13_ptr ? s13_ptr + block * 16 : nullptr,
                   act_f + it.row0 * I + it.block * 8, I);
   });
   // Phase 2: down projection, items (expert, 16 output channels); routing weight in the epilogue.
-  const std::vector<Item> down_items = work_items(offsets, nb2, dot);
+  const std::vector<Item> down_items = work_items(offsets, nb2, pairs);
   char* out_ptr = static_cast<char*>(out);
   for_each_item(down_items, [&](const Item& it) {
     const int64_t block = it.expert * nb2 + it.block;
@@ -492,9 +515,9 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
       if (bf16_out) isa.dot.down_bf16(a, it.rows, I, wb, it.blocks, I * 16, rw, ob, D);
       else isa.dot.down_f32(a, it.rows, I, wb, it.blocks, I * 16, rw, of, D);
     } else if (bf16_out) {
-      isa.down_bf16(wt, act_f + it.row0 * I, it.rows, I, w, sc, rw, ob, D);
+      isa.down_bf16(wt, act_f + it.row0 * I, it.rows, I, w, it.blocks, I * 16, sc, rw, ob, D);
     } else {
-      isa.down_f32(wt, act_f + it.row0 * I, it.rows, I, w, sc, rw, of, D);
+      isa.down_f32(wt, act_f + it.row0 * I, it.rows, I, w, it.blocks, I * 16, sc, rw, of, D);
     }
   });
 }
@@ -1198,6 +1221,7 @@ TORCH_LIBRARY(moe_kernels, m) {
         "Tensor sh_s2) -> Tensor");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
+  m.def("bf16_dot_rate() -> float", &moe_kernels::bf16_dot_rate);
 }
 
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {

@@ -383,3 +383,35 @@ def test_isa_from_environment(kernel_isas: list[str], monkeypatch: pytest.Monkey
         assert kernels.select_isa_from_env() == best
     finally:
         kernels.select_isa("auto")
+
+
+def test_auto_isa_takes_the_dot_product_only_where_it_outruns_the_fma(kernel_isas: list[str]) -> None:
+    """The load-time probe: the bf16 dot product's flop rate over the fp32 FMA's decides between the
+    dot tiles and the FMA tiles (Intel's AVX512-BF16 without AMX runs the dot product at half rate)."""
+    rate = kernels.bf16_dot_rate()
+    assert rate == kernels.bf16_dot_rate()  # measured once per process
+    try:
+        auto = kernels.select_isa("auto")
+        if "avx512bf16" in kernel_isas:
+            assert 0.1 < rate < 10.0
+            assert auto == ("avx512bf16" if rate >= 1.0 else "avx512")
+        else:
+            assert rate == 0.0 and auto == kernel_isas[-1]
+    finally:
+        kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize(("amx", "rate", "want"), [(False, 0.5, False), (False, 2.0, True), (True, 0.5, True)])
+def test_bf16_library_gemm_only_where_bf16_products_are_fast(monkeypatch: pytest.MonkeyPatch, amx: bool,
+                                                             rate: float, want: bool) -> None:
+    """Prefill-size bf16 experts go to oneDNN only with AMX, or with a dot product faster than the FMA;
+    fp32 ones always (MKL), decode-size ones never."""
+    monkeypatch.setattr(kernels, "has_fast_bf16_gemm", lambda: True)
+    monkeypatch.setattr(kernels, "has_amx_bf16", lambda: amx)
+    monkeypatch.setattr(kernels, "bf16_dot_rate", lambda: rate)
+    rows = kernels.LIBRARY_GEMM_MIN_ROWS
+    assert kernels.prefers_library_gemm(torch.bfloat16, rows) is want
+    assert kernels.prefers_library_gemm(torch.float32, rows) is True
+    assert kernels.prefers_library_gemm(torch.bfloat16, rows - 1) is False
+    monkeypatch.setattr(kernels, "has_fast_bf16_gemm", lambda: False)
+    assert kernels.prefers_library_gemm(torch.bfloat16, rows) is False
