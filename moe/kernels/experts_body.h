@@ -294,15 +294,18 @@ static void down_block(const float* act, int64_t n, int64_t I, const WT* w, int 
   });
 }
 
-// One (group, output column block) work item of a plain linear: out[row, 0:ncols] = x[row] @ block
-// (+ bias) for rows [0, n). x: [n, K] fp32; w: [K][16] (columns past ncols are zero padding);
-// bias: ncols fp32 or null; out: fp32 or bf16 rows.
+// One (group, output column blocks) work item of a plain linear: out[row, 0:ncols] = x[row] @ blocks
+// (+ bias) for rows [0, n) and nb (1 or 2) blocks w, w + w_stride (16 columns each; ncols <= 16 nb
+// of them are real, the rest zero padding). x: [n, K] fp32; bias: ncols fp32 or null; out: fp32 or
+// bf16 rows.
 template <typename WT, typename OT>
-static void linear_block(const float* x, int64_t n, int64_t K, const WT* w, const float* bias, int64_t ncols,
-                         OT* out, int64_t ld_out) {
-  tiles_over_rows(x, n, K, w, [&](int64_t row, const float* acc) {
-    OT* dst = out + row * ld_out;
-    for (int64_t c = 0; c < ncols; ++c) store_value(dst + c, acc[c] + (bias ? bias[c] : 0.f));
+static void linear_block(const float* x, int64_t n, int64_t K, const WT* w, int nb, int64_t w_stride,
+                         const float* bias, int64_t ncols, OT* out, int64_t ld_out) {
+  tiles_over_rows_nb(x, n, K, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
+    OT* dst = out + row * ld_out + 16 * j;
+    const float* bj = bias ? bias + 16 * j : nullptr;
+    for (int64_t c = 0, cols = std::min<int64_t>(16, ncols - 16 * j); c < cols; ++c)
+      store_value(dst + c, acc[c] + (bj ? bj[c] : 0.f));
   });
 }
 
@@ -324,9 +327,9 @@ struct Kernels {
     else down_block(act, n, I, static_cast<const int8_t*>(w), nb, w_stride, scale, row_weight, out, ld_out);
   }
   template <typename OT>
-  static void linear(int wt, const float* x, int64_t n, int64_t K, const void* w, const float* bias, int64_t ncols,
-                     OT* out, int64_t ld_out) {
-    if (wt == W_F32) linear_block(x, n, K, static_cast<const float*>(w), bias, ncols, out, ld_out);
-    else linear_block(x, n, K, static_cast<const uint16_t*>(w), bias, ncols, out, ld_out);
+  static void linear(int wt, const float* x, int64_t n, int64_t K, const void* w, int nb, int64_t w_stride,
+                     const float* bias, int64_t ncols, OT* out, int64_t ld_out) {
+    if (wt == W_F32) linear_block(x, n, K, static_cast<const float*>(w), nb, w_stride, bias, ncols, out, ld_out);
+    else linear_block(x, n, K, static_cast<const uint16_t*>(w), nb, w_stride, bias, ncols, out, ld_out);
   }
 };

@@ -254,7 +254,8 @@ using DownF32Fn = void (*)(int, const float*, int64_t, int64_t, const void*, int
 using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, int, int64_t, const float*,
                             const float*, uint16_t*, int64_t);
 template <typename OT>
-using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, const float*, int64_t, OT*, int64_t);
+using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, int, int64_t, const float*, int64_t, OT*,
+                          int64_t);
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
                              int64_t, float, bool, float*, float*, float*, float*);
@@ -651,13 +652,18 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   const bool bf16_out = out_dtype == at::kBFloat16;
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const int64_t panels = (N + ROW_PANEL - 1) / ROW_PANEL;
-  // items (group, row panel, column block), column blocks innermost: a thread's consecutive items
+  // two neighbouring column blocks per item on the FMA tiles that have two-block tiles, from
+  // PAIR_BLOCK_MIN_ROWS rows (the last item of an odd count takes one)
+  const int64_t per_item = !dot && isa.pair_tiles && std::min(N, ROW_PANEL) >= PAIR_BLOCK_MIN_ROWS ? 2 : 1;
+  const int64_t nbi = (nb + per_item - 1) / per_item;  // items per (group, panel)
+  // items (group, row panel, column blocks), column blocks innermost: a thread's consecutive items
   // reuse one panel of x from cache while the weight streams
-  at::parallel_for(0, G * panels * nb, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, G * panels * nbi, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t g = i / (panels * nb), p = (i / nb) % panels, b = i % nb;
+      const int64_t g = i / (panels * nbi), p = (i / nbi) % panels, b = (i % nbi) * per_item;
+      const int blocks = static_cast<int>(std::min(per_item, nb - b));
       const int64_t r0 = p * ROW_PANEL, rows = std::min(ROW_PANEL, N - r0);
-      const int64_t ncols = std::min<int64_t>(16, C - b * 16);
+      const int64_t ncols = std::min<int64_t>(16 * blocks, C - b * 16);
       const void* w = w_ptr + ((g * nb + b) * K * 16) * esize;
       const float* bp = b_ptr ? b_ptr + g * C + b * 16 : nullptr;
       const int64_t first = (g * N + r0) * C + b * 16;
@@ -669,9 +675,9 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
         if (bf16_out) isa.dot.linear_bf16(x_rows, rows, K, wb, bp, ncols, ob, C);
         else isa.dot.linear_f32(x_rows, rows, K, wb, bp, ncols, of, C);
       } else if (bf16_out) {
-        isa.linear_bf16(wt, xs + (g * N + r0) * K, rows, K, w, bp, ncols, ob, C);
+        isa.linear_bf16(wt, xs + (g * N + r0) * K, rows, K, w, blocks, K * 16, bp, ncols, ob, C);
       } else {
-        isa.linear_f32(wt, xs + (g * N + r0) * K, rows, K, w, bp, ncols, of, C);
+        isa.linear_f32(wt, xs + (g * N + r0) * K, rows, K, w, blocks, K * 16, bp, ncols, of, C);
       }
     }
   });

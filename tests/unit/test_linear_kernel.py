@@ -23,6 +23,7 @@ SHAPES = [  # (G, N, K, C)
     (1, 7, 100, 16),  # odd K, one block
     (3, 13, 96, 33),  # batched heads, C % 16 = 1
     (2, 200, 64, 17),  # three 96-row panels
+    (1, 40, 48, 40),  # two-block items on AVX-512 and a last item of one block
     (1, 0, 32, 16),  # no rows
 ]
 
