@@ -19,7 +19,11 @@ correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implemen
   beside it (DeepSpeed's layer has none).
 
 Each cell: one untimed warm-up call, then calls until ``--min-seconds`` of CPU time (at least
-one, at most 50); the best call's CPU time (steadier than wall time on a shared machine). The
+one, at most 50); the best call's CPU time (steadier than wall time on a shared machine). Before
+each timed call an untimed read of twice the last-level cache (``llc_bytes``; at least 64 MiB)
+evicts the layer's weights, as the model's other layers do between two calls of this one: a layer
+whose weights fit a large L3 (260 MiB on some Xeons) would otherwise read them from cache and
+beat the DRAM roofline. ``--warm-cache`` skips it (the weights stay cached between calls). The
 process keeps freed heap memory as a serving worker does (``MOE_MALLOC_KEEP=0``: not).
 ``roofline ms`` = max(bytes the call must read / the measured read bandwidth, its FLOPs / the
 faster of a measured fp32 and in-dtype 1024^3 matmul): bytes = the routed experts the tokens
@@ -175,9 +179,12 @@ def build_deepspeed(ours: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tens
     return forward
 
 
-def measure_read_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> float:
-    """Bytes/s of summing a large bf16 tensor (read only; best of ``repeats``)."""
-    t = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
+def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s of summing an fp32 tensor (read only; best of ``repeats``) of ``num_bytes`` (default: 256
+    MiB or twice the last-level cache, whichever is larger: DRAM, not cache). fp32, not bf16: one
+    thread's bf16 sum is bound by its conversions (7.2 against 13.0 GB/s on an Intel Xeon core)."""
+    num_bytes = num_bytes or max(256 * 1024**2, 2 * llc_bytes())
+    t = torch.ones(num_bytes // 4, dtype=torch.float32)
     t.sum()
     best = min(_cpu_seconds(t.sum) for _ in range(repeats))
     return num_bytes / best
@@ -200,12 +207,42 @@ def _cpu_seconds(fn: Callable[[], Any]) -> float:
     return time.process_time() - started
 
 
-def time_call(fn: Callable[[], Any], min_seconds: float) -> tuple[float, float]:
-    """(best CPU seconds, best wall seconds) over calls until ``min_seconds`` of CPU (1-50 calls)."""
+def llc_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """This CPU's last-level cache in bytes (the highest cache level in sysfs; 0 if unknown)."""
+    best_level, size = 0, 0
+    for index in sorted(cache_dir.glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit() and level >= best_level:
+            best_level, size = level, int(digits) * scale
+    return size
+
+
+class CacheEvictor:
+    """Reads a buffer of twice the last-level cache (at least 64 MiB) to push every earlier line out."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.ones(max(2 * llc_bytes(), 64 * 1024**2) // 4, dtype=torch.float32)
+
+    def __call__(self) -> None:
+        self.buffer.sum()
+
+
+def time_call(fn: Callable[[], Any], min_seconds: float,
+              before: Callable[[], Any] | None = None) -> tuple[float, float]:
+    """(best CPU seconds, best wall seconds) over calls until ``min_seconds`` of CPU (1-50 calls);
+    ``before`` runs untimed ahead of each timed call."""
     fn()  # warm-up
     cpu_best = wall_best = float("inf")
     spent, calls = 0.0, 0
     while calls < 1 or (spent < min_seconds and calls < 50):
+        if before is not None:
+            before()
         wall, cpu = time.perf_counter(), time.process_time()
         fn()
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -229,7 +266,7 @@ def roofline_seconds(ours: nn.Module, x: torch.Tensor, bandwidth: float, peak_fl
 
 
 def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: torch.dtype, min_seconds: float,
-              bandwidth: float, peak_flops: float) -> list[Cell]:
+              bandwidth: float, peak_flops: float, before: Callable[[], Any] | None = None) -> list[Cell]:
     ours, hf = build_layers(shape, dtype)
     fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     if "ours" in impls or "ours-pytorch" in impls:
@@ -252,7 +289,7 @@ def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: to
         with torch.inference_mode():
             reference = fns["ours"](x).float() if "ours" in fns else None
             for impl in impls:
-                cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds)
+                cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
                 diff = None
                 if impl in ("transformers", "ours-pytorch") and reference is not None:
                     diff = float((fns[impl](x).float() - reference).abs().max())
@@ -289,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--min-seconds", type=float, default=1.0, help="CPU seconds of timed calls per cell")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="keep the layer's weights cached between timed calls (default: evict the "
+                             "last-level cache before each)")
     parser.add_argument("--json", default=None, metavar="FILE")
     return parser
 
@@ -304,20 +344,26 @@ def main(argv: list[str] | None = None) -> int:
     from moe import kernels
 
     isa = kernels.isa() if kernels.is_available() else "unavailable"
+    dot_rate = kernels.bf16_dot_rate()
+    evict = None if args.warm_cache else CacheEvictor()
     # as in a serving worker: a layer's large temporaries reuse freed heap memory instead of fresh
     # zeroed pages (for every implementation alike: the setting is the process's)
     kept = keep_freed_heap_memory()
     bandwidth, peak = measure_read_bandwidth(), measure_peak_flops(dtype)
-    print(f"# dtype {args.dtype}, {args.num_threads} thread(s), kernel isa {isa}; read bandwidth "
+    print(f"# dtype {args.dtype}, {args.num_threads} thread(s), kernel isa {isa}"
+          f"{f' (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate)' if dot_rate else ''}; read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s (CPU time); freed heap memory "
-          f"{'kept' if kept else 'returned'}")
+          f"{'kept' if kept else 'returned'}; "
+          + (f"{evict.buffer.nbytes / 1024**2:.0f} MiB read before each timed call (cold weights)" if evict
+             else "weights kept cached between calls (--warm-cache)"))
     print(f"{'shape':>9} {'T':>6} {'impl':>13} {'cpu ms':>10} {'wall ms':>10} {'tok/s':>11} {'roofline ms':>11} "
           f"{'roofline':>9} {'max|diff|':>10}")
     cells = [c for shape in args.shapes
-             for c in run_shape(shape, args.tokens, args.impls, dtype, args.min_seconds, bandwidth, peak)]
+             for c in run_shape(shape, args.tokens, args.impls, dtype, args.min_seconds, bandwidth, peak, evict)]
     print("\n".join(speedups(cells)))
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "dtype": args.dtype, "num_threads": args.num_threads, "isa": isa, "read_bandwidth_bytes_per_s": bandwidth,
+            "dtype": args.dtype, "num_threads": args.num_threads, "isa": isa, "bf16_dot_rate": dot_rate,
+            "cold_weights": evict is not None, "read_bandwidth_bytes_per_s": bandwidth,
             "peak_flops_per_s": peak, "cells": [asdict(c) for c in cells]}, indent=2) + "\n")
     return 0

@@ -1,0 +1,58 @@
+"""launch/bench/moe_layer.py: cold-weight timing (the last-level cache evicted before each timed
+call), the cache size from sysfs, and one small end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from launch.bench import moe_layer
+
+
+def _cache_index(root, name: str, level: str, size: str) -> None:
+    d = root / name
+    d.mkdir()
+    (d / "level").write_text(level + "\n")
+    (d / "size").write_text(size + "\n")
+
+
+def test_llc_bytes_is_the_highest_level_in_sysfs(tmp_path) -> None:
+    _cache_index(tmp_path, "index0", "1", "48K")
+    _cache_index(tmp_path, "index2", "2", "2048K")
+    _cache_index(tmp_path, "index3", "3", "260M")
+    assert moe_layer.llc_bytes(tmp_path) == 260 * 1024**2
+    assert moe_layer.llc_bytes(tmp_path / "missing") == 0
+
+
+def test_time_call_runs_before_ahead_of_each_timed_call_and_leaves_it_untimed() -> None:
+    events: list[str] = []
+
+    def before() -> None:
+        events.append("before")
+        time.sleep(0.05)  # wall time outside the timing
+
+    cpu, wall = moe_layer.time_call(lambda: events.append("call"), min_seconds=0.0, before=before)
+    assert events == ["call", "before", "call"]  # the warm-up, then one evicted, timed call
+    assert wall < 0.05 and cpu < 0.05
+
+
+def test_evictor_reads_at_least_twice_the_llc() -> None:
+    evict = moe_layer.CacheEvictor()
+    assert evict.buffer.nbytes >= max(2 * moe_layer.llc_bytes(), 64 * 1024**2)
+    evict()
+
+
+@pytest.mark.slow
+def test_one_small_cell_end_to_end(tmp_path, capsys) -> None:
+    out = tmp_path / "cells.json"
+    rc = moe_layer.main(["--shapes", "mixtral", "--tokens", "1", "--impls", "ours", "--min-seconds", "0",
+                         "--json", str(out)])
+    assert rc == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "MiB read before each timed call (cold weights)" in header
+    report = json.loads(out.read_text())
+    assert report["cold_weights"] is True and report["bf16_dot_rate"] >= 0.0
+    (cell,) = report["cells"]
+    assert cell["shape"] == "mixtral" and cell["tokens"] == 1 and cell["cpu_ms"] > 0 and cell["roofline_ms"] > 0
