@@ -167,7 +167,7 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5)
         packed = kernels.pack_linear(b)
         x = a[:96].contiguous()
         seconds = best_call_seconds(lambda: kernels.linear_forward(x, packed), repeats=repeats)
-        rates["linear kernel"] = 2 * 96 * size * size / seconds
+        rates[f"linear kernel, isa {kernels.isa()}"] = 2 * 96 * size * size / seconds
     name = max(rates, key=rates.__getitem__)
     return rates[name], name
 
