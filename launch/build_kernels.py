@@ -31,5 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: building the CPU expert kernel failed: {lines[-1] if lines else type(e).__name__}",
               file=sys.stderr)
         return 1
-    print(f"moe kernels: {directory} (isa {kernels.isa()}, {time.perf_counter() - started:.1f} s)")
+    rate = kernels.agree_bf16_dot_rate()  # probed once here, kept for every later process
+    kernels.select_isa_from_env()
+    dot = f", bf16 dot product at {rate:.2f}x the fp32 FMA rate" if rate else ""
+    print(f"moe kernels: {directory} (isa {kernels.isa()}{dot}, {time.perf_counter() - started:.1f} s)")
     return 0

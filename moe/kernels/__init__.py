@@ -38,9 +38,10 @@ torch version, Python version and machine; ``MOE_KERNEL_CACHE`` overrides the di
 and ``MOE_CPU_KERNEL=0`` turns the kernel off (``MOE_KERNEL_ISA=avx512`` etc. picks an instruction
 set for the process, for A/B runs). The instruction set (AVX512-BF16, AVX-512,
 AVX2+FMA or baseline) is chosen from cpuid when the library loads: one build runs on any x86-64
-CPU. AVX512-BF16 is chosen only where a ~2 ms probe at load finds its dot product faster than the
+CPU. AVX512-BF16 is chosen only where a ~1 ms probe finds its dot product at least as fast as the
 fp32 FMA (``bf16_dot_rate``: ~2x on AMD Zen 4/5, ~0.5x on Intel cores without AMX, whose
-oneDNN bf16 GEMMs are then slower than fp32 ones too). On it, bf16 rows against bf16 weights run on
+oneDNN bf16 GEMMs are then slower than fp32 ones too); the first process on a CPU probes and keeps
+the rate beside the build, so every process of the machine picks the same tiles. On it, bf16 rows against bf16 weights run on
 the dot product (``dot_body.h``):
 the SwiGLU activations between the two projections are then rounded to bf16, as the bf16
 PyTorch path rounds them; elsewhere rows widen to fp32 and stay fp32 inside the op.
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -421,8 +423,8 @@ def prefers_library_gemm(dtype: torch.dtype, mean_rows: float) -> bool:
 
 def bf16_dot_rate() -> float:
     """The AVX512-BF16 dot product's flop rate over the fp32 FMA's on this core (both on 512-bit
-    registers), probed once per process by the loaded kernel; 0.0 where the CPU lacks the dot
-    product, or the kernel is not loaded."""
+    registers), probed by the first process on this CPU (``agree_bf16_dot_rate``); 0.0 where the
+    CPU lacks the dot product, or the kernel is not loaded."""
     if not is_available():
         return 0.0
     return float(torch.ops.moe_kernels.bf16_dot_rate())
@@ -502,8 +504,55 @@ def is_available() -> bool:
         log.warning("moe.kernels: CPU expert kernel unavailable, using the PyTorch path (%s)",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return False
+    agree_bf16_dot_rate()
     select_isa_from_env()
     return True
+
+
+DOT_RATE_FILE = "bf16_dot_rate.json"
+
+
+def cpu_signature() -> str:
+    """This CPU's model and feature flags (/proc/cpuinfo's first processor), hashed: machines that
+    share it share the probe's answer."""
+    fields = {"model name", "cpu family", "model", "stepping", "flags"}
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key = line.split(":", 1)[0].strip()
+                if key in fields:
+                    lines.append(line.strip())
+    except OSError:
+        pass
+    text = "\n".join(lines) or f"{platform.machine()} {platform.processor()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def agree_bf16_dot_rate() -> float:
+    """The bf16 dot rate this process picks its tiles by: the one the first process on this CPU
+    probed, read from the kernel's cache folder (keyed by ``cpu_signature``), else probed now and
+    written there. A rate near 1.0 could otherwise pick the dot tiles in one process and the FMA
+    tiles in another (their bf16 results differ in the last bits), e.g. the driver and its Ray
+    workers. An unwritable cache keeps the probe of this process."""
+    path = cache_dir() / DOT_RATE_FILE
+    signature = cpu_signature()
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("cpu") == signature and isinstance(saved.get("rate"), (int, float)):
+            return float(torch.ops.moe_kernels.set_bf16_dot_rate(float(saved["rate"])))
+    except (OSError, ValueError, AttributeError):
+        pass
+    rate = float(torch.ops.moe_kernels.bf16_dot_rate())
+    try:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"cpu": signature, "rate": rate}) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("moe.kernels: bf16 dot rate not saved (%s)", e)
+    return rate
 
 
 def select_isa_from_env() -> str:

@@ -314,15 +314,31 @@ static bool cpu_has(const std::string& name) {
   return name == "generic";
 }
 
-// The bf16 dot product's flop rate over the fp32 FMA's on this core, measured once per process
-// (dot_body.h); 0 where the CPU has no AVX512-BF16.
-double bf16_dot_rate() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const double rate = cpu_has("avx512bf16") ? avx512bf16::dot_to_fma_rate() : 0.0;
+// The bf16 dot product's flop rate over the fp32 FMA's on this core: probed on first use
+// (dot_body.h) unless set_bf16_dot_rate gave one; 0 where the CPU has no AVX512-BF16.
+static double& dot_rate_slot() {
+  static double rate = -1.0;  // < 0: not known yet
   return rate;
+}
+
+double bf16_dot_rate() {
+  double& rate = dot_rate_slot();
+  if (rate < 0) {
+#if defined(__x86_64__) || defined(__i386__)
+    rate = cpu_has("avx512bf16") ? avx512bf16::dot_to_fma_rate() : 0.0;
 #else
-  return 0.0;
+    rate = 0.0;
 #endif
+  }
+  return rate;
+}
+
+// Uses `rate` (one probed earlier on this CPU, so that every process of a machine picks the same
+// tiles) instead of probing; a negative rate forgets it (the next use probes). Returns the rate now
+// in force (0 where the CPU has no AVX512-BF16). Call before the instruction set is picked.
+double set_bf16_dot_rate(double rate) {
+  dot_rate_slot() = rate < 0 ? -1.0 : cpu_has("avx512bf16") ? rate : 0.0;
+  return rate < 0 ? rate : dot_rate_slot();
 }
 
 // The fastest instruction set this CPU runs: the dot tiles only where the dot product out-runs the
@@ -1228,6 +1244,7 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
   m.def("bf16_dot_rate() -> float", &moe_kernels::bf16_dot_rate);
+  m.def("set_bf16_dot_rate(float rate) -> float", &moe_kernels::set_bf16_dot_rate);
 }
 
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {

@@ -7,6 +7,7 @@ many, slots nobody routes to, bf16 and fp32, and every instruction set this CPU 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -415,3 +416,35 @@ def test_bf16_library_gemm_only_where_bf16_products_are_fast(monkeypatch: pytest
     assert kernels.prefers_library_gemm(torch.bfloat16, rows - 1) is False
     monkeypatch.setattr(kernels, "has_fast_bf16_gemm", lambda: False)
     assert kernels.prefers_library_gemm(torch.bfloat16, rows) is False
+
+
+def test_every_process_on_a_cpu_takes_the_first_probe(kernel_isas: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path) -> None:
+    """The probed rate is kept beside the build, keyed by the CPU: a later process (a Ray worker of
+    the same machine) picks its tiles by that rate, not by a probe of its own that could land on
+    the other side of 1.0; another CPU's entry is replaced, and an unwritable cache is no error."""
+    probed = kernels.bf16_dot_rate()
+    has_dot = "avx512bf16" in kernel_isas
+    saved = tmp_path / kernels.DOT_RATE_FILE
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
+    try:
+        assert kernels.agree_bf16_dot_rate() == probed  # first process: probes and writes
+        assert json.loads(saved.read_text()) == {"cpu": kernels.cpu_signature(), "rate": probed}
+
+        saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": 3.0}))
+        assert kernels.agree_bf16_dot_rate() == (3.0 if has_dot else 0.0)
+        assert kernels.bf16_dot_rate() == (3.0 if has_dot else 0.0)
+        assert kernels.select_isa("auto") == ("avx512bf16" if has_dot else kernel_isas[-1])
+
+        torch.ops.moe_kernels.set_bf16_dot_rate(-1.0)  # forget: the next use probes again
+        saved.write_text(json.dumps({"cpu": "another cpu", "rate": 3.0}))
+        rate = kernels.agree_bf16_dot_rate()
+        assert (0.1 < rate < 10.0) if has_dot else rate == 0.0
+        assert json.loads(saved.read_text())["cpu"] == kernels.cpu_signature()
+
+        (tmp_path / "a_file").write_text("")
+        monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path / "a_file" / "below")
+        assert kernels.agree_bf16_dot_rate() == rate
+    finally:
+        torch.ops.moe_kernels.set_bf16_dot_rate(probed)
+        kernels.select_isa("auto")
