@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: building the CPU expert kernel failed: {lines[-1] if lines else type(e).__name__}",
               file=sys.stderr)
         return 1
-    rate = kernels.agree_bf16_dot_rate()  # probed once here, kept for every later process
-    kernels.select_isa_from_env()
+    isa, rate = kernels.settle_isa()  # the dot rate probed once here, kept for every later process
     dot = f", bf16 dot product at {rate:.2f}x the fp32 FMA rate" if rate else ""
-    print(f"moe kernels: {directory} (isa {kernels.isa()}{dot}, {time.perf_counter() - started:.1f} s)")
+    print(f"moe kernels: {directory} (isa {isa}{dot}, {time.perf_counter() - started:.1f} s)")
     return 0

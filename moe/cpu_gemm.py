@@ -21,35 +21,33 @@ from collections.abc import Iterator
 import torch
 
 
-@functools.cache
-def has_fast_bf16_gemv() -> bool:
-    """Whether this CPU has the AVX512-BF16 instructions PyTorch's native bf16 GEMV uses."""
+def _cpu_has(feature: str) -> bool:
+    """Whether PyTorch's CPU capability report lists ``feature`` (False on an older torch without it)."""
     try:
         capability = torch._C._cpu._get_cpu_capability()
-    except (AttributeError, RuntimeError):  # older torch: keep oneDNN everywhere
+    except (AttributeError, RuntimeError):
         return False
-    return bool(capability.get("avx512_bf16", False))
+    return bool(capability.get(feature, False))
+
+
+@functools.cache
+def has_fast_bf16_gemv() -> bool:
+    """Whether this CPU has the AVX512-BF16 instructions PyTorch's native bf16 GEMV uses (an older
+    torch: no, keep oneDNN everywhere)."""
+    return _cpu_has("avx512_bf16")
 
 
 @functools.cache
 def has_fast_bf16_gemm() -> bool:
     """Whether oneDNN has native bf16 GEMMs here (AVX512-BF16 or AMX); without them PyTorch's bf16
     matmul on CPU converts element by element (about 1 GFLOP/s on an AVX2 Zen 3 core)."""
-    try:
-        capability = torch._C._cpu._get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        return False
-    return bool(capability.get("avx512_bf16", False) or capability.get("amx_bf16", False))
+    return _cpu_has("avx512_bf16") or _cpu_has("amx_bf16")
 
 
 @functools.cache
 def has_amx_bf16() -> bool:
     """Whether this CPU has AMX's bf16 tiles (oneDNN's bf16 GEMMs then outrun fp32 ones)."""
-    try:
-        capability = torch._C._cpu._get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        return False
-    return bool(capability.get("amx_bf16", False))
+    return _cpu_has("amx_bf16")
 
 
 def use_native_gemv(dtype: torch.dtype, device: torch.device | str) -> bool:

@@ -504,9 +504,16 @@ def is_available() -> bool:
         log.warning("moe.kernels: CPU expert kernel unavailable, using the PyTorch path (%s)",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return False
-    agree_bf16_dot_rate()
-    select_isa_from_env()
+    settle_isa()
     return True
+
+
+def settle_isa() -> tuple[str, float]:
+    """After the build loaded: take this CPU's agreed bf16 dot rate (``agree_bf16_dot_rate``), then
+    select the instruction set ``$MOE_KERNEL_ISA`` names or the fastest by that rate. Returns (the
+    instruction set, the rate)."""
+    rate = agree_bf16_dot_rate()
+    return select_isa_from_env(), rate
 
 
 DOT_RATE_FILE = "bf16_dot_rate.json"

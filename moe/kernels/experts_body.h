@@ -159,8 +159,8 @@ static void tile_rows(int64_t rows, const float* x, int64_t ldx, const WT* w, in
 // Two neighbouring column blocks per tile (w and w + w_stride), for AVX-512's 32 registers: each
 // broadcast row element feeds both blocks' FMAs, so a tile issues half the loads per FMA of the
 // one-block tile and keeps 2R accumulator chains (the one-block 8-row tile's 8 chains, each taking
-// a k pair's two FMAs in turn, just cover two FMA pipes of latency 4: 0.5 of the FMA peak on an
-// Intel core). Each accumulator sums over k in the one-block tile's order (its 8-row tile has a
+// a k pair's two FMAs in turn, just cover two FMA pipes of latency 4, with a broadcast load per
+// FMA). Each accumulator sums over k in the one-block tile's order (its 8-row tile has a
 // single partial sum), so the two give the same values.
 constexpr bool PAIR_TILES = MOE_W == 16;
 constexpr int PAIR_TILE_ROWS = 12;  // 24 accumulators + 4 weight vectors + the pair mask
@@ -217,17 +217,21 @@ static inline void tile2(const float* __restrict x, int64_t ldx, const WT* __res
 
 static inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
+// Rows of the next register tile of at most tr rows when `left` rows remain: the last two tiles
+// split their rows evenly (8 rows at 6 per tile: 4 + 4, not 6 + 2), as a tile of few rows streams
+// the whole block for little work.
+static inline int64_t next_tile_rows(int64_t left, int64_t tr) {
+  return left <= tr ? left : left < 2 * tr ? (left + 1) / 2 : tr;
+}
+
 // Runs the register tiles over rows [0, n) of x ([n, K] fp32) against one [K][16] block and hands
 // each row's 16 accumulated columns to the work item's epilogue: epilogue(row, acc[16]).
-// The last two tiles split their rows evenly (8 rows at 6 per tile: 4 + 4, not 6 + 2): a tile of few
-// rows streams the whole block for little work.
 template <typename WT, typename Epilogue>
 static inline void tiles_over_rows(const float* x, int64_t n, int64_t K, const WT* w, Epilogue&& epilogue) {
   constexpr int64_t TR = tile_rows_of<WT>();
   alignas(64) float buf[TR * 16];
   for (int64_t r0 = 0, rows; r0 < n; r0 += rows) {
-    const int64_t left = n - r0;
-    rows = left <= TR ? left : left < 2 * TR ? (left + 1) / 2 : TR;
+    rows = next_tile_rows(n - r0, TR);
     tile_rows(rows, x + r0 * K, K, w, K, buf);
     for (int64_t r = 0; r < rows; ++r) epilogue(r0 + r, buf + r * 16);
   }
@@ -244,8 +248,7 @@ static inline void tiles_over_rows_nb(const float* x, int64_t n, int64_t K, cons
       constexpr int64_t TR = PAIR_TILE_ROWS;
       alignas(64) float buf[TR * 32];
       for (int64_t r0 = 0, rows; r0 < n; r0 += rows) {
-        const int64_t left = n - r0;
-        rows = left <= TR ? left : left < 2 * TR ? (left + 1) / 2 : TR;
+        rows = next_tile_rows(n - r0, TR);
         with_row_count<PAIR_TILE_ROWS>(
             rows, [&](auto r) { tile2<decltype(r)::value>(x + r0 * K, K, w, w_stride, K, buf); });
         for (int64_t r = 0; r < rows; ++r) epilogue(r0 + r, 0, buf + r * 32), epilogue(r0 + r, 1, buf + r * 32 + 16);

@@ -335,10 +335,10 @@ double bf16_dot_rate() {
 
 // Uses `rate` (one probed earlier on this CPU, so that every process of a machine picks the same
 // tiles) instead of probing; a negative rate forgets it (the next use probes). Returns the rate now
-// in force (0 where the CPU has no AVX512-BF16). Call before the instruction set is picked.
+// in force (0 where the CPU has no AVX512-BF16; -1 when forgotten). Call before the instruction set
+// is picked.
 double set_bf16_dot_rate(double rate) {
-  dot_rate_slot() = rate < 0 ? -1.0 : cpu_has("avx512bf16") ? rate : 0.0;
-  return rate < 0 ? rate : dot_rate_slot();
+  return dot_rate_slot() = rate < 0 ? -1.0 : cpu_has("avx512bf16") ? rate : 0.0;
 }
 
 // The fastest instruction set this CPU runs: the dot tiles only where the dot product out-runs the
