@@ -242,10 +242,178 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
   }
 }
 
+// ---- Heads in lanes: an item of hh >= MOE_W / 2 query heads takes them MOE_W at a time, one head
+// per vector lane (the heads share every key row: MLA's latent, a GQA group). Same three passes,
+// each lane-wise, so nothing is summed across lanes:
+//   pass 1: s[t][lane] = sum_c qt[c][lane] * key[t][c]: each key element is broadcast into one FMA
+//     that adds to every head (qt: the chunk's queries transposed once, [dk][MOE_W]);
+//   pass 2: the softmax of attn_softmax per lane, over the tokens;
+//   pass 3: ot[c][lane] = sum_t p[t][lane] * value[t][c], each value element broadcast likewise;
+//     ot is transposed into o at the end.
+// Values equal the row path's up to the order of the fp32 sums.
+constexpr int64_t LANE_SCORE_TOKENS = MOE_W == 16 ? 12 : 8;  // accumulators: >= 8 FMA chains
+constexpr int64_t LANE_PV_COLUMNS = MOE_W == 16 ? 16 : 8;
+
+// s[t * MOE_W : + MOE_W] = sum_c qt[c * MOE_W : + MOE_W] * k[t * ldk + c] for TT key rows.
+template <int TT>
+static inline void lanes_scores_tile(const float* __restrict qt, const float* __restrict k, int64_t ldk, int64_t dk,
+                                     float* __restrict s) {
+  vf acc[TT];
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) acc[t] = vzero();
+  for (int64_t c = 0; c < dk; ++c) {
+    const vf qv = vload(qt + c * MOE_W);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) acc[t] = vfma(vbroadcast(k + t * ldk + c), qv, acc[t]);
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) vstore(s + t * MOE_W, acc[t]);
+}
+
+// Scores of key rows [0, n) (row t at k + t * ldk) into s [n][MOE_W], in register tiles.
+static inline void lanes_scores(const float* qt, const float* k, int64_t ldk, int64_t dk, int64_t n, float* s) {
+  for (int64_t t = 0, rows; t < n; t += rows) {
+    rows = next_tile_rows(n - t, LANE_SCORE_TOKENS);
+    with_row_count<LANE_SCORE_TOKENS>(rows, [&](auto r) {
+      lanes_scores_tile<decltype(r)::value>(qt, k + t * ldk, ldk, dk, s + t * MOE_W);
+    });
+  }
+}
+
+typedef uint32_t vxu __attribute__((vector_size(MOE_W * 4)));
+
+// round_bf16_inplace's arithmetic on every lane.
+static inline vxf round_bf16_v(vxf x) {
+  vxu u;
+  std::memcpy(&u, &x, sizeof(u));
+  const vxu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const vxu nan = (vxu)((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  const vxu r = (rounded & ~nan) | (nan & 0x7fc00000u);
+  std::memcpy(&x, &r, sizeof(x));
+  return x;
+}
+
+// s [L][MOE_W] -> per lane, attn_softmax over the L tokens (bf16 roundings when round_half).
+static inline void lanes_softmax(float* s, int64_t L, float scale, bool round_half) {
+  vxf x, mv;
+  std::memcpy(&mv, s, sizeof(mv));
+  if (round_half) mv = round_bf16_v(mv);
+  for (int64_t t = 0; t < L; ++t) {
+    std::memcpy(&x, s + t * MOE_W, sizeof(x));
+    if (round_half) x = round_bf16_v(x), std::memcpy(s + t * MOE_W, &x, sizeof(x));
+    mv = x > mv ? x : mv;
+  }
+  const vxf m = mv * scale;
+  vxf sum = m - m;
+  for (int64_t t = 0; t < L; ++t) {
+    std::memcpy(&x, s + t * MOE_W, sizeof(x));
+    x = exp_nonpositive_v(x * scale - m);
+    std::memcpy(s + t * MOE_W, &x, sizeof(x));
+    sum += x;
+  }
+  const vxf inv = 1.f / sum;
+  for (int64_t t = 0; t < L; ++t) {
+    std::memcpy(&x, s + t * MOE_W, sizeof(x));
+    x *= inv;
+    if (round_half) x = round_bf16_v(x);
+    std::memcpy(s + t * MOE_W, &x, sizeof(x));
+  }
+}
+
+// ot[c * MOE_W : + MOE_W] += sum_{t < T} p[t * MOE_W : + MOE_W] * v[t * ldv + c] for the NC columns
+// [c0, c0 + NC).
+template <int NC>
+static inline void lanes_pv_tile(const float* __restrict p, int64_t T, const float* __restrict v, int64_t ldv,
+                                 int64_t c0, float* __restrict ot) {
+  vf acc[NC];
+#pragma GCC unroll 16
+  for (int j = 0; j < NC; ++j) acc[j] = vload(ot + (c0 + j) * MOE_W);
+  for (int64_t t = 0; t < T; ++t) {
+    const vf pv = vload(p + t * MOE_W);
+#pragma GCC unroll 16
+    for (int j = 0; j < NC; ++j) acc[j] = vfma(vbroadcast(v + t * ldv + c0 + j), pv, acc[j]);
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NC; ++j) vstore(ot + (c0 + j) * MOE_W, acc[j]);
+}
+
+static inline void lanes_pv(const float* p, int64_t T, const float* v, int64_t ldv, int64_t dv, float* ot) {
+  int64_t c = 0;
+  for (; c + LANE_PV_COLUMNS <= dv; c += LANE_PV_COLUMNS) lanes_pv_tile<LANE_PV_COLUMNS>(p, T, v, ldv, c, ot);
+  for (; c + 4 <= dv; c += 4) lanes_pv_tile<4>(p, T, v, ldv, c, ot);
+  for (; c < dv; ++c) lanes_pv_tile<1>(p, T, v, ldv, c, ot);
+}
+
+// paged_decode_item with the heads in lanes (hh >= MOE_W / 2). Scratch: scores [chunks][L][MOE_W]
+// (chunks = hh rounded up to MOE_W, / MOE_W); lanes [chunks][dk + dv][MOE_W] (the transposed
+// queries, then the transposed outputs); kbuf and vbuf as paged_decode_item's.
+template <typename PT>
+static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64_t S, const PagedHead& head,
+                               const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
+                               float* lanes, float* kbuf, float* vbuf, float* o) {
+  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv, stride = head.token_stride;
+  const int64_t chunks = (hh + MOE_W - 1) / MOE_W, per_chunk = (dk + dv) * MOE_W;
+  const bool keep = sizeof(PT) == 2 && head.v_off == head.k_off &&
+                    L * dk * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
+  for (int64_t ch = 0; ch < chunks; ++ch) {  // qt [dk][MOE_W], zero lanes past hh; ot zeroed
+    float* qt = lanes + ch * per_chunk;
+    const int64_t hc = std::min<int64_t>(MOE_W, hh - ch * MOE_W);
+    std::fill(qt, qt + per_chunk, 0.f);
+    for (int64_t h = 0; h < hc; ++h)
+      for (int64_t c = 0; c < dk; ++c) qt[c * MOE_W + h] = q[(ch * MOE_W + h) * dk + c];
+  }
+  // pass 1, each block converted once for every chunk while the next one is fetched
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t rows = std::min(S, L - blk * S);
+    if (blk + 1 < nblocks)
+      prefetch_rows(pool + table[blk + 1] * S * stride + head.k_off, std::min(S, L - (blk + 1) * S), dk, stride);
+    const float* k;
+    const int64_t ldk = rows_f32(pool + table[blk] * S * stride + head.k_off, rows, dk, stride,
+                                 keep ? kbuf + blk * S * dk : kbuf, &k);
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      lanes_scores(lanes + ch * per_chunk, k, ldk, dk, rows, scores + (ch * L + blk * S) * MOE_W);
+  }
+  for (int64_t ch = 0; ch < chunks; ++ch) lanes_softmax(scores + ch * L * MOE_W, L, scale, round_half);
+  // pass 3
+  if (keep) {
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      lanes_pv(scores + ch * L * MOE_W, L, kbuf, dk, dv, lanes + ch * per_chunk + dk * MOE_W);
+  } else {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t rows = std::min(S, L - blk * S);
+      if (blk + 1 < nblocks)
+        prefetch_rows(pool + table[blk + 1] * S * stride + head.v_off, std::min(S, L - (blk + 1) * S), dv, stride);
+      const float* v;
+      const int64_t ldv = rows_f32(pool + table[blk] * S * stride + head.v_off, rows, dv, stride, vbuf, &v);
+      for (int64_t ch = 0; ch < chunks; ++ch)
+        lanes_pv(scores + (ch * L + blk * S) * MOE_W, rows, v, ldv, dv, lanes + ch * per_chunk + dk * MOE_W);
+    }
+  }
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const float* ot = lanes + ch * per_chunk + dk * MOE_W;
+    const int64_t hc = std::min<int64_t>(MOE_W, hh - ch * MOE_W);
+    for (int64_t h = 0; h < hc; ++h)
+      for (int64_t c = 0; c < dv; ++c) o[(ch * MOE_W + h) * dv + c] = ot[c * MOE_W + h];
+  }
+}
+
+// Items of at least this many heads take the lanes (fewer leave most lanes idle: the row path's
+// full-width dot products win there).
+constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
+
 struct AttentionKernels {
   static void decode(bool bf16_pool, const float* q, int64_t hh, const void* pool, int64_t S, const PagedHead& head,
-                     const int64_t* table, int64_t L, float scale, bool round_half, float* scores, float* kbuf,
-                     float* vbuf, float* o) {
+                     const int64_t* table, int64_t L, float scale, bool round_half, float* scores, float* lanes,
+                     float* kbuf, float* vbuf, float* o) {
+    if (hh >= LANE_MIN_HEADS) {
+      if (bf16_pool)
+        paged_decode_lanes(q, hh, static_cast<const uint16_t*>(pool), S, head, table, L, scale, round_half, scores,
+                           lanes, kbuf, vbuf, o);
+      else
+        paged_decode_lanes(q, hh, static_cast<const float*>(pool), S, head, table, L, scale, round_half, scores,
+                           lanes, kbuf, vbuf, o);
+      return;
+    }
     if (bf16_pool)
       paged_decode_item(q, hh, static_cast<const uint16_t*>(pool), S, head, table, L, scale, round_half, scores, kbuf,
                         vbuf, o);

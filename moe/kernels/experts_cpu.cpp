@@ -258,7 +258,7 @@ using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, int,
                           int64_t);
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
-                             int64_t, float, bool, float*, float*, float*, float*);
+                             int64_t, float, bool, float*, float*, float*, float*, float*);
 using GateUpDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, uint16_t*, int64_t);
 template <typename OT>
 using DownDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, const float*, OT*,
@@ -755,11 +755,15 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const int64_t num_items = B * num_kv_heads * groups;
   for_each_claimed(num_items, [&](auto& claim) {
     // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block;
-    // the dot path instead keeps scores [L, DOT_HEAD_LANES], the query pairs and bf16 probability
-    // pairs ([(dk + 1) / 2 + (L + 1) / 2, DOT_HEAD_LANES] pairs) and the key / value row pointers
+    // scores [L] per head, in lane chunks of up to 16 heads ([chunks][L][lanes]), and the chunks'
+    // transposed queries and outputs (lanes: [chunks][dk + dv][lanes]); the dot path instead keeps
+    // scores [L, DOT_HEAD_LANES], the query pairs and bf16 probability pairs ([(dk + 1) / 2 + (L + 1)
+    // / 2, DOT_HEAD_LANES] pairs) and the key / value row pointers
     const int64_t keep_len = std::min(max_len, MLA_KEEP_BYTES / (dk * static_cast<int64_t>(sizeof(float))));
-    std::vector<float> scores((dot ? DOT_HEAD_LANES : per_group) * max_len),
-        kbuf(dot ? 0 : std::max(S, (keep_len + S - 1) / S * S) * dk), vbuf(dot ? 0 : S * dv), o(per_group * dv);
+    const int64_t lane_heads = (per_group + DOT_HEAD_LANES - 1) / DOT_HEAD_LANES * DOT_HEAD_LANES;
+    std::vector<float> scores((dot ? DOT_HEAD_LANES : lane_heads) * max_len),
+        lanes(dot ? 0 : lane_heads * (dk + dv)), kbuf(dot ? 0 : std::max(S, (keep_len + S - 1) / S * S) * dk),
+        vbuf(dot ? 0 : S * dv), o(per_group * dv);
     std::vector<uint16_t> pbuf(dot ? DOT_HEAD_LANES * (dk + max_len + 3) : 0);
     std::vector<const uint16_t*> rows(dot ? 2 * (max_len + 1) : 0);
     for (int64_t begin, end; claim(begin, end);)
@@ -772,7 +776,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
                                lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(), o.data());
         else
           isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
-                           scores.data(), kbuf.data(), vbuf.data(), o.data());
+                           scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data());
         const int64_t first = (b * H + h0) * dv;
         for (int64_t j = 0; j < hh * dv; ++j) {
           if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);

@@ -50,8 +50,10 @@ def _random_batch(seed: int, b: int, h: int, q_width: int, pool_shape: tuple[int
 
 # (sequences, heads, value width C, rope width R, block size, pool blocks): DeepSeek-like widths, then
 # widths that are no multiple of any vector length, more heads than one vector's 16 lanes with an odd
-# key width (C + R = 25), then a single head, column and block
-CASES = [(3, 16, 256, 32, 16, 40), (5, 7, 20, 6, 4, 30), (2, 20, 21, 4, 4, 30), (1, 1, 3, 1, 2, 9)]
+# key width (C + R = 25), items of three lane chunks (16 + 16 + 8 heads at one or two threads), then
+# a single head, column and block
+CASES = [(3, 16, 256, 32, 16, 40), (5, 7, 20, 6, 4, 30), (2, 20, 21, 4, 4, 30), (4, 40, 20, 6, 4, 30),
+         (1, 1, 3, 1, 2, 9)]
 
 
 @pytest.mark.parametrize("case", CASES)
