@@ -116,6 +116,16 @@ struct DotKernels {
         _mm512_storeu_ps(reinterpret_cast<float*>(dst), v);
     });
   }
+  // down's rows added into fp32 output rows: out[out_rows[row], 16b:16b+16] += the product
+  // (rounded to fp32 first, see add_rounded16).
+  static void down_add(const uint16_t* act, int64_t n, int64_t I, const uint16_t* w, int nb, int64_t w_stride,
+                       const float* row_weight, const int64_t* out_rows, float* out, int64_t ld_out) {
+    dot_tiles_over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f)));
+      add_rounded16(out + out_rows[row] * ld_out + 16 * j, v);
+    });
+  }
   // out[row, 0:ncols] = x[row] @ block (+ bias): x [n, K] bf16; one block.
   template <typename OT>
   static void linear(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, const float* bias, int64_t ncols,

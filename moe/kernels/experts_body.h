@@ -297,6 +297,22 @@ static void down_block(const float* act, int64_t n, int64_t I, const WT* w, int 
   });
 }
 
+// down_block with each row's product added into an fp32 output row instead: out[out_rows[row],
+// 16b:16b+16] += row_weight[row] * (act[row] @ block), the product rounded to fp32 before the add
+// (add_rounded16), so the sums are those of writing the rows out and adding them afterwards.
+template <typename WT>
+static void down_add_block(const float* act, int64_t n, int64_t I, const WT* w, int nb, int64_t w_stride,
+                           const float* scale, const float* row_weight, const int64_t* out_rows, float* out,
+                           int64_t ld_out) {
+  tiles_over_rows_nb(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
+    const float rw = row_weight ? row_weight[row] : 1.f;
+    const float* sc = scale ? scale + 16 * j : nullptr;
+    alignas(64) float v[16];
+    for (int c = 0; c < 16; ++c) v[c] = acc[c] * (sc ? sc[c] : 1.f) * rw;
+    add_rounded16(out + out_rows[row] * ld_out + 16 * j, v);
+  });
+}
+
 // One (group, output column blocks) work item of a plain linear: out[row, 0:ncols] = x[row] @ blocks
 // (+ bias) for rows [0, n) and nb (1 or 2) blocks w, w + w_stride (16 columns each; ncols <= 16 nb
 // of them are real, the rest zero padding). x: [n, K] fp32; bias: ncols fp32 or null; out: fp32 or
@@ -328,6 +344,16 @@ struct Kernels {
     else if (wt == W_BF16)
       down_block(act, n, I, static_cast<const uint16_t*>(w), nb, w_stride, scale, row_weight, out, ld_out);
     else down_block(act, n, I, static_cast<const int8_t*>(w), nb, w_stride, scale, row_weight, out, ld_out);
+  }
+  static void down_add(int wt, const float* act, int64_t n, int64_t I, const void* w, int nb, int64_t w_stride,
+                       const float* scale, const float* row_weight, const int64_t* out_rows, float* out,
+                       int64_t ld_out) {
+    if (wt == W_F32)
+      down_add_block(act, n, I, static_cast<const float*>(w), nb, w_stride, scale, row_weight, out_rows, out, ld_out);
+    else if (wt == W_BF16)
+      down_add_block(act, n, I, static_cast<const uint16_t*>(w), nb, w_stride, scale, row_weight, out_rows, out,
+                     ld_out);
+    else down_add_block(act, n, I, static_cast<const int8_t*>(w), nb, w_stride, scale, row_weight, out_rows, out, ld_out);
   }
   template <typename OT>
   static void linear(int wt, const float* x, int64_t n, int64_t K, const void* w, int nb, int64_t w_stride,

@@ -61,6 +61,12 @@ static inline float to_float(uint16_t h) {  // bf16 -> fp32
   return v;
 }
 static inline void store_value(float* p, float v) { *p = v; }
+// dst[0:16) += v[0:16), v's products already rounded to fp32: the compiler sees v only through
+// memory, so it cannot fuse the products into the adds (the sums a separate combine pass makes).
+static inline void add_rounded16(float* __restrict dst, float* v) {
+  asm volatile("" : : "r"(v) : "memory");
+  for (int c = 0; c < 16; ++c) dst[c] += v[c];
+}
 static inline void store_value(uint16_t* p, float v) {  // fp32 -> bf16, round to nearest even
   uint32_t u;
   std::memcpy(&u, &v, 4);
@@ -253,6 +259,8 @@ using DownF32Fn = void (*)(int, const float*, int64_t, int64_t, const void*, int
                            float*, int64_t);
 using DownBf16Fn = void (*)(int, const float*, int64_t, int64_t, const void*, int, int64_t, const float*,
                             const float*, uint16_t*, int64_t);
+using DownAddFn = void (*)(int, const float*, int64_t, int64_t, const void*, int, int64_t, const float*, const float*,
+                           const int64_t*, float*, int64_t);
 template <typename OT>
 using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, int, int64_t, const float*, int64_t, OT*,
                           int64_t);
@@ -263,6 +271,8 @@ using GateUpDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*,
 template <typename OT>
 using DownDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, const float*, OT*,
                            int64_t);
+using DownAddDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, const float*,
+                              const int64_t*, float*, int64_t);
 template <typename OT>
 using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t, OT*, int64_t);
 
@@ -275,6 +285,7 @@ struct DotIsa {
   GateUpDotFn gate_up = nullptr;
   DownDotFn<float> down_f32 = nullptr;
   DownDotFn<uint16_t> down_bf16 = nullptr;
+  DownAddDotFn down_add = nullptr;
   LinearDotFn<float> linear_f32 = nullptr;
   LinearDotFn<uint16_t> linear_bf16 = nullptr;
   PagedDecodeDotFn paged_decode = nullptr;  // bf16 queries over a bf16 cache
@@ -285,6 +296,7 @@ struct Isa {
   GateUpFn gate_up;
   DownF32Fn down_f32;
   DownBf16Fn down_bf16;
+  DownAddFn down_add;  // down_f32's rows added into fp32 output rows they name
   LinearFn<float> linear_f32;
   LinearFn<uint16_t> linear_bf16;
   PagedDecodeFn paged_decode;
@@ -299,7 +311,8 @@ struct Isa {
 
 template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
-  return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::template linear<float>,
+  return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
+             &K::template linear<float>,
              &K::template linear<uint16_t>, &M::decode, &N::rms_norm, DotIsa{}, K::pair_tiles};
 }
 
@@ -358,8 +371,8 @@ static Isa isa_by_name(const std::string& name) {
   if (name == "avx512bf16") {
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512bf16");
     using D = avx512bf16::DotKernels;
-    isa.dot = DotIsa{&D::gate_up, &D::down<float>, &D::down<uint16_t>, &D::linear<float>, &D::linear<uint16_t>,
-                     &avx512bf16::AttentionDotKernels::decode};
+    isa.dot = DotIsa{&D::gate_up, &D::down<float>, &D::down<uint16_t>, &D::down_add, &D::linear<float>,
+                     &D::linear<uint16_t>, &avx512bf16::AttentionDotKernels::decode};
     return isa;
   }
   if (name == "avx512") return make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512");
@@ -478,11 +491,13 @@ static void check_experts(const at::Tensor& x, const at::Tensor& w13p, const at:
 
 // The two phases over rows xs [N, D] grouped by slot (offsets: P + 1 row offsets): gate/up + SiLU
 // into activations, then down with the routing weight rw[n] (null: 1) and the int8 scale in the
-// epilogue, into out [N, D] (bf16 when bf16_out, else fp32). xs and the activations are bf16 on the
-// dot tiles (dot: Isa::dot_bf16 holds), else fp32.
+// epilogue, into out [N, D] (bf16 when bf16_out, else fp32); or, given out_rows ([N] row ids), each
+// row n added into fp32 row out_rows[n] of out, every output element summing its rows in row order
+// (each thread owns whole column ranges). xs and the activations are bf16 on the dot tiles (dot:
+// Isa::dot_bf16 holds), else fp32.
 static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& offsets, int64_t D,
                         const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
-                        const float* rw_ptr, bool bf16_out, void* out) {
+                        const float* rw_ptr, bool bf16_out, void* out, const int64_t* out_rows = nullptr) {
   const int64_t N = offsets.back(), nb13 = w13p.size(1), I = nb13 * 8, nb2 = w2p.size(1);
   const bool quantized = w13p.scalar_type() == at::kChar;
   const at::Tensor w13c = w13p.contiguous(), w2c = w2p.contiguous();
@@ -518,11 +533,20 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
   // Phase 2: down projection, items (expert, 16 output channels); routing weight in the epilogue.
   const std::vector<Item> down_items = work_items(offsets, nb2, pairs);
   char* out_ptr = static_cast<char*>(out);
-  for_each_item(down_items, [&](const Item& it) {
+  auto down_item = [&](const Item& it) {
     const int64_t block = it.expert * nb2 + it.block;
     const void* w = w2_ptr + block * I * 16 * esize;
     const float* sc = s2_ptr ? s2_ptr + block * 16 : nullptr;
     const float* rw = rw_ptr ? rw_ptr + it.row0 : nullptr;
+    if (out_rows) {
+      float* col = reinterpret_cast<float*>(out_ptr) + it.block * 16;
+      if (dot)
+        isa.dot.down_add(act_b + it.row0 * I, it.rows, I, static_cast<const uint16_t*>(w), it.blocks, I * 16, rw,
+                         out_rows + it.row0, col, D);
+      else
+        isa.down_add(wt, act_f + it.row0 * I, it.rows, I, w, it.blocks, I * 16, sc, rw, out_rows + it.row0, col, D);
+      return;
+    }
     const int64_t first = it.row0 * D + it.block * 16;
     uint16_t* ob = reinterpret_cast<uint16_t*>(out_ptr) + first;
     float* of = reinterpret_cast<float*>(out_ptr) + first;
@@ -536,6 +560,25 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
     } else {
       isa.down_f32(wt, act_f + it.row0 * I, it.rows, I, w, it.blocks, I * 16, sc, rw, of, D);
     }
+  };
+  if (!out_rows) {
+    for_each_item(down_items, down_item);
+    return;
+  }
+  // rows added into shared output rows: thread t takes the items of its own range of column block
+  // pairs, in item order (slot order for every output element), so no two threads touch one element
+  const int64_t units = (nb2 + 1) / 2, threads = std::min<int64_t>(at::get_num_threads(), units);
+  auto run_columns = [&](int64_t t, int64_t nt) {
+    const int64_t b0 = 2 * (units * t / nt), b1 = std::min(nb2, 2 * (units * (t + 1) / nt));
+    for (const Item& it : down_items)
+      if (it.block >= b0 && it.block < b1) down_item(it);
+  };
+  if (threads <= 1 || at::in_parallel_region()) {
+    run_columns(0, 1);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) run_columns(t, threads);
   });
 }
 
@@ -622,18 +665,8 @@ at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids,
       }
     }
   });
-  at::Tensor y = at::empty({M, D}, at::TensorOptions().dtype(at::kFloat));
-  run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, y.data_ptr());
-  // combine: rows added in slot order, per column chunk (each output element sums in row order)
-  const float* yp = y.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, D, 256, [&](int64_t c0, int64_t c1) {
-    for (int64_t r = 0; r < M; ++r) {
-      float* dst = op + token[r] * D;
-      const float* src = yp + r * D;
-      for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
-    }
-  });
+  // the down projection adds each row into its token's output row (slot order per element)
+  run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, out.data_ptr(), token.data());
   return out;
 }
 

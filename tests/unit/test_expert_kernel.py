@@ -184,6 +184,37 @@ def test_one_op_from_router_output_equals_grouping_first(kernel_isas: list[str],
     assert not experts(x, torch.full_like(ids, -1), w).any()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_op_adds_rows_into_tokens_in_slot_order_on_every_thread_count(kernel_isas: list[str],
+                                                                         threads: int) -> None:
+    """The down projection adds each row straight into its token's output row; with two threads each
+    owns a range of column blocks (D 96: three block pairs), and every element still sums its rows in
+    slot order, bit-equal to writing the rows out and adding them afterwards."""
+    experts = Experts(6, 96, 32, dtype=torch.bfloat16)
+    w13, w2 = _weights(6, 96, 32, torch.bfloat16, seed=5)
+    experts.w13.data.copy_(w13)
+    experts.w2.data.copy_(w2)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(120, 96, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(120)])  # ~60 rows per slot
+    w = torch.rand(120, 3, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name in kernel_isas:
+            kernels.select_isa(name)
+            experts.fused_topk = True
+            got = experts(x, ids, w)
+            experts.fused_topk = False
+            want = experts(x, ids, w)
+            assert got.shape == (120, 96)
+            assert torch.equal(got, want), name
+    finally:
+        torch.set_num_threads(before)
+        kernels.select_isa("auto")
+        experts.fused_topk = True
+
+
 def test_one_op_from_router_output_rejects_slots_it_does_not_host(kernel_isas: list[str]) -> None:
     packed = _module(torch.float32).packed_weights()
     with pytest.raises(RuntimeError, match="slot id 6 outside the 6 local slots"):
