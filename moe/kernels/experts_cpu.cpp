@@ -452,20 +452,25 @@ static void for_each_item(const std::vector<Item>& items, Body&& body) {
 // re-streams all its rows from L3 once per column block.
 constexpr int64_t ROW_PANEL = 96;
 
-// Rows from which a work item covers two neighbouring column blocks (each row broadcast then feeds
-// two dot products or FMAs: fewer loads per product; dot tiles 1.1x at 64-384 rows per expert on
-// Zen 5); fewer rows stream one block per item (two streams were 1.2x slower at 4 rows).
-constexpr int64_t PAIR_BLOCK_MIN_ROWS = 16;
+// Rows from which a work item covers two neighbouring column blocks. Each row broadcast then feeds
+// two dot products or FMAs (fewer loads per product; dot tiles 1.1x at 64-384 rows per expert on
+// Zen 5), and the item reads two weight streams at once, which one core fetches faster than one: on
+// the Intel box (no AMX) a prefetched read ran at 9.6-12 GB/s from one stream and 14-17 GB/s from
+// four, and Mixtral-style batch-32 decode steps (~8 rows per expert) took 0.7-0.85x the time with
+// two-block items from 8 rows on the FMA tiles. The dot tiles keep 16: two streams were 1.2x slower
+// at 4 rows on Zen 5, and 8-15 rows were not measured there.
+constexpr int64_t PAIR_BLOCK_MIN_ROWS = 8;
+constexpr int64_t DOT_PAIR_BLOCK_MIN_ROWS = 16;
 
-// Work items (expert, row panel, column blocks), column blocks innermost; with pair_blocks, panels
-// of PAIR_BLOCK_MIN_ROWS rows or more take two neighbouring blocks per item (one at the end).
-static std::vector<Item> work_items(const std::vector<int64_t>& offsets, int64_t num_blocks, bool pair_blocks = false) {
+// Work items (expert, row panel, column blocks), column blocks innermost; panels of pair_min_rows
+// rows or more (0: none) take two neighbouring blocks per item (one at the end).
+static std::vector<Item> work_items(const std::vector<int64_t>& offsets, int64_t num_blocks, int64_t pair_min_rows = 0) {
   std::vector<Item> items;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];
     for (int64_t r0 = 0; r0 < n; r0 += ROW_PANEL) {
       const int64_t rows = std::min(ROW_PANEL, n - r0);
-      const int64_t per_item = pair_blocks && rows >= PAIR_BLOCK_MIN_ROWS ? 2 : 1;
+      const int64_t per_item = pair_min_rows > 0 && rows >= pair_min_rows ? 2 : 1;
       for (int64_t b = 0; b < num_blocks; b += per_item)
         items.push_back({static_cast<int64_t>(e), b, offsets[e] + r0, rows, std::min(per_item, num_blocks - b)});
     }
@@ -518,7 +523,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
   uint16_t* act_b = dot ? reinterpret_cast<uint16_t*>(act.data_ptr()) : nullptr;
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
-  const bool pairs = dot || isa.pair_tiles;
+  const int64_t pairs = dot ? DOT_PAIR_BLOCK_MIN_ROWS : isa.pair_tiles ? PAIR_BLOCK_MIN_ROWS : 0;
   const std::vector<Item> up_items = work_items(offsets, nb13, pairs);
   for_each_item(up_items, [&](const Item& it) {
     const int64_t block = it.expert * nb13 + it.block;
