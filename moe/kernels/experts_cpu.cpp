@@ -455,9 +455,9 @@ constexpr int64_t ROW_PANEL = 96;
 // Rows from which a work item covers two neighbouring column blocks. Each row broadcast then feeds
 // two dot products or FMAs (fewer loads per product; dot tiles 1.1x at 64-384 rows per expert on
 // Zen 5), and the item reads two weight streams at once, which one core fetches faster than one: on
-// the Intel box (no AMX) a prefetched read ran at 9.6-12 GB/s from one stream and 14-17 GB/s from
-// four, and Mixtral-style batch-32 decode steps (~8 rows per expert) took 0.7-0.85x the time with
-// two-block items from 8 rows on the FMA tiles. The dot tiles keep 16: two streams were 1.2x slower
+// the Intel box (no AMX) a read prefetched 2-8 KB ahead ran at 10.8-12.0 GB/s from one stream and
+// 13.8-15.2 GB/s from two or four, and Mixtral-style batch-32 decode steps (~8 rows per expert)
+// took 0.75-0.81x the time with two-block items from 8 rows on the FMA tiles. The dot tiles keep 16: two streams were 1.2x slower
 // at 4 rows on Zen 5, and 8-15 rows were not measured there.
 constexpr int64_t PAIR_BLOCK_MIN_ROWS = 8;
 constexpr int64_t DOT_PAIR_BLOCK_MIN_ROWS = 16;
