@@ -197,6 +197,42 @@ static inline void prefetch_rows(const PT* src, int64_t rows, int64_t width, int
   }
 }
 
+// Whether an item converts its sequence's rows once for both passes: a bf16 MLA cache (the values
+// are the key rows) of at most MLA_KEEP_BYTES in fp32.
+template <typename PT>
+static inline bool keeps_rows(const PagedHead& head, int64_t L) {
+  return sizeof(PT) == 2 && head.v_off == head.k_off &&
+         L * head.dk * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
+}
+
+// Block blk's key rows as fp32, with the next block's asked for first: converted into kbuf at the
+// block's place when keep, else at kbuf's start (an fp32 pool's rows are used in place). Returns
+// their stride; *k the rows.
+template <typename PT>
+static inline int64_t key_block(const PT* pool, int64_t S, const PagedHead& head, const int64_t* table, int64_t L,
+                                int64_t blk, bool keep, float* kbuf, const float** k) {
+  const int64_t stride = head.token_stride, dk = head.dk;
+  if ((blk + 1) * S < L)
+    prefetch_rows(pool + table[blk + 1] * S * stride + head.k_off, std::min(S, L - (blk + 1) * S), dk, stride);
+  return rows_f32(pool + table[blk] * S * stride + head.k_off, std::min(S, L - blk * S), dk, stride,
+                  keep ? kbuf + blk * S * dk : kbuf, k);
+}
+
+// Block blk's value rows as fp32: the kept key rows, else converted into vbuf with the next
+// block's asked for first. Returns their stride; *v the rows.
+template <typename PT>
+static inline int64_t value_block(const PT* pool, int64_t S, const PagedHead& head, const int64_t* table, int64_t L,
+                                  int64_t blk, bool keep, const float* kbuf, float* vbuf, const float** v) {
+  const int64_t stride = head.token_stride, dv = head.dv;
+  if (keep) {
+    *v = kbuf + blk * S * head.dk;
+    return head.dk;
+  }
+  if ((blk + 1) * S < L)
+    prefetch_rows(pool + table[blk + 1] * S * stride + head.v_off, std::min(S, L - (blk + 1) * S), dv, stride);
+  return rows_f32(pool + table[blk] * S * stride + head.v_off, std::min(S, L - blk * S), dv, stride, vbuf, v);
+}
+
 // One work item: query heads [0, hh) of one sequence against one kv head. q: [hh, dk] fp32 rows;
 // pool: one layer's cache, S tokens per block; table: the sequence's block ids; L: its context
 // length. scores: [hh, L]; kbuf: [max(S, L'), dk] fp32 scratch (L' = L rounded up to S when the
@@ -206,16 +242,12 @@ template <typename PT>
 static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_t S, const PagedHead& head,
                               const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
                               float* kbuf, float* vbuf, float* o) {
-  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv, stride = head.token_stride;
-  const bool keep = sizeof(PT) == 2 && head.v_off == head.k_off &&
-                    L * dk * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
+  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv;
+  const bool keep = keeps_rows<PT>(head, L);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
-    if (blk + 1 < nblocks)
-      prefetch_rows(pool + table[blk + 1] * S * stride + head.k_off, std::min(S, L - (blk + 1) * S), dk, stride);
     const float* k;
-    const int64_t ldk = rows_f32(pool + table[blk] * S * stride + head.k_off, rows, dk, stride,
-                                 keep ? kbuf + blk * S * dk : kbuf, &k);
+    const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k);
     int64_t t = 0;
     for (; t + 3 <= rows; t += 3) attn_dot_heads<3>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
     for (; t < rows; ++t) attn_dot_heads<1>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
@@ -224,10 +256,8 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
   std::fill(o, o + hh * dv, 0.f);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
-    if (!keep && blk + 1 < nblocks)
-      prefetch_rows(pool + table[blk + 1] * S * stride + head.v_off, std::min(S, L - (blk + 1) * S), dv, stride);
-    const float* v = kbuf + blk * S * dk;
-    const int64_t ldv = keep ? dk : rows_f32(pool + table[blk] * S * stride + head.v_off, rows, dv, stride, vbuf, &v);
+    const float* v;
+    const int64_t ldv = value_block(pool, S, head, table, L, blk, keep, kbuf, vbuf, &v);
     const float* p = scores + blk * S;
     int64_t h = 0;
     for (; h + 6 <= hh; h += 6) attn_pv_columns<6>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv);
@@ -351,10 +381,9 @@ template <typename PT>
 static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64_t S, const PagedHead& head,
                                const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
                                float* lanes, float* kbuf, float* vbuf, float* o) {
-  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv, stride = head.token_stride;
+  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv;
   const int64_t chunks = (hh + MOE_W - 1) / MOE_W, per_chunk = (dk + dv) * MOE_W;
-  const bool keep = sizeof(PT) == 2 && head.v_off == head.k_off &&
-                    L * dk * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
+  const bool keep = keeps_rows<PT>(head, L);
   for (int64_t ch = 0; ch < chunks; ++ch) {  // qt [dk][MOE_W], zero lanes past hh; ot zeroed
     float* qt = lanes + ch * per_chunk;
     const int64_t hc = std::min<int64_t>(MOE_W, hh - ch * MOE_W);
@@ -365,11 +394,8 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
   // pass 1, each block converted once for every chunk while the next one is fetched
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
-    if (blk + 1 < nblocks)
-      prefetch_rows(pool + table[blk + 1] * S * stride + head.k_off, std::min(S, L - (blk + 1) * S), dk, stride);
     const float* k;
-    const int64_t ldk = rows_f32(pool + table[blk] * S * stride + head.k_off, rows, dk, stride,
-                                 keep ? kbuf + blk * S * dk : kbuf, &k);
+    const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k);
     for (int64_t ch = 0; ch < chunks; ++ch)
       lanes_scores(lanes + ch * per_chunk, k, ldk, dk, rows, scores + (ch * L + blk * S) * MOE_W);
   }
@@ -381,10 +407,8 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
   } else {
     for (int64_t blk = 0; blk < nblocks; ++blk) {
       const int64_t rows = std::min(S, L - blk * S);
-      if (blk + 1 < nblocks)
-        prefetch_rows(pool + table[blk + 1] * S * stride + head.v_off, std::min(S, L - (blk + 1) * S), dv, stride);
       const float* v;
-      const int64_t ldv = rows_f32(pool + table[blk] * S * stride + head.v_off, rows, dv, stride, vbuf, &v);
+      const int64_t ldv = value_block(pool, S, head, table, L, blk, false, kbuf, vbuf, &v);
       for (int64_t ch = 0; ch < chunks; ++ch)
         lanes_pv(scores + (ch * L + blk * S) * MOE_W, rows, v, ldv, dv, lanes + ch * per_chunk + dk * MOE_W);
     }
