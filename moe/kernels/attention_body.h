@@ -323,8 +323,9 @@ static inline vxf round_bf16_v(vxf x) {
   return x;
 }
 
-// s [L][MOE_W] -> per lane, attn_softmax over the L tokens (bf16 roundings when round_half).
-static inline void lanes_softmax(float* s, int64_t L, float scale, bool round_half) {
+// s [L][MOE_W] -> per lane, exp(round(s) * scale - the lane's max) in place (round: to bf16 when
+// round_half), attn_softmax's first two passes. Returns 1 / each lane's sum of the exponentials.
+static inline vxf lanes_exp(float* s, int64_t L, float scale, bool round_half) {
   vxf x, mv;
   std::memcpy(&mv, s, sizeof(mv));
   if (round_half) mv = round_bf16_v(mv);
@@ -341,7 +342,13 @@ static inline void lanes_softmax(float* s, int64_t L, float scale, bool round_ha
     std::memcpy(s + t * MOE_W, &x, sizeof(x));
     sum += x;
   }
-  const vxf inv = 1.f / sum;
+  return 1.f / sum;
+}
+
+// s [L][MOE_W] -> per lane, attn_softmax over the L tokens (bf16 roundings when round_half).
+static inline void lanes_softmax(float* s, int64_t L, float scale, bool round_half) {
+  const vxf inv = lanes_exp(s, L, scale, round_half);
+  vxf x;
   for (int64_t t = 0; t < L; ++t) {
     std::memcpy(&x, s + t * MOE_W, sizeof(x));
     x *= inv;

@@ -215,43 +215,24 @@ static inline void query_pairs(const uint16_t* q, int64_t hc, int64_t dk, uint32
 // Scores tile rows: 12 accumulators, a query pair vector and a broadcast within 32 registers.
 constexpr int SCORE_TILE_TOKENS = 12;
 
-// bf16 rounding (nearest even) of 16 fp32 lanes, NaN kept NaN: round_bf16_inplace's arithmetic.
+// bf16 rounding (nearest even) of 16 fp32 lanes, NaN kept NaN: the FMA path's round_bf16_v.
 static inline __m512i round_bf16_lanes(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb),
-                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
-}
-
-static inline __m512 exp_nonpositive_lanes(__m512 x) {
   avx512::vxf v;
   std::memcpy(&v, &x, sizeof(v));
-  v = avx512::exp_nonpositive_v(v);
-  std::memcpy(&x, &v, sizeof(x));
-  return x;
+  v = avx512::round_bf16_v(v);
+  __m512i r;
+  std::memcpy(&r, &v, sizeof(r));
+  return r;
 }
 
-// s [L][16] (one row of 16 head lanes per token) -> the per-lane softmax of round(s) * scale
-// (attn_softmax's arithmetic, lane-wise), rounded to bf16 and written as token pairs: p [(L + 1) /
-// 2][16] with token 2j in the low half of p[j][h] and token 2j + 1 (zero past L) in the high half.
+// s [L][16] (one row of 16 head lanes per token) -> the per-lane softmax of round(s) * scale (the
+// FMA path's lanes_exp, then the normalisation), rounded to bf16 and written as token pairs: p
+// [(L + 1) / 2][16] with token 2j in the low half of p[j][h] and token 2j + 1 (zero past L) in the
+// high half.
 static inline void attn_softmax_lanes(float* s, int64_t L, float scale, uint32_t* p) {
-  __m512 mv = _mm512_castsi512_ps(round_bf16_lanes(_mm512_loadu_ps(s)));
-  for (int64_t t = 0; t < L; ++t) {
-    const __m512 x = _mm512_castsi512_ps(round_bf16_lanes(_mm512_loadu_ps(s + t * HEAD_LANES)));
-    _mm512_storeu_ps(s + t * HEAD_LANES, x);
-    mv = _mm512_max_ps(mv, x);
-  }
-  const __m512 sc = _mm512_set1_ps(scale), m = _mm512_mul_ps(mv, sc);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
-    const __m512 e = exp_nonpositive_lanes(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + t * HEAD_LANES), sc), m));
-    _mm512_storeu_ps(s + t * HEAD_LANES, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+  const avx512::vxf inv_sums = avx512::lanes_exp(s, L, scale, true);
+  __m512 inv;
+  std::memcpy(&inv, &inv_sums, sizeof(inv));
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t j = 0; 2 * j < L; ++j) {
     const __m512i a = round_bf16_lanes(_mm512_mul_ps(_mm512_loadu_ps(s + 2 * j * HEAD_LANES), inv));

@@ -353,7 +353,9 @@ struct Kernels {
     else if (wt == W_BF16)
       down_add_block(act, n, I, static_cast<const uint16_t*>(w), nb, w_stride, scale, row_weight, out_rows, out,
                      ld_out);
-    else down_add_block(act, n, I, static_cast<const int8_t*>(w), nb, w_stride, scale, row_weight, out_rows, out, ld_out);
+    else
+      down_add_block(act, n, I, static_cast<const int8_t*>(w), nb, w_stride, scale, row_weight, out_rows, out,
+                     ld_out);
   }
   template <typename OT>
   static void linear(int wt, const float* x, int64_t n, int64_t K, const void* w, int nb, int64_t w_stride,

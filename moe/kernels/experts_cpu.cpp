@@ -312,8 +312,8 @@ struct Isa {
 template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
-             &K::template linear<float>,
-             &K::template linear<uint16_t>, &M::decode, &N::rms_norm, DotIsa{}, K::pair_tiles};
+             &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &N::rms_norm, DotIsa{},
+             K::pair_tiles};
 }
 
 static bool cpu_has(const std::string& name) {
@@ -457,14 +457,16 @@ constexpr int64_t ROW_PANEL = 96;
 // Zen 5), and the item reads two weight streams at once, which one core fetches faster than one: on
 // the Intel box (no AMX) a read prefetched 2-8 KB ahead ran at 10.8-12.0 GB/s from one stream and
 // 13.8-15.2 GB/s from two or four, and Mixtral-style batch-32 decode steps (~8 rows per expert)
-// took 0.75-0.81x the time with two-block items from 8 rows on the FMA tiles. The dot tiles keep 16: two streams were 1.2x slower
-// at 4 rows on Zen 5, and 8-15 rows were not measured there.
+// took 0.75-0.81x the time with two-block items from 8 rows on the FMA tiles. The packed linears
+// take the same threshold. The dot tiles keep 16: two streams were 1.2x slower at 4 rows on Zen 5,
+// and 8-15 rows were not measured there.
 constexpr int64_t PAIR_BLOCK_MIN_ROWS = 8;
 constexpr int64_t DOT_PAIR_BLOCK_MIN_ROWS = 16;
 
 // Work items (expert, row panel, column blocks), column blocks innermost; panels of pair_min_rows
 // rows or more (0: none) take two neighbouring blocks per item (one at the end).
-static std::vector<Item> work_items(const std::vector<int64_t>& offsets, int64_t num_blocks, int64_t pair_min_rows = 0) {
+static std::vector<Item> work_items(const std::vector<int64_t>& offsets, int64_t num_blocks,
+                                    int64_t pair_min_rows = 0) {
   std::vector<Item> items;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];
