@@ -41,10 +41,10 @@ AVX2+FMA or baseline) is chosen from cpuid when the library loads: one build run
 CPU. AVX512-BF16 is chosen only where a ~1 ms probe finds its dot product at least as fast as the
 fp32 FMA (``bf16_dot_rate``: ~2x on AMD Zen 4/5, ~0.5x on Intel cores without AMX, whose
 oneDNN bf16 GEMMs are then slower than fp32 ones too); the first process on a CPU probes and keeps
-the rate beside the build, so every process of the machine picks the same tiles. On it, bf16 rows against bf16 weights run on
-the dot product (``dot_body.h``):
-the SwiGLU activations between the two projections are then rounded to bf16, as the bf16
-PyTorch path rounds them; elsewhere rows widen to fp32 and stay fp32 inside the op.
+the rate beside the build, so every process of the machine picks the same tiles. On it, bf16 rows
+against bf16 weights run on the dot product (``dot_body.h``): the SwiGLU activations between the
+two projections are then rounded to bf16, as the bf16 PyTorch path rounds them; elsewhere rows
+widen to fp32 and stay fp32 inside the op.
 Without a compiler the model falls back to the PyTorch path after one log line.
 """
 
