@@ -171,7 +171,7 @@ class MoEModel(nn.Module):
     def set_fused_ops(self, enabled: bool) -> int:
         """Switch the small fused CPU ops on or off together (off: their PyTorch ops, the reference):
         RMSNorm, router selection, MLA's rope + latent norm + cache write, MLA's and GQA's whole
-        decode attention as one op, MLA's and GQA's paged decode attention, the routed experts straight
+        decode attention as one op, MLA's and GQA's paged decode and prefill attention, the routed experts straight
         from the router's output and the whole MoE feed-forward as one op. The GEMM kernels
         (``moe.kernels`` experts / linear) stay as they are. Returns how many modules were set."""
         count = 0
@@ -180,8 +180,9 @@ class MoEModel(nn.Module):
                 module.use_kernel = enabled
             elif isinstance(module, MLAAttention):
                 module.use_fused_rope_cache = module.use_paged_kernel = module.use_fused_decode = enabled
+                module.use_prefill_kernel = enabled
             elif isinstance(module, GQAAttention):
-                module.use_paged_kernel = module.use_fused_decode = enabled
+                module.use_paged_kernel = module.use_fused_decode = module.use_prefill_kernel = enabled
             elif isinstance(module, Experts):
                 module.fused_topk = enabled
             elif isinstance(module, MoELayer):

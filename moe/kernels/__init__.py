@@ -381,6 +381,33 @@ def gqa_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, 
     return torch.ops.moe_kernels.gqa_decode(q, pool, block_tables, context_lens, scale)
 
 
+def mla_prefill(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                query_starts: torch.Tensor, value_dim: int, scale: float) -> torch.Tensor:
+    """Causal prefill attention over per-head keys and values in blocks (MLA's naive path).
+
+    q: [T, H, dk], the new rows of B sequences: sequence b's at rows [query_starts[b],
+    query_starts[b + 1]), its last positions of context_lens[b]; kv: [N, S, H, dk + value_dim] in
+    q's dtype (float32 or bfloat16), head h's key then its value per token; block_tables: [B, nb]
+    int64; context_lens: [B] int64; query_starts: [B + 1] int64. The row at position p sees keys
+    0..p. Returns [T, H, value_dim] in q's dtype, with ``mla_decode``'s fp32 softmax and bf16
+    rounding (the masked ``moe.layers.paged.sdpa`` up to the order of fp32 sums).
+    """
+    return torch.ops.moe_kernels.mla_prefill(q, kv, block_tables, context_lens, query_starts, value_dim, scale)
+
+
+def gqa_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                query_starts: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal grouped-query prefill attention read straight from the paged cache.
+
+    q: [T, H, hd] (rows as ``mla_prefill``'s); pool: [N, S, 2, Hkv, hd] one layer's cache in q's
+    dtype (float32 or bfloat16); block_tables, context_lens, query_starts as ``mla_prefill``'s.
+    The row at position p sees keys k with p - sliding_window < k <= p (all k <= p when None).
+    Returns [T, H, hd] in q's dtype.
+    """
+    return torch.ops.moe_kernels.gqa_prefill(q, pool, block_tables, context_lens, query_starts,
+                                             sliding_window or 0, scale)
+
+
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     """Whether a product of these tensors must be differentiable: the kernels have no backward,
     so the PyTorch path runs instead (training reuses the serving layers)."""

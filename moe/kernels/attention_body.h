@@ -428,6 +428,90 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
   }
 }
 
+// ---- Prefill (several new rows of one sequence, causal) with the query rows in lanes: an item is
+// one kv head of one sequence and a group of its query heads. Its key and value rows are converted
+// to fp32 once (kbuf [L][dk], vbuf [L][dv]; MLA-style values = the key rows' first dv columns use
+// kbuf), then each tile of up to MOE_W query rows of each head runs the lanes passes over the keys
+// the tile sees. Query row i (of nq, at position pos0 + i) sees keys t <= pos0 + i and, with a
+// window w > 0, t > pos0 + i - w: the tile's keys some of its rows do not see get probability
+// exactly 0 in those lanes (their exponentials, ~1e-38 against a sum >= 1, leave the sum as it is).
+// Values equal the masked sdpa's up to the order of the fp32 sums.
+template <typename PT>
+static inline void rows_into(const PT* src, int64_t rows, int64_t width, int64_t stride, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const PT* s = src + r * stride;
+    float* d = dst + r * width;
+    if constexpr (sizeof(PT) == 4) {
+      std::memcpy(d, s, width * sizeof(float));
+    } else {
+      int64_t i = 0;
+      for (; i + MOE_W <= width; i += MOE_W) vstore(d + i, vload(s + i));
+      for (; i < width; ++i) d[i] = to_float(s[i]);
+    }
+  }
+}
+
+// Lanes r < nr of the tile (row r at position p0 + r) that do not see key t: s[t - lo][r] = fill.
+static inline void prefill_mask(float* s, int64_t lo, int64_t n, int64_t p0, int64_t nr, int64_t window, float fill) {
+  const int64_t hi = lo + n;  // keys [lo, hi)
+  for (int64_t t = std::max(lo, p0 + 1); t < hi; ++t)  // causal: rows r < t - p0 are before key t
+    for (int64_t r = 0, e = std::min(nr, t - p0); r < e; ++r) s[(t - lo) * MOE_W + r] = fill;
+  if (window > 0)  // rows r >= t + window - p0 have key t outside their window
+    for (int64_t t = lo; t < hi && t + window - p0 < nr; ++t)
+      for (int64_t r = std::max<int64_t>(0, t + window - p0); r < nr; ++r) s[(t - lo) * MOE_W + r] = fill;
+}
+
+// q: row i of head h at q + i * ldq + h * dk, for heads [0, hh) and rows [0, nq); output o likewise
+// at o + i * ldo + h * dv, both in the pool's element type (fp32, or bf16 rounded to nearest even).
+// pool / S / head / table / L as paged_decode_item's. Scratch: kbuf [L'][dk] and vbuf [L'][dv] (L' =
+// L rounded up to S), scores [L][MOE_W], lanes [dk + dv][MOE_W].
+template <typename PT>
+static void paged_prefill_item(const PT* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0, const PT* pool,
+                               int64_t S, const PagedHead& head, const int64_t* table, int64_t L, int64_t window,
+                               float scale, bool round_half, float* kbuf, float* vbuf, float* scores, float* lanes,
+                               PT* o, int64_t ldo) {
+  const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
+  const bool shared = head.v_off == head.k_off;
+  for (int64_t blk = (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0) / S; blk * S < L; ++blk) {
+    const int64_t rows = std::min(S, L - blk * S);
+    const PT* base = pool + table[blk] * S * stride;
+    if (blk * S + S < L) {  // the next block's rows asked for first
+      const PT* next = pool + table[blk + 1] * S * stride;
+      prefetch_rows(next + head.k_off, std::min(S, L - blk * S - S), dk, stride);
+      if (!shared) prefetch_rows(next + head.v_off, std::min(S, L - blk * S - S), dv, stride);
+    }
+    rows_into(base + head.k_off, rows, dk, stride, kbuf + blk * S * dk);
+    if (!shared) rows_into(base + head.v_off, rows, dv, stride, vbuf + blk * S * dv);
+  }
+  const float* v = shared ? kbuf : vbuf;
+  const int64_t ldv = shared ? dk : dv;
+  float* qt = lanes;
+  float* ot = lanes + dk * MOE_W;
+  for (int64_t h = 0; h < hh; ++h)
+    for (int64_t r0 = 0; r0 < nq; r0 += MOE_W) {
+      const int64_t nr = std::min<int64_t>(MOE_W, nq - r0), p0 = pos0 + r0;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0, n = p0 + nr - lo;
+      // the next tile's query rows asked for first: rows of one head sit H * dk apart, beyond
+      // what the hardware prefetcher follows
+      if (r0 + MOE_W < nq) prefetch_rows(q + (r0 + MOE_W) * ldq + h * dk, std::min<int64_t>(MOE_W, nq - r0 - MOE_W), dk, ldq);
+      else if (h + 1 < hh) prefetch_rows(q + (h + 1) * dk, std::min<int64_t>(MOE_W, nq), dk, ldq);
+      std::fill(qt, qt + (dk + dv) * MOE_W, 0.f);
+      for (int64_t r = 0; r < nr; ++r) {
+        const PT* qr = q + (r0 + r) * ldq + h * dk;
+        for (int64_t c = 0; c < dk; ++c) qt[c * MOE_W + r] = to_float(qr[c]);
+      }
+      lanes_scores(qt, kbuf + lo * dk, dk, dk, n, scores);
+      prefill_mask(scores, lo, n, p0, nr, window, -1e30f);
+      lanes_softmax(scores, n, scale, round_half);
+      prefill_mask(scores, lo, n, p0, nr, window, 0.f);
+      lanes_pv(scores, n, v + lo * ldv, ldv, dv, ot);
+      for (int64_t r = 0; r < nr; ++r) {
+        PT* orow = o + (r0 + r) * ldo + h * dv;
+        for (int64_t c = 0; c < dv; ++c) store_value(orow + c, ot[c * MOE_W + r]);
+      }
+    }
+}
+
 // Items of at least this many heads take the lanes (fewer leave most lanes idle: the row path's
 // full-width dot products win there).
 constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
@@ -451,5 +535,17 @@ struct AttentionKernels {
     else
       paged_decode_item(q, hh, static_cast<const float*>(pool), S, head, table, L, scale, round_half, scores, kbuf,
                         vbuf, o);
+  }
+  // q, pool and o all bf16 or all fp32
+  static void prefill(bool bf16, const void* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0, const void* pool,
+                      int64_t S, const PagedHead& head, const int64_t* table, int64_t L, int64_t window, float scale,
+                      float* kbuf, float* vbuf, float* scores, float* lanes, void* o, int64_t ldo) {
+    if (bf16)
+      paged_prefill_item(static_cast<const uint16_t*>(q), ldq, hh, nq, pos0, static_cast<const uint16_t*>(pool), S,
+                         head, table, L, window, scale, true, kbuf, vbuf, scores, lanes, static_cast<uint16_t*>(o),
+                         ldo);
+    else
+      paged_prefill_item(static_cast<const float*>(q), ldq, hh, nq, pos0, static_cast<const float*>(pool), S, head,
+                         table, L, window, scale, false, kbuf, vbuf, scores, lanes, static_cast<float*>(o), ldo);
   }
 };

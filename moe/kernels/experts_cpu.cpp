@@ -267,6 +267,9 @@ using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, int,
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
                              int64_t, float, bool, float*, float*, float*, float*, float*);
+using PagedPrefillFn = void (*)(bool, const void*, int64_t, int64_t, int64_t, int64_t, const void*, int64_t,
+                                const PagedHead&, const int64_t*, int64_t, int64_t, float, float*, float*, float*,
+                                float*, void*, int64_t);
 using GateUpDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, uint16_t*, int64_t);
 template <typename OT>
 using DownDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, const float*, OT*,
@@ -300,6 +303,7 @@ struct Isa {
   LinearFn<float> linear_f32;
   LinearFn<uint16_t> linear_bf16;
   PagedDecodeFn paged_decode;
+  PagedPrefillFn paged_prefill;  // causal rows of prefill chunks (queries in lanes, FMA tiles on every ISA)
   RmsNormFn rms_norm;
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
@@ -312,7 +316,7 @@ struct Isa {
 template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
-             &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &N::rms_norm, DotIsa{},
+             &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::prefill, &N::rms_norm, DotIsa{},
              K::pair_tiles};
 }
 
@@ -856,6 +860,108 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& pool, const at::Ten
                       scale);
 }
 
+// Prefill attention straight from a paged cache: q [T, H, dk] holds the new rows of B sequences,
+// sequence b's at [query_starts[b], query_starts[b + 1]): its last positions of context_lens[b],
+// each seeing the keys at or before it (and, with window > 0, after its position - window). Heads
+// and tables as paged_decode's. Returns [T, H, dv] in q's dtype, with paged_decode's fp32 softmax
+// and bf16 roundings.
+static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
+                                const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t num_kv_heads,
+                                const PagedHead& head0, int64_t kv_stride, int64_t window, double scale) {
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && query_starts.dim() == 1 &&
+              block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+              query_starts.scalar_type() == at::kLong, "moe_kernels: block_tables [B, nb], context_lens [B] and "
+              "query_starts [B + 1] int64 expected");
+  TORCH_CHECK(q.scalar_type() == pool.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "moe_kernels: q and pool must both be float32 or both bfloat16");
+  TORCH_CHECK(window >= 0, "moe_kernels: window must be >= 0 (0: none), got ", window);
+  const int64_t B = context_lens.size(0), T = q.size(0), H = q.size(1), N = pool.size(0), S = pool.size(1);
+  const int64_t nb = block_tables.size(1), dk = head0.dk, dv = head0.dv;
+  TORCH_CHECK(q.size(2) == dk, "moe_kernels: q head dim ", q.size(2), " does not match the keys' ", dk);
+  TORCH_CHECK(block_tables.size(0) == B && query_starts.size(0) == B + 1, "moe_kernels: one block table, context "
+              "length and query start per sequence (and the end) expected");
+  TORCH_CHECK(num_kv_heads >= 1 && H % num_kv_heads == 0, "moe_kernels: ", H, " query heads do not share ",
+              num_kv_heads, " kv heads evenly");
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous(),
+                   starts = query_starts.contiguous();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* qs = starts.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[B] == T, "moe_kernels: query_starts must run from 0 to the ", T, " rows of q");
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t qlen = qs[b + 1] - qs[b];
+    TORCH_CHECK(qlen >= 1 && qlen <= lp[b] && lp[b] <= nb * S, "moe_kernels: sequence ", b, " has ", qlen,
+                " new rows and context length ", lp[b], " (need 1 <= rows <= context length <= ", nb * S, ")");
+    for (int64_t j = 0; j < (lp[b] + S - 1) / S; ++j)
+      TORCH_CHECK(tp[b * nb + j] >= 0 && tp[b * nb + j] < N, "moe_kernels: block id ", tp[b * nb + j],
+                  " outside the pool of ", N);
+    max_len = std::max(max_len, lp[b]);
+  }
+  at::Tensor out = at::empty({T, H, dv}, q.options());
+  if (B == 0 || H == 0) return out;
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const Isa& isa = current_isa();
+  const at::Tensor qc = q.contiguous(), pc = pool.contiguous();
+  // (sequence, kv head, group of its query heads) items, as paged_decode's
+  const int64_t rep = H / num_kv_heads, threads = at::get_num_threads();
+  int64_t groups = std::min<int64_t>(rep, std::max<int64_t>(1, (2 * threads + B * num_kv_heads - 1) /
+                                                                   (B * num_kv_heads)));
+  const int64_t per_group = (rep + groups - 1) / groups;
+  groups = (rep + per_group - 1) / per_group;
+  const int64_t esize = q.element_size();
+  const char* qp = static_cast<const char*>(qc.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const void* pool_ptr = pc.data_ptr();
+  const float sc = static_cast<float>(scale);
+  const int64_t padded = (max_len + S - 1) / S * S;
+  const bool shared = head0.v_off == head0.k_off;
+  for_each_claimed(B * num_kv_heads * groups, [&](auto& claim) {
+    constexpr int64_t lanes_max = 16;  // the widest ISA's lanes
+    std::vector<float> kbuf(padded * dk), vbuf(shared ? 0 : padded * dv), scores(max_len * lanes_max),
+        lanes((dk + dv) * lanes_max);
+    for (int64_t begin, end; claim(begin, end);)
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / (num_kv_heads * groups), g = (i / groups) % num_kv_heads;
+        const int64_t h0 = g * rep + (i % groups) * per_group, hh = std::min(per_group, (g + 1) * rep - h0);
+        const PagedHead head{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, dk, dv};
+        const int64_t qlen = qs[b + 1] - qs[b];
+        isa.paged_prefill(bf16, qp + (qs[b] * H + h0) * dk * esize, H * dk, hh, qlen, lp[b] - qlen, pool_ptr, S,
+                          head, tp + b * nb, lp[b], window, sc, kbuf.data(), vbuf.data(), scores.data(),
+                          lanes.data(), op + (qs[b] * H + h0) * dv * esize, H * dv);
+      }
+  });
+  return out;
+}
+
+// Prefill over per-head keys and values (MLA's naive path: c_kv expanded by kv_b_proj): q [T, H,
+// dk]; kv [N, S, H, dk + dv] in q's dtype, head h's key then value; the rest as paged_prefill's.
+// Returns [T, H, dv].
+at::Tensor mla_prefill(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
+                       const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t dv, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4, "moe_kernels: q [T, H, dk], kv [N, S, H, dk + dv] expected");
+  const int64_t H = q.size(1), dk = q.size(2);
+  TORCH_CHECK(kv.size(2) == H && dv > 0 && kv.size(3) == dk + dv, "moe_kernels: kv [N, S, ", kv.size(2), ", ",
+              kv.size(3), "] does not hold ", H, " heads of ", dk, " + ", dv, " columns");
+  return paged_prefill(q, kv, block_tables, context_lens, query_starts, H, PagedHead{H * (dk + dv), 0, dk, dk, dv},
+                       dk + dv, 0, scale);
+}
+
+// Prefill over a GQA cache: q [T, H, hd]; pool [N, S, 2, Hkv, hd] as gqa_decode's; window > 0: a
+// sliding window of that many positions. Returns [T, H, hd].
+at::Tensor gqa_prefill(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
+                       const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t window, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 5 && pool.size(2) == 2, "moe_kernels: q [T, H, hd], pool [N, S, 2, "
+              "Hkv, hd] expected");
+  const int64_t hkv = pool.size(3), hd = pool.size(4);
+  TORCH_CHECK(q.size(2) == hd, "moe_kernels: q head dim ", q.size(2), " does not match the cache's ", hd);
+  return paged_prefill(q, pool, block_tables, context_lens, query_starts, hkv,
+                       PagedHead{2 * hkv * hd, 0, hkv * hd, hd, hd}, hd, window, scale);
+}
+
 // x: [T, D] float32 or bfloat16 (rows contiguous); weight: [D] in x's dtype. Returns [T, D]:
 // weight * (x / sqrt(mean(x^2) + eps)) with the statistics in fp32 (see norm_body.h).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -1267,6 +1373,10 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("mla_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, int value_dim, "
         "float scale) -> Tensor");
   m.def("gqa_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("mla_prefill(Tensor q, Tensor kv, Tensor block_tables, Tensor context_lens, Tensor query_starts, "
+        "int value_dim, float scale) -> Tensor");
+  m.def("gqa_prefill(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, Tensor query_starts, "
+        "int window, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("route_topk(Tensor logits, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, int top_k, "
         "bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
@@ -1297,6 +1407,8 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("linear_forward", &moe_kernels::linear_forward);
   m.impl("mla_decode", &moe_kernels::mla_decode);
   m.impl("gqa_decode", &moe_kernels::gqa_decode);
+  m.impl("mla_prefill", &moe_kernels::mla_prefill);
+  m.impl("gqa_prefill", &moe_kernels::gqa_prefill);
   m.impl("rms_norm", &moe_kernels::rms_norm);
   m.impl("route_topk", &moe_kernels::route_topk);
   m.impl("mla_rope_cache", &moe_kernels::mla_rope_cache);

@@ -52,6 +52,9 @@ class GQAAttention(nn.Module):
         # decode attention by the CPU kernel straight from the paged cache (False: gather + sdpa,
         # the reference in tests)
         self.use_paged_kernel = True
+        # prefill rows by the CPU kernel straight from the paged cache, every sequence in one call
+        # (False: per sequence, gather + masked sdpa, the reference in tests)
+        self.use_prefill_kernel = True
         # a step of decode rows only: the whole attention as one CPU op (False: op by op)
         self.use_fused_decode = True
 
@@ -73,8 +76,10 @@ class GQAAttention(nn.Module):
         k = apply_rotary(k, cos, sin, self.interleave)
         cache.write(meta.slot_mapping, torch.stack((k, v), dim=1))  # [T, 2, Hkv, hd]
         paged_fn = self._attend_paged if self._paged_decode_applies(q, cache) else None
+        prefill_fn = self._prefill_paged if self._prefill_kernel_applies(q, cache) else None
         out = paged_attention(q, meta, cache, self.head_dim, self._attend, self._attend,
-                              sliding_window=self.sliding_window, decode_paged_fn=paged_fn)
+                              sliding_window=self.sliding_window, decode_paged_fn=paged_fn,
+                              prefill_paged_fn=prefill_fn)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -88,6 +93,18 @@ class GQAAttention(nn.Module):
         """Decode rows read straight from the paged cache by the CPU kernel. q: [B, H, hd];
         block_tables: [B, nb]; context_lens: [B]. Returns [B, H, hd]."""
         return kernels.gqa_decode(q.contiguous(), view.pool, block_tables, context_lens, self.scale)
+
+    def _prefill_paged(self, q: torch.Tensor, view: KVLayerView, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, query_starts: torch.Tensor) -> torch.Tensor:
+        """The prefill sequences' rows q [Tp, H, hd] (``paged.PagedPrefillFn``) read straight from
+        the paged cache by the CPU kernel, the sliding window applied there. Returns [Tp, H, hd]."""
+        return kernels.gqa_prefill(q, view.pool, block_tables, context_lens, query_starts, self.scale,
+                                   self.sliding_window)
+
+    def _prefill_kernel_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
+        """Whether ``_prefill_paged`` can serve this step's prefill rows q [T, H, hd]: CPU, the
+        kernel built, the cache stored in q's dtype (not fp8), no autograd."""
+        return self.use_prefill_kernel and kernels.cpu_op_applies(q, view.pool)
 
     def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, hd]: CPU, the kernel

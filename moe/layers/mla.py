@@ -14,6 +14,7 @@ running those ops one by one.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -55,6 +56,10 @@ class MLAAttention(nn.Module):
         # decode attention by the CPU kernel straight from the paged cache (False: gather + sdpa,
         # the reference in tests)
         self.use_paged_kernel = True
+        # prefill rows by the CPU kernel: every prefill sequence's cached latents expanded by
+        # kv_b_proj in one GEMM, then causal attention in one call (False: per sequence, gather +
+        # expand + masked sdpa, the reference in tests)
+        self.use_prefill_kernel = True
         # rope, kv_a_layernorm and the cache write as one CPU op (False: the PyTorch ops)
         self.use_fused_rope_cache = True
         # a step of decode rows only: the whole attention as one CPU op (False: op by op)
@@ -97,7 +102,9 @@ class MLAAttention(nn.Module):
             cache.write(meta.slot_mapping, torch.cat((c_kv, k_pe), dim=-1))  # [T, C + R]
         decode_fn = self._attend_absorbed if self.absorb_decode else self._attend_naive
         paged_fn = self._attend_paged if self._paged_decode_applies(q, cache) else None
-        out = paged_attention(q, meta, cache, self.v_dim, decode_fn, self._attend_naive, decode_paged_fn=paged_fn)
+        prefill_fn = self._prefill_paged if self._prefill_kernel_applies(q) else None
+        out = paged_attention(q, meta, cache, self.v_dim, decode_fn, self._attend_naive, decode_paged_fn=paged_fn,
+                              prefill_paged_fn=prefill_fn)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 
     def _attend_naive(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -109,6 +116,32 @@ class MLAAttention(nn.Module):
         k_pe = latent[:, :, None, self.kv_lora_rank :].expand(b, length, self.num_heads, self.rope)
         k = torch.cat((k_nope, k_pe), dim=-1)
         return sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.scale)
+
+    def _prefill_paged(self, q: torch.Tensor, view: KVLayerView, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, query_starts: torch.Tensor) -> torch.Tensor:
+        """``_attend_naive`` for the rows q [Tp, H, Nn + R] of every prefill sequence at once
+        (``paged.PagedPrefillFn``): their cached latents gathered block by block into one
+        [Nb * S, C + R] run, expanded by kv_b_proj in one GEMM into per-head keys [k_nope | k_pe]
+        and values, then the CPU kernel's causal attention over those blocks. Returns [Tp, H, Vd]."""
+        size = view.pool.shape[1]
+        counts = [-(-int(n) // size) for n in context_lens.tolist()]  # blocks per sequence
+        nb = max(counts)
+        keep = torch.arange(nb, device=q.device)[None, :] < torch.tensor(counts, device=q.device)[:, None]
+        latent = view.gather(block_tables[:, :nb][keep][None])[0].to(q.dtype)  # [Nb * S, C + R]
+        rows, h, c = latent.shape[0], self.num_heads, self.kv_lora_rank
+        kv = self.kv_b_proj(latent[:, :c]).view(rows, h, self.nope + self.v_dim)
+        k_pe = latent[:, None, c:].expand(rows, h, self.rope)
+        kv = torch.cat((kv[..., : self.nope], k_pe, kv[..., self.nope :]), dim=-1)  # [Nb * S, H, dk + Vd]
+        firsts = torch.tensor([0, *itertools.accumulate(counts)][:-1], device=q.device)
+        tables = torch.where(keep, firsts[:, None] + torch.arange(nb, device=q.device)[None, :], 0)
+        return kernels.mla_prefill(q, kv.view(-1, size, h, kv.shape[-1]), tables, context_lens, query_starts,
+                                   self.v_dim, self.scale)
+
+    def _prefill_kernel_applies(self, q: torch.Tensor) -> bool:
+        """Whether ``_prefill_paged`` can serve this step's prefill rows q [T, H, Nn + R]: CPU, the
+        kernel built, q and the kv_b_proj weight in one dtype (any cache dtype: the gathered latents
+        are converted), no autograd."""
+        return self.use_prefill_kernel and kernels.cpu_op_applies(q, self.kv_b_proj.weight)
 
     def _attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Same contract as ``_attend_naive``, computed in the latent space."""

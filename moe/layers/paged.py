@@ -5,12 +5,14 @@ Shape legend: T tokens, B sequences, H query heads, L gathered context length.
 Sequences with one new token are gathered together by block table and attended in one
 batched call (padding masked by context_lens); sequences with several new tokens
 (prefill chunks, possibly after a cached prefix) are attended one at a time with a
-causal mask offset by the cached length. An optional sliding window narrows both masks to
+causal mask offset by the cached length, or all in one call by a kernel that reads the
+cache itself (``prefill_paged_fn``). An optional sliding window narrows both masks to
 the last ``sliding_window`` positions (Mixtral / Qwen3-MoE ``sliding_window``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -23,6 +25,10 @@ AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (decode queries [B, H, dq], the layer's cache, block_tables [B, nb], context_lens [B]) -> [B, H, dv]:
 # attention that reads the paged cache itself (each query sees its whole context)
 PagedDecodeFn = Callable[[torch.Tensor, KVLayerView, torch.Tensor, torch.Tensor], torch.Tensor]
+# (the prefill sequences' rows q [Tp, H, dq], the layer's cache, their block_tables [Bp, nb], context_lens
+# [Bp], query_starts [Bp + 1]: sequence b's rows at [query_starts[b], query_starts[b + 1]), its last
+# positions) -> [Tp, H, dv]: causal attention that reads the paged cache itself
+PagedPrefillFn = Callable[[torch.Tensor, KVLayerView, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -60,7 +66,7 @@ def _slow_half_gemm(x: torch.Tensor) -> bool:
 def paged_attention(
     q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, out_dim: int,
     decode_fn: AttendFn, prefill_fn: AttendFn, sliding_window: int | None = None,
-    decode_paged_fn: PagedDecodeFn | None = None,
+    decode_paged_fn: PagedDecodeFn | None = None, prefill_paged_fn: PagedPrefillFn | None = None,
 ) -> torch.Tensor:
     """q: [T, H, dq] (rows ordered as meta). Returns [T, H, out_dim] in q's dtype.
 
@@ -68,7 +74,8 @@ def paged_attention(
     (None: full causal) lets the query at position p see keys k with p - w < k <= p, the rule
     of transformers' ``sliding_window_overlay``; blocks wholly before every query's window are
     not gathered. ``decode_paged_fn``, when given (full attention only), serves the decode rows
-    from the block tables instead of a gathered copy.
+    from the block tables instead of a gathered copy; ``prefill_paged_fn``, when given, serves the
+    rows of every sequence with several new tokens in one call (it applies the window itself).
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
@@ -87,7 +94,7 @@ def paged_attention(
             if all_decode:
                 return decode_paged_fn(q, view, tables, ctx)
             out[rows] = decode_paged_fn(q[rows], view, tables, ctx)
-            return _prefill_rows(q, meta, view, prefill_fn, sliding_window, out)
+            return _prefill(q, meta, view, prefill_fn, sliding_window, out, prefill_paged_fn)
         lens = meta.context_lens_list if all_decode else [meta.context_lens_list[b] for b in dec]
         nb = -(-max(lens) // size)
         first = _first_block(min(lens) - 1, sliding_window, size)
@@ -99,7 +106,26 @@ def paged_attention(
         if all_decode:
             return decode_fn(q.unsqueeze(2), cache, mask[:, None, None, :]).squeeze(2)
         out[rows] = decode_fn(q[rows].unsqueeze(2), cache, mask[:, None, None, :]).squeeze(2)
-    return _prefill_rows(q, meta, view, prefill_fn, sliding_window, out)
+    return _prefill(q, meta, view, prefill_fn, sliding_window, out, prefill_paged_fn)
+
+
+def _prefill(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, prefill_fn: AttendFn,
+             sliding_window: int | None, out: torch.Tensor, paged_fn: PagedPrefillFn | None) -> torch.Tensor:
+    """The prefill sequences' rows into ``out`` [T, H, dv]: all in one ``paged_fn`` call when
+    given, else one sequence at a time (``_prefill_rows``). Returns out (or the call's result when
+    every row is a prefill row)."""
+    seqs = meta.prefill_seq_ids()
+    if paged_fn is None or not seqs:
+        return _prefill_rows(q, meta, view, prefill_fn, sliding_window, out)
+    lens = [meta.query_lens_list[b] for b in seqs]
+    starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64, device=q.device)
+    if len(seqs) == len(meta.query_lens_list):  # every sequence a prefill one: rows and tables in order
+        return paged_fn(q, view, meta.block_tables, meta.context_lens, starts)
+    ids = torch.tensor(seqs, dtype=torch.int64, device=q.device)
+    rows = torch.cat([torch.arange(meta.query_start_loc_list[b], meta.query_start_loc_list[b] + n, device=q.device)
+                      for b, n in zip(seqs, lens)])
+    out[rows] = paged_fn(q[rows], view, meta.block_tables[ids], meta.context_lens[ids], starts)
+    return out
 
 
 def _prefill_rows(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, prefill_fn: AttendFn,
