@@ -744,6 +744,14 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   return out;
 }
 
+// The blocks of sequence b's first len tokens (row b of [B, nb] block tables, S tokens per block)
+// lie inside a pool of N blocks.
+static void check_blocks(const int64_t* tp, int64_t nb, int64_t b, int64_t len, int64_t S, int64_t N) {
+  for (int64_t j = 0; j < (len + S - 1) / S; ++j)
+    TORCH_CHECK(tp[b * nb + j] >= 0 && tp[b * nb + j] < N, "moe_kernels: block id ", tp[b * nb + j],
+                " outside the pool of ", N);
+}
+
 // Decode attention straight from a paged cache: q [B, H, dk] (one query per sequence, at position
 // context_len - 1, seeing all its keys); kv head g (of num_kv_heads) serves query heads
 // [g * H / num_kv_heads, (g + 1) * H / num_kv_heads) and sits at head0's offsets + g * kv_stride.
@@ -771,9 +779,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= nb * S, "moe_kernels: context length ", lp[b], " of sequence ", b,
                 " is outside [1, ", nb * S, "]");
-    for (int64_t j = 0; j < (lp[b] + S - 1) / S; ++j)
-      TORCH_CHECK(tp[b * nb + j] >= 0 && tp[b * nb + j] < N, "moe_kernels: block id ", tp[b * nb + j],
-                  " outside the pool of ", N);
+    check_blocks(tp, nb, b, lp[b], S, N);
     max_len = std::max(max_len, lp[b]);
   }
   at::Tensor out = at::empty({B, H, dv}, q.options());
@@ -894,9 +900,7 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
     const int64_t qlen = qs[b + 1] - qs[b];
     TORCH_CHECK(qlen >= 1 && qlen <= lp[b] && lp[b] <= nb * S, "moe_kernels: sequence ", b, " has ", qlen,
                 " new rows and context length ", lp[b], " (need 1 <= rows <= context length <= ", nb * S, ")");
-    for (int64_t j = 0; j < (lp[b] + S - 1) / S; ++j)
-      TORCH_CHECK(tp[b * nb + j] >= 0 && tp[b * nb + j] < N, "moe_kernels: block id ", tp[b * nb + j],
-                  " outside the pool of ", N);
+    check_blocks(tp, nb, b, lp[b], S, N);
     max_len = std::max(max_len, lp[b]);
   }
   at::Tensor out = at::empty({T, H, dv}, q.options());

@@ -119,6 +119,13 @@ def test_mla_decode_rejects_lengths_and_blocks_outside_the_cache(kernel_isas: li
         kernels.mla_decode(q, pool, torch.tensor(table), torch.tensor(lens), 6, 1.0)
 
 
+def assert_same_generation(got: tuple[list, list], want: tuple[list, list]) -> None:
+    """Two ``greedy_generate`` results (tokens, per-step logits): the same tokens, logits within 1e-4."""
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1]):
+        assert (torch.stack(a) - torch.stack(b)).abs().max().item() < 1e-4
+
+
 def _model(path: Path, dtype: torch.dtype = torch.float32) -> MoEModel:
     model = MoEModel(ModelConfig.from_hf(path), dtype=dtype)
     load_weights(model, path, dtype=dtype)
@@ -144,10 +151,7 @@ def test_model_decodes_the_same_with_the_paged_kernel(kernel_isas: list[str], hf
     assert bool(calls) == bool(full) and (not calls or max(calls) == len(prompts))
     for layer in model.model.layers:
         layer.self_attn.use_paged_kernel = False
-    tokens_ref, logits_ref = greedy_generate(model, prompts, 6, chunk=3)
-    assert tokens_kernel == tokens_ref
-    for a, b in zip(logits_kernel, logits_ref):
-        assert (torch.stack(a) - torch.stack(b)).abs().max().item() < 1e-4
+    assert_same_generation((tokens_kernel, logits_kernel), greedy_generate(model, prompts, 6, chunk=3))
 
 
 def test_paged_kernel_serves_only_caches_it_can_read(kernel_isas: list[str], hf_checkpoints: dict[str, Path]) -> None:
