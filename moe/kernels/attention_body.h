@@ -428,14 +428,21 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
   }
 }
 
-// ---- Prefill (several new rows of one sequence, causal) with the query rows in lanes: an item is
-// one kv head of one sequence and a group of its query heads. Its key and value rows are converted
-// to fp32 once (kbuf [L][dk], vbuf [L][dv]; MLA-style values = the key rows' first dv columns use
-// kbuf), then each tile of up to MOE_W query rows of each head runs the lanes passes over the keys
-// the tile sees. Query row i (of nq, at position pos0 + i) sees keys t <= pos0 + i and, with a
-// window w > 0, t > pos0 + i - w: the tile's keys some of its rows do not see get probability
-// exactly 0 in those lanes (their exponentials, ~1e-38 against a sum >= 1, leave the sum as it is).
+// ---- Prefill (several new rows of one sequence, causal). An item is one kv head of one sequence
+// and a group of its query heads. Its keys are converted to fp32 once, transposed (kt [dk][L +
+// MOE_W]: one row per key column, zero past L), and its values row by row (vbuf [L][dv]). Each tile
+// of PREFILL_TILE query rows of each head then makes three passes:
+//   scores s[r][t] = q[r] . key[t], the keys in vector lanes: each query element is broadcast into
+//     one FMA per MOE_W keys, and a key column load serves all the tile's rows;
+//   per row, attn_softmax over exactly the keys the row sees (t <= its position and, with a window
+//     w > 0, t > position - w); the tile's other keys get probability 0;
+//   o[r] = sum_t p[r][t] value[t], the value columns in lanes (prefill_pv).
 // Values equal the masked sdpa's up to the order of the fp32 sums.
+constexpr int PREFILL_ROWS = MOE_W == 16 ? 6 : 3;  // a register tile: rows x vectors of accumulators
+constexpr int PREFILL_VECS = MOE_W == 16 ? 4 : 3;
+constexpr int64_t PREFILL_TILE = 4 * PREFILL_ROWS;  // query rows per tile: every key chunk loaded serves them all
+
+// dst[r * width : + width] = fp32 copy of row r (at src + r * stride) for rows [0, rows).
 template <typename PT>
 static inline void rows_into(const PT* src, int64_t rows, int64_t width, int64_t stride, float* dst) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -451,63 +458,158 @@ static inline void rows_into(const PT* src, int64_t rows, int64_t width, int64_t
   }
 }
 
-// Lanes r < nr of the tile (row r at position p0 + r) that do not see key t: s[t - lo][r] = fill.
-static inline void prefill_mask(float* s, int64_t lo, int64_t n, int64_t p0, int64_t nr, int64_t window, float fill) {
-  const int64_t hi = lo + n;  // keys [lo, hi)
-  for (int64_t t = std::max(lo, p0 + 1); t < hi; ++t)  // causal: rows r < t - p0 are before key t
-    for (int64_t r = 0, e = std::min(nr, t - p0); r < e; ++r) s[(t - lo) * MOE_W + r] = fill;
-  if (window > 0)  // rows r >= t + window - p0 have key t outside their window
-    for (int64_t t = lo; t < hi && t + window - p0 < nr; ++t)
-      for (int64_t r = std::max<int64_t>(0, t + window - p0); r < nr; ++r) s[(t - lo) * MOE_W + r] = fill;
+// kt[c * ldt + t0 + r] = column c of row r (at src + r * stride), fp32, for rows [0, rows).
+template <typename PT>
+static inline void rows_transposed(const PT* src, int64_t rows, int64_t width, int64_t stride, float* kt,
+                                   int64_t ldt, int64_t t0) {
+  for (int64_t c = 0; c < width; ++c) {
+    float* d = kt + c * ldt + t0;
+    for (int64_t r = 0; r < rows; ++r) d[r] = to_float(src[r * stride + c]);
+  }
+}
+
+// s[r * lds + j] = sum_c q[r * dk + c] * kt[c * ldt + j] for RR rows and keys j in [0, NC * MOE_W).
+template <int RR, int NC>
+static inline void prefill_scores_tile(const float* __restrict q, int64_t dk, const float* __restrict kt, int64_t ldt,
+                                       float* __restrict s, int64_t lds) {
+  vf acc[RR][NC];
+#pragma GCC unroll 8
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) acc[r][j] = vzero();
+  for (int64_t c = 0; c < dk; ++c) {
+    vf kv[NC];
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) kv[j] = vload(kt + c * ldt + j * MOE_W);
+#pragma GCC unroll 8
+    for (int r = 0; r < RR; ++r) {
+      const vf qb = vbroadcast(q + r * dk + c);
+#pragma GCC unroll 4
+      for (int j = 0; j < NC; ++j) acc[r][j] = vfma(qb, kv[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) vstore(s + r * lds + j * MOE_W, acc[r][j]);
+}
+
+// Scores of rows [0, nr) against keys [0, n) rounded up to MOE_W (kt's columns exist there): key
+// chunks outermost, so a chunk's key columns stay in L1 for every row group of the tile.
+static inline void prefill_scores(const float* q, int64_t nr, int64_t dk, const float* kt, int64_t ldt, int64_t n,
+                                  float* s, int64_t lds) {
+  for (int64_t t = 0, width; t < n; t += width) {
+    width = t + PREFILL_VECS * MOE_W <= n ? PREFILL_VECS * MOE_W : MOE_W;
+    for (int64_t r = 0, rows; r < nr; r += rows) {
+      rows = std::min<int64_t>(PREFILL_ROWS, nr - r);
+      with_row_count<PREFILL_ROWS>(rows, [&](auto rr) {
+        constexpr int RR = decltype(rr)::value;
+        if (width == MOE_W) prefill_scores_tile<RR, 1>(q + r * dk, dk, kt + t, ldt, s + r * lds + t, lds);
+        else prefill_scores_tile<RR, PREFILL_VECS>(q + r * dk, dk, kt + t, ldt, s + r * lds + t, lds);
+      });
+    }
+  }
+}
+
+template <typename PT>
+static inline void store_row(PT* o, const vf& x) {
+  alignas(64) float tmp[MOE_W];
+  vstore(tmp, x);
+  for (int i = 0; i < MOE_W; ++i) store_value(o + i, tmp[i]);
+}
+
+// o[r * ldo + j] = sum_{t < n} p[r * lds + t] * v[t * ldv + j] for RR rows and columns j in [0, NC *
+// MOE_W), written in PT (bf16 rounded): each value row is read whole and in order.
+template <int RR, int NC, typename PT>
+static inline void prefill_pv_tile(const float* __restrict p, int64_t lds, int64_t n, const float* __restrict v,
+                                   int64_t ldv, PT* __restrict o, int64_t ldo) {
+  vf acc[RR][NC];
+#pragma GCC unroll 8
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) acc[r][j] = vzero();
+  for (int64_t t = 0; t < n; ++t) {
+    vf vv[NC];
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) vv[j] = vload(v + t * ldv + j * MOE_W);
+#pragma GCC unroll 8
+    for (int r = 0; r < RR; ++r) {
+      const vf pb = vbroadcast(p + r * lds + t);
+#pragma GCC unroll 4
+      for (int j = 0; j < NC; ++j) acc[r][j] = vfma(pb, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RR; ++r)
+    for (int j = 0; j < NC; ++j) store_row(o + r * ldo + j * MOE_W, acc[r][j]);
+}
+
+// The tile's outputs over all dv columns (pass 3); columns past the last whole vector one by one.
+template <int RR, typename PT>
+static inline void prefill_pv(const float* p, int64_t lds, int64_t n, const float* v, int64_t ldv, int64_t dv, PT* o,
+                              int64_t ldo) {
+  int64_t c = 0;
+  for (; c + PREFILL_VECS * MOE_W <= dv; c += PREFILL_VECS * MOE_W)
+    prefill_pv_tile<RR, PREFILL_VECS>(p, lds, n, v + c, ldv, o + c, ldo);
+  for (; c + MOE_W <= dv; c += MOE_W) prefill_pv_tile<RR, 1>(p, lds, n, v + c, ldv, o + c, ldo);
+  for (; c < dv; ++c)
+    for (int r = 0; r < RR; ++r) {
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) sum = p[r * lds + t] * v[t * ldv + c] + sum;  // vfma's arithmetic
+      store_value(o + r * ldo + c, sum);
+    }
 }
 
 // q: row i of head h at q + i * ldq + h * dk, for heads [0, hh) and rows [0, nq); output o likewise
 // at o + i * ldo + h * dv, both in the pool's element type (fp32, or bf16 rounded to nearest even).
-// pool / S / head / table / L as paged_decode_item's. Scratch: kbuf [L'][dk] and vbuf [L'][dv] (L' =
-// L rounded up to S), scores [L][MOE_W], lanes [dk + dv][MOE_W].
+// pool / S / head / table / L as paged_decode_item's. Scratch: kt [dk][L + MOE_W], vbuf [L'][dv] (L'
+// = L rounded up to S), scores [PREFILL_TILE][L + MOE_W], qbuf [PREFILL_TILE][dk].
 template <typename PT>
 static void paged_prefill_item(const PT* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0, const PT* pool,
                                int64_t S, const PagedHead& head, const int64_t* table, int64_t L, int64_t window,
-                               float scale, bool round_half, float* kbuf, float* vbuf, float* scores, float* lanes,
+                               float scale, bool round_half, float* kt, float* vbuf, float* scores, float* qbuf,
                                PT* o, int64_t ldo) {
-  const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
-  const bool shared = head.v_off == head.k_off;
+  const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride, ldt = L + MOE_W, lds = L + MOE_W;
   for (int64_t blk = (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0) / S; blk * S < L; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
     const PT* base = pool + table[blk] * S * stride;
     if (blk * S + S < L) {  // the next block's rows asked for first
       const PT* next = pool + table[blk + 1] * S * stride;
       prefetch_rows(next + head.k_off, std::min(S, L - blk * S - S), dk, stride);
-      if (!shared) prefetch_rows(next + head.v_off, std::min(S, L - blk * S - S), dv, stride);
+      prefetch_rows(next + head.v_off, std::min(S, L - blk * S - S), dv, stride);
     }
-    rows_into(base + head.k_off, rows, dk, stride, kbuf + blk * S * dk);
-    if (!shared) rows_into(base + head.v_off, rows, dv, stride, vbuf + blk * S * dv);
+    rows_transposed(base + head.k_off, rows, dk, stride, kt, ldt, blk * S);
+    rows_into(base + head.v_off, rows, dv, stride, vbuf + blk * S * dv);
   }
-  const float* v = shared ? kbuf : vbuf;
-  const int64_t ldv = shared ? dk : dv;
-  float* qt = lanes;
-  float* ot = lanes + dk * MOE_W;
+  for (int64_t c = 0; c < dk; ++c) std::fill(kt + c * ldt + L, kt + (c + 1) * ldt, 0.f);
   for (int64_t h = 0; h < hh; ++h)
-    for (int64_t r0 = 0; r0 < nq; r0 += MOE_W) {
-      const int64_t nr = std::min<int64_t>(MOE_W, nq - r0), p0 = pos0 + r0;
+    for (int64_t r0 = 0; r0 < nq; r0 += PREFILL_TILE) {
+      const int64_t nr = std::min<int64_t>(PREFILL_TILE, nq - r0), p0 = pos0 + r0;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0, n = p0 + nr - lo;
-      // the next tile's query rows asked for first: rows of one head sit H * dk apart, beyond
-      // what the hardware prefetcher follows
-      if (r0 + MOE_W < nq) prefetch_rows(q + (r0 + MOE_W) * ldq + h * dk, std::min<int64_t>(MOE_W, nq - r0 - MOE_W), dk, ldq);
-      else if (h + 1 < hh) prefetch_rows(q + (h + 1) * dk, std::min<int64_t>(MOE_W, nq), dk, ldq);
-      std::fill(qt, qt + (dk + dv) * MOE_W, 0.f);
+      // the next tile's query rows asked for first: rows of one head sit H * dk apart, beyond what
+      // the hardware prefetcher follows
+      if (r0 + PREFILL_TILE < nq)
+        prefetch_rows(q + (r0 + PREFILL_TILE) * ldq + h * dk, std::min<int64_t>(PREFILL_TILE, nq - r0 - PREFILL_TILE),
+                      dk, ldq);
+      else if (h + 1 < hh)
+        prefetch_rows(q + (h + 1) * dk, std::min<int64_t>(PREFILL_TILE, nq), dk, ldq);
       for (int64_t r = 0; r < nr; ++r) {
         const PT* qr = q + (r0 + r) * ldq + h * dk;
-        for (int64_t c = 0; c < dk; ++c) qt[c * MOE_W + r] = to_float(qr[c]);
+        for (int64_t c = 0; c < dk; ++c) qbuf[r * dk + c] = to_float(qr[c]);
       }
-      lanes_scores(qt, kbuf + lo * dk, dk, dk, n, scores);
-      prefill_mask(scores, lo, n, p0, nr, window, -1e30f);
-      lanes_softmax(scores, n, scale, round_half);
-      prefill_mask(scores, lo, n, p0, nr, window, 0.f);
-      lanes_pv(scores, n, v + lo * ldv, ldv, dv, ot);
-      for (int64_t r = 0; r < nr; ++r) {
-        PT* orow = o + (r0 + r) * ldo + h * dv;
-        for (int64_t c = 0; c < dv; ++c) store_value(orow + c, ot[c * MOE_W + r]);
+      prefill_scores(qbuf, nr, dk, kt + lo, ldt, n, scores, lds);
+      for (int64_t r = 0; r < nr; ++r) {  // row r sees keys [a, b)
+        const int64_t b = p0 + r + 1, a = window > 0 ? std::max<int64_t>(lo, b - window) : lo;
+        float* sr = scores + r * lds - lo;  // sr[t] for key t
+        attn_softmax(sr + a, b - a, scale, round_half);
+        std::fill(sr + lo, sr + a, 0.f);
+        std::fill(sr + b, sr + lo + n, 0.f);
+      }
+      for (int64_t r = 0, rows; r < nr; r += rows) {
+        rows = std::min<int64_t>(PREFILL_ROWS, nr - r);
+        with_row_count<PREFILL_ROWS>(rows, [&](auto rr) {
+          prefill_pv<decltype(rr)::value>(scores + r * lds, lds, n, vbuf + lo * dv, dv, dv,
+                                          o + (r0 + r) * ldo + h * dv, ldo);
+        });
       }
     }
 }
@@ -539,13 +641,12 @@ struct AttentionKernels {
   // q, pool and o all bf16 or all fp32
   static void prefill(bool bf16, const void* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0, const void* pool,
                       int64_t S, const PagedHead& head, const int64_t* table, int64_t L, int64_t window, float scale,
-                      float* kbuf, float* vbuf, float* scores, float* lanes, void* o, int64_t ldo) {
+                      float* kt, float* vbuf, float* scores, float* qbuf, void* o, int64_t ldo) {
     if (bf16)
       paged_prefill_item(static_cast<const uint16_t*>(q), ldq, hh, nq, pos0, static_cast<const uint16_t*>(pool), S,
-                         head, table, L, window, scale, true, kbuf, vbuf, scores, lanes, static_cast<uint16_t*>(o),
-                         ldo);
+                         head, table, L, window, scale, true, kt, vbuf, scores, qbuf, static_cast<uint16_t*>(o), ldo);
     else
       paged_prefill_item(static_cast<const float*>(q), ldq, hh, nq, pos0, static_cast<const float*>(pool), S, head,
-                         table, L, window, scale, false, kbuf, vbuf, scores, lanes, static_cast<float*>(o), ldo);
+                         table, L, window, scale, false, kt, vbuf, scores, qbuf, static_cast<float*>(o), ldo);
   }
 };

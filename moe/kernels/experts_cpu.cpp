@@ -920,11 +920,12 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
   const void* pool_ptr = pc.data_ptr();
   const float sc = static_cast<float>(scale);
   const int64_t padded = (max_len + S - 1) / S * S;
-  const bool shared = head0.v_off == head0.k_off;
   for_each_claimed(B * num_kv_heads * groups, [&](auto& claim) {
-    constexpr int64_t lanes_max = 16;  // the widest ISA's lanes
-    std::vector<float> kbuf(padded * dk), vbuf(shared ? 0 : padded * dv), scores(max_len * lanes_max),
-        lanes((dk + dv) * lanes_max);
+    // scratch (attention_body.h's paged_prefill_item): transposed keys, value rows, a tile's scores
+    // and query rows; 16 = the widest ISA's lanes, 24 = the most rows any ISA's tile takes
+    constexpr int64_t lanes_max = 16, tile_max = 24;
+    std::vector<float> kt((max_len + lanes_max) * dk), vbuf(padded * dv), scores(tile_max * (max_len + lanes_max)),
+        qbuf(tile_max * dk);
     for (int64_t begin, end; claim(begin, end);)
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / (num_kv_heads * groups), g = (i / groups) % num_kv_heads;
@@ -932,8 +933,8 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
         const PagedHead head{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, dk, dv};
         const int64_t qlen = qs[b + 1] - qs[b];
         isa.paged_prefill(bf16, qp + (qs[b] * H + h0) * dk * esize, H * dk, hh, qlen, lp[b] - qlen, pool_ptr, S,
-                          head, tp + b * nb, lp[b], window, sc, kbuf.data(), vbuf.data(), scores.data(),
-                          lanes.data(), op + (qs[b] * H + h0) * dv * esize, H * dv);
+                          head, tp + b * nb, lp[b], window, sc, kt.data(), vbuf.data(), scores.data(), qbuf.data(),
+                          op + (qs[b] * H + h0) * dv * esize, H * dv);
       }
   });
   return out;
