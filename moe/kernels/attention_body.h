@@ -1,6 +1,7 @@
-// Decode attention over the paged cache (MLA's absorbed latent, or GQA's k/v heads), compiled once
-// per instruction set (included by experts_cpu.cpp after experts_body.h, inside the same per-ISA
-// namespace).
+// Decode attention over the paged cache (MLA's absorbed latent, or GQA's k/v heads), and prefill
+// attention (causal rows of several new tokens per sequence; the "Prefill" section below), compiled
+// once per instruction set (included by experts_cpu.cpp after experts_body.h, inside the same
+// per-ISA namespace).
 //
 // One work item is (sequence, kv head, group of its query heads). It reads the sequence's cache
 // blocks straight from the pool through its block table (no gathered copy), converts each block
