@@ -469,26 +469,36 @@ static inline void rows_transposed(const PT* src, int64_t rows, int64_t width, i
   }
 }
 
+// The register tile both prefill passes run: acc[r][j] = sum_{i < steps} row(i, r) * vec(i, j) over
+// RR broadcast row values and NC vectors per step, in step order.
+template <int RR, int NC, typename Row, typename Vec>
+__attribute__((always_inline)) static inline void rows_by_vectors(int64_t steps, Row&& row, Vec&& vec,
+                                                                  vf (&acc)[RR][NC]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) acc[r][j] = vzero();
+  for (int64_t i = 0; i < steps; ++i) {
+    vf vv[NC];
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) vv[j] = vec(i, j);
+#pragma GCC unroll 8
+    for (int r = 0; r < RR; ++r) {
+      const vf rb = row(i, r);
+#pragma GCC unroll 4
+      for (int j = 0; j < NC; ++j) acc[r][j] = vfma(rb, vv[j], acc[r][j]);
+    }
+  }
+}
+
 // s[r * lds + j] = sum_c q[r * dk + c] * kt[c * ldt + j] for RR rows and keys j in [0, NC * MOE_W).
 template <int RR, int NC>
 static inline void prefill_scores_tile(const float* __restrict q, int64_t dk, const float* __restrict kt, int64_t ldt,
                                        float* __restrict s, int64_t lds) {
   vf acc[RR][NC];
-#pragma GCC unroll 8
-  for (int r = 0; r < RR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) acc[r][j] = vzero();
-  for (int64_t c = 0; c < dk; ++c) {
-    vf kv[NC];
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) kv[j] = vload(kt + c * ldt + j * MOE_W);
-#pragma GCC unroll 8
-    for (int r = 0; r < RR; ++r) {
-      const vf qb = vbroadcast(q + r * dk + c);
-#pragma GCC unroll 4
-      for (int j = 0; j < NC; ++j) acc[r][j] = vfma(qb, kv[j], acc[r][j]);
-    }
-  }
+  rows_by_vectors<RR, NC>(
+      dk, [&](int64_t c, int r) { return vbroadcast(q + r * dk + c); },
+      [&](int64_t c, int j) { return vload(kt + c * ldt + j * MOE_W); }, acc);
 #pragma GCC unroll 8
   for (int r = 0; r < RR; ++r)
 #pragma GCC unroll 4
@@ -525,21 +535,9 @@ template <int RR, int NC, typename PT>
 static inline void prefill_pv_tile(const float* __restrict p, int64_t lds, int64_t n, const float* __restrict v,
                                    int64_t ldv, PT* __restrict o, int64_t ldo) {
   vf acc[RR][NC];
-#pragma GCC unroll 8
-  for (int r = 0; r < RR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) acc[r][j] = vzero();
-  for (int64_t t = 0; t < n; ++t) {
-    vf vv[NC];
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) vv[j] = vload(v + t * ldv + j * MOE_W);
-#pragma GCC unroll 8
-    for (int r = 0; r < RR; ++r) {
-      const vf pb = vbroadcast(p + r * lds + t);
-#pragma GCC unroll 4
-      for (int j = 0; j < NC; ++j) acc[r][j] = vfma(pb, vv[j], acc[r][j]);
-    }
-  }
+  rows_by_vectors<RR, NC>(
+      n, [&](int64_t t, int r) { return vbroadcast(p + r * lds + t); },
+      [&](int64_t t, int j) { return vload(v + t * ldv + j * MOE_W); }, acc);
   for (int r = 0; r < RR; ++r)
     for (int j = 0; j < NC; ++j) store_row(o + r * ldo + j * MOE_W, acc[r][j]);
 }
