@@ -167,6 +167,22 @@ static inline void attn_softmax(float* s, int64_t L, float scale, bool round_hal
   if (round_half) round_bf16_inplace(s, L);
 }
 
+// dst[r * width : + width] = fp32 copy of row r (at src + r * stride) for rows [0, rows).
+template <typename PT>
+static inline void rows_into(const PT* src, int64_t rows, int64_t width, int64_t stride, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const PT* s = src + r * stride;
+    float* d = dst + r * width;
+    if constexpr (sizeof(PT) == 4) {
+      std::memcpy(d, s, width * sizeof(float));
+    } else {
+      int64_t i = 0;
+      for (; i + MOE_W <= width; i += MOE_W) vstore(d + i, vload(s + i));
+      for (; i < width; ++i) d[i] = to_float(s[i]);
+    }
+  }
+}
+
 // Rows [0, rows) of a block (row r at src + r * stride, width wide) as fp32: the rows in place for
 // an fp32 pool (returns their stride), else converted into buf (returns width).
 static inline int64_t rows_f32(const float* src, int64_t, int64_t, int64_t stride, float*, const float** out) {
@@ -175,13 +191,7 @@ static inline int64_t rows_f32(const float* src, int64_t, int64_t, int64_t strid
 }
 static inline int64_t rows_f32(const uint16_t* src, int64_t rows, int64_t width, int64_t stride, float* buf,
                                const float** out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* s = src + r * stride;
-    float* d = buf + r * width;
-    int64_t i = 0;
-    for (; i + MOE_W <= width; i += MOE_W) vstore(d + i, vload(s + i));
-    for (; i < width; ++i) d[i] = to_float(s[i]);
-  }
+  rows_into(src, rows, width, stride, buf);
   *out = buf;
   return width;
 }
@@ -442,22 +452,6 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
 constexpr int PREFILL_ROWS = MOE_W == 16 ? 6 : 3;  // a register tile: rows x vectors of accumulators
 constexpr int PREFILL_VECS = MOE_W == 16 ? 4 : 3;
 constexpr int64_t PREFILL_TILE = 4 * PREFILL_ROWS;  // query rows per tile: every key chunk loaded serves them all
-
-// dst[r * width : + width] = fp32 copy of row r (at src + r * stride) for rows [0, rows).
-template <typename PT>
-static inline void rows_into(const PT* src, int64_t rows, int64_t width, int64_t stride, float* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const PT* s = src + r * stride;
-    float* d = dst + r * width;
-    if constexpr (sizeof(PT) == 4) {
-      std::memcpy(d, s, width * sizeof(float));
-    } else {
-      int64_t i = 0;
-      for (; i + MOE_W <= width; i += MOE_W) vstore(d + i, vload(s + i));
-      for (; i < width; ++i) d[i] = to_float(s[i]);
-    }
-  }
-}
 
 // kt[c * ldt + t0 + r] = column c of row r (at src + r * stride), fp32, for rows [0, rows).
 template <typename PT>

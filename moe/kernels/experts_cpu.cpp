@@ -303,7 +303,7 @@ struct Isa {
   LinearFn<float> linear_f32;
   LinearFn<uint16_t> linear_bf16;
   PagedDecodeFn paged_decode;
-  PagedPrefillFn paged_prefill;  // causal rows of prefill chunks (queries in lanes, FMA tiles on every ISA)
+  PagedPrefillFn paged_prefill;  // causal rows of prefill chunks (keys, then value columns, in lanes; every ISA)
   RmsNormFn rms_norm;
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
@@ -752,6 +752,30 @@ static void check_blocks(const int64_t* tp, int64_t nb, int64_t b, int64_t len, 
                 " outside the pool of ", N);
 }
 
+// The work items of the paged attention ops: (sequence, kv head, group of its query heads), with
+// enough groups that every thread gets work. Item i covers query heads [h0, h0 + hh) of sequence b
+// against kv head g, whose key and value sit at head0's offsets + g * kv_stride (head()).
+struct HeadItems {
+  struct One {
+    int64_t b, g, h0, hh;
+  };
+  int64_t num_kv_heads, rep, groups, per_group, count;
+  HeadItems(int64_t B, int64_t H, int64_t kv_heads) : num_kv_heads(kv_heads), rep(H / kv_heads) {
+    const int64_t threads = at::get_num_threads();
+    groups = std::min<int64_t>(rep, std::max<int64_t>(1, (2 * threads + B * num_kv_heads - 1) / (B * num_kv_heads)));
+    per_group = (rep + groups - 1) / groups;
+    groups = (rep + per_group - 1) / per_group;
+    count = B * num_kv_heads * groups;
+  }
+  One operator[](int64_t i) const {
+    const int64_t g = (i / groups) % num_kv_heads, h0 = g * rep + (i % groups) * per_group;
+    return One{i / (num_kv_heads * groups), g, h0, std::min(per_group, (g + 1) * rep - h0)};
+  }
+  static PagedHead head(const PagedHead& head0, int64_t g, int64_t kv_stride) {
+    return PagedHead{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, head0.dk, head0.dv};
+  }
+};
+
 // Decode attention straight from a paged cache: q [B, H, dk] (one query per sequence, at position
 // context_len - 1, seeing all its keys); kv head g (of num_kv_heads) serves query heads
 // [g * H / num_kv_heads, (g + 1) * H / num_kv_heads) and sits at head0's offsets + g * kv_stride.
@@ -789,12 +813,8 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const bool dot = bf16 && isa.dot.paged_decode != nullptr;  // bf16 queries and cache on the dot product
   const at::Tensor qf = dot ? bf16_contiguous(q) : float32_contiguous(q);
   const at::Tensor pc = pool.contiguous();
-  // (sequence, kv head, group of its query heads) items: enough groups that every thread gets work
-  const int64_t rep = H / num_kv_heads, threads = at::get_num_threads();
-  int64_t groups = std::min<int64_t>(rep, std::max<int64_t>(1, (2 * threads + B * num_kv_heads - 1) /
-                                                                   (B * num_kv_heads)));
-  const int64_t per_group = (rep + groups - 1) / groups;
-  groups = (rep + per_group - 1) / per_group;
+  const HeadItems items(B, H, num_kv_heads);
+  const int64_t per_group = items.per_group;
   const float* qs = dot ? nullptr : qf.data_ptr<float>();
   const uint16_t* qb = dot ? reinterpret_cast<const uint16_t*>(qf.data_ptr()) : nullptr;
   const std::vector<uint16_t> zero_row(dot ? dv : 0, 0);
@@ -802,8 +822,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const float sc = static_cast<float>(scale);
   // items claimed in guided ranges (for_each_claimed): their cost follows the sequence's context length
-  const int64_t num_items = B * num_kv_heads * groups;
-  for_each_claimed(num_items, [&](auto& claim) {
+  for_each_claimed(items.count, [&](auto& claim) {
     // scratch: kbuf holds the longest sequence an item keeps whole (MLA_KEEP_BYTES), at least a block;
     // scores [L] per head, in lane chunks of up to 16 heads ([chunks][L][lanes]), and the chunks'
     // transposed queries and outputs (lanes: [chunks][dk + dv][lanes]); the dot path instead keeps
@@ -818,9 +837,8 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
     std::vector<const uint16_t*> rows(dot ? 2 * (max_len + 1) : 0);
     for (int64_t begin, end; claim(begin, end);)
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / (num_kv_heads * groups), g = (i / groups) % num_kv_heads;
-        const int64_t h0 = g * rep + (i % groups) * per_group, hh = std::min(per_group, (g + 1) * rep - h0);
-        const PagedHead head{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, dk, dv};
+        const auto [b, g, h0, hh] = items[i];
+        const PagedHead head = HeadItems::head(head0, g, kv_stride);
         if (dot)
           isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(pool_ptr), S, head, tp + b * nb,
                                lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(), o.data());
@@ -908,19 +926,14 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const Isa& isa = current_isa();
   const at::Tensor qc = q.contiguous(), pc = pool.contiguous();
-  // (sequence, kv head, group of its query heads) items, as paged_decode's
-  const int64_t rep = H / num_kv_heads, threads = at::get_num_threads();
-  int64_t groups = std::min<int64_t>(rep, std::max<int64_t>(1, (2 * threads + B * num_kv_heads - 1) /
-                                                                   (B * num_kv_heads)));
-  const int64_t per_group = (rep + groups - 1) / groups;
-  groups = (rep + per_group - 1) / per_group;
+  const HeadItems items(B, H, num_kv_heads);
   const int64_t esize = q.element_size();
   const char* qp = static_cast<const char*>(qc.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const void* pool_ptr = pc.data_ptr();
   const float sc = static_cast<float>(scale);
   const int64_t padded = (max_len + S - 1) / S * S;
-  for_each_claimed(B * num_kv_heads * groups, [&](auto& claim) {
+  for_each_claimed(items.count, [&](auto& claim) {
     // scratch (attention_body.h's paged_prefill_item): transposed keys, value rows, a tile's scores
     // and query rows; 16 = the widest ISA's lanes, 24 = the most rows any ISA's tile takes
     constexpr int64_t lanes_max = 16, tile_max = 24;
@@ -928,9 +941,8 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
         qbuf(tile_max * dk);
     for (int64_t begin, end; claim(begin, end);)
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / (num_kv_heads * groups), g = (i / groups) % num_kv_heads;
-        const int64_t h0 = g * rep + (i % groups) * per_group, hh = std::min(per_group, (g + 1) * rep - h0);
-        const PagedHead head{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, dk, dv};
+        const auto [b, g, h0, hh] = items[i];
+        const PagedHead head = HeadItems::head(head0, g, kv_stride);
         const int64_t qlen = qs[b + 1] - qs[b];
         isa.paged_prefill(bf16, qp + (qs[b] * H + h0) * dk * esize, H * dk, hh, qlen, lp[b] - qlen, pool_ptr, S,
                           head, tp + b * nb, lp[b], window, sc, kt.data(), vbuf.data(), scores.data(), qbuf.data(),
