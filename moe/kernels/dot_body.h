@@ -73,13 +73,14 @@ static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const ui
 }
 
 // tiles_over_rows for bf16 rows and nb (1 or 2) blocks w, w + w_stride: epilogue(row, block j,
-// acc[16]) for rows [0, n) of x ([n, K] bf16).
-template <typename Epilogue>
+// acc[16]) for rows [0, n) of x ([n, K] bf16); before(row0, rows, j) ahead of each tile.
+template <typename Epilogue, typename Before = NoTileStart>
 static inline void dot_tiles_over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb,
-                                       int64_t w_stride, Epilogue&& epilogue) {
+                                       int64_t w_stride, Epilogue&& epilogue, Before&& before = Before{}) {
   alignas(64) float buf[DOT_TILE_ROWS * 2 * 16];
   for (int64_t r0 = 0; r0 < n; r0 += DOT_TILE_ROWS) {
     const int64_t rows = std::min<int64_t>(DOT_TILE_ROWS, n - r0);
+    for (int j = 0; j < nb; ++j) before(r0, rows, j);
     if (nb == 2) dot_tile_rows<2>(rows, x + r0 * K, K, w, w_stride, K, buf);
     else dot_tile_rows<1>(rows, x + r0 * K, K, w, w_stride, K, buf);
     for (int64_t r = 0; r < rows; ++r)
@@ -124,7 +125,7 @@ struct DotKernels {
       alignas(64) float v[16];
       _mm512_store_ps(v, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f)));
       add_rounded16(out + out_rows[row] * ld_out + 16 * j, v);
-    });
+    }, OutRowPrefetch{out_rows, out, ld_out});
   }
   // out[row, 0:ncols] = x[row] @ block (+ bias): x [n, K] bf16; one block.
   template <typename OT>

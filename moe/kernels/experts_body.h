@@ -225,13 +225,16 @@ static inline int64_t next_tile_rows(int64_t left, int64_t tr) {
 }
 
 // Runs the register tiles over rows [0, n) of x ([n, K] fp32) against one [K][16] block and hands
-// each row's 16 accumulated columns to the work item's epilogue: epilogue(row, acc[16]).
-template <typename WT, typename Epilogue>
-static inline void tiles_over_rows(const float* x, int64_t n, int64_t K, const WT* w, Epilogue&& epilogue) {
+// each row's 16 accumulated columns to the work item's epilogue: epilogue(row, acc[16]);
+// before(row0, rows, j) runs ahead of each tile (NoTileStart).
+template <typename WT, typename Epilogue, typename Before = NoTileStart>
+static inline void tiles_over_rows(const float* x, int64_t n, int64_t K, const WT* w, Epilogue&& epilogue,
+                                   int j = 0, Before&& before = Before{}) {
   constexpr int64_t TR = tile_rows_of<WT>();
   alignas(64) float buf[TR * 16];
   for (int64_t r0 = 0, rows; r0 < n; r0 += rows) {
     rows = next_tile_rows(n - r0, TR);
+    before(r0, rows, j);
     tile_rows(rows, x + r0 * K, K, w, K, buf);
     for (int64_t r = 0; r < rows; ++r) epilogue(r0 + r, buf + r * 16);
   }
@@ -240,15 +243,16 @@ static inline void tiles_over_rows(const float* x, int64_t n, int64_t K, const W
 // tiles_over_rows for nb (1 or 2) blocks w, w + w_stride: epilogue(row, block j, acc[16]). Two
 // blocks take the two-block tiles where the ISA has them (rows split as tiles_over_rows splits them),
 // else each block its own tiles.
-template <typename WT, typename Epilogue>
+template <typename WT, typename Epilogue, typename Before = NoTileStart>
 static inline void tiles_over_rows_nb(const float* x, int64_t n, int64_t K, const WT* w, int nb, int64_t w_stride,
-                                      Epilogue&& epilogue) {
+                                      Epilogue&& epilogue, Before&& before = Before{}) {
   if constexpr (PAIR_TILES) {
     if (nb == 2) {
       constexpr int64_t TR = PAIR_TILE_ROWS;
       alignas(64) float buf[TR * 32];
       for (int64_t r0 = 0, rows; r0 < n; r0 += rows) {
         rows = next_tile_rows(n - r0, TR);
+        before(r0, rows, 0), before(r0, rows, 1);
         with_row_count<PAIR_TILE_ROWS>(
             rows, [&](auto r) { tile2<decltype(r)::value>(x + r0 * K, K, w, w_stride, K, buf); });
         for (int64_t r = 0; r < rows; ++r) epilogue(r0 + r, 0, buf + r * 32), epilogue(r0 + r, 1, buf + r * 32 + 16);
@@ -257,7 +261,8 @@ static inline void tiles_over_rows_nb(const float* x, int64_t n, int64_t K, cons
     }
   }
   for (int j = 0; j < nb; ++j)
-    tiles_over_rows(x, n, K, w + j * w_stride, [&](int64_t row, const float* acc) { epilogue(row, j, acc); });
+    tiles_over_rows(
+        x, n, K, w + j * w_stride, [&](int64_t row, const float* acc) { epilogue(row, j, acc); }, j, before);
 }
 
 // One (expert, gate/up column blocks) work item: act[row, 8b:8b+8] = silu(gate) * up for rows
@@ -310,7 +315,7 @@ static void down_add_block(const float* act, int64_t n, int64_t I, const WT* w, 
     alignas(64) float v[16];
     for (int c = 0; c < 16; ++c) v[c] = acc[c] * (sc ? sc[c] : 1.f) * rw;
     add_rounded16(out + out_rows[row] * ld_out + 16 * j, v);
-  });
+  }, OutRowPrefetch{out_rows, out, ld_out});
 }
 
 // One (group, output column blocks) work item of a plain linear: out[row, 0:ncols] = x[row] @ blocks

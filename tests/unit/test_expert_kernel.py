@@ -184,20 +184,23 @@ def test_one_op_from_router_output_equals_grouping_first(kernel_isas: list[str],
     assert not experts(x, torch.full_like(ids, -1), w).any()
 
 
+@pytest.mark.parametrize("tokens", [120, 700])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_one_op_adds_rows_into_tokens_in_slot_order_on_every_thread_count(kernel_isas: list[str],
-                                                                         threads: int) -> None:
+                                                                         threads: int, tokens: int) -> None:
     """The down projection adds each row straight into its token's output row; with two threads each
     owns a range of column blocks (D 96: three block pairs), and every element still sums its rows in
-    slot order, bit-equal to writing the rows out and adding them afterwards."""
+    slot order, bit-equal to writing the rows out and adding them afterwards. 700 tokens (over 2^16
+    output elements) take the padded output rows, copied out contiguously."""
     experts = Experts(6, 96, 32, dtype=torch.bfloat16)
     w13, w2 = _weights(6, 96, 32, torch.bfloat16, seed=5)
     experts.w13.data.copy_(w13)
     experts.w2.data.copy_(w2)
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(120, 96, generator=gen).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(120)])  # ~60 rows per slot
-    w = torch.rand(120, 3, generator=gen)
+    x = torch.randn(tokens, 96, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(tokens)])  # tokens / 2 rows per slot
+    ids[5] = -1  # no kept assignment: zeros
+    w = torch.rand(tokens, 3, generator=gen)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -207,8 +210,12 @@ def test_one_op_adds_rows_into_tokens_in_slot_order_on_every_thread_count(kernel
             got = experts(x, ids, w)
             experts.fused_topk = False
             want = experts(x, ids, w)
-            assert got.shape == (120, 96)
+            assert got.shape == (tokens, 96) and got.is_contiguous()
             assert torch.equal(got, want), name
+            assert not got[5].any()
+            experts.fused_topk = True
+            none_kept = experts(x, torch.full_like(ids, -1), w)
+            assert none_kept.shape == (tokens, 96) and none_kept.is_contiguous() and not none_kept.any()
     finally:
         torch.set_num_threads(before)
         kernels.select_isa("auto")
