@@ -14,12 +14,18 @@ scale from the first entries written to it (amax / 224, 2x headroom under the fp
 
 from __future__ import annotations
 
+import logging
+import math
+import mmap
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from moe.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -157,6 +163,56 @@ class KVLayerView:
         return g
 
 
+# Pools from this many bytes up take lazily zeroed memory (zeroed_pool).
+LAZY_POOL_MIN_BYTES = 1 << 20
+
+
+def zeroed_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """``torch.zeros(shape, dtype, device)``; on Linux CPUs, pools of ``LAZY_POOL_MIN_BYTES`` or more
+    come from anonymous memory the kernel zeroes page by page on first touch (asking for
+    transparent huge pages where the system allows them on request).
+
+    ``torch.zeros`` writes every byte at start-up: an 8 GiB cache (``--memory 8GiB``) took 23 s of
+    ``LLM()`` start on a KVM guest with THP "madvise" (1.95 M page faults, 21.8 s of system time)
+    and held all of it resident. Here only the blocks a step writes are ever faulted in. The
+    tensor keeps the mapping alive; it is freed with the last view of the tensor.
+    """
+    dev = torch.device(device) if device is not None else torch.get_default_device()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if dev.type != "cpu" or not sys.platform.startswith("linux") or nbytes < LAZY_POOL_MIN_BYTES:
+        return torch.zeros(*shape, dtype=dtype, device=dev)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP compiled out: 4 KB pages, still lazy
+            pass
+    return torch.frombuffer(buffer, dtype=dtype).view(*shape)
+
+
+def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable from ``meminfo`` in bytes (None where there is none: not Linux)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def warn_if_pools_outgrow_memory(pools: Sequence[torch.Tensor], available: int | None) -> bool:
+    """Log one warning when CPU pools (lazily zeroed: nothing resident yet) add up to more than
+    ``available`` bytes: steps that fill them could then run out of memory. Returns whether it warned."""
+    total = sum(p.numel() * p.element_size() for p in pools if p.device.type == "cpu")
+    if available is None or total <= available:
+        return False
+    log.warning("KV cache pools of %.2f GiB exceed the %.2f GiB of memory available now: steps that fill "
+                "them may run out of memory (lower --memory or --num-kv-blocks)", total / 2**30, available / 2**30)
+    return True
+
+
 class PagedKVCache:
     """One pool per layer. MLA: [N, S, kv_lora_rank + rope]; GQA: [N, S, 2, Hkv / tp_size, head_dim]."""
 
@@ -189,7 +245,8 @@ class PagedKVCache:
         self.calculate_kv_scales = calculate_kv_scales
         store = FP8_DTYPE if self.is_fp8 else dtype
         n = config.num_hidden_layers
-        self.pools = [torch.zeros(num_blocks, block_size, *entry, dtype=store, device=device) for _ in range(n)]
+        self.pools = [zeroed_pool((num_blocks, block_size, *entry), store, device) for _ in range(n)]
+        warn_if_pools_outgrow_memory(self.pools, available_memory_bytes())
         self.scales = torch.ones(n, dtype=torch.float32, device=device)
         self.calibrated = [False] * n
 
