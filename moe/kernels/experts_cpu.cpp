@@ -61,11 +61,11 @@ static inline float to_float(uint16_t h) {  // bf16 -> fp32
   return v;
 }
 static inline void store_value(float* p, float v) { *p = v; }
+// 16 floats as one vector: inlined into a kernel, its ops take that kernel's vector width (one
+// AVX-512 add; a plain loop here stayed 16 scalar adds).
+typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
 // dst[0:16) += v[0:16), v's products already rounded to fp32: the compiler sees v only through
 // memory, so it cannot fuse the products into the adds (the sums a separate combine pass makes).
-// A 16-float vector type: inlined, its add takes the caller's vector width (one AVX-512 add; the
-// scalar loop this replaced stayed 16 scalar adds, a quarter of a DeepSeek-size down tile's time).
-typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
 static inline void add_rounded16(float* __restrict dst, float* v) {
   asm volatile("" : : "r"(v) : "memory");
   f32x16 a, b;
@@ -530,8 +530,8 @@ static void check_experts(const at::Tensor& x, const at::Tensor& w13p, const at:
 // into activations, then down with the routing weight rw[n] (null: 1) and the int8 scale in the
 // epilogue, into out [N, D] (bf16 when bf16_out, else fp32); or, given out_rows ([N] row ids), each
 // row n added into fp32 row out_rows[n] of out (rows ld_out floats apart; 0: D), every output
-// element summing its rows in row order (each thread owns whole column ranges). xs and the activations are bf16 on the dot tiles (dot:
-// Isa::dot_bf16 holds), else fp32.
+// element summing its rows in row order (each thread owns whole column ranges). xs and the
+// activations are bf16 on the dot tiles (dot: Isa::dot_bf16 holds), else fp32.
 static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& offsets, int64_t D,
                         const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
                         const float* rw_ptr, bool bf16_out, void* out, const int64_t* out_rows = nullptr,
@@ -583,7 +583,8 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
         isa.dot.down_add(act_b + it.row0 * I, it.rows, I, static_cast<const uint16_t*>(w), it.blocks, I * 16, rw,
                          out_rows + it.row0, col, ld_out);
       else
-        isa.down_add(wt, act_f + it.row0 * I, it.rows, I, w, it.blocks, I * 16, sc, rw, out_rows + it.row0, col, ld_out);
+        isa.down_add(wt, act_f + it.row0 * I, it.rows, I, w, it.blocks, I * 16, sc, rw, out_rows + it.row0, col,
+                     ld_out);
       return;
     }
     const int64_t first = it.row0 * D + it.block * 16;
@@ -677,7 +678,7 @@ at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids,
   const int64_t M = offsets[P];
   // Prefill-size outputs get 16 floats of padding per row while the rows are added into them: with
   // rows D * 4 bytes apart (a multiple of 4 KB for D = 1024, 2048, 7168 ...) a tile's output lines all
-  // fall in one L1 set (12 ways on Zen 5) and evicted each other before the adds came (DeepSeek-style
+  // fall in one L1 set (a 48 KB, 12-way L1 on Zen 5) and evicted each other before the adds came (DeepSeek-style
   // layer, T = 4096, Zen 5: the adds' misses were ~0.17 of the products' time, 0.06 padded); copying
   // the result out contiguously costs less than that (experts 102-115 ms padded against 118-126).
   const int64_t ld = T * D > SMALL_ELEMENTS ? D + 16 : D;
