@@ -452,6 +452,8 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
 constexpr int PREFILL_ROWS = MOE_W == 16 ? 6 : 3;  // a register tile: rows x vectors of accumulators
 constexpr int PREFILL_VECS = MOE_W == 16 ? 4 : 3;
 constexpr int64_t PREFILL_TILE = 4 * PREFILL_ROWS;  // query rows per tile: every key chunk loaded serves them all
+static_assert(MOE_W <= PREFILL_MAX_LANES && PREFILL_TILE <= PREFILL_MAX_TILE,
+              "paged_prefill sizes each item's scratch for at most PREFILL_MAX_LANES lanes and PREFILL_MAX_TILE rows");
 
 // kt[c * ldt + t0 + r] = column c of row r (at src + r * stride), fp32, for rows [0, rows).
 template <typename PT>
@@ -585,10 +587,7 @@ static void paged_prefill_item(const PT* q, int64_t ldq, int64_t hh, int64_t nq,
                       dk, ldq);
       else if (h + 1 < hh)
         prefetch_rows(q + (h + 1) * dk, std::min<int64_t>(PREFILL_TILE, nq), dk, ldq);
-      for (int64_t r = 0; r < nr; ++r) {
-        const PT* qr = q + (r0 + r) * ldq + h * dk;
-        for (int64_t c = 0; c < dk; ++c) qbuf[r * dk + c] = to_float(qr[c]);
-      }
+      rows_into(q + r0 * ldq + h * dk, nr, dk, ldq, qbuf);
       prefill_scores(qbuf, nr, dk, kt + lo, ldt, n, scores, lds);
       for (int64_t r = 0; r < nr; ++r) {  // row r sees keys [a, b)
         const int64_t b = p0 + r + 1, a = window > 0 ? std::max<int64_t>(lo, b - window) : lo;

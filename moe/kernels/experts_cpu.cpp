@@ -44,6 +44,10 @@ enum WeightType { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 constexpr int64_t MLA_KEEP_BYTES = 256 * 1024;
 // query heads the dot-product decode attention keeps in the lanes of one vector (fp32 scores)
 constexpr int64_t DOT_HEAD_LANES = 16;
+// Prefill attention scratch (paged_prefill, for attention_body.h's paged_prefill_item): keys and
+// score rows padded by up to this many lanes, a tile of up to this many query rows; each ISA's
+// prefill tile is checked against them where it is defined.
+constexpr int64_t PREFILL_MAX_LANES = 16, PREFILL_MAX_TILE = 24;
 
 // Where one kv head's keys and values sit in a layer's pool (attention_body.h): token t of block b at
 // pool + (b * S + t) * token_stride, its key at + k_off (dk wide), its value at + v_off (dv wide).
@@ -969,11 +973,9 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
   const float sc = static_cast<float>(scale);
   const int64_t padded = (max_len + S - 1) / S * S;
   for_each_claimed(items.count, [&](auto& claim) {
-    // scratch (attention_body.h's paged_prefill_item): transposed keys, value rows, a tile's scores
-    // and query rows; 16 = the widest ISA's lanes, 24 = the most rows any ISA's tile takes
-    constexpr int64_t lanes_max = 16, tile_max = 24;
-    std::vector<float> kt((max_len + lanes_max) * dk), vbuf(padded * dv), scores(tile_max * (max_len + lanes_max)),
-        qbuf(tile_max * dk);
+    // scratch: transposed keys, value rows, a tile's scores and query rows
+    std::vector<float> kt((max_len + PREFILL_MAX_LANES) * dk), vbuf(padded * dv),
+        scores(PREFILL_MAX_TILE * (max_len + PREFILL_MAX_LANES)), qbuf(PREFILL_MAX_TILE * dk);
     for (int64_t begin, end; claim(begin, end);)
       for (int64_t i = begin; i < end; ++i) {
         const auto [b, g, h0, hh] = items[i];
