@@ -78,6 +78,7 @@ register("profile run", "launch.profile.commands:run_main",
 register("profile report", "launch.profile.commands:report_main",
          "expert-load report (HTML + summary.json) from this project's, SGLang's or plain-array dumps")
 register("bench overhead", "launch.bench.overhead:main", "driver/actor round-trip and routing-statistics overhead per step")
+register("bench sampler", "launch.bench.sampler:main", "the token sampler's time per call against an index-sort sampler")
 register("sweep", "launch.sweep.runner:main", "run a grid of layouts for real: results.jsonl/csv, plots, measured vs predicted")
 
 

@@ -87,11 +87,11 @@ def core_violations() -> list[str]:
         for line, module in imports_of(path):
             if top(module) == "ray" or module == "torch.distributed" or module.startswith("torch.distributed."):
                 bad.append(f"{rel}:{line} imports {module} (launch/core must stay free of ray/torch.distributed)")
-            elif top(module) == "torch" and path.name != "sampler.py":
-                bad.append(f"{rel}:{line} imports torch (only launch/core/sampler.py may)")
+            elif top(module) in {"torch", "numpy"} and path.name != "sampler.py":
+                bad.append(f"{rel}:{line} imports {top(module)} (only launch/core/sampler.py may)")
             elif module.startswith("launch") and not module.startswith("launch.core"):
                 bad.append(f"{rel}:{line} imports {module} (the core must not depend on the launch shell)")
-            elif top(module) not in STDLIB | {"launch", "torch"}:
+            elif top(module) not in STDLIB | {"launch", "torch", "numpy"}:
                 bad.append(f"{rel}:{line} imports third-party {module}")
     return bad
 

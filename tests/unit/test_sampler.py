@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from launch.core.sampler import Sampler, apply_sampling_filters
+from launch.bench.sampler import sort_reference_filters
+from launch.core.sampler import (
+    Sampler,
+    apply_sampling_filters,
+    draw_from_weights,
+    search_fraction,
+    seeded_uniform,
+)
 from launch.core.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
@@ -131,3 +142,109 @@ def test_cuda_seeded_rows_do_not_depend_on_the_batch():
     assert set(alone) <= set(row[0].topk(50).indices.tolist())
     out = Sampler(seed=0)(batch, params)
     assert out.token_ids.device.type == "cuda" and out.token_ids.shape == (4,)
+
+
+# ---------------------------------------------------------------- the fast paths against a plain oracle
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 3000])
+def test_filters_keep_what_the_sort_reference_keeps(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    settings = [dict(temperature=t, top_k=k, top_p=p, min_p=m)
+                for t in (0.5, 1.0, 1.7) for k in (-1, 1, 3, 11, vocab - 1, vocab + 5)
+                for p in (1.0, 0.3, 0.9, 0.99) for m in (0.0, 0.05)]
+    params = [SamplingParams(**s) for s in settings]
+    logits = torch.randn(len(params), vocab, generator=gen) * 3
+    out = apply_sampling_filters(logits, params)
+    want = sort_reference_filters(logits, params)
+    assert out.shape == (len(params), vocab)
+    kept, want_kept = torch.isfinite(out), torch.isfinite(want)
+    for row, s in enumerate(settings):
+        assert torch.equal(kept[row], want_kept[row]), s
+    temps = torch.tensor([s["temperature"] for s in settings]).unsqueeze(1)
+    assert torch.equal(out[kept], (logits / temps)[kept])
+
+
+def test_ties_at_the_last_kept_value_keep_the_lowest_ids():
+    logits = torch.tensor([[0.0, 1.0, 1.0, 2.0, 1.0, 1.0]])
+    kept = torch.isfinite(apply_sampling_filters(logits, [SamplingParams(top_k=3)]))[0]
+    assert kept.nonzero().flatten().tolist() == [1, 2, 3]
+
+
+# Logits over V = 600: five leading tokens, then a flat tail. With FEW = 256, top-k <= 2 takes the
+# top-k path, a top-p nucleus of <= 2 tokens the sorted-values path drawing among candidates, a
+# larger one the sorted-values path drawing over the whole row, no top-k/top-p the plain path.
+_HEAD = [3.0, 2.5, 2.0, 1.5, 1.0]
+_PATHS = {
+    "top-k": SamplingParams(temperature=0.9, top_k=2),
+    "top-p, few kept": SamplingParams(temperature=1.0, top_p=0.5),
+    "top-p, many kept": SamplingParams(temperature=1.0, top_p=0.8),
+    "top-k and top-p": SamplingParams(temperature=1.2, top_k=4, top_p=0.7),
+    "temperature": SamplingParams(temperature=0.8),
+    "min-p": SamplingParams(temperature=1.0, min_p=0.2),
+}
+
+
+def _head_logits(rows: int) -> torch.Tensor:
+    row = torch.full((600,), -4.0)
+    row[: len(_HEAD)] = torch.tensor(_HEAD)
+    return row.expand(rows, 600).contiguous()
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+def test_draws_follow_the_filtered_distribution_on_every_path(path):
+    n = 20000
+    params = [_PATHS[path]] * n
+    logits = _head_logits(n)
+    out = Sampler(seed=11)(logits, params).token_ids
+    want = apply_sampling_filters(logits[:1], params[:1]).softmax(dim=-1)[0].double()  # [V]
+    freq = torch.bincount(out, minlength=600).double() / n
+    assert freq[want == 0].sum() == 0  # nothing outside the kept set
+    tail = slice(len(_HEAD), None)
+    observed = torch.cat([freq[: len(_HEAD)], freq[tail].sum().unsqueeze(0)])
+    expected = torch.cat([want[: len(_HEAD)], want[tail].sum().unsqueeze(0)])
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((observed - expected).abs() <= 5 * sigma + 1e-12).all(), (path, observed, expected)
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+def test_seeded_rows_do_not_depend_on_the_batch_on_every_path(path):
+    seeded = dataclasses.replace(_PATHS[path], seed=2024)
+    row = _head_logits(1) + torch.randn(1, 600, generator=torch.Generator().manual_seed(3)) * 0.5
+    others = [p for name, p in _PATHS.items() if name != path] + [SamplingParams(temperature=0.0)]
+    batch = torch.cat([_head_logits(len(others)), row])
+    alone = [Sampler(seed=0)(row, [seeded], [k]).token_ids.item() for k in range(30)]
+    mixed = [Sampler(seed=5)(batch, others + [seeded], [3] * len(others) + [k]).token_ids[-1].item()
+             for k in range(30)]
+    assert alone == mixed
+    assert len(set(alone)) > 1
+
+
+def test_search_fraction_matches_a_full_fp64_running_sum():
+    gen = torch.Generator().manual_seed(7)
+    for width in (1, 63, 64, 65, 200, 1000):
+        weights = torch.rand(40, width, generator=gen)
+        weights[weights < 0.3] = 0  # zeros, and whole zero blocks in some rows
+        weights[:10, : width // 2] = 0
+        weights[:, 0] += (weights.sum(dim=-1) == 0).float()  # at least one positive per row
+        fraction = torch.rand(40, generator=gen, dtype=torch.float64)
+        fraction[:3] = torch.tensor([0.0, 1 - 2.0**-53, 0.5])
+        cdf = weights.double().cumsum(dim=-1)
+        target = (fraction * cdf[:, -1]).unsqueeze(1)
+        for right in (True, False):
+            got = search_fraction(weights, fraction, right=right)
+            assert got.shape == (40,) and got.dtype == torch.int64
+            want = torch.searchsorted(cdf, target, right=right).squeeze(1).clamp(max=width - 1)
+            assert torch.equal(got, want), (width, right)
+        drawn = draw_from_weights(weights, fraction)
+        assert (weights.gather(1, drawn.unsqueeze(1)) > 0).all()  # never a zero-weight column
+
+
+def test_seeded_uniform_is_stable_across_processes():
+    values = [seeded_uniform(s, i) for s in (0, 1, -5, 2**70) for i in range(50)]
+    assert all(0.0 <= v < 1.0 for v in values) and len(set(values)) == len(values)
+    assert abs(sum(seeded_uniform(9, i) for i in range(20000)) / 20000 - 0.5) < 0.01
+    code = "from launch.core.sampler import seeded_uniform; print(repr(seeded_uniform(1234, 17)))"
+    env = {**os.environ, "PYTHONHASHSEED": "4321"}
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert float(other.stdout) == seeded_uniform(1234, 17)
