@@ -21,6 +21,11 @@ rank, one Ray actor per rank otherwise. Per timed step:
     execute_cpu_ms  driver process CPU time inside executor.execute (all threads: Ray's own too)
     execute_thread_cpu_ms  the calling thread's CPU time inside executor.execute (encoding,
                   sends, receives, decoding; Ray's submission work on this thread)
+    sampler_ms    the worker's Sampler call (one in-process rank only; nan with Ray ranks)
+
+The decoding requests sample with ``--temperature`` (0: greedy, the default), ``--top-p``,
+``--top-k``, ``--min-p`` and, with ``--request-seeds``, a seed each (the seeded path). With one
+in-process rank a closing line gives scheduler + sampler as a share of the median step's CPU.
 
 ``--transports ray,socket`` runs the same measurement once per step transport
 (``parallel.step_transport``) in this process, one engine after the other, and prints the
@@ -57,7 +62,7 @@ from launch.core import SamplingParams, SchedulerOutput
 from launch.worker import StepResult
 
 STEP_FIELDS = ("step_ms", "execute_ms", "worker_ms", "scheduler_ms", "overhead_ms", "transport_ms", "other_ms",
-               "step_cpu_ms", "execute_cpu_ms", "execute_thread_cpu_ms")
+               "step_cpu_ms", "execute_cpu_ms", "execute_thread_cpu_ms", "sampler_ms")
 STATS_BUDGET = 0.02  # the issue's bar: recording costs at most 2% of a step
 
 
@@ -72,6 +77,7 @@ class StepTiming:
     step_cpu_ms: float = 0.0
     execute_cpu_ms: float = 0.0
     execute_thread_cpu_ms: float = 0.0
+    sampler_ms: float = float("nan")
 
     @property
     def overhead_ms(self) -> float:
@@ -134,6 +140,24 @@ class TimedScheduler:
         return getattr(self.inner, name)
 
 
+class TimedSampler:
+    """Wraps a worker's sampler: seconds spent in its calls since ``reset``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
 def is_pure_decode(output: SchedulerOutput, batch_size: int) -> bool:
     """Whether every one of ``batch_size`` sequences decodes exactly one token this step."""
     num_seqs = sum(b.num_seqs for b in output.batches)
@@ -154,9 +178,12 @@ def summarize(timings: list[StepTiming]) -> dict[str, dict[str, float]]:
 
 
 def run_decode(engine: Any, batch_size: int, context_len: int, steps: int, warmup_steps: int, *,
-               seed: int) -> tuple[list[StepTiming], int]:
+               seed: int, sampling: SamplingParams | None = None, request_seeds: bool = False,
+               sampler: TimedSampler | None = None) -> tuple[list[StepTiming], int]:
     """Prefill ``batch_size`` requests, then time ``steps`` pure decode steps (the engine's
-    executor and scheduler must be TimedExecutor / TimedScheduler). Returns the timings and
+    executor and scheduler must be TimedExecutor / TimedScheduler). The requests sample with
+    ``sampling``'s settings (default greedy), request i seeded with i when ``request_seeds``;
+    ``sampler``, when given, is the in-process worker's timed sampler. Returns the timings and
     the number of decode steps left out because a rebalance ran in them."""
     executor, scheduler = engine.executor, engine.scheduler
     mc = engine.model_config
@@ -165,15 +192,19 @@ def run_decode(engine: Any, batch_size: int, context_len: int, steps: int, warmu
     budget = engine.config.engine.max_num_batched_tokens
     prefill_steps = -(-batch_size * context_len // budget)
     max_steps = 2 * (warmup_steps + steps) + 4 * prefill_steps + 16
-    params = SamplingParams(temperature=0.0, max_tokens=max_steps + 1, ignore_eos=True)
+    params = dataclasses.replace(sampling or SamplingParams(temperature=0.0), max_tokens=max_steps + 1,
+                                 ignore_eos=True)
     ids = [engine.next_request_id() for _ in range(batch_size)]
-    for request_id in ids:
-        engine.add_request(request_id, [rng.choice(vocab) for _ in range(context_len)], params)
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, [rng.choice(vocab) for _ in range(context_len)],
+                           dataclasses.replace(params, seed=i) if request_seeds else params)
     timings: list[StepTiming] = []
     decode_steps = skipped = 0
     try:
         for _ in range(max_steps):
             scheduler.reset()
+            if sampler is not None:
+                sampler.reset()
             executor.last = None
             rebalances = engine.eplb.counters.num_rebalances if engine.eplb is not None else 0
             started, cpu = time.perf_counter(), time.process_time()
@@ -190,7 +221,8 @@ def run_decode(engine: Any, batch_size: int, context_len: int, steps: int, warmu
             _, results, execute = executor.last
             timings.append(StepTiming(wall * 1e3, execute * 1e3, max(r.seconds for r in results) * 1e3,
                                       scheduler.seconds * 1e3, cpu * 1e3, executor.last_cpu * 1e3,
-                                      executor.last_thread_cpu * 1e3))
+                                      executor.last_thread_cpu * 1e3,
+                                      sampler.seconds * 1e3 if sampler is not None else float("nan")))
             if len(timings) == steps:
                 break
     finally:
@@ -278,7 +310,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated step transports to run one after another in this process "
                         "(e.g. ray,socket: before/after side by side); default: the configured one")
     g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
+    s = parser.add_argument_group("sampling of the decoding requests")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--request-seeds", action="store_true", help="give request i the seed i (seeded sampling)")
     return parser
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The decoding requests' sampling settings from the flags (ValueError names a bad one)."""
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
 
 
 def build_config(args: argparse.Namespace) -> RuntimeConfig:
@@ -308,6 +351,28 @@ def format_steps(summary: dict[str, dict[str, float]], label: str) -> str:
     for stat in ("median", "p90"):
         lines.append(f"{label:<22} {stat:<7}" + "".join(f"{summary[n][stat]:>14.3f}" for n in STEP_FIELDS))
     return "\n".join(lines)
+
+
+def without_nan(value: Any) -> Any:
+    """``value`` with every float nan (a figure not measured, e.g. sampler_ms with Ray ranks) as
+    None, so the JSON stays standard."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: without_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_nan(v) for v in value]
+    return value
+
+
+def loop_share(summary: dict[str, dict[str, float]]) -> str | None:
+    """'scheduler + sampler: X ms of a Y ms step (Z%)' from the medians (step CPU time), or None
+    without a sampler timing (Ray ranks)."""
+    sampler, scheduler, step = (summary[k]["median"] for k in ("sampler_ms", "scheduler_ms", "step_cpu_ms"))
+    if sampler != sampler or step <= 0:  # nan: not measured
+        return None
+    return (f"# scheduler + sampler (detokenization in the scheduler's update): {scheduler:.3f} + {sampler:.3f} ms "
+            f"of a {step:.3f} ms step's CPU ({100 * (scheduler + sampler) / step:.2f}%)")
 
 
 def describe_executor(config: RuntimeConfig) -> str:
@@ -362,10 +427,15 @@ def measure(config: RuntimeConfig, args: argparse.Namespace) -> dict[str, Any]:
         if args.stats_overhead and not engine.model_config.moe_layer_ids:
             raise ValueError(f"{config.model} has no MoE layers: nothing records routing statistics")
         transport = getattr(engine.executor, "active_transport", "in-process")
+        worker = getattr(engine.executor, "worker", None)  # the in-process executor's one rank
+        sampler = None
+        if worker is not None:
+            sampler = worker.sampler = TimedSampler(worker.sampler)
         engine.executor = TimedExecutor(engine.executor)
         engine.scheduler = TimedScheduler(engine.scheduler)
         timings, skipped = run_decode(engine, args.batch, args.context_len, args.steps, args.warmup_steps,
-                                      seed=config.engine.seed)
+                                      seed=config.engine.seed, sampling=sampling_params(args),
+                                      request_seeds=args.request_seeds, sampler=sampler)
         summary = summarize(timings)
         step = summary["step_ms"]
         stats = stats_overhead(engine, args.batch, step["median"], step["min"], args.repeats) \
@@ -406,6 +476,7 @@ def format_comparison(runs: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        sampling_params(args)
         config = build_config(args)
         transports = parse_transports(args.transports, config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -427,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {args.steps} decode steps of {args.batch} sequences (context {args.context_len}), {run_label}, "
               f"{run['skipped']} rebalance steps left out; times in ms (cpu: driver process CPU time)")
         print(format_steps(run["summary"], run_label))
+        share = loop_share(run["summary"])
+        if share is not None:
+            print(share)
         if run["stats"] is not None:
             print(format_stats(run["stats"]))
     if len(runs) > 1:
@@ -445,5 +519,5 @@ def main(argv: list[str] | None = None) -> int:
         first = result["runs"][0]
         result.update(rebalance_steps_skipped=first["rebalance_steps_skipped"], summary=first["summary"],
                       timings=first["timings"], stats_overhead=first["stats_overhead"])
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(without_nan(result), indent=2) + "\n")
     return 0

@@ -103,6 +103,20 @@ def test_main_in_process_with_stats_overhead(tiny_ckpt, tmp_path, capsys):
     assert s["within_budget"] == (s["ratio_at_min_step"] <= 0.02)
 
 
+def test_main_times_the_sampler_with_the_requested_settings(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "overhead.json"
+    rc = bench_overhead.main(["--model", str(tiny_ckpt), "--dtype", "float32", "--batch", "3", "--context-len", "5",
+                              "--steps", "3", "--warmup-steps", "1", "--num-threads", "1", "--temperature", "0.8",
+                              "--top-k", "5", "--top-p", "0.9", "--request-seeds", "--json", str(out)])
+    assert rc == 0
+    assert "scheduler + sampler" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    for t in r["timings"]:
+        assert 0 < t["sampler_ms"] < t["worker_ms"]
+    median = r["summary"]["sampler_ms"]["median"]
+    assert median == sorted(t["sampler_ms"] for t in r["timings"])[1]
+
+
 def test_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
     assert bench_overhead.main(["--model", str(tiny_ckpt), "--batch", "0"]) == 2
     assert "--batch must be >= 1" in capsys.readouterr().err
@@ -110,6 +124,8 @@ def test_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
     assert "one in-process rank" in capsys.readouterr().err
     assert bench_overhead.main(["--model", str(tmp_path / "missing")]) == 2
     assert "config.json" in capsys.readouterr().err
+    assert bench_overhead.main(["--model", str(tiny_ckpt), "--top-p", "1.5"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_transports_list_and_side_by_side_ratios():
@@ -133,3 +149,15 @@ def test_transports_list_and_side_by_side_ratios():
     assert len(lines) == 3 and lines[0].split()[1:5] == ["transport", "transport_ms", "execute_cpu_ms",
                                                          "execute_thread_cpu_ms"]
     assert lines[2].split()[1] == "socket" and lines[2].split()[-4:] == ["0.25", "0.25", "0.25", "0.40"]
+
+
+def test_unmeasured_sampler_time_is_null_in_json_and_left_out_of_the_share():
+    from launch.bench.overhead import loop_share, without_nan
+
+    ray_step = summarize([StepTiming(10.0, 8.0, 6.0, 0.5, 2.0)])  # no sampler timing: Ray ranks
+    assert ray_step["sampler_ms"]["median"] != ray_step["sampler_ms"]["median"]
+    assert loop_share(ray_step) is None
+    assert json.loads(json.dumps(without_nan({"a": [1.0, float("nan")], "b": (float("nan"),)}))) == \
+        {"a": [1.0, None], "b": [None]}
+    local = summarize([StepTiming(10.0, 8.0, 6.0, 0.5, 20.0, sampler_ms=0.5)])
+    assert loop_share(local).endswith("0.500 + 0.500 ms of a 20.000 ms step's CPU (5.00%)")
