@@ -248,3 +248,15 @@ def test_seeded_uniform_is_stable_across_processes():
     env = {**os.environ, "PYTHONHASHSEED": "4321"}
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert float(other.stdout) == seeded_uniform(1234, 17)
+
+
+def test_top_p_nucleus_is_the_fp64_one_on_a_flat_large_vocabulary():
+    logits = torch.randn(16, 40000, generator=torch.Generator().manual_seed(8)) * 3
+    params = [SamplingParams(temperature=0.8, top_p=p) for p in (0.5, 0.9, 0.95, 0.99)] * 4
+    kept = torch.isfinite(apply_sampling_filters(logits, params)).sum(dim=-1)
+    probs, _ = (logits / 0.8).softmax(dim=-1).double().sort(dim=-1, descending=True)
+    running = probs.cumsum(dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64).unsqueeze(1)
+    want = torch.searchsorted(running, top_p * running[:, -1:]).squeeze(1) + 1
+    assert torch.equal(kept, want)
+    assert (kept <= 40000 // 256).any() and (kept > 40000 // 256).any()  # the sampler's two draw paths
