@@ -284,7 +284,7 @@ def sorted_values(x: torch.Tensor, width: int) -> torch.Tensor:
         if width * FEW <= vocab:
             return x.topk(width, dim=-1).values
         ascending = np.sort(x.detach().numpy(), axis=-1)
-        return torch.from_numpy(np.ascontiguousarray(ascending[:, ::-1][:, :width]))
+        return torch.from_numpy(ascending[:, ::-1][:, :width].copy())  # a copy: positive strides
     if width < vocab:
         return x.topk(width, dim=-1).values
     return x.sort(dim=-1, descending=True).values

@@ -260,3 +260,9 @@ def test_top_p_nucleus_is_the_fp64_one_on_a_flat_large_vocabulary():
     want = torch.searchsorted(running, top_p * running[:, -1:]).squeeze(1) + 1
     assert torch.equal(kept, want)
     assert (kept <= 40000 // 256).any() and (kept > 40000 // 256).any()  # the sampler's two draw paths
+
+
+def test_an_empty_batch_and_a_one_token_vocabulary():
+    assert Sampler(seed=0)(torch.zeros(0, 10), []).token_ids.shape == (0,)
+    params = [SamplingParams(top_p=0.5), SamplingParams(top_k=1), SamplingParams(temperature=0.5, seed=3)]
+    assert Sampler(seed=0)(torch.randn(3, 1), params).token_ids.tolist() == [0, 0, 0]
