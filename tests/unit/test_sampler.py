@@ -18,6 +18,7 @@ from launch.core.sampler import (
     draw_from_weights,
     search_fraction,
     seeded_uniform,
+    sorted_values,
 )
 from launch.core.sampling_params import SamplingParams
 
@@ -266,3 +267,13 @@ def test_an_empty_batch_and_a_one_token_vocabulary():
     assert Sampler(seed=0)(torch.zeros(0, 10), []).token_ids.shape == (0,)
     params = [SamplingParams(top_p=0.5), SamplingParams(top_k=1), SamplingParams(temperature=0.5, seed=3)]
     assert Sampler(seed=0)(torch.randn(3, 1), params).token_ids.tolist() == [0, 0, 0]
+
+
+def test_sorted_values_equal_a_torch_sort_whatever_the_width():
+    x = torch.rand(5, 3000, generator=torch.Generator().manual_seed(9))
+    x[:, ::7] = 0.0  # ties, as dropped tokens make them
+    want = x.sort(dim=-1, descending=True).values  # what other devices run
+    for width in (1, 3000 // 256, 3000 // 256 + 1, 1500, 3000):
+        got = sorted_values(x, width)
+        assert got.shape == (5, width) and got.is_contiguous()
+        assert torch.equal(got, want[:, :width]), width
