@@ -127,13 +127,16 @@ struct DotKernels {
       add_rounded16(out + out_rows[row] * ld_out + 16 * j, v);
     }, OutRowPrefetch{out_rows, out, ld_out});
   }
-  // out[row, 0:ncols] = x[row] @ block (+ bias): x [n, K] bf16; one block.
+  // out[row, 0:ncols] = x[row] @ blocks (+ bias): x [n, K] bf16; nb neighbouring [K/2][16][2] blocks
+  // (K * 16 elements apart), ncols <= 16 * nb of their columns.
   template <typename OT>
-  static void linear(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, const float* bias, int64_t ncols,
-                     OT* out, int64_t ld_out) {
-    dot_tiles_over_rows(x, n, K, w, 1, 0, [&](int64_t row, int, const float* acc) {
-      OT* dst = out + row * ld_out;
-      for (int64_t c = 0; c < ncols; ++c) store_value(dst + c, acc[c] + (bias ? bias[c] : 0.f));
+  static void linear(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb, const float* bias,
+                     int64_t ncols, OT* out, int64_t ld_out) {
+    dot_tiles_over_rows(x, n, K, w, nb, K * 16, [&](int64_t row, int j, const float* acc) {
+      OT* dst = out + row * ld_out + 16 * j;
+      const float* b = bias ? bias + 16 * j : nullptr;
+      const int64_t cols = std::min<int64_t>(16, ncols - 16 * j);
+      for (int64_t c = 0; c < cols; ++c) store_value(dst + c, acc[c] + (b ? b[c] : 0.f));
     });
   }
 };

@@ -307,7 +307,8 @@ using DownDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, i
 using DownAddDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, const float*,
                               const int64_t*, float*, int64_t);
 template <typename OT>
-using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t, OT*, int64_t);
+using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, const float*, int64_t, OT*,
+                             int64_t);
 
 using PagedDecodeDotFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const PagedHead&,
                                  const int64_t*, int64_t, float, float*, uint16_t*, const uint16_t**,
@@ -492,8 +493,9 @@ constexpr int64_t ROW_PANEL = 96;
 // the Intel box (no AMX) a read prefetched 2-8 KB ahead ran at 10.8-12.0 GB/s from one stream and
 // 13.8-15.2 GB/s from two or four, and Mixtral-style batch-32 decode steps (~8 rows per expert)
 // took 0.75-0.81x the time with two-block items from 8 rows on the FMA tiles. The packed linears
-// take the same threshold. The dot tiles keep 16: two streams were 1.2x slower at 4 rows on Zen 5,
-// and 8-15 rows were not measured there.
+// take the same thresholds. The dot tiles keep 16: two streams were 1.2x slower at 4 rows on Zen 5,
+// and 8-15 rows were not measured there; MLA's decode linears (q_a, q_b, kv_a, o_proj) at 16-64
+// rows took 0.8-0.9x the time with two-block items there, and the batch-32 attention op ~0.93x.
 constexpr int64_t PAIR_BLOCK_MIN_ROWS = 8;
 constexpr int64_t DOT_PAIR_BLOCK_MIN_ROWS = 16;
 
@@ -751,9 +753,11 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   const bool bf16_out = out_dtype == at::kBFloat16;
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const int64_t panels = (N + ROW_PANEL - 1) / ROW_PANEL;
-  // two neighbouring column blocks per item on the FMA tiles that have two-block tiles, from
-  // PAIR_BLOCK_MIN_ROWS rows (the last item of an odd count takes one)
-  const int64_t per_item = !dot && isa.pair_tiles && std::min(N, ROW_PANEL) >= PAIR_BLOCK_MIN_ROWS ? 2 : 1;
+  // two neighbouring column blocks per item from PAIR_BLOCK_MIN_ROWS rows (DOT_PAIR_BLOCK_MIN_ROWS on
+  // the dot tiles; the FMA tiles where they have two-block tiles); the last item of an odd count
+  // takes one
+  const int64_t per_item = std::min(N, ROW_PANEL) >= (dot ? DOT_PAIR_BLOCK_MIN_ROWS : PAIR_BLOCK_MIN_ROWS) &&
+                           (dot || isa.pair_tiles) ? 2 : 1;
   const int64_t nbi = (nb + per_item - 1) / per_item;  // items per (group, panel)
   // items (group, row panel, column blocks), column blocks innermost: a thread's consecutive items
   // reuse one panel of x from cache while the weight streams
@@ -771,8 +775,8 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
       if (dot) {
         const uint16_t* x_rows = xb + (g * N + r0) * K;
         const uint16_t* wb = static_cast<const uint16_t*>(w);
-        if (bf16_out) isa.dot.linear_bf16(x_rows, rows, K, wb, bp, ncols, ob, C);
-        else isa.dot.linear_f32(x_rows, rows, K, wb, bp, ncols, of, C);
+        if (bf16_out) isa.dot.linear_bf16(x_rows, rows, K, wb, blocks, bp, ncols, ob, C);
+        else isa.dot.linear_f32(x_rows, rows, K, wb, blocks, bp, ncols, of, C);
       } else if (bf16_out) {
         isa.linear_bf16(wt, xs + (g * N + r0) * K, rows, K, w, blocks, K * 16, bp, ncols, ob, C);
       } else {
