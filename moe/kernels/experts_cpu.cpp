@@ -493,9 +493,11 @@ constexpr int64_t ROW_PANEL = 96;
 // the Intel box (no AMX) a read prefetched 2-8 KB ahead ran at 10.8-12.0 GB/s from one stream and
 // 13.8-15.2 GB/s from two or four, and Mixtral-style batch-32 decode steps (~8 rows per expert)
 // took 0.75-0.81x the time with two-block items from 8 rows on the FMA tiles. The packed linears
-// take the same thresholds. The dot tiles keep 16: two streams were 1.2x slower at 4 rows on Zen 5,
-// and 8-15 rows were not measured there; MLA's decode linears (q_a, q_b, kv_a, o_proj) at 16-64
-// rows took 0.8-0.9x the time with two-block items there, and the batch-32 attention op ~0.93x.
+// take the same thresholds. The dot tiles keep 16: two streams were 1.2x slower at 4 rows on Zen 5;
+// MLA's decode linears (q_a, q_b, kv_a, o_proj) at 16-64 rows took 0.8-0.9x the time with
+// two-block items there, and the batch-32 attention op ~0.93x; at 8 and 12 rows the linears were
+// faster only with warm weights: decode steps (cold weights) at batch 8 and 12 gave the attention
+// op 4.67-7.62 ms per step with a threshold of 8 against 4.58-6.82 with 16.
 constexpr int64_t PAIR_BLOCK_MIN_ROWS = 8;
 constexpr int64_t DOT_PAIR_BLOCK_MIN_ROWS = 16;
 
