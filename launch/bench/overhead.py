@@ -112,8 +112,9 @@ class TimedExecutor:
         return getattr(self.inner, name)
 
 
-class TimedScheduler:
-    """Wraps the engine's scheduler: seconds spent in ``schedule`` + ``update`` since ``reset``."""
+class _Stopwatch:
+    """Wraps ``inner``: ``seconds`` accumulates the wall time of the calls made through ``timed``
+    since ``reset``; other attributes pass through to ``inner``."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -122,17 +123,10 @@ class TimedScheduler:
     def reset(self) -> None:
         self.seconds = 0.0
 
-    def schedule(self) -> SchedulerOutput:
+    def timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
-            return self.inner.schedule()
-        finally:
-            self.seconds += time.perf_counter() - started
-
-    def update(self, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return self.inner.update(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - started
 
@@ -140,22 +134,21 @@ class TimedScheduler:
         return getattr(self.inner, name)
 
 
-class TimedSampler:
+class TimedScheduler(_Stopwatch):
+    """Wraps the engine's scheduler: seconds spent in ``schedule`` + ``update`` since ``reset``."""
+
+    def schedule(self) -> SchedulerOutput:
+        return self.timed(self.inner.schedule)
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        return self.timed(self.inner.update, *args, **kwargs)
+
+
+class TimedSampler(_Stopwatch):
     """Wraps a worker's sampler: seconds spent in its calls since ``reset``."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.seconds = 0.0
-
-    def reset(self) -> None:
-        self.seconds = 0.0
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return self.inner(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - started
+        return self.timed(self.inner, *args, **kwargs)
 
 
 def is_pure_decode(output: SchedulerOutput, batch_size: int) -> bool:
