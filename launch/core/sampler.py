@@ -40,8 +40,12 @@ _MASK64 = (1 << 64) - 1
 # columns costs about what numpy's value sort of the whole row does ([32, V] float32 rows,
 # V = 1024 .. 129280, one thread).
 FEW = 256
-# Columns per block of the two-level running sums (search_fraction).
+# Columns per block of the two-level running sums (search_fraction), and the vocabulary size up to
+# which one fp64 running sum over the row is used instead: below it the two-level search's ~30 small
+# ops per call cost more than the pass they save. Decided by V, never by a batch's widths, so a row's
+# draws do not depend on the rows beside it.
 BLOCK = 64
+ONE_PASS_MAX_VOCAB = 4096
 
 
 @dataclass
@@ -161,9 +165,9 @@ def sample_filtered(logits: torch.Tensor, params: Sequence[SamplingParams], u: t
             i = [j for j, f in enumerate(few) if not f]
             rows = [by_value[j] for j in i]
             sub = probs[rows]
-            out[rows] = draw_from_weights(sub * keep_top(sub, counts[i], threshold[i]), u[rows])
+            out[rows] = draw_from_weights(sub * keep_top(sub, counts[i], threshold[i]), u[rows], vocab=vocab)
     if plain:
-        out[plain] = draw_from_weights(_rows(probs, plain), u[plain])
+        out[plain] = draw_from_weights(_rows(probs, plain), u[plain], vocab=vocab)
     return out
 
 
@@ -172,32 +176,43 @@ def _draw_among_top(probs: torch.Tensor, width: int, params: Sequence[SamplingPa
     """probs: [R, V]; the rows keep their ``counts`` (or, from ``params``, their ``top_counts``)
     most likely tokens, all within the ``width`` largest. Returns [R] int64 ids drawn among
     those candidates, summed in value order."""
+    vocab = probs.shape[1]
     values, ids = probs.topk(width, dim=-1)  # [R, width], descending
     if counts is None:
-        counts = top_counts(values, params)
+        counts = top_counts(values, params, vocab=vocab)
     values = values * (torch.arange(width, device=probs.device) < counts.unsqueeze(1))
-    return ids.gather(1, draw_from_weights(values, u).unsqueeze(1)).squeeze(1)
+    return ids.gather(1, draw_from_weights(values, u, vocab=vocab).unsqueeze(1)).squeeze(1)
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x if len(rows) == x.shape[0] else x[rows]
 
 
-def draw_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def draw_from_weights(weights: torch.Tensor, u: torch.Tensor, *, vocab: int | None = None) -> torch.Tensor:
     """Inverse-CDF draw. weights: [R, W] float32 >= 0, unnormalised, at least one positive per
-    row; u: [R] float64 in [0, 1). Returns [R] int64 column indices: per row the column whose
-    interval of the running sum of the weights holds u times the row's total."""
-    return search_fraction(weights, u, right=True)
+    row; u: [R] float64 in [0, 1); vocab: the vocabulary the rows come from (default W). Returns
+    [R] int64 column indices: per row the column whose interval of the running sum of the weights
+    holds u times the row's total."""
+    return search_fraction(weights, u, right=True, vocab=vocab)
 
 
-def search_fraction(weights: torch.Tensor, fraction: torch.Tensor, *, right: bool) -> torch.Tensor:
+def search_fraction(weights: torch.Tensor, fraction: torch.Tensor, *, right: bool,
+                    vocab: int | None = None) -> torch.Tensor:
     """weights: [R, W] float32 >= 0, at least one positive per row; fraction: [R] float64 in
     [0, 1]. Returns [R] int64: per row the first column whose running sum of the weights reaches
     fraction x the row's total (``right``: exceeds it; the column found then has a positive
-    weight, and a fraction below 1 never runs past the row). Two levels, so no [R, W] fp64 running
-    sum is built: fp32 sums of blocks of BLOCK columns, their fp64 running sum picks the block,
-    and an fp64 running sum inside that block the column."""
+    weight, and a fraction below 1 never runs past the row). Up to a vocabulary (``vocab``,
+    default W) of ONE_PASS_MAX_VOCAB, one fp64 running sum over the row; past it two levels, so no
+    [R, W] fp64 running sum is built: fp32 sums of blocks of BLOCK columns, their fp64 running sum
+    picks the block, and an fp64 running sum inside that block the column."""
     num_rows, width = weights.shape
+    if (width if vocab is None else vocab) <= ONE_PASS_MAX_VOCAB:
+        cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [R, W]
+        total = cdf[:, -1:]
+        target = fraction.unsqueeze(1) * total
+        if right:  # u * total can round up to total: stay below it
+            target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=right).clamp_(max=width - 1).squeeze(1)
     whole = width // BLOCK * BLOCK
     parts = [weights[:, :whole].reshape(num_rows, -1, BLOCK).sum(dim=-1)] if whole else []
     if whole < width:
@@ -252,15 +267,16 @@ def kept_counts(probs: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[
     # a top-p row without top-k needs its whole row in value order; otherwise its top-k suffices
     width = max(p.top_k if 0 < p.top_k < vocab else vocab for p in params)
     values = sorted_values(probs, width)  # [B, width]
-    counts = top_counts(values, params)
+    counts = top_counts(values, params, vocab=vocab)
     return counts, values.gather(1, (counts - 1).unsqueeze(1))
 
 
-def top_counts(values: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def top_counts(values: torch.Tensor, params: Sequence[SamplingParams], *, vocab: int | None = None) -> torch.Tensor:
     """values: [B, W] each row's W largest probabilities, descending (0: dropped), W at least the
     row's top-k when it has one, else its whole row. Returns [B] int64: how many of them top-k
     and then top-p keep, from 1 to the nonzero ones. Top-p's mass is relative to the top-k
-    survivors; it keeps ranks up to the first whose running sum reaches p of them."""
+    survivors; it keeps ranks up to the first whose running sum reaches p of them. vocab: the
+    vocabulary the rows come from (default W; it picks ``search_fraction``'s method)."""
     width = values.shape[1]
     cut = torch.tensor([p.top_k if 0 < p.top_k < width else width for p in params], device=values.device)
     if bool((values[:, -1] > 0).all()):
@@ -270,7 +286,7 @@ def top_counts(values: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
     if any(p.top_p_enabled for p in params):
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=values.device)
         survivors = values if bool((cut == width).all()) else values * (torch.arange(width, device=values.device) < cut.unsqueeze(1))
-        nucleus = search_fraction(survivors, top_p, right=False) + 1
+        nucleus = search_fraction(survivors, top_p, right=False, vocab=vocab) + 1
         counts = torch.where(top_p < 1.0, torch.minimum(counts, nucleus), counts)
     return counts.clamp_(min=1)
 

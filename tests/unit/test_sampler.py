@@ -13,6 +13,7 @@ import torch
 
 from launch.bench.sampler import sort_reference_filters
 from launch.core.sampler import (
+    ONE_PASS_MAX_VOCAB,
     Sampler,
     apply_sampling_filters,
     draw_from_weights,
@@ -232,13 +233,15 @@ def test_search_fraction_matches_a_full_fp64_running_sum():
         fraction[:3] = torch.tensor([0.0, 1 - 2.0**-53, 0.5])
         cdf = weights.double().cumsum(dim=-1)
         target = (fraction * cdf[:, -1]).unsqueeze(1)
-        for right in (True, False):
-            got = search_fraction(weights, fraction, right=right)
-            assert got.shape == (40,) and got.dtype == torch.int64
-            want = torch.searchsorted(cdf, target, right=right).squeeze(1).clamp(max=width - 1)
-            assert torch.equal(got, want), (width, right)
-        drawn = draw_from_weights(weights, fraction)
-        assert (weights.gather(1, drawn.unsqueeze(1)) > 0).all()  # never a zero-weight column
+        want = {right: torch.searchsorted(cdf, target, right=right).squeeze(1).clamp(max=width - 1)
+                for right in (True, False)}
+        for vocab in (width, ONE_PASS_MAX_VOCAB + 1):  # one fp64 pass; two levels (blocks of BLOCK)
+            for right in (True, False):
+                got = search_fraction(weights, fraction, right=right, vocab=vocab)
+                assert got.shape == (40,) and got.dtype == torch.int64
+                assert torch.equal(got, want[right]), (width, right, vocab)
+            drawn = draw_from_weights(weights, fraction, vocab=vocab)
+            assert (weights.gather(1, drawn.unsqueeze(1)) > 0).all()  # never a zero-weight column
 
 
 def test_seeded_uniform_is_stable_across_processes():
@@ -277,3 +280,16 @@ def test_sorted_values_equal_a_torch_sort_whatever_the_width():
         got = sorted_values(x, width)
         assert got.shape == (5, width) and got.is_contiguous()
         assert torch.equal(got, want[:, :width]), width
+
+
+def test_two_level_draws_follow_the_weights():
+    gen = torch.Generator().manual_seed(10)
+    row = torch.rand(300, generator=gen) ** 4  # uneven weights, some near zero
+    row[::11] = 0.0
+    n = 40000
+    drawn = draw_from_weights(row.expand(n, 300).contiguous(), torch.rand(n, generator=gen, dtype=torch.float64),
+                              vocab=ONE_PASS_MAX_VOCAB + 1)
+    freq = torch.bincount(drawn, minlength=300).double() / n
+    want = (row / row.sum()).double()
+    assert freq[want == 0].sum() == 0
+    assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-12).all()
