@@ -12,16 +12,17 @@ vectorised sort of the values alone: no index sort over V). Logprobs are the raw
 
 A random row draws by inverting its cumulative distribution with one uniform number u: the
 token whose interval of the running sum of its kept probabilities holds ``u * total``
-(``search_fraction``: one fp64 pass up to V = 4096, else fp32 block sums and fp64 running sums). A row keeping at most V / ``FEW``
-tokens sums over its ``torch.topk`` candidates in probability order, any other row over the
-whole vocabulary in id order; which of the two depends on the row alone. A seeded row's u is
-a hash of ``(seed, output_index)``: the draw for a request's k-th token depends on nothing
-else, so seeded output does not change with batch composition, preemption, worker restarts or
-the device. Unseeded rows take u from the sampler's generator.
+(``search_fraction``: one fp64 pass up to V = 4096, else fp32 block sums and fp64 running
+sums). A row keeping at most V / ``FEW`` tokens sums over its ``torch.topk`` candidates in
+probability order, any other row over the whole vocabulary in id order; which of the two
+depends on the row and V alone. A seeded row's u is a hash of ``(seed, output_index)``: the
+draw for a request's k-th token depends on nothing else, so seeded output does not change with
+batch composition, preemption, worker restarts or the device. Unseeded rows take u from the
+sampler's generator.
 
-On one core (Zen 5), a seeded [32, V] batch with top-k 50 and top-p 0.9 takes 0.44 ms at V = 1024
-and 7.6 ms at V = 129280, against 3.4 ms and 504 ms with an index sort of every row and an
-exponential race over V (``python -m launch bench sampler``; docs/serving.md, "Sampler").
+On one core (Zen 5), a seeded [32, V] batch with top-k 50 and top-p 0.9 takes 0.44 ms at
+V = 1024 and 7.6 ms at V = 129280, against 3.4 ms and 504 ms with an index sort of every row
+and an exponential race over V (``python -m launch bench sampler``; docs/serving.md).
 """
 
 from __future__ import annotations
