@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.config import ModelConfig
+from moe.host_memory import anonymous_tensor
 
 log = logging.getLogger(__name__)
 
@@ -181,13 +181,7 @@ def zeroed_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device |
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if dev.type != "cpu" or not sys.platform.startswith("linux") or nbytes < LAZY_POOL_MIN_BYTES:
         return torch.zeros(*shape, dtype=dtype, device=dev)
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP compiled out: 4 KB pages, still lazy
-            pass
-    return torch.frombuffer(buffer, dtype=dtype).view(*shape)
+    return anonymous_tensor(shape, dtype)
 
 
 def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:

@@ -64,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from moe import host_memory
 from moe.cpu_gemm import has_amx_bf16, has_fast_bf16_gemm
 
 log = logging.getLogger(__name__)
@@ -159,10 +160,21 @@ def _blocks(w: torch.Tensor) -> torch.Tensor:
     K outermost, and for bf16 in k pairs (memory order [..., K/2, 16, 2], K even), the order
     AVX512-BF16's dot product reads; the FMA tiles widen a pair to its two k rows."""
     if w.dtype != torch.bfloat16:
-        return w.transpose(-1, -2).contiguous()
+        return _streamed_copy(w.transpose(-1, -2))
     *lead, cols, k = w.shape
     pairs = w.reshape(*lead, cols, k // 2, 2).permute(*range(len(lead)), -2, -3, -1)  # [..., K/2, 16, 2]
-    return pairs.contiguous().reshape(*lead, k, cols)
+    return _streamed_copy(pairs).reshape(*lead, k, cols)
+
+
+def _streamed_copy(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``view`` for the kernels to stream: on CPU in huge-page memory
+    (``moe.host_memory.packed_tensor``: fewer TLB misses per weight read), elsewhere (or with
+    ``MOE_HUGE_PAGES=0``) torch's."""
+    if view.device.type != "cpu" or not host_memory.huge_pages_wanted():
+        return view.contiguous()
+    out = host_memory.packed_tensor(view.shape, view.dtype)
+    out.copy_(view)
+    return out
 
 
 def unpack_blocks(wp: torch.Tensor) -> torch.Tensor:
