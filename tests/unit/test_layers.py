@@ -4,6 +4,7 @@ paged attention (batched decode == per-sequence); tensor-parallel shards sum to 
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
@@ -220,6 +221,26 @@ def test_metadata_build_and_logits_indices() -> None:
         AttentionMetadata.build([1], [9], [[0, 1]], 4)
     with pytest.raises(ValueError, match="query_len"):
         AttentionMetadata.build([3], [2], [[0]], 4)
+
+
+def test_decode_metadata_matches_the_general_build() -> None:
+    # one new token per sequence takes the plain-Python slot path; the tensor path must agree
+    from moe.kv_cache import _token_slots
+
+    rng = random.Random(0)
+    for block_size in (1, 4, 16):
+        lens = [1, block_size, block_size + 1, 2 * block_size, rng.randrange(1, 200), rng.randrange(1, 200)]
+        tables = [rng.sample(range(500), -(-c // block_size) + rng.randrange(3)) for c in lens]
+        meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size)
+        slots, starts = _token_slots([1] * len(lens), lens, meta.block_tables, block_size)
+        assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.shape == (len(lens),)
+        assert meta.slot_mapping.tolist() == slots.tolist()
+        assert meta.slot_mapping.tolist() == [t[(c - 1) // block_size] * block_size + (c - 1) % block_size
+                                              for t, c in zip(tables, lens, strict=True)]
+        assert list(meta.query_start_loc_list) == starts == list(range(len(lens) + 1))
+        assert meta.logits_indices().tolist() == list(range(len(lens)))
+    empty = AttentionMetadata.build([], [], [], 16)
+    assert empty.slot_mapping.shape == (0,) and empty.query_start_loc.tolist() == [0] and empty.num_tokens == 0
 
 
 def _gqa_setup(bias: bool) -> tuple[ModelConfig, GQAAttention]:
