@@ -108,10 +108,17 @@ def is_anonymous(t: torch.Tensor) -> bool:
 
 def huge_page_bytes(pid: str | int = "self") -> int | None:
     """AnonHugePages of a process in bytes (Linux ``/proc/<pid>/smaps_rollup``); None where unreadable."""
+    return proc_bytes(f"/proc/{pid}/smaps_rollup", "AnonHugePages")
+
+
+def proc_bytes(path: str, field: str) -> int | None:
+    """A "<field>: <n> kB" line of a /proc file (meminfo, status, smaps_rollup) in bytes; None where
+    the file or the field is missing or unreadable."""
+    prefix = f"{field}:"
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("AnonHugePages:"):
+                if line.startswith(prefix):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.config import ModelConfig
-from moe.host_memory import anonymous_tensor
+from moe.host_memory import anonymous_tensor, proc_bytes
 
 log = logging.getLogger(__name__)
 
@@ -203,14 +203,7 @@ def zeroed_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device |
 
 def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     """MemAvailable from ``meminfo`` in bytes (None where there is none: not Linux)."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return proc_bytes(meminfo, "MemAvailable")
 
 
 def warn_if_pools_outgrow_memory(pools: Sequence[torch.Tensor], available: int | None) -> bool:

@@ -121,3 +121,13 @@ def test_huge_pages_can_be_switched_off_for_packed_weights(monkeypatch: pytest.M
     lin = kernels.pack_linear(w)
     assert not is_anonymous(lin.wp) and not is_anonymous(packed_tensor((4,), torch.float32))
     assert torch.equal(kernels.unpack_blocks(lin.wp).reshape(32, 64), w)
+
+
+def test_proc_bytes_reads_a_kb_field_and_says_none_otherwise(tmp_path: Path) -> None:
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       24000000 kB\nMemAvailable:   1000 kB\nBad: x kB\n")
+    assert host_memory.proc_bytes(str(f), "MemAvailable") == 1000 * 1024
+    assert host_memory.proc_bytes(str(f), "MemTotal") == 24000000 * 1024
+    assert host_memory.proc_bytes(str(f), "Missing") is None
+    assert host_memory.proc_bytes(str(f), "Bad") is None
+    assert host_memory.proc_bytes(str(tmp_path / "absent"), "MemAvailable") is None
