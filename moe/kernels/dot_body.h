@@ -8,9 +8,11 @@
 // two projections, as the bf16 PyTorch path rounds them.
 // acc[r][16j:16j+16] = sum_k x[r * ldx + k] * w_j[k][0:16] for bf16 x rows and NB bf16 pair blocks
 // w_j = w + j * w_stride: each broadcast row pair feeds NB dot products (fewer loads per dot).
-template <int R, int NB>
+// Each weight line loaded comes with one prefetch: PREFETCH_BYTES further along w's blocks into L1,
+// or with NEXT the same line of the blocks at ``next`` into L2 (see dot_tiles_over_rows).
+template <int R, int NB, bool NEXT = false>
 static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t w_stride,
-                            int64_t K, float* __restrict out) {
+                            int64_t K, float* __restrict out, const uint16_t* next = nullptr) {
   constexpr int KS = R * NB >= 8 ? 1 : 8 / (R * NB);  // >= 8 chains over the dot latency
   __m512 acc[KS][R][NB];
 #pragma GCC unroll 8
@@ -27,7 +29,10 @@ static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uin
       __m512i wv[NB];
 #pragma GCC unroll 2
       for (int j = 0; j < NB; ++j) {
-        __builtin_prefetch(reinterpret_cast<const char*>(w + j * w_stride + (p + s) * 32) + PREFETCH_BYTES);
+        if constexpr (NEXT)
+          __builtin_prefetch(next + j * w_stride + (p + s) * 32, 0, 2);
+        else
+          __builtin_prefetch(reinterpret_cast<const char*>(w + j * w_stride + (p + s) * 32) + PREFETCH_BYTES);
         wv[j] = _mm512_loadu_si512(w + j * w_stride + (p + s) * 32);
       }
 #pragma GCC unroll 16
@@ -66,23 +71,36 @@ static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uin
 // Rows per tile: 12 x 2 accumulators + two weights and a broadcast fit AVX-512's 32 registers.
 constexpr int DOT_TILE_ROWS = 12;
 
-template <int NB>
+template <int NB, bool NEXT = false>
 static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride,
-                          int64_t K, float* out) {
-  with_row_count<DOT_TILE_ROWS>(rows, [&](auto r) { dot_tile<decltype(r)::value, NB>(x, ldx, w, w_stride, K, out); });
+                          int64_t K, float* out, const uint16_t* next = nullptr) {
+  with_row_count<DOT_TILE_ROWS>(
+      rows, [&](auto r) { dot_tile<decltype(r)::value, NB, NEXT>(x, ldx, w, w_stride, K, out, next); });
 }
 
 // tiles_over_rows for bf16 rows and nb (1 or 2) blocks w, w + w_stride: epilogue(row, block j,
 // acc[16]) for rows [0, n) of x ([n, K] bf16); before(row0, rows, j) ahead of each tile.
+//
+// The first row tile streams the blocks from DRAM, the later ones find them in L2. The second tile
+// therefore prefetches, line for line, the nb blocks that follow (w + nb * w_stride: the next work
+// item's in the packed order, column blocks innermost, then the next expert's) into L2, so the next
+// item's first tile starts on L2 instead of DRAM. Prefetching past a tensor's end is harmless.
 template <typename Epilogue, typename Before = NoTileStart>
 static inline void dot_tiles_over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb,
                                        int64_t w_stride, Epilogue&& epilogue, Before&& before = Before{}) {
   alignas(64) float buf[DOT_TILE_ROWS * 2 * 16];
+  const uint16_t* next = w + nb * w_stride;
   for (int64_t r0 = 0; r0 < n; r0 += DOT_TILE_ROWS) {
     const int64_t rows = std::min<int64_t>(DOT_TILE_ROWS, n - r0);
     for (int j = 0; j < nb; ++j) before(r0, rows, j);
-    if (nb == 2) dot_tile_rows<2>(rows, x + r0 * K, K, w, w_stride, K, buf);
-    else dot_tile_rows<1>(rows, x + r0 * K, K, w, w_stride, K, buf);
+    const bool ahead = r0 == DOT_TILE_ROWS;
+    if (nb == 2) {
+      if (ahead) dot_tile_rows<2, true>(rows, x + r0 * K, K, w, w_stride, K, buf, next);
+      else dot_tile_rows<2>(rows, x + r0 * K, K, w, w_stride, K, buf);
+    } else {
+      if (ahead) dot_tile_rows<1, true>(rows, x + r0 * K, K, w, w_stride, K, buf, next);
+      else dot_tile_rows<1>(rows, x + r0 * K, K, w, w_stride, K, buf);
+    }
     for (int64_t r = 0; r < rows; ++r)
       for (int j = 0; j < nb; ++j) epilogue(r0 + r, j, buf + (r * nb + j) * 16);
   }

@@ -165,17 +165,24 @@ static void tile_rows(int64_t rows, const float* x, int64_t ldx, const WT* w, in
 constexpr bool PAIR_TILES = MOE_W == 16;
 constexpr int PAIR_TILE_ROWS = 12;  // 24 accumulators + 4 weight vectors + the pair mask
 
-template <int R>
+// With NEXT, each weight line loaded comes with a prefetch of the same line of the two blocks at
+// ``next`` into L2 instead of one PREFETCH_BYTES ahead into L1 (see tiles_over_rows_nb).
+template <int R, bool NEXT = false>
 static inline void tile2(const float* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t w_stride,
-                         int64_t K, float* __restrict out) {
+                         int64_t K, float* __restrict out, const uint16_t* next = nullptr) {
   vf acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
   const uint16_t* __restrict w1 = w + w_stride;
   const int64_t pairs = K / 2;
   for (int64_t p = 0; p < pairs; ++p) {
-    __builtin_prefetch(reinterpret_cast<const char*>(w + p * 32) + PREFETCH_BYTES);
-    __builtin_prefetch(reinterpret_cast<const char*>(w1 + p * 32) + PREFETCH_BYTES);
+    if constexpr (NEXT) {
+      __builtin_prefetch(next + p * 32, 0, 2);
+      __builtin_prefetch(next + w_stride + p * 32, 0, 2);
+    } else {
+      __builtin_prefetch(reinterpret_cast<const char*>(w + p * 32) + PREFETCH_BYTES);
+      __builtin_prefetch(reinterpret_cast<const char*>(w1 + p * 32) + PREFETCH_BYTES);
+    }
     vf a0, a1, b0, b1;
     vload_pair(w + p * 32, a0, a1);
     vload_pair(w1 + p * 32, b0, b1);
@@ -191,17 +198,22 @@ static inline void tile2(const float* __restrict x, int64_t ldx, const uint16_t*
   for (int r = 0; r < R; ++r) vstore(out + r * 32, acc[r][0]), vstore(out + r * 32 + 16, acc[r][1]);
 }
 
-template <int R, typename WT>  // fp32 and int8 weights: block[k][16]
+template <int R, bool NEXT = false, typename WT>  // fp32 and int8 weights: block[k][16]
 static inline void tile2(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t w_stride, int64_t K,
-                         float* __restrict out) {
+                         float* __restrict out, const WT* next = nullptr) {
   vf acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
   const WT* __restrict w1 = w + w_stride;
   for (int64_t k = 0; k < K; ++k) {
     if ((k * 16 * sizeof(WT)) % 64 == 0) {
-      __builtin_prefetch(reinterpret_cast<const char*>(w + k * 16) + PREFETCH_BYTES);
-      __builtin_prefetch(reinterpret_cast<const char*>(w1 + k * 16) + PREFETCH_BYTES);
+      if constexpr (NEXT) {
+        __builtin_prefetch(next + k * 16, 0, 2);
+        __builtin_prefetch(next + w_stride + k * 16, 0, 2);
+      } else {
+        __builtin_prefetch(reinterpret_cast<const char*>(w + k * 16) + PREFETCH_BYTES);
+        __builtin_prefetch(reinterpret_cast<const char*>(w1 + k * 16) + PREFETCH_BYTES);
+      }
     }
     const vf a = vload(w + k * 16), b = vload(w1 + k * 16);
 #pragma GCC unroll 16
@@ -242,7 +254,8 @@ static inline void tiles_over_rows(const float* x, int64_t n, int64_t K, const W
 
 // tiles_over_rows for nb (1 or 2) blocks w, w + w_stride: epilogue(row, block j, acc[16]). Two
 // blocks take the two-block tiles where the ISA has them (rows split as tiles_over_rows splits them),
-// else each block its own tiles.
+// else each block its own tiles. As on the dot tiles (dot_tiles_over_rows), the second two-block
+// tile prefetches the two blocks that follow into L2, for the next work item's first tile.
 template <typename WT, typename Epilogue, typename Before = NoTileStart>
 static inline void tiles_over_rows_nb(const float* x, int64_t n, int64_t K, const WT* w, int nb, int64_t w_stride,
                                       Epilogue&& epilogue, Before&& before = Before{}) {
@@ -250,11 +263,14 @@ static inline void tiles_over_rows_nb(const float* x, int64_t n, int64_t K, cons
     if (nb == 2) {
       constexpr int64_t TR = PAIR_TILE_ROWS;
       alignas(64) float buf[TR * 32];
-      for (int64_t r0 = 0, rows; r0 < n; r0 += rows) {
+      const WT* next = w + 2 * w_stride;
+      for (int64_t r0 = 0, rows, tile = 0; r0 < n; r0 += rows, ++tile) {
         rows = next_tile_rows(n - r0, TR);
         before(r0, rows, 0), before(r0, rows, 1);
-        with_row_count<PAIR_TILE_ROWS>(
-            rows, [&](auto r) { tile2<decltype(r)::value>(x + r0 * K, K, w, w_stride, K, buf); });
+        with_row_count<PAIR_TILE_ROWS>(rows, [&](auto r) {
+          if (tile == 1) tile2<decltype(r)::value, true>(x + r0 * K, K, w, w_stride, K, buf, next);
+          else tile2<decltype(r)::value>(x + r0 * K, K, w, w_stride, K, buf);
+        });
         for (int64_t r = 0; r < rows; ++r) epilogue(r0 + r, 0, buf + r * 32), epilogue(r0 + r, 1, buf + r * 32 + 16);
       }
       return;
