@@ -132,8 +132,8 @@ def test_int8_quantize_dequantize_is_within_half_a_step() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_kernel_equals_reference_on_dequantized_weights(kernel_isas: list[str], dtype: torch.dtype) -> None:
-    counts = [3, 0, 1, 12]
-    w13, w2 = _weights(4, 32, 24, dtype, seed=5)
+    counts = [3, 0, 1, 12, 30]  # 30 rows: three two-block tiles, the second prefetching ahead
+    w13, w2 = _weights(len(counts), 32, 24, dtype, seed=5)
     x = torch.randn(sum(counts), 32).to(dtype)
     rw = torch.rand(sum(counts))
     q13, s13 = kernels.quantize_int8(w13)
