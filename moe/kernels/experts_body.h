@@ -165,8 +165,20 @@ static void tile_rows(int64_t rows, const float* x, int64_t ldx, const WT* w, in
 constexpr bool PAIR_TILES = MOE_W == 16;
 constexpr int PAIR_TILE_ROWS = 12;  // 24 accumulators + 4 weight vectors + the pair mask
 
-// With NEXT, each weight line loaded comes with a prefetch of the same line of the two blocks at
-// ``next`` into L2 instead of one PREFETCH_BYTES ahead into L1 (see tiles_over_rows_nb).
+// The prefetches that go with loading the line at element ``at`` of blocks w and w + w_stride:
+// PREFETCH_BYTES further along into L1, or with NEXT the same line of the two blocks at ``next``
+// into L2 (see tiles_over_rows_nb).
+template <bool NEXT, typename WT>
+static inline void prefetch_two_blocks(const WT* w, const WT* next, int64_t w_stride, int64_t at) {
+  if constexpr (NEXT) {
+    __builtin_prefetch(next + at, 0, 2);
+    __builtin_prefetch(next + w_stride + at, 0, 2);
+  } else {
+    __builtin_prefetch(reinterpret_cast<const char*>(w + at) + PREFETCH_BYTES);
+    __builtin_prefetch(reinterpret_cast<const char*>(w + w_stride + at) + PREFETCH_BYTES);
+  }
+}
+
 template <int R, bool NEXT = false>
 static inline void tile2(const float* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t w_stride,
                          int64_t K, float* __restrict out, const uint16_t* next = nullptr) {
@@ -176,13 +188,7 @@ static inline void tile2(const float* __restrict x, int64_t ldx, const uint16_t*
   const uint16_t* __restrict w1 = w + w_stride;
   const int64_t pairs = K / 2;
   for (int64_t p = 0; p < pairs; ++p) {
-    if constexpr (NEXT) {
-      __builtin_prefetch(next + p * 32, 0, 2);
-      __builtin_prefetch(next + w_stride + p * 32, 0, 2);
-    } else {
-      __builtin_prefetch(reinterpret_cast<const char*>(w + p * 32) + PREFETCH_BYTES);
-      __builtin_prefetch(reinterpret_cast<const char*>(w1 + p * 32) + PREFETCH_BYTES);
-    }
+    prefetch_two_blocks<NEXT>(w, next, w_stride, p * 32);
     vf a0, a1, b0, b1;
     vload_pair(w + p * 32, a0, a1);
     vload_pair(w1 + p * 32, b0, b1);
@@ -206,15 +212,7 @@ static inline void tile2(const float* __restrict x, int64_t ldx, const WT* __res
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
   const WT* __restrict w1 = w + w_stride;
   for (int64_t k = 0; k < K; ++k) {
-    if ((k * 16 * sizeof(WT)) % 64 == 0) {
-      if constexpr (NEXT) {
-        __builtin_prefetch(next + k * 16, 0, 2);
-        __builtin_prefetch(next + w_stride + k * 16, 0, 2);
-      } else {
-        __builtin_prefetch(reinterpret_cast<const char*>(w + k * 16) + PREFETCH_BYTES);
-        __builtin_prefetch(reinterpret_cast<const char*>(w1 + k * 16) + PREFETCH_BYTES);
-      }
-    }
+    if ((k * 16 * sizeof(WT)) % 64 == 0) prefetch_two_blocks<NEXT>(w, next, w_stride, k * 16);
     const vf a = vload(w + k * 16), b = vload(w1 + k * 16);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
