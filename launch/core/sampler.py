@@ -161,11 +161,11 @@ def sample_filtered(logits: torch.Tensor, params: Sequence[SamplingParams], u: t
         if any(few):
             i = [j for j, f in enumerate(few) if f]
             rows = [by_value[j] for j in i]
-            out[rows] = _draw_among_top(probs[rows], int(counts[i].max()), None, counts[i], u[rows])
+            out[rows] = _draw_among_top(_rows(probs, rows), int(counts[i].max()), None, counts[i], u[rows])
         if not all(few):
             i = [j for j, f in enumerate(few) if not f]
             rows = [by_value[j] for j in i]
-            sub = probs[rows]
+            sub = _rows(probs, rows)
             out[rows] = draw_from_weights(sub * keep_top(sub, counts[i], threshold[i]), u[rows], vocab=vocab)
     if plain:
         out[plain] = draw_from_weights(_rows(probs, plain), u[plain], vocab=vocab)
@@ -186,6 +186,7 @@ def _draw_among_top(probs: torch.Tensor, width: int, params: Sequence[SamplingPa
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] for increasing row ids; x itself (no copy) when they are all of its rows."""
     return x if len(rows) == x.shape[0] else x[rows]
 
 
