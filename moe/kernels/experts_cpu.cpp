@@ -57,6 +57,20 @@ struct PagedHead {
   int64_t token_stride, k_off, v_off, dk, dv;
 };
 
+// The decode work item a thread takes after the current one: its query rows (q_bytes from q) and
+// its key / value rows (table, L and head as the current item's; L == 0: no next item). The current
+// item asks for them into L1 while it computes, a share of the rows per step of its score pass
+// (prefetch_next_share) and the queries before its softmax: between two layers' attention the routed
+// experts' weights stream through every cache level, so both come back from DRAM, and an item that
+// asks for its own rows only a few tiles ahead waits on that latency at its start.
+struct NextItem {
+  const char* q = nullptr;
+  int64_t q_bytes = 0;
+  const int64_t* table = nullptr;
+  int64_t L = 0;
+  PagedHead head{};
+};
+
 static inline float to_float(float v) { return v; }
 static inline float to_float(uint16_t h) {  // bf16 -> fp32
   const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -296,7 +310,7 @@ using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, int,
                           int64_t);
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
-                             int64_t, float, bool, float*, float*, float*, float*, float*);
+                             int64_t, float, bool, float*, float*, float*, float*, float*, const NextItem&);
 using PagedPrefillFn = void (*)(bool, const void*, int64_t, int64_t, int64_t, int64_t, const void*, int64_t,
                                 const PagedHead&, const int64_t*, int64_t, int64_t, float, float*, float*, float*,
                                 float*, void*, int64_t);
@@ -312,7 +326,7 @@ using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*,
 
 using PagedDecodeDotFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const PagedHead&,
                                  const int64_t*, int64_t, float, float*, uint16_t*, const uint16_t**,
-                                 const uint16_t*, float*);
+                                 const uint16_t*, float*, const NextItem&);
 
 // bf16 x bf16 tiles (null where the ISA has no bf16 dot product): bf16 rows against bf16 weights
 struct DotIsa {
@@ -884,12 +898,20 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
       for (int64_t i = begin; i < end; ++i) {
         const auto [b, g, h0, hh] = items[i];
         const PagedHead head = HeadItems::head(head0, g, kv_stride);
+        NextItem next;
+        if (i + 1 < end) {
+          const auto following = items[i + 1];
+          const int64_t q0 = (following.b * H + following.h0) * dk;
+          next = NextItem{dot ? reinterpret_cast<const char*>(qb + q0) : reinterpret_cast<const char*>(qs + q0),
+                          following.hh * dk * (dot ? 2 : 4), tp + following.b * nb, lp[following.b],
+                          HeadItems::head(head0, following.g, kv_stride)};
+        }
         if (dot)
           isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(pool_ptr), S, head, tp + b * nb,
-                               lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(), o.data());
+                               lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(), o.data(), next);
         else
           isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
-                           scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data());
+                           scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
         const int64_t first = (b * H + h0) * dv;
         for (int64_t j = 0; j < hh * dv; ++j) {
           if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
