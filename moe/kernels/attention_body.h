@@ -209,9 +209,7 @@ static inline void prefetch_rows(const PT* src, int64_t rows, int64_t width, int
 }
 
 // The next work item's query rows asked for into L1 (see NextItem).
-static inline void prefetch_next_query(const NextItem& next) {
-  for (int64_t b = 0; b < next.q_bytes; b += 64) __builtin_prefetch(next.q + b, 0, 3);
-}
+static inline void prefetch_next_query(const NextItem& next) { prefetch_rows(next.q, 1, next.q_bytes, 0); }
 
 // Share i of n of the next work item's rows (its rows [i L / n, (i + 1) L / n)) asked for into L1:
 // its keys, and its values where they sit apart (GQA). On Zen 5, asked for into L1 the next item's
@@ -221,15 +219,11 @@ template <typename PT>
 static inline void prefetch_next_share(const PT* pool, int64_t S, const NextItem& next, int64_t i, int64_t n) {
   if (next.L == 0) return;
   const PagedHead& head = next.head;
-  const int64_t kbytes = head.dk * static_cast<int64_t>(sizeof(PT)), vbytes = head.dv * static_cast<int64_t>(sizeof(PT));
-  for (int64_t t = i * next.L / n, to = (i + 1) * next.L / n; t < to; ++t) {
+  for (int64_t t = i * next.L / n, to = (i + 1) * next.L / n, rows; t < to; t += rows) {
+    rows = std::min(to - t, S - t % S);  // the share's rows in t's block
     const PT* tok = pool + (next.table[t / S] * S + t % S) * head.token_stride;
-    const char* k = reinterpret_cast<const char*>(tok + head.k_off);
-    for (int64_t b = 0; b < kbytes; b += 64) __builtin_prefetch(k + b, 0, 3);
-    if (head.v_off != head.k_off) {
-      const char* v = reinterpret_cast<const char*>(tok + head.v_off);
-      for (int64_t b = 0; b < vbytes; b += 64) __builtin_prefetch(v + b, 0, 3);
-    }
+    prefetch_rows(tok + head.k_off, rows, head.dk, head.token_stride);
+    if (head.v_off != head.k_off) prefetch_rows(tok + head.v_off, rows, head.dv, head.token_stride);
   }
 }
 
