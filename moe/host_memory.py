@@ -36,6 +36,11 @@ ARENA_CHUNK_BYTES = 16 << 20
 ARENA_ALIGN = 64
 
 
+def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a contiguous tensor of ``shape`` and ``dtype``."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
 def huge_pages_wanted() -> bool:
     """Whether packed weights go to huge-page memory: Linux, and ``$MOE_HUGE_PAGES`` not "0"."""
     return sys.platform.startswith("linux") and os.environ.get(HUGE_PAGES_ENV, "1") != "0"
@@ -46,7 +51,7 @@ def anonymous_tensor(shape: Sequence[int], dtype: torch.dtype, *, align: int = H
     touch, transparent huge pages asked for), starting ``align`` bytes aligned (a power of two).
     Linux only: elsewhere ``torch.zeros``. The tensor keeps the mapping alive; it is unmapped with
     the last view of the tensor."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = tensor_bytes(shape, dtype)
     if not sys.platform.startswith("linux") or nbytes == 0:
         return torch.zeros(*shape, dtype=dtype)
     if align & (align - 1):
@@ -92,7 +97,7 @@ def packed_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     ``torch.zeros``.
 
     Meant for weights packed once at load: a chunk stays mapped while any of its pieces lives."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = tensor_bytes(shape, dtype)
     if not huge_pages_wanted() or nbytes == 0:
         return torch.zeros(*shape, dtype=dtype)
     if nbytes >= HUGE_PAGE_BYTES:

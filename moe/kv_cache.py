@@ -15,7 +15,6 @@ scale from the first entries written to it (amax / 224, 2x headroom under the fp
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.config import ModelConfig
-from moe.host_memory import anonymous_tensor, proc_bytes
+from moe.host_memory import anonymous_tensor, proc_bytes, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +194,7 @@ def zeroed_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device |
     tensor keeps the mapping alive; it is freed with the last view of the tensor.
     """
     dev = torch.device(device) if device is not None else torch.get_default_device()
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = tensor_bytes(shape, dtype)
     if dev.type != "cpu" or not sys.platform.startswith("linux") or nbytes < LAZY_POOL_MIN_BYTES:
         return torch.zeros(*shape, dtype=dtype, device=dev)
     return anonymous_tensor(shape, dtype)
