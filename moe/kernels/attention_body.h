@@ -211,20 +211,28 @@ static inline void prefetch_rows(const PT* src, int64_t rows, int64_t width, int
 // The next work item's query rows asked for into L1 (see NextItem).
 static inline void prefetch_next_query(const NextItem& next) { prefetch_rows(next.q, 1, next.q_bytes, 0); }
 
-// Share i of n of the next work item's rows (its rows [i L / n, (i + 1) L / n)) asked for into L1:
-// its keys, and its values where they sit apart (GQA). On Zen 5, asked for into L1 the next item's
-// score pass took 0.6-0.7x the time (batch-32 MLA decode steps, rdtsc in situ); into L2 (prefetcht1)
-// it was no faster than without (the same pass on cache-cold rows, timed alone).
+// fn(first token of the segment, rows) for share i of n of the next work item's first `len` rows
+// (its rows [i len / n, (i + 1) len / n)), one call per block segment.
+template <typename PT, typename Fn>
+static inline void for_next_share(const PT* pool, int64_t S, const NextItem& next, int64_t len, int64_t i, int64_t n,
+                                  Fn&& fn) {
+  for (int64_t t = i * len / n, to = (i + 1) * len / n, rows; t < to; t += rows) {
+    rows = std::min(to - t, S - t % S);  // the share's rows in t's block
+    fn(pool + (next.table[t / S] * S + t % S) * next.head.token_stride, rows);
+  }
+}
+
+// Share i of n of the next work item's rows asked for into L1: its keys, and its values where they
+// sit apart (GQA). On Zen 5, asked for into L1 the next item's score pass took 0.6-0.7x the time
+// (batch-32 MLA decode steps, rdtsc in situ); into L2 (prefetcht1) it was no faster than without
+// (the same pass on cache-cold rows, timed alone).
 template <typename PT>
 static inline void prefetch_next_share(const PT* pool, int64_t S, const NextItem& next, int64_t i, int64_t n) {
-  if (next.L == 0) return;
   const PagedHead& head = next.head;
-  for (int64_t t = i * next.L / n, to = (i + 1) * next.L / n, rows; t < to; t += rows) {
-    rows = std::min(to - t, S - t % S);  // the share's rows in t's block
-    const PT* tok = pool + (next.table[t / S] * S + t % S) * head.token_stride;
+  for_next_share(pool, S, next, next.L, i, n, [&](const PT* tok, int64_t rows) {
     prefetch_rows(tok + head.k_off, rows, head.dk, head.token_stride);
     if (head.v_off != head.k_off) prefetch_rows(tok + head.v_off, rows, head.dv, head.token_stride);
-  }
+  });
 }
 
 // Whether an item converts its sequence's rows once for both passes: a bf16 MLA cache (the values
