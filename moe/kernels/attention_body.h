@@ -222,6 +222,38 @@ static inline void for_next_share(const PT* pool, int64_t S, const NextItem& nex
   }
 }
 
+// The cache lines a score pass asks for into L1 while it computes (its own rows ahead and a share
+// of the next work item's), spread over its steps: asked for all at once (~200 lines of MLA rows a
+// score tile, or a block), they filled the core's miss buffers, and the pass's own loads queued
+// behind them. Spread, the dot path's score pass of MLA decode steps on Zen 5 took 0.4-0.55x the
+// time at batch 32 and 0.55-0.65x at batch 1 (rdtsc in situ: between two layers' attention the
+// routed experts evict the cache rows). Called back to back on rows that stay in L3, it takes ~1.4x.
+struct TileLines {
+  static constexpr int64_t CAPACITY = 1024;
+  const char* line[CAPACITY];
+  int64_t n = 0;
+  // rows [0, rows) of `bytes` each, at src and stride_bytes apart (lines past CAPACITY are left out)
+  void add_rows(const void* src, int64_t rows, int64_t bytes, int64_t stride_bytes) {
+    int64_t m = n;  // a local count: n itself would carry each store through memory
+    for (int64_t r = 0; r < rows; ++r) {
+      const char* row = static_cast<const char*>(src) + r * stride_bytes;
+      for (int64_t b = 0, e = std::min(bytes, (CAPACITY - m) * 64); b < e; b += 64) line[m++] = row + b;
+    }
+    n = m;
+  }
+  // share i of n of the next work item's first `len` rows (for_next_share): its keys, and its
+  // values where they sit apart (GQA)
+  template <typename PT>
+  void add_next_share(const PT* pool, int64_t S, const NextItem& next, int64_t len, int64_t i, int64_t n_shares) {
+    const PagedHead& nh = next.head;
+    const int64_t elem = sizeof(PT);
+    for_next_share(pool, S, next, len, i, n_shares, [&](const PT* tok, int64_t rows) {
+      add_rows(tok + nh.k_off, rows, nh.dk * elem, nh.token_stride * elem);
+      if (nh.v_off != nh.k_off) add_rows(tok + nh.v_off, rows, nh.dv * elem, nh.token_stride * elem);
+    });
+  }
+};
+
 // Share i of n of the next work item's rows asked for into L1: its keys, and its values where they
 // sit apart (GQA). On Zen 5, asked for into L1 the next item's score pass took 0.6-0.7x the time
 // (batch-32 MLA decode steps, rdtsc in situ); into L2 (prefetcht1) it was no faster than without
@@ -325,13 +357,22 @@ constexpr int64_t LANE_SCORE_TOKENS = MOE_W == 16 ? 12 : 8;  // accumulators: >=
 constexpr int64_t LANE_PV_COLUMNS = MOE_W == 16 ? 16 : 8;
 
 // s[t * MOE_W : + MOE_W] = sum_c qt[c * MOE_W : + MOE_W] * k[t * ldk + c] for TT key rows.
+// Lines [0, nl) of `lines` are asked for into L1, one per column from the first (those past dk at once).
 template <int TT>
 static inline void lanes_scores_tile(const float* __restrict qt, const float* __restrict k, int64_t ldk, int64_t dk,
-                                     float* __restrict s) {
+                                     float* __restrict s, const char* const* lines, int64_t nl) {
   vf acc[TT];
 #pragma GCC unroll 16
   for (int t = 0; t < TT; ++t) acc[t] = vzero();
-  for (int64_t c = 0; c < dk; ++c) {
+  for (int64_t i = dk; i < nl; ++i) __builtin_prefetch(lines[i]);
+  int64_t c = 0;
+  for (const int64_t asking = std::min(dk, nl); c < asking; ++c) {
+    __builtin_prefetch(lines[c]);
+    const vf qv = vload(qt + c * MOE_W);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) acc[t] = vfma(vbroadcast(k + t * ldk + c), qv, acc[t]);
+  }
+  for (; c < dk; ++c) {
     const vf qv = vload(qt + c * MOE_W);
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[t] = vfma(vbroadcast(k + t * ldk + c), qv, acc[t]);
@@ -340,12 +381,17 @@ static inline void lanes_scores_tile(const float* __restrict qt, const float* __
   for (int t = 0; t < TT; ++t) vstore(s + t * MOE_W, acc[t]);
 }
 
-// Scores of key rows [0, n) (row t at k + t * ldk) into s [n][MOE_W], in register tiles.
-static inline void lanes_scores(const float* qt, const float* k, int64_t ldk, int64_t dk, int64_t n, float* s) {
-  for (int64_t t = 0, rows; t < n; t += rows) {
+// Scores of key rows [0, n) (row t at k + t * ldk) into s [n][MOE_W], in register tiles; the lines
+// in `ask` are asked for along the way, a share per tile.
+static inline void lanes_scores(const float* qt, const float* k, int64_t ldk, int64_t dk, int64_t n, float* s,
+                                const TileLines& ask) {
+  const int64_t tiles = (n + LANE_SCORE_TOKENS - 1) / LANE_SCORE_TOKENS;
+  const int64_t per_tile = (ask.n + tiles - 1) / tiles;
+  for (int64_t t = 0, rows, first = 0; t < n; t += rows, first += per_tile) {
     rows = next_tile_rows(n - t, LANE_SCORE_TOKENS);
+    const int64_t nl = std::max<int64_t>(0, std::min(per_tile, ask.n - first));
     with_row_count<LANE_SCORE_TOKENS>(rows, [&](auto r) {
-      lanes_scores_tile<decltype(r)::value>(qt, k + t * ldk, ldk, dk, s + t * MOE_W);
+      lanes_scores_tile<decltype(r)::value>(qt, k + t * ldk, ldk, dk, s + t * MOE_W, ask.line + first, nl);
     });
   }
 }
@@ -438,14 +484,22 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
     for (int64_t h = 0; h < hc; ++h)
       for (int64_t c = 0; c < dk; ++c) qt[c * MOE_W + h] = q[(ch * MOE_W + h) * dk + c];
   }
-  // pass 1, each block converted once for every chunk while the next one is fetched
+  // pass 1, each block converted once for every chunk while the next block's keys and a share of
+  // the next item's first L rows are asked for (spread over the first chunk's score tiles)
+  const int64_t share_len = std::min(next.L, L), elem = sizeof(PT);
+  TileLines none;  // the later chunks ask for nothing
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
-    prefetch_next_share(pool, S, next, blk, nblocks);
+    TileLines ask;
+    if ((blk + 1) * S < L)
+      ask.add_rows(pool + (table[blk + 1] * S) * head.token_stride + head.k_off, std::min(S, L - (blk + 1) * S),
+                   dk * elem, head.token_stride * elem);
+    ask.add_next_share(pool, S, next, share_len, blk, nblocks);
     const float* k;
-    const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k);
+    const int64_t ldk = rows_f32(pool + table[blk] * S * head.token_stride + head.k_off, rows, dk, head.token_stride,
+                                 keep ? kbuf + blk * S * dk : kbuf, &k);
     for (int64_t ch = 0; ch < chunks; ++ch)
-      lanes_scores(lanes + ch * per_chunk, k, ldk, dk, rows, scores + (ch * L + blk * S) * MOE_W);
+      lanes_scores(lanes + ch * per_chunk, k, ldk, dk, rows, scores + (ch * L + blk * S) * MOE_W, ch ? none : ask);
   }
   prefetch_next_query(next);
   for (int64_t ch = 0; ch < chunks; ++ch) lanes_softmax(scores + ch * L * MOE_W, L, scale, round_half);

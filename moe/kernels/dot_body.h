@@ -170,33 +170,12 @@ struct DotKernels {
 // Values equal to those of the FMA path up to the order of the fp32 sums.
 constexpr int HEAD_LANES = DOT_HEAD_LANES;
 
-// The cache lines a score tile asks for into L1 while it computes (its own rows a few tiles ahead
-// and a share of the next work item's), spread over its k-pair steps: asked for all at once at the
-// tile's start (~200 lines of MLA rows), they filled the core's miss buffers, and the tile's own
-// loads queued behind them. Spread, the score pass of MLA decode steps on Zen 5 took 0.4-0.55x the
-// time at batch 32 and 0.55-0.65x at batch 1 (rdtsc in situ: between two layers' attention the
-// routed experts evict the cache rows). Called back to back on rows that stay in L3, it takes ~1.4x.
-struct TileLines {
-  static constexpr int64_t CAPACITY = 1024;
-  const char* line[CAPACITY];
-  int64_t n = 0;
-  // rows [0, rows) of `bytes` each, at src and stride_bytes apart (lines past CAPACITY are left out)
-  void add_rows(const void* src, int64_t rows, int64_t bytes, int64_t stride_bytes) {
-    int64_t m = n;  // a local count: n itself would carry each store through memory
-    for (int64_t r = 0; r < rows; ++r) {
-      const char* row = static_cast<const char*>(src) + r * stride_bytes;
-      for (int64_t b = 0, e = std::min(bytes, (CAPACITY - m) * 64); b < e; b += 64) line[m++] = row + b;
-    }
-    n = m;
-  }
-};
-
 // out[t][0:16] = sum over k pairs of qp[p][0:16] . key[t][2p : 2p + 2] for TT tokens (rows k[t]):
 // qp [pairs][16] the heads' query pairs; an odd dk's last pair has a zero partner in qp. The lines
 // in `ask` are asked for into L1, two per k pair from the first (those past two per pair at once).
 template <int TT>
 static inline void attn_scores_lanes_tile(const uint32_t* __restrict qp, const uint16_t* const* k, int64_t dk,
-                                          float* __restrict out, const TileLines& ask) {
+                                          float* __restrict out, const avx512::TileLines& ask) {
   constexpr int KS = TT >= 8 ? 1 : 2;  // >= 8 chains over the dot latency where the tile allows
   __m512 acc[KS][TT];
 #pragma GCC unroll 2
@@ -377,7 +356,7 @@ struct AttentionDotKernels {
     // rows SCORE_TILES_AHEAD tiles ahead are asked for while these are computed: blocks sit wherever
     // the block table puts them, so the hardware prefetcher cannot run ahead across them. The first
     // tiles' rows are asked for at once (the previous item asked for them too, see NextItem).
-    const int64_t row_bytes = dk * static_cast<int64_t>(sizeof(uint16_t)), elem = sizeof(uint16_t);
+    const int64_t row_bytes = dk * static_cast<int64_t>(sizeof(uint16_t));
     constexpr int64_t ahead = SCORE_TILES_AHEAD * SCORE_TILE_TOKENS;
     const int64_t tiles = (L + SCORE_TILE_TOKENS - 1) / SCORE_TILE_TOKENS;
     // the next item's first L rows (all of them when it is no longer), a share per score tile
@@ -387,16 +366,10 @@ struct AttentionDotKernels {
       query_pairs(q + h0 * dk, hc, dk, qp);
       for (int64_t a = 0; a < std::min(ahead, L); ++a) avx512::prefetch_rows(krow[a], 1, dk, 0);
       for (int64_t t = 0; t < L; t += SCORE_TILE_TOKENS) {
-        TileLines ask;
+        avx512::TileLines ask;
         for (int64_t a = t + ahead; a < std::min(t + ahead + SCORE_TILE_TOKENS, L); ++a)
           ask.add_rows(krow[a], 1, row_bytes, 0);
-        if (h0 == 0)
-          avx512::for_next_share(pool, S, next, share_len, t / SCORE_TILE_TOKENS, tiles,
-                                 [&](const uint16_t* tok, int64_t rows) {
-            const PagedHead& nh = next.head;
-            ask.add_rows(tok + nh.k_off, rows, nh.dk * elem, nh.token_stride * elem);
-            if (nh.v_off != nh.k_off) ask.add_rows(tok + nh.v_off, rows, nh.dv * elem, nh.token_stride * elem);
-          });
+        if (h0 == 0) ask.add_next_share(pool, S, next, share_len, t / SCORE_TILE_TOKENS, tiles);
         with_row_count<SCORE_TILE_TOKENS>(std::min<int64_t>(SCORE_TILE_TOKENS, L - t), [&](auto n) {
           attn_scores_lanes_tile<decltype(n)::value>(qp, krow + t, dk, scores + t * HEAD_LANES, ask);
         });
