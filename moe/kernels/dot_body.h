@@ -170,6 +170,19 @@ struct DotKernels {
 // Values equal to those of the FMA path up to the order of the fp32 sums.
 constexpr int HEAD_LANES = DOT_HEAD_LANES;
 
+// acc[t] += qp[p][0:16] . key[t][2p : 2p + 2] for TT tokens (rows k[t]): one k pair of a score tile.
+template <int TT>
+static inline __attribute__((always_inline)) void attn_score_pair(const uint32_t* __restrict qp,
+                                                                  const uint16_t* const* k, int64_t p, __m512* acc) {
+  const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + p * HEAD_LANES);
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) {
+    int32_t pair;
+    std::memcpy(&pair, k[t] + 2 * p, 4);
+    acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_set1_epi32(pair), qv);
+  }
+}
+
 // out[t][0:16] = sum over k pairs of qp[p][0:16] . key[t][2p : 2p + 2] for TT tokens (rows k[t]):
 // qp [pairs][16] the heads' query pairs; an odd dk's last pair has a zero partner in qp. The lines
 // in `ask` are asked for into L1, two per k pair from the first (those past two per pair at once).
@@ -192,26 +205,12 @@ static inline void attn_scores_lanes_tile(const uint32_t* __restrict qp, const u
     for (int s = 0; s < KS; ++s) {
       __builtin_prefetch(ask.line[std::min(2 * (p + s), ask.n - 1)]);
       __builtin_prefetch(ask.line[std::min(2 * (p + s) + 1, ask.n - 1)]);
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + (p + s) * HEAD_LANES);
-#pragma GCC unroll 16
-      for (int t = 0; t < TT; ++t) {
-        int32_t pair;
-        std::memcpy(&pair, k[t] + 2 * (p + s), 4);
-        acc[s][t] = _mm512_dpbf16_ps(acc[s][t], (__m512bh)_mm512_set1_epi32(pair), qv);
-      }
+      attn_score_pair<TT>(qp, k, p + s, acc[s]);
     }
   }
   for (; p < steps; p += KS) {
 #pragma GCC unroll 2
-    for (int s = 0; s < KS; ++s) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + (p + s) * HEAD_LANES);
-#pragma GCC unroll 16
-      for (int t = 0; t < TT; ++t) {
-        int32_t pair;
-        std::memcpy(&pair, k[t] + 2 * (p + s), 4);
-        acc[s][t] = _mm512_dpbf16_ps(acc[s][t], (__m512bh)_mm512_set1_epi32(pair), qv);
-      }
-    }
+    for (int s = 0; s < KS; ++s) attn_score_pair<TT>(qp, k, p + s, acc[s]);
   }
   for (; p < (dk + 1) / 2; ++p) {  // KS's remainder, and an odd dk's last column (partner zero)
     const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + p * HEAD_LANES);
