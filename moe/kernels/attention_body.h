@@ -243,13 +243,13 @@ struct TileLines {
     }
     n = m;
   }
-  // share i of n of the next work item's first `len` rows (for_next_share): its keys, and its
-  // values where they sit apart (GQA)
+  // share i of n of the next work item's first L rows (all of them when it is no longer than the
+  // current item's L; for_next_share): its keys, and its values where they sit apart (GQA)
   template <typename PT>
-  void add_next_share(const PT* pool, int64_t S, const NextItem& next, int64_t len, int64_t i, int64_t n_shares) {
+  void add_next_share(const PT* pool, int64_t S, const NextItem& next, int64_t L, int64_t i, int64_t n_shares) {
     const PagedHead& nh = next.head;
     const int64_t elem = sizeof(PT);
-    for_next_share(pool, S, next, len, i, n_shares, [&](const PT* tok, int64_t rows) {
+    for_next_share(pool, S, next, std::min(next.L, L), i, n_shares, [&](const PT* tok, int64_t rows) {
       add_rows(tok + nh.k_off, rows, nh.dk * elem, nh.token_stride * elem);
       if (nh.v_off != nh.k_off) add_rows(tok + nh.v_off, rows, nh.dv * elem, nh.token_stride * elem);
     });
@@ -277,15 +277,19 @@ static inline bool keeps_rows(const PagedHead& head, int64_t L) {
          L * head.dk * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
 }
 
-// Block blk's key rows as fp32, with the next block's asked for first: converted into kbuf at the
-// block's place when keep, else at kbuf's start (an fp32 pool's rows are used in place). Returns
-// their stride; *k the rows.
+// Block blk's key rows as fp32, with the next block's asked for first (at once, or added to `ask`
+// for the caller to spread): converted into kbuf at the block's place when keep, else at kbuf's
+// start (an fp32 pool's rows are used in place). Returns their stride; *k the rows.
 template <typename PT>
 static inline int64_t key_block(const PT* pool, int64_t S, const PagedHead& head, const int64_t* table, int64_t L,
-                                int64_t blk, bool keep, float* kbuf, const float** k) {
+                                int64_t blk, bool keep, float* kbuf, const float** k, TileLines* ask = nullptr) {
   const int64_t stride = head.token_stride, dk = head.dk;
-  if ((blk + 1) * S < L)
-    prefetch_rows(pool + table[blk + 1] * S * stride + head.k_off, std::min(S, L - (blk + 1) * S), dk, stride);
+  if ((blk + 1) * S < L) {
+    const PT* next_keys = pool + table[blk + 1] * S * stride + head.k_off;
+    const int64_t next_rows = std::min(S, L - (blk + 1) * S);
+    if (ask) ask->add_rows(next_keys, next_rows, dk * sizeof(PT), stride * sizeof(PT));
+    else prefetch_rows(next_keys, next_rows, dk, stride);
+  }
   return rows_f32(pool + table[blk] * S * stride + head.k_off, std::min(S, L - blk * S), dk, stride,
                   keep ? kbuf + blk * S * dk : kbuf, k);
 }
@@ -383,17 +387,17 @@ static inline void lanes_scores_tile(const float* __restrict qt, const float* __
   for (int t = 0; t < TT; ++t) vstore(s + t * MOE_W, acc[t]);
 }
 
-// Scores of key rows [0, n) (row t at k + t * ldk) into s [n][MOE_W], in register tiles; the lines
-// in `ask` are asked for along the way, a share per tile.
+// Scores of key rows [0, n) (row t at k + t * ldk) into s [n][MOE_W], in register tiles; lines [0,
+// nl) of `lines` are asked for along the way, a share per tile.
 static inline void lanes_scores(const float* qt, const float* k, int64_t ldk, int64_t dk, int64_t n, float* s,
-                                const TileLines& ask) {
+                                const char* const* lines, int64_t nl) {
   const int64_t tiles = (n + LANE_SCORE_TOKENS - 1) / LANE_SCORE_TOKENS;
-  const int64_t per_tile = (ask.n + tiles - 1) / tiles;
+  const int64_t per_tile = (nl + tiles - 1) / tiles;
   for (int64_t t = 0, rows, first = 0; t < n; t += rows, first += per_tile) {
     rows = next_tile_rows(n - t, LANE_SCORE_TOKENS);
-    const int64_t nl = std::max<int64_t>(0, std::min(per_tile, ask.n - first));
+    const int64_t share = std::max<int64_t>(0, std::min(per_tile, nl - first));
     with_row_count<LANE_SCORE_TOKENS>(rows, [&](auto r) {
-      lanes_scores_tile<decltype(r)::value>(qt, k + t * ldk, ldk, dk, s + t * MOE_W, ask.line + first, nl);
+      lanes_scores_tile<decltype(r)::value>(qt, k + t * ldk, ldk, dk, s + t * MOE_W, lines + first, share);
     });
   }
 }
@@ -488,20 +492,15 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
   }
   // pass 1, each block converted once for every chunk while the next block's keys and a share of
   // the next item's first L rows are asked for (spread over the first chunk's score tiles)
-  const int64_t share_len = std::min(next.L, L), elem = sizeof(PT);
-  TileLines none;  // the later chunks ask for nothing
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
     TileLines ask;
-    if ((blk + 1) * S < L)
-      ask.add_rows(pool + (table[blk + 1] * S) * head.token_stride + head.k_off, std::min(S, L - (blk + 1) * S),
-                   dk * elem, head.token_stride * elem);
-    ask.add_next_share(pool, S, next, share_len, blk, nblocks);
     const float* k;
-    const int64_t ldk = rows_f32(pool + table[blk] * S * head.token_stride + head.k_off, rows, dk, head.token_stride,
-                                 keep ? kbuf + blk * S * dk : kbuf, &k);
-    for (int64_t ch = 0; ch < chunks; ++ch)
-      lanes_scores(lanes + ch * per_chunk, k, ldk, dk, rows, scores + (ch * L + blk * S) * MOE_W, ch ? none : ask);
+    const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k, &ask);
+    ask.add_next_share(pool, S, next, L, blk, nblocks);
+    for (int64_t ch = 0; ch < chunks; ++ch)  // the later chunks ask for nothing
+      lanes_scores(lanes + ch * per_chunk, k, ldk, dk, rows, scores + (ch * L + blk * S) * MOE_W, ask.line,
+                   ch ? 0 : ask.n);
   }
   prefetch_next_query(next);
   for (int64_t ch = 0; ch < chunks; ++ch) lanes_softmax(scores + ch * L * MOE_W, L, scale, round_half);

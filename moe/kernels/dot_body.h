@@ -358,8 +358,6 @@ struct AttentionDotKernels {
     const int64_t row_bytes = dk * static_cast<int64_t>(sizeof(uint16_t));
     constexpr int64_t ahead = SCORE_TILES_AHEAD * SCORE_TILE_TOKENS;
     const int64_t tiles = (L + SCORE_TILE_TOKENS - 1) / SCORE_TILE_TOKENS;
-    // the next item's first L rows (all of them when it is no longer), a share per score tile
-    const int64_t share_len = std::min(next.L, L);
     for (int64_t h0 = 0; h0 < hh; h0 += HEAD_LANES) {
       const int64_t hc = std::min<int64_t>(HEAD_LANES, hh - h0);
       query_pairs(q + h0 * dk, hc, dk, qp);
@@ -368,7 +366,7 @@ struct AttentionDotKernels {
         avx512::TileLines ask;
         for (int64_t a = t + ahead; a < std::min(t + ahead + SCORE_TILE_TOKENS, L); ++a)
           ask.add_rows(krow[a], 1, row_bytes, 0);
-        if (h0 == 0) ask.add_next_share(pool, S, next, share_len, t / SCORE_TILE_TOKENS, tiles);
+        if (h0 == 0) ask.add_next_share(pool, S, next, L, t / SCORE_TILE_TOKENS, tiles);  // a share per tile
         with_row_count<SCORE_TILE_TOKENS>(std::min<int64_t>(SCORE_TILE_TOKENS, L - t), [&](auto n) {
           attn_scores_lanes_tile<decltype(n)::value>(qp, krow + t, dk, scores + t * HEAD_LANES, ask);
         });

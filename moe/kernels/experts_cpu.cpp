@@ -60,9 +60,10 @@ struct PagedHead {
 // The decode work item a thread takes after the current one: its query rows (q_bytes from q) and
 // its key / value rows (table, L and head as the current item's; L == 0: no next item). The current
 // item asks for them into L1 while it computes, a share of the rows per step of its score pass
-// (prefetch_next_share) and the queries before its softmax: between two layers' attention the routed
-// experts' weights stream through every cache level, so both come back from DRAM, and an item that
-// asks for its own rows only a few tiles ahead waits on that latency at its start.
+// (TileLines::add_next_share; prefetch_next_share on the FMA item path) and the queries before its
+// softmax: between two layers' attention the routed experts' weights stream through every cache
+// level, so both come back from DRAM, and an item that asks for its own rows only a few tiles ahead
+// waits on that latency at its start.
 struct NextItem {
   const char* q = nullptr;
   int64_t q_bytes = 0;
