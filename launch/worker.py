@@ -338,8 +338,9 @@ class Worker:
             # faster than oneDNN (B=1 decode step on the small checkpoint: 33 -> 28 ms)
             with native_gemv(self.one_row_gemv and len(batch.input_ids) == 1):
                 hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
-                rows = batch.logits_indices
-                logits = self.model.compute_logits(hidden[rows]) if rows else None  # [B_sample, V] float32
+                rows = batch.logits_indices  # strictly increasing: all T of them is every row (decode steps)
+                last = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+                logits = self.model.compute_logits(last) if rows else None  # [B_sample, V] float32
             if rows:
                 params = batch.sampling_params
                 sampled = self.sampler(logits, params, batch.output_indices).to_sampled_tokens(params)

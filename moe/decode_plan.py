@@ -8,7 +8,9 @@ step whether each whole-block CPU op applies and rebuilds its argument lists: on
 DeepSeek-style checkpoint that Python is ~2-3 ms of a ~20 ms batch-1 step. ``DecodePlan`` asks
 each module once (``RMSNorm.fused_op``, ``MLAAttention`` / ``GQAAttention.fused_decode_op``, ``MoELayer.fused_ffn_op``,
 ``DenseMLP.fused_op``; the module itself where it has none or declines) and then runs the layers
-through ``DecoderLayer.run_ops`` (``forward``'s own sequence) with those ops.
+through ``DecoderLayer.run_fused_norms`` (``forward``'s own sequence) with those ops. Each residual add
+runs in one op with the norm after it (``RMSNorm.fused_add_op``: the next layer's input norm, the
+final norm after the last layer): two ops fewer per layer, the same bits.
 
 The plan holds while its ``state`` is unchanged: the row dtype, the row-count regime
 (``kernels.prefers_library_gemm`` at B rows and at B * top_k expert assignments), the cache pools'
@@ -32,14 +34,15 @@ from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
 Op = Callable[..., torch.Tensor]
 
 
-def _layer_ops(layer: nn.Module, x: torch.Tensor, view: KVLayerView) -> tuple[Op, Op, Op, Op]:
-    """A decoder layer's (norm1, attention, norm2, FFN) for ``DecoderLayer.run_ops``: each submodule's
-    resolved op, or the submodule itself where it has none or declines."""
+def _layer_ops(layer: nn.Module, next_norm: nn.Module, x: torch.Tensor, view: KVLayerView) -> tuple[Op, Op, Op, Op]:
+    """A decoder layer's (attention, post-attention add-and-norm, FFN, add-and-norm into ``next_norm``)
+    for ``DecoderLayer.run_fused_norms``: the attention and FFN submodules' resolved ops (or the
+    submodules themselves where they have none or decline), the norms' ``fused_add_op``."""
     mods = layer._modules
     mlp = mods["mlp"]
-    return (_resolved(mods["input_layernorm"], "fused_op", x), _resolved(mods["self_attn"], "fused_decode_op", x, view),
-            _resolved(mods["post_attention_layernorm"], "fused_op", x),
-            _resolved(mlp, "fused_ffn_op" if hasattr(mlp, "fused_ffn_op") else "fused_op", x))
+    return (_resolved(mods["self_attn"], "fused_decode_op", x, view), mods["post_attention_layernorm"].fused_add_op(x),
+            _resolved(mlp, "fused_ffn_op" if hasattr(mlp, "fused_ffn_op") else "fused_op", x),
+            next_norm.fused_add_op(x))
 
 
 def _resolved(module: nn.Module, method: str, *args: Any) -> Op:
@@ -50,19 +53,24 @@ def _resolved(module: nn.Module, method: str, *args: Any) -> Op:
 
 
 class DecodePlan:
-    """The decoder layers of a model resolved for decode rows like x [B, D] (see the module docstring).
+    """The decoder layers and the final norm of a model resolved for decode rows like x [B, D] (see
+    the module docstring).
 
-    layers: the model's ``DecoderLayer`` list; x: this step's hidden rows (only dtype, device and
-    row count are read); kv_cache: the paged cache the layers write."""
+    layers: the model's ``DecoderLayer`` list; final_norm: the norm after the last layer; x: this
+    step's hidden rows (only dtype, device and row count are read); kv_cache: the paged cache the
+    layers write."""
 
-    def __init__(self, layers: Sequence[nn.Module], x: torch.Tensor, kv_cache: PagedKVCache) -> None:
-        modules = [m for layer in layers for m in layer.modules()]
+    def __init__(self, layers: Sequence[nn.Module], final_norm: nn.Module, x: torch.Tensor,
+                 kv_cache: PagedKVCache) -> None:
+        modules = [m for layer in layers for m in layer.modules()] + list(final_norm.modules())
         self._switches = [(m, name) for m in modules for name in _decision_attrs(type(m))]
         self._params = [m._parameters for m in modules if m._parameters]
         self._expert_shapes = sorted({(int(m.experts.num_local_slots), int(m.top_k)) for m in modules
                                       if hasattr(m, "fused_ffn_op")})
         self.key = self.state(x, kv_cache)  # before resolving: packing happens below
-        self._ops = [(layer, _layer_ops(layer, x, kv_cache.layer(i))) for i, layer in enumerate(layers)]
+        norms = [layer._modules["input_layernorm"] for layer in layers] + [final_norm]
+        self._first_norm = _resolved(norms[0], "fused_op", x)
+        self._ops = [(layer, _layer_ops(layer, norms[i + 1], x, kv_cache.layer(i))) for i, layer in enumerate(layers)]
 
     def state(self, x: torch.Tensor, kv_cache: PagedKVCache) -> tuple[Any, ...]:
         """Everything the resolved ops depend on, for x [B, D] (equal states: the same ops)."""
@@ -83,10 +91,12 @@ class DecodePlan:
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
             kv_cache: PagedKVCache) -> torch.Tensor:
-        """Every layer's ``run_ops`` on its resolved ops. h: [B, D]; cos, sin: [B, R/2]. Returns [B, D]."""
+        """Every layer's ``run_fused_norms`` on its resolved ops, then the final norm (fused into the
+        last residual add). h: [B, D]; cos, sin: [B, R/2]. Returns the normed hidden rows [B, D]."""
+        x = self._first_norm(h)
         for i, (layer, ops) in enumerate(self._ops):
-            h = layer.run_ops(h, cos, sin, meta, kv_cache.layer(i), *ops)
-        return h
+            h, x = layer.run_fused_norms(h, x, cos, sin, meta, kv_cache.layer(i), *ops)
+        return x
 
 
 def plan_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:

@@ -32,6 +32,7 @@ from moe.router import Router
 
 LocalSlots = Sequence[int] | Mapping[int, Sequence[int]] | None
 RowOp = Callable[[torch.Tensor], torch.Tensor]  # x [T, D] -> [T, D]: a norm or an FFN
+AddNormOp = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (h, r) -> (h + r, norm(h + r))
 
 
 class DecoderLayer(nn.Module):
@@ -72,6 +73,21 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, DenseMLP):  # a dense MLP's output is a TP partial sum (MoE combines its own)
             f = self._tp_reduce(f)
         return h + f
+
+    def run_fused_norms(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        meta: AttentionMetadata, cache: KVLayerView, attn: DecodeAttentionOp | nn.Module,
+                        add_norm2: AddNormOp, ffn: RowOp, add_norm_next: AddNormOp) -> tuple[torch.Tensor, torch.Tensor]:
+        """``run_ops`` with each residual add fused into the norm after it (``moe.decode_plan``): h [T, D]
+        the residual stream, x = input_layernorm(h). ``add_norm2`` is post_attention_layernorm's
+        add-and-norm, ``add_norm_next`` the next layer's input_layernorm's (the final norm's after the
+        last layer). Returns (run_ops(h) [T, D], add_norm_next's norm of it [T, D]), bit-equal to the
+        separate adds and norms."""
+        a = attn(x, cos, sin, meta, cache)
+        h, x = add_norm2(h, self._tp_reduce(a))
+        f = ffn(x)
+        if isinstance(self.mlp, DenseMLP):  # as run_ops
+            f = self._tp_reduce(f)
+        return add_norm_next(h, f)
 
     def _tp_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         # every TP rank reaches this for every layer of every step (T may be 0): no rank skips it
@@ -148,12 +164,11 @@ class MoEModel(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions)
         if self.use_decode_plan and plan_applies(h, meta):
-            h = self._decode_plan(h, kv_cache).run(h, cos, sin, meta, kv_cache)
-        else:
-            if self._plan is not None and self._plan.weights_changed():
-                self._plan = None  # let the modules' caches drop the old packed weights as they repack
-            for i, layer in enumerate(self.model.layers):
-                h = layer(h, cos, sin, meta, kv_cache.layer(i))
+            return self._decode_plan(h, kv_cache).run(h, cos, sin, meta, kv_cache)  # the final norm included
+        if self._plan is not None and self._plan.weights_changed():
+            self._plan = None  # let the modules' caches drop the old packed weights as they repack
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, meta, kv_cache.layer(i))
         return self.model.norm(h)
 
     def _decode_plan(self, h: torch.Tensor, kv_cache: PagedKVCache) -> DecodePlan:
@@ -161,7 +176,7 @@ class MoEModel(nn.Module):
         plan = self._plan
         if plan is None or plan.state(h, kv_cache) != plan.key:
             self._plan = None  # drop the old plan's bound weights before resolving anew
-            plan = self._plan = DecodePlan(self.model.layers, h, kv_cache)
+            plan = self._plan = DecodePlan(self.model.layers, self.model.norm, h, kv_cache)
         return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ Shape legend: P local expert slots, D hidden, I expert intermediate, N routed ro
 (no gathered copy, all of a sequence's heads per pass over its blocks); ``gqa_decode`` the same
 for a grouped-query cache.
 
-``rms_norm`` is RMSNorm in one op (the PyTorch expression is eight).
+``rms_norm`` is RMSNorm in one op (the PyTorch expression is eight); ``add_rms_norm`` is the residual
+add before it and the norm in one op (decode steps: ``moe.decode_plan``).
 
 ``mla_decode_attention`` is MLA's whole attention for a step of decode rows (projections, latent
 norm, rope, cache write, absorbed products, ``mla_decode``, o_proj) in one op: the same C++ calls
@@ -379,6 +380,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [T, D] with weight [D] (both float32 or both bfloat16) -> [T, D] in x's dtype:
     weight * (x / sqrt(mean(x^2) + eps)), statistics in fp32, as ``moe.layers.norm.RMSNorm``."""
     return torch.ops.moe_kernels.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the RMSNorm after it in one op: h, r [T, D] and weight [D], all float32
+    or all bfloat16 -> (s, y), both [T, D]: s = h + r rounded to the dtype (PyTorch's add),
+    y = ``rms_norm(s, weight, eps)``. Bit-equal to those two ops."""
+    return torch.ops.moe_kernels.add_rms_norm(h, r, weight, eps)
 
 
 def gqa_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

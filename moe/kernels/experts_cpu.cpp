@@ -310,6 +310,7 @@ template <typename OT>
 using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, int, int64_t, const float*, int64_t, OT*,
                           int64_t);
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
+using AddRmsNormFn = void (*)(bool, const void*, const void*, const void*, void*, void*, int64_t, int64_t, float);
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
                              int64_t, float, bool, float*, float*, float*, float*, float*, const NextItem&);
 using PagedPrefillFn = void (*)(bool, const void*, int64_t, int64_t, int64_t, int64_t, const void*, int64_t,
@@ -351,6 +352,7 @@ struct Isa {
   PagedDecodeFn paged_decode;
   PagedPrefillFn paged_prefill;  // causal rows of prefill chunks (keys, then value columns, in lanes; every ISA)
   RmsNormFn rms_norm;
+  AddRmsNormFn add_rms_norm;  // the residual add, then RMSNorm of the sum
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
@@ -362,8 +364,8 @@ struct Isa {
 template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
-             &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::prefill, &N::rms_norm, DotIsa{},
-             K::pair_tiles};
+             &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::prefill, &N::rms_norm,
+             &N::add_rms_norm, DotIsa{}, K::pair_tiles};
 }
 
 static bool cpu_has(const std::string& name) {
@@ -1072,6 +1074,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// h, r: [T, D] in one dtype, float32 or bfloat16 (rows contiguous); weight: [D] in it. Returns
+// (s, y): s = h + r rounded to the dtype as PyTorch's add, y = rms_norm(s, weight, eps) (the
+// residual add and the norm after it, one op: vLLM's fused_add_rms_norm, out of place).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& r, const at::Tensor& weight,
+                                                double eps) {
+  TORCH_CHECK(h.device().is_cpu() && r.device().is_cpu() && weight.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(h.dim() == 2 && r.sizes() == h.sizes() && weight.dim() == 1 && weight.size(0) == h.size(1),
+              "moe_kernels: h [T, D], r [T, D] and weight [D] expected");
+  TORCH_CHECK(h.scalar_type() == r.scalar_type() && h.scalar_type() == weight.scalar_type() &&
+              (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16),
+              "moe_kernels: h, r and weight must all be float32 or all bfloat16");
+  const at::Tensor hc = h.contiguous(), rc = r.contiguous(), wc = weight.contiguous();
+  at::Tensor s = at::empty_like(hc), out = at::empty_like(hc);
+  const int64_t T = hc.size(0), D = hc.size(1);
+  if (T == 0 || D == 0) return {s, out};
+  const Isa& isa = current_isa();
+  const bool bf16 = h.scalar_type() == at::kBFloat16;
+  const int64_t step = D * hc.element_size();
+  const char *hp = static_cast<const char*>(hc.data_ptr()), *rp = static_cast<const char*>(rc.data_ptr());
+  char *sp = static_cast<char*>(s.data_ptr()), *op = static_cast<char*>(out.data_ptr());
+  const float e = static_cast<float>(eps);
+  const int64_t grain = std::max<int64_t>(1, 32768 / D);  // as rms_norm
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    isa.add_rms_norm(bf16, hp + begin * step, rp + begin * step, wc.data_ptr(), sp + begin * step, op + begin * step,
+                     end - begin, D, e);
+  });
+  return {s, out};
+}
+
 // Rotary embedding of one R-wide vector in fp32 (moe.layers.rope.apply_rotary): x1, x2 = the even
 // and odd entries (interleave) or the two halves; out = [x1 c - x2 s | x2 c + x1 s] rounded to T.
 // Not contracted into FMAs: PyTorch rounds each product, so this is bit-equal to apply_rotary.
@@ -1461,6 +1492,7 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("gqa_prefill(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, Tensor query_starts, "
         "int window, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor h, Tensor r, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("route_topk(Tensor logits, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, int top_k, "
         "bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("mla_rope_cache(Tensor q, Tensor latent, Tensor norm_weight, float eps, Tensor cos, Tensor sin, "
@@ -1493,6 +1525,7 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("mla_prefill", &moe_kernels::mla_prefill);
   m.impl("gqa_prefill", &moe_kernels::gqa_prefill);
   m.impl("rms_norm", &moe_kernels::rms_norm);
+  m.impl("add_rms_norm", &moe_kernels::add_rms_norm);
   m.impl("route_topk", &moe_kernels::route_topk);
   m.impl("mla_rope_cache", &moe_kernels::mla_rope_cache);
   m.impl("mla_decode_attention", &moe_kernels::mla_decode_attention);

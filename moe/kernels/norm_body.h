@@ -38,7 +38,46 @@ static void rms_norm_rows(const T* x, int64_t ldx, const T* w, T* out, int64_t l
   }
 }
 
+// s = a + b per element, rounded to T as PyTorch's add in T computes it (fp32 sum, then
+// round-to-nearest-even for bf16): the residual add before a norm. Branch-free so it vectorizes.
+static inline void add_row(const float* a, const float* b, float* s, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) s[j] = a[j] + b[j];
+}
+static inline void add_row(const uint16_t* a, const uint16_t* b, uint16_t* s, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t ua = static_cast<uint32_t>(a[j]) << 16, ub = static_cast<uint32_t>(b[j]) << 16;
+    float fa, fb;
+    std::memcpy(&fa, &ua, 4);
+    std::memcpy(&fb, &ub, 4);
+    const float f = fa + fb;
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    s[j] = static_cast<uint16_t>(f != f ? 0x7fc0u : rounded);
+  }
+}
+
+// Rows of x and r (contiguous, D wide): s = x + r (add_row), then out = rms_norm_rows(s), row by row
+// so the sum is normed while it is in L1.
+template <typename T>
+static void add_rms_norm_rows(const T* x, const T* r, const T* w, T* s, T* out, int64_t rows, int64_t D, float eps) {
+  for (int64_t i = 0; i < rows; ++i) {
+    add_row(x + i * D, r + i * D, s + i * D, D);
+    rms_norm_rows(s + i * D, D, w, out + i * D, D, 1, D, eps);
+  }
+}
+
 struct NormKernels {
+  static void add_rms_norm(bool bf16, const void* x, const void* r, const void* w, void* s, void* out, int64_t rows,
+                           int64_t D, float eps) {
+    if (bf16)
+      add_rms_norm_rows(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(r),
+                        static_cast<const uint16_t*>(w), static_cast<uint16_t*>(s), static_cast<uint16_t*>(out), rows,
+                        D, eps);
+    else
+      add_rms_norm_rows(static_cast<const float*>(x), static_cast<const float*>(r), static_cast<const float*>(w),
+                        static_cast<float*>(s), static_cast<float*>(out), rows, D, eps);
+  }
   static void rms_norm(bool bf16, const void* x, int64_t ldx, const void* w, void* out, int64_t ldo, int64_t rows,
                        int64_t D, float eps) {
     if (bf16)

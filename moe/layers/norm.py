@@ -43,6 +43,23 @@ class RMSNorm(nn.Module):
 
         return norm
 
+    def fused_add_op(self, x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """The residual add before this norm and the norm as one op: ``add_norm(h, r)`` -> (h + r,
+        self(h + r)) for h, r [T, D] like x, bit-equal to the add and ``forward`` (the kernel's
+        ``add_rms_norm`` where ``fused_op`` would run the kernel, else the add and this module)."""
+        if not (self.use_kernel and x.dim() == 2 and self._kernel_applies(x)):
+            def add_then_norm(h: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                s = h + r
+                return s, self(s)
+
+            return add_then_norm
+        weight, eps = self.weight, self.eps
+
+        def add_norm(h: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return kernels.add_rms_norm(h, r, weight, eps)
+
+        return add_norm
+
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """The one-op CPU kernel: CPU, x in the weight's dtype (float32 or bfloat16), no autograd, built."""
         return x.dim() >= 1 and kernels.cpu_op_applies(x, self.weight)

@@ -67,9 +67,10 @@ def plans_made(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     made: list[int] = []
     make = decode_plan.DecodePlan.__init__
 
-    def spy(self: decode_plan.DecodePlan, layers: list, x: torch.Tensor, kv_cache: PagedKVCache) -> None:
+    def spy(self: decode_plan.DecodePlan, layers: list, final_norm: torch.nn.Module, x: torch.Tensor,
+            kv_cache: PagedKVCache) -> None:
         made.append(x.shape[0])
-        make(self, layers, x, kv_cache)
+        make(self, layers, final_norm, x, kv_cache)
 
     monkeypatch.setattr(decode_plan.DecodePlan, "__init__", spy)
     return made
@@ -115,10 +116,17 @@ def test_plan_steps_are_bit_equal_to_the_module_path(kernel_isas: list[str], hf_
     # the whole-block ops are bound where they apply (MLA and GQA attention; the MoE FFN on a rank
     # hosting all slots)
     assert [layer for layer, _ in plan._ops] == layers
-    resolved = [ops for _, ops in plan._ops]  # (norm1, attention, norm2, FFN) per layer
-    assert all(ops[1] is not layer.self_attn for ops, layer in zip(resolved, layers))
-    assert all(ops[3] is not layer.mlp for ops, layer in zip(resolved, layers))
-    assert all(ops[0] is not layer.input_layernorm for ops, layer in zip(resolved, layers))
+    resolved = [ops for _, ops in plan._ops]  # (attention, add + norm2, FFN, add + next norm) per layer
+    assert all(ops[0] is not layer.self_attn for ops, layer in zip(resolved, layers))
+    assert all(ops[2] is not layer.mlp for ops, layer in zip(resolved, layers))
+    assert plan._first_norm is not layers[0].input_layernorm
+    # every residual add runs with the norm after it: the kernel's add_rms_norm, bound to that norm's weight
+    norms = [layer.post_attention_layernorm for layer in layers]
+    nexts = [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]
+    for ops, norm2, after in zip(resolved, norms, nexts):
+        for add_norm, norm in ((ops[1], norm2), (ops[3], after)):
+            bound = dict(zip(add_norm.__code__.co_freevars, (c.cell_contents for c in add_norm.__closure__)))
+            assert add_norm.__name__ == "add_norm" and bound["weight"] is norm.weight
 
 
 def _scale_experts(model: MoEModel) -> None:
