@@ -70,10 +70,11 @@ class Router(nn.Module):
         """x: [T, D]. Returns topk_ids [T, K] int64, topk_weights [T, K] float32 and, when asked,
         the selection scores [T, E] float32 the top-k was taken on (bias-corrected for noaux_tc),
         -inf for experts outside the token's top groups; else None."""
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
-        if not with_scores and self._kernel_applies(logits):  # everything after the logits in one CPU op
+        if not with_scores and self._kernel_applies(x):  # the logits, then everything after them: two CPU ops
+            logits = kernels.router_logits(x, self.weight)  # [T, E], as moe_ffn computes them
             ids, weights = kernels.route_topk(logits, **self.selection_args())
             return ids, weights, None
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
         if self.scoring_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:
@@ -104,10 +105,12 @@ class Router(nn.Module):
                     topk_group=self.topk_group or 1, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                     scaling=float(self.routed_scaling_factor))
 
-    def _kernel_applies(self, logits: torch.Tensor) -> bool:
-        """The fused CPU op (``moe_kernels.route_topk``): CPU, no autograd, the kernel built. Its
-        ids come highest score first (ties: lower id); torch.topk's unsorted order may differ."""
-        return self.use_kernel and kernels.cpu_op_applies(logits)
+    def _kernel_applies(self, x: torch.Tensor) -> bool:
+        """The CPU ops (``moe_kernels.router_logits`` and ``route_topk``) for rows x [T, D]: CPU, x
+        float32 or bfloat16, an fp32 weight, no autograd, the kernel built. The ids come highest
+        score first (ties: lower id); torch.topk's unsorted order may differ."""
+        return (self.use_kernel and self.weight.dtype == torch.float32 and kernels.cpu_op_applies(x)
+                and kernels.cpu_op_applies(self.weight))
 
     def _selection_noaux_tc(self, scores: torch.Tensor) -> torch.Tensor:
         """scores: [T, E] sigmoid. Returns the bias-corrected scores [T, E] with experts outside

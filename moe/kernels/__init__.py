@@ -390,6 +390,14 @@ def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
     return torch.ops.moe_kernels.add_rms_norm(h, r, weight, eps)
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's logits x @ weight^T in fp32: x [T, D] float32 or bfloat16, weight [E, D] float32 ->
+    [T, E] float32. Every row's logits are the same bits whatever the batch it comes in (a fixed
+    summation order per row and expert; PyTorch's GEMM may block a batch differently), within fp32
+    rounding of ``F.linear(x.float(), weight)``."""
+    return torch.ops.moe_kernels.router_logits(x, weight)
+
+
 def gqa_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                scale: float) -> torch.Tensor:
     """Grouped-query decode attention read straight from the paged cache.

@@ -311,6 +311,7 @@ using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, int,
                           int64_t);
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
 using AddRmsNormFn = void (*)(bool, const void*, const void*, const void*, void*, void*, int64_t, int64_t, float);
+using RouterLogitsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
                              int64_t, float, bool, float*, float*, float*, float*, float*, const NextItem&);
 using PagedPrefillFn = void (*)(bool, const void*, int64_t, int64_t, int64_t, int64_t, const void*, int64_t,
@@ -353,6 +354,7 @@ struct Isa {
   PagedPrefillFn paged_prefill;  // causal rows of prefill chunks (keys, then value columns, in lanes; every ISA)
   RmsNormFn rms_norm;
   AddRmsNormFn add_rms_norm;  // the residual add, then RMSNorm of the sum
+  RouterLogitsFn router_logits;  // fp32 x @ w^T for the router, batch-invariant
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
@@ -365,7 +367,7 @@ template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
              &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::prefill, &N::rms_norm,
-             &N::add_rms_norm, DotIsa{}, K::pair_tiles};
+             &N::add_rms_norm, &N::router_logits, DotIsa{}, K::pair_tiles};
 }
 
 static bool cpu_has(const std::string& name) {
@@ -1103,6 +1105,29 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   return {s, out};
 }
 
+// x: [T, D] float32 or bfloat16 (made fp32); w: [E, D] float32. Returns x @ w^T [T, E] float32: the
+// router's logits, each row's the same bits whatever the batch (norm_body.h's router_logits_rows).
+// PyTorch's fp32 GEMM (MKL) ran a [32, 1024] x [1024, 64] product in ~50 us hot and ~106 us with
+// the weight in DRAM on Zen 5 (a batch-32 decode step's nine MoE layers: ~1 ms).
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1), "moe_kernels: x [T, D] and w [E, D] expected");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "moe_kernels: router weight must be float32 and x float32 or bfloat16");
+  const at::Tensor xf = float32_contiguous(x), wc = w.contiguous();
+  const int64_t T = xf.size(0), D = xf.size(1), E = wc.size(0);
+  at::Tensor out = at::empty({T, E}, xf.options());
+  if (T == 0 || E == 0) return out;
+  const Isa& isa = current_isa();
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // rows in chunks of 64 or more (~4M multiply-adds at E * D = 64K): a decode step stays on one thread
+  const int64_t grain = std::max<int64_t>(64, (int64_t{1} << 22) / std::max<int64_t>(1, E * D));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) { isa.router_logits(xp, begin, end, wp, E, D, op); });
+  return out;
+}
+
 // Rotary embedding of one R-wide vector in fp32 (moe.layers.rope.apply_rotary): x1, x2 = the even
 // and odd entries (interleave) or the two halves; out = [x1 c - x2 s | x2 c + x1 s] rounded to T.
 // Not contracted into FMAs: PyTorch rounds each product, so this is bit-equal to apply_rotary.
@@ -1429,7 +1454,7 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tens
   TORCH_CHECK(log2phy.dim() == 2 && log2phy.size(0) == E && logcnt.numel() == E && log2phy.scalar_type() == at::kLong &&
               logcnt.scalar_type() == at::kLong && slot_load.scalar_type() == at::kLong && slot_load.is_contiguous(),
               "moe_kernels: log2phy [E, R], logcnt [E] and slot_load [P] int64 expected");
-  const at::Tensor logits = at::linear(float32_contiguous(x), gate_w.to(at::kFloat));  // [T, E]
+  const at::Tensor logits = router_logits(x, gate_w.to(at::kFloat));  // [T, E]
   auto [ids, weights] = route_topk(logits, bias, sigmoid, method, n_group, topk_group, top_k, norm_topk_prob, scaling);
   const at::Tensor table = log2phy.contiguous(), counts = logcnt.contiguous();
   const int64_t* tp = table.data_ptr<int64_t>();
@@ -1493,6 +1518,7 @@ TORCH_LIBRARY(moe_kernels, m) {
         "int window, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor r, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("router_logits(Tensor x, Tensor w) -> Tensor");
   m.def("route_topk(Tensor logits, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, int top_k, "
         "bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("mla_rope_cache(Tensor q, Tensor latent, Tensor norm_weight, float eps, Tensor cos, Tensor sin, "
@@ -1526,6 +1552,7 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("gqa_prefill", &moe_kernels::gqa_prefill);
   m.impl("rms_norm", &moe_kernels::rms_norm);
   m.impl("add_rms_norm", &moe_kernels::add_rms_norm);
+  m.impl("router_logits", &moe_kernels::router_logits);
   m.impl("route_topk", &moe_kernels::route_topk);
   m.impl("mla_rope_cache", &moe_kernels::mla_rope_cache);
   m.impl("mla_decode_attention", &moe_kernels::mla_decode_attention);

@@ -67,7 +67,53 @@ static void add_rms_norm_rows(const T* x, const T* r, const T* w, T* s, T* out, 
   }
 }
 
+// Router logits: out[t][e] = sum_k x[t][k] w[e][k] in fp32, x [T, D] and w [E, D] rows contiguous, out
+// [T, E]. Register tiles of 4 rows x 4 experts; each (t, e) sums D in MOE_W-lane partial sums in
+// chunk order, then its lanes (vhsum), then D's tail: the same bits whatever T, the tile or the
+// thread (a row's logits do not depend on the batch it came in). Edge tiles repeat their last row
+// or expert (computed, not stored). While the first row tile runs, the next expert tile's weight
+// lines are prefetched (its rows come from DRAM in a decode step).
+static void router_logits_rows(const float* x, int64_t t_begin, int64_t t_end, const float* w, int64_t E, int64_t D,
+                               float* out) {
+  constexpr int TT = 4, TE = 4;
+  for (int64_t e0 = 0; e0 < E; e0 += TE) {
+    const float* we[TE];
+    for (int j = 0; j < TE; ++j) we[j] = w + std::min<int64_t>(e0 + j, E - 1) * D;
+    const float* next = e0 + TE < E ? w + (e0 + TE) * D : nullptr;
+    const int64_t next_rows = next ? std::min<int64_t>(TE, E - e0 - TE) : 0;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += TT) {
+      const float* xt[TT];
+      for (int i = 0; i < TT; ++i) xt[i] = x + std::min<int64_t>(t0 + i, t_end - 1) * D;
+      vf acc[TT][TE];
+      for (int i = 0; i < TT; ++i)
+        for (int j = 0; j < TE; ++j) acc[i][j] = vzero();
+      const bool ask = t0 == t_begin && next_rows > 0;
+      int64_t k = 0;
+      for (; k + MOE_W <= D; k += MOE_W) {
+        if (ask && k % 16 == 0)
+          for (int64_t j = 0; j < next_rows; ++j) __builtin_prefetch(next + j * D + k);
+        vf wv[TE];
+        for (int j = 0; j < TE; ++j) wv[j] = vload(we[j] + k);
+        for (int i = 0; i < TT; ++i) {
+          const vf xv = vload(xt[i] + k);
+          for (int j = 0; j < TE; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+        }
+      }
+      for (int64_t i = 0; i < TT && t0 + i < t_end; ++i)
+        for (int64_t j = 0; j < TE && e0 + j < E; ++j) {
+          float sum = vhsum(acc[i][j]);
+          for (int64_t kk = k; kk < D; ++kk) sum += xt[i][kk] * we[j][kk];
+          out[(t0 + i) * E + e0 + j] = sum;
+        }
+    }
+  }
+}
+
 struct NormKernels {
+  static void router_logits(const float* x, int64_t t_begin, int64_t t_end, const float* w, int64_t E, int64_t D,
+                            float* out) {
+    router_logits_rows(x, t_begin, t_end, w, E, D, out);
+  }
   static void add_rms_norm(bool bf16, const void* x, const void* r, const void* w, void* s, void* out, int64_t rows,
                            int64_t D, float eps) {
     if (bf16)

@@ -40,8 +40,7 @@ def test_route_op_picks_the_pytorch_experts_highest_first(kernel_isas: list[str]
                                                          dtype: torch.dtype) -> None:
     router = _router(case)
     x = torch.randn(50, 24, generator=torch.Generator().manual_seed(1)).to(dtype)
-    logits = torch.nn.functional.linear(x.float(), router.weight)
-    assert router._kernel_applies(logits)
+    assert router._kernel_applies(x)
     ids, w, _ = router.route(x)
     router.use_kernel = False
     ref_ids, ref_w, selection = router.route(x, with_scores=True)
@@ -58,8 +57,8 @@ def test_route_op_is_skipped_where_scores_are_asked_for_or_autograd_runs(kernel_
     x = torch.randn(4, 24)
     ids, _, scores = router.route(x, with_scores=True)  # capacity rerouting wants [T, E] scores
     assert scores is not None and scores.shape == (4, 16)
-    logits = torch.randn(4, 16, requires_grad=True)
-    assert not router._kernel_applies(logits)
+    assert not router._kernel_applies(torch.randn(4, 24, requires_grad=True))
+    assert not router._kernel_applies(x.half())  # the logits op takes float32 or bfloat16 rows
     assert router.route(x[:0])[0].shape == (0, 4)
 
 
@@ -71,3 +70,44 @@ def test_route_op_rejects_impossible_groupings(kernel_isas: list[str]) -> None:
     with pytest.raises(RuntimeError, match="top_k 7 outside"):
         kernels.route_topk(logits, None, sigmoid=False, method=0, n_group=1, topk_group=1, top_k=7,
                            norm_topk_prob=True, scaling=1.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 1024), (37, 64, 1024), (6, 14, 40), (130, 8, 19)])  # (T, E, D)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_are_the_fp32_product(kernel_isas: list[str], shape: tuple[int, int, int],
+                                            dtype: torch.dtype) -> None:
+    T, E, D = shape
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(T, D, generator=g).to(dtype), torch.randn(E, D, generator=g)
+    want = torch.nn.functional.linear(x.float(), w).double()
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        got = kernels.router_logits(x, w)
+        assert got.shape == (T, E) and got.dtype == torch.float32, name
+        # another summation order than the library GEMM's: fp32 rounding of a D-term sum
+        assert ((got.double() - want).abs() <= 1e-6 * D * (x.float().abs() @ w.abs().T).double()).all(), name
+    kernels.select_isa("auto")
+
+
+def test_router_logits_of_a_row_do_not_depend_on_its_batch(kernel_isas: list[str]) -> None:
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(300, 1024, generator=g).to(torch.bfloat16), torch.randn(64, 1024, generator=g)
+    threads = torch.get_num_threads()
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        whole = kernels.router_logits(x, w)
+        for rows in (slice(0, 1), slice(5, 6), slice(3, 10), slice(250, 300)):  # alone, in small and odd batches
+            assert torch.equal(kernels.router_logits(x[rows], w), whole[rows]), (name, rows)
+        try:
+            torch.set_num_threads(2)  # 300 rows: split over threads
+            assert torch.equal(kernels.router_logits(x, w), whole), name
+        finally:
+            torch.set_num_threads(threads)
+    kernels.select_isa("auto")
+
+
+def test_router_logits_op_rejects_mismatched_inputs(kernel_isas: list[str]) -> None:
+    with pytest.raises(RuntimeError, match="w \\[E, D\\]"):
+        kernels.router_logits(torch.zeros(2, 8), torch.zeros(4, 6))
+    with pytest.raises(RuntimeError, match="router weight must be float32"):
+        kernels.router_logits(torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
