@@ -51,6 +51,8 @@ class EplbDriver:
                  expert_bytes: int, record_buffer_size: int = DEFAULT_RECORDER_BUFFER_SIZE) -> None:
         self.config = config
         self.placement = placement
+        self._identity_key: tuple[int, int, int] | None = None
+        self._identity = False
         self.num_groups = num_groups
         self.num_nodes = num_nodes
         self.expert_bytes = expert_bytes
@@ -75,14 +77,28 @@ class EplbDriver:
         self.step += 1
         self.stats.record(slot_load)
         physical = slot_load.to(torch.int64).cpu()
-        logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
-        logical.scatter_add_(1, self.placement.phy2log, physical)
+        if self._slots_are_experts():  # slot i hosts expert i, once: the loads are the same counts
+            logical = physical
+        else:
+            logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
+            logical.scatter_add_(1, self.placement.phy2log, physical)
         self._history[self._num_history % self.config.window_size] = logical
         self._num_history += 1
         self.recorder.record(logical, physical, dropped)  # a no-op unless recording
         if self.config.log_balancedness and self.step % 10 == 0:
             per_layer, overall = self.stats.balancedness()
             log.info("eplb step %d: balancedness %.4f (worst layer %.4f)", self.step, overall, float(per_layer.min()))
+
+    def _slots_are_experts(self) -> bool:
+        """Whether the placement in force is the identity (phy2log [L, P] is arange(E) in every layer),
+        remembered per placement and phy2log version (a batch-1 step records every step)."""
+        phy2log = self.placement.phy2log
+        key = (id(self.placement), id(phy2log), phy2log._version)
+        if self._identity_key != key:
+            E = self.placement.num_logical
+            self._identity = phy2log.shape[1] == E and bool((phy2log == torch.arange(E)).all())
+            self._identity_key = key
+        return self._identity
 
     def balancedness(self) -> tuple[list[float], float]:
         """(per layer [L], overall) over the window; 1.0 with no data."""

@@ -367,10 +367,12 @@ class Worker:
     def _read_counters(self, collect_load: bool, count_local: bool) -> tuple[torch.Tensor | None,
                                                                               list[tuple[int, int]]]:
         layers = list(self.model.moe_layers())
-        load = torch.stack([layer.slot_load for layer in layers]).cpu() if collect_load and layers else None
+        loads = [layer.slot_load for layer in layers]
+        load = torch.stack(loads).cpu() if collect_load and layers else None
+        if loads:
+            torch._foreach_zero_(loads)  # one op for every layer (a batch-1 step reads them every step)
         capacity = []
         for layer in layers:
-            layer.slot_load.zero_()
             dropped, rerouted = (layer.counters["dropped"], layer.counters["rerouted"]) if count_local else (0, 0)
             stats = getattr(layer.dispatcher, "capacity_stats", {}).get(layer.layer_id)
             if stats is not None:

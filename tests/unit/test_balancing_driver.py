@@ -154,3 +154,23 @@ def test_every_check_is_full_when_the_next_would_come_too_late():
             assert "as well as" not in driver.last_reason
             if plan.num_copies_moved:
                 driver.commit(new, plan, 0.0)
+
+
+def test_logical_history_is_the_slot_load_summed_per_expert_with_or_without_replicas():
+    cfg = BalancerConfig(enable_eplb=True, num_redundant_experts=0, window_size=8)
+    driver = EplbDriver(cfg, Placement.identity(2, 8, 0, 4), num_groups=1, num_nodes=1, expert_bytes=1)
+    assert driver._slots_are_experts()  # P = E, slot i holds expert i: the counts are taken as they are
+    slot = torch.arange(16, dtype=torch.int64).reshape(2, 8)
+    driver.record(slot)
+    assert torch.equal(driver.history()[-1], slot.to(torch.int32))
+    swapped = Placement.from_phy2log(torch.tensor([[1, 0, 2, 3, 4, 5, 6, 7]] * 2), 8, 4)
+    driver.placement = swapped  # same shape, another order: slot 0 now holds expert 1
+    assert not driver._slots_are_experts()
+    driver.record(slot)
+    assert driver.history()[-1].tolist() == [[1, 0, 2, 3, 4, 5, 6, 7], [9, 8, 10, 11, 12, 13, 14, 15]]
+    replicated = _driver()  # P = 12 > E = 8: replicas' loads add up per expert
+    assert not replicated._slots_are_experts()
+    load = torch.ones(2, 12, dtype=torch.int64)
+    replicated.record(load)
+    want = torch.zeros(2, 8, dtype=torch.int64).scatter_add_(1, replicated.placement.phy2log, load)
+    assert torch.equal(replicated.history()[-1], want.to(torch.int32))
