@@ -51,7 +51,7 @@ class EplbDriver:
                  expert_bytes: int, record_buffer_size: int = DEFAULT_RECORDER_BUFFER_SIZE) -> None:
         self.config = config
         self.placement = placement
-        self._identity_key: tuple[int, int, int] | None = None
+        self._identity_of: tuple[torch.Tensor, int] | None = None  # (phy2log, its version) _identity was taken on
         self._identity = False
         self.num_groups = num_groups
         self.num_nodes = num_nodes
@@ -91,13 +91,14 @@ class EplbDriver:
 
     def _slots_are_experts(self) -> bool:
         """Whether the placement in force is the identity (phy2log [L, P] is arange(E) in every layer),
-        remembered per placement and phy2log version (a batch-1 step records every step)."""
+        remembered per phy2log tensor and version (a batch-1 step records every step). The tensor
+        itself is held, not its id: a freed placement's id can come back for another one."""
         phy2log = self.placement.phy2log
-        key = (id(self.placement), id(phy2log), phy2log._version)
-        if self._identity_key != key:
+        seen = self._identity_of
+        if seen is None or seen[0] is not phy2log or seen[1] != phy2log._version:
             E = self.placement.num_logical
             self._identity = phy2log.shape[1] == E and bool((phy2log == torch.arange(E)).all())
-            self._identity_key = key
+            self._identity_of = (phy2log, phy2log._version)
         return self._identity
 
     def balancedness(self) -> tuple[list[float], float]:

@@ -368,7 +368,7 @@ class Worker:
                                                                               list[tuple[int, int]]]:
         layers = list(self.model.moe_layers())
         loads = [layer.slot_load for layer in layers]
-        load = torch.stack(loads).cpu() if collect_load and layers else None
+        load = torch.stack(loads).cpu() if collect_load and loads else None
         if loads:
             torch._foreach_zero_(loads)  # one op for every layer (a batch-1 step reads them every step)
         capacity = []

@@ -38,32 +38,16 @@ static void rms_norm_rows(const T* x, int64_t ldx, const T* w, T* out, int64_t l
   }
 }
 
-// s = a + b per element, rounded to T as PyTorch's add in T computes it (fp32 sum, then
-// round-to-nearest-even for bf16): the residual add before a norm. Branch-free so it vectorizes.
-static inline void add_row(const float* a, const float* b, float* s, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) s[j] = a[j] + b[j];
-}
-static inline void add_row(const uint16_t* a, const uint16_t* b, uint16_t* s, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t ua = static_cast<uint32_t>(a[j]) << 16, ub = static_cast<uint32_t>(b[j]) << 16;
-    float fa, fb;
-    std::memcpy(&fa, &ua, 4);
-    std::memcpy(&fb, &ub, 4);
-    const float f = fa + fb;
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    s[j] = static_cast<uint16_t>(f != f ? 0x7fc0u : rounded);
-  }
-}
-
-// Rows of x and r (contiguous, D wide): s = x + r (add_row), then out = rms_norm_rows(s), row by row
-// so the sum is normed while it is in L1.
+// Rows of x and r (contiguous, D wide): s = x + r as PyTorch's add in T computes it (the fp32 sum
+// rounded to T by store_value), then out = rms_norm_rows(s), row by row so the sum is normed while
+// it is in L1.
 template <typename T>
 static void add_rms_norm_rows(const T* x, const T* r, const T* w, T* s, T* out, int64_t rows, int64_t D, float eps) {
   for (int64_t i = 0; i < rows; ++i) {
-    add_row(x + i * D, r + i * D, s + i * D, D);
-    rms_norm_rows(s + i * D, D, w, out + i * D, D, 1, D, eps);
+    const T *xi = x + i * D, *ri = r + i * D;
+    T* si = s + i * D;
+    for (int64_t j = 0; j < D; ++j) store_value(si + j, to_float(xi[j]) + to_float(ri[j]));
+    rms_norm_rows(si, D, w, out + i * D, D, 1, D, eps);
   }
 }
 

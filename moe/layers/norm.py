@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
         """The residual add before this norm and the norm as one op: ``add_norm(h, r)`` -> (h + r,
         self(h + r)) for h, r [T, D] like x, bit-equal to the add and ``forward`` (the kernel's
         ``add_rms_norm`` where ``fused_op`` would run the kernel, else the add and this module)."""
-        if not (self.use_kernel and x.dim() == 2 and self._kernel_applies(x)):
+        if self.fused_op(x) is None:
             def add_then_norm(h: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 s = h + r
                 return s, self(s)
