@@ -92,7 +92,8 @@ static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const ui
 }
 
 // tiles_over_rows for bf16 rows and nb (1 or 2) blocks w, w + w_stride: epilogue(row, block j,
-// acc[16]) for rows [0, n) of x ([n, K] bf16); before(row0, rows, j) ahead of each tile.
+// acc[16]) for rows [0, n) of x ([n, K] bf16, rows ldx elements apart: K unless given);
+// before(row0, rows, j) ahead of each tile.
 //
 // The first row tile streams the blocks from DRAM, the later ones find them in L2. The second tile
 // therefore prefetches, line for line, the nb blocks that follow (w + nb * w_stride: the next work
@@ -100,19 +101,21 @@ static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const ui
 // item's first tile starts on L2 instead of DRAM. Prefetching past a tensor's end is harmless.
 template <typename Epilogue, typename Before = NoTileStart>
 static inline void dot_tiles_over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb,
-                                       int64_t w_stride, Epilogue&& epilogue, Before&& before = Before{}) {
+                                       int64_t w_stride, Epilogue&& epilogue, Before&& before = Before{},
+                                       int64_t ldx = 0) {
   alignas(64) float buf[DOT_TILE_ROWS * 2 * 16];
   const uint16_t* next = w + nb * w_stride;
+  if (ldx == 0) ldx = K;
   for (int64_t r0 = 0; r0 < n; r0 += DOT_TILE_ROWS) {
     const int64_t rows = std::min<int64_t>(DOT_TILE_ROWS, n - r0);
     for (int j = 0; j < nb; ++j) before(r0, rows, j);
     const bool ahead = r0 == DOT_TILE_ROWS;
     if (nb == 2) {
-      if (ahead) dot_tile_rows<2, true>(rows, x + r0 * K, K, w, w_stride, K, buf, next);
-      else dot_tile_rows<2>(rows, x + r0 * K, K, w, w_stride, K, buf);
+      if (ahead) dot_tile_rows<2, true>(rows, x + r0 * ldx, ldx, w, w_stride, K, buf, next);
+      else dot_tile_rows<2>(rows, x + r0 * ldx, ldx, w, w_stride, K, buf);
     } else {
-      if (ahead) dot_tile_rows<1, true>(rows, x + r0 * K, K, w, w_stride, K, buf, next);
-      else dot_tile_rows<1>(rows, x + r0 * K, K, w, w_stride, K, buf);
+      if (ahead) dot_tile_rows<1, true>(rows, x + r0 * ldx, ldx, w, w_stride, K, buf, next);
+      else dot_tile_rows<1>(rows, x + r0 * ldx, ldx, w, w_stride, K, buf);
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int j = 0; j < nb; ++j) epilogue(r0 + r, j, buf + (r * nb + j) * 16);
@@ -158,17 +161,17 @@ struct DotKernels {
       add_rounded16(out + out_rows[row] * ld_out + 16 * j, v);
     }, OutRowPrefetch{out_rows, out, ld_out});
   }
-  // out[row, 0:ncols] = x[row] @ blocks (+ bias): x [n, K] bf16; nb neighbouring [K/2][16][2] blocks
-  // (K * 16 elements apart), ncols <= 16 * nb of their columns.
+  // out[row, 0:ncols] = x[row] @ blocks (+ bias): x [n, K] bf16, rows ldx elements apart; nb
+  // neighbouring [K/2][16][2] blocks (K * 16 elements apart), ncols <= 16 * nb of their columns.
   template <typename OT>
-  static void linear(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb, const float* bias,
-                     int64_t ncols, OT* out, int64_t ld_out) {
+  static void linear(const uint16_t* x, int64_t n, int64_t K, int64_t ldx, const uint16_t* w, int nb,
+                     const float* bias, int64_t ncols, OT* out, int64_t ld_out) {
     dot_tiles_over_rows(x, n, K, w, nb, K * 16, [&](int64_t row, int j, const float* acc) {
       OT* dst = out + row * ld_out + 16 * j;
       const float* b = bias ? bias + 16 * j : nullptr;
       const int64_t cols = std::min<int64_t>(16, ncols - 16 * j);
       for (int64_t c = 0; c < cols; ++c) store_value(dst + c, acc[c] + (b ? b[c] : 0.f));
-    });
+    }, NoTileStart{}, ldx);
   }
 };
 
@@ -243,19 +246,54 @@ static inline void attn_scores_lanes_tile(const uint32_t* __restrict qp, const u
   }
 }
 
+// Transposes the 16 x 16 32-bit words in r (row i = r[i]) in registers: r[i] becomes column i.
+static inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of words
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4a + b] holds rows 4a..4a+3's words 4l + b (l: the 128-bit lane); lanes across row groups next
+#pragma GCC unroll 4
+  for (int b = 0; b < 4; ++b) {
+    t[b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);        // lanes 0, 2 of rows 0-3 | 4-7
+    t[4 + b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xdd);    // lanes 1, 3
+    t[8 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
+    t[12 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xdd);
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < 4; ++b) {
+    r[b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0x88);        // words b: lane 0 of every row group
+    r[8 + b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0xdd);    // words 8 + b (lane 2)
+    r[4 + b] = _mm512_shuffle_i32x4(t[4 + b], t[12 + b], 0x88);  // words 4 + b (lane 1)
+    r[12 + b] = _mm512_shuffle_i32x4(t[4 + b], t[12 + b], 0xdd);  // words 12 + b (lane 3)
+  }
+}
+
 // qp[p][h] = (q[h][2p], q[h][2p + 1]) for the hc <= 16 query rows q [hc, dk] (bf16); lanes past
 // hc and an odd dk's last partner are zero.
 static inline void query_pairs(const uint16_t* q, int64_t hc, int64_t dk, uint32_t* qp) {
   const int64_t kpairs = (dk + 1) / 2;
-  if (dk % 2 == 0) {  // row h's pairs are 32-bit words dk / 2 apart: one masked gather per pair
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int>(kpairs)));
-    const __mmask16 live = static_cast<__mmask16>((uint32_t{1} << hc) - 1);
-    for (int64_t p = 0; p < kpairs; ++p)
-      _mm512_storeu_si512(qp + p * HEAD_LANES,
-                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
-                                                      _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(p))),
-                                                      q, 4));
+  if (dk % 2 == 0) {  // row h's pairs are 32-bit words dk / 2 apart: 16 x 16 word blocks transposed
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(q);
+    for (int64_t p0 = 0; p0 < kpairs; p0 += 16) {
+      const int64_t n = std::min<int64_t>(16, kpairs - p0);
+      const __mmask16 cols = static_cast<__mmask16>((uint32_t{1} << n) - 1);
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int h = 0; h < 16; ++h)
+        r[h] = h < hc ? _mm512_maskz_loadu_epi32(cols, words + h * kpairs + p0) : _mm512_setzero_si512();
+      transpose16x16_epi32(r);
+      for (int64_t i = 0; i < n; ++i) _mm512_storeu_si512(qp + (p0 + i) * HEAD_LANES, r[i]);
+    }
     return;
   }
   std::fill(qp, qp + kpairs * HEAD_LANES, 0u);
@@ -299,12 +337,20 @@ static inline void attn_softmax_lanes(float* s, int64_t L, float scale, uint32_t
   }
 }
 
-// o[h * ldo + c0 : + 32] = sum over token pairs of p pairs [pair][h] (bf16, 32 bits each, rows of
-// HEAD_LANES) x the interleaved value pairs, for HH heads; v[t] the value rows (v[L] a zero row when
-// L is odd).
+// 16 fp32 lanes -> 16 bf16 at dst, rounded as store_value rounds (nearest even; NaN -> 0x7fc0), the
+// first n <= 16 written.
+static inline void store_bf16_lanes(uint16_t* dst, __m512 x, int64_t n) {
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_lanes(x), 16));
+  if (n == 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+  else _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((uint32_t{1} << n) - 1), h);
+}
+
+// o[h * ldo + c0 : + 32] = bf16(sum over token pairs of p pairs [pair][h] (bf16, 32 bits each, rows
+// of HEAD_LANES) x the interleaved value pairs), for HH heads; v[t] the value rows (v[L] a zero row
+// when L is odd). Columns past dv are not written.
 template <int HH>
 static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pairs,
-                                     const uint16_t* const* v, int64_t c0, int64_t dv, float* __restrict o,
+                                     const uint16_t* const* v, int64_t c0, int64_t dv, uint16_t* __restrict o,
                                      int64_t ldo) {
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -327,21 +373,14 @@ static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pairs
   const int64_t n = std::min<int64_t>(32, dv - c0);
 #pragma GCC unroll 12
   for (int h = 0; h < HH; ++h) {
-    if (n == 32) {
-      _mm512_storeu_ps(o + h * ldo + c0, acc[h][0]);
-      _mm512_storeu_ps(o + h * ldo + c0 + 16, acc[h][1]);
-    } else {
-      alignas(64) float buf[32];
-      _mm512_store_ps(buf, acc[h][0]);
-      _mm512_store_ps(buf + 16, acc[h][1]);
-      std::memcpy(o + h * ldo + c0, buf, n * sizeof(float));
-    }
+    store_bf16_lanes(o + h * ldo + c0, acc[h][0], std::min<int64_t>(16, n));
+    if (n > 16) store_bf16_lanes(o + h * ldo + c0 + 16, acc[h][1], n - 16);
   }
 }
 
 template <int HH>
-static inline void attn_pv_heads_bf16(const uint32_t* p, int64_t pairs, const uint16_t* const* v, int64_t dv, float* o,
-                                      int64_t ldo) {
+static inline void attn_pv_heads_bf16(const uint32_t* p, int64_t pairs, const uint16_t* const* v, int64_t dv,
+                                      uint16_t* o, int64_t ldo) {
   for (int64_t c0 = 0; c0 < dv; c0 += 32) attn_pv_tile_bf16<HH>(p, pairs, v, c0, dv, o, ldo);
 }
 
@@ -349,10 +388,10 @@ struct AttentionDotKernels {
   // One (sequence, kv head, query heads [0, hh)) item on a bf16 cache: q [hh, dk] bf16 rows; scores
   // [L, 16] fp32 scratch; pbuf [(dk + 1) / 2 + (L + 1) / 2, 16] pairs of bf16 scratch (the query
   // pairs, then the probability pairs); rows [2 (L + 1)] row pointers scratch; zero a row of dv zeros;
-  // o [hh, dv] fp32 output. Scores and probabilities rounded to bf16.
+  // o [hh, dv] bf16 output (rounded as store_value rounds). Scores and probabilities rounded to bf16.
   static void decode(const uint16_t* q, int64_t hh, const uint16_t* pool, int64_t S, const PagedHead& head,
                      const int64_t* table, int64_t L, float scale, float* scores, uint16_t* pbuf,
-                     const uint16_t** rows, const uint16_t* zero, float* o, const NextItem& next) {
+                     const uint16_t** rows, const uint16_t* zero, uint16_t* o, const NextItem& next) {
     const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
     const uint16_t** krow = rows;
     const uint16_t** vrow = rows + L + 1;
@@ -387,7 +426,7 @@ struct AttentionDotKernels {
       if (h0 == 0) avx512::prefetch_next_query(next);
       attn_softmax_lanes(scores, L, scale, pp);
       const uint32_t* ph = pp;
-      float* oh = o + h0 * dv;
+      uint16_t* oh = o + h0 * dv;
       int64_t h = 0;
       for (; h + 12 <= hc; h += 12) attn_pv_heads_bf16<12>(ph + h, pairs, vrow, dv, oh + h * dv, dv);
       for (; h + 4 <= hc; h += 4) attn_pv_heads_bf16<4>(ph + h, pairs, vrow, dv, oh + h * dv, dv);

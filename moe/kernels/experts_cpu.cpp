@@ -324,12 +324,12 @@ using DownDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, i
 using DownAddDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, const float*,
                               const int64_t*, float*, int64_t);
 template <typename OT>
-using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, const float*, int64_t, OT*,
-                             int64_t);
+using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int, const float*, int64_t,
+                             OT*, int64_t);
 
 using PagedDecodeDotFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const PagedHead&,
                                  const int64_t*, int64_t, float, float*, uint16_t*, const uint16_t**,
-                                 const uint16_t*, float*, const NextItem&);
+                                 const uint16_t*, uint16_t*, const NextItem&);
 
 // bf16 x bf16 tiles (null where the ISA has no bf16 dot product): bf16 rows against bf16 weights
 struct DotIsa {
@@ -743,11 +743,13 @@ at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids,
   return ld == D ? acc : acc.narrow(1, 0, D).contiguous();
 }
 
-// x: [G, N, K] float32 or bfloat16; wp: [G, Cp/16, K, 16] float32 or bfloat16 (Cp = C rounded up
-// to 16, zero padded); bias: [G, C] float32 or empty. Returns [G, N, C] in x's dtype (fp32 when
-// out_fp32): out[g] = x[g] @ W[g]^T + bias[g], W[g] the [C, K] weight packed into wp[g].
-at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& bias, int64_t C,
-                          bool out_fp32) {
+// out[g] = x[g] @ W[g]^T + bias[g] written into out [G, N, C] (any strides, its columns contiguous;
+// float32 or bfloat16): x [G, N, K] float32 or bfloat16 (any strides); wp [G, Cp/16, K, 16] float32 or
+// bfloat16 (Cp = C rounded up to 16, zero padded), W[g] the [C, K] weight packed into wp[g]; bias
+// [G, C] float32 or empty. On the dot tiles x's rows are read where they lie when its columns are
+// contiguous (a permuted view costs no copy), else x is made contiguous first.
+static void linear_into(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& bias, int64_t C,
+                        const at::Tensor& out) {
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "moe_kernels: CPU tensors only");
   TORCH_CHECK(x.dim() == 3 && wp.dim() == 4, "moe_kernels: x [G, N, K], wp [G, Cp/16, K, 16] expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "moe_kernels: x must be "
@@ -758,12 +760,15 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   TORCH_CHECK(wp.size(0) == G && wp.size(2) == K && wp.size(3) == 16 && C > 0 && C <= nb * 16 && C > (nb - 1) * 16,
               "moe_kernels: packed linear weight shape does not match x / out_features");
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == G * C, "moe_kernels: bias must have G * C entries");
-  const auto out_dtype = out_fp32 ? at::kFloat : x.scalar_type();
-  at::Tensor out = at::empty({G, N, C}, x.options().dtype(out_dtype));
-  if (N == 0) return out;
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == G && out.size(1) == N && out.size(2) == C && out.stride(2) == 1 &&
+              (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "moe_kernels: linear output must be a [G, N, C] float32 or bfloat16 view with contiguous columns");
+  if (N == 0) return;
   const Isa& isa = current_isa();
   const bool dot = isa.dot_bf16(wt, x.scalar_type());
-  const at::Tensor xr = dot ? bf16_contiguous(x) : float32_contiguous(x);
+  const at::Tensor xr = dot ? (x.stride(2) == 1 ? x : bf16_contiguous(x)) : float32_contiguous(x);
+  const int64_t xs0 = dot ? xr.stride(0) : N * K, xs1 = dot ? xr.stride(1) : K;
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const at::Tensor wc = wp.contiguous();
   const at::Tensor bc = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
   const int64_t esize = wc.element_size();
@@ -771,7 +776,7 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
   const float* xs = dot ? nullptr : xr.data_ptr<float>();
   const uint16_t* xb = dot ? reinterpret_cast<const uint16_t*>(xr.data_ptr()) : nullptr;
   const float* b_ptr = bc.numel() ? bc.data_ptr<float>() : nullptr;
-  const bool bf16_out = out_dtype == at::kBFloat16;
+  const bool bf16_out = out.scalar_type() == at::kBFloat16;
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const int64_t panels = (N + ROW_PANEL - 1) / ROW_PANEL;
   // two neighbouring column blocks per item from PAIR_BLOCK_MIN_ROWS rows (DOT_PAIR_BLOCK_MIN_ROWS on
@@ -790,21 +795,33 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::T
       const int64_t ncols = std::min<int64_t>(16 * blocks, C - b * 16);
       const void* w = w_ptr + ((g * nb + b) * K * 16) * esize;
       const float* bp = b_ptr ? b_ptr + g * C + b * 16 : nullptr;
-      const int64_t first = (g * N + r0) * C + b * 16;
+      const int64_t first = g * os0 + r0 * os1 + b * 16;
       uint16_t* ob = reinterpret_cast<uint16_t*>(out_ptr) + first;
       float* of = reinterpret_cast<float*>(out_ptr) + first;
       if (dot) {
-        const uint16_t* x_rows = xb + (g * N + r0) * K;
+        const uint16_t* x_rows = xb + g * xs0 + r0 * xs1;
         const uint16_t* wb = static_cast<const uint16_t*>(w);
-        if (bf16_out) isa.dot.linear_bf16(x_rows, rows, K, wb, blocks, bp, ncols, ob, C);
-        else isa.dot.linear_f32(x_rows, rows, K, wb, blocks, bp, ncols, of, C);
+        if (bf16_out) isa.dot.linear_bf16(x_rows, rows, K, xs1, wb, blocks, bp, ncols, ob, os1);
+        else isa.dot.linear_f32(x_rows, rows, K, xs1, wb, blocks, bp, ncols, of, os1);
       } else if (bf16_out) {
-        isa.linear_bf16(wt, xs + (g * N + r0) * K, rows, K, w, blocks, K * 16, bp, ncols, ob, C);
+        isa.linear_bf16(wt, xs + g * xs0 + r0 * xs1, rows, K, w, blocks, K * 16, bp, ncols, ob, os1);
       } else {
-        isa.linear_f32(wt, xs + (g * N + r0) * K, rows, K, w, blocks, K * 16, bp, ncols, of, C);
+        isa.linear_f32(wt, xs + g * xs0 + r0 * xs1, rows, K, w, blocks, K * 16, bp, ncols, of, os1);
       }
     }
   });
+}
+
+// x: [G, N, K] float32 or bfloat16; wp: [G, Cp/16, K, 16] float32 or bfloat16 (Cp = C rounded up
+// to 16, zero padded); bias: [G, C] float32 or empty. Returns [G, N, C] in x's dtype (fp32 when
+// out_fp32): out[g] = x[g] @ W[g]^T + bias[g], W[g] the [C, K] weight packed into wp[g].
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& bias, int64_t C,
+                          bool out_fp32) {
+  TORCH_CHECK(x.dim() == 3, "moe_kernels: x [G, N, K], wp [G, Cp/16, K, 16] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "moe_kernels: x must be "
+              "float32 or bfloat16");
+  at::Tensor out = at::empty({x.size(0), x.size(1), C}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
+  linear_into(x, wp, bias, C, out);
   return out;
 }
 
@@ -896,7 +913,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
     const int64_t lane_heads = (per_group + DOT_HEAD_LANES - 1) / DOT_HEAD_LANES * DOT_HEAD_LANES;
     std::vector<float> scores((dot ? DOT_HEAD_LANES : lane_heads) * max_len),
         lanes(dot ? 0 : lane_heads * (dk + dv)), kbuf(dot ? 0 : std::max(S, (keep_len + S - 1) / S * S) * dk),
-        vbuf(dot ? 0 : S * dv), o(per_group * dv);
+        vbuf(dot ? 0 : S * dv), o(dot ? 0 : per_group * dv);
     std::vector<uint16_t> pbuf(dot ? DOT_HEAD_LANES * (dk + max_len + 3) : 0);
     std::vector<const uint16_t*> rows(dot ? 2 * (max_len + 1) : 0);
     for (int64_t begin, end; claim(begin, end);)
@@ -911,13 +928,15 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
                           following.hh * dk * (dot ? 2 : 4), tp + following.b * nb, lp[following.b],
                           HeadItems::head(head0, following.g, kv_stride)};
         }
-        if (dot)
-          isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(pool_ptr), S, head, tp + b * nb,
-                               lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(), o.data(), next);
-        else
-          isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
-                           scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
         const int64_t first = (b * H + h0) * dv;
+        if (dot) {  // writes its bf16 rows [hh, dv] itself
+          isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(pool_ptr), S, head, tp + b * nb,
+                               lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(),
+                               reinterpret_cast<uint16_t*>(out_ptr) + first, next);
+          continue;
+        }
+        isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
+                         scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
         for (int64_t j = 0; j < hh * dv; ++j) {
           if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
           else reinterpret_cast<float*>(out_ptr)[first + j] = o[j];
@@ -1262,13 +1281,14 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
   q = q.view({B, H, nope + R});
   const at::Tensor latent = linear_rows(x, kv_a_wp, kv_a_bias, W);  // [B, C + R]
   q = mla_rope_cache(q, latent, kv_norm, kv_eps, cos, sin, interleave, pool, slot_mapping);
-  // absorbed query: q_nope W_UK per head ([H, B, Nn] through the [H]-batched linear), then the rope part
-  const at::Tensor q_nope = q.slice(2, 0, nope).permute({1, 0, 2});  // [H, B, Nn], converted to fp32 rows inside
-  const at::Tensor q_lat = linear_forward(q_nope, wuk_wp, no_bias, C, false).permute({1, 0, 2});  // [B, H, C]
-  const at::Tensor q_full = at::cat({q_lat, q.slice(2, nope)}, -1).contiguous();  // [B, H, C + R]
+  // absorbed query [B, H, C + R]: q_nope W_UK per head (the [H]-batched linear over [H, B, Nn] views,
+  // written into the first C columns), then the rope part
+  const at::Tensor q_full = at::empty({B, H, C + R}, q.options());
+  linear_into(q.slice(2, 0, nope).permute({1, 0, 2}), wuk_wp, no_bias, C, q_full.slice(2, 0, C).permute({1, 0, 2}));
+  q_full.slice(2, C).copy_(q.slice(2, nope));
   const at::Tensor o_lat = mla_decode(q_full, pool, block_tables, context_lens, C, scale);  // [B, H, C]
-  const at::Tensor o = linear_forward(o_lat.permute({1, 0, 2}), wuv_wp, no_bias, vd, false)
-                           .permute({1, 0, 2}).reshape({B, H * vd});  // [B, H * Vd]
+  const at::Tensor o = at::empty({B, H * vd}, q.options());  // [B, H * Vd]: o_lat W_UV per head
+  linear_into(o_lat.permute({1, 0, 2}), wuv_wp, no_bias, vd, o.view({B, H, vd}).permute({1, 0, 2}));
   return linear_rows(o, o_wp, o_bias, D);
 }
 

@@ -50,6 +50,24 @@ def test_linear_forward_matches_reference(kernel_isas: list[str], g: int, n: int
     kernels.select_isa("auto")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_forward_reads_strided_rows_as_their_contiguous_copy(kernel_isas: list[str], dtype: torch.dtype) -> None:
+    """MLA's absorbed products hand the kernel [H, B, K] views of [B, H, K + R] rows (the dot tiles
+    read them where they lie): the result is the contiguous copy's, bit for bit, on every ISA."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(26, 3, 40 + 8, generator=gen).to(dtype)  # [B, H, K + R]
+    view = rows[:, :, :40].permute(1, 0, 2)  # [H, B, K], columns contiguous, rows 3 * 48 apart
+    packed = kernels.pack_linear((torch.randn(3, 33, 40, generator=gen) / 40**0.5).to(dtype))
+    columns = torch.randn(3, 26, 80, generator=gen).to(dtype)[:, :, ::2]  # a column stride of 2
+    for isa in kernel_isas:
+        kernels.select_isa(isa)
+        want = kernels.linear_forward(view.contiguous(), packed)
+        got = kernels.linear_forward(view, packed)
+        assert got.shape == (3, 26, 33) and got.is_contiguous() and torch.equal(got, want), isa
+        assert torch.equal(kernels.linear_forward(columns, packed), kernels.linear_forward(columns.contiguous(), packed))
+    kernels.select_isa("auto")
+
+
 def test_linear_forward_two_dim_input_and_errors(kernel_isas: list[str]) -> None:
     w = torch.randn(24, 8)
     packed = kernels.pack_linear(w)
