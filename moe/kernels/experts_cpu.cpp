@@ -1182,10 +1182,13 @@ static at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& wp, const a
   return linear_forward(x.unsqueeze(0), wp, bias, cols, false).select(0, 0);
 }
 
+// Rows [begin, end) of mla_rope_cache: query row (t, h)'s rotated rope part written at rope_out +
+// (t * H + h) * rope_ld, its nope part copied to q_out + (t * H + h) * (nope + R) unless q_out is null.
 template <typename T>
 static void mla_rope_cache_rows(const T* q, int64_t H, int64_t nope, const T* latent, const T* norm_w, float eps,
                                 const float* cos, const float* sin, bool interleave, T* pool, const int64_t* slots,
-                                int64_t C, int64_t R, T* q_out, int64_t begin, int64_t end) {
+                                int64_t C, int64_t R, T* q_out, T* rope_out, int64_t rope_ld, int64_t begin,
+                                int64_t end) {
   const Isa& isa = current_isa();
   const bool bf16 = sizeof(T) == 2;
   const int64_t W = C + R, Q = nope + R;
@@ -1194,14 +1197,55 @@ static void mla_rope_cache_rows(const T* q, int64_t H, int64_t nope, const T* la
     const float* s = sin + t * (R / 2);
     for (int64_t h = 0; h < H; ++h) {
       const T* src = q + (t * H + h) * Q;
-      T* dst = q_out + (t * H + h) * Q;
-      std::memcpy(dst, src, nope * sizeof(T));
-      rope_row(src + nope, c, s, R, interleave, dst + nope);
+      if (q_out) std::memcpy(q_out + (t * H + h) * Q, src, nope * sizeof(T));
+      rope_row(src + nope, c, s, R, interleave, rope_out + (t * H + h) * rope_ld);
     }
     T* entry = pool + slots[t] * W;
     isa.rms_norm(bf16, latent + t * W, W, norm_w, entry, W, 1, C, eps);
     rope_row(latent + t * W + C, c, s, R, interleave, entry + C);
   }
+}
+
+// mla_rope_cache's checks and rows: q [T, H, Nn + R] contiguous; the rotated rope parts written at
+// rope_out ([T, H] rows rope_ld apart), the nope parts copied into q_out ([T, H, Nn + R]) unless it is
+// null; the cache entries written to pool.
+static void mla_rope_cache_into(const at::Tensor& qc, const at::Tensor& latent, const at::Tensor& norm_weight,
+                                double eps, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
+                                const at::Tensor& pool, const at::Tensor& slot_mapping, void* q_out, void* rope_out,
+                                int64_t rope_ld) {
+  TORCH_CHECK(qc.device().is_cpu() && latent.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
+  TORCH_CHECK(qc.dim() == 3 && latent.dim() == 2 && pool.dim() == 3 && norm_weight.dim() == 1 && cos.dim() == 2 &&
+              slot_mapping.dim() == 1, "moe_kernels: q [T, H, Nn + R], latent [T, C + R], norm_weight [C], "
+              "cos/sin [T, R/2], pool [N, S, C + R], slot_mapping [T] expected");
+  const auto dt = qc.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && latent.scalar_type() == dt &&
+              norm_weight.scalar_type() == dt && pool.scalar_type() == dt,
+              "moe_kernels: q, latent, norm_weight and pool must share one dtype, float32 or bfloat16");
+  const int64_t T = qc.size(0), H = qc.size(1), C = norm_weight.size(0), W = latent.size(1), R = W - C;
+  const int64_t nope = qc.size(2) - R;
+  TORCH_CHECK(latent.size(0) == T && R > 0 && R % 2 == 0 && nope >= 0 && pool.size(2) == W,
+              "moe_kernels: latent / pool width ", W, " does not split into C = ", C, " and an even rope width");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == R / 2 &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "moe_kernels: cos and sin must be [T, R/2] float32");
+  TORCH_CHECK(pool.is_contiguous() && qc.is_contiguous(), "moe_kernels: the cache pool and q must be contiguous");
+  const at::Tensor lc = latent.contiguous(), wc = norm_weight.contiguous();
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), slots = checked_slots(slot_mapping, T, pool);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  if (T == 0) return;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    if (dt == at::kBFloat16)
+      mla_rope_cache_rows(reinterpret_cast<const uint16_t*>(qc.data_ptr()), H, nope,
+                          reinterpret_cast<const uint16_t*>(lc.data_ptr()), reinterpret_cast<const uint16_t*>(wc.data_ptr()),
+                          e, cc.data_ptr<float>(), sc.data_ptr<float>(), interleave,
+                          reinterpret_cast<uint16_t*>(pool.data_ptr()), sp, C, R, static_cast<uint16_t*>(q_out),
+                          static_cast<uint16_t*>(rope_out), rope_ld, begin, end);
+    else
+      mla_rope_cache_rows(qc.data_ptr<float>(), H, nope, lc.data_ptr<float>(), wc.data_ptr<float>(), e,
+                          cc.data_ptr<float>(), sc.data_ptr<float>(), interleave, pool.data_ptr<float>(), sp, C, R,
+                          static_cast<float*>(q_out), static_cast<float*>(rope_out), rope_ld, begin, end);
+  });
 }
 
 // MLA's step before attention, in one op: q [T, H, Nn + R] -> q with its rope part rotated
@@ -1212,40 +1256,14 @@ static void mla_rope_cache_rows(const T* q, int64_t H, int64_t nope, const T* la
 at::Tensor mla_rope_cache(const at::Tensor& q, const at::Tensor& latent, const at::Tensor& norm_weight, double eps,
                           const at::Tensor& cos, const at::Tensor& sin, bool interleave, const at::Tensor& pool,
                           const at::Tensor& slot_mapping) {
-  TORCH_CHECK(q.device().is_cpu() && latent.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && latent.dim() == 2 && pool.dim() == 3 && norm_weight.dim() == 1 && cos.dim() == 2 &&
-              slot_mapping.dim() == 1, "moe_kernels: q [T, H, Nn + R], latent [T, C + R], norm_weight [C], "
+  TORCH_CHECK(q.dim() == 3 && latent.dim() == 2, "moe_kernels: q [T, H, Nn + R], latent [T, C + R], norm_weight [C], "
               "cos/sin [T, R/2], pool [N, S, C + R], slot_mapping [T] expected");
-  const auto dt = q.scalar_type();
-  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && latent.scalar_type() == dt &&
-              norm_weight.scalar_type() == dt && pool.scalar_type() == dt,
-              "moe_kernels: q, latent, norm_weight and pool must share one dtype, float32 or bfloat16");
-  const int64_t T = q.size(0), H = q.size(1), C = norm_weight.size(0), W = latent.size(1), R = W - C;
-  const int64_t nope = q.size(2) - R;
-  TORCH_CHECK(latent.size(0) == T && R > 0 && R % 2 == 0 && nope >= 0 && pool.size(2) == W,
-              "moe_kernels: latent / pool width ", W, " does not split into C = ", C, " and an even rope width");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == R / 2 &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "moe_kernels: cos and sin must be [T, R/2] float32");
-  TORCH_CHECK(pool.is_contiguous(), "moe_kernels: the cache pool must be contiguous");
-  const at::Tensor qc = q.contiguous(), lc = latent.contiguous(), wc = norm_weight.contiguous();
-  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), slots = checked_slots(slot_mapping, T, pool);
-  const int64_t* sp = slots.data_ptr<int64_t>();
+  const at::Tensor qc = q.contiguous();
   at::Tensor q_out = at::empty_like(qc);
-  if (T == 0) return q_out;
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    if (dt == at::kBFloat16)
-      mla_rope_cache_rows(reinterpret_cast<const uint16_t*>(qc.data_ptr()), H, nope,
-                          reinterpret_cast<const uint16_t*>(lc.data_ptr()), reinterpret_cast<const uint16_t*>(wc.data_ptr()),
-                          e, cc.data_ptr<float>(), sc.data_ptr<float>(), interleave,
-                          reinterpret_cast<uint16_t*>(pool.data_ptr()), sp, C, R,
-                          reinterpret_cast<uint16_t*>(q_out.data_ptr()), begin, end);
-    else
-      mla_rope_cache_rows(qc.data_ptr<float>(), H, nope, lc.data_ptr<float>(), wc.data_ptr<float>(), e,
-                          cc.data_ptr<float>(), sc.data_ptr<float>(), interleave, pool.data_ptr<float>(), sp, C, R,
-                          q_out.data_ptr<float>(), begin, end);
-  });
+  const int64_t R = latent.size(1) - norm_weight.size(0), nope = qc.size(2) - R;
+  char* base = static_cast<char*>(q_out.data_ptr());
+  mla_rope_cache_into(qc, latent, norm_weight, eps, cos, sin, interleave, pool, slot_mapping, base,
+                      base + nope * q_out.element_size(), qc.size(2));
   return q_out;
 }
 
@@ -1280,12 +1298,12 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
                           : linear_rows(x, q_wp, q_bias, q_cols);
   q = q.view({B, H, nope + R});
   const at::Tensor latent = linear_rows(x, kv_a_wp, kv_a_bias, W);  // [B, C + R]
-  q = mla_rope_cache(q, latent, kv_norm, kv_eps, cos, sin, interleave, pool, slot_mapping);
-  // absorbed query [B, H, C + R]: q_nope W_UK per head (the [H]-batched linear over [H, B, Nn] views,
-  // written into the first C columns), then the rope part
+  // absorbed query [B, H, C + R]: the rope part rotated into its last R columns (with the cache
+  // write), then q_nope W_UK per head (the [H]-batched linear over [H, B, Nn] views of q) into the first C
   const at::Tensor q_full = at::empty({B, H, C + R}, q.options());
+  mla_rope_cache_into(q, latent, kv_norm, kv_eps, cos, sin, interleave, pool, slot_mapping, nullptr,
+                      static_cast<char*>(q_full.data_ptr()) + C * q_full.element_size(), C + R);
   linear_into(q.slice(2, 0, nope).permute({1, 0, 2}), wuk_wp, no_bias, C, q_full.slice(2, 0, C).permute({1, 0, 2}));
-  q_full.slice(2, C).copy_(q.slice(2, nope));
   const at::Tensor o_lat = mla_decode(q_full, pool, block_tables, context_lens, C, scale);  // [B, H, C]
   const at::Tensor o = at::empty({B, H * vd}, q.options());  // [B, H * Vd]: o_lat W_UV per head
   linear_into(o_lat.permute({1, 0, 2}), wuv_wp, no_bias, vd, o.view({B, H, vd}).permute({1, 0, 2}));
