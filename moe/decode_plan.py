@@ -16,8 +16,12 @@ The plan holds while its ``state`` is unchanged: the row dtype, the row-count re
 (``kernels.prefers_library_gemm`` at B rows and at B * top_k expert assignments), the cache pools'
 dtypes, every switch its decisions read (each module class's ``DECISION_ATTRS``), and every
 parameter's identity and in-place version (loading, TP slicing and expert migration all show
-there). The placement (log2phy, logcnt, rank, slot_load) is read at each call, so a rebalance
-needs no new plan. Outputs, cache writes and slot loads are bit-equal to the module path's.
+there). ``holds`` answers that without reading every switch and parameter back each step when the
+modules announce their changes (``moe.plan_watch``): the announcement count, one C++ loop over the
+parameters' versions and addresses, and the switches nothing announces (held on a class, or
+mutable values); otherwise, or after an announcement, it compares the whole state. The placement
+(log2phy, logcnt, rank, slot_load) is read at each call, so a rebalance needs no new plan.
+Outputs, cache writes and slot loads are bit-equal to the module path's.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe import kernels
+from moe import kernels, plan_watch
 from moe.kv_cache import AttentionMetadata, KVLayerView, PagedKVCache
 
 Op = Callable[..., torch.Tensor]
@@ -63,7 +67,8 @@ class DecodePlan:
     def __init__(self, layers: Sequence[nn.Module], final_norm: nn.Module, x: torch.Tensor,
                  kv_cache: PagedKVCache) -> None:
         modules = [m for layer in layers for m in layer.modules()] + list(final_norm.modules())
-        self._switches = [(m, name) for m in modules for name in _decision_attrs(type(m))]
+        self._modules = modules
+        self._switches = [(m, name) for m in modules for name in plan_watch.decision_attrs(type(m))]
         self._params = [m._parameters for m in modules if m._parameters]
         self._expert_shapes = sorted({(int(m.experts.num_local_slots), int(m.top_k)) for m in modules
                                       if hasattr(m, "fused_ffn_op")})
@@ -71,20 +76,56 @@ class DecodePlan:
         norms = [layer._modules["input_layernorm"] for layer in layers] + [final_norm]
         self._first_norm = _resolved(norms[0], "fused_op", x)
         self._ops = [(layer, _layer_ops(layer, norms[i + 1], x, kv_cache.layer(i))) for i, layer in enumerate(layers)]
+        self._arm()
 
     def state(self, x: torch.Tensor, kv_cache: PagedKVCache) -> tuple[Any, ...]:
         """Everything the resolved ops depend on, for x [B, D] (equal states: the same ops)."""
+        switches = tuple(getattr(m, name) for m, name in self._switches)
+        return (*self._step_state(x, kv_cache), switches, self._weights())
+
+    def holds(self, x: torch.Tensor, kv_cache: PagedKVCache) -> bool:
+        """Whether this plan serves x [B, D] over kv_cache: ``state(x, kv_cache) == key``, answered
+        from the announcements (``moe.plan_watch``) while there are none since the plan was armed."""
+        if self._quiet():
+            return self._step_state(x, kv_cache) == self.key[:5]
+        if self.state(x, kv_cache) != self.key:
+            return False
+        self._arm()  # an announcement that changed nothing this plan reads
+        return True
+
+    def weights_changed(self) -> bool:
+        """Whether a parameter changed since the plan was made (its bound packed copies are stale)."""
+        if self._watch is not None and plan_watch.epoch() == self._epoch and not self._watch.changed():
+            return False
+        return self._weights() != self.key[-1]
+
+    def _step_state(self, x: torch.Tensor, kv_cache: PagedKVCache) -> tuple[Any, ...]:
+        """The state's first five entries: what the step's rows and cache decide (read every step)."""
         rows = x.shape[0]
         regime = (kernels.prefers_library_gemm(x.dtype, rows),
                   *(kernels.prefers_library_gemm(x.dtype, rows * k / max(1, min(p, rows * k)))
                     for p, k in self._expert_shapes))
-        switches = tuple(getattr(m, name) for m, name in self._switches)
-        return (x.dtype, x.device, regime, id(kv_cache), tuple(pool.dtype for pool in kv_cache.pools), switches,
-                self._weights())
+        return (x.dtype, x.device, regime, id(kv_cache), tuple(pool.dtype for pool in kv_cache.pools))
 
-    def weights_changed(self) -> bool:
-        """Whether a parameter changed since the plan was made (its bound packed copies are stale)."""
-        return self._weights() != self.key[-1]
+    def _arm(self) -> None:
+        """Record what ``_quiet`` compares: the announcement count, a watch over the parameters (None
+        without the C++ extension, or when a module that matters does not announce its changes:
+        then ``holds`` compares the whole state every step), and the switches read back every step:
+        those held on a class (read from the class) and those whose values are not immutable."""
+        self._epoch = plan_watch.epoch()
+        announced = all(isinstance(m, plan_watch.WatchedModule) for m in self._modules
+                        if m._parameters or plan_watch.decision_attrs(type(m)))
+        params = [p for d in self._params for p in d.values() if p is not None]
+        self._watch = kernels.tensor_watch(params) if announced else None
+        on_class = {(type(m), name) for m, name in self._switches if name not in m.__dict__}
+        self._read_back = [*on_class, *((m, name) for m, name in self._switches
+                                        if name in m.__dict__ and not plan_watch.is_immutable(m.__dict__[name]))]
+        self._read_back_values = tuple(getattr(owner, name) for owner, name in self._read_back)
+
+    def _quiet(self) -> bool:
+        """Nothing this plan reads has changed, by the announcements (False when it cannot tell)."""
+        return (self._watch is not None and plan_watch.epoch() == self._epoch and not self._watch.changed()
+                and tuple(getattr(owner, name) for owner, name in self._read_back) == self._read_back_values)
 
     def _weights(self) -> tuple[tuple[int, int] | None, ...]:
         return tuple((p._version, p.data_ptr()) if p is not None else None for d in self._params for p in d.values())
@@ -104,19 +145,3 @@ def plan_applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     (the resolved ops have no backward)."""
     rows = x.shape[0]
     return rows > 0 and rows == len(meta.query_lens_list) and not torch.is_grad_enabled() and not x.requires_grad
-
-
-_ATTRS_BY_CLASS: dict[type, tuple[str, ...]] = {}
-
-
-def _decision_attrs(cls: type) -> tuple[str, ...]:
-    """The switches a module class's op decision reads: ``DECISION_ATTRS`` of the class and its bases."""
-    attrs = _ATTRS_BY_CLASS.get(cls)
-    if attrs is None:
-        names: list[str] = []
-        for klass in cls.__mro__:
-            for name in klass.__dict__.get("DECISION_ATTRS", ()):
-                if name not in names:
-                    names.append(name)
-        attrs = _ATTRS_BY_CLASS[cls] = tuple(names)
-    return attrs

@@ -26,6 +26,7 @@ from torch import nn
 
 from moe import kernels
 from moe.cpu_gemm import native_gemv, use_native_gemv
+from moe.plan_watch import WatchedModule
 
 # Rows per fp32 staging chunk when accumulating expert outputs into tokens: one
 # index_add per chunk instead of one [N, D] fp32 temporary.
@@ -102,7 +103,7 @@ def compute_local_routing(
     return order, token_of_row, counts
 
 
-class Experts(nn.Module):
+class Experts(WatchedModule):
     """The routed experts hosted by one rank.
 
     w13: [P_local, 2I, D]; w2: [P_local, D, I]; slot_to_logical: [P_local] int64

@@ -174,7 +174,7 @@ class MoEModel(nn.Module):
     def _decode_plan(self, h: torch.Tensor, kv_cache: PagedKVCache) -> DecodePlan:
         """The layers' resolved ops for decode rows h [B, D]: the kept plan while its state holds."""
         plan = self._plan
-        if plan is None or plan.state(h, kv_cache) != plan.key:
+        if plan is None or not plan.holds(h, kv_cache):
             self._plan = None  # drop the old plan's bound weights before resolving anew
             plan = self._plan = DecodePlan(self.model.layers, self.model.norm, h, kv_cache)
         return plan

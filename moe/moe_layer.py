@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 
 from moe import kernels
 from moe.capacity import CapacityConfig, apply_capacity
@@ -27,6 +26,7 @@ from moe.config import ModelConfig
 from moe.dispatch import ExpertDispatcher, LocalDispatcher
 from moe.experts import Experts
 from moe.layers.mlp import DenseMLP
+from moe.plan_watch import WatchedModule
 from moe.router import Router
 
 
@@ -75,7 +75,7 @@ def compute_slot_scores(scores: torch.Tensor, topk_ids: torch.Tensor, phy2log: t
     return slot.masked_fill(used[:, phy2log], float("-inf"))
 
 
-class MoELayer(nn.Module):
+class MoELayer(WatchedModule):
     """Routed experts (hosted slots only) plus shared experts. x: [T, D] -> [T, D] in x's dtype."""
 
     DECISION_ATTRS = ("use_fused_ffn", "capacity", "dispatcher", "top_k")  # fused_ffn_op's switches

@@ -21,6 +21,7 @@ from torch import nn
 
 from moe import kernels
 from moe.config import ModelConfig
+from moe.plan_watch import WatchedModule
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}  # moe_kernels.route_topk's method ids
 
@@ -35,7 +36,7 @@ def mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_gr
     return scores.masked_fill(~keep, fill)
 
 
-class Router(nn.Module):
+class Router(WatchedModule):
     """gate.weight [E, D] (float32) and, for noaux_tc, e_score_correction_bias [E] (float32)."""
 
     def __init__(self, config: ModelConfig) -> None:

@@ -455,6 +455,15 @@ def cpu_op_applies(*tensors: torch.Tensor) -> bool:
     return not needs_autograd(*tensors) and is_available()
 
 
+def tensor_watch(tensors: list[torch.Tensor]) -> torch.ScriptObject | None:
+    """A watch over these (defined) tensors' in-place versions and data addresses, recorded now:
+    ``watch.changed()`` says in one C++ loop whether any differs since (``moe.plan_watch``). None
+    when the extension is unavailable. Holds the tensors while it lives."""
+    if not is_available():
+        return None
+    return torch.classes.moe_kernels.TensorWatch(list(tensors))
+
+
 def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int, n_group: int,
                topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's selection after its logits [T, E] float32, in one op (``moe.router.Router.route``'s

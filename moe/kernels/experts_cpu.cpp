@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -1539,9 +1540,38 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tens
   return result;
 }
 
+// The parameters a decode plan bound, watched for in-place writes and new storage: their versions and
+// data addresses recorded at construction, compared by changed() in one loop (moe.plan_watch). Holds
+// the tensors, so an address cannot be reused by another tensor while the watch lives.
+struct TensorWatch : torch::CustomClassHolder {
+  std::vector<at::Tensor> tensors;
+  std::vector<int64_t> versions;
+  std::vector<const void*> addresses;
+  explicit TensorWatch(std::vector<at::Tensor> ts) : tensors(std::move(ts)) {
+    for (const at::Tensor& t : tensors) {
+      TORCH_CHECK(t.defined(), "moe_kernels: TensorWatch takes defined tensors");
+      versions.push_back(static_cast<int64_t>(t._version()));
+      addresses.push_back(t.const_data_ptr());
+    }
+  }
+  // whether any tensor's version or data address differs from the recorded one (no early exit: the
+  // tensors' cache misses overlap)
+  bool changed() const {
+    bool any = false;
+    for (size_t i = 0; i < tensors.size(); ++i)
+      any |= (static_cast<int64_t>(tensors[i]._version()) != versions[i]) | (tensors[i].const_data_ptr() != addresses[i]);
+    return any;
+  }
+  int64_t size() const { return static_cast<int64_t>(tensors.size()); }
+};
+
 }  // namespace moe_kernels
 
 TORCH_LIBRARY(moe_kernels, m) {
+  m.class_<moe_kernels::TensorWatch>("TensorWatch")
+      .def(torch::init<std::vector<at::Tensor>>())
+      .def("changed", &moe_kernels::TensorWatch::changed)
+      .def("size", &moe_kernels::TensorWatch::size);
   m.def("experts_forward(Tensor x, int[] counts, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, "
         "Tensor row_weights, bool out_fp32) -> Tensor");
   m.def("experts_forward_topk(Tensor x, Tensor slot_ids, Tensor weights, Tensor w13p, Tensor s13, Tensor w2p, "

@@ -7,7 +7,6 @@ Shape legend: T tokens, D hidden, H query heads, Hkv key/value heads, hd head_di
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from moe import kernels
 from moe.config import ModelConfig
@@ -18,9 +17,10 @@ from moe.layers.mlp import shard_linear_
 from moe.layers.norm import RMSNorm
 from moe.layers.paged import paged_attention, sdpa
 from moe.layers.rope import apply_rotary
+from moe.plan_watch import WatchedModule
 
 
-class GQAAttention(nn.Module):
+class GQAAttention(WatchedModule):
     """x: [T, D] -> o_proj output [T, D] (this TP rank's partial sum; all-reduce outside).
 
     ``layer_id`` selects the layer's attention window (``config.layer_sliding_window``).

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe import kernels
+from moe.plan_watch import WatchedModule
 
 T = TypeVar("T")
 
 
-class Linear(nn.Linear):
+class Linear(WatchedModule, nn.Linear):
     """x: [..., in_features] -> [..., out_features]; ``nn.Linear`` with a CPU kernel path.
 
     ``use_kernel = False`` pins PyTorch's ``F.linear`` (the reference in tests).

@@ -18,7 +18,6 @@ import itertools
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from moe import kernels
 from moe.config import ModelConfig
@@ -28,6 +27,7 @@ from moe.layers.mlp import shard_linear_
 from moe.layers.norm import RMSNorm
 from moe.layers.paged import paged_attention, sdpa
 from moe.layers.rope import apply_rotary
+from moe.plan_watch import WatchedModule
 
 # (x [B, D], cos, sin, meta, view) -> [B, D]: one layer's whole decode attention with its weights bound
 DecodeAttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, KVLayerView], torch.Tensor]
@@ -37,7 +37,7 @@ DecodeAttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Attentio
 _LATENT_NORM_EPS = 1e-6
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(WatchedModule):
     """x: [T, D] -> o_proj output [T, D] (this TP rank's partial sum; all-reduce outside)."""
 
     # what fused_decode_op's answer and bound arguments read besides x, the cache and the weights

@@ -16,9 +16,15 @@ from torch import nn
 
 from moe import kernels
 from moe.layers.linear import cached_pack
+from moe.plan_watch import WatchedModule
 
 
-class DenseMLP(nn.Module):
+class _Projection(WatchedModule, nn.Linear):
+    """``nn.Linear`` (PyTorch's GEMM, its state-dict keys) that announces changes to its parameters
+    (``moe.plan_watch``): ``DenseMLP``'s fused op binds its weight."""
+
+
+class DenseMLP(WatchedModule):
     """down_proj(silu(gate_proj(x)) * up_proj(x)). x: [T, D] -> [T, D].
 
     After ``shard_for_tp`` the output is this rank's partial sum: the caller all-reduces
@@ -27,9 +33,9 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_proj = _Projection(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = _Projection(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = _Projection(intermediate_size, hidden_size, bias=False, dtype=dtype)
         for p in self.parameters():
             p.requires_grad_(False)
 

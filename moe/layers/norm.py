@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from moe import kernels
+from moe.plan_watch import WatchedModule
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(WatchedModule):
     """y = weight * (x / sqrt(mean(x^2) + eps)); x: [..., dim] -> [..., dim] in x's dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe import decode_plan, kernels
+from moe import decode_plan, kernels, plan_watch
 from moe.config import ModelConfig
 from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.loader import load_weights
@@ -214,3 +214,109 @@ def test_every_switch_of_the_layers_is_in_the_plan_state(kernel_isas: list[str],
                 assert plan.state(x, run.cache) != plan.key, (type(module).__name__, name)
             setattr(module, name, value)
     assert kernels.is_available()
+
+
+def _plan_after_two_steps(model: MoEModel) -> tuple[decode_plan.DecodePlan, _Run, torch.Tensor]:
+    run = _Run(model, [[5, 6, 7]], [4])
+    run.step()
+    run.step()
+    plan = model._plan
+    assert plan is not None
+    return plan, run, torch.zeros(1, model.config.hidden_size, dtype=model.dtype)
+
+
+def test_decode_steps_answer_from_the_announcements(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan armed with a watch (every module that matters announces its changes) serves later decode
+    steps without reading the switches and parameters back; the steps announce nothing."""
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    plan, run, _ = _plan_after_two_steps(model)
+    assert plan._watch is not None and plan._watch.size() == sum(1 for _ in model.model.layers.parameters()) + 1
+    # read back every step: switches held on a class, and the dispatchers (mutable objects)
+    assert {(owner.__name__, name) for owner, name in plan._read_back if isinstance(owner, type)} == {
+        ("Linear", "use_kernel"), ("RMSNorm", "use_kernel"), ("Router", "use_kernel")}
+    full_reads = []
+    monkeypatch.setattr(decode_plan.DecodePlan, "_weights", lambda self: full_reads.append(1) or ())
+    announced = plan_watch.epoch()
+    run.step()
+    run.step()
+    assert model._plan is plan and full_reads == [] and plan_watch.epoch() == announced
+
+
+def _flip_instance_switch(model: MoEModel) -> Callable[[], None]:
+    attn = model.model.layers[1].self_attn
+    attn.use_paged_kernel = False
+    return lambda: setattr(attn, "use_paged_kernel", True)
+
+
+def _flip_class_switch(model: MoEModel) -> Callable[[], None]:
+    from moe.layers import RMSNorm
+
+    RMSNorm.use_kernel = False
+    return lambda: setattr(RMSNorm, "use_kernel", True)
+
+
+def _swap_dispatcher(model: MoEModel) -> Callable[[], None]:
+    layer = next(model.moe_layers())
+    kept = layer.dispatcher
+    layer.__dict__["dispatcher"] = copy.copy(kept)  # around __setattr__: only the read-back sees it
+    return lambda: layer.__dict__.__setitem__("dispatcher", kept)
+
+
+def _write_in_place(model: MoEModel) -> None:
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.add_(0)  # a version bump, the same values
+
+
+def _new_storage(model: MoEModel) -> None:
+    weight = model.model.layers[2].self_attn.kv_a_layernorm.weight
+    weight.data = weight.data.clone()
+
+
+def _register_again(model: MoEModel) -> None:
+    norm = model.model.norm
+    norm.register_parameter("weight", torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False))
+
+
+@pytest.mark.parametrize("switch", [_flip_instance_switch, _flip_class_switch, _swap_dispatcher])
+def test_a_switch_change_is_seen_and_undone(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                            switch: Callable[[MoEModel], Callable[[], None]]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    plan, run, x = _plan_after_two_steps(model)
+    with torch.inference_mode():
+        assert plan.holds(x, run.cache)
+        undo = switch(model)
+        try:
+            assert not plan.holds(x, run.cache)
+        finally:
+            undo()
+        assert plan.holds(x, run.cache)  # the same state again (re-armed after the announcement)
+        assert plan._quiet()
+
+
+@pytest.mark.parametrize("change", [_write_in_place, _new_storage, _register_again, _scale_experts, _replace_o_proj])
+def test_a_weight_change_is_seen(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                 change: Callable[[MoEModel], None]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    plan, run, x = _plan_after_two_steps(model)
+    change(model)
+    with torch.inference_mode():
+        assert not plan._quiet() and not plan.holds(x, run.cache) and plan.weights_changed()
+
+
+def test_a_module_that_does_not_announce_turns_the_watch_off(kernel_isas: list[str],
+                                                              hf_checkpoints: dict[str, Path]) -> None:
+    """A plain nn.Linear swapped into a layer cannot announce a new weight: its plan compares the
+    whole state every step, and still sees the change."""
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    mlp = model.model.layers[0].mlp
+    plain = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False, dtype=torch.bfloat16)
+    plain.weight = torch.nn.Parameter(mlp.down_proj.weight.detach(), requires_grad=False)
+    mlp.down_proj = plain
+    plan, run, x = _plan_after_two_steps(model)
+    assert plan._watch is None and not plan._quiet()
+    with torch.inference_mode():
+        assert plan.holds(x, run.cache)
+    plain.__dict__["_parameters"]["weight"] = torch.nn.Parameter(plain.weight.detach().clone(), requires_grad=False)
+    with torch.inference_mode():
+        assert not plan.holds(x, run.cache)
