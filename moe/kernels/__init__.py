@@ -455,13 +455,32 @@ def cpu_op_applies(*tensors: torch.Tensor) -> bool:
     return not needs_autograd(*tensors) and is_available()
 
 
-def tensor_watch(tensors: list[torch.Tensor]) -> torch.ScriptObject | None:
-    """A watch over these (defined) tensors' in-place versions and data addresses, recorded now:
-    ``watch.changed()`` says in one C++ loop whether any differs since (``moe.plan_watch``). None
-    when the extension is unavailable. Holds the tensors while it lives."""
-    if not is_available():
-        return None
-    return torch.classes.moe_kernels.TensorWatch(list(tensors))
+class TensorWatch:
+    """A watch over tensors' in-place versions and data addresses, recorded at construction:
+    ``changed()`` says in one C++ loop whether any differs since (``moe.plan_watch``). Holds the
+    tensors (in the extension) until it is garbage-collected."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.handle = torch.ops.moe_kernels.tensor_watch_make(list(tensors))
+        self._changed = torch.ops.moe_kernels.tensor_watch_changed.default
+        self._drop = torch.ops.moe_kernels.tensor_watch_drop.default
+
+    def changed(self) -> bool:
+        return self._changed(self.handle)
+
+    def size(self) -> int:
+        """How many tensors it watches."""
+        return torch.ops.moe_kernels.tensor_watch_size(self.handle)
+
+    def __del__(self) -> None:
+        drop = getattr(self, "_drop", None)
+        if drop is not None:
+            drop(self.handle)
+
+
+def tensor_watch(tensors: list[torch.Tensor]) -> TensorWatch | None:
+    """``TensorWatch(tensors)``, or None when the extension is unavailable."""
+    return TensorWatch(tensors) if is_available() else None
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int, n_group: int,

@@ -320,3 +320,19 @@ def test_a_module_that_does_not_announce_turns_the_watch_off(kernel_isas: list[s
     plain.__dict__["_parameters"]["weight"] = torch.nn.Parameter(plain.weight.detach().clone(), requires_grad=False)
     with torch.inference_mode():
         assert not plan.holds(x, run.cache)
+
+
+def test_tensor_watch_sees_writes_and_new_storage_and_checks_its_handle(kernel_isas: list[str]) -> None:
+    a, b = torch.ones(3), torch.zeros(2, dtype=torch.bfloat16)
+    watch = kernels.tensor_watch([a, b])
+    assert watch is not None and watch.size() == 2 and not watch.changed()
+    b.add_(0)  # the same values, a new version
+    assert watch.changed()
+    watch = kernels.TensorWatch([a, b])
+    a.data = torch.ones(3)  # new storage, the same Parameter-like object
+    assert watch.changed()
+    handle = watch.handle
+    del watch  # dropped: its handle is refused
+    with pytest.raises(RuntimeError, match="no tensor watch"):
+        torch.ops.moe_kernels.tensor_watch_changed(handle)
+    assert not kernels.TensorWatch([]).changed()
