@@ -57,16 +57,18 @@ def _resolved(module: nn.Module, method: str, *args: Any) -> Op:
 
 
 class DecodePlan:
-    """The decoder layers and the final norm of a model resolved for decode rows like x [B, D] (see
-    the module docstring).
+    """The decoder layers, the final norm and lm_head of a model resolved for decode rows like x [B, D]
+    (see the module docstring).
 
     layers: the model's ``DecoderLayer`` list; final_norm: the norm after the last layer; x: this
     step's hidden rows (only dtype, device and row count are read); kv_cache: the paged cache the
-    layers write."""
+    layers write; lm_head: the output projection (``lm_head`` is then its resolved op, or the module)."""
 
     def __init__(self, layers: Sequence[nn.Module], final_norm: nn.Module, x: torch.Tensor,
-                 kv_cache: PagedKVCache) -> None:
+                 kv_cache: PagedKVCache, lm_head: nn.Module | None = None) -> None:
         modules = [m for layer in layers for m in layer.modules()] + list(final_norm.modules())
+        if lm_head is not None:
+            modules += [m for m in lm_head.modules() if all(m is not n for n in modules)]  # tied: a shared weight
         self._modules = modules
         self._switches = [(m, name) for m in modules for name in plan_watch.decision_attrs(type(m))]
         self._params = [m._parameters for m in modules if m._parameters]
@@ -76,6 +78,7 @@ class DecodePlan:
         norms = [layer._modules["input_layernorm"] for layer in layers] + [final_norm]
         self._first_norm = _resolved(norms[0], "fused_op", x)
         self._ops = [(layer, _layer_ops(layer, norms[i + 1], x, kv_cache.layer(i))) for i, layer in enumerate(layers)]
+        self.lm_head: Op | None = _resolved(lm_head, "fused_op", x) if lm_head is not None else None
         self._arm()
 
     def state(self, x: torch.Tensor, kv_cache: PagedKVCache) -> tuple[Any, ...]:

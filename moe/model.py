@@ -152,6 +152,7 @@ class MoEModel(nn.Module):
         # modules every step, the reference)
         self.use_decode_plan = True
         self._plan: DecodePlan | None = None
+        self._plan_rows: int | None = None  # the rows of the last forward, when it ran on the plan
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: PagedKVCache) -> torch.Tensor:
@@ -164,7 +165,9 @@ class MoEModel(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions)
         if self.use_decode_plan and plan_applies(h, meta):
+            self._plan_rows = h.shape[0]
             return self._decode_plan(h, kv_cache).run(h, cos, sin, meta, kv_cache)  # the final norm included
+        self._plan_rows = None
         if self._plan is not None and self._plan.weights_changed():
             self._plan = None  # let the modules' caches drop the old packed weights as they repack
         for i, layer in enumerate(self.model.layers):
@@ -176,11 +179,16 @@ class MoEModel(nn.Module):
         plan = self._plan
         if plan is None or not plan.holds(h, kv_cache):
             self._plan = None  # drop the old plan's bound weights before resolving anew
-            plan = self._plan = DecodePlan(self.model.layers, self.model.norm, h, kv_cache)
+            plan = self._plan = DecodePlan(self.model.layers, self.model.norm, h, kv_cache, self.lm_head)
         return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, D]. Returns logits [B, V] float32."""
+        """hidden: [B, D]. Returns logits [B, V] float32. After a forward on the decode plan, hidden
+        of its rows runs the plan's lm_head op (the call ``lm_head`` would make, bound once)."""
+        rows, self._plan_rows = self._plan_rows, None
+        plan = self._plan
+        if plan is not None and plan.lm_head is not None and rows == hidden.shape[0] and hidden.dtype == plan.key[0]:
+            return plan.lm_head(hidden).float()
         return self.lm_head(hidden).float()
 
     def set_fused_ops(self, enabled: bool) -> int:

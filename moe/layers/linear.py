@@ -44,6 +44,19 @@ class Linear(WatchedModule, nn.Linear):
         out = kernels.linear_forward(rows, packed, self.bias)
         return out.view(*x.shape[:-1], packed.out_features)
 
+    def fused_op(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The kernel call ``forward`` makes for a 2-D x [T, in_features] with the packed weight and
+        bias bound (``moe.decode_plan`` binds lm_head so), or None when ``forward`` runs ``F.linear``."""
+        packed = self.packed_weight(x) if x.dim() == 2 else None
+        if packed is None:
+            return None
+        bias = self.bias
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            return kernels.linear_forward(x, packed, bias)
+
+        return linear
+
     def packed_weight(self, x: torch.Tensor) -> kernels.PackedLinear | None:
         """The kernel's copy of the weight when the kernel should run for x [..., in_features], else None."""
         if not self.use_kernel or x.dim() == 0 or not kernel_applies(x, self.weight, x.numel() // max(1, x.shape[-1])):

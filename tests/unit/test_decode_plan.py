@@ -68,9 +68,9 @@ def plans_made(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     make = decode_plan.DecodePlan.__init__
 
     def spy(self: decode_plan.DecodePlan, layers: list, final_norm: torch.nn.Module, x: torch.Tensor,
-            kv_cache: PagedKVCache) -> None:
+            kv_cache: PagedKVCache, lm_head: torch.nn.Module | None = None) -> None:
         made.append(x.shape[0])
-        make(self, layers, final_norm, x, kv_cache)
+        make(self, layers, final_norm, x, kv_cache, lm_head)
 
     monkeypatch.setattr(decode_plan.DecodePlan, "__init__", spy)
     return made
@@ -231,7 +231,8 @@ def test_decode_steps_answer_from_the_announcements(kernel_isas: list[str], hf_c
     steps without reading the switches and parameters back; the steps announce nothing."""
     model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
     plan, run, _ = _plan_after_two_steps(model)
-    assert plan._watch is not None and plan._watch.size() == sum(1 for _ in model.model.layers.parameters()) + 1
+    # the layers', the final norm's and lm_head's parameters
+    assert plan._watch is not None and plan._watch.size() == sum(1 for _ in model.model.layers.parameters()) + 2
     # read back every step: switches held on a class, and the dispatchers (mutable objects)
     assert {(owner.__name__, name) for owner, name in plan._read_back if isinstance(owner, type)} == {
         ("Linear", "use_kernel"), ("RMSNorm", "use_kernel"), ("Router", "use_kernel")}
@@ -336,3 +337,22 @@ def test_tensor_watch_sees_writes_and_new_storage_and_checks_its_handle(kernel_i
     with pytest.raises(RuntimeError, match="no tensor watch"):
         torch.ops.moe_kernels.tensor_watch_changed(handle)
     assert not kernels.TensorWatch([]).changed()
+
+
+def test_decode_logits_run_the_plans_lm_head_op_bit_equal(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a forward on the plan, compute_logits of its rows calls the plan's bound lm_head op (not
+    the module), with the module's bits; after a mixed step, the module again."""
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    plan, run, _ = _plan_after_two_steps(model)
+    assert plan.lm_head is not None and plan.lm_head is not model.lm_head
+    module_calls = []
+    forward = model.lm_head.forward
+    monkeypatch.setattr(model.lm_head, "forward", lambda x: module_calls.append(x.shape) or forward(x))
+    hidden = run.step()  # a decode step: its logits through the plan's op
+    assert module_calls == [] and model._plan is plan
+    with torch.inference_mode():
+        assert torch.equal(model.lm_head(hidden).float(), plan.lm_head(hidden).float())
+    run.seqs[0] += [30, 31]  # a prompt extension: the next step is mixed and runs the module
+    run.step()
+    assert len(module_calls) == 2
