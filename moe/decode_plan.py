@@ -68,7 +68,7 @@ class DecodePlan:
                  kv_cache: PagedKVCache, lm_head: nn.Module | None = None) -> None:
         modules = [m for layer in layers for m in layer.modules()] + list(final_norm.modules())
         if lm_head is not None:
-            modules += [m for m in lm_head.modules() if all(m is not n for n in modules)]  # tied: a shared weight
+            modules += list(lm_head.modules())
         self._modules = modules
         self._switches = [(m, name) for m in modules for name in plan_watch.decision_attrs(type(m))]
         self._params = [m._parameters for m in modules if m._parameters]

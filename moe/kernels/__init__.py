@@ -475,7 +475,10 @@ class TensorWatch:
     def __del__(self) -> None:
         drop = getattr(self, "_drop", None)
         if drop is not None:
-            drop(self.handle)
+            try:
+                drop(self.handle)
+            except Exception:  # interpreter shutdown: the extension may be gone before this object
+                pass
 
 
 def tensor_watch(tensors: list[torch.Tensor]) -> TensorWatch | None:
