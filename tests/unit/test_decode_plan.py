@@ -112,6 +112,7 @@ def test_plan_steps_are_bit_equal_to_the_module_path(kernel_isas: list[str], hf_
     assert plans_made == [3]
     plan = model._plan
     assert plan is not None
+    assert plan._watch is not None and plan._quiet()  # every family's modules announce their changes
     layers = list(model.model.layers)
     # the whole-block ops are bound where they apply (MLA and GQA attention; the MoE FFN on a rank
     # hosting all slots)
