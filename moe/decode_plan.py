@@ -18,8 +18,8 @@ dtypes, every switch its decisions read (each module class's ``DECISION_ATTRS``)
 parameter's identity and in-place version (loading, TP slicing and expert migration all show
 there). ``holds`` answers that without reading every switch and parameter back each step when the
 modules announce their changes (``moe.plan_watch``): the announcement count, one C++ loop over the
-parameters' versions and addresses, and the switches nothing announces (held on a class, or
-mutable values); otherwise, or after an announcement, it compares the whole state. The placement
+parameters' versions and addresses, and the switches held on a class; otherwise, or after an
+announcement, it compares the whole state. The placement
 (log2phy, logcnt, rank, slot_load) is read at each call, so a rebalance needs no new plan.
 Outputs, cache writes and slot loads are bit-equal to the module path's.
 """
@@ -113,16 +113,17 @@ class DecodePlan:
     def _arm(self) -> None:
         """Record what ``_quiet`` compares: the announcement count, a watch over the parameters (None
         without the C++ extension, or when a module that matters does not announce its changes:
-        then ``holds`` compares the whole state every step), and the switches read back every step:
-        those held on a class (read from the class) and those whose values are not immutable."""
+        then ``holds`` compares the whole state every step), and the switches held on a class (read
+        back from the class every step; an instance's own switch changes only by an announced
+        assignment: the full comparison holds the same object, so it could not see a mutable value
+        changed in place either)."""
         self._epoch = plan_watch.epoch()
         announced = all(isinstance(m, plan_watch.WatchedModule) for m in self._modules
                         if m._parameters or plan_watch.decision_attrs(type(m)))
         params = [p for d in self._params for p in d.values() if p is not None]
         self._watch = kernels.tensor_watch(params) if announced else None
-        on_class = {(type(m), name) for m, name in self._switches if name not in m.__dict__}
-        self._read_back = [*on_class, *((m, name) for m, name in self._switches
-                                        if name in m.__dict__ and not plan_watch.is_immutable(m.__dict__[name]))]
+        self._read_back = sorted({(type(m), name) for m, name in self._switches if name not in m.__dict__},
+                                 key=lambda owner_name: (owner_name[0].__qualname__, owner_name[1]))
         self._read_back_values = tuple(getattr(owner, name) for owner, name in self._read_back)
 
     def _quiet(self) -> bool:

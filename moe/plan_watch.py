@@ -13,21 +13,20 @@ the modules a plan resolves announce their changes instead:
   show in its version or address, which ``kernels.tensor_watch`` compares for all of a plan's
   parameters in one C++ loop.
 
-What neither sees stays read back every step (``DecodePlan.holds``): switches held on a class
-(``Linear.use_kernel = False``) and switch values that are not immutable (a dispatcher object).
-A change made around ``__setattr__`` (writing ``module.__dict__`` directly) is not seen.
+What neither sees is read back every step (``DecodePlan.holds``): switches held on a class
+(``Linear.use_kernel = False``). A change made around ``__setattr__`` (writing ``module.__dict__``
+directly) is not seen, nor a mutable switch value changed in place (which the full comparison,
+holding that same object, did not see either).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
 _epoch = 0
-_IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 
 
 def epoch() -> int:
@@ -54,18 +53,6 @@ def decision_attrs(cls: type) -> tuple[str, ...]:
 
 
 _ATTRS_BY_CLASS: dict[type, tuple[str, ...]] = {}
-
-
-def is_immutable(value: Any) -> bool:
-    """Whether value can only change by assignment: scalars, strings, dtypes, devices, frozen
-    dataclasses and tuples of these (a mutable object can change in place, unannounced)."""
-    if isinstance(value, _IMMUTABLE):
-        return True
-    if isinstance(value, tuple):
-        return all(is_immutable(v) for v in value)
-    params = getattr(type(value), "__dataclass_params__", None)
-    return params is not None and params.frozen and all(
-        is_immutable(getattr(value, f.name)) for f in dataclasses.fields(value))
 
 
 class WatchedModule(nn.Module):
