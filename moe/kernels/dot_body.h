@@ -127,6 +127,24 @@ static inline void store_bf16x8(uint16_t* dst, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), (__m128i)_mm256_cvtneps_pbh(v));
 }
 
+// bf16 rounding (nearest even) of 16 fp32 lanes, NaN kept NaN: the FMA path's round_bf16_v.
+static inline __m512i round_bf16_lanes(__m512 x) {
+  avx512::vxf v;
+  std::memcpy(&v, &x, sizeof(v));
+  v = avx512::round_bf16_v(v);
+  __m512i r;
+  std::memcpy(&r, &v, sizeof(r));
+  return r;
+}
+
+// 16 fp32 lanes -> 16 bf16 at dst, rounded as store_value rounds (nearest even; NaN -> 0x7fc0), the
+// first n <= 16 written.
+static inline void store_bf16_lanes(uint16_t* dst, __m512 x, int64_t n) {
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_lanes(x), 16));
+  if (n == 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+  else _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((uint32_t{1} << n) - 1), h);
+}
+
 // Each op covers nb (1 or 2) neighbouring column blocks, w_stride elements apart.
 struct DotKernels {
   // act[row, 8b:8b+8] = bf16(silu(gate) * up) for rows [0, n) and blocks b, b + 1 (nb == 2; act
@@ -168,9 +186,13 @@ struct DotKernels {
                      const float* bias, int64_t ncols, OT* out, int64_t ld_out) {
     dot_tiles_over_rows(x, n, K, w, nb, K * 16, [&](int64_t row, int j, const float* acc) {
       OT* dst = out + row * ld_out + 16 * j;
-      const float* b = bias ? bias + 16 * j : nullptr;
       const int64_t cols = std::min<int64_t>(16, ncols - 16 * j);
-      for (int64_t c = 0; c < cols; ++c) store_value(dst + c, acc[c] + (b ? b[c] : 0.f));
+      const __mmask16 live = static_cast<__mmask16>((uint32_t{1} << cols) - 1);
+      // acc + bias (or + 0, as the scalar rule did: -0 becomes +0), rounded as store_value rounds
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc),
+                                     bias ? _mm512_maskz_loadu_ps(live, bias + 16 * j) : _mm512_setzero_ps());
+      if constexpr (sizeof(OT) == 2) store_bf16_lanes(reinterpret_cast<uint16_t*>(dst), v, cols);
+      else _mm512_mask_storeu_ps(reinterpret_cast<float*>(dst), live, v);
     }, NoTileStart{}, ldx);
   }
 };
@@ -309,16 +331,6 @@ constexpr int SCORE_TILE_TOKENS = 12;
 // item whose rows the previous item asked for finds them in L1 or L2 either way.
 constexpr int64_t SCORE_TILES_AHEAD = 2;
 
-// bf16 rounding (nearest even) of 16 fp32 lanes, NaN kept NaN: the FMA path's round_bf16_v.
-static inline __m512i round_bf16_lanes(__m512 x) {
-  avx512::vxf v;
-  std::memcpy(&v, &x, sizeof(v));
-  v = avx512::round_bf16_v(v);
-  __m512i r;
-  std::memcpy(&r, &v, sizeof(r));
-  return r;
-}
-
 // s [L][16] (one row of 16 head lanes per token) -> the per-lane softmax of round(s) * scale (the
 // FMA path's lanes_exp, then the normalisation), rounded to bf16 and written as token pairs: p
 // [(L + 1) / 2][16] with token 2j in the low half of p[j][h] and token 2j + 1 (zero past L) in the
@@ -335,14 +347,6 @@ static inline void attn_softmax_lanes(float* s, int64_t L, float scale, uint32_t
                           : _mm512_setzero_si512();
     _mm512_storeu_si512(p + j * HEAD_LANES, _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi_mask)));
   }
-}
-
-// 16 fp32 lanes -> 16 bf16 at dst, rounded as store_value rounds (nearest even; NaN -> 0x7fc0), the
-// first n <= 16 written.
-static inline void store_bf16_lanes(uint16_t* dst, __m512 x, int64_t n) {
-  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_lanes(x), 16));
-  if (n == 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
-  else _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((uint32_t{1} << n) - 1), h);
 }
 
 // o[h * ldo + c0 : + 32] = bf16(sum over token pairs of p pairs [pair][h] (bf16, 32 bits each, rows
