@@ -98,9 +98,7 @@ class DecodePlan:
 
     def weights_changed(self) -> bool:
         """Whether a parameter changed since the plan was made (its bound packed copies are stale)."""
-        if self._watch is not None and plan_watch.epoch() == self._epoch and not self._watch.changed():
-            return False
-        return self._weights() != self.key[-1]
+        return not self._weights_quiet() and self._weights() != self.key[-1]
 
     def _step_state(self, x: torch.Tensor, kv_cache: PagedKVCache) -> tuple[Any, ...]:
         """The state's first five entries: what the step's rows and cache decide (read every step)."""
@@ -128,8 +126,12 @@ class DecodePlan:
 
     def _quiet(self) -> bool:
         """Nothing this plan reads has changed, by the announcements (False when it cannot tell)."""
-        return (self._watch is not None and plan_watch.epoch() == self._epoch and not self._watch.changed()
+        return (self._weights_quiet()
                 and tuple(getattr(owner, name) for owner, name in self._read_back) == self._read_back_values)
+
+    def _weights_quiet(self) -> bool:
+        """No announcement since the plan was armed and no watched parameter changed (False without a watch)."""
+        return self._watch is not None and plan_watch.epoch() == self._epoch and not self._watch.changed()
 
     def _weights(self) -> tuple[tuple[int, int] | None, ...]:
         return tuple((p._version, p.data_ptr()) if p is not None else None for d in self._params for p in d.values())
