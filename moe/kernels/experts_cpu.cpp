@@ -819,9 +819,7 @@ static void linear_into(const at::Tensor& x, const at::Tensor& wp, const at::Ten
 // out_fp32): out[g] = x[g] @ W[g]^T + bias[g], W[g] the [C, K] weight packed into wp[g].
 at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& bias, int64_t C,
                           bool out_fp32) {
-  TORCH_CHECK(x.dim() == 3, "moe_kernels: x [G, N, K], wp [G, Cp/16, K, 16] expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "moe_kernels: x must be "
-              "float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 3, "moe_kernels: x [G, N, K], wp [G, Cp/16, K, 16] expected");  // before its sizes
   at::Tensor out = at::empty({x.size(0), x.size(1), C}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
   linear_into(x, wp, bias, C, out);
   return out;
