@@ -163,7 +163,7 @@ class MoEModel(nn.Module):
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"{input_ids.shape[0]} tokens but metadata describes {meta.num_tokens}")
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(positions)
+        cos, sin = self.model.rotary(positions, max(meta.context_lens_list, default=0) - 1)
         if self.use_decode_plan and plan_applies(h, meta):
             self._plan_rows = h.shape[0]
             return self._decode_plan(h, kv_cache).run(h, cos, sin, meta, kv_cache)  # the final norm included

@@ -56,11 +56,44 @@ class RotaryEmbedding(nn.Module):
         self.interleave = interleave
         inv_freq, self.attention_factor = compute_inv_freq(dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # (cos [P, R/2], sin [P, R/2], inv_freq's (data_ptr, _version, device) they were made from)
+        self._tables: tuple[torch.Tensor, torch.Tensor, tuple] | None = None
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64. Returns cos, sin: [T, R/2] float32 (attention factor applied)."""
+    def forward(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64; max_position: the largest of them when the caller knows it (a decode
+        step's longest context - 1), else read from positions. Returns cos, sin: [T, R/2] float32
+        (attention factor applied): rows of ``compute``'s tables of positions [0, P), which are
+        bit-equal to ``compute(positions)`` (each element depends on its position alone), for two
+        index_selects a step instead of six elementwise ops."""
+        if positions.dim() != 1 or positions.numel() == 0 or positions.is_floating_point():
+            return self.compute(positions)
+        if max_position is None:
+            max_position = int(positions.max())
+        cos, sin = self._table(max_position + 1)
+        try:
+            return cos.index_select(0, positions), sin.index_select(0, positions)
+        except IndexError:  # a position past the caller's max_position, or a negative one
+            if int(positions.min()) < 0:
+                return self.compute(positions)
+            cos, sin = self._table(int(positions.max()) + 1)
+            return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64. Returns cos, sin: [T, R/2] float32 (attention factor applied), computed."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def _table(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [P, R/2] for positions [0, P), P >= need (a power of two, so a growing context
+        rebuilds them a logarithmic number of times), remade when inv_freq changes or moves."""
+        inv = self.inv_freq
+        made_from = (inv.data_ptr(), inv._version, inv.device)
+        tables = self._tables
+        if tables is None or tables[0].shape[0] < need or tables[2] != made_from:
+            size = max(256, 1 << (need - 1).bit_length())
+            cos, sin = self.compute(torch.arange(size, device=inv.device))
+            tables = self._tables = (cos, sin, made_from)
+        return tables[0], tables[1]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, R]; cos, sin: [T, R/2]. Returns rotated x [T, H, R] in x's dtype."""

@@ -16,7 +16,7 @@ from transformers.models.mixtral import modeling_mixtral as hf_mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
 
 from moe.capacity import CapacityConfig, compute_capacity
-from moe.config import ModelConfig
+from moe.config import ModelConfig, RopeScaling
 from moe.kv_cache import AttentionMetadata, PagedKVCache
 from moe.layers import DenseMLP, GQAAttention, RMSNorm, RotaryEmbedding, apply_rotary, compute_inv_freq
 from moe.moe_layer import MoELayer, choose_replicas, compute_placement_tables
@@ -99,6 +99,30 @@ def test_rotary_layouts_match_hf() -> None:
     ours_dot = torch.einsum("thd,tgd->thg", apply_rotary(q, cos, sin, True), apply_rotary(k, cos, sin, True))
     ref_dot = torch.einsum("hd,gd->hg", v2_q[0, :, 0], v2_k[0, :, 0])
     assert torch.allclose(ours_dot[0], ref_dot, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim,scaled", [(32, True), (64, False), (6, False)])
+def test_rotary_tables_equal_computing_per_position(dim: int, scaled: bool) -> None:
+    """cos/sin are rows of tables over positions [0, P), bit-equal to computing them for the
+    step's positions at any batch size; the tables grow past a position, or past a wrong
+    max_position, and are remade when inv_freq changes."""
+    scaling = RopeScaling(factor=8.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0)
+    rot = RotaryEmbedding(dim, 10000.0, scaling if scaled else None)
+    gen = torch.Generator().manual_seed(0)
+    for num in (1, 2, 3, 17, 32, 33):
+        pos = torch.randint(0, 3000, (num,), generator=gen)
+        cos, sin = rot(pos)
+        ref_cos, ref_sin = rot.compute(pos)
+        assert cos.shape == sin.shape == (num, dim // 2) and cos.dtype == torch.float32
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    assert rot._tables[0].shape[0] == 4096
+    far = torch.tensor([70000, 3])
+    assert torch.equal(rot(far, max_position=10)[0], rot.compute(far)[0])  # past the hint: grown
+    assert rot._tables[0].shape[0] == 131072
+    assert torch.equal(rot(torch.tensor([-2, 5]))[1], rot.compute(torch.tensor([-2, 5]))[1])
+    rot.inv_freq.mul_(0.5)
+    pos = torch.tensor([1, 2999])
+    assert torch.equal(rot(pos)[0], rot.compute(pos)[0])
 
 
 def _check_router(ours: Router, ref_ids: torch.Tensor, ref_w: torch.Tensor, x: torch.Tensor) -> None:
