@@ -8,7 +8,8 @@ the modules a plan resolves announce their changes instead:
 
 - ``WatchedModule`` (the base of every module class with ``DECISION_ATTRS`` or parameters that a
   plan resolves) counts in ``epoch()`` each assignment or deletion of a decision switch, of a
-  parameter or of a buffer, and each ``register_parameter`` / ``register_buffer``;
+  parameter or of a buffer, each ``register_parameter`` / ``register_buffer`` and each move or
+  cast (``.to()``, ``_apply``);
 - in-place writes to a parameter's data (loading, expert migration, ``p.data = ...``, TP slicing)
   show in its version or address, which ``kernels.tensor_watch`` compares for all of a plan's
   parameters in one C++ loop.
@@ -77,3 +78,9 @@ class WatchedModule(nn.Module):
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
         super().register_buffer(name, tensor, persistent)
         _bump()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> WatchedModule:
+        # .to() / .float() / .cuda() replace parameters and buffers in their dicts, around __setattr__
+        out = super()._apply(fn, recurse)
+        _bump()
+        return out
