@@ -58,6 +58,25 @@ class RoutingStats:
         self.num_steps += 1
         self._global = None
 
+    def record_many(self, slot_loads: torch.Tensor) -> None:
+        """slot_loads: [K, L, P] integer loads of K consecutive steps, oldest first: the same window
+        as K calls of ``record``, in a few ops (a driver that applies its steps in batches)."""
+        if slot_loads.dim() != 3 or slot_loads.shape[1:] != self._sum.shape:
+            raise ValueError(f"slot_loads has shape {tuple(slot_loads.shape)}, expected [K, "
+                             f"{', '.join(str(d) for d in self._sum.shape)}]")
+        steps = slot_loads.shape[0]
+        if steps == 0:
+            return
+        kept = slot_loads[-self.window_size:].to(torch.int64)  # older steps leave the window anyway
+        skipped = steps - kept.shape[0]
+        rows = (self._pos + skipped + torch.arange(kept.shape[0])) % self.window_size
+        self._sum -= self._buffer[rows].sum(0)
+        self._buffer[rows] = kept
+        self._sum += kept.sum(0)
+        self._pos = (self._pos + steps) % self.window_size
+        self.num_steps += steps
+        self._global = None
+
     def reset(self) -> None:
         """Forget the window (after a rebalance the old slots mean other experts)."""
         self._buffer.zero_()

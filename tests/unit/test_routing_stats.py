@@ -88,3 +88,21 @@ def test_record_costs_microseconds():
         stats.record(load)
     per_call = (time.perf_counter() - start) / n
     assert per_call < 500e-6, f"record() took {per_call * 1e6:.1f} us"
+
+
+@pytest.mark.parametrize("batches", [[2, 3], [7], [1, 0, 9, 2], [3, 3, 3]])
+def test_record_many_equals_recording_step_by_step(batches):
+    """Batches of K steps (K under, at and over the window of 4, and empty) leave the window, its
+    sum and the step count exactly as K calls of record do."""
+    gen = torch.Generator().manual_seed(1)
+    one, many = RoutingStats(2, 6, 2, 4), RoutingStats(2, 6, 2, 4)
+    for k in batches:
+        loads = torch.randint(0, 50, (k, 2, 6), generator=gen)
+        for load in loads:
+            one.record(load)
+        many.record_many(loads)
+        assert many.num_steps == one.num_steps and many.num_recorded == one.num_recorded
+        assert torch.equal(many.local_window(), one.local_window())
+        assert torch.equal(many.local_window(), many._buffer.sum(0))  # the running sum is the window's
+    with pytest.raises(ValueError, match=r"expected \[K, 2, 6\]"):
+        many.record_many(torch.zeros(2, 6, dtype=torch.int64))
