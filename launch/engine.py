@@ -220,7 +220,8 @@ class LLMEngine:
                 dropped = None
                 if self.config.moe.capacity_factor > 0:
                     dropped = torch.tensor([[d for d, _ in r.capacity] for r in results], dtype=torch.int64).sum(0)
-                self.eplb.record(loads[0] if len(loads) == 1 else torch.stack(loads).sum(0), dropped)
+                # the workers' load tensors are this step's own: the driver may apply them later, in a batch
+                self.eplb.record(loads[0] if len(loads) == 1 else torch.stack(loads).sum(0), dropped, owned=True)
 
     def rebalance_if_due(self) -> list[RequestOutput]:
         """Rebalance when the trigger (or ``request_rebalance``) says so. A worker fault during

@@ -9,6 +9,7 @@ import torch
 
 from balancer import BalancerConfig, HistoryOptions, Placement, plan_from_history
 from launch.balancing import EplbDriver
+from launch.expert_location import read_expert_distribution_dump
 
 
 def _driver(**config):
@@ -174,3 +175,49 @@ def test_logical_history_is_the_slot_load_summed_per_expert_with_or_without_repl
     replicated.record(load)
     want = torch.zeros(2, 8, dtype=torch.int64).scatter_add_(1, replicated.placement.phy2log, load)
     assert torch.equal(replicated.history()[-1], want.to(torch.int32))
+
+
+def test_owned_steps_applied_in_batches_equal_steps_applied_at_once(tmp_path):
+    """The engine hands its per-step loads over (owned=True): the driver applies them in batches,
+    before anything reads the window or the history, under the placement each step ran with, and
+    a distribution record started mid-way holds exactly the steps recorded while it ran."""
+    rng = np.random.default_rng(3)
+    cfg = BalancerConfig(enable_eplb=True, num_redundant_experts=4, window_size=16)
+    eager, lazy = (EplbDriver(cfg, Placement.identity(2, 8, 4, 4), num_groups=1, num_nodes=1, expert_bytes=1)
+                   for _ in range(2))
+    swapped = Placement.from_phy2log(eager.placement.phy2log.flip(1), 8, 4)
+
+    def both(step: int) -> None:
+        load = _slot_load(eager, rng.poisson(np.linspace(1, 9, 8), (2, 8)))
+        eager.record(load.clone())
+        lazy.record(load, owned=True)
+        assert lazy.step == eager.step == step
+
+    step = 0
+    for _ in range(5):
+        both(step := step + 1)
+    assert len(lazy._pending) == 5  # not applied yet
+    assert torch.equal(lazy.stats.local_window(), eager.stats.local_window()) and not lazy._pending
+    for _ in range(30):  # past the window; and a placement change with steps pending
+        both(step := step + 1)
+    for driver in (eager, lazy):
+        driver.placement = swapped
+    for _ in range(5):
+        both(step := step + 1)
+    assert torch.equal(lazy.history(), eager.history())  # 11 steps before the swap, 5 after
+    for _ in range(70):  # past MAX_PENDING_STEPS
+        both(step := step + 1)
+    assert torch.equal(lazy.history(), eager.history()) and lazy.history().shape == (16, 2, 8)
+    assert torch.equal(lazy.stats.local_window(), eager.stats.local_window())
+    for driver in (eager, lazy):
+        driver.start_record()
+    for _ in range(3):
+        both(step := step + 1)
+    for driver in (eager, lazy):
+        driver.stop_record()
+    both(step := step + 1)
+    a = read_expert_distribution_dump(eager.dump_record(tmp_path / "eager"))
+    b = read_expert_distribution_dump(lazy.dump_record(tmp_path / "lazy"))
+    assert a.keys() == b.keys() and a["logical_count"].shape[0] == 3
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(lazy.history(), eager.history())
