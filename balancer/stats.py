@@ -36,6 +36,7 @@ class RoutingStats:
         self._global: torch.Tensor | None = None
         self._pos = 0
         self.num_steps = 0
+        self.version = 0  # counts every change of the window (record, reset, set_global)
 
     @property
     def num_recorded(self) -> int:
@@ -56,6 +57,7 @@ class RoutingStats:
         self._sum += row
         self._pos = (self._pos + 1) % self.window_size
         self.num_steps += 1
+        self.version += 1
         self._global = None
 
     def record_many(self, slot_loads: torch.Tensor) -> None:
@@ -75,6 +77,7 @@ class RoutingStats:
         self._sum += kept.sum(0)
         self._pos = (self._pos + steps) % self.window_size
         self.num_steps += steps
+        self.version += 1
         self._global = None
 
     def reset(self) -> None:
@@ -82,6 +85,7 @@ class RoutingStats:
         self._buffer.zero_()
         self._sum.zero_()
         self._pos, self.num_steps, self._global = 0, 0, None
+        self.version += 1
 
     def local_window(self) -> torch.Tensor:
         """[L, P] int64 tokens per slot over the window, this rank's share."""
@@ -96,6 +100,7 @@ class RoutingStats:
         if reduced.shape != self._sum.shape:
             raise ValueError(f"reduced window has shape {tuple(reduced.shape)}, expected {tuple(self._sum.shape)}")
         self._global = reduced.detach().to("cpu", torch.int64).clone()
+        self.version += 1
 
     def window_load(self) -> torch.Tensor:
         """[L, P] int64: the all-reduced window if set since the last record, else local."""

@@ -81,7 +81,8 @@ def snapshot_stats(engine: LLMEngine) -> EngineStats:
     out.num_requests_retried, out.num_requests_failed = k.num_requests_retried, k.num_requests_failed
     out.num_missing_ranks = engine.recovery.num_missing_ranks
     if engine.eplb is not None:
-        out.balancedness_per_layer, out.balancedness = engine.eplb.balancedness()
+        # taken after every step: the window as applied (the engine's steps are applied in batches)
+        out.balancedness_per_layer, out.balancedness = engine.eplb.balancedness(applied=True)
         k = engine.eplb.counters
         out.num_rebalances, out.rebalance_seconds_total = k.num_rebalances, k.rebalance_seconds_total
         out.expert_copies_moved = k.expert_copies_moved

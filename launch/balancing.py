@@ -63,6 +63,7 @@ class EplbDriver:
                                    config.window_size)
         # steps recorded with owned=True and not applied yet: (slot_load [L, P], phy2log in force)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._balancedness: tuple[int, tuple[list[float], float]] | None = None  # (stats.version, value)
         self.counters = BalancerCounters()
         self.step = 0
         self.last_balancedness: list[float] = [1.0] * placement.num_layers
@@ -149,12 +150,21 @@ class EplbDriver:
             self._identity_of = (phy2log, phy2log._version)
         return self._identity
 
-    def balancedness(self) -> tuple[list[float], float]:
-        """(per layer [L], overall) over the window; 1.0 with no data."""
-        if self.stats.num_steps == 0:
-            return [1.0] * self.placement.num_layers, 1.0
-        per_layer, overall = self.stats.balancedness()
-        return [float(x) for x in per_layer], float(overall)
+    def balancedness(self, *, applied: bool = False) -> tuple[list[float], float]:
+        """(per layer [L], overall) over the window; 1.0 with no data. applied: over the steps
+        applied so far (those recorded with owned=True may be up to MAX_PENDING_STEPS behind),
+        computed once per change of that window: what a stats snapshot taken every step reads."""
+        stats = self._stats if applied else self.stats
+        key = stats.version
+        if self._balancedness is None or self._balancedness[0] != key:
+            if stats.num_steps == 0:
+                value = [1.0] * self.placement.num_layers, 1.0
+            else:
+                per_layer, overall = stats.balancedness()
+                value = [float(x) for x in per_layer], float(overall)
+            self._balancedness = (key, value)
+        per_layer, overall = self._balancedness[1]
+        return list(per_layer), overall
 
     # ---- rebalancing -----------------------------------------------------------------
 

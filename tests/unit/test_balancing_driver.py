@@ -197,7 +197,9 @@ def test_owned_steps_applied_in_batches_equal_steps_applied_at_once(tmp_path):
     for _ in range(5):
         both(step := step + 1)
     assert len(lazy._pending) == 5  # not applied yet
+    assert lazy.balancedness(applied=True) == ([1.0, 1.0], 1.0)  # what a per-step snapshot sees: no steps yet
     assert torch.equal(lazy.stats.local_window(), eager.stats.local_window()) and not lazy._pending
+    assert lazy.balancedness() == eager.balancedness() != ([1.0, 1.0], 1.0)
     for _ in range(30):  # past the window; and a placement change with steps pending
         both(step := step + 1)
     for driver in (eager, lazy):
@@ -209,6 +211,10 @@ def test_owned_steps_applied_in_batches_equal_steps_applied_at_once(tmp_path):
         both(step := step + 1)
     assert torch.equal(lazy.history(), eager.history()) and lazy.history().shape == (16, 2, 8)
     assert torch.equal(lazy.stats.local_window(), eager.stats.local_window())
+    assert lazy.balancedness(applied=True) == lazy.balancedness() == eager.balancedness()
+    lazy.stats.reset()  # from outside (a sweep does): the next balancedness is of the empty window
+    assert lazy.balancedness() == ([1.0, 1.0], 1.0)
+    eager.stats.reset()
     for driver in (eager, lazy):
         driver.start_record()
     for _ in range(3):
