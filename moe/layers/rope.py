@@ -62,10 +62,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64; max_position: the largest of them when the caller knows it (a decode
         step's longest context - 1), else read from positions. Returns cos, sin: [T, R/2] float32
-        (attention factor applied): rows of ``compute``'s tables of positions [0, P), which are
-        bit-equal to ``compute(positions)`` (each element depends on its position alone), for two
-        index_selects a step instead of six elementwise ops."""
-        if positions.dim() != 1 or positions.numel() == 0 or positions.is_floating_point():
+        (attention factor applied). On CPU: rows of ``compute``'s tables of positions [0, P), which
+        are bit-equal to ``compute(positions)`` (each element depends on its position alone), for two
+        index_selects a step instead of six elementwise ops; elsewhere ``compute(positions)``."""
+        if (positions.dim() != 1 or positions.numel() == 0 or positions.is_floating_point()
+                or positions.device.type != "cpu"):  # elsewhere a position past the tables is no IndexError
             return self.compute(positions)
         if max_position is None:
             max_position = int(positions.max())
