@@ -313,6 +313,8 @@ using LinearFn = void (*)(int, const float*, int64_t, int64_t, const void*, int,
                           int64_t);
 using RmsNormFn = void (*)(bool, const void*, int64_t, const void*, void*, int64_t, int64_t, int64_t, float);
 using AddRmsNormFn = void (*)(bool, const void*, const void*, const void*, void*, void*, int64_t, int64_t, float);
+// rope of n vectors: (bf16, x, ldx, n, cos, sin, R, interleave, out, ldo)
+using RopeFn = void (*)(bool, const void*, int64_t, int64_t, const float*, const float*, int64_t, bool, void*, int64_t);
 using RouterLogitsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
                              int64_t, float, bool, float*, float*, float*, float*, float*, const NextItem&);
@@ -357,6 +359,7 @@ struct Isa {
   RmsNormFn rms_norm;
   AddRmsNormFn add_rms_norm;  // the residual add, then RMSNorm of the sum
   RouterLogitsFn router_logits;  // fp32 x @ w^T for the router, batch-invariant
+  RopeFn rope;  // rotary embedding of rows sharing one cos/sin (bit-equal to rope_row)
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
@@ -369,7 +372,7 @@ template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
              &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::prefill, &N::rms_norm,
-             &N::add_rms_norm, &N::router_logits, DotIsa{}, K::pair_tiles};
+             &N::add_rms_norm, &N::router_logits, &N::rope, DotIsa{}, K::pair_tiles};
 }
 
 static bool cpu_has(const std::string& name) {
@@ -1147,23 +1150,6 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
-// Rotary embedding of one R-wide vector in fp32 (moe.layers.rope.apply_rotary): x1, x2 = the even
-// and odd entries (interleave) or the two halves; out = [x1 c - x2 s | x2 c + x1 s] rounded to T.
-// Not contracted into FMAs: PyTorch rounds each product, so this is bit-equal to apply_rotary.
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-template <typename T>
-static void rope_row(const T* x, const float* cos, const float* sin, int64_t R, bool interleave, T* out) {
-  const int64_t half = R / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = to_float(interleave ? x[2 * i] : x[i]), x2 = to_float(interleave ? x[2 * i + 1] : x[half + i]);
-    const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
-    store_value(out + i, a - b);
-    store_value(out + half + i, c + d);
-  }
-}
-#pragma GCC pop_options
-
 // slot_mapping [T] int64 checked against the pool's N * S slots (a cache write lands in each); returned
 // contiguous.
 static at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t T, const at::Tensor& pool) {
@@ -1195,14 +1181,12 @@ static void mla_rope_cache_rows(const T* q, int64_t H, int64_t nope, const T* la
   for (int64_t t = begin; t < end; ++t) {
     const float* c = cos + t * (R / 2);
     const float* s = sin + t * (R / 2);
-    for (int64_t h = 0; h < H; ++h) {
-      const T* src = q + (t * H + h) * Q;
-      if (q_out) std::memcpy(q_out + (t * H + h) * Q, src, nope * sizeof(T));
-      rope_row(src + nope, c, s, R, interleave, rope_out + (t * H + h) * rope_ld);
-    }
+    if (q_out)
+      for (int64_t h = 0; h < H; ++h) std::memcpy(q_out + (t * H + h) * Q, q + (t * H + h) * Q, nope * sizeof(T));
+    isa.rope(bf16, q + t * H * Q + nope, Q, H, c, s, R, interleave, rope_out + t * H * rope_ld, rope_ld);
     T* entry = pool + slots[t] * W;
     isa.rms_norm(bf16, latent + t * W, W, norm_w, entry, W, 1, C, eps);
-    rope_row(latent + t * W + C, c, s, R, interleave, entry + C);
+    isa.rope(bf16, latent + t * W + C, W, 1, c, s, R, interleave, entry + C, W);
   }
 }
 
@@ -1352,14 +1336,16 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
   k = k.contiguous();
   at::Tensor q_rot = at::empty({B, H, hd}, q.options());
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  const Isa& isa = current_isa();
   auto rope_and_write = [&](auto* qp, auto* kp, auto* vp, auto* qo, auto* pp) {
     const int64_t half = hd / 2, entry = 2 * Hkv * hd;
+    const bool bf16 = sizeof(*qp) == 2;
     for (int64_t t = 0; t < B; ++t) {
       const float* c = cc.data_ptr<float>() + t * half;
       const float* s = sc.data_ptr<float>() + t * half;
-      for (int64_t h = 0; h < H; ++h) rope_row(qp + (t * H + h) * hd, c, s, hd, interleave, qo + (t * H + h) * hd);
+      isa.rope(bf16, qp + t * H * hd, hd, H, c, s, hd, interleave, qo + t * H * hd, hd);
       auto* dst = pp + sp[t] * entry;  // [2, Hkv, hd]: roped keys, then values
-      for (int64_t g = 0; g < Hkv; ++g) rope_row(kp + (t * Hkv + g) * hd, c, s, hd, interleave, dst + g * hd);
+      isa.rope(bf16, kp + t * Hkv * hd, hd, Hkv, c, s, hd, interleave, dst, hd);
       std::memcpy(dst + Hkv * hd, vp + t * Hkv * hd, Hkv * hd * sizeof(*vp));
     }
   };

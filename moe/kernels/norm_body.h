@@ -93,7 +93,82 @@ static void router_logits_rows(const float* x, int64_t t_begin, int64_t t_end, c
   }
 }
 
+// Rotary embedding of n R-wide vectors (rows ldx apart in x, ldo apart in out) with one cos/sin
+// [R/2] in fp32, as moe.layers.rope.apply_rotary computes it: x1, x2 = the even and odd entries
+// (interleave) or the two halves; out = [x1 c - x2 s | x2 c + x1 s] rounded to T. Not contracted into
+// FMAs (PyTorch rounds each product), 16 pairs at a time in GCC vector extensions (each ISA's
+// width), the rest one by one: bit-equal to apply_rotary.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+typedef float rope_f32x16 __attribute__((vector_size(64)));
+typedef uint32_t rope_u32x16 __attribute__((vector_size(64)));
+typedef uint16_t rope_u16x16 __attribute__((vector_size(32)));
+static inline rope_f32x16 rope_load(const float* p) {
+  rope_f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+static inline rope_f32x16 rope_load(const uint16_t* p) {
+  rope_u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (rope_f32x16)(__builtin_convertvector(h, rope_u32x16) << 16);
+}
+// pairs (p[2i], p[2i + 1]) for i < 16 -> (evens, odds)
+static inline void rope_load_pairs(const float* p, rope_f32x16& even, rope_f32x16& odd) {
+  const rope_f32x16 a = rope_load(p), b = rope_load(p + 16);
+  even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+static inline void rope_load_pairs(const uint16_t* p, rope_f32x16& even, rope_f32x16& odd) {
+  rope_u32x16 w;  // word i = (p[2i + 1] << 16) | p[2i]
+  std::memcpy(&w, p, sizeof(w));
+  even = (rope_f32x16)(w << 16);
+  odd = (rope_f32x16)(w & 0xffff0000u);
+}
+static inline void rope_store(float* p, rope_f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+static inline void rope_store(uint16_t* p, rope_f32x16 v) {
+  const rope_u32x16 u = (rope_u32x16)v;
+  const rope_u32x16 nan = (rope_u32x16)(v != v);
+  const rope_u32x16 r = (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan) | (0x7fc0u & nan);
+  const rope_u16x16 h = __builtin_convertvector(r, rope_u16x16);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+template <typename T>
+static void rope_rows(const T* x, int64_t ldx, int64_t n, const float* cos, const float* sin, int64_t R,
+                      bool interleave, T* out, int64_t ldo) {
+  const int64_t half = R / 2;
+  for (int64_t r = 0; r < n; ++r) {
+    const T* xr = x + r * ldx;
+    T* o = out + r * ldo;
+    int64_t i = 0;
+    for (; i + 16 <= half; i += 16) {
+      rope_f32x16 x1, x2;
+      if (interleave) rope_load_pairs(xr + 2 * i, x1, x2);
+      else x1 = rope_load(xr + i), x2 = rope_load(xr + half + i);
+      const rope_f32x16 c = rope_load(cos + i), sn = rope_load(sin + i);
+      const rope_f32x16 a = x1 * c, b = x2 * sn, cc = x2 * c, d = x1 * sn;
+      rope_store(o + i, a - b);
+      rope_store(o + half + i, cc + d);
+    }
+    for (; i < half; ++i) {
+      const float x1 = to_float(interleave ? xr[2 * i] : xr[i]), x2 = to_float(interleave ? xr[2 * i + 1] : xr[half + i]);
+      const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
+      store_value(o + i, a - b);
+      store_value(o + half + i, c + d);
+    }
+  }
+}
+#pragma GCC pop_options
+
 struct NormKernels {
+  static void rope(bool bf16, const void* x, int64_t ldx, int64_t n, const float* cos, const float* sin, int64_t R,
+                   bool interleave, void* out, int64_t ldo) {
+    if (bf16)
+      rope_rows(static_cast<const uint16_t*>(x), ldx, n, cos, sin, R, interleave, static_cast<uint16_t*>(out), ldo);
+    else
+      rope_rows(static_cast<const float*>(x), ldx, n, cos, sin, R, interleave, static_cast<float*>(out), ldo);
+  }
   static void router_logits(const float* x, int64_t t_begin, int64_t t_end, const float* w, int64_t E, int64_t D,
                             float* out) {
     router_logits_rows(x, t_begin, t_end, w, E, D, out);

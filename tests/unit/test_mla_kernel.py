@@ -399,3 +399,42 @@ def test_gqa_decode_rejects_heads_that_do_not_share_kv_heads(kernel_isas: list[s
     pool = torch.zeros(2, 4, 2, 3, 8)
     with pytest.raises(RuntimeError, match="4 query heads do not share 3 kv heads"):
         kernels.gqa_decode(torch.zeros(1, 4, 8), pool, torch.tensor([[0]]), torch.tensor([2]), 1.0)
+
+
+@pytest.mark.parametrize("rope_dim", [6, 32, 34, 64, 66])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rows_in_vectors_are_bit_equal_to_apply_rotary(kernel_isas: list[str], rope_dim: int,
+                                                           dtype: torch.dtype) -> None:
+    """The rope op rotates 16 pairs at a time and the rest one by one: the same bits as
+    apply_rotary for both layouts, every width (with and without a tail) and inf and signed zeros
+    (NaN where it has NaN: the op writes NaN as 0x7fc0, whatever its sign)."""
+    from moe.layers.rope import apply_rotary
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+        bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+        nan = want.isnan()
+        return (torch.equal(got.isnan(), nan)
+                and torch.equal(got[~nan].contiguous().view(bits), want[~nan].contiguous().view(bits)))
+
+    gen = torch.Generator().manual_seed(rope_dim)
+    T, H, nope, C = 3, 5, 4, 8
+    q = torch.randn(T, H, nope + rope_dim, generator=gen) * 4
+    latent = torch.randn(T, C + rope_dim, generator=gen) * 4
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e38])
+    q[1, 2, nope:nope + 6], latent[2, C:C + 6] = special, special
+    q, latent = q.to(dtype), latent.to(dtype)
+    cos, sin = torch.randn(T, rope_dim // 2, generator=gen), torch.randn(T, rope_dim // 2, generator=gen)
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        for interleave in (False, True):
+            pool = torch.zeros(4, 4, C + rope_dim, dtype=dtype)
+            out = kernels.mla_rope_cache(q, latent, torch.ones(C, dtype=dtype), 1e-6, cos, sin, interleave, pool,
+                                         torch.tensor([3, 9, 14]))
+            assert out.shape == q.shape and out.dtype == dtype
+            want_q = apply_rotary(q[..., nope:], cos, sin, interleave)
+            want_k = apply_rotary(latent[:, None, C:], cos, sin, interleave)[:, 0]
+            assert same(out[..., nope:], want_q) and want_q.isnan().any(), name
+            assert torch.equal(out[..., :nope], q[..., :nope])
+            written = pool.view(-1, C + rope_dim)[torch.tensor([3, 9, 14]), C:]
+            assert same(written, want_k), name
+    kernels.select_isa("auto")
