@@ -692,15 +692,17 @@ static void paged_prefill_item(const PT* q, int64_t ldq, int64_t hh, int64_t nq,
     }
 }
 
-// Items of at least this many heads take the lanes (fewer leave most lanes idle: the row path's
-// full-width dot products win there).
+// Kv heads serving at least this many query heads take the lanes (fewer leave most lanes idle: the
+// row path's full-width dot products win there). Decided by the kv head's query heads, not by an
+// item's share of them (which follows the thread count): the two paths sum in different orders, and a
+// head's values must not depend on how many threads ran the step.
 constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
 
 struct AttentionKernels {
-  static void decode(bool bf16_pool, const float* q, int64_t hh, const void* pool, int64_t S, const PagedHead& head,
-                     const int64_t* table, int64_t L, float scale, bool round_half, float* scores, float* lanes,
-                     float* kbuf, float* vbuf, float* o, const NextItem& next) {
-    if (hh >= LANE_MIN_HEADS) {
+  static void decode(bool bf16_pool, const float* q, int64_t hh, int64_t group_heads, const void* pool, int64_t S,
+                     const PagedHead& head, const int64_t* table, int64_t L, float scale, bool round_half,
+                     float* scores, float* lanes, float* kbuf, float* vbuf, float* o, const NextItem& next) {
+    if (group_heads >= LANE_MIN_HEADS) {
       if (bf16_pool)
         paged_decode_lanes(q, hh, static_cast<const uint16_t*>(pool), S, head, table, L, scale, round_half, scores,
                            lanes, kbuf, vbuf, o, next);

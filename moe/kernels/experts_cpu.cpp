@@ -316,8 +316,11 @@ using AddRmsNormFn = void (*)(bool, const void*, const void*, const void*, void*
 // rope of n vectors: (bf16, x, ldx, n, cos, sin, R, interleave, out, ldo)
 using RopeFn = void (*)(bool, const void*, int64_t, int64_t, const float*, const float*, int64_t, bool, void*, int64_t);
 using RouterLogitsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
-using PagedDecodeFn = void (*)(bool, const float*, int64_t, const void*, int64_t, const PagedHead&, const int64_t*,
-                             int64_t, float, bool, float*, float*, float*, float*, float*, const NextItem&);
+// (bf16 pool, q, the item's heads, its kv head's query heads, pool, S, head, table, L, scale, round_half,
+// scratch..., next)
+using PagedDecodeFn = void (*)(bool, const float*, int64_t, int64_t, const void*, int64_t, const PagedHead&,
+                               const int64_t*, int64_t, float, bool, float*, float*, float*, float*, float*,
+                               const NextItem&);
 using PagedPrefillFn = void (*)(bool, const void*, int64_t, int64_t, int64_t, int64_t, const void*, int64_t,
                                 const PagedHead&, const int64_t*, int64_t, int64_t, float, float*, float*, float*,
                                 float*, void*, int64_t);
@@ -844,9 +847,18 @@ struct HeadItems {
     int64_t b, g, h0, hh;
   };
   int64_t num_kv_heads, rep, groups, per_group, count;
-  HeadItems(int64_t B, int64_t H, int64_t kv_heads) : num_kv_heads(kv_heads), rep(H / kv_heads) {
+  // lanes_pass: the items' heads share one score pass (the dot path's decode, 16 heads in the lanes
+  // of each dot product, each head's values independent of the others in its item): one thread then
+  // keeps a kv head's query heads in one item, since each item runs the score pass over all the rows
+  // again (two items of 8 heads at batch 1 took twice the score pass). Elsewhere an item's head count
+  // picks the tiles (and the order of their sums), so the grouping does not depend on that.
+  HeadItems(int64_t B, int64_t H, int64_t kv_heads, bool lanes_pass = false)
+      : num_kv_heads(kv_heads), rep(H / kv_heads) {
     const int64_t threads = at::get_num_threads();
-    groups = std::min<int64_t>(rep, std::max<int64_t>(1, (2 * threads + B * num_kv_heads - 1) / (B * num_kv_heads)));
+    groups = lanes_pass && threads == 1
+                 ? 1
+                 : std::min<int64_t>(rep, std::max<int64_t>(1, (2 * threads + B * num_kv_heads - 1) /
+                                                                    (B * num_kv_heads)));
     per_group = (rep + groups - 1) / groups;
     groups = (rep + per_group - 1) / per_group;
     count = B * num_kv_heads * groups;
@@ -897,7 +909,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const bool dot = bf16 && isa.dot.paged_decode != nullptr;  // bf16 queries and cache on the dot product
   const at::Tensor qf = dot ? bf16_contiguous(q) : float32_contiguous(q);
   const at::Tensor pc = pool.contiguous();
-  const HeadItems items(B, H, num_kv_heads);
+  const HeadItems items(B, H, num_kv_heads, dot);
   const int64_t per_group = items.per_group;
   const float* qs = dot ? nullptr : qf.data_ptr<float>();
   const uint16_t* qb = dot ? reinterpret_cast<const uint16_t*>(qf.data_ptr()) : nullptr;
@@ -938,7 +950,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
                                reinterpret_cast<uint16_t*>(out_ptr) + first, next);
           continue;
         }
-        isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
+        isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, items.rep, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
                          scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
         for (int64_t j = 0; j < hh * dv; ++j) {
           if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);

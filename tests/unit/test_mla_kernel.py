@@ -107,6 +107,29 @@ def test_mla_decode_spreads_heads_over_threads_at_batch_one(kernel_isas: list[st
     assert (results[0] - _reference(q, pool, tables, lens, 32, 0.2)).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_at_batch_one_is_the_same_for_any_thread_count(kernel_isas: list[str], dtype: torch.dtype) -> None:
+    """One thread keeps 16 query heads in one item on the dot path (one score pass) where more
+    threads split them: the same bits either way, on every ISA and dtype."""
+    gen = torch.Generator().manual_seed(2)
+    pool = (torch.randn(12, 16, 80, generator=gen) * 0.3).to(dtype)
+    tables, lens = torch.tensor([[3, 1, 6, 9, 0, 11, 2, 5, 4]]), torch.tensor([134])
+    q = (torch.randn(1, 16, 80, generator=gen) * 0.3).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for name in kernel_isas:
+            kernels.select_isa(name)
+            results = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                results.append(kernels.mla_decode(q, pool, tables, lens, 64, 0.1))
+            assert results[0].shape == (1, 16, 64) and results[0].dtype == dtype
+            assert all(torch.equal(results[0], r) for r in results[1:]), name
+    finally:
+        torch.set_num_threads(threads)
+        kernels.select_isa("auto")
+
+
 @pytest.mark.parametrize(("lens", "table", "message"), [
     ([0], [[0, 1]], "context length 0"),
     ([9], [[0, 1]], "context length 9"),
