@@ -362,7 +362,7 @@ struct Isa {
   RmsNormFn rms_norm;
   AddRmsNormFn add_rms_norm;  // the residual add, then RMSNorm of the sum
   RouterLogitsFn router_logits;  // fp32 x @ w^T for the router, batch-invariant
-  RopeFn rope;  // rotary embedding of rows sharing one cos/sin (bit-equal to rope_row)
+  RopeFn rope;  // rotary embedding of rows sharing one cos/sin (bit-equal to rope.apply_rotary)
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
