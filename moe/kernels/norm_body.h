@@ -126,11 +126,16 @@ static inline void rope_load_pairs(const uint16_t* p, rope_f32x16& even, rope_f3
   odd = (rope_f32x16)(w & 0xffff0000u);
 }
 static inline void rope_store(float* p, rope_f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+// store_value's bf16: attention_body.h's round_bf16_v on MOE_W lanes at a time, then the high halves
 static inline void rope_store(uint16_t* p, rope_f32x16 v) {
-  const rope_u32x16 u = (rope_u32x16)v;
-  const rope_u32x16 nan = (rope_u32x16)(v != v);
-  const rope_u32x16 r = (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan) | (0x7fc0u & nan);
-  const rope_u16x16 h = __builtin_convertvector(r, rope_u16x16);
+  float* lanes = reinterpret_cast<float*>(&v);
+  for (int c = 0; c < 16; c += MOE_W) {
+    vxf part;
+    std::memcpy(&part, lanes + c, sizeof(part));
+    part = round_bf16_v(part);
+    std::memcpy(lanes + c, &part, sizeof(part));
+  }
+  const rope_u16x16 h = __builtin_convertvector((rope_u32x16)v >> 16, rope_u16x16);
   std::memcpy(p, &h, sizeof(h));
 }
 
