@@ -13,13 +13,13 @@ runs in one op with the norm after it (``RMSNorm.fused_add_op``: the next layer'
 final norm after the last layer): two ops fewer per layer, the same bits.
 
 The plan holds while its ``state`` is unchanged: the row dtype, the row-count regime
-(``kernels.prefers_library_gemm`` at B rows and at B * top_k expert assignments), the cache pools'
-dtypes, every switch its decisions read (each module class's ``DECISION_ATTRS``), and every
-parameter's identity and in-place version (loading, TP slicing and expert migration all show
-there). ``holds`` answers that without reading every switch and parameter back each step when the
-modules announce their changes (``moe.plan_watch``): the announcement count, one C++ loop over the
-parameters' versions and addresses, and the switches held on a class; otherwise, or after an
-announcement, it compares the whole state. The placement
+(``kernels.prefers_library_gemm`` at B rows, ``prefers_library_experts`` at B * top_k expert
+assignments), the cache pools' dtypes, every switch its decisions read (each module class's
+``DECISION_ATTRS``), and every parameter's identity and in-place version (loading, TP slicing and
+expert migration all show there). ``holds`` answers that without reading every switch and parameter
+back each step when the modules announce their changes (``moe.plan_watch``): the announcement
+count, one C++ loop over the parameters' versions and addresses, and the switches held on a class;
+otherwise, or after an announcement, it compares the whole state. The placement
 (log2phy, logcnt, rank, slot_load) is read at each call, so a rebalance needs no new plan.
 Outputs, cache writes and slot loads are bit-equal to the module path's.
 """
@@ -104,7 +104,7 @@ class DecodePlan:
         """The state's first five entries: what the step's rows and cache decide (read every step)."""
         rows = x.shape[0]
         regime = (kernels.prefers_library_gemm(x.dtype, rows),
-                  *(kernels.prefers_library_gemm(x.dtype, rows * k / max(1, min(p, rows * k)))
+                  *(kernels.prefers_library_experts(x.dtype, rows * k / max(1, min(p, rows * k)))
                     for p, k in self._expert_shapes))
         return (x.dtype, x.device, regime, id(kv_cache), tuple(pool.dtype for pool in kv_cache.pools))
 

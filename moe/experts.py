@@ -187,7 +187,7 @@ class Experts(WatchedModule):
         differentiable = kernels.needs_autograd(x_sorted, self.w13, self.w2, row_weights)
         packed = self.packed_weights() if x_sorted.device.type == "cpu" and not differentiable else None
         busy = sum(1 for n in counts if n)
-        if packed is not None and not packed.quantized and kernels.prefers_library_gemm(
+        if packed is not None and not packed.quantized and kernels.prefers_library_experts(
                 x_sorted.dtype, x_sorted.shape[0] / max(busy, 1)):
             packed = None  # prefill-size groups: the library GEMM is faster than the kernel here
         if packed is not None and x_sorted.dtype in (torch.float32, torch.bfloat16):
@@ -242,7 +242,7 @@ class Experts(WatchedModule):
         packed = self.packed_weights()
         if packed is None:
             return None
-        if not packed.quantized and kernels.prefers_library_gemm(x.dtype, assignments / max(1, min(
+        if not packed.quantized and kernels.prefers_library_experts(x.dtype, assignments / max(1, min(
                 self.num_local_slots, assignments))):
             return None
         return packed

@@ -37,9 +37,13 @@ The extension is compiled with ``torch.utils.cpp_extension`` on first use (or ah
 with ``python -m launch build-kernels``) into a cache directory keyed by the source hash,
 torch version, Python version and machine; ``MOE_KERNEL_CACHE`` overrides the directory
 and ``MOE_CPU_KERNEL=0`` turns the kernel off (``MOE_KERNEL_ISA=avx512`` etc. picks an instruction
-set for the process, for A/B runs). The instruction set (AVX512-BF16, AVX-512,
+set for the process, for A/B runs). The instruction set (AMX, AVX512-BF16, AVX-512,
 AVX2+FMA or baseline) is chosen from cpuid when the library loads: one build runs on any x86-64
-CPU. AVX512-BF16 is chosen only where a ~1 ms probe finds its dot product at least as fast as the
+CPU. AMX (``amx``: AMX-TILE and AMX-BF16, and Linux granting the process the tile state) runs the
+AVX-512 kernels with the bf16 x bf16 products of the experts and linears on tdpbf16ps tiles
+(``amx_body.h``): the packed bf16 block is the tile's weight operand as it lies, and bf16
+activations round between the projections as on the dot tiles; weights whose K is not a multiple
+of 32 run the vdpbf16ps tiles instead. AVX512-BF16 is chosen only where a ~1 ms probe finds its dot product at least as fast as the
 fp32 FMA (``bf16_dot_rate``: ~2x on AMD Zen 4/5, ~0.5x on Intel cores without AMX, whose
 oneDNN bf16 GEMMs are then slower than fp32 ones too); the first process on a CPU probes and keeps
 the rate beside the build, so every process of the machine picks the same tiles. On it, bf16 rows
@@ -71,9 +75,10 @@ from moe.cpu_gemm import has_amx_bf16, has_fast_bf16_gemm
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts_cpu.cpp", "experts_body.h", "exp_body.h", "dot_body.h", "attention_body.h", "norm_body.h")
+SOURCES = ("experts_cpu.cpp", "experts_body.h", "exp_body.h", "dot_body.h", "amx_body.h", "attention_body.h",
+           "norm_body.h")
 QUANTIZATIONS = ("int8",)
-ISAS = ("generic", "avx2", "avx512", "avx512bf16")  # slowest first
+ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")  # slowest first
 # names one of ISAS for the whole process (A/B runs of one build); unset or "auto": the fastest here
 ISA_ENV = "MOE_KERNEL_ISA"
 BLOCK = 16  # output channels per packed column block
@@ -508,6 +513,17 @@ def prefers_library_gemm(dtype: torch.dtype, mean_rows: float) -> bool:
     return dtype == torch.bfloat16 and has_fast_bf16_gemm() and (has_amx_bf16() or bf16_dot_rate() >= 1.0)
 
 
+def prefers_library_experts(dtype: torch.dtype, mean_rows: float) -> bool:
+    """``prefers_library_gemm`` for SwiGLU experts (routed groups of ``mean_rows`` rows each, or a dense
+    MLP as one group): the same, except on AMX, where the kernel's bf16 tiles out-run PyTorch's
+    per-expert GEMMs at every row count measured (1.26-1.58x at 256-4096 rows per expert, one
+    thread, ``docs/benchmarks.md``), so bf16 experts stay on the kernel: a row's values then never
+    depend on how many rows its expert got."""
+    if not prefers_library_gemm(dtype, mean_rows):
+        return False
+    return not (dtype == torch.bfloat16 and is_available() and isa() == "amx")
+
+
 def bf16_dot_rate() -> float:
     """The AVX512-BF16 dot product's flop rate over the fp32 FMA's on this core (both on 512-bit
     registers), probed by the first process on this CPU (``agree_bf16_dot_rate``); 0.0 where the
@@ -663,7 +679,7 @@ def select_isa_from_env() -> str:
 
 
 def isa() -> str:
-    """The instruction set the loaded kernel runs: "avx512bf16", "avx512", "avx2" or "generic"."""
+    """The instruction set the loaded kernel runs: "amx", "avx512bf16", "avx512", "avx2" or "generic"."""
     return str(torch.ops.moe_kernels.isa_name())
 
 
@@ -682,8 +698,8 @@ def supported_isas() -> list[str]:
 
 
 def select_isa(name: str) -> str:
-    """Force an instruction set ("auto", "avx512bf16", "avx512", "avx2", "generic"); raises if the CPU
-    lacks it."""
+    """Force an instruction set ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic"); raises if
+    the CPU lacks it."""
     return str(torch.ops.moe_kernels.select_isa(name))
 
 

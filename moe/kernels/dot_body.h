@@ -145,46 +145,60 @@ static inline void store_bf16_lanes(uint16_t* dst, __m512 x, int64_t n) {
   else _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((uint32_t{1} << n) - 1), h);
 }
 
-// Each op covers nb (1 or 2) neighbouring column blocks, w_stride elements apart.
-struct DotKernels {
+// The vdpbf16ps register tiles as DotKernelsOf's row loop.
+struct VdpTiles {
+  template <typename Epilogue, typename Before = NoTileStart>
+  static void over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb, int64_t w_stride,
+                        Epilogue&& epilogue, Before&& before = Before{}, int64_t ldx = 0) {
+    dot_tiles_over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
+  }
+};
+
+// The bf16 x bf16 ops on a row loop Tiles::over_rows (dot_tiles_over_rows' contract: epilogue(row,
+// block j, acc[16]) for every row and block), with their epilogues: VdpTiles here, the AMX tiles
+// (amx_body.h) on CPUs with AMX. Each op covers nb (1 or 2) neighbouring column blocks, w_stride
+// elements apart.
+template <typename Tiles>
+struct DotKernelsOf {
   // act[row, 8b:8b+8] = bf16(silu(gate) * up) for rows [0, n) and blocks b, b + 1 (nb == 2; act
-  // columns 8 further): x [n, D] bf16, w the [D/2][16][2] block.
-  static void gate_up(const uint16_t* x, int64_t n, int64_t D, const uint16_t* w, int nb, int64_t w_stride,
-                      uint16_t* act, int64_t ld_act) {
-    dot_tiles_over_rows(x, n, D, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
+  // columns 8 further): x [n, D] bf16 (rows ldx elements apart), w the [D/2][16][2] block.
+  static void gate_up(const uint16_t* x, int64_t n, int64_t D, int64_t ldx, const uint16_t* w, int nb,
+                      int64_t w_stride, uint16_t* act, int64_t ld_act) {
+    Tiles::over_rows(x, n, D, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
       store_bf16x8(act + row * ld_act + 8 * j, silu_mul8(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)));
-    });
+    }, NoTileStart{}, ldx);
   }
   // out[row, 16b:16b+16] = row_weight[row] * (act[row] @ block) (and block b + 1 at 16 columns on):
-  // act [n, I] bf16.
+  // act [n, I] bf16, rows ld_act elements apart.
   template <typename OT>
-  static void down(const uint16_t* act, int64_t n, int64_t I, const uint16_t* w, int nb, int64_t w_stride,
-                   const float* row_weight, OT* out, int64_t ld_out) {
-    dot_tiles_over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
+  static void down(const uint16_t* act, int64_t n, int64_t I, int64_t ld_act, const uint16_t* w, int nb,
+                   int64_t w_stride, const float* row_weight, OT* out, int64_t ld_out) {
+    Tiles::over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
       const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f));
       OT* dst = out + row * ld_out + 16 * j;
       if constexpr (sizeof(OT) == 2)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
       else
         _mm512_storeu_ps(reinterpret_cast<float*>(dst), v);
-    });
+    }, NoTileStart{}, ld_act);
   }
   // down's rows added into fp32 output rows: out[out_rows[row], 16b:16b+16] += the product
   // (rounded to fp32 first, see add_rounded16).
-  static void down_add(const uint16_t* act, int64_t n, int64_t I, const uint16_t* w, int nb, int64_t w_stride,
-                       const float* row_weight, const int64_t* out_rows, float* out, int64_t ld_out) {
-    dot_tiles_over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
+  static void down_add(const uint16_t* act, int64_t n, int64_t I, int64_t ld_act, const uint16_t* w, int nb,
+                       int64_t w_stride, const float* row_weight, const int64_t* out_rows, float* out,
+                       int64_t ld_out) {
+    Tiles::over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
       alignas(64) float v[16];
       _mm512_store_ps(v, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f)));
       add_rounded16(out + out_rows[row] * ld_out + 16 * j, v);
-    }, OutRowPrefetch{out_rows, out, ld_out});
+    }, OutRowPrefetch{out_rows, out, ld_out}, ld_act);
   }
   // out[row, 0:ncols] = x[row] @ blocks (+ bias): x [n, K] bf16, rows ldx elements apart; nb
   // neighbouring [K/2][16][2] blocks (K * 16 elements apart), ncols <= 16 * nb of their columns.
   template <typename OT>
   static void linear(const uint16_t* x, int64_t n, int64_t K, int64_t ldx, const uint16_t* w, int nb,
                      const float* bias, int64_t ncols, OT* out, int64_t ld_out) {
-    dot_tiles_over_rows(x, n, K, w, nb, K * 16, [&](int64_t row, int j, const float* acc) {
+    Tiles::over_rows(x, n, K, w, nb, K * 16, [&](int64_t row, int j, const float* acc) {
       OT* dst = out + row * ld_out + 16 * j;
       const int64_t cols = std::min<int64_t>(16, ncols - 16 * j);
       const __mmask16 live = static_cast<__mmask16>((uint32_t{1} << cols) - 1);
@@ -196,6 +210,7 @@ struct DotKernels {
     }, NoTileStart{}, ldx);
   }
 };
+using DotKernels = DotKernelsOf<VdpTiles>;
 
 // Paged decode attention on the dot product (attention_body.h's passes, bf16 cache and queries),
 // up to 16 query heads at a time in the 16 lanes of a vector:

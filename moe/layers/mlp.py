@@ -2,7 +2,7 @@
 
 On CPU it runs as a one-expert call of the fused expert kernel (``moe.kernels``) on a packed
 copy of its weights (remade when they change: loading, TP sharding) unless PyTorch's GEMM is
-the faster choice for the dtype and row count (``moe.kernels.prefers_library_gemm``): on
+the faster choice for the dtype and row count (``moe.kernels.prefers_library_experts``): on
 CPUs without native bf16 GEMMs PyTorch's bf16 matmul runs at about 1 GFLOP/s.
 """
 
@@ -62,7 +62,7 @@ class DenseMLP(WatchedModule):
         mods = self._modules  # without nn.Module.__getattr__: this runs every layer of every step
         gate, up, down = (mods[name]._parameters["weight"] for name in ("gate_proj", "up_proj", "down_proj"))
         if (not x.is_cpu or x.dim() != 2 or x.dtype != gate.dtype or mods["down_proj"].bias is not None
-                or kernels.prefers_library_gemm(x.dtype, x.shape[0]) or kernels.needs_autograd(x, gate, up, down)):
+                or kernels.prefers_library_experts(x.dtype, x.shape[0]) or kernels.needs_autograd(x, gate, up, down)):
             return None
         return cached_pack(self, "_packed", (gate, up, down), _pack_dense)
 

@@ -426,12 +426,15 @@ def test_isa_from_environment(kernel_isas: list[str], monkeypatch: pytest.Monkey
 
 def test_auto_isa_takes_the_dot_product_only_where_it_outruns_the_fma(kernel_isas: list[str]) -> None:
     """The load-time probe: the bf16 dot product's flop rate over the fp32 FMA's decides between the
-    dot tiles and the FMA tiles (Intel's AVX512-BF16 without AMX runs the dot product at half rate)."""
+    dot tiles and the FMA tiles (Intel's AVX512-BF16 without AMX runs the dot product at half rate);
+    a CPU whose AMX tiles this process may use takes them whatever the rate."""
     rate = kernels.bf16_dot_rate()
     assert rate == kernels.bf16_dot_rate()  # measured once per process
     try:
         auto = kernels.select_isa("auto")
-        if "avx512bf16" in kernel_isas:
+        if "amx" in kernel_isas:
+            assert auto == "amx" and "avx512bf16" in kernel_isas and 0.1 < rate < 10.0
+        elif "avx512bf16" in kernel_isas:
             assert 0.1 < rate < 10.0
             assert auto == ("avx512bf16" if rate >= 1.0 else "avx512")
         else:
@@ -472,7 +475,8 @@ def test_every_process_on_a_cpu_takes_the_first_probe(kernel_isas: list[str], mo
         saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": 3.0}))
         assert kernels.agree_bf16_dot_rate() == (3.0 if has_dot else 0.0)
         assert kernels.bf16_dot_rate() == (3.0 if has_dot else 0.0)
-        assert kernels.select_isa("auto") == ("avx512bf16" if has_dot else kernel_isas[-1])
+        assert kernels.select_isa("auto") == ("amx" if "amx" in kernel_isas else "avx512bf16" if has_dot
+                                              else kernel_isas[-1])
 
         torch.ops.moe_kernels.set_bf16_dot_rate(-1.0)  # forget: the next use probes again
         saved.write_text(json.dumps({"cpu": "another cpu", "rate": 3.0}))

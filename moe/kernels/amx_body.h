@@ -1,0 +1,122 @@
+// Routed-expert and linear tiles on AMX (tdpbf16ps on 16 x 16 fp32 tiles), compiled once inside
+// experts_cpu.cpp's amx namespace (target amx-tile and amx-bf16 on top of AVX512-BF16): the row
+// loop under dot_body.h's DotKernelsOf, so the ops and their epilogues are the vdpbf16ps ops'.
+//
+// The packed bf16 block ([K/2][16][2]: k pairs, 16 output channels) is exactly the B operand a
+// tdpbf16ps reads, 32 k values (16 pair rows of 64 bytes) per tile load, so the weights stream
+// from where they lie, as packed. A row tile is up to 16 bf16 rows x 32 k values (64 bytes of each
+// row, any row stride). One pass covers up to two row tiles x two column blocks: four fp32
+// accumulator tiles (tmm0-3), two row tiles (tmm4-5) and two weight tiles (tmm6-7), every
+// accumulator summing over k in 32-value steps, in order. Each output row goes through the same
+// instructions whatever the other rows are (a row's values do not depend on the row count, the
+// tile it lands in or the thread count).
+//
+// Weights whose K is not a multiple of 32 run the vdpbf16ps tiles instead (a tile's k extent is
+// fixed by its configuration); the choice follows the weight's shape, never the row count.
+//
+// The tile configuration is per thread and other code (oneDNN's AMX GEMMs) changes it, so every
+// call loads its own and releases the tiles at its end.
+
+// Tile shapes (LDTILECFG's 64-byte operand, palette 1): tmm[2r + j] accumulates row tile r x
+// block j; tmm4 + r holds row tile r; tmm6 + j block j's 32 k values.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Configures row tiles of m0 and m1 (0: unused) rows and nb (1 or 2) column blocks.
+static inline void amx_configure(int m0, int m1, int nb) {
+  AmxTileConfig c;
+  for (int j = 0; j < nb; ++j) {
+    c.rows[j] = static_cast<uint8_t>(m0), c.colsb[j] = 64;  // accumulators of row tile 0
+    c.rows[6 + j] = 16, c.colsb[6 + j] = 64;                  // the blocks' 16 k pairs
+    if (m1 > 0) c.rows[2 + j] = static_cast<uint8_t>(m1), c.colsb[2 + j] = 64;
+  }
+  c.rows[4] = static_cast<uint8_t>(m0), c.colsb[4] = 64;
+  if (m1 > 0) c.rows[5] = static_cast<uint8_t>(m1), c.colsb[5] = 64;
+  AmxTileConfig now;
+  _tile_storeconfig(&now);
+  if (std::memcmp(&now, &c, sizeof(c)) != 0) _tile_loadconfig(&c);
+}
+
+// buf [RT * 16][NB * 16] (row r of row tile t at row 16 t + r, block j at column 16 j) = x's RT row
+// tiles (rows ldx elements apart) times NB blocks (w_stride elements apart) over K (a multiple of 32).
+template <int RT, int NB>
+static inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride, int64_t K,
+                            float* buf) {
+  const int64_t sx = ldx * static_cast<int64_t>(sizeof(uint16_t));
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (RT == 2) {
+    _tile_zero(2);
+    if constexpr (NB == 2) _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    // the blocks' lines two steps on into L1 (a 32 x 32 pass over L2-resident operands in a
+    // microbenchmark: 1.10-1.15x the products per second; decode-size items streaming the weights,
+    // DeepSeek-style shape at 32 tokens: 0.85-0.9x the time)
+    const char* ahead = reinterpret_cast<const char*>(w + (k + 64) * 16);
+    for (int l = 0; l < 16; ++l) {
+      _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+      if constexpr (NB == 2) _mm_prefetch(ahead + 2 * w_stride + 64 * l, _MM_HINT_T0);
+    }
+    _tile_loadd(6, w + k * 16, 64);  // pair rows k/2 .. k/2 + 15 of block 0
+    if constexpr (NB == 2) _tile_loadd(7, w + w_stride + k * 16, 64);
+    _tile_loadd(4, x + k, sx);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT == 2) {
+      _tile_loadd(5, x + 16 * ldx + k, sx);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t ld = NB * 16 * sizeof(float);
+  _tile_stored(0, buf, ld);
+  if constexpr (NB == 2) _tile_stored(1, buf + 16, ld);
+  if constexpr (RT == 2) {
+    _tile_stored(2, buf + 16 * NB * 16, ld);
+    if constexpr (NB == 2) _tile_stored(3, buf + 16 * NB * 16 + 16, ld);
+  }
+}
+
+struct AmxTiles {
+  // dot_tiles_over_rows' contract: epilogue(row, block j, acc[16]) for rows [0, n) of x ([n, K]
+  // bf16, rows ldx elements apart: K unless given) and nb (1 or 2) blocks w, w + w_stride;
+  // before(row0, rows, j) ahead of each pass.
+  template <typename Epilogue, typename Before = NoTileStart>
+  static void over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb, int64_t w_stride,
+                        Epilogue&& epilogue, Before&& before = Before{}, int64_t ldx = 0) {
+    if (ldx == 0) ldx = K;
+    if (K % 32 != 0) {
+      avx512bf16::dot_tiles_over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
+      return;
+    }
+    alignas(64) float buf[32 * 32];
+    int m0_now = -1, m1_now = -1;
+    for (int64_t r0 = 0; r0 < n; r0 += 32) {
+      const int64_t rows = std::min<int64_t>(32, n - r0);
+      const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows - m0);
+      if (m0 != m0_now || m1 != m1_now) {
+        amx_configure(m0, m1, nb);
+        m0_now = m0, m1_now = m1;
+      }
+      for (int j = 0; j < nb; ++j) before(r0, rows, j);
+      const uint16_t* xr = x + r0 * ldx;
+      if (m1 > 0) {
+        if (nb == 2) amx_pass<2, 2>(xr, ldx, w, w_stride, K, buf);
+        else amx_pass<2, 1>(xr, ldx, w, w_stride, K, buf);
+      } else {
+        if (nb == 2) amx_pass<1, 2>(xr, ldx, w, w_stride, K, buf);
+        else amx_pass<1, 1>(xr, ldx, w, w_stride, K, buf);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < nb; ++j) epilogue(r0 + r, j, buf + (r * nb + j) * 16);
+    }
+  }
+};
+
+using AmxKernels = avx512bf16::DotKernelsOf<AmxTiles>;
