@@ -747,9 +747,11 @@ at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at
 // experts with each row's weight in the epilogue and sums every token's rows in that same order.
 // Returns [T, D] float32: sum over kept k of weights[t, k] * expert_{slot[t, k]}(x[t]), the values
 // of compute_local_routing + experts_forward + index_add_ (same arithmetic, same order).
-at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights,
-                                const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p,
-                                const at::Tensor& s2) {
+// experts_topk_rows: the same sums as a [T, D] view whose rows may lie padded in memory (see the
+// padding below), for callers that read the sums once more anyway (moe_ffn): no contiguous copy.
+static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights,
+                                    const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p,
+                                    const at::Tensor& s2) {
   check_experts(x, w13p, s13, w2p, s2);
   const int64_t T = x.size(0), D = x.size(1), P = w13p.size(0);
   TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.size(0) == T && slot_ids.scalar_type() == at::kLong,
@@ -773,7 +775,7 @@ at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids,
   // the result out contiguously costs less than that (experts 102-115 ms padded against 118-126).
   const int64_t ld = T * D > SMALL_ELEMENTS ? D + 16 : D;
   at::Tensor acc = at::zeros({T, ld}, x.options().dtype(at::kFloat));
-  if (M == 0) return ld == D ? acc : acc.narrow(1, 0, D).contiguous();
+  if (M == 0) return acc.narrow(1, 0, D);
   std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1), token(M);
   at::Tensor row_w = at::empty({M}, at::TensorOptions().dtype(at::kFloat));
   float* rw = row_w.data_ptr<float>();
@@ -804,7 +806,13 @@ at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids,
   });
   // the down projection adds each row into its token's output row (slot order per element)
   run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld, ldr);
-  return ld == D ? acc : acc.narrow(1, 0, D).contiguous();
+  return acc.narrow(1, 0, D);
+}
+
+at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights,
+                                const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p,
+                                const at::Tensor& s2) {
+  return experts_topk_rows(x, slot_ids, weights, w13p, s13, w2p, s2).contiguous();
 }
 
 // out[g] = x[g] @ W[g]^T + bias[g] written into out [G, N, C] (any strides, its columns contiguous;
@@ -1565,7 +1573,7 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tens
     sp[j] = slot;
     ++load[slot];
   }
-  at::Tensor out = experts_forward_topk(x, slots, weights, w13p, s13, w2p, s2);  // [T, D] fp32
+  at::Tensor out = experts_topk_rows(x, slots, weights, w13p, s13, w2p, s2);  // [T, D] fp32, rows maybe padded
   at::Tensor shared;
   if (sh_w13p.numel()) {
     const int64_t rows[1] = {T};
@@ -1573,8 +1581,13 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tens
                              at::empty({0}, x.options().dtype(at::kFloat)), false);  // [T, D] in x's dtype
   }
   if (out.numel() > SMALL_ELEMENTS) {
-    if (shared.defined()) out = out + shared.to(at::kFloat);
-    return out.to(x.scalar_type());
+    // one pass over the (padded) sums: the add in fp32 (bf16 widens exactly), rounded once into x's
+    // dtype by the output's cast, the values of (out + shared.to(fp32)).to(dtype) without the
+    // contiguous copy and the two fp32 temporaries (DeepSeek-style layer, T = 4096: ~80 MB less memory
+    // traffic and 32 MB less peak; no time change measured where a 480 MB L3 held the temporaries)
+    if (!shared.defined()) return out.to(x.scalar_type());
+    at::Tensor result = at::empty(out.sizes(), x.options());
+    return at::add_out(result, out, shared);
   }
   // (out + shared in fp32) rounded to x's dtype: an fp32 add and one rounding per element, as above
   at::Tensor result = at::empty(out.sizes(), x.options());

@@ -74,6 +74,22 @@ def test_moe_ffn_is_bit_equal_to_the_op_by_op_path(kernel_isas: list[str], hf_ch
     assert ffn_calls == [(rows, d) for _ in kernel_isas for rows in (1, 7, 33)]
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_ffn_is_bit_equal_at_prefill_size(kernel_isas: list[str], hf_checkpoints: dict[str, Path], family: str,
+                                              dtype: torch.dtype) -> None:
+    """Past 2^16 output elements the op adds the routed sums (rows padded in memory) and the shared
+    expert in one pass into x's dtype: still the op-by-op path's bits."""
+    layer = _moe_layer(hf_checkpoints[family], dtype)
+    d = layer.experts.w13.shape[-1]
+    rows = (1 << 16) // d + 3
+    x = torch.randn(rows, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    (out, load), (want, want_load) = _both_paths(layer, x)
+    assert out.shape == (rows, d) and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, want)
+    assert torch.equal(load, want_load)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_moe_ffn_spreads_replicas_like_choose_replicas(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
                                                        rank: int, ffn_calls: list[tuple[int, ...]]) -> None:
