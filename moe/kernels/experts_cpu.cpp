@@ -363,7 +363,6 @@ struct DotIsa {
   LinearDotFn<float> linear_f32 = nullptr;
   LinearDotFn<uint16_t> linear_bf16 = nullptr;
   PagedDecodeDotFn paged_decode = nullptr;  // bf16 queries over a bf16 cache
-  int64_t pair_min_rows = 16;  // rows from which an item covers two column blocks
 };
 
 struct Isa {
@@ -472,7 +471,7 @@ static Isa isa_by_name(const std::string& name) {
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("amx");
     using A = amx::AmxKernels;
     isa.dot = DotIsa{&A::gate_up, &A::down<float>, &A::down<uint16_t>, &A::down_add, &A::linear<float>,
-                     &A::linear<uint16_t>, nullptr, getenv("AMX_PAIR") ? atol(getenv("AMX_PAIR")) : 16};
+                     &A::linear<uint16_t>, nullptr};
     return isa;
   }
   if (name == "avx512bf16") {
@@ -647,7 +646,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
   uint16_t* act_b = dot ? reinterpret_cast<uint16_t*>(act.data_ptr()) : nullptr;
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
-  const int64_t pairs = dot ? isa.dot.pair_min_rows : isa.pair_tiles ? PAIR_BLOCK_MIN_ROWS : 0;
+  const int64_t pairs = dot ? DOT_PAIR_BLOCK_MIN_ROWS : isa.pair_tiles ? PAIR_BLOCK_MIN_ROWS : 0;
   const std::vector<Item> up_items = work_items(offsets, nb13, pairs);
   for_each_item(up_items, [&](const Item& it) {
     const int64_t block = it.expert * nb13 + it.block;
@@ -854,7 +853,7 @@ static void linear_into(const at::Tensor& x, const at::Tensor& wp, const at::Ten
   // two neighbouring column blocks per item from PAIR_BLOCK_MIN_ROWS rows (DOT_PAIR_BLOCK_MIN_ROWS on
   // the dot tiles; the FMA tiles where they have two-block tiles); the last item of an odd count
   // takes one
-  const int64_t per_item = std::min(N, ROW_PANEL) >= (dot ? isa.dot.pair_min_rows : PAIR_BLOCK_MIN_ROWS) &&
+  const int64_t per_item = std::min(N, ROW_PANEL) >= (dot ? DOT_PAIR_BLOCK_MIN_ROWS : PAIR_BLOCK_MIN_ROWS) &&
                            (dot || isa.pair_tiles) ? 2 : 1;
   const int64_t nbi = (nb + per_item - 1) / per_item;  // items per (group, panel)
   // items (group, row panel, column blocks), column blocks innermost: a thread's consecutive items
