@@ -37,19 +37,19 @@ The extension is compiled with ``torch.utils.cpp_extension`` on first use (or ah
 with ``python -m launch build-kernels``) into a cache directory keyed by the source hash,
 torch version, Python version and machine; ``MOE_KERNEL_CACHE`` overrides the directory
 and ``MOE_CPU_KERNEL=0`` turns the kernel off (``MOE_KERNEL_ISA=avx512`` etc. picks an instruction
-set for the process, for A/B runs). The instruction set (AMX, AVX512-BF16, AVX-512,
-AVX2+FMA or baseline) is chosen from cpuid when the library loads: one build runs on any x86-64
-CPU. AMX (``amx``: AMX-TILE and AMX-BF16, and Linux granting the process the tile state) runs the
-AVX-512 kernels with the bf16 x bf16 products of the experts and linears on tdpbf16ps tiles
+set for the process, for A/B runs). The instruction set (AMX, AVX512-BF16, AVX-512, AVX2+FMA or
+baseline) is chosen from cpuid when the library loads: one build runs on any x86-64 CPU. AMX
+(``amx``: AMX-TILE and AMX-BF16, and Linux granting the process the tile state) runs the AVX-512
+kernels with the bf16 x bf16 products of the experts and linears on tdpbf16ps tiles
 (``amx_body.h``): the packed bf16 block is the tile's weight operand as it lies, and bf16
-activations round between the projections as on the dot tiles; weights whose K is not a multiple
-of 32 run the vdpbf16ps tiles instead. AVX512-BF16 is chosen only where a ~1 ms probe finds its dot product at least as fast as the
-fp32 FMA (``bf16_dot_rate``: ~2x on AMD Zen 4/5, ~0.5x on Intel cores without AMX, whose
-oneDNN bf16 GEMMs are then slower than fp32 ones too); the first process on a CPU probes and keeps
-the rate beside the build, so every process of the machine picks the same tiles. On it, bf16 rows
-against bf16 weights run on the dot product (``dot_body.h``): the SwiGLU activations between the
-two projections are then rounded to bf16, as the bf16 PyTorch path rounds them; elsewhere rows
-widen to fp32 and stay fp32 inside the op.
+activations round between the projections as on the dot tiles; weights whose K is not a multiple of
+32 run the vdpbf16ps tiles instead. AVX512-BF16 is chosen only where a ~1 ms probe finds its dot
+product at least as fast as the fp32 FMA (``bf16_dot_rate``: ~2x on AMD Zen 4/5, ~0.5x on Intel
+cores without AMX, whose oneDNN bf16 GEMMs are then slower than fp32 ones too); the first process
+on a CPU probes and keeps the rate beside the build, so every process of the machine picks the same
+tiles. On it, bf16 rows against bf16 weights run on the dot product (``dot_body.h``): the SwiGLU
+activations between the two projections are then rounded to bf16, as the bf16 PyTorch path rounds
+them; elsewhere rows widen to fp32 and stay fp32 inside the op.
 Without a compiler the model falls back to the PyTorch path after one log line.
 """
 
