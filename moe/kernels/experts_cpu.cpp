@@ -42,6 +42,13 @@
 #include <unistd.h>
 #endif
 
+// Compilers with AMX's intrinsics (GCC 11, clang 12 on): elsewhere the build leaves the amx
+// instruction set out (and never offers it) instead of failing as a whole.
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define MOE_HAVE_AMX 1
+#endif
+
 namespace moe_kernels {
 
 enum WeightType { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
@@ -305,6 +312,8 @@ namespace avx512bf16 {
 }  // namespace avx512bf16
 #pragma GCC pop_options
 
+#endif
+#if defined(MOE_HAVE_AMX)
 // AMX: the AVX512-BF16 kernels, with the bf16 x bf16 ops' products on AMX tiles (amx_body.h)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")
@@ -399,7 +408,7 @@ static Isa make_isa(const char* name) {
 // for XTILEDATA, asked once per process; a kernel or hypervisor without it refuses, and the tiles
 // would fault).
 static bool amx_usable() {
-#if defined(__linux__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__linux__) && defined(MOE_HAVE_AMX)
   static const bool usable = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
@@ -466,7 +475,7 @@ static Isa isa_by_name(const std::string& name) {
   TORCH_CHECK(name == "generic" || name == "avx2" || name == "avx512" || name == "avx512bf16" || name == "amx",
               "moe_kernels: unknown ISA '", name, "' (expected generic, avx2, avx512, avx512bf16 or amx)");
   TORCH_CHECK(cpu_has(name), "moe_kernels: this CPU does not support ", name);
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(MOE_HAVE_AMX)
   if (name == "amx") {  // the FMA attention: the dot product's rate is ~0.5x the FMA's on these cores
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("amx");
     using A = amx::AmxKernels;
@@ -474,6 +483,8 @@ static Isa isa_by_name(const std::string& name) {
                      &A::linear<uint16_t>, nullptr};
     return isa;
   }
+#endif
+#if defined(__x86_64__) || defined(__i386__)
   if (name == "avx512bf16") {
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512bf16");
     using D = avx512bf16::DotKernels;
