@@ -90,6 +90,35 @@ def test_moe_ffn_is_bit_equal_at_prefill_size(kernel_isas: list[str], hf_checkpo
     assert torch.equal(load, want_load)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_ffn_output_past_the_padding_is_contiguous(kernel_isas: list[str], dtype: torch.dtype,
+                                                       shared: bool) -> None:
+    """Past 2^16 output elements the routed sums lie in padded rows; the op's output is still a
+    contiguous [T, D] tensor (not a view of them), equal to the routed experts' op plus the shared
+    expert rounded once, with and without shared experts and in x's own dtype too (fp32)."""
+    slots, hidden, inter, tokens, top_k = 8, 64, 32, (1 << 16) // 64 + 5, 2
+    gen = torch.Generator().manual_seed(3)
+    w13 = (torch.randn(slots, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(slots, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    gate = torch.randn(slots, hidden, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    packed = kernels.pack_experts(w13, w2)
+    sh = kernels.pack_experts(w13[:1].clone(), w2[:1].clone()) if shared else None
+    run = kernels.moe_ffn_op(gate, None, sigmoid=False, method=0, n_group=1, topk_group=1, top_k=top_k,
+                             norm_topk_prob=True, scaling=1.0, packed=packed, shared=sh)
+    load = torch.zeros(slots, dtype=torch.int64)
+    out = run(x, torch.arange(slots).unsqueeze(1), torch.ones(slots, dtype=torch.int64), 0, load)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype and out.is_contiguous()
+    ids, weights = kernels.route_topk(kernels.router_logits(x, gate), None, sigmoid=False, method=0, n_group=1,
+                                      topk_group=1, top_k=top_k, norm_topk_prob=True, scaling=1.0)
+    want = kernels.experts_forward_topk(x, ids, weights, packed)  # [T, D] fp32
+    if shared:
+        want = want + kernels.experts_forward(x, [tokens], sh).float()
+    assert torch.equal(out, want.to(dtype))
+    assert int(load.sum()) == tokens * top_k
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_moe_ffn_spreads_replicas_like_choose_replicas(kernel_isas: list[str], hf_checkpoints: dict[str, Path],
                                                        rank: int, ffn_calls: list[tuple[int, ...]]) -> None:
