@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from moe import kernels
 from moe.experts import grouped_expert_forward
+from tests.unit.test_expert_kernel import _weights
 
 COUNTS = [0, 1, 15, 16, 17, 0, 31, 32, 33, 100]
 
@@ -27,19 +28,12 @@ def amx(kernel_isas: list[str]):
     kernels.select_isa("auto")
 
 
-def _experts(slots: int, hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(slots, 2 * inter, hidden, generator=gen) / hidden**0.5).bfloat16()
-    w2 = (torch.randn(slots, hidden, inter, generator=gen) / inter**0.5).bfloat16()
-    return w13, w2
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("hidden", "inter"), [(64, 96), (96, 40), (48, 64)])
 def test_amx_experts_match_reference(amx, hidden: int, inter: int) -> None:
     """Both phases on the tiles (64, 96), gate/up only (96, 40: down's K = 40), down only (48, 64):
     within bf16 rounding of a float64 reference, grouped and from the router's output."""
-    w13, w2 = _experts(len(COUNTS), hidden, inter, seed=hidden + inter)
+    w13, w2 = _weights(len(COUNTS), hidden, inter, torch.bfloat16, seed=hidden + inter)
     gen = torch.Generator().manual_seed(5)
     n = sum(COUNTS)
     x = torch.randn(n, hidden, generator=gen).bfloat16()
@@ -76,7 +70,7 @@ def test_amx_row_values_do_not_depend_on_the_rows_beside_them_or_the_threads(amx
     """A row's outputs are the same bits alone in its expert (a 1-row tile) as among 100 rows, and
     on 1, 2 or 3 threads: the tiles keep one order of sums per row."""
     hidden, inter = 64, 96
-    w13, w2 = _experts(len(COUNTS), hidden, inter, seed=9)
+    w13, w2 = _weights(len(COUNTS), hidden, inter, torch.bfloat16, seed=9)
     gen = torch.Generator().manual_seed(6)
     n = sum(COUNTS)
     x = torch.randn(n, hidden, generator=gen).bfloat16()
@@ -125,7 +119,7 @@ def test_amx_linear_reads_strided_rows(amx, bias: bool) -> None:
 def test_amx_tiles_survive_another_library_changing_the_tile_state(amx) -> None:
     """oneDNN's bf16 GEMMs load their own tile configuration on this thread between two calls; the
     kernel's results stay the same bits (every call checks the configuration it needs)."""
-    w13, w2 = _experts(len(COUNTS), 64, 96, seed=11)
+    w13, w2 = _weights(len(COUNTS), 64, 96, torch.bfloat16, seed=11)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(sum(COUNTS), 64, generator=gen).bfloat16()
     packed = kernels.pack_experts(w13, w2)
