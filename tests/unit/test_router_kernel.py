@@ -72,7 +72,7 @@ def test_route_op_rejects_impossible_groupings(kernel_isas: list[str]) -> None:
                            norm_topk_prob=True, scaling=1.0)
 
 
-@pytest.mark.parametrize("shape", [(1, 64, 1024), (37, 64, 1024), (6, 14, 40), (130, 8, 19)])  # (T, E, D)
+@pytest.mark.parametrize("shape", [(1, 64, 1024), (37, 64, 1024), (6, 14, 40), (130, 8, 19), (300, 9, 2056)])  # (T, E, D)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_logits_are_the_fp32_product(kernel_isas: list[str], shape: tuple[int, int, int],
                                             dtype: torch.dtype) -> None:
@@ -86,6 +86,8 @@ def test_router_logits_are_the_fp32_product(kernel_isas: list[str], shape: tuple
         assert got.shape == (T, E) and got.dtype == torch.float32, name
         # another summation order than the library GEMM's: fp32 rounding of a D-term sum
         assert ((got.double() - want).abs() <= 1e-6 * D * (x.float().abs() @ w.abs().T).double()).all(), name
+        if dtype == torch.bfloat16:  # rows widened as they are read: the bits of the widened rows' logits
+            assert torch.equal(got, kernels.router_logits(x.float(), w)), name
     kernels.select_isa("auto")
 
 
