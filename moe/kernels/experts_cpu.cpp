@@ -340,6 +340,8 @@ using AddRmsNormFn = void (*)(bool, const void*, const void*, const void*, void*
 using RopeFn = void (*)(bool, const void*, int64_t, int64_t, const float*, const float*, int64_t, bool, void*, int64_t);
 // out = a (fp32 rows lda apart) + b (null: nothing) rounded to out's dtype: (bf16, a, lda, b, out, rows, D)
 using AddRoundFn = void (*)(bool, const float*, int64_t, const void*, void*, int64_t, int64_t);
+// one token's router scores: (sigmoid (else softmax), logits [E], E, scores [E])
+using RouteScoresFn = void (*)(bool, const float*, int64_t, float*);
 using RouterLogitsFn = void (*)(bool, const void*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
 // (bf16 pool, q, the item's heads, its kv head's query heads, pool, S, head, table, L, scale, round_half,
 // scratch..., next)
@@ -391,6 +393,7 @@ struct Isa {
   RouterLogitsFn router_logits;  // fp32 x @ w^T for the router, batch-invariant
   RopeFn rope;  // rotary embedding of rows sharing one cos/sin (bit-equal to rope.apply_rotary)
   AddRoundFn add_round;  // fp32 rows + rows of the output dtype, rounded once
+  RouteScoresFn route_scores;  // sigmoid or softmax of one token's router logits
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
@@ -403,7 +406,8 @@ template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
              &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::prefill, &N::rms_norm,
-             &N::add_rms_norm, &N::router_logits, &N::rope, &N::add_round, DotIsa{}, K::pair_tiles};
+             &N::add_rms_norm, &N::router_logits, &N::rope, &N::add_round, &N::route_scores, DotIsa{},
+             K::pair_tiles};
 }
 
 // Whether this process may run AMX's bf16 tiles: cpuid's AMX-TILE and AMX-BF16 bits (leaf 7, EDX
@@ -1486,20 +1490,14 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
   float* wp = weights.data_ptr<float>();
   const int64_t per_group = grouped ? E / n_group : E;
   const float scale = static_cast<float>(scaling);
+  const Isa& isa = current_isa();
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(E), sel(E), group_score(grouped ? n_group : 0);
-    std::vector<char> keep(grouped ? n_group : 0), taken(E);
+    std::vector<char> keep(grouped ? n_group : 0);
+    std::vector<int64_t> best(top_k);
     for (int64_t t = begin; t < end; ++t) {
       const float* l = lp + t * E;
-      if (sigmoid) {
-        for (int64_t e = 0; e < E; ++e) scores[e] = 1.f / (1.f + std::exp(-l[e]));
-      } else {
-        float m = l[0];
-        for (int64_t e = 1; e < E; ++e) m = std::max(m, l[e]);
-        float sum = 0.f;
-        for (int64_t e = 0; e < E; ++e) sum += (scores[e] = std::exp(l[e] - m));
-        for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
-      }
+      isa.route_scores(sigmoid, l, E, scores.data());
       for (int64_t e = 0; e < E; ++e) sel[e] = bp ? scores[e] + bp[e] : scores[e];
       if (grouped) {
         for (int64_t g = 0; g < n_group; ++g) {
@@ -1523,19 +1521,24 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
           keep[best] = 1;
         }
         const float fill = method == 1 ? 0.f : -INFINITY;
-        for (int64_t e = 0; e < E; ++e)
-          if (!keep[e / per_group]) sel[e] = fill;
+        for (int64_t g = 0; g < n_group; ++g)
+          if (!keep[g]) std::fill(sel.begin() + g * per_group, sel.begin() + (g + 1) * per_group, fill);
       }
       int64_t* row_ids = ip + t * top_k;
       float* row_w = wp + t * top_k;
-      std::fill(taken.begin(), taken.end(), 0);
-      for (int64_t k = 0; k < top_k; ++k) {  // highest selection first, ties to the lower expert id
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; ++e)
-          if (!taken[e] && (best < 0 || sel[e] > sel[best])) best = e;
-        taken[best] = 1;
-        row_ids[k] = best;
-        row_w[k] = method == 1 ? sel[best] : scores[best];
+      // highest selection first, ties to the lower expert id: one pass keeping the top_k so far in
+      // that order (an expert goes in after every kept one it does not beat)
+      int64_t kept = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const float v = sel[e];
+        if (kept == top_k && !(v > sel[best[top_k - 1]])) continue;
+        int64_t i = kept < top_k ? kept++ : top_k - 1;
+        for (; i > 0 && v > sel[best[i - 1]]; --i) best[i] = best[i - 1];
+        best[i] = e;
+      }
+      for (int64_t k = 0; k < top_k; ++k) {
+        row_ids[k] = best[k];
+        row_w[k] = method == 1 ? sel[best[k]] : scores[best[k]];
       }
       if (norm_topk_prob) {
         float sum = 0.f;
