@@ -630,6 +630,13 @@ static void check_experts(const at::Tensor& x, const at::Tensor& w13p, const at:
 // tile pass over K = 1024 and 2048 in a microbenchmark: 595 -> 674 and 548 -> 698 GFLOP/s.
 static inline int64_t dot_row_stride(int64_t k) { return k + 32; }
 
+// Routed rows (T x K assignments) from which the dot tiles' gate/up gathers each (expert, row panel)
+// into a thread's L2 scratch as it reaches it, instead of every row into one [M, D] copy first. At
+// T = 4096 (DeepSeek-style layer, AMX box) that copy wrote 50 MB, ~8 ms of the layer by perf, and
+// gate/up then read it back from L3. Decode-size steps keep the copy and the (expert, block) items,
+// which spread few rows over the threads, and so do steps with fewer than four panels per thread.
+constexpr int64_t GATHER_MIN_ROWS = 1024;
+
 // The two phases over rows xs [N, D] grouped by slot (offsets: P + 1 row offsets): gate/up + SiLU
 // into activations, then down with the routing weight rw[n] (null: 1) and the int8 scale in the
 // epilogue, into out [N, D] (bf16 when bf16_out, else fp32); or, given out_rows ([N] row ids), each
@@ -637,10 +644,16 @@ static inline int64_t dot_row_stride(int64_t k) { return k + 32; }
 // element summing its rows in row order (each thread owns whole column ranges). xs and the
 // activations are bf16 on the dot tiles (dot: Isa::dot_bf16 holds), else fp32. xs's rows are ldx
 // elements apart (0: D); on the dot tiles the activations' rows are dot_row_stride(I) apart.
+//
+// Given src_rows ([N] row ids, dot tiles only), xs is not the grouped rows but their source: row n is
+// row src_rows[n] of xs (bf16, rows D apart), and gate/up runs items (expert, row panel), each
+// gathering its panel into a thread's scratch (dot_row_stride(D) apart, in L2) before it walks every
+// column block (the same panels, block pairs and tiles as items (expert, panel, blocks) give, so the
+// same values). See GATHER_MIN_ROWS.
 static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& offsets, int64_t D,
                         const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
                         const float* rw_ptr, bool bf16_out, void* out, const int64_t* out_rows = nullptr,
-                        int64_t ld_out = 0, int64_t ldx = 0) {
+                        int64_t ld_out = 0, int64_t ldx = 0, const int64_t* src_rows = nullptr) {
   if (ld_out == 0) ld_out = D;
   if (ldx == 0) ldx = D;
   const int64_t N = offsets.back(), nb13 = w13p.size(1), I = nb13 * 8, nb2 = w2p.size(1);
@@ -665,7 +678,28 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
   const int64_t pairs = dot ? DOT_PAIR_BLOCK_MIN_ROWS : isa.pair_tiles ? PAIR_BLOCK_MIN_ROWS : 0;
-  const std::vector<Item> up_items = work_items(offsets, nb13, pairs);
+  if (src_rows) {
+    TORCH_CHECK(dot, "moe_kernels: gathered panels need the dot tiles");
+    const std::vector<Item> panels = work_items(offsets, 1);  // (expert, panel) once each
+    const int64_t ldr = dot_row_stride(D);
+    for_each_claimed(static_cast<int64_t>(panels.size()), [&](auto& claim) {
+      std::vector<uint16_t> scratch(ROW_PANEL * ldr);
+      for (int64_t begin, end; claim(begin, end);)
+        for (int64_t i = begin; i < end; ++i) {
+          const Item& it = panels[i];
+          for (int64_t r = 0; r < it.rows; ++r)
+            std::memcpy(scratch.data() + r * ldr, xb + src_rows[it.row0 + r] * D, D * sizeof(uint16_t));
+          const int64_t per_item = pairs > 0 && it.rows >= pairs ? 2 : 1;
+          for (int64_t b = 0; b < nb13; b += per_item) {
+            const int blocks = static_cast<int>(std::min(per_item, nb13 - b));
+            const uint16_t* w = reinterpret_cast<const uint16_t*>(w13_ptr + (it.expert * nb13 + b) * D * 16 * esize);
+            isa.dot.gate_up(scratch.data(), it.rows, D, ldr, w, blocks, D * 16, act_b + it.row0 * ld_act + b * 8,
+                            ld_act);
+          }
+        }
+    });
+  }
+  const std::vector<Item> up_items = src_rows ? std::vector<Item>{} : work_items(offsets, nb13, pairs);
   for_each_item(up_items, [&](const Item& it) {
     const int64_t block = it.expert * nb13 + it.block;
     const char* w = w13_ptr + block * D * 16 * esize;
@@ -805,6 +839,13 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   const at::Tensor xc = x.contiguous();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
   const bool dot = current_isa().dot_bf16(weight_type(w13p), x.scalar_type());
+  int64_t panels = 0;
+  for (int64_t e = 0; e < P; ++e) panels += (offsets[e + 1] - offsets[e] + ROW_PANEL - 1) / ROW_PANEL;
+  if (dot && M >= GATHER_MIN_ROWS && panels >= 4 * at::get_num_threads()) {  // panels gathered as gate/up goes
+    run_experts(xc.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld,
+                0, token.data());
+    return acc.narrow(1, 0, D);
+  }
   // the rows gathered in slot order: bf16 copies for the dot tiles (dot_row_stride apart), else fp32
   const int64_t ldr = dot ? dot_row_stride(D) : D;
   at::Tensor rows = at::empty({M, ldr}, at::TensorOptions().dtype(dot ? at::kBFloat16 : at::kFloat));

@@ -186,12 +186,16 @@ def test_one_op_from_router_output_equals_grouping_first(kernel_isas: list[str],
 
 @pytest.mark.parametrize("tokens", [120, 700])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("skewed", [False, True])
 def test_one_op_adds_rows_into_tokens_in_slot_order_on_every_thread_count(kernel_isas: list[str],
-                                                                         threads: int, tokens: int) -> None:
+                                                                         threads: int, tokens: int,
+                                                                         skewed: bool) -> None:
     """The down projection adds each row straight into its token's output row; with two threads each
     owns a range of column blocks (D 96: three block pairs), and every element still sums its rows in
     slot order, bit-equal to writing the rows out and adding them afterwards. 700 tokens (over 2^16
-    output elements) take the padded output rows, copied out contiguously."""
+    output elements) take the padded output rows, copied out contiguously, and (2100 rows, bf16 on
+    the dot tiles) gate/up's panels gathered as it reaches them; skewed routing leaves one slot 4
+    rows (a panel of single-block items beside panels of block pairs)."""
     experts = Experts(6, 96, 32, dtype=torch.bfloat16)
     w13, w2 = _weights(6, 96, 32, torch.bfloat16, seed=5)
     experts.w13.data.copy_(w13)
@@ -199,6 +203,9 @@ def test_one_op_adds_rows_into_tokens_in_slot_order_on_every_thread_count(kernel
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(tokens, 96, generator=gen).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(tokens)])  # tokens / 2 rows per slot
+    if skewed:  # slot 5 only for tokens 6-9
+        ids = torch.stack([torch.randperm(5, generator=gen)[:3] for _ in range(tokens)])
+        ids[6:10, 0] = 5
     ids[5] = -1  # no kept assignment: zeros
     w = torch.rand(tokens, 3, generator=gen)
     before = torch.get_num_threads()
