@@ -43,11 +43,10 @@ static inline void amx_configure(int m0, int m1, int nb) {
   if (std::memcmp(&now, &c, sizeof(c)) != 0) _tile_loadconfig(&c);
 }
 
-// buf [RT * 16][NB * 16] (row r of row tile t at row 16 t + r, block j at column 16 j) = x's RT row
-// tiles (rows ldx elements apart) times NB blocks (w_stride elements apart) over K (a multiple of 32).
+// The accumulators (tmm0-3) = x's RT row tiles (rows ldx elements apart) times NB blocks (w_stride
+// elements apart) over K (a multiple of 32); amx_store then writes them out.
 template <int RT, int NB>
-static inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride, int64_t K,
-                            float* buf) {
+static inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride, int64_t K) {
   const int64_t sx = ldx * static_cast<int64_t>(sizeof(uint16_t));
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
@@ -75,6 +74,12 @@ static inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, i
       if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
+}
+
+// buf [RT * 16][NB * 16] (row r of row tile t at row 16 t + r, block j at column 16 j) = the
+// accumulators of an amx_pass<RT, NB>.
+template <int RT, int NB>
+static inline void amx_store(float* buf) {
   constexpr int64_t ld = NB * 16 * sizeof(float);
   _tile_stored(0, buf, ld);
   if constexpr (NB == 2) _tile_stored(1, buf + 16, ld);
@@ -96,8 +101,17 @@ struct AmxTiles {
       avx512bf16::dot_tiles_over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
       return;
     }
-    alignas(64) float buf[32 * 32];
+    // Each pass's epilogue runs while the next pass's products run: its instructions come after
+    // that pass's tdpbf16ps and before its tile stores (which wait for them), so the core works
+    // through them instead of waiting; two buffers. The epilogues still run pass by pass, in order.
+    alignas(64) float buf[2][32 * 32];
     int m0_now = -1, m1_now = -1;
+    int64_t prev_r0 = 0, prev_rows = 0;
+    auto finish = [&](const float* b, int64_t r0, int64_t rows) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < nb; ++j) epilogue(r0 + r, j, b + (r * nb + j) * 16);
+    };
+    int cur = 0;
     for (int64_t r0 = 0; r0 < n; r0 += 32) {
       const int64_t rows = std::min<int64_t>(32, n - r0);
       const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows - m0);
@@ -107,16 +121,25 @@ struct AmxTiles {
       }
       for (int j = 0; j < nb; ++j) before(r0, rows, j);
       const uint16_t* xr = x + r0 * ldx;
+      float* b = buf[cur];
       if (m1 > 0) {
-        if (nb == 2) amx_pass<2, 2>(xr, ldx, w, w_stride, K, buf);
-        else amx_pass<2, 1>(xr, ldx, w, w_stride, K, buf);
+        if (nb == 2) amx_pass<2, 2>(xr, ldx, w, w_stride, K);
+        else amx_pass<2, 1>(xr, ldx, w, w_stride, K);
       } else {
-        if (nb == 2) amx_pass<1, 2>(xr, ldx, w, w_stride, K, buf);
-        else amx_pass<1, 1>(xr, ldx, w, w_stride, K, buf);
+        if (nb == 2) amx_pass<1, 2>(xr, ldx, w, w_stride, K);
+        else amx_pass<1, 1>(xr, ldx, w, w_stride, K);
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int j = 0; j < nb; ++j) epilogue(r0 + r, j, buf + (r * nb + j) * 16);
+      if (prev_rows > 0) finish(buf[cur ^ 1], prev_r0, prev_rows);
+      if (m1 > 0) {
+        if (nb == 2) amx_store<2, 2>(b);
+        else amx_store<2, 1>(b);
+      } else {
+        if (nb == 2) amx_store<1, 2>(b);
+        else amx_store<1, 1>(b);
+      }
+      prev_r0 = r0, prev_rows = rows, cur ^= 1;
     }
+    if (prev_rows > 0) finish(buf[cur ^ 1], prev_r0, prev_rows);
   }
 };
 
