@@ -183,14 +183,22 @@ struct DotKernelsOf {
     }, NoTileStart{}, ld_act);
   }
   // down's rows added into fp32 output rows: out[out_rows[row], 16b:16b+16] += the product
-  // (rounded to fp32 first, see add_rounded16).
+  // (rounded to fp32 first, see add_rounded16). Rows with first[row] set (first: null for none) are
+  // their output row's first: 0 + the product is stored without reading the row (the bits of adding
+  // it to zeros: -0 becomes +0), so the output need not be zeroed first.
   static void down_add(const uint16_t* act, int64_t n, int64_t I, int64_t ld_act, const uint16_t* w, int nb,
                        int64_t w_stride, const float* row_weight, const int64_t* out_rows, float* out,
-                       int64_t ld_out) {
+                       int64_t ld_out, const uint8_t* first) {
     Tiles::over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
-      alignas(64) float v[16];
-      _mm512_store_ps(v, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f)));
-      add_rounded16(out + out_rows[row] * ld_out + 16 * j, v);
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f));
+      float* dst = out + out_rows[row] * ld_out + 16 * j;
+      if (first && first[row]) {
+        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_setzero_ps(), v));
+        return;
+      }
+      alignas(64) float vs[16];
+      _mm512_store_ps(vs, v);
+      add_rounded16(dst, vs);
     }, OutRowPrefetch{out_rows, out, ld_out}, ld_act);
   }
   // out[row, 0:ncols] = x[row] @ blocks (+ bias): x [n, K] bf16, rows ldx elements apart; nb

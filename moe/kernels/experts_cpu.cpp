@@ -358,7 +358,7 @@ template <typename OT>
 using DownDotFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int, int64_t, const float*,
                            OT*, int64_t);
 using DownAddDotFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int, int64_t,
-                              const float*, const int64_t*, float*, int64_t);
+                              const float*, const int64_t*, float*, int64_t, const uint8_t*);
 template <typename OT>
 using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int, const float*, int64_t,
                              OT*, int64_t);
@@ -645,6 +645,8 @@ constexpr int64_t GATHER_MIN_ROWS = 1024;
 // activations are bf16 on the dot tiles (dot: Isa::dot_bf16 holds), else fp32. xs's rows are ldx
 // elements apart (0: D); on the dot tiles the activations' rows are dot_row_stride(I) apart.
 //
+// Given first_rows ([N] flags, dot tiles with out_rows only), a flagged row is the first added into its
+// output row (in slot order): stored, not added, so out need not be zeroed (see DotKernelsOf::down_add).
 // Given src_rows ([N] row ids, dot tiles only), xs is not the grouped rows but their source: row n is
 // row src_rows[n] of xs (bf16, rows D apart), and gate/up runs items (expert, row panel), each
 // gathering its panel into a thread's scratch (dot_row_stride(D) apart, in L2) before it walks every
@@ -653,7 +655,8 @@ constexpr int64_t GATHER_MIN_ROWS = 1024;
 static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& offsets, int64_t D,
                         const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
                         const float* rw_ptr, bool bf16_out, void* out, const int64_t* out_rows = nullptr,
-                        int64_t ld_out = 0, int64_t ldx = 0, const int64_t* src_rows = nullptr) {
+                        int64_t ld_out = 0, int64_t ldx = 0, const int64_t* src_rows = nullptr,
+                        const uint8_t* first_rows = nullptr) {
   if (ld_out == 0) ld_out = D;
   if (ldx == 0) ldx = D;
   const int64_t N = offsets.back(), nb13 = w13p.size(1), I = nb13 * 8, nb2 = w2p.size(1);
@@ -722,7 +725,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
       float* col = reinterpret_cast<float*>(out_ptr) + it.block * 16;
       if (dot)
         isa.dot.down_add(act_b + it.row0 * ld_act, it.rows, I, ld_act, static_cast<const uint16_t*>(w), it.blocks,
-                         I * 16, rw, out_rows + it.row0, col, ld_out);
+                         I * 16, rw, out_rows + it.row0, col, ld_out, first_rows ? first_rows + it.row0 : nullptr);
       else
         isa.down_add(wt, act_f + it.row0 * I, it.rows, I, w, it.blocks, I * 16, sc, rw, out_rows + it.row0, col,
                      ld_out);
@@ -825,8 +828,13 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   // layer, T = 4096, Zen 5: the adds' misses were ~0.17 of the products' time, 0.06 padded); copying
   // the result out contiguously costs less than that (experts 102-115 ms padded against 118-126).
   const int64_t ld = T * D > SMALL_ELEMENTS ? D + 16 : D;
-  at::Tensor acc = at::zeros({T, ld}, x.options().dtype(at::kFloat));
-  if (M == 0) return acc.narrow(1, 0, D);
+  const bool dot = current_isa().dot_bf16(weight_type(w13p), x.scalar_type());
+  if (M == 0) return at::zeros({T, ld}, x.options().dtype(at::kFloat)).narrow(1, 0, D);
+  // on the dot tiles each token's first row (in slot order) is stored into its output row, the rest
+  // added, and only the rows of tokens with no kept row zeroed (at T = 4096, D = 1024: 16 MB of zeros
+  // written, then read back by the first adds, ~2 ms); elsewhere every row is added into zeros
+  at::Tensor acc = dot ? at::empty({T, ld}, x.options().dtype(at::kFloat))
+                       : at::zeros({T, ld}, x.options().dtype(at::kFloat));
   std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1), token(M);
   at::Tensor row_w = at::empty({M}, at::TensorOptions().dtype(at::kFloat));
   float* rw = row_w.data_ptr<float>();
@@ -836,14 +844,23 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
       token[r] = i / K;
       rw[r] = wp[i];
     }
+  std::vector<uint8_t> first;
+  if (dot) {
+    first.assign(M, 0);
+    std::vector<uint8_t> seen(T, 0);
+    for (int64_t r = 0; r < M; ++r)
+      if (!seen[token[r]]) seen[token[r]] = 1, first[r] = 1;
+    float* ap = acc.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t)
+      if (!seen[t]) std::memset(ap + t * ld, 0, D * sizeof(float));
+  }
   const at::Tensor xc = x.contiguous();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
-  const bool dot = current_isa().dot_bf16(weight_type(w13p), x.scalar_type());
   int64_t panels = 0;
   for (int64_t e = 0; e < P; ++e) panels += (offsets[e + 1] - offsets[e] + ROW_PANEL - 1) / ROW_PANEL;
   if (dot && M >= GATHER_MIN_ROWS && panels >= 4 * at::get_num_threads()) {  // panels gathered as gate/up goes
     run_experts(xc.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld,
-                0, token.data());
+                0, token.data(), first.data());
     return acc.narrow(1, 0, D);
   }
   // the rows gathered in slot order: bf16 copies for the dot tiles (dot_row_stride apart), else fp32
@@ -863,7 +880,8 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
     }
   });
   // the down projection adds each row into its token's output row (slot order per element)
-  run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld, ldr);
+  run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld, ldr,
+              nullptr, dot ? first.data() : nullptr);
   return acc.narrow(1, 0, D);
 }
 
