@@ -100,23 +100,29 @@ static void router_logits_chunk(const T* x, int64_t t_begin, int64_t t_end, cons
 // a decode step). Rows go in chunks of ~128 KB that stay in L2 while every expert tile passes over
 // them: one pass of the expert tiles over all T rows re-read x from L3 once per expert tile
 // (DeepSeek-style layer, E 64, D 1024, T = 4096 on AMX: 12.4 ms, ~16x x's bytes).
-// bf16 rows are widened into an fp32 copy a chunk at a time first (exact, so the same bits): widened
-// as each vector is loaded, their shifts shared the FMA ports (T = 4096, E 64, D 1024 on the AMX box:
-// 6.4-6.7 -> 5.9-6.3 ms; PyTorch's fp32 GEMM 5.4-5.7, at ~100 GFLOP/s the FMA rate there).
+// Prefill-size bf16 rows are widened into an fp32 copy a chunk at a time first (exact, so the same
+// bits): widened as each vector is loaded, their shifts shared the FMA ports (T = 4096, E 64, D 1024 on
+// the AMX box: 6.4-6.7 -> 5.9-6.3 ms; PyTorch's fp32 GEMM 5.4-5.7, at ~100 GFLOP/s the FMA rate
+// there). A decode step's few rows are read as they are: the copy cost more than it saved at 32 rows.
 template <typename T>
 static void router_logits_rows(const T* x, int64_t t_begin, int64_t t_end, const float* w, int64_t E, int64_t D,
                                float* out) {
   const int64_t chunk = std::max<int64_t>(4, (int64_t{131072} / std::max<int64_t>(1, D * 4)) / 4 * 4);
-  std::vector<float> wide(sizeof(T) == 2 ? std::min(chunk, t_end - t_begin) * D : 0);
-  for (int64_t c0 = t_begin; c0 < t_end; c0 += chunk) {
-    const int64_t c1 = std::min(t_end, c0 + chunk);
-    if constexpr (sizeof(T) == 2) {
-      for (int64_t i = 0; i < (c1 - c0) * D; ++i) wide[i] = to_float(x[c0 * D + i]);
-      router_logits_chunk(wide.data() - c0 * D, c0, c1, w, E, D, out);
-    } else {
-      router_logits_chunk(x, c0, c1, w, E, D, out);
+  if constexpr (sizeof(T) == 2) {
+    if (t_end - t_begin >= 4 * chunk) {
+      thread_local std::vector<float> wide;
+      wide.resize(chunk * D);
+      for (int64_t c0 = t_begin; c0 < t_end; c0 += chunk) {
+        const int64_t c1 = std::min(t_end, c0 + chunk);
+        const T* src = x + c0 * D;
+        for (int64_t i = 0; i < (c1 - c0) * D; ++i) wide[i] = to_float(src[i]);
+        router_logits_chunk(wide.data() - c0 * D, c0, c1, w, E, D, out);
+      }
+      return;
     }
   }
+  for (int64_t c0 = t_begin; c0 < t_end; c0 += chunk)
+    router_logits_chunk(x, c0, std::min(t_end, c0 + chunk), w, E, D, out);
 }
 
 // Rotary embedding of n R-wide vectors (rows ldx apart in x, ldo apart in out) with one cos/sin
