@@ -190,15 +190,16 @@ struct DotKernelsOf {
                        int64_t w_stride, const float* row_weight, const int64_t* out_rows, float* out,
                        int64_t ld_out, const uint8_t* first) {
     Tiles::over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
-      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f));
+      alignas(64) float v[16];
+      _mm512_store_ps(v, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f)));
       float* dst = out + out_rows[row] * ld_out + 16 * j;
-      if (first && first[row]) {
-        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_setzero_ps(), v));
+      if (first && first[row]) {  // 0 + v through add_rounded16 (v unfused with the product), then stored
+        alignas(64) float sum[16] = {};
+        add_rounded16(sum, v);
+        std::memcpy(dst, sum, sizeof(sum));
         return;
       }
-      alignas(64) float vs[16];
-      _mm512_store_ps(vs, v);
-      add_rounded16(dst, vs);
+      add_rounded16(dst, v);
     }, OutRowPrefetch{out_rows, out, ld_out}, ld_act);
   }
   // out[row, 0:ncols] = x[row] @ blocks (+ bias): x [n, K] bf16, rows ldx elements apart; nb
