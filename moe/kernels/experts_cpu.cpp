@@ -647,15 +647,15 @@ constexpr int64_t GATHER_MIN_ROWS = 1024;
 //
 // Given first_rows ([N] flags, dot tiles with out_rows only), a flagged row is the first added into its
 // output row (in slot order): stored, not added, so out need not be zeroed (see DotKernelsOf::down_add).
-// Given src_rows ([N] row ids, dot tiles only), xs is not the grouped rows but their source: row n is
-// row src_rows[n] of xs (bf16, rows D apart), and gate/up runs items (expert, row panel), each
+// Given gather (dot tiles with out_rows only), xs is not the grouped rows but the tokens' rows: row n is
+// row out_rows[n] of xs (bf16, rows D apart), and gate/up runs items (expert, row panel), each
 // gathering its panel into a thread's scratch (dot_row_stride(D) apart, in L2) before it walks every
 // column block (the same panels, block pairs and tiles as items (expert, panel, blocks) give, so the
 // same values). See GATHER_MIN_ROWS.
 static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& offsets, int64_t D,
                         const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
                         const float* rw_ptr, bool bf16_out, void* out, const int64_t* out_rows = nullptr,
-                        int64_t ld_out = 0, int64_t ldx = 0, const int64_t* src_rows = nullptr,
+                        int64_t ld_out = 0, int64_t ldx = 0, bool gather = false,
                         const uint8_t* first_rows = nullptr) {
   if (ld_out == 0) ld_out = D;
   if (ldx == 0) ldx = D;
@@ -681,8 +681,8 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
   const int64_t pairs = dot ? DOT_PAIR_BLOCK_MIN_ROWS : isa.pair_tiles ? PAIR_BLOCK_MIN_ROWS : 0;
-  if (src_rows) {
-    TORCH_CHECK(dot, "moe_kernels: gathered panels need the dot tiles");
+  if (gather) {
+    TORCH_CHECK(dot && out_rows, "moe_kernels: gathered panels need the dot tiles and the rows' tokens");
     const std::vector<Item> panels = work_items(offsets, 1);  // (expert, panel) once each
     const int64_t ldr = dot_row_stride(D);
     for_each_claimed(static_cast<int64_t>(panels.size()), [&](auto& claim) {
@@ -691,7 +691,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
         for (int64_t i = begin; i < end; ++i) {
           const Item& it = panels[i];
           for (int64_t r = 0; r < it.rows; ++r)
-            std::memcpy(scratch.data() + r * ldr, xb + src_rows[it.row0 + r] * D, D * sizeof(uint16_t));
+            std::memcpy(scratch.data() + r * ldr, xb + out_rows[it.row0 + r] * D, D * sizeof(uint16_t));
           const int64_t per_item = pairs > 0 && it.rows >= pairs ? 2 : 1;
           for (int64_t b = 0; b < nb13; b += per_item) {
             const int blocks = static_cast<int>(std::min(per_item, nb13 - b));
@@ -702,7 +702,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
         }
     });
   }
-  const std::vector<Item> up_items = src_rows ? std::vector<Item>{} : work_items(offsets, nb13, pairs);
+  const std::vector<Item> up_items = gather ? std::vector<Item>{} : work_items(offsets, nb13, pairs);
   for_each_item(up_items, [&](const Item& it) {
     const int64_t block = it.expert * nb13 + it.block;
     const char* w = w13_ptr + block * D * 16 * esize;
@@ -860,7 +860,7 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   for (int64_t e = 0; e < P; ++e) panels += (offsets[e + 1] - offsets[e] + ROW_PANEL - 1) / ROW_PANEL;
   if (dot && M >= GATHER_MIN_ROWS && panels >= 4 * at::get_num_threads()) {  // panels gathered as gate/up goes
     run_experts(xc.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld,
-                0, token.data(), first.data());
+                0, true, first.data());
     return acc.narrow(1, 0, D);
   }
   // the rows gathered in slot order: bf16 copies for the dot tiles (dot_row_stride apart), else fp32
@@ -881,7 +881,7 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   });
   // the down projection adds each row into its token's output row (slot order per element)
   run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld, ldr,
-              nullptr, dot ? first.data() : nullptr);
+              false, dot ? first.data() : nullptr);
   return acc.narrow(1, 0, D);
 }
 

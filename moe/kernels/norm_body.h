@@ -209,15 +209,7 @@ static void add_round_rows(const float* a, int64_t lda, const T* b, T* out, int6
     int64_t c = 0;
     for (; c + 16 <= D; c += 16) {
       rope_f32x16 v = rope_load(ai + c);
-      if (bi) {
-        if constexpr (sizeof(T) == 2) {
-          rope_u16x16 h;
-          std::memcpy(&h, bi + c, sizeof(h));
-          v += (rope_f32x16)(__builtin_convertvector(h, rope_u32x16) << 16);
-        } else {
-          v += rope_load(reinterpret_cast<const float*>(bi) + c);
-        }
-      }
+      if (bi) v += rope_load(bi + c);  // bf16 widened exactly
       rope_store(oi + c, v);
     }
     for (; c < D; ++c) store_value(oi + c, bi ? ai[c] + to_float(bi[c]) : ai[c]);
