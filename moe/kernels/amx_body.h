@@ -91,55 +91,63 @@ static inline void amx_store(float* buf) {
 
 struct AmxTiles {
   // dot_tiles_over_rows' contract: epilogue(row, block j, acc[16]) for rows [0, n) of x ([n, K]
-  // bf16, rows ldx elements apart: K unless given) and nb (1 or 2) blocks w, w + w_stride;
-  // before(row0, rows, j) ahead of each pass.
+  // bf16, rows ldx elements apart: K unless given) and nb blocks w + j * w_stride (more than two:
+  // two at a time, the last alone when nb is odd, each pair over all the rows); before(row0, rows, j)
+  // ahead of each pass.
   template <typename Epilogue, typename Before = NoTileStart>
   static void over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb, int64_t w_stride,
                         Epilogue&& epilogue, Before&& before = Before{}, int64_t ldx = 0) {
     if (ldx == 0) ldx = K;
     if (K % 32 != 0) {
-      avx512bf16::dot_tiles_over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
+      avx512bf16::VdpTiles::over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
       return;
     }
     // Each pass's epilogue runs while the next pass's products run: its instructions come after
     // that pass's tdpbf16ps and before its tile stores (which wait for them), so the core works
-    // through them instead of waiting; two buffers. The epilogues still run pass by pass, in order.
+    // through them instead of waiting; two buffers. The epilogues still run pass by pass, in order,
+    // and the chain goes on from one block pair to the next (one call over many blocks leaves only
+    // its last pass's epilogue unoverlapped).
     alignas(64) float buf[2][32 * 32];
-    int m0_now = -1, m1_now = -1;
+    int m0_now = -1, m1_now = -1, nb_now = -1;
     int64_t prev_r0 = 0, prev_rows = 0;
-    auto finish = [&](const float* b, int64_t r0, int64_t rows) {
+    int prev_j0 = 0, prev_nb = 0;
+    auto finish = [&](const float* b, int64_t r0, int64_t rows, int j0, int pnb) {
       for (int64_t r = 0; r < rows; ++r)
-        for (int j = 0; j < nb; ++j) epilogue(r0 + r, j, b + (r * nb + j) * 16);
+        for (int j = 0; j < pnb; ++j) epilogue(r0 + r, j0 + j, b + (r * pnb + j) * 16);
     };
     int cur = 0;
-    for (int64_t r0 = 0; r0 < n; r0 += 32) {
-      const int64_t rows = std::min<int64_t>(32, n - r0);
-      const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows - m0);
-      if (m0 != m0_now || m1 != m1_now) {
-        amx_configure(m0, m1, nb);
-        m0_now = m0, m1_now = m1;
+    for (int j0 = 0; j0 < nb; j0 += 2) {
+      const int pnb = std::min(2, nb - j0);
+      const uint16_t* wj = w + j0 * w_stride;
+      for (int64_t r0 = 0; r0 < n; r0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, n - r0);
+        const int m0 = static_cast<int>(std::min<int64_t>(16, rows)), m1 = static_cast<int>(rows - m0);
+        if (m0 != m0_now || m1 != m1_now || pnb != nb_now) {
+          amx_configure(m0, m1, pnb);
+          m0_now = m0, m1_now = m1, nb_now = pnb;
+        }
+        for (int j = 0; j < pnb; ++j) before(r0, rows, j0 + j);
+        const uint16_t* xr = x + r0 * ldx;
+        float* b = buf[cur];
+        if (m1 > 0) {
+          if (pnb == 2) amx_pass<2, 2>(xr, ldx, wj, w_stride, K);
+          else amx_pass<2, 1>(xr, ldx, wj, w_stride, K);
+        } else {
+          if (pnb == 2) amx_pass<1, 2>(xr, ldx, wj, w_stride, K);
+          else amx_pass<1, 1>(xr, ldx, wj, w_stride, K);
+        }
+        if (prev_rows > 0) finish(buf[cur ^ 1], prev_r0, prev_rows, prev_j0, prev_nb);
+        if (m1 > 0) {
+          if (pnb == 2) amx_store<2, 2>(b);
+          else amx_store<2, 1>(b);
+        } else {
+          if (pnb == 2) amx_store<1, 2>(b);
+          else amx_store<1, 1>(b);
+        }
+        prev_r0 = r0, prev_rows = rows, prev_j0 = j0, prev_nb = pnb, cur ^= 1;
       }
-      for (int j = 0; j < nb; ++j) before(r0, rows, j);
-      const uint16_t* xr = x + r0 * ldx;
-      float* b = buf[cur];
-      if (m1 > 0) {
-        if (nb == 2) amx_pass<2, 2>(xr, ldx, w, w_stride, K);
-        else amx_pass<2, 1>(xr, ldx, w, w_stride, K);
-      } else {
-        if (nb == 2) amx_pass<1, 2>(xr, ldx, w, w_stride, K);
-        else amx_pass<1, 1>(xr, ldx, w, w_stride, K);
-      }
-      if (prev_rows > 0) finish(buf[cur ^ 1], prev_r0, prev_rows);
-      if (m1 > 0) {
-        if (nb == 2) amx_store<2, 2>(b);
-        else amx_store<2, 1>(b);
-      } else {
-        if (nb == 2) amx_store<1, 2>(b);
-        else amx_store<1, 1>(b);
-      }
-      prev_r0 = r0, prev_rows = rows, cur ^= 1;
     }
-    if (prev_rows > 0) finish(buf[cur ^ 1], prev_r0, prev_rows);
+    if (prev_rows > 0) finish(buf[cur ^ 1], prev_r0, prev_rows, prev_j0, prev_nb);
   }
 };
 

@@ -145,19 +145,27 @@ static inline void store_bf16_lanes(uint16_t* dst, __m512 x, int64_t n) {
   else _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((uint32_t{1} << n) - 1), h);
 }
 
-// The vdpbf16ps register tiles as DotKernelsOf's row loop.
+// The vdpbf16ps register tiles as DotKernelsOf's row loop: nb blocks two at a time (the last alone
+// when nb is odd), each pair over all the rows, as that many calls of nb <= 2 would run them.
 struct VdpTiles {
   template <typename Epilogue, typename Before = NoTileStart>
   static void over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb, int64_t w_stride,
                         Epilogue&& epilogue, Before&& before = Before{}, int64_t ldx = 0) {
-    dot_tiles_over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
+    if (nb <= 2) {
+      dot_tiles_over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
+      return;
+    }
+    for (int jb = 0; jb < nb; jb += 2)
+      dot_tiles_over_rows(x, n, K, w + jb * w_stride, std::min(2, nb - jb), w_stride,
+                          [&](int64_t row, int j, const float* acc) { epilogue(row, jb + j, acc); },
+                          [&](int64_t r0, int64_t rows, int j) { before(r0, rows, jb + j); }, ldx);
   }
 };
 
 // The bf16 x bf16 ops on a row loop Tiles::over_rows (dot_tiles_over_rows' contract: epilogue(row,
 // block j, acc[16]) for every row and block), with their epilogues: VdpTiles here, the AMX tiles
-// (amx_body.h) on CPUs with AMX. Each op covers nb (1 or 2) neighbouring column blocks, w_stride
-// elements apart.
+// (amx_body.h) on CPUs with AMX. Each op covers nb neighbouring column blocks, w_stride elements
+// apart (more than two: two at a time, the last alone when nb is odd).
 template <typename Tiles>
 struct DotKernelsOf {
   // act[row, 8b:8b+8] = bf16(silu(gate) * up) for rows [0, n) and blocks b, b + 1 (nb == 2; act

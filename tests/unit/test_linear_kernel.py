@@ -24,6 +24,7 @@ SHAPES = [  # (G, N, K, C)
     (3, 13, 96, 33),  # batched heads, C % 16 = 1
     (2, 200, 64, 17),  # three 96-row panels
     (1, 40, 48, 40),  # two-block items on AVX-512 and a last item of one block
+    (1, 400, 64, 80),  # dot tiles: five panels of items over all five blocks (pairs, the last alone)
     (1, 0, 32, 16),  # no rows
 ]
 
