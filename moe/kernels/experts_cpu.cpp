@@ -396,6 +396,7 @@ struct Isa {
   RouteScoresFn route_scores;  // sigmoid or softmax of one token's router logits
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
+  bool wide_panels = false;  // experts too large for L2 take WIDE_ROW_PANEL rows per panel (see there)
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
   bool dot_bf16(int wt, at::ScalarType x_type) const {
     return dot.gate_up != nullptr && wt == W_BF16 && x_type == at::kBFloat16;
@@ -486,6 +487,7 @@ static Isa isa_by_name(const std::string& name) {
   if (name == "amx") {  // the FMA attention: the dot product's rate is ~0.5x the FMA's on these cores
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("amx");
     using A = amx::AmxKernels;
+    isa.wide_panels = true;
     isa.dot = DotIsa{&A::gate_up, &A::down<float>, &A::down<uint16_t>, &A::down_add, &A::linear<float>,
                      &A::linear<uint16_t>, nullptr};
     return isa;
@@ -599,12 +601,13 @@ constexpr int64_t DOT_PAIR_BLOCK_MIN_ROWS = 16;
 // 0.96x the time, T = 512 0.98x, the Mixtral-style layer at T = 4096 0.97x; bf16 linears of 512 to
 // 4096 rows (K 1024-2816) 0.92-0.96x.
 static std::vector<Item> work_items(const std::vector<int64_t>& offsets, int64_t num_blocks,
-                                    int64_t pair_min_rows = 0, bool whole_panels = false) {
+                                    int64_t pair_min_rows = 0, bool whole_panels = false,
+                                    int64_t panel = ROW_PANEL) {
   std::vector<Item> items;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];
-    for (int64_t r0 = 0; r0 < n; r0 += ROW_PANEL) {
-      const int64_t rows = std::min(ROW_PANEL, n - r0);
+    for (int64_t r0 = 0; r0 < n; r0 += panel) {
+      const int64_t rows = std::min(panel, n - r0);
       const int64_t per_item = pair_min_rows > 0 && rows >= pair_min_rows ? 2 : 1;
       if (whole_panels && per_item == 2) {
         items.push_back({static_cast<int64_t>(e), 0, offsets[e] + r0, rows, num_blocks});
@@ -617,11 +620,25 @@ static std::vector<Item> work_items(const std::vector<int64_t>& offsets, int64_t
   return items;
 }
 
-// (slot, row panel)s of rows grouped by slot (offsets: P + 1 row offsets).
-static int64_t panel_count(const std::vector<int64_t>& offsets) {
+// (slot, row panel)s of rows grouped by slot (offsets: P + 1 row offsets), panels of ``panel`` rows.
+static int64_t panel_count(const std::vector<int64_t>& offsets, int64_t panel) {
   int64_t panels = 0;
-  for (size_t e = 0; e + 1 < offsets.size(); ++e) panels += (offsets[e + 1] - offsets[e] + ROW_PANEL - 1) / ROW_PANEL;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) panels += (offsets[e + 1] - offsets[e] + panel - 1) / panel;
   return panels;
+}
+
+// Rows per expert panel on ISAs with wide_panels (AMX) when one expert's packed gate/up weight is
+// larger than WIDE_PANEL_MIN_BYTES (the 2 MB L2 of those cores): each panel streams the expert's
+// weights from L3 or DRAM once per column block, so twice the rows halve that traffic. Mixtral-style
+// layer (D 1024, I 2048: an 8 MB gate/up weight), AMX box, one thread, calls alternating in one
+// process: T = 4096 0.90-0.93x the time with 192 rows against 96, T = 512 0.80x (128 rows an expert:
+// one panel instead of two); 384 rows no better. The DeepSeek-style layer (1 MB, in L2) keeps 96
+// (192: 1.01x), and so do the FMA and vdpbf16ps tiles (Mixtral on avx512bf16: 0.99-1.01x).
+constexpr int64_t WIDE_ROW_PANEL = 192;
+constexpr int64_t WIDE_PANEL_MIN_BYTES = int64_t{2} << 20;
+static int64_t expert_panel_rows(const Isa& isa, bool dot, const at::Tensor& w13p) {
+  const int64_t per_expert = w13p.size(0) > 0 ? w13p.numel() / w13p.size(0) * w13p.element_size() : 0;
+  return dot && isa.wide_panels && per_expert > WIDE_PANEL_MIN_BYTES ? WIDE_ROW_PANEL : ROW_PANEL;
 }
 
 // Checks x and the packed expert weights against each other.
@@ -687,6 +704,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
   const Isa& isa = current_isa();
   const int wt = weight_type(w13c);
   const int64_t esize = w13c.element_size();
+  const int64_t panel = expert_panel_rows(isa, dot, w13c);
   const char* w13_ptr = static_cast<const char*>(w13c.data_ptr());
   const char* w2_ptr = static_cast<const char*>(w2c.data_ptr());
   const float* s13_ptr = quantized ? s13c.data_ptr<float>() : nullptr;
@@ -700,10 +718,10 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
   const int64_t pairs = dot ? DOT_PAIR_BLOCK_MIN_ROWS : isa.pair_tiles ? PAIR_BLOCK_MIN_ROWS : 0;
   if (gather) {
     TORCH_CHECK(dot && out_rows, "moe_kernels: gathered panels need the dot tiles and the rows' tokens");
-    const std::vector<Item> panels = work_items(offsets, 1);  // (expert, panel) once each
+    const std::vector<Item> panels = work_items(offsets, 1, 0, false, panel);  // (expert, panel) once each
     const int64_t ldr = dot_row_stride(D);
     for_each_claimed(static_cast<int64_t>(panels.size()), [&](auto& claim) {
-      std::vector<uint16_t> scratch(ROW_PANEL * ldr);
+      std::vector<uint16_t> scratch(panel * ldr);
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
           const Item& it = panels[i];
@@ -727,8 +745,8 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
   }
   // on the dot tiles with four panels a thread or more, a panel of pair rows is one item over all its
   // column blocks (see work_items)
-  const bool whole = dot && panel_count(offsets) >= 4 * at::get_num_threads();
-  const std::vector<Item> up_items = gather ? std::vector<Item>{} : work_items(offsets, nb13, pairs, whole);
+  const bool whole = dot && panel_count(offsets, panel) >= 4 * at::get_num_threads();
+  const std::vector<Item> up_items = gather ? std::vector<Item>{} : work_items(offsets, nb13, pairs, whole, panel);
   for_each_item(up_items, [&](const Item& it) {
     const int64_t block = it.expert * nb13 + it.block;
     const char* w = w13_ptr + block * D * 16 * esize;
@@ -740,7 +758,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
                   act_f + it.row0 * I + it.block * 8, I);
   });
   // Phase 2: down projection, items (expert, 16 output channels); routing weight in the epilogue.
-  const std::vector<Item> down_items = work_items(offsets, nb2, pairs, whole && !out_rows);
+  const std::vector<Item> down_items = work_items(offsets, nb2, pairs, whole && !out_rows, panel);
   char* out_ptr = static_cast<char*>(out);
   auto down_item = [&](const Item& it) {
     const int64_t block = it.expert * nb2 + it.block;
@@ -893,7 +911,8 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   }
   const at::Tensor xc = x.contiguous();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
-  if (dot && M >= GATHER_MIN_ROWS && panel_count(offsets) >= 4 * at::get_num_threads()) {  // panels gathered as gate/up goes
+  if (dot && M >= GATHER_MIN_ROWS &&
+      panel_count(offsets, expert_panel_rows(current_isa(), dot, w13p)) >= 4 * at::get_num_threads()) {  // panels gathered as gate/up goes
     run_experts(xc.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld,
                 0, true, first.data());
     return acc.narrow(1, 0, D);

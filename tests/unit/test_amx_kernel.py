@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moe import kernels
-from moe.experts import grouped_expert_forward
+from moe.experts import Experts, grouped_expert_forward
 from tests.unit.test_expert_kernel import _weights
 
 COUNTS = [0, 1, 15, 16, 17, 0, 31, 32, 33, 100]
@@ -113,6 +113,42 @@ def test_amx_linear_reads_strided_rows(amx, bias: bool) -> None:
     for h in range(heads):
         want = F.linear(x[h].double(), w[h].double(), b[h].double() if bias else None)
         torch.testing.assert_close(got[h].double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.slow
+def test_amx_experts_larger_than_l2_match_reference_and_rows_alone(amx) -> None:
+    """Experts whose packed gate/up weight is over 2 MB (D 256, I 2080: 2.1 MB) take panels of 192
+    rows on AMX: grouped rows within bf16 rounding of a float64 reference, rows on both sides of the
+    96- and 192-row panel edges the same bits as computed alone, and the one op from the router's
+    output (1200 rows: gathered panels) the bits of grouping first."""
+    hidden, inter, counts = 256, 2080, [250, 0, 130]
+    w13, w2 = _weights(3, hidden, inter, torch.bfloat16, seed=21)
+    assert w13[0].numel() * 2 > 2 << 20
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(sum(counts), hidden, generator=gen).bfloat16()
+    rw = torch.rand(sum(counts), generator=gen)
+    packed = kernels.pack_experts(w13, w2)
+    got = kernels.experts_forward(x, counts, packed, rw, out_fp32=True)  # [N, D]
+    assert got.shape == (sum(counts), hidden) and got.dtype == torch.float32
+    want = grouped_expert_forward(x.double(), counts, w13.double(), w2.double(), rw.double())
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    for row in (0, 95, 96, 191, 192, 249, 250, 379):
+        alone = [1, 0, 0] if row < 250 else [0, 0, 1]
+        one = kernels.experts_forward(x[row:row + 1], alone, packed, rw[row:row + 1], out_fp32=True)
+        assert torch.equal(one[0], got[row]), row
+
+    experts = Experts(3, hidden, inter, dtype=torch.bfloat16)
+    experts.w13.data.copy_(w13)
+    experts.w2.data.copy_(w2)
+    tokens = 600
+    xt = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(3, generator=gen)[:2] for _ in range(tokens)])  # [T, 2]
+    weights = torch.rand(tokens, 2, generator=gen)
+    experts.fused_topk = True
+    fused = experts(xt, ids, weights)
+    experts.fused_topk = False
+    grouped = experts(xt, ids, weights)  # compute_local_routing + experts_forward + index_add_
+    assert fused.shape == (tokens, hidden) and torch.equal(fused, grouped)
 
 
 @pytest.mark.slow
