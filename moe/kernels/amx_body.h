@@ -153,7 +153,7 @@ struct AmxTiles {
     // 32 rows through every block pair before the next group when the blocks' weights stay in L2: a
     // row's output lines then come in order (and their prefetches with them) while the weights are
     // re-read from L2. DeepSeek-style layer (the down weight 512 KB) at T = 4096, AMX box, calls
-    // alternating in one process: 0.98x the time; Mixtral-style (4 MB, re-read from L3) 1.08x, so
+    // alternating in one process: 0.98x the time; Mixtral-style (4 MB, re-read from L3) 1.09x, so
     // those keep the block pairs outside. Without a tile start (gate/up, stores) it was no faster.
     constexpr bool plain = std::is_same_v<std::decay_t<Before>, NoTileStart>;
     const bool rows_outer = !plain && nb * w_stride * static_cast<int64_t>(sizeof(uint16_t)) <= ROWS_OUTER_MAX_BYTES;

@@ -598,8 +598,8 @@ constexpr int64_t DOT_PAIR_BLOCK_MIN_ROWS = 16;
 // panel's blocks keeps the AMX passes' pipeline (each pass's epilogue under the next pass's products,
 // amx_body.h) going from one block pair to the next instead of draining at every pair: AMX box, one
 // thread, calls alternating in one process, the same bits: the DeepSeek-style MoE layer at T = 4096
-// 0.96x the time, T = 512 0.98x, the Mixtral-style layer at T = 4096 0.97x; bf16 linears of 512 to
-// 4096 rows (K 1024-2816) 0.92-0.96x.
+// and 512 0.97x the time, the Mixtral-style layer at T = 4096 0.97x; bf16 linears of 512 to 4096
+// rows (K 1024-2816) 0.93-0.97x.
 static std::vector<Item> work_items(const std::vector<int64_t>& offsets, int64_t num_blocks,
                                     int64_t pair_min_rows = 0, bool whole_panels = false,
                                     int64_t panel = ROW_PANEL) {
@@ -631,8 +631,8 @@ static int64_t panel_count(const std::vector<int64_t>& offsets, int64_t panel) {
 // larger than WIDE_PANEL_MIN_BYTES (the 2 MB L2 of those cores): each panel streams the expert's
 // weights from L3 or DRAM once per column block, so twice the rows halve that traffic. Mixtral-style
 // layer (D 1024, I 2048: an 8 MB gate/up weight), AMX box, one thread, calls alternating in one
-// process: T = 4096 0.90-0.93x the time with 192 rows against 96, T = 512 0.80x (128 rows an expert:
-// one panel instead of two); 384 rows no better. The DeepSeek-style layer (1 MB, in L2) keeps 96
+// process: T = 4096 0.90-0.93x the time with 192 rows against 96, T = 512 0.80-0.86x (128 rows an
+// expert: one panel instead of two); 384 rows no better. The DeepSeek-style layer (1 MB, in L2) keeps 96
 // (192: 1.01x), and so do the FMA and vdpbf16ps tiles (Mixtral on avx512bf16: 0.99-1.01x).
 constexpr int64_t WIDE_ROW_PANEL = 192;
 constexpr int64_t WIDE_PANEL_MIN_BYTES = int64_t{2} << 20;
