@@ -632,8 +632,8 @@ static int64_t panel_count(const std::vector<int64_t>& offsets, int64_t panel) {
 // weights from L3 or DRAM once per column block, so twice the rows halve that traffic. Mixtral-style
 // layer (D 1024, I 2048: an 8 MB gate/up weight), AMX box, one thread, calls alternating in one
 // process: T = 4096 0.90-0.93x the time with 192 rows against 96, T = 512 0.80-0.86x (128 rows an
-// expert: one panel instead of two); 384 rows no better. The DeepSeek-style layer (1 MB, in L2) keeps 96
-// (192: 1.01x), and so do the FMA and vdpbf16ps tiles (Mixtral on avx512bf16: 0.99-1.01x).
+// expert: one panel instead of two); 384 rows no better. The DeepSeek-style layer (1 MB, in L2)
+// keeps 96 (192: 1.01x), and so do the FMA and vdpbf16ps tiles (Mixtral on avx512bf16: 0.99-1.01x).
 constexpr int64_t WIDE_ROW_PANEL = 192;
 constexpr int64_t WIDE_PANEL_MIN_BYTES = int64_t{2} << 20;
 static int64_t expert_panel_rows(const Isa& isa, bool dot, const at::Tensor& w13p) {
@@ -730,8 +730,8 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
           const int64_t per_item = pairs > 0 && it.rows >= pairs ? 2 : 1;
           if (per_item == 2) {  // every block pair in one call (see work_items)
             const uint16_t* w = reinterpret_cast<const uint16_t*>(w13_ptr + it.expert * nb13 * D * 16 * esize);
-            isa.dot.gate_up(scratch.data(), it.rows, D, ldr, w, static_cast<int>(nb13), D * 16, act_b + it.row0 * ld_act,
-                            ld_act);
+            isa.dot.gate_up(scratch.data(), it.rows, D, ldr, w, static_cast<int>(nb13), D * 16,
+                            act_b + it.row0 * ld_act, ld_act);
             continue;
           }
           for (int64_t b = 0; b < nb13; b += per_item) {
@@ -911,8 +911,9 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   }
   const at::Tensor xc = x.contiguous();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
+  // panels gathered as gate/up goes (see GATHER_MIN_ROWS)
   if (dot && M >= GATHER_MIN_ROWS &&
-      panel_count(offsets, expert_panel_rows(current_isa(), dot, w13p)) >= 4 * at::get_num_threads()) {  // panels gathered as gate/up goes
+      panel_count(offsets, expert_panel_rows(current_isa(), dot, w13p)) >= 4 * at::get_num_threads()) {
     run_experts(xc.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld,
                 0, true, first.data());
     return acc.narrow(1, 0, D);
