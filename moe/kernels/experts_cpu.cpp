@@ -627,6 +627,10 @@ static int64_t panel_count(const std::vector<int64_t>& offsets, int64_t panel) {
   return panels;
 }
 
+// Whether a step has four row panels a thread or more: enough to hand whole panels (all their column
+// blocks, or gathered gate/up panels) to the threads; fewer spread better as (panel, block) items.
+static bool panels_fill_threads(int64_t panels) { return panels >= 4 * at::get_num_threads(); }
+
 // Rows per expert panel on ISAs with wide_panels (AMX) when one expert's packed gate/up weight is
 // larger than WIDE_PANEL_MIN_BYTES (the 2 MB L2 of those cores): each panel streams the expert's
 // weights from L3 or DRAM once per column block, so twice the rows halve that traffic. Mixtral-style
@@ -727,25 +731,21 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
           const Item& it = panels[i];
           for (int64_t r = 0; r < it.rows; ++r)
             std::memcpy(scratch.data() + r * ldr, xb + out_rows[it.row0 + r] * D, D * sizeof(uint16_t));
-          const int64_t per_item = pairs > 0 && it.rows >= pairs ? 2 : 1;
-          if (per_item == 2) {  // every block pair in one call (see work_items)
-            const uint16_t* w = reinterpret_cast<const uint16_t*>(w13_ptr + it.expert * nb13 * D * 16 * esize);
+          const uint16_t* w = reinterpret_cast<const uint16_t*>(w13_ptr + it.expert * nb13 * D * 16 * esize);
+          if (it.rows >= pairs) {  // block pairs, all in one call (see work_items)
             isa.dot.gate_up(scratch.data(), it.rows, D, ldr, w, static_cast<int>(nb13), D * 16,
                             act_b + it.row0 * ld_act, ld_act);
             continue;
           }
-          for (int64_t b = 0; b < nb13; b += per_item) {
-            const int blocks = static_cast<int>(std::min(per_item, nb13 - b));
-            const uint16_t* w = reinterpret_cast<const uint16_t*>(w13_ptr + (it.expert * nb13 + b) * D * 16 * esize);
-            isa.dot.gate_up(scratch.data(), it.rows, D, ldr, w, blocks, D * 16, act_b + it.row0 * ld_act + b * 8,
-                            ld_act);
-          }
+          for (int64_t b = 0; b < nb13; ++b)  // fewer rows than a pair takes: one block per call
+            isa.dot.gate_up(scratch.data(), it.rows, D, ldr, w + b * D * 16, 1, D * 16,
+                            act_b + it.row0 * ld_act + b * 8, ld_act);
         }
     });
   }
   // on the dot tiles with four panels a thread or more, a panel of pair rows is one item over all its
   // column blocks (see work_items)
-  const bool whole = dot && panel_count(offsets, panel) >= 4 * at::get_num_threads();
+  const bool whole = dot && panels_fill_threads(panel_count(offsets, panel));
   const std::vector<Item> up_items = gather ? std::vector<Item>{} : work_items(offsets, nb13, pairs, whole, panel);
   for_each_item(up_items, [&](const Item& it) {
     const int64_t block = it.expert * nb13 + it.block;
@@ -913,7 +913,7 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
   // panels gathered as gate/up goes (see GATHER_MIN_ROWS)
   if (dot && M >= GATHER_MIN_ROWS &&
-      panel_count(offsets, expert_panel_rows(current_isa(), dot, w13p)) >= 4 * at::get_num_threads()) {
+      panels_fill_threads(panel_count(offsets, expert_panel_rows(current_isa(), dot, w13p)))) {
     run_experts(xc.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld,
                 0, true, first.data());
     return acc.narrow(1, 0, D);
@@ -989,7 +989,7 @@ static void linear_into(const at::Tensor& x, const at::Tensor& wp, const at::Ten
                            (dot || isa.pair_tiles) ? 2 : 1;
   // on the dot tiles with four (group, panel)s a thread or more, an item covers a panel's every block
   // (one call, see work_items)
-  const bool whole = dot && per_item == 2 && G * panels >= 4 * at::get_num_threads();
+  const bool whole = dot && per_item == 2 && panels_fill_threads(G * panels);
   const int64_t step = whole ? nb : per_item;  // blocks per item
   const int64_t nbi = (nb + step - 1) / step;  // items per (group, panel)
   // items (group, row panel, column blocks), column blocks innermost: a thread's consecutive items
