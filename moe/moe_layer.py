@@ -159,8 +159,9 @@ class MoELayer(WatchedModule):
         fused = self._fused_ffn_weights(x) if self.use_fused_ffn else None
         if fused is None:
             return None
-        run = kernels.moe_ffn_op(self._modules["gate"]._parameters["weight"], **self.gate.selection_args(),
-                                 packed=fused[0], shared=fused[1])
+        gate = self._modules["gate"]
+        run = kernels.moe_ffn_op(gate._parameters["weight"], **gate.selection_args(), packed=fused[0],
+                                 shared=fused[1], gate_parts=gate.logits_parts(x))
         buffers = self._buffers
 
         def ffn(x: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ class Router(WatchedModule):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
         else:
             self.e_score_correction_bias = None
+        self._parts: tuple[tuple, torch.Tensor] | None = None  # (weight key, kernels.router_split(weight))
 
     use_kernel: bool = True  # False pins the PyTorch ops below (the reference in tests)
     # what the fused ops' routing arguments and their choice read besides the weights
@@ -72,7 +73,7 @@ class Router(WatchedModule):
         the selection scores [T, E] float32 the top-k was taken on (bias-corrected for noaux_tc),
         -inf for experts outside the token's top groups; else None."""
         if not with_scores and self._kernel_applies(x):  # the logits, then everything after them: two CPU ops
-            logits = kernels.router_logits(x, self.weight)  # [T, E], as moe_ffn computes them
+            logits = kernels.router_logits(x, self.weight, self.logits_parts(x))  # [T, E], as moe_ffn computes them
             ids, weights = kernels.route_topk(logits, **self.selection_args())
             return ids, weights, None
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
@@ -96,6 +97,19 @@ class Router(WatchedModule):
             eps = 1e-20 if self.topk_method == "noaux_tc" else 0.0
             weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
         return ids.to(torch.int64), (weights * self.routed_scaling_factor).float(), selection if with_scores else None
+
+    def logits_parts(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``kernels.router_split(weight)`` [3, ceil(E / 16), D / 2, 16, 2] bf16 when
+        ``kernels.router_logits`` reads it for rows like x [T, D] (bf16 rows on AMX), made once and
+        kept until the weight changes; else None."""
+        weight = self._parameters["weight"]
+        if not kernels.router_split_applies(x.dtype, weight.shape[1]):
+            return None
+        key = (weight._version, weight.data_ptr(), tuple(weight.shape))
+        if self._parts is None or self._parts[0] != key:
+            self._parts = None  # drop the old parts before making the new ones
+            self._parts = (key, kernels.router_split(weight.detach()))
+        return self._parts[1]
 
     def selection_args(self) -> dict[str, Any]:
         """This router's selection as ``kernels.route_topk`` (and ``kernels.moe_ffn``) take it: the

@@ -348,27 +348,30 @@ def gqa_decode_attention_op(weights: tuple[torch.Tensor, ...], biases: tuple[tor
 def moe_ffn(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int,
             n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, log2phy: torch.Tensor,
             logcnt: torch.Tensor, rank: int, slot_load: torch.Tensor, packed: PackedExperts,
-            shared: PackedExperts | None) -> torch.Tensor:
+            shared: PackedExperts | None, gate_parts: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE feed-forward of a rank hosting every physical slot (no dispatch, no capacity) in one op;
     bit-equal to ``moe.moe_layer.MoELayer.forward``'s op-by-op kernel path.
 
     x: [T, D] float32 or bfloat16; gate_weight: [E, D] float32; bias: [E] float32 (noaux_tc) or None;
     the routing arguments as ``route_topk`` takes them; log2phy: [E, R] int64, logcnt: [E] int64, rank:
     ``choose_replicas``' arguments; slot_load: [P] int64, incremented in place by the assignments per
-    slot; packed: the routed experts (P slots); shared: the shared experts as one slot, or None.
+    slot; packed: the routed experts (P slots); shared: the shared experts as one slot, or None;
+    gate_parts: ``router_split(gate_weight)`` or None, as ``router_logits`` takes it.
     Returns [T, D] in x's dtype."""
     run = moe_ffn_op(gate_weight, bias, sigmoid=sigmoid, method=method, n_group=n_group, topk_group=topk_group,
-                     top_k=top_k, norm_topk_prob=norm_topk_prob, scaling=scaling, packed=packed, shared=shared)
+                     top_k=top_k, norm_topk_prob=norm_topk_prob, scaling=scaling, packed=packed, shared=shared,
+                     gate_parts=gate_parts)
     return run(x, log2phy, logcnt, rank, slot_load)
 
 
 def moe_ffn_op(gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int, n_group: int,
                topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, packed: PackedExperts,
-               shared: PackedExperts | None) -> Callable[..., torch.Tensor]:
+               shared: PackedExperts | None, gate_parts: torch.Tensor | None = None) -> Callable[..., torch.Tensor]:
     """``moe_ffn`` with one layer's router and expert weights bound once: returns
     ``run(x, log2phy, logcnt, rank, slot_load)`` (the placement, read per call since a rebalance
     replaces it) -> [T, D]."""
-    routing = (gate_weight, bias if bias is not None else _NONE, sigmoid, method, n_group, topk_group, top_k,
+    parts = gate_parts if gate_parts is not None else _NONE
+    routing = (gate_weight, parts, bias if bias is not None else _NONE, sigmoid, method, n_group, topk_group, top_k,
                norm_topk_prob, scaling)
     sh = (shared.w13p, shared.s13, shared.w2p, shared.s2) if shared is not None else (_NONE,) * 4
     weights = (packed.w13p, packed.s13, packed.w2p, packed.s2, *sh)
@@ -395,12 +398,27 @@ def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
     return torch.ops.moe_kernels.add_rms_norm(h, r, weight, eps)
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, parts: torch.Tensor | None = None) -> torch.Tensor:
     """The router's logits x @ weight^T in fp32: x [T, D] float32 or bfloat16, weight [E, D] float32 ->
     [T, E] float32. Every row's logits are the same bits whatever the batch it comes in (a fixed
     summation order per row and expert; PyTorch's GEMM may block a batch differently), within fp32
-    rounding of ``F.linear(x.float(), weight)``."""
-    return torch.ops.moe_kernels.router_logits(x, weight)
+    rounding of ``F.linear(x.float(), weight)``. Where ``router_split_applies`` (bf16 rows on AMX),
+    the op multiplies the rows by the weight's three bf16 parts on the tiles: ``parts`` =
+    ``router_split(weight)`` kept by the caller, or None to make them in the call (same bits)."""
+    return torch.ops.moe_kernels.router_logits(x, weight, parts if parts is not None else _NONE)
+
+
+def router_split(weight: torch.Tensor) -> torch.Tensor:
+    """weight [E, D] float32 (D even) as three bf16 parts that sum to it exactly, packed for the tiles:
+    [3, ceil(E / 16), D / 2, 16, 2] bfloat16 (part p's expert 16 b + n, k = 2 i + c at [p, b, i, n, c];
+    zero past E). Part 0 is bf16(weight), part 1 the bf16 of what it leaves, part 2 the rest."""
+    return torch.ops.moe_kernels.router_split(weight)
+
+
+def router_split_applies(x_dtype: torch.dtype, hidden: int) -> bool:
+    """Whether ``router_logits`` on rows of ``x_dtype`` with D = hidden reads the weight's bf16 parts
+    (``router_split``) under the instruction set in force: bf16 rows, D a multiple of 32, AMX."""
+    return torch.ops.moe_kernels.router_split_applies(x_dtype == torch.bfloat16, hidden)
 
 
 def gqa_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -44,9 +44,13 @@ static inline void amx_configure(int m0, int m1, int nb) {
 }
 
 // The accumulators (tmm0-3) = x's RT row tiles (rows ldx elements apart) times NB blocks (w_stride
-// elements apart) over K (a multiple of 32); amx_store then writes them out.
-template <int RT, int NB>
-static inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride, int64_t K) {
+// elements apart) over K (a multiple of 32); amx_store then writes them out. With S > 1 the weight
+// is S packed parts split_stride elements apart, summed into the same accumulators: each 32-value k
+// step's row tiles meet part 0's blocks, then part 1's, ... (router_logits_split's fp32 weight as
+// three bf16 parts).
+template <int RT, int NB, int S = 1>
+static inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride, int64_t K,
+                            int64_t split_stride = 0) {
   const int64_t sx = ldx * static_cast<int64_t>(sizeof(uint16_t));
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
@@ -73,6 +77,17 @@ static inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, i
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
     }
+    for (int s = 1; s < S; ++s) {  // the other parts against the same row tiles
+      const uint16_t* ws = w + s * split_stride + k * 16;
+      _tile_loadd(6, ws, 64);
+      if constexpr (NB == 2) _tile_loadd(7, ws + w_stride, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (RT == 2) {
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
   }
 }
 
@@ -97,14 +112,17 @@ struct AmxTiles {
   // dot_tiles_over_rows' contract: epilogue(row, block j, acc[16]) once for each row of [0, n) of x
   // ([n, K] bf16, rows ldx elements apart: K unless given) and each of nb blocks w + j * w_stride
   // (passes of up to 32 rows and two blocks, the last block alone when nb is odd; which comes first,
-  // rows or blocks, see below); before(row0, rows, j) ahead of each pass.
-  template <typename Epilogue, typename Before = NoTileStart>
+  // rows or blocks, see below); before(row0, rows, j) ahead of each pass. S > 1: the weight is S
+  // parts split_stride elements apart, summed (amx_pass; K a multiple of 32 then).
+  template <int S = 1, typename Epilogue, typename Before = NoTileStart>
   static void over_rows(const uint16_t* x, int64_t n, int64_t K, const uint16_t* w, int nb, int64_t w_stride,
-                        Epilogue&& epilogue, Before&& before = Before{}, int64_t ldx = 0) {
+                        Epilogue&& epilogue, Before&& before = Before{}, int64_t ldx = 0, int64_t split_stride = 0) {
     if (ldx == 0) ldx = K;
-    if (K % 32 != 0) {
-      avx512bf16::VdpTiles::over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
-      return;
+    if constexpr (S == 1) {
+      if (K % 32 != 0) {
+        avx512bf16::VdpTiles::over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
+        return;
+      }
     }
     // Each pass's epilogue runs while the next pass's products run: its instructions come after
     // that pass's tdpbf16ps and before its tile stores (which wait for them), so the core works
@@ -133,11 +151,11 @@ struct AmxTiles {
       const uint16_t* xr = x + r0 * ldx;
       float* b = buf[cur];
       if (m1 > 0) {
-        if (pnb == 2) amx_pass<2, 2>(xr, ldx, wj, w_stride, K);
-        else amx_pass<2, 1>(xr, ldx, wj, w_stride, K);
+        if (pnb == 2) amx_pass<2, 2, S>(xr, ldx, wj, w_stride, K, split_stride);
+        else amx_pass<2, 1, S>(xr, ldx, wj, w_stride, K, split_stride);
       } else {
-        if (pnb == 2) amx_pass<1, 2>(xr, ldx, wj, w_stride, K);
-        else amx_pass<1, 1>(xr, ldx, wj, w_stride, K);
+        if (pnb == 2) amx_pass<1, 2, S>(xr, ldx, wj, w_stride, K, split_stride);
+        else amx_pass<1, 1, S>(xr, ldx, wj, w_stride, K, split_stride);
       }
       if (prev_rows > 0) finish(buf[cur ^ 1], prev_r0, prev_rows, prev_j0, prev_nb);
       if (m1 > 0) {
@@ -169,3 +187,26 @@ struct AmxTiles {
 };
 
 using AmxKernels = avx512bf16::DotKernelsOf<AmxTiles>;
+
+// Router logits of bf16 rows on the tiles: out[t][e] = sum_k x[t][k] w[e][k] for rows [t_begin,
+// t_end) of x [T, D] (D a multiple of 32) and the fp32 weight w [E, D] as router_split packs it:
+// ws [3][nb = ceil(E / 16)][D / 2][16][2] bf16, w = part 0 + part 1 + part 2 exactly (each part the
+// bf16 rounding of what the parts before it leave). Every product of a bf16 x and a bf16 part is
+// exact in fp32, and each expert's accumulator sums them in one fixed order (per 32-value k step:
+// part 0's, part 1's, part 2's), so a row's logits are the same bits whatever the batch, within fp32
+// rounding of the fp32 product (another order than the FMA kernels': these are not their bits). Rows
+// go in chunks of 256 (512 KB at D = 1024) that stay in L2 while each pair of expert blocks (its
+// three parts: 192 KB) passes over them.
+static void router_logits_split(const uint16_t* x, int64_t t_begin, int64_t t_end, const uint16_t* ws, int64_t E,
+                                int64_t D, float* out) {
+  const int64_t nb = (E + 15) / 16, block = D * 16;
+  constexpr int64_t CHUNK = 256;
+  for (int64_t c0 = t_begin; c0 < t_end; c0 += CHUNK) {
+    const int64_t rows = std::min(CHUNK, t_end - c0);
+    AmxTiles::over_rows<3>(x + c0 * D, rows, D, ws, static_cast<int>(nb), block,
+                           [&](int64_t r, int j, const float* acc) {
+      const int64_t cols = std::min<int64_t>(16, E - 16 * j);
+      std::memcpy(out + (c0 + r) * E + 16 * j, acc, cols * sizeof(float));
+    }, NoTileStart{}, D, nb * block);
+  }
+}

@@ -343,6 +343,8 @@ using AddRoundFn = void (*)(bool, const float*, int64_t, const void*, void*, int
 // one token's router scores: (sigmoid (else softmax), logits [E], E, scores [E])
 using RouteScoresFn = void (*)(bool, const float*, int64_t, float*);
 using RouterLogitsFn = void (*)(bool, const void*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
+// bf16 rows against the router weight's three bf16 parts: (x, t_begin, t_end, parts, E, D, out)
+using RouterSplitFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*);
 // (bf16 pool, q, the item's heads, its kv head's query heads, pool, S, head, table, L, scale, round_half,
 // scratch..., next)
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, int64_t, const void*, int64_t, const PagedHead&,
@@ -397,6 +399,7 @@ struct Isa {
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
   bool wide_panels = false;  // experts too large for L2 take WIDE_ROW_PANEL rows per panel (see there)
+  RouterSplitFn router_split = nullptr;  // bf16 rows' router logits on the weight's bf16 parts (router_logits)
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
   bool dot_bf16(int wt, at::ScalarType x_type) const {
     return dot.gate_up != nullptr && wt == W_BF16 && x_type == at::kBFloat16;
@@ -488,6 +491,7 @@ static Isa isa_by_name(const std::string& name) {
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("amx");
     using A = amx::AmxKernels;
     isa.wide_panels = true;
+    isa.router_split = &amx::router_logits_split;
     isa.dot = DotIsa{&A::gate_up, &A::down<float>, &A::down<uint16_t>, &A::down_add, &A::linear<float>,
                      &A::linear<uint16_t>, nullptr};
     return isa;
@@ -1338,11 +1342,50 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   return {s, out};
 }
 
-// x: [T, D] float32 or bfloat16 (made fp32); w: [E, D] float32. Returns x @ w^T [T, E] float32: the
-// router's logits, each row's the same bits whatever the batch (norm_body.h's router_logits_rows).
+// The router weight w [E, D] float32 as three bf16 parts in the tiles' packed order: [3, ceil(E / 16),
+// D / 2, 16, 2] bfloat16, part p's element (b, i, n, c) = w_p[16 b + n][2 i + c] (0 past E), where
+// w_0 = bf16(w), w_1 = bf16(w - w_0), w_2 = w - w_0 - w_1 (round to nearest even; each difference is
+// exact in fp32 and the last fits bf16's 8 bits), so w = w_0 + w_1 + w_2 exactly for finite w.
+at::Tensor router_split(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kFloat,
+              "moe_kernels: router_split takes an [E, D] float32 CPU weight");
+  TORCH_CHECK(w.size(1) % 2 == 0, "moe_kernels: router_split needs an even D, got ", w.size(1));
+  const at::Tensor wc = w.contiguous();
+  const int64_t E = wc.size(0), D = wc.size(1), nb = (E + 15) / 16;
+  at::Tensor parts = at::zeros({3, nb, D / 2, 16, 2}, wc.options().dtype(at::kBFloat16));
+  const float* wp = wc.data_ptr<float>();
+  uint16_t* pp = reinterpret_cast<uint16_t*>(parts.data_ptr());
+  const int64_t part = nb * D * 16;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t k = 0; k < D; ++k) {
+      float rest = wp[e * D + k];
+      uint16_t* dst = pp + (e / 16) * D * 16 + (k / 2) * 32 + (e % 16) * 2 + k % 2;
+      for (int p = 0; p < 3; ++p) {
+        store_value(dst + p * part, rest);
+        uint32_t u = uint32_t{dst[p * part]} << 16;
+        float took;
+        std::memcpy(&took, &u, 4);
+        rest -= took;
+      }
+    }
+  return parts;
+}
+
+// Whether router_logits reads the weight's bf16 parts for rows of this dtype and D (the ISA has the
+// tiles, bf16 rows, D a multiple of 32): then a caller keeping router_split(w) saves making it per call.
+bool router_split_applies(bool bf16_rows, int64_t D) {
+  return bf16_rows && current_isa().router_split != nullptr && D % 32 == 0;
+}
+
+// x: [T, D] float32 or bfloat16 (made fp32); w: [E, D] float32; parts: router_split(w), or empty
+// (made here when used). Returns x @ w^T [T, E] float32: the router's logits, each row's the same
+// bits whatever the batch. bf16 rows meet w's three bf16 parts on the AMX tiles when D is a multiple
+// of 32 (amx_body.h's router_logits_split: T = 4096, E 64, D 1024 in ~1.3 ms against the FMA
+// kernels' 5.2); otherwise, and on the other ISAs, the FMA kernels (norm_body.h's
+// router_logits_rows). The choice follows the ISA, x's dtype and D, never T.
 // PyTorch's fp32 GEMM (MKL) ran a [32, 1024] x [1024, 64] product in ~50 us hot and ~106 us with
 // the weight in DRAM on Zen 5 (a batch-32 decode step's nine MoE layers: ~1 ms).
-at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, const at::Tensor& parts) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "moe_kernels: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1), "moe_kernels: x [T, D] and w [E, D] expected");
   TORCH_CHECK(w.scalar_type() == at::kFloat && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -1354,8 +1397,22 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
   const Isa& isa = current_isa();
   const bool bf16 = xc.scalar_type() == at::kBFloat16;
   const void* xp = xc.data_ptr();
-  const float* wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t nb = (E + 15) / 16;
+  TORCH_CHECK(parts.numel() == 0 || (parts.scalar_type() == at::kBFloat16 && parts.is_contiguous() &&
+                                     parts.sizes() == at::IntArrayRef({3, nb, D / 2, 16, 2})),
+              "moe_kernels: router weight parts must be router_split(w): [3, ", nb, ", ", D / 2,
+              ", 16, 2] bfloat16, got ", parts.sizes(), " ", parts.scalar_type());
+  if (router_split_applies(bf16, D)) {
+    const at::Tensor made = parts.numel() ? parts : router_split(wc);
+    const uint16_t* pp = reinterpret_cast<const uint16_t*>(made.data_ptr());
+    const uint16_t* xb = static_cast<const uint16_t*>(xp);
+    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+      isa.router_split(xb, begin, end, pp, E, D, op);
+    });
+    return out;
+  }
+  const float* wp = wc.data_ptr<float>();
   // rows in chunks of 64 or more (~4M multiply-adds at E * D = 64K): a decode step stays on one thread
   const int64_t grain = std::max<int64_t>(64, (int64_t{1} << 22) / std::max<int64_t>(1, E * D));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
@@ -1672,15 +1729,16 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
 
 // The MoE feed-forward of a rank that hosts every physical slot (no dispatch, no capacity), in one
 // op: the same calls in the same order as moe.moe_layer.MoELayer.forward's kernel path, so bit-equal
-// to it. x: [T, D] float32 or bfloat16; gate_w: [E, D] float32 (logits = x in fp32 @ gate_w^T);
-// bias and the routing arguments as route_topk takes them; log2phy: [E, R] int64 replicas of each
+// to it. x: [T, D] float32 or bfloat16; gate_w: [E, D] float32 (logits = x in fp32 @ gate_w^T) and
+// gate_parts as router_logits takes them; bias and the routing arguments as route_topk takes them; log2phy: [E, R] int64 replicas of each
 // expert (-1 padded), logcnt: [E] int64, rank: the replica offset (the n-th assignment of expert e
 // in the batch, row-major, goes to replica (n + rank) % logcnt[e]); slot_load: [P] int64, += the
 // assignments per slot; routed experts packed as experts_forward_topk takes them (P slots); the
 // shared experts as a one-slot experts_forward weight, or sh_w13p empty without shared experts.
 // Returns [T, D] in x's dtype: (routed sum in fp32 + shared output) rounded once.
-at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tensor& bias, bool sigmoid, int64_t method,
-                   int64_t n_group, int64_t topk_group, int64_t top_k, bool norm_topk_prob, double scaling,
+at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tensor& gate_parts, const at::Tensor& bias,
+                   bool sigmoid, int64_t method, int64_t n_group, int64_t topk_group, int64_t top_k,
+                   bool norm_topk_prob, double scaling,
                    const at::Tensor& log2phy, const at::Tensor& logcnt, int64_t rank, at::Tensor slot_load,
                    const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
                    const at::Tensor& sh_w13p, const at::Tensor& sh_s13, const at::Tensor& sh_w2p,
@@ -1691,7 +1749,7 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tens
   TORCH_CHECK(log2phy.dim() == 2 && log2phy.size(0) == E && logcnt.numel() == E && log2phy.scalar_type() == at::kLong &&
               logcnt.scalar_type() == at::kLong && slot_load.scalar_type() == at::kLong && slot_load.is_contiguous(),
               "moe_kernels: log2phy [E, R], logcnt [E] and slot_load [P] int64 expected");
-  const at::Tensor logits = router_logits(x, gate_w.to(at::kFloat));  // [T, E]
+  const at::Tensor logits = router_logits(x, gate_w.to(at::kFloat), gate_parts);  // [T, E]
   auto [ids, weights] = route_topk(logits, bias, sigmoid, method, n_group, topk_group, top_k, norm_topk_prob, scaling);
   const at::Tensor table = log2phy.contiguous(), counts = logcnt.contiguous();
   const int64_t* tp = table.data_ptr<int64_t>();
@@ -1835,7 +1893,9 @@ TORCH_LIBRARY(moe_kernels, m) {
         "int window, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor r, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("router_logits(Tensor x, Tensor w) -> Tensor");
+  m.def("router_logits(Tensor x, Tensor w, Tensor parts) -> Tensor");
+  m.def("router_split(Tensor w) -> Tensor");
+  m.def("router_split_applies(bool bf16_rows, int D) -> bool", &moe_kernels::router_split_applies);
   m.def("route_topk(Tensor logits, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, int top_k, "
         "bool norm_topk_prob, float scaling) -> (Tensor, Tensor)");
   m.def("mla_rope_cache(Tensor q, Tensor latent, Tensor norm_weight, float eps, Tensor cos, Tensor sin, "
@@ -1849,7 +1909,7 @@ TORCH_LIBRARY(moe_kernels, m) {
         "Tensor v_bias, Tensor q_norm, Tensor k_norm, float q_eps, float k_eps, Tensor o_wp, Tensor o_bias, "
         "int[] dims, Tensor cos, Tensor sin, bool interleave, Tensor(a!) pool, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
-  m.def("moe_ffn(Tensor x, Tensor gate_w, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, "
+  m.def("moe_ffn(Tensor x, Tensor gate_w, Tensor gate_parts, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, "
         "int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, Tensor(a!) slot_load, "
         "Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, Tensor sh_w2p, "
         "Tensor sh_s2) -> Tensor");
@@ -1870,6 +1930,7 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("rms_norm", &moe_kernels::rms_norm);
   m.impl("add_rms_norm", &moe_kernels::add_rms_norm);
   m.impl("router_logits", &moe_kernels::router_logits);
+  m.impl("router_split", &moe_kernels::router_split);
   m.impl("route_topk", &moe_kernels::route_topk);
   m.impl("mla_rope_cache", &moe_kernels::mla_rope_cache);
   m.impl("mla_decode_attention", &moe_kernels::mla_decode_attention);

@@ -86,9 +86,59 @@ def test_router_logits_are_the_fp32_product(kernel_isas: list[str], shape: tuple
         assert got.shape == (T, E) and got.dtype == torch.float32, name
         # another summation order than the library GEMM's: fp32 rounding of a D-term sum
         assert ((got.double() - want).abs() <= 1e-6 * D * (x.float().abs() @ w.abs().T).double()).all(), name
-        if dtype == torch.bfloat16:  # rows widened as they are read: the bits of the widened rows' logits
+        if kernels.router_split_applies(dtype, D):  # bf16 rows on AMX: the weight's parts, given or made
+            assert torch.equal(got, kernels.router_logits(x, w, kernels.router_split(w))), name
+        elif dtype == torch.bfloat16:  # rows widened as they are read: the bits of the widened rows' logits
             assert torch.equal(got, kernels.router_logits(x.float(), w)), name
     kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize("shape", [(64, 1024), (14, 40), (3, 2)])  # (E, D)
+def test_router_split_parts_sum_to_the_weight(kernel_isas: list[str], shape: tuple[int, int]) -> None:
+    E, D = shape
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(E, D, generator=g) * torch.logspace(-30, 30, D).float()  # tiny to huge values
+    parts = kernels.router_split(w)
+    nb = (E + 15) // 16
+    assert parts.shape == (3, nb, D // 2, 16, 2) and parts.dtype == torch.bfloat16
+    rows = parts.double().permute(0, 1, 3, 2, 4).reshape(3, nb * 16, D)  # [3, E padded, D]
+    assert torch.equal(rows.sum(0)[:E], w.double())  # exactly the weight
+    assert torch.equal(rows[0, :E], w.bfloat16().double())  # part 0: the weight rounded to bf16
+    assert (rows[:, E:] == 0).all()
+    with pytest.raises(RuntimeError, match="needs an even D"):
+        kernels.router_split(torch.zeros(4, 7))
+
+
+def test_router_logits_on_the_weight_parts(kernel_isas: list[str]) -> None:
+    if "amx" not in kernel_isas:
+        pytest.skip("the weight's bf16 parts are read on AMX only")
+    kernels.select_isa("amx")
+    try:
+        assert kernels.router_split_applies(torch.bfloat16, 1024)
+        assert not kernels.router_split_applies(torch.float32, 1024)
+        assert not kernels.router_split_applies(torch.bfloat16, 40)  # D not a multiple of 32: the FMA kernel
+        g = torch.Generator().manual_seed(6)
+        E, D = 70, 256  # five expert blocks, the last one partly past E
+        w = torch.randn(E, D, generator=g)
+        parts = kernels.router_split(w)
+        # a row with one nonzero power of two picks a column of the weight: every other product is zero,
+        # so each logit is part 0 + part 1 + part 2 of w[e, k], exactly w[e, k] scaled
+        for k, value in ((0, 1.0), (31, -0.5), (32, 4.0), (D - 1, 2.0 ** -20)):
+            x = torch.zeros(3, D, dtype=torch.bfloat16)
+            x[1, k] = value
+            got = kernels.router_logits(x, w, parts)
+            assert got.shape == (3, E) and got.dtype == torch.float32
+            assert torch.equal(got[1], w[:, k] * value) and (got[[0, 2]] == 0).all(), k
+        x = torch.randn(77, D, generator=g).bfloat16()
+        got = kernels.router_logits(x, w, parts)
+        want = x.double() @ w.double().T
+        # one accumulator per logit over the 3 D exact products: fp32 rounding of that sum
+        assert ((got.double() - want).abs() <= 3 * D * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
+        assert torch.equal(got, kernels.router_logits(x, w))  # parts made in the call: the same bits
+        with pytest.raises(RuntimeError, match="must be router_split"):
+            kernels.router_logits(x, w, parts[:, :1].contiguous())
+    finally:
+        kernels.select_isa("auto")
 
 
 def test_router_logits_of_a_row_do_not_depend_on_its_batch(kernel_isas: list[str]) -> None:
@@ -113,3 +163,34 @@ def test_router_logits_op_rejects_mismatched_inputs(kernel_isas: list[str]) -> N
         kernels.router_logits(torch.zeros(2, 8), torch.zeros(4, 6))
     with pytest.raises(RuntimeError, match="router weight must be float32"):
         kernels.router_logits(torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+def test_router_keeps_the_weight_parts_until_the_weight_changes(kernel_isas: list[str]) -> None:
+    if "amx" not in kernel_isas:
+        pytest.skip("the weight's bf16 parts are read on AMX only")
+    router = Router(ModelConfig.from_hf({**BASE, **CASES["noaux_tc"], "hidden_size": 64}))  # D: 2 x 32
+    gen = torch.Generator().manual_seed(7)
+    router.weight.data = torch.randn(router.weight.shape, generator=gen)
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    kernels.select_isa("amx")
+    try:
+        parts = router.logits_parts(x)
+        assert parts is router.logits_parts(x)  # made once
+        assert torch.equal(parts, kernels.router_split(router.weight))
+        assert router.logits_parts(x.float()) is None  # fp32 rows: the FMA kernel
+        ids, weights, _ = router.route(x)
+        router.use_kernel = False
+        ref_ids, ref_weights, _ = router.route(x)
+        assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)  # the PyTorch path's experts
+        router.use_kernel = True
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(router.weight.shape, generator=gen))  # in place: a new version
+        fresh = router.logits_parts(x)
+        assert fresh is not parts and torch.equal(fresh, kernels.router_split(router.weight))
+        want = kernels.route_topk(kernels.router_logits(x, router.weight), **router.selection_args())
+        got = router.route(x)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        kernels.select_isa("avx512")
+        assert router.logits_parts(x) is None
+    finally:
+        kernels.select_isa("auto")
