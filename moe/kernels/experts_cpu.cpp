@@ -342,6 +342,8 @@ using RopeFn = void (*)(bool, const void*, int64_t, int64_t, const float*, const
 using AddRoundFn = void (*)(bool, const float*, int64_t, const void*, void*, int64_t, int64_t);
 // one token's router scores: (sigmoid (else softmax), logits [E], E, scores [E])
 using RouteScoresFn = void (*)(bool, const float*, int64_t, float*);
+// the top k of one token's selection scores, highest first, ties to the lower id: (sel [E], E, k, ids [k])
+using RouteTopFn = void (*)(const float*, int64_t, int64_t, int64_t*);
 using RouterLogitsFn = void (*)(bool, const void*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
 // bf16 rows against the router weight's three bf16 parts: (x, t_begin, t_end, parts, E, D, out)
 using RouterSplitFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*);
@@ -396,6 +398,7 @@ struct Isa {
   RopeFn rope;  // rotary embedding of rows sharing one cos/sin (bit-equal to rope.apply_rotary)
   AddRoundFn add_round;  // fp32 rows + rows of the output dtype, rounded once
   RouteScoresFn route_scores;  // sigmoid or softmax of one token's router logits
+  RouteTopFn route_top;  // the top k of one token's selection scores
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
   bool wide_panels = false;  // experts too large for L2 take WIDE_ROW_PANEL rows per panel (see there)
@@ -410,7 +413,7 @@ template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
              &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::prefill, &N::rms_norm,
-             &N::add_rms_norm, &N::router_logits, &N::rope, &N::add_round, &N::route_scores, DotIsa{},
+             &N::add_rms_norm, &N::router_logits, &N::rope, &N::add_round, &N::route_scores, &N::route_top, DotIsa{},
              K::pair_tiles};
 }
 
@@ -1648,8 +1651,7 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
   const int64_t T = logits.size(0), E = logits.size(1);
   TORCH_CHECK(method >= 0 && method <= 2, "moe_kernels: unknown routing method ", method);
   TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_kernels: top_k ", top_k, " outside [1, ", E, "]");
-  const bool grouped = method != 0;
-  TORCH_CHECK(!grouped || (n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group),
+  TORCH_CHECK(method == 0 || (n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group),
               "moe_kernels: ", E, " experts do not split into ", n_group, " groups with ", topk_group, " kept");
   TORCH_CHECK(method != 2 || (bias.numel() == E && bias.scalar_type() == at::kFloat),
               "moe_kernels: noaux_tc needs an [E] float32 bias");
@@ -1663,6 +1665,7 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
   const float* bp = method == 2 ? bc.data_ptr<float>() : nullptr;
   int64_t* ip = ids.data_ptr<int64_t>();
   float* wp = weights.data_ptr<float>();
+  const bool grouped = method != 0 && topk_group < n_group;  // every group kept: no group step
   const int64_t per_group = grouped ? E / n_group : E;
   const float scale = static_cast<float>(scaling);
   const Isa& isa = current_isa();
@@ -1701,16 +1704,7 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
       }
       int64_t* row_ids = ip + t * top_k;
       float* row_w = wp + t * top_k;
-      // highest selection first, ties to the lower expert id: one pass keeping the top_k so far in
-      // that order (an expert goes in after every kept one it does not beat)
-      int64_t kept = 0;
-      for (int64_t e = 0; e < E; ++e) {
-        const float v = sel[e];
-        if (kept == top_k && !(v > sel[top[top_k - 1]])) continue;
-        int64_t i = kept < top_k ? kept++ : top_k - 1;
-        for (; i > 0 && v > sel[top[i - 1]]; --i) top[i] = top[i - 1];
-        top[i] = e;
-      }
+      isa.route_top(sel.data(), E, top_k, top.data());  // highest selection first, ties to the lower id
       for (int64_t k = 0; k < top_k; ++k) {
         row_ids[k] = top[k];
         row_w[k] = method == 1 ? sel[top[k]] : scores[top[k]];

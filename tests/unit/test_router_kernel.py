@@ -62,6 +62,28 @@ def test_route_op_is_skipped_where_scores_are_asked_for_or_autograd_runs(kernel_
     assert router.route(x[:0])[0].shape == (0, 4)
 
 
+@pytest.mark.parametrize("experts", [6, 64, 600])  # vector keys (one lane short, eight vectors), scalar keys
+def test_route_op_breaks_ties_to_the_lower_expert(kernel_isas: list[str], experts: int) -> None:
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randint(-2, 3, (40, experts), generator=g).float()  # five values: ties everywhere
+    want = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :5]  # equal: lower id first
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        ids, _ = kernels.route_topk(logits, None, sigmoid=False, method=0, n_group=1, topk_group=1, top_k=5,
+                                    norm_topk_prob=False, scaling=1.0)
+        assert torch.equal(ids, want), name
+        if experts % 8 == 0:  # exp8's lanes need not keep a NaN logit NaN; std::exp (E < 8) does
+            continue
+        # NaN scores rank below every number: never picked while numbers are left
+        nan_row = logits.clone()
+        nan_row[:, ::2] = float("nan")
+        ids, _ = kernels.route_topk(nan_row, torch.zeros(experts), sigmoid=True, method=2, n_group=1, topk_group=1,
+                                    top_k=3, norm_topk_prob=False, scaling=1.0)
+        odd = torch.sort(logits[:, 1::2], dim=-1, descending=True, stable=True).indices[:, :3] * 2 + 1
+        assert torch.equal(ids, odd), name
+    kernels.select_isa("auto")
+
+
 def test_route_op_rejects_impossible_groupings(kernel_isas: list[str]) -> None:
     logits, bias = torch.zeros(2, 6), torch.zeros(6)
     with pytest.raises(RuntimeError, match="do not split into 4 groups"):
