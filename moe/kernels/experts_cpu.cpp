@@ -1724,19 +1724,19 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
 // The MoE feed-forward of a rank that hosts every physical slot (no dispatch, no capacity), in one
 // op: the same calls in the same order as moe.moe_layer.MoELayer.forward's kernel path, so bit-equal
 // to it. x: [T, D] float32 or bfloat16; gate_w: [E, D] float32 (logits = x in fp32 @ gate_w^T) and
-// gate_parts as router_logits takes them; bias and the routing arguments as route_topk takes them; log2phy: [E, R] int64 replicas of each
-// expert (-1 padded), logcnt: [E] int64, rank: the replica offset (the n-th assignment of expert e
-// in the batch, row-major, goes to replica (n + rank) % logcnt[e]); slot_load: [P] int64, += the
-// assignments per slot; routed experts packed as experts_forward_topk takes them (P slots); the
-// shared experts as a one-slot experts_forward weight, or sh_w13p empty without shared experts.
+// gate_parts as router_logits takes them; bias and the routing arguments as route_topk takes them;
+// log2phy: [E, R] int64 replicas of each expert (-1 padded), logcnt: [E] int64, rank: the replica
+// offset (the n-th assignment of expert e in the batch, row-major, goes to replica (n + rank) %
+// logcnt[e]); slot_load: [P] int64, += the assignments per slot; routed experts packed as
+// experts_forward_topk takes them (P slots); the shared experts as a one-slot experts_forward weight,
+// or sh_w13p empty without shared experts.
 // Returns [T, D] in x's dtype: (routed sum in fp32 + shared output) rounded once.
 at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tensor& gate_parts, const at::Tensor& bias,
                    bool sigmoid, int64_t method, int64_t n_group, int64_t topk_group, int64_t top_k,
-                   bool norm_topk_prob, double scaling,
-                   const at::Tensor& log2phy, const at::Tensor& logcnt, int64_t rank, at::Tensor slot_load,
-                   const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
-                   const at::Tensor& sh_w13p, const at::Tensor& sh_s13, const at::Tensor& sh_w2p,
-                   const at::Tensor& sh_s2) {
+                   bool norm_topk_prob, double scaling, const at::Tensor& log2phy, const at::Tensor& logcnt,
+                   int64_t rank, at::Tensor slot_load, const at::Tensor& w13p, const at::Tensor& s13,
+                   const at::Tensor& w2p, const at::Tensor& s2, const at::Tensor& sh_w13p, const at::Tensor& sh_s13,
+                   const at::Tensor& sh_w2p, const at::Tensor& sh_s2) {
   TORCH_CHECK(x.dim() == 2 && gate_w.dim() == 2 && gate_w.size(1) == x.size(1), "moe_kernels: x [T, D] and "
               "gate_w [E, D] expected");
   const int64_t T = x.size(0), E = gate_w.size(0), P = slot_load.size(0);
@@ -1903,10 +1903,10 @@ TORCH_LIBRARY(moe_kernels, m) {
         "Tensor v_bias, Tensor q_norm, Tensor k_norm, float q_eps, float k_eps, Tensor o_wp, Tensor o_bias, "
         "int[] dims, Tensor cos, Tensor sin, bool interleave, Tensor(a!) pool, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
-  m.def("moe_ffn(Tensor x, Tensor gate_w, Tensor gate_parts, Tensor bias, bool sigmoid, int method, int n_group, int topk_group, "
-        "int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, Tensor(a!) slot_load, "
-        "Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, Tensor sh_w2p, "
-        "Tensor sh_s2) -> Tensor");
+  m.def("moe_ffn(Tensor x, Tensor gate_w, Tensor gate_parts, Tensor bias, bool sigmoid, int method, int n_group, "
+        "int topk_group, int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, "
+        "Tensor(a!) slot_load, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, "
+        "Tensor sh_w2p, Tensor sh_s2) -> Tensor");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
   m.def("bf16_dot_rate() -> float", &moe_kernels::bf16_dot_rate);
