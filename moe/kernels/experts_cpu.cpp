@@ -1365,10 +1365,7 @@ at::Tensor router_split(const at::Tensor& w) {
       uint16_t* dst = pp + (e / 16) * D * 16 + (k / 2) * 32 + (e % 16) * 2 + k % 2;
       for (int p = 0; p < 3; ++p) {
         store_value(dst + p * part, rest);
-        uint32_t u = uint32_t{dst[p * part]} << 16;
-        float took;
-        std::memcpy(&took, &u, 4);
-        rest -= took;
+        rest -= to_float(dst[p * part]);
       }
     }
   return parts;

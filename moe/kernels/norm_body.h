@@ -263,7 +263,8 @@ static void route_top_ids(const float* sel, int64_t E, int64_t k, int64_t* ids) 
   constexpr int64_t MAX_VECTORS = 64;
   const int64_t nv = (E + 7) / 8;
   if (nv > MAX_VECTORS) {
-    std::vector<uint64_t> keys(E);
+    thread_local std::vector<uint64_t> keys;  // one allocation per thread, not per token
+    keys.resize(E);
     for (int64_t e = 0; e < E; ++e) keys[e] = topk_key(sel[e], e);
     for (int64_t j = 0; j < k; ++j) {
       int64_t best = 0;
