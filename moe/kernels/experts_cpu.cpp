@@ -112,6 +112,7 @@ static inline void add_rounded16(float* __restrict dst, float* v) {
 // before(row0, rows, block j) for each block of the tile. Nothing by default.
 struct NoTileStart {
   void operator()(int64_t, int64_t, int) const {}
+  void into_l2(int64_t, int64_t, int) const {}
 };
 // The down_add tiles' tile start: asks for the tile's fp32 output lines (one 64-byte line per row
 // and 16-column block j, row r at out + out_rows[r] * ld_out) while it computes. Prefill-size output
@@ -125,6 +126,11 @@ struct OutRowPrefetch {
   int64_t ld_out;
   void operator()(int64_t row0, int64_t rows, int j) const {
     for (int64_t r = row0; r < row0 + rows; ++r) __builtin_prefetch(out + out_rows[r] * ld_out + 16 * j, 1, 3);
+  }
+  // The same lines asked for into L2 only: the AMX passes' form, after the pass's products are issued
+  // (see AmxTiles::over_rows).
+  void into_l2(int64_t row0, int64_t rows, int j) const {
+    for (int64_t r = row0; r < row0 + rows; ++r) __builtin_prefetch(out + out_rows[r] * ld_out + 16 * j, 1, 2);
   }
 };
 static inline void store_value(uint16_t* p, float v) {  // fp32 -> bf16, round to nearest even
