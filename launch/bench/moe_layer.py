@@ -10,8 +10,12 @@ correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implemen
 - ``ours``: ``moe.moe_layer.MoELayer`` with the fused CPU expert kernel (``moe.kernels``);
 - ``ours-pytorch``: the same layer on its PyTorch expert path (the kernel switched off);
 - ``transformers``: the model family's own block (``DeepseekV3MoE`` / ``MixtralSparseMoeBlock``)
-  holding the same router, expert and shared-expert weights: its output is checked against
-  ours (``max |diff|`` in the table);
+  holding the same router, expert and shared-expert weights, its experts on transformers' eager
+  loop over experts: its output is checked against ours (``max |diff|`` in the table);
+- ``transformers-grouped-mm``: the same block with its experts on transformers' ``grouped_mm``
+  implementation, the one transformers 5 picks for a model it builds or loads (the standalone
+  block has none and runs the eager loop). Which of the two is faster depends on T: compare
+  against the faster one;
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` (one process, a gloo group of one) with
   ``drop_tokens=False`` (capacity = the busiest expert's load: dropless) and the same expert
   and router weights; its gate is DeepSpeed's softmax top-k, so the routing (not the amount
@@ -52,7 +56,7 @@ SHAPES = {
     "deepseek": dict(hidden=1024, experts=64, top_k=6, inter=256, shared=1),
     "mixtral": dict(hidden=1024, experts=8, top_k=2, inter=2048, shared=0),
 }
-IMPLS = ("ours", "ours-pytorch", "transformers", "deepspeed")
+IMPLS = ("ours", "ours-pytorch", "transformers", "transformers-grouped-mm", "deepspeed")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -278,7 +282,12 @@ def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: to
 
         fns["ours"] = lambda x: run_ours(x, True)
         fns["ours-pytorch"] = lambda x: run_ours(x, False)
-    fns["transformers"] = lambda x: hf(x[None])[0]  # transformers' blocks take [B, S, D]
+    def run_hf(x: torch.Tensor, experts: str) -> torch.Tensor:
+        hf.experts.config._experts_implementation = experts  # transformers' dispatch reads it per call
+        return hf(x[None])[0]  # transformers' blocks take [B, S, D]
+
+    fns["transformers"] = lambda x: run_hf(x, "eager")
+    fns["transformers-grouped-mm"] = lambda x: run_hf(x, "grouped_mm")
     if "deepspeed" in impls:
         fns["deepspeed"] = build_deepspeed(ours, dtype)
     cells = []
@@ -291,7 +300,7 @@ def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: to
             for impl in impls:
                 cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
                 diff = None
-                if impl in ("transformers", "ours-pytorch") and reference is not None:
+                if (impl.startswith("transformers") or impl == "ours-pytorch") and reference is not None:
                     diff = float((fns[impl](x).float() - reference).abs().max())
                 cells.append(Cell(shape, t, impl, cpu * 1e3, wall * 1e3, t / cpu, bound * 1e3, bound / cpu, diff))
                 print(_row(cells[-1]), flush=True)
@@ -300,7 +309,7 @@ def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: to
 
 def _row(c: Cell) -> str:
     diff = "" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
-    return (f"{c.shape:>9} {c.tokens:>6} {c.impl:>13} {c.cpu_ms:>10.2f} {c.wall_ms:>10.2f} {c.tokens_per_s:>11.0f} "
+    return (f"{c.shape:>9} {c.tokens:>6} {c.impl:>23} {c.cpu_ms:>10.2f} {c.wall_ms:>10.2f} {c.tokens_per_s:>11.0f} "
             f"{c.roofline_ms:>11.3f} {c.roofline:>9.2f} {diff:>10}")
 
 
@@ -356,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'kept' if kept else 'returned'}; "
           + (f"{evict.buffer.nbytes / 1024**2:.0f} MiB read before each timed call (cold weights)" if evict
              else "weights kept cached between calls (--warm-cache)"))
-    print(f"{'shape':>9} {'T':>6} {'impl':>13} {'cpu ms':>10} {'wall ms':>10} {'tok/s':>11} {'roofline ms':>11} "
+    print(f"{'shape':>9} {'T':>6} {'impl':>23} {'cpu ms':>10} {'wall ms':>10} {'tok/s':>11} {'roofline ms':>11} "
           f"{'roofline':>9} {'max|diff|':>10}")
     cells = [c for shape in args.shapes
              for c in run_shape(shape, args.tokens, args.impls, dtype, args.min_seconds, bandwidth, peak, evict)]

@@ -56,3 +56,26 @@ def test_one_small_cell_end_to_end(tmp_path, capsys) -> None:
     assert report["cold_weights"] is True and report["bf16_dot_rate"] >= 0.0
     (cell,) = report["cells"]
     assert cell["shape"] == "mixtral" and cell["tokens"] == 1 and cell["cpu_ms"] > 0 and cell["roofline_ms"] > 0
+
+
+def test_transformers_cells_run_the_eager_loop_and_grouped_mm(monkeypatch) -> None:
+    """``transformers`` runs the block's eager experts loop, ``transformers-grouped-mm`` transformers'
+    grouped_mm experts (what it picks for a model it loads); both are checked against ours."""
+    import torch
+    from transformers.integrations import moe as hf_moe
+
+    grouped = hf_moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return grouped(*args, **kwargs)
+
+    monkeypatch.setitem(hf_moe.ALL_EXPERTS_FUNCTIONS, "grouped_mm", counted)
+    cells = moe_layer.run_shape("mixtral", [3], ["ours", "transformers", "transformers-grouped-mm"], torch.bfloat16,
+                                min_seconds=0.0, bandwidth=1e10, peak_flops=1e12)
+    assert [c.impl for c in cells] == ["ours", "transformers", "transformers-grouped-mm"]
+    # grouped_mm only for its own cell: a warm-up, one timed call and the output check
+    assert len(calls) == 3
+    for c in cells[1:]:
+        assert c.max_abs_diff is not None and c.max_abs_diff < 0.05
