@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -397,7 +398,7 @@ struct Isa {
   LinearFn<float> linear_f32;
   LinearFn<uint16_t> linear_bf16;
   PagedDecodeFn paged_decode;
-  PagedPrefillFn paged_prefill;  // causal rows of prefill chunks (keys, then value columns, in lanes; every ISA)
+  PagedPrefillFn paged_prefill;  // causal rows of prefill chunks (keys, then value columns, in lanes; AMX: tiles)
   RmsNormFn rms_norm;
   AddRmsNormFn add_rms_norm;  // the residual add, then RMSNorm of the sum
   RouterLogitsFn router_logits;  // fp32 x @ w^T for the router, batch-invariant
@@ -496,11 +497,13 @@ static Isa isa_by_name(const std::string& name) {
               "moe_kernels: unknown ISA '", name, "' (expected generic, avx2, avx512, avx512bf16 or amx)");
   TORCH_CHECK(cpu_has(name), "moe_kernels: this CPU does not support ", name);
 #if defined(MOE_HAVE_AMX)
-  if (name == "amx") {  // the FMA attention: the dot product's rate is ~0.5x the FMA's on these cores
+  if (name == "amx") {  // the FMA decode attention (the dot product's rate is ~0.5x the FMA's on these
+                        // cores); bf16 prefill attention on the tiles
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("amx");
     using A = amx::AmxKernels;
     isa.wide_panels = true;
     isa.router_split = &amx::router_logits_split;
+    isa.paged_prefill = &amx::paged_prefill;
     isa.dot = DotIsa{&A::gate_up, &A::down<float>, &A::down<uint16_t>, &A::down_add, &A::linear<float>,
                      &A::linear<uint16_t>, nullptr};
     return isa;

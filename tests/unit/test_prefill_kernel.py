@@ -54,8 +54,10 @@ def _batch(lens: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, int
 # (a decode row given as a prefill of one), a chunk ending mid-block, a short chunk after a long prefix
 SEQS = [(37, 37), (50, 13), (1, 1), (70, 64), (9, 2)]
 # (query heads, kv heads, head dim, block size, sliding window): GQA groups of 4, a window shorter
-# than a block, MHA with a width no vector length divides, one kv head for all
-GQA_CASES = [(8, 2, 64, 16, None), (6, 3, 32, 4, 5), (16, 16, 40, 16, None), (4, 1, 24, 8, 20)]
+# than a block, MHA with a width no vector length divides, one kv head for all, an odd block size
+# (token pairs across blocks) with a head dim of five 32-value steps
+GQA_CASES = [(8, 2, 64, 16, None), (6, 3, 32, 4, 5), (16, 16, 40, 16, None), (4, 1, 24, 8, 20),
+             (4, 2, 160, 7, None)]
 
 
 @pytest.mark.parametrize("case", GQA_CASES)
