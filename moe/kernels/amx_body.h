@@ -286,7 +286,7 @@ static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int6
     std::vector<uint16_t> keys, values, queries, probs;
     std::vector<float> scores;
   };
-  thread_local Scratch scratch;  // a thread's, grown as needed (the TLS address looked up once)
+  thread_local Scratch scratch;  // a thread's, kept between items (see the end)
   Scratch& held = scratch;
   held.keys.assign(nkb * kblock, 0);
   held.values.assign(nvb * vblock, 0);
@@ -377,6 +377,11 @@ static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int6
                                      std::min<int64_t>(16, dv - 16 * j));
       }, NoTileStart{}, ldp);
     }
+  // a long context's scratch (over 16 MB: some 30,000 tokens at DeepSeek's head sizes) is not kept
+  // past its item
+  const size_t kept = (held.keys.capacity() + held.values.capacity() + held.queries.capacity() +
+                       held.probs.capacity()) * sizeof(uint16_t) + held.scores.capacity() * sizeof(float);
+  if (kept > (size_t{16} << 20)) held = Scratch{};
 }
 
 // The amx instruction set's prefill attention: bf16 on the tiles, fp32 on the AVX-512 FMA path.
