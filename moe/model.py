@@ -170,9 +170,18 @@ class MoEModel(nn.Module):
         self._plan_rows = None
         if self._plan is not None and self._plan.weights_changed():
             self._plan = None  # let the modules' caches drop the old packed weights as they repack
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, meta, kv_cache.layer(i))
-        return self.model.norm(h)
+        layers = self.model.layers
+        if len(layers) == 0:
+            return self.model.norm(h)
+        # each residual add in one op with the norm after it (RMSNorm.fused_add_op: bit-equal to the
+        # add and the norm), as on the decode plan, around the modules themselves
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
+            norm_next = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, x = layer.run_fused_norms(h, x, cos, sin, meta, kv_cache.layer(i), layer.self_attn,
+                                         layer.post_attention_layernorm.fused_add_op(x), layer.mlp,
+                                         norm_next.fused_add_op(x))
+        return x
 
     def _decode_plan(self, h: torch.Tensor, kv_cache: PagedKVCache) -> DecodePlan:
         """The layers' resolved ops for decode rows h [B, D]: the kept plan while its state holds."""

@@ -357,3 +357,45 @@ def test_decode_logits_run_the_plans_lm_head_op_bit_equal(kernel_isas: list[str]
     run.seqs[0] += [30, 31]  # a prompt extension: the next step is mixed and runs the module
     run.step()
     assert len(module_calls) == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_steps_fuse_each_residual_add_into_the_norm_after_it(kernel_isas: list[str],
+                                                                   hf_checkpoints: dict[str, Path], family: str,
+                                                                   dtype: torch.dtype,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps off the plan (prefill and mixed rows) run each residual add in one op with the norm after
+    it, bit-equal to calling each DecoderLayer (its adds and norms apart), then the final norm."""
+    model = _model(hf_checkpoints[family], dtype)
+    model.use_decode_plan = False
+    twin = copy.deepcopy(model)
+
+    def layer_by_layer(self: MoEModel, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_cache: PagedKVCache) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions, max(meta.context_lens_list, default=0) - 1)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, meta, kv_cache.layer(i))
+        return self.model.norm(h)
+
+    twin.forward = layer_by_layer.__get__(twin)
+    fused: list[int] = []
+    add_rms_norm = kernels.add_rms_norm
+    monkeypatch.setattr(kernels, "add_rms_norm", lambda h, *a: fused.append(h.shape[0]) or add_rms_norm(h, *a))
+    prompts, new_tokens = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]], [3, 2, 1]
+    runs = _Run(model, prompts, new_tokens), _Run(twin, prompts, new_tokens)
+    steps = 0
+    while True:
+        before = len(fused)
+        got, want = runs[0].step(), runs[1].step()
+        if got is None:
+            assert want is None
+            break
+        steps += 1
+        assert got.dtype == dtype and torch.equal(got, want), (family, dtype, steps)
+        # two fused adds per layer on the model, none on the layer-by-layer twin
+        assert fused[before:] == [got.shape[0]] * (2 * len(model.model.layers))
+    assert steps == 3 and runs[0].seqs == runs[1].seqs
+    for a, b in zip(runs[0].cache.pools, runs[1].cache.pools):
+        assert torch.equal(a, b)
