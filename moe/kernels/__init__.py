@@ -434,17 +434,20 @@ def gqa_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, 
 
 
 def mla_prefill(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                query_starts: torch.Tensor, value_dim: int, scale: float) -> torch.Tensor:
+                query_starts: torch.Tensor, value_dim: int, scale: float,
+                k_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Causal prefill attention over per-head keys and values in blocks (MLA's naive path).
 
     q: [T, H, dk], the new rows of B sequences: sequence b's at rows [query_starts[b],
     query_starts[b + 1]), its last positions of context_lens[b]; kv: [N, S, H, dk + value_dim] in
-    q's dtype (float32 or bfloat16), head h's key then its value per token; block_tables: [B, nb]
-    int64; context_lens: [B] int64; query_starts: [B + 1] int64. The row at position p sees keys
-    0..p. Returns [T, H, value_dim] in q's dtype, with ``mla_decode``'s fp32 softmax and bf16
-    rounding (the masked ``moe.layers.paged.sdpa`` up to the order of fp32 sums).
+    q's dtype (float32 or bfloat16), head h's key then its value per token, or with k_pe [N, S, R]
+    (the keys' last R columns, shared by every head: MLA's rope key) [N, S, H, dk - R + value_dim];
+    block_tables: [B, nb] int64; context_lens: [B] int64; query_starts: [B + 1] int64. The row at
+    position p sees keys 0..p. Returns [T, H, value_dim] in q's dtype, with ``mla_decode``'s fp32
+    softmax and bf16 rounding (the masked ``moe.layers.paged.sdpa`` up to the order of fp32 sums).
     """
-    return torch.ops.moe_kernels.mla_prefill(q, kv, block_tables, context_lens, query_starts, value_dim, scale)
+    pe = k_pe if k_pe is not None else kv.new_empty(0)
+    return torch.ops.moe_kernels.mla_prefill(q, kv, pe, block_tables, context_lens, query_starts, value_dim, scale)
 
 
 def gqa_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -277,13 +277,16 @@ static inline void softmax_bf16_row(float* s, int64_t n, float scale, uint16_t* 
 // One layer's MLA prefill (16 heads, dk 96, dv 64; AMX box, one thread): 16 prompts of 256 tokens
 // 24.6 ms against the FMA path's 45.4, one prompt of 4,000 tokens 148 ms against 431.
 static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0,
-                                const uint16_t* pool, int64_t S, const PagedHead& head, const int64_t* table, int64_t L,
-                                int64_t window, float scale, uint16_t* o, int64_t ldo) {
+                                const uint16_t* pool, int64_t S, const PagedHead& head, const SharedKeyPart& shared,
+                                const int64_t* table, int64_t L, int64_t window, float scale, uint16_t* o,
+                                int64_t ldo) {
   const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
+  const int64_t own = dk - shared.dim;  // the key columns in the head's pool
+  const uint16_t* part = static_cast<const uint16_t*>(shared.pool);
   const int64_t dkp = (dk + 31) / 32 * 32, nkb = (L + 15) / 16, Lp = (L + 31) / 32 * 32, nvb = (dv + 15) / 16;
   const int64_t kblock = dkp * 16, vblock = Lp * 16, lds = nkb * 16 + 16;
   struct Scratch {
-    std::vector<uint16_t> keys, values, queries, probs;
+    std::vector<uint16_t> keys, values, queries, probs, key;
     std::vector<float> scores;
   };
   thread_local Scratch scratch;  // a thread's, kept between items (see the end)
@@ -293,6 +296,7 @@ static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int6
   held.queries.assign(32 * dkp, 0);
   held.probs.resize(32 * (Lp + 32));
   held.scores.resize(32 * lds);
+  held.key.resize(dk);
   uint16_t* const kp = held.keys.data();
   uint16_t* const vp = held.values.data();
   uint16_t* const qb = held.queries.data();
@@ -312,13 +316,19 @@ static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int6
     const uint16_t* base = pool + table[blk] * S * stride;
     if (t_end < L) {
       const uint16_t* next = pool + table[blk + 1] * S * stride;
-      avx512::prefetch_rows(next + head.k_off, std::min(S, L - t_end), dk, stride);
+      avx512::prefetch_rows(next + head.k_off, std::min(S, L - t_end), own, stride);
       avx512::prefetch_rows(next + head.v_off, std::min(S, L - t_end), dv, stride);
     }
     for (int64_t t = t_begin; t < t_end; ++t) {
       const uint16_t* row = base + (t - blk * S) * stride;
       const uint16_t* k = row + head.k_off;
       const uint16_t* v = row + head.v_off;
+      if (shared.dim > 0) {  // the key's two parts side by side
+        std::memcpy(held.key.data(), k, own * sizeof(uint16_t));
+        std::memcpy(held.key.data() + own, part + (table[blk] * S + t - blk * S) * shared.dim,
+                    shared.dim * sizeof(uint16_t));
+        k = held.key.data();
+      }
       // key t's 32-value steps: their 16 pairs to pair rows 0..15 of its block's step, column t % 16
       uint32_t* kd = reinterpret_cast<uint32_t*>(kp + (t / 16) * kblock) + t % 16;
       for (int64_t s = 0; s < dkp; s += 32) {
@@ -386,14 +396,14 @@ static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int6
 
 // The amx instruction set's prefill attention: bf16 on the tiles, fp32 on the AVX-512 FMA path.
 static void paged_prefill(bool bf16, const void* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0,
-                          const void* pool, int64_t S, const PagedHead& head, const int64_t* table, int64_t L,
-                          int64_t window, float scale, float* kt, float* vbuf, float* scores, float* qbuf, void* o,
-                          int64_t ldo) {
+                          const void* pool, int64_t S, const PagedHead& head, const SharedKeyPart& shared,
+                          const int64_t* table, int64_t L, int64_t window, float scale, float* kt, float* vbuf,
+                          float* scores, float* qbuf, void* o, int64_t ldo) {
   if (!bf16) {
-    avx512::AttentionKernels::prefill(bf16, q, ldq, hh, nq, pos0, pool, S, head, table, L, window, scale, kt, vbuf,
-                                      scores, qbuf, o, ldo);
+    avx512::AttentionKernels::prefill(bf16, q, ldq, hh, nq, pos0, pool, S, head, shared, table, L, window, scale, kt,
+                                      vbuf, scores, qbuf, o, ldo);
     return;
   }
   paged_prefill_tiles(static_cast<const uint16_t*>(q), ldq, hh, nq, pos0, static_cast<const uint16_t*>(pool), S,
-                      head, table, L, window, scale, static_cast<uint16_t*>(o), ldo);
+                      head, shared, table, L, window, scale, static_cast<uint16_t*>(o), ldo);
 }

@@ -642,23 +642,28 @@ static inline void prefill_pv(const float* p, int64_t lds, int64_t n, const floa
 
 // q: row i of head h at q + i * ldq + h * dk, for heads [0, hh) and rows [0, nq); output o likewise
 // at o + i * ldo + h * dv, both in the pool's element type (fp32, or bf16 rounded to nearest even).
-// pool / S / head / table / L as paged_decode_item's. Scratch: kt [dk][L + MOE_W], vbuf [L'][dv] (L'
-// = L rounded up to S), scores [PREFILL_TILE][L + MOE_W], qbuf [PREFILL_TILE][dk].
+// pool / S / head / table / L as paged_decode_item's, the keys' last shared.dim columns from
+// shared.pool (SharedKeyPart). Scratch: kt [dk][L + MOE_W], vbuf [L'][dv] (L' = L rounded up to S),
+// scores [PREFILL_TILE][L + MOE_W], qbuf [PREFILL_TILE][dk].
 template <typename PT>
 static void paged_prefill_item(const PT* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0, const PT* pool,
-                               int64_t S, const PagedHead& head, const int64_t* table, int64_t L, int64_t window,
-                               float scale, bool round_half, float* kt, float* vbuf, float* scores, float* qbuf,
-                               PT* o, int64_t ldo) {
+                               int64_t S, const PagedHead& head, const SharedKeyPart& shared, const int64_t* table,
+                               int64_t L, int64_t window, float scale, bool round_half, float* kt, float* vbuf,
+                               float* scores, float* qbuf, PT* o, int64_t ldo) {
   const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride, ldt = L + MOE_W, lds = L + MOE_W;
+  const int64_t own = dk - shared.dim;  // the key columns in the head's pool
+  const PT* part = static_cast<const PT*>(shared.pool);
   for (int64_t blk = (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0) / S; blk * S < L; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
     const PT* base = pool + table[blk] * S * stride;
     if (blk * S + S < L) {  // the next block's rows asked for first
       const PT* next = pool + table[blk + 1] * S * stride;
-      prefetch_rows(next + head.k_off, std::min(S, L - blk * S - S), dk, stride);
+      prefetch_rows(next + head.k_off, std::min(S, L - blk * S - S), own, stride);
       prefetch_rows(next + head.v_off, std::min(S, L - blk * S - S), dv, stride);
     }
-    rows_transposed(base + head.k_off, rows, dk, stride, kt, ldt, blk * S);
+    rows_transposed(base + head.k_off, rows, own, stride, kt, ldt, blk * S);
+    if (shared.dim > 0)
+      rows_transposed(part + table[blk] * S * shared.dim, rows, shared.dim, shared.dim, kt + own * ldt, ldt, blk * S);
     rows_into(base + head.v_off, rows, dv, stride, vbuf + blk * S * dv);
   }
   for (int64_t c = 0; c < dk; ++c) std::fill(kt + c * ldt + L, kt + (c + 1) * ldt, 0.f);
@@ -720,13 +725,16 @@ struct AttentionKernels {
   }
   // q, pool and o all bf16 or all fp32
   static void prefill(bool bf16, const void* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0, const void* pool,
-                      int64_t S, const PagedHead& head, const int64_t* table, int64_t L, int64_t window, float scale,
-                      float* kt, float* vbuf, float* scores, float* qbuf, void* o, int64_t ldo) {
+                      int64_t S, const PagedHead& head, const SharedKeyPart& shared, const int64_t* table, int64_t L,
+                      int64_t window, float scale, float* kt, float* vbuf, float* scores, float* qbuf, void* o,
+                      int64_t ldo) {
     if (bf16)
       paged_prefill_item(static_cast<const uint16_t*>(q), ldq, hh, nq, pos0, static_cast<const uint16_t*>(pool), S,
-                         head, table, L, window, scale, true, kt, vbuf, scores, qbuf, static_cast<uint16_t*>(o), ldo);
+                         head, shared, table, L, window, scale, true, kt, vbuf, scores, qbuf,
+                         static_cast<uint16_t*>(o), ldo);
     else
       paged_prefill_item(static_cast<const float*>(q), ldq, hh, nq, pos0, static_cast<const float*>(pool), S, head,
-                         table, L, window, scale, false, kt, vbuf, scores, qbuf, static_cast<float*>(o), ldo);
+                         shared, table, L, window, scale, false, kt, vbuf, scores, qbuf, static_cast<float*>(o),
+                         ldo);
   }
 };

@@ -72,6 +72,13 @@ constexpr int64_t PREFILL_MAX_LANES = 16, PREFILL_MAX_TILE = 24;
 struct PagedHead {
   int64_t token_stride, k_off, v_off, dk, dv;
 };
+// Prefill keys whose last `dim` columns come from a second pool shared by every head (MLA's rope
+// key: [N, S, dim], token t of block b at pool + (b * S + t) * dim); the first dk - dim from the
+// head's own. dim == 0: none (the whole key from the head's pool).
+struct SharedKeyPart {
+  const void* pool = nullptr;
+  int64_t dim = 0;
+};
 
 // The decode work item a thread takes after the current one: its query rows (q_bytes from q) and
 // its key / value rows (table, L and head as the current item's; L == 0: no next item). The current
@@ -360,8 +367,8 @@ using PagedDecodeFn = void (*)(bool, const float*, int64_t, int64_t, const void*
                                const int64_t*, int64_t, float, bool, float*, float*, float*, float*, float*,
                                const NextItem&);
 using PagedPrefillFn = void (*)(bool, const void*, int64_t, int64_t, int64_t, int64_t, const void*, int64_t,
-                                const PagedHead&, const int64_t*, int64_t, int64_t, float, float*, float*, float*,
-                                float*, void*, int64_t);
+                                const PagedHead&, const SharedKeyPart&, const int64_t*, int64_t, int64_t, float,
+                                float*, float*, float*, float*, void*, int64_t);
 // bf16 x bf16 ops: (rows, n, K, the rows' stride, blocks w, nb, w_stride, ...)
 using GateUpDotFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int, int64_t, uint16_t*,
                              int64_t);
@@ -1212,7 +1219,8 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& pool, const at::Ten
 // and bf16 roundings.
 static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
                                 const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t num_kv_heads,
-                                const PagedHead& head0, int64_t kv_stride, int64_t window, double scale) {
+                                const PagedHead& head0, int64_t kv_stride, int64_t window, double scale,
+                                const SharedKeyPart& shared = SharedKeyPart{}) {
   TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && query_starts.dim() == 1 &&
               block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
               query_starts.scalar_type() == at::kLong, "moe_kernels: block_tables [B, nb], context_lens [B] and "
@@ -1264,25 +1272,31 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
         const PagedHead head = HeadItems::head(head0, g, kv_stride);
         const int64_t qlen = qs[b + 1] - qs[b];
         isa.paged_prefill(bf16, qp + (qs[b] * H + h0) * dk * esize, H * dk, hh, qlen, lp[b] - qlen, pool_ptr, S,
-                          head, tp + b * nb, lp[b], window, sc, kt.data(), vbuf.data(), scores.data(), qbuf.data(),
-                          op + (qs[b] * H + h0) * dv * esize, H * dv);
+                          head, shared, tp + b * nb, lp[b], window, sc, kt.data(), vbuf.data(), scores.data(),
+                          qbuf.data(), op + (qs[b] * H + h0) * dv * esize, H * dv);
       }
   });
   return out;
 }
 
 // Prefill over per-head keys and values (MLA's naive path: c_kv expanded by kv_b_proj): q [T, H,
-// dk]; kv [N, S, H, dk + dv] in q's dtype, head h's key then value; the rest as paged_prefill's.
-// Returns [T, H, dv].
-at::Tensor mla_prefill(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
-                       const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t dv, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "moe_kernels: CPU tensors only");
+// dk]; kv [N, S, H, dk' + dv] in q's dtype, head h's key (or its first dk' = dk - R columns) then
+// value; k_pe: empty, or [N, S, R] in q's dtype, the keys' last R columns shared by every head (MLA's
+// rope key: no copy of it per head); the rest as paged_prefill's. Returns [T, H, dv].
+at::Tensor mla_prefill(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& k_pe,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       const at::Tensor& query_starts, int64_t dv, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu() && k_pe.device().is_cpu(), "moe_kernels: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 4, "moe_kernels: q [T, H, dk], kv [N, S, H, dk + dv] expected");
-  const int64_t H = q.size(1), dk = q.size(2);
-  TORCH_CHECK(kv.size(2) == H && dv > 0 && kv.size(3) == dk + dv, "moe_kernels: kv [N, S, ", kv.size(2), ", ",
-              kv.size(3), "] does not hold ", H, " heads of ", dk, " + ", dv, " columns");
-  return paged_prefill(q, kv, block_tables, context_lens, query_starts, H, PagedHead{H * (dk + dv), 0, dk, dk, dv},
-                       dk + dv, 0, scale);
+  const int64_t H = q.size(1), dk = q.size(2), R = k_pe.numel() ? k_pe.size(-1) : 0, own = dk - R;
+  TORCH_CHECK(k_pe.numel() == 0 || (k_pe.dim() == 3 && k_pe.size(0) == kv.size(0) && k_pe.size(1) == kv.size(1) &&
+                                    R < dk && k_pe.scalar_type() == kv.scalar_type()),
+              "moe_kernels: k_pe must be empty or [N, S, R] like kv's blocks, R < dk, in kv's dtype");
+  TORCH_CHECK(kv.size(2) == H && dv > 0 && kv.size(3) == own + dv, "moe_kernels: kv [N, S, ", kv.size(2), ", ",
+              kv.size(3), "] does not hold ", H, " heads of ", own, " + ", dv, " columns");
+  const at::Tensor pe = k_pe.contiguous();
+  return paged_prefill(q, kv, block_tables, context_lens, query_starts, H, PagedHead{H * (own + dv), 0, own, dk, dv},
+                       own + dv, 0, scale, SharedKeyPart{R ? pe.data_ptr() : nullptr, R});
 }
 
 // Prefill over a GQA cache: q [T, H, hd]; pool [N, S, 2, Hkv, hd] as gqa_decode's; window > 0: a
@@ -1887,8 +1901,8 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("mla_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, int value_dim, "
         "float scale) -> Tensor");
   m.def("gqa_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
-  m.def("mla_prefill(Tensor q, Tensor kv, Tensor block_tables, Tensor context_lens, Tensor query_starts, "
-        "int value_dim, float scale) -> Tensor");
+  m.def("mla_prefill(Tensor q, Tensor kv, Tensor k_pe, Tensor block_tables, Tensor context_lens, "
+        "Tensor query_starts, int value_dim, float scale) -> Tensor");
   m.def("gqa_prefill(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, Tensor query_starts, "
         "int window, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -121,21 +121,20 @@ class MLAAttention(WatchedModule):
                        context_lens: torch.Tensor, query_starts: torch.Tensor) -> torch.Tensor:
         """``_attend_naive`` for the rows q [Tp, H, Nn + R] of every prefill sequence at once
         (``paged.PagedPrefillFn``): their cached latents gathered block by block into one
-        [Nb * S, C + R] run, expanded by kv_b_proj in one GEMM into per-head keys [k_nope | k_pe]
-        and values, then the CPU kernel's causal attention over those blocks. Returns [Tp, H, Vd]."""
+        [Nb * S, C + R] run, expanded by kv_b_proj in one GEMM into per-head k_nope and values, then
+        the CPU kernel's causal attention over those blocks, each key [k_nope | k_pe] with the shared
+        k_pe read once (no per-head copy). Returns [Tp, H, Vd]."""
         size = view.pool.shape[1]
         counts = [-(-int(n) // size) for n in context_lens.tolist()]  # blocks per sequence
         nb = max(counts)
         keep = torch.arange(nb, device=q.device)[None, :] < torch.tensor(counts, device=q.device)[:, None]
         latent = view.gather(block_tables[:, :nb][keep][None])[0].to(q.dtype)  # [Nb * S, C + R]
         rows, h, c = latent.shape[0], self.num_heads, self.kv_lora_rank
-        kv = self.kv_b_proj(latent[:, :c]).view(rows, h, self.nope + self.v_dim)
-        k_pe = latent[:, None, c:].expand(rows, h, self.rope)
-        kv = torch.cat((kv[..., : self.nope], k_pe, kv[..., self.nope :]), dim=-1)  # [Nb * S, H, dk + Vd]
+        kv = self.kv_b_proj(latent[:, :c]).view(-1, size, h, self.nope + self.v_dim)  # [Nb, S, H, Nn + Vd]
+        k_pe = latent[:, c:].reshape(-1, size, self.rope)  # [Nb, S, R]: every head's rope key, not copied per head
         firsts = torch.tensor([0, *itertools.accumulate(counts)][:-1], device=q.device)
         tables = torch.where(keep, firsts[:, None] + torch.arange(nb, device=q.device)[None, :], 0)
-        return kernels.mla_prefill(q, kv.view(-1, size, h, kv.shape[-1]), tables, context_lens, query_starts,
-                                   self.v_dim, self.scale)
+        return kernels.mla_prefill(q, kv, tables, context_lens, query_starts, self.v_dim, self.scale, k_pe=k_pe)
 
     def _prefill_kernel_applies(self, q: torch.Tensor) -> bool:
         """Whether ``_prefill_paged`` can serve this step's prefill rows q [T, H, Nn + R]: CPU, the

@@ -106,6 +106,30 @@ def test_mla_prefill_matches_the_masked_sdpa_on_every_isa(kernel_isas: list[str]
     kernels.select_isa("auto")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_prefill_reads_a_rope_key_shared_by_the_heads(kernel_isas: list[str], dtype: torch.dtype) -> None:
+    """k_pe [N, S, R]: every head's key is its own first dk - R columns, then the shared R: the same
+    values as kv holding a copy of k_pe in each head's key."""
+    h, nope, rope, dv, size = 8, 64, 32, 64, 16
+    gen = torch.Generator().manual_seed(2)
+    lens, starts, rows = _batch(SEQS)
+    own = torch.randn(40, size, h, nope + dv, generator=gen).to(dtype)
+    k_pe = torch.randn(40, size, rope, generator=gen).to(dtype)
+    copied = torch.cat((own[..., :nope], k_pe[:, :, None].expand(40, size, h, rope), own[..., nope:]), dim=-1)
+    tables = _scattered_tables(gen, lens.tolist(), size, 40)
+    q = torch.randn(rows, h, nope + rope, generator=gen).to(dtype)
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        got = kernels.mla_prefill(q, own, tables, lens, starts, dv, 0.1, k_pe=k_pe)
+        assert got.shape == (rows, h, dv) and got.dtype == dtype
+        assert torch.equal(got, kernels.mla_prefill(q, copied, tables, lens, starts, dv, 0.1)), name
+    with pytest.raises(RuntimeError, match=r"k_pe must be empty or \[N, S, R\]"):
+        kernels.mla_prefill(q, own, tables, lens, starts, dv, 0.1, k_pe=k_pe[:20])
+    with pytest.raises(RuntimeError, match="does not hold 8 heads of 64 \\+ 64 columns"):
+        kernels.mla_prefill(q, copied, tables, lens, starts, dv, 0.1, k_pe=k_pe)
+    kernels.select_isa("auto")
+
+
 @pytest.mark.parametrize(("lens", "starts", "table", "message"), [
     ([3], [0, 4], [[0]], "has 4 new rows and context length 3"),
     ([4], [0, 2, 4], [[0]], "one block table, context length and query start per sequence"),
@@ -156,7 +180,7 @@ def test_model_generates_the_same_with_the_prefill_kernel(kernel_isas: list[str]
     op = "mla_prefill" if family.startswith("deepseek") else "gqa_prefill"
     calls = []
     prefill = getattr(kernels, op)
-    monkeypatch.setattr(kernels, op, lambda q, *a: calls.append(q.shape[0]) or prefill(q, *a))
+    monkeypatch.setattr(kernels, op, lambda q, *a, **k: calls.append(q.shape[0]) or prefill(q, *a, **k))
     # chunk=3: prompts arrive in chunks after cached ones, beside other sequences' decode rows
     tokens_kernel, logits_kernel = greedy_generate(model, prompts, 6, chunk=3)
     assert calls and max(calls) > 1
