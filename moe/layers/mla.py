@@ -129,7 +129,7 @@ class MLAAttention(WatchedModule):
         nb = max(counts)
         keep = torch.arange(nb, device=q.device)[None, :] < torch.tensor(counts, device=q.device)[:, None]
         latent = view.gather(block_tables[:, :nb][keep][None])[0].to(q.dtype)  # [Nb * S, C + R]
-        rows, h, c = latent.shape[0], self.num_heads, self.kv_lora_rank
+        h, c = self.num_heads, self.kv_lora_rank
         kv = self.kv_b_proj(latent[:, :c]).view(-1, size, h, self.nope + self.v_dim)  # [Nb, S, H, Nn + Vd]
         k_pe = latent[:, c:].reshape(-1, size, self.rope)  # [Nb, S, R]: every head's rope key, not copied per head
         firsts = torch.tensor([0, *itertools.accumulate(counts)][:-1], device=q.device)
