@@ -187,3 +187,32 @@ def test_model_generates_the_same_with_the_prefill_kernel(kernel_isas: list[str]
     for layer in model.model.layers:
         layer.self_attn.use_prefill_kernel = False
     assert_same_generation((tokens_kernel, logits_kernel), greedy_generate(model, prompts, 6, chunk=3))
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_rows_values_do_not_depend_on_the_chunk_or_batch_it_comes_in(kernel_isas: list[str],
+                                                                       window: int | None) -> None:
+    """A prompt's rows prefilled whole, as a later chunk after cached rows, or beside another
+    sequence: the same bits (a row's sums do not depend on the query tile it lands in)."""
+    size, hkv, h, hd, length = 16, 2, 4, 64, 150
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = torch.randn(20, size, 2, hkv, hd, generator=gen).to(dtype)
+        table = torch.randperm(20, generator=gen)[:10][None]
+        q = torch.randn(length, h, hd, generator=gen).to(dtype)
+
+        def prefill(rows: torch.Tensor, tables: torch.Tensor, lens: list[int], starts: list[int],
+                    pool: torch.Tensor = pool) -> torch.Tensor:
+            return kernels.gqa_prefill(rows, pool, tables, torch.tensor(lens), torch.tensor(starts), 0.125, window)
+
+        for name in kernel_isas:
+            kernels.select_isa(name)
+            whole = prefill(q, table, [length], [0, length])
+            for split in (1, 17, 37, 100, 149):
+                chunk = prefill(q[split:], table, [length], [0, length - split])
+                assert torch.equal(chunk, whole[split:]), (name, dtype, split)
+            two = prefill(torch.cat([q[:30], q[37:]]), torch.cat([table, table]), [30, length],
+                          [0, 30, 30 + length - 37])
+            assert torch.equal(two[30:], whole[37:]), (name, dtype)
+            assert torch.equal(two[:30], prefill(q[:30], table, [30], [0, 30])), (name, dtype)
+    kernels.select_isa("auto")
