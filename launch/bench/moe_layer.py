@@ -1,8 +1,8 @@
-"""``python -m launch bench moe-layer``: one MoE layer, the same weights through four implementations.
+"""``python -m launch bench moe-layer``: one MoE layer, the same weights through five implementations.
 
     python -m launch bench moe-layer [--shapes deepseek mixtral] [--tokens 1 32 512 4096]
-        [--impls ours ours-pytorch transformers deepspeed] [--dtype bfloat16] [--num-threads 1]
-        [--min-seconds 1.0] [--json FILE]
+        [--impls ours ours-pytorch transformers transformers-grouped-mm deepspeed] [--dtype bfloat16]
+        [--num-threads 1] [--min-seconds 1.0] [--json FILE]
 
 Shapes: ``deepseek`` (D 1024, E 64, top-6, I 256, one shared expert, sigmoid scores with the
 correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implementations:
@@ -282,6 +282,7 @@ def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: to
 
         fns["ours"] = lambda x: run_ours(x, True)
         fns["ours-pytorch"] = lambda x: run_ours(x, False)
+
     def run_hf(x: torch.Tensor, experts: str) -> torch.Tensor:
         hf.experts.config._experts_implementation = experts  # transformers' dispatch reads it per call
         return hf(x[None])[0]  # transformers' blocks take [B, S, D]
