@@ -214,21 +214,11 @@ static void router_logits_split(const uint16_t* x, int64_t t_begin, int64_t t_en
   }
 }
 
-// bf16 rounding (nearest even, NaN -> 0x7fc00000) of 16 fp32 lanes: round_bf16_inplace's rule.
-static inline __m512 round_bf16_ps(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd),
-                                           _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000)));
-}
-
 // p[0:n) = the bf16 probabilities of scores s[0:n) (overwritten): attn_softmax's arithmetic with
-// round_half (scores rounded to bf16, e^(x scale - max scale) by exp_nonpositive, the sum, the
-// products by its inverse rounded to bf16), in three passes over the row (the max, the powers and
-// their sum, the probabilities), the last lanes masked; the sum in another order than attn_softmax's.
+// round_half (scores rounded to bf16 by round_bf16_lanes, e^(x scale - max scale) by exp_nonpositive,
+// the sum, the products by its inverse stored by store_bf16_lanes), in three passes over the row (the
+// max, the powers and their sum, the probabilities), the last lanes masked; the sum in another order
+// than attn_softmax's.
 static inline void softmax_bf16_row(float* s, int64_t n, float scale, uint16_t* p) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   auto live = [&](int64_t t) {
@@ -237,13 +227,13 @@ static inline void softmax_bf16_row(float* s, int64_t n, float scale, uint16_t* 
   __m512 mv = ninf;
   for (int64_t t = 0; t < n; t += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(ninf, live(t), s + t));
   // the max of the rounded scores: rounding keeps their order
-  const float m = _mm512_reduce_max_ps(round_bf16_ps(mv)) * scale;
+  const float m = _mm512_reduce_max_ps(_mm512_castsi512_ps(avx512bf16::round_bf16_lanes(mv))) * scale;
   __m512 sv = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
     const __mmask16 k = live(t);
     avx512::vxf x;
-    const __m512 a = _mm512_sub_ps(_mm512_mul_ps(round_bf16_ps(_mm512_maskz_loadu_ps(k, s + t)),
-                                                 _mm512_set1_ps(scale)), _mm512_set1_ps(m));
+    const __m512 rounded = _mm512_castsi512_ps(avx512bf16::round_bf16_lanes(_mm512_maskz_loadu_ps(k, s + t)));
+    const __m512 a = _mm512_sub_ps(_mm512_mul_ps(rounded, _mm512_set1_ps(scale)), _mm512_set1_ps(m));
     std::memcpy(&x, &a, sizeof(x));
     x = avx512::exp_nonpositive_v(x);
     __m512 e;
@@ -253,12 +243,9 @@ static inline void softmax_bf16_row(float* s, int64_t n, float scale, uint16_t* 
     sv = _mm512_add_ps(sv, e);
   }
   const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = live(t);
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(_mm512_mul_ps(
-        _mm512_maskz_loadu_ps(k, s + t), inv))), 16);
-    _mm256_mask_storeu_epi16(p + t, k, _mm512_cvtepi32_epi16(bits));
-  }
+  for (int64_t t = 0; t < n; t += 16)
+    avx512bf16::store_bf16_lanes(p + t, _mm512_mul_ps(_mm512_maskz_loadu_ps(live(t), s + t), inv),
+                                 std::min<int64_t>(16, n - t));
 }
 
 // Prefill attention of bf16 rows on the tiles: paged_prefill_item's contract (attention_body.h) for a
