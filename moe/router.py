@@ -21,6 +21,7 @@ from torch import nn
 
 from moe import kernels
 from moe.config import ModelConfig
+from moe.layers.linear import cached_pack
 from moe.plan_watch import WatchedModule
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}  # moe_kernels.route_topk's method ids
@@ -55,7 +56,7 @@ class Router(WatchedModule):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
         else:
             self.e_score_correction_bias = None
-        self._parts: tuple[tuple, torch.Tensor] | None = None  # (weight key, kernels.router_split(weight))
+        self._parts: tuple[tuple, torch.Tensor] | None = None  # cached_pack's (weight key, router_split(weight))
 
     use_kernel: bool = True  # False pins the PyTorch ops below (the reference in tests)
     # what the fused ops' routing arguments and their choice read besides the weights
@@ -105,11 +106,7 @@ class Router(WatchedModule):
         weight = self._parameters["weight"]
         if not kernels.router_split_applies(x.dtype, weight.shape[1]):
             return None
-        key = (weight._version, weight.data_ptr(), tuple(weight.shape))
-        if self._parts is None or self._parts[0] != key:
-            self._parts = None  # drop the old parts before making the new ones
-            self._parts = (key, kernels.router_split(weight.detach()))
-        return self._parts[1]
+        return cached_pack(self, "_parts", (weight,), lambda w: kernels.router_split(w.detach()))
 
     def selection_args(self) -> dict[str, Any]:
         """This router's selection as ``kernels.route_topk`` (and ``kernels.moe_ffn``) take it: the
