@@ -273,8 +273,8 @@ static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int6
   const int64_t dkp = (dk + 31) / 32 * 32, nkb = (L + 15) / 16, Lp = (L + 31) / 32 * 32, nvb = (dv + 15) / 16;
   const int64_t kblock = dkp * 16, vblock = Lp * 16, lds = nkb * 16 + 16;
   struct Scratch {
-    std::vector<uint16_t> keys, values, queries, probs, key;
-    std::vector<float> scores;
+    LineVector<uint16_t> keys, values, queries, probs, key;
+    LineVector<float> scores;
   };
   thread_local Scratch scratch;  // a thread's, kept between items (see the end)
   Scratch& held = scratch;

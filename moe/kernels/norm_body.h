@@ -110,7 +110,7 @@ static void router_logits_rows(const T* x, int64_t t_begin, int64_t t_end, const
   const int64_t chunk = std::max<int64_t>(4, (int64_t{131072} / std::max<int64_t>(1, D * 4)) / 4 * 4);
   if constexpr (sizeof(T) == 2) {
     if (t_end - t_begin >= 4 * chunk) {
-      thread_local std::vector<float> wide;
+      thread_local LineVector<float> wide;
       wide.resize(chunk * D);
       for (int64_t c0 = t_begin; c0 < t_end; c0 += chunk) {
         const int64_t c1 = std::min(t_end, c0 + chunk);
