@@ -100,7 +100,7 @@ class Router(WatchedModule):
         return ids.to(torch.int64), (weights * self.routed_scaling_factor).float(), selection if with_scores else None
 
     def logits_parts(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``kernels.router_split(weight)`` [3, ceil(E / 16), D / 2, 16, 2] bf16 when
+        """``kernels.router_split(weight)`` [S, ceil(E / 16), D / 2, 16, 2] bf16 (S = 1 to 3) when
         ``kernels.router_logits`` reads it for rows like x [T, D] (bf16 rows on AMX), made once and
         kept until the weight changes; else None."""
         weight = self._parameters["weight"]

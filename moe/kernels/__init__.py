@@ -403,15 +403,17 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, parts: torch.Tensor | N
     [T, E] float32. Every row's logits are the same bits whatever the batch it comes in (a fixed
     summation order per row and expert; PyTorch's GEMM may block a batch differently), within fp32
     rounding of ``F.linear(x.float(), weight)``. Where ``router_split_applies`` (bf16 rows on AMX),
-    the op multiplies the rows by the weight's three bf16 parts on the tiles: ``parts`` =
+    the op multiplies the rows by the weight's bf16 parts on the tiles: ``parts`` =
     ``router_split(weight)`` kept by the caller, or None to make them in the call (same bits)."""
     return torch.ops.moe_kernels.router_logits(x, weight, parts if parts is not None else _NONE)
 
 
 def router_split(weight: torch.Tensor) -> torch.Tensor:
-    """weight [E, D] float32 (D even) as three bf16 parts that sum to it exactly, packed for the tiles:
-    [3, ceil(E / 16), D / 2, 16, 2] bfloat16 (part p's expert 16 b + n, k = 2 i + c at [p, b, i, n, c];
-    zero past E). Part 0 is bf16(weight), part 1 the bf16 of what it leaves, part 2 the rest."""
+    """weight [E, D] float32 (D even) as up to three bf16 parts that sum to it exactly, packed for the
+    tiles: [S, ceil(E / 16), D / 2, 16, 2] bfloat16 (part p's expert 16 b + n, k = 2 i + c at [p, b, i,
+    n, c]; zero past E). Part 0 is bf16(weight), part 1 the bf16 of what it leaves, part 2 the rest;
+    S drops trailing parts that are all zero: S = 1 for a weight bf16 holds exactly (a router read
+    from a bf16 checkpoint), whose logits then take a third of the tile products."""
     return torch.ops.moe_kernels.router_split(weight)
 
 

@@ -193,25 +193,35 @@ using AmxKernels = avx512bf16::DotKernelsOf<AmxTiles>;
 
 // Router logits of bf16 rows on the tiles: out[t][e] = sum_k x[t][k] w[e][k] for rows [t_begin,
 // t_end) of x [T, D] (D a multiple of 32) and the fp32 weight w [E, D] as router_split packs it:
-// ws [3][nb = ceil(E / 16)][D / 2][16][2] bf16, w = part 0 + part 1 + part 2 exactly (each part the
-// bf16 rounding of what the parts before it leave). Every product of a bf16 x and a bf16 part is
+// ws [S][nb = ceil(E / 16)][D / 2][16][2] bf16 (S = 1 to 3), w = part 0 + part 1 + part 2 exactly
+// (each part the bf16 rounding of what the parts before it leave; parts past S all zero). Every product of a bf16 x and a bf16 part is
 // exact in fp32, and each expert's accumulator sums them in one fixed order (per 32-value k step:
 // part 0's, part 1's, part 2's), so a row's logits are the same bits whatever the batch, within fp32
 // rounding of the fp32 product (another order than the FMA kernels': these are not their bits). Rows
 // go in chunks of 256 (512 KB at D = 1024) that stay in L2 while each pair of expert blocks (its
 // three parts: 192 KB) passes over them.
-static void router_logits_split(const uint16_t* x, int64_t t_begin, int64_t t_end, const uint16_t* ws, int64_t E,
+template <int S>
+static void router_logits_parts(const uint16_t* x, int64_t t_begin, int64_t t_end, const uint16_t* ws, int64_t E,
                                 int64_t D, float* out) {
   const int64_t nb = (E + 15) / 16, block = D * 16;
   constexpr int64_t CHUNK = 256;
   for (int64_t c0 = t_begin; c0 < t_end; c0 += CHUNK) {
     const int64_t rows = std::min(CHUNK, t_end - c0);
-    AmxTiles::over_rows<3>(x + c0 * D, rows, D, ws, static_cast<int>(nb), block,
+    AmxTiles::over_rows<S>(x + c0 * D, rows, D, ws, static_cast<int>(nb), block,
                            [&](int64_t r, int j, const float* acc) {
       const int64_t cols = std::min<int64_t>(16, E - 16 * j);
       std::memcpy(out + (c0 + r) * E + 16 * j, acc, cols * sizeof(float));
     }, NoTileStart{}, D, nb * block);
   }
+}
+// num_parts: how many of the three parts ws holds (router_split leaves out trailing parts that are all
+// zero: their products would add exact zeros). S == 1 runs the one-part passes (amx_pass<.., 1>),
+// whose k steps are the same products in the same order.
+static void router_logits_split(const uint16_t* x, int64_t t_begin, int64_t t_end, const uint16_t* ws,
+                                int num_parts, int64_t E, int64_t D, float* out) {
+  if (num_parts == 1) router_logits_parts<1>(x, t_begin, t_end, ws, E, D, out);
+  else if (num_parts == 2) router_logits_parts<2>(x, t_begin, t_end, ws, E, D, out);
+  else router_logits_parts<3>(x, t_begin, t_end, ws, E, D, out);
 }
 
 // p[0:n) = the bf16 probabilities of scores s[0:n) (overwritten): attn_softmax's arithmetic with

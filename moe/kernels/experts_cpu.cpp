@@ -383,8 +383,8 @@ using RouteScoresFn = void (*)(bool, const float*, int64_t, float*);
 // the top k of one token's selection scores, highest first, ties to the lower id: (sel [E], E, k, ids [k])
 using RouteTopFn = void (*)(const float*, int64_t, int64_t, int64_t*);
 using RouterLogitsFn = void (*)(bool, const void*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
-// bf16 rows against the router weight's three bf16 parts: (x, t_begin, t_end, parts, E, D, out)
-using RouterSplitFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*);
+// bf16 rows against the router weight's bf16 parts: (x, t_begin, t_end, parts, number of parts, E, D, out)
+using RouterSplitFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, int64_t, float*);
 // (bf16 pool, q, the item's heads, its kv head's query heads, pool, S, head, table, L, scale, round_half,
 // scratch..., next)
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, int64_t, const void*, int64_t, const PagedHead&,
@@ -1392,8 +1392,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   return {s, out};
 }
 
-// The router weight w [E, D] float32 as three bf16 parts in the tiles' packed order: [3, ceil(E / 16),
-// D / 2, 16, 2] bfloat16, part p's element (b, i, n, c) = w_p[16 b + n][2 i + c] (0 past E), where
+// The router weight w [E, D] float32 as bf16 parts in the tiles' packed order: [S, ceil(E / 16),
+// D / 2, 16, 2] bfloat16 (S = 1 to 3: the trailing parts that are all zero left out), part p's element (b, i, n, c) = w_p[16 b + n][2 i + c] (0 past E), where
 // w_0 = bf16(w), w_1 = bf16(w - w_0), w_2 = w - w_0 - w_1 (round to nearest even; each difference is
 // exact in fp32 and the last fits bf16's 8 bits), so w = w_0 + w_1 + w_2 exactly for finite w.
 at::Tensor router_split(const at::Tensor& w) {
@@ -1406,6 +1406,7 @@ at::Tensor router_split(const at::Tensor& w) {
   const float* wp = wc.data_ptr<float>();
   uint16_t* pp = reinterpret_cast<uint16_t*>(parts.data_ptr());
   const int64_t part = nb * D * 16;
+  int64_t used = 1;  // parts up to the last one with a nonzero value
   for (int64_t e = 0; e < E; ++e)
     for (int64_t k = 0; k < D; ++k) {
       float rest = wp[e * D + k];
@@ -1413,9 +1414,12 @@ at::Tensor router_split(const at::Tensor& w) {
       for (int p = 0; p < 3; ++p) {
         store_value(dst + p * part, rest);
         rest -= to_float(dst[p * part]);
+        if (p > 0 && (dst[p * part] & 0x7fff) != 0) used = std::max<int64_t>(used, p + 1);
       }
     }
-  return parts;
+  // a weight that bf16 holds exactly (a router read from a bf16 checkpoint) needs part 0 alone: its
+  // logits then cost a third of the tile products (the others' products would all be zero)
+  return used == 3 ? parts : parts.narrow(0, 0, used).contiguous();
 }
 
 // Whether router_logits reads the weight's bf16 parts for rows of this dtype and D (the ISA has the
@@ -1426,7 +1430,7 @@ bool router_split_applies(bool bf16_rows, int64_t D) {
 
 // x: [T, D] float32 or bfloat16 (made fp32); w: [E, D] float32; parts: router_split(w), or empty
 // (made here when used). Returns x @ w^T [T, E] float32: the router's logits, each row's the same
-// bits whatever the batch. bf16 rows meet w's three bf16 parts on the AMX tiles when D is a multiple
+// bits whatever the batch. bf16 rows meet w's bf16 parts on the AMX tiles when D is a multiple
 // of 32 (amx_body.h's router_logits_split: T = 4096, E 64, D 1024 in ~1.3 ms against the FMA
 // kernels' 5.2); otherwise, and on the other ISAs, the FMA kernels (norm_body.h's
 // router_logits_rows). The choice follows the ISA, x's dtype and D, never T.
@@ -1446,16 +1450,18 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const void* xp = xc.data_ptr();
   float* op = out.data_ptr<float>();
   const int64_t nb = (E + 15) / 16;
-  TORCH_CHECK(parts.numel() == 0 || (parts.scalar_type() == at::kBFloat16 && parts.is_contiguous() &&
-                                     parts.sizes() == at::IntArrayRef({3, nb, D / 2, 16, 2})),
-              "moe_kernels: router weight parts must be router_split(w): [3, ", nb, ", ", D / 2,
+  TORCH_CHECK(parts.numel() == 0 || (parts.scalar_type() == at::kBFloat16 && parts.is_contiguous() && parts.dim() == 5 &&
+                                     parts.size(0) >= 1 && parts.size(0) <= 3 &&
+                                     parts.sizes().slice(1) == at::IntArrayRef({nb, D / 2, 16, 2})),
+              "moe_kernels: router weight parts must be router_split(w): [1-3, ", nb, ", ", D / 2,
               ", 16, 2] bfloat16, got ", parts.sizes(), " ", parts.scalar_type());
   if (router_split_applies(bf16, D)) {
     const at::Tensor made = parts.numel() ? parts : router_split(wc);
     const uint16_t* pp = reinterpret_cast<const uint16_t*>(made.data_ptr());
     const uint16_t* xb = static_cast<const uint16_t*>(xp);
+    const int num_parts = static_cast<int>(made.size(0));
     at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-      isa.router_split(xb, begin, end, pp, E, D, op);
+      isa.router_split(xb, begin, end, pp, num_parts, E, D, op);
     });
     return out;
   }

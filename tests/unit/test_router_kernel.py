@@ -122,13 +122,43 @@ def test_router_split_parts_sum_to_the_weight(kernel_isas: list[str], shape: tup
     w = torch.randn(E, D, generator=g) * torch.logspace(-30, 30, D).float()  # tiny to huge values
     parts = kernels.router_split(w)
     nb = (E + 15) // 16
-    assert parts.shape == (3, nb, D // 2, 16, 2) and parts.dtype == torch.bfloat16
+    assert parts.shape == (3, nb, D // 2, 16, 2) and parts.dtype == torch.bfloat16  # every part needed
     rows = parts.double().permute(0, 1, 3, 2, 4).reshape(3, nb * 16, D)  # [3, E padded, D]
     assert torch.equal(rows.sum(0)[:E], w.double())  # exactly the weight
     assert torch.equal(rows[0, :E], w.bfloat16().double())  # part 0: the weight rounded to bf16
     assert (rows[:, E:] == 0).all()
     with pytest.raises(RuntimeError, match="needs an even D"):
         kernels.router_split(torch.zeros(4, 7))
+
+
+def test_router_split_leaves_out_zero_parts(kernel_isas: list[str]) -> None:
+    g = torch.Generator().manual_seed(7)
+    E, D = 40, 256
+    w = torch.randn(E, D, generator=g)
+    exact = w.bfloat16().float()  # a router read from a bf16 checkpoint
+    two = exact + (w - exact).bfloat16().float() * (torch.arange(D) % 3 == 0)  # a second part in some columns
+    full = kernels.router_split(w)
+    for weight, count in ((exact, 1), (two, 2), (w, 3)):
+        parts = kernels.router_split(weight)
+        assert parts.shape == (count, 3, D // 2, 16, 2), count
+        rows = parts.double().permute(0, 1, 3, 2, 4).reshape(count, 48, D)
+        assert torch.equal(rows.sum(0)[:E], weight.double()), count
+    assert torch.equal(kernels.router_split(exact)[0], full[0])  # part 0 is bf16(weight) either way
+    if "amx" not in kernel_isas:
+        return
+    kernels.select_isa("amx")
+    try:
+        x = torch.randn(300, D, generator=g).bfloat16()
+        for weight in (exact, two):
+            parts = kernels.router_split(weight)
+            padded = torch.cat([parts, torch.zeros(3 - parts.shape[0], *parts.shape[1:], dtype=parts.dtype)])
+            got = kernels.router_logits(x, weight, parts)
+            # the zero parts' products add exact zeros: the same bits as three parts
+            assert torch.equal(got, kernels.router_logits(x, weight, padded))
+            assert torch.equal(got, kernels.router_logits(x, weight))
+            assert torch.allclose(got.double(), x.double() @ weight.double().T, rtol=0, atol=1e-4)
+    finally:
+        kernels.select_isa("auto")
 
 
 def test_router_logits_on_the_weight_parts(kernel_isas: list[str]) -> None:
