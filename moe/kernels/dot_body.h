@@ -210,6 +210,20 @@ struct DotKernelsOf {
       add_rounded16(dst, v);
     }, OutRowPrefetch{out_rows, out, ld_out}, ld_act);
   }
+  // The layer's last term and its rounding in one: out[row, 16b:16b+16] (bf16) = bf16(sums[row,
+  // 16b:16b+16] + bf16(act[row] @ block)), the product rounded as down<uint16_t> rounds it (its
+  // output widened exactly), the sum as add_round rounds it (store_value's rule): the values of
+  // down_bf16's rows added to fp32 sums by add_round, without the bf16 rows in between. sums: fp32
+  // rows ld_sums apart; out rows ld_out apart.
+  static void down_final(const uint16_t* act, int64_t n, int64_t I, int64_t ld_act, const uint16_t* w, int nb,
+                         int64_t w_stride, const float* sums, int64_t ld_sums, uint16_t* out, int64_t ld_out) {
+    Tiles::over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
+      const __m256i p = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(1.f)));
+      const __m512 wide = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16));
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + row * ld_sums + 16 * j), wide);
+      store_bf16_lanes(out + row * ld_out + 16 * j, v, 16);
+    }, SumRowPrefetch{sums, ld_sums}, ld_act);
+  }
   // out[row, 0:ncols] = x[row] @ blocks (+ bias): x [n, K] bf16, rows ldx elements apart; nb
   // neighbouring [K/2][16][2] blocks (K * 16 elements apart), ncols <= 16 * nb of their columns.
   template <typename OT>
