@@ -194,12 +194,12 @@ using AmxKernels = avx512bf16::DotKernelsOf<AmxTiles>;
 // Router logits of bf16 rows on the tiles: out[t][e] = sum_k x[t][k] w[e][k] for rows [t_begin,
 // t_end) of x [T, D] (D a multiple of 32) and the fp32 weight w [E, D] as router_split packs it:
 // ws [S][nb = ceil(E / 16)][D / 2][16][2] bf16 (S = 1 to 3), w = part 0 + part 1 + part 2 exactly
-// (each part the bf16 rounding of what the parts before it leave; parts past S all zero). Every product of a bf16 x and a bf16 part is
-// exact in fp32, and each expert's accumulator sums them in one fixed order (per 32-value k step:
-// part 0's, part 1's, part 2's), so a row's logits are the same bits whatever the batch, within fp32
-// rounding of the fp32 product (another order than the FMA kernels': these are not their bits). Rows
-// go in chunks of 256 (512 KB at D = 1024) that stay in L2 while each pair of expert blocks (its
-// three parts: 192 KB) passes over them.
+// (each part the bf16 rounding of what the parts before it leave; the parts past S all zero). Every
+// product of a bf16 x and a bf16 part is exact in fp32, and each expert's accumulator sums them in one
+// fixed order (per 32-value k step: part 0's, part 1's, part 2's), so a row's logits are the same bits
+// whatever the batch, within fp32 rounding of the fp32 product (another order than the FMA kernels':
+// these are not their bits). Rows go in chunks of 256 (512 KB at D = 1024) that stay in L2 while each
+// pair of expert blocks (its S parts: up to 192 KB) passes over them.
 template <int S>
 static void router_logits_parts(const uint16_t* x, int64_t t_begin, int64_t t_end, const uint16_t* ws, int64_t E,
                                 int64_t D, float* out) {
