@@ -1414,7 +1414,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
 }
 
 // The router weight w [E, D] float32 as bf16 parts in the tiles' packed order: [S, ceil(E / 16),
-// D / 2, 16, 2] bfloat16 (S = 1 to 3: the trailing parts that are all zero left out), part p's element (b, i, n, c) = w_p[16 b + n][2 i + c] (0 past E), where
+// D / 2, 16, 2] bfloat16 (S = 1 to 3: the trailing parts that are all zero left out), part p's
+// element (b, i, n, c) = w_p[16 b + n][2 i + c] (0 past E), where
 // w_0 = bf16(w), w_1 = bf16(w - w_0), w_2 = w - w_0 - w_1 (round to nearest even; each difference is
 // exact in fp32 and the last fits bf16's 8 bits), so w = w_0 + w_1 + w_2 exactly for finite w.
 at::Tensor router_split(const at::Tensor& w) {
@@ -1471,8 +1472,8 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const void* xp = xc.data_ptr();
   float* op = out.data_ptr<float>();
   const int64_t nb = (E + 15) / 16;
-  TORCH_CHECK(parts.numel() == 0 || (parts.scalar_type() == at::kBFloat16 && parts.is_contiguous() && parts.dim() == 5 &&
-                                     parts.size(0) >= 1 && parts.size(0) <= 3 &&
+  TORCH_CHECK(parts.numel() == 0 || (parts.scalar_type() == at::kBFloat16 && parts.is_contiguous() &&
+                                     parts.dim() == 5 && parts.size(0) >= 1 && parts.size(0) <= 3 &&
                                      parts.sizes().slice(1) == at::IntArrayRef({nb, D / 2, 16, 2})),
               "moe_kernels: router weight parts must be router_split(w): [1-3, ", nb, ", ", D / 2,
               ", 16, 2] bfloat16, got ", parts.sizes(), " ", parts.scalar_type());
