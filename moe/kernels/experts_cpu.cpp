@@ -1706,6 +1706,24 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
   return linear_rows(o.view({B, H * hd}), o_wp, o_bias, D);
 }
 
+// x > y ? x : y and x < y ? x : y (a NaN on either side gives y), without a branch on x86: maxss and
+// minss compute exactly these, while GCC turns the plain ternaries into branches, which the router's
+// values (which way a comparison goes is random from token to token) mispredict.
+static inline float select_above(float x, float y) {
+#ifdef __SSE2__
+  return _mm_cvtss_f32(_mm_max_ss(_mm_set_ss(x), _mm_set_ss(y)));
+#else
+  return x > y ? x : y;
+#endif
+}
+static inline float select_below(float x, float y) {
+#ifdef __SSE2__
+  return _mm_cvtss_f32(_mm_min_ss(_mm_set_ss(x), _mm_set_ss(y)));
+#else
+  return x < y ? x : y;
+#endif
+}
+
 // Router selection after the gate's logits, per token (moe.router.Router.route's arithmetic):
 // scores = softmax or sigmoid of logits [T, E] (fp32); selection on scores (+ bias for noaux_tc)
 // restricted to the topk_group best of n_group groups (group score: max for group_limited_greedy,
@@ -1750,29 +1768,44 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
       isa.route_scores(sigmoid, l, E, scores.data());
       for (int64_t e = 0; e < E; ++e) sel[e] = bp ? scores[e] + bp[e] : scores[e];
       if (grouped) {
+        // branch-free (see select_above): route_topk at T = 4096, E 64, 8 groups keep 4, one thread,
+        // AMX box: 1.80-1.96 ms with the branches, 1.39 without (one group, no group step: 0.76-0.82)
         for (int64_t g = 0; g < n_group; ++g) {
           const float* v = sel.data() + g * per_group;
-          if (method == 1) {
-            group_score[g] = *std::max_element(v, v + per_group);
-          } else {  // sum of the two largest
+          if (method == 1) {  // the max, as std::max_element compares
+            float m = v[0];
+            for (int64_t j = 1; j < per_group; ++j) m = select_above(v[j], m);
+            group_score[g] = m;
+          } else {  // sum of the two largest: x > a makes x the largest and a the second, else
+            // x > b makes x the second; a NaN x changes neither
             float a = -INFINITY, b = -INFINITY;
             for (int64_t j = 0; j < per_group; ++j) {
-              if (v[j] > a) b = a, a = v[j];
-              else if (v[j] > b) b = v[j];
+              const float x = v[j];
+              b = select_above(select_below(a, x), b);  // a when x > a, else x; then the max with b
+              a = select_above(x, a);
             }
             group_score[g] = a + b;
           }
           keep[g] = 0;
         }
         for (int64_t n = 0; n < topk_group; ++n) {  // the best groups, ties to the lower group id
-          int64_t best = -1;
-          for (int64_t g = 0; g < n_group; ++g)
-            if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+          int64_t best = 0;
+          float best_score = 0.f;
+          bool have = false;
+          for (int64_t g = 0; g < n_group; ++g) {
+            const bool take = (keep[g] == 0) & (!have | (group_score[g] > best_score));
+            best = take ? g : best;
+            best_score = take ? group_score[g] : best_score;
+            have = have | take;
+          }
           keep[best] = 1;
         }
         const float fill = method == 1 ? 0.f : -INFINITY;
-        for (int64_t g = 0; g < n_group; ++g)
-          if (!keep[g]) std::fill(sel.begin() + g * per_group, sel.begin() + (g + 1) * per_group, fill);
+        for (int64_t g = 0; g < n_group; ++g) {
+          float* v = sel.data() + g * per_group;
+          const bool kept = keep[g] != 0;
+          for (int64_t j = 0; j < per_group; ++j) v[j] = kept ? v[j] : fill;
+        }
       }
       int64_t* row_ids = ip + t * top_k;
       float* row_w = wp + t * top_k;

@@ -84,6 +84,44 @@ def test_route_op_breaks_ties_to_the_lower_expert(kernel_isas: list[str], expert
     kernels.select_isa("auto")
 
 
+def _grouped_reference(sel: torch.Tensor, method: int, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
+    """The group step and top-k as route_topk documents them, one token at a time in Python: group
+    score = the max (method 1) or the sum of the two largest (method 2); the best topk_group groups,
+    ties to the lower group; the rest masked (0 or -inf); the top_k, ties to the lower expert."""
+    ids = []
+    for row in sel.tolist():
+        per = len(row) // n_group
+        groups = [row[g * per:(g + 1) * per] for g in range(n_group)]
+        score = [max(v) if method == 1 else sum(sorted(v, reverse=True)[:2]) for v in groups]
+        kept = sorted(range(n_group), key=lambda g: (-score[g], g))[:topk_group]
+        fill = 0.0 if method == 1 else float("-inf")
+        masked = [v if e // per in kept else fill for e, v in enumerate(row)]
+        ids.append(sorted(range(len(row)), key=lambda e: (-masked[e], e))[:top_k])
+    return torch.tensor(ids)
+
+
+@pytest.mark.parametrize(("experts", "n_group", "topk_group"), [(64, 8, 4), (12, 3, 1), (20, 5, 3), (32, 8, 7)])
+@pytest.mark.parametrize("method", [1, 2])
+def test_route_op_breaks_group_ties_to_the_lower_group(kernel_isas: list[str], experts: int, n_group: int,
+                                                       topk_group: int, method: int) -> None:
+    # five logit values: equal group scores and equal experts everywhere. Sums of two sigmoids of 0 to 4
+    # are equal only for equal pairs (-2 to 2 would give s(-x) + s(x) = s(0) + s(0), equal exactly but not
+    # in every implementation's rounding), and the bias is left out for the same reason.
+    g = torch.Generator().manual_seed(experts + method)
+    logits = torch.randint(0, 5, (200, experts), generator=g).float()
+    bias = torch.zeros(experts) if method == 2 else None
+    top_k = min(6, topk_group * experts // n_group)
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        ids, _ = kernels.route_topk(logits, bias, sigmoid=method == 2, method=method, n_group=n_group,
+                                    topk_group=topk_group, top_k=top_k, norm_topk_prob=False, scaling=1.0)
+        scores = logits.sigmoid() if method == 2 else logits.softmax(-1)  # equal logits: equal scores in both
+        sel = scores + bias if bias is not None else scores
+        assert ids.shape == (200, top_k)
+        assert torch.equal(ids, _grouped_reference(sel, method, n_group, topk_group, top_k)), name
+    kernels.select_isa("auto")
+
+
 def test_route_op_rejects_impossible_groupings(kernel_isas: list[str]) -> None:
     logits, bias = torch.zeros(2, 6), torch.zeros(6)
     with pytest.raises(RuntimeError, match="do not split into 4 groups"):
