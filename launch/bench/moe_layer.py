@@ -1,8 +1,9 @@
-"""``python -m launch bench moe-layer``: one MoE layer, the same weights through five implementations.
+"""``python -m launch bench moe-layer``: one MoE layer, the same weights through five implementations,
+and the same FLOPs as plain dense GEMMs.
 
     python -m launch bench moe-layer [--shapes deepseek mixtral] [--tokens 1 32 512 4096]
-        [--impls ours ours-pytorch transformers transformers-grouped-mm deepspeed] [--dtype bfloat16]
-        [--num-threads 1] [--min-seconds 1.0] [--json FILE]
+        [--impls ours ours-pytorch transformers transformers-grouped-mm deepspeed dense-gemm]
+        [--dtype bfloat16] [--num-threads 1] [--min-seconds 1.0] [--json FILE]
 
 Shapes: ``deepseek`` (D 1024, E 64, top-6, I 256, one shared expert, sigmoid scores with the
 correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implementations:
@@ -20,7 +21,17 @@ correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implemen
   ``drop_tokens=False`` (capacity = the busiest expert's load: dropless) and the same expert
   and router weights; its gate is DeepSpeed's softmax top-k, so the routing (not the amount
   of work: T x K assignments) differs from DeepSeek's sigmoid scores. The shared expert runs
-  beside it (DeepSpeed's layer has none).
+  beside it (DeepSpeed's layer has none);
+- ``dense-gemm``: not an MoE layer but its GEMM FLOPs as plain dense GEMMs of the same shapes, the
+  denominator of "the dense-GEMM rate for the same expert FLOPs": the router's logits ([T, D] x [D, E]
+  in fp32), every token's K expert rows as one [T K, D] x [D, 2I] GEMM and one [T K, I] x [I, D]
+  GEMM (expert 0's weights for all of them), and the shared expert's three GEMMs over [T, D], all
+  through ``torch.nn.functional.linear`` (oneDNN). Only the GEMMs are timed: the K copies of each row
+  and the activations the down GEMMs read are made once, untimed (no gather, no SiLU, no routing, no
+  combine of the K rows). ``ours X x dense-gemm`` in
+  the speedup lines is then the fraction of that rate ours reaches (1.0: as fast as dense GEMMs).
+  It reads one expert's weights where the layer reads every expert its tokens pick, so its
+  ``roofline`` column (the layer's bound) means little at small T.
 
 Each cell: one untimed warm-up call, then calls until ``--min-seconds`` of CPU time (at least
 one, at most 50); the best call's CPU time (steadier than wall time on a shared machine). Before
@@ -56,7 +67,7 @@ SHAPES = {
     "deepseek": dict(hidden=1024, experts=64, top_k=6, inter=256, shared=1),
     "mixtral": dict(hidden=1024, experts=8, top_k=2, inter=2048, shared=0),
 }
-IMPLS = ("ours", "ours-pytorch", "transformers", "transformers-grouped-mm", "deepspeed")
+IMPLS = ("ours", "ours-pytorch", "transformers", "transformers-grouped-mm", "deepspeed", "dense-gemm")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -125,6 +136,51 @@ def build_layers(shape: str, dtype: torch.dtype, seed: int = 0) -> tuple[nn.Modu
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 getattr(ours.shared_experts, proj).weight.copy_(getattr(hf.shared_experts, proj).weight)
     return ours, hf
+
+
+def build_dense_gemm(ours: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The ``dense-gemm`` cell (see the module docstring) for the layer ``ours``: a function of x
+    [T, D] returning the [T K, D] expert rows of its down GEMM (expert 0's SwiGLU of each row K times;
+    its shape, not the layer's output)."""
+    import torch.nn.functional as F
+
+    e = ours.experts
+    inter = e.w2.shape[-1]
+    w13, w2 = e.w13[0].detach().clone(), e.w2[0].detach().clone()  # [2I, D], [D, I]
+    router = ours.gate.weight.detach().float().clone()  # [E, D]
+    shared = None
+    if ours.shared_experts is not None:
+        m = ours.shared_experts
+        shared = tuple(getattr(m, p).weight.detach().clone() for p in ("gate_proj", "up_proj", "down_proj"))
+    top_k = ours.top_k
+    inputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (id(x), T) -> the GEMMs' inputs, made untimed
+
+    def prepare(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = x.repeat_interleave(top_k, dim=0).contiguous()  # [T K, D]
+        h = F.linear(rows, w13)
+        act = (F.silu(h[:, :inter]) * h[:, inter:]).contiguous()  # [T K, I]
+        act_shared = None
+        if shared is not None:
+            act_shared = (F.silu(F.linear(x, shared[0])) * F.linear(x, shared[1])).contiguous()  # [T, I_s]
+        return x.float(), rows, act, act_shared
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        key = (id(x), x.shape[0])
+        if key not in inputs:
+            inputs.clear()
+            inputs[key] = prepare(x)
+        x32, rows, act, act_shared = inputs[key]
+        F.linear(x32, router)  # [T, E]
+        F.linear(rows, w13)  # [T K, 2I]
+        y = F.linear(act, w2)  # [T K, D]
+        if shared is not None:
+            gate, up, down = shared
+            F.linear(x, gate)  # [T, I_s]
+            F.linear(x, up)
+            F.linear(act_shared, down)  # [T, D]
+        return y
+
+    return run
 
 
 class _SwiGLU(nn.Module):
@@ -291,6 +347,8 @@ def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: to
     fns["transformers-grouped-mm"] = lambda x: run_hf(x, "grouped_mm")
     if "deepspeed" in impls:
         fns["deepspeed"] = build_deepspeed(ours, dtype)
+    if "dense-gemm" in impls:
+        fns["dense-gemm"] = build_dense_gemm(ours)
     cells = []
     gen = torch.Generator().manual_seed(1)
     for t in tokens:

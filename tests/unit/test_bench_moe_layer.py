@@ -79,3 +79,28 @@ def test_transformers_cells_run_the_eager_loop_and_grouped_mm(monkeypatch) -> No
     assert len(calls) == 3
     for c in cells[1:]:
         assert c.max_abs_diff is not None and c.max_abs_diff < 0.05
+
+
+@pytest.mark.parametrize("shape", ["deepseek", "mixtral"])
+def test_dense_gemm_cell_runs_the_layers_flops_as_dense_gemms(shape: str) -> None:
+    """``dense-gemm``: every token's K rows through expert 0's SwiGLU, its GEMMs as one pair over all
+    the rows (the router and the shared expert beside them), and a cell of its own whose speedup line
+    is printed."""
+    import torch
+    import torch.nn.functional as F
+
+    ours, _ = moe_layer.build_layers(shape, torch.bfloat16)
+    run = moe_layer.build_dense_gemm(ours)
+    x = torch.randn(5, ours.experts.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = run(x)
+        inter = ours.experts.w2.shape[-1]
+        rows = x.repeat_interleave(ours.top_k, dim=0)
+        h = F.linear(rows, ours.experts.w13[0])
+        want = F.linear(F.silu(h[:, :inter]) * h[:, inter:], ours.experts.w2[0])
+    assert y.shape == (5 * ours.top_k, ours.experts.hidden_size) and y.dtype == torch.bfloat16
+    assert torch.equal(y, want)
+    cells = moe_layer.run_shape(shape, [2], ["ours", "dense-gemm"], torch.bfloat16, min_seconds=0.0,
+                                bandwidth=1e10, peak_flops=1e12)
+    assert [c.impl for c in cells] == ["ours", "dense-gemm"] and cells[1].max_abs_diff is None
+    assert any(line.endswith("x dense-gemm") for line in moe_layer.speedups(cells))
