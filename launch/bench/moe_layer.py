@@ -28,10 +28,10 @@ correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implemen
   GEMM (expert 0's weights for all of them), and the shared expert's three GEMMs over [T, D], all
   through ``torch.nn.functional.linear`` (oneDNN). Only the GEMMs are timed: the K copies of each row
   and the activations the down GEMMs read are made once, untimed (no gather, no SiLU, no routing, no
-  combine of the K rows). ``ours X x dense-gemm`` in
-  the speedup lines is then the fraction of that rate ours reaches (1.0: as fast as dense GEMMs).
-  It reads one expert's weights where the layer reads every expert its tokens pick, so its
-  ``roofline`` column (the layer's bound) means little at small T.
+  combine of the K rows). ``ours X x dense-gemm`` in the speedup lines is then the fraction of that
+  rate ours reaches (1.0: as fast as dense GEMMs). It reads one expert's weights where the layer
+  reads every expert its tokens pick, so its ``roofline`` column (the layer's bound) means little at
+  small T.
 
 Each cell: one untimed warm-up call, then calls until ``--min-seconds`` of CPU time (at least
 one, at most 50); the best call's CPU time (steadier than wall time on a shared machine). Before
