@@ -233,8 +233,24 @@ static inline void route_scores_row(bool sigmoid, const float* l, int64_t E, flo
     for (; e < E; ++e) scores[e] = 1.f / (1.f + std::exp(-l[e]));
     return;
   }
+  // the max in 8 lanes, each starting from l[0] and taking only a strictly larger value (as std::max's
+  // chain does: a NaN never taken, a NaN l[0] kept), then across the lanes: the chain's value, up to
+  // the sign of a zero max, which l[e] - m does not see. route_topk with softmax scores at T = 4096,
+  // top-8, one thread, AMX box, builds alternated: E 64 1.50-1.54 -> 1.14-1.24 ms, E 128 2.60-2.63 ->
+  // 1.92 (the one dependent chain of compares was the cost); E < 16 keeps the chain.
+  typedef float route_f32x8 __attribute__((vector_size(32), aligned(4)));
   float m = l[0];
-  for (int64_t i = 1; i < E; ++i) m = std::max(m, l[i]);
+  int64_t i = 1;
+  if (E >= 16) {
+    route_f32x8 lanes = {l[0], l[0], l[0], l[0], l[0], l[0], l[0], l[0]};
+    for (i = 0; i + 8 <= E; i += 8) {
+      route_f32x8 v;
+      std::memcpy(&v, l + i, sizeof(v));
+      lanes = v > lanes ? v : lanes;
+    }
+    for (int j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
+  }
+  for (; i < E; ++i) m = l[i] > m ? l[i] : m;
 #ifdef MOE_EXP8
   for (; e + 8 <= E; e += 8)
     _mm256_storeu_ps(scores + e, exp8(_mm256_sub_ps(_mm256_loadu_ps(l + e), _mm256_set1_ps(m))));

@@ -122,6 +122,30 @@ def test_route_op_breaks_group_ties_to_the_lower_group(kernel_isas: list[str], e
     kernels.select_isa("auto")
 
 
+@pytest.mark.parametrize("experts", [16, 64, 130])  # the max in lanes (E >= 16), a scalar tail at 130
+def test_route_op_softmax_subtracts_the_row_max(kernel_isas: list[str], experts: int) -> None:
+    # e^(l - m) overflows (a max taken too low) or underflows to nothing (a max started from 0 on an
+    # all-negative row) unless m is the row's max: rows shifted by +-100, and rows with one logit 200
+    # above the rest at every position (each lane, the tail)
+    g = torch.Generator().manual_seed(experts)
+    shifted = torch.randn(2 * experts, experts, generator=g) * 3
+    shifted[0::2] += 100
+    shifted[1::2] -= 100
+    spiked = torch.randn(experts, experts, generator=g) * 3 - 100
+    spiked[torch.arange(experts), torch.arange(experts)] += 200
+    want = torch.softmax(shifted.double(), -1).topk(4, dim=-1)
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        route = dict(sigmoid=False, method=0, n_group=1, topk_group=1, top_k=4, norm_topk_prob=False, scaling=1.0)
+        ids, w = kernels.route_topk(shifted, None, **route)
+        assert torch.equal(ids, want.indices), name
+        torch.testing.assert_close(w.double(), want.values, rtol=1e-5, atol=1e-7)
+        ids, w = kernels.route_topk(spiked, None, **route)  # the rest underflow to 0 beside the spike
+        assert torch.equal(ids[:, 0], torch.arange(experts)), name
+        assert torch.isfinite(w).all() and torch.equal(w[:, 0], torch.ones(experts)), name
+    kernels.select_isa("auto")
+
+
 def test_route_op_rejects_impossible_groupings(kernel_isas: list[str]) -> None:
     logits, bias = torch.zeros(2, 6), torch.zeros(6)
     with pytest.raises(RuntimeError, match="do not split into 4 groups"):
