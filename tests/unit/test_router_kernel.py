@@ -134,9 +134,9 @@ def test_route_op_softmax_subtracts_the_row_max(kernel_isas: list[str], experts:
     spiked = torch.randn(experts, experts, generator=g) * 3 - 100
     spiked[torch.arange(experts), torch.arange(experts)] += 200
     want = torch.softmax(shifted.double(), -1).topk(4, dim=-1)
+    route = dict(sigmoid=False, method=0, n_group=1, topk_group=1, top_k=4, norm_topk_prob=False, scaling=1.0)
     for name in kernel_isas:
         kernels.select_isa(name)
-        route = dict(sigmoid=False, method=0, n_group=1, topk_group=1, top_k=4, norm_topk_prob=False, scaling=1.0)
         ids, w = kernels.route_topk(shifted, None, **route)
         assert torch.equal(ids, want.indices), name
         torch.testing.assert_close(w.double(), want.values, rtol=1e-5, atol=1e-7)
