@@ -12,13 +12,16 @@ what each slot must contain.
 On CPU the grouped computation runs the fused kernel of ``moe.kernels`` on a packed copy
 of the weights, made on first use and remade whenever ``w13`` / ``w2`` change in place
 (loading, migration): their version counters key the copy. ``grouped_expert_forward``
-(PyTorch GEMMs) is the fallback (other devices, shapes the kernel does not take, no
-compiler) and the reference the kernel is tested against. ``quantization="int8"`` packs
+(PyTorch GEMMs) is the fallback (shapes the kernel does not take, no compiler) and the
+reference the kernel is tested against; on CUDA it runs bf16 experts as PyTorch's grouped GEMM
+(one launch per projection for all slots), other dtypes as one GEMM pair per slot. ``quantization="int8"`` packs
 the routed experts as int8 with per-output-channel scales (weight-only; activations stay
 in fp32 inside the kernel); the PyTorch path then runs on the dequantized weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +42,8 @@ def grouped_expert_forward(
     w13: torch.Tensor,
     w2: torch.Tensor,
     row_weights: torch.Tensor | None = None,
+    *,
+    grouped_gemm: bool = True,
 ) -> torch.Tensor:
     """SwiGLU experts over rows already grouped by local slot.
 
@@ -47,10 +52,19 @@ def grouped_expert_forward(
     w13: [P_local, 2I, D]; w2: [P_local, D, I]. row_weights: optional [N] float32; row n's
     output is scaled by it (applied to the [n, I] activation before the down projection,
     which is linear, so it costs I instead of D multiplies per row).
-    Returns: [N, D] in x_sorted's dtype. One GEMM pair per non-empty slot; on CPUs where
+    Returns: [N, D] in x_sorted's dtype. Where ``library_grouped_mm`` serves (bf16 on CUDA) and
+    ``grouped_gemm`` allows it, one grouped GEMM per projection; else one GEMM pair per non-empty slot, and on CPUs where
     ``moe.cpu_gemm.use_native_gemv`` holds, one-row slots run as PyTorch's native GEMV.
     """
     inter = w2.shape[-1]
+    library = library_grouped_mm(x_sorted, w13, w2) if grouped_gemm else None
+    if library is not None:  # one grouped GEMM per projection over every slot (CUDA, bf16)
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x_sorted.device)
+        h = library(x_sorted, w13.transpose(-2, -1), offs=offs)  # [N, 2I]
+        act = F.silu(h[:, :inter]) * h[:, inter:]  # [N, I]
+        if row_weights is not None:
+            act = act * row_weights[:, None].to(act.dtype)
+        return library(act.contiguous(), w2.transpose(-2, -1), offs=offs)  # [N, D]
     spans, start = [], 0
     for slot, n in enumerate(counts):
         if n:
@@ -69,6 +83,29 @@ def grouped_expert_forward(
     out = torch.empty_like(x_sorted)
     _grouped_mm(act, w2, groups, out)
     return out
+
+
+def library_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, device_types: tuple[str, ...] = ("cuda",)
+                       ) -> Callable[..., torch.Tensor] | None:
+    """PyTorch's grouped GEMM (``torch.nn.functional.grouped_mm``, else ``torch._grouped_mm``) when
+    it serves ``grouped_expert_forward`` here, else None (the per-slot loop runs).
+
+    It serves bf16 inputs and weights on the ``device_types`` (CUDA: compute capability 8.0 and up)
+    whose widths (D, 2I, I) are whole 16-byte rows, as its kernels require, without autograd.
+    x: [N, D]; w13: [P, 2I, D]; w2: [P, D, I]. On CUDA one launch per projection replaces one
+    GEMM launch per non-empty slot; the sums are fp32 rounded once to bf16, as the loop's are, in
+    another order (not bit-equal to the loop's)."""
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None or x.device.type not in device_types or torch.is_grad_enabled() and (
+            x.requires_grad or w13.requires_grad or w2.requires_grad):
+        return None
+    if not (x.dtype == w13.dtype == w2.dtype == torch.bfloat16) or x.dim() != 2 or w13.dim() != 3 or not x.shape[0]:
+        return None
+    if any(n % 8 for n in (x.shape[1], w13.shape[1], w2.shape[-1])):
+        return None
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return None
+    return fn
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, groups: tuple[list, list], out: torch.Tensor) -> None:
@@ -135,7 +172,9 @@ class Experts(WatchedModule):
             slot_to_logical = torch.arange(num_local_slots, dtype=torch.int64)
         self.register_buffer("slot_to_logical", slot_to_logical.to(torch.int64).clone(), persistent=False)
         self.quantization: str | None = None
-        self.use_kernel = True  # the fused CPU kernel when available (False: always the PyTorch path)
+        # the fused CPU kernel when available, on CUDA PyTorch's grouped GEMM (False: always the
+        # per-slot PyTorch loop, the reference)
+        self.use_kernel = True
         self.fused_topk = True  # forward() in one op from the router's output (False: group in PyTorch first)
         self._packed: tuple[tuple, kernels.PackedExperts | None] | None = None
         self._dequantized: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -193,7 +232,7 @@ class Experts(WatchedModule):
         if packed is not None and x_sorted.dtype in (torch.float32, torch.bfloat16):
             return kernels.experts_forward(x_sorted.contiguous(), counts, packed, row_weights, out_fp32=out_fp32)
         w13, w2 = self.reference_weights()
-        return grouped_expert_forward(x_sorted, counts, w13, w2, row_weights=row_weights)
+        return grouped_expert_forward(x_sorted, counts, w13, w2, row_weights=row_weights, grouped_gemm=self.use_kernel)
 
     def forward_grouped(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_sorted: [N, D] grouped by local slot; counts: P_local ints. Returns [N, D]."""

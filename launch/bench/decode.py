@@ -28,6 +28,9 @@ whole decode attention; the MoE FFN op), the routed/shared expert kernel, the li
 PyTorch GEMMs (attention products, fallbacks), gathers/scatters (paged KV, dispatch),
 copies/casts, other ops, and "outside ops" (Python, scheduler, sampler).
 
+On a CUDA machine the rank runs on the GPU (as the engine places it) and the copy bandwidth and
+the matmul rate are measured there (CUDA events; an 8192^3 matmul).
+
 ``--ab-fused-ops`` times every batch size with the small fused CPU ops (RMSNorm, router
 selection, MLA rope + cache write, MLA / GQA paged decode attention, MLA's and GQA's whole
 decode attention, routed experts from the router's output, the whole MoE FFN:
@@ -119,18 +122,27 @@ class RecordingExecutor:
         return getattr(self.inner, name)
 
 
-def measure_copy_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 10) -> float:
-    """Bytes/s of a large tensor copy, counting read + write bytes (best of ``repeats``)."""
+def measure_copy_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 10,
+                           device: torch.device | None = None) -> float:
+    """Bytes/s of a large tensor copy on ``device`` (default CPU), counting read + write bytes (best
+    of ``repeats``; on CUDA timed with events, from a synchronized start)."""
     if num_bytes < 1024 or repeats < 1:
         raise ValueError(f"need num_bytes >= 1024 and repeats >= 1, got {num_bytes}, {repeats}")
-    src = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
+    device = device or torch.device("cpu")
+    src = torch.ones(num_bytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in
     best = float("inf")
     for _ in range(repeats):
-        started = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - started)
+        if device.type == "cuda":
+            from launch.bench.moe_layer import cuda_seconds
+
+            seconds = cuda_seconds(lambda: dst.copy_(src))
+        else:
+            started = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - started
+        best = min(best, seconds)
     return 2 * src.numel() * src.element_size() / best
 
 
@@ -152,15 +164,25 @@ def compute_weight_bytes(model: torch.nn.Module) -> WeightBytes:
                        tuple(per_slot), sum(p.numel() for p in dense_tensors), slot_params)
 
 
-def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> tuple[float, str]:
+def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5,
+                         device: torch.device | None = None) -> tuple[float, str]:
     """(FLOP/s, what was timed): the compute rate the compute bound divides by, that of the
     faster of the two GEMM paths the model runs on this machine: PyTorch's square ``size``
     matmul in ``dtype``, and (on CPU, when built) the packed linear kernel on a ``size`` x
     ``size`` weight with 96 rows (one full row panel). Best of ``repeats`` each (fewer where a
-    path is slow here: ``best_call_seconds``)."""
+    path is slow here: ``best_call_seconds``). On CUDA: an 8192^3 matmul on the GPU, CUDA events."""
     from moe import kernels
     from parallel.costmodel.microbench import best_call_seconds
 
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        from launch.bench.moe_layer import cuda_seconds
+
+        n = 8192
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        a @ b
+        seconds = min(cuda_seconds(lambda: a @ b) for _ in range(repeats))
+        return 2 * n**3 / seconds, f"torch matmul {n}^3 on {torch.cuda.get_device_name(device)}"
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     rates = {"torch matmul": 2 * size**3 / best_call_seconds(lambda: a @ b, repeats=repeats)}
     if dtype in (torch.float32, torch.bfloat16) and kernels.is_available():
@@ -434,7 +456,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.num_threads)
     from launch.engine import LLMEngine
 
-    bandwidth = measure_copy_bandwidth(args.copy_mib * 1024**2)
     try:
         engine = LLMEngine(config)
     except (ConfigError, ValueError) as e:  # e.g. no room for the KV cache in --memory
@@ -444,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         recorder = RecordingExecutor(engine.executor)
         engine.executor = recorder
         mc, worker = engine.model_config, recorder.inner.worker
-        matmul_flops, matmul_name = measure_matmul_flops(worker.dtype)
+        # on the rank's device (the GPU when the worker runs on CUDA)
+        bandwidth = measure_copy_bandwidth(args.copy_mib * 1024**2, device=worker.device)
+        matmul_flops, matmul_name = measure_matmul_flops(worker.dtype, device=worker.device)
         weights = compute_weight_bytes(worker.model)
         kv_per_token = mc.kv_bytes_per_token(worker.kv_cache.pools[0].element_size())
         vocab = [t for t in range(mc.vocab_size) if t not in mc.eos_token_ids]
@@ -461,9 +484,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(replace(row, breakdown_ms=breakdown or {}, fused_off_cpu_ms=off_ms))
     finally:
         engine.shutdown()
+    if worker.device.type == "cuda":
+        print(f"# device {torch.cuda.get_device_name(worker.device)}, torch {torch.__version__}: step ms is wall "
+              "time to the step's tokens on the host; cpu ms the driver's CPU time")
     print(format_table(rows, bandwidth, matmul_flops, matmul_name))
     if args.json:
         result = {"model": config.model, "dtype": engine.dtype, "num_threads": torch.get_num_threads(),
+                  "device": str(worker.device),
                   "context_len": args.context_len, "steps": args.steps, "copy_bandwidth_bytes_per_s": bandwidth,
                   "matmul_flops_per_s": matmul_flops, "matmul_path": matmul_name,
                   "dense_weight_bytes": weights.dense, "expert_slot_bytes": list(weights.per_slot),

@@ -3,7 +3,7 @@ and the same FLOPs as plain dense GEMMs.
 
     python -m launch bench moe-layer [--shapes deepseek mixtral] [--tokens 1 32 512 4096]
         [--impls ours ours-pytorch transformers transformers-grouped-mm deepspeed dense-gemm]
-        [--dtype bfloat16] [--num-threads 1] [--min-seconds 1.0] [--json FILE]
+        [--dtype bfloat16] [--num-threads 1] [--min-seconds 1.0] [--device cpu|cuda] [--json FILE]
 
 Shapes: ``deepseek`` (D 1024, E 64, top-6, I 256, one shared expert, sigmoid scores with the
 correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implementations:
@@ -45,6 +45,14 @@ faster of a measured fp32 and in-dtype 1024^3 matmul): bytes = the routed expert
 touch (each once) + the shared expert + the router + activations in and out; FLOPs = every
 token through its K experts, the shared expert and the router. ``roofline`` = that bound /
 the measured time (1.0 = at the limit).
+
+``--device cuda`` runs every implementation on the GPU (DeepSpeed's over a one-rank nccl group):
+each call is timed with CUDA events from a synchronized start (``gpu ms``, what tokens/s, the
+roofline and the speedups use; ``cpu ms`` is then the host's CPU time spent launching it), the
+cache evicted before each timed call is the GPU's L2 (a buffer of twice it, at least 256 MiB),
+the read bandwidth is a 2 GiB fp32 sum and the peak an 8192^3 matmul, both timed with events.
+``ours`` runs the layer's PyTorch expert path there (bf16 experts as PyTorch's grouped GEMM:
+``moe.experts.library_grouped_mm``); ``ours-pytorch`` its per-slot GEMM loop.
 """
 
 from __future__ import annotations
@@ -84,6 +92,12 @@ class Cell:
     roofline_ms: float
     roofline: float
     max_abs_diff: float | None = None
+    gpu_ms: float | None = None  # --device cuda: CUDA-event time of the best call
+
+    @property
+    def ms(self) -> float:
+        """The time the cell is judged by: GPU time on CUDA, else CPU time."""
+        return self.cpu_ms if self.gpu_ms is None else self.gpu_ms
 
 
 def hf_config(shape: str) -> Any:
@@ -194,8 +208,8 @@ class _SwiGLU(nn.Module):
         return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
 
 
-def init_single_process_group() -> None:
-    """A gloo group of one on loopback (DeepSpeed's MoE layer needs an expert-parallel group)."""
+def init_single_process_group(backend: str = "gloo") -> None:
+    """A group of one on loopback (DeepSpeed's MoE layer needs an expert-parallel group)."""
     import os
 
     import deepspeed
@@ -206,18 +220,20 @@ def init_single_process_group() -> None:
         return
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
 def build_deepspeed(ours: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """DeepSpeed's dropless MoE with our expert and router weights (+ our shared expert beside it)."""
+    """DeepSpeed's dropless MoE with our expert and router weights (+ our shared expert beside it),
+    on ours' device (a gloo group of one on CPU, nccl on CUDA)."""
     import logging
 
     from deepspeed.moe.layer import MoE
 
-    init_single_process_group()
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     e = ours.experts
+    device = e.w13.device
+    init_single_process_group("nccl" if device.type == "cuda" else "gloo")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     layer = MoE(hidden_size=e.hidden_size, expert=_SwiGLU(e.hidden_size, e.intermediate_size, dtype),
                 num_experts=e.num_local_slots, ep_size=1, k=ours.top_k, capacity_factor=1.0,
                 eval_capacity_factor=1.0, min_capacity=0, drop_tokens=False, use_rts=False).eval()
@@ -228,6 +244,7 @@ def build_deepspeed(ours: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tens
             expert.w3.weight.copy_(e.w13[i, e.intermediate_size:])
             expert.w2.weight.copy_(e.w2[i])
         layer.deepspeed_moe.gate.wg.weight.copy_(ours.gate.weight)
+    layer.to(device)
     shared = ours.shared_experts
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -237,26 +254,53 @@ def build_deepspeed(ours: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tens
     return forward
 
 
-def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5) -> float:
+def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5, device: torch.device | None = None
+                           ) -> float:
     """Bytes/s of summing an fp32 tensor (read only; best of ``repeats``) of ``num_bytes`` (default: 256
-    MiB or twice the last-level cache, whichever is larger: DRAM, not cache). fp32, not bf16: one
-    thread's bf16 sum is bound by its conversions (7.2 against 13.0 GB/s on an Intel Xeon core)."""
+    MiB or twice the last-level cache, whichever is larger: DRAM, not cache; 2 GiB on CUDA, timed with
+    events). fp32, not bf16: one thread's bf16 sum is bound by its conversions (7.2 against 13.0 GB/s
+    on an Intel Xeon core)."""
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        num_bytes = num_bytes or 2 * 1024**3
     num_bytes = num_bytes or max(256 * 1024**2, 2 * llc_bytes())
-    t = torch.ones(num_bytes // 4, dtype=torch.float32)
+    t = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     t.sum()
-    best = min(_cpu_seconds(t.sum) for _ in range(repeats))
+    if device.type == "cuda":
+        best = min(cuda_seconds(t.sum) for _ in range(repeats))
+    else:
+        best = min(_cpu_seconds(t.sum) for _ in range(repeats))
     return num_bytes / best
 
 
-def measure_peak_flops(dtype: torch.dtype, size: int = 1024) -> float:
-    """The faster of a fp32 and an in-``dtype`` square matmul (FLOP/s, CPU time, best of 3; a
-    path slow here, such as bf16 without native bf16 GEMMs, is timed once)."""
+def measure_peak_flops(dtype: torch.dtype, size: int | None = None, device: torch.device | None = None) -> float:
+    """The faster of a fp32 and an in-``dtype`` square matmul (FLOP/s; on CPU 1024^3, CPU time, best
+    of 3, a path slow here, such as bf16 without native bf16 GEMMs, timed once; on CUDA 8192^3 on
+    random data, CUDA events, best of 5 after a warm-up)."""
+    device = device or torch.device("cpu")
+    size = size or (8192 if device.type == "cuda" else 1024)
     rates = []
     for dt in {torch.float32, dtype}:
-        a, b = torch.randn(size, size).to(dt), torch.randn(size, size).to(dt)
-        seconds = best_call_seconds(lambda a=a, b=b: a @ b, repeats=3, clock="cpu")
+        a = torch.randn(size, size, device=device).to(dt)
+        b = torch.randn(size, size, device=device).to(dt)
+        if device.type == "cuda":
+            a @ b
+            seconds = min(cuda_seconds(lambda a=a, b=b: a @ b) for _ in range(5))
+        else:
+            seconds = best_call_seconds(lambda a=a, b=b: a @ b, repeats=3, clock="cpu")
         rates.append(2 * size**3 / seconds)
     return max(rates)
+
+
+def cuda_seconds(fn: Callable[[], Any]) -> float:
+    """GPU seconds of one call of ``fn`` between CUDA events, from a synchronized start."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _cpu_seconds(fn: Callable[[], Any]) -> float:
@@ -282,10 +326,17 @@ def llc_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> i
 
 
 class CacheEvictor:
-    """Reads a buffer of twice the last-level cache (at least 64 MiB) to push every earlier line out."""
+    """Reads a buffer of twice the last-level cache (at least 64 MiB) to push every earlier line out;
+    on CUDA twice the GPU's L2 (at least 256 MiB), on the GPU."""
 
-    def __init__(self) -> None:
-        self.buffer = torch.ones(max(2 * llc_bytes(), 64 * 1024**2) // 4, dtype=torch.float32)
+    def __init__(self, device: torch.device | None = None) -> None:
+        device = device or torch.device("cpu")
+        if device.type == "cuda":
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+            num_bytes = max(2 * l2, 256 * 1024**2)
+        else:
+            num_bytes = max(2 * llc_bytes(), 64 * 1024**2)
+        self.buffer = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
 
     def __call__(self) -> None:
         self.buffer.sum()
@@ -309,6 +360,33 @@ def time_call(fn: Callable[[], Any], min_seconds: float,
     return cpu_best, wall_best
 
 
+def time_call_cuda(fn: Callable[[], Any], min_seconds: float,
+                   before: Callable[[], Any] | None = None) -> tuple[float, float, float]:
+    """(best GPU seconds between CUDA events, best host CPU seconds, best wall seconds to the
+    synchronized end) over calls until ``min_seconds`` of GPU time (1-200 calls), each from a
+    synchronized start; ``before`` runs untimed ahead of each."""
+    fn()  # warm-up
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu_best = cpu_best = wall_best = float("inf")
+    spent, calls = 0.0, 0
+    while calls < 1 or (spent < min_seconds and calls < 200):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        wall, cpu = time.perf_counter(), time.process_time()
+        start.record()
+        fn()
+        end.record()
+        cpu = time.process_time() - cpu
+        end.synchronize()
+        wall = time.perf_counter() - wall
+        gpu = start.elapsed_time(end) / 1e3
+        gpu_best, cpu_best, wall_best = min(gpu_best, gpu), min(cpu_best, cpu), min(wall_best, wall)
+        spent, calls = spent + gpu, calls + 1
+    return gpu_best, cpu_best, wall_best
+
+
 def roofline_seconds(ours: nn.Module, x: torch.Tensor, bandwidth: float, peak_flops: float) -> float:
     """The lower bound on one call's time (see the module docstring). x: [T, D]."""
     e = ours.experts
@@ -324,8 +402,11 @@ def roofline_seconds(ours: nn.Module, x: torch.Tensor, bandwidth: float, peak_fl
 
 
 def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: torch.dtype, min_seconds: float,
-              bandwidth: float, peak_flops: float, before: Callable[[], Any] | None = None) -> list[Cell]:
+              bandwidth: float, peak_flops: float, before: Callable[[], Any] | None = None,
+              device: torch.device | None = None) -> list[Cell]:
+    device = device or torch.device("cpu")
     ours, hf = build_layers(shape, dtype)
+    ours, hf = ours.to(device), hf.to(device)
     fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     if "ours" in impls or "ours-pytorch" in impls:
         ours.experts.packed_weights()  # pack once, as loading does, outside the timing
@@ -350,28 +431,35 @@ def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: to
     cells = []
     gen = torch.Generator().manual_seed(1)
     for t in tokens:
-        x = torch.randn(t, ours.experts.hidden_size, generator=gen).to(dtype)
+        x = torch.randn(t, ours.experts.hidden_size, generator=gen).to(dtype).to(device)
         bound = roofline_seconds(ours, x, bandwidth, peak_flops)
         with torch.inference_mode():
             reference = fns["ours"](x).float() if "ours" in fns else None
             for impl in impls:
-                cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
+                gpu = None
+                if device.type == "cuda":
+                    gpu, cpu, wall = time_call_cuda(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
+                else:
+                    cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
+                judged = cpu if gpu is None else gpu
                 diff = None
                 if (impl.startswith("transformers") or impl == "ours-pytorch") and reference is not None:
                     diff = float((fns[impl](x).float() - reference).abs().max())
-                cells.append(Cell(shape, t, impl, cpu * 1e3, wall * 1e3, t / cpu, bound * 1e3, bound / cpu, diff))
+                cells.append(Cell(shape, t, impl, cpu * 1e3, wall * 1e3, t / judged, bound * 1e3, bound / judged, diff,
+                                  None if gpu is None else gpu * 1e3))
                 print(_row(cells[-1]), flush=True)
     return cells
 
 
 def _row(c: Cell) -> str:
     diff = "" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
-    return (f"{c.shape:>9} {c.tokens:>6} {c.impl:>23} {c.cpu_ms:>10.2f} {c.wall_ms:>10.2f} {c.tokens_per_s:>11.0f} "
+    gpu = "" if c.gpu_ms is None else f" {c.gpu_ms:>10.3f}"
+    return (f"{c.shape:>9} {c.tokens:>6} {c.impl:>23}{gpu} {c.cpu_ms:>10.2f} {c.wall_ms:>10.2f} {c.tokens_per_s:>11.0f} "
             f"{c.roofline_ms:>11.3f} {c.roofline:>9.2f} {diff:>10}")
 
 
 def speedups(cells: Sequence[Cell]) -> list[str]:
-    """Lines: ours' speedup (CPU time) over each other implementation, per shape and T."""
+    """Lines: ours' speedup (CPU time; GPU time on CUDA) over each other implementation, per shape and T."""
     by = {(c.shape, c.tokens, c.impl): c for c in cells}
     lines = []
     for (shape, t, impl), c in by.items():
@@ -379,7 +467,7 @@ def speedups(cells: Sequence[Cell]) -> list[str]:
             continue
         mine = by.get((shape, t, "ours"))
         if mine is not None:
-            lines.append(f"{shape} T={t}: ours {c.cpu_ms / mine.cpu_ms:.2f}x {impl}")
+            lines.append(f"{shape} T={t}: ours {c.ms / mine.ms:.2f}x {impl}")
     return lines
 
 
@@ -395,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-cache", action="store_true",
                         help="keep the layer's weights cached between timed calls (default: evict the "
                              "last-level cache before each)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the layers run (cuda: timed with CUDA events)")
     parser.add_argument("--json", default=None, metavar="FILE")
     return parser
 
@@ -406,30 +496,47 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.num_threads)
     dtype = DTYPES[args.dtype]
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device is available here", file=sys.stderr)
+        return 2
     from launch.worker import keep_freed_heap_memory
     from moe import kernels
 
-    isa = kernels.isa() if kernels.is_available() else "unavailable"
-    dot_rate = kernels.bf16_dot_rate()
-    evict = None if args.warm_cache else CacheEvictor()
+    if device.type == "cuda":  # the CPU kernel is not used there: not built for this run
+        isa, dot_rate = "unused (cuda)", 0.0
+    else:
+        isa = kernels.isa() if kernels.is_available() else "unavailable"
+        dot_rate = kernels.bf16_dot_rate()
+    evict = None if args.warm_cache else CacheEvictor(device)
     # as in a serving worker: a layer's large temporaries reuse freed heap memory instead of fresh
     # zeroed pages (for every implementation alike: the setting is the process's)
     kept = keep_freed_heap_memory()
-    bandwidth, peak = measure_read_bandwidth(), measure_peak_flops(dtype)
-    print(f"# dtype {args.dtype}, {args.num_threads} thread(s), kernel isa {isa}"
-          f"{f' (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate)' if dot_rate else ''}; read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s (CPU time); freed heap memory "
+    bandwidth, peak = measure_read_bandwidth(device=device), measure_peak_flops(dtype, device=device)
+    if device.type == "cuda":
+        where = (f"device {torch.cuda.get_device_name(device)} (CUDA events; cpu ms = the host's launch time)"
+                 f", torch {torch.__version__}")
+    else:
+        where = (f"{args.num_threads} thread(s), kernel isa {isa}"
+                 f"{f' (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate)' if dot_rate else ''}")
+    clock = "GPU time" if device.type == "cuda" else "CPU time"
+    print(f"# dtype {args.dtype}, {where}; read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s ({clock}); freed heap memory "
           f"{'kept' if kept else 'returned'}; "
           + (f"{evict.buffer.nbytes / 1024**2:.0f} MiB read before each timed call (cold weights)" if evict
              else "weights kept cached between calls (--warm-cache)"))
-    print(f"{'shape':>9} {'T':>6} {'impl':>23} {'cpu ms':>10} {'wall ms':>10} {'tok/s':>11} {'roofline ms':>11} "
+    gpu_col = f" {'gpu ms':>10}" if device.type == "cuda" else ""
+    print(f"{'shape':>9} {'T':>6} {'impl':>23}{gpu_col} {'cpu ms':>10} {'wall ms':>10} {'tok/s':>11} {'roofline ms':>11} "
           f"{'roofline':>9} {'max|diff|':>10}")
     cells = [c for shape in args.shapes
-             for c in run_shape(shape, args.tokens, args.impls, dtype, args.min_seconds, bandwidth, peak, evict)]
+             for c in run_shape(shape, args.tokens, args.impls, dtype, args.min_seconds, bandwidth, peak, evict,
+                                device)]
     print("\n".join(speedups(cells)))
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "dtype": args.dtype, "num_threads": args.num_threads, "isa": isa, "bf16_dot_rate": dot_rate,
+            "dtype": args.dtype, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "num_threads": args.num_threads, "isa": isa, "bf16_dot_rate": dot_rate,
             "cold_weights": evict is not None, "read_bandwidth_bytes_per_s": bandwidth,
             "peak_flops_per_s": peak, "cells": [asdict(c) for c in cells]}, indent=2) + "\n")
     return 0

@@ -1,5 +1,5 @@
-"""On a CUDA machine the same engine runs the shard on the GPU: greedy tokens equal the CPU
-run (fp32). Skipped without CUDA."""
+"""On a CUDA machine the same engine runs the shard on the GPU: greedy tokens equal transformers'
+(fp32), for every model family. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from launch import LLM, SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_gpu_greedy_equals_cpu(hf_checkpoints):
-    path = hf_checkpoints["deepseek_v3"]
+@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v2", "mixtral", "qwen3_moe"])
+def test_gpu_greedy_equals_transformers(hf_checkpoints, case: str):
+    path = hf_checkpoints[case]
     prompts = [{"prompt_token_ids": [3, 5, 7, 11, 13][: n]} for n in range(1, 6)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with LLM(str(path), dtype="float32") as llm:

@@ -82,3 +82,37 @@ def test_forward_rows_is_forward_in_the_wire_dtype(dtype: torch.dtype) -> None:
     torch.testing.assert_close(rows.float(), want, **tol)
     empty = experts.forward_rows(x[:0], ids[:0], w[:0])
     assert empty.shape == (0, 10)
+
+
+def test_library_grouped_mm_path_equals_the_per_slot_loop(monkeypatch) -> None:
+    """The grouped-GEMM path CUDA takes for bf16 experts (``library_grouped_mm``), run here on
+    PyTorch's CPU grouped GEMM: the per-slot loop's values within bf16 rounding, with empty slots,
+    row weights and a slot holding one row; and it stays off where its kernels do not apply."""
+    from moe import experts as experts_mod
+
+    e = _experts(6, 32, 16, torch.bfloat16, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    counts = [7, 0, 1, 12, 0, 20]
+    x = torch.randn(sum(counts), 32, generator=gen).bfloat16()
+    rw = torch.rand(sum(counts), generator=gen)
+    assert experts_mod.library_grouped_mm(x, e.w13, e.w2) is None  # CPU: the loop (and the fused kernel)
+    fn = experts_mod.library_grouped_mm(x, e.w13, e.w2, device_types=("cpu",))
+    assert fn is not None
+    for bad in (x.float(), x[:, :30].contiguous(), x[:0]):  # fp32, a 60-byte row, no rows
+        assert experts_mod.library_grouped_mm(bad, e.w13, e.w2, device_types=("cpu",)) is None
+    loop = grouped_expert_forward(x, counts, e.w13, e.w2, row_weights=rw)
+    calls: list[int] = []
+    original = experts_mod.library_grouped_mm
+
+    def gate(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs, device_types=("cpu",))
+
+    monkeypatch.setattr(experts_mod, "library_grouped_mm", gate)
+    grouped = grouped_expert_forward(x, counts, e.w13, e.w2, row_weights=rw)
+    assert calls == [1] and grouped.shape == (40, 32) and grouped.dtype == torch.bfloat16
+    want = _naive(x, torch.repeat_interleave(torch.arange(6), torch.tensor(counts))[:, None], rw[:, None],
+                  e.w13, e.w2).float()
+    scale = want.abs().max()
+    assert (grouped.float() - want).abs().max() <= 2e-2 * scale
+    assert (grouped.float() - loop.float()).abs().max() <= 2e-2 * scale
