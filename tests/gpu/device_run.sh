@@ -53,19 +53,19 @@ print(\"cuda\", torch.cuda.is_available(), torch.version.cuda,
 print(\"grouped_mm\", hasattr(F, \"grouped_mm\"), hasattr(torch, \"_grouped_mm\"))'
   $PY -c 'import deepspeed; print(\"deepspeed\", deepspeed.__version__)'"
 
-step checkpoint 300 $PY -m launch make-tiny --arch deepseek_v3 --size small --out "$CKPT"
+step checkpoint 120 $PY -m launch make-tiny --arch deepseek_v3 --size small --out "$CKPT"
 
-TAIL=30 step gpu-tests 420 $PY -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_sampler.py \
+TAIL=30 step gpu-tests 200 $PY -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_sampler.py \
     tests/unit/test_experts_grouped.py -k "cuda or gpu or grouped or library"
 
 IMPLS="ours ours-pytorch transformers transformers-grouped-mm dense-gemm"
 $PY -c "import deepspeed" >/dev/null 2>&1 && IMPLS="$IMPLS deepspeed"
 # shellcheck disable=SC2086
-TAIL=60 step moe-layer 600 $PY -m launch bench moe-layer --device "$DEV" --dtype bfloat16 --tokens $TOKENS \
+TAIL=70 step moe-layer 200 $PY -m launch bench moe-layer --device "$DEV" --dtype bfloat16 --tokens $TOKENS \
     --impls $IMPLS --min-seconds $MIN_S --json "$OUT/moe_layer.json"
 
 # shellcheck disable=SC2086
-TAIL=10 step decode 420 $PY -m launch bench decode --model "$CKPT" --batch-sizes $BATCHES --context-len 128 \
+TAIL=10 step decode 120 $PY -m launch bench decode --model "$CKPT" --batch-sizes $BATCHES --context-len 128 \
     --steps 20 --warmup-steps 3 --memory 16GiB --json "$OUT/decode.json"
 
 say "=== serve: python -m launch serve --model $CKPT --port 8123 --memory 16GiB"
@@ -76,7 +76,7 @@ for _ in $(seq 240); do
     kill -0 $SERVER 2>/dev/null || break
     sleep 0.5
 done
-TAIL=40 step bench-serve 300 $PY -m launch bench serve --base-url http://127.0.0.1:8123 --num-prompts $PROMPTS \
+TAIL=40 step bench-serve 120 $PY -m launch bench serve --base-url http://127.0.0.1:8123 --num-prompts $PROMPTS \
     --random-input-len 256 --random-output-len 64 --random-range-ratio 0.5 --request-rate inf --seed 0 \
     --tokenizer "$CKPT" --disable-tqdm --save-result --result-dir "$OUT" --result-filename serve.json
 curl -s http://127.0.0.1:8123/metrics 2>/dev/null | grep -E "^vllm:(generation_tokens|prompt_tokens|request_success)_total" \
