@@ -108,6 +108,33 @@ def library_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, 
     return fn
 
 
+def grouped_gemm_forward(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, grouped_mm: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``Experts.forward`` on ``grouped_mm`` (``library_grouped_mm``'s answer) without a host sync:
+    no row counts read back, so a CUDA stream runs ahead of the host.
+
+    x: [T, D]; slot_ids: [T, K] int64 (-1 = dropped); weights: [T, K] float32; w13: [P, 2I, D];
+    w2: [P, D, I]. Returns [T, D] float32, sum_k weights[t, k] * expert_{slot[t, k]}(x[t]), the
+    K terms added in k order (no atomics: the same bits on every run). Dropped assignments sort
+    after every slot, past the last group's end, where the grouped GEMM writes nothing; their rows
+    are zeroed before the sum."""
+    num_slots, inter = w13.shape[0], w2.shape[-1]
+    tokens, top_k = slot_ids.shape
+    flat = slot_ids.reshape(-1)  # [T K]
+    kept = flat >= 0
+    keys = torch.where(kept, flat, num_slots)
+    order = torch.argsort(keys, stable=True)  # [T K] rows grouped by slot, dropped last
+    offs = torch.bincount(keys, minlength=num_slots + 1)[:num_slots].cumsum(0, dtype=torch.int32)  # [P] ends
+    h = grouped_mm(x[order // top_k], w13.transpose(-2, -1), offs=offs)  # [T K, 2I]
+    act = F.silu(h[:, :inter]) * h[:, inter:]
+    act = act * weights.reshape(-1)[order][:, None].to(act.dtype)  # [T K, I]
+    y = grouped_mm(act.contiguous(), w2.transpose(-2, -1), offs=offs).float()  # [T K, D]
+    y = torch.where(kept[order][:, None], y, 0.0)
+    rows = torch.empty_like(y)
+    rows[order] = y  # back to (token, k) order: a permutation, no two writes to one row
+    return rows.view(tokens, top_k, -1).sum(dim=1)
+
+
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, groups: tuple[list, list], out: torch.Tensor) -> None:
     """out[lo:hi] = x[lo:hi] @ w[slot].T for each (slot, lo, hi); the second group as GEMVs."""
     many, single = groups
@@ -247,6 +274,11 @@ class Experts(WatchedModule):
         packed = self._fused_packed(x, local_slot_ids, weights)
         if packed is not None:  # grouping, gather, experts and the per-token sum in one op
             return kernels.experts_forward_topk(x, local_slot_ids, weights, packed)
+        if self.use_kernel and local_slot_ids.numel():
+            w13, w2 = self.reference_weights()
+            library = library_grouped_mm(x, w13, w2)
+            if library is not None and not kernels.needs_autograd(weights):
+                return grouped_gemm_forward(x, local_slot_ids, weights, w13, w2, library)
         order, token_of_row, counts = compute_local_routing(local_slot_ids, self.num_local_slots)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         if order.numel() == 0:

@@ -68,6 +68,9 @@ TAIL=70 step moe-layer 200 $PY -m launch bench moe-layer --device "$DEV" --dtype
 TAIL=10 step decode 120 $PY -m launch bench decode --model "$CKPT" --batch-sizes $BATCHES --context-len 128 \
     --steps 20 --warmup-steps 3 --memory 16GiB --json "$OUT/decode.json"
 
+TAIL=80 step profile 150 $PY tests/gpu/profile_decode.py --model "$CKPT" --batch-size 32 --steps 10 --context-len 128 \
+    --memory 16GiB --top 25
+
 say "=== serve: python -m launch serve --model $CKPT --port 8123 --memory 16GiB"
 $PY -m launch serve --model "$CKPT" --port 8123 --memory 16GiB --served-model-name tiny-small >"$OUT/serve.log" 2>&1 &
 SERVER=$!

@@ -116,3 +116,44 @@ def test_library_grouped_mm_path_equals_the_per_slot_loop(monkeypatch) -> None:
     scale = want.abs().max()
     assert (grouped.float() - want).abs().max() <= 2e-2 * scale
     assert (grouped.float() - loop.float()).abs().max() <= 2e-2 * scale
+
+
+def test_grouped_gemm_forward_equals_the_loop_with_dropped_rows(monkeypatch) -> None:
+    """``Experts.forward``'s sync-free path on the grouped GEMM (CUDA's, run here on PyTorch's CPU one):
+    the per-slot loop's values within bf16 rounding, dropped assignments (-1) adding nothing even
+    when the GEMM leaves their rows as NaN, an unused slot, and the same bits on a second call."""
+    from moe import experts as experts_mod
+
+    e = _experts(5, 32, 16, torch.bfloat16, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(50, 32, generator=gen).bfloat16()
+    ids = torch.randint(-1, 4, (50, 3), generator=gen)  # slot 4 never used, some dropped
+    w = torch.rand(50, 3, generator=gen)
+    e.use_kernel = False
+    loop = e(x, ids, w)  # [T, D] float32, the per-slot loop
+    original = experts_mod.library_grouped_mm
+    calls: list[int] = []
+
+    def poisoning(x, w, offs):  # rows past the last group's end hold NaN, as uninitialised memory may
+        calls.append(1)
+        out = torch._grouped_mm(x, w, offs=offs)
+        out[int(offs[-1]):] = float("nan")
+        return out
+
+    def gate(x, w13, w2, **kwargs):
+        return poisoning if original(x, w13, w2, device_types=("cpu",)) is not None else None
+
+    monkeypatch.setattr(experts_mod, "library_grouped_mm", gate)
+    e.use_kernel = True
+    e.fused_topk = False  # not the CPU kernel: the path CUDA takes
+    e._packed = None
+    monkeypatch.setattr(experts_mod.kernels, "can_pack", lambda *a: False)
+    out = e(x, ids, w)
+    assert len(calls) == 2 and out.shape == (50, 32) and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    want = _naive(x, ids, w, e.w13, e.w2).float()
+    scale = want.abs().max()
+    assert (out - want).abs().max() <= 2e-2 * scale and (out - loop).abs().max() <= 2e-2 * scale
+    assert torch.equal(e(x, ids, w), out)
+    all_dropped = e(x, torch.full((50, 3), -1), w)
+    assert torch.equal(all_dropped, torch.zeros(50, 32))
