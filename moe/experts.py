@@ -274,11 +274,11 @@ class Experts(WatchedModule):
         packed = self._fused_packed(x, local_slot_ids, weights)
         if packed is not None:  # grouping, gather, experts and the per-token sum in one op
             return kernels.experts_forward_topk(x, local_slot_ids, weights, packed)
-        if self.use_kernel and local_slot_ids.numel():
-            w13, w2 = self.reference_weights()
-            library = library_grouped_mm(x, w13, w2)
-            if library is not None and not kernels.needs_autograd(weights):
-                return grouped_gemm_forward(x, local_slot_ids, weights, w13, w2, library)
+        params = self._parameters
+        library = library_grouped_mm(x, params["w13"], params["w2"]) if self.use_kernel else None
+        if library is not None and local_slot_ids.numel() and not kernels.needs_autograd(weights):
+            w13, w2 = self.reference_weights()  # (CUDA; int8: dequantized once and cached)
+            return grouped_gemm_forward(x, local_slot_ids, weights, w13, w2, library)
         order, token_of_row, counts = compute_local_routing(local_slot_ids, self.num_local_slots)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         if order.numel() == 0:

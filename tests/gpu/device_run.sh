@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared run on a CUDA machine (the session's `device` tool, or any box with one GPU):
-# the GPU tests, `bench moe-layer` and `bench decode` on the GPU, and a one-GPU `bench serve`
+# the GPU tests, `bench moe-layer` and `bench decode` on the GPU, a decode profile and a one-GPU `bench serve`
 # against `python -m launch serve`. Every step runs even if an earlier one failed; each prints
 # its exit status and time. Output: $OUT/all.log plus the benchmarks' JSON files.
 #
@@ -8,7 +8,8 @@
 #
 # Python packages the machine lacks (fastapi, uvicorn, pydantic, deepspeed, ...) can sit as wheels
 # in .whl/: they are installed to /tmp/site first. Ray is not needed: one rank runs in-process.
-# DEV=cpu runs the same steps on the CPU with small sizes (to check the script itself).
+# DEV=cpu runs the same steps on the CPU with small sizes (to check the script itself); PY picks the
+# interpreter (default python3).
 set -u
 OUT=${OUT:-/tmp/gpu-run}
 DEV=${DEV:-cuda}
