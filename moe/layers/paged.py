@@ -13,7 +13,7 @@ the last ``sliding_window`` positions (Mixtral / Qwen3-MoE ``sliding_window``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -128,21 +128,72 @@ def _prefill(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, prefil
     return out
 
 
+# A group of prefill sequences attended in one padded call may cost at most this many times the
+# query x key area of its sequences attended one at a time (``prefill_groups``).
+PREFILL_GROUP_WASTE = 2.0
+
+
+def prefill_groups(query_lens: Sequence[int], context_lens: Sequence[int],
+                   waste: float = PREFILL_GROUP_WASTE) -> list[list[int]]:
+    """Indices of the prefill sequences grouped for one padded attention call per group: sorted by
+    context length, a group grows while its padded area (members x longest query x longest
+    context) stays within ``waste`` x the sum of its members' own areas (query x context), so the
+    padding at most doubles the work however uneven the lengths. One launch sequence per group
+    instead of per sequence: what a GPU, bound by launches at these sizes, pays for."""
+    order = sorted(range(len(query_lens)), key=lambda i: (context_lens[i], query_lens[i]))
+    groups: list[list[int]] = []
+    own = qmax = cmax = 0
+    for i in order:
+        q, c = query_lens[i], context_lens[i]
+        if groups:
+            n = len(groups[-1]) + 1
+            if n * max(qmax, q) * max(cmax, c) <= waste * (own + q * c):
+                groups[-1].append(i)
+                own, qmax, cmax = own + q * c, max(qmax, q), max(cmax, c)
+                continue
+        groups.append([i])
+        own, qmax, cmax = q * c, q, c
+    return groups
+
+
 def _prefill_rows(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, prefill_fn: AttendFn,
                   sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
-    """Attend the rows of every sequence with several new tokens into ``out`` [T, H, dv]; returns it."""
+    """Attend the rows of every sequence with several new tokens into ``out`` [T, H, dv]; returns it.
+    Sequences of similar lengths share one ``prefill_fn`` call (``prefill_groups``): their query
+    rows padded to the group's longest [n, H, qmax, dq], its keys to the longest context, every
+    padded key masked (a padded query row sees one real key and is dropped). A group of one is the
+    sequence's own call: its keys exactly its context, the same values as alone."""
     size = meta.block_size
-    for b in meta.prefill_seq_ids():
-        start, qlen, ctx = int(meta.query_start_loc_list[b]), meta.query_lens_list[b], meta.context_lens_list[b]
-        first = _first_block(ctx - qlen, sliding_window, size)
-        cache = view.gather(meta.block_tables[b : b + 1, first : -(-ctx // size)])[:, : ctx - first * size]
-        kpos = torch.arange(first * size, ctx, device=q.device)[None, :]  # [1, L]
-        qpos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]  # [qlen, 1]
-        mask = kpos <= qpos  # [qlen, L]
+    seqs = meta.prefill_seq_ids()
+    qlens = [meta.query_lens_list[b] for b in seqs]
+    ctxs = [meta.context_lens_list[b] for b in seqs]
+    for group in prefill_groups(qlens, ctxs, PREFILL_GROUP_WASTE):
+        members = [seqs[i] for i in group]
+        gq, gc = [qlens[i] for i in group], [ctxs[i] for i in group]
+        starts = [int(meta.query_start_loc_list[b]) for b in members]
+        qmax, cmax = max(gq), max(gc)
+        first = min(_first_block(c - n, sliding_window, size) for n, c in zip(gq, gc))
+        ids = torch.tensor(members, dtype=torch.int64, device=q.device) if len(members) > 1 else None
+        tables = meta.block_tables[members[0] : members[0] + 1] if ids is None else meta.block_tables[ids]
+        cache = view.gather(tables[:, first : -(-cmax // size)])[:, : cmax - first * size]  # [n, L, ...]
+        lens = torch.tensor([gq, gc, starts], dtype=torch.int64, device=q.device)  # [3, n]: one copy
+        qlen, ctx, start = lens[0][:, None], lens[1][:, None], lens[2][:, None]
+        steps = torch.arange(qmax, device=q.device)[None, :]  # [1, qmax]
+        real = steps < qlen  # [n, qmax]: rows that exist
+        rows = start + torch.minimum(steps, qlen - 1)  # [n, qmax] (padding repeats the last row)
+        qpos = ctx - qlen + steps  # [n, qmax] absolute positions
+        kpos = torch.arange(first * size, cmax, device=q.device)[None, None, :]  # [1, 1, L]
+        mask = (kpos <= qpos[..., None]) & real[..., None]  # [n, qmax, L]
         if sliding_window is not None:
-            mask &= kpos > qpos - sliding_window
-        rows = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, dq]
-        out[start : start + qlen] = prefill_fn(rows, cache, mask[None, None])[0].transpose(0, 1)
+            mask &= kpos > (qpos - sliding_window)[..., None]
+        if len(members) > 1 or qmax > gq[0]:
+            mask[..., 0] |= ~real  # a padded row attends one real key (no empty softmax), then is dropped
+        if len(members) == 1:  # the rows as a view, as the sequence alone
+            rows_q = q[starts[0] : starts[0] + gq[0]].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, dq]
+            out[starts[0] : starts[0] + gq[0]] = prefill_fn(rows_q, cache, mask[:, None])[0].transpose(0, 1)
+        else:
+            res = prefill_fn(q[rows].transpose(1, 2), cache, mask[:, None]).transpose(1, 2)  # [n, qmax, H, dv]
+            out[rows[real]] = res[real]
     return out
 
 
