@@ -34,8 +34,8 @@ def test_groups_cover_every_sequence_once_within_the_waste_bound() -> None:
 @pytest.mark.parametrize("window", [None, 3, 64])
 def test_grouped_prefill_equals_one_call_per_sequence(monkeypatch, window: int | None) -> None:
     """A step of two decodes and five prefill chunks (some after cached prefixes, lengths close
-    enough to share calls, scattered block tables): the grouped path's rows equal the rows of one
-    call per sequence, in fewer calls."""
+    enough to share calls, scattered block tables): the grouped path's rows (what a GPU runs)
+    equal the rows of one call per sequence (what the CPU runs), in fewer calls."""
     torch.manual_seed(1)
     cfg = ModelConfig.from_hf(dict(HF_CASES["mixtral"][1], architectures=["MixtralForCausalLM"]))
     size, heads, kv_heads, hd = 4, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -59,12 +59,12 @@ def test_grouped_prefill_equals_one_call_per_sequence(monkeypatch, window: int |
             calls.append(qb.shape[0])
         return sdpa(qb, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), mask, hd ** -0.5)
 
-    grouped = paged_attention(q, meta, view, hd, attend, attend, sliding_window=window)
-    grouped_calls = list(calls)
+    alone = paged_attention(q, meta, view, hd, attend, attend, sliding_window=window)  # CPU: one call each
+    assert calls == [1] * 5
     calls.clear()
-    monkeypatch.setattr(paged, "PREFILL_GROUP_WASTE", 0.0)  # every sequence its own call
-    alone = paged_attention(q, meta, view, hd, attend, attend, sliding_window=window)
-    assert calls == [1] * 5 and len(grouped_calls) < 5 and sum(grouped_calls) == 5
+    monkeypatch.setattr(paged, "GROUP_PREFILL_ON_CPU", True)  # as off the CPU
+    grouped = paged_attention(q, meta, view, hd, attend, attend, sliding_window=window)
+    assert len(calls) < 5 and sum(calls) == 5
     assert grouped.shape == alone.shape == (sum(qlens), heads, hd)
     assert torch.isfinite(grouped).all()
     torch.testing.assert_close(grouped, alone, rtol=1e-6, atol=1e-6)
