@@ -142,8 +142,10 @@ class MoELayer(WatchedModule):
         reroute = self.capacity is not None and self.capacity.overflow == "reroute"
         topk_ids, weights, scores = self.gate.route(x, with_scores=reroute)  # [T, K], [T, K], [T, E] | None
         slot_ids = choose_replicas(topk_ids, self.log2phy, self.logcnt, self.rank)
-        if slot_ids.numel():
-            self.slot_load += torch.bincount(slot_ids.reshape(-1), minlength=self.slot_load.shape[0])
+        if slot_ids.numel():  # in place, not `self.slot_load += ...`: that re-assigns the buffer through
+            # nn.Module.__setattr__ (~80 us of Python per call) and announces a placement change
+            load = self._buffers["slot_load"]
+            load.add_(torch.bincount(slot_ids.reshape(-1), minlength=load.shape[0]))
         if self.capacity is not None:
             slot_ids, weights = self._apply_capacity(slot_ids, weights, topk_ids, scores)
         out = self.dispatcher.dispatch_combine(x, slot_ids, weights, self.experts, self.layer_id)  # [T, D] f32

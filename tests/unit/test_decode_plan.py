@@ -399,3 +399,19 @@ def test_mixed_steps_fuse_each_residual_add_into_the_norm_after_it(kernel_isas: 
     assert steps == 3 and runs[0].seqs == runs[1].seqs
     for a, b in zip(runs[0].cache.pools, runs[1].cache.pools):
         assert torch.equal(a, b)
+
+
+def test_the_op_by_op_moe_path_counts_load_without_announcing_a_change(tiny_ckpt: Path) -> None:
+    """A forward through the MoE layer's op-by-op path (as expert parallelism or a capacity factor
+    take) adds its slot load in place: the counts grow, the buffer stays the same tensor, and no
+    change is announced, so a decode plan's quick check keeps holding from step to step."""
+    model = _model(tiny_ckpt, torch.float32)
+    layer = next(model.moe_layers())
+    layer.use_fused_ffn = False
+    load = layer.slot_load
+    before_epoch, before = plan_watch.epoch(), load.clone()
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.inference_mode():
+        layer(x)
+    assert layer.slot_load is load and int((load - before).sum()) == 5 * layer.top_k
+    assert plan_watch.epoch() == before_epoch
