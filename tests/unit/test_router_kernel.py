@@ -20,6 +20,12 @@ CASES = {  # name -> config overrides
     "group_limited_greedy": dict(architectures=["DeepseekV2ForCausalLM"], n_routed_experts=16, num_experts_per_tok=3,
                                  n_group=4, topk_group=2, topk_method="group_limited_greedy", scoring_func="softmax",
                                  norm_topk_prob=False, routed_scaling_factor=16.0),
+    # every group kept: the PyTorch path skips the group mask (the op still runs its group step)
+    "noaux_tc_all_groups": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=4,
+                                topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True),
+    "group_limited_all_groups": dict(architectures=["DeepseekV2ForCausalLM"], n_routed_experts=16,
+                                     num_experts_per_tok=3, n_group=4, topk_group=4,
+                                     topk_method="group_limited_greedy", scoring_func="softmax", norm_topk_prob=False),
     "softmax_greedy_norm": dict(architectures=["DeepseekV2ForCausalLM"], n_routed_experts=6, num_experts_per_tok=2,
                                 topk_method="greedy", scoring_func="softmax", norm_topk_prob=True),
 }
