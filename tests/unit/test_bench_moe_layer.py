@@ -104,3 +104,21 @@ def test_dense_gemm_cell_runs_the_layers_flops_as_dense_gemms(shape: str) -> Non
                                 bandwidth=1e10, peak_flops=1e12)
     assert [c.impl for c in cells] == ["ours", "dense-gemm"] and cells[1].max_abs_diff is None
     assert any(line.endswith("x dense-gemm") for line in moe_layer.speedups(cells))
+
+
+def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert moe_layer.main(["--device", "cuda", "--shapes", "mixtral", "--tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --device cuda: no CUDA device is available here"]
+
+
+def test_cells_are_judged_by_gpu_time_where_they_have_it() -> None:
+    cpu = moe_layer.Cell("deepseek", 8, "ours", 2.0, 2.1, 4000.0, 0.1, 0.05)
+    gpu = moe_layer.Cell("deepseek", 8, "transformers", 1.0, 9.0, 800.0, 0.1, 0.01, None, 10.0)
+    mine = moe_layer.Cell("deepseek", 8, "ours", 1.0, 5.1, 1600.0, 0.1, 0.02, None, 5.0)
+    assert cpu.ms == 2.0 and gpu.ms == 10.0
+    assert moe_layer.speedups([mine, gpu]) == ["deepseek T=8: ours 2.00x transformers"]
