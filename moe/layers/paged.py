@@ -164,43 +164,58 @@ def _prefill_rows(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, p
                   sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
     """Attend the rows of every sequence with several new tokens into ``out`` [T, H, dv]; returns it.
     Off the CPU (see ``GROUP_PREFILL_ON_CPU``) sequences of similar lengths share one ``prefill_fn``
-    call (``prefill_groups``): their query rows padded to the group's longest [n, H, qmax, dq],
-    its keys to the longest context, every padded key masked (a padded query row sees one real
-    key and is dropped). A group of one is the sequence's own call: its keys exactly its context,
-    the same values as alone."""
+    call (``prefill_groups``, ``_prefill_group``); a sequence alone gets its own call, its keys
+    exactly its context."""
     size = meta.block_size
     seqs = meta.prefill_seq_ids()
     qlens = [meta.query_lens_list[b] for b in seqs]
     ctxs = [meta.context_lens_list[b] for b in seqs]
     waste = PREFILL_GROUP_WASTE if q.device.type != "cpu" or GROUP_PREFILL_ON_CPU else 0.0
     for group in prefill_groups(qlens, ctxs, waste):
-        members = [seqs[i] for i in group]
-        gq, gc = [qlens[i] for i in group], [ctxs[i] for i in group]
-        starts = [int(meta.query_start_loc_list[b]) for b in members]
-        qmax, cmax = max(gq), max(gc)
-        first = min(_first_block(c - n, sliding_window, size) for n, c in zip(gq, gc))
-        ids = torch.tensor(members, dtype=torch.int64, device=q.device) if len(members) > 1 else None
-        tables = meta.block_tables[members[0] : members[0] + 1] if ids is None else meta.block_tables[ids]
-        cache = view.gather(tables[:, first : -(-cmax // size)])[:, : cmax - first * size]  # [n, L, ...]
-        lens = torch.tensor([gq, gc, starts], dtype=torch.int64, device=q.device)  # [3, n]: one copy
-        qlen, ctx, start = lens[0][:, None], lens[1][:, None], lens[2][:, None]
-        steps = torch.arange(qmax, device=q.device)[None, :]  # [1, qmax]
-        real = steps < qlen  # [n, qmax]: rows that exist
-        rows = start + torch.minimum(steps, qlen - 1)  # [n, qmax] (padding repeats the last row)
-        qpos = ctx - qlen + steps  # [n, qmax] absolute positions
-        kpos = torch.arange(first * size, cmax, device=q.device)[None, None, :]  # [1, 1, L]
-        mask = (kpos <= qpos[..., None]) & real[..., None]  # [n, qmax, L]
+        if len(group) > 1:
+            _prefill_group(q, meta, view, prefill_fn, sliding_window, out, [seqs[i] for i in group])
+            continue
+        b = seqs[group[0]]
+        start, qlen, ctx = int(meta.query_start_loc_list[b]), meta.query_lens_list[b], meta.context_lens_list[b]
+        first = _first_block(ctx - qlen, sliding_window, size)
+        cache = view.gather(meta.block_tables[b : b + 1, first : -(-ctx // size)])[:, : ctx - first * size]
+        kpos = torch.arange(first * size, ctx, device=q.device)[None, :]  # [1, L]
+        qpos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]  # [qlen, 1]
+        mask = kpos <= qpos  # [qlen, L]
         if sliding_window is not None:
-            mask &= kpos > (qpos - sliding_window)[..., None]
-        if len(members) > 1 or qmax > gq[0]:
-            mask[..., 0] |= ~real  # a padded row attends one real key (no empty softmax), then is dropped
-        if len(members) == 1:  # the rows as a view, as the sequence alone
-            rows_q = q[starts[0] : starts[0] + gq[0]].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, dq]
-            out[starts[0] : starts[0] + gq[0]] = prefill_fn(rows_q, cache, mask[:, None])[0].transpose(0, 1)
-        else:
-            res = prefill_fn(q[rows].transpose(1, 2), cache, mask[:, None]).transpose(1, 2)  # [n, qmax, H, dv]
-            out[rows[real]] = res[real]
+            mask &= kpos > qpos - sliding_window
+        rows = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, dq]
+        out[start : start + qlen] = prefill_fn(rows, cache, mask[None, None])[0].transpose(0, 1)
     return out
+
+
+def _prefill_group(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, prefill_fn: AttendFn,
+                   sliding_window: int | None, out: torch.Tensor, members: list[int]) -> None:
+    """One ``prefill_fn`` call for the prefill sequences ``members`` (batch indices): their query
+    rows padded to the longest [n, H, qmax, dq], the keys to the longest context [n, L, ...],
+    every key past a sequence's own context (or before its window) masked; a padded query row
+    attends one real key (no empty softmax) and is dropped. Writes their rows of ``out``."""
+    size = meta.block_size
+    gq = [meta.query_lens_list[b] for b in members]
+    gc = [meta.context_lens_list[b] for b in members]
+    starts = [int(meta.query_start_loc_list[b]) for b in members]
+    qmax, cmax = max(gq), max(gc)
+    first = min(_first_block(c - n, sliding_window, size) for n, c in zip(gq, gc))
+    tables = meta.block_tables[torch.tensor(members, dtype=torch.int64, device=q.device)]
+    cache = view.gather(tables[:, first : -(-cmax // size)])[:, : cmax - first * size]  # [n, L, ...]
+    lens = torch.tensor([gq, gc, starts], dtype=torch.int64, device=q.device)  # [3, n]: one copy
+    qlen, ctx, start = lens[0][:, None], lens[1][:, None], lens[2][:, None]
+    steps = torch.arange(qmax, device=q.device)[None, :]  # [1, qmax]
+    real = steps < qlen  # [n, qmax]: rows that exist
+    rows = start + torch.minimum(steps, qlen - 1)  # [n, qmax] (padding repeats the last row)
+    qpos = ctx - qlen + steps  # [n, qmax] absolute positions
+    kpos = torch.arange(first * size, cmax, device=q.device)[None, None, :]  # [1, 1, L]
+    mask = (kpos <= qpos[..., None]) & real[..., None]  # [n, qmax, L]
+    if sliding_window is not None:
+        mask &= kpos > (qpos - sliding_window)[..., None]
+    mask[..., 0] |= ~real
+    res = prefill_fn(q[rows].transpose(1, 2), cache, mask[:, None]).transpose(1, 2)  # [n, qmax, H, dv]
+    out[rows[real]] = res[real]
 
 
 def _first_block(first_query_pos: int, sliding_window: int | None, block_size: int) -> int:
