@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run on a CUDA machine (the session's `device` tool, or any box with one GPU):
-# the GPU tests, `bench moe-layer` and `bench decode` on the GPU, a decode profile and a one-GPU `bench serve`
+# the GPU tests, `bench moe-layer` and `bench decode` on the GPU, a decode profile, grouped against
+# per-sequence prefill, and a one-GPU `bench serve`
 # against `python -m launch serve`. Every step runs even if an earlier one failed; each prints
 # its exit status and time. Output: $OUT/all.log plus the benchmarks' JSON files.
 #
@@ -40,9 +41,9 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output to t
 }
 
 if [ "$DEV" = cuda ]; then
-    TOKENS="1 32 512 4096 16384"; BATCHES="1 8 32 128"; PROMPTS=256; MIN_S=0.2
+    TOKENS="1 32 512 4096 16384"; BATCHES="1 8 32 128"; PROMPTS=256; MIN_S=0.2; AB_PROMPTS=64; AB_ROUNDS=3
 else
-    TOKENS="1 32"; BATCHES="1 8"; PROMPTS=8; MIN_S=0
+    TOKENS="1 32"; BATCHES="1 8"; PROMPTS=8; MIN_S=0; AB_PROMPTS=8; AB_ROUNDS=2
 fi
 
 step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1;
@@ -71,6 +72,9 @@ TAIL=10 step decode 120 $PY -m launch bench decode --model "$CKPT" --batch-sizes
 
 TAIL=80 step profile 150 $PY tests/gpu/profile_decode.py --model "$CKPT" --batch-size 32 --steps 10 --context-len 128 \
     --memory 16GiB --top 25
+
+TAIL=12 step prefill-ab 150 $PY tests/gpu/prefill_groups_ab.py --model "$CKPT" --num-prompts $AB_PROMPTS \
+    --rounds $AB_ROUNDS
 
 say "=== serve: python -m launch serve --model $CKPT --port 8123 --memory 16GiB"
 $PY -m launch serve --model "$CKPT" --port 8123 --memory 16GiB --served-model-name tiny-small >"$OUT/serve.log" 2>&1 &
