@@ -500,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is available here", file=sys.stderr)
         return 2
+    import importlib.util
+
+    if "deepspeed" in args.impls and importlib.util.find_spec("deepspeed") is None:
+        print("error: --impls deepspeed: DeepSpeed is not installed here (leave it out of --impls, or "
+              "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)", file=sys.stderr)
+        return 2
     from launch.worker import keep_freed_heap_memory
     from moe import kernels
 

@@ -122,3 +122,13 @@ def test_cells_are_judged_by_gpu_time_where_they_have_it() -> None:
     mine = moe_layer.Cell("deepseek", 8, "ours", 1.0, 5.1, 1600.0, 0.1, 0.02, None, 5.0)
     assert cpu.ms == 2.0 and gpu.ms == 10.0
     assert moe_layer.speedups([mine, gpu]) == ["deepseek T=8: ours 2.00x transformers"]
+
+
+def test_deepspeed_cell_without_deepspeed_is_a_one_line_error(monkeypatch, capsys) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    assert moe_layer.main(["--impls", "ours", "deepspeed", "--shapes", "mixtral", "--tokens", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: --impls deepspeed: DeepSpeed is not installed here")
