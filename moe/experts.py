@@ -60,11 +60,7 @@ def grouped_expert_forward(
     library = library_grouped_mm(x_sorted, w13, w2) if grouped_gemm else None
     if library is not None:  # one grouped GEMM per projection over every slot (CUDA, bf16)
         offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x_sorted.device)
-        h = library(x_sorted, w13.transpose(-2, -1), offs=offs)  # [N, 2I]
-        act = F.silu(h[:, :inter]) * h[:, inter:]  # [N, I]
-        if row_weights is not None:
-            act = act * row_weights[:, None].to(act.dtype)
-        return library(act.contiguous(), w2.transpose(-2, -1), offs=offs)  # [N, D]
+        return _grouped_swiglu(library, x_sorted, offs, w13, w2, row_weights)
     spans, start = [], 0
     for slot, n in enumerate(counts):
         if n:
@@ -108,6 +104,19 @@ def library_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, 
     return fn
 
 
+def _grouped_swiglu(grouped_mm: Callable[..., torch.Tensor], x_sorted: torch.Tensor, offs: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
+    """SwiGLU of rows grouped by slot on ``grouped_mm``: x_sorted [N, D], offs [P] int32 group ends
+    (rows past offs[-1] are left unwritten), row_weights [N] or None scaling each row's activation.
+    Returns [N, D] in x_sorted's dtype."""
+    inter = w2.shape[-1]
+    h = grouped_mm(x_sorted, w13.transpose(-2, -1), offs=offs)  # [N, 2I]
+    act = F.silu(h[:, :inter]) * h[:, inter:]  # [N, I]
+    if row_weights is not None:
+        act = act * row_weights[:, None].to(act.dtype)
+    return grouped_mm(act.contiguous(), w2.transpose(-2, -1), offs=offs)  # [N, D]
+
+
 def grouped_gemm_forward(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                          w2: torch.Tensor, grouped_mm: Callable[..., torch.Tensor]) -> torch.Tensor:
     """``Experts.forward`` on ``grouped_mm`` (``library_grouped_mm``'s answer) without a host sync:
@@ -118,17 +127,14 @@ def grouped_gemm_forward(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch
     K terms added in k order (no atomics: the same bits on every run). Dropped assignments sort
     after every slot, past the last group's end, where the grouped GEMM writes nothing; their rows
     are zeroed before the sum."""
-    num_slots, inter = w13.shape[0], w2.shape[-1]
+    num_slots = w13.shape[0]
     tokens, top_k = slot_ids.shape
     flat = slot_ids.reshape(-1)  # [T K]
     kept = flat >= 0
     keys = torch.where(kept, flat, num_slots)
     order = torch.argsort(keys, stable=True)  # [T K] rows grouped by slot, dropped last
     offs = torch.bincount(keys, minlength=num_slots + 1)[:num_slots].cumsum(0, dtype=torch.int32)  # [P] ends
-    h = grouped_mm(x[order // top_k], w13.transpose(-2, -1), offs=offs)  # [T K, 2I]
-    act = F.silu(h[:, :inter]) * h[:, inter:]
-    act = act * weights.reshape(-1)[order][:, None].to(act.dtype)  # [T K, I]
-    y = grouped_mm(act.contiguous(), w2.transpose(-2, -1), offs=offs).float()  # [T K, D]
+    y = _grouped_swiglu(grouped_mm, x[order // top_k], offs, w13, w2, weights.reshape(-1)[order]).float()  # [T K, D]
     y = torch.where(kept[order][:, None], y, 0.0)
     rows = torch.empty_like(y)
     rows[order] = y  # back to (token, k) order: a permutation, no two writes to one row

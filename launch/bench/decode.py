@@ -176,13 +176,10 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5,
 
     device = device or torch.device("cpu")
     if device.type == "cuda":
-        from launch.bench.moe_layer import cuda_seconds
+        from launch.bench.moe_layer import cuda_matmul_flops
 
         n = 8192
-        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-        a @ b
-        seconds = min(cuda_seconds(lambda: a @ b) for _ in range(repeats))
-        return 2 * n**3 / seconds, f"torch matmul {n}^3 on {torch.cuda.get_device_name(device)}"
+        return cuda_matmul_flops(dtype, device, n, repeats), f"torch matmul {n}^3 on {torch.cuda.get_device_name(device)}"
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     rates = {"torch matmul": 2 * size**3 / best_call_seconds(lambda: a @ b, repeats=repeats)}
     if dtype in (torch.float32, torch.bfloat16) and kernels.is_available():

@@ -281,15 +281,22 @@ def measure_peak_flops(dtype: torch.dtype, size: int | None = None, device: torc
     size = size or (8192 if device.type == "cuda" else 1024)
     rates = []
     for dt in {torch.float32, dtype}:
-        a = torch.randn(size, size, device=device).to(dt)
-        b = torch.randn(size, size, device=device).to(dt)
         if device.type == "cuda":
-            a @ b
-            seconds = min(cuda_seconds(lambda a=a, b=b: a @ b) for _ in range(5))
-        else:
-            seconds = best_call_seconds(lambda a=a, b=b: a @ b, repeats=3, clock="cpu")
+            rates.append(cuda_matmul_flops(dt, device, size))
+            continue
+        a, b = torch.randn(size, size).to(dt), torch.randn(size, size).to(dt)
+        seconds = best_call_seconds(lambda a=a, b=b: a @ b, repeats=3, clock="cpu")
         rates.append(2 * size**3 / seconds)
     return max(rates)
+
+
+def cuda_matmul_flops(dtype: torch.dtype, device: torch.device, size: int = 8192, repeats: int = 5) -> float:
+    """FLOP/s of a square ``size`` matmul in ``dtype`` on the GPU, random data, best of ``repeats``
+    timed with CUDA events after a warm-up."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b
+    return 2 * size**3 / min(cuda_seconds(lambda: a @ b) for _ in range(repeats))
 
 
 def cuda_seconds(fn: Callable[[], Any]) -> float:
