@@ -155,7 +155,8 @@ class EngineConfig:
     num_kv_blocks None = sized from memory x memory_utilization after the weights; memory:
     per-rank byte budget ("8GiB", "512MB" or bytes), None = what the device reports.
     dtype "auto": the checkpoint's own dtype (config.json ``dtype``/``torch_dtype``), bfloat16
-    when it names none."""
+    when it names none. On CUDA, decode steps of up to max_cudagraph_capture_size sequences (None:
+    max_num_seqs, at most 256) replay CUDA graphs (``moe.cuda_graphs``) unless enforce_eager."""
 
     dtype: str = "auto"
     max_num_seqs: int = 256
@@ -170,6 +171,8 @@ class EngineConfig:
     memory_utilization: float = 0.9
     memory: str | int | None = None
     seed: int = 0
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -180,7 +183,7 @@ class EngineConfig:
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                        "num_kv_blocks")
+                        "num_kv_blocks", "max_cudagraph_capture_size")
         if not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.memory is not None:
@@ -196,6 +199,15 @@ class EngineConfig:
     @property
     def memory_bytes(self) -> int | None:
         return None if self.memory is None else parse_memory(self.memory)
+
+    @property
+    def cudagraph_max_batch(self) -> int:
+        """The largest decode batch a CUDA graph serves (0: none, enforce_eager)."""
+        if self.enforce_eager:
+            return 0
+        if self.max_cudagraph_capture_size is not None:
+            return min(self.max_cudagraph_capture_size, self.max_num_seqs)
+        return min(self.max_num_seqs, 256)
 
 
 @dataclass(frozen=True)
@@ -358,6 +370,8 @@ VLLM_KEYS: dict[str, str] = {
     "gpu_memory_utilization": "engine.memory_utilization",
     "memory": "engine.memory",
     "seed": "engine.seed",
+    "enforce_eager": "engine.enforce_eager",
+    "max_cudagraph_capture_size": "engine.max_cudagraph_capture_size",
     "host": "server.host",
     "port": "server.port",
     "api_key": "server.api_key",

@@ -114,6 +114,7 @@ class LLMEngine:
             dist_timeout_s=p.collective_timeout_s,
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
             pin_cpu=p.enable_cpu_pinning,
+            cudagraph_max_batch=e.cudagraph_max_batch, max_model_len=self.max_model_len,
         )
         self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
                                                  transport=p.step_transport,

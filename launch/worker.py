@@ -26,7 +26,8 @@ from moe import plan_watch
 from moe.capacity import CapacityConfig
 from moe.config import ModelConfig
 from moe.cpu_gemm import native_gemv, use_native_gemv
-from moe.kv_cache import AttentionMetadata, PagedKVCache
+from moe.cuda_graphs import DecodeGraphs
+from moe.kv_cache import AttentionMetadata, PagedKVCache, copy_to_device
 from moe.loader import load_weights
 from moe.model import MoEModel
 
@@ -83,6 +84,9 @@ class WorkerSpec:
     "local" scope, the dispatcher the "global" one.
     pin_cpu: pin this rank's process to one CPU (its index among the node's ranks, modulo
     the CPUs it may use) and one torch thread; ``shutdown`` undoes it.
+    cudagraph_max_batch: on a CUDA device, decode steps of up to this many sequences replay CUDA
+    graphs (``moe.cuda_graphs``; 0: never); max_model_len sizes their block tables (None: the
+    model's max_position_embeddings).
     """
 
     model_path: str
@@ -103,6 +107,8 @@ class WorkerSpec:
     num_threads: int | None = None
     migration_method: str = "p2p"
     pin_cpu: bool = False
+    cudagraph_max_batch: int = 0
+    max_model_len: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -246,13 +252,30 @@ class Worker:
             from moe import kernels
 
             kernels.is_available()  # load (or build) the CPU expert kernel now, not inside a step's collective
-        self.kv_cache = PagedKVCache(self.config, spec.num_kv_blocks, spec.block_size, self.dtype,
+        graphs = self._cuda_graphs_apply()
+        # with graphs, one more block than the scheduler hands out: padded rows write there
+        self.kv_cache = PagedKVCache(self.config, spec.num_kv_blocks + graphs, spec.block_size, self.dtype,
                                      spec.kv_cache_dtype, tp_size=spec.tp, device=self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs:
+            max_len = spec.max_model_len or self.config.max_position_embeddings
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, scratch_block=spec.num_kv_blocks,
+                                              max_batch=spec.cudagraph_max_batch,
+                                              max_blocks=-(-max_len // spec.block_size))
         self.sampler = Sampler(seed=spec.seed + self.coords.dp_rank)
         self.one_row_gemv = use_native_gemv(self.dtype, self.device)
         if spec.world_size > 1:
             self._track_collectives()
         return self.ping()
+
+    def _cuda_graphs_apply(self) -> bool:
+        """Whether decode steps run on CUDA graphs here: a CUDA device, graphs allowed, one rank (no
+        collective inside the forward), dropless (no capacity step reads counts back), full attention,
+        unquantized experts (int8 ones run on a dequantized copy that is remade when they change)."""
+        spec = self.spec
+        return (self.device.type == "cuda" and spec.cudagraph_max_batch > 0 and spec.world_size == 1
+                and self.layout.ep_size == 1 and not spec.capacity.enabled and self.config.sliding_window is None
+                and spec.quantization is None)
 
     def _track_collectives(self) -> None:
         """Label each layer's collective before it is entered, so a failure can name it."""
@@ -333,17 +356,10 @@ class Worker:
         if batch.is_empty:
             self._run_collectives_only()
         else:
-            meta = AttentionMetadata.build(batch.query_lens, batch.context_lens, batch.block_tables,
-                                           self.spec.block_size, device=self.device)
-            ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
-            pos = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
-            # one token: every weight GEMM has one row, where the native GEMV streams the weights
-            # faster than oneDNN (B=1 decode step on the small checkpoint: 33 -> 28 ms)
-            with native_gemv(self.one_row_gemv and len(batch.input_ids) == 1):
-                hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
-                rows = batch.logits_indices  # strictly increasing: all T of them is every row (decode steps)
-                last = hidden if len(rows) == hidden.shape[0] else hidden[rows]
-                logits = self.model.compute_logits(last) if rows else None  # [B_sample, V] float32
+            rows = batch.logits_indices  # strictly increasing: all T of them is every row (decode steps)
+            logits = self._graph_logits(batch)  # [B, V] float32, or None: not a graph step
+            if logits is None:
+                logits = self._eager_logits(batch, rows)
             if rows:
                 params = batch.sampling_params
                 sampled = self.sampler(logits, params, batch.output_indices).to_sampled_tokens(params)
@@ -355,6 +371,28 @@ class Worker:
             sampled = SampledTokens()
         return StepResult(sampled if report else None, load, capacity, time.perf_counter() - started,
                           time.process_time() - cpu_started)
+
+    def _graph_logits(self, batch: BatchSpec) -> torch.Tensor | None:
+        """A decode step (one new token per sequence) on a CUDA graph: logits [B, V] float32; None
+        when graphs are off here or the step is not one they serve."""
+        graphs = self.decode_graphs
+        if graphs is None or batch.num_tokens != batch.num_seqs:
+            return None
+        return graphs.run(batch.input_ids, batch.positions, batch.context_lens, batch.block_tables)
+
+    def _eager_logits(self, batch: BatchSpec, rows: list[int]) -> torch.Tensor | None:
+        """The step's forward op by op. Returns logits [len(rows), V] float32 of the sampled rows
+        (None when no row samples: a mid-prompt prefill chunk)."""
+        meta = AttentionMetadata.build(batch.query_lens, batch.context_lens, batch.block_tables,
+                                       self.spec.block_size, device=self.device)
+        ids, pos = copy_to_device([torch.tensor(batch.input_ids, dtype=torch.int64),
+                                   torch.tensor(batch.positions, dtype=torch.int64)], self.device)
+        # one token: every weight GEMM has one row, where the native GEMV streams the weights
+        # faster than oneDNN (B=1 decode step on the small checkpoint: 33 -> 28 ms)
+        with native_gemv(self.one_row_gemv and len(batch.input_ids) == 1):
+            hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
+            last = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+            return self.model.compute_logits(last) if rows else None
 
     def _run_collectives_only(self) -> None:
         # An idle DP rank: no attention, but each MoE layer's dispatch is a collective over

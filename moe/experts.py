@@ -104,6 +104,26 @@ def library_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, 
     return fn
 
 
+def count_ids(ids: torch.Tensor, n: int, *, sync_free: bool | None = None) -> torch.Tensor:
+    """How often each value of ``ids`` [M] int64 (all in [0, n)) occurs: [n] int64, as
+    ``torch.bincount(ids, minlength=n)``. CUDA's bincount reads ids' min and max back to the host (two
+    waits on the stream per call); ``sync_free`` (the default off the CPU) counts with an
+    ``index_add_`` into n zeros instead, which never waits. Integer adds: the same counts either way."""
+    if sync_free is None:
+        sync_free = ids.device.type != "cpu"
+    if not sync_free:
+        return torch.bincount(ids, minlength=n)
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
+def group_ends(sorted_keys: torch.Tensor, n: int) -> torch.Tensor:
+    """sorted_keys [M] int64, ascending. Returns [n] int32: for each group g < n the number of keys
+    <= g (the end of its rows when rows are sorted by key; keys >= n sort past the last end). A
+    binary search on the device: no host read, no atomics."""
+    bounds = torch.arange(n, dtype=sorted_keys.dtype, device=sorted_keys.device)
+    return torch.searchsorted(sorted_keys, bounds, right=True).to(torch.int32)
+
+
 def _grouped_swiglu(grouped_mm: Callable[..., torch.Tensor], x_sorted: torch.Tensor, offs: torch.Tensor,
                     w13: torch.Tensor, w2: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
     """SwiGLU of rows grouped by slot on ``grouped_mm``: x_sorted [N, D], offs [P] int32 group ends
@@ -133,7 +153,7 @@ def grouped_gemm_forward(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch
     kept = flat >= 0
     keys = torch.where(kept, flat, num_slots)
     order = torch.argsort(keys, stable=True)  # [T K] rows grouped by slot, dropped last
-    offs = torch.bincount(keys, minlength=num_slots + 1)[:num_slots].cumsum(0, dtype=torch.int32)  # [P] ends
+    offs = group_ends(keys[order], num_slots)  # [P] ends (not bincount: on CUDA it reads back to the host)
     y = _grouped_swiglu(grouped_mm, x[order // top_k], offs, w13, w2, weights.reshape(-1)[order]).float()  # [T K, D]
     y = torch.where(kept[order][:, None], y, 0.0)
     rows = torch.empty_like(y)

@@ -32,6 +32,23 @@ FP8_MAX = 448.0
 _FP8_CALIBRATION_TARGET = FP8_MAX / 2
 
 
+def copy_to_device(tensors: Sequence[torch.Tensor], device: torch.device | str | None) -> list[torch.Tensor]:
+    """CPU int64 tensors (any shapes) on ``device``, same shapes. To CUDA: one copy for all of
+    them, from pinned memory and asynchronous (a pageable ``.to("cuda")`` waits for the stream to
+    drain: one host wait per tensor per step); PyTorch's pinned allocator keeps the staging buffer
+    until the copy has run. To the CPU (or None): the tensors themselves."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type == "cpu":
+        return list(tensors)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return [t.to(device) for t in tensors]
+    sizes = [t.numel() for t in tensors]
+    staged = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+    torch.cat([t.reshape(-1).to(torch.int64) for t in tensors], out=staged)
+    flat = staged.to(device, non_blocking=True)
+    return [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors, strict=True)]
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """One step's flat batch. Token rows of sequence b are
@@ -82,13 +99,15 @@ class AttentionMetadata:
             slots, starts = _decode_slots(cs, block_tables, block_size), list(range(len(qs) + 1))
         else:
             slots, starts = _token_slots(qs, cs, tables, block_size)
-        as_long = dict(dtype=torch.int64, device=device)
+        on_host = [torch.tensor(qs, dtype=torch.int64), torch.tensor(cs, dtype=torch.int64),
+                   torch.tensor(starts, dtype=torch.int64), slots.to(torch.int64), tables]
+        query_lens, context_lens, query_start_loc, slot_mapping, block_tables = copy_to_device(on_host, device)
         return cls(
-            query_lens=torch.tensor(qs, **as_long),
-            context_lens=torch.tensor(cs, **as_long),
-            query_start_loc=torch.tensor(starts, **as_long),
-            slot_mapping=slots.to(**as_long),
-            block_tables=tables.to(**as_long),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            query_start_loc=query_start_loc,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
             block_size=block_size,
             query_lens_list=tuple(qs),
             context_lens_list=tuple(cs),

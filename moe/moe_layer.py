@@ -24,7 +24,7 @@ from moe import kernels
 from moe.capacity import CapacityConfig, apply_capacity
 from moe.config import ModelConfig
 from moe.dispatch import ExpertDispatcher, LocalDispatcher
-from moe.experts import Experts
+from moe.experts import Experts, count_ids
 from moe.layers.mlp import DenseMLP
 from moe.plan_watch import WatchedModule
 from moe.router import Router
@@ -54,7 +54,7 @@ def choose_replicas(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch
     flat = topk_ids.reshape(-1)
     if log2phy.shape[1] == 1:
         return log2phy[flat, 0].view_as(topk_ids)
-    counts = torch.bincount(flat, minlength=logcnt.shape[0])
+    counts = count_ids(flat, logcnt.shape[0])
     order = torch.argsort(flat, stable=True)
     starts = torch.cumsum(counts, 0) - counts
     occurrence = torch.empty_like(flat)
@@ -114,6 +114,15 @@ class MoELayer(WatchedModule):
         # the whole feed-forward as one CPU op where it applies (False: op by op, the reference)
         self.use_fused_ffn = True
 
+    # [T] int64 weight of each row in the slot-load count (1 a real row, 0 padding), set around a
+    # padded forward (moe.cuda_graphs); None: every row counts. The op-by-op path reads it.
+    count_rows: torch.Tensor | None = None
+
+    def set_count_rows(self, rows: torch.Tensor | None) -> None:
+        """Set ``count_rows`` without announcing a change (``moe.plan_watch``): it is neither a weight
+        nor a switch a decode plan resolves."""
+        self.__dict__["count_rows"] = rows
+
     @property
     def num_physical_slots(self) -> int:
         return int(self.slot_load.shape[0])
@@ -144,8 +153,11 @@ class MoELayer(WatchedModule):
         slot_ids = choose_replicas(topk_ids, self.log2phy, self.logcnt, self.rank)
         if slot_ids.numel():  # in place, not `self.slot_load += ...`: that re-assigns the buffer through
             # nn.Module.__setattr__ (15 us of CPU per call measured) and announces a placement change
-            load = self._buffers["slot_load"]
-            load.add_(torch.bincount(slot_ids.reshape(-1), minlength=load.shape[0]))
+            load, rows = self._buffers["slot_load"], self.count_rows
+            if rows is None:
+                load.add_(count_ids(slot_ids.reshape(-1), load.shape[0]))  # no host read on CUDA
+            else:
+                load.index_add_(0, slot_ids.reshape(-1), rows[:, None].expand(slot_ids.shape).reshape(-1))
         if self.capacity is not None:
             slot_ids, weights = self._apply_capacity(slot_ids, weights, topk_ids, scores)
         out = self.dispatcher.dispatch_combine(x, slot_ids, weights, self.experts, self.layer_id)  # [T, D] f32

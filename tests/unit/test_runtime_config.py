@@ -144,6 +144,7 @@ def test_wrong_types_name_key_expected_and_found(data, match):
         ({"balancer": {"num_redundant_experts": 4}}, "needs balancer.enable_eplb"),
         ({"server": {"port": 70000}}, "port must be in"),
         ({"model": ""}, "model must name"),
+        ({"engine": {"max_cudagraph_capture_size": 0}}, "max_cudagraph_capture_size must be >= 1"),
     ],
 )
 def test_post_init_validation(data, match):
@@ -216,6 +217,17 @@ def test_flags_override_set_which_overrides_file_which_overrides_defaults():
     assert (cfg.engine.kv_cache_dtype, cfg.engine.dtype, cfg.engine.seed) == ("fp8", "float32", 7)
     assert cfg.moe.capacity_factor == 1.25
     assert _args(["--model", "ck"]) == RuntimeConfig(model="ck")  # no flag given: all defaults
+
+
+def test_cuda_graph_flags():
+    assert _args(["--model", "ck"]).engine.cudagraph_max_batch == 256  # min(max_num_seqs 256, 256)
+    assert _args(["--model", "ck", "--max-num-seqs", "12"]).engine.cudagraph_max_batch == 12
+    cfg = _args(["--model", "ck", "--max-cudagraph-capture-size", "64"])
+    assert cfg.engine.max_cudagraph_capture_size == 64 and cfg.engine.cudagraph_max_batch == 64
+    assert _args(["--model", "ck", "--max-cudagraph-capture-size", "512", "--max-num-seqs", "300"]
+                 ).engine.cudagraph_max_batch == 300
+    cfg = _args(["--model", "ck", "--enforce-eager"])
+    assert cfg.engine.enforce_eager is True and cfg.engine.cudagraph_max_batch == 0
 
 
 def test_eplb_config_json_is_strict_and_flags_win():

@@ -1,0 +1,190 @@
+"""moe.cuda_graphs: decode steps padded to a bucket on static buffers give each real sequence the
+logits, KV entries and slot load of the unpadded eager step. Runs on the CPU with the eager
+stand-in backend (the recording itself runs in tests/gpu); the fused CPU ops are off, so both
+sides take the op-by-op path a GPU runs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe import cuda_graphs
+from moe.config import ModelConfig
+from moe.cuda_graphs import DecodeGraphs, EagerBackend, batch_buckets, blocks_bucket
+from moe.kv_cache import AttentionMetadata, PagedKVCache
+from moe.loader import load_weights
+from moe.model import MoEModel
+
+BLOCK = 4
+FAMILIES = ["deepseek_v3", "deepseek_v2", "mixtral", "qwen3_moe"]
+
+
+def test_buckets() -> None:
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(256)[-3:] == [240, 248, 256] and len(batch_buckets(256)) == 35
+    with pytest.raises(ValueError, match="max_batch"):
+        batch_buckets(0)
+    assert [blocks_bucket(n, 100) for n in (1, 4, 5, 8, 9, 33, 64, 65, 100)] == [4, 4, 8, 8, 16, 64, 64, 100, 100]
+    assert blocks_bucket(2, 3) == 3
+    with pytest.raises(ValueError, match="exceed"):
+        blocks_bucket(9, 8)
+
+
+def test_fill_lays_out_padding() -> None:
+    out = np.full(5 * 4 + 4 * 4, -7, dtype=np.int64)
+    cuda_graphs._fill(out, 4, 4, BLOCK, 9, [11, 12], [5, 8], [6, 9], [[3, 4], [5, 6, 7]])
+    head, tables = out[:20].reshape(5, 4), out[20:].reshape(4, 4)
+    assert head[0].tolist() == [11, 12, 0, 0]  # ids
+    assert head[1].tolist() == [5, 8, 0, 0]  # positions
+    # slot of position ctx - 1: block table[(c - 1) // S], offset (c - 1) % S; padding: scratch block 9
+    assert head[2].tolist() == [4 * BLOCK + 1, 7 * BLOCK + 0, 9 * BLOCK, 9 * BLOCK]
+    assert head[3].tolist() == [6, 9, 1, 1]  # context
+    assert head[4].tolist() == [1, 1, 0, 0]  # counted in the slot load
+    assert tables.tolist() == [[3, 4, 9, 9], [5, 6, 7, 9], [9, 9, 9, 9], [9, 9, 9, 9]]
+
+
+def _model(path: Path, dtype: torch.dtype) -> MoEModel:
+    model = MoEModel(ModelConfig.from_hf(path), dtype=dtype)
+    load_weights(model, path, dtype=dtype)
+    model.set_fused_ops(False)  # the op-by-op path, as on a GPU
+    return model
+
+
+class _Run:
+    """Sequences prefilled eagerly, then greedy decode steps either eagerly or on ``graphs``."""
+
+    def __init__(self, model: MoEModel, prompts: list[list[int]], blocks_per_seq: int) -> None:
+        self.model, self.seqs = model, [list(p) for p in prompts]
+        n = len(prompts)
+        # block 0 unused, then the sequences' blocks, then the scratch block (last)
+        self.cache = PagedKVCache(model.config, 1 + n * blocks_per_seq + 1, BLOCK, model.dtype)
+        self.scratch = self.cache.num_blocks - 1
+        self.tables = [[1 + b + n * i for i in range(blocks_per_seq)] for b in range(n)]
+        self.graphs: DecodeGraphs | None = None
+        meta = AttentionMetadata.build([len(p) for p in prompts], [len(p) for p in prompts], self.tables, BLOCK)
+        ids = torch.tensor([t for p in prompts for t in p])
+        pos = torch.tensor([i for p in prompts for i in range(len(p))])
+        with torch.inference_mode():
+            hidden = model(ids, pos, meta, self.cache)
+            self._append(model.compute_logits(hidden[meta.logits_indices()]), range(n))
+
+    def _append(self, logits: torch.Tensor, active: range | list[int]) -> None:
+        for row, b in enumerate(active):
+            self.seqs[b].append(int(logits[row].argmax()))
+
+    def decode(self, active: list[int]) -> torch.Tensor:
+        """One decode step of the sequences ``active``; their logits [B, V]."""
+        ids = [self.seqs[b][-1] for b in active]
+        ctx = [len(self.seqs[b]) for b in active]
+        pos = [c - 1 for c in ctx]
+        tables = [self.tables[b][: -(-c // BLOCK)] for b, c in zip(active, ctx)]
+        with torch.inference_mode():
+            if self.graphs is not None:
+                logits = self.graphs.run(ids, pos, ctx, tables)
+                assert logits is not None
+                logits = logits.clone()
+            else:
+                meta = AttentionMetadata.build([1] * len(active), ctx, tables, BLOCK)
+                hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.cache)
+                logits = self.model.compute_logits(hidden)
+        self._append(logits, active)
+        return logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graph_steps_equal_eager_steps(hf_checkpoints: dict[str, Path], family: str) -> None:
+    """Shrinking batches (3 -> 2 -> 1 rows: buckets 4, 2, 1) over contexts that cross a block-bucket
+    edge: the same logits and greedy tokens as eager steps, the same KV entries in every real block,
+    and the slot load of the real rows only."""
+    model = _model(hf_checkpoints[family], torch.float32)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [10, 11, 12], [13, 14, 15, 16, 17]]
+    eager = _Run(model, prompts, blocks_per_seq=8)
+    graphed = _Run(copy.deepcopy(model), prompts, blocks_per_seq=8)
+    graphed.graphs = DecodeGraphs(graphed.model, graphed.cache, scratch_block=graphed.scratch, max_batch=8,
+                                  max_blocks=8, backend=EagerBackend())
+    for run in (eager, graphed):
+        for layer in run.model.moe_layers():
+            layer.slot_load.zero_()
+    schedule = [[0, 1, 2]] * 4 + [[1, 2]] * 3 + [[2]] * 2
+    for k, active in enumerate(schedule):
+        a, b = eager.decode(active), graphed.decode(active)
+        assert b.shape == a.shape == (len(active), model.config.vocab_size), k
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert eager.seqs == graphed.seqs, k
+    # the first sequence crossed from 4 to 8 blocks (context 15 -> 19 tokens): two block buckets
+    assert sorted(graphed.graphs.graphs) == [(1, 4), (2, 4), (4, 4), (4, 8)]
+    assert graphed.graphs.captures == 4
+    for pa, pb in zip(eager.cache.pools, graphed.cache.pools):
+        torch.testing.assert_close(pb[: graphed.scratch], pa[: graphed.scratch], rtol=1e-5, atol=1e-5)
+        assert pb[graphed.scratch].abs().sum() > 0  # the padded rows wrote into the scratch block only
+    for la, lb in zip(eager.model.moe_layers(), graphed.model.moe_layers()):
+        assert torch.equal(la.slot_load, lb.slot_load) and int(la.slot_load.sum()) > 0
+        assert la.count_rows is None and lb.count_rows is None  # reset after every forward
+
+
+def test_graph_steps_in_bfloat16_pick_the_eager_tokens(hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    eager, graphed = _Run(model, prompts, 4), _Run(copy.deepcopy(model), prompts, 4)
+    graphed.graphs = DecodeGraphs(graphed.model, graphed.cache, scratch_block=graphed.scratch, max_batch=4,
+                                  max_blocks=4, backend=EagerBackend())
+    for _ in range(5):
+        a, b = eager.decode([0, 1]), graphed.decode([0, 1])
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+    assert eager.seqs == graphed.seqs
+
+
+def test_steps_a_graph_does_not_serve(hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["mixtral"], torch.float32)
+    run = _Run(model, [[5, 6, 7]], 2)
+    graphs = DecodeGraphs(model, run.cache, scratch_block=run.scratch, max_batch=2, max_blocks=2,
+                          backend=EagerBackend())
+    assert graphs.bucket([3, 4, 5]) is None  # more sequences than the largest bucket
+    assert graphs.bucket([9]) is None  # longer than max_blocks blocks
+    assert graphs.bucket([]) is None
+    assert graphs.bucket([8, 3]) == (2, 2)
+    with pytest.raises(ValueError, match="scratch_block"):
+        DecodeGraphs(model, run.cache, scratch_block=run.cache.num_blocks, max_batch=2, max_blocks=2)
+
+
+def test_graphs_are_dropped_when_the_model_tensors_move(hf_checkpoints: dict[str, Path]) -> None:
+    model = _model(hf_checkpoints["deepseek_v3"], torch.float32)
+    run = _Run(model, [[5, 6, 7], [8, 9]], 4)
+    run.graphs = DecodeGraphs(model, run.cache, scratch_block=run.scratch, max_batch=2, max_blocks=4,
+                              backend=EagerBackend())
+    run.decode([0, 1])
+    run.decode([0, 1])
+    assert run.graphs.captures == 1
+    layer = next(model.moe_layers())
+    layer.set_placement(layer.phy2log.clone(), 1, 0)  # new placement buffers: new addresses
+    run.decode([0, 1])
+    assert run.graphs.captures == 2 and len(run.graphs.graphs) == 1
+    layer.use_fused_ffn = False  # an announced change that moves nothing: graphs kept
+    run.decode([0, 1])
+    assert run.graphs.captures == 2
+
+
+class _Refusing(EagerBackend):
+    def capture(self, fn):  # type: ignore[no-untyped-def]
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+
+def test_a_refused_capture_falls_back_to_eager_for_good(hf_checkpoints: dict[str, Path],
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    model = _model(hf_checkpoints["qwen3_moe"], torch.float32)
+    run = _Run(model, [[5, 6, 7]], 2)
+    graphs = DecodeGraphs(model, run.cache, scratch_block=run.scratch, max_batch=2, max_blocks=2,
+                          backend=_Refusing())
+    with torch.inference_mode():
+        assert graphs.run([3], [3], [4], [[1]]) is None
+    assert graphs.disabled == "RuntimeError: operation not permitted when stream is capturing"
+    assert "decoding without graphs" in caplog.text
+    assert graphs.bucket([4]) is None and not graphs.graphs
