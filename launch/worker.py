@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import struct
 import sys
@@ -26,10 +27,12 @@ from moe import plan_watch
 from moe.capacity import CapacityConfig
 from moe.config import ModelConfig
 from moe.cpu_gemm import native_gemv, use_native_gemv
-from moe.cuda_graphs import DecodeGraphs
+from moe.cuda_graphs import DecodeGraphs, not_capturable
 from moe.kv_cache import AttentionMetadata, PagedKVCache, copy_to_device
 from moe.loader import load_weights
 from moe.model import MoEModel
+
+log = logging.getLogger(__name__)
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
@@ -273,9 +276,14 @@ class Worker:
         collective inside the forward), dropless (no capacity step reads counts back), full attention,
         unquantized experts (int8 ones run on a dequantized copy that is remade when they change)."""
         spec = self.spec
-        return (self.device.type == "cuda" and spec.cudagraph_max_batch > 0 and spec.world_size == 1
+        if not (self.device.type == "cuda" and spec.cudagraph_max_batch > 0 and spec.world_size == 1
                 and self.layout.ep_size == 1 and not spec.capacity.enabled and self.config.sliding_window is None
-                and spec.quantization is None)
+                and spec.quantization is None):
+            return False
+        why = not_capturable(self.model)
+        if why is not None:
+            log.info("decoding without CUDA graphs: %s", why)
+        return why is None
 
     def _track_collectives(self) -> None:
         """Label each layer's collective before it is entered, so a failure can name it."""

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from moe import plan_watch
+from moe.experts import library_grouped_mm
 from moe.kv_cache import AttentionMetadata, PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,20 @@ def blocks_bucket(blocks: int, max_blocks: int) -> int:
     if blocks > max_blocks:
         raise ValueError(f"{blocks} blocks exceed the {max_blocks} a sequence can have")
     return min(max_blocks, 1 << (max(blocks, MIN_BLOCKS) - 1).bit_length())
+
+
+def not_capturable(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s decode forward cannot be recorded as it stands, or None when it can. A
+    recording may not read the device back, and the routed experts do (their per-slot row counts)
+    unless they run on PyTorch's grouped GEMM (``moe.experts.library_grouped_mm``: bf16 on CUDA with
+    compute capability 8.0+), whose group offsets stay on the device."""
+    for layer in model.moe_layers():
+        experts = layer.experts
+        w13, w2 = experts.w13, experts.w2
+        if not experts.use_kernel or library_grouped_mm(w13.new_empty(1, w13.shape[-1]), w13, w2) is None:
+            return (f"layer {layer.layer_id}'s routed experts ({str(w13.dtype).removeprefix('torch.')} on "
+                    f"{w13.device.type}) do not run on PyTorch's grouped GEMM, so their row counts are read back")
+    return None
 
 
 class EagerBackend:

@@ -50,37 +50,41 @@ def test_fill_lays_out_padding() -> None:
     assert tables.tolist() == [[3, 4, 9, 9], [5, 6, 7, 9], [9, 9, 9, 9], [9, 9, 9, 9]]
 
 
-def _model(path: Path, dtype: torch.dtype) -> MoEModel:
+def _model(path: Path, dtype: torch.dtype, device: str = "cpu") -> MoEModel:
     model = MoEModel(ModelConfig.from_hf(path), dtype=dtype)
     load_weights(model, path, dtype=dtype)
     model.set_fused_ops(False)  # the op-by-op path, as on a GPU
-    return model
+    return model.to(device)
 
 
 class _Run:
-    """Sequences prefilled eagerly, then greedy decode steps either eagerly or on ``graphs``."""
+    """Sequences prefilled eagerly, then greedy decode steps either eagerly or on ``graphs``
+    (tests/gpu/test_cuda_graphs.py runs it on CUDA)."""
 
     def __init__(self, model: MoEModel, prompts: list[list[int]], blocks_per_seq: int) -> None:
         self.model, self.seqs = model, [list(p) for p in prompts]
         n = len(prompts)
+        device = next(model.parameters()).device
         # block 0 unused, then the sequences' blocks, then the scratch block (last)
-        self.cache = PagedKVCache(model.config, 1 + n * blocks_per_seq + 1, BLOCK, model.dtype)
+        self.cache = PagedKVCache(model.config, 1 + n * blocks_per_seq + 1, BLOCK, model.dtype, device=device)
         self.scratch = self.cache.num_blocks - 1
         self.tables = [[1 + b + n * i for i in range(blocks_per_seq)] for b in range(n)]
         self.graphs: DecodeGraphs | None = None
-        meta = AttentionMetadata.build([len(p) for p in prompts], [len(p) for p in prompts], self.tables, BLOCK)
-        ids = torch.tensor([t for p in prompts for t in p])
-        pos = torch.tensor([i for p in prompts for i in range(len(p))])
+        meta = AttentionMetadata.build([len(p) for p in prompts], [len(p) for p in prompts], self.tables, BLOCK,
+                                       device=device)
+        ids = torch.tensor([t for p in prompts for t in p], device=device)
+        pos = torch.tensor([i for p in prompts for i in range(len(p))], device=device)
         with torch.inference_mode():
             hidden = model(ids, pos, meta, self.cache)
             self._append(model.compute_logits(hidden[meta.logits_indices()]), range(n))
 
-    def _append(self, logits: torch.Tensor, active: range | list[int]) -> None:
+    def _append(self, logits: torch.Tensor, active: range | list[int], forced: list[int] | None = None) -> None:
         for row, b in enumerate(active):
-            self.seqs[b].append(int(logits[row].argmax()))
+            self.seqs[b].append(int(logits[row].argmax()) if forced is None else forced[row])
 
-    def decode(self, active: list[int]) -> torch.Tensor:
-        """One decode step of the sequences ``active``; their logits [B, V]."""
+    def decode(self, active: list[int], forced: list[int] | None = None) -> torch.Tensor:
+        """One decode step of the sequences ``active``; their logits [B, V]. ``forced``: the tokens to
+        append instead of the greedy ones (both sides of a comparison then see the same inputs)."""
         ids = [self.seqs[b][-1] for b in active]
         ctx = [len(self.seqs[b]) for b in active]
         pos = [c - 1 for c in ctx]
@@ -91,10 +95,12 @@ class _Run:
                 assert logits is not None
                 logits = logits.clone()
             else:
-                meta = AttentionMetadata.build([1] * len(active), ctx, tables, BLOCK)
-                hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.cache)
+                device = self.cache.pools[0].device
+                meta = AttentionMetadata.build([1] * len(active), ctx, tables, BLOCK, device=device)
+                hidden = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta,
+                                    self.cache)
                 logits = self.model.compute_logits(hidden)
-        self._append(logits, active)
+        self._append(logits, active, forced)
         return logits
 
 
@@ -140,6 +146,13 @@ def test_graph_steps_in_bfloat16_pick_the_eager_tokens(hf_checkpoints: dict[str,
         assert b.dtype == torch.float32
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
     assert eager.seqs == graphed.seqs
+
+
+def test_only_models_whose_experts_count_on_the_device_are_capturable(hf_checkpoints: dict[str, Path]) -> None:
+    """On a CPU the experts' row counts are read back (no library grouped GEMM serves them here)."""
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16)
+    why = cuda_graphs.not_capturable(model)
+    assert why is not None and "bfloat16 on cpu" in why and "grouped GEMM" in why
 
 
 def test_steps_a_graph_does_not_serve(hf_checkpoints: dict[str, Path]) -> None:
