@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step: the model forward and lm_head recorded once per shape, replayed.
+"""CUDA graphs of the decode step: the model forward recorded once per shape, then replayed.
 
 On a GPU the op-by-op forward is bound by the host: a decode step of the small DeepSeek-style
 checkpoint launches ~1,800 kernels, 24-44 ms of Python and launch work for 0.05-0.25 ms of GPU
@@ -9,7 +9,8 @@ Shapes are fixed per graph, so a step is padded to a bucket: B sequences to the 
 the next power of two (at least ``MIN_BLOCKS``) of the step's longest context. Padded rows decode
 token 0 at position 0 into the scratch block (a KV block the allocator never hands out, context 1:
 they attend to their own entry), count nothing in the MoE layers' slot load (``MoELayer.count_rows``)
-and are cut from the logits; padded table columns point at the scratch block and are masked by each
+and are cut before lm_head (which runs after the replay: one GEMM, and no [Bb, V] logits buffer
+held per graph); padded table columns point at the scratch block and are masked by each
 sequence's context length, as the eager path masks its own padding. Every row's values are its own:
 the layers are row-wise except attention, which reads only the row's own sequence.
 
@@ -141,7 +142,7 @@ class _Graph:
     staging: torch.Tensor  # [5 Bb + Bb NB] int64 on the host (pinned on CUDA)
     inputs: torch.Tensor  # the same on the device: ids | positions | slots | context | count | tables
     replay: Callable[[], None]
-    logits: torch.Tensor  # [Bb, V] float32, written by each replay
+    hidden: torch.Tensor  # [Bb, D] after the final norm, written by each replay
 
 
 class DecodeGraphs:
@@ -185,8 +186,8 @@ class DecodeGraphs:
             block_tables: Sequence[Sequence[int]]) -> torch.Tensor | None:
         """One decode step (one new token per sequence: ``input_ids``, ``positions``, ``context_lens``
         [B], ``block_tables`` B lists of block ids) on its bucket's graph. Writes the step's KV entries
-        and slot load as the eager forward does. Returns logits [B, V] float32 (a view the next
-        ``run`` overwrites), or None when the step is not served here."""
+        and slot load as the eager forward does. Returns logits [B, V] float32 (lm_head of the
+        replay's first B rows), or None when the step is not served here."""
         key = self.bucket(context_lens)
         if key is None or len(input_ids) != len(context_lens):
             return None
@@ -202,7 +203,7 @@ class DecodeGraphs:
         graph.inputs.copy_(graph.staging, non_blocking=True)
         self.backend.after_copy()
         graph.replay()
-        return graph.logits[: len(input_ids)]
+        return self.model.compute_logits(graph.hidden[: len(input_ids)])
 
     # ---- capture ---------------------------------------------------------------------
 
@@ -227,13 +228,13 @@ class DecodeGraphs:
             for layer in layers:
                 layer.set_count_rows(count)
             try:
-                return model.compute_logits(model(ids, pos, meta, kv_cache))
+                return model(ids, pos, meta, kv_cache)  # [Bb, D]
             finally:
                 for layer in layers:
                     layer.set_count_rows(None)
 
         try:
-            replay, logits = self.backend.capture(forward)
+            replay, hidden = self.backend.capture(forward)
         except Exception as exc:  # a capture the runtime refuses: this process decodes eagerly from here on
             self.disabled = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             self.graphs.clear()
@@ -241,7 +242,7 @@ class DecodeGraphs:
                         batch, blocks, self.disabled)
             return None
         self.captures += 1
-        graph = self.graphs[(batch, blocks)] = _Graph(batch, blocks, staging, inputs, replay, logits)
+        graph = self.graphs[(batch, blocks)] = _Graph(batch, blocks, staging, inputs, replay, hidden)
         return graph
 
     def _tensor_addresses(self) -> tuple[int, ...]:
