@@ -399,7 +399,10 @@ class Worker:
         # faster than oneDNN (B=1 decode step on the small checkpoint: 33 -> 28 ms)
         with native_gemv(self.one_row_gemv and len(batch.input_ids) == 1):
             hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
-            last = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+            if len(rows) == hidden.shape[0]:
+                last = hidden
+            else:  # the rows that sample (each prefill's last), their index sent without a wait
+                last = hidden.index_select(0, copy_to_device([torch.tensor(rows, dtype=torch.int64)], self.device)[0])
             return self.model.compute_logits(last) if rows else None
 
     def _run_collectives_only(self) -> None:

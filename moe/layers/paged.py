@@ -13,12 +13,14 @@ the last ``sliding_window`` positions (Mixtral / Qwen3-MoE ``sliding_window``).
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from moe.cpu_gemm import has_fast_bf16_gemm
-from moe.kv_cache import AttentionMetadata, KVLayerView
+from moe.kv_cache import AttentionMetadata, KVLayerView, copy_to_device
 
 # (queries [B, H, Lq, dq], gathered cache [B, L, *entry], mask [B, 1, Lq, L] bool) -> [B, H, Lq, dv]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -86,7 +88,7 @@ def paged_attention(
     all_decode = bool(dec) and len(dec) == q.shape[0]
     out = None if all_decode else q.new_empty(q.shape[0], q.shape[1], out_dim)
     if dec:
-        idx = None if all_decode else torch.tensor(dec, dtype=torch.int64, device=q.device)
+        idx = None if all_decode else _decode_index(meta, dec, q.device)
         ctx = meta.context_lens if all_decode else meta.context_lens[idx]
         tables = meta.block_tables if all_decode else meta.block_tables[idx]
         rows = None if all_decode else meta.query_start_loc[idx]
@@ -198,13 +200,12 @@ def _prefill_group(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, 
     size = meta.block_size
     gq = [meta.query_lens_list[b] for b in members]
     gc = [meta.context_lens_list[b] for b in members]
-    starts = [int(meta.query_start_loc_list[b]) for b in members]
     qmax, cmax = max(gq), max(gc)
     first = min(_first_block(c - n, sliding_window, size) for n, c in zip(gq, gc))
-    tables = meta.block_tables[torch.tensor(members, dtype=torch.int64, device=q.device)]
+    index = _group_index(meta, members, qmax, q.device)
+    tables = meta.block_tables[index.members]
     cache = view.gather(tables[:, first : -(-cmax // size)])[:, : cmax - first * size]  # [n, L, ...]
-    lens = torch.tensor([gq, gc, starts], dtype=torch.int64, device=q.device)  # [3, n]: one copy
-    qlen, ctx, start = lens[0][:, None], lens[1][:, None], lens[2][:, None]
+    qlen, ctx, start = index.lens[0][:, None], index.lens[1][:, None], index.lens[2][:, None]
     steps = torch.arange(qmax, device=q.device)[None, :]  # [1, qmax]
     real = steps < qlen  # [n, qmax]: rows that exist
     rows = start + torch.minimum(steps, qlen - 1)  # [n, qmax] (padding repeats the last row)
@@ -215,7 +216,60 @@ def _prefill_group(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, 
         mask &= kpos > (qpos - sliding_window)[..., None]
     mask[..., 0] |= ~real
     res = prefill_fn(q[rows].transpose(1, 2), cache, mask[:, None]).transpose(1, 2)  # [n, qmax, H, dv]
-    out[rows[real]] = res[real]
+    out[index.dst] = res.reshape(-1, *res.shape[2:])[index.src]  # the real rows (no boolean index: no host read)
+
+
+class _GroupIndex:
+    """A prefill group's index tensors on the device, made once per step (every layer reuses them).
+    members [n] int64 (batch indices); lens [3, n] int64 (query lens, context lens, first rows);
+    src [R] int64: the flat positions of the group's R real rows in its padded [n * qmax] grid, in
+    order; dst [R] int64: their rows of the step."""
+
+    def __init__(self, meta: AttentionMetadata, members: list[int], qmax: int, device: torch.device) -> None:
+        gq = np.array([meta.query_lens_list[b] for b in members], dtype=np.int64)
+        gc = [meta.context_lens_list[b] for b in members]
+        starts = np.array([meta.query_start_loc_list[b] for b in members], dtype=np.int64)
+        within = np.arange(int(gq.sum()), dtype=np.int64) - np.repeat(np.cumsum(gq) - gq, gq)
+        src = np.repeat(np.arange(len(members), dtype=np.int64) * qmax, gq) + within
+        dst = np.repeat(starts, gq) + within
+        on_host = [torch.tensor(members, dtype=torch.int64), torch.tensor(np.stack([gq, np.array(gc), starts])),
+                   torch.from_numpy(src), torch.from_numpy(dst)]
+        self.members, self.lens, self.src, self.dst = copy_to_device(on_host, device)  # one copy
+
+
+# the step whose index tensors are kept (a weak reference to its metadata) and them: a prefill
+# group's _GroupIndex by its members, the decode rows' index under "decode"
+_step_indices: tuple[weakref.ref | None, dict] = (None, {})
+
+
+def _kept_for(meta: AttentionMetadata) -> dict:
+    """The index tensors kept for ``meta``'s step (a new, empty dict for a new step)."""
+    global _step_indices
+    ref, kept = _step_indices
+    if ref is None or ref() is not meta:
+        kept = {}
+        _step_indices = (weakref.ref(meta), kept)
+    return kept
+
+
+def _group_index(meta: AttentionMetadata, members: list[int], qmax: int, device: torch.device) -> _GroupIndex:
+    """``_GroupIndex`` of ``members`` in this step, made by the first layer that asks."""
+    kept = _kept_for(meta)
+    key = tuple(members)
+    index = kept.get(key)
+    if index is None or index.members.device != device:
+        index = kept[key] = _GroupIndex(meta, members, qmax, device)
+    return index
+
+
+def _decode_index(meta: AttentionMetadata, dec: list[int], device: torch.device) -> torch.Tensor:
+    """The decode sequences ``dec`` of a mixed step as a [Bd] int64 tensor on ``device``, made once
+    per step and sent without waiting on the device."""
+    kept = _kept_for(meta)
+    index = kept.get("decode")
+    if index is None or index.device != device:
+        index = kept["decode"] = copy_to_device([torch.tensor(dec, dtype=torch.int64)], device)[0]
+    return index
 
 
 def _first_block(first_query_pos: int, sliding_window: int | None, block_size: int) -> int:

@@ -77,6 +77,28 @@ def test_a_replay_never_waits_on_the_device(hf_checkpoints):
         assert logits is not None and logits.shape[0] == batch and graphs.captures == len(graphs.graphs)
 
 
+def test_a_prefill_step_never_waits_on_the_device(hf_checkpoints):
+    """A step of prefill chunks of several lengths (grouped attention calls and one alone) and a
+    decode row, op by op: its metadata in one asynchronous copy, nothing read back."""
+    from moe.kv_cache import AttentionMetadata, PagedKVCache
+
+    model = _model(hf_checkpoints["deepseek_v3"], torch.bfloat16, "cuda")
+    cache = PagedKVCache(model.config, 100, 4, torch.bfloat16, device="cuda")
+    qlens, ctxs = [1, 9, 10, 11, 40], [4, 9, 10, 11, 40]
+    tables = [[1 + 16 * i + j for j in range(-(-c // 4))] for i, c in enumerate(ctxs)]
+    with torch.inference_mode():
+        meta = AttentionMetadata.build(qlens, ctxs, tables, 4, device="cuda")
+        ids = torch.randint(0, model.config.vocab_size, (sum(qlens),), device="cuda")
+        pos = torch.cat([torch.arange(c - q, c) for q, c in zip(qlens, ctxs)]).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            hidden = model(ids, pos, meta, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert hidden.shape == (sum(qlens), model.config.hidden_size) and torch.isfinite(hidden.float()).all()
+
+
 def test_the_eager_moe_layer_never_waits_on_the_device(hf_checkpoints):
     """The op-by-op MoE forward (router, replicas, slot load, grouped experts) reads nothing back."""
     from moe.config import ModelConfig

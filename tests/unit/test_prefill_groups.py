@@ -63,8 +63,24 @@ def test_grouped_prefill_equals_one_call_per_sequence(monkeypatch, window: int |
     assert calls == [1] * 5
     calls.clear()
     monkeypatch.setattr(paged, "GROUP_PREFILL_ON_CPU", True)  # as off the CPU
+    made: list[tuple[int, ...]] = []
+    make = paged._GroupIndex.__init__
+
+    def spy(self, meta, members, qmax, device) -> None:  # type: ignore[no-untyped-def]
+        made.append(tuple(members))
+        make(self, meta, members, qmax, device)
+
+    monkeypatch.setattr(paged._GroupIndex, "__init__", spy)
     grouped = paged_attention(q, meta, view, hd, attend, attend, sliding_window=window)
     assert len(calls) < 5 and sum(calls) == 5
+    groups = list(made)
+    assert len(groups) == len(calls) - calls.count(1)  # an index per group of several sequences
+    # another layer of the same step reuses them; the next step's metadata makes its own
+    again = paged_attention(q, meta, view, hd, attend, attend, sliding_window=window)
+    assert made == groups and torch.equal(again, grouped)
+    paged_attention(q, AttentionMetadata.build(qlens, ctxs, tables, size), view, hd, attend, attend,
+                    sliding_window=window)
+    assert made == groups * 2
     assert grouped.shape == alone.shape == (sum(qlens), heads, hd)
     assert torch.isfinite(grouped).all()
     torch.testing.assert_close(grouped, alone, rtol=1e-6, atol=1e-6)
