@@ -11,7 +11,8 @@
 # in .whl/: they are installed to /tmp/site first. Ray is not needed: one rank runs in-process.
 # DEV=cpu runs the same steps on the CPU with small sizes (to check the script itself); PY picks the
 # interpreter (default python3); SKIP="moe-layer prefill-ab ..." leaves those steps out; TOKENS and
-# IMPLS override bench moe-layer's token counts and implementations.
+# IMPLS override bench moe-layer's token counts and implementations; RATE is bench serve's
+# --request-rate (default inf: every request at once).
 set -u
 OUT=${OUT:-/tmp/gpu-run}
 DEV=${DEV:-cuda}
@@ -99,7 +100,7 @@ serve_run() {  # serve_run NAME [server flags...]: a server, `bench serve` again
     done
     TAIL=40 step "bench-$name" 120 $PY -m launch bench serve --base-url http://127.0.0.1:8123 \
         --num-prompts $PROMPTS --random-input-len 256 --random-output-len 64 --random-range-ratio 0.5 \
-        --request-rate inf --seed 0 --tokenizer "$CKPT" --disable-tqdm --save-result --result-dir "$OUT" \
+        --request-rate "${RATE:-inf}" --seed 0 --tokenizer "$CKPT" --disable-tqdm --save-result --result-dir "$OUT" \
         --result-filename "$name.json"
     curl -s http://127.0.0.1:8123/metrics 2>/dev/null \
         | grep -E "^vllm:(generation_tokens|prompt_tokens|request_success)_total" | tee -a "$LOG"
