@@ -155,8 +155,9 @@ class EngineConfig:
     num_kv_blocks None = sized from memory x memory_utilization after the weights; memory:
     per-rank byte budget ("8GiB", "512MB" or bytes), None = what the device reports.
     dtype "auto": the checkpoint's own dtype (config.json ``dtype``/``torch_dtype``), bfloat16
-    when it names none. On CUDA, decode steps of up to max_cudagraph_capture_size sequences (None:
-    max_num_seqs, at most 256) replay CUDA graphs (``moe.cuda_graphs``) unless enforce_eager."""
+    when it names none. cuda_graphs (off by default): on CUDA, decode steps of up to
+    max_cudagraph_capture_size sequences (None: max_num_seqs, at most 256) replay CUDA graphs
+    (``moe.cuda_graphs``); enforce_eager (vLLM's name) turns them off whatever cuda_graphs says."""
 
     dtype: str = "auto"
     max_num_seqs: int = 256
@@ -171,6 +172,7 @@ class EngineConfig:
     memory_utilization: float = 0.9
     memory: str | int | None = None
     seed: int = 0
+    cuda_graphs: bool = False
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
 
@@ -202,8 +204,8 @@ class EngineConfig:
 
     @property
     def cudagraph_max_batch(self) -> int:
-        """The largest decode batch a CUDA graph serves (0: none, enforce_eager)."""
-        if self.enforce_eager:
+        """The largest decode batch a CUDA graph serves (0: none: cuda_graphs off, or enforce_eager)."""
+        if self.enforce_eager or not self.cuda_graphs:
             return 0
         if self.max_cudagraph_capture_size is not None:
             return min(self.max_cudagraph_capture_size, self.max_num_seqs)
@@ -370,6 +372,7 @@ VLLM_KEYS: dict[str, str] = {
     "gpu_memory_utilization": "engine.memory_utilization",
     "memory": "engine.memory",
     "seed": "engine.seed",
+    "cuda_graphs": "engine.cuda_graphs",
     "enforce_eager": "engine.enforce_eager",
     "max_cudagraph_capture_size": "engine.max_cudagraph_capture_size",
     "host": "server.host",

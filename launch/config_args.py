@@ -75,8 +75,10 @@ def _group_engine(parser: argparse.ArgumentParser) -> None:
                    type=float, default=None)
     g.add_argument("--memory", default=None, help="per-rank memory budget, e.g. 8GiB")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: replay decode steps as CUDA graphs (bf16, one rank; off by default)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: decode op by op, without CUDA graphs (graphs are on by default on a GPU)")
+                   help="never CUDA graphs, whatever --cuda-graphs says (vLLM's flag)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                    help="CUDA: the largest decode batch run on a CUDA graph (default: max-num-seqs, at most 256)")
 

@@ -29,6 +29,7 @@ Shape letters: B sequences, Bb its bucket, NB blocks per sequence (bucketed), S 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +43,12 @@ from moe.kv_cache import AttentionMetadata, PagedKVCache
 log = logging.getLogger(__name__)
 
 MIN_BLOCKS = 4  # the narrowest block-table bucket
-WARMUP_RUNS = 2  # eager forwards on the side stream before a capture (lazy inits, library handles)
+WARMUP_RUNS = 2  # eager forwards on the side stream before the first capture (lazy inits, library handles)
+# A bucket is recorded on its CAPTURE_AFTER-th step; until then its steps run eagerly. Serving with
+# requests arriving over time walks the batch size through many buckets, most of them for a step or
+# two: recording each on first use (two warm-up forwards and a capture each, ~100 buckets) held an
+# H200 server at 16 requests/s to 4.5 requests/s and a 41 s median TTFT (docs/benchmarks.md).
+CAPTURE_AFTER = 8
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -106,19 +112,29 @@ class CudaGraphBackend:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
         self._copied: torch.cuda.Event | None = None
+        self._side: torch.cuda.Stream | None = None  # the warm-up and capture stream
+        self._warm = False  # a capture has run (later ones warm up once)
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        side = torch.cuda.Stream(self.device)
+        """Warm-up forwards on a side stream (two before the first capture, one after), then the
+        recording. Not ``torch.cuda.graph``: its entry empties the device and pinned-host caching
+        allocators for every capture, so the eager steps after it allocate everything afresh."""
+        side = self._side = self._side or torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
+            for _ in range(1 if self._warm else WARMUP_RUNS):
                 fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._warm = True
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (a server's) do not invalidate this capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = fn()
+        with torch.cuda.stream(side):
+            # thread_local: another thread's CUDA calls (a server's) do not invalidate this capture
+            graph.capture_begin(self.pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(side)
         return graph.replay, out
 
     def after_copy(self) -> None:
@@ -154,7 +170,8 @@ class DecodeGraphs:
     serve; the caller then runs the model eagerly."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, *, scratch_block: int, max_batch: int,
-                 max_blocks: int, backend: EagerBackend | CudaGraphBackend | None = None) -> None:
+                 max_blocks: int, backend: EagerBackend | CudaGraphBackend | None = None,
+                 capture_after: int = CAPTURE_AFTER) -> None:
         if not 0 <= scratch_block < kv_cache.num_blocks:
             raise ValueError(f"scratch_block {scratch_block} is not a block of the cache ({kv_cache.num_blocks})")
         self.model, self.kv_cache = model, kv_cache
@@ -166,6 +183,9 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.disabled: str | None = None  # why graphs stopped being used (a failed capture), else None
         self.captures = 0
+        self.capture_seconds = 0.0  # wall time spent warming up and recording, all captures
+        self.capture_after = max(1, capture_after)
+        self._seen: dict[tuple[int, int], int] = {}  # steps asked per bucket not yet recorded
         self._epoch = plan_watch.epoch()
         self._addresses = self._tensor_addresses()
 
@@ -194,6 +214,9 @@ class DecodeGraphs:
         self._drop_if_moved()
         graph = self.graphs.get(key)
         if graph is None:
+            seen = self._seen[key] = self._seen.get(key, 0) + 1
+            if seen < self.capture_after:
+                return None  # a bucket this step may never see again: eager (see CAPTURE_AFTER)
             graph = self._capture(*key)
             if graph is None:
                 return None
@@ -208,6 +231,7 @@ class DecodeGraphs:
     # ---- capture ---------------------------------------------------------------------
 
     def _capture(self, batch: int, blocks: int) -> _Graph | None:
+        started = time.perf_counter()
         pinned = self.device.type == "cuda"
         size = 5 * batch + batch * blocks
         staging = torch.empty(size, dtype=torch.int64, pin_memory=pinned)
@@ -242,6 +266,10 @@ class DecodeGraphs:
                         batch, blocks, self.disabled)
             return None
         self.captures += 1
+        seconds = time.perf_counter() - started
+        self.capture_seconds += seconds
+        log.info("recorded the decode step for %d sequences x %d blocks in %.0f ms (%d graphs, %.1f s in all)",
+                 batch, blocks, seconds * 1e3, len(self.graphs) + 1, self.capture_seconds)
         graph = self.graphs[(batch, blocks)] = _Graph(batch, blocks, staging, inputs, replay, hidden)
         return graph
 

@@ -395,7 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
     g.add_argument("--context-len", type=int, default=128, help="prompt tokens per sequence before decoding")
     g.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
-    g.add_argument("--warmup-steps", type=int, default=3)
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="untimed decode steps first (default 3; with --cuda-graphs, enough for the batch's "
+                        "graph to be recorded: moe.cuda_graphs.CAPTURE_AFTER + 1)")
     g.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth measurement")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
@@ -410,6 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.warmup_steps is None:
+        from moe.cuda_graphs import CAPTURE_AFTER
+
+        args.warmup_steps = CAPTURE_AFTER + 1 if getattr(args, "cuda_graphs", None) else 3
     for name in ("context_len", "steps", "copy_mib"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -73,14 +73,14 @@ TAIL=70 step moe-layer 200 $PY -m launch bench moe-layer --device "$DEV" --dtype
 
 # shellcheck disable=SC2086
 TAIL=10 step decode 120 $PY -m launch bench decode --model "$CKPT" --batch-sizes $BATCHES --context-len 128 \
-    --steps 20 --warmup-steps 3 --memory 16GiB --json "$OUT/decode.json"
+    --steps 20 --memory 16GiB --cuda-graphs --json "$OUT/decode.json"
 # the same op by op, without CUDA graphs (the A/B of the step above)
 # shellcheck disable=SC2086
 TAIL=10 step decode-eager 120 $PY -m launch bench decode --model "$CKPT" --batch-sizes $BATCHES --context-len 128 \
-    --steps 20 --warmup-steps 3 --memory 16GiB --enforce-eager --json "$OUT/decode_eager.json"
+    --steps 20 --warmup-steps 3 --memory 16GiB --json "$OUT/decode_eager.json"
 
 TAIL=80 step profile 150 $PY tests/gpu/profile_decode.py --model "$CKPT" --batch-size 32 --steps 10 --context-len 128 \
-    --memory 16GiB --top 25
+    --memory 16GiB --top 25 --cuda-graphs
 
 TAIL=12 step prefill-ab 150 $PY tests/gpu/prefill_groups_ab.py --model "$CKPT" --num-prompts $AB_PROMPTS \
     --rounds $AB_ROUNDS
@@ -111,6 +111,6 @@ serve_run() {  # serve_run NAME [server flags...]: a server, `bench serve` again
     rm -f "$OUT/serve.log"
 }
 
-serve_run serve
-serve_run serve-eager --enforce-eager
+serve_run serve --cuda-graphs
+serve_run serve-eager
 say "=== done"

@@ -35,8 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         engine.executor = recorder
         mc = engine.model_config
         vocab = [t for t in range(mc.vocab_size) if t not in mc.eos_token_ids]
-        # prefill and a few decode steps untimed (run_batch aborts its requests at the end)
-        run_batch(engine, recorder, args.batch_size, args.context_len, 3, 2, vocab=vocab, seed=0)
+        # prefill and a few decode steps untimed (run_batch aborts its requests at the end); with
+        # --cuda-graphs enough for the batch's graph to be recorded before the profiled steps
+        from moe.cuda_graphs import CAPTURE_AFTER
+
+        run_batch(engine, recorder, args.batch_size, args.context_len, 3, CAPTURE_AFTER, vocab=vocab, seed=0)
         params_steps = args.steps
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=activities) as prof:

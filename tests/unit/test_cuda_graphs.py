@@ -90,11 +90,8 @@ class _Run:
         pos = [c - 1 for c in ctx]
         tables = [self.tables[b][: -(-c // BLOCK)] for b, c in zip(active, ctx)]
         with torch.inference_mode():
-            if self.graphs is not None:
-                logits = self.graphs.run(ids, pos, ctx, tables)
-                assert logits is not None
-                logits = logits.clone()
-            else:
+            logits = self.graphs.run(ids, pos, ctx, tables) if self.graphs is not None else None
+            if logits is None:  # not a graph step: eager
                 device = self.cache.pools[0].device
                 meta = AttentionMetadata.build([1] * len(active), ctx, tables, BLOCK, device=device)
                 hidden = self.model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta,
@@ -114,7 +111,7 @@ def test_graph_steps_equal_eager_steps(hf_checkpoints: dict[str, Path], family: 
     eager = _Run(model, prompts, blocks_per_seq=8)
     graphed = _Run(copy.deepcopy(model), prompts, blocks_per_seq=8)
     graphed.graphs = DecodeGraphs(graphed.model, graphed.cache, scratch_block=graphed.scratch, max_batch=8,
-                                  max_blocks=8, backend=EagerBackend())
+                                  max_blocks=8, backend=EagerBackend(), capture_after=1)
     for run in (eager, graphed):
         for layer in run.model.moe_layers():
             layer.slot_load.zero_()
@@ -140,7 +137,7 @@ def test_graph_steps_in_bfloat16_pick_the_eager_tokens(hf_checkpoints: dict[str,
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     eager, graphed = _Run(model, prompts, 4), _Run(copy.deepcopy(model), prompts, 4)
     graphed.graphs = DecodeGraphs(graphed.model, graphed.cache, scratch_block=graphed.scratch, max_batch=4,
-                                  max_blocks=4, backend=EagerBackend())
+                                  max_blocks=4, backend=EagerBackend(), capture_after=1)
     for _ in range(5):
         a, b = eager.decode([0, 1]), graphed.decode([0, 1])
         assert b.dtype == torch.float32
@@ -159,7 +156,7 @@ def test_steps_a_graph_does_not_serve(hf_checkpoints: dict[str, Path]) -> None:
     model = _model(hf_checkpoints["mixtral"], torch.float32)
     run = _Run(model, [[5, 6, 7]], 2)
     graphs = DecodeGraphs(model, run.cache, scratch_block=run.scratch, max_batch=2, max_blocks=2,
-                          backend=EagerBackend())
+                          backend=EagerBackend(), capture_after=1)
     assert graphs.bucket([3, 4, 5]) is None  # more sequences than the largest bucket
     assert graphs.bucket([9]) is None  # longer than max_blocks blocks
     assert graphs.bucket([]) is None
@@ -172,7 +169,7 @@ def test_graphs_are_dropped_when_the_model_tensors_move(hf_checkpoints: dict[str
     model = _model(hf_checkpoints["deepseek_v3"], torch.float32)
     run = _Run(model, [[5, 6, 7], [8, 9]], 4)
     run.graphs = DecodeGraphs(model, run.cache, scratch_block=run.scratch, max_batch=2, max_blocks=4,
-                              backend=EagerBackend())
+                              backend=EagerBackend(), capture_after=1)
     run.decode([0, 1])
     run.decode([0, 1])
     assert run.graphs.captures == 1
@@ -185,6 +182,23 @@ def test_graphs_are_dropped_when_the_model_tensors_move(hf_checkpoints: dict[str
     assert run.graphs.captures == 2
 
 
+def test_a_bucket_is_recorded_on_its_eighth_step(hf_checkpoints: dict[str, Path]) -> None:
+    """Steps of a bucket run eagerly (the same values) until the bucket has been asked for
+    ``CAPTURE_AFTER`` times: a batch size seen for a step or two costs no recording."""
+    model = _model(hf_checkpoints["mixtral"], torch.float32)
+    run = _Run(model, [[5, 6, 7], [8, 9]], 4)
+    twin = _Run(copy.deepcopy(model), [[5, 6, 7], [8, 9]], 4)
+    run.graphs = DecodeGraphs(model, run.cache, scratch_block=run.scratch, max_batch=2, max_blocks=4,
+                              backend=EagerBackend())
+    assert run.graphs.capture_after == cuda_graphs.CAPTURE_AFTER == 8
+    for step in range(10):
+        torch.testing.assert_close(run.decode([0, 1]), twin.decode([0, 1]), rtol=1e-5, atol=1e-5)
+        assert run.graphs.captures == (1 if step >= 7 else 0), step
+    run.decode([0])  # another bucket: its first step, eager
+    assert run.graphs.captures == 1 and sorted(run.graphs.graphs) == [(2, 4)]
+    assert run.graphs.capture_seconds > 0
+
+
 class _Refusing(EagerBackend):
     def capture(self, fn):  # type: ignore[no-untyped-def]
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
@@ -195,7 +209,7 @@ def test_a_refused_capture_falls_back_to_eager_for_good(hf_checkpoints: dict[str
     model = _model(hf_checkpoints["qwen3_moe"], torch.float32)
     run = _Run(model, [[5, 6, 7]], 2)
     graphs = DecodeGraphs(model, run.cache, scratch_block=run.scratch, max_batch=2, max_blocks=2,
-                          backend=_Refusing())
+                          backend=_Refusing(), capture_after=1)
     with torch.inference_mode():
         assert graphs.run([3], [3], [4], [[1]]) is None
     assert graphs.disabled == "RuntimeError: operation not permitted when stream is capturing"

@@ -220,14 +220,16 @@ def test_flags_override_set_which_overrides_file_which_overrides_defaults():
 
 
 def test_cuda_graph_flags():
-    assert _args(["--model", "ck"]).engine.cudagraph_max_batch == 256  # min(max_num_seqs 256, 256)
-    assert _args(["--model", "ck", "--max-num-seqs", "12"]).engine.cudagraph_max_batch == 12
-    cfg = _args(["--model", "ck", "--max-cudagraph-capture-size", "64"])
+    assert _args(["--model", "ck"]).engine.cudagraph_max_batch == 0  # off by default
+    on = ["--model", "ck", "--cuda-graphs"]
+    assert _args(on).engine.cudagraph_max_batch == 256  # min(max_num_seqs 256, 256)
+    assert _args(on + ["--max-num-seqs", "12"]).engine.cudagraph_max_batch == 12
+    cfg = _args(on + ["--max-cudagraph-capture-size", "64"])
     assert cfg.engine.max_cudagraph_capture_size == 64 and cfg.engine.cudagraph_max_batch == 64
-    assert _args(["--model", "ck", "--max-cudagraph-capture-size", "512", "--max-num-seqs", "300"]
-                 ).engine.cudagraph_max_batch == 300
-    cfg = _args(["--model", "ck", "--enforce-eager"])
+    assert _args(on + ["--max-cudagraph-capture-size", "512", "--max-num-seqs", "300"]).engine.cudagraph_max_batch == 300
+    cfg = _args(on + ["--enforce-eager"])  # vLLM's flag wins
     assert cfg.engine.enforce_eager is True and cfg.engine.cudagraph_max_batch == 0
+    assert _args(on + ["--no-cuda-graphs"]).engine.cudagraph_max_batch == 0
 
 
 def test_eplb_config_json_is_strict_and_flags_win():
