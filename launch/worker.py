@@ -393,17 +393,18 @@ class Worker:
         (None when no row samples: a mid-prompt prefill chunk)."""
         meta = AttentionMetadata.build(batch.query_lens, batch.context_lens, batch.block_tables,
                                        self.spec.block_size, device=self.device)
-        ids, pos = copy_to_device([torch.tensor(batch.input_ids, dtype=torch.int64),
-                                   torch.tensor(batch.positions, dtype=torch.int64)], self.device)
+        pick = bool(rows) and len(rows) != len(batch.input_ids)  # some rows sample, not all (prefill chunks)
+        # ids, positions and the sampling rows' index [R] (when picked) in one copy
+        on_host = [torch.tensor(batch.input_ids, dtype=torch.int64), torch.tensor(batch.positions, dtype=torch.int64)]
+        ids, pos, *picked = copy_to_device(on_host + ([torch.tensor(rows, dtype=torch.int64)] if pick else []),
+                                           self.device)
         # one token: every weight GEMM has one row, where the native GEMV streams the weights
         # faster than oneDNN (B=1 decode step on the small checkpoint: 33 -> 28 ms)
         with native_gemv(self.one_row_gemv and len(batch.input_ids) == 1):
             hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
-            if len(rows) == hidden.shape[0]:
-                last = hidden
-            else:  # the rows that sample (each prefill's last), their index sent without a wait
-                last = hidden.index_select(0, copy_to_device([torch.tensor(rows, dtype=torch.int64)], self.device)[0])
-            return self.model.compute_logits(last) if rows else None
+            if not rows:
+                return None
+            return self.model.compute_logits(hidden.index_select(0, picked[0]) if pick else hidden)
 
     def _run_collectives_only(self) -> None:
         # An idle DP rank: no attention, but each MoE layer's dispatch is a collective over
