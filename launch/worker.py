@@ -272,18 +272,33 @@ class Worker:
         return self.ping()
 
     def _cuda_graphs_apply(self) -> bool:
-        """Whether decode steps run on CUDA graphs here: a CUDA device, graphs allowed, one rank (no
-        collective inside the forward), dropless (no capacity step reads counts back), full attention,
-        unquantized experts (int8 ones run on a dequantized copy that is remade when they change)."""
-        spec = self.spec
-        if not (self.device.type == "cuda" and spec.cudagraph_max_batch > 0 and spec.world_size == 1
-                and self.layout.ep_size == 1 and not spec.capacity.enabled and self.config.sliding_window is None
-                and spec.quantization is None):
+        """Whether decode steps run on CUDA graphs here: graphs asked for, and none of
+        ``_graphs_refused``'s reasons (logged once when graphs were asked for but cannot run)."""
+        if self.spec.cudagraph_max_batch <= 0:
             return False
-        why = not_capturable(self.model)
+        why = self._graphs_refused() or not_capturable(self.model)
         if why is not None:
             log.info("decoding without CUDA graphs: %s", why)
         return why is None
+
+    def _graphs_refused(self) -> str | None:
+        """Why this rank's decode steps cannot be recorded, or None: they need a CUDA device, one
+        rank (no collective inside the forward), dropless experts (no capacity step reads counts
+        back), full attention, unquantized experts (int8 ones run on a dequantized copy that is
+        remade when they change)."""
+        spec = self.spec
+        if self.device.type != "cuda":
+            return f"the model runs on {self.device.type}, not on a CUDA device"
+        if spec.world_size > 1 or self.layout.ep_size > 1:
+            return (f"{spec.world_size} ranks (tp {spec.tp}, dp {spec.dp}, ep {self.layout.ep_size}): "
+                    "the forward holds collectives")
+        if spec.capacity.enabled:
+            return "capacity-factor enforcement reads the expert counts back in every step"
+        if self.config.sliding_window is not None:
+            return "sliding-window attention"
+        if spec.quantization is not None:
+            return f"{spec.quantization} experts"
+        return None
 
     def _track_collectives(self) -> None:
         """Label each layer's collective before it is entered, so a failure can name it."""

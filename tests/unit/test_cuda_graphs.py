@@ -215,3 +215,42 @@ def test_a_refused_capture_falls_back_to_eager_for_good(hf_checkpoints: dict[str
     assert graphs.disabled == "RuntimeError: operation not permitted when stream is capturing"
     assert "decoding without graphs" in caplog.text
     assert graphs.bucket([4]) is None and not graphs.graphs
+
+
+def test_a_worker_says_why_it_decodes_without_graphs(tiny_ckpt: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Graphs asked for where they cannot run: the worker decodes eagerly and logs the reason once;
+    each refusal names its cause, and a single CUDA rank with dropless bf16 experts has none."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from launch.worker import Worker, WorkerSpec
+    from moe.capacity import CapacityConfig
+
+    worker = Worker(WorkerSpec(str(tiny_ckpt), dtype="float32", num_kv_blocks=16, cudagraph_max_batch=8), 0)
+    with caplog.at_level("INFO", logger="launch.worker"):
+        worker.setup()
+    try:
+        assert worker.decode_graphs is None and worker.kv_cache.num_blocks == 16
+        assert caplog.text.count("decoding without CUDA graphs: the model runs on cpu") == 1
+    finally:
+        worker.shutdown()
+    caplog.clear()
+    quiet = Worker(WorkerSpec(str(tiny_ckpt), dtype="float32", num_kv_blocks=16), 0)  # not asked for: no line
+    with caplog.at_level("INFO", logger="launch.worker"):
+        quiet.setup()
+    quiet.shutdown()
+    assert "CUDA graphs" not in caplog.text
+
+    base = WorkerSpec(str(tiny_ckpt), cudagraph_max_batch=8)
+
+    def refused(spec: WorkerSpec = base, ep: int = 1, window: int | None = None) -> str | None:
+        fake = SimpleNamespace(spec=spec, device=torch.device("cuda"), layout=SimpleNamespace(ep_size=ep),
+                               config=SimpleNamespace(sliding_window=window))
+        return Worker._graphs_refused(fake)  # type: ignore[arg-type]
+
+    assert refused() is None
+    assert "2 ranks (tp 2, dp 1, ep 1)" in refused(dataclasses.replace(base, tp=2))
+    assert "ep 2" in refused(ep=2)
+    assert "capacity-factor" in refused(dataclasses.replace(base, capacity=CapacityConfig(capacity_factor=1.25)))
+    assert refused(window=4096) == "sliding-window attention"
+    assert refused(dataclasses.replace(base, quantization="int8")) == "int8 experts"
