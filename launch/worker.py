@@ -282,16 +282,16 @@ class Worker:
         return why is None
 
     def _graphs_refused(self) -> str | None:
-        """Why this rank's decode steps cannot be recorded, or None: they need a CUDA device, one
-        rank (no collective inside the forward), dropless experts (no capacity step reads counts
+        """Why this rank's decode steps cannot be recorded, or None: they need a CUDA device, a
+        single rank (no collective inside a recorded forward), dropless experts (no capacity step reads counts
         back), full attention, unquantized experts (int8 ones run on a dequantized copy that is
         remade when they change)."""
         spec = self.spec
         if self.device.type != "cuda":
             return f"the model runs on {self.device.type}, not on a CUDA device"
         if spec.world_size > 1 or self.layout.ep_size > 1:
-            return (f"{spec.world_size} ranks (tp {spec.tp}, dp {spec.dp}, ep {self.layout.ep_size}): "
-                    "the forward holds collectives")
+            return (f"{spec.world_size} ranks (tp {spec.tp}, dp {spec.dp}, ep {self.layout.ep_size}): graphs run on "
+                    "a single rank")
         if spec.capacity.enabled:
             return "capacity-factor enforcement reads the expert counts back in every step"
         if self.config.sliding_window is not None:
