@@ -104,16 +104,20 @@ def library_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, 
     return fn
 
 
-def count_ids(ids: torch.Tensor, n: int, *, sync_free: bool | None = None) -> torch.Tensor:
+def count_ids(ids: torch.Tensor, n: int, *, weights: torch.Tensor | None = None,
+              sync_free: bool | None = None) -> torch.Tensor:
     """How often each value of ``ids`` [M] int64 (all in [0, n)) occurs: [n] int64, as
-    ``torch.bincount(ids, minlength=n)``. CUDA's bincount reads ids' min and max back to the host (two
-    waits on the stream per call); ``sync_free`` (the default off the CPU) counts with an
-    ``index_add_`` into n zeros instead, which never waits. Integer adds: the same counts either way."""
+    ``torch.bincount(ids, minlength=n)``; with ``weights`` [M] int64, each occurrence counts its
+    weight (0 leaves it out). CUDA's bincount reads ids' min and max back to the host (two waits on the
+    stream per call); ``sync_free`` (the default off the CPU) counts with an ``index_add_`` into n zeros
+    instead, which never waits, and so do weighted counts (bincount's would be float64). Integer adds:
+    the same counts either way."""
     if sync_free is None:
         sync_free = ids.device.type != "cpu"
-    if not sync_free:
+    if weights is None and not sync_free:
         return torch.bincount(ids, minlength=n)
-    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+    ones = torch.ones_like(ids) if weights is None else weights
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, ones)
 
 
 def group_ends(sorted_keys: torch.Tensor, n: int) -> torch.Tensor:

@@ -154,10 +154,8 @@ class MoELayer(WatchedModule):
         if slot_ids.numel():  # in place, not `self.slot_load += ...`: that re-assigns the buffer through
             # nn.Module.__setattr__ (15 us of CPU per call measured) and announces a placement change
             load, rows = self._buffers["slot_load"], self.count_rows
-            if rows is None:
-                load.add_(count_ids(slot_ids.reshape(-1), load.shape[0]))  # no host read on CUDA
-            else:
-                load.index_add_(0, slot_ids.reshape(-1), rows[:, None].expand(slot_ids.shape).reshape(-1))
+            counted = None if rows is None else rows[:, None].expand(slot_ids.shape).reshape(-1)  # padding: 0
+            load.add_(count_ids(slot_ids.reshape(-1), load.shape[0], weights=counted))  # no host read on CUDA
         if self.capacity is not None:
             slot_ids, weights = self._apply_capacity(slot_ids, weights, topk_ids, scores)
         out = self.dispatcher.dispatch_combine(x, slot_ids, weights, self.experts, self.layer_id)  # [T, D] f32

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe.experts import Experts, compute_local_routing, grouped_expert_forward
+from moe.experts import Experts, compute_local_routing, count_ids, grouped_expert_forward
 
 
 def _naive(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -157,3 +157,15 @@ def test_grouped_gemm_forward_equals_the_loop_with_dropped_rows(monkeypatch) -> 
     assert torch.equal(e(x, ids, w), out)
     all_dropped = e(x, torch.full((50, 3), -1), w)
     assert torch.equal(all_dropped, torch.zeros(50, 32))
+
+
+def test_count_ids_counts_as_bincount_does() -> None:
+    """Both ways of counting give bincount's counts; weighted occurrences count their weight (the
+    padded rows of a recorded decode step weigh 0)."""
+    ids = torch.tensor([3, 0, 3, 5, 3, 0], dtype=torch.int64)
+    expected = torch.bincount(ids, minlength=7)
+    for sync_free in (False, True):
+        counts = count_ids(ids, 7, sync_free=sync_free)
+        assert counts.dtype == torch.int64 and counts.tolist() == expected.tolist()
+        weighted = count_ids(ids, 7, weights=torch.tensor([1, 1, 0, 1, 2, 0]), sync_free=sync_free)
+        assert weighted.dtype == torch.int64 and weighted.tolist() == [1, 0, 0, 3, 0, 1, 0]
