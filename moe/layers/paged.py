@@ -202,7 +202,7 @@ def _prefill_group(q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, 
     gc = [meta.context_lens_list[b] for b in members]
     qmax, cmax = max(gq), max(gc)
     first = min(_first_block(c - n, sliding_window, size) for n, c in zip(gq, gc))
-    index = _group_index(meta, members, qmax, q.device)
+    index = _group_index(meta, members, gq, gc, q.device)
     tables = meta.block_tables[index.members]
     cache = view.gather(tables[:, first : -(-cmax // size)])[:, : cmax - first * size]  # [n, L, ...]
     qlen, ctx, start = index.lens[0][:, None], index.lens[1][:, None], index.lens[2][:, None]
@@ -223,16 +223,17 @@ class _GroupIndex:
     """A prefill group's index tensors on the device, made once per step (every layer reuses them).
     members [n] int64 (batch indices); lens [3, n] int64 (query lens, context lens, first rows);
     src [R] int64: the flat positions of the group's R real rows in its padded [n * qmax] grid, in
-    order; dst [R] int64: their rows of the step."""
+    order; dst [R] int64: their rows of the step. query_lens, context_lens: the members' (n each)."""
 
-    def __init__(self, meta: AttentionMetadata, members: list[int], qmax: int, device: torch.device) -> None:
-        gq = np.array([meta.query_lens_list[b] for b in members], dtype=np.int64)
-        gc = [meta.context_lens_list[b] for b in members]
+    def __init__(self, meta: AttentionMetadata, members: list[int], query_lens: list[int], context_lens: list[int],
+                 device: torch.device) -> None:
+        gq, gc = np.array(query_lens, dtype=np.int64), np.array(context_lens, dtype=np.int64)
+        qmax = int(gq.max())
         starts = np.array([meta.query_start_loc_list[b] for b in members], dtype=np.int64)
         within = np.arange(int(gq.sum()), dtype=np.int64) - np.repeat(np.cumsum(gq) - gq, gq)
         src = np.repeat(np.arange(len(members), dtype=np.int64) * qmax, gq) + within
         dst = np.repeat(starts, gq) + within
-        on_host = [torch.tensor(members, dtype=torch.int64), torch.tensor(np.stack([gq, np.array(gc), starts])),
+        on_host = [torch.tensor(members, dtype=torch.int64), torch.tensor(np.stack([gq, gc, starts])),
                    torch.from_numpy(src), torch.from_numpy(dst)]
         self.members, self.lens, self.src, self.dst = copy_to_device(on_host, device)  # one copy
 
@@ -252,13 +253,15 @@ def _kept_for(meta: AttentionMetadata) -> dict:
     return kept
 
 
-def _group_index(meta: AttentionMetadata, members: list[int], qmax: int, device: torch.device) -> _GroupIndex:
-    """``_GroupIndex`` of ``members`` in this step, made by the first layer that asks."""
+def _group_index(meta: AttentionMetadata, members: list[int], query_lens: list[int], context_lens: list[int],
+                 device: torch.device) -> _GroupIndex:
+    """``_GroupIndex`` of ``members`` (their query and context lengths given) in this step, made by the
+    first layer that asks."""
     kept = _kept_for(meta)
     key = tuple(members)
     index = kept.get(key)
     if index is None or index.members.device != device:
-        index = kept[key] = _GroupIndex(meta, members, qmax, device)
+        index = kept[key] = _GroupIndex(meta, members, query_lens, context_lens, device)
     return index
 
 

@@ -66,9 +66,9 @@ def test_grouped_prefill_equals_one_call_per_sequence(monkeypatch, window: int |
     made: list[tuple[int, ...]] = []
     make = paged._GroupIndex.__init__
 
-    def spy(self, meta, members, qmax, device) -> None:  # type: ignore[no-untyped-def]
+    def spy(self, meta, members, *rest) -> None:  # type: ignore[no-untyped-def]
         made.append(tuple(members))
-        make(self, meta, members, qmax, device)
+        make(self, meta, members, *rest)
 
     monkeypatch.setattr(paged._GroupIndex, "__init__", spy)
     grouped = paged_attention(q, meta, view, hd, attend, attend, sliding_window=window)
