@@ -1,12 +1,20 @@
 """``python -m launch bench moe-layer``: one MoE layer, the same weights through five implementations,
 and the same FLOPs as plain dense GEMMs.
 
-    python -m launch bench moe-layer [--shapes deepseek mixtral] [--tokens 1 32 512 4096]
+    python -m launch bench moe-layer [--shapes deepseek mixtral] [--model NAME_OR_DIR ...]
+        [--tokens 1 32 512 4096]
         [--impls ours ours-pytorch transformers transformers-grouped-mm deepspeed dense-gemm]
         [--dtype bfloat16] [--num-threads 1] [--min-seconds 1.0] [--device cpu|cuda] [--json FILE]
 
 Shapes: ``deepseek`` (D 1024, E 64, top-6, I 256, one shared expert, sigmoid scores with the
-correction bias) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Implementations:
+correction bias, one expert group) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Either
+takes other sizes after a colon, ``deepseek:hidden=2048,experts=128,top_k=8,inter=512,shared=1,groups=8,
+topk_group=4`` or ``mixtral:experts=16,inter=1024`` (keys left out keep the family's value; the label
+in the table is the spec as given). ``--model`` takes one layer's shape from a DeepSeek-V3 or Mixtral
+checkpoint's config.json (a directory, the file, or a shipped name such as deepseek-ai/DeepSeek-V3):
+its sizes, expert groups, routed scaling and top-k normalisation, random weights. A shape whose
+weights would not fit the memory available (the layer is held by several implementations at once)
+is refused before anything is built. Implementations:
 
 - ``ours``: ``moe.moe_layer.MoELayer`` with the fused CPU expert kernel (``moe.kernels``);
 - ``ours-pytorch``: the same layer on its PyTorch expert path (the kernel switched off);
@@ -72,8 +80,8 @@ from torch import nn
 from parallel.costmodel.microbench import best_call_seconds
 
 SHAPES = {
-    "deepseek": dict(hidden=1024, experts=64, top_k=6, inter=256, shared=1),
-    "mixtral": dict(hidden=1024, experts=8, top_k=2, inter=2048, shared=0),
+    "deepseek": dict(hidden=1024, experts=64, top_k=6, inter=256, shared=1, groups=1, topk_group=1),
+    "mixtral": dict(hidden=1024, experts=8, top_k=2, inter=2048),
 }
 IMPLS = ("ours", "ours-pytorch", "transformers", "transformers-grouped-mm", "deepspeed", "dense-gemm")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -100,32 +108,140 @@ class Cell:
         return self.cpu_ms if self.gpu_ms is None else self.gpu_ms
 
 
-def hf_config(shape: str) -> Any:
+class ShapeError(ValueError):
+    """A shape spec or model that ``bench moe-layer`` cannot run (its message is the one-line error)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One MoE layer's shape: the family whose transformers block it is compared with (``deepseek``:
+    ``DeepseekV3MoE``, ``mixtral``: ``MixtralSparseMoeBlock``) and its sizes. ``label`` names it in
+    the table, the speedup lines and the JSON."""
+
+    label: str
+    family: str
+    hidden: int
+    experts: int
+    top_k: int
+    inter: int
+    shared: int = 0
+    groups: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    norm_topk_prob: bool = True
+
+    def describe(self) -> str:
+        """One line of sizes, e.g. ``deepseek: D 1024, E 64, top-6, I 256, 1 shared, 1 group``."""
+        extra = ""
+        if self.family == "deepseek":
+            extra = (f", {self.shared} shared, {self.groups} group{'s' if self.groups > 1 else ''}"
+                     + (f" (top-{self.topk_group})" if self.groups > 1 else ""))
+        return f"{self.label}: D {self.hidden}, E {self.experts}, top-{self.top_k}, I {self.inter}{extra}"
+
+    def parameters(self) -> int:
+        """Weights of one layer: routed and shared experts and the router."""
+        return 3 * self.hidden * self.inter * (self.experts + self.shared) + self.experts * self.hidden
+
+
+def parse_shape(spec: str) -> Shape:
+    """``deepseek`` / ``mixtral``, optionally with sizes: ``deepseek:experts=128,top_k=8``. Raises
+    ShapeError naming what is wrong."""
+    family, colon, rest = spec.partition(":")
+    if family not in SHAPES:
+        raise ShapeError(f"--shapes {spec!r}: unknown family {family!r}: give deepseek or mixtral, optionally "
+                         "with sizes (deepseek:experts=128,top_k=8)")
+    sizes = dict(SHAPES[family])
+    for item in rest.split(",") if colon else ():
+        key, eq, value = item.strip().partition("=")
+        if key not in sizes or not eq:
+            raise ShapeError(f"--shapes {spec!r}: {item.strip()!r} is not KEY=N with KEY one of {', '.join(sizes)}")
+        try:
+            sizes[key] = int(value)
+        except ValueError:
+            raise ShapeError(f"--shapes {spec!r}: {key}={value!r} is not an integer") from None
+    return _checked(Shape(spec, family, **sizes), f"--shapes {spec!r}")
+
+
+def shape_from_model(name: str) -> Shape:
+    """One MoE layer's shape from a DeepSeek-V3 or Mixtral checkpoint's config.json (a directory, the
+    file, or a shipped model name). Raises ShapeError for anything else."""
+    from moe.config import ModelConfig
+
+    try:
+        cfg = ModelConfig.from_hf(name, strict=False)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ShapeError(f"--model {name!r}: {e}") from None
+    families = {"deepseek_v3": "deepseek", "mixtral": "mixtral"}
+    if cfg.architecture not in families:
+        raise ShapeError(f"--model {name!r} is {cfg.architecture}: bench moe-layer compares against DeepSeek-V3's "
+                         "and Mixtral's transformers blocks; give its sizes with --shapes instead "
+                         "(deepseek:hidden=...,experts=... or mixtral:...)")
+    label = Path(name).name if Path(name).exists() else name.rsplit("/", 1)[-1]
+    if label == "config.json":
+        label = Path(name).resolve().parent.name
+    shape = Shape(label, families[cfg.architecture], cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                  cfg.moe_intermediate_size, cfg.num_shared_experts, cfg.n_group, cfg.topk_group,
+                  cfg.routed_scaling_factor, cfg.norm_topk_prob)
+    return _checked(shape, f"--model {name!r}")
+
+
+def _checked(s: Shape, what: str) -> Shape:
+    for key in ("hidden", "experts", "top_k", "inter", "groups", "topk_group"):
+        if getattr(s, key) < 1:
+            raise ShapeError(f"{what}: {key} must be >= 1, got {getattr(s, key)}")
+    if s.shared < 0:
+        raise ShapeError(f"{what}: shared must be >= 0, got {s.shared}")
+    if s.top_k > s.experts:
+        raise ShapeError(f"{what}: top_k {s.top_k} > experts {s.experts}")
+    if s.family == "deepseek":
+        if s.experts % s.groups or s.experts // s.groups < 2:
+            raise ShapeError(f"{what}: experts {s.experts} must split into groups {s.groups} of at least 2 experts")
+        if s.topk_group > s.groups or s.top_k > s.topk_group * (s.experts // s.groups):
+            raise ShapeError(f"{what}: topk_group {s.topk_group} must be <= groups {s.groups} and hold top_k "
+                             f"{s.top_k} experts ({s.experts // s.groups} per group)")
+    return s
+
+
+def as_shape(shape: Shape | str) -> Shape:
+    """``shape`` itself, or the Shape a spec string names (``parse_shape``)."""
+    return shape if isinstance(shape, Shape) else parse_shape(shape)
+
+
+def layer_bytes_needed(shape: Shape, dtype: torch.dtype, impls: Sequence[str]) -> int:
+    """Memory the run holds at once for ``shape``: transformers' block built in float32 and cast, ours,
+    our packed weights, DeepSpeed's copy when it runs."""
+    size = torch.empty((), dtype=dtype).element_size()
+    copies = 2 + ("ours" in impls) + ("deepspeed" in impls)  # transformers' block, ours (+ packed, DeepSpeed)
+    return shape.parameters() * (4 + copies * size)
+
+
+def hf_config(shape: Shape | str) -> Any:
     """The transformers config of one layer of ``shape`` (a DeepseekV3Config or MixtralConfig)."""
-    s = SHAPES[shape]
-    if shape == "deepseek":
+    s = as_shape(shape)
+    if s.family == "deepseek":
         from transformers import DeepseekV3Config
 
-        return DeepseekV3Config(hidden_size=s["hidden"], intermediate_size=4 * s["hidden"],
-                                moe_intermediate_size=s["inter"], n_routed_experts=s["experts"],
-                                num_experts_per_tok=s["top_k"], n_shared_experts=s["shared"], n_group=1,
-                                topk_group=1, num_hidden_layers=1, first_k_dense_replace=0, norm_topk_prob=True,
-                                routed_scaling_factor=1.0, vocab_size=1024, num_attention_heads=8,
-                                num_key_value_heads=8)
+        return DeepseekV3Config(hidden_size=s.hidden, intermediate_size=4 * s.hidden,
+                                moe_intermediate_size=s.inter, n_routed_experts=s.experts,
+                                num_experts_per_tok=s.top_k, n_shared_experts=s.shared, n_group=s.groups,
+                                topk_group=s.topk_group, num_hidden_layers=1, first_k_dense_replace=0,
+                                norm_topk_prob=s.norm_topk_prob, routed_scaling_factor=s.routed_scaling,
+                                vocab_size=1024, num_attention_heads=8, num_key_value_heads=8)
     from transformers import MixtralConfig
 
-    return MixtralConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_local_experts=s["experts"],
-                         num_experts_per_tok=s["top_k"], num_hidden_layers=1, vocab_size=1024,
+    return MixtralConfig(hidden_size=s.hidden, intermediate_size=s.inter, num_local_experts=s.experts,
+                         num_experts_per_tok=s.top_k, num_hidden_layers=1, vocab_size=1024,
                          num_attention_heads=8, num_key_value_heads=8)
 
 
-def build_layers(shape: str, dtype: torch.dtype, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+def build_layers(shape: Shape | str, dtype: torch.dtype, seed: int = 0) -> tuple[nn.Module, nn.Module]:
     """(ours: moe.moe_layer.MoELayer, transformers' block), same random weights, eval mode."""
     from moe.config import ModelConfig
     from moe.moe_layer import MoELayer
 
+    shape = as_shape(shape)
     cfg = hf_config(shape)
-    if shape == "deepseek":
+    if shape.family == "deepseek":
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
     else:
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
@@ -137,7 +253,7 @@ def build_layers(shape: str, dtype: torch.dtype, seed: int = 0) -> tuple[nn.Modu
         if name.endswith("e_score_correction_bias"):
             p.data.copy_(torch.randn(p.shape, generator=gen) * 0.01)
     hf = hf.to(dtype)
-    hf.gate.float() if shape == "deepseek" else None  # DeepSeek's router scores in fp32, like ours
+    hf.gate.float() if shape.family == "deepseek" else None  # DeepSeek's router scores in fp32, like ours
     model_config = ModelConfig.from_hf(cfg.to_dict())
     ours = MoELayer(model_config, model_config.moe_layer_ids[0], dtype=dtype).eval()
     with torch.no_grad():
@@ -408,10 +524,11 @@ def roofline_seconds(ours: nn.Module, x: torch.Tensor, bandwidth: float, peak_fl
     return max(num_bytes / bandwidth, flops / peak_flops)
 
 
-def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: torch.dtype, min_seconds: float,
-              bandwidth: float, peak_flops: float, before: Callable[[], Any] | None = None,
-              device: torch.device | None = None) -> list[Cell]:
+def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], dtype: torch.dtype,
+              min_seconds: float, bandwidth: float, peak_flops: float, before: Callable[[], Any] | None = None,
+              device: torch.device | None = None, label_width: int = 9) -> list[Cell]:
     device = device or torch.device("cpu")
+    shape = as_shape(shape)
     ours, hf = build_layers(shape, dtype)
     ours, hf = ours.to(device), hf.to(device)
     fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -452,16 +569,16 @@ def run_shape(shape: str, tokens: Sequence[int], impls: Sequence[str], dtype: to
                 diff = None
                 if (impl.startswith("transformers") or impl == "ours-pytorch") and reference is not None:
                     diff = float((fns[impl](x).float() - reference).abs().max())
-                cells.append(Cell(shape, t, impl, cpu * 1e3, wall * 1e3, t / judged, bound * 1e3, bound / judged, diff,
+                cells.append(Cell(shape.label, t, impl, cpu * 1e3, wall * 1e3, t / judged, bound * 1e3, bound / judged, diff,
                                   None if gpu is None else gpu * 1e3))
-                print(_row(cells[-1]), flush=True)
+                print(_row(cells[-1], label_width), flush=True)
     return cells
 
 
-def _row(c: Cell) -> str:
+def _row(c: Cell, label_width: int = 9) -> str:
     diff = "" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
     gpu = "" if c.gpu_ms is None else f" {c.gpu_ms:>10.3f}"
-    return (f"{c.shape:>9} {c.tokens:>6} {c.impl:>23}{gpu} {c.cpu_ms:>10.2f} {c.wall_ms:>10.2f} {c.tokens_per_s:>11.0f} "
+    return (f"{c.shape:>{label_width}} {c.tokens:>6} {c.impl:>23}{gpu} {c.cpu_ms:>10.2f} {c.wall_ms:>10.2f} {c.tokens_per_s:>11.0f} "
             f"{c.roofline_ms:>11.3f} {c.roofline:>9.2f} {diff:>10}")
 
 
@@ -481,7 +598,13 @@ def speedups(cells: Sequence[Cell]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m launch bench moe-layer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
+                        help="deepseek, mixtral, or either with sizes: deepseek:experts=128,top_k=8 "
+                             "(keys hidden experts top_k inter shared groups topk_group; default: both "
+                             "families unless --model is given)")
+    parser.add_argument("--model", nargs="+", default=[], metavar="NAME_OR_DIR",
+                        help="also run one MoE layer of these DeepSeek-V3 / Mixtral checkpoints' shapes "
+                             "(config.json only; random weights)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512, 4096])
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
@@ -501,8 +624,29 @@ def main(argv: list[str] | None = None) -> int:
     if any(t < 1 for t in args.tokens) or args.num_threads < 1 or args.min_seconds < 0:
         print("error: --tokens and --num-threads must be >= 1, --min-seconds >= 0", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.num_threads)
     dtype = DTYPES[args.dtype]
+    try:
+        shapes = [parse_shape(spec) for spec in (args.shapes or ([] if args.model else list(SHAPES)))]
+        shapes += [shape_from_model(name) for name in args.model]
+    except ShapeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    labels = [s.label for s in shapes]
+    if len(set(labels)) < len(labels):
+        print(f"error: a shape is given twice: {', '.join(labels)}", file=sys.stderr)
+        return 2
+    from moe.kv_cache import available_memory_bytes
+
+    available = available_memory_bytes() if args.device == "cpu" else None
+    for s in shapes:
+        need = layer_bytes_needed(s, dtype, args.impls)
+        if available is not None and need > available:
+            print(f"error: {s.label}: one layer of these sizes ({s.parameters() / 1e6:.0f} M weights) needs about "
+                  f"{need / 2**30:.1f} GiB here (built in float32, then held by each implementation), more than "
+                  f"the {available / 2**30:.1f} GiB available: give smaller sizes ({s.family}:experts=...,hidden=...,inter=...)",
+                  file=sys.stderr)
+            return 2
+    torch.set_num_threads(args.num_threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is available here", file=sys.stderr)
@@ -538,12 +682,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{'kept' if kept else 'returned'}; "
           + (f"{evict.buffer.nbytes / 1024**2:.0f} MiB read before each timed call (cold weights)" if evict
              else "weights kept cached between calls (--warm-cache)"))
+    for s in shapes:
+        print(f"# {s.describe()}")
+    width = max(9, *(len(s.label) for s in shapes))
     gpu_col = f" {'gpu ms':>10}" if device.type == "cuda" else ""
-    print(f"{'shape':>9} {'T':>6} {'impl':>23}{gpu_col} {'cpu ms':>10} {'wall ms':>10} {'tok/s':>11} {'roofline ms':>11} "
+    print(f"{'shape':>{width}} {'T':>6} {'impl':>23}{gpu_col} {'cpu ms':>10} {'wall ms':>10} {'tok/s':>11} {'roofline ms':>11} "
           f"{'roofline':>9} {'max|diff|':>10}")
-    cells = [c for shape in args.shapes
+    cells = [c for shape in shapes
              for c in run_shape(shape, args.tokens, args.impls, dtype, args.min_seconds, bandwidth, peak, evict,
-                                device)]
+                                device, width)]
     print("\n".join(speedups(cells)))
     if args.json:
         Path(args.json).write_text(json.dumps({
@@ -551,5 +698,6 @@ def main(argv: list[str] | None = None) -> int:
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "num_threads": args.num_threads, "isa": isa, "bf16_dot_rate": dot_rate,
             "cold_weights": evict is not None, "read_bandwidth_bytes_per_s": bandwidth,
-            "peak_flops_per_s": peak, "cells": [asdict(c) for c in cells]}, indent=2) + "\n")
+            "peak_flops_per_s": peak, "shapes": [asdict(s) for s in shapes],
+            "cells": [asdict(c) for c in cells]}, indent=2) + "\n")
     return 0

@@ -132,3 +132,88 @@ def test_deepspeed_cell_without_deepspeed_is_a_one_line_error(monkeypatch, capsy
     assert moe_layer.main(["--impls", "ours", "deepspeed", "--shapes", "mixtral", "--tokens", "1"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: --impls deepspeed: DeepSpeed is not installed here")
+
+
+def test_shape_specs_take_the_familys_sizes_and_override_the_ones_given() -> None:
+    plain = moe_layer.parse_shape("deepseek")
+    assert (plain.hidden, plain.experts, plain.top_k, plain.inter, plain.shared, plain.groups) == (1024, 64, 6, 256, 1, 1)
+    s = moe_layer.parse_shape("deepseek:experts=128,top_k=8,groups=8,topk_group=4")
+    assert (s.label, s.family, s.hidden, s.experts, s.top_k, s.inter, s.groups, s.topk_group) == (
+        "deepseek:experts=128,top_k=8,groups=8,topk_group=4", "deepseek", 1024, 128, 8, 256, 8, 4)
+    assert s.describe().endswith("D 1024, E 128, top-8, I 256, 1 shared, 8 groups (top-4)")
+    m = moe_layer.parse_shape("mixtral:inter=512")
+    assert (m.experts, m.top_k, m.inter, m.shared) == (8, 2, 512, 0)
+    assert m.parameters() == 3 * 1024 * 512 * 8 + 8 * 1024
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ("qwen", "unknown family 'qwen'"),
+    ("deepseek:experts=x", "experts='x' is not an integer"),
+    ("deepseek:foo=3", "'foo=3' is not KEY=N"),
+    ("mixtral:shared=1", "'shared=1' is not KEY=N with KEY one of hidden, experts, top_k, inter"),
+    ("deepseek:experts=8,top_k=9", "top_k 9 > experts 8"),
+    ("deepseek:groups=3", "experts 64 must split into groups 3"),
+    ("deepseek:groups=8,topk_group=1,top_k=9", "hold top_k 9 experts (8 per group)"),
+    ("mixtral:hidden=0", "hidden must be >= 1"),
+])
+def test_bad_shape_specs_are_one_line_errors(spec: str, problem: str, capsys) -> None:
+    with pytest.raises(moe_layer.ShapeError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        moe_layer.parse_shape(spec)
+    assert moe_layer.main(["--shapes", "mixtral", spec, "--tokens", "1", "--impls", "ours"]) == 2
+    out = capsys.readouterr()
+    (line,) = out.err.strip().splitlines()
+    assert line.startswith(f"error: --shapes {spec!r}: ") and problem in line
+    assert out.out == ""  # refused before anything ran
+
+
+def test_a_custom_grouped_shape_runs_exact_against_transformers_block() -> None:
+    """Expert groups change which experts a token may take: a layer built without them would not
+    match transformers' grouped router."""
+    import torch
+
+    spec = "deepseek:hidden=128,experts=16,top_k=4,inter=32,groups=4,topk_group=2"
+    ours, hf = moe_layer.build_layers(spec, torch.float32)
+    assert (ours.experts.w13.shape, ours.experts.w2.shape) == ((16, 64, 128), (16, 128, 32))
+    assert hf.gate.num_group == 4 and hf.gate.topk_group == 2
+    cells = moe_layer.run_shape(spec, [9], ["ours", "transformers"], torch.float32, min_seconds=0.0,
+                                bandwidth=1e10, peak_flops=1e12)
+    assert [c.shape for c in cells] == [spec, spec]
+    assert cells[1].max_abs_diff is not None and cells[1].max_abs_diff < 1e-4
+
+
+def test_model_shapes_come_from_config_json(tmp_path, capsys) -> None:
+    import json as _json
+
+    cfg = moe_layer.hf_config("deepseek:hidden=128,experts=16,top_k=4,inter=32,groups=4,topk_group=2").to_dict()
+    cfg.update(routed_scaling_factor=2.5, norm_topk_prob=False)
+    (tmp_path / "my-model").mkdir()
+    (tmp_path / "my-model" / "config.json").write_text(_json.dumps(cfg))
+    s = moe_layer.shape_from_model(str(tmp_path / "my-model"))
+    assert (s.label, s.family, s.hidden, s.experts, s.top_k, s.inter, s.shared, s.groups, s.topk_group) == (
+        "my-model", "deepseek", 128, 16, 4, 32, 1, 4, 2)
+    assert s.routed_scaling == 2.5 and s.norm_topk_prob is False
+    hf = moe_layer.hf_config(s)
+    assert hf.routed_scaling_factor == 2.5 and hf.norm_topk_prob is False
+    assert moe_layer.shape_from_model(str(tmp_path / "my-model" / "config.json")).label == "my-model"
+    mixtral = moe_layer.shape_from_model("mistralai/Mixtral-8x7B-v0.1")  # a shipped config
+    assert (mixtral.family, mixtral.hidden, mixtral.experts, mixtral.inter) == ("mixtral", 4096, 8, 14336)
+    with pytest.raises(moe_layer.ShapeError, match="is qwen3_moe: bench moe-layer compares against"):
+        moe_layer.shape_from_model("Qwen/Qwen3-30B-A3B")
+    assert moe_layer.main(["--model", str(tmp_path / "nothing"), "--tokens", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: --model '{tmp_path / 'nothing'}': no config.json")
+
+
+def test_a_shape_too_large_for_memory_is_refused_before_it_is_built(monkeypatch, capsys) -> None:
+    import torch
+
+    from moe import kv_cache
+
+    s = moe_layer.parse_shape("mixtral")
+    need = moe_layer.layer_bytes_needed(s, torch.bfloat16, ["ours", "transformers"])
+    assert need == s.parameters() * (4 + 3 * 2)
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda *a: need - 1)
+    monkeypatch.setattr(moe_layer, "build_layers", lambda *a, **k: pytest.fail("built a layer"))
+    assert moe_layer.main(["--shapes", "mixtral", "--tokens", "1", "--impls", "ours", "transformers"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: mixtral: one layer of these sizes (") and "mixtral:experts=" in line
