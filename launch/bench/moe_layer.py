@@ -7,10 +7,12 @@ and the same FLOPs as plain dense GEMMs.
         [--dtype bfloat16] [--num-threads 1] [--min-seconds 1.0] [--device cpu|cuda] [--json FILE]
 
 Shapes: ``deepseek`` (D 1024, E 64, top-6, I 256, one shared expert, sigmoid scores with the
-correction bias, one expert group) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax). Either
-takes other sizes after a colon, ``deepseek:hidden=2048,experts=128,top_k=8,inter=512,shared=1,groups=8,
-topk_group=4`` or ``mixtral:experts=16,inter=1024`` (keys left out keep the family's value; the label
-in the table is the spec as given). ``--model`` takes one layer's shape from a DeepSeek-V3 or Mixtral
+correction bias, one expert group) and ``mixtral`` (D 1024, E 8, top-2, I 2048, softmax), the
+default pair; ``qwen3`` (D 1024, E 128, top-8, I 384, softmax, Qwen3-30B-A3B's expert count and
+top-k at half its width). Each takes other sizes after a colon,
+``deepseek:hidden=2048,experts=128,top_k=8,inter=512,shared=1,groups=8,topk_group=4`` or
+``mixtral:experts=16,inter=1024`` (keys left out keep the family's value; the label in the table is
+the spec as given). ``--model`` takes one layer's shape from a DeepSeek-V3, Mixtral or Qwen3-MoE
 checkpoint's config.json (a directory, the file, or a shipped name such as deepseek-ai/DeepSeek-V3):
 its sizes, expert groups, routed scaling and top-k normalisation, random weights. A shape whose
 weights would not fit the memory available (the layer is held by several implementations at once)
@@ -18,7 +20,8 @@ is refused before anything is built. Implementations:
 
 - ``ours``: ``moe.moe_layer.MoELayer`` with the fused CPU expert kernel (``moe.kernels``);
 - ``ours-pytorch``: the same layer on its PyTorch expert path (the kernel switched off);
-- ``transformers``: the model family's own block (``DeepseekV3MoE`` / ``MixtralSparseMoeBlock``)
+- ``transformers``: the model family's own block (``DeepseekV3MoE`` / ``MixtralSparseMoeBlock`` /
+  ``Qwen3MoeSparseMoeBlock``)
   holding the same router, expert and shared-expert weights, its experts on transformers' eager
   loop over experts: its output is checked against ours (``max |diff|`` in the table);
 - ``transformers-grouped-mm``: the same block with its experts on transformers' ``grouped_mm``
@@ -82,7 +85,9 @@ from parallel.costmodel.microbench import best_call_seconds
 SHAPES = {
     "deepseek": dict(hidden=1024, experts=64, top_k=6, inter=256, shared=1, groups=1, topk_group=1),
     "mixtral": dict(hidden=1024, experts=8, top_k=2, inter=2048),
+    "qwen3": dict(hidden=1024, experts=128, top_k=8, inter=384),
 }
+DEFAULT_SHAPES = ("deepseek", "mixtral")
 IMPLS = ("ours", "ours-pytorch", "transformers", "transformers-grouped-mm", "deepspeed", "dense-gemm")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -115,7 +120,8 @@ class ShapeError(ValueError):
 @dataclass(frozen=True)
 class Shape:
     """One MoE layer's shape: the family whose transformers block it is compared with (``deepseek``:
-    ``DeepseekV3MoE``, ``mixtral``: ``MixtralSparseMoeBlock``) and its sizes. ``label`` names it in
+    ``DeepseekV3MoE``, ``mixtral``: ``MixtralSparseMoeBlock``, ``qwen3``: ``Qwen3MoeSparseMoeBlock``)
+    and its sizes. ``label`` names it in
     the table, the speedup lines and the JSON."""
 
     label: str
@@ -148,7 +154,7 @@ def parse_shape(spec: str) -> Shape:
     ShapeError naming what is wrong."""
     family, colon, rest = spec.partition(":")
     if family not in SHAPES:
-        raise ShapeError(f"--shapes {spec!r}: unknown family {family!r}: give deepseek or mixtral, optionally "
+        raise ShapeError(f"--shapes {spec!r}: unknown family {family!r}: give {', '.join(SHAPES)}, optionally "
                          "with sizes (deepseek:experts=128,top_k=8)")
     sizes = dict(SHAPES[family])
     for item in rest.split(",") if colon else ():
@@ -163,18 +169,18 @@ def parse_shape(spec: str) -> Shape:
 
 
 def shape_from_model(name: str) -> Shape:
-    """One MoE layer's shape from a DeepSeek-V3 or Mixtral checkpoint's config.json (a directory, the
-    file, or a shipped model name). Raises ShapeError for anything else."""
+    """One MoE layer's shape from a DeepSeek-V3, Mixtral or Qwen3-MoE checkpoint's config.json (a
+    directory, the file, or a shipped model name). Raises ShapeError for anything else."""
     from moe.config import ModelConfig
 
     try:
         cfg = ModelConfig.from_hf(name, strict=False)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ShapeError(f"--model {name!r}: {e}") from None
-    families = {"deepseek_v3": "deepseek", "mixtral": "mixtral"}
+    families = {"deepseek_v3": "deepseek", "mixtral": "mixtral", "qwen3_moe": "qwen3"}
     if cfg.architecture not in families:
-        raise ShapeError(f"--model {name!r} is {cfg.architecture}: bench moe-layer compares against DeepSeek-V3's "
-                         "and Mixtral's transformers blocks; give its sizes with --shapes instead "
+        raise ShapeError(f"--model {name!r} is {cfg.architecture}: bench moe-layer compares against DeepSeek-V3's, "
+                         "Mixtral's and Qwen3-MoE's transformers blocks; give its sizes with --shapes instead "
                          "(deepseek:hidden=...,experts=... or mixtral:...)")
     label = Path(name).name if Path(name).exists() else name.rsplit("/", 1)[-1]
     if label == "config.json":
@@ -216,8 +222,16 @@ def layer_bytes_needed(shape: Shape, dtype: torch.dtype, impls: Sequence[str]) -
 
 
 def hf_config(shape: Shape | str) -> Any:
-    """The transformers config of one layer of ``shape`` (a DeepseekV3Config or MixtralConfig)."""
+    """The transformers config of one layer of ``shape`` (a DeepseekV3Config, MixtralConfig or
+    Qwen3MoeConfig)."""
     s = as_shape(shape)
+    if s.family == "qwen3":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(hidden_size=s.hidden, intermediate_size=4 * s.hidden, moe_intermediate_size=s.inter,
+                              num_experts=s.experts, num_experts_per_tok=s.top_k, norm_topk_prob=s.norm_topk_prob,
+                              num_hidden_layers=1, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=1024,
+                              num_attention_heads=8, num_key_value_heads=8, head_dim=128)
     if s.family == "deepseek":
         from transformers import DeepseekV3Config
 
@@ -243,6 +257,8 @@ def build_layers(shape: Shape | str, dtype: torch.dtype, seed: int = 0) -> tuple
     cfg = hf_config(shape)
     if shape.family == "deepseek":
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
+    elif shape.family == "qwen3":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
     else:
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
     gen = torch.Generator().manual_seed(seed)
@@ -599,11 +615,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m launch bench moe-layer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
-                        help="deepseek, mixtral, or either with sizes: deepseek:experts=128,top_k=8 "
+                        help="deepseek, mixtral, qwen3, or one with sizes: deepseek:experts=128,top_k=8 "
                              "(keys hidden experts top_k inter shared groups topk_group; default: both "
                              "families unless --model is given)")
     parser.add_argument("--model", nargs="+", default=[], metavar="NAME_OR_DIR",
-                        help="also run one MoE layer of these DeepSeek-V3 / Mixtral checkpoints' shapes "
+                        help="also run one MoE layer of these DeepSeek-V3 / Mixtral / Qwen3-MoE checkpoints' shapes "
                              "(config.json only; random weights)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512, 4096])
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
@@ -626,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = DTYPES[args.dtype]
     try:
-        shapes = [parse_shape(spec) for spec in (args.shapes or ([] if args.model else list(SHAPES)))]
+        shapes = [parse_shape(spec) for spec in (args.shapes or ([] if args.model else DEFAULT_SHAPES))]
         shapes += [shape_from_model(name) for name in args.model]
     except ShapeError as e:
         print(f"error: {e}", file=sys.stderr)

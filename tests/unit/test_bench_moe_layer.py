@@ -147,7 +147,7 @@ def test_shape_specs_take_the_familys_sizes_and_override_the_ones_given() -> Non
 
 
 @pytest.mark.parametrize("spec, problem", [
-    ("qwen", "unknown family 'qwen'"),
+    ("qwen", "unknown family 'qwen': give deepseek, mixtral, qwen3"),
     ("deepseek:experts=x", "experts='x' is not an integer"),
     ("deepseek:foo=3", "'foo=3' is not KEY=N"),
     ("mixtral:shared=1", "'shared=1' is not KEY=N with KEY one of hidden, experts, top_k, inter"),
@@ -197,8 +197,10 @@ def test_model_shapes_come_from_config_json(tmp_path, capsys) -> None:
     assert moe_layer.shape_from_model(str(tmp_path / "my-model" / "config.json")).label == "my-model"
     mixtral = moe_layer.shape_from_model("mistralai/Mixtral-8x7B-v0.1")  # a shipped config
     assert (mixtral.family, mixtral.hidden, mixtral.experts, mixtral.inter) == ("mixtral", 4096, 8, 14336)
-    with pytest.raises(moe_layer.ShapeError, match="is qwen3_moe: bench moe-layer compares against"):
-        moe_layer.shape_from_model("Qwen/Qwen3-30B-A3B")
+    qwen = moe_layer.shape_from_model("Qwen/Qwen3-30B-A3B")
+    assert (qwen.family, qwen.hidden, qwen.experts, qwen.top_k, qwen.inter, qwen.shared) == ("qwen3", 2048, 128, 8, 768, 0)
+    with pytest.raises(moe_layer.ShapeError, match="is deepseek_v2: bench moe-layer compares against"):
+        moe_layer.shape_from_model("deepseek-ai/DeepSeek-V2-Lite")
     assert moe_layer.main(["--model", str(tmp_path / "nothing"), "--tokens", "1"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: --model '{tmp_path / 'nothing'}': no config.json")
@@ -217,3 +219,17 @@ def test_a_shape_too_large_for_memory_is_refused_before_it_is_built(monkeypatch,
     assert moe_layer.main(["--shapes", "mixtral", "--tokens", "1", "--impls", "ours", "transformers"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: mixtral: one layer of these sizes (") and "mixtral:experts=" in line
+
+
+@pytest.mark.parametrize("spec", ["qwen3:hidden=128,experts=16,top_k=4,inter=32", "mixtral:hidden=128,experts=4,inter=64"])
+def test_softmax_families_run_exact_against_their_transformers_block(spec: str) -> None:
+    """In fp32 (no bf16 near-ties between router logits) ours equals the family's own block."""
+    import torch
+
+    ours, hf = moe_layer.build_layers(spec, torch.float32)
+    family = spec.split(":")[0]
+    assert type(hf).__name__ == {"qwen3": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}[family]
+    assert ours.shared_experts is None and ours.top_k == moe_layer.parse_shape(spec).top_k
+    cells = moe_layer.run_shape(spec, [11], ["ours", "transformers"], torch.float32, min_seconds=0.0,
+                                bandwidth=1e10, peak_flops=1e12)
+    assert cells[1].max_abs_diff is not None and cells[1].max_abs_diff < 1e-4
