@@ -121,8 +121,7 @@ class ShapeError(ValueError):
 class Shape:
     """One MoE layer's shape: the family whose transformers block it is compared with (``deepseek``:
     ``DeepseekV3MoE``, ``mixtral``: ``MixtralSparseMoeBlock``, ``qwen3``: ``Qwen3MoeSparseMoeBlock``)
-    and its sizes. ``label`` names it in
-    the table, the speedup lines and the JSON."""
+    and its sizes. ``label`` names it in the table, the speedup lines and the JSON."""
 
     label: str
     family: str
@@ -150,8 +149,8 @@ class Shape:
 
 
 def parse_shape(spec: str) -> Shape:
-    """``deepseek`` / ``mixtral``, optionally with sizes: ``deepseek:experts=128,top_k=8``. Raises
-    ShapeError naming what is wrong."""
+    """A family (``deepseek`` / ``mixtral`` / ``qwen3``), optionally with sizes:
+    ``deepseek:experts=128,top_k=8``. Raises ShapeError naming what is wrong."""
     family, colon, rest = spec.partition(":")
     if family not in SHAPES:
         raise ShapeError(f"--shapes {spec!r}: unknown family {family!r}: give {', '.join(SHAPES)}, optionally "
