@@ -220,6 +220,29 @@ def layer_bytes_needed(shape: Shape, dtype: torch.dtype, impls: Sequence[str]) -
     return shape.parameters() * (4 + copies * size)
 
 
+def memory_refusal(shapes: Sequence[Shape], dtype: torch.dtype, impls: Sequence[str],
+                   device: torch.device) -> str | None:
+    """Why the first of ``shapes`` that would not fit cannot run (host memory: the layers are built
+    there; on CUDA also the device's free memory), or None when all fit."""
+    from moe.kv_cache import available_memory_bytes
+
+    host = available_memory_bytes()
+    gpu = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    size = torch.empty((), dtype=dtype).element_size()
+    for s in shapes:
+        fix = f"give smaller sizes ({s.family}:experts=...,hidden=...,inter=...)"
+        need = layer_bytes_needed(s, dtype, impls)
+        if host is not None and need > host:
+            return (f"{s.label}: one layer of these sizes ({s.parameters() / 1e6:.0f} M weights) needs about "
+                    f"{need / 2**30:.1f} GiB of host memory (built in float32, then held by each implementation), "
+                    f"more than the {host / 2**30:.1f} GiB available: {fix}")
+        on_gpu = s.parameters() * size * (2 + ("deepspeed" in impls))  # ours, transformers' block, DeepSpeed's
+        if gpu is not None and on_gpu > gpu:
+            return (f"{s.label}: one layer of these sizes needs about {on_gpu / 2**30:.1f} GiB on {device} (held by "
+                    f"each implementation), more than its {gpu / 2**30:.1f} GiB free: {fix}")
+    return None
+
+
 def hf_config(shape: Shape | str) -> Any:
     """The transformers config of one layer of ``shape`` (a DeepseekV3Config, MixtralConfig or
     Qwen3MoeConfig)."""
@@ -650,21 +673,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(labels)) < len(labels):
         print(f"error: a shape is given twice: {', '.join(labels)}", file=sys.stderr)
         return 2
-    from moe.kv_cache import available_memory_bytes
-
-    available = available_memory_bytes() if args.device == "cpu" else None
-    for s in shapes:
-        need = layer_bytes_needed(s, dtype, args.impls)
-        if available is not None and need > available:
-            print(f"error: {s.label}: one layer of these sizes ({s.parameters() / 1e6:.0f} M weights) needs about "
-                  f"{need / 2**30:.1f} GiB here (built in float32, then held by each implementation), more than "
-                  f"the {available / 2**30:.1f} GiB available: give smaller sizes ({s.family}:experts=...,hidden=...,inter=...)",
-                  file=sys.stderr)
-            return 2
     torch.set_num_threads(args.num_threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is available here", file=sys.stderr)
+        return 2
+    too_large = memory_refusal(shapes, dtype, args.impls, device)
+    if too_large:
+        print(f"error: {too_large}", file=sys.stderr)
         return 2
     import importlib.util
 

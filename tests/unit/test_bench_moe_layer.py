@@ -219,6 +219,24 @@ def test_a_shape_too_large_for_memory_is_refused_before_it_is_built(monkeypatch,
     assert moe_layer.main(["--shapes", "mixtral", "--tokens", "1", "--impls", "ours", "transformers"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: mixtral: one layer of these sizes (") and "mixtral:experts=" in line
+    assert "GiB of host memory" in line
+
+
+def test_on_cuda_a_shape_must_also_fit_the_devices_free_memory(monkeypatch) -> None:
+    import torch
+
+    from moe import kv_cache
+
+    s = moe_layer.parse_shape("mixtral")
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda *a: 1 << 50)
+    on_gpu = s.parameters() * 2 * 2  # bf16, ours and transformers' block
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (on_gpu - 1, 1 << 40))
+    cuda = torch.device("cuda")
+    why = moe_layer.memory_refusal([s], torch.bfloat16, ["ours", "transformers"], cuda)
+    assert why is not None and why.startswith("mixtral: one layer of these sizes needs about") and "free" in why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (on_gpu, 1 << 40))
+    assert moe_layer.memory_refusal([s], torch.bfloat16, ["ours", "transformers"], cuda) is None
+    assert moe_layer.memory_refusal([s], torch.bfloat16, ["ours", "transformers", "deepspeed"], cuda) is not None
 
 
 @pytest.mark.parametrize("spec", ["qwen3:hidden=128,experts=16,top_k=4,inter=32", "mixtral:hidden=128,experts=4,inter=64"])
