@@ -131,15 +131,61 @@ def build_dataclass(cls: type, data: Any, prefix: str = "", root: type | None = 
         raise ConfigError(f"{where}: {e}") from e
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def yaml_error_line(e: yaml.YAMLError) -> str:
+    """A PyYAML error as one line: ``LINE:COL: problem (context)`` where it has a position, else its
+    first line."""
+    where, problem = _yaml_error_parts(e)
+    return f"{where}: {problem}" if where else problem
+
+
+def _yaml_error_parts(e: yaml.YAMLError) -> tuple[str, str]:
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        context = f" ({e.context})" if e.context else ""
+        return f"{mark.line + 1}:{mark.column + 1}", f"{e.problem}{context}"
+    text = str(e).strip()
+    return "", text.splitlines()[0] if text else type(e).__name__
+
+
+def load_yaml_text(text: str, where: str) -> Any:
+    """Parse ``text`` as YAML (safe, a key given twice refused); ConfigError
+    ``WHERE:LINE:COL: invalid YAML: problem``."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        pos, problem = _yaml_error_parts(e)
+        raise ConfigError(f"{where}{':' + pos if pos else ''}: invalid YAML: {problem}") from None
+
+
 def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     """The top-level mapping of a YAML file; ConfigError naming the file otherwise."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a directory, not a YAML file")
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {p}: invalid YAML: {e}") from e
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p}: cannot be read: {e}") from None
+    data = load_yaml_text(text, str(p))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -172,5 +218,5 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {e}") from e
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {yaml_error_line(e)}") from None
     set_dotted(data, key.strip(), value)

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from launch.config import RuntimeConfig
+from launch.config_schema import ConfigError, load_yaml_text
 from moe.config import ModelConfig
 from moe.model_catalog import find_model_config
 from parallel.costmodel import Deployment, Hardware
@@ -38,9 +39,11 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
             raise ValueError(f"hardware {text!r} is neither a file nor one of {hardware_names()}")
         path = shipped
     try:
-        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not YAML/JSON: {str(e).splitlines()[0]}") from None
+        data = json.loads(path.read_text()) if path.suffix == ".json" else load_yaml_text(path.read_text(), str(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of hardware fields (name, flops, memory_bandwidth, ...)")
     return Hardware.from_dict(data)

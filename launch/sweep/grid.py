@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from launch.config import RuntimeConfig
-from launch.config_schema import ConfigError, dotted_keys, set_dotted, suggest_key
+from launch.config_schema import ConfigError, dotted_keys, set_dotted, suggest_key, yaml_error_line
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def parse_grid_item(item: str) -> GridAxis:
     try:
         values = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--grid {key}: {raw!r} is not a YAML list: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"--grid {key}: {raw!r} is not a YAML list: {yaml_error_line(e)}") from None
     if not isinstance(values, list):
         values = [values]
     if not values:

@@ -192,8 +192,30 @@ def test_bad_files_raise_naming_the_file(tmp_path):
     with pytest.raises(ConfigError, match="list.yaml: top level must be a mapping"):
         load_runtime_config(tmp_path / "list.yaml")
     (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
-    with pytest.raises(ConfigError, match="bad.yaml: invalid YAML"):
+    with pytest.raises(ConfigError) as bad:
         load_runtime_config(tmp_path / "bad.yaml")
+    # one line: the file, where, what (not PyYAML's several lines naming "<unicode string>")
+    assert str(bad.value) == (f"{tmp_path / 'bad.yaml'}:2:1: invalid YAML: expected ',' or ']', but got "
+                              "'<stream end>' (while parsing a flow sequence)")
+    (tmp_path / "dup.yaml").write_text("engine:\n  max_num_seqs: 4\n  max_num_seqs: 8\n")
+    with pytest.raises(ConfigError) as dup:
+        load_runtime_config(tmp_path / "dup.yaml")
+    assert str(dup.value) == f"{tmp_path / 'dup.yaml'}:3:3: invalid YAML: key 'max_num_seqs' is given twice"
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        load_runtime_config(tmp_path)
+
+
+def test_a_bad_hardware_file_is_one_line_naming_where(tmp_path):
+    from launch.hardware import load_hardware
+
+    (tmp_path / "hw.yaml").write_text("name: x\nflops: {bf16: 1e15\n")
+    with pytest.raises(ValueError) as yaml_error:
+        load_hardware(tmp_path / "hw.yaml")
+    assert str(yaml_error.value).startswith(f"{tmp_path / 'hw.yaml'}:3:1: invalid YAML: expected ',' or '}}'")
+    assert "\n" not in str(yaml_error.value)
+    (tmp_path / "hw.json").write_text('{"name": "x",\n "flops": }')
+    with pytest.raises(ValueError, match=r"hw.json:2:11: not JSON: Expecting value$"):
+        load_hardware(tmp_path / "hw.json")
 
 
 def _args(argv: list[str]) -> RuntimeConfig:
