@@ -5,7 +5,9 @@ when that command runs (so ``make-tiny`` never imports Ray). The function takes 
 remaining arguments, ``main(argv: list[str]) -> int | None``, and parses them itself with
 ``argparse`` (unknown flags are errors). Two-word commands (``bench eplb``) are matched
 before one-word ones. A command whose module does not exist yet prints a clear error and
-exits 1, with no traceback.
+exits 1, with no traceback. A command that fails on a path the user gave (a missing file, a
+directory where a file belongs, no permission) and did not check itself exits 2 with one line naming
+the path (``MOE_TRACEBACK=1``: the traceback instead).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,5 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     except LookupError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    rc = fn(rest)
+    try:
+        rc = fn(rest)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError) as e:
+        # a path the user gave that a command did not check itself: one line, not a traceback
+        # (MOE_TRACEBACK=1 shows the traceback)
+        if e.filename is None or os.environ.get("MOE_TRACEBACK") == "1":
+            raise
+        print(f"error: {cmd.name}: {e.filename}: {(e.strerror or str(e)).lower()}", file=sys.stderr)
+        return EXIT_USAGE
     return 0 if rc is None else int(rc)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from balancer import compute_move_plan, predict, rebalance_experts
+from launch.paths import output_file_problem
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ def balancedness_bound(load: np.ndarray, num_replicas: int, num_gpus: int, num_g
 
 
 def load_reference(path: str | None) -> tuple[Callable, str]:
-    """DeepSeek's rebalance_experts from PATH (eplb.py or its folder), else our re-implementation."""
+    """DeepSeek's rebalance_experts from PATH (eplb.py or its folder), else our re-implementation;
+    ValueError naming the problem when PATH holds no usable one."""
     if path is None:
         def ours_deepseek(w, *args):
             return rebalance_experts(w, *args, policy="deepseek")
@@ -108,10 +110,18 @@ def load_reference(path: str | None) -> tuple[Callable, str]:
     file = Path(path)
     file = file / "eplb.py" if file.is_dir() else file
     if not file.is_file():
-        raise SystemExit(f"--reference {path}: no eplb.py there")
+        raise ValueError(f"--reference {path}: no eplb.py there")
     spec = importlib.util.spec_from_file_location("deepseek_eplb_reference", file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--reference {path}: {file} is not a Python file (expected deepseek-ai/EPLB's eplb.py)")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - whatever the user's file raises on import is one user error
+        raise ValueError(f"--reference {path}: importing {file} failed: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if not callable(getattr(module, "rebalance_experts", None)):
+        raise ValueError(f"--reference {path}: {file} defines no rebalance_experts() (expected deepseek-ai/EPLB's eplb.py)")
     return module.rebalance_experts, f"deepseek-ai/EPLB eplb.py at {file}"
 
 
@@ -182,10 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="timing repeats (best is reported)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.drift < 0 or args.repeats < 1:
+    if not args.drift >= 0 or args.repeats < 1:  # not >=: NaN too
         parser.error("--drift must be >= 0 and --repeats >= 1")
+    if args.json and (problem := output_file_problem(args.json)) is not None:
+        parser.error(f"--json: {problem}")
     torch.set_num_threads(1)
-    reference, ref_name = load_reference(args.reference)
+    try:
+        reference, ref_name = load_reference(args.reference)
+    except ValueError as e:
+        parser.error(str(e))
     rng = np.random.default_rng(args.seed)
     rows = [run_case(SCENARIOS[name], kind, reference, rng, args.drift, args.repeats)
             for name in (args.scenario or list(SCENARIOS)) for kind in (args.load or LOADS)]

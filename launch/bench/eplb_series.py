@@ -36,6 +36,7 @@ from tqdm import tqdm
 from balancer import compute_par, rebalance_experts, rebalance_from_history
 from balancer.history import LINK_BYTES_PER_S, SLOT_BYTES, full_horizon
 from launch.bench.eplb_traces import KINDS, TraceSpec, load_trace, make_trace
+from launch.paths import output_file_problem
 
 PAR_SECONDS = 60.0
 POLICY_NAMES = ("ours", "reference", "fixed-hl", "hindsight")
@@ -256,6 +257,8 @@ def series_main(argv: list[str] | None = None) -> int:
         return 0
     if args.num_gpus <= 0:
         parser.error("--num-gpus must be positive")
+    if args.json and (problem := output_file_problem(args.json)) is not None:
+        parser.error(f"--json: {problem}")
     if args.check_interval <= 0 or args.full_interval <= 0:
         parser.error("--check-interval and --full-interval must be positive")
     torch.set_num_threads(1)

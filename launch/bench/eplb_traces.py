@@ -13,9 +13,9 @@ built at a 8-step resolution.
   steady       one popularity for the whole trace (moving after the start is a waste)
   noisy-decode few tokens per step (64 x top-k): Poisson noise dominates, slow drift
 
-Real traces: this project's expert-distribution dumps (safetensors, `logical_count`)
-and SGLang's `torch.save` dumps (a dict with `logical_count`, loaded with
-weights_only=True).
+Real traces: any expert-distribution dump `profile report` reads (this project's
+safetensors, SGLang's `torch.save` dumps loaded with weights_only=True, `.npy`, `.npz`,
+`.csv`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 KINDS = ("phases", "bursts", "drift", "steady", "noisy-decode")
 MODELS = {"deepseek-r1": (58, 256, 8), "qwen3-moe": (94, 128, 8)}  # L, E, top-k
@@ -126,25 +125,16 @@ def make_trace(spec: TraceSpec) -> np.ndarray:
 
 
 def load_trace(path: str | Path) -> np.ndarray:
-    """`logical_count [T, L, E]` from a dump: safetensors (this project's) or torch.save
-    (SGLang's; a dict holding `logical_count`, or the tensor itself). Returns int64 numpy."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"trace {path} does not exist")
-    if path.suffix == ".safetensors":
-        from launch.expert_location import read_expert_distribution_dump
+    """`logical_count [T, L, E]` from an expert-distribution dump in any format `profile report`
+    reads (this project's safetensors, SGLang's stat / per_pass `torch.save` dumps, `.npy`, `.npz`,
+    `.csv`). Returns int64 numpy where the counts are integral, else float64; ValueError naming the
+    file otherwise."""
+    from launch.profile.readers import DumpError, read_dump
 
-        count = read_expert_distribution_dump(path).get("logical_count")
-    else:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable pickle is one user error
-            raise ValueError(f"trace {path} is neither safetensors nor a torch.save dump: {exc}") from exc
-        count = obj.get("logical_count") if isinstance(obj, dict) else obj
-    if not isinstance(count, torch.Tensor):
-        raise ValueError(f"trace {path} holds no logical_count tensor")
-    if count.ndim != 3 or count.shape[0] < 2:
+    try:
+        count = read_dump(path).logical_count
+    except DumpError as exc:
+        raise ValueError(f"trace {exc}") from None
+    if count.shape[0] < 2:
         raise ValueError(f"trace {path}: logical_count must be [steps >= 2, L, E], got {tuple(count.shape)}")
-    if count.is_floating_point() and not torch.isfinite(count).all() or (count < 0).any():
-        raise ValueError(f"trace {path}: logical_count must be finite and non-negative")
-    return count.numpy().astype(np.float64 if count.is_floating_point() else np.int64)
+    return count.astype(np.int64) if np.array_equal(count, np.round(count)) else count

@@ -80,6 +80,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from launch.paths import output_file_problem
 from parallel.costmodel.microbench import best_call_seconds
 
 SHAPES = {
@@ -661,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if any(t < 1 for t in args.tokens) or args.num_threads < 1 or args.min_seconds < 0:
         print("error: --tokens and --num-threads must be >= 1, --min-seconds >= 0", file=sys.stderr)
+        return 2
+    if args.json and (problem := output_file_problem(args.json)) is not None:
+        print(f"error: --json: {problem}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype]
     try:

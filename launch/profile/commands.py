@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch.paths import output_dir_problem
 from launch.workloads import SHIPPED_MODEL
 
 EXIT_BAD_INPUT = 2
@@ -61,6 +62,8 @@ def report_main(argv: list[str]) -> int:
     parser.add_argument("dumps", nargs="+", metavar="DUMP")
     add_report_args(parser)
     args = parser.parse_args(argv)
+    if (problem := output_dir_problem(args.out)) is not None:
+        parser.error(f"--out: {problem}")
     from launch.profile.readers import DumpError, read_recording
     from launch.profile.report import write_report
     from launch.profile.study import options_from_args
@@ -93,6 +96,8 @@ def run_main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=_positive, default=32, help="tokens generated per prompt (default 32)")
     add_report_args(parser)
     args = parser.parse_args(argv)
+    if (problem := output_dir_problem(args.out)) is not None:
+        parser.error(f"--out: {problem}")
     if not args.model and not args.config:
         args.model = str(SHIPPED_MODEL)  # the trained tiny DeepSeek-V3: its routing means something
     from launch.config_schema import ConfigError

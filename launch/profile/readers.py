@@ -90,8 +90,8 @@ def _phases(path: Path, meta: dict[str, str], steps: int) -> tuple[tuple[str, in
 def _read_npy(path: Path) -> Dump:
     try:
         arr = np.load(str(path), allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise DumpError(f"{path}: not a readable .npy file ({str(e).splitlines()[0]})") from None
+    except (ValueError, OSError, EOFError) as e:
+        raise DumpError(f"{path}: not a readable .npy file ({str(e).splitlines()[0] if str(e) else 'empty'})") from None
     return Dump(str(path), "npy", check_logical(path, arr))
 
 
@@ -154,6 +154,8 @@ def read_dump(path: str | Path) -> Dump:
     """One dump file, its format chosen by suffix (.safetensors, .pt/.pth/.bin, .npy, .npz,
     .csv) or, for other names, by its first bytes."""
     p = Path(path)
+    if p.is_dir():
+        raise DumpError(f"{p}: is a directory, not a dump file")
     if not p.is_file():
         raise DumpError(f"{p}: no such file")
     readers = {".safetensors": _read_safetensors, ".pt": read_torch_dump, ".pth": read_torch_dump, ".bin": read_torch_dump,

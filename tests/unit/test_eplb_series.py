@@ -86,13 +86,19 @@ def test_load_trace_reads_both_dump_formats(tmp_path):
     torch.save({"logical_count": count, "rank": 0}, tmp_path / "sglang.pt")
     for name in ("ours.safetensors", "sglang.pt"):
         assert np.array_equal(load_trace(tmp_path / name), count.numpy())
+    np.save(tmp_path / "plain.npy", count.numpy())  # what profile report takes: the same readers
+    loaded = load_trace(tmp_path / "plain.npy")
+    assert loaded.dtype == np.int64 and np.array_equal(loaded, count.numpy())
     (tmp_path / "junk.pt").write_bytes(b"not a pickle")
-    with pytest.raises(ValueError, match="neither safetensors nor a torch.save"):
+    with pytest.raises(ValueError, match="^trace .*junk.pt: "):
         load_trace(tmp_path / "junk.pt")
-    torch.save({"logical_count": count[0]}, tmp_path / "flat.pt")
+    (tmp_path / "empty.npy").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty.npy: not a readable .npy file \(No data left in file\)"):
+        load_trace(tmp_path / "empty.npy")
+    torch.save({"logical_count": count[:1]}, tmp_path / "short.pt")
     with pytest.raises(ValueError, match=r"must be \[steps >= 2, L, E\]"):
-        load_trace(tmp_path / "flat.pt")
-    with pytest.raises(ValueError, match="does not exist"):
+        load_trace(tmp_path / "short.pt")
+    with pytest.raises(ValueError, match="no such file"):
         load_trace(tmp_path / "missing.pt")
 
 
