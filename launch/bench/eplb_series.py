@@ -236,7 +236,8 @@ def series_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, action="append", help="trace seeds (repeatable; default 1)")
     parser.add_argument("--kind", action="append", choices=KINDS, help="only these generated kinds")
     parser.add_argument("--trace", action="append", default=[], metavar="PATH",
-                        help="a logical_count dump (safetensors or SGLang torch.save); repeatable")
+                        help="an expert-load dump in any format profile report reads (this project's "
+                             "safetensors, SGLang's torch.save, [steps, L, E] .npy / .npz / .csv); repeatable")
     parser.add_argument("--num-gpus", type=int, default=32, help="EP size for --trace files (default 32)")
     parser.add_argument("--no-generated", action="store_true", help="only the --trace files")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
