@@ -164,11 +164,23 @@ class LLMEngine:
                     prompt: str | None = None) -> None:
         """Queue a request; ValueError for one that can never run (ids outside the vocab,
         too long for max_model_len or for the KV pool)."""
+        bad = self._outside_vocab(prompt_token_ids)
+        if bad is not None:
+            raise ValueError(f"request {request_id!r}: {bad}")
+        self.scheduler.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError naming why ``add_request`` would refuse these prompt ids and params (without
+        queueing anything): ids outside the vocabulary, then the scheduler's checks."""
+        bad = self._outside_vocab(prompt_token_ids)
+        if bad is not None:
+            raise ValueError(bad)
+        self.scheduler.check_request(prompt_token_ids, params)
+
+    def _outside_vocab(self, prompt_token_ids: list[int]) -> str | None:
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        self.scheduler.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+        return f"token id {bad[0]} is outside the vocabulary [0, {vocab})" if bad else None
         self.counters.prompt_tokens_total += len(prompt_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -3,7 +3,16 @@
 Input lines: ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``, optionally with sampling
 fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``n``, ``logprobs``). Output lines repeat the input and add
-``text``, ``token_ids``, ``finish_reason`` (lists of them when n > 1 under ``outputs``).
+``text``, ``token_ids``, ``finish_reason`` (lists of them when n > 1 under ``outputs``). With
+``"logprobs": N`` each completion also has, per generated token, ``token_logprobs`` (the
+log-probability of the token in ``token_ids``) and ``top_logprobs`` (the N most likely
+``[token_id, logprob]`` pairs, best first; empty lists for N = 0), and ``cumulative_logprob``
+(the sum of ``token_logprobs``). Logprobs are the model's raw ones (before temperature etc.).
+
+Everything that can be checked is checked before any output is produced: the paths, every
+input line (errors name the file and its physical line, ``IN.jsonl:4: ...``), the model and
+the memory budget, then each prompt against the loaded engine's limits (vocabulary,
+``max_model_len``, KV pool). A problem is one ``error: ...`` line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -11,37 +20,80 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.config_schema import ConfigError
-from launch.core import SamplingParams
+from launch.core import CompletionOutput, SamplingParams
+from launch.paths import output_file_problem
 from launch.tokenizer import check_text
+
+if TYPE_CHECKING:
+    from launch.config import RuntimeConfig
+    from launch.engine import LLMEngine
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def read_requests(path: Path) -> list[dict[str, Any]]:
-    """Parse and validate the JSONL input; errors name the line."""
+@dataclasses.dataclass(frozen=True)
+class InputLine:
+    """One request of the input: its physical line number (1-based), the parsed row, its params."""
+
+    line: int
+    row: dict[str, Any]
+    params: SamplingParams
+
+
+def check_input_file(path: Path) -> None:
+    """ValueError unless ``path`` is a readable regular file."""
+    if not path.exists():
+        raise ValueError(f"--input {path}: no such file")
+    if path.is_dir():
+        raise ValueError(f"--input {path} is a directory; expected a JSONL file")
+    if not path.is_file():
+        raise ValueError(f"--input {path} is not a regular file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"--input {path} is not readable")
+
+
+def check_output_path(path: Path, input_path: Path | None = None) -> None:
+    """ValueError unless ``path`` can be written as a file (``launch.paths.output_file_problem``) and
+    is not the input."""
+    if input_path is not None and path.exists() and input_path.exists() and os.path.samefile(path, input_path):
+        raise ValueError(f"--output {path} is the input file; write the completions elsewhere")
+    problem = output_file_problem(path)
+    if problem is not None:
+        raise ValueError(f"--output: {problem}")
+
+
+def read_requests(path: Path, defaults: dict[str, Any] | None = None) -> list[InputLine]:
+    """Parse and validate the JSONL input (blank lines skipped); errors name the physical line.
+    ``defaults``: sampling fields for lines that do not set them."""
     rows = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
             if not isinstance(row, dict) or ("prompt" in row) == ("prompt_token_ids" in row):
-                raise ValueError(f"{path}:{n}: each line needs exactly one of 'prompt' or 'prompt_token_ids'")
+                raise ValueError(f"{where}: each line needs exactly one of 'prompt' or 'prompt_token_ids'")
             unknown = set(row) - _SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "id"}
             if unknown:
-                raise ValueError(f"{path}:{n}: unknown field(s) {sorted(unknown)}")
-            check_prompt(row, f"{path}:{n}")
-            rows.append(row)
+                raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
+            check_prompt(row, where)
+            rows.append(InputLine(n, row, sampling_params_for(row, defaults or {}, where)))
     if not rows:
         raise ValueError(f"{path}: no requests")
     return rows
@@ -70,6 +122,53 @@ def sampling_params_for(row: dict[str, Any], defaults: dict[str, Any], where: st
         raise ValueError(f"{where}: {e}") from e
 
 
+def check_model(config: RuntimeConfig) -> None:
+    """The engine's checks of the model and the memory budget, run before any weights load.
+
+    Raises FileNotFoundError (no config.json) or ValueError (an invalid or unsupported
+    config.json, a layout the model does not allow, no room for the KV cache).
+    """
+    from launch.engine import build_initial_placement, compute_num_kv_blocks
+    from moe.config import ModelConfig
+
+    path = config.check_model_path()
+    try:
+        model_config = ModelConfig.from_hf(path)
+    except ValueError as e:
+        raise ValueError(f"model {config.model!r}: {e}") from e
+    config.validate_for_model(model_config)
+    compute_num_kv_blocks(config, model_config, config.engine.max_model_len or model_config.max_position_embeddings)
+    build_initial_placement(config, model_config)
+
+
+def prompt_ids(row: dict[str, Any], engine: LLMEngine) -> list[int]:
+    """The token ids the engine runs for ``row``; ValueError when a text prompt has no tokenizer."""
+    if "prompt_token_ids" in row:
+        return list(row["prompt_token_ids"])
+    if engine.tokenizer is None:
+        raise ValueError("'prompt' needs the checkpoint's tokenizer.json, which this model lacks; "
+                         "pass 'prompt_token_ids'")
+    return engine.tokenizer.encode(row["prompt"])
+
+
+def completion_record(c: CompletionOutput, num_logprobs: int | None = None) -> dict[str, Any]:
+    """One completion as written to the output; with logprobs (``num_logprobs``: the request's
+    ``logprobs``) also ``token_logprobs``, ``top_logprobs`` and ``cumulative_logprob``."""
+    record: dict[str, Any] = {"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    if c.logprobs is not None:
+        n = num_logprobs or 0
+        record["token_logprobs"] = [entry.get(t) for t, entry in zip(c.token_ids, c.logprobs)]
+        record["top_logprobs"] = [[[i, lp] for i, lp in sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
+                                  for entry in c.logprobs]
+        record["cumulative_logprob"] = c.cumulative_logprob
+    return record
+
+
+def _error(problem: object) -> int:
+    print("error: " + " ".join(str(problem).splitlines()), file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,28 +180,43 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = runtime_config_from_args(args)
-        rows = read_requests(args.input)
-        defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature))
-                    if v is not None}
-        params = [sampling_params_for(r, defaults, f"{args.input}:{i + 1}") for i, r in enumerate(rows)]
+        check_input_file(args.input)
+        check_output_path(args.output, args.input)
+        defaults = {}
+        for flag, key, value in (("--max-tokens", "max_tokens", args.max_tokens),
+                                 ("--temperature", "temperature", args.temperature)):
+            if value is not None:
+                sampling_params_for({key: value}, {}, flag)
+                defaults[key] = value
+        requests = read_requests(args.input, defaults)
+        check_model(config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     from launch.llm import LLM
+    from moe.loading.errors import LoadError
 
     started = time.perf_counter()
-    llm = LLM(config=config)
     try:
-        prompts = [{k: r[k] for k in ("prompt", "prompt_token_ids") if k in r} for r in rows]
-        outputs = llm.generate(prompts, params)
+        llm = LLM(config=config)
+    except LoadError as e:
+        return _error(e)
+    try:
+        prompts = []
+        for req in requests:
+            try:
+                ids = prompt_ids(req.row, llm.engine)
+                llm.engine.check_request(ids, req.params)
+            except ValueError as e:
+                return _error(f"{args.input}:{req.line}: {e}")
+            prompts.append({"prompt_token_ids": ids, **({"prompt": req.row["prompt"]} if "prompt" in req.row else {})})
+        outputs = llm.generate(prompts, [req.params for req in requests])
     finally:
         llm.shutdown()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w") as f:
-        for row, out in zip(rows, outputs):
-            comps = [{"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
-                     for c in out.outputs]
-            record = {**row, **comps[0]} if len(comps) == 1 else {**row, "outputs": comps}
+        for req, out in zip(requests, outputs):
+            comps = [completion_record(c, req.params.logprobs) for c in out.outputs]
+            record = {**req.row, **comps[0]} if len(comps) == 1 else {**req.row, "outputs": comps}
             f.write(json.dumps(record) + "\n")
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     seconds = time.perf_counter() - started

@@ -148,24 +148,32 @@ class Scheduler:
     def _validate_request(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        try:
+            self.check_request(ids, params)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+
+    def check_request(self, ids: SequenceOf[int], params: SamplingParams) -> None:
+        """ValueError naming why a request of these prompt ids and params could never be served
+        here (empty prompt, negative ids, longer than max_model_len, stop strings without a
+        detokenizer, more KV than a rank's pool); what ``add_request`` checks, without queueing."""
+        ids = [int(t) for t in ids]
         if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+            raise ValueError("the prompt is empty")
         if min(ids) < 0:
-            raise ValueError(f"request {request_id!r}: negative token id {min(ids)} in the prompt")
+            raise ValueError(f"negative token id {min(ids)} in the prompt")
         max_len = self.config.max_model_len
         if len(ids) > max_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens exceeds max_model_len={max_len}")
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_model_len={max_len}")
         if params.stop and self._decode is None:
-            raise ValueError(f"request {request_id!r}: stop strings need a detokenizer (Scheduler(decode=...))")
+            raise ValueError("stop strings need a detokenizer (Scheduler(decode=...))")
         total = max_len if params.max_tokens is None else min(max_len, len(ids) + params.max_tokens)
         # The last generated token is never fed back, so its KV needs no slot.
         kv_tokens = max(len(ids), total - 1)
         alloc = self.allocators[0]
         if alloc.blocks_needed(kv_tokens) > alloc.num_blocks:
-            raise ValueError(
-                f"request {request_id!r}: needs KV for {kv_tokens} tokens ({alloc.blocks_needed(kv_tokens)} blocks "
-                f"of {alloc.block_size}) but a DP rank's pool has only {alloc.num_blocks} blocks"
-            )
+            raise ValueError(f"needs KV for {kv_tokens} tokens ({alloc.blocks_needed(kv_tokens)} blocks "
+                             f"of {alloc.block_size}) but a DP rank's pool has only {alloc.num_blocks} blocks")
 
     def _pick_rank(self) -> int:
         load = [0] * self.config.dp_size
