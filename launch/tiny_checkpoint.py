@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +24,18 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from launch.paths import output_dir_problem
 from launch.tokenizer import DEFAULT_CHAT_TEMPLATE
-from moe.tiny import ARCHITECTURES, BOS_TOKEN_ID, EOS_TOKEN_ID, SIZES, build_tiny_config, count_parameters
+from moe.config import ModelConfig
+from moe.tiny import (
+    ARCHITECTURES,
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    SIZES,
+    build_tiny_config,
+    compute_checkpoint_shapes,
+    count_parameters,
+)
 from moe.tiny import write_tiny_checkpoint as write_tiny_weights
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
@@ -100,19 +111,95 @@ def make_tiny_checkpoint(
 
     The vocab size in config.json is the trained tokenizer's (512 tiny, 1024 small).
     router_skew / config_overrides: see ``moe.tiny.write_tiny_checkpoint`` (the vocab size
-    cannot be overridden: it is the tokenizer's).
+    cannot be overridden: it is the tokenizer's). Everything is checked before anything is
+    written (ValueError naming the problem); on failure the folders this call created are
+    removed again (a folder that existed before is never removed).
     """
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
     overrides = dict(config_overrides or {})
     if "vocab_size" in overrides:
         raise ValueError("config override 'vocab_size' is not allowed: the vocabulary is the trained tokenizer's")
+    created = check_out_dir(out_dir)
+    config = tiny_config(arch, size, overrides)
     tok = train_tokenizer(TOKENIZER_VOCAB_SIZE[size])
-    out = write_tiny_weights(arch, out_dir, size=size, seed=seed, vocab_size=tok.get_vocab_size(), log=log,
-                             router_skew=router_skew, config_overrides=overrides)
-    max_len = {**build_tiny_config(arch, size=size), **overrides}["max_position_embeddings"]
-    write_tokenizer(out, tok, model_max_length=max_len)
+    try:
+        out = write_tiny_weights(arch, out_dir, size=size, seed=seed, vocab_size=tok.get_vocab_size(), log=log,
+                                 router_skew=router_skew, config_overrides=overrides)
+        write_tokenizer(out, tok, model_max_length=config["max_position_embeddings"])
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     return out
+
+
+def check_out_dir(out_dir: str | Path) -> Path | None:
+    """ValueError unless ``out_dir`` is (or can be created as) a writable directory
+    (``launch.paths.output_dir_problem``). Returns the outermost folder that writing it would
+    create (None when it exists)."""
+    problem = output_dir_problem(out_dir)
+    if problem is not None:
+        raise ValueError(f"--out: {problem}")
+    created = Path(out_dir).absolute()
+    if created.exists():
+        return None
+    while not created.parent.exists():
+        created = created.parent
+    return created
+
+
+# Fields that may be null although the default is not (as in the families' own configs).
+_NULLABLE = frozenset({"q_lora_rank", "rope_scaling", "sliding_window", "n_group", "topk_group"})
+
+
+def _check_override_type(key: str, value: Any, default: Any) -> None:
+    if value is None and (default is None or key in _NULLABLE):
+        return
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        kind = "a non-negative integer"
+    elif isinstance(default, float):
+        ok, kind = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string"
+    elif isinstance(default, list):
+        ok, kind = isinstance(value, list), "a list"
+    elif isinstance(default, dict):
+        ok, kind = isinstance(value, dict), "a mapping"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"config override {key!r} must be {kind}{' or null' if key in _NULLABLE else ''}, "
+                         f"got {json.dumps(value, default=repr)}")
+
+
+def tiny_config(arch: str, size: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The config.json ``make_tiny_checkpoint`` writes, checked: each override is a field of
+    the default config with a value of its type, and the result is a model the runtime
+    accepts (``moe.config.ModelConfig.from_hf``) with no empty tensor. ValueError otherwise."""
+    config = build_tiny_config(arch, size=size, vocab_size=TOKENIZER_VOCAB_SIZE[size])
+    for key, value in overrides.items():
+        if key not in config:
+            raise ValueError(f"config override {key!r} is not a field of the {arch} config.json; "
+                             f"fields: {sorted(config)}")
+        _check_override_type(key, value, config[key])
+    config.update(overrides)
+    given = ", ".join(f"{k}={json.dumps(v, default=repr)}" for k, v in overrides.items())
+    given = f"config override {given} gives" if len(overrides) == 1 else f"config overrides {given} give"
+    try:
+        ModelConfig.from_hf(config)
+        if config["max_position_embeddings"] < 1:
+            raise ValueError("max_position_embeddings must be positive")
+        empty = next(((n, s) for n, s in compute_checkpoint_shapes(config).items() if min(s) < 1), None)
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
+        raise ValueError(f"{given} an invalid {arch} config: {e}") from None
+    if empty is not None:
+        raise ValueError(f"{given} an invalid {arch} config: "
+                         f"tensor {empty[0]} would have the empty shape {list(empty[1])}")
+    return config
 
 
 def parse_config_override(item: str) -> tuple[str, Any]:
@@ -130,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     """``make-tiny``: write a random checkpoint with tokenizer; prints the parameter count."""
     parser = argparse.ArgumentParser(prog="python -m launch make-tiny", description=main.__doc__)
     parser.add_argument("--arch", required=True, choices=ARCHITECTURES)
-    parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--size", default="tiny", choices=SIZES)
     parser.add_argument("--seed", default=0, type=int)
     parser.add_argument("--router-skew", default=0.0, type=float, metavar="S",
@@ -142,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = dict(parse_config_override(item) for item in args.override)
         out = make_tiny_checkpoint(args.arch, args.out, size=args.size, seed=args.seed, log=print,
                                    router_skew=args.router_skew, config_overrides=overrides)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = json.loads((out / "config.json").read_text())

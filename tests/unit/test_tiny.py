@@ -222,3 +222,74 @@ def test_make_tiny_override_flags(tmp_path, capsys):
         assert main(["--arch", "mixtral", "--out", str(tmp_path / "t"), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0]
+
+
+@pytest.mark.parametrize("arch,override,message", [
+    ("deepseek_v3", "hidden_size=abc", "config override 'hidden_size' must be a non-negative integer, got \"abc\""),
+    ("mixtral", "num_local_experts=abc",
+     "config override 'num_local_experts' must be a non-negative integer, got \"abc\""),
+    ("deepseek_v3", "hidden_size=-64", "config override 'hidden_size' must be a non-negative integer, got -64"),
+    ("deepseek_v3", "hidden_size=1.5", "config override 'hidden_size' must be a non-negative integer, got 1.5"),
+    ("deepseek_v3", "q_lora_rank=abc",
+     "config override 'q_lora_rank' must be a non-negative integer or null, got \"abc\""),
+    ("deepseek_v3", "norm_topk_prob=1", "config override 'norm_topk_prob' must be true or false, got 1"),
+    ("deepseek_v3", "hidden_size=0",
+     "config override hidden_size=0 gives an invalid deepseek_v3 config: hidden_size must be positive, got 0"),
+    ("deepseek_v3", "num_hidden_layers=0", "config override num_hidden_layers=0 gives an invalid deepseek_v3 "
+                                           "config: num_hidden_layers must be positive, got 0"),
+    ("deepseek_v3", "n_routed_experts=0", "config override n_routed_experts=0 gives an invalid deepseek_v3 "
+                                          "config: num_experts must be positive, got 0"),
+    ("deepseek_v3", "num_experts_per_tok=100", "config override num_experts_per_tok=100 gives an invalid "
+                                               "deepseek_v3 config: num_experts_per_tok 100 > num_experts 8"),
+    ("deepseek_v3", "intermediate_size=0", "config override intermediate_size=0 gives an invalid deepseek_v3 "
+     "config: tensor model.layers.0.mlp.gate_proj.weight would have the empty shape [0, 64]"),
+    ("mixtral", "max_position_embeddings=0", "config override max_position_embeddings=0 gives an invalid "
+                                             "mixtral config: max_position_embeddings must be positive"),
+])
+def test_make_tiny_refuses_bad_overrides_and_leaves_no_folder(arch, override, message, tmp_path, capsys):
+    from launch.tiny_checkpoint import main
+
+    out = tmp_path / "new" / "ckpt"
+    assert main(["--arch", arch, "--out", str(out), "--override", override]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"error: {message}" and "parameters" not in captured.out
+    assert list(tmp_path.iterdir()) == []
+    existing = tmp_path / "existing"  # a folder that was there before is kept, and stays as it was
+    existing.mkdir()
+    assert main(["--arch", arch, "--out", str(existing), "--override", override]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+    assert existing.is_dir() and list(existing.iterdir()) == []
+
+
+def test_make_tiny_bad_out(tmp_path, capsys, monkeypatch):
+    from launch import tiny_checkpoint
+    from launch.tiny_checkpoint import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    monkeypatch.chdir(tmp_path)
+    for out, message in (("", "--out: an empty path"),
+                         (str(afile), f"--out: {afile} exists and is not a directory"),
+                         (f"{afile}/sub", f"--out: {afile} is not a directory")):
+        assert main(["--arch", "mixtral", "--out", out]) == 2
+        assert capsys.readouterr().err.strip() == f"error: {message}"
+    assert afile.read_text() == "keep me" and [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    # A failure while writing removes the folders this run created, never one that existed before.
+    monkeypatch.setattr(tiny_checkpoint, "write_tokenizer", disk_full)
+    assert main(["--arch", "mixtral", "--out", str(tmp_path / "a" / "b")]) == 2
+    assert capsys.readouterr().err.strip() == "error: [Errno 28] No space left on device"
+    assert not (tmp_path / "a").exists()
+    assert main(["--arch", "mixtral", "--out", str(tmp_path)]) == 2
+    assert afile.read_text() == "keep me"
+
+
+def test_make_tiny_nullable_override_is_accepted(tmp_path):
+    from launch.tiny_checkpoint import make_tiny_checkpoint
+    from moe.config import ModelConfig
+
+    out = make_tiny_checkpoint("deepseek_v3", tmp_path / "v2lite", config_overrides={"q_lora_rank": None})
+    assert ModelConfig.from_hf(out).q_lora_rank is None
