@@ -248,10 +248,20 @@ class ModelConfig:
 # ---- parsing helpers --------------------------------------------------------------------
 
 
+_JSON_TYPES = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
 def _read_raw(path_or_dict: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
     if isinstance(path_or_dict, dict):
         return dict(path_or_dict)
-    path = os.fspath(path_or_dict)
+    return read_config_json(path_or_dict)
+
+
+def read_config_json(path_or_name: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` dict of a checkpoint dir, a config.json file or a shipped model's
+    name; ValueError saying what was expected when it is none of these."""
+    path = os.fspath(path_or_name)
     if not os.path.exists(path):
         shipped = find_model_config(path)
         if shipped is not None:
@@ -264,14 +274,22 @@ def _read_raw(path_or_dict: str | os.PathLike | dict[str, Any]) -> dict[str, Any
         raise ValueError(f"no config.json at {path!r}")
     with open(path, encoding="utf-8") as f:
         try:
-            return json.load(f)
+            raw = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not a model config.json (JSON: {e}); expected a checkpoint directory, "
                              "its config.json, or a model name such as deepseek-ai/DeepSeek-V3") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a model config.json: expected a JSON object, "
+                         f"got {_JSON_TYPES.get(type(raw), type(raw).__name__)}")
+    return raw
 
 
 def _architecture_of(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config field 'architectures' must be a list of class names, got {archs!r}")
     for a in archs:
         if a in ARCHITECTURES:
             return ARCHITECTURES[a]
@@ -284,55 +302,81 @@ def _architecture_of(raw: dict[str, Any]) -> str:
                      f"{sorted(_MODEL_TYPES)}")
 
 
-def _need(raw: dict[str, Any], key: str, *aliases: str) -> Any:
-    """The first present of ``key`` and its aliases (transformers renames some on save)."""
+def _as_int(name: str, value: Any) -> int:
+    """``value`` of config field ``name`` as an int (an integral float is accepted, a bool is not)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ValueError(f"config field {name!r} must be an integer, got {value!r}")
+
+
+def _as_float(name: str, value: Any) -> float:
+    """``value`` of config field ``name`` as a float (a bool or a string is not a number)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"config field {name!r} must be a number, got {value!r}")
+
+
+_REQUIRED: Any = object()
+
+
+def _int(raw: dict[str, Any], key: str, *aliases: str, default: Any = _REQUIRED) -> Any:
+    """The first present (non-null) of ``key`` and its aliases (transformers renames some on
+    save) as an int; ``default`` when none is, or the missing-field error when there is none."""
     for k in (key, *aliases):
         if raw.get(k) is not None:
-            return raw[k]
-    raise ValueError(f"config is missing required field {key!r}")
+            return _as_int(k, raw[k])
+    if default is _REQUIRED:
+        raise ValueError(f"config is missing required field {key!r}")
+    return default
 
 
 def _rope_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ValueError(f"rope_parameters must be a mapping, got {params!r}")
-    theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETA.get(arch, 10000.0)))
+    theta = _as_float("rope_theta", params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETA.get(arch, 10000.0))))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     scaling = None
     if rope_type == "yarn":
         factor = params.get("factor")
-        orig = params.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
+        orig = _as_int("original_max_position_embeddings",
+                       params.get("original_max_position_embeddings", raw.get("max_position_embeddings")))
+        if orig <= 0:
+            raise ValueError(f"rope original_max_position_embeddings must be positive, got {orig}")
         if factor is None:
-            factor = raw["max_position_embeddings"] / orig
+            factor = _int(raw, "max_position_embeddings") / orig
         extra = {k: params[k] for k in _YARN_KEYS[2:] if params.get(k) is not None}
         # transformers treats missing/zero betas as the defaults (``or 32`` / ``or 1``)
         extra["beta_fast"] = float(extra.get("beta_fast") or 32.0)
         extra["beta_slow"] = float(extra.get("beta_slow") or 1.0)
-        scaling = RopeScaling(factor=float(factor), original_max_position_embeddings=int(orig), **extra)
+        scaling = RopeScaling(factor=_as_float("factor", factor), original_max_position_embeddings=orig, **extra)
     elif rope_type != "default":
         problems.append(f"rope type {rope_type!r} (only 'default' and 'yarn' are implemented)")
     if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
         problems.append("partial_rotary_factor != 1")
-    return {"rope_theta": float(theta), "rope_scaling": scaling}
+    return {"rope_theta": theta, "rope_scaling": scaling}
 
 
 def _common_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
     eos = raw.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    eos_ids = () if eos is None else tuple(_as_int("eos_token_id", e) for e in (eos if isinstance(eos, list) else [eos]))
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act {act!r} (only 'silu' is implemented)")
     if raw.get("quantization_config") is not None:
-        method = raw["quantization_config"].get("quant_method", "?")
+        quant = raw["quantization_config"]
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         problems.append(f"quantization_config ({method}) is not implemented")
     dtype = raw.get("dtype", raw.get("torch_dtype"))
     out = dict(
-        vocab_size=int(_need(raw, "vocab_size")),
-        hidden_size=int(_need(raw, "hidden_size")),
-        num_hidden_layers=int(_need(raw, "num_hidden_layers")),
-        num_attention_heads=int(_need(raw, "num_attention_heads")),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5 if arch == "mixtral" else 1e-6)),
+        vocab_size=_int(raw, "vocab_size"),
+        hidden_size=_int(raw, "hidden_size"),
+        num_hidden_layers=_int(raw, "num_hidden_layers"),
+        num_attention_heads=_int(raw, "num_attention_heads"),
+        max_position_embeddings=_int(raw, "max_position_embeddings", default=4096),
+        rms_norm_eps=_as_float("rms_norm_eps", raw.get("rms_norm_eps", 1e-5 if arch == "mixtral" else 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         hidden_act=act,
         eos_token_ids=eos_ids,
@@ -345,7 +389,7 @@ def _common_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[
 
 
 def _deepseek_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
-    heads = int(raw["num_attention_heads"])
+    heads = _int(raw, "num_attention_heads")
     v3 = arch == "deepseek_v3"
     scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
     method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
@@ -358,30 +402,30 @@ def _deepseek_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dic
     grouped = method in ("noaux_tc", "group_limited_greedy")
     if raw.get("mlp_bias"):
         problems.append("mlp_bias=True is not implemented")
-    nope, rope = int(_need(raw, "qk_nope_head_dim")), int(_need(raw, "qk_rope_head_dim"))
+    nope, rope = _int(raw, "qk_nope_head_dim"), _int(raw, "qk_rope_head_dim")
     return dict(
         attention="mla",
         num_key_value_heads=heads,
         head_dim=nope + rope,
-        q_lora_rank=None if raw.get("q_lora_rank") is None else int(raw["q_lora_rank"]),
-        kv_lora_rank=int(_need(raw, "kv_lora_rank")),
+        q_lora_rank=_int(raw, "q_lora_rank", default=None),
+        kv_lora_rank=_int(raw, "kv_lora_rank"),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
-        v_head_dim=int(_need(raw, "v_head_dim")),
-        intermediate_size=int(_need(raw, "intermediate_size")),
-        moe_intermediate_size=int(_need(raw, "moe_intermediate_size")),
-        num_experts=int(_need(raw, "n_routed_experts", "num_local_experts", "num_experts")),
-        num_experts_per_tok=int(_need(raw, "num_experts_per_tok")),
-        num_shared_experts=int(raw.get("n_shared_experts") or 0),
-        n_group=int(raw.get("n_group") or 1) if grouped else 1,
-        topk_group=int(raw.get("topk_group") or 1) if grouped else 1,
+        v_head_dim=_int(raw, "v_head_dim"),
+        intermediate_size=_int(raw, "intermediate_size"),
+        moe_intermediate_size=_int(raw, "moe_intermediate_size"),
+        num_experts=_int(raw, "n_routed_experts", "num_local_experts", "num_experts"),
+        num_experts_per_tok=_int(raw, "num_experts_per_tok"),
+        num_shared_experts=_int(raw, "n_shared_experts", default=0),
+        n_group=(_int(raw, "n_group", default=1) or 1) if grouped else 1,
+        topk_group=(_int(raw, "topk_group", default=1) or 1) if grouped else 1,
         scoring_func=scoring,
         topk_method=method,
         # transformers' DeepseekV2 router never renormalises the top-k weights
         norm_topk_prob=bool(raw.get("norm_topk_prob", v3)) if v3 else False,
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
-        first_k_dense_replace=int(raw.get("first_k_dense_replace", 3 if v3 else 0) or 0),
-        moe_layer_freq=int(raw.get("moe_layer_freq", 1) or 1),
+        routed_scaling_factor=_as_float("routed_scaling_factor", raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+        first_k_dense_replace=_int(raw, "first_k_dense_replace", default=3 if v3 else 0),
+        moe_layer_freq=_int(raw, "moe_layer_freq", default=1) or 1,
         # V3's interleave is a flag; V2's checkpoints are always in the interleaved-pair layout
         rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
         attention_bias=bool(raw.get("attention_bias", False)),
@@ -400,21 +444,22 @@ def _sliding_window(raw: dict[str, Any], enabled: bool, problems: list[str]) -> 
 
 
 def _gqa_common(raw: dict[str, Any]) -> dict[str, Any]:
-    heads = int(raw["num_attention_heads"])
-    kv = raw.get("num_key_value_heads") or heads
+    heads = _int(raw, "num_attention_heads")
+    # heads <= 0: leave head_dim 0 for __post_init__ to name num_attention_heads
+    derived = _int(raw, "hidden_size") // heads if heads > 0 else 0
     return dict(
         attention="gqa",
-        num_key_value_heads=int(kv),
-        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
-        num_experts_per_tok=int(_need(raw, "num_experts_per_tok")),
+        num_key_value_heads=_int(raw, "num_key_value_heads", default=0) or heads,
+        head_dim=_int(raw, "head_dim", default=0) or derived,
+        num_experts_per_tok=_int(raw, "num_experts_per_tok"),
     )
 
 
 def _mixtral_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-    inter = int(_need(raw, "intermediate_size"))
+    inter = _int(raw, "intermediate_size")
     out = _gqa_common(raw)
     out.update(intermediate_size=inter, moe_intermediate_size=inter,
-               num_experts=int(_need(raw, "num_local_experts", "num_experts")), norm_topk_prob=True,
+               num_experts=_int(raw, "num_local_experts", "num_experts"), norm_topk_prob=True,
                sliding_window=_sliding_window(raw, True, problems))
     return out
 
@@ -422,14 +467,21 @@ def _mixtral_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
 def _qwen3_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     out = _gqa_common(raw)
     out.update(
-        intermediate_size=int(_need(raw, "intermediate_size")),
-        moe_intermediate_size=int(_need(raw, "moe_intermediate_size")),
-        num_experts=int(_need(raw, "num_experts", "num_local_experts")),
+        intermediate_size=_int(raw, "intermediate_size"),
+        moe_intermediate_size=_int(raw, "moe_intermediate_size"),
+        num_experts=_int(raw, "num_experts", "num_local_experts"),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        mlp_only_layers=tuple(int(i) for i in (raw.get("mlp_only_layers") or ())),
-        decoder_sparse_step=int(raw.get("decoder_sparse_step", 1) or 1),
+        mlp_only_layers=_mlp_only_layers(raw),
+        decoder_sparse_step=_int(raw, "decoder_sparse_step", default=1) or 1,
         qk_norm=True,
         attention_bias=bool(raw.get("attention_bias", False)),
         sliding_window=_sliding_window(raw, bool(raw.get("use_sliding_window", False)), problems),
     )
     return out
+
+
+def _mlp_only_layers(raw: dict[str, Any]) -> tuple[int, ...]:
+    layers = raw.get("mlp_only_layers") or ()
+    if not isinstance(layers, list | tuple):
+        raise ValueError(f"config field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
+    return tuple(_as_int("mlp_only_layers", i) for i in layers)

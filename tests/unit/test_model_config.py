@@ -127,6 +127,50 @@ def test_invalid_shapes_raise() -> None:
         ModelConfig.from_hf({k: v for k, v in MIXTRAL_8X7B.items() if k != "hidden_size"})
 
 
+@pytest.mark.parametrize(("top", "kind"), [([1, 2], "a list"), ("x", "a string"), (7, "a number"), (None, "null")])
+def test_config_json_that_is_not_an_object_is_named(tmp_path: Path, top: object, kind: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(top))
+    for arg in (path, tmp_path):
+        with pytest.raises(ValueError) as e:
+            ModelConfig.from_hf(arg)
+        assert str(e.value) == f"{path} is not a model config.json: expected a JSON object, got {kind}"
+
+
+@pytest.mark.parametrize("base", [MIXTRAL_8X7B, QWEN3_30B_A3B, DEEPSEEK_V2_LITE], ids=["mixtral", "qwen3", "v2"])
+def test_zero_heads_is_the_positive_error_not_a_division(base: dict) -> None:
+    raw = {k: v for k, v in base.items() if k != "head_dim"}  # head_dim derived from hidden_size / heads
+    with pytest.raises(ValueError, match=r"^num_attention_heads must be positive, got 0$"):
+        ModelConfig.from_hf(dict(raw, num_attention_heads=0))
+
+
+def test_a_single_architecture_string_is_a_one_element_list() -> None:
+    assert ModelConfig.from_hf(dict(MIXTRAL_8X7B, architectures="MixtralForCausalLM")) == \
+        ModelConfig.from_hf(MIXTRAL_8X7B)
+    with pytest.raises(ValueError, match="'architectures' must be a list of class names, got 5"):
+        ModelConfig.from_hf(dict(MIXTRAL_8X7B, architectures=5))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(hidden_size="abc"), "config field 'hidden_size' must be an integer, got 'abc'"),
+    (dict(num_hidden_layers=2.5), "config field 'num_hidden_layers' must be an integer, got 2.5"),
+    (dict(num_hidden_layers=True), "config field 'num_hidden_layers' must be an integer, got True"),
+    (dict(num_local_experts="8"), "config field 'num_local_experts' must be an integer, got '8'"),
+    (dict(head_dim=[128]), "config field 'head_dim' must be an integer, got [128]"),
+    (dict(eos_token_id=[2, "x"]), "config field 'eos_token_id' must be an integer, got 'x'"),
+    (dict(rms_norm_eps="tiny"), "config field 'rms_norm_eps' must be a number, got 'tiny'"),
+])
+def test_integer_fields_are_checked_and_named(change: dict, message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf(dict(MIXTRAL_8X7B, **change))
+    assert str(e.value) == message
+
+
+def test_integral_floats_are_integers() -> None:
+    cfg = ModelConfig.from_hf(dict(MIXTRAL_8X7B, num_hidden_layers=32.0, hidden_size=4096.0))
+    assert cfg == ModelConfig.from_hf(MIXTRAL_8X7B) and type(cfg.num_hidden_layers) is int
+
+
 def test_frozen_and_reads_directory(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
     cfg = ModelConfig.from_hf(tmp_path)
