@@ -21,13 +21,18 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launch.core.kv_sizing import KVSizing, compute_kv_sizing
 from moe.config import ModelConfig
 
+if TYPE_CHECKING:
+    from launch.config import RuntimeConfig
+
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _WEIGHT_DTYPE_BYTES = {**_DTYPE_BYTES, "fp8": 1}
 _GIB = 1024**3
+EXIT_USAGE = 2  # bad input, as across the CLI (launch.cli.EXIT_USAGE)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -55,14 +60,21 @@ def _is_runtime_config(path: Path) -> bool:
     return path.is_file() and path.suffix in (".yaml", ".yml")
 
 
-def _apply_runtime_config(args: argparse.Namespace) -> None:
-    """Fill unset flags from a runtime config YAML named by --model, and point --model at its model."""
+def model_runtime_config(model: str) -> RuntimeConfig | None:
+    """The runtime config a ``--model`` argument names (a .yaml / .yml file), else None;
+    ValueError saying what ``--model`` takes when the YAML is not a runtime config."""
+    if not _is_runtime_config(Path(model)):
+        return None
     from launch.config import ConfigError, load_runtime_config
 
     try:
-        cfg = load_runtime_config(args.model)
+        return load_runtime_config(model)
     except ConfigError as e:
-        raise ValueError(f"{args.model} is not a runtime config ({e}); {EXPECTED}") from None
+        raise ValueError(f"{model} is not a runtime config ({e}); {EXPECTED}") from None
+
+
+def _apply_runtime_config(args: argparse.Namespace, cfg: RuntimeConfig) -> None:
+    """Fill unset flags from the runtime config named by --model, and point --model at its model."""
     p, e, b = cfg.parallel, cfg.engine, cfg.balancer
     args.model = cfg.model
     defaults = {"tensor_parallel_size": p.tensor_parallel_size, "expert_parallel_size": p.expert_parallel_size,
@@ -97,6 +109,23 @@ def _fill_defaults(args: argparse.Namespace) -> None:
                         ("kv_cache_dtype", "auto"), ("memory_utilization", 0.9), ("block_size", 16)):
         if getattr(args, name) is None:
             setattr(args, name, value)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse sizes no deployment has (flags, or the runtime config's values)."""
+    for name in ("tensor_parallel_size", "expert_parallel_size", "block_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+    if args.num_redundant_experts < 0:
+        raise ValueError(f"num_redundant_experts must be >= 0, got {args.num_redundant_experts}")
+    if not 0.0 < args.memory_utilization <= 1.0:
+        raise ValueError(f"memory_utilization must be in (0, 1], got {args.memory_utilization}")
+
+
+def _check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """TP splits the attention heads (MLA's too): the runtime needs tp to divide them."""
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide num_attention_heads {cfg.num_attention_heads}")
 
 
 def _ep_weight_bytes(cfg: ModelConfig, args: argparse.Namespace) -> int | None:
@@ -147,10 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     model_arg = args.model
     try:
-        if _is_runtime_config(Path(args.model)):
-            _apply_runtime_config(args)
+        runtime_config = model_runtime_config(args.model)
+        if runtime_config is not None:
+            _apply_runtime_config(args, runtime_config)
         _fill_defaults(args)
+        _check_args(args)
         cfg = _model_config(args.model)
+        _check_tensor_parallel(cfg, args.tensor_parallel_size)
         sizing = compute_kv_sizing(
             cfg, memory_bytes=args.memory, kv_cache_dtype=args.kv_cache_dtype,
             dtype_bytes=_DTYPE_BYTES[args.dtype],
@@ -162,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks = sizing.num_blocks(args.block_size)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: kvcalc {model_arg}: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     if args.json:
         print(json.dumps({"model": args.model, "architecture": cfg.architecture, "attention": cfg.attention,
                           "num_parameters": cfg.num_parameters(), "num_blocks": blocks,

@@ -146,9 +146,12 @@ def compute_kv_sizing(
         weights = int(weight_bytes_per_rank)
     budget = int(memory * memory_utilization) - weights - reserved
     if budget <= 0:
+        gib = 1024**3
+        held = f" and {reserved / gib:,.2f} GiB reserved" if reserved else ""
         raise ValueError(
-            f"no room for the KV cache: {memory_utilization:.2f} x {memory} B of memory minus "
-            f"{weights} B of weights per rank (tp={tp}) minus {reserved} B reserved is {budget} B"
+            f"no room for the KV cache: the weights take {weights / gib:,.2f} GiB per rank (tp={tp}){held} of "
+            f"{memory_utilization:g} x {memory / gib:,.2f} GiB = {memory * memory_utilization / gib:,.2f} GiB "
+            f"usable; KV needs {per_token:,} B per token (all layers) on top"
         )
     max_tokens = budget // per_rank
     return KVSizing(

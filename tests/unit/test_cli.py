@@ -100,10 +100,10 @@ def test_kvcalc_mixtral_gqa_and_errors(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["kv_bytes_per_token"] == 131072 and out["attention"] == "gqa"
     assert out["max_model_len"] == 32768
-    assert cli.main(["kvcalc", "--model", str(d), "--memory", "8GiB"]) == 1  # 93 GB of weights do not fit
+    assert cli.main(["kvcalc", "--model", str(d), "--memory", "8GiB"]) == 2  # 93 GB of weights do not fit
     err = capsys.readouterr().err
     assert "error: kvcalc" in err and "no room for the KV cache" in err
-    assert cli.main(["kvcalc", "--model", str(tmp_path / "missing")]) == 1
+    assert cli.main(["kvcalc", "--model", str(tmp_path / "missing")]) == 2
     assert "error: kvcalc" in capsys.readouterr().err
 
 

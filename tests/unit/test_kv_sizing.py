@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from launch.core.kv_sizing import compute_kv_sizing, parse_memory
@@ -97,3 +99,62 @@ def test_parse_memory(text, expected):
 def test_parse_memory_rejects(bad):
     with pytest.raises(ValueError, match="memory"):
         parse_memory(bad)
+
+
+def _kvcalc_error(capsys, *argv: str) -> str:
+    """kvcalc's stderr for bad input: one line, exit code 2, no traceback."""
+    from launch.kvcalc import main as kvcalc
+
+    assert kvcalc(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return err.rstrip("\n")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-ep", "0"], "expert_parallel_size must be >= 1, got 0"),
+    (["-ep", "-4"], "expert_parallel_size must be >= 1, got -4"),
+    (["-tp", "0"], "tensor_parallel_size must be >= 1, got 0"),
+    (["-tp", "3"], "tensor_parallel_size 3 does not divide num_attention_heads 128"),  # MLA splits heads too
+    (["--num-redundant-experts", "-1", "-ep", "8"], "num_redundant_experts must be >= 0, got -1"),
+    (["--gpu-memory-utilization", "0"], "memory_utilization must be in (0, 1], got 0.0"),
+    ([], "no room for the KV cache: the weights take 1,249.88 GiB per rank (tp=1) of 0.9 x 80.00 GiB = 72.00 GiB "
+         "usable; KV needs 70,272 B per token (all layers) on top"),
+])
+def test_kvcalc_bad_sizes_are_one_line_exit_2(capsys, argv, message):
+    assert _kvcalc_error(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--memory", "80GiB", *argv) == \
+        f"error: kvcalc deepseek-ai/DeepSeek-V3: {message}"
+
+
+def test_kvcalc_tp_must_divide_the_heads_for_gqa_too(capsys):
+    assert _kvcalc_error(capsys, "--model", "mistralai/Mixtral-8x7B-v0.1", "-tp", "3") == \
+        "error: kvcalc mistralai/Mixtral-8x7B-v0.1: tensor_parallel_size 3 does not divide num_attention_heads 32"
+
+
+@pytest.mark.parametrize(("top", "kind"), [([1, 2], "a list"), ("DeepseekV3ForCausalLM", "a string")])
+def test_kvcalc_config_json_that_is_not_an_object(tmp_path, capsys, top, kind):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(top))
+    assert _kvcalc_error(capsys, "--model", str(path)) == \
+        f"error: kvcalc {path}: {path} is not a model config.json: expected a JSON object, got {kind}"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_attention_heads": 0}, "num_attention_heads must be positive, got 0"),
+    ({"hidden_size": "abc"}, "config field 'hidden_size' must be an integer, got 'abc'"),
+    ({"num_hidden_layers": 2.5}, "config field 'num_hidden_layers' must be an integer, got 2.5"),
+])
+def test_kvcalc_bad_config_fields(tmp_path, capsys, change, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MIX, **change}))
+    assert _kvcalc_error(capsys, "--model", str(path)) == f"error: kvcalc {path}: {message}"
+
+
+def test_kvcalc_accepts_an_architectures_string(tmp_path, capsys):
+    from launch.kvcalc import main as kvcalc
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**V3, "architectures": "DeepseekV3ForCausalLM"}))
+    assert kvcalc(["--model", str(path), "--memory", "141GiB", "-tp", "16", "--weight-dtype", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["architecture"] == "deepseek_v3" and out["kv_bytes_per_token"] == 70_272

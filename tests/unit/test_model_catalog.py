@@ -74,7 +74,7 @@ def test_kvcalc_flags_override_the_runtime_config(capsys):
 @pytest.mark.parametrize("path", ["README.md", "configs/hardware/h100.yaml"])
 def test_kvcalc_names_what_it_expected_for_other_files(capsys, path):
     root = Path(__file__).resolve().parents[2]
-    assert kvcalc(["--model", str(root / path)]) == 1
+    assert kvcalc(["--model", str(root / path)]) == 2
     err = capsys.readouterr().err
     assert "expected a checkpoint directory, its config.json, a runtime config YAML" in err
     assert "Traceback" not in err
