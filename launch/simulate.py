@@ -2,7 +2,7 @@
 
     python -m launch simulate --config CONFIG.yaml --hardware h800 [--input-len N --output-len N
         --prefix-hit-rate R] [--batch-size B] [--kv-len N] [--two-batch-overlap] [--json OUT]
-    python -m launch simulate --search --model deepseek-ai/DeepSeek-V3 --cluster 4x8xH100
+    python -m launch simulate --search --model deepseek-ai/DeepSeek-V3|CONFIG.yaml --cluster 4x8xH100
         --slo ttft_ms=1000,tpot_ms=50 [--input-len N --output-len N] [--top 5] [--json OUT]
     python -m launch simulate calibrate --out FILE        (this machine; see launch.calibrate)
 
@@ -12,7 +12,8 @@ DP rank (default ``engine.max_num_seqs``, capped by the KV tokens that fit) at a
 ``engine.max_num_batched_tokens`` new tokens per DP rank from prompts of ``--input-len``
 tokens whose first ``--prefix-hit-rate`` share is cached. Per-node throughput counts every
 input token, cache hits included (as DeepSeek's figures do). The second form ranks layouts
-by goodput per GPU (``parallel.costmodel.search``). The arithmetic is
+by goodput per GPU (``parallel.costmodel.search``); its ``--model`` may also be a runtime
+config YAML, whose model (and ``model_overrides``) it then searches. The arithmetic is
 ``parallel.costmodel``; the hardware is ``configs/hardware/NAME.yaml`` or a file.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -30,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from launch.config import ConfigError, load_runtime_config
-from launch.hardware import deployment_from_config, load_hardware, model_raw_config, stored_weight_dtype
-from moe.config import ModelConfig
+from launch.hardware import deployment_from_config, load_hardware, stored_weight_dtype
+from launch.kvcalc import model_runtime_config
+from moe.config import ModelConfig, read_config_json
 from parallel.costmodel import Deployment, Hardware, predict_point
 from parallel.costmodel.search import SLO, Candidate, search_layouts
 
@@ -47,8 +50,8 @@ def parse_slo(text: str) -> SLO:
             values[key] = float(value)
         except ValueError:
             raise ValueError(f"--slo {key}: {value!r} is not a number") from None
-        if values[key] <= 0:
-            raise ValueError(f"--slo {key} must be positive, got {value}")
+        if not math.isfinite(values[key]) or values[key] <= 0:
+            raise ValueError(f"--slo {key} must be a positive number of ms, got {value}")
     return SLO(**values)
 
 
@@ -68,7 +71,13 @@ def load_expert_load(path: str) -> np.ndarray:
         arr = np.load(p)
     else:
         data = json.loads(p.read_text())
-        arr = np.asarray(data.get("logical_count", data) if isinstance(data, dict) else data, dtype=np.float64)
+        if isinstance(data, dict) and "logical_count" not in data:
+            raise ValueError(f"{path}: expected an [L, E] array or a dump with 'logical_count', got an object "
+                             f"with keys {sorted(data)[:5]}")
+        try:
+            arr = np.asarray(data["logical_count"] if isinstance(data, dict) else data, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: expected an [L, E] array of numbers") from None
     if arr.ndim == 3:
         arr = arr.sum(0)
     if arr.ndim != 2:
@@ -84,7 +93,7 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
     """The first form's report (a JSON-able dict)."""
     cfg = load_runtime_config(args.config, overrides=args.set)
     model_name = args.model or cfg.model
-    raw = model_raw_config(model_name, cfg.model_overrides)
+    raw = _model_raw(model_name, cfg.model_overrides)
     model = ModelConfig.from_hf(raw, strict=False)
     cfg.validate_for_model(model)
     hw = load_hardware(args.hardware)
@@ -92,7 +101,7 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
                                  enable_two_batch_overlap=args.two_batch_overlap, dispatch_dtype=args.dispatch_dtype)
     prefix = int(round(args.input_len * args.prefix_hit_rate))
     prefix = min(prefix, args.input_len - 1)
-    kv_len = args.kv_len or args.input_len + args.output_len // 2
+    kv_len = args.kv_len if args.kv_len is not None else args.input_len + args.output_len // 2
     expert_load = load_expert_load(args.expert_load) if args.expert_load else None
     pred = predict_point(model, dep, hw, batch_size=args.batch_size or dep.max_num_seqs, kv_len=kv_len,
                          prompt_len=args.input_len, prefix_len=prefix, prefill_tokens=dep.max_num_batched_tokens,
@@ -116,6 +125,12 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_input_tokens_per_s_per_node": prefill_tps,
         "decode_output_tokens_per_s_per_node": decode_tps,
     }
+
+
+def _model_raw(model: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict of a checkpoint dir / config.json / shipped model name (a JSON
+    object, else ValueError saying what was expected), with ``model_overrides`` on top."""
+    return {**read_config_json(model), **(overrides or {})}
 
 
 def _weight_dtype(args: argparse.Namespace, raw: dict[str, Any], engine_dtype: str, model: ModelConfig) -> str | None:
@@ -152,8 +167,11 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
 
 def run_search(args: argparse.Namespace) -> dict[str, Any]:
     if not args.model or not args.cluster:
-        raise ValueError("--search needs --model (a config.json, checkpoint or model name) and --cluster NxGxHW")
-    raw = model_raw_config(args.model)
+        raise ValueError("--search needs --model (a config.json, checkpoint, model name or runtime config YAML) "
+                         "and --cluster NxGxHW")
+    runtime = model_runtime_config(args.model)
+    model_name = runtime.model if runtime is not None else args.model
+    raw = _model_raw(model_name, runtime.model_overrides if runtime is not None else None)
     model = ModelConfig.from_hf(raw, strict=False)
     nodes, gpus, hw = parse_cluster(args.cluster)
     slo = parse_slo(args.slo or "")
@@ -165,8 +183,9 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
     prefix = min(int(round(args.input_len * args.prefix_hit_rate)), args.input_len - 1)
     started = time.perf_counter()
     ranked = search_layouts(model, hw, num_nodes=nodes, gpus_per_node=gpus, slo=slo, input_len=args.input_len,
-                            output_len=args.output_len, prefix_len=prefix, base=base, load_skew=args.load_skew)
-    return {"model": args.model, "cluster": args.cluster, "slo": asdict(slo), "input_len": args.input_len,
+                            output_len=args.output_len, prefix_len=prefix, base=base, load_skew=args.load_skew,
+                            progress=not args.no_progress)
+    return {"model": model_name, "cluster": args.cluster, "slo": asdict(slo), "input_len": args.input_len,
             "output_len": args.output_len, "seconds": time.perf_counter() - started,
             "num_layouts": len(ranked), "ranked": [_candidate_json(c) for c in ranked]}
 
@@ -192,11 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="runtime config YAML to predict")
     p.add_argument("--hardware", default=None, help="h800 | h100 | h200 | b200 or a hardware YAML (calibrate's)")
-    p.add_argument("--model", help="model for --search (config.json, checkpoint dir or name); overrides --config's")
+    p.add_argument("--model", help="model for --search (config.json, checkpoint dir, name or runtime config YAML); "
+                   "overrides --config's")
     p.add_argument("--search", action="store_true", help="rank layouts on --cluster under --slo")
     p.add_argument("--cluster", help="NODESxGPUSxHARDWARE, e.g. 4x8xH100")
     p.add_argument("--slo", default="", help="ttft_ms=MS,tpot_ms=MS")
-    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--top", type=int, default=5, help="layouts to print (--search)")
     p.add_argument("--input-len", type=int, default=2000)
     p.add_argument("--output-len", type=int, default=500)
     p.add_argument("--prefix-hit-rate", type=float, default=0.0)
@@ -212,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-skew", type=float, default=0.0, help="synthetic Zipf skew when no --expert-load")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar for a long --search")
     return p
 
 
@@ -222,6 +243,12 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefix-hit-rate must be in [0, 1), got {args.prefix_hit_rate}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
+    if args.kv_len is not None and args.kv_len < 1:
+        raise ValueError(f"--kv-len must be >= 1, got {args.kv_len}")
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    if not math.isfinite(args.load_skew) or args.load_skew < 0:
+        raise ValueError(f"--load-skew must be a finite number >= 0, got {args.load_skew}")
     if not args.search and (not args.config or not args.hardware):
         raise ValueError("give --config CONFIG.yaml and --hardware NAME|FILE (or --search --model ... --cluster ...)")
 

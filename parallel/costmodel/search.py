@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
+from tqdm import tqdm
+
 from moe.config import ModelConfig
 from parallel.costmodel.deployment import Deployment
 from parallel.costmodel.experts import RankLoad
@@ -120,12 +122,14 @@ def evaluate(cfg: ModelConfig, dep: Deployment, hw: Hardware, slo: SLO, *, input
 
 def search_layouts(cfg: ModelConfig, hw: Hardware, *, num_nodes: int, gpus_per_node: int, slo: SLO,
                    input_len: int, output_len: int, prefix_len: int = 0, base: Deployment | None = None,
-                   load_skew: float = 0.0) -> list[Candidate]:
-    """Every enumerated layout evaluated, best goodput per GPU first (infeasible last)."""
+                   load_skew: float = 0.0, progress: bool = False) -> list[Candidate]:
+    """Every enumerated layout evaluated, best goodput per GPU first (infeasible last).
+    progress: a bar on stderr once the search has run for a second."""
     base = base or Deployment()
     cache: dict[tuple, RankLoad | None] = {}
     out = []
-    for dep in enumerate_layouts(cfg, num_nodes, gpus_per_node, base):
+    layouts = enumerate_layouts(cfg, num_nodes, gpus_per_node, base)
+    for dep in tqdm(layouts, desc="searching layouts", unit="layout", delay=1.0, disable=not progress):
         key = (dep.ep, dep.num_redundant_experts, dep.ranks_per_node, dep.enable_eplb)
         if key not in cache:
             cache[key] = build_rank_load(cfg, dep, load_skew=load_skew)

@@ -67,6 +67,79 @@ def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, message):
     assert message in err and "Traceback" not in err and err.count("\n") == 1
 
 
+MIXTRAL_SEARCH = ["--search", "--model", "mistralai/Mixtral-8x7B-v0.1", "--cluster", "1x8xH100"]
+MIXTRAL_CONFIG = ["--config", "configs/mixtral-8x7b-ep8.yaml", "--hardware", "h100"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([*MIXTRAL_CONFIG, "--kv-len", "0"], "--kv-len must be >= 1, got 0"),
+    ([*MIXTRAL_CONFIG, "--kv-len", "-10"], "--kv-len must be >= 1, got -10"),
+    ([*MIXTRAL_CONFIG, "--load-skew", "nan"], "--load-skew must be a finite number >= 0, got nan"),
+    (["--config", "/tmp", "--hardware", "h100"], "config file /tmp is a directory, not a YAML file"),
+    ([*MIXTRAL_SEARCH, "--top", "0"], "--top must be >= 1, got 0"),
+    ([*MIXTRAL_SEARCH, "--top", "-1"], "--top must be >= 1, got -1"),
+    ([*MIXTRAL_SEARCH, "--slo", "ttft_ms=nan"], "--slo ttft_ms must be a positive number of ms, got nan"),
+    ([*MIXTRAL_SEARCH, "--slo", "tpot_ms=inf"], "--slo tpot_ms must be a positive number of ms, got inf"),
+    (["--search", "--model", "configs/hardware/h100.yaml", "--cluster", "1x8xH100"],
+     "configs/hardware/h100.yaml is not a runtime config (unknown config key 'name'; valid keys: ['balancer', "
+     "'engine', 'model', 'model_overrides', 'moe', 'parallel', 'recovery', 'server']); expected a checkpoint "
+     "directory, its config.json, a runtime config YAML (configs/*.yaml) or a model name such as "
+     "deepseek-ai/DeepSeek-V3"),
+])
+def test_bad_values_are_refused_by_name(capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(ROOT)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"error: simulate: {message}\n"
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"a": 1}, "expected an [L, E] array or a dump with 'logical_count', got an object with keys ['a']"),
+    ([[1, "x"]], "expected an [L, E] array of numbers"),
+    ([1, 2], "expected an [L, E] (or [steps, L, E]) array, got shape (2,)"),
+])
+def test_bad_expert_load_files_are_named(tmp_path, capsys, monkeypatch, data, message):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(data))
+    assert main([*MIXTRAL_CONFIG, "--expert-load", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: simulate: {path}: {message}\n"
+
+
+def test_search_model_that_is_not_a_config_object(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text("[1, 2]")
+    assert main(["--search", "--model", str(path), "--cluster", "1x8xH100"]) == 2
+    assert capsys.readouterr().err == \
+        f"error: simulate: {path} is not a model config.json: expected a JSON object, got a list\n"
+
+
+def test_search_takes_a_runtime_config_as_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "r.json"
+    assert main(["--search", "--model", "configs/mixtral-8x7b-ep8.yaml", "--cluster", "1x8xH100", "--slo",
+                 "ttft_ms=1000,tpot_ms=200", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "mistralai/Mixtral-8x7B-Instruct-v0.1" and report["num_layouts"] == 20
+    assert capsys.readouterr().out.startswith("mistralai/Mixtral-8x7B-Instruct-v0.1 on 1x8xH100")
+
+
+@pytest.mark.parametrize(("flags", "progress"), [([], True), (["--no-progress"], False)])
+def test_search_shows_progress_unless_asked_not_to(monkeypatch, capsys, flags, progress):
+    import launch.simulate as simulate
+
+    seen = []
+    monkeypatch.setattr(simulate, "search_layouts", lambda *a, **kw: seen.append(kw["progress"]) or [])
+    assert main([*MIXTRAL_SEARCH, *flags]) == 0
+    assert seen == [progress]
+
+
+def test_search_progress_bar_waits_a_second(capsys):
+    mixtral = ModelConfig.from_hf("mistralai/Mixtral-8x7B-v0.1", strict=False)
+    search_layouts(mixtral, load_hardware("h100"), num_nodes=1, gpus_per_node=8, slo=SLO(), input_len=100,
+                   output_len=10, progress=True)
+    assert capsys.readouterr().err == ""  # a fast search stays quiet
+
+
 def test_slo_and_cluster_parsing():
     assert parse_slo("ttft_ms=1000,tpot_ms=50") == SLO(1000.0, 50.0)
     assert parse_slo("") == SLO()
