@@ -16,8 +16,7 @@ import yaml
 
 from launch.config import RuntimeConfig
 from launch.config_schema import ConfigError, load_yaml_text
-from moe.config import ModelConfig
-from moe.model_catalog import find_model_config
+from moe.config import ModelConfig, read_config_json
 from parallel.costmodel import Deployment, Hardware
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
@@ -61,20 +60,10 @@ def save_hardware(hw: Hardware, path: str | Path) -> None:
 
 
 def model_raw_config(model: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config.json dict of a checkpoint dir / config.json / shipped model name, with
+    """The config.json dict of a checkpoint dir / config.json / shipped model name
+    (``moe.config.read_config_json``: ValueError saying what was expected otherwise), with
     ``model_overrides`` applied on top."""
-    path = Path(model)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
-        raw = json.loads(path.read_text())
-    else:
-        raw = find_model_config(model)
-        if raw is None:
-            ModelConfig.from_hf(model, strict=False)  # raises the error listing the shipped names
-            raise ValueError(f"model {model!r} not found")
-    raw.update(overrides or {})
-    return raw
+    return {**read_config_json(model), **(overrides or {})}
 
 
 def stored_weight_dtype(raw: dict[str, Any], compute_dtype: str) -> str:

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from launch.config import ConfigError, load_runtime_config
-from launch.hardware import deployment_from_config, load_hardware, stored_weight_dtype
+from launch.hardware import deployment_from_config, load_hardware, model_raw_config, stored_weight_dtype
 from launch.kvcalc import model_runtime_config
-from moe.config import ModelConfig, read_config_json
+from moe.config import ModelConfig
 from parallel.costmodel import Deployment, Hardware, predict_point
 from parallel.costmodel.search import SLO, Candidate, search_layouts
 
@@ -93,7 +93,7 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
     """The first form's report (a JSON-able dict)."""
     cfg = load_runtime_config(args.config, overrides=args.set)
     model_name = args.model or cfg.model
-    raw = _model_raw(model_name, cfg.model_overrides)
+    raw = model_raw_config(model_name, cfg.model_overrides)
     model = ModelConfig.from_hf(raw, strict=False)
     cfg.validate_for_model(model)
     hw = load_hardware(args.hardware)
@@ -125,12 +125,6 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_input_tokens_per_s_per_node": prefill_tps,
         "decode_output_tokens_per_s_per_node": decode_tps,
     }
-
-
-def _model_raw(model: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config.json dict of a checkpoint dir / config.json / shipped model name (a JSON
-    object, else ValueError saying what was expected), with ``model_overrides`` on top."""
-    return {**read_config_json(model), **(overrides or {})}
 
 
 def _weight_dtype(args: argparse.Namespace, raw: dict[str, Any], engine_dtype: str, model: ModelConfig) -> str | None:
@@ -171,7 +165,7 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
                          "and --cluster NxGxHW")
     runtime = model_runtime_config(args.model)
     model_name = runtime.model if runtime is not None else args.model
-    raw = _model_raw(model_name, runtime.model_overrides if runtime is not None else None)
+    raw = model_raw_config(model_name, runtime.model_overrides if runtime is not None else None)
     model = ModelConfig.from_hf(raw, strict=False)
     nodes, gpus, hw = parse_cluster(args.cluster)
     slo = parse_slo(args.slo or "")
