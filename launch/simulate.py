@@ -25,6 +25,7 @@ import math
 import re
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,13 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
             "kv_capacity_tokens": c.kv_capacity_tokens, "deployment": asdict(c.deployment)}
 
 
+def _search_bar(layouts: list[Deployment]) -> Iterable[Deployment]:
+    """A progress bar on stderr over the layouts a search evaluates, shown once it has run a second."""
+    from tqdm import tqdm
+
+    return tqdm(layouts, desc="searching layouts", unit="layout", delay=1.0)
+
+
 def run_search(args: argparse.Namespace) -> dict[str, Any]:
     if not args.model or not args.cluster:
         raise ValueError("--search needs --model (a config.json, checkpoint, model name or runtime config YAML) "
@@ -178,7 +186,7 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     ranked = search_layouts(model, hw, num_nodes=nodes, gpus_per_node=gpus, slo=slo, input_len=args.input_len,
                             output_len=args.output_len, prefix_len=prefix, base=base, load_skew=args.load_skew,
-                            progress=not args.no_progress)
+                            progress=None if args.no_progress else _search_bar)
     return {"model": model_name, "cluster": args.cluster, "slo": asdict(slo), "input_len": args.input_len,
             "output_len": args.output_len, "seconds": time.perf_counter() - started,
             "num_layouts": len(ranked), "ranked": [_candidate_json(c) for c in ranked]}

@@ -12,9 +12,8 @@ Goodput per GPU = output tokens/s of the instance meeting both objectives / its 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-
-from tqdm import tqdm
 
 from moe.config import ModelConfig
 from parallel.costmodel.deployment import Deployment
@@ -122,14 +121,15 @@ def evaluate(cfg: ModelConfig, dep: Deployment, hw: Hardware, slo: SLO, *, input
 
 def search_layouts(cfg: ModelConfig, hw: Hardware, *, num_nodes: int, gpus_per_node: int, slo: SLO,
                    input_len: int, output_len: int, prefix_len: int = 0, base: Deployment | None = None,
-                   load_skew: float = 0.0, progress: bool = False) -> list[Candidate]:
+                   load_skew: float = 0.0,
+                   progress: Callable[[list[Deployment]], Iterable[Deployment]] | None = None) -> list[Candidate]:
     """Every enumerated layout evaluated, best goodput per GPU first (infeasible last).
-    progress: a bar on stderr once the search has run for a second."""
+    progress: wraps the list of layouts as they are evaluated (a progress bar: the caller's)."""
     base = base or Deployment()
     cache: dict[tuple, RankLoad | None] = {}
     out = []
     layouts = enumerate_layouts(cfg, num_nodes, gpus_per_node, base)
-    for dep in tqdm(layouts, desc="searching layouts", unit="layout", delay=1.0, disable=not progress):
+    for dep in progress(layouts) if progress is not None else layouts:
         key = (dep.ep, dep.num_redundant_experts, dep.ranks_per_node, dep.enable_eplb)
         if key not in cache:
             cache[key] = build_rank_load(cfg, dep, load_skew=load_skew)

@@ -128,15 +128,24 @@ def test_search_shows_progress_unless_asked_not_to(monkeypatch, capsys, flags, p
     import launch.simulate as simulate
 
     seen = []
-    monkeypatch.setattr(simulate, "search_layouts", lambda *a, **kw: seen.append(kw["progress"]) or [])
+    monkeypatch.setattr(simulate, "search_layouts", lambda *a, **kw: seen.append(kw["progress"] is not None) or [])
     assert main([*MIXTRAL_SEARCH, *flags]) == 0
     assert seen == [progress]
 
 
 def test_search_progress_bar_waits_a_second(capsys):
+    import launch.simulate as simulate
+
     mixtral = ModelConfig.from_hf("mistralai/Mixtral-8x7B-v0.1", strict=False)
-    search_layouts(mixtral, load_hardware("h100"), num_nodes=1, gpus_per_node=8, slo=SLO(), input_len=100,
-                   output_len=10, progress=True)
+    seen: list[int] = []
+
+    def bar(layouts):
+        seen.append(len(layouts))
+        return simulate._search_bar(layouts)
+
+    ranked = search_layouts(mixtral, load_hardware("h100"), num_nodes=1, gpus_per_node=8, slo=SLO(), input_len=100,
+                            output_len=10, progress=bar)
+    assert seen == [len(ranked)] and len(ranked) > 0  # every layout goes through the bar
     assert capsys.readouterr().err == ""  # a fast search stays quiet
 
 
