@@ -10,8 +10,8 @@
 # Python packages the machine lacks (fastapi, uvicorn, pydantic, deepspeed, ...) can sit as wheels
 # in .whl/: they are installed to /tmp/site first. Ray is not needed: one rank runs in-process.
 # DEV=cpu runs the same steps on the CPU with small sizes (to check the script itself); PY picks the
-# interpreter (default python3); SKIP="moe-layer prefill-ab ..." leaves those steps out; TOKENS and
-# IMPLS override bench moe-layer's token counts and implementations; RATE is bench serve's
+# interpreter (default python3); SKIP="moe-layer prefill-ab ..." leaves those steps out; TOKENS, SHAPES
+# and IMPLS override bench moe-layer's token counts, shapes and implementations; RATE is bench serve's
 # --request-rate (default inf: every request at once).
 set -u
 OUT=${OUT:-/tmp/gpu-run}
@@ -68,8 +68,8 @@ if [ -z "${IMPLS:-}" ]; then
     $PY -c "import deepspeed" >/dev/null 2>&1 && IMPLS="$IMPLS deepspeed"
 fi
 # shellcheck disable=SC2086
-TAIL=70 step moe-layer 200 $PY -m launch bench moe-layer --device "$DEV" --dtype bfloat16 --tokens $TOKENS \
-    --impls $IMPLS --min-seconds $MIN_S --json "$OUT/moe_layer.json"
+TAIL=100 step moe-layer 300 $PY -m launch bench moe-layer --device "$DEV" --dtype bfloat16 --tokens $TOKENS \
+    --shapes ${SHAPES:-deepseek mixtral qwen3} --impls $IMPLS --min-seconds $MIN_S --json "$OUT/moe_layer.json"
 
 # shellcheck disable=SC2086
 TAIL=10 step decode 120 $PY -m launch bench decode --model "$CKPT" --batch-sizes $BATCHES --context-len 128 \
