@@ -157,10 +157,14 @@ def parse_shape(spec: str) -> Shape:
         raise ShapeError(f"--shapes {spec!r}: unknown family {family!r}: give {', '.join(SHAPES)}, optionally "
                          "with sizes (deepseek:experts=128,top_k=8)")
     sizes = dict(SHAPES[family])
+    given: set[str] = set()
     for item in rest.split(",") if colon else ():
         key, eq, value = item.strip().partition("=")
         if key not in sizes or not eq:
             raise ShapeError(f"--shapes {spec!r}: {item.strip()!r} is not KEY=N with KEY one of {', '.join(sizes)}")
+        if key in given:
+            raise ShapeError(f"--shapes {spec!r}: {key} is given twice")
+        given.add(key)
         try:
             sizes[key] = int(value)
         except ValueError:

@@ -155,6 +155,7 @@ def test_shape_specs_take_the_familys_sizes_and_override_the_ones_given() -> Non
     ("deepseek:groups=3", "experts 64 must split into groups 3"),
     ("deepseek:groups=8,topk_group=1,top_k=9", "hold top_k 9 experts (8 per group)"),
     ("mixtral:hidden=0", "hidden must be >= 1"),
+    ("deepseek:experts=8,experts=16", "experts is given twice"),
 ])
 def test_bad_shape_specs_are_one_line_errors(spec: str, problem: str, capsys) -> None:
     with pytest.raises(moe_layer.ShapeError, match=problem.replace("(", r"\(").replace(")", r"\)")):
