@@ -168,6 +168,7 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"request {request_id!r}: {bad}")
         self.scheduler.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+        self.counters.prompt_tokens_total += len(prompt_token_ids)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError naming why ``add_request`` would refuse these prompt ids and params (without
@@ -181,7 +182,6 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         return f"token id {bad[0]} is outside the vocabulary [0, {vocab})" if bad else None
-        self.counters.prompt_tokens_total += len(prompt_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         self.supervisor.forget_request(request_id)

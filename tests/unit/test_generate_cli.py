@@ -88,6 +88,7 @@ def test_up_front_checks_agree_with_the_engine(tiny_ckpt_with_tokenizer):
         cases = [([511], 1), ([512], 1), ([0, 3], None), ([5] * 64, 1), ([5] * 65, 1), ([5] * 48, 1),
                  ([5] * 49, 1), ([5] * 48, 2), ([5] * 40, 9), ([5] * 40, 10), ([5] * 10, 500)]
         seen = set()
+        counted = engine.counters.prompt_tokens_total
         for i, (ids, max_tokens) in enumerate(cases):
             params = SamplingParams(max_tokens=max_tokens)
             try:
@@ -99,8 +100,10 @@ def test_up_front_checks_agree_with_the_engine(tiny_ckpt_with_tokenizer):
                 engine.add_request(f"r{i}", ids, params)
                 theirs = True
                 engine.abort_request(f"r{i}")
+                counted += len(ids)
             except ValueError:
                 theirs = False
+            assert engine.counters.prompt_tokens_total == counted  # accepted prompts count, refused ones do not
             assert ours == theirs, (len(ids), ids[0], max_tokens, ours, theirs)
             seen.add(ours)
         assert seen == {True, False}
