@@ -50,6 +50,7 @@ class ChoiceCursor:
     num_chars: int = 0
     num_tokens: int = 0
     finished: bool = False
+    text_offset: int = 0  # logprobs' text_offset of the next token: the streamed tokens' texts so far
 
     def advance(self, completion: Any) -> tuple[str, list[int], list[dict[int, float]] | None]:
         """New text, token ids and logprob entries since the last call."""
@@ -122,13 +123,17 @@ class CompletionFormatter(_Formatter):
         if cursor.finished:
             return []
         c = out.outputs[0]
-        offset = cursor.num_chars
         text, token_ids, entries = cursor.advance(c)
         cursor.finished = c.finish_reason is not None
         if not text and not cursor.finished and not (token_ids and self.num_logprobs is not None):
             return []
+        # offsets count each token's own text, as the whole response's do (a token that is part of
+        # a UTF-8 character is its own text before the characters it completes reach `text`)
+        logprobs = self.logprobs(token_ids, entries, cursor.text_offset)
+        if logprobs is not None and logprobs.tokens:
+            cursor.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason, logprobs=self.logprobs(token_ids, entries, offset))
+                                  stop_reason=c.stop_reason, logprobs=logprobs)
         return [CompletionResponse(id=self.request_id, model=self.model, choices=[choice])]
 
     def usage_chunk(self) -> CompletionResponse:

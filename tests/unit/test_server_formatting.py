@@ -1,0 +1,47 @@
+"""launch/server/formatting.py: streamed chunks say what the whole response says."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from launch.server.formatting import ChatFormatter, CompletionFormatter
+
+# token 2 is the first byte of a character that token 3 completes: its own text is U+FFFD, and the
+# engine's cumulative text holds the character back until token 3 arrives
+TOKEN_TEXT = {1: "a", 2: "\ufffd", 3: "\ufffd", 4: "b"}
+STEPS = [([1], "a"), ([1, 2], "a"), ([1, 2, 3], "a\u00e9"), ([1, 2, 3, 4], "a\u00e9b")]
+
+
+def _out(ids: list[int], text: str, done: bool) -> SimpleNamespace:
+    c = SimpleNamespace(text=text, token_ids=ids, logprobs=[{t: -1.0} for t in ids],
+                        finish_reason="length" if done else None, stop_reason=None)
+    return SimpleNamespace(outputs=[c])
+
+
+def _formatter(cls):
+    return cls(request_id="r", model="m", prompts=[[5]], n=1, token_text=TOKEN_TEXT.__getitem__, num_logprobs=1)
+
+
+def test_streamed_text_offsets_equal_the_whole_responses_across_a_split_character() -> None:
+    stream = _formatter(CompletionFormatter)
+    offsets, text = [], ""
+    for i, (ids, cumulative) in enumerate(STEPS):
+        for chunk in stream.stream_chunks(0, _out(ids, cumulative, i == len(STEPS) - 1)):
+            (choice,) = chunk.choices
+            offsets += choice.logprobs.text_offset
+            text += choice.text
+    whole = _formatter(CompletionFormatter).response([_out(*STEPS[-1], True)]).choices[0]
+    assert whole.logprobs.text_offset == [0, 1, 2, 3]
+    assert offsets == whole.logprobs.text_offset and text == whole.text == "a\u00e9b"
+
+
+def test_chat_deltas_carry_only_their_keys() -> None:
+    chat = _formatter(ChatFormatter)
+    (first,) = chat.stream_start()
+    assert json.loads(first.model_dump_json())["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [json.loads(chunk.model_dump_json())["choices"][0]["delta"]
+              for i, (ids, cumulative) in enumerate(STEPS)
+              for chunk in chat.stream_chunks(0, _out(ids, cumulative, i == len(STEPS) - 1))]
+    # the held-back byte's chunk (logprobs asked for) and nothing else carries no content key
+    assert deltas == [{"content": "a"}, {}, {"content": "\u00e9"}, {"content": "b"}]
