@@ -43,6 +43,7 @@ PUBLIC_PATHS = frozenset({"/health"})
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error",
                 503: "server_overloaded"}
 
 
@@ -134,7 +135,7 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | 
     msg = msg or str(err.get("msg"))
     message = f"{field}: {msg}" if field else msg
     if err.get("type") == "missing":
-        message = f"Missing required field '{field}'."
+        message = f"Missing required field '{field}'." if field else "Missing request body: expected a JSON object."
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return message, loc[0] if loc else None
@@ -147,7 +148,12 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return ErrorJSONResponse(exc.to_response().model_dump(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+            # the body was never read as JSON: say so (as vLLM does), not what pydantic made of it
+            metrics.on_rejected(415)
+            return error_response(415, f"Unsupported Media Type: {media_type}; only 'application/json' is allowed.")
         metrics.on_rejected(400)
         message, param = _describe_validation_error(exc)
         return error_response(400, message, param=param)

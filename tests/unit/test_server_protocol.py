@@ -203,6 +203,19 @@ def test_bad_requests_get_openai_errors(served, path, body, status, param):
     assert len(ok.choices[0].text) == 2
 
 
+@pytest.mark.parametrize("content_type, body, status, message", [
+    ("application/x-www-form-urlencoded", b'{"prompt": "hi", "max_tokens": 2}', 415,
+     "Unsupported Media Type: application/x-www-form-urlencoded; only 'application/json' is allowed."),
+    ("text/plain", b'{"prompt": "hi"}', 415, "Unsupported Media Type: text/plain; only 'application/json' is allowed."),
+    ("application/json", b"", 400, "Missing request body: expected a JSON object."),
+])
+def test_a_body_that_is_not_json_says_so(served, content_type, body, status, message):
+    r = httpx.post(served.url + "/v1/completions", content=body, headers={"content-type": content_type}, timeout=10)
+    assert r.status_code == status and r.json()["error"]["message"] == message, r.text
+    ok = post(served.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})  # what curl -H ... sends
+    assert ok.status_code == 200
+
+
 def test_unknown_route_and_method(served):
     r = httpx.get(served.url + "/v1/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
