@@ -186,6 +186,18 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """A part of another type (image_url, input_audio, ...) gets one message saying so, not
+        pydantic's errors for every branch of the union."""
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content part {i} has type {kind!r}: this server takes text parts only")
+        return value
+
     @field_validator("content", "name")
     @classmethod
     def _check_unicode(cls, value: Any, info: Any) -> Any:

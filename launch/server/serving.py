@@ -79,20 +79,22 @@ class OpenAIServing:
                            param=param)
         return ids
 
-    def resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """``max_tokens`` for a prompt: the request's, or what is left of ``max_model_len``."""
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt",
+                           max_tokens_param: str = "max_tokens") -> int:
+        """``max_tokens`` for a prompt: the request's, or what is left of ``max_model_len``; errors name
+        the request's own fields (chat: ``messages``, ``max_completion_tokens`` where it was given)."""
         limit = int(self.engine.max_model_len)
         if prompt_len >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
                            f"prompt has {prompt_len} tokens, leaving no room for a completion.",
-                           param="prompt")
+                           param=prompt_param)
         if requested is None:
             return limit - prompt_len
         if prompt_len + requested > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
-                           f"{requested} in the completion). Reduce the prompt or max_tokens.",
-                           param="max_tokens")
+                           f"{requested} in the completion). Reduce the prompt or {max_tokens_param}.",
+                           param=max_tokens_param)
         return requested
 
     def tokenizer(self, what: str) -> Any:
@@ -113,7 +115,8 @@ class OpenAIServing:
         return self.check_token_ids(list(prompt), param)
 
     def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
-                          max_new_tokens: int | None, logprobs: int | None) -> list[SubRequest]:
+                          max_new_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
+                          max_tokens_param: str = "max_tokens") -> list[SubRequest]:
         """P prompts x ``req.n`` choices -> SubRequests with ``index = p * n + j``. 400 when they
         are more than the engine ever queues (a 503 would invite retries that cannot succeed)."""
         fan_out = len(prompts) * req.n
@@ -123,7 +126,8 @@ class OpenAIServing:
                            "or a smaller n per request.", param="n" if req.n > 1 else "prompt")
         subs = []
         for p, ids in enumerate(prompts):
-            params = self.sampling_params(req, self.resolve_max_tokens(max_new_tokens, len(ids)), logprobs)
+            max_tokens = self.resolve_max_tokens(max_new_tokens, len(ids), prompt_param, max_tokens_param)
+            params = self.sampling_params(req, max_tokens, logprobs)
             for j in range(req.n):
                 index = p * req.n + j
                 subs.append(SubRequest(index=index, prompt_index=p, request_id=f"{prefix}-{index}",
@@ -165,7 +169,8 @@ class OpenAIServing:
         prompts = [self.check_token_ids(ids, "messages")]
         self.check_queue()
         request_id = random_id("chatcmpl")
-        subs = self.build_subrequests(request_id, prompts, req, req.max_new_tokens, num_logprobs)
+        subs = self.build_subrequests(request_id, prompts, req, req.max_new_tokens, num_logprobs, "messages",
+                                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         formatter = ChatFormatter(request_id, self.model_name, prompts, req.n, self._token_text, num_logprobs)
         return await self._respond(subs, formatter, req, raw)
 

@@ -192,6 +192,11 @@ def post(url, body, **kw):
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
+    # chat errors name the chat request's own fields
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 64}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 60}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 60}, 400, "max_tokens"),
 ])
 def test_bad_requests_get_openai_errors(served, path, body, status, param):
     r = post(served.url + path, body)
@@ -201,6 +206,15 @@ def test_bad_requests_get_openai_errors(served, path, body, status, param):
     assert err["param"] == param
     ok = served.client.completions.create(model="fake-moe", prompt="still fine", max_tokens=2)
     assert len(ok.choices[0].text) == 2
+
+
+def test_a_non_text_content_part_is_named(served):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                      {"type": "image_url", "image_url": {"url": "http://x"}}]}]}
+    r = post(served.url + "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert r.json()["error"]["message"] == ("messages.0.content: content part 1 has type 'image_url': this server "
+                                            "takes text parts only")
 
 
 @pytest.mark.parametrize("content_type, body, status, message", [
