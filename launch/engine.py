@@ -73,6 +73,21 @@ def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_
     return max(1, min(sizing.num_blocks(e.block_size), ceiling))
 
 
+def check_runtime_config(config: RuntimeConfig) -> None:
+    """What building an engine for ``config`` would refuse, checked before any weights load: the
+    model path and its config.json, the layout against the model, the KV budget, the initial
+    expert placement (``init_expert_location``). Raises FileNotFoundError (no config.json, no
+    placement dump) or ValueError naming the problem."""
+    path = config.check_model_path()
+    try:
+        model_config = ModelConfig.from_hf(path)
+    except ValueError as e:
+        raise ValueError(f"model {config.model!r}: {e}") from e
+    config.validate_for_model(model_config)
+    compute_num_kv_blocks(config, model_config, config.engine.max_model_len or model_config.max_position_embeddings)
+    build_initial_placement(config, model_config)
+
+
 def build_initial_placement(config: RuntimeConfig, model_config: ModelConfig) -> Placement:
     """Identity placement (plus redundant slots), or the one in ``server.init_expert_location``."""
     ep = config.parallel.expert_parallel_size

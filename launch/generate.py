@@ -33,7 +33,6 @@ from launch.paths import output_file_problem
 from launch.tokenizer import check_text
 
 if TYPE_CHECKING:
-    from launch.config import RuntimeConfig
     from launch.engine import LLMEngine
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -122,25 +121,6 @@ def sampling_params_for(row: dict[str, Any], defaults: dict[str, Any], where: st
         raise ValueError(f"{where}: {e}") from e
 
 
-def check_model(config: RuntimeConfig) -> None:
-    """The engine's checks of the model and the memory budget, run before any weights load.
-
-    Raises FileNotFoundError (no config.json) or ValueError (an invalid or unsupported
-    config.json, a layout the model does not allow, no room for the KV cache).
-    """
-    from launch.engine import build_initial_placement, compute_num_kv_blocks
-    from moe.config import ModelConfig
-
-    path = config.check_model_path()
-    try:
-        model_config = ModelConfig.from_hf(path)
-    except ValueError as e:
-        raise ValueError(f"model {config.model!r}: {e}") from e
-    config.validate_for_model(model_config)
-    compute_num_kv_blocks(config, model_config, config.engine.max_model_len or model_config.max_position_embeddings)
-    build_initial_placement(config, model_config)
-
-
 def prompt_ids(row: dict[str, Any], engine: LLMEngine) -> list[int]:
     """The token ids the engine runs for ``row``; ValueError when a text prompt has no tokenizer."""
     if "prompt_token_ids" in row:
@@ -189,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                 sampling_params_for({key: value}, {}, flag)
                 defaults[key] = value
         requests = read_requests(args.input, defaults)
-        check_model(config)
+        from launch.engine import check_runtime_config
+
+        check_runtime_config(config)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _error(e)
     from launch.llm import LLM

@@ -19,6 +19,7 @@ import dataclasses
 import ipaddress
 import logging
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +29,7 @@ import uvicorn
 from launch.config import RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.config_schema import ConfigError
+from launch.paths import output_dir_problem
 from launch.server import build_app
 
 logger = logging.getLogger("launch.serve")
@@ -114,7 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
-        cfg.check_model_path()
+        check_listen_address(cfg.server.host, cfg.server.port)
+        if cfg.server.expert_distribution_dir and (
+                problem := output_dir_problem(cfg.server.expert_distribution_dir)) is not None:
+            raise ValueError(f"expert_distribution_dir: {problem}")
+        from launch.engine import check_runtime_config
+
+        check_runtime_config(cfg)  # what the engine would refuse, before weights load
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -131,6 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """ValueError unless ``host`` resolves and ``port`` can be bound there now (port 0: any free one),
+    checked before the model loads rather than by uvicorn after it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} is not an address this machine can listen on ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _exit_cleanly(signum: int, frame: Any) -> None:

@@ -99,6 +99,15 @@ def parse_memory(value: str | int | float) -> int:
     return int(number * _UNITS[unit])
 
 
+def format_memory(num_bytes: float) -> str:
+    """``num_bytes`` in the largest binary unit that keeps it >= 1 (``'1.25 GiB'``, ``'512.00 KiB'``,
+    ``'480 B'``), the way ``parse_memory`` reads it back."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:,.2f} {unit}"
+    return f"{num_bytes:,.0f} B"
+
+
 def compute_kv_sizing(
     config: KVConfig,
     *,
@@ -146,11 +155,10 @@ def compute_kv_sizing(
         weights = int(weight_bytes_per_rank)
     budget = int(memory * memory_utilization) - weights - reserved
     if budget <= 0:
-        gib = 1024**3
-        held = f" and {reserved / gib:,.2f} GiB reserved" if reserved else ""
+        held = f" and {format_memory(reserved)} reserved" if reserved else ""
         raise ValueError(
-            f"no room for the KV cache: the weights take {weights / gib:,.2f} GiB per rank (tp={tp}){held} of "
-            f"{memory_utilization:g} x {memory / gib:,.2f} GiB = {memory * memory_utilization / gib:,.2f} GiB "
+            f"no room for the KV cache: the weights take {format_memory(weights)} per rank (tp={tp}){held} of "
+            f"{memory_utilization:g} x {format_memory(memory)} = {format_memory(memory * memory_utilization)} "
             f"usable; KV needs {per_token:,} B per token (all layers) on top"
         )
     max_tokens = budget // per_rank

@@ -130,6 +130,12 @@ def run_and_report(args: argparse.Namespace) -> Path:
     # is unbounded here; the run itself is bounded by --steps.
     config = dataclasses.replace(config, server=dataclasses.replace(
         config.server, expert_distribution_recorder_buffer_size=-1))
+    from launch.engine import check_runtime_config
+
+    try:
+        check_runtime_config(config)  # what the engine would refuse, before the weights load
+    except (ValueError, FileNotFoundError) as e:
+        raise ProfileRunError(str(e)) from None
     out = Path(args.out)
     llm = LLM(config=config)
     try:

@@ -87,3 +87,18 @@ def test_profile_report_refuses_a_file_as_its_folder_and_unreadable_dumps(tmp_pa
                                                "(No data left in file)")
     assert report_main([str(tmp_path), "--out", str(tmp_path / "r")]) != 0
     assert capsys.readouterr().err.strip() == f"error: {tmp_path}: is a directory, not a dump file"
+
+
+def test_profile_run_refuses_what_the_engine_would_before_loading(tiny_ckpt_with_tokenizer, tmp_path, capsys,
+                                                                  monkeypatch) -> None:
+    from launch.llm import LLM
+    from launch.profile.commands import run_main
+
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
+    base = ["--model", str(tiny_ckpt_with_tokenizer), "--workload", "prose", "--steps", "4",
+            "--out", str(tmp_path / "report")]
+    assert run_main([*base, "--max-model-len", "100000"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: engine.max_model_len=100000 > the model's "
+                                               "max_position_embeddings 2048")
+    assert run_main([*base, "--memory", "1KiB"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: no room for the KV cache: the weights take ")

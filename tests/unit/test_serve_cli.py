@@ -33,3 +33,35 @@ def test_bad_model_or_flags_exit_2(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     assert main(["--model", str(tmp_path), "--max-queue-len", "0"]) == 2
     assert "max_queue_len" in capsys.readouterr().err
+
+
+def test_what_the_engine_would_refuse_is_one_line_before_the_model_loads(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """Settings the engine refuses, an unusable address or dump folder: one line, exit 2, and the
+    server (engine, weights, uvicorn) never starts."""
+    import socket
+
+    import launch.serve as serve_module
+
+    async def refuse(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(serve_module, "serve", refuse)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--max-model-len", "100000"], "error: engine.max_model_len=100000 > the model's max_position_embeddings"),
+            (["--memory", "1KiB"], "error: no room for the KV cache: the weights take "),
+            (["--init-expert-location", str(tmp_path / "nope.safetensors")], "error: expert distribution dump "),
+            (["--expert-distribution-dir", str(afile)],
+             f"error: expert_distribution_dir: {afile} exists and is not a directory"),
+            (["--host", "not..a..host"], "error: --host 'not..a..host' is not an address this machine can listen on"),
+            (["--port", str(port)], f"error: cannot listen on 127.0.0.1:{port}: "),
+        ]
+        for flags, start in cases:
+            assert main(["--model", str(tiny_ckpt), "--port", "0", *flags]) == 2, flags
+            (line,) = capsys.readouterr().err.strip().splitlines()
+            assert line.startswith(start), (flags, line)
