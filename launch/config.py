@@ -239,6 +239,8 @@ class ServerConfig:
         _check_positive(self, "max_queue_len")
         if not self.host:
             raise ValueError("host must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty: give a key, or leave it out to serve without one")
 
 
 @dataclass(frozen=True)

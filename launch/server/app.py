@@ -68,14 +68,15 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.strip().encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not secrets.compare_digest(given, self._expected):
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # the scheme is case-insensitive (RFC 9110: "bearer" is "Bearer"); the key is compared exactly
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self._expected):
             response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                                       headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)

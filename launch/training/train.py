@@ -76,7 +76,7 @@ class TrainArgs:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.minutes is not None and self.minutes <= 0:
+        if self.minutes is not None and not self.minutes > 0:  # not >: NaN too
             raise ValueError(f"--minutes must be > 0, got {self.minutes}")
         if self.lr <= 0 or self.bias_update_rate < 0:
             raise ValueError("--lr must be > 0 and --bias-update-rate >= 0")

@@ -65,3 +65,9 @@ def test_what_the_engine_would_refuse_is_one_line_before_the_model_loads(tiny_ck
             assert main(["--model", str(tiny_ckpt), "--port", "0", *flags]) == 2, flags
             (line,) = capsys.readouterr().err.strip().splitlines()
             assert line.startswith(start), (flags, line)
+
+
+def test_an_empty_api_key_is_refused_not_taken_as_none(tiny_ckpt, capsys):
+    assert main(["--model", str(tiny_ckpt), "--api-key", ""]) == 2
+    assert capsys.readouterr().err.strip() == ("error: server: api_key is empty: give a key, or leave it out to serve "
+                                               "without one")

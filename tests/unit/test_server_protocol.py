@@ -266,6 +266,10 @@ def test_api_key_guards_everything_but_health():
         r = post(srv.base_url + "/v1/completions", {"prompt": "x"}, )
         assert r.status_code == 401
         assert httpx.get(srv.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        for header, status in (("bearer sekret", 200), ("BEARER sekret", 200), ("Basic sekret", 401),
+                               ("Bearersekret", 401), ("sekret", 401), ("Bearer sekret2", 401)):
+            # the scheme is case-insensitive, the key exact
+            assert httpx.get(srv.base_url + "/v1/models", headers={"Authorization": header}).status_code == status
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sekret", max_retries=0)
