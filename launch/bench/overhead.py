@@ -339,10 +339,11 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
 
 
 def format_steps(summary: dict[str, dict[str, float]], label: str) -> str:
-    head = f"{'executor':<22} {'stat':<7}" + "".join(f"{name:>14}" for name in STEP_FIELDS)
+    widths = {n: max(14, len(n) + 1) for n in STEP_FIELDS}  # a space between every two columns
+    head = f"{'executor':<22} {'stat':<7}" + "".join(f"{name:>{widths[name]}}" for name in STEP_FIELDS)
     lines = [head]
     for stat in ("median", "p90"):
-        lines.append(f"{label:<22} {stat:<7}" + "".join(f"{summary[n][stat]:>14.3f}" for n in STEP_FIELDS))
+        lines.append(f"{label:<22} {stat:<7}" + "".join(f"{summary[n][stat]:>{widths[n]}.3f}" for n in STEP_FIELDS))
     return "\n".join(lines)
 
 

@@ -161,3 +161,12 @@ def test_unmeasured_sampler_time_is_null_in_json_and_left_out_of_the_share():
         {"a": [1.0, None], "b": [None]}
     local = summarize([StepTiming(10.0, 8.0, 6.0, 0.5, 20.0, sampler_ms=0.5)])
     assert loop_share(local).endswith("0.500 + 0.500 ms of a 20.000 ms step's CPU (5.00%)")
+
+
+def test_the_step_table_keeps_a_space_between_columns() -> None:
+    from launch.bench.overhead import STEP_FIELDS, format_steps
+
+    summary = {n: {"median": 12345.678, "p90": 1.0} for n in STEP_FIELDS}
+    head, median, _ = format_steps(summary, "in-process").splitlines()
+    assert head.split()[2:] == list(STEP_FIELDS)  # no two names run together
+    assert median.split()[2:] == ["12345.678"] * len(STEP_FIELDS)
