@@ -50,6 +50,8 @@ def _read_jsonl(path: Path) -> list[str]:
 
 
 def _read_file(path: Path) -> list[str]:
+    if path.is_dir():
+        raise WorkloadError(f"workload {path} is a directory: give a .jsonl or .txt file, or a shipped workload name")
     if not path.is_file():
         raise WorkloadError(f"workload file {path} not found")
     if path.suffix == ".jsonl":

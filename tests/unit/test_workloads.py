@@ -65,6 +65,11 @@ def test_bad_specs_name_the_problem(spec: str, message: str) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_a_directory_is_not_a_workload(tmp_path) -> None:
+    with pytest.raises(WorkloadError, match=f"^workload {tmp_path} is a directory: give a .jsonl or .txt file"):
+        load_workload(str(tmp_path))
+
+
 def test_bad_file_lines(tmp_path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
