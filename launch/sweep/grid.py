@@ -10,13 +10,19 @@ finished points whatever order the grid items come in.
 Keys joined by commas move together (a zipped axis), each value a list with one entry per
 key: ``parallel.tensor_parallel_size,parallel.data_parallel_size=[[1,1],[1,2],[2,1]]``
 sweeps three layouts, not the nine of a cross product.
+
+Every value is type-checked against the runtime config schema when the item is parsed
+(``engine.max_num_seqs=[abc,4]`` is an error naming the key and the value); whether a
+combination of values is valid is only known per point (``point_config``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +30,14 @@ from typing import Any
 import yaml
 
 from launch.config import RuntimeConfig
-from launch.config_schema import ConfigError, dotted_keys, set_dotted, suggest_key, yaml_error_line
+from launch.config_schema import (
+    ConfigError,
+    check_value,
+    dotted_keys,
+    set_dotted,
+    suggest_key,
+    yaml_error_line,
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,26 @@ def _leaf_keys() -> list[str]:
     return [k for k in all_keys if not any(other.startswith(k + ".") for other in all_keys)]
 
 
+def _section_hint(key: str, leaves: Sequence[str]) -> str | None:
+    """'is a section' message for a key naming a config section (``engine``), or None."""
+    children = [x for x in leaves if x.startswith(key + ".")]
+    if not children:
+        return None
+    examples = ", ".join(children[:2]) + (f" or {children[2]}" if len(children) > 2 else "")
+    return f"--grid: '{key}' is a section, not a setting: give one of its keys such as {examples}"
+
+
+def _annotation(key: str) -> Any:
+    """The schema annotation of dotted ``key`` (a leaf of RuntimeConfig); Any under a mapping
+    field (``model_overrides.*``)."""
+    cls: Any = RuntimeConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return Any
+        cls = typing.get_type_hints(cls)[part]
+    return cls
+
+
 def parse_grid_item(item: str) -> GridAxis:
     """``key=[v1, v2]`` (values parsed as YAML) -> GridAxis; ConfigError naming the key otherwise."""
     key, sep, raw = item.partition("=")
@@ -58,6 +91,9 @@ def parse_grid_item(item: str) -> GridAxis:
     leaves = _leaf_keys()
     for k in keys:
         if k not in leaves and not k.startswith("model_overrides."):
+            section = _section_hint(k, leaves)
+            if section:
+                raise ConfigError(section)
             siblings = [x.rsplit(".", 1)[-1] for x in leaves if x.rsplit(".", 1)[0] == k.rsplit(".", 1)[0]]
             raise ConfigError(f"--grid: unknown config key '{k}'{suggest_key(k, siblings, RuntimeConfig)}")
     try:
@@ -65,6 +101,8 @@ def parse_grid_item(item: str) -> GridAxis:
     except yaml.YAMLError as e:
         raise ConfigError(f"--grid {key}: {raw!r} is not a YAML list: {yaml_error_line(e)}") from None
     if not isinstance(values, list):
+        if len(keys) == 1 and isinstance(values, str) and "," in values and raw.strip()[:1] not in "'\"":
+            raise ConfigError(f"--grid {key}: {values!r} is one value; a list needs brackets: {key}=[{raw.strip()}]")
         values = [values]
     if not values:
         raise ConfigError(f"--grid {key}: the value list is empty")
@@ -77,6 +115,12 @@ def parse_grid_item(item: str) -> GridAxis:
         raise ConfigError(f"--grid {key}: values must be scalars, got {raw!r}")
     if len({json.dumps(v) for v in values}) != len(values):
         raise ConfigError(f"--grid {key}: repeated value in {raw!r}")
+    for value in values:
+        for k, x in zip(keys, value if len(keys) > 1 else (value,)):
+            try:
+                check_value(x, _annotation(k), k)  # the strict loader's own check for this key's type
+            except ConfigError as e:
+                raise ConfigError(f"--grid {e}") from None
     return GridAxis(keys, tuple(values))
 
 

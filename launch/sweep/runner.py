@@ -13,11 +13,16 @@ the repeat with ``--repeats N``: every point N times, round-robin) and retries "
 ones; a grid with more values adds points to the same folder. A folder holding a sweep of
 another base config or workload is refused.
 
-Invalid points (a combination the config or the model rejects, e.g. redundant experts
-without EPLB, 8 + 3 slots over 2 ranks) are recorded with ``status: "skipped"`` and the
-one-line reason, and the sweep goes on. With a capacity factor on in any point, the
-dropless single-process baseline runs once (``DIR/baseline.json``) and every point gets
-``greedy_agreement`` with it (``--baseline always`` runs it for any grid, ``never`` skips it).
+Bad input is refused before anything runs (one line, exit 2): a grid value of the wrong
+type, a workload the model cannot run (text without a tokenizer, a token id outside the
+vocabulary), or a prompt + ``--max-tokens`` longer than max_model_len. Invalid points (a
+combination the config or the model rejects, e.g. redundant experts without EPLB, 8 + 3
+slots over 2 ranks, or a swept max_model_len too short for the workload) are recorded with
+``status: "skipped"`` and the one-line reason, and the sweep goes on; when no point is
+measured (every one skipped or failed) the exit code is 1. With a capacity factor on in
+any point, the dropless single-process baseline runs once (``DIR/baseline.json``) and
+every point gets ``greedy_agreement`` with it (``--baseline always`` runs it for any
+grid, ``never`` skips it).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from launch.sweep import report
 from launch.sweep.grid import expand_grid, format_settings, parse_grid, point_config, point_key
 from launch.sweep.measure import Workload, run_point, summarize_run
 from launch.sweep.prediction import predict_row, resolve_hardware
-from launch.sweep.workload import load_prompts
+from launch.sweep.workload import check_fits, load_prompts, model_token_ids
 
 log = logging.getLogger(__name__)
 META_JSON = "sweep.json"
@@ -89,6 +94,8 @@ class SweepPlan:
         self.base, self.grid_keys, self.points, self.workload, self.out = base, grid_keys, points, workload, out
         self.baseline_mode, self.warmup_prompts, self.warmup_tokens = baseline, warmup_prompts, warmup_tokens
         self.hardware_spec, self.hardware, self.repeats = hardware, None, repeats
+        # model -> (prompt token ids, max_position_embeddings), or why the workload cannot run on it
+        self._token_ids: dict[str, tuple[list[list[int]], int] | str] = {}
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SweepPlan:
@@ -107,9 +114,36 @@ class SweepPlan:
             raise ValueError("--warmup-prompts and --warmup-tokens must be >= 0")
         name, prompts = load_prompts(args.workload, args.num_prompts)
         workload = Workload(tuple(prompts), args.max_tokens, name)
-        return cls(base, [k for a in axes for k in a.keys], expand_grid(axes), workload, args.out, baseline=args.baseline,
-                   warmup_prompts=args.warmup_prompts, warmup_tokens=args.warmup_tokens, hardware=args.hardware,
-                   repeats=args.repeats)
+        plan = cls(base, [k for a in axes for k in a.keys], expand_grid(axes), workload, args.out,
+                   baseline=args.baseline, warmup_prompts=args.warmup_prompts, warmup_tokens=args.warmup_tokens,
+                   hardware=args.hardware, repeats=args.repeats)
+        if not {"model", "engine.max_model_len"} & set(plan.grid_keys):  # every point: the base's model, length
+            problem = plan.workload_problem(base_config)
+            if problem:
+                raise ValueError(problem)
+        return plan
+
+    def workload_problem(self, config: RuntimeConfig) -> str | None:
+        """Why the workload cannot run as asked with ``config``'s model and max_model_len, or None
+        (also None for a model directory that is not there: the point's run says so)."""
+        if not (Path(config.model) / "config.json").is_file():
+            return None
+        if config.model not in self._token_ids:
+            try:
+                self._token_ids[config.model] = model_token_ids(self.workload.prompts, config.model,
+                                                                self.workload.name)
+            except ValueError as e:
+                self._token_ids[config.model] = str(e).splitlines()[0]
+        known = self._token_ids[config.model]
+        if isinstance(known, str):
+            return known
+        token_lists, max_positions = known
+        try:
+            check_fits(token_lists, self.workload.max_tokens, config.engine.max_model_len or max_positions)
+        except ValueError as e:
+            where = "" if config.engine.max_model_len else " (the model's max_position_embeddings)"
+            return f"workload {self.workload.name}: {e}{where}"
+        return None
 
     # ---- bookkeeping -----------------------------------------------------------------
 
@@ -147,7 +181,7 @@ class SweepPlan:
 
         results = self.out / report.RESULTS_JSONL
         done = report.latest_rows(report.read_rows(results))
-        configs = {point_key(s): _try_config(self.base, s) for s in self.points}
+        configs = {point_key(s): self._point_config(s) for s in self.points}
         runs = [(s, r) for r in range(self.repeats) for s in self.points
                 if r == 0 or not isinstance(configs[point_key(s)], str)]  # round-robin over the repeats
         todo = [(s, r) for s, r in runs if done.get(run_key(s, r), {}).get("status") not in ("ok", "skipped")]
@@ -163,10 +197,12 @@ class SweepPlan:
         bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="sweep", unit="point",
                    disable=not progress, position=0)
         failures = 0
+        status = {key: row.get("status") for key, row in done.items()}
         for settings, repeat in todo:
             row = self._run_one(settings, configs[point_key(settings)], baseline, progress)
             row.update(key=run_key(settings, repeat), repeat=repeat)
             failures += row["status"] == "error"
+            status[row["key"]] = row["status"]
             report.append_row(results, row)
             self._rewrite_outputs(results, plots=False)
             bar.update(1)
@@ -174,7 +210,20 @@ class SweepPlan:
         bar.close()
         self._rewrite_outputs(results)
         print(f"wrote {results}, {self.out / report.RESULTS_CSV} and plots in {self.out}")
+        outcomes = [status.get(run_key(s, r)) for s, r in runs]
+        if "ok" not in outcomes:
+            print(f"error: no point was measured: {outcomes.count('skipped')} skipped, {outcomes.count('error')} "
+                  f"failed (reasons in {results})", file=sys.stderr)
+            return 1
         return 1 if failures else 0
+
+    def _point_config(self, settings: Mapping[str, Any]) -> RuntimeConfig | str:
+        """The point's config, or the one-line reason it is skipped (an invalid combination, or
+        a workload that does not fit the point's max_model_len)."""
+        config = _try_config(self.base, settings)
+        if isinstance(config, str):
+            return config
+        return self.workload_problem(config) or config
 
     def _run_one(self, settings: dict[str, Any], config: RuntimeConfig | str, baseline: list[list[int]] | None,
                  progress: bool) -> dict[str, Any]:
@@ -228,6 +277,10 @@ class SweepPlan:
                     "parallel.enable_expert_parallel": False, "balancer.enable_eplb": False,
                     "balancer.num_redundant_experts": 0, "moe.capacity_factor": 0.0}
         config = point_config(self.base, settings)
+        problem = self.workload_problem(config)
+        if problem:  # the base's max_model_len is too short where a swept one is long enough
+            print(f"no greedy-agreement baseline: {problem}", file=sys.stderr)
+            return None
         print("running the dropless single-process baseline for greedy agreement")
         run = run_point(config, self.workload, warmup_prompts=0, warmup_tokens=0)
         path.write_text(json.dumps({"settings": settings, "outputs": run.outputs}) + "\n")

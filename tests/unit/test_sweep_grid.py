@@ -23,12 +23,22 @@ def test_parse_item_yaml_list_and_scalar():
     assert parse_grid_item("moe.capacity_factor=[0, 1.25]").values == (0, 1.25)
     assert parse_grid_item("engine.max_num_seqs=8").values == (8,)
     assert parse_grid_item("balancer.enable_eplb=[false,true]").values == (False, True)
+    # values of the schema's types: null where it allows None, 1e-3 for a float, anything under model_overrides
+    assert parse_grid_item("engine.max_model_len=[null,128]").values == (None, 128)
+    assert parse_grid_item("moe.capacity_factor=[0,1e-3]").values == (0, "1e-3")
+    assert parse_grid_item("model_overrides.num_experts=[8,x]").values == (8, "x")
 
 
 @pytest.mark.parametrize("item, needle", [
     ("parallel.data_paralel_size=[1,2]", "'parallel.data_paralel_size' (did you mean 'parallel.data_parallel_size'?)"),
     ("nosuch.key=[1]", "unknown config key 'nosuch.key'"),
-    ("parallel=[1]", "unknown config key 'parallel'"),
+    ("parallel=[1]", "--grid: 'parallel' is a section, not a setting: give one of its keys such as "
+                     "parallel.tensor_parallel_size, parallel.data_parallel_size or parallel.enable_expert_parallel"),
+    ("engine.max_num_seqs=2,4", "'2,4' is one value; a list needs brackets: engine.max_num_seqs=[2,4]"),
+    ("engine.max_num_seqs=[abc,4]", "--grid engine.max_num_seqs: expected int, found str 'abc'"),
+    ("balancer.enable_eplb=[0,1]", "--grid balancer.enable_eplb: expected bool, found int 0"),
+    ("parallel.tensor_parallel_size,parallel.enable_expert_parallel=[[1,true],[2,3]]",
+     "--grid parallel.enable_expert_parallel: expected bool, found int 3"),
     ("engine.max_num_seqs", "expects key=[v1,v2,...]"),
     ("engine.max_num_seqs=[1,", "engine.max_num_seqs"),
     ("engine.max_num_seqs=[]", "engine.max_num_seqs: the value list is empty"),

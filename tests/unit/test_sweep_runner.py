@@ -31,6 +31,12 @@ def fake_run(config, workload, **_kw) -> PointRun:
                     kv_tokens=1024, ep_size=1, num_moe_layers=2, top_k=2)
 
 
+def write_prompt_ids(path: Path, token_lists: list[list[int]]) -> Path:
+    """A .jsonl workload of token ids (the fake checkpoints have no tokenizer.json)."""
+    path.write_text("".join(json.dumps({"prompt_token_ids": ids}) + "\n" for ids in token_lists))
+    return path
+
+
 @pytest.fixture
 def sweep_args(tmp_path: Path) -> list[str]:
     model = tmp_path / "ckpt"  # only config.json: the fake run never loads weights
@@ -38,8 +44,7 @@ def sweep_args(tmp_path: Path) -> list[str]:
     (model / "config.json").write_text(json.dumps(build_tiny_config("deepseek_v3")))
     base = tmp_path / "base.yaml"
     base.write_text(f"model: {model}\nengine: {{max_num_seqs: 4}}\n")
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("hello there\nsecond prompt\n")
+    prompts = write_prompt_ids(tmp_path / "p.jsonl", [[1, 2, 3], [4, 5]])
     return ["--config", str(base), "--workload", str(prompts), "--max-tokens", "3", "--out", str(tmp_path / "out"),
             "--no-progress", "--hardware", "none", "--grid", "engine.max_num_seqs=[2,4]", "moe.capacity_factor=[0,1.5]",
             "balancer.num_redundant_experts=[0,2]"]
@@ -100,8 +105,7 @@ def test_a_folder_of_another_sweep_is_refused(sweep_args, tmp_path, monkeypatch,
     monkeypatch.setattr(runner, "run_point", fake_run)
     assert runner.main(sweep_args) == 0
     capsys.readouterr()
-    other = tmp_path / "other.txt"
-    other.write_text("a different prompt\n")
+    other = write_prompt_ids(tmp_path / "other.jsonl", [[6, 7, 8]])
     args = list(sweep_args)
     args[args.index("--workload") + 1] = str(other)
     assert runner.main(args) == 2
@@ -118,6 +122,99 @@ def test_grid_errors_are_one_line_exit_2(sweep_args, grid, needle, capsys):
     assert runner.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+@pytest.mark.parametrize("grid, line", [
+    (["engine.max_num_seqs=2,4"],
+     "error: --grid engine.max_num_seqs: '2,4' is one value; a list needs brackets: engine.max_num_seqs=[2,4]"),
+    (["engine.max_num_seqs=[abc,4]"], "error: --grid engine.max_num_seqs: expected int, found str 'abc'"),
+    (["engine.max_num_seqs=[2]", "balancer.enable_eplb,moe.capacity_factor=[[true,0],[false,high]]"],
+     "error: --grid moe.capacity_factor: expected float, found str 'high'"),
+    (["engine=[1,2]"], "error: --grid: 'engine' is a section, not a setting: give one of its keys such as "
+                       "engine.dtype, engine.max_num_seqs or engine.max_num_batched_tokens"),
+])
+def test_grid_values_are_type_checked_before_anything_runs(sweep_args, tmp_path, grid, line, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(runner, "run_point", lambda c, w, **kw: calls.append(c) or fake_run(c, w))
+    args = sweep_args[: sweep_args.index("--grid") + 1] + grid
+    assert runner.main(args) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert calls == [] and not (tmp_path / "out").exists()
+
+
+def _workload_args(sweep_args: list[str], workload: Path, *extra: str) -> list[str]:
+    args = list(sweep_args[: sweep_args.index("--grid")]) + ["--grid", "engine.max_num_seqs=[2,4]", *extra]
+    args[args.index("--workload") + 1] = str(workload)
+    return args
+
+
+def test_a_workload_the_model_cannot_run_is_refused_up_front(sweep_args, tmp_path, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(runner, "run_point", lambda c, w, **kw: calls.append(c) or fake_run(c, w))
+    model = tmp_path / "ckpt"
+    bad = write_prompt_ids(tmp_path / "bad.jsonl", [[1, 2], [3, 512, 4]])
+    assert runner.main(_workload_args(sweep_args, bad)) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: workload bad.jsonl: prompt 2 has token id 512, outside the vocabulary [0, 512) of {model}"]
+    text = tmp_path / "t.txt"
+    text.write_text("hello there\n")
+    assert runner.main(_workload_args(sweep_args, text)) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f'error: workload t.txt: prompt 1 is text but {model} has no tokenizer.json: give "prompt_token_ids" '
+        "in a .jsonl workload"]
+    assert calls == [] and not (tmp_path / "out").exists()
+
+
+def test_max_tokens_beyond_max_model_len_is_refused_up_front(sweep_args, tmp_path, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(runner, "run_point", lambda c, w, **kw: calls.append(c) or fake_run(c, w))
+    prompts = write_prompt_ids(tmp_path / "p.jsonl", [[1, 2, 3], [4, 5]])
+    args = _workload_args(sweep_args, prompts)
+    args[args.index("--max-tokens") + 1] = "100000"
+    assert runner.main(args) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: workload p.jsonl: --max-tokens 100000 leaves no room for a prompt in max_model_len 2048 "
+        "(the model's max_position_embeddings)"]
+    args[args.index("--max-tokens") + 1] = "14"
+    assert runner.main([*args, "--set", "engine.max_model_len=16"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: workload p.jsonl: prompt 1 of 3 tokens + --max-tokens 14 exceeds max_model_len 16"]
+    assert calls == [] and not (tmp_path / "out").exists()
+    assert runner.main([*args, "--set", "engine.max_model_len=17"]) == 0  # 3 + 14 fits exactly
+    assert len(calls) == 2
+
+
+def test_a_swept_max_model_len_too_short_skips_its_points(sweep_args, tmp_path, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(runner, "run_point", lambda c, w, **kw: calls.append(c) or fake_run(c, w))
+    args = sweep_args[: sweep_args.index("--grid") + 1] + [
+        "engine.max_model_len,moe.capacity_factor=[[5,0],[64,1.5]]", "--set", "engine.max_model_len=5"]
+    assert runner.main(args) == 0
+    rows = {r["settings"]["engine.max_model_len"]: r for r in read_rows(tmp_path / "out" / "results.jsonl")}
+    assert rows[5]["status"] == "skipped"
+    assert rows[5]["reason"] == "workload p.jsonl: prompt 1 of 3 tokens + --max-tokens 3 exceeds max_model_len 5"
+    assert rows[64]["status"] == "ok" and rows[64]["greedy_agreement"] is None
+    assert [c.engine.max_model_len for c in calls] == [64]  # no baseline: the base's length is too short
+    assert "no greedy-agreement baseline: workload p.jsonl: prompt 1 of 3 tokens" in capsys.readouterr().err
+
+
+def test_a_sweep_that_measures_no_point_exits_1(sweep_args, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setattr(runner, "run_point", fake_run)
+    args = sweep_args[: sweep_args.index("--grid") + 1] + ["balancer.num_redundant_experts=[2,4]"]
+    assert runner.main(args) == 1  # redundant experts without EPLB: every point skipped
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == f"error: no point was measured: 2 skipped, 0 failed (reasons in {out / 'results.jsonl'})"
+    assert runner.main(args) == 1  # still nothing measured when resumed
+    assert capsys.readouterr().err.splitlines()[-1] == err[-1]
+
+    def dead(config, workload, **_kw):
+        raise RuntimeError("rank 1 died")
+
+    monkeypatch.setattr(runner, "run_point", dead)
+    assert runner.main(args[:-1] + ["balancer.num_redundant_experts=[0,2,4]"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: no point was measured: 2 skipped, 1 failed (reasons in {out / 'results.jsonl'})")
 
 
 def test_summarize_run_percentiles_and_drop_rate():
@@ -147,8 +244,7 @@ def test_predicted_step_ms_is_the_cost_model_at_the_measured_point(tmp_path, mon
     (model / "config.json").write_text(json.dumps(build_tiny_config("deepseek_v3")))
     base = tmp_path / "base.yaml"
     base.write_text(f"model: {model}\nparallel: {{data_parallel_size: 2, enable_expert_parallel: true}}\n")
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("one\ntwo\n")
+    prompts = write_prompt_ids(tmp_path / "p.jsonl", [[1, 2], [3, 4]])
     load = [[100, 50, 10, 10, 5, 5, 5, 5], [10, 10, 10, 10, 80, 40, 5, 5]]  # [L_moe=2, E=8]
 
     def skewed(config, workload, **_kw):
