@@ -71,8 +71,12 @@ def bus_factor(op: str, nranks: int) -> float:
 def compute_sizes(op: str, min_bytes: int, max_bytes: int, factor: int, elem: int, nranks: int) -> list[int]:
     """Element counts for sizes min_bytes, x factor, ... <= max_bytes. Ops that split the buffer
     over ranks round the count down to a multiple of nranks (at least nranks); duplicates go."""
-    if min_bytes < 1 or max_bytes < min_bytes or factor < 2:
-        raise ValueError(f"need 1 <= -b ({min_bytes}) <= -e ({max_bytes}) and -f >= 2 (got {factor})")
+    if min_bytes < 1:
+        raise ValueError(f"need -b >= 1 byte, got {min_bytes}")
+    if max_bytes < min_bytes:
+        raise ValueError(f"need -e >= -b, got -b {min_bytes} and -e {max_bytes} bytes")
+    if factor < 2:
+        raise ValueError(f"need -f >= 2, got {factor}")
     counts, size = [], min_bytes
     while size <= max_bytes:
         count = max(size // elem, 1)
@@ -225,11 +229,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags (one line naming the flag), or None: checked before any rank starts."""
+    for flag, value, least in (("-np", args.nprocs, 1), ("-n", args.iters, 1), ("-w", args.warmup_iters, 0),
+                               ("--threads", args.threads, 0)):
+        if value < least:
+            return f"{flag} must be >= {least}, got {value}"
+    if torch.cuda.is_available() and args.nprocs > torch.cuda.device_count():
+        return f"-np {args.nprocs} exceeds the {torch.cuda.device_count()} visible GPUs (one per rank)"
+    if args.moe_layer and not args.dispatch:
+        ranks = [r.strip() for r in str(args.ranks).split(",") if r.strip()]
+        if not ranks or not all(r.isdigit() and int(r) >= 1 and args.experts % int(r) == 0 for r in ranks):
+            return f"--ranks {args.ranks}: give comma-separated rank counts, each >= 1 and dividing --experts {args.experts}"
+    return None
+
+
 def main(argv: list[str]) -> int:
-    """CLI entry (``python -m launch commbench ...``). Returns the exit status."""
+    """CLI entry (``python -m launch commbench ...``). Returns the exit status (2: bad flags, one line)."""
     args = build_parser().parse_args(argv)
-    if args.nprocs < 1 or args.iters < 1 or args.warmup_iters < 0:
-        raise SystemExit("commbench: need -np >= 1, -n >= 1, -w >= 0")
+    problem = check_args(args)
+    if problem is None and not (args.dispatch or args.moe_layer):
+        if args.op is None:
+            problem = ("name a collective (alltoall, allreduce, allgather, reducescatter), "
+                       "or pass --dispatch / --moe-layer")
+        else:
+            try:
+                elem = torch.empty((), dtype=DTYPES[args.datatype]).element_size()
+                counts = compute_sizes(args.op, _size_flag("-b", args.minbytes), _size_flag("-e", args.maxbytes),
+                                       args.stepfactor, elem, args.nprocs)
+            except ValueError as e:
+                problem = str(e)
+    if problem is not None:
+        print(f"commbench: error: {problem}", file=sys.stderr)
+        return 2
     if args.dispatch or args.moe_layer:
         from parallel.bench import dispatch as dispatchbench
 
@@ -237,13 +269,6 @@ def main(argv: list[str]) -> int:
         print(report["text"])
         _write_json(args.output_file, report["json"])
         return 0
-    if args.op is None:
-        raise SystemExit("commbench: name a collective (alltoall, allreduce, allgather, reducescatter), "
-                         "or pass --dispatch / --moe-layer")
-    dtype = DTYPES[args.datatype]
-    elem = torch.empty((), dtype=dtype).element_size()
-    counts = compute_sizes(args.op, parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor,
-                           elem, args.nprocs)
     rows = spawn(run_collective, args.nprocs, args.op, counts, args.datatype, args.warmup_iters, args.iters,
                  bool(args.check), threads=args.threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -254,6 +279,14 @@ def main(argv: list[str]) -> int:
                                    "avg_busbw": sum(busbws) / max(len(busbws), 1)})
     wrong = sum(t.wrong or 0 for r in rows for t in (r.out_of_place, r.in_place) if t is not None)
     return 1 if wrong else 0
+
+
+def _size_flag(flag: str, text: str) -> int:
+    """parse_size for ``flag``'s value; the ValueError names the flag."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def _write_json(path: str | None, payload: dict) -> None:

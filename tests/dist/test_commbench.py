@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from parallel.bench.commbench import (
     OPS,
@@ -42,8 +43,51 @@ def test_compute_sizes() -> None:
     assert compute_sizes("allreduce", 8, 64, 2, 4, 4) == [2, 4, 8, 16]
     # split ops: counts are multiples of the rank count, at least one element per rank
     assert compute_sizes("alltoall", 8, 128, 2, 4, 4) == [4, 8, 16, 32]
-    with pytest.raises(ValueError, match="-f >= 2"):
+    with pytest.raises(ValueError, match="need -f >= 2, got 1"):
         compute_sizes("allreduce", 8, 64, 1, 4, 4)
+    with pytest.raises(ValueError, match="need -e >= -b, got -b 1024 and -e 8 bytes"):
+        compute_sizes("allreduce", 1024, 8, 2, 4, 4)
+    with pytest.raises(ValueError, match="need -b >= 1 byte, got 0"):
+        compute_sizes("allreduce", 0, 8, 2, 4, 4)
+
+
+_BAD_SIZE = "bad size {!r}: expected an integer with an optional K, M or G suffix"
+
+
+@pytest.mark.parametrize("argv,message", [
+    ("allreduce -b 1K -e 8 -f 2 -np 2", "need -e >= -b, got -b 1024 and -e 8 bytes"),
+    ("allreduce -f 1", "need -f >= 2, got 1"),
+    ("allreduce -f 0", "need -f >= 2, got 0"),
+    ("allreduce -f -2", "need -f >= 2, got -2"),
+    ("allreduce -b 0", "need -b >= 1 byte, got 0"),
+    ("allreduce -b -8", "-b: " + _BAD_SIZE.format("-8")),
+    ("allreduce -b 8X", "-b: " + _BAD_SIZE.format("8X")),
+    ("allreduce -b 1.5K", "-b: " + _BAD_SIZE.format("1.5K")),
+    ("allreduce -e 8X", "-e: " + _BAD_SIZE.format("8X")),
+    ("allreduce -np 0", "-np must be >= 1, got 0"),
+    ("allreduce -n 0", "-n must be >= 1, got 0"),
+    ("allreduce -w -1", "-w must be >= 0, got -1"),
+    ("allreduce --threads -1", "--threads must be >= 0, got -1"),
+    ("-np 2", "name a collective (alltoall, allreduce, allgather, reducescatter), or pass --dispatch / --moe-layer"),
+    ("--moe-layer --ranks 1,3", "--ranks 1,3: give comma-separated rank counts, each >= 1 and dividing --experts 64"),
+    ("--moe-layer --ranks x", "--ranks x: give comma-separated rank counts, each >= 1 and dividing --experts 64"),
+])
+def test_bad_flags_are_one_line_and_exit_2_before_any_rank_starts(argv, message, monkeypatch, capsys) -> None:
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a rank was spawned for bad flags")
+
+    monkeypatch.setattr("parallel.bench.commbench.spawn", no_spawn)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # gloo ranks: no GPU count to check
+    assert main(argv.split()) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"commbench: error: {message}\n" and captured.out == ""
+
+
+def test_more_ranks_than_gpus_is_one_line(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["allreduce", "-np", "2"]) == 2
+    assert capsys.readouterr().err == "commbench: error: -np 2 exceeds the 1 visible GPUs (one per rank)\n"
 
 
 def test_table_format() -> None:
