@@ -18,8 +18,12 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from launch.tokenizer import Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -71,6 +75,50 @@ def evaluate(models: dict[str, torch.nn.Module], windows: list[list[int]]) -> di
                    "tokens": s["tokens"]} for name, s in stats.items()}
 
 
+def check_args(model: str, max_tokens: int, texts: list[Path]) -> None:
+    """ValueError / FileNotFoundError naming the first flag that cannot work, before any model loads:
+    --max-tokens, --model (a directory with config.json and tokenizer.json), the --texts files."""
+    from moe.config import ModelConfig
+
+    if max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2 (a window scores each token after the first), got {max_tokens}")
+    if not Path(model).is_dir():
+        raise FileNotFoundError(f"--model {model}: no such directory")
+    for name in ("config.json", "tokenizer.json"):
+        if not Path(model, name).is_file():
+            raise FileNotFoundError(f"--model {model} has no {name}")
+    if not texts:
+        raise FileNotFoundError(f"no texts to score: {DATA_DIR} holds no *.txt (name files with --texts)")
+    for text in texts:
+        if not text.is_file():
+            problem = "is a directory, not a file" if text.is_dir() else "no such file"
+            raise FileNotFoundError(f"--texts {text}: {problem}")
+    try:
+        max_len = ModelConfig.from_hf(model).max_position_embeddings
+    except ValueError as e:
+        raise ValueError(f"--model {model}: {e}") from None
+    if max_tokens > max_len:
+        raise ValueError(f"--max-tokens {max_tokens} exceeds the model's max_position_embeddings ({max_len})")
+
+
+def encode_text(tokenizer: Tokenizer, text: Path) -> list[int]:
+    """Token ids of the UTF-8 file ``text``; ValueError naming the file when it cannot be read, is
+    not UTF-8 text, or has fewer than 2 tokens (nothing to score)."""
+    try:
+        content = text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        where = f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise ValueError(f"--texts {text} is not UTF-8 text ({where})") from None
+    except OSError as e:
+        raise ValueError(f"--texts {text}: {(e.strerror or str(e)).lower()}") from None
+    if not content.strip():
+        raise ValueError(f"--texts {text} is empty: nothing to score")
+    ids = tokenizer.encode(content)
+    if len(ids) < 2:
+        raise ValueError(f"--texts {text} has only {len(ids)} token: a text needs at least 2 to score")
+    return ids
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch bench quantization", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,21 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, metavar="FILE")
     args = parser.parse_args(argv)
     texts = [Path(t) for t in args.texts] if args.texts else sorted(DATA_DIR.glob("*.txt"))
-    missing = [str(t) for t in texts if not t.is_file()]
-    if missing or args.max_tokens < 2 or not Path(args.model, "config.json").is_file():
-        print(f"error: need --model DIR with config.json, existing --texts and --max-tokens >= 2 "
-              f"(missing: {missing or args.model})", file=sys.stderr)
-        return 2
-    from launch.tokenizer import Tokenizer
+    try:
+        check_args(args.model, args.max_tokens, texts)
+        from launch.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_dir(args.model)
+        tokenizer = Tokenizer.from_dir(args.model)
+        token_ids = {text: encode_text(tokenizer, text) for text in texts}
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     dtype = DTYPES[args.dtype]
     models = {args.dtype: build_model(args.model, dtype, None), f"{args.dtype}+int8": build_model(args.model, dtype, "int8")}
     if dtype != torch.float32:
         models["float32"] = build_model(args.model, torch.float32, None)
     results = {}
     for text in texts:
-        ids = tokenizer.encode(text.read_text())
+        ids = token_ids[text]
         windows = [ids[i:i + args.max_tokens] for i in range(0, len(ids) - 1, args.max_tokens)]
         results[text.name] = evaluate(models, [w for w in windows if len(w) > 1])
     total = {name: {"perplexity": math.exp(sum(math.log(r[name]["perplexity"]) * r[name]["tokens"]
