@@ -427,25 +427,69 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def build_config(args: argparse.Namespace) -> RuntimeConfig:
     """The runtime config with decode-bench defaults for flags not given: room for the
-    largest batch (max_num_seqs, KV blocks) so no step is preempted."""
+    largest batch (max_num_seqs, KV blocks) so no step is preempted. Everything the run needs is
+    checked here, before any weights load (ValueError / ConfigError / FileNotFoundError naming the
+    problem): the flags, what the engine would refuse (``check_runtime_config``), every sequence's
+    tokens against max_model_len, and every batch's KV against the pool: ``--num-kv-blocks``, else
+    what the memory budget holds (``--memory``, or the engine's default), as the engine sizes it."""
+    from launch.engine import DEFAULT_CPU_MEMORY, check_runtime_config, compute_num_kv_blocks
+    from moe.config import ModelConfig
+
     _check_args(args)
     if args.dtype is None:
         args.dtype = "bfloat16"  # the benchmark's default, whatever the checkpoint stores
     biggest = max(args.batch_sizes)
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = max(8192, biggest)
-    headroom = num_prefill_steps(biggest, args.context_len, args.max_num_batched_tokens) + 4
-    profiled = (args.steps if args.breakdown else 0) + (args.steps if args.ab_fused_ops else 0)
-    per_seq = -(-(args.context_len + args.warmup_steps + args.steps + profiled + headroom) // (args.block_size or 16))
     if args.max_num_seqs is None:
         args.max_num_seqs = max(biggest, 1)
-    if args.num_kv_blocks is None:
-        args.num_kv_blocks = biggest * per_seq + 1
     config = runtime_config_from_args(args)
     if config.parallel.world_size != 1:
         raise ValueError("bench decode runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
-    config.check_model_path()
+    e = config.engine
+    for name, value in (("--max-num-seqs", e.max_num_seqs), ("--max-num-batched-tokens", e.max_num_batched_tokens)):
+        if value < biggest:
+            raise ValueError(f"{name} {value} < the largest --batch-sizes {biggest}: that batch could never decode "
+                             "in one step")
+    check_runtime_config(config)  # model path, layout, KV budget (--memory), before any weights load
+    model_config = ModelConfig.from_hf(config.model)
+    max_len = e.max_model_len or model_config.max_position_embeddings
+    tokens = {b: seq_tokens(args, b, e.max_num_batched_tokens) for b in args.batch_sizes}
+    too_long = sorted(b for b in args.batch_sizes if tokens[b] > max_len)
+    if too_long:
+        b = too_long[0]
+        raise ValueError(f"--context-len {args.context_len} + {tokens[b] - args.context_len} tokens decoded per "
+                         f"sequence (warm-up, timed and profiled steps, prefill headroom at batch size {b}) = "
+                         f"{tokens[b]} exceeds max_model_len={max_len} (the model's max_position_embeddings unless "
+                         "--max-model-len)")
+    need = {b: b * -(-tokens[b] // e.block_size) for b in args.batch_sizes}
+    if e.num_kv_blocks is not None:
+        pool, source = e.num_kv_blocks, f"--num-kv-blocks {e.num_kv_blocks}"
+    else:
+        pool = compute_num_kv_blocks(config, model_config, max_len)
+        if e.memory is not None:
+            budget = f"--memory {e.memory}"
+        else:
+            budget = "the GPU's memory" if torch.cuda.is_available() else f"the engine's default {DEFAULT_CPU_MEMORY}"
+        source = (f"the {pool} that {budget} x memory_utilization {e.memory_utilization:g} holds after the "
+                  "weights")
+    too_big = sorted(b for b in args.batch_sizes if need[b] > pool)
+    if too_big:
+        b = too_big[0]
+        raise ValueError(f"--batch-sizes {b}: {b} sequences x {tokens[b]} tokens need {need[b]} KV blocks of "
+                         f"{e.block_size}, more than {source}: lower the batch size or --context-len, or raise "
+                         f"{'--num-kv-blocks' if e.num_kv_blocks is not None else '--memory'}")
+    if e.num_kv_blocks is None:  # only what the largest batch uses, within the budget
+        config = replace(config, engine=replace(e, num_kv_blocks=need[biggest] + 1))
     return config
+
+
+def seq_tokens(args: argparse.Namespace, batch_size: int, max_num_batched_tokens: int) -> int:
+    """Tokens one sequence of a ``batch_size`` batch can reach in the run: its prompt, the decode
+    steps (warm-up, timed, profiled) and the ones it decodes while the rest of the batch prefills."""
+    headroom = num_prefill_steps(batch_size, args.context_len, max_num_batched_tokens) + 4
+    profiled = (args.steps if args.breakdown else 0) + (args.steps if args.ab_fused_ops else 0)
+    return args.context_len + args.warmup_steps + args.steps + profiled + headroom
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -485,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
                                   flops_per_key=attention_flops_per_key(mc), matmul_flops=matmul_flops)
             off_ms = statistics.median(fused_off) * 1e3 if fused_off else 0.0
             rows.append(replace(row, breakdown_ms=breakdown or {}, fused_off_cpu_ms=off_ms))
+    except (ValueError, RuntimeError) as e:  # e.g. a batch that never decoded together: one line, as bench overhead
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         engine.shutdown()
     if worker.device.type == "cuda":

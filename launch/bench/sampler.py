@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -163,15 +164,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def peak_copies(setting: str) -> int:
+    """Peak memory of one ``measure`` cell in units of its [batch, V] float32 logits (measured with
+    freed heap memory kept: ~4x greedy, ~7x temperature / seeded / min-p, ~16x top-k / top-p,
+    whose index sort holds int64 indices and several [batch, V] temporaries), rounded up."""
+    base = SETTINGS[setting]
+    if "top_k" in base or "top_p" in base:
+        return 17
+    return 5 if base.get("temperature") == 0.0 else 8
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """One line naming the first bad flag (settings already checked), or None. Sizes whose logits and
+    the samplers' temporaries would not fit the memory available now are refused."""
+    from moe.kv_cache import available_memory_bytes
+
+    for flag, value, least in (("--batch", args.batch, 1), ("--num-threads", args.num_threads, 1)):
+        if value < least:
+            return f"{flag} must be >= {least}, got {value}"
+    if min(args.vocab) < 2:
+        return f"--vocab sizes must be >= 2, got {min(args.vocab)}"
+    if not (math.isfinite(args.min_seconds) and args.min_seconds >= 0):
+        return f"--min-seconds must be a finite number >= 0, got {args.min_seconds}"
+    if not (math.isfinite(args.logit_scale) and args.logit_scale > 0):
+        return f"--logit-scale must be a finite number > 0, got {args.logit_scale}"
+    available = available_memory_bytes()
+    vocab = max(args.vocab)
+    logits = args.batch * vocab * 4
+    need = logits * max(peak_copies(s) for s in args.settings)
+    if available is not None and need > available:
+        return (f"--batch {args.batch} x --vocab {vocab}: float32 logits of {logits / 2**30:.2f} GiB, about "
+                f"{need / 2**30:.2f} GiB with the samplers' temporaries, exceed the {available / 2**30:.2f} GiB of "
+                "memory available (MemAvailable): lower --batch or --vocab")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     unknown = [s for s in args.settings if s not in SETTINGS]
     if unknown:
         print(f"error: unknown --settings {' '.join(unknown)} (known: {' '.join(SETTINGS)})", file=sys.stderr)
         return 2
-    if args.batch < 1 or min(args.vocab) < 2 or args.num_threads < 1 or args.min_seconds < 0 or args.logit_scale <= 0:
-        print("error: --batch and --num-threads must be >= 1, --vocab >= 2, --min-seconds >= 0, --logit-scale > 0",
-              file=sys.stderr)
+    problem = check_args(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     from launch.worker import keep_freed_heap_memory
 

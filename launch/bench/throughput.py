@@ -62,15 +62,35 @@ def sample_requests(num_prompts: int, input_len_range: Sequence[int], output_len
     (in_lo, in_hi), (out_lo, out_hi) = input_len_range, output_len_range
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
-    for name, lo, hi in (("--input-len-range", in_lo, in_hi), ("--output-len-range", out_lo, out_hi)):
-        if not 1 <= lo <= hi:
-            raise ValueError(f"{name} needs 1 <= LO <= HI, got {lo} {hi}")
+    check_len_ranges(input_len_range, output_len_range)
     allowed = [t for t in range(vocab_size) if t not in set(avoid_ids)]
     if not allowed:
         raise ValueError(f"no token ids left in a vocabulary of {vocab_size} after excluding {list(avoid_ids)}")
     rng = random.Random(seed)
     return [BenchRequest([rng.choice(allowed) for _ in range(rng.randint(in_lo, in_hi))], rng.randint(out_lo, out_hi))
             for _ in range(num_prompts)]
+
+
+def check_len_ranges(input_len_range: Sequence[int], output_len_range: Sequence[int],
+                     max_model_len: int | None = None, num_kv_blocks: int | None = None,
+                     block_size: int = 16) -> None:
+    """ValueError naming the flag when a range is not 1 <= LO <= HI, or (given the engine's
+    ``max_model_len`` / a DP rank's ``num_kv_blocks``) when the longest request the ranges allow,
+    input HI + output HI tokens, would not fit in a sequence or in the KV pool."""
+    (in_lo, in_hi), (out_lo, out_hi) = input_len_range, output_len_range
+    for name, lo, hi in (("--input-len-range", in_lo, in_hi), ("--output-len-range", out_lo, out_hi)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} needs 1 <= LO <= HI, got {lo} {hi}")
+    longest = in_hi + out_hi
+    if max_model_len is not None and longest > max_model_len:
+        raise ValueError(f"--input-len-range HI {in_hi} + --output-len-range HI {out_hi} = {longest} tokens exceeds "
+                         f"max_model_len={max_model_len} (the model's max_position_embeddings unless --max-model-len)")
+    # the last generated token is never fed back, so its KV needs no slot (as the scheduler counts)
+    blocks = -(-(longest - 1) // block_size)
+    if num_kv_blocks is not None and blocks > num_kv_blocks:
+        raise ValueError(f"a request of up to {longest} tokens (input + output HI) needs KV for {longest - 1} "
+                         f"tokens ({blocks} blocks of {block_size}) but a DP rank's pool has only {num_kv_blocks} "
+                         "blocks (raise --memory or --num-kv-blocks, or lower the ranges)")
 
 
 def run_ours(config: RuntimeConfig, requests: Sequence[BenchRequest]) -> RunResult:
@@ -219,24 +239,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args: argparse.Namespace) -> tuple[RuntimeConfig, Any]:
+    """The runtime config and the model's ``moe.config.ModelConfig``, after every check that needs no
+    weights: the flags, what the engine would refuse (``check_runtime_config``: model path, layout,
+    KV budget), and the request lengths against the engine's max_model_len and KV pool. Raises
+    ConfigError, ValueError or FileNotFoundError naming the problem."""
+    from launch.engine import check_runtime_config, compute_num_kv_blocks
+    from moe.config import ModelConfig
+
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+    if args.baseline == "hf" and args.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    check_len_ranges(args.input_len_range, args.output_len_range)
+    config = runtime_config_from_args(args)
+    check_runtime_config(config)
+    model_config = ModelConfig.from_hf(config.model)
+    e = config.engine
+    max_model_len = e.max_model_len or model_config.max_position_embeddings
+    check_len_ranges(args.input_len_range, args.output_len_range, max_model_len,
+                     compute_num_kv_blocks(config, model_config, max_model_len), e.block_size)
+    return config, model_config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16"  # the benchmark's default, whatever the checkpoint stores
     try:
-        config = runtime_config_from_args(args)
-        config.check_model_path()
+        config, model_config = check_args(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.num_threads is not None:
-        if args.num_threads < 1:
-            print(f"error: --num-threads must be >= 1, got {args.num_threads}", file=sys.stderr)
-            return 2
         torch.set_num_threads(args.num_threads)
-    from moe.config import ModelConfig
-
-    model_config = ModelConfig.from_hf(config.model)
     seed = config.engine.seed
     avoid = tuple(model_config.eos_token_ids) + ((model_config.bos_token_id,) if model_config.bos_token_id is not None
                                                  else ())

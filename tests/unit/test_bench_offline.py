@@ -115,6 +115,34 @@ def test_throughput_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
     assert err.startswith("error: ") and "KV cache" in err and "Traceback" not in err
 
 
+@pytest.fixture
+def no_runs(monkeypatch):
+    """Fail the test if either side of bench throughput starts."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the benchmark ran for bad input")
+
+    monkeypatch.setattr(bench_throughput, "run_ours", refuse)
+    monkeypatch.setattr(bench_throughput, "run_hf", refuse)
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--output-len-range", "100000", "100000", "--baseline", "none"],
+     "error: --input-len-range HI 200 + --output-len-range HI 100000 = 100200 tokens exceeds max_model_len=2048 "
+     "(the model's max_position_embeddings unless --max-model-len)"),
+    (["--max-model-len", "100", "--input-len-range", "50", "60", "--output-len-range", "30", "41"],
+     "error: --input-len-range HI 60 + --output-len-range HI 41 = 101 tokens exceeds max_model_len=100 "
+     "(the model's max_position_embeddings unless --max-model-len)"),
+    (["--input-len-range", "1000", "1000", "--output-len-range", "1000", "1000", "--num-kv-blocks", "10"],
+     "error: a request of up to 2000 tokens (input + output HI) needs KV for 1999 tokens (125 blocks of 16) but a "
+     "DP rank's pool has only 10 blocks (raise --memory or --num-kv-blocks, or lower the ranges)"),
+    (["--hf-batch-size", "0"], "error: --hf-batch-size must be >= 1, got 0"),
+    (["--num-threads", "0"], "error: --num-threads must be >= 1, got 0"),
+])
+def test_throughput_checks_lengths_and_flags_before_running(tiny_ckpt, no_runs, capsys, flags, line):
+    assert bench_throughput.main(["--model", str(tiny_ckpt), *flags]) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
 @pytest.mark.slow
 def test_decode_main_times_the_fused_ops_against_their_pytorch_ops(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "ab.json"
@@ -172,6 +200,60 @@ def test_decode_main_rejects_bad_input(tiny_ckpt, capsys):
                               "--copy-mib", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Fail the test if bench decode builds an engine (loads weights)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("an engine was built for bad input")
+
+    monkeypatch.setattr("launch.engine.LLMEngine", refuse)
+
+
+_LEN_HINT = "exceeds max_model_len=2048 (the model's max_position_embeddings unless --max-model-len)"
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--context-len", "5000"],
+     "error: --context-len 5000 + 28 tokens decoded per sequence (warm-up, timed and profiled steps, prefill headroom "
+     f"at batch size 1) = 5028 {_LEN_HINT}"),
+    (["--context-len", "2030", "--batch-sizes", "4"],
+     "error: --context-len 2030 + 28 tokens decoded per sequence (warm-up, timed and profiled steps, prefill headroom "
+     f"at batch size 4) = 2058 {_LEN_HINT}"),
+    (["--memory", "1KiB"],
+     "error: no room for the KV cache: the weights take 503.38 KiB per rank (tp=1) of 0.9 x 1.00 KiB = 922 B usable; "
+     "KV needs 240 B per token (all layers) on top"),
+    (["--memory", "1MiB", "--batch-sizes", "1", "64"],
+     "error: --batch-sizes 64: 64 sequences x 156 tokens need 640 KV blocks of 16, more than the 111 that --memory "
+     "1MiB x memory_utilization 0.9 holds after the weights: lower the batch size or --context-len, or raise --memory"),
+    (["--batch-sizes", "64", "--num-kv-blocks", "100"],
+     "error: --batch-sizes 64: 64 sequences x 156 tokens need 640 KV blocks of 16, more than --num-kv-blocks 100: "
+     "lower the batch size or --context-len, or raise --num-kv-blocks"),
+    (["--batch-sizes", "8", "--max-num-seqs", "4"],
+     "error: --max-num-seqs 4 < the largest --batch-sizes 8: that batch could never decode in one step"),
+])
+def test_decode_checks_lengths_memory_and_kv_before_loading(tiny_ckpt, no_engine, capsys, flags, line):
+    assert bench_decode.main(["--model", str(tiny_ckpt), "--copy-mib", "1", *flags]) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_decode_refuses_batches_the_default_memory_budget_cannot_hold(tiny_ckpt, no_engine, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the engine's CPU default budget, 2GiB
+    assert bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "100000"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --batch-sizes 100000: 100000 sequences x 283 tokens need 1800000 KV blocks of 16, more than the 503182 "
+        "that the engine's default 2GiB x memory_utilization 0.9 holds after the weights: lower the batch size or "
+        "--context-len, or raise --memory\n")
+
+
+def test_decode_honours_memory_with_a_pool_for_the_largest_batch(tiny_ckpt, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = bench_decode.build_parser().parse_args(["--model", str(tiny_ckpt), "--batch-sizes", "1", "4",
+                                                   "--context-len", "8", "--steps", "3", "--memory", "1MiB"])
+    config = bench_decode.build_config(args)
+    # 4 sequences x (8 + 3 warm-up + 3 timed + 1 prefill step + 4) tokens = 2 blocks each, plus one spare
+    assert config.engine.num_kv_blocks == 4 * 2 + 1 and config.engine.memory == "1MiB"
 
 
 def _tiny_config() -> dict:

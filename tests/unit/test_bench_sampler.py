@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from launch.bench import sampler as bench_sampler
@@ -42,3 +43,37 @@ def test_main_rejects_bad_input(capsys):
     assert "unknown --settings nucleus" in capsys.readouterr().err
     assert bench_sampler.main(["--batch", "0"]) == 2
     assert "--batch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--logit-scale", "nan"], "error: --logit-scale must be a finite number > 0, got nan"),
+    (["--logit-scale", "inf"], "error: --logit-scale must be a finite number > 0, got inf"),
+    (["--logit-scale", "0"], "error: --logit-scale must be a finite number > 0, got 0.0"),
+    (["--min-seconds", "nan"], "error: --min-seconds must be a finite number >= 0, got nan"),
+    (["--min-seconds", "-1"], "error: --min-seconds must be a finite number >= 0, got -1.0"),
+    (["--batch", "0"], "error: --batch must be >= 1, got 0"),
+    (["--num-threads", "0"], "error: --num-threads must be >= 1, got 0"),
+    (["--vocab", "64", "1"], "error: --vocab sizes must be >= 2, got 1"),
+])
+def test_each_bad_flag_gets_its_own_line(monkeypatch, capsys, flags, line):
+    monkeypatch.setattr(bench_sampler, "measure", _refuse)
+    assert bench_sampler.main(flags) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_sizes_beyond_the_memory_available_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(bench_sampler, "measure", _refuse)
+    monkeypatch.setattr("moe.kv_cache.available_memory_bytes", lambda: 8 * 2**30)
+    assert bench_sampler.main(["--batch", "100000", "--vocab", "1000", "1000000"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --batch 100000 x --vocab 1000000: float32 logits of 372.53 GiB, about 6332.99 GiB with the samplers' "
+        "temporaries, exceed the 8.00 GiB of memory available (MemAvailable): lower --batch or --vocab\n")
+    # greedy alone holds fewer temporaries: 5 x 1.2 GiB of logits fit in 8 GiB, 17 x do not
+    assert bench_sampler.check_args(bench_sampler.build_parser().parse_args(
+        ["--batch", "1280", "--vocab", "262144", "--settings", "greedy"])) is None
+    assert "exceed the 8.00 GiB" in bench_sampler.check_args(bench_sampler.build_parser().parse_args(
+        ["--batch", "1280", "--vocab", "262144", "--settings", "greedy", "top-p"]))
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the benchmark ran for bad input")
