@@ -170,3 +170,17 @@ def test_the_step_table_keeps_a_space_between_columns() -> None:
     head, median, _ = format_steps(summary, "in-process").splitlines()
     assert head.split()[2:] == list(STEP_FIELDS)  # no two names run together
     assert median.split()[2:] == ["12345.678"] * len(STEP_FIELDS)
+
+
+def test_a_context_past_max_model_len_is_refused_before_the_engine_starts(tiny_ckpt, capsys, monkeypatch) -> None:
+    import launch.engine
+
+    monkeypatch.setattr(launch.engine.LLMEngine, "__init__", lambda *a, **k: pytest.fail("the engine started"))
+    flags = ["--model", str(tiny_ckpt), "--batch", "2", "--steps", "5", "--warmup-steps", "2"]
+    # 2 x 2040 prompt tokens prefill in 8 steps of 512: 2040 + 8 + 2 + 5 = 2055 > the model's 2048
+    assert bench_overhead.main([*flags, "--context-len", "2040"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --context-len 2040 + 15 tokens decoded per sequence = 2055 "
+                                               "exceeds max_model_len=2048 (the model's max_position_embeddings "
+                                               "unless --max-model-len)")
+    args = bench_overhead.build_parser().parse_args([*flags, "--context-len", "2033"])  # 2033 + 8 + 7 = 2048
+    assert bench_overhead.build_config(args).engine.max_num_seqs == 2
