@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -73,19 +74,33 @@ def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_
     return max(1, min(sizing.num_blocks(e.block_size), ceiling))
 
 
-def check_runtime_config(config: RuntimeConfig) -> None:
-    """What building an engine for ``config`` would refuse, checked before any weights load: the
-    model path and its config.json, the layout against the model, the KV budget, the initial
-    expert placement (``init_expert_location``). Raises FileNotFoundError (no config.json, no
-    placement dump) or ValueError naming the problem."""
+@dataclass(frozen=True)
+class EnginePlan:
+    """What an engine for a runtime config is built from, all of it known before any weights load:
+    the checkpoint directory, its model config, the max_model_len, the KV blocks per DP rank and the
+    initial expert placement."""
+
+    model_path: Path
+    model_config: ModelConfig
+    max_model_len: int
+    num_kv_blocks: int
+    placement: Placement
+
+
+def check_runtime_config(config: RuntimeConfig) -> EnginePlan:
+    """The plan of an engine for ``config`` (``LLMEngine`` builds from it), or what building one would
+    refuse, before any weights load: the model path and its config.json, the layout against the model,
+    the KV budget, the initial expert placement (``init_expert_location``). Raises FileNotFoundError
+    (no config.json, no placement dump) or ValueError naming the problem."""
     path = config.check_model_path()
     try:
         model_config = ModelConfig.from_hf(path)
     except ValueError as e:
         raise ValueError(f"model {config.model!r}: {e}") from e
     config.validate_for_model(model_config)
-    compute_num_kv_blocks(config, model_config, config.engine.max_model_len or model_config.max_position_embeddings)
-    build_initial_placement(config, model_config)
+    max_model_len = config.engine.max_model_len or model_config.max_position_embeddings
+    return EnginePlan(path, model_config, max_model_len, compute_num_kv_blocks(config, model_config, max_model_len),
+                      build_initial_placement(config, model_config))
 
 
 def build_initial_placement(config: RuntimeConfig, model_config: ModelConfig) -> Placement:
@@ -110,15 +125,12 @@ class LLMEngine:
 
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
-        path = config.check_model_path()
-        self.model_config = ModelConfig.from_hf(path)
-        config.validate_for_model(self.model_config)
+        plan = check_runtime_config(config)
+        path, self.model_config = plan.model_path, plan.model_config
+        self.max_model_len, self.num_kv_blocks, self.placement = plan.max_model_len, plan.num_kv_blocks, plan.placement
         self.tokenizer = _load_tokenizer(path)
         e, p = config.engine, config.parallel
         self.dtype = resolve_dtype(e.dtype, self.model_config)
-        self.max_model_len = e.max_model_len or self.model_config.max_position_embeddings
-        self.num_kv_blocks = compute_num_kv_blocks(config, self.model_config, self.max_model_len)
-        self.placement = build_initial_placement(config, self.model_config)
         world = p.world_size
         spec = WorkerSpec(
             model_path=str(path), dtype=self.dtype, tp=p.tensor_parallel_size, dp=p.data_parallel_size,

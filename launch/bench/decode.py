@@ -432,8 +432,7 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     problem): the flags, what the engine would refuse (``check_runtime_config``), every sequence's
     tokens against max_model_len, and every batch's KV against the pool: ``--num-kv-blocks``, else
     what the memory budget holds (``--memory``, or the engine's default), as the engine sizes it."""
-    from launch.engine import DEFAULT_CPU_MEMORY, check_runtime_config, compute_num_kv_blocks
-    from moe.config import ModelConfig
+    from launch.engine import DEFAULT_CPU_MEMORY, check_runtime_config
 
     _check_args(args)
     if args.dtype is None:
@@ -451,9 +450,8 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
         if value < biggest:
             raise ValueError(f"{name} {value} < the largest --batch-sizes {biggest}: that batch could never decode "
                              "in one step")
-    check_runtime_config(config)  # model path, layout, KV budget (--memory), before any weights load
-    model_config = ModelConfig.from_hf(config.model)
-    max_len = e.max_model_len or model_config.max_position_embeddings
+    plan = check_runtime_config(config)  # model path, layout, KV budget (--memory), before any weights load
+    max_len = plan.max_model_len
     tokens = {b: seq_tokens(args, b, e.max_num_batched_tokens) for b in args.batch_sizes}
     too_long = sorted(b for b in args.batch_sizes if tokens[b] > max_len)
     if too_long:
@@ -463,16 +461,13 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
                          f"{tokens[b]} exceeds max_model_len={max_len} (the model's max_position_embeddings unless "
                          "--max-model-len)")
     need = {b: b * -(-tokens[b] // e.block_size) for b in args.batch_sizes}
-    if e.num_kv_blocks is not None:
-        pool, source = e.num_kv_blocks, f"--num-kv-blocks {e.num_kv_blocks}"
+    pool = plan.num_kv_blocks  # --num-kv-blocks, else what the memory budget holds
+    if e.memory is not None:
+        budget = f"--memory {e.memory}"
     else:
-        pool = compute_num_kv_blocks(config, model_config, max_len)
-        if e.memory is not None:
-            budget = f"--memory {e.memory}"
-        else:
-            budget = "the GPU's memory" if torch.cuda.is_available() else f"the engine's default {DEFAULT_CPU_MEMORY}"
-        source = (f"the {pool} that {budget} x memory_utilization {e.memory_utilization:g} holds after the "
-                  "weights")
+        budget = "the GPU's memory" if torch.cuda.is_available() else f"the engine's default {DEFAULT_CPU_MEMORY}"
+    source = (f"--num-kv-blocks {e.num_kv_blocks}" if e.num_kv_blocks is not None
+              else f"the {pool} that {budget} x memory_utilization {e.memory_utilization:g} holds after the weights")
     too_big = sorted(b for b in args.batch_sizes if need[b] > pool)
     if too_big:
         b = too_big[0]

@@ -335,10 +335,9 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     if args.stats_overhead and config.parallel.world_size != 1:
         raise ValueError("--stats-overhead runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
     from launch.engine import check_runtime_config
-    from moe.config import ModelConfig
 
-    check_runtime_config(config)  # model path, layout, KV budget: before any engine or rank starts
-    max_len = config.engine.max_model_len or ModelConfig.from_hf(config.model).max_position_embeddings
+    # model path, layout, KV budget: before any engine or rank starts
+    max_len = check_runtime_config(config).max_model_len
     # a sequence decodes while the rest of the batch prefills, then the warm-up and timed steps
     prefill_steps = -(-args.batch * args.context_len // config.engine.max_num_batched_tokens)
     tokens = args.context_len + prefill_steps + args.warmup_steps + args.steps
