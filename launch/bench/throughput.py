@@ -35,6 +35,7 @@ import torch
 from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams
+from launch.core.scheduler import request_kv_tokens
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,10 @@ def check_len_ranges(input_len_range: Sequence[int], output_len_range: Sequence[
     if max_model_len is not None and longest > max_model_len:
         raise ValueError(f"--input-len-range HI {in_hi} + --output-len-range HI {out_hi} = {longest} tokens exceeds "
                          f"max_model_len={max_model_len} (the model's max_position_embeddings unless --max-model-len)")
-    # the last generated token is never fed back, so its KV needs no slot (as the scheduler counts)
-    blocks = -(-(longest - 1) // block_size)
+    kv_tokens = request_kv_tokens(in_hi, out_hi, max_model_len or longest)  # as the scheduler counts
+    blocks = -(-kv_tokens // block_size)
     if num_kv_blocks is not None and blocks > num_kv_blocks:
-        raise ValueError(f"a request of up to {longest} tokens (input + output HI) needs KV for {longest - 1} "
+        raise ValueError(f"a request of up to {longest} tokens (input + output HI) needs KV for {kv_tokens} "
                          f"tokens ({blocks} blocks of {block_size}) but a DP rank's pool has only {num_kv_blocks} "
                          "blocks (raise --memory or --num-kv-blocks, or lower the ranges)")
 
@@ -244,8 +245,7 @@ def check_args(args: argparse.Namespace) -> tuple[RuntimeConfig, Any]:
     weights: the flags, what the engine would refuse (``check_runtime_config``: model path, layout,
     KV budget), and the request lengths against the engine's max_model_len and KV pool. Raises
     ConfigError, ValueError or FileNotFoundError naming the problem."""
-    from launch.engine import check_runtime_config, compute_num_kv_blocks
-    from moe.config import ModelConfig
+    from launch.engine import check_runtime_config
 
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
@@ -255,13 +255,10 @@ def check_args(args: argparse.Namespace) -> tuple[RuntimeConfig, Any]:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     check_len_ranges(args.input_len_range, args.output_len_range)
     config = runtime_config_from_args(args)
-    check_runtime_config(config)
-    model_config = ModelConfig.from_hf(config.model)
-    e = config.engine
-    max_model_len = e.max_model_len or model_config.max_position_embeddings
-    check_len_ranges(args.input_len_range, args.output_len_range, max_model_len,
-                     compute_num_kv_blocks(config, model_config, max_model_len), e.block_size)
-    return config, model_config
+    plan = check_runtime_config(config)
+    check_len_ranges(args.input_len_range, args.output_len_range, plan.max_model_len, plan.num_kv_blocks,
+                     config.engine.block_size)
+    return config, plan.model_config
 
 
 def main(argv: list[str] | None = None) -> int:

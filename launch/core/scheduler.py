@@ -29,6 +29,13 @@ from launch.core.request import Request, Sequence, SequenceStatus
 from launch.core.sampling_params import SamplingParams
 
 
+def request_kv_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """KV slots a request can fill: its prompt and every token it may generate within
+    ``max_model_len`` but the last, which is never fed back."""
+    total = max_model_len if max_tokens is None else min(max_model_len, prompt_len + max_tokens)
+    return max(prompt_len, total - 1)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits per DP rank per step (vLLM names). Without chunked prefill a prompt runs in one
@@ -157,7 +164,6 @@ class Scheduler:
         """ValueError naming why a request of these prompt ids and params could never be served
         here (empty prompt, negative ids, longer than max_model_len, stop strings without a
         detokenizer, more KV than a rank's pool); what ``add_request`` checks, without queueing."""
-        ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("the prompt is empty")
         if min(ids) < 0:
@@ -167,9 +173,7 @@ class Scheduler:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_model_len={max_len}")
         if params.stop and self._decode is None:
             raise ValueError("stop strings need a detokenizer (Scheduler(decode=...))")
-        total = max_len if params.max_tokens is None else min(max_len, len(ids) + params.max_tokens)
-        # The last generated token is never fed back, so its KV needs no slot.
-        kv_tokens = max(len(ids), total - 1)
+        kv_tokens = request_kv_tokens(len(ids), params.max_tokens, max_len)
         alloc = self.allocators[0]
         if alloc.blocks_needed(kv_tokens) > alloc.num_blocks:
             raise ValueError(f"needs KV for {kv_tokens} tokens ({alloc.blocks_needed(kv_tokens)} blocks "
