@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.config_schema import ConfigError
 from launch.core import CompletionOutput, SamplingParams
+from launch.core.outputs import top_n
 from launch.paths import output_file_problem
 from launch.tokenizer import check_text
 
@@ -138,8 +139,7 @@ def completion_record(c: CompletionOutput, num_logprobs: int | None = None) -> d
     if c.logprobs is not None:
         n = num_logprobs or 0
         record["token_logprobs"] = [entry.get(t) for t, entry in zip(c.token_ids, c.logprobs)]
-        record["top_logprobs"] = [[[i, lp] for i, lp in sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
-                                  for entry in c.logprobs]
+        record["top_logprobs"] = [[[i, lp] for i, lp in top_n(entry, n)] for entry in c.logprobs]
         record["cumulative_logprob"] = c.cumulative_logprob
     return record
 

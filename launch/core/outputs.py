@@ -15,6 +15,12 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 TokenLogprobs = dict[int, float]
 
 
+def top_n(entry: TokenLogprobs, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely ``(token_id, logprob)`` pairs of one position, best first (ties: lower
+    id first)."""
+    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+
+
 @dataclass
 class CompletionOutput:
     """One of the n completions of a request.

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from launch.core.outputs import top_n
 from launch.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -36,11 +37,6 @@ TokenText = Callable[[int], str]
 def sse(payload: BaseModel) -> str:
     """One server-sent event carrying ``payload`` as JSON."""
     return f"data: {payload.model_dump_json()}\n\n"
-
-
-def top_n(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
-    """The ``n`` most likely ``(token_id, logprob)`` pairs of one position, best first."""
-    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
 
 @dataclass
