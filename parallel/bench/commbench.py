@@ -238,9 +238,12 @@ def check_args(args: argparse.Namespace) -> str | None:
     if torch.cuda.is_available() and args.nprocs > torch.cuda.device_count():
         return f"-np {args.nprocs} exceeds the {torch.cuda.device_count()} visible GPUs (one per rank)"
     if args.moe_layer and not args.dispatch:
-        ranks = [r.strip() for r in str(args.ranks).split(",") if r.strip()]
-        if not ranks or not all(r.isdigit() and int(r) >= 1 and args.experts % int(r) == 0 for r in ranks):
-            return f"--ranks {args.ranks}: give comma-separated rank counts, each >= 1 and dividing --experts {args.experts}"
+        from parallel.bench.dispatch import parse_ranks
+
+        try:
+            parse_ranks(args.ranks, args.experts)
+        except ValueError as e:
+            return str(e)
     return None
 
 

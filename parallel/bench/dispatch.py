@@ -148,14 +148,20 @@ def _cfg(args: argparse.Namespace) -> dict:
             "threads": args.threads}
 
 
+def parse_ranks(text: str | int, experts: int) -> list[int]:
+    """``--ranks`` (``"1,2,4"``) as rank counts; ValueError unless each is >= 1 and divides ``experts``."""
+    ranks = [r.strip() for r in str(text).split(",") if r.strip()]
+    if not ranks or not all(r.isdigit() and int(r) >= 1 and experts % int(r) == 0 for r in ranks):
+        raise ValueError(f"--ranks {text}: give comma-separated rank counts, each >= 1 and dividing --experts {experts}")
+    return [int(r) for r in ranks]
+
+
 def run(args: argparse.Namespace, spawn: Callable[..., Any]) -> dict:
     """Run the requested mode. Returns {"text": printable report, "json": dict}."""
     cfg = _cfg(args)
     if args.dispatch:
         return _report_dispatch(cfg, args.nprocs, spawn(time_dispatch, args.nprocs, cfg))
-    ranks = [int(r) for r in str(args.ranks).split(",") if r.strip()]
-    if not ranks or any(r < 1 or args.experts % r for r in ranks):
-        raise SystemExit(f"--ranks {args.ranks}: each must be >= 1 and divide --experts {args.experts}")
+    ranks = parse_ranks(args.ranks, args.experts)
     per_world = {r: spawn(time_moe_layer, r, cfg)["seconds"] for r in ranks}
     return _report_moe_layer(cfg, per_world)
 
