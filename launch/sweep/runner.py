@@ -196,12 +196,10 @@ class SweepPlan:
         baseline = self._baseline(configs, progress)
         bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="sweep", unit="point",
                    disable=not progress, position=0)
-        failures = 0
         status = {key: row.get("status") for key, row in done.items()}
         for settings, repeat in todo:
             row = self._run_one(settings, configs[point_key(settings)], baseline, progress)
             row.update(key=run_key(settings, repeat), repeat=repeat)
-            failures += row["status"] == "error"
             status[row["key"]] = row["status"]
             report.append_row(results, row)
             self._rewrite_outputs(results, plots=False)
@@ -215,7 +213,7 @@ class SweepPlan:
             print(f"error: no point was measured: {outcomes.count('skipped')} skipped, {outcomes.count('error')} "
                   f"failed (reasons in {results})", file=sys.stderr)
             return 1
-        return 1 if failures else 0
+        return 1 if "error" in outcomes else 0
 
     def _point_config(self, settings: Mapping[str, Any]) -> RuntimeConfig | str:
         """The point's config, or the one-line reason it is skipped (an invalid combination, or
