@@ -137,6 +137,21 @@ def load(cmd: Command) -> Callable[[list[str]], int | None]:
     return fn
 
 
+def _user_error(e: Exception) -> str | None:
+    """The one line to print for an error that is the user's to fix and that a command let through,
+    or None (a bug: the traceback): a path the user gave that the command did not check itself, or a
+    checkpoint that cannot be loaded (``moe.loading.errors``: no weights, a bad shard, a tensor of the
+    wrong shape). That module is looked up, not imported: a command that never loaded a checkpoint
+    cannot have raised one, and ``--help`` stays light."""
+    errors = sys.modules.get("moe.loading.errors")
+    if errors is not None and isinstance(e, errors.LoadError):
+        return " ".join(str(e).splitlines())
+    if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError)):
+        if e.filename is not None:
+            return f"{e.filename}: {(e.strerror or str(e)).lower()}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``) to a registered command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -155,11 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNAVAILABLE
     try:
         rc = fn(rest)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError) as e:
-        # a path the user gave that a command did not check itself: one line, not a traceback
-        # (MOE_TRACEBACK=1 shows the traceback)
-        if e.filename is None or os.environ.get("MOE_TRACEBACK") == "1":
+    except Exception as e:
+        problem = _user_error(e)
+        if problem is None or os.environ.get("MOE_TRACEBACK") == "1":  # MOE_TRACEBACK=1: the traceback
             raise
-        print(f"error: {cmd.name}: {e.filename}: {(e.strerror or str(e)).lower()}", file=sys.stderr)
+        print(f"error: {cmd.name}: {problem}", file=sys.stderr)
         return EXIT_USAGE
     return 0 if rc is None else int(rc)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError, UnserializableException
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -207,8 +207,14 @@ class WorkerGroup:
                                       rank=rank, detail=_one_line(e)) from e
             except RayTaskError as e:
                 rank, cause = ranks[i], e.cause or e
+                err = WorkerCallError(f"worker rank {rank} on node {self._node(rank)} failed in {method}: "
+                                      f"{_first_line(cause)}", rank=rank, detail=type(cause).__name__)
+                err.cause = cause
+                raise err from e
+            except UnserializableException as e:  # the worker's error could not be rebuilt here
+                rank = ranks[i]
                 raise WorkerCallError(f"worker rank {rank} on node {self._node(rank)} failed in {method}: "
-                                      f"{_first_line(cause)}", rank=rank, detail=type(cause).__name__) from e
+                                      f"{_last_line(e)}", rank=rank, detail=_one_line(e)) from e
 
     def collect_abandoned(self, timeout_s: float = 1.0) -> None:
         """Retrieve the results of calls given up on after a fault (Ray would otherwise print
@@ -331,6 +337,13 @@ def _exit_kind(error: BaseException) -> str:
 def _first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
+
+
+def _last_line(error: BaseException) -> str:
+    """The last line of an error's text: for an error Ray could not rebuild, the worker's
+    traceback ends with the exception's own "module.Class: message" line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def _one_line(error: BaseException) -> str:

@@ -95,7 +95,18 @@ class RayExecutor:
         self.group.call("process_id", timeout_s=self.setup_timeout_s)
         # Rank 0 serves the store on this address only (loopback when one machine holds every rank).
         self.init_method = self.group.call("rendezvous_address", self.group.rendezvous_host(), ranks=[0])[0]
-        self.infos = self.group.call("setup", self.init_method, timeout_s=self.setup_timeout_s)
+        from launch.recovery import WorkerCallError
+        from moe.loading.errors import LoadError
+
+        try:
+            self.infos = self.group.call("setup", self.init_method, timeout_s=self.setup_timeout_s)
+        except WorkerCallError as e:
+            if not isinstance(e.cause, LoadError):
+                raise
+            # a checkpoint a rank cannot load is the user's to fix, as in one process: the rank's own
+            # error (its class, so callers catch it as they would there), its message naming the rank
+            e.cause.args = (e.summary,)
+            raise e.cause from None
         self.dp_leaders = [r for r, info in enumerate(self.infos) if info["coords"]["tp_rank"] == 0]
         self.dp_of_rank = [info["coords"]["dp_rank"] for info in self.infos]
         self.open_channel()  # at start and after every rebuild: the ranks serve fresh channels

@@ -59,7 +59,10 @@ class WorkerDiedError(WorkerFault):
 
 
 class WorkerCallError(WorkerFault):
-    """A worker raised while executing a method (a broken or timed-out collective, or a bug)."""
+    """A worker raised while executing a method (a broken or timed-out collective, or a bug).
+    ``cause``: the worker's exception where the driver could rebuild it (None after pickling)."""
+
+    cause: BaseException | None = None
 
 
 class WorkerTimeoutError(WorkerFault, TimeoutError):

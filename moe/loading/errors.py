@@ -30,6 +30,10 @@ class MissingTensorError(LoadError, ValueError):
         self.tried = list(tried)
         names = ", ".join(repr(t) for t in tried)
         super().__init__(f"{where}: tensor {canonical!r} not found; looked for checkpoint name(s) {names}")
+        self.where = where
+
+    def __reduce__(self):  # picklable (a rank's error crosses Ray to the driver), message as given
+        return _rebuild, (type(self), self.__dict__, self.args)
 
 
 class TensorShapeError(LoadError, ValueError):
@@ -42,3 +46,16 @@ class TensorShapeError(LoadError, ValueError):
         self.found = tuple(found)
         label = canonical if canonical == key else f"{canonical} (checkpoint {key!r})"
         super().__init__(f"{where}: shape mismatch for {label}: expected {list(expected)}, found {list(found)}")
+        self.where = where
+
+    def __reduce__(self):  # picklable, as MissingTensorError
+        return _rebuild, (type(self), self.__dict__, self.args)
+
+
+def _rebuild(cls: type[LoadError], state: dict, args: tuple) -> LoadError:
+    """An error of ``cls`` with ``state`` and ``args`` (its message, possibly rewritten since it was
+    raised), without calling its ``__init__``: the unpickling half of ``__reduce__`` above."""
+    err = cls.__new__(cls)
+    err.__dict__.update(state)
+    err.args = args
+    return err

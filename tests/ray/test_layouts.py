@@ -101,3 +101,28 @@ def test_capacity_on_an_ep_group(ray_local, oracle, scope, policy, overflow):
         assert counters.tokens_rerouted > 0
     else:
         assert counters.tokens_dropped > 0 and counters.tokens_rerouted == 0
+
+
+def test_a_checkpoint_a_rank_cannot_load_is_the_ranks_own_error(ray_local, tiny_ckpt, tmp_path, capsys):
+    """A tensor of the wrong shape found by a rank comes back as the loader's own error (its class and
+    fields, the message naming the rank), so the command line prints it as one line, as in one process."""
+    import json
+    import shutil
+
+    from launch.cli import main
+    from moe.loading.errors import TensorShapeError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["moe_intermediate_size"] *= 2
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TensorShapeError, match=r"^worker rank \d on node 0 \(\w+\) failed in setup: .*shape mismatch") as info:
+        LLM(str(bad), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
+    assert info.value.expected != info.value.found  # the fields came across, not just the text
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
+    rc = main(["generate", "--model", str(bad), "-dp", "2", "--enable-expert-parallel", "--input", str(prompts),
+               "--output", str(tmp_path / "o.jsonl")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "shape mismatch" in err[0] and "Traceback" not in err[0], err

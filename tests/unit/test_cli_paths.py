@@ -43,6 +43,27 @@ def test_a_path_error_no_command_checked_is_one_line(monkeypatch, capsys) -> Non
         cli.main(["simulate"])
 
 
+def test_a_checkpoint_that_cannot_load_is_one_line_for_any_command(tiny_ckpt, tmp_path, monkeypatch, capsys) -> None:
+    """serve and bench decode do not catch the loader's errors themselves: the CLI prints them as one
+    line (exit 2); MOE_TRACEBACK=1 shows the traceback."""
+    import shutil
+
+    from moe.loading.errors import CheckpointNotFoundError
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny_ckpt / "config.json", bare / "config.json")  # a config without its weights
+    for argv in (["serve", "--model", str(bare), "--port", "0"],
+                 ["bench", "decode", "--model", str(bare), "--batch-sizes", "1", "--steps", "1"]):
+        assert cli.main(argv) == cli.EXIT_USAGE
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: {' '.join(argv[:2]) if argv[0] == 'bench' else 'serve'}: {bare}: "
+                               "no safetensors weights found"), line
+    monkeypatch.setenv("MOE_TRACEBACK", "1")
+    with pytest.raises(CheckpointNotFoundError):
+        cli.main(["serve", "--model", str(bare), "--port", "0"])
+
+
 def test_benchmarks_refuse_an_unwritable_json_before_running(tmp_path, capsys) -> None:
     from launch.bench import eplb, moe_layer
 

@@ -223,3 +223,16 @@ def test_bad_expert_requests(tmp_path):
         load_state_dict(tmp_path, [TensorRequest(name, (2, 2 * INTER, HID), (0, 1), slots=(3,))])
     with pytest.raises(ValueError, match="2 slots"):
         load_state_dict(tmp_path, [TensorRequest(name, (3, 2 * INTER, HID), (0, 1))])
+
+
+def test_errors_with_fields_pickle_whole():
+    """A rank's load error crosses Ray to the driver by pickling: the class, its fields and its
+    message (rewritten by the executor to name the rank) survive."""
+    shape = TensorShapeError("a.weight", "model.a.weight", (4, 2), (4, 3), "/ck/model.safetensors")
+    shape.args = ("worker rank 1: " + str(shape),)
+    back = pickle.loads(pickle.dumps(shape))
+    assert type(back) is TensorShapeError and str(back) == str(shape)
+    assert (back.canonical, back.key, back.expected, back.found) == ("a.weight", "model.a.weight", (4, 2), (4, 3))
+    missing = pickle.loads(pickle.dumps(MissingTensorError("b", ["x", "y"], "/ck")))
+    assert type(missing) is MissingTensorError and missing.tried == ["x", "y"]
+    assert str(missing) == "/ck: tensor 'b' not found; looked for checkpoint name(s) 'x', 'y'"
