@@ -148,14 +148,18 @@ def measure_copy_bandwidth(num_bytes: int = 256 * 1024**2, repeats: int = 10,
 
 def compute_weight_bytes(model: torch.nn.Module) -> WeightBytes:
     """Split ``moe.model.MoEModel``'s parameters into dense bytes, one embedding row and one
-    routed-expert slot per MoE layer."""
+    routed-expert slot per MoE layer (with ``--quantization``, the bytes of the copy the kernel reads)."""
     embed = model.model.embed_tokens.weight
     expert_params = set()
     per_slot = []
     for layer in model.moe_layers():
         w13, w2 = layer.experts.w13, layer.experts.w2
         expert_params.update((id(w13), id(w2)))
-        per_slot.append(w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size())
+        packed = layer.experts.packed_weights() if layer.experts.quantization else None
+        if packed is not None:  # int8 experts: the kernel reads its packed copy (int8 and the scales)
+            per_slot.append(packed.nbytes() // w13.shape[0])
+        else:
+            per_slot.append(w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size())
     dense_tensors = [p for p in model.parameters() if id(p) not in expert_params and p is not embed]
     if model.config.tie_word_embeddings:
         dense_tensors.append(embed)  # lm_head reads the whole (shared) table

@@ -46,6 +46,14 @@ def test_weight_bytes_partition_the_model():
     assert w.dense + embed.shape[0] * w.embed_row + sum(n * b for n, b in zip(num_slots, w.per_slot)) == total
     assert w.per_slot[0] == 3 * config.hidden_size * config.moe_intermediate_size * 2
     assert w.slot_params[0] * 2 == w.per_slot[0]  # bf16
+    if kernels.is_available():  # int8 experts: the bound counts the bytes the kernel reads
+        for layer in model.moe_layers():
+            torch.nn.init.normal_(layer.experts.w13), torch.nn.init.normal_(layer.experts.w2)
+            layer.experts.set_quantization("int8")
+        q = bench_decode.compute_weight_bytes(model)
+        d, i = config.hidden_size, config.moe_intermediate_size
+        assert q.per_slot[0] == 3 * d * i + 4 * (2 * i + d)  # int8 weights and fp32 per-channel scales
+        assert q.dense == w.dense and q.slot_params == w.slot_params
     assert bench_decode.attention_flops_per_key(config) == (
         2 * config.num_hidden_layers * config.num_attention_heads * (2 * config.kv_lora_rank + config.qk_rope_head_dim))
 
