@@ -3,7 +3,7 @@ and the same FLOPs as plain dense GEMMs.
 
     python -m launch bench moe-layer [--shapes deepseek mixtral] [--model NAME_OR_DIR ...]
         [--tokens 1 32 512 4096]
-        [--impls ours ours-pytorch transformers transformers-grouped-mm deepspeed dense-gemm]
+        [--impls ours ours-pytorch transformers transformers-grouped-mm deepspeed dense-gemm [ours-int8]]
         [--dtype bfloat16] [--num-threads 1] [--min-seconds 1.0] [--device cpu|cuda] [--json FILE]
 
 Shapes: ``deepseek`` (D 1024, E 64, top-6, I 256, one shared expert, sigmoid scores with the
@@ -20,6 +20,9 @@ is refused before anything is built. Implementations:
 
 - ``ours``: ``moe.moe_layer.MoELayer`` with the fused CPU expert kernel (``moe.kernels``);
 - ``ours-pytorch``: the same layer on its PyTorch expert path (the kernel switched off);
+- ``ours-int8`` (only when asked for): the same layer with its routed experts in int8 with per-channel
+  scales (``--quantization int8``), on the kernel; ``max |diff|`` is its distance from ``ours``, and its
+  roofline counts one byte per routed-expert weight;
 - ``transformers``: the model family's own block (``DeepseekV3MoE`` / ``MixtralSparseMoeBlock`` /
   ``Qwen3MoeSparseMoeBlock``)
   holding the same router, expert and shared-expert weights, its experts on transformers' eager
@@ -69,6 +72,7 @@ the read bandwidth is a 2 GiB fp32 sum and the peak an 8192^3 matmul, both timed
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -89,7 +93,8 @@ SHAPES = {
     "qwen3": dict(hidden=1024, experts=128, top_k=8, inter=384),
 }
 DEFAULT_SHAPES = ("deepseek", "mixtral")
-IMPLS = ("ours", "ours-pytorch", "transformers", "transformers-grouped-mm", "deepspeed", "dense-gemm")
+IMPLS = ("ours", "ours-pytorch", "transformers", "transformers-grouped-mm", "deepspeed", "dense-gemm", "ours-int8")
+DEFAULT_IMPLS = IMPLS[:-1]  # ours-int8 on request
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -222,7 +227,8 @@ def layer_bytes_needed(shape: Shape, dtype: torch.dtype, impls: Sequence[str]) -
     our packed weights, DeepSpeed's copy when it runs."""
     size = torch.empty((), dtype=dtype).element_size()
     copies = 2 + ("ours" in impls) + ("deepspeed" in impls)  # transformers' block, ours (+ packed, DeepSpeed)
-    return shape.parameters() * (4 + copies * size)
+    int8 = 2 * size + 1 if "ours-int8" in impls else 0  # a second layer, its int8 packed copy
+    return shape.parameters() * (4 + copies * size + int8)
 
 
 def memory_refusal(shapes: Sequence[Shape], dtype: torch.dtype, impls: Sequence[str],
@@ -554,15 +560,18 @@ def time_call_cuda(fn: Callable[[], Any], min_seconds: float,
 
 
 def roofline_seconds(ours: nn.Module, x: torch.Tensor, bandwidth: float, peak_flops: float) -> float:
-    """The lower bound on one call's time (see the module docstring). x: [T, D]."""
+    """The lower bound on one call's time (see the module docstring). x: [T, D]. With int8 routed
+    experts their bytes count one per weight (the channel scales left out)."""
     e = ours.experts
     ids, _ = ours.gate(x)  # [T, K]
     touched = int(torch.unique(ids).numel())
     size = e.w13.element_size()
+    expert_size = 1 if e.quantization == "int8" else size
     per_expert = 3 * e.hidden_size * e.intermediate_size
     shared = sum(p.numel() for p in ours.shared_experts.parameters()) if ours.shared_experts is not None else 0
     tokens = x.shape[0]
-    num_bytes = (touched * per_expert + shared) * size + ours.gate.weight.numel() * 4 + 2 * x.numel() * x.element_size()
+    num_bytes = (touched * per_expert * expert_size + shared * size + ours.gate.weight.numel() * 4
+                 + 2 * x.numel() * x.element_size())
     flops = 2 * tokens * (ours.top_k * per_expert + shared + ours.gate.weight.numel())
     return max(num_bytes / bandwidth, flops / peak_flops)
 
@@ -584,6 +593,11 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
 
         fns["ours"] = lambda x: run_ours(x, True)
         fns["ours-pytorch"] = lambda x: run_ours(x, False)
+    if "ours-int8" in impls:  # the same layer with its routed experts int8 (--quantization int8)
+        ours_int8 = copy.deepcopy(ours)
+        ours_int8.experts.set_quantization("int8")
+        ours_int8.experts.packed_weights()
+        fns["ours-int8"] = ours_int8
 
     def run_hf(x: torch.Tensor, experts: str) -> torch.Tensor:
         hf.experts.config._experts_implementation = experts  # transformers' dispatch reads it per call
@@ -599,7 +613,9 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
     gen = torch.Generator().manual_seed(1)
     for t in tokens:
         x = torch.randn(t, ours.experts.hidden_size, generator=gen).to(dtype).to(device)
-        bound = roofline_seconds(ours, x, bandwidth, peak_flops)
+        bounds = {False: roofline_seconds(ours, x, bandwidth, peak_flops)}
+        if "ours-int8" in fns:
+            bounds[True] = roofline_seconds(fns["ours-int8"], x, bandwidth, peak_flops)
         with torch.inference_mode():
             reference = fns["ours"](x).float() if "ours" in fns else None
             for impl in impls:
@@ -610,8 +626,9 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
                     cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
                 judged = cpu if gpu is None else gpu
                 diff = None
-                if (impl.startswith("transformers") or impl == "ours-pytorch") and reference is not None:
+                if (impl.startswith("transformers") or impl in ("ours-pytorch", "ours-int8")) and reference is not None:
                     diff = float((fns[impl](x).float() - reference).abs().max())
+                bound = bounds[impl == "ours-int8"]
                 cells.append(Cell(shape.label, t, impl, cpu * 1e3, wall * 1e3, t / judged, bound * 1e3, bound / judged, diff,
                                   None if gpu is None else gpu * 1e3))
                 print(_row(cells[-1], label_width), flush=True)
@@ -649,7 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run one MoE layer of these DeepSeek-V3 / Mixtral / Qwen3-MoE checkpoints' shapes "
                              "(config.json only; random weights)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512, 4096])
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS),
+                        help=f"default: {' '.join(DEFAULT_IMPLS)}")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--min-seconds", type=float, default=1.0, help="CPU seconds of timed calls per cell")

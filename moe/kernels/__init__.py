@@ -49,7 +49,12 @@ cores without AMX, whose oneDNN bf16 GEMMs are then slower than fp32 ones too); 
 on a CPU probes and keeps the rate beside the build, so every process of the machine picks the same
 tiles. On it, bf16 rows against bf16 weights run on the dot product (``dot_body.h``): the SwiGLU
 activations between the two projections are then rounded to bf16, as the bf16 PyTorch path rounds
-them; elsewhere rows widen to fp32 and stay fp32 inside the op.
+them; elsewhere rows widen to fp32 and stay fp32 inside the op. int8 experts meeting bf16 rows take
+the dot tiles too (AMX or AVX512-BF16) in calls of at least 16 rows per busy expert (prefill sizes):
+each work item's blocks are dequantized once per call into a thread's bf16 scratch, the values
+``dequantize_int8`` gives in bf16, so those calls compute what the bf16 path computes on the
+dequantized weights, bit for bit; smaller calls (decode) widen both to fp32 on the FMA tiles, which
+read half the bytes for the few rows each expert gets.
 Without a compiler the model falls back to the PyTorch path after one log line.
 """
 

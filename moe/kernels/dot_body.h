@@ -145,6 +145,30 @@ static inline void store_bf16_lanes(uint16_t* dst, __m512 x, int64_t n) {
   else _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((uint32_t{1} << n) - 1), h);
 }
 
+// bf16(q * scale) of nb int8 blocks (block[k][16], blocks K * 16 apart; scale: 16 fp32 per block, 16
+// apart) in the bf16 block order (block[k/2][16][2], K even): the values kernels.dequantize_int8 gives
+// in bf16 (the product in fp32, rounded to nearest even by vcvtne2ps2bf16, which also flushes products
+// below 2^-126 to zero: only in channels whose weights are all that small), which int8 experts
+// multiply on the bf16 tiles.
+static void dequant_int8_blocks(const int8_t* q, const float* scale, int64_t nb, int64_t K, uint16_t* out) {
+  alignas(64) int16_t order[32];  // [even k's 16 columns | odd k's] -> column pairs (even, odd)
+  for (int c = 0; c < 16; ++c) order[2 * c] = static_cast<int16_t>(c), order[2 * c + 1] = static_cast<int16_t>(16 + c);
+  const __m512i pairs = _mm512_load_si512(order);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 s = _mm512_loadu_ps(scale + 16 * b);
+    const int8_t* qb = q + b * K * 16;
+    uint16_t* ob = out + b * K * 16;
+    auto row = [&](int64_t k) {  // 16 columns of k row, scaled
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + k * 16));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), s);
+    };
+    for (int64_t p = 0; p < K / 2; ++p) {
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(row(2 * p + 1), row(2 * p));
+      _mm512_storeu_si512(ob + p * 32, _mm512_permutexvar_epi16(pairs, both));
+    }
+  }
+}
+
 // The vdpbf16ps register tiles as DotKernelsOf's row loop: nb blocks two at a time (the last alone
 // when nb is odd), each pair over all the rows, as that many calls of nb <= 2 would run them.
 struct VdpTiles {

@@ -433,6 +433,8 @@ struct DotIsa {
   LinearDotFn<uint16_t> linear_bf16 = nullptr;
   PagedDecodeDotFn paged_decode = nullptr;  // bf16 queries over a bf16 cache
   DownFinalDotFn down_final = nullptr;  // down_bf16's rows added to fp32 sums and rounded (see moe_ffn)
+  // (q, scale, nb, K, out): int8 expert blocks as the bf16 blocks the ops above read (dequant_int8_blocks)
+  void (*dequant_int8)(const int8_t*, const float*, int64_t, int64_t, uint16_t*) = nullptr;
 };
 
 struct Isa {
@@ -551,7 +553,7 @@ static Isa isa_by_name(const std::string& name) {
     isa.router_split = &amx::router_logits_split;
     isa.paged_prefill = &amx::paged_prefill;
     isa.dot = DotIsa{&A::gate_up, &A::down<float>, &A::down<uint16_t>, &A::down_add, &A::linear<float>,
-                     &A::linear<uint16_t>, nullptr, &A::down_final};
+                     &A::linear<uint16_t>, nullptr, &A::down_final, &avx512bf16::dequant_int8_blocks};
     return isa;
   }
 #endif
@@ -560,7 +562,8 @@ static Isa isa_by_name(const std::string& name) {
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512bf16");
     using D = avx512bf16::DotKernels;
     isa.dot = DotIsa{&D::gate_up, &D::down<float>, &D::down<uint16_t>, &D::down_add, &D::linear<float>,
-                     &D::linear<uint16_t>, &avx512bf16::AttentionDotKernels::decode, &D::down_final};
+                     &D::linear<uint16_t>, &avx512bf16::AttentionDotKernels::decode, &D::down_final,
+                     &avx512bf16::dequant_int8_blocks};
     return isa;
   }
   if (name == "avx512") return make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512");
@@ -703,7 +706,9 @@ static bool panels_fill_threads(int64_t panels) { return panels >= 4 * at::get_n
 constexpr int64_t WIDE_ROW_PANEL = 192;
 constexpr int64_t WIDE_PANEL_MIN_BYTES = int64_t{2} << 20;
 static int64_t expert_panel_rows(const Isa& isa, bool dot, const at::Tensor& w13p) {
-  const int64_t per_expert = w13p.size(0) > 0 ? w13p.numel() / w13p.size(0) * w13p.element_size() : 0;
+  // int8 experts on the dot tiles are read as their bf16 copies (run_experts)
+  const int64_t esize = dot && w13p.scalar_type() == at::kChar ? 2 : w13p.element_size();
+  const int64_t per_expert = w13p.size(0) > 0 ? w13p.numel() / w13p.size(0) * esize : 0;
   return dot && isa.wide_panels && per_expert > WIDE_PANEL_MIN_BYTES ? WIDE_ROW_PANEL : ROW_PANEL;
 }
 
@@ -755,6 +760,46 @@ constexpr int64_t GATHER_MIN_ROWS = 1024;
 // Given sums (dot tiles with bf16_out and no out_rows: fp32 rows ld_sums apart, one per row of out),
 // out's rows are bf16(sums + the bf16 output), the down projection's epilogue adding and rounding
 // (DotKernelsOf::down_final).
+// Mean rows per non-empty slot from which bf16 rows meet int8 experts on the dot tiles, through the
+// experts' bf16 values (dequant_int8: q * scale rounded to bf16, as the PyTorch path multiplies them)
+// made once per call, instead of widening both to fp32 on the FMA tiles. DeepSeek-style experts (D
+// 1024, I 256, 64 slots, top-6), AMX box, one thread, CPU ms per call FMA / dot: 8 rows 5.1 / 7.0,
+// 12 rows 9.3 / 9.4, 24 rows 17.1 / 8.1, 48 rows 34 / 11.6, 384 rows 300 / 49; the call's choice
+// (like the Python side's library GEMM) follows its mean rows, so a row's values depend on it.
+constexpr int64_t INT8_DOT_MIN_ROWS = 16;
+
+// Whether a routed-expert call of rows grouped by `offsets` (P + 1 row offsets) runs the dot tiles:
+// bf16 weights and rows where the ISA has them, int8 weights from INT8_DOT_MIN_ROWS rows per slot.
+static bool experts_on_dot(const Isa& isa, int wt, at::ScalarType x_type, const std::vector<int64_t>& offsets) {
+  if (isa.dot_bf16(wt, x_type)) return true;
+  if (wt != W_I8 || isa.dot.dequant_int8 == nullptr || x_type != at::kBFloat16) return false;
+  int64_t busy = 0;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) busy += offsets[e + 1] > offsets[e] ? 1 : 0;
+  return busy > 0 && offsets.back() >= INT8_DOT_MIN_ROWS * busy;
+}
+
+// int8 experts on the dot tiles: blocks [block, block + blocks) of one projection (which: 0 gate/up,
+// 1 down) as bf16 (dequant_int8) in the calling thread's scratch, made once per (run_experts call,
+// projection, blocks): the items of one expert's row panels that follow each other on a thread
+// reuse it. Returns the copy (blocks K * 16 elements apart, as the bf16 layout's).
+struct DequantScratch {
+  uint64_t call = 0;
+  int64_t block = -1, blocks = 0;
+  LineVector<uint16_t> buf;
+};
+static std::atomic<uint64_t> dequant_calls{0};
+static const uint16_t* dequantized(const Isa& isa, int which, uint64_t call, const int8_t* q, const float* scale,
+                                   int64_t block, int64_t blocks, int64_t K) {
+  thread_local DequantScratch scratch[2];
+  DequantScratch& c = scratch[which];
+  if (c.call != call || c.block != block || c.blocks != blocks) {
+    c.buf.resize(blocks * K * 16);
+    isa.dot.dequant_int8(q + block * K * 16, scale + block * 16, blocks, K, c.buf.data());
+    c.call = call, c.block = block, c.blocks = blocks;
+  }
+  return c.buf.data();
+}
+
 static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& offsets, int64_t D,
                         const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
                         const float* rw_ptr, bool bf16_out, void* out, const int64_t* out_rows = nullptr,
@@ -782,6 +827,17 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
   const uint16_t* xb = static_cast<const uint16_t*>(xs);
   float* act_f = dot ? nullptr : act.data_ptr<float>();
   uint16_t* act_b = dot ? reinterpret_cast<uint16_t*>(act.data_ptr()) : nullptr;
+  // the dot tiles' weights: blocks [block, block + blocks) of gate/up (D) or down (I) as bf16 blocks;
+  // int8 ones through their bf16 copies (experts_on_dot)
+  const uint64_t call = dot && quantized ? ++dequant_calls : 0;
+  auto dot_w13 = [&](int64_t block, int64_t blocks) -> const uint16_t* {
+    if (call == 0) return reinterpret_cast<const uint16_t*>(w13_ptr + block * D * 16 * esize);
+    return dequantized(isa, 0, call, reinterpret_cast<const int8_t*>(w13_ptr), s13_ptr, block, blocks, D);
+  };
+  auto dot_w2 = [&](int64_t block, int64_t blocks) -> const uint16_t* {
+    if (call == 0) return reinterpret_cast<const uint16_t*>(w2_ptr + block * I * 16 * esize);
+    return dequantized(isa, 1, call, reinterpret_cast<const int8_t*>(w2_ptr), s2_ptr, block, blocks, I);
+  };
 
   // Phase 1: gate/up + SiLU, items (expert, 16-wide block of 8 gate + 8 up channels).
   const int64_t pairs = dot ? DOT_PAIR_BLOCK_MIN_ROWS : isa.pair_tiles ? PAIR_BLOCK_MIN_ROWS : 0;
@@ -796,7 +852,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
           const Item& it = panels[i];
           for (int64_t r = 0; r < it.rows; ++r)
             std::memcpy(scratch.data() + r * ldr, xb + out_rows[it.row0 + r] * D, D * sizeof(uint16_t));
-          const uint16_t* w = reinterpret_cast<const uint16_t*>(w13_ptr + it.expert * nb13 * D * 16 * esize);
+          const uint16_t* w = dot_w13(it.expert * nb13, nb13);
           if (it.rows >= pairs) {  // block pairs, all in one call (see work_items)
             isa.dot.gate_up(scratch.data(), it.rows, D, ldr, w, static_cast<int>(nb13), D * 16,
                             act_b + it.row0 * ld_act, ld_act);
@@ -816,7 +872,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
     const int64_t block = it.expert * nb13 + it.block;
     const char* w = w13_ptr + block * D * 16 * esize;
     if (dot)
-      isa.dot.gate_up(xb + it.row0 * ldx, it.rows, D, ldx, reinterpret_cast<const uint16_t*>(w), it.blocks, D * 16,
+      isa.dot.gate_up(xb + it.row0 * ldx, it.rows, D, ldx, dot_w13(block, it.blocks), it.blocks, D * 16,
                       act_b + it.row0 * ld_act + it.block * 8, ld_act);
     else
       isa.gate_up(wt, xf + it.row0 * D, it.rows, D, w, it.blocks, D * 16, s13_ptr ? s13_ptr + block * 16 : nullptr,
@@ -833,7 +889,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
     if (out_rows) {
       float* col = reinterpret_cast<float*>(out_ptr) + it.block * 16;
       if (dot)
-        isa.dot.down_add(act_b + it.row0 * ld_act, it.rows, I, ld_act, static_cast<const uint16_t*>(w), it.blocks,
+        isa.dot.down_add(act_b + it.row0 * ld_act, it.rows, I, ld_act, dot_w2(block, it.blocks), it.blocks,
                          I * 16, rw, out_rows + it.row0, col, ld_out, first_rows ? first_rows + it.row0 : nullptr);
       else
         isa.down_add(wt, act_f + it.row0 * I, it.rows, I, w, it.blocks, I * 16, sc, rw, out_rows + it.row0, col,
@@ -845,7 +901,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
     float* of = reinterpret_cast<float*>(out_ptr) + first;
     if (dot) {
       const uint16_t* a = act_b + it.row0 * ld_act;
-      const uint16_t* wb = static_cast<const uint16_t*>(w);
+      const uint16_t* wb = dot_w2(block, it.blocks);
       if (sums)
         isa.dot.down_final(a, it.rows, I, ld_act, wb, it.blocks, I * 16, sums + it.row0 * ld_sums + it.block * 16,
                            ld_sums, ob, D);
@@ -910,7 +966,7 @@ at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at
   const auto out_dtype = out_fp32 ? at::kFloat : x.scalar_type();
   at::Tensor out = at::empty({N, D}, x.options().dtype(out_dtype));
   if (N == 0) return out;
-  const bool dot = current_isa().dot_bf16(weight_type(w13p), x.scalar_type());
+  const bool dot = experts_on_dot(current_isa(), weight_type(w13p), x.scalar_type(), offsets);
   const at::Tensor xr = dot ? x.contiguous() : float32_contiguous(x);
   const at::Tensor rwc = row_weights.numel() ? row_weights.to(at::kFloat).contiguous() : row_weights;
   run_experts(xr.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rwc.numel() ? rwc.data_ptr<float>() : nullptr,
@@ -951,7 +1007,7 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   // layer, T = 4096, Zen 5: the adds' misses were ~0.17 of the products' time, 0.06 padded); copying
   // the result out contiguously costs less than that (experts 102-115 ms padded against 118-126).
   const int64_t ld = T * D > SMALL_ELEMENTS ? D + 16 : D;
-  const bool dot = current_isa().dot_bf16(weight_type(w13p), x.scalar_type());
+  const bool dot = experts_on_dot(current_isa(), weight_type(w13p), x.scalar_type(), offsets);
   if (M == 0) return at::zeros({T, ld}, x.options().dtype(at::kFloat)).narrow(1, 0, D);
   // on the dot tiles each token's first row (in slot order) is stored into its output row, the rest
   // added, and only the rows of tokens with no kept row zeroed (at T = 4096, D = 1024: 16 MB of zeros

@@ -497,3 +497,42 @@ def test_every_process_on_a_cpu_takes_the_first_probe(kernel_isas: list[str], mo
     finally:
         torch.ops.moe_kernels.set_bf16_dot_rate(probed)
         kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize("tokens", [40, 700])
+def test_int8_experts_with_many_rows_run_the_bf16_tiles_on_their_dequantized_values(kernel_isas: list[str],
+                                                                                  tokens: int) -> None:
+    """bf16 rows meeting int8 experts at >= 16 rows per slot (prefill sizes) take the dot tiles through
+    the experts' bf16 values: bit-equal to the bf16 kernel on ``dequantize_int8``'s bf16 weights, from
+    the router's output (700 tokens: panels gathered as gate/up goes) and grouped. With fewer rows the
+    FMA tiles keep them: the same bits as the FMA-only instruction set."""
+    dot_isas = [isa for isa in kernel_isas if isa in ("amx", "avx512bf16")]
+    if not dot_isas:
+        pytest.skip("no bf16 dot tiles on this CPU")
+    slots, hidden, inter, top_k = 6, 96, 32, 3
+    w13, w2 = _weights(slots, hidden, inter, torch.bfloat16, seed=7)
+    q13, s13 = kernels.quantize_int8(w13)
+    q2, s2 = kernels.quantize_int8(w2)
+    dequantized = kernels.pack_experts(kernels.dequantize_int8(q13, s13, torch.bfloat16),
+                                       kernels.dequantize_int8(q2, s2, torch.bfloat16))
+    packed = kernels.pack_experts(w13, w2, "int8")
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(slots, generator=gen)[:top_k] for _ in range(tokens)])
+    w = torch.rand(tokens, top_k, generator=gen)
+    counts = [tokens * top_k // slots] * slots
+    rows = torch.randn(sum(counts), hidden, generator=gen).to(torch.bfloat16)
+    rw = torch.rand(sum(counts), generator=gen)
+    few = x[:8], ids[:8], w[:8]  # 24 rows over 6 slots: 4 each
+    for isa in dot_isas:
+        kernels.select_isa(isa)
+        got = kernels.experts_forward_topk(x, ids, w, packed)
+        assert got.shape == (tokens, hidden) and got.dtype == torch.float32
+        assert torch.equal(got, kernels.experts_forward_topk(x, ids, w, dequantized)), isa
+        grouped = kernels.experts_forward(rows, counts, packed, rw, out_fp32=True)
+        assert torch.equal(grouped, kernels.experts_forward(rows, counts, dequantized, rw, out_fp32=True)), isa
+        small = kernels.experts_forward_topk(*few, packed)
+        kernels.select_isa("avx512")
+        assert torch.equal(small, kernels.experts_forward_topk(*few, packed)), isa
+        assert not torch.equal(small, kernels.experts_forward_topk(*few, dequantized))  # not the dot tiles' bits
+    kernels.select_isa("auto")
