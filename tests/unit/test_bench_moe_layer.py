@@ -252,3 +252,18 @@ def test_softmax_families_run_exact_against_their_transformers_block(spec: str) 
     cells = moe_layer.run_shape(spec, [11], ["ours", "transformers"], torch.float32, min_seconds=0.0,
                                 bandwidth=1e10, peak_flops=1e12)
     assert cells[1].max_abs_diff is not None and cells[1].max_abs_diff < 1e-4
+
+
+def test_the_int8_cell_is_the_same_layer_with_int8_experts(capsys) -> None:
+    """``ours-int8`` (asked for; not in the default set) runs the layer with int8 routed experts: near
+    ``ours`` (its max |diff|), and at T = 1 its bound reads about half the routed bytes."""
+    assert "ours-int8" not in moe_layer.DEFAULT_IMPLS
+    import torch
+
+    cells = moe_layer.run_shape("deepseek:experts=8,top_k=2,groups=1,topk_group=1", [1, 64], ["ours", "ours-int8"],
+                                torch.bfloat16, 0.0, bandwidth=10e9, peak_flops=1e15)
+    by = {(c.tokens, c.impl): c for c in cells}
+    assert 0 < by[(1, "ours-int8")].max_abs_diff < 0.1 and by[(1, "ours")].max_abs_diff is None
+    # bytes: the shared expert and router stay, the routed experts' drop from 2 bytes a weight to 1
+    assert 0.45 < by[(1, "ours-int8")].roofline_ms / by[(1, "ours")].roofline_ms < 0.8
+    assert 0 < by[(64, "ours-int8")].max_abs_diff < 0.1
