@@ -763,7 +763,7 @@ constexpr int64_t GATHER_MIN_ROWS = 1024;
 // Mean rows per non-empty slot from which bf16 rows meet int8 experts on the dot tiles, through the
 // experts' bf16 values (dequant_int8: q * scale rounded to bf16, as the PyTorch path multiplies them)
 // made once per call, instead of widening both to fp32 on the FMA tiles. DeepSeek-style experts (D
-// 1024, I 256, 64 slots, top-6), AMX box, one thread, CPU ms per call FMA / dot: 8 rows 5.1 / 7.0,
+// 1024, I 256, 64 slots, top-6), AMX box, one thread, CPU ms per call FMA / dot: 6 rows 5.1 / 7.0,
 // 12 rows 9.3 / 9.4, 24 rows 17.1 / 8.1, 48 rows 34 / 11.6, 384 rows 300 / 49; the call's choice
 // (like the Python side's library GEMM) follows its mean rows, so a row's values depend on it.
 constexpr int64_t INT8_DOT_MIN_ROWS = 16;
