@@ -256,9 +256,9 @@ class PagedKVCache:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         entry = list(config.kv_entry_shape)
         if config.attention == "gqa":
-            if entry[1] % tp_size:
-                raise ValueError(f"num_key_value_heads {entry[1]} is not divisible by tp_size {tp_size}")
-            entry[1] //= tp_size
+            if entry[1] % tp_size and tp_size % entry[1]:
+                raise ValueError(f"tp_size {tp_size} must divide or be a multiple of num_key_value_heads {entry[1]}")
+            entry[1] = max(1, entry[1] // tp_size)  # more ranks than kv heads: one (replicated) head each
         self.config = config
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = dtype

@@ -151,12 +151,18 @@ class GQAAttention(WatchedModule):
         return attend
 
     def shard_for_tp(self, tp_rank: int, tp_size: int) -> None:
-        """Keep heads [r*H/tp, (r+1)*H/tp) and kv heads likewise (after loading full weights)."""
-        if self.num_heads % tp_size or self.num_kv_heads % tp_size:
-            raise ValueError(f"heads {self.num_heads}/{self.num_kv_heads} not divisible by tp_size {tp_size}")
-        hq, hk, hd = self.num_heads // tp_size, self.num_kv_heads // tp_size, self.head_dim
+        """Keep heads [r*H/tp, (r+1)*H/tp) and kv heads likewise (after loading full weights). With
+        more ranks than kv heads (tp a multiple of them, vLLM's rule) each rank keeps the one kv head
+        its query heads share: a kv head is replicated on tp / H_kv ranks."""
+        h, h_kv = self.num_heads, self.num_kv_heads
+        if h % tp_size or (h_kv % tp_size and tp_size % h_kv):
+            raise ValueError(f"tp_size {tp_size} must divide num_heads {h} and divide or be a multiple of "
+                             f"num_kv_heads {h_kv}")
+        hq, hd = h // tp_size, self.head_dim
+        hk = max(1, h_kv // tp_size)
+        first_kv = tp_rank * h_kv // tp_size  # the kv head of the rank's first query head
         q_rows = slice(tp_rank * hq * hd, (tp_rank + 1) * hq * hd)
-        kv_rows = slice(tp_rank * hk * hd, (tp_rank + 1) * hk * hd)
+        kv_rows = slice(first_kv * hd, (first_kv + hk) * hd)
         shard_linear_(self.q_proj, out_slice=q_rows)
         shard_linear_(self.k_proj, out_slice=kv_rows)
         shard_linear_(self.v_proj, out_slice=kv_rows)

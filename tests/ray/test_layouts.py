@@ -74,7 +74,8 @@ def test_dead_worker_is_named(ray_local, oracle, transport):
     dict(tensor_parallel_size=2, enable_expert_parallel=True),
     dict(tensor_parallel_size=2),  # TP attention, every rank holds every expert
     dict(data_parallel_size=2),  # DP replicas without expert parallelism
-], ids=["tp2-ep2", "tp2", "dp2"])
+    dict(tensor_parallel_size=4),  # more ranks than the 2 kv heads: each kept by two ranks (vLLM's rule)
+], ids=["tp2-ep2", "tp2", "dp2", "tp4-kv-replicated"])
 def test_gqa_layouts_match_transformers(ray_local, hf_checkpoints, kwargs):
     path = hf_checkpoints["mixtral"]
     prompts = make_prompts(6, 5, 96)

@@ -312,6 +312,19 @@ def test_gqa_cached_prefix_and_batched_decode_equal_one_shot_prefill_and_tp_shar
         assert shard.num_heads == 2 and shard.num_kv_heads == 1
         parts.append(two_steps(shard, tp=2))
     assert torch.allclose(parts[0] + parts[1], out, atol=1e-5)
+    # four ranks over the 2 kv heads (vLLM's rule): one query head each, its kv head replicated on two ranks
+    parts = []
+    for rank in range(4):
+        shard = copy.deepcopy(attn)
+        shard.shard_for_tp(rank, 4)
+        assert shard.num_heads == 1 and shard.num_kv_heads == 1
+        kv_head = rank // 2
+        hd = attn.head_dim
+        assert torch.equal(shard.k_proj.weight, attn.k_proj.weight[kv_head * hd:(kv_head + 1) * hd])
+        parts.append(two_steps(shard, tp=4))
+    assert torch.allclose(sum(parts), out, atol=1e-5)
+    with pytest.raises(ValueError, match="tp_size 3 must divide num_heads 4"):
+        copy.deepcopy(attn).shard_for_tp(0, 3)
 
 
 def test_dense_mlp_tp_shards_sum() -> None:
