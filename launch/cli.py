@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 1
+EXIT_FAILED = 1  # the run failed (a worker rank), not its input
 _PROJECT_PACKAGES = ("launch", "moe", "parallel", "balancer")
 
 
@@ -137,18 +138,27 @@ def load(cmd: Command) -> Callable[[list[str]], int | None]:
     return fn
 
 
-def _user_error(e: Exception) -> str | None:
-    """The one line to print for an error that is the user's to fix and that a command let through,
-    or None (a bug: the traceback): a path the user gave that the command did not check itself, or a
-    checkpoint that cannot be loaded (``moe.loading.errors``: no weights, a bad shard, a tensor of the
-    wrong shape). That module is looked up, not imported: a command that never loaded a checkpoint
-    cannot have raised one, and ``--help`` stays light."""
-    errors = sys.modules.get("moe.loading.errors")
-    if errors is not None and isinstance(e, errors.LoadError):
-        return " ".join(str(e).splitlines())
+def _user_error(e: Exception) -> tuple[str, int] | None:
+    """(the one line to print, the exit status) for an error a command let through that needs no
+    traceback, or None (a bug: the traceback). Exit 2, the user's to fix: a path the user gave that
+    the command did not check itself, a checkpoint that cannot be loaded (``moe.loading.errors``: no
+    weights, a bad shard, a tensor of the wrong shape), a Ray cluster that cannot host the run
+    (``launch.cluster.ClusterError``: none at RAY_ADDRESS, a placement it cannot make). Exit 1: a
+    worker rank that failed, died or hung (``launch.recovery.WorkerFault``: its summary names the rank
+    and what it reported; the rank's own traceback is in its log). Those modules are looked up, not
+    imported: a command that never used them cannot have raised their errors, and ``--help`` stays
+    light."""
+    def raised(module: str, name: str) -> bool:
+        cls = getattr(sys.modules.get(module), name, None)
+        return cls is not None and isinstance(e, cls)
+
+    if raised("moe.loading.errors", "LoadError") or raised("launch.cluster", "ClusterError"):
+        return " ".join(str(e).splitlines()), EXIT_USAGE
+    if raised("launch.recovery", "WorkerFault"):
+        return " ".join(str(e).splitlines()), EXIT_FAILED
     if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError)):
         if e.filename is not None:
-            return f"{e.filename}: {(e.strerror or str(e)).lower()}"
+            return f"{e.filename}: {(e.strerror or str(e)).lower()}", EXIT_USAGE
     return None
 
 
@@ -174,6 +184,6 @@ def main(argv: list[str] | None = None) -> int:
         problem = _user_error(e)
         if problem is None or os.environ.get("MOE_TRACEBACK") == "1":  # MOE_TRACEBACK=1: the traceback
             raise
-        print(f"error: {cmd.name}: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+        print(f"error: {cmd.name}: {problem[0]}", file=sys.stderr)
+        return problem[1]
     return 0 if rc is None else int(rc)

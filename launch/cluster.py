@@ -24,6 +24,42 @@ from launch.recovery import WorkerCallError, WorkerDiedError, WorkerTimeoutError
 log = logging.getLogger(__name__)
 
 
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot host the run: none answers at the address given, or it cannot place the
+    ranks (too few nodes for STRICT_SPREAD, too few CPUs or GPUs). The CLI prints it as one line."""
+
+
+# seconds a TCP connect to the cluster's address may take before it counts as not answering
+PROBE_TIMEOUT_S = 3.0
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a "host:port" or "ray://host:port" address; None for "auto", "local" or
+    anything else Ray resolves itself."""
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or "/" in rest or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """ClusterError unless something accepts a TCP connection at ``address`` ("host:port" or
+    "ray://host:port"; other forms are left to Ray): Ray itself retries a dead address for minutes."""
+    import socket
+
+    where = _host_port(address)
+    if where is None:
+        return
+    try:
+        with socket.create_connection(where, timeout=timeout_s):
+            pass
+    except OSError as e:
+        source = "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") == address else "the Ray address"
+        raise ClusterError(f"{source} {address}: no Ray cluster answers there ({e.strerror or e}); start one "
+                           "(ray start --head) or unset RAY_ADDRESS to run on a local cluster of this process") from e
+
+
 def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
     """Join a running cluster or start a local one on loopback.
 
@@ -39,7 +75,11 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> b
     if address is None and os.environ.get("RAY_ADDRESS"):
         address = "auto"
     if address is not None:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        check_reachable(os.environ.get("RAY_ADDRESS", "") if address == "auto" else address)
+        try:
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        except ConnectionError as e:  # "auto" with no cluster running here, a refused connection
+            raise ClusterError(f"cannot join the Ray cluster at {address!r}: {_first_line(e)}") from e
         return False
     ray.init(
         address="local",  # a fresh cluster even when some other `ray start` runs on this machine
@@ -97,6 +137,24 @@ class RankInfo:
         return self.rank
 
 
+def placement_problem(num_ranks: int, bundle: dict[str, float], strategy: str, nodes: Sequence[dict]) -> str | None:
+    """Why ``num_ranks`` bundles of ``bundle`` can never be placed with ``strategy`` on ``nodes`` (Ray's
+    node records: "Resources" per node), or None when they can: STRICT_SPREAD needs a node per rank,
+    STRICT_PACK one node holding them all, the others the cluster's total."""
+    totals = [n.get("Resources", {}) for n in nodes]
+    fits = [min((int(r.get(k, 0.0) // v) if v else num_ranks) for k, v in bundle.items()) for r in totals]
+    where = f"{len(nodes)} node(s) with {', '.join(f'{k} {sum(r.get(k, 0.0) for r in totals):g}' for k in bundle)}"
+    if strategy == "STRICT_SPREAD" and sum(1 for f in fits if f >= 1) < num_ranks:
+        return (f"placement strategy STRICT_SPREAD puts each of the {num_ranks} ranks on its own node, and this "
+                f"cluster has {len(nodes)} node(s) that can hold one: use PACK or SPREAD, or add nodes")
+    if strategy == "STRICT_PACK" and max(fits, default=0) < num_ranks:
+        return (f"placement strategy STRICT_PACK puts all {num_ranks} ranks (each {bundle}) on one node, and no "
+                f"node of this cluster ({where}) holds them all")
+    if sum(fits) < num_ranks:
+        return f"{num_ranks} ranks of {bundle} each do not fit this cluster ({where})"
+    return None
+
+
 class WorkerGroup:
     """One Ray actor per rank, in a placement group, addressed by rank."""
 
@@ -111,8 +169,12 @@ class WorkerGroup:
         num_cpus_per_rank: float = 1.0,
         ready_timeout_s: float = 120.0,
         call_timeout_s: float = 600.0,
+        fixed_cluster: bool = False,
     ) -> None:
-        """make_args(rank, num_nodes) -> (args, kwargs) for the worker constructor."""
+        """make_args(rank, num_nodes) -> (args, kwargs) for the worker constructor. fixed_cluster: the
+        cluster's nodes are all it will ever have (a local cluster this process started), so a
+        placement it cannot make is refused at once instead of waited for (an autoscaler may add
+        nodes to other clusters)."""
         if strategy not in ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement strategy {strategy!r} is not one of PACK, STRICT_PACK, SPREAD, STRICT_SPREAD")
         self.num_ranks = num_ranks
@@ -120,12 +182,16 @@ class WorkerGroup:
         bundle = {"CPU": float(num_cpus_per_rank)}
         if num_gpus_per_rank:
             bundle["GPU"] = num_gpus_per_rank
+        if fixed_cluster:
+            problem = placement_problem(num_ranks, bundle, strategy, [n for n in ray.nodes() if n.get("Alive")])
+            if problem:
+                raise ClusterError(problem)
         self.pg = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=strategy)
         try:
             ray.get(self.pg.ready(), timeout=ready_timeout_s)
         except GetTimeoutError as e:
             remove_placement_group(self.pg)
-            raise RuntimeError(
+            raise ClusterError(
                 f"placement group of {num_ranks} bundles {bundle} ({strategy}) not ready after "
                 f"{ready_timeout_s:.0f}s: the cluster lacks resources ({ray.cluster_resources()})"
             ) from e

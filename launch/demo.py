@@ -58,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"writing the tiny DeepSeek-V3-style checkpoint to {model}")
         make_tiny_checkpoint("deepseek_v3", model)
+    from launch.serve import check_serve_config, serve
+
+    try:
+        check_serve_config(cfg)  # as `serve` does: before the ranks start and the weights load
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     s, p = cfg.server, cfg.parallel
     print(f"\nstarting {cfg.served_model_name}: tp={p.tensor_parallel_size} dp={p.data_parallel_size} "
           f"expert-parallel={p.enable_expert_parallel} eplb={cfg.balancer.enable_eplb} "
@@ -65,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"OpenAI API: http://{s.host}:{s.port}/v1   metrics: http://{s.host}:{s.port}/metrics")
     print("try (once 'Uvicorn running' shows):\n" + example_request(s.host, s.port, cfg.served_model_name) + "\n",
           flush=True)
-    from launch.serve import serve
-
     try:
         asyncio.run(serve(cfg))
     except KeyboardInterrupt:

@@ -81,7 +81,7 @@ class RayExecutor:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
             self.group = WorkerGroup(Worker, spec.world_size, self._make_args(spec), strategy=strategy,
                                      num_gpus_per_rank=gpus, num_cpus_per_rank=cpus_per_rank(spec.world_size),
-                                     call_timeout_s=call_timeout_s)
+                                     call_timeout_s=call_timeout_s, fixed_cluster=self._owns_ray)
             self.num_nodes = self.group.num_nodes
             self._setup()
         except BaseException:

@@ -111,18 +111,24 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
             await _shutdown(engine)
 
 
+def check_serve_config(cfg: RuntimeConfig) -> None:
+    """What serving ``cfg`` would fail on, before the weights load (ValueError, FileNotFoundError):
+    an address it cannot listen on, a dump folder it cannot write, what the engine would refuse."""
+    check_listen_address(cfg.server.host, cfg.server.port)
+    if cfg.server.expert_distribution_dir and (
+            problem := output_dir_problem(cfg.server.expert_distribution_dir)) is not None:
+        raise ValueError(f"expert_distribution_dir: {problem}")
+    from launch.engine import check_runtime_config
+
+    check_runtime_config(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
-        check_listen_address(cfg.server.host, cfg.server.port)
-        if cfg.server.expert_distribution_dir and (
-                problem := output_dir_problem(cfg.server.expert_distribution_dir)) is not None:
-            raise ValueError(f"expert_distribution_dir: {problem}")
-        from launch.engine import check_runtime_config
-
-        check_runtime_config(cfg)  # what the engine would refuse, before weights load
+        check_serve_config(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -71,3 +71,26 @@ def test_an_empty_api_key_is_refused_not_taken_as_none(tiny_ckpt, capsys):
     assert main(["--model", str(tiny_ckpt), "--api-key", ""]) == 2
     assert capsys.readouterr().err.strip() == ("error: server: api_key is empty: give a key, or leave it out to serve "
                                                "without one")
+
+
+def test_demo_checks_what_serve_checks_before_the_ranks_start(capsys, monkeypatch):
+    """``make run``'s command refuses a layout the engine would refuse and a taken port in one line,
+    before the Ray ranks start and the weights load."""
+    import socket
+
+    import launch.serve as serve_module
+    from launch import demo
+
+    async def refuse(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(serve_module, "serve", refuse)
+    assert demo.main(["--set", "parallel.data_parallel_size=3"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == "error: num_experts=16 + num_redundant_experts=4 = 20 slots is not divisible by ep_size=3"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert demo.main(["--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
