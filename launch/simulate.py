@@ -64,14 +64,28 @@ def parse_cluster(text: str) -> tuple[int, int, Hardware]:
     return int(m.group(1)), int(m.group(2)), load_hardware(m.group(3))
 
 
+_EXPECTED_LOAD = ("expected an [L, E] (or [steps, L, E]) array of numbers as .npy or JSON, or a JSON "
+                  "expert-distribution dump with 'logical_count'")
+
+
 def load_expert_load(path: str) -> np.ndarray:
     """[L, E] tokens per expert from a .npy / .json array ([L, E], or [steps, L, E] summed), or
     an expert-distribution dump with ``logical_count``."""
     p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: {'is a directory' if p.is_dir() else 'no such file'}; {_EXPECTED_LOAD}")
     if p.suffix == ".npy":
-        arr = np.load(p)
+        try:
+            arr = np.asarray(np.load(p), dtype=np.float64)
+        except (ValueError, TypeError, OSError, EOFError):  # not .npy (numpy would unpickle it), or not numbers
+            raise ValueError(f"{path}: not a .npy array of numbers; {_EXPECTED_LOAD}") from None
     else:
-        data = json.loads(p.read_text())
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not JSON (not UTF-8 text); {_EXPECTED_LOAD}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e}); {_EXPECTED_LOAD}") from None
         if isinstance(data, dict) and "logical_count" not in data:
             raise ValueError(f"{path}: expected an [L, E] array or a dump with 'logical_count', got an object "
                              f"with keys {sorted(data)[:5]}")

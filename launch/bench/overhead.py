@@ -59,6 +59,7 @@ import torch
 from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
+from launch.paths import output_file_problem
 from launch.worker import StepResult
 
 STEP_FIELDS = ("step_ms", "execute_ms", "worker_ms", "scheduler_ms", "overhead_ms", "transport_ms", "other_ms",
@@ -324,6 +325,8 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup_steps < 0 or args.num_threads is not None and args.num_threads < 1:
         raise ValueError("--warmup-steps must be >= 0 and --num-threads >= 1")
+    if args.json is not None and (problem := output_file_problem(args.json)) is not None:
+        raise ValueError(f"--json: {problem}")  # now, not after the whole benchmark
     if args.max_num_seqs is None:
         args.max_num_seqs = args.batch
     if args.max_num_batched_tokens is None:
@@ -523,5 +526,6 @@ def main(argv: list[str] | None = None) -> int:
         first = result["runs"][0]
         result.update(rebalance_steps_skipped=first["rebalance_steps_skipped"], summary=first["summary"],
                       timings=first["timings"], stats_overhead=first["stats_overhead"])
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(without_nan(result), indent=2) + "\n")
     return 0

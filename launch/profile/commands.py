@@ -104,6 +104,9 @@ def run_main(argv: list[str]) -> int:
     from launch.profile.readers import DumpError
     from launch.profile.runner import ProfileRunError, run_and_report
 
+    if (problem := what_if_sizes_problem(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         page = run_and_report(args)
     except (ConfigError, DumpError, ProfileRunError, FileNotFoundError) as e:
@@ -111,3 +114,25 @@ def run_main(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     print(f"report: {page}")
     return 0
+
+
+def what_if_sizes_problem(args: argparse.Namespace) -> str | None:
+    """``--ep`` / ``--recorded-ep`` sizes that do not divide the model's experts (one line naming the
+    flag), checked before the run rather than by the report after it; None when they do, or when the
+    model's config cannot be read (``run_and_report`` reports that in its own words)."""
+    if args.ep is None and args.recorded_ep is None:
+        return None
+    from launch.config_args import runtime_config_from_args
+    from moe.config import ModelConfig
+
+    try:
+        config = runtime_config_from_args(args)
+        num_experts = ModelConfig.from_hf(config.check_model_path()).num_experts
+    except (ValueError, OSError):  # ConfigError is a ValueError
+        return None
+    for flag, sizes in (("--ep", args.ep or []), ("--recorded-ep", [args.recorded_ep] if args.recorded_ep else [])):
+        for ep in sizes:
+            if num_experts % ep:
+                return (f"{flag} {ep} does not divide the {num_experts} experts of {config.model} "
+                        "(each EP rank holds the same number)")
+    return None

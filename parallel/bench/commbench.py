@@ -22,10 +22,12 @@ import json
 import re
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from launch.paths import output_file_problem
 from parallel.bench.ranks import current_device, spawn, time_op
 
 OPS = ("alltoall", "allreduce", "allgather", "reducescatter")
@@ -235,15 +237,46 @@ def check_args(args: argparse.Namespace) -> str | None:
                                ("--threads", args.threads, 0)):
         if value < least:
             return f"{flag} must be >= {least}, got {value}"
-    if torch.cuda.is_available() and args.nprocs > torch.cuda.device_count():
+    moe_layer_only = args.moe_layer and not args.dispatch  # its rank counts are --ranks, not -np
+    if not moe_layer_only and torch.cuda.is_available() and args.nprocs > torch.cuda.device_count():
         return f"-np {args.nprocs} exceeds the {torch.cuda.device_count()} visible GPUs (one per rank)"
-    if args.moe_layer and not args.dispatch:
-        from parallel.bench.dispatch import parse_ranks
+    if args.output_file is not None:
+        problem = output_file_problem(args.output_file)
+        if problem is not None:
+            return f"-J/--output_file: {problem}"
+    if args.dispatch or args.moe_layer:
+        return _check_ep_args(args)
+    return None
 
-        try:
-            parse_ranks(args.ranks, args.experts)
-        except ValueError as e:
-            return str(e)
+
+def _check_ep_args(args: argparse.Namespace) -> str | None:
+    """The --dispatch / --moe-layer sizes (one line naming the flags), or None."""
+    for flag, value in (("--tokens", args.tokens), ("--hidden", args.hidden), ("--experts", args.experts),
+                        ("--topk", args.topk), ("--inter", args.inter)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if args.topk > args.experts:
+        return f"--topk {args.topk} exceeds --experts {args.experts} (each token picks distinct experts)"
+    if args.dispatch:  # run() takes --dispatch over --moe-layer
+        if args.experts % args.nprocs:
+            return (f"--experts {args.experts} must be divisible by -np {args.nprocs} "
+                    "(each rank hosts the same number of experts)")
+        return None
+    if args.experts < 2:
+        return f"--moe-layer needs --experts >= 2 (its DeepSeek-V3 router sums each group's top-2), got {args.experts}"
+    from parallel.bench.dispatch import moe_layer_config, parse_ranks
+
+    try:
+        most = max(parse_ranks(args.ranks, args.experts))
+    except ValueError as e:
+        return str(e)
+    if torch.cuda.is_available() and most > torch.cuda.device_count():
+        return f"--ranks {args.ranks}: {most} ranks exceed the {torch.cuda.device_count()} visible GPUs (one per rank)"
+    try:
+        moe_layer_config({"tokens": args.tokens, "hidden": args.hidden, "topk": args.topk,
+                          "experts": args.experts, "inter": args.inter})
+    except ValueError as e:
+        return f"--moe-layer with --experts {args.experts} --topk {args.topk}: {e}"
     return None
 
 
@@ -293,7 +326,9 @@ def _size_flag(flag: str, text: str) -> int:
 
 
 def _write_json(path: str | None, payload: dict) -> None:
+    """Write ``payload`` as JSON to ``path`` (checked up front by check_args), making missing parents."""
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
             f.write("\n")

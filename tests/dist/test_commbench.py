@@ -11,6 +11,7 @@ from parallel.bench.commbench import (
     OPS,
     Row,
     Timing,
+    _write_json,
     bus_factor,
     compute_sizes,
     format_table,
@@ -71,6 +72,17 @@ _BAD_SIZE = "bad size {!r}: expected an integer with an optional K, M or G suffi
     ("-np 2", "name a collective (alltoall, allreduce, allgather, reducescatter), or pass --dispatch / --moe-layer"),
     ("--moe-layer --ranks 1,3", "--ranks 1,3: give comma-separated rank counts, each >= 1 and dividing --experts 64"),
     ("--moe-layer --ranks x", "--ranks x: give comma-separated rank counts, each >= 1 and dividing --experts 64"),
+    ("--dispatch --topk 20 --experts 8", "--topk 20 exceeds --experts 8 (each token picks distinct experts)"),
+    ("--moe-layer --ranks 1 --topk 9 --experts 8", "--topk 9 exceeds --experts 8 (each token picks distinct experts)"),
+    ("--dispatch --experts 6 -np 4",
+     "--experts 6 must be divisible by -np 4 (each rank hosts the same number of experts)"),
+    ("--dispatch --tokens 0", "--tokens must be >= 1, got 0"),
+    ("--dispatch --hidden -1", "--hidden must be >= 1, got -1"),
+    ("--moe-layer --topk 0", "--topk must be >= 1, got 0"),
+    ("--moe-layer --inter 0", "--inter must be >= 1, got 0"),
+    ("--moe-layer --experts 0", "--experts must be >= 1, got 0"),
+    ("--moe-layer --ranks 1 --experts 1 --topk 1",
+     "--moe-layer needs --experts >= 2 (its DeepSeek-V3 router sums each group's top-2), got 1"),
 ])
 def test_bad_flags_are_one_line_and_exit_2_before_any_rank_starts(argv, message, monkeypatch, capsys) -> None:
     def no_spawn(*args, **kwargs):
@@ -81,6 +93,36 @@ def test_bad_flags_are_one_line_and_exit_2_before_any_rank_starts(argv, message,
     assert main(argv.split()) == 2
     captured = capsys.readouterr()
     assert captured.err == f"commbench: error: {message}\n" and captured.out == ""
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "--dispatch", "--moe-layer"])
+def test_bad_output_file_is_one_line_before_any_rank_starts(mode, tmp_path, monkeypatch, capsys) -> None:
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a rank was spawned although -J cannot be written")
+
+    monkeypatch.setattr("parallel.bench.commbench.spawn", no_spawn)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "afile").write_text("")
+    for target, problem in ((tmp_path, f"{tmp_path} is a directory"),
+                            (tmp_path / "afile" / "x.json", f"{tmp_path / 'afile'} is not a directory")):
+        assert main([mode, "-J", str(target)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"commbench: error: -J/--output_file: {problem}\n" and captured.out == ""
+
+
+def test_output_file_parents_are_made(tmp_path) -> None:
+    out = tmp_path / "new" / "deeper" / "r.json"
+    _write_json(str(out), {"a": 1})
+    assert json.loads(out.read_text()) == {"a": 1}
+
+
+def test_moe_layer_ranks_are_checked_against_gpus(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr("parallel.bench.commbench.spawn", lambda *a, **k: pytest.fail("a rank was spawned"))
+    assert main(["--moe-layer", "--ranks", "1,4"]) == 2
+    assert capsys.readouterr().err == ("commbench: error: --ranks 1,4: 4 ranks exceed the 2 visible GPUs "
+                                       "(one per rank)\n")
 
 
 def test_more_ranks_than_gpus_is_one_line(monkeypatch, capsys) -> None:

@@ -77,7 +77,7 @@ def test_measure_recording_parts_sum_to_total():
 
 
 def test_main_in_process_with_stats_overhead(tiny_ckpt, tmp_path, capsys):
-    out = tmp_path / "overhead.json"
+    out = tmp_path / "new" / "overhead.json"  # missing parents are made
     rc = bench_overhead.main(["--model", str(tiny_ckpt), "--dtype", "float32", "--enable-expert-parallel", "--enable-eplb",
                               "--num-redundant-experts", "2", "--batch", "3", "--context-len", "5",
                               "--steps", "4", "--warmup-steps", "1", "--stats-overhead", "--repeats", "20",
@@ -184,3 +184,15 @@ def test_a_context_past_max_model_len_is_refused_before_the_engine_starts(tiny_c
                                                "unless --max-model-len)")
     args = bench_overhead.build_parser().parse_args([*flags, "--context-len", "2033"])  # 2033 + 8 + 7 = 2048
     assert bench_overhead.build_config(args).engine.max_num_seqs == 2
+
+
+def test_an_unwritable_json_path_is_refused_before_the_engine_starts(tiny_ckpt, tmp_path, capsys, monkeypatch) -> None:
+    import launch.engine
+
+    monkeypatch.setattr(launch.engine.LLMEngine, "__init__", lambda *a, **k: pytest.fail("the engine started"))
+    (tmp_path / "afile").write_text("")
+    for target, problem in ((tmp_path, f"{tmp_path} is a directory"),
+                            (tmp_path / "afile" / "x.json", f"{tmp_path / 'afile'} is not a directory")):
+        assert bench_overhead.main(["--model", str(tiny_ckpt), "--json", str(target)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"error: --json: {problem}\n" and captured.out == ""

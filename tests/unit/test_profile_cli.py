@@ -75,6 +75,23 @@ def test_profile_run_rejects_an_unknown_workload_in_one_line(tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1 and "no-such-kind" in err
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--ep", "2", "3"], "--ep 3 does not divide the 8 experts of {model} (each EP rank holds the same number)"),
+    (["--recorded-ep", "5"], "--recorded-ep 5 does not divide the 8 experts of {model} "
+                             "(each EP rank holds the same number)"),
+])
+def test_profile_run_refuses_an_ep_size_that_does_not_divide_the_experts_before_running(
+        flags, message, tiny_ckpt, tmp_path, capsys, monkeypatch):
+    import launch.profile.runner
+
+    monkeypatch.setattr(launch.profile.runner, "run_and_report", lambda *a, **k: pytest.fail("the workload ran"))
+    rc = cli.main(["profile", "run", "--model", str(tiny_ckpt), "--workload", "prose", "--out",
+                   str(tmp_path / "r"), *flags])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.err == f"error: {message.format(model=tiny_ckpt)}\n"
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 def test_profile_run_on_a_tiny_checkpoint_shows_the_workload_switch(tmp_path, capsys):
     pytest.importorskip("launch.workloads")

@@ -105,6 +105,27 @@ def test_bad_expert_load_files_are_named(tmp_path, capsys, monkeypatch, data, me
     assert capsys.readouterr().err == f"error: simulate: {path}: {message}\n"
 
 
+_EXPECTED_LOAD = ("expected an [L, E] (or [steps, L, E]) array of numbers as .npy or JSON, or a JSON "
+                  "expert-distribution dump with 'logical_count'")
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("load.pt", b"garbage", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("load.json", b"", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("load.pt", b"\xff\xfe\x00garbage", "not JSON (not UTF-8 text)"),
+    ("load.npy", b"garbage", "not a .npy array of numbers"),
+    ("missing.json", None, "no such file"),
+])
+def test_unreadable_expert_load_files_are_named_with_what_was_expected(tmp_path, capsys, monkeypatch, name,
+                                                                       content, message):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    assert main([*MIXTRAL_CONFIG, "--expert-load", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: simulate: {path}: {message}; {_EXPECTED_LOAD}\n"
+
+
 def test_search_model_that_is_not_a_config_object(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text("[1, 2]")
