@@ -20,15 +20,20 @@ have its job agent yet ("No available agent to submit job, please try again late
 was submitted); the wrapper then tries again every 5 s for up to ``AGENT_WAIT_S``. Every ``ray job submit`` flag works (``--address``, ``--working-dir``,
 ``--runtime-env-json``, ``--no-wait``, ...); the address comes from ``--address``, else
 ``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``, else ``http://127.0.0.1:8265``, as Ray's CLI.
+It must be the dashboard's http(s) URL (or a bare ``HOST:PORT``, taken as http) with a numeric
+port if it names one; anything else (``ray://``, the Ray Client address; another scheme; a
+malformed URL) is a one-line error before anything runs.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,8 +55,9 @@ class SubmitError(RuntimeError):
     """A problem the user can fix (no cluster at the address, no token): one line, exit 2."""
 
 
-def submission_address(args: Sequence[str], env: Mapping[str, str]) -> str:
-    """The dashboard address ``ray job submit`` will use, as an http(s) URL."""
+def _given_address(args: Sequence[str], env: Mapping[str, str]) -> tuple[str, str]:
+    """(the address as the user gave it, where it came from: ``--address``, an environment
+    variable, or the default), in the order Ray's CLI looks."""
     flags = list(args[: args.index("--")] if "--" in args else args)
     address = None
     for i, arg in enumerate(flags):
@@ -59,8 +65,42 @@ def submission_address(args: Sequence[str], env: Mapping[str, str]) -> str:
             address = flags[i + 1]
         elif arg.startswith("--address="):
             address = arg.split("=", 1)[1]
-    address = address or env.get("RAY_API_SERVER_ADDRESS") or env.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+    if address:
+        return address, "--address"
+    for name in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
+        if env.get(name):
+            return env[name], name
+    return DEFAULT_ADDRESS, "the default address"
+
+
+def submission_address(args: Sequence[str], env: Mapping[str, str]) -> str:
+    """The dashboard address ``ray job submit`` will use, as an http(s) URL."""
+    address, _ = _given_address(args, env)
     return address if "://" in address else f"http://{address}"
+
+
+def check_address(args: Sequence[str], env: Mapping[str, str]) -> str:
+    """``submission_address``, checked: an http(s) URL with a host and, when it names one, a
+    numeric port (a bare ``HOST:PORT`` is http). SubmitError naming the address and where it
+    came from for anything else: ``ray://`` (a Ray Client address, not the job API), another
+    scheme, a malformed URL."""
+    given, source = _given_address(args, env)
+    where = f"{source} {given}" if source.startswith("--") else f"{source}={given}"
+    address = submission_address(args, env)
+    example = "give the head's dashboard, e.g. --address http://HEAD:8265"
+    scheme = address.split("://", 1)[0]
+    if scheme == "ray":
+        raise SubmitError(f"{where}: ray:// is a Ray Client address, not the job submission API: {example}")
+    if scheme not in ("http", "https"):
+        raise SubmitError(f"{where}: unsupported scheme {scheme!r} (only http:// and https://): {example}")
+    try:
+        parts = urllib.parse.urlsplit(address)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0..65535
+    except ValueError as e:
+        raise SubmitError(f"{where}: not a valid dashboard URL ({e}): {example}") from None
+    if not parts.hostname:
+        raise SubmitError(f"{where}: no host name: {example}")
+    return address
 
 
 def has_auth_token(env: Mapping[str, str], home: Path | None = None) -> bool:
@@ -87,6 +127,8 @@ def probe_auth(address: str, timeout_s: float = 10.0) -> bool:
         if e.code in (401, 403):
             return True
         raise SubmitError(f"the Ray dashboard at {address} answered {e.code} to {url}") from e
+    except (ValueError, http.client.InvalidURL) as e:  # a URL check_address let through but http refuses
+        raise SubmitError(f"{address} is not a valid dashboard URL ({e}): pass --address http://HEAD:8265") from e
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise SubmitError(f"no Ray dashboard answers at {address} ({reason}): start a head with "
@@ -130,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: put the job's command after `--`, e.g. `python -m launch submit --address "
               "http://HEAD:8265 --working-dir . -- python -m launch generate ...`", file=sys.stderr)
         return EXIT_USAGE
-    address = submission_address(args, os.environ)
     try:
+        address = check_address(args, os.environ)
         env = submit_env(address, os.environ)
     except SubmitError as e:
         print(f"error: {e}", file=sys.stderr)

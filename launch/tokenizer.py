@@ -23,6 +23,11 @@ Streaming: ``incremental_detokenizer(prompt_ids)`` returns the core's
 ``IncrementalDetokenizer`` bound to this tokenizer's ``decode``; it emits text only when
 the window decodes cleanly, so UTF-8 characters split across byte-level tokens come
 out whole.
+
+Every problem with those files (unreadable, not UTF-8, invalid JSON, not a tokenizer, a chat
+template that is not valid Jinja, an id that is not an integer) raises ``TokenizerError``, a
+``moe.loading.errors.CheckpointFormatError`` (so a ``ValueError``) whose one-line message names
+the file and the problem; the CLI prints it as one line.
 """
 
 from __future__ import annotations
@@ -33,12 +38,15 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from launch.core.detokenizer import IncrementalDetokenizer
+from moe.loading.errors import CheckpointFormatError, CheckpointNotFoundError
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "IncrementalDetokenizer", "InvalidTextError", "Tokenizer", "check_text"]
+__all__ = [
+    "DEFAULT_CHAT_TEMPLATE", "IncrementalDetokenizer", "InvalidTextError", "Tokenizer", "TokenizerError", "check_text",
+]
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -47,6 +55,10 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+
+
+class TokenizerError(CheckpointFormatError):
+    """A checkpoint's tokenizer file that cannot be used; the message names the file and the problem."""
 
 
 class InvalidTextError(ValueError):
@@ -66,39 +78,82 @@ def check_text(text: str, what: str = "text") -> str:
     return text
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    """The first non-blank line of ``e``'s message (its type name if it has none), at most ``limit`` chars."""
+    line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    return line[:limit]
+
+
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of ``path``; TokenizerError naming it when it cannot be read or decoded."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: not UTF-8 text (byte {e.start + 1})") from None
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot be read ({(e.strerror or _first_line(e)).lower()})") from None
+
+
+def _read_json(path: Path) -> dict:
+    """The JSON object in ``path`` ({} when there is no such file); TokenizerError when it is not one."""
+    if not path.exists():
+        return {}
+    text = _read_text(path)
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON: {e}") from e
+        raise TokenizerError(f"{path}: invalid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, found a {type(data).__name__}")
+    return data
 
 
 def _token_content(value: Any) -> str | None:
     """tokenizer_config stores special tokens as a string or an AddedToken dict."""
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _as_id_list(value: Any) -> list[int]:
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _as_id_list(value: Any, path: Path, key: str) -> list[int]:
+    """``value`` (None, an id, or a list of ids) as a list; TokenizerError naming ``path`` and ``key``
+    for anything else (a string, a float, a negative number, a list holding one)."""
     if value is None:
         return []
-    if isinstance(value, int):
+    if _is_id(value):
         return [value]
-    return [int(v) for v in value]
+    if isinstance(value, list) and all(_is_id(v) for v in value):
+        return list(value)
+    raise TokenizerError(f"{path}: {key} must be a non-negative integer or a list of them, got {value!r:.100}")
 
 
-def _pick_chat_template(cfg: Mapping, directory: Path) -> str | None:
+def _as_id(value: Any, path: Path, key: str) -> int | None:
+    """``value`` as one token id (None stays None); TokenizerError naming ``path`` and ``key`` otherwise."""
+    if value is None or _is_id(value):
+        return value
+    raise TokenizerError(f"{path}: {key} must be a non-negative integer, got {value!r:.100}")
+
+
+def _pick_chat_template(cfg: Mapping, directory: Path) -> tuple[str | None, Path]:
+    """The checkpoint's chat template (None if it has none) and the file it comes from."""
     jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+    if jinja_file.exists():
+        return _read_text(jinja_file), jinja_file
+    cfg_file = directory / "tokenizer_config.json"
     template = cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template}
-        return named.get("default") or next(iter(named.values()), None)
-    return template
+        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+            raise TokenizerError(f"{cfg_file}: chat_template must be a string or a list of "
+                                 '{"name": ..., "template": "..."} objects')
+        named = {t.get("name"): t["template"] for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{cfg_file}: chat_template must be a string, got a {type(template).__name__}")
+    return template, cfg_file
 
 
 def _raise_exception(message: str) -> None:
@@ -161,30 +216,48 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load from a checkpoint directory holding ``tokenizer.json``."""
+        """Load from a checkpoint directory holding ``tokenizer.json``.
+
+        Raises ``CheckpointNotFoundError`` (a FileNotFoundError) without ``tokenizer.json`` and
+        ``TokenizerError`` (a ValueError) naming the file for any file that cannot be used."""
         directory = Path(path)
         tok_file = directory / "tokenizer.json"
         if not tok_file.is_file():
-            raise FileNotFoundError(f"{tok_file} not found: the checkpoint has no tokenizer.json")
-        tok = tokenizers.Tokenizer.from_file(str(tok_file))
-        cfg = _read_json(directory / "tokenizer_config.json")
-        gen = _read_json(directory / "generation_config.json")
-        model = _read_json(directory / "config.json")
+            raise CheckpointNotFoundError(f"{tok_file} not found: the checkpoint has no tokenizer.json")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # the library raises a bare Exception for any bad file
+            raise TokenizerError(f"{tok_file}: not a tokenizer file ({_first_line(e)})") from None
+        cfg_file, gen_file, model_file = (
+            directory / name for name in ("tokenizer_config.json", "generation_config.json", "config.json"))
+        cfg, gen, model = _read_json(cfg_file), _read_json(gen_file), _read_json(model_file)
         bos, eos = _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token"))
-        eos_ids = _as_id_list(gen.get("eos_token_id")) + _as_id_list(model.get("eos_token_id"))
+        eos_ids = (_as_id_list(gen.get("eos_token_id"), gen_file, "eos_token_id")
+                   + _as_id_list(model.get("eos_token_id"), model_file, "eos_token_id"))
         if eos is not None and tok.token_to_id(eos) is not None:
             eos_ids.append(tok.token_to_id(eos))
-        bos_id = gen.get("bos_token_id", model.get("bos_token_id"))
+        if "bos_token_id" in gen:
+            bos_id = _as_id(gen["bos_token_id"], gen_file, "bos_token_id")
+        else:
+            bos_id = _as_id(model.get("bos_token_id"), model_file, "bos_token_id")
         if bos_id is None and bos is not None:
             bos_id = tok.token_to_id(bos)
         if bos is None and bos_id is not None:
             bos = tok.id_to_token(bos_id)
         if eos is None and eos_ids:
             eos = tok.id_to_token(eos_ids[0])
-        return cls(
-            tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, bos_token_id=bos_id,
-            chat_template=_pick_chat_template(cfg, directory), add_bos=bool(cfg.get("add_bos_token", False)),
-        )
+        chat_template, template_file = _pick_chat_template(cfg, directory)
+        try:
+            return cls(
+                tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, bos_token_id=bos_id,
+                chat_template=chat_template, add_bos=bool(cfg.get("add_bos_token", False)),
+            )
+        except TemplateSyntaxError as e:
+            raise TokenizerError(f"{template_file}: chat_template is not a valid Jinja template "
+                                 f"({_first_line(e)}, line {e.lineno})") from None
+        except TemplateError as e:
+            raise TokenizerError(f"{template_file}: chat_template is not a valid Jinja template "
+                                 f"({_first_line(e)})") from None
 
     @property
     def vocab_size(self) -> int:

@@ -11,8 +11,8 @@ A workload ``spec`` is one of
   run over it switches kind of text midway (expert load drifts with it).
 
 ``load_workload(spec)`` returns the prompts in order; ``load_workload_phases(spec)`` keeps the
-phase boundaries. Every user mistake (unknown name, missing file, bad line, empty workload)
-raises ``WorkloadError`` (a ValueError) with a one-line message naming it.
+phase boundaries. Every user mistake (unknown name, missing file, a file that is not UTF-8, bad
+line, empty workload) raises ``WorkloadError`` (a ValueError) with a one-line message naming it.
 """
 
 from __future__ import annotations
@@ -34,9 +34,23 @@ class WorkloadError(ValueError):
     """A workload spec that names nothing loadable, or a file with a malformed line."""
 
 
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of ``path`` (a leading byte-order mark dropped); WorkloadError naming the file
+    when it is not UTF-8 or cannot be read."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise WorkloadError(f"{path}: cannot be read ({(e.strerror or str(e)).lower()})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise WorkloadError(f"{path}: not UTF-8 text (line {line})") from None
+
+
 def _read_jsonl(path: Path) -> list[str]:
     prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -57,7 +71,7 @@ def _read_file(path: Path) -> list[str]:
     if path.suffix == ".jsonl":
         prompts = _read_jsonl(path)
     elif path.suffix == ".txt":
-        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = [line for line in _read_text(path).splitlines() if line.strip()]
     else:
         raise WorkloadError(f"workload file {path}: expected a .jsonl or .txt file")
     if not prompts:

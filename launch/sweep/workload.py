@@ -22,7 +22,10 @@ Prompt = str | tuple[int, ...]
 
 def read_prompt_file(path: Path) -> list[Prompt]:
     """Prompts of a .txt / .jsonl file; ValueError naming the file and line otherwise."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
     if path.suffix == ".txt":
         return [line for line in text.splitlines() if line.strip()]
     if path.suffix != ".jsonl":

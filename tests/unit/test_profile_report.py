@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -204,6 +205,18 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     save_file({"logical_count": -np.ones((2, 2, 2), dtype=np.int64)}, str(tmp_path / "neg.safetensors"))
     rc, err = _run([tmp_path / "neg.safetensors", "--out", tmp_path / "r"], capsys)
     assert rc == 2 and "non-negative" in err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("content", [b"abc", b"", b"\x80", b"PK\x03\x04junk"], ids=["abc", "empty", "x80", "zip"])
+def test_a_pt_file_torch_cannot_read_is_one_line(tmp_path, capsys, content):
+    """Garbage in a .pt makes torch's weights-only unpickler raise anything (IndexError for ``abc``)."""
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(content)
+    with pytest.raises(DumpError, match=f"^{re.escape(str(bad))}: not a readable torch.save file \\("):
+        read_dump(bad)
+    rc, err = _run([bad, "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and f"{bad}: not a readable torch.save file" in err
     assert not (tmp_path / "r").exists()
 
 

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from launch.submit import SubmitError, has_auth_token, main, probe_auth, submission_address, submit_env
+from launch.submit import (
+    SubmitError,
+    check_address,
+    has_auth_token,
+    main,
+    probe_auth,
+    submission_address,
+    submit_env,
+)
 from parallel.groups import free_port
 
 
@@ -89,6 +97,39 @@ def test_main_errors_are_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("error: no Ray dashboard answers") and err.count("\n") == 1
     assert main(["--help"]) == 0 and "ray job submit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("address", "problem"), [
+    ("127.0.0.1:notaport", "not a valid dashboard URL (Port could not be cast to integer value as 'notaport')"),
+    ("http://[::1", "not a valid dashboard URL (Invalid IPv6 URL)"),
+    ("http://h:99999", "not a valid dashboard URL (Port out of range"),
+    ("http://:8265", "no host name"),
+    ("nonsense://x", "unsupported scheme 'nonsense' (only http:// and https://)"),
+    ("ray://127.0.0.1:10001", "ray:// is a Ray Client address, not the job submission API"),
+])
+def test_a_bad_address_is_one_line_before_ray_runs(address, problem, capsys, monkeypatch):
+    import launch.submit as submit
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setattr(submit, "ray_command", lambda: pytest.fail("ray job submit must not run"))
+    monkeypatch.setattr(submit, "probe_auth", lambda *a, **k: pytest.fail("the dashboard must not be probed"))
+    assert main(["--address", address, "--", "echo", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --address {address}: {problem}") and err.count("\n") == 1, err
+    assert "--address http://HEAD:8265" in err
+
+
+def test_check_address_keeps_good_addresses_and_names_the_variable():
+    assert check_address(["--address", "https://head.example.com/ray", "--", "x"], {}) == \
+        "https://head.example.com/ray"
+    assert check_address(["--address=h:8265", "--", "x"], {}) == "http://h:8265"
+    assert check_address(["--address", "http://[::1]:8265", "--", "x"], {}) == "http://[::1]:8265"
+    assert check_address(["--", "x"], {}) == "http://127.0.0.1:8265"
+    with pytest.raises(SubmitError, match=r"^RAY_ADDRESS=ray://h:10001: ray:// is a Ray Client address"):
+        check_address(["--", "x"], {"RAY_ADDRESS": "ray://h:10001"})
+    # A URL the check lets through but urllib refuses is still a SubmitError, not a traceback.
+    with pytest.raises(SubmitError, match="not a valid dashboard URL"):
+        probe_auth("http://h:1/a b\n", timeout_s=1)
 
 
 def test_submission_retries_while_the_head_has_no_job_agent(monkeypatch, tmp_path, capsys):

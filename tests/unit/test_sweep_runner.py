@@ -165,6 +165,15 @@ def test_a_workload_the_model_cannot_run_is_refused_up_front(sweep_args, tmp_pat
     assert calls == [] and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["bad.txt", "bad.jsonl"])
+def test_a_workload_that_is_not_utf8_is_one_line_naming_it(sweep_args, tmp_path, capsys, name):
+    bad = tmp_path / name
+    bad.write_bytes(b"\xff\xfehello\n")
+    assert runner.main(_workload_args(sweep_args, bad)) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {bad}: not UTF-8 text"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_max_tokens_beyond_max_model_len_is_refused_up_front(sweep_args, tmp_path, capsys, monkeypatch):
     calls = []
     monkeypatch.setattr(runner, "run_point", lambda c, w, **kw: calls.append(c) or fake_run(c, w))

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launch.tiny_checkpoint import SPECIAL_TOKENS, train_tokenizer
-from launch.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+from launch.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer, TokenizerError
+from moe.loading.errors import LoadError
 
 MIXED = "Héllo wörld! 早上好 καλημέρα 🚀🐝 naïve — done."
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}]
@@ -125,6 +126,70 @@ def test_missing_or_broken_files_name_the_path(tmp_path, ckpt):
     (d / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="tokenizer_config.json: invalid JSON"):
         Tokenizer.from_dir(d)
+
+
+BROKEN_TOKENIZER_FILES = [
+    ("tokenizer.json", '{"model": {1: 2}}', r"tokenizer\.json: not a tokenizer file \(key must be a string"),
+    ("tokenizer.json", '{"model": {"x": 2}}', r"tokenizer\.json: not a tokenizer file \("),
+    ("tokenizer.json", b"\xff\xfe{}", r"tokenizer\.json: not a tokenizer file \("),
+    ("tokenizer_config.json", "{not json", r"tokenizer_config\.json: invalid JSON"),
+    ("tokenizer_config.json", b"\xff\xfe{}", r"tokenizer_config\.json: not UTF-8 text"),
+    ("tokenizer_config.json", "[1, 2]", r"tokenizer_config\.json: expected a JSON object, found a list"),
+    ("tokenizer_config.json", json.dumps({"chat_template": "{% for m in messages %}{{ m.content "}),
+     r"tokenizer_config\.json: chat_template is not a valid Jinja template \(.*line 1\)"),
+    ("tokenizer_config.json", json.dumps({"chat_template": 7}), r"tokenizer_config\.json: chat_template must be"),
+    ("tokenizer_config.json", json.dumps({"chat_template": [{"name": "default"}]}),
+     r"tokenizer_config\.json: chat_template must be"),
+    ("chat_template.jinja", "{% if %}", r"chat_template\.jinja: chat_template is not a valid Jinja template"),
+    ("chat_template.jinja", b"\xff\xfe", r"chat_template\.jinja: not UTF-8 text"),
+    ("generation_config.json", json.dumps({"eos_token_id": "abc"}),
+     r"generation_config\.json: eos_token_id must be a non-negative integer or a list of them, got 'abc'"),
+    ("generation_config.json", json.dumps({"eos_token_id": [1, "2"]}), r"generation_config\.json: eos_token_id"),
+    ("generation_config.json", json.dumps({"eos_token_id": 1.5}), r"generation_config\.json: eos_token_id"),
+    ("generation_config.json", json.dumps({"bos_token_id": "x"}), r"generation_config\.json: bos_token_id"),
+    ("config.json", json.dumps({"eos_token_id": [-1]}), r"config\.json: eos_token_id"),
+    ("config.json", json.dumps({"bos_token_id": True}), r"config\.json: bos_token_id"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "match"), BROKEN_TOKENIZER_FILES,
+                         ids=[f"{case[0]}-{i}" for i, case in enumerate(BROKEN_TOKENIZER_FILES)])
+def test_broken_tokenizer_files_raise_one_line_load_error(ckpt, tmp_path, name, content, match):
+    """Every unusable tokenizer file is a LoadError (one line at the CLI) naming the file and the problem."""
+    d = _copy_tokenizer(ckpt, tmp_path / "ck")
+    target = d / name
+    target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
+    with pytest.raises(TokenizerError, match=match) as info:
+        Tokenizer.from_dir(d)
+    assert isinstance(info.value, LoadError) and isinstance(info.value, ValueError)
+    assert str(target) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unreadable_tokenizer_config_names_the_file(ckpt, tmp_path):
+    d = _copy_tokenizer(ckpt, tmp_path / "ck")
+    (d / "tokenizer_config.json").mkdir()
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: cannot be read"):
+        Tokenizer.from_dir(d)
+
+
+def test_cli_prints_a_broken_tokenizer_as_one_line(ckpt, tmp_path, capsys):
+    """``generate`` and ``serve`` on a checkpoint with a broken tokenizer: exit 2, one line naming the file
+    (the tokenizer is read before any weights or workers, so this is cheap)."""
+    import shutil
+
+    from launch.cli import main
+
+    d = tmp_path / "ck"
+    shutil.copytree(ckpt, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "abc"}))
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    for argv in (["generate", "--model", str(d), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")],
+                 ["serve", "--model", str(d), "--port", "0"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"{d / 'generation_config.json'}: eos_token_id must be" in err
 
 
 def _stream(tok, prompt_ids, ids):

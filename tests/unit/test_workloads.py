@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -86,6 +87,21 @@ def test_bad_file_lines(tmp_path) -> None:
     other.write_text("a\n")
     with pytest.raises(WorkloadError, match="expected a .jsonl or .txt"):
         load_workload(str(other))
+
+
+@pytest.mark.parametrize("name", ["bad.txt", "bad.jsonl"])
+def test_a_file_that_is_not_utf8_names_the_file(tmp_path, name: str) -> None:
+    bad = tmp_path / name
+    bad.write_bytes(b'{"prompt": "ok"}\n\xff\xfe{"prompt": "x"}\n')
+    with pytest.raises(WorkloadError, match=re.escape(f"{bad}: not UTF-8 text (line 2)") + "$"):
+        load_workload(str(bad))
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path) -> None:
+    for name, text in (("bom.txt", "first\nsecond\n"), ("bom.jsonl", '{"prompt": "first"}\n{"prompt": "second"}\n')):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert load_workload(str(path)) == ["first", "second"]
 
 
 def test_every_shipped_file_is_named() -> None:
