@@ -69,7 +69,7 @@ register("kvcalc", "launch.kvcalc:main", "KV-cache bytes per token and capacity 
 register("config", "launch.config_args:main", "validate config file + --set + flags; print the resolved YAML")
 register("simulate", "launch.simulate:main", "cost model: predicted step times and throughput of a layout, or --search")
 register("simulate calibrate", "launch.calibrate:main", "measure this machine for the cost model (hardware YAML)")
-register("commbench", "parallel.bench.commbench:main", "collective benchmark (nccl-tests style table)")
+register("commbench", "launch.bench.commbench:main", "collective benchmark (nccl-tests style table)")
 register("bench eplb", "launch.bench.eplb:main", "expert-load-balancer benchmark on routing traces")
 register("bench throughput", "launch.bench.throughput:main", "offline generation throughput")
 register("bench serve", "launch.bench.serve:main", "online serving benchmark against a running server")

@@ -21,13 +21,13 @@ import functools
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from launch.paths import output_file_problem
 from parallel.bench.ranks import current_device, spawn, time_op
 
 OPS = ("alltoall", "allreduce", "allgather", "reducescatter")
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(args: argparse.Namespace) -> str | None:
+def check_args(args: argparse.Namespace, output_problem: Callable[[str], str | None] | None = None) -> str | None:
     """What is wrong with the flags (one line naming the flag), or None: checked before any rank starts."""
     for flag, value, least in (("-np", args.nprocs, 1), ("-n", args.iters, 1), ("-w", args.warmup_iters, 0),
                                ("--threads", args.threads, 0)):
@@ -240,8 +240,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     moe_layer_only = args.moe_layer and not args.dispatch  # its rank counts are --ranks, not -np
     if not moe_layer_only and torch.cuda.is_available() and args.nprocs > torch.cuda.device_count():
         return f"-np {args.nprocs} exceeds the {torch.cuda.device_count()} visible GPUs (one per rank)"
-    if args.output_file is not None:
-        problem = output_file_problem(args.output_file)
+    if args.output_file is not None and output_problem is not None:
+        problem = output_problem(args.output_file)
         if problem is not None:
             return f"-J/--output_file: {problem}"
     if args.dispatch or args.moe_layer:
@@ -280,10 +280,12 @@ def _check_ep_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def main(argv: list[str]) -> int:
-    """CLI entry (``python -m launch commbench ...``). Returns the exit status (2: bad flags, one line)."""
+def main(argv: list[str], output_problem: Callable[[str], str | None] | None = None) -> int:
+    """The benchmark's entry (``python -m launch commbench ...`` calls it through
+    ``launch.bench.commbench``). Returns the exit status (2: bad flags, one line). output_problem:
+    what is wrong with writing -J's path (None: nothing), checked with the flags, before any rank."""
     args = build_parser().parse_args(argv)
-    problem = check_args(args)
+    problem = check_args(args, output_problem)
     if problem is None and not (args.dispatch or args.moe_layer):
         if args.op is None:
             problem = ("name a collective (alltoall, allreduce, allgather, reducescatter), "

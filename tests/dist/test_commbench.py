@@ -19,6 +19,7 @@ from parallel.bench.commbench import (
     parse_size,
     run_collective,
 )
+from launch.bench.commbench import main as launch_commbench
 from parallel.bench.dispatch import time_dispatch
 from tests.dist.conftest import run_ranks
 
@@ -105,7 +106,7 @@ def test_bad_output_file_is_one_line_before_any_rank_starts(mode, tmp_path, monk
     (tmp_path / "afile").write_text("")
     for target, problem in ((tmp_path, f"{tmp_path} is a directory"),
                             (tmp_path / "afile" / "x.json", f"{tmp_path / 'afile'} is not a directory")):
-        assert main([mode, "-J", str(target)]) == 2
+        assert launch_commbench([mode, "-J", str(target)]) == 2
         captured = capsys.readouterr()
         assert captured.err == f"commbench: error: -J/--output_file: {problem}\n" and captured.out == ""
 
