@@ -83,6 +83,9 @@ class RayExecutor:
                                      num_gpus_per_rank=gpus, num_cpus_per_rank=cpus_per_rank(spec.world_size),
                                      call_timeout_s=call_timeout_s, fixed_cluster=self._owns_ray)
             self.num_nodes = self.group.num_nodes
+            if spec.num_nodes not in (1, self.num_nodes):  # the ranks landed elsewhere than asked
+                log.warning("--num-nodes %d: the ranks run on %d node(s) of this cluster; the layout and the "
+                            "balancer use %d", spec.num_nodes, self.num_nodes, self.num_nodes)
             self._setup()
         except BaseException:
             self.shutdown()
