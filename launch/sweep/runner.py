@@ -227,6 +227,8 @@ class SweepPlan:
                  progress: bool) -> dict[str, Any]:
         from tqdm import tqdm
 
+        from launch.cluster import ClusterError
+
         row: dict[str, Any] = {"key": point_key(settings), "settings": settings, "status": "ok", "reason": None}
         if isinstance(config, str):
             print(f"skipped {format_settings(settings)}: {config}", file=sys.stderr)
@@ -237,7 +239,8 @@ class SweepPlan:
         try:
             run = run_point(config, self.workload, warmup_prompts=self.warmup_prompts,
                             warmup_tokens=self.warmup_tokens, on_tokens=bar.update)
-        except ValueError as e:  # the model rejects the layout (validate_for_model and friends)
+        except (ValueError, ClusterError) as e:  # the model rejects the layout (validate_for_model and
+            # friends), or this cluster cannot place its ranks (STRICT_SPREAD on too few nodes, ...)
             print(f"skipped {format_settings(settings)}: {e}", file=sys.stderr)
             return {**row, "status": "skipped", "reason": str(e).splitlines()[0]}
         except Exception as e:  # noqa: BLE001 - one failed point must not end the sweep

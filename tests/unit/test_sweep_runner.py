@@ -295,3 +295,22 @@ def test_repeats_run_round_robin_and_resume(sweep_args, tmp_path, monkeypatch):
     order.clear()
     assert runner.main(args[:-1] + ["3"]) == 0
     assert order == [2, 4]
+
+
+def test_a_point_this_cluster_cannot_place_is_skipped_with_the_reason(sweep_args, tmp_path, monkeypatch):
+    """A placement the cluster can never make (launch.cluster.ClusterError, raised in seconds) skips
+    its point with the reason, as an invalid layout does; the other points run."""
+    from launch.cluster import ClusterError
+
+    def place(config, workload, **_kw):
+        if config.engine.max_num_seqs == 2:
+            raise ClusterError("placement strategy STRICT_SPREAD puts each of the 2 ranks on its own node, and this "
+                               "cluster has 1 node(s) that can hold one: use PACK or SPREAD, or add nodes")
+        return fake_run(config, workload)
+
+    monkeypatch.setattr(runner, "run_point", place)
+    args = sweep_args[: sweep_args.index("--grid") + 1] + ["engine.max_num_seqs=[2,4]"]
+    assert runner.main(args) == 0
+    rows = {r["settings"]["engine.max_num_seqs"]: r for r in read_rows(tmp_path / "out" / "results.jsonl")}
+    assert rows[2]["status"] == "skipped" and rows[2]["reason"].startswith("placement strategy STRICT_SPREAD")
+    assert rows[4]["status"] == "ok"
