@@ -35,6 +35,7 @@ import numpy as np
 from launch.config import ConfigError, load_runtime_config
 from launch.hardware import deployment_from_config, load_hardware, model_raw_config, stored_weight_dtype
 from launch.kvcalc import model_runtime_config
+from launch.paths import output_file_problem
 from moe.config import ModelConfig
 from parallel.costmodel import Deployment, Hardware, predict_point
 from parallel.costmodel.search import SLO, Candidate, search_layouts
@@ -265,6 +266,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if not math.isfinite(args.load_skew) or args.load_skew < 0:
         raise ValueError(f"--load-skew must be a finite number >= 0, got {args.load_skew}")
+    if args.json and (problem := output_file_problem(args.json)) is not None:
+        raise ValueError(f"--json: {problem}")  # before the search, not after it
     if not args.search and (not args.config or not args.hardware):
         raise ValueError("give --config CONFIG.yaml and --hardware NAME|FILE (or --search --model ... --cluster ...)")
 

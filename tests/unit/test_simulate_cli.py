@@ -80,6 +80,7 @@ MIXTRAL_CONFIG = ["--config", "configs/mixtral-8x7b-ep8.yaml", "--hardware", "h1
     ([*MIXTRAL_SEARCH, "--top", "-1"], "--top must be >= 1, got -1"),
     ([*MIXTRAL_SEARCH, "--slo", "ttft_ms=nan"], "--slo ttft_ms must be a positive number of ms, got nan"),
     ([*MIXTRAL_SEARCH, "--slo", "tpot_ms=inf"], "--slo tpot_ms must be a positive number of ms, got inf"),
+    ([*MIXTRAL_SEARCH, "--json", "configs"], "--json: configs is a directory"),  # before the search runs
     (["--search", "--model", "configs/hardware/h100.yaml", "--cluster", "1x8xH100"],
      "configs/hardware/h100.yaml is not a runtime config (unknown config key 'name'; valid keys: ['balancer', "
      "'engine', 'model', 'model_overrides', 'moe', 'parallel', 'recovery', 'server']); expected a checkpoint "
