@@ -61,11 +61,13 @@ def _given_address(args: Sequence[str], env: Mapping[str, str]) -> tuple[str, st
     flags = list(args[: args.index("--")] if "--" in args else args)
     address = None
     for i, arg in enumerate(flags):
-        if arg == "--address" and i + 1 < len(flags):
-            address = flags[i + 1]
+        if arg == "--address":
+            address = flags[i + 1] if i + 1 < len(flags) else ""
         elif arg.startswith("--address="):
             address = arg.split("=", 1)[1]
-    if address:
+    if address is not None:
+        if not address.strip() or address.startswith("-"):  # `--address` with nothing after it
+            raise SubmitError("--address needs a value: the head's dashboard, e.g. --address http://HEAD:8265")
         return address, "--address"
     for name in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
         if env.get(name):

@@ -305,18 +305,17 @@ def main(argv: list[str], output_problem: Callable[[str], str | None] | None = N
 
         report = dispatchbench.run(args, functools.partial(spawn, threads=args.threads))
         print(report["text"])
-        _write_json(args.output_file, report["json"])
-        return 0
+        return _write_json(args.output_file, report["json"])
     rows = spawn(run_collective, args.nprocs, args.op, counts, args.datatype, args.warmup_iters, args.iters,
                  bool(args.check), threads=args.threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     print(format_table(args.op, rows, args.nprocs, backend))
     busbws = [t.busbw for r in rows for t in (r.out_of_place, r.in_place) if t is not None]
-    _write_json(args.output_file, {"op": args.op, "nranks": args.nprocs, "backend": backend,
-                                   "datatype": args.datatype, "rows": [asdict(r) for r in rows],
-                                   "avg_busbw": sum(busbws) / max(len(busbws), 1)})
+    written = _write_json(args.output_file, {"op": args.op, "nranks": args.nprocs, "backend": backend,
+                                             "datatype": args.datatype, "rows": [asdict(r) for r in rows],
+                                             "avg_busbw": sum(busbws) / max(len(busbws), 1)})
     wrong = sum(t.wrong or 0 for r in rows for t in (r.out_of_place, r.in_place) if t is not None)
-    return 1 if wrong else 0
+    return 1 if wrong or written else 0
 
 
 def _size_flag(flag: str, text: str) -> int:
@@ -327,13 +326,21 @@ def _size_flag(flag: str, text: str) -> int:
         raise ValueError(f"{flag}: {e}") from None
 
 
-def _write_json(path: str | None, payload: dict) -> None:
-    """Write ``payload`` as JSON to ``path`` (checked up front by check_args), making missing parents."""
-    if path:
+def _write_json(path: str | None, payload: dict) -> int:
+    """Write ``payload`` as JSON to ``path`` (checked up front by check_args), making missing parents.
+    Returns 0, or 1 after one line on stderr when the write itself fails (the table is printed)."""
+    if not path:
+        return 0
+    try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
             f.write("\n")
+    except OSError as e:
+        print(f"commbench: error: -J/--output_file: cannot write {path}: {(e.strerror or str(e)).lower()}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

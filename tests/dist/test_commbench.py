@@ -111,9 +111,17 @@ def test_bad_output_file_is_one_line_before_any_rank_starts(mode, tmp_path, monk
         assert captured.err == f"commbench: error: -J/--output_file: {problem}\n" and captured.out == ""
 
 
+def test_a_write_that_fails_after_the_run_is_one_line(tmp_path, capsys) -> None:
+    """A path the up-front check could not rule out (here a directory made after it) still ends
+    in one line and exit 1, after the table was printed."""
+    (tmp_path / "late").mkdir()
+    assert _write_json(str(tmp_path / "late"), {"a": 1}) == 1
+    assert capsys.readouterr().err == f"commbench: error: -J/--output_file: cannot write {tmp_path / 'late'}: is a directory\n"
+
+
 def test_output_file_parents_are_made(tmp_path) -> None:
     out = tmp_path / "new" / "deeper" / "r.json"
-    _write_json(str(out), {"a": 1})
+    assert _write_json(str(out), {"a": 1}) == 0
     assert json.loads(out.read_text()) == {"a": 1}
 
 

@@ -70,3 +70,19 @@ def test_run_time_errors_a_command_lets_through_are_one_line(monkeypatch, capsys
     monkeypatch.setenv("MOE_TRACEBACK", "1")
     with pytest.raises(type(error)):
         cli.main(["generate"])
+
+
+@pytest.mark.parametrize("address, message", [
+    ("http://127.0.0.1:8265", "RAY_ADDRESS 'http://127.0.0.1:8265' is a dashboard URL (what `ray job submit` takes)"),
+    ("127.0.0.1", "RAY_ADDRESS '127.0.0.1' is not a Ray cluster address (Invalid address format"),
+])
+def test_a_ray_address_that_is_not_one_is_one_line(monkeypatch, address, message) -> None:
+    import ray
+
+    from launch.cluster import connect_ray
+
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(ClusterError) as info:
+        connect_ray()
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)

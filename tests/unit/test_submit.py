@@ -156,3 +156,16 @@ def test_submission_retries_while_the_head_has_no_job_agent(monkeypatch, tmp_pat
     # A job that fails for another reason is not resubmitted.
     script.write_text("import sys\nprint('Job failed')\nsys.exit(3)\n")
     assert submit.main(["--", "python", "x.py"]) == 3
+
+
+@pytest.mark.parametrize("flags", [["--address"], ["--address="], ["--address", "--no-wait"]])
+def test_an_address_flag_without_a_value_is_refused_not_defaulted(flags, capsys, monkeypatch):
+    """``--address`` with nothing after it must not fall back to the default dashboard (a job could
+    land on a local cluster the user did not mean)."""
+    import launch.submit as submit
+
+    monkeypatch.setattr(submit, "ray_command", lambda: pytest.fail("ray job submit must not run"))
+    monkeypatch.setattr(submit, "probe_auth", lambda *a, **k: pytest.fail("the dashboard must not be probed"))
+    assert main([*flags, "--", "echo", "hi"]) == 2
+    assert capsys.readouterr().err == ("error: --address needs a value: the head's dashboard, e.g. "
+                                       "--address http://HEAD:8265\n")
