@@ -524,11 +524,17 @@ def test_int8_experts_with_many_rows_run_the_bf16_tiles_on_their_dequantized_val
     rows = torch.randn(sum(counts), hidden, generator=gen).to(torch.bfloat16)
     rw = torch.rand(sum(counts), generator=gen)
     few = x[:8], ids[:8], w[:8]  # 24 rows over 6 slots: 4 each
+    threads = torch.get_num_threads()
     for isa in dot_isas:
         kernels.select_isa(isa)
         got = kernels.experts_forward_topk(x, ids, w, packed)
         assert got.shape == (tokens, hidden) and got.dtype == torch.float32
         assert torch.equal(got, kernels.experts_forward_topk(x, ids, w, dequantized)), isa
+        torch.set_num_threads(2)  # each thread its own scratch copies: the same bits
+        try:
+            assert torch.equal(got, kernels.experts_forward_topk(x, ids, w, packed)), isa
+        finally:
+            torch.set_num_threads(threads)
         grouped = kernels.experts_forward(rows, counts, packed, rw, out_fp32=True)
         assert torch.equal(grouped, kernels.experts_forward(rows, counts, dequantized, rw, out_fp32=True)), isa
         small = kernels.experts_forward_topk(*few, packed)
