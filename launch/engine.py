@@ -333,7 +333,7 @@ def step_timeout_s(config: RuntimeConfig) -> float:
 def _load_tokenizer(path):
     from launch.tokenizer import Tokenizer
 
-    if not (path / "tokenizer.json").is_file():
+    if not (path / "tokenizer.json").exists():
         log.warning("%s has no tokenizer.json: prompts must be token ids", path)
         return None
-    return Tokenizer.from_dir(path)
+    return Tokenizer.from_dir(path)  # one that is not a file is its error, not "no tokenizer"

@@ -222,8 +222,10 @@ class Tokenizer:
         ``TokenizerError`` (a ValueError) naming the file for any file that cannot be used."""
         directory = Path(path)
         tok_file = directory / "tokenizer.json"
-        if not tok_file.is_file():
+        if not tok_file.exists():
             raise CheckpointNotFoundError(f"{tok_file} not found: the checkpoint has no tokenizer.json")
+        if not tok_file.is_file():
+            raise TokenizerError(f"{tok_file}: not a file")
         try:
             tok = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as e:  # the library raises a bare Exception for any bad file

@@ -172,6 +172,17 @@ def test_unreadable_tokenizer_config_names_the_file(ckpt, tmp_path):
         Tokenizer.from_dir(d)
 
 
+def test_a_tokenizer_json_that_is_a_directory_is_not_taken_as_missing(tmp_path):
+    """The engine treats an absent tokenizer.json as "prompts are token ids"; one that is there but not
+    a file is the checkpoint's error, named."""
+    from launch.engine import _load_tokenizer
+
+    assert _load_tokenizer(tmp_path) is None  # absent: token ids only
+    (tmp_path / "tokenizer.json").mkdir()
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json: not a file$"):
+        _load_tokenizer(tmp_path)
+
+
 def test_cli_prints_a_broken_tokenizer_as_one_line(ckpt, tmp_path, capsys):
     """``generate`` and ``serve`` on a checkpoint with a broken tokenizer: exit 2, one line naming the file
     (the tokenizer is read before any weights or workers, so this is cheap)."""
