@@ -12,6 +12,10 @@ from __future__ import annotations
 class LoadError(Exception):
     """Base class of every checkpoint-loading error."""
 
+    def __reduce__(self):  # picklable whatever the subclass's __init__ takes (a rank's error crosses Ray
+        # to the driver), with its fields and its message as it stands (the executor rewrites it)
+        return _rebuild, (type(self), self.__dict__, self.args)
+
 
 class CheckpointNotFoundError(LoadError, FileNotFoundError):
     """The path, its safetensors files, or a shard named by the index does not exist."""
@@ -30,10 +34,6 @@ class MissingTensorError(LoadError, ValueError):
         self.tried = list(tried)
         names = ", ".join(repr(t) for t in tried)
         super().__init__(f"{where}: tensor {canonical!r} not found; looked for checkpoint name(s) {names}")
-        self.where = where
-
-    def __reduce__(self):  # picklable (a rank's error crosses Ray to the driver), message as given
-        return _rebuild, (type(self), self.__dict__, self.args)
 
 
 class TensorShapeError(LoadError, ValueError):
@@ -46,15 +46,11 @@ class TensorShapeError(LoadError, ValueError):
         self.found = tuple(found)
         label = canonical if canonical == key else f"{canonical} (checkpoint {key!r})"
         super().__init__(f"{where}: shape mismatch for {label}: expected {list(expected)}, found {list(found)}")
-        self.where = where
-
-    def __reduce__(self):  # picklable, as MissingTensorError
-        return _rebuild, (type(self), self.__dict__, self.args)
 
 
 def _rebuild(cls: type[LoadError], state: dict, args: tuple) -> LoadError:
     """An error of ``cls`` with ``state`` and ``args`` (its message, possibly rewritten since it was
-    raised), without calling its ``__init__``: the unpickling half of ``__reduce__`` above."""
+    raised), without calling its ``__init__``: the unpickling half of ``LoadError.__reduce__``."""
     err = cls.__new__(cls)
     err.__dict__.update(state)
     err.args = args
