@@ -34,7 +34,7 @@ class WorkloadError(ValueError):
     """A workload spec that names nothing loadable, or a file with a malformed line."""
 
 
-def _read_text(path: Path) -> str:
+def read_text_file(path: Path) -> str:
     """The UTF-8 text of ``path`` (a leading byte-order mark dropped); WorkloadError naming the file
     when it is not UTF-8 or cannot be read."""
     try:
@@ -50,7 +50,7 @@ def _read_text(path: Path) -> str:
 
 def _read_jsonl(path: Path) -> list[str]:
     prompts = []
-    for n, line in enumerate(_read_text(path).splitlines(), start=1):
+    for n, line in enumerate(read_text_file(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -71,7 +71,7 @@ def _read_file(path: Path) -> list[str]:
     if path.suffix == ".jsonl":
         prompts = _read_jsonl(path)
     elif path.suffix == ".txt":
-        prompts = [line for line in _read_text(path).splitlines() if line.strip()]
+        prompts = [line for line in read_text_file(path).splitlines() if line.strip()]
     else:
         raise WorkloadError(f"workload file {path}: expected a .jsonl or .txt file")
     if not prompts:

@@ -22,10 +22,9 @@ Prompt = str | tuple[int, ...]
 
 def read_prompt_file(path: Path) -> list[Prompt]:
     """Prompts of a .txt / .jsonl file; ValueError naming the file and line otherwise."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text") from None
+    from launch.workloads import read_text_file  # its WorkloadError is a ValueError
+
+    text = read_text_file(path)
     if path.suffix == ".txt":
         return [line for line in text.splitlines() if line.strip()]
     if path.suffix != ".jsonl":

@@ -170,7 +170,7 @@ def test_a_workload_that_is_not_utf8_is_one_line_naming_it(sweep_args, tmp_path,
     bad = tmp_path / name
     bad.write_bytes(b"\xff\xfehello\n")
     assert runner.main(_workload_args(sweep_args, bad)) == 2
-    assert capsys.readouterr().err.splitlines() == [f"error: {bad}: not UTF-8 text"]
+    assert capsys.readouterr().err.splitlines() == [f"error: {bad}: not UTF-8 text (line 1)"]
     assert not (tmp_path / "out").exists()
 
 
