@@ -76,19 +76,18 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> b
         address = "auto"
     if address is not None:
         target = os.environ.get("RAY_ADDRESS", "") if address == "auto" else address
+        source = "RAY_ADDRESS" if address == "auto" else "the Ray address"
+        fix = "give the head's GCS as HOST:PORT (e.g. HEAD:6379), or unset RAY_ADDRESS for a local cluster"
         if target.startswith(("http://", "https://")):
-            raise ClusterError(f"RAY_ADDRESS {target!r} is a dashboard URL (what `ray job submit` takes), not the "
-                               "cluster's address: give the head's GCS as HOST:PORT (e.g. HEAD:6379), or unset it "
-                               "for a local cluster")
+            raise ClusterError(f"{source} {target!r} is a dashboard URL (what `ray job submit` takes), not the "
+                               f"cluster's address: {fix}")
         check_reachable(target)
         try:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         except ConnectionError as e:  # "auto" with no cluster running here, a refused connection
             raise ClusterError(f"cannot join the Ray cluster at {target or address!r}: {_first_line(e)}") from e
-        except ValueError as e:  # not an address Ray reads (the dashboard's http:// URL, no port, ...)
-            source = "RAY_ADDRESS" if address == "auto" else "the Ray address"
-            raise ClusterError(f"{source} {target!r} is not a Ray cluster address ({_first_line(e)}): give the head's "
-                               "GCS as HOST:PORT (e.g. HEAD:6379), or unset RAY_ADDRESS for a local cluster") from e
+        except ValueError as e:  # not an address Ray reads (no port, a port that is not a number, ...)
+            raise ClusterError(f"{source} {target!r} is not a Ray cluster address ({_first_line(e)}): {fix}") from e
         return False
     ray.init(
         address="local",  # a fresh cluster even when some other `ray start` runs on this machine
