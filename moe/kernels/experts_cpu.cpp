@@ -742,24 +742,6 @@ static inline int64_t dot_row_stride(int64_t k) { return k + 32; }
 // which spread few rows over the threads, and so do steps with fewer than four panels per thread.
 constexpr int64_t GATHER_MIN_ROWS = 1024;
 
-// The two phases over rows xs [N, D] grouped by slot (offsets: P + 1 row offsets): gate/up + SiLU
-// into activations, then down with the routing weight rw[n] (null: 1) and the int8 scale in the
-// epilogue, into out [N, D] (bf16 when bf16_out, else fp32); or, given out_rows ([N] row ids), each
-// row n added into fp32 row out_rows[n] of out (rows ld_out floats apart; 0: D), every output
-// element summing its rows in row order (each thread owns whole column ranges). xs and the
-// activations are bf16 on the dot tiles (dot: Isa::dot_bf16 holds), else fp32. xs's rows are ldx
-// elements apart (0: D); on the dot tiles the activations' rows are dot_row_stride(I) apart.
-//
-// Given first_rows ([N] flags, dot tiles with out_rows only), a flagged row is the first added into its
-// output row (in slot order): stored, not added, so out need not be zeroed (see DotKernelsOf::down_add).
-// Given gather (dot tiles with out_rows only), xs is not the grouped rows but the tokens' rows: row n is
-// row out_rows[n] of xs (bf16, rows D apart), and gate/up runs items (expert, row panel), each
-// gathering its panel into a thread's scratch (dot_row_stride(D) apart, in L2) before it walks every
-// column block (the same panels, block pairs and tiles as items (expert, panel, blocks) give, so the
-// same values). See GATHER_MIN_ROWS.
-// Given sums (dot tiles with bf16_out and no out_rows: fp32 rows ld_sums apart, one per row of out),
-// out's rows are bf16(sums + the bf16 output), the down projection's epilogue adding and rounding
-// (DotKernelsOf::down_final).
 // Mean rows per non-empty slot from which bf16 rows meet int8 experts on the dot tiles, through the
 // experts' bf16 values (dequant_int8: q * scale rounded to bf16, as the PyTorch path multiplies them)
 // made once per call, instead of widening both to fp32 on the FMA tiles. DeepSeek-style experts (D
@@ -800,6 +782,25 @@ static const uint16_t* dequantized(const Isa& isa, int which, uint64_t call, con
   return c.buf.data();
 }
 
+// The two phases over rows xs [N, D] grouped by slot (offsets: P + 1 row offsets): gate/up + SiLU
+// into activations, then down with the routing weight rw[n] (null: 1) and the int8 scale in the
+// epilogue, into out [N, D] (bf16 when bf16_out, else fp32); or, given out_rows ([N] row ids), each
+// row n added into fp32 row out_rows[n] of out (rows ld_out floats apart; 0: D), every output
+// element summing its rows in row order (each thread owns whole column ranges). xs and the
+// activations are bf16 on the dot tiles (dot: experts_on_dot holds; int8 weights are then read
+// through their bf16 copies, the scales in them, not in the epilogue), else fp32. xs's rows are ldx
+// elements apart (0: D); on the dot tiles the activations' rows are dot_row_stride(I) apart.
+//
+// Given first_rows ([N] flags, dot tiles with out_rows only), a flagged row is the first added into its
+// output row (in slot order): stored, not added, so out need not be zeroed (see DotKernelsOf::down_add).
+// Given gather (dot tiles with out_rows only), xs is not the grouped rows but the tokens' rows: row n is
+// row out_rows[n] of xs (bf16, rows D apart), and gate/up runs items (expert, row panel), each
+// gathering its panel into a thread's scratch (dot_row_stride(D) apart, in L2) before it walks every
+// column block (the same panels, block pairs and tiles as items (expert, panel, blocks) give, so the
+// same values). See GATHER_MIN_ROWS.
+// Given sums (dot tiles with bf16_out and no out_rows: fp32 rows ld_sums apart, one per row of out),
+// out's rows are bf16(sums + the bf16 output), the down projection's epilogue adding and rounding
+// (DotKernelsOf::down_final).
 static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& offsets, int64_t D,
                         const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p, const at::Tensor& s2,
                         const float* rw_ptr, bool bf16_out, void* out, const int64_t* out_rows = nullptr,
