@@ -26,8 +26,11 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/python -m launch demo
 
+# The kernel must build here (gcc is on these machines): without it the kernel tests would skip and the
+# suite pass on the PyTorch path alone. `build-kernels` exits 1 with the compiler's first error.
 test: setup
 	$(BIN)/ruff check moe parallel balancer launch tests
+	$(BIN)/python -m launch build-kernels
 	$(BIN)/python -m pytest -q --durations=20
 
 # The inner loop (about a minute): everything but the tests marked slow (engines, ranks, Ray, benchmarks).

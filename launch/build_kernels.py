@@ -27,9 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         directory = kernels.build(verbose=args.verbose)
     except Exception as e:  # compiler missing or failing: say so in one line
-        lines = str(e).strip().splitlines()
-        print(f"error: building the CPU expert kernel failed: {lines[-1] if lines else type(e).__name__}",
-              file=sys.stderr)
+        print(f"error: building the CPU expert kernel failed: {kernels.build_failure(e)}", file=sys.stderr)
         return 1
     isa, rate = kernels.settle_isa()  # the dot rate probed once here, kept for every later process
     dot = f", bf16 dot product at {rate:.2f}x the fp32 FMA rate" if rate else ""

@@ -623,6 +623,17 @@ def _remove_stale_lock(lock: Path) -> None:
         pass
 
 
+def build_failure(e: BaseException) -> str:
+    """One line for a failed ``build``: the compiler's (or assembler's) first error, where its output
+    holds one (the exception's last line is ninja's "build stopped" or a failed load), else that last
+    line."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    for line in lines:
+        if ": error:" in line or ": Error:" in line or ": fatal error:" in line:
+            return line
+    return lines[-1] if lines else type(e).__name__
+
+
 @functools.cache
 def is_available() -> bool:
     """Build/load the extension once per process; False (with one log line) when it cannot be
@@ -632,8 +643,7 @@ def is_available() -> bool:
     try:
         build()
     except Exception as e:  # no compiler, no headers, a read-only cache: the PyTorch path runs instead
-        log.warning("moe.kernels: CPU expert kernel unavailable, using the PyTorch path (%s)",
-                    str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        log.warning("moe.kernels: CPU expert kernel unavailable, using the PyTorch path (%s)", build_failure(e))
         return False
     settle_isa()
     return True

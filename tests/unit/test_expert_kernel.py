@@ -293,6 +293,39 @@ def test_fallback_when_the_extension_cannot_build(monkeypatch: pytest.MonkeyPatc
         kernels.is_available.cache_clear()
 
 
+COMPILER_FAILURE = """Error building extension 'moe_kernels_cpu': [1/2] c++ -c experts_cpu.cpp -o experts_cpu.o
+FAILED: experts_cpu.o
+/src/moe/kernels/experts_cpu.cpp:249:24: warning: AVX vector return without AVX enabled changes the ABI [-Wpsabi]
+/src/moe/kernels/amx_body.h:407:21: error: 'undefined_symbol' was not declared in this scope
+/src/moe/kernels/amx_body.h:409:1: error: expected ';' before '}' token
+ninja: build stopped: subcommand failed.
+"""
+
+
+def test_a_failed_build_is_named_by_the_compilers_first_error() -> None:
+    assert kernels.build_failure(RuntimeError(COMPILER_FAILURE)) == (
+        "/src/moe/kernels/amx_body.h:407:21: error: 'undefined_symbol' was not declared in this scope")
+    assembler = "Error building extension\n/tmp/ccX.s: Assembler messages:\n/src/amx_body.h:111: Error: bad register name\n"
+    assert kernels.build_failure(RuntimeError(assembler)) == "/src/amx_body.h:111: Error: bad register name"
+    no_compiler = "error: command 'c++' failed: No such file or directory"
+    assert kernels.build_failure(OSError(no_compiler)) == no_compiler  # no compiler output: the last line
+    assert kernels.build_failure(OSError()) == "OSError"
+
+
+def test_build_kernels_prints_the_compilers_error_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from launch import build_kernels
+
+    def failing(verbose: bool = False) -> None:
+        raise RuntimeError(COMPILER_FAILURE)
+
+    monkeypatch.setattr(kernels, "build", failing)
+    assert build_kernels.main([]) == 1
+    err = capsys.readouterr().err
+    assert err == ("error: building the CPU expert kernel failed: /src/moe/kernels/amx_body.h:407:21: error: "
+                   "'undefined_symbol' was not declared in this scope\n")
+
+
 def test_kernel_can_be_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOE_CPU_KERNEL", "0")
     kernels.is_available.cache_clear()
