@@ -128,8 +128,10 @@ class ModelConfig:
             for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(self, name) <= 0:
                     raise ValueError(f"MLA needs a positive {name}, got {getattr(self, name)}")
-        if self.qk_rope_head_dim % 2 or self.head_dim % 2:
-            raise ValueError("rotary dims must be even")
+        # rope turns pairs of dims: MLA's rope part (its nope part may be odd), or a GQA head's whole dim
+        rotary = ("qk_rope_head_dim", self.qk_rope_head_dim) if self.attention == "mla" else ("head_dim", self.head_dim)
+        if rotary[1] % 2:
+            raise ValueError(f"{rotary[0]} {rotary[1]} is odd: rotary dims must be even")
         if self.num_experts % self.n_group:
             raise ValueError(f"num_experts {self.num_experts} is not divisible by n_group {self.n_group}")
         if not 1 <= self.topk_group <= self.n_group:

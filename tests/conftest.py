@@ -48,9 +48,9 @@ HF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 # Held-out style variants of the same families: other routing sizes, layouts and rope settings.
 HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "deepseek_v3_top1_halfsplit_bias": ("deepseek_v3", dict(
+    "deepseek_v3_top1_halfsplit_bias": ("deepseek_v3", dict(  # an odd nope part: q/k heads of 23
         rope_interleave=False, num_experts_per_tok=1, n_group=1, topk_group=1, norm_topk_prob=False,
-        attention_bias=True)),
+        attention_bias=True, qk_nope_head_dim=15)),
     "deepseek_v2_yarn_greedy_qlora": ("deepseek_v2", dict(
         topk_method="greedy", n_group=None, topk_group=None, q_lora_rank=16, first_k_dense_replace=0,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32,

@@ -127,6 +127,17 @@ def test_invalid_shapes_raise() -> None:
         ModelConfig.from_hf({k: v for k, v in MIXTRAL_8X7B.items() if k != "hidden_size"})
 
 
+def test_rope_pairs_are_checked_where_rope_turns_them() -> None:
+    """MLA ropes only its qk_rope_head_dim part: an odd nope part (odd q/k head size) is a valid model,
+    as transformers runs it; GQA ropes the whole head."""
+    odd_nope = ModelConfig.from_hf(dict(DEEPSEEK_V2_LITE, qk_nope_head_dim=127))
+    assert (odd_nope.head_dim, odd_nope.qk_rope_head_dim) == (191, 64)
+    with pytest.raises(ValueError, match="qk_rope_head_dim 63 is odd: rotary dims must be even"):
+        ModelConfig.from_hf(dict(DEEPSEEK_V2_LITE, qk_rope_head_dim=63))
+    with pytest.raises(ValueError, match="head_dim 127 is odd: rotary dims must be even"):
+        ModelConfig.from_hf(dict(QWEN3_30B_A3B, head_dim=127))
+
+
 @pytest.mark.parametrize(("top", "kind"), [([1, 2], "a list"), ("x", "a string"), (7, "a number"), (None, "null")])
 def test_config_json_that_is_not_an_object_is_named(tmp_path: Path, top: object, kind: str) -> None:
     path = tmp_path / "config.json"
