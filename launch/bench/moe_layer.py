@@ -276,9 +276,10 @@ def hf_config(shape: Shape | str) -> Any:
                                 vocab_size=1024, num_attention_heads=8, num_key_value_heads=8)
     from transformers import MixtralConfig
 
+    # attention sizes fixed (the layer has none): a head_dim of hidden / 8 would be odd for some hidden sizes
     return MixtralConfig(hidden_size=s.hidden, intermediate_size=s.inter, num_local_experts=s.experts,
                          num_experts_per_tok=s.top_k, num_hidden_layers=1, vocab_size=1024,
-                         num_attention_heads=8, num_key_value_heads=8)
+                         num_attention_heads=8, num_key_value_heads=8, head_dim=128)
 
 
 def build_layers(shape: Shape | str, dtype: torch.dtype, seed: int = 0) -> tuple[nn.Module, nn.Module]:

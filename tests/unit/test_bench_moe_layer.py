@@ -182,6 +182,20 @@ def test_a_custom_grouped_shape_runs_exact_against_transformers_block() -> None:
     assert cells[1].max_abs_diff is not None and cells[1].max_abs_diff < 1e-4
 
 
+@pytest.mark.parametrize("spec", ["mixtral:hidden=40,inter=24,experts=4", "qwen3:hidden=40,inter=24,experts=4,top_k=2",
+                                  "deepseek:hidden=40,inter=24,experts=4,top_k=2"])
+def test_hidden_sizes_whose_eighth_is_odd_build_and_match(spec: str) -> None:
+    """The layer has no attention, but its transformers config does: attention sizes derived from the
+    hidden size (hidden / 8 heads: 5) must not make a valid MoE shape fail the config's checks."""
+    import torch
+
+    ours, hf = moe_layer.build_layers(spec, torch.float32)
+    assert ours.experts.w13.shape == (4, 48, 40)
+    cells = moe_layer.run_shape(spec, [5], ["ours", "transformers"], torch.float32, min_seconds=0.0,
+                                bandwidth=1e10, peak_flops=1e12)
+    assert cells[1].max_abs_diff is not None and cells[1].max_abs_diff < 1e-4
+
+
 def test_model_shapes_come_from_config_json(tmp_path, capsys) -> None:
     import json as _json
 
