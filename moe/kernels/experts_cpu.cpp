@@ -435,6 +435,9 @@ struct DotIsa {
   DownFinalDotFn down_final = nullptr;  // down_bf16's rows added to fp32 sums and rounded (see moe_ffn)
   // (q, scale, nb, K, out): int8 expert blocks as the bf16 blocks the ops above read (dequant_int8_blocks)
   void (*dequant_int8)(const int8_t*, const float*, int64_t, int64_t, uint16_t*) = nullptr;
+  // whether paged_decode takes heads of these (dk, dv) with this many query heads per kv head (null:
+  // any); the others run the FMA path
+  bool (*paged_decode_applies)(int64_t, int64_t, int64_t) = nullptr;
 };
 
 struct Isa {
@@ -545,15 +548,16 @@ static Isa isa_by_name(const std::string& name) {
               "moe_kernels: unknown ISA '", name, "' (expected generic, avx2, avx512, avx512bf16 or amx)");
   TORCH_CHECK(cpu_has(name), "moe_kernels: this CPU does not support ", name);
 #if defined(MOE_HAVE_AMX)
-  if (name == "amx") {  // the FMA decode attention (the dot product's rate is ~0.5x the FMA's on these
-                        // cores); bf16 prefill attention on the tiles
+  if (name == "amx") {  // bf16 prefill and decode attention on the tiles (decode heads of other sizes, and
+                        // fp32, on the FMA path: the dot product's rate is ~0.5x the FMA's on these cores)
     Isa isa = make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("amx");
     using A = amx::AmxKernels;
     isa.wide_panels = true;
     isa.router_split = &amx::router_logits_split;
     isa.paged_prefill = &amx::paged_prefill;
     isa.dot = DotIsa{&A::gate_up, &A::down<float>, &A::down<uint16_t>, &A::down_add, &A::linear<float>,
-                     &A::linear<uint16_t>, nullptr, &A::down_final, &avx512bf16::dequant_int8_blocks};
+                     &A::linear<uint16_t>, &amx::paged_decode_tiles, &A::down_final, &avx512bf16::dequant_int8_blocks,
+                     &amx::decode_tiles_apply};
     return isa;
   }
 #endif
@@ -1230,7 +1234,9 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   if (B == 0 || H == 0) return out;
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   const Isa& isa = current_isa();
-  const bool dot = bf16 && isa.dot.paged_decode != nullptr;  // bf16 queries and cache on the dot product
+  // bf16 queries and cache on the dot product (or the AMX tiles)
+  const bool dot = bf16 && isa.dot.paged_decode != nullptr &&
+                   (isa.dot.paged_decode_applies == nullptr || isa.dot.paged_decode_applies(dk, dv, H / num_kv_heads));
   const at::Tensor qf = dot ? bf16_contiguous(q) : float32_contiguous(q);
   const at::Tensor pc = pool.contiguous();
   const HeadItems items(B, H, num_kv_heads, dot);

@@ -51,9 +51,10 @@ def _random_batch(seed: int, b: int, h: int, q_width: int, pool_shape: tuple[int
 # (sequences, heads, value width C, rope width R, block size, pool blocks): DeepSeek-like widths, then
 # widths that are no multiple of any vector length, more heads than one vector's 16 lanes with an odd
 # key width (C + R = 25), items of three lane chunks (16 + 16 + 8 heads at one or two threads), then
-# a single head, column and block
+# a single head, column and block; last, widths the AMX tiles take (key 96, values 64) with 40 heads
+# (three query blocks, the last part full) over blocks of 5 tokens (value pairs across two blocks)
 CASES = [(3, 16, 256, 32, 16, 40), (5, 7, 20, 6, 4, 30), (2, 20, 21, 4, 4, 30), (4, 40, 20, 6, 4, 30),
-         (1, 1, 3, 1, 2, 9)]
+         (1, 1, 3, 1, 2, 9), (3, 40, 64, 32, 5, 30)]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -400,7 +401,8 @@ def _gqa_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, le
 # (sequences, query heads, kv heads, head dim, block size, pool blocks): GQA, MHA with a head dim no
 # multiple of a vector, groups of 17 query heads (over one vector's 16 lanes) with an odd head dim,
 # MQA with a tiny one
-GQA_CASES = [(3, 8, 2, 64, 16, 40), (2, 6, 6, 20, 4, 30), (2, 34, 2, 15, 4, 30), (4, 4, 1, 8, 2, 20)]
+GQA_CASES = [(3, 8, 2, 64, 16, 40), (2, 6, 6, 20, 4, 30), (2, 34, 2, 15, 4, 30), (4, 4, 1, 8, 2, 20),
+             (3, 16, 2, 64, 16, 40), (2, 24, 1, 32, 5, 30)]  # the last two: 8 and 24 heads a kv head (AMX tiles)
 
 
 @pytest.mark.parametrize("case", GQA_CASES)
@@ -416,6 +418,42 @@ def test_gqa_decode_equals_gather_and_sdpa(kernel_isas: list[str], case: tuple[i
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item(), name
     kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize("op", ["mla", "gqa"])
+def test_bf16_decode_on_amx_runs_the_tiles_where_they_apply(kernel_isas: list[str], op: str) -> None:
+    """On AMX, bf16 decode of 8+ query heads a kv head with tile-sized widths runs on the tiles. Their
+    sums differ from the FMA path's only in order (both close to sdpa: tested above), but tdpbf16ps reads
+    denormal bf16 inputs as zero: a denormal query element (2^-130) against a huge key element (2^127)
+    adds 1/8 to token 0's score on the FMA path and nothing on the tiles, which tells the paths apart.
+    With 4 heads a kv head the FMA path runs: the avx512 instruction set's bits."""
+    if "amx" not in kernel_isas:
+        pytest.skip("no AMX here")
+
+    def run(isa: str, heads: int) -> torch.Tensor:
+        kernels.select_isa(isa)
+        if op == "mla":  # one kv head; the huge element in the rope part (no value column)
+            pool, tables, lens, q = _random_batch(1, 4, heads, 96, (30, 16, 96), torch.bfloat16)
+            col = 64
+        else:  # two kv heads
+            pool, tables, lens, q = _random_batch(1, 4, heads, 64, (30, 16, 2, 2, 64), torch.bfloat16)
+            col = 0
+        q[:, :, col] = 2.0 ** -130
+        key = pool[tables[:, 0], 0]  # every sequence's token 0
+        if op == "mla":
+            key[:, col] = 2.0 ** 127
+        else:
+            key[:, 0, :, col] = 2.0 ** 127
+        pool[tables[:, 0], 0] = key
+        return kernels.mla_decode(q, pool, tables, lens, 64, 1.0) if op == "mla" else kernels.gqa_decode(
+            q, pool, tables, lens, 1.0)
+
+    try:
+        tiles, fma = run("amx", 16), run("avx512", 16)
+        assert torch.isfinite(tiles).all() and (tiles.float() - fma.float()).abs().max().item() > 1e-3
+        assert torch.equal(run("amx", 4 if op == "mla" else 8), run("avx512", 4 if op == "mla" else 8))
+    finally:
+        kernels.select_isa("auto")
 
 
 def test_gqa_decode_rejects_heads_that_do_not_share_kv_heads(kernel_isas: list[str]) -> None:
