@@ -57,6 +57,7 @@ import torch
 from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
+from launch.paths import output_file_problem
 from launch.worker import StepResult
 
 
@@ -230,9 +231,21 @@ def step_bytes(output: SchedulerOutput, result: StepResult, weights: WeightBytes
 
 
 def num_prefill_steps(batch_size: int, context_len: int, max_num_batched_tokens: int) -> int:
-    """Steps the scheduler needs to prefill the batch (sequences prefilled early already decode
-    in the later ones, so they need that many more tokens of headroom)."""
-    return -(-batch_size * context_len // max_num_batched_tokens)
+    """Steps the scheduler needs to prefill the batch. Sequences prefilled early decode in the later
+    steps (so they need that many more tokens of headroom), and their decode tokens come first out of
+    each step's token budget: with thousands of sequences decoding, the rest of the batch prefills
+    from what they leave (a batch near the budget prefills over many more steps than tokens / budget).
+    The scheduler's chunked prefill fills sequences in order; so does this count."""
+    total, budget = batch_size * context_len, max_num_batched_tokens
+    prefilled, steps = 0, 0
+    while prefilled < total:
+        decoding = prefilled // context_len  # whole sequences prefilled by the earlier steps
+        room = budget - decoding
+        if room <= 0:  # not reachable: fewer than batch_size sequences decode while any prefills
+            raise ValueError(f"a budget of {budget} tokens a step cannot prefill {batch_size} sequences")
+        prefilled = min(total, prefilled + room)
+        steps += 1
+    return steps
 
 
 def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context_len: int, steps: int,
@@ -427,6 +440,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--warmup-steps must be >= 0 and --num-threads >= 1")
     if any(b < 1 for b in args.batch_sizes):
         raise ValueError(f"--batch-sizes must all be >= 1, got {args.batch_sizes}")
+    if args.json is not None and (problem := output_file_problem(args.json)) is not None:
+        raise ValueError(f"--json: {problem}")  # now, not after the whole benchmark
 
 
 def build_config(args: argparse.Namespace) -> RuntimeConfig:
@@ -544,5 +559,6 @@ def main(argv: list[str] | None = None) -> int:
                   "matmul_flops_per_s": matmul_flops, "matmul_path": matmul_name,
                   "dense_weight_bytes": weights.dense, "expert_slot_bytes": list(weights.per_slot),
                   "kv_bytes_per_token": kv_per_token, "results": [asdict(r) for r in rows]}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # output_file_problem let a missing one through
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

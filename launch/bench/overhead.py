@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from launch.bench.decode import num_prefill_steps
 from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
@@ -183,8 +184,7 @@ def run_decode(engine: Any, batch_size: int, context_len: int, steps: int, warmu
     mc = engine.model_config
     vocab = [t for t in range(mc.vocab_size) if t not in mc.eos_token_ids]
     rng = random.Random(seed)
-    budget = engine.config.engine.max_num_batched_tokens
-    prefill_steps = -(-batch_size * context_len // budget)
+    prefill_steps = num_prefill_steps(batch_size, context_len, engine.config.engine.max_num_batched_tokens)
     max_steps = 2 * (warmup_steps + steps) + 4 * prefill_steps + 16
     params = dataclasses.replace(sampling or SamplingParams(temperature=0.0), max_tokens=max_steps + 1,
                                  ignore_eos=True)
@@ -331,8 +331,9 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
         args.max_num_seqs = args.batch
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = max(512, args.batch)
-    if args.num_kv_blocks is None:
-        tokens = args.context_len + 2 * (args.warmup_steps + args.steps) + 64
+    if args.num_kv_blocks is None:  # room for what a sequence decodes while the rest of the batch prefills
+        prefill = num_prefill_steps(args.batch, args.context_len, args.max_num_batched_tokens)
+        tokens = args.context_len + 2 * (args.warmup_steps + args.steps) + 4 * prefill + 64
         args.num_kv_blocks = args.batch * -(-tokens // (args.block_size or 16)) + 1
     config = runtime_config_from_args(args)
     if args.stats_overhead and config.parallel.world_size != 1:
@@ -342,7 +343,7 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     # model path, layout, KV budget: before any engine or rank starts
     max_len = check_runtime_config(config).max_model_len
     # a sequence decodes while the rest of the batch prefills, then the warm-up and timed steps
-    prefill_steps = -(-args.batch * args.context_len // config.engine.max_num_batched_tokens)
+    prefill_steps = num_prefill_steps(args.batch, args.context_len, config.engine.max_num_batched_tokens)
     tokens = args.context_len + prefill_steps + args.warmup_steps + args.steps
     if tokens > max_len:
         raise ValueError(f"--context-len {args.context_len} + {tokens - args.context_len} tokens decoded per sequence "
