@@ -270,6 +270,10 @@ def series_main(argv: list[str] | None = None) -> int:
             trace = load_trace(path)
         except ValueError as exc:
             parser.error(str(exc))
+        experts = trace.shape[-1]
+        if experts % args.num_gpus:  # the series places experts + num_gpus replicas, as many on every GPU
+            parser.error(f"--num-gpus {args.num_gpus} does not divide the {experts} experts of {path} (the series "
+                         f"places {experts} + {args.num_gpus} replicas evenly over the GPUs)")
         jobs.append((f"file:{Path(path).name}:ep{args.num_gpus}", lambda t=trace: t, args.num_gpus, len(trace)))
     if not args.no_generated:
         for spec in trace_set(args.full, args.seed or [1]):
@@ -300,5 +304,6 @@ def series_main(argv: list[str] | None = None) -> int:
           f"hindsight {means['hindsight']:.1f} (reference 100); min ours "
           f"{min(r['score']['ours'] for r in rows):.1f}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # output_file_problem let a missing one through
         Path(args.json).write_text(json.dumps({"settings": asdict(settings), "rows": rows, "mean": means}, indent=2))
     return 0

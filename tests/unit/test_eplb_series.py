@@ -122,6 +122,32 @@ def test_series_cli_on_a_dump_prints_the_table_and_json(tmp_path, capsys):
     assert exc.value.code == 2 and "needs more than" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("num_gpus", [None, "5", "32"])
+def test_series_refuses_a_gpu_count_that_does_not_divide_the_experts(tmp_path, capsys, num_gpus):
+    """8 experts over the default 32 GPUs (or 5): the series' placements of experts + GPUs replicas would
+    not spread evenly; one line naming --num-gpus, not the policy's traceback."""
+    from launch.bench.eplb import main
+
+    trace = tmp_path / "mix8.pt"
+    torch.save({"logical_count": torch.ones(1300, 2, 8, dtype=torch.int64)}, trace)
+    flags = ["--series", "--trace", str(trace), "--no-generated", *(["--num-gpus", num_gpus] if num_gpus else [])]
+    with pytest.raises(SystemExit) as exc:
+        main(flags)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--num-gpus" in err and "does not divide the 8 experts" in err
+
+
+def test_series_json_goes_into_a_folder_it_makes(tmp_path, capsys):
+    from launch.bench.eplb import main
+
+    trace = make_trace(TraceSpec("drift", "qwen3-moe", 16, 1300, seed=3, num_layers=2))[:, :, :16]
+    save_file({"logical_count": torch.from_numpy(trace.astype(np.int64))}, str(tmp_path / "d.safetensors"))
+    out = tmp_path / "new" / "series.json"
+    assert main(["--series", "--trace", str(tmp_path / "d.safetensors"), "--num-gpus", "4", "--no-generated",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"]
+
+
 @pytest.mark.slow
 def test_series_default_quick_set_beats_the_reference(capsys):
     from launch.bench.eplb import main
