@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from launch.paths import output_file_problem
+
 if TYPE_CHECKING:
     from launch.tokenizer import Tokenizer
 
@@ -75,11 +77,14 @@ def evaluate(models: dict[str, torch.nn.Module], windows: list[list[int]]) -> di
                    "tokens": s["tokens"]} for name, s in stats.items()}
 
 
-def check_args(model: str, max_tokens: int, texts: list[Path]) -> None:
+def check_args(model: str, max_tokens: int, texts: list[Path], json_path: str | None = None) -> None:
     """ValueError / FileNotFoundError naming the first flag that cannot work, before any model loads:
-    --max-tokens, --model (a directory with config.json and tokenizer.json), the --texts files."""
+    --max-tokens, --json (a writable file path), --model (a directory with config.json and
+    tokenizer.json), the --texts files."""
     from moe.config import ModelConfig
 
+    if json_path is not None and (problem := output_file_problem(json_path)) is not None:
+        raise ValueError(f"--json: {problem}")
     if max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2 (a window scores each token after the first), got {max_tokens}")
     if not Path(model).is_dir():
@@ -119,6 +124,15 @@ def encode_text(tokenizer: Tokenizer, text: Path) -> list[int]:
     return ids
 
 
+def check_token_ids(model: str, token_ids: dict[Path, list[int]], vocab_size: int) -> None:
+    """ValueError naming both numbers when the tokenizer of ``model`` produces an id the embedding
+    (``vocab_size`` rows) has no row for: it would fail as an IndexError deep in the model."""
+    largest, text = max((max(ids), text) for text, ids in token_ids.items())
+    if largest >= vocab_size:
+        raise ValueError(f"--model {model}: its tokenizer gives token id {largest} (in {text}) but config.json's "
+                         f"vocab_size is {vocab_size}: tokenizer and checkpoint do not match")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch bench quantization", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,11 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     texts = [Path(t) for t in args.texts] if args.texts else sorted(DATA_DIR.glob("*.txt"))
     try:
-        check_args(args.model, args.max_tokens, texts)
+        check_args(args.model, args.max_tokens, texts, args.json)
         from launch.tokenizer import Tokenizer
+        from moe.config import ModelConfig
 
         tokenizer = Tokenizer.from_dir(args.model)
         token_ids = {text: encode_text(tokenizer, text) for text in texts}
+        check_token_ids(args.model, token_ids, ModelConfig.from_hf(args.model).vocab_size)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -159,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in per_run.items():
             print(f"{text:>16} {name:>16} {r['tokens']:>7} {r['perplexity']:>11.3f} {r['top1_agreement']:>24.4f}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # check_args found the parents creatable
         Path(args.json).write_text(json.dumps({"model": args.model, "dtype": args.dtype, "results": results},
                                               indent=2) + "\n")
     return 0

@@ -18,7 +18,9 @@ CPU time of this process, two implementations side by side in one run:
 Each setting also compares the tokens both filters keep: the rows whose kept sets differ and
 the most tokens by which one does. Top-p's last kept token can differ where the sort's fp32
 running sum over thousands of sorted probabilities drifts (ours sums in fp64); the command
-fails if any row differs by more than that one token.
+fails if any row differs by more than that one token. A token whose float32 probability is 0
+counts as dropped on either side: it can never be drawn (ours drops such underflowed tokens, the
+sort leaves them finite).
 As in a serving worker, freed heap memory is kept for reuse (``keep_freed_heap_memory``).
 """
 
@@ -37,6 +39,7 @@ import torch
 
 from launch.core.sampler import Sampler, apply_sampling_filters
 from launch.core.sampling_params import SamplingParams
+from launch.paths import output_file_problem
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
@@ -101,6 +104,14 @@ class SortSampler:
         return token_ids
 
 
+def drawable(filtered: torch.Tensor) -> torch.Tensor:
+    """filtered: [B, V] float32 logits with dropped tokens at -inf -> [B, V] bool, the tokens a draw
+    can return: float32 probability > 0. A finite logit far below the row's max underflows to
+    probability 0 and is as unreachable as -inf, so comparing -inf masks alone reports false
+    differences at large logit scales."""
+    return filtered.softmax(dim=-1) > 0
+
+
 def cpu_ms_per_call(fn: Callable[[], Any], min_seconds: float) -> float:
     """CPU milliseconds per call of ``fn``: the best of 3 rounds, each repeating the call until it
     has run ``min_seconds`` of CPU time (one warm-up call first)."""
@@ -133,8 +144,8 @@ def measure(batch: int, vocab: int, setting: str, *, min_seconds: float, logit_s
     sort_ms = cpu_ms_per_call(lambda: sort(logits, params, indices), min_seconds)
     differ = torch.zeros(batch, dtype=torch.int64)
     if not params[0].is_greedy:
-        differ = (torch.isfinite(apply_sampling_filters(logits, params))
-                  ^ torch.isfinite(sort_reference_filters(logits, params))).sum(dim=-1)
+        differ = (drawable(apply_sampling_filters(logits, params))
+                  ^ drawable(sort_reference_filters(logits, params))).sum(dim=-1)
     return {"batch": batch, "vocab": vocab, "setting": setting, "ours_ms": ours_ms, "sort_ms": sort_ms,
             "speedup": sort_ms / ours_ms, "rows_differing": int((differ > 0).sum()),
             "max_tokens_differing": int(differ.max())}
@@ -188,6 +199,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--min-seconds must be a finite number >= 0, got {args.min_seconds}"
     if not (math.isfinite(args.logit_scale) and args.logit_scale > 0):
         return f"--logit-scale must be a finite number > 0, got {args.logit_scale}"
+    if args.json is not None and (problem := output_file_problem(args.json)) is not None:
+        return f"--json: {problem}"
     available = available_memory_bytes()
     vocab = max(args.vocab)
     logits = args.batch * vocab * 4
@@ -219,6 +232,14 @@ def main(argv: list[str] | None = None) -> int:
             for v in args.vocab for s in args.settings]
     print(format_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"batch": args.batch, "num_threads": args.num_threads,
-                                               "logit_scale": args.logit_scale, "rows": rows}, indent=2) + "\n")
-    return 0 if all(r["max_tokens_differing"] <= 1 for r in rows) else 1
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)  # check_args found the parents creatable
+        path.write_text(json.dumps({"batch": args.batch, "num_threads": args.num_threads,
+                                    "logit_scale": args.logit_scale, "rows": rows}, indent=2) + "\n")
+    failed = [r for r in rows if r["max_tokens_differing"] > 1]
+    if failed:
+        cells = ", ".join(f"{r['setting']} at vocab {r['vocab']} ({r['rows_differing']} rows, "
+                          f"<= {r['max_tokens_differing']} tokens)" for r in failed)
+        print(f"error: the two filters' kept sets differ by more than one token: {cells}", file=sys.stderr)
+        return 1
+    return 0

@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
@@ -35,6 +38,7 @@ from launch.bench.serve_client import (
     resolve_target,
     send_request,
 )
+from launch.paths import output_dir_problem, output_file_problem
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
@@ -56,6 +60,8 @@ def sample_random_requests(num_prompts: int, input_len: int, output_len: int, ra
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     if num_prompts < 1 or input_len < 1 or output_len < 1:
         raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
+    if prefix_len < 0:
+        raise ValueError(f"--random-prefix-len must be >= 0, got {prefix_len}")
     rng = np.random.default_rng(seed)
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(avoid_ids, dtype=np.int64))
     if allowed.size == 0:
@@ -109,6 +115,22 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         if slos[name] < 0:
             raise ValueError(f"--goodput value for {name} must be >= 0, got {value}")
     return slos
+
+
+def parse_percentiles(spec: str) -> list[float]:
+    """``"50,90,99"`` -> ``[50.0, 90.0, 99.0]``; ValueError naming ``--metric-percentiles`` for a
+    value that is not a number in [0, 100] (np.percentile's range)."""
+    percentiles = []
+    for item in spec.split(","):
+        try:
+            p = float(item)
+        except ValueError:
+            raise ValueError(f"--metric-percentiles takes comma-separated numbers in [0, 100], got {item.strip()!r}"
+                             ) from None
+        if not (math.isfinite(p) and 0.0 <= p <= 100.0):
+            raise ValueError(f"--metric-percentiles must be in [0, 100], got {item.strip()}")
+        percentiles.append(p)
+    return percentiles
 
 
 def compute_tpot(outcome: RequestOutcome) -> float:
@@ -166,6 +188,18 @@ def compute_metrics(outcomes: list[RequestOutcome], duration_s: float, *, slos_m
     return result
 
 
+def failure_reasons(errors: list[str], limit: int = 3, width: int = 200) -> list[str]:
+    """The ``limit`` most common distinct non-empty ``errors`` as ``"N x reason"`` lines (most
+    frequent first, whitespace collapsed, cut to ``width`` characters), and one line counting the
+    distinct reasons left out."""
+    counts = Counter(" ".join(e.split()) for e in errors if e)
+    lines = [f"{n} x {reason if len(reason) <= width else reason[:width - 3] + '...'}"
+             for reason, n in counts.most_common(limit)]
+    if len(counts) > limit:
+        lines.append(f"... and {len(counts) - limit} other distinct reason(s)")
+    return lines
+
+
 def format_summary(result: dict[str, Any], *, max_concurrency: int | None, request_rate: float,
                    percentiles: list[float], selected: tuple[str, ...] = METRICS) -> str:
     """The table ``vllm bench serve`` prints."""
@@ -198,6 +232,11 @@ def format_summary(result: dict[str, Any], *, max_concurrency: int | None, reque
             word = percentile_word(p)
             row(f"P{word} {short} (ms):", result[f"p{word}_{name}_ms"], "<10.2f")
     lines.append("=" * 50)
+    # the table alone shows only zeros when requests fail: say why they did
+    reasons = failure_reasons(result.get("errors", []))
+    if reasons:
+        lines.append("Failure reasons (requests x reason):")
+        lines.extend(f"  {reason}" for reason in reasons)
     return "\n".join(lines)
 
 
@@ -258,6 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_output(args: argparse.Namespace) -> str | None:
+    """Why the result JSON could not be written at the end (naming the flag), or None; checked
+    before the run so a long benchmark does not end in a write error."""
+    if not (args.save_result or args.result_filename):
+        return None
+    if args.result_dir is not None and (problem := output_dir_problem(args.result_dir)) is not None:
+        return f"--result-dir: {problem}"
+    if args.result_filename is not None:
+        path = Path(args.result_dir or ".") / args.result_filename
+        if (problem := output_file_problem(path)) is not None:
+            return f"--result-filename: {problem}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -266,14 +319,21 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in selected if m not in METRICS]
         if unknown:
             raise ValueError(f"--percentile-metrics: unknown metric(s) {unknown}; choose from {list(METRICS)}")
-        percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+        percentiles = parse_percentiles(args.metric_percentiles)
+        # vLLM's benchmark takes None as unlimited; 0 would hang the semaphore, < 0 crash it
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1 (omit it for no limit), got {args.max_concurrency}")
+        if args.random_prefix_len < 0:
+            raise ValueError(f"--random-prefix-len must be >= 0, got {args.random_prefix_len}")
+        if (problem := check_output(args)) is not None:
+            raise ValueError(problem)
         target, vocab_size, avoid = asyncio.run(resolve_target(args))
         requests = sample_random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                           args.random_range_ratio, vocab_size, prefix_len=args.random_prefix_len,
                                           seed=args.seed, avoid_ids=avoid)
         intervals = arrival_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
     except ValueError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     outcomes, duration = asyncio.run(run_benchmark(target, requests, intervals, max_concurrency=args.max_concurrency,
                                                    show_progress=not args.disable_tqdm))
@@ -283,7 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_result or args.result_filename:
         path = save_result(result, args, target)
         print(f"Saved result to {path}")
-    return 0 if result["completed"] > 0 else 1
+    if result["completed"] == 0:
+        print(f"error: all {result['failed']} requests failed (reasons above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def save_result(result: dict[str, Any], args: argparse.Namespace, target: BenchTarget) -> Path:

@@ -60,10 +60,42 @@ def test_bad_texts_are_named(tiny_ckpt_with_tokenizer, tmp_path, no_models, caps
         assert capsys.readouterr().err == line + "\n"
 
 
+def test_token_ids_beyond_the_vocabulary_are_named(tiny_ckpt_with_tokenizer, tmp_path, no_models, capsys):
+    model = tmp_path / "small-vocab"
+    shutil.copytree(tiny_ckpt_with_tokenizer, model)
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] = 40  # the tokenizer's byte-level ids reach well past 40
+    (model / "config.json").write_text(json.dumps(config))
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, the quick brown fox")
+    assert bench_quantization.main(["--model", str(model), "--texts", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model {model}: its tokenizer gives token id ")
+    assert err.endswith(f" (in {text}) but config.json's vocab_size is 40: tokenizer and checkpoint do not match\n")
+    assert int(err.split("token id ")[1].split()[0]) >= 40
+
+
+def test_check_token_ids_names_the_largest_id():
+    ids = {Path("a.txt"): [1, 7], Path("b.txt"): [3, 12, 2]}
+    bench_quantization.check_token_ids("m", ids, 13)  # ids < 13 fit
+    with pytest.raises(ValueError, match=r"^--model m: its tokenizer gives token id 12 \(in b.txt\) but config.json's "
+                                         r"vocab_size is 12"):
+        bench_quantization.check_token_ids("m", ids, 12)
+
+
+def test_unwritable_json_is_refused_before_any_model_loads(tiny_ckpt_with_tokenizer, tmp_path, no_models, capsys):
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    for path, problem in [(tmp_path, f"{tmp_path} is a directory"), (regular / "q.json", f"{regular} is not a directory"),
+                          ("", "an empty path")]:
+        assert bench_quantization.main(["--model", str(tiny_ckpt_with_tokenizer), "--json", str(path)]) == 2
+        assert capsys.readouterr().err == f"error: --json: {problem}\n"
+
+
 def test_a_tiny_run_scores_every_text(tiny_ckpt_with_tokenizer, tmp_path, capsys):
     text = tmp_path / "short.txt"
     text.write_text(Path(bench_quantization.DATA_DIR, "essays.txt").read_text()[:400])
-    out = tmp_path / "q.json"
+    out = tmp_path / "missing" / "q.json"  # its parent folder is made
     assert bench_quantization.main(["--model", str(tiny_ckpt_with_tokenizer), "--dtype", "float32",
                                     "--max-tokens", "32", "--texts", str(text), "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]

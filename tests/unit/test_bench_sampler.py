@@ -75,5 +75,48 @@ def test_sizes_beyond_the_memory_available_are_refused(monkeypatch, capsys):
         ["--batch", "1280", "--vocab", "262144", "--settings", "greedy", "top-p"]))
 
 
+@pytest.mark.parametrize("setting", ["temperature", "seeded", "min-p", "top-p"])
+def test_tokens_whose_probability_underflows_to_zero_are_not_differences(setting):
+    # at scale 30 most of a row's float32 probabilities are exactly 0: ours drops them, the sort
+    # keeps them finite, and neither can ever draw them
+    row = bench_sampler.measure(32, 16, setting, min_seconds=0.0, logit_scale=30.0)
+    assert row["rows_differing"] == row["max_tokens_differing"] == 0
+
+
+def test_drawable_is_probability_above_zero():
+    filtered = torch.tensor([[0.0, -200.0, float("-inf"), -1.0]])
+    assert bench_sampler.drawable(filtered).tolist() == [[True, False, False, True]]
+
+
+def test_a_failing_kept_set_check_says_why(monkeypatch, capsys):
+    def differ(batch, vocab, setting, **kwargs):
+        return {"batch": batch, "vocab": vocab, "setting": setting, "ours_ms": 1.0, "sort_ms": 2.0, "speedup": 2.0,
+                "rows_differing": 3 if setting == "top-p" else 1, "max_tokens_differing": 4 if setting == "top-p" else 1}
+
+    monkeypatch.setattr(bench_sampler, "measure", differ)
+    assert bench_sampler.main(["--vocab", "64", "--settings", "top-p", "min-p"]) == 1
+    assert capsys.readouterr().err == ("error: the two filters' kept sets differ by more than one token: "
+                                       "top-p at vocab 64 (3 rows, <= 4 tokens)\n")
+    assert bench_sampler.main(["--vocab", "64", "--settings", "min-p"]) == 0  # one token: top-p's fp32 drift
+    assert capsys.readouterr().err == ""
+
+
+def test_unwritable_json_is_refused_before_the_run(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench_sampler, "measure", _refuse)
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    for path, problem in [(tmp_path, f"{tmp_path} is a directory"),
+                          (regular / "out.json", f"{regular} is not a directory"), ("", "an empty path")]:
+        assert bench_sampler.main(["--json", str(path)]) == 2
+        assert capsys.readouterr().err == f"error: --json: {problem}\n"
+
+
+def test_json_parent_folders_are_made(tmp_path):
+    out = tmp_path / "new" / "dir" / "sampler.json"
+    assert bench_sampler.main(["--batch", "2", "--vocab", "16", "--settings", "greedy", "--min-seconds", "0",
+                               "--json", str(out)]) == 0
+    assert [row["setting"] for row in json.loads(out.read_text())["rows"]] == ["greedy"]
+
+
 def _refuse(*args, **kwargs):
     raise AssertionError("the benchmark ran for bad input")

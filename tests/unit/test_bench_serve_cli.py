@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
+from launch.bench import serve as bench_serve
 from launch.bench.serve import main, sample_random_requests
 from launch.server import build_app
 from tests.unit.server_fakes import VOCAB, FakeEngine, ServerThread
@@ -53,7 +56,71 @@ def test_bench_serve_reports_failures_and_bad_flags(capsys):
         rc = main(["--base-url", srv.base_url, "--vocab-size", str(VOCAB), "--num-prompts", "2",
                    "--random-input-len", "32", "--random-output-len", "2", "--disable-tqdm"])
         assert rc == 1
-        assert "Failed requests:" in capsys.readouterr().out
+        printed = capsys.readouterr()
+        assert "Failed requests:" in printed.out
+        assert printed.err == "error: all 2 requests failed (reasons above)\n"
         assert main(["--base-url", srv.base_url, "--num-prompts", "2", "--disable-tqdm"]) == 2
-        assert "--vocab-size" in capsys.readouterr().out
+        printed = capsys.readouterr()
+        assert "--vocab-size" in printed.err and printed.out == ""
         assert main(["--base-url", srv.base_url, "--vocab-size", "9", "--goodput", "nope:1"]) == 2
+
+
+def test_failed_requests_print_their_reasons(capsys):
+    engine = FakeEngine(max_model_len=16)
+    cfg = SimpleNamespace(api_key=None, served_model_name=None, max_queue_len=64, expert_distribution_dir=None)
+    with ServerThread(build_app(engine, cfg)) as srv:
+        common = ["--base-url", srv.base_url, "--vocab-size", str(VOCAB), "--num-prompts", "3",
+                  "--random-output-len", "2", "--disable-tqdm"]
+        assert main([*common, "--random-input-len", "32"]) == 1
+        out = capsys.readouterr().out
+        reasons = out.split("Failure reasons (requests x reason):\n")[1].splitlines()
+        assert len(reasons) == 1 and reasons[0].startswith("  3 x HTTP 400: ")
+        assert "16" in reasons[0]  # the server's reason: the model's length limit
+        assert main([*common, "--random-input-len", "4", "--model", "no-such-model"]) == 1
+        out = capsys.readouterr().out
+        reasons = out.split("Failure reasons (requests x reason):\n")[1].splitlines()
+        assert len(reasons) == 1 and reasons[0].startswith("  3 x HTTP 404: ") and "no-such-model" in reasons[0]
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--metric-percentiles", "101"], "error: --metric-percentiles must be in [0, 100], got 101"),
+    (["--metric-percentiles", "50,-1"], "error: --metric-percentiles must be in [0, 100], got -1"),
+    (["--metric-percentiles", "nan"], "error: --metric-percentiles must be in [0, 100], got nan"),
+    (["--metric-percentiles", "abc"],
+     "error: --metric-percentiles takes comma-separated numbers in [0, 100], got 'abc'"),
+    (["--metric-percentiles", "99,"], "error: --metric-percentiles takes comma-separated numbers in [0, 100], got ''"),
+    (["--random-prefix-len", "-3"], "error: --random-prefix-len must be >= 0, got -3"),
+    (["--max-concurrency", "0"], "error: --max-concurrency must be >= 1 (omit it for no limit), got 0"),
+    (["--max-concurrency", "-2"], "error: --max-concurrency must be >= 1 (omit it for no limit), got -2"),
+])
+def test_bad_flags_are_refused_before_contacting_the_server(monkeypatch, capsys, flags, line):
+    monkeypatch.setattr(bench_serve, "resolve_target", _refuse)
+    assert main(["--vocab-size", "9", "--disable-tqdm", *flags]) == 2
+    printed = capsys.readouterr()
+    assert printed.err == line + "\n" and printed.out == ""
+
+
+def test_unwritable_result_paths_are_refused_up_front(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench_serve, "resolve_target", _refuse)
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    cases = [(["--save-result", "--result-dir", str(regular)], f"error: --result-dir: {regular} exists and is not a directory"),
+             (["--result-dir", str(tmp_path), "--result-filename", "file/r.json"],
+              f"error: --result-filename: {regular} is not a directory"),
+             (["--result-dir", str(tmp_path), "--result-filename", "."],
+              f"error: --result-filename: {tmp_path} is a directory")]
+    for flags, line in cases:
+        assert main(["--vocab-size", "9", "--disable-tqdm", *flags]) == 2
+        assert capsys.readouterr().err == line + "\n"
+    # without --save-result or --result-filename nothing is written, so --result-dir is not checked
+    monkeypatch.setattr(bench_serve, "resolve_target", _no_server)
+    assert main(["--vocab-size", "9", "--result-dir", str(regular)]) == 2
+    assert capsys.readouterr().err == "error: no server\n"
+
+
+async def _refuse(*args, **kwargs):
+    raise AssertionError("the server was contacted for bad input")
+
+
+async def _no_server(*args, **kwargs):
+    raise ValueError("no server")

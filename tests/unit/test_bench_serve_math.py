@@ -11,8 +11,10 @@ from launch.bench.serve import (
     arrival_intervals,
     compute_metrics,
     compute_tpot,
+    failure_reasons,
     format_summary,
     parse_goodput,
+    parse_percentiles,
     sample_random_requests,
     summarize,
 )
@@ -98,6 +100,8 @@ def test_random_dataset_lengths_ids_and_determinism():
     assert [r.prompt_len for r in fixed] == [16] * 3 and [r.output_len for r in fixed] == [8] * 3
     with pytest.raises(ValueError, match="range-ratio"):
         sample_random_requests(3, 16, 8, 1.0, 1000)
+    with pytest.raises(ValueError, match="--random-prefix-len must be >= 0, got -3"):
+        sample_random_requests(3, 16, 8, 0.0, 1000, prefix_len=-3)
 
 
 def test_arrivals_poisson_and_gamma():
@@ -127,3 +131,27 @@ def test_summary_table_has_vllms_rows():
         assert any(line.startswith(row) for line in lines), row
     assert "-----Time per Output Token (excl. 1st token)------" in lines
     assert next(ln for ln in lines if ln.startswith("Mean TTFT")).split()[-1] == "100.00"
+
+
+def test_parse_percentiles():
+    assert parse_percentiles("50,90,99.9") == [50.0, 90.0, 99.9]
+    assert parse_percentiles("0,100") == [0.0, 100.0]
+    for bad in ("101", "-0.5", "abc", "inf", "50,,99"):
+        with pytest.raises(ValueError, match="--metric-percentiles"):
+            parse_percentiles(bad)
+
+
+def test_failure_reasons_most_common_first_with_counts():
+    errors = ["", "HTTP 400: too\n  long", "HTTP 404: no model", "HTTP 400: too long", "", "boom", "x" * 300, "z"]
+    assert failure_reasons(errors, limit=2) == ["2 x HTTP 400: too long", "1 x HTTP 404: no model",
+                                                "... and 3 other distinct reason(s)"]
+    assert failure_reasons(["x" * 300], width=10) == ["1 x xxxxxxx..."]
+    assert failure_reasons(["", ""]) == []
+
+
+def test_summary_lists_failure_reasons_after_the_table():
+    outs = [outcome(0.1, 0.5, [0.1], 2), outcome(0, 0, [], 0, success=False)]
+    outs[1].error = "HTTP 400: prompt too long"
+    r = compute_metrics(outs, 1.0, slos_ms={}, percentiles=[99])
+    lines = format_summary(r, max_concurrency=None, request_rate=float("inf"), percentiles=[99]).splitlines()
+    assert lines[-3:] == ["=" * 50, "Failure reasons (requests x reason):", "  1 x HTTP 400: prompt too long"]
