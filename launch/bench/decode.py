@@ -457,8 +457,8 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     if args.dtype is None:
         args.dtype = "bfloat16"  # the benchmark's default, whatever the checkpoint stores
     biggest = max(args.batch_sizes)
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = max(8192, biggest)
+    if args.max_num_batched_tokens is None:  # room to prefill beside the batch's decode tokens (num_prefill_steps)
+        args.max_num_batched_tokens = max(8192, biggest + 8192)
     if args.max_num_seqs is None:
         args.max_num_seqs = max(biggest, 1)
     config = runtime_config_from_args(args)

@@ -329,8 +329,8 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
         raise ValueError(f"--json: {problem}")  # now, not after the whole benchmark
     if args.max_num_seqs is None:
         args.max_num_seqs = args.batch
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = max(512, args.batch)
+    if args.max_num_batched_tokens is None:  # room to prefill beside the batch's decode tokens (num_prefill_steps)
+        args.max_num_batched_tokens = max(512, args.batch + 512)
     if args.num_kv_blocks is None:  # room for what a sequence decodes while the rest of the batch prefills
         prefill = num_prefill_steps(args.batch, args.context_len, args.max_num_batched_tokens)
         tokens = args.context_len + 2 * (args.warmup_steps + args.steps) + 4 * prefill + 64

@@ -250,7 +250,7 @@ def test_decode_refuses_batches_the_default_memory_budget_cannot_hold(tiny_ckpt,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the engine's CPU default budget, 2GiB
     assert bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "100000"]) == 2
     assert capsys.readouterr().err == (
-        "error: --batch-sizes 100000: 100000 sequences x 283 tokens need 1800000 KV blocks of 16, more than the 503182 "
+        "error: --batch-sizes 100000: 100000 sequences x 485 tokens need 3100000 KV blocks of 16, more than the 503182 "
         "that the engine's default 2GiB x memory_utilization 0.9 holds after the weights: lower the batch size or "
         "--context-len, or raise --memory\n")
 
@@ -268,3 +268,51 @@ def _tiny_config() -> dict:
     from moe.tiny import build_tiny_config
 
     return build_tiny_config("deepseek_v3", size="tiny")
+
+
+def test_baseline_experts_keep_grouped_mm_unless_its_widths_cannot_run(tmp_path):
+    """transformers' default (grouped_mm, its fastest) where PyTorch's grouped GEMM takes the expert
+    widths in the baseline's dtype; its eager loop where a row is not whole 16 bytes."""
+    from tests.conftest import write_hf_checkpoint
+
+    ckpt = write_hf_checkpoint("qwen3_moe", tmp_path / "h64_i36", moe_intermediate_size=36)
+    assert bench_throughput.hf_experts_kwargs(str(ckpt), torch.bfloat16) == {"experts_implementation": "eager"}
+    assert bench_throughput.hf_experts_kwargs(str(ckpt), torch.float32) == {}  # 36 x 4 B = 144 B
+    aligned = write_hf_checkpoint("qwen3_moe", tmp_path / "h64_i32")
+    assert bench_throughput.hf_experts_kwargs(str(aligned), torch.bfloat16) == {}
+
+
+def test_throughput_baseline_runs_a_checkpoint_of_odd_hidden_size(tmp_path):
+    """An odd hidden size: transformers' grouped_mm experts would fail ("strides should be multiple
+    of 16 bytes"); the baseline loads on its eager loop and both sides run."""
+    from tests.conftest import write_hf_checkpoint
+
+    ckpt = write_hf_checkpoint("mixtral", tmp_path / "odd", hidden_size=45, intermediate_size=20,
+                               num_hidden_layers=1)
+    out = tmp_path / "odd.json"
+    assert bench_throughput.main(["--model", str(ckpt), "--num-prompts", "2", "--input-len-range", "2", "4",
+                                  "--output-len-range", "1", "2", "--hf-batch-size", "2", "--num-threads", "1",
+                                  "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["hf_elapsed_time"] > 0 and r["total_output_tokens"] >= 2
+
+
+def test_throughput_checks_json_before_running(tiny_ckpt, tmp_path, no_runs, capsys):
+    (tmp_path / "file.txt").write_text("")
+    for path, problem in ((tmp_path, f"{tmp_path} is a directory"),
+                          (tmp_path / "file.txt" / "out.json", f"{tmp_path / 'file.txt'} is not a directory")):
+        assert bench_throughput.main(["--model", str(tiny_ckpt), "--json", str(path)]) == 2
+        assert capsys.readouterr().err == f"error: --json: {problem}\n"
+
+
+def test_throughput_json_makes_its_missing_parent_folders(tiny_ckpt, tmp_path, monkeypatch):
+    def fake_run(*args, **kwargs):
+        requests = args[1]
+        return bench_throughput.RunResult(1.0, [[5] * r.output_len for r in requests], 1.0)
+
+    monkeypatch.setattr(bench_throughput, "run_ours", fake_run)
+    monkeypatch.setattr(bench_throughput, "run_hf", fake_run)
+    out = tmp_path / "new" / "deeper" / "throughput.json"
+    assert bench_throughput.main(["--model", str(tiny_ckpt), "--num-prompts", "2", "--input-len-range", "2", "3",
+                                  "--output-len-range", "1", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["num_requests"] == 2
