@@ -16,7 +16,9 @@ the spec as given). ``--model`` takes one layer's shape from a DeepSeek-V3, Mixt
 checkpoint's config.json (a directory, the file, or a shipped name such as deepseek-ai/DeepSeek-V3):
 its sizes, expert groups, routed scaling and top-k normalisation, random weights. A shape whose
 weights would not fit the memory available (the layer is held by several implementations at once)
-is refused before anything is built. Implementations:
+is refused before anything is built, and so are ``--tokens`` whose activations (a conservative
+estimate of one cell's: x, the K copies of each row, the intermediate activations, the outputs)
+would not fit beside it. Implementations:
 
 - ``ours``: ``moe.moe_layer.MoELayer`` with the fused CPU expert kernel (``moe.kernels``);
 - ``ours-pytorch``: the same layer on its PyTorch expert path (the kernel switched off);
@@ -30,7 +32,9 @@ is refused before anything is built. Implementations:
 - ``transformers-grouped-mm``: the same block with its experts on transformers' ``grouped_mm``
   implementation, the one transformers 5 picks for a model it builds or loads (the standalone
   block has none and runs the eager loop). Which of the two is faster depends on T: compare
-  against the faster one;
+  against the faster one. Its kernels need D and I to be whole 16-byte rows in the dtype; for a
+  shape where they are not, this cell is not run (a ``# ... not run`` line says why; the JSON lists
+  it under ``not_run``) and the others are;
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` (one process, a gloo group of one) with
   ``drop_tokens=False`` (capacity = the busiest expert's load: dropless) and the same expert
   and router weights; its gate is DeepSpeed's softmax top-k, so the routing (not the amount
@@ -231,15 +235,34 @@ def layer_bytes_needed(shape: Shape, dtype: torch.dtype, impls: Sequence[str]) -
     return shape.parameters() * (4 + copies * size + int8)
 
 
+def activation_bytes_needed(shape: Shape, tokens: int, dtype: torch.dtype, impls: Sequence[str]) -> int:
+    """A conservative bound on what one cell at ``tokens`` (T) holds beyond the weights: x (drawn in
+    float32, then cast) and ours' float32 reference output [T, D]; the call's router scores [T, E],
+    the K copies of each row [T K, D], their gate/up and SwiGLU activations [T K, 2I] and [T K, I],
+    the down GEMM's rows [T K, D] and the shared expert's [T, 3 I_s], each counted twice in float32
+    (paths accumulate in it, and transformers' keeps a reordered copy); the output and the diff's
+    float32 copies [T, D]. With ``deepspeed`` its dropless dispatch too: capacity is the busiest
+    expert's load, up to T rows for every expert ([E, T, D] in and out, [E, T, 3I] inside)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    t, d, i, k, e = tokens, shape.hidden, shape.inter, shape.top_k, shape.experts
+    inputs = t * d * (4 + size + 4)
+    call = 2 * 4 * (t * k * (2 * d + 3 * i) + t * (e + 3 * i * shape.shared))
+    outputs = 3 * 4 * t * d
+    dispatch = e * t * (2 * d + 3 * i) * size if "deepspeed" in impls else 0
+    return inputs + call + outputs + dispatch
+
+
 def memory_refusal(shapes: Sequence[Shape], dtype: torch.dtype, impls: Sequence[str],
-                   device: torch.device) -> str | None:
+                   device: torch.device, tokens: Sequence[int] = ()) -> str | None:
     """Why the first of ``shapes`` that would not fit cannot run (host memory: the layers are built
-    there; on CUDA also the device's free memory), or None when all fit."""
+    there; on CUDA also the device's free memory), or None when all fit: its weights, and with
+    ``tokens`` the activations of a cell at the largest T (``activation_bytes_needed``) on top."""
     from moe.kv_cache import available_memory_bytes
 
     host = available_memory_bytes()
     gpu = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     size = torch.empty((), dtype=dtype).element_size()
+    t = max(tokens, default=0)
     for s in shapes:
         fix = f"give smaller sizes ({s.family}:experts=...,hidden=...,inter=...)"
         need = layer_bytes_needed(s, dtype, impls)
@@ -251,7 +274,43 @@ def memory_refusal(shapes: Sequence[Shape], dtype: torch.dtype, impls: Sequence[
         if gpu is not None and on_gpu > gpu:
             return (f"{s.label}: one layer of these sizes needs about {on_gpu / 2**30:.1f} GiB on {device} (held by "
                     f"each implementation), more than its {gpu / 2**30:.1f} GiB free: {fix}")
+        acts = activation_bytes_needed(s, t, dtype, impls)
+        # x is drawn on the host and every cell's tensors live on the device: both must hold them
+        for where, free, held in (("host memory", host, need), (str(device), gpu, on_gpu)):
+            if free is not None and held + acts > free:
+                return _activation_refusal(s, t, acts, where, free, held, dtype, impls)
     return None
+
+
+def _activation_refusal(s: Shape, t: int, acts: int, where: str, free: int, held: int, dtype: torch.dtype,
+                        impls: Sequence[str]) -> str:
+    per_token = max(activation_bytes_needed(s, 1, dtype, impls), 1)  # linear in T
+    fit = (free - held) // per_token
+    fix = (f"give fewer --tokens (up to about {fit} fit)" if fit >= 1
+           else f"give smaller sizes ({s.family}:experts=...,hidden=...,inter=...)")
+    return (f"{s.label}: T={t} needs about {acts / 2**30:.1f} GiB of {where} for one cell's activations (x, the K "
+            f"copies of each row, the intermediate activations, the outputs; a conservative estimate) on top of "
+            f"{held / 2**30:.1f} GiB of weights, more than the {free / 2**30:.1f} GiB available: {fix}")
+
+
+def grouped_mm_width_problem(hidden: int, inter: int, dtype: torch.dtype) -> str | None:
+    """Why PyTorch's grouped GEMM, which transformers' ``grouped_mm`` experts run on, cannot take
+    experts of hidden size ``hidden`` (D) and intermediate size ``inter`` (I) in ``dtype``, or None
+    when it can: its kernels need every row they read or write (D, 2I and I elements) to be a whole
+    number of 16-byte units, the rule ``moe.experts.library_grouped_mm`` applies to ours."""
+    size = torch.empty((), dtype=dtype).element_size()
+    bad = [f"{name} {n} x {size} B = {n * size} B" for name, n in (("hidden", hidden), ("inter", inter))
+           if n * size % 16]
+    if not bad:
+        return None
+    return f"grouped_mm needs rows of whole 16 bytes; {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not"
+
+
+def cells_not_run(shape: Shape, impls: Sequence[str], dtype: torch.dtype) -> dict[str, str]:
+    """impl -> why it cannot run ``shape`` in ``dtype`` (the other cells still run), for the ``impls``
+    asked for."""
+    why = grouped_mm_width_problem(shape.hidden, shape.inter, dtype)
+    return {"transformers-grouped-mm": why} if why and "transformers-grouped-mm" in impls else {}
 
 
 def hf_config(shape: Shape | str) -> Any:
@@ -582,6 +641,10 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
               device: torch.device | None = None, label_width: int = 9) -> list[Cell]:
     device = device or torch.device("cpu")
     shape = as_shape(shape)
+    not_run = cells_not_run(shape, impls, dtype)
+    for impl, why in not_run.items():
+        print(f"# {shape.label}: {impl} not run: {why}", flush=True)
+    impls = [impl for impl in impls if impl not in not_run]
     ours, hf = build_layers(shape, dtype)
     ours, hf = ours.to(device), hf.to(device)
     fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -705,7 +768,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is available here", file=sys.stderr)
         return 2
-    too_large = memory_refusal(shapes, dtype, args.impls, device)
+    for s in shapes:
+        if (not_run := cells_not_run(s, args.impls, dtype)) and set(not_run) == set(args.impls):
+            impl, why = next(iter(not_run.items()))
+            print(f"error: --impls {impl}: {s.label}: {why}", file=sys.stderr)
+            return 2
+    too_large = memory_refusal(shapes, dtype, args.impls, device, args.tokens)
     if too_large:
         print(f"error: {too_large}", file=sys.stderr)
         return 2
@@ -751,11 +819,15 @@ def main(argv: list[str] | None = None) -> int:
                                 device, width)]
     print("\n".join(speedups(cells)))
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)  # output_file_problem accepted missing parents
+        out.write_text(json.dumps({
             "dtype": args.dtype, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "num_threads": args.num_threads, "isa": isa, "bf16_dot_rate": dot_rate,
             "cold_weights": evict is not None, "read_bandwidth_bytes_per_s": bandwidth,
             "peak_flops_per_s": peak, "shapes": [asdict(s) for s in shapes],
-            "cells": [asdict(c) for c in cells]}, indent=2) + "\n")
+            "cells": [asdict(c) for c in cells],
+            "not_run": [{"shape": s.label, "impl": impl, "reason": why} for s in shapes
+                        for impl, why in cells_not_run(s, args.impls, dtype).items()]}, indent=2) + "\n")
     return 0

@@ -15,7 +15,9 @@ untimed warm-up call, and run in this one process, one after the other. transfor
 in ours' dtype unless ``--hf-dtype`` names another: on CPUs without native bf16 GEMMs its bf16
 matmuls run at ~1 GFLOP/s, so its fastest choice for a bf16 checkpoint is float32 there
 (``--dtype bfloat16 --hf-dtype float32`` compares each side at its fastest; the greedy
-agreement then also measures the two dtypes' rounding, not only the runtimes).
+agreement then also measures the two dtypes' rounding, not only the runtimes). transformers' experts
+run on its default, ``grouped_mm``, except for a checkpoint whose expert widths PyTorch's grouped GEMM
+cannot take in that dtype (hidden or expert intermediate size not whole 16-byte rows): its eager loop.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams
 from launch.core.scheduler import request_kv_tokens
+from launch.paths import output_file_problem
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ def run_hf(model_path: str, requests: Sequence[BenchRequest], batch_size: int, d
 
     if batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {batch_size}")
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                              **hf_experts_kwargs(model_path, dtype))
     model.eval()
     model.generation_config.eos_token_id = None  # ignore_eos: every batch runs its full length
     batches = [list(requests[i: i + batch_size]) for i in range(0, len(requests), batch_size)]
@@ -142,6 +146,19 @@ def run_hf(model_path: str, requests: Sequence[BenchRequest], batch_size: int, d
     if short:
         raise RuntimeError(f"transformers stopped early for requests {short[:5]} (an EOS it was not told to ignore?)")
     return RunResult(elapsed, [out[: r.output_len] for r, out in zip(requests, outputs)], cpu)
+
+
+def hf_experts_kwargs(model_path: str, dtype: torch.dtype) -> dict[str, str]:
+    """``from_pretrained`` arguments for the baseline's experts: none (transformers' default,
+    ``grouped_mm``, its fastest) unless PyTorch's grouped GEMM cannot run the checkpoint's expert
+    widths in ``dtype`` (``moe_layer.grouped_mm_width_problem``), then its eager loop."""
+    from launch.bench.moe_layer import grouped_mm_width_problem
+    from moe.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(model_path, strict=False)
+    if grouped_mm_width_problem(cfg.hidden_size, cfg.moe_intermediate_size, dtype) is None:
+        return {}
+    return {"experts_implementation": "eager"}
 
 
 def _hf_batch(model: Any, batch: Sequence[BenchRequest], new_tokens: int, pad_token_id: int) -> list[list[int]]:
@@ -243,10 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> tuple[RuntimeConfig, Any]:
     """The runtime config and the model's ``moe.config.ModelConfig``, after every check that needs no
     weights: the flags, what the engine would refuse (``check_runtime_config``: model path, layout,
-    KV budget), and the request lengths against the engine's max_model_len and KV pool. Raises
+    KV budget), the request lengths against the engine's max_model_len and KV pool, and that
+    ``--json`` can be written (``launch.paths.output_file_problem``). Raises
     ConfigError, ValueError or FileNotFoundError naming the problem."""
     from launch.engine import check_runtime_config
 
+    if args.json and (problem := output_file_problem(args.json)) is not None:
+        raise ValueError(f"--json: {problem}")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
     if args.baseline == "hf" and args.hf_batch_size < 1:
@@ -300,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                        output_len_range=args.output_len_range)
     print(format_report(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)  # check_args accepted missing parents
+        out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
-__all__ = ["BenchRequest", "RunResult", "agreement", "main", "run_hf", "run_ours", "sample_requests", "summarize"]
+__all__ = ["BenchRequest", "RunResult", "agreement", "hf_experts_kwargs", "main", "run_hf", "run_ours",
+           "sample_requests", "summarize"]

@@ -281,3 +281,97 @@ def test_the_int8_cell_is_the_same_layer_with_int8_experts(capsys) -> None:
     # bytes: the shared expert and router stay, the routed experts' drop from 2 bytes a weight to 1
     assert 0.45 < by[(1, "ours-int8")].roofline_ms / by[(1, "ours")].roofline_ms < 0.8
     assert 0 < by[(64, "ours-int8")].max_abs_diff < 0.1
+
+
+@pytest.mark.parametrize("hidden, inter, dtype_name", [(45, 20, "bfloat16"), (64, 36, "bfloat16"), (48, 20, "bfloat16"),
+                                                        (64, 32, "bfloat16"), (64, 36, "float32"), (45, 20, "float32")])
+def test_grouped_mm_width_rule_matches_pytorchs_grouped_gemm(hidden: int, inter: int, dtype_name: str) -> None:
+    """The rule is the kernel's: PyTorch's grouped GEMM runs both projections exactly where
+    ``grouped_mm_width_problem`` finds none."""
+    import torch
+    import torch.nn.functional as F
+
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        pytest.skip("this torch has no grouped GEMM")
+    dtype = moe_layer.DTYPES[dtype_name]
+    problem = moe_layer.grouped_mm_width_problem(hidden, inter, dtype)
+    offs = torch.tensor([2, 4, 6], dtype=torch.int32)
+    try:
+        fn(torch.randn(6, hidden).to(dtype), torch.randn(3, 2 * inter, hidden).to(dtype).transpose(-2, -1), offs=offs)
+        fn(torch.randn(6, inter).to(dtype), torch.randn(3, hidden, inter).to(dtype).transpose(-2, -1), offs=offs)
+        ran = True
+    except RuntimeError as e:
+        assert "16 bytes" in str(e)
+        ran = False
+    assert ran == (problem is None), problem
+
+
+def test_a_shape_grouped_mm_cannot_run_leaves_out_only_that_cell(capsys) -> None:
+    import torch
+
+    spec = "deepseek:hidden=45,experts=4,top_k=2,inter=20"
+    cells = moe_layer.run_shape(spec, [3], ["ours", "transformers", "transformers-grouped-mm", "dense-gemm"],
+                                torch.bfloat16, min_seconds=0.0, bandwidth=1e10, peak_flops=1e12)
+    assert [c.impl for c in cells] == ["ours", "transformers", "dense-gemm"]
+    (note,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")]
+    assert note == (f"# {spec}: transformers-grouped-mm not run: grouped_mm needs rows of whole 16 bytes; "
+                    "hidden 45 x 2 B = 90 B and inter 20 x 2 B = 40 B are not")
+    # in fp32 the same widths are whole 16-byte rows (45 x 4 B is not: hidden alone is named)
+    assert moe_layer.cells_not_run(moe_layer.parse_shape(spec), ["transformers-grouped-mm"], torch.float32) == {
+        "transformers-grouped-mm": "grouped_mm needs rows of whole 16 bytes; hidden 45 x 4 B = 180 B is not"}
+
+
+def test_asking_only_for_a_grouped_mm_cell_it_cannot_run_is_a_one_line_error(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(moe_layer, "build_layers", lambda *a, **k: pytest.fail("built a layer"))
+    spec = "mixtral:hidden=64,experts=4,inter=36"
+    assert moe_layer.main(["--shapes", spec, "--tokens", "1", "--impls", "transformers-grouped-mm"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (f"error: --impls transformers-grouped-mm: {spec}: grouped_mm needs rows of "
+                                         "whole 16 bytes; inter 36 x 2 B = 72 B is not\n")
+
+
+def test_tokens_whose_activations_would_not_fit_are_refused_before_building(monkeypatch, capsys) -> None:
+    import torch
+
+    s = moe_layer.parse_shape("mixtral:hidden=64,experts=4,inter=32")
+    one = moe_layer.activation_bytes_needed(s, 1, torch.bfloat16, ["ours"])
+    # at least x, the K copies of each row through both GEMMs and the output, per token
+    assert one >= 2 * (64 + 2 * (2 * 64 + 3 * 32) + 64)
+    assert moe_layer.activation_bytes_needed(s, 1000, torch.bfloat16, ["ours"]) == 1000 * one
+    assert moe_layer.activation_bytes_needed(s, 1, torch.bfloat16, ["ours", "deepspeed"]) > one
+    monkeypatch.setattr(moe_layer, "build_layers", lambda *a, **k: pytest.fail("built a layer"))
+    assert moe_layer.main(["--shapes", "mixtral:hidden=64,experts=4,inter=32", "--tokens", "1", "100000000",
+                           "--warm-cache", "--impls", "ours"]) == 2
+    out = capsys.readouterr()
+    (line,) = out.err.splitlines()
+    assert out.out == "" and line.startswith("error: mixtral:hidden=64,experts=4,inter=32: T=100000000 needs about ")
+    assert "GiB of host memory for one cell's activations" in line and "give fewer --tokens (up to about" in line
+
+
+def test_activations_count_against_the_devices_free_memory_too(monkeypatch) -> None:
+    import torch
+
+    from moe import kv_cache
+
+    s = moe_layer.parse_shape("mixtral:hidden=64,experts=4,inter=32")
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda *a: 1 << 50)
+    on_gpu = s.parameters() * 2 * 2  # bf16, ours and transformers' block
+    acts = moe_layer.activation_bytes_needed(s, 4096, torch.bfloat16, ["ours", "transformers"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (on_gpu + acts, 1 << 40))
+    cuda = torch.device("cuda")
+    assert moe_layer.memory_refusal([s], torch.bfloat16, ["ours", "transformers"], cuda, [1, 4096]) is None
+    why = moe_layer.memory_refusal([s], torch.bfloat16, ["ours", "transformers"], cuda, [4097])
+    assert why is not None and why.startswith(f"{s.label}: T=4097 needs about") and "of cuda for one cell's" in why
+
+
+def test_json_makes_its_missing_parent_folders(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(moe_layer, "measure_read_bandwidth", lambda **k: 1e10)
+    monkeypatch.setattr(moe_layer, "measure_peak_flops", lambda *a, **k: 1e12)
+    out = tmp_path / "new" / "deeper" / "cells.json"
+    assert moe_layer.main(["--shapes", "mixtral:hidden=64,experts=4,inter=36", "--tokens", "2", "--impls", "ours",
+                           "transformers-grouped-mm", "--min-seconds", "0", "--warm-cache", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [c["impl"] for c in report["cells"]] == ["ours"]
+    assert report["not_run"] == [{"shape": "mixtral:hidden=64,experts=4,inter=36", "impl": "transformers-grouped-mm",
+                                  "reason": "grouped_mm needs rows of whole 16 bytes; inter 36 x 2 B = 72 B is not"}]
