@@ -118,7 +118,7 @@ def test_series_cli_on_a_dump_prints_the_table_and_json(tmp_path, capsys):
     short = tmp_path / "short.pt"
     torch.save({"logical_count": torch.ones(100, 2, 16, dtype=torch.int64)}, short)
     with pytest.raises(SystemExit) as exc:
-        main(["--series", "--trace", str(short), "--no-generated"])
+        main(["--series", "--trace", str(short), "--no-generated", "--num-gpus", "4"])
     assert exc.value.code == 2 and "needs more than" in capsys.readouterr().err
 
 
