@@ -21,6 +21,15 @@ def output_file_problem(path: str | os.PathLike[str]) -> str | None:
     return _creatable(p.parent)
 
 
+def write_output_file(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path``, making the missing parents ``output_file_problem`` accepted. Returns
+    the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
+
+
 def output_dir_problem(path: str | os.PathLike[str]) -> str | None:
     """Why ``path`` cannot be used as an output directory (the reason, naming it), or None: not empty,
     a writable directory or creatable under one."""

@@ -35,7 +35,7 @@ import numpy as np
 from launch.config import ConfigError, load_runtime_config
 from launch.hardware import deployment_from_config, load_hardware, model_raw_config, stored_weight_dtype
 from launch.kvcalc import model_runtime_config
-from launch.paths import output_file_problem
+from launch.paths import output_file_problem, write_output_file
 from moe.config import ModelConfig
 from parallel.costmodel import Deployment, Hardware, predict_point
 from parallel.costmodel.search import SLO, Candidate, search_layouts
@@ -282,7 +282,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_search(report, args.top) if args.search else format_config_report(report))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_output_file(args.json, json.dumps(report, indent=2) + "\n")
     return 0

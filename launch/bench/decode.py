@@ -49,7 +49,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +56,7 @@ import torch
 from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
-from launch.paths import output_file_problem
+from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
 
 
@@ -559,6 +558,5 @@ def main(argv: list[str] | None = None) -> int:
                   "matmul_flops_per_s": matmul_flops, "matmul_path": matmul_name,
                   "dense_weight_bytes": weights.dense, "expert_slot_bytes": list(weights.per_slot),
                   "kv_bytes_per_token": kv_per_token, "results": [asdict(r) for r in rows]}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # output_file_problem let a missing one through
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_output_file(args.json, json.dumps(result, indent=2) + "\n")
     return 0

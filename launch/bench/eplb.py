@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from balancer import compute_move_plan, predict, rebalance_experts
-from launch.paths import output_file_problem
+from launch.paths import output_file_problem, write_output_file
 
 
 @dataclass(frozen=True)
@@ -215,10 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean balancedness ours {mean_ours:.4f} vs reference {mean_ref:.4f}; "
           f"copies moved ours {moved[0]} vs reference {moved[1]} ({moved[0] / max(moved[1], 1):.0%})")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # output_file_problem let a missing one through
-        Path(args.json).write_text(json.dumps({"reference": ref_name, "drift": args.drift, "seed": args.seed,
-                                               "scenarios": [asdict(SCENARIOS[r["scenario"]]) for r in rows],
-                                               "rows": rows}, indent=2))
+        write_output_file(args.json, json.dumps({"reference": ref_name, "drift": args.drift, "seed": args.seed,
+                                                 "scenarios": [asdict(SCENARIOS[r["scenario"]]) for r in rows],
+                                                 "rows": rows}, indent=2))
     return 0
 
 

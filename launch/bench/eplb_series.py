@@ -36,7 +36,7 @@ from tqdm import tqdm
 from balancer import compute_par, rebalance_experts, rebalance_from_history
 from balancer.history import LINK_BYTES_PER_S, SLOT_BYTES, full_horizon
 from launch.bench.eplb_traces import KINDS, TraceSpec, load_trace, make_trace
-from launch.paths import output_file_problem
+from launch.paths import output_file_problem, write_output_file
 
 PAR_SECONDS = 60.0
 POLICY_NAMES = ("ours", "reference", "fixed-hl", "hindsight")
@@ -304,6 +304,5 @@ def series_main(argv: list[str] | None = None) -> int:
           f"hindsight {means['hindsight']:.1f} (reference 100); min ours "
           f"{min(r['score']['ours'] for r in rows):.1f}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # output_file_problem let a missing one through
-        Path(args.json).write_text(json.dumps({"settings": asdict(settings), "rows": rows, "mean": means}, indent=2))
+        write_output_file(args.json, json.dumps({"settings": asdict(settings), "rows": rows, "mean": means}, indent=2))
     return 0

@@ -88,7 +88,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launch.paths import output_file_problem
+from launch.paths import output_file_problem, write_output_file
 from parallel.costmodel.microbench import best_call_seconds
 
 SHAPES = {
@@ -819,9 +819,7 @@ def main(argv: list[str] | None = None) -> int:
                                 device, width)]
     print("\n".join(speedups(cells)))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)  # output_file_problem accepted missing parents
-        out.write_text(json.dumps({
+        write_output_file(args.json, json.dumps({
             "dtype": args.dtype, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "num_threads": args.num_threads, "isa": isa, "bf16_dot_rate": dot_rate,

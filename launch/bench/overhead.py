@@ -51,7 +51,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,7 +59,7 @@ from launch.bench.decode import num_prefill_steps
 from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
-from launch.paths import output_file_problem
+from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
 
 STEP_FIELDS = ("step_ms", "execute_ms", "worker_ms", "scheduler_ms", "overhead_ms", "transport_ms", "other_ms",
@@ -527,6 +526,5 @@ def main(argv: list[str] | None = None) -> int:
         first = result["runs"][0]
         result.update(rebalance_steps_skipped=first["rebalance_steps_skipped"], summary=first["summary"],
                       timings=first["timings"], stats_overhead=first["stats_overhead"])
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(without_nan(result), indent=2) + "\n")
+        write_output_file(args.json, json.dumps(without_nan(result), indent=2) + "\n")
     return 0

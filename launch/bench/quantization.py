@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from launch.paths import output_file_problem
+from launch.paths import output_file_problem, write_output_file
 
 if TYPE_CHECKING:
     from launch.tokenizer import Tokenizer
@@ -175,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in per_run.items():
             print(f"{text:>16} {name:>16} {r['tokens']:>7} {r['perplexity']:>11.3f} {r['top1_agreement']:>24.4f}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # check_args found the parents creatable
-        Path(args.json).write_text(json.dumps({"model": args.model, "dtype": args.dtype, "results": results},
-                                              indent=2) + "\n")
+        write_output_file(args.json, json.dumps({"model": args.model, "dtype": args.dtype, "results": results},
+                                                indent=2) + "\n")
     return 0

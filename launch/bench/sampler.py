@@ -32,14 +32,13 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from launch.core.sampler import Sampler, apply_sampling_filters
 from launch.core.sampling_params import SamplingParams
-from launch.paths import output_file_problem
+from launch.paths import output_file_problem, write_output_file
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
@@ -232,10 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             for v in args.vocab for s in args.settings]
     print(format_table(rows))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)  # check_args found the parents creatable
-        path.write_text(json.dumps({"batch": args.batch, "num_threads": args.num_threads,
-                                    "logit_scale": args.logit_scale, "rows": rows}, indent=2) + "\n")
+        write_output_file(args.json, json.dumps({"batch": args.batch, "num_threads": args.num_threads,
+                                                 "logit_scale": args.logit_scale, "rows": rows}, indent=2) + "\n")
     failed = [r for r in rows if r["max_tokens_differing"] > 1]
     if failed:
         cells = ", ".join(f"{r['setting']} at vocab {r['vocab']} ({r['rows_differing']} rows, "

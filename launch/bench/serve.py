@@ -38,7 +38,7 @@ from launch.bench.serve_client import (
     resolve_target,
     send_request,
 )
-from launch.paths import output_dir_problem, output_file_problem
+from launch.paths import output_dir_problem, output_file_problem, write_output_file
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
@@ -357,7 +357,4 @@ def save_result(result: dict[str, Any], args: argparse.Namespace, target: BenchT
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, **result}
     name = args.result_filename or (f"openai-{args.request_rate}qps-concurrency{args.max_concurrency}-"
                                     f"{os.path.basename(target.model.rstrip('/'))}-{record['date']}.json")
-    path = Path(args.result_dir or ".") / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2))
-    return path
+    return write_output_file(Path(args.result_dir or ".") / name, json.dumps(record, indent=2))

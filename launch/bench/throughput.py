@@ -29,7 +29,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams
 from launch.core.scheduler import request_kv_tokens
-from launch.paths import output_file_problem
+from launch.paths import output_file_problem, write_output_file
 
 
 @dataclass(frozen=True)
@@ -320,9 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                        output_len_range=args.output_len_range)
     print(format_report(result))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)  # check_args accepted missing parents
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_output_file(args.json, json.dumps(result, indent=2) + "\n")
     return 0
 
 
