@@ -240,7 +240,7 @@ def num_prefill_steps(batch_size: int, context_len: int, max_num_batched_tokens:
     while prefilled < total:
         decoding = prefilled // context_len  # whole sequences prefilled by the earlier steps
         room = budget - decoding
-        if room <= 0:  # not reachable: fewer than batch_size sequences decode while any prefills
+        if room <= 0:  # a budget below the batch (bench overhead sizes its pool with this before its checks)
             raise ValueError(f"a budget of {budget} tokens a step cannot prefill {batch_size} sequences")
         prefilled = min(total, prefilled + room)
         steps += 1
