@@ -81,6 +81,12 @@ def grouped_expert_forward(
     return out
 
 
+def grouped_mm_row_fits(n: int, element_size: int) -> bool:
+    """Whether PyTorch's grouped GEMM can read or write rows of ``n`` elements of ``element_size``
+    bytes: its kernels need whole 16-byte units."""
+    return n * element_size % 16 == 0
+
+
 def library_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, device_types: tuple[str, ...] = ("cuda",)
                        ) -> Callable[..., torch.Tensor] | None:
     """PyTorch's grouped GEMM (``torch.nn.functional.grouped_mm``, else ``torch._grouped_mm``) when
@@ -97,7 +103,7 @@ def library_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, 
         return None
     if not (x.dtype == w13.dtype == w2.dtype == torch.bfloat16) or x.dim() != 2 or w13.dim() != 3 or not x.shape[0]:
         return None
-    if any(n % 8 for n in (x.shape[1], w13.shape[1], w2.shape[-1])):
+    if not all(grouped_mm_row_fits(n, x.element_size()) for n in (x.shape[1], w13.shape[1], w2.shape[-1])):
         return None
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
         return None

@@ -297,10 +297,12 @@ def grouped_mm_width_problem(hidden: int, inter: int, dtype: torch.dtype) -> str
     """Why PyTorch's grouped GEMM, which transformers' ``grouped_mm`` experts run on, cannot take
     experts of hidden size ``hidden`` (D) and intermediate size ``inter`` (I) in ``dtype``, or None
     when it can: its kernels need every row they read or write (D, 2I and I elements) to be a whole
-    number of 16-byte units, the rule ``moe.experts.library_grouped_mm`` applies to ours."""
+    number of 16-byte units (``moe.experts.grouped_mm_row_fits``, the rule ours applies too)."""
+    from moe.experts import grouped_mm_row_fits
+
     size = torch.empty((), dtype=dtype).element_size()
     bad = [f"{name} {n} x {size} B = {n * size} B" for name, n in (("hidden", hidden), ("inter", inter))
-           if n * size % 16]
+           if not grouped_mm_row_fits(n, size)]
     if not bad:
         return None
     return f"grouped_mm needs rows of whole 16 bytes; {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not"
