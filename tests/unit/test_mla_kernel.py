@@ -108,14 +108,17 @@ def test_mla_decode_spreads_heads_over_threads_at_batch_one(kernel_isas: list[st
     assert (results[0] - _reference(q, pool, tables, lens, 32, 0.2)).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("width", [80, 96])  # 96 = 64 + 32: the sizes the AMX tiles take (dk % 32 == 0)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_at_batch_one_is_the_same_for_any_thread_count(kernel_isas: list[str], dtype: torch.dtype) -> None:
+def test_mla_decode_at_batch_one_is_the_same_for_any_thread_count(kernel_isas: list[str], dtype: torch.dtype,
+                                                                  width: int) -> None:
     """One thread keeps 16 query heads in one item on the dot path (one score pass) where more
-    threads split them: the same bits either way, on every ISA and dtype."""
+    threads split them (2 threads: two items of 8, 3: items of 6, 6 and 4): the same bits either
+    way, on every ISA and dtype."""
     gen = torch.Generator().manual_seed(2)
-    pool = (torch.randn(12, 16, 80, generator=gen) * 0.3).to(dtype)
+    pool = (torch.randn(12, 16, width, generator=gen) * 0.3).to(dtype)
     tables, lens = torch.tensor([[3, 1, 6, 9, 0, 11, 2, 5, 4]]), torch.tensor([134])
-    q = (torch.randn(1, 16, 80, generator=gen) * 0.3).to(dtype)
+    q = (torch.randn(1, 16, width, generator=gen) * 0.3).to(dtype)
     threads = torch.get_num_threads()
     try:
         for name in kernel_isas:
