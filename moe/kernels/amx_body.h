@@ -258,6 +258,29 @@ static inline void softmax_bf16_row(float* s, int64_t n, float scale, uint16_t* 
                                  std::min<int64_t>(16, n - t));
 }
 
+// Values into tdpbf16ps' B operand over token pairs: blocks of 16 columns, [L' / 2][16 columns][2]
+// (vblock elements apart), token pair (t, t + 1)'s row at dst + (t / 2) * 32: the two tokens' columns
+// interleaved. Tokens [t_lo, L) come from their pool rows (token u at pool + (table[u / S] * S + u % S)
+// * stride), the rest of pairs [t_lo / 2, Lp / 2) are zeros; dv may end in a partial block (its missing
+// columns zero).
+static void pack_value_pairs(const uint16_t* pool, int64_t S, int64_t stride, const int64_t* table, int64_t t_lo,
+                             int64_t L, int64_t Lp, int64_t dv, uint16_t* dst, int64_t vblock) {
+  alignas(64) int16_t order[32];
+  for (int c = 0; c < 16; ++c) order[2 * c] = static_cast<int16_t>(c), order[2 * c + 1] = static_cast<int16_t>(32 + c);
+  const __m512i pairs = _mm512_load_si512(order);
+  auto row = [&](int64_t u) { return u >= t_lo && u < L ? pool + (table[u / S] * S + u % S) * stride : nullptr; };
+  for (int64_t t = t_lo / 2 * 2; t < Lp; t += 2) {
+    const uint16_t* v0 = row(t);
+    const uint16_t* v1 = row(t + 1);
+    for (int64_t c = 0; c < dv; c += 16) {
+      const __mmask16 live = dv - c >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (dv - c)) - 1);
+      const __m512i a = v0 ? _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(live, v0 + c)) : _mm512_setzero_si512();
+      const __m512i b = v1 ? _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(live, v1 + c)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + (c / 16) * vblock + t * 16, _mm512_permutex2var_epi16(a, pairs, b));
+    }
+  }
+}
+
 // Prefill attention of bf16 rows on the tiles: paged_prefill_item's contract (attention_body.h) for a
 // bf16 pool and queries, with the same roundings (scores rounded to bf16, the fp32 softmax of each
 // row over exactly the keys it sees, probabilities rounded to bf16, outputs rounded once), the
@@ -304,10 +327,6 @@ static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int6
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
   const __m512i kidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(16));
-  // a value row's 16 columns into the even (odd) bf16 lanes of its token pair's 64-byte row
-  alignas(64) int16_t spread[32];
-  for (int c = 0; c < 32; ++c) spread[c] = static_cast<int16_t>(c / 2);
-  const __m512i vidx = _mm512_load_si512(spread);
   for (int64_t blk = first / S; blk * S < L; ++blk) {
     const int64_t t_begin = std::max(first, blk * S), t_end = std::min(L, blk * S + S);
     const uint16_t* base = pool + table[blk] * S * stride;
@@ -319,7 +338,6 @@ static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int6
     for (int64_t t = t_begin; t < t_end; ++t) {
       const uint16_t* row = base + (t - blk * S) * stride;
       const uint16_t* k = row + head.k_off;
-      const uint16_t* v = row + head.v_off;
       if (shared.dim > 0) {  // the key's two parts side by side
         std::memcpy(held.key.data(), k, own * sizeof(uint16_t));
         std::memcpy(held.key.data() + own, part + (table[blk] * S + t - blk * S) * shared.dim,
@@ -333,17 +351,9 @@ static void paged_prefill_tiles(const uint16_t* q, int64_t ldq, int64_t hh, int6
         const __mmask32 live = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << left) - 1);
         _mm512_i32scatter_epi32(kd + s * 8, kidx, _mm512_maskz_loadu_epi16(live, k + s), 4);
       }
-      uint16_t* vd = vp + (t / 2) * 32;
-      const __mmask32 lanes = (t % 2 ? 0xAAAAAAAAu : 0x55555555u);
-      for (int64_t c = 0; c < dv; c += 16) {
-        const int64_t left = std::min<int64_t>(16, dv - c);
-        const __mmask32 live = static_cast<__mmask32>((uint64_t{1} << left) - 1);
-        const __mmask32 cols = static_cast<__mmask32>((uint64_t{1} << (2 * left)) - 1);
-        _mm512_mask_storeu_epi16(vd + (c / 16) * vblock, lanes & cols,
-                                 _mm512_permutexvar_epi16(vidx, _mm512_maskz_loadu_epi16(live, v + c)));
-      }
     }
   }
+  pack_value_pairs(pool + head.v_off, S, stride, table, first, L, Lp, dv, vp, vblock);
   for (int64_t h = 0; h < hh; ++h)
     for (int64_t r0 = 0; r0 < nq; r0 += 32) {
       const int64_t nr = std::min<int64_t>(32, nq - r0), p0 = pos0 + r0;
@@ -480,21 +490,8 @@ static void paged_decode_tiles(const uint16_t* q, int64_t hh, const uint16_t* po
       }
   }
   for (int64_t h = 0; h < hh; ++h) std::fill(pb + h * ldp + L, pb + h * ldp + Lp, uint16_t{0});
-  // values -> B blocks [Lp / 2][16 columns][2]: token pair (t, t + 1) interleaved, zero past L
-  alignas(64) int16_t order[32];
-  for (int c = 0; c < 16; ++c) order[2 * c] = static_cast<int16_t>(c), order[2 * c + 1] = static_cast<int16_t>(32 + c);
-  const __m512i pairs = _mm512_load_si512(order);
-  for (int64_t t = 0; t < Lp; t += 2) {
-    const uint16_t* v0 = t < L ? pool + (table[t / S] * S + t % S) * stride + head.v_off : nullptr;
-    const uint16_t* v1 = t + 1 < L ? pool + (table[(t + 1) / S] * S + (t + 1) % S) * stride + head.v_off : nullptr;
-    for (int64_t c = 0; c < dv; c += 16) {
-      const __m512i a = v0 ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c)))
-                           : _mm512_setzero_si512();
-      const __m512i b = v1 ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c)))
-                           : _mm512_setzero_si512();
-      _mm512_storeu_si512(vp + (c / 16) * vblock + t * 16, _mm512_permutex2var_epi16(a, pairs, b));
-    }
-  }
+  // values -> B blocks [Lp / 2][16 columns][2], zero past L
+  pack_value_pairs(pool + head.v_off, S, stride, table, 0, L, Lp, dv, vp, vblock);
   // pass 3: o [hh][dv] = P [hh][Lp] x the value blocks
   AmxTiles::over_rows(pb, hh, Lp, vp, static_cast<int>(dv / 16), vblock, [&](int64_t r, int j, const float* acc) {
     avx512bf16::store_bf16_lanes(o + r * dv + 16 * j, _mm512_loadu_ps(acc), 16);
