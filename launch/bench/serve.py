@@ -48,6 +48,20 @@ METRIC_TITLES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time
 # ---------------------------------------------------------------- dataset and arrivals
 
 
+def random_flags_problem(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
+                         prefix_len: int) -> str | None:
+    """What is wrong with the random dataset's flags (one line naming the flag), or None."""
+    if not 0.0 <= range_ratio < 1.0:
+        return f"--random-range-ratio must be in [0, 1), got {range_ratio}"
+    for flag, value in (("--num-prompts", num_prompts), ("--random-input-len", input_len),
+                        ("--random-output-len", output_len)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if prefix_len < 0:
+        return f"--random-prefix-len must be >= 0, got {prefix_len}"
+    return None
+
+
 def sample_random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
                            vocab_size: int, *, prefix_len: int = 0, seed: int = 0,
                            avoid_ids: tuple[int, ...] = ()) -> list[RequestInput]:
@@ -56,12 +70,8 @@ def sample_random_requests(num_prompts: int, input_len: int, output_len: int, ra
     Lengths: input ~ U{floor(input_len*(1-r)), ceil(input_len*(1+r))}, likewise output (>= 1).
     Token ids are drawn from ``[0, vocab_size)`` minus ``avoid_ids`` (EOS/BOS).
     """
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
-    if num_prompts < 1 or input_len < 1 or output_len < 1:
-        raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
-    if prefix_len < 0:
-        raise ValueError(f"--random-prefix-len must be >= 0, got {prefix_len}")
+    if (problem := random_flags_problem(num_prompts, input_len, output_len, range_ratio, prefix_len)) is not None:
+        raise ValueError(problem)
     rng = np.random.default_rng(seed)
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(avoid_ids, dtype=np.int64))
     if allowed.size == 0:
@@ -323,8 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM's benchmark takes None as unlimited; 0 would hang the semaphore, < 0 crash it
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1 (omit it for no limit), got {args.max_concurrency}")
-        if args.random_prefix_len < 0:
-            raise ValueError(f"--random-prefix-len must be >= 0, got {args.random_prefix_len}")
+        # before the server is asked for its model and vocabulary
+        if (problem := random_flags_problem(args.num_prompts, args.random_input_len, args.random_output_len,
+                                            args.random_range_ratio, args.random_prefix_len)) is not None:
+            raise ValueError(problem)
         if (problem := check_output(args)) is not None:
             raise ValueError(problem)
         target, vocab_size, avoid = asyncio.run(resolve_target(args))

@@ -90,6 +90,9 @@ def test_failed_requests_print_their_reasons(capsys):
      "error: --metric-percentiles takes comma-separated numbers in [0, 100], got 'abc'"),
     (["--metric-percentiles", "99,"], "error: --metric-percentiles takes comma-separated numbers in [0, 100], got ''"),
     (["--random-prefix-len", "-3"], "error: --random-prefix-len must be >= 0, got -3"),
+    (["--random-range-ratio", "1"], "error: --random-range-ratio must be in [0, 1), got 1.0"),
+    (["--num-prompts", "0"], "error: --num-prompts must be >= 1, got 0"),
+    (["--random-output-len", "-1"], "error: --random-output-len must be >= 1, got -1"),
     (["--max-concurrency", "0"], "error: --max-concurrency must be >= 1 (omit it for no limit), got 0"),
     (["--max-concurrency", "-2"], "error: --max-concurrency must be >= 1 (omit it for no limit), got -2"),
 ])
