@@ -196,3 +196,13 @@ def test_an_unwritable_json_path_is_refused_before_the_engine_starts(tiny_ckpt, 
         assert bench_overhead.main(["--model", str(tiny_ckpt), "--json", str(target)]) == 2
         captured = capsys.readouterr()
         assert captured.err == f"error: --json: {problem}\n" and captured.out == ""
+
+
+def test_a_batch_above_max_num_seqs_or_the_token_budget_is_refused_before_the_engine_starts(
+        tiny_ckpt, capsys, monkeypatch) -> None:
+    import launch.engine
+
+    monkeypatch.setattr(launch.engine.LLMEngine, "__init__", lambda *a, **k: pytest.fail("the engine started"))
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens"):
+        assert bench_overhead.main(["--model", str(tiny_ckpt), "--batch", "5", flag, "2"]) == 2
+        assert capsys.readouterr().err == f"error: {flag} 2 < --batch 5: the batch could never decode in one step\n"
