@@ -94,10 +94,13 @@ def is_available(cmd: Command) -> bool:
         return False
 
 
-def format_help() -> str:
-    lines = ["usage: python -m launch <command> [args...]", "", "commands:"]
-    width = max(len(n) for n in COMMANDS) + 2
-    for name in sorted(COMMANDS):
+def format_help(group: str | None = None) -> str:
+    """The command list; with ``group`` (e.g. "bench"), only that group's commands."""
+    names = sorted(n for n in COMMANDS if group is None or n.startswith(group + " "))
+    usage = f"{group} <command>" if group is not None else "<command>"
+    lines = [f"usage: python -m launch {usage} [args...]", "", "commands:"]
+    width = max(len(n) for n in names) + 2
+    for name in names:
         cmd = COMMANDS[name]
         mark = "" if is_available(cmd) else "  [not available: module missing]"
         lines.append(f"  {name:<{width}}{cmd.help}{mark}")
@@ -168,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(format_help())
         return 0 if argv else EXIT_USAGE
+    if len(argv) >= 2 and argv[1] in ("-h", "--help", "help") and argv[0] not in COMMANDS \
+            and any(n.startswith(argv[0] + " ") for n in COMMANDS):  # `bench --help`: the group's commands
+        print(format_help(argv[0]))
+        return 0
     try:
         cmd, rest = resolve(argv)
     except LookupError as e:

@@ -146,6 +146,14 @@ def test_unknown_and_unavailable_commands(monkeypatch, capsys):
     assert "has no function no_such_function()" in capsys.readouterr().err
 
 
+def test_a_command_groups_help_lists_its_commands(capsys):
+    for flag in ("--help", "-h", "help"):
+        assert cli.main(["bench", flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: python -m launch bench <command>")
+        assert "bench decode" in out and "bench moe-layer" in out and "make-tiny" not in out
+
+
 def test_resolution_prefers_two_word_commands_and_passes_the_rest(monkeypatch):
     seen = []
     monkeypatch.setattr(cli, "load", lambda cmd: lambda argv: seen.append((cmd.name, argv)) or 3)
