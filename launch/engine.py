@@ -64,12 +64,19 @@ def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_
         return int(e.num_kv_blocks)
     memory = e.memory or (f"{torch.cuda.get_device_properties(0).total_memory}" if torch.cuda.is_available()
                           else DEFAULT_CPU_MEMORY)
-    sizing = compute_kv_sizing(
-        model_config, memory_bytes=memory, kv_cache_dtype=e.kv_cache_dtype,
-        dtype_bytes=torch.finfo(DTYPES[resolve_dtype(e.dtype, model_config)]).bits // 8,
-        memory_utilization=e.memory_utilization,
-        max_model_len=max_model_len, tensor_parallel_size=config.parallel.tensor_parallel_size,
-    )
+    try:
+        sizing = compute_kv_sizing(
+            model_config, memory_bytes=memory, kv_cache_dtype=e.kv_cache_dtype,
+            dtype_bytes=torch.finfo(DTYPES[resolve_dtype(e.dtype, model_config)]).bits // 8,
+            memory_utilization=e.memory_utilization,
+            max_model_len=max_model_len, tensor_parallel_size=config.parallel.tensor_parallel_size,
+        )
+    except ValueError as err:  # the budget nobody gave: say where it came from and what raises it
+        if e.memory is not None or not str(err).startswith("no room for the KV cache"):
+            raise
+        source = "this GPU's memory" if torch.cuda.is_available() else f"the CPU default {DEFAULT_CPU_MEMORY}"
+        raise ValueError(f"{err} ({source}, as no memory budget was given: give one with --memory, e.g. "
+                         "--memory 8GiB, or engine.memory)") from None
     ceiling = -(-e.max_num_seqs * max_model_len // e.block_size) + 1
     return max(1, min(sizing.num_blocks(e.block_size), ceiling))
 

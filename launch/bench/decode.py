@@ -12,7 +12,8 @@ A decode step must at least read, once each: every dense weight (attention, dens
 shared experts, routers, norms, lm_head; of the embedding only the B rows looked up), the
 routed experts the batch's tokens actually touch (distinct physical slots with load > 0 in
 that step, per MoE layer, counted from the worker's per-step slot load), and the KV entries
-of every sequence's context (context_len x the cache's bytes per token, all layers).
+of every sequence's context (context_len x the cache's bytes per token, all layers; with a
+sliding window w, min(context_len, w) tokens: the keys it attends to).
 ``bound_ms`` = those bytes / the copy bandwidth measured in this run (a large tensor copy,
 read + write bytes / time, best of a few); ``ratio`` = measured step / bound (1.0 would
 be running at the memory-bandwidth limit). Large batches are compute-bound instead:
@@ -206,17 +207,26 @@ def attention_flops_per_key(config: Any) -> int:
     return 2 * config.num_hidden_layers * config.num_attention_heads * width
 
 
-def step_flops(output: SchedulerOutput, weights: WeightBytes, top_k: int, flops_per_key: int) -> int:
+def attended_keys(context_len: int, sliding_window: int | None) -> int:
+    """Keys a decode query at the end of a ``context_len``-token context attends to: all of them,
+    or with a sliding window w the last w (``moe.layers.paged``: blocks wholly before the window
+    are not read)."""
+    return context_len if sliding_window is None else min(context_len, sliding_window)
+
+
+def step_flops(output: SchedulerOutput, weights: WeightBytes, top_k: int, flops_per_key: int,
+               sliding_window: int | None = None) -> int:
     """Multiply-add FLOPs of one decode step: every token through the dense weights and its
-    top-k experts per MoE layer, plus attention over its context."""
+    top-k experts per MoE layer, plus attention over its context (its window's keys)."""
     seqs = output.batches[0].seqs
     per_token = weights.dense_params + top_k * sum(weights.slot_params)
-    return 2 * len(seqs) * per_token + flops_per_key * sum(s.context_len for s in seqs)
+    return 2 * len(seqs) * per_token + flops_per_key * sum(attended_keys(s.context_len, sliding_window) for s in seqs)
 
 
 def step_bytes(output: SchedulerOutput, result: StepResult, weights: WeightBytes,
-               kv_bytes_per_token: int) -> tuple[int, int, float]:
-    """(weight bytes, KV bytes, mean distinct slots touched per MoE layer) of one decode step.
+               kv_bytes_per_token: int, sliding_window: int | None = None) -> tuple[int, int, float]:
+    """(weight bytes, KV bytes, mean distinct slots touched per MoE layer) of one decode step; with
+    a ``sliding_window`` each sequence's KV is only its window's entries.
     result.slot_load: [L_moe, P] int64 assignments per physical slot this step."""
     seqs = output.batches[0].seqs
     touched = [0] * len(weights.per_slot)
@@ -225,7 +235,7 @@ def step_bytes(output: SchedulerOutput, result: StepResult, weights: WeightBytes
             raise RuntimeError("the worker returned no slot load: cannot count touched experts")
         touched = (result.slot_load > 0).sum(dim=1).tolist()
     weight = weights.dense + len(seqs) * weights.embed_row + sum(n * b for n, b in zip(touched, weights.per_slot))
-    kv = sum(s.context_len for s in seqs) * kv_bytes_per_token
+    kv = sum(attended_keys(s.context_len, sliding_window) for s in seqs) * kv_bytes_per_token
     return weight, kv, sum(touched) / max(len(touched), 1)
 
 
@@ -315,11 +325,12 @@ def _step_with_fused_off(engine: Any, recorder: RecordingExecutor, set_fused: Ca
 
 def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightBytes, kv_bytes_per_token: int,
                     bandwidth: float, *, top_k: int = 0, flops_per_key: int = 0,
-                    matmul_flops: float = 0.0) -> DecodeResult:
+                    matmul_flops: float = 0.0, sliding_window: int | None = None) -> DecodeResult:
     """Medians of the timed steps against the bandwidth bound (and, given the matmul rate,
-    the compute bound: step FLOPs / ``matmul_flops``)."""
-    per_step = [step_bytes(out, res, weights, kv_bytes_per_token) for _, _, out, res in timed]
-    flops = statistics.mean(step_flops(out, weights, top_k, flops_per_key) for _, _, out, _ in timed)
+    the compute bound: step FLOPs / ``matmul_flops``); ``sliding_window``: the model's attention
+    window (KV read and attended per sequence: at most that many tokens)."""
+    per_step = [step_bytes(out, res, weights, kv_bytes_per_token, sliding_window) for _, _, out, res in timed]
+    flops = statistics.mean(step_flops(out, weights, top_k, flops_per_key, sliding_window) for _, _, out, _ in timed)
     weight = round(statistics.mean(w for w, _, _ in per_step))
     kv = round(statistics.mean(k for _, k, _ in per_step))
     step_s = statistics.median(wall for wall, _, _, _ in timed)
@@ -539,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
                               vocab=vocab, seed=config.engine.seed + b, breakdown=breakdown, fused_off=fused_off,
                               set_fused=worker.model.set_fused_ops)
             row = summarize_batch(b, timed, weights, kv_per_token, bandwidth, top_k=mc.num_experts_per_tok,
-                                  flops_per_key=attention_flops_per_key(mc), matmul_flops=matmul_flops)
+                                  flops_per_key=attention_flops_per_key(mc), matmul_flops=matmul_flops,
+                                  sliding_window=mc.sliding_window)
             off_ms = statistics.median(fused_off) * 1e3 if fused_off else 0.0
             rows.append(replace(row, breakdown_ms=breakdown or {}, fused_off_cpu_ms=off_ms))
     except (ValueError, RuntimeError) as e:  # e.g. a batch that never decoded together: one line, as bench overhead

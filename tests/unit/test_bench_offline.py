@@ -316,3 +316,32 @@ def test_throughput_json_makes_its_missing_parent_folders(tiny_ckpt, tmp_path, m
     assert bench_throughput.main(["--model", str(tiny_ckpt), "--num-prompts", "2", "--input-len-range", "2", "3",
                                   "--output-len-range", "1", "2", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["num_requests"] == 2
+
+
+def test_weights_past_the_default_memory_budget_name_the_flag_that_raises_it(tiny_ckpt, no_engine, monkeypatch,
+                                                                              capsys):
+    import launch.engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(launch.engine, "DEFAULT_CPU_MEMORY", "1KiB")  # the tiny weights stand in for a large model's
+    assert bench_decode.main(["--model", str(tiny_ckpt), "--copy-mib", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no room for the KV cache: the weights take ") and err.endswith(
+        "on top (the CPU default 1KiB, as no memory budget was given: give one with --memory, e.g. --memory 8GiB, "
+        "or engine.memory)\n")
+    assert bench_decode.main(["--model", str(tiny_ckpt), "--copy-mib", "1", "--memory", "1KiB"]) == 2
+    assert capsys.readouterr().err.endswith("KV needs 240 B per token (all layers) on top\n")  # the budget given
+
+
+def test_a_sliding_window_caps_the_kv_read_and_attended_per_sequence():
+    from types import SimpleNamespace
+
+    from launch.worker import StepResult
+
+    output = SimpleNamespace(batches=[SimpleNamespace(seqs=[SimpleNamespace(context_len=n) for n in (10, 1500)])])
+    result = StepResult(sampled=None, slot_load=torch.tensor([[1, 0, 2]]))
+    weights = bench_decode.WeightBytes(dense=1000, embed_row=10, per_slot=(100,), dense_params=500, slot_params=(50,))
+    assert bench_decode.step_bytes(output, result, weights, 4) == (1000 + 2 * 10 + 2 * 100, 1510 * 4, 2.0)
+    assert bench_decode.step_bytes(output, result, weights, 4, 64) == (1220, (10 + 64) * 4, 2.0)  # 64 of the 1500
+    assert bench_decode.step_flops(output, weights, 2, 3) == 2 * 2 * (500 + 2 * 50) + 3 * 1510
+    assert bench_decode.step_flops(output, weights, 2, 3, 64) == 2 * 2 * (500 + 2 * 50) + 3 * (10 + 64)
