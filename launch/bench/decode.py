@@ -446,8 +446,10 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("context_len", "steps", "copy_mib"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup_steps < 0 or args.num_threads is not None and args.num_threads < 1:
-        raise ValueError("--warmup-steps must be >= 0 and --num-threads >= 1")
+    if args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
     if any(b < 1 for b in args.batch_sizes):
         raise ValueError(f"--batch-sizes must all be >= 1, got {args.batch_sizes}")
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:

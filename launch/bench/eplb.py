@@ -192,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="timing repeats (best is reported)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if not args.drift >= 0 or args.repeats < 1:  # not >=: NaN too
-        parser.error("--drift must be >= 0 and --repeats >= 1")
+    if not args.drift >= 0:  # not >=: NaN too
+        parser.error(f"--drift must be >= 0, got {args.drift}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.json and (problem := output_file_problem(args.json)) is not None:
         parser.error(f"--json: {problem}")
     torch.set_num_threads(1)

@@ -260,8 +260,9 @@ def series_main(argv: list[str] | None = None) -> int:
         parser.error("--num-gpus must be positive")
     if args.json and (problem := output_file_problem(args.json)) is not None:
         parser.error(f"--json: {problem}")
-    if args.check_interval <= 0 or args.full_interval <= 0:
-        parser.error("--check-interval and --full-interval must be positive")
+    for flag, value in (("--check-interval", args.check_interval), ("--full-interval", args.full_interval)):
+        if value <= 0:
+            parser.error(f"{flag} must be positive, got {value}")
     torch.set_num_threads(1)
     settings = SeriesSettings(ours_interval=args.check_interval, ours_full_interval=args.full_interval)
     jobs: list[tuple[str, Callable[[], np.ndarray], int, int]] = []

@@ -748,9 +748,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if any(t < 1 for t in args.tokens) or args.num_threads < 1 or args.min_seconds < 0:
-        print("error: --tokens and --num-threads must be >= 1, --min-seconds >= 0", file=sys.stderr)
-        return 2
+    for flag, bad in (("--tokens", next((t for t in args.tokens if t < 1), None)),
+                      ("--num-threads", args.num_threads if args.num_threads < 1 else None),
+                      ("--min-seconds", args.min_seconds if not args.min_seconds >= 0 else None)):
+        if bad is not None:
+            print(f"error: {flag} must be >= {0 if flag == '--min-seconds' else 1}, got {bad}", file=sys.stderr)
+            return 2
     if args.json and (problem := output_file_problem(args.json)) is not None:
         print(f"error: --json: {problem}", file=sys.stderr)
         return 2

@@ -322,8 +322,10 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     for name in ("batch", "context_len", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup_steps < 0 or args.num_threads is not None and args.num_threads < 1:
-        raise ValueError("--warmup-steps must be >= 0 and --num-threads >= 1")
+    if args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         raise ValueError(f"--json: {problem}")  # now, not after the whole benchmark
     if args.max_num_seqs is None:
