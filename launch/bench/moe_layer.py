@@ -764,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
     except ShapeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if len(set(args.impls)) < len(args.impls):
+        print(f"error: --impls names an implementation twice: {' '.join(args.impls)}", file=sys.stderr)
+        return 2
     labels = [s.label for s in shapes]
     if len(set(labels)) < len(labels):
         print(f"error: a shape is given twice: {', '.join(labels)}", file=sys.stderr)
@@ -795,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
         isa, dot_rate = "unused (cuda)", 0.0
     else:
         isa = kernels.isa() if kernels.is_available() else "unavailable"
-        dot_rate = kernels.bf16_dot_rate()
+        # the CPU's vdpbf16ps rate, said only where the chosen instruction set runs it
+        dot_rate = kernels.bf16_dot_rate() if isa in ("amx", "avx512bf16") else 0.0
     evict = None if args.warm_cache else CacheEvictor(device)
     # as in a serving worker: a layer's large temporaries reuse freed heap memory instead of fresh
     # zeroed pages (for every implementation alike: the setting is the process's)

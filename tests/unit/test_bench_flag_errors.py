@@ -1,4 +1,4 @@
-"""Each bench names the one flag that is out of range, with its value, before any work."""
+"""Each bench names the one flag that is out of range (or repeated), with its value, before any work."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ CASES = [
     (["bench", "moe-layer", "--tokens", "4", "0"], "--tokens must be >= 1, got 0"),
     (["bench", "moe-layer", "--num-threads", "0"], "--num-threads must be >= 1, got 0"),
     (["bench", "moe-layer", "--min-seconds", "nan"], "--min-seconds must be >= 0, got nan"),
+    (["bench", "moe-layer", "--impls", "ours", "transformers", "ours"],
+     "--impls names an implementation twice: ours transformers ours"),
     (["bench", "eplb", "--drift", "-1"], "--drift must be >= 0, got -1.0"),
     (["bench", "eplb", "--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["bench", "eplb", "--series", "--check-interval", "0"], "--check-interval must be positive, got 0"),
