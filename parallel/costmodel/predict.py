@@ -105,9 +105,9 @@ def predict_point(model: ModelConfig, deployment: Deployment, hardware: Hardware
     if prefill_tokens is None:
         prefill_tokens = min(deployment.max_num_batched_tokens, max(batch, 1) * (prompt - prefix_len))
     decode: PhasePrediction = predict_phase(model, deployment, hardware, rank_load,
-                                            decode_work(batch, kv_len), decode=True)
+                                            decode_work(batch, kv_len, model.sliding_window), decode=True)
     prefill = predict_phase(model, deployment, hardware, rank_load,
-                            prefill_work(prefill_tokens, prompt, prefix_len), decode=False)
+                            prefill_work(prefill_tokens, prompt, prefix_len, model.sliding_window), decode=False)
     return StepPrediction(
         decode_step_ms=decode.step_ms, prefill_step_ms=prefill.step_ms, decode_breakdown=decode.breakdown,
         prefill_breakdown=prefill.breakdown, batch_size=batch, requested_batch_size=batch_size,

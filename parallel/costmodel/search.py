@@ -77,7 +77,7 @@ def _prompt_prefill_ms(cfg: ModelConfig, dep: Deployment, hw: Hardware, rank_loa
     new = max(1, input_len - prefix_len)
     chunks = -(-new // dep.max_num_batched_tokens)
     per_chunk = min(new, dep.max_num_batched_tokens)
-    step = predict_phase(cfg, dep, hw, rank_load, prefill_work(per_chunk, input_len, prefix_len), decode=False)
+    step = predict_phase(cfg, dep, hw, rank_load, prefill_work(per_chunk, input_len, prefix_len, cfg.sliding_window), decode=False)
     return chunks * step.step_ms
 
 
@@ -97,7 +97,7 @@ def evaluate(cfg: ModelConfig, dep: Deployment, hw: Hardware, slo: SLO, *, input
     kv_len = input_len + output_len // 2
     best = None
     for b in (x for x in BATCHES if x <= min(fit, dep.max_num_seqs)):
-        step = predict_phase(cfg, dep, hw, rank_load, decode_work(b, kv_len), decode=True)
+        step = predict_phase(cfg, dep, hw, rank_load, decode_work(b, kv_len, cfg.sliding_window), decode=True)
         tpot = step.step_ms + b / max(output_len, 1) * ttft
         if slo.tpot_ms is not None and tpot > slo.tpot_ms:
             break

@@ -50,18 +50,34 @@ class AttentionWork:
     logits_rows: float
 
 
-def decode_work(batch_size: int, kv_len: int) -> AttentionWork:
-    """B sequences each decoding one token over a context of kv_len tokens."""
-    return AttentionWork(batch_size, batch_size * kv_len, batch_size * kv_len, 0.0, batch_size)
+def decode_work(batch_size: int, kv_len: int, sliding_window: int | None = None) -> AttentionWork:
+    """B sequences each decoding one token over a context of kv_len tokens (with a sliding
+    window w, over its last min(kv_len, w): the runtime reads no blocks before the window)."""
+    seen = kv_len if sliding_window is None else min(kv_len, sliding_window)
+    return AttentionWork(batch_size, batch_size * seen, batch_size * seen, 0.0, batch_size)
 
 
-def prefill_work(num_tokens: int, prompt_len: int, prefix_len: int = 0) -> AttentionWork:
+def _keys_seen(first: int, last: int, window: int | None) -> float:
+    """Sum over query positions p = first..last (1-based: p keys up to and including its own) of
+    the keys each sees: p, or min(p, window)."""
+    if window is None or last <= window:
+        return (first + last) * (last - first + 1) / 2
+    if first >= window:
+        return (last - first + 1) * window
+    return (first + window) * (window - first + 1) / 2 + (last - window) * window
+
+
+def prefill_work(num_tokens: int, prompt_len: int, prefix_len: int = 0,
+                 sliding_window: int | None = None) -> AttentionWork:
     """num_tokens new tokens from prompts of prompt_len tokens whose first prefix_len are
-    cached (prefix hits): each prompt computes n = prompt_len - prefix_len causal tokens."""
+    cached (prefix hits): each prompt computes n = prompt_len - prefix_len causal tokens. With
+    a sliding window w each token sees its last w keys, and the cached tokens read are the
+    last w - 1 of the prefix."""
     n = max(1, prompt_len - prefix_len)
     seqs = num_tokens / n
-    pairs = seqs * (n * prefix_len + n * (n + 1) / 2)
-    return AttentionWork(num_tokens, pairs, seqs * prefix_len, num_tokens + seqs * prefix_len, max(1.0, seqs))
+    pairs = seqs * _keys_seen(prefix_len + 1, prefix_len + n, sliding_window)
+    cached = prefix_len if sliding_window is None else min(prefix_len, sliding_window - 1)
+    return AttentionWork(num_tokens, pairs, seqs * cached, num_tokens + seqs * cached, max(1.0, seqs))
 
 
 @dataclass(frozen=True)

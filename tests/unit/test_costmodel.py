@@ -210,3 +210,24 @@ def test_tensor_parallel_pays_an_all_reduce_per_layer_and_an_all_gather_per_moe_
     all_reduce = 2 * 1 / 2 * vector / 1e9
     all_gather = 1 / 2 * vector / 1e9
     assert p.decode_breakdown["tp_collectives"] == pytest.approx((27 * all_reduce + 26 * all_gather) * 1e3)
+
+
+def test_a_sliding_window_caps_the_keys_attended_and_read():
+    from dataclasses import replace
+
+    from parallel.costmodel.step import decode_work, prefill_work
+
+    assert decode_work(4, 1000, 64).attended_pairs == decode_work(4, 64).attended_pairs == 4 * 64
+    assert decode_work(4, 30, 64) == decode_work(4, 30)  # a context inside the window: all of it
+    # 10 new tokens after a 5-token prefix, window 8: positions 6..15 see 6, 7, 8, 8, ... keys
+    work = prefill_work(10, 15, 5, 8)
+    assert work.attended_pairs == 6 + 7 + 8 * 8 and work.kv_read_tokens == 5
+    assert prefill_work(10, 15, 5, 4).attended_pairs == 10 * 4 and prefill_work(10, 15, 5, 4).kv_read_tokens == 3
+    assert prefill_work(10, 15, 5, 100) == prefill_work(10, 15, 5)
+    windowed = replace(MIXTRAL, sliding_window=256)
+    dep, hw = Deployment(), toy_hw(memory_bytes=400e9)  # room for Mixtral's bf16 weights and 8 x 8k tokens
+    full = predict_point(MIXTRAL, dep, hw, batch_size=8, kv_len=8192)
+    capped = predict_point(windowed, dep, hw, batch_size=8, kv_len=8192)
+    assert capped.decode_breakdown["attention_core"] < full.decode_breakdown["attention_core"] / 10
+    assert predict_point(windowed, dep, hw, batch_size=8, kv_len=200).decode_step_ms == \
+        predict_point(MIXTRAL, dep, hw, batch_size=8, kv_len=200).decode_step_ms
