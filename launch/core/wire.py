@@ -41,8 +41,9 @@ _ARRAYS = ("input_ids", "positions", "query_lens", "context_lens", "num_blocks",
 
 
 # The SamplingParams fields the worker uses (launch.core.sampler); the others (stop strings,
-# max_tokens, ...) act on the driver only.
-SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs")
+# max_tokens, ...) act on the driver only. A field the sampler reads but this tuple misses would
+# let two requests that differ only in it share one entry, one sampled with the other's value.
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
 _KEYS: dict[int, tuple[SamplingParams, tuple]] = {}
 _KEYS_MAX = 4096
 _SWAP = sys.byteorder != "little"  # the format is little-endian on every host

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import socket
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from launch.core import BatchSpec, SampledTokens, SamplingParams, ScheduledSequence
-from launch.core.wire import WireBatch, WireError, decode_batch, encode_batch
+from launch.core.wire import SAMPLER_FIELDS, WireBatch, WireError, decode_batch, encode_batch
 from launch.step_channel import ChannelClosed, ChannelTimeout, RemoteError, StepClient, StepServer
 from launch.worker import StepResult
 
@@ -45,6 +46,23 @@ def test_wire_batch_has_every_view_of_the_batch():
     assert len(wire.input_ids_arr) == batch.num_tokens and len(wire.query_lens_arr) == 4
     # one params object per distinct SamplingParams, not one per row
     assert len(wire.params) == 2
+
+
+def test_wire_keeps_apart_params_that_differ_only_in_a_sampler_field():
+    """Rows share a params entry only when every field the worker's sampler reads is equal: a
+    request with min_p=1.0 next to one with min_p=0 must not be sampled with the other's min_p."""
+    base = SamplingParams(temperature=1.0, seed=7)
+    variants = [base, dataclasses.replace(base, min_p=1.0), dataclasses.replace(base, top_k=5),
+                dataclasses.replace(base, top_p=0.5), dataclasses.replace(base, logprobs=1),
+                dataclasses.replace(base, seed=8), dataclasses.replace(base, temperature=0.5)]
+    rows = [ScheduledSequence(request_id=f"r{b}", seq_id=b, index=0, token_ids=(1,), positions=(0,),
+                              num_computed_tokens=0, block_ids=(b,), do_sample=True, params=p, num_output_tokens=0)
+            for b, p in enumerate(variants)]
+    wire = decode_batch(encode_batch(BatchSpec(dp_rank=0, block_size=16, seqs=tuple(rows))))
+    assert wire.sampling_params == variants
+    # every field the sampler reads is part of the key; the rest act on the driver only
+    driver_only = {"n", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output"}
+    assert {f.name for f in dataclasses.fields(SamplingParams)} == set(SAMPLER_FIELDS) | driver_only
 
 
 def test_wire_empty_batch_and_bad_bytes():
