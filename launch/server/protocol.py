@@ -110,9 +110,18 @@ class SamplingRequest(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI / vLLM sampling fields this server does not implement: typed here so that a value
+    # that would change the output is refused (``unsupported``) instead of silently ignored
+    best_of: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0)
 
     @field_validator("model", "user")
     @classmethod
@@ -141,6 +150,23 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """``(field, message)`` for the first field set to a value this server cannot honour (its
+        no-op values pass: penalties 0 / 1, ``best_of`` up to ``n`` (no extra candidates to choose
+        from; some SDKs send ``best_of=1`` by default), an empty ``logit_bias``)."""
+        if self.best_of is not None and self.best_of > self.n:
+            return "best_of", (f"best_of={self.best_of} is not supported: this server returns the n={self.n} "
+                               "samples it draws (best_of <= n)")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                return name, f"{name}={value} is not supported (only {neutral})"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.min_tokens:
+            return "min_tokens", f"min_tokens={self.min_tokens} is not supported (only 0)"
+        return None
 
 
 class CompletionRequest(SamplingRequest):

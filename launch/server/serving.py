@@ -10,6 +10,7 @@ after that arrive as an SSE ``data: {"error": ...}`` event followed by ``[DONE]`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -61,6 +62,13 @@ class OpenAIServing:
         """404 unless ``model`` is absent or names this server's model."""
         if model is not None and model not in (self.model_name, self.engine.model_name):
             raise APIError(404, f"The model `{model}` does not exist.", type="not_found_error", param="model")
+
+    @staticmethod
+    def check_supported(req: SamplingRequest) -> None:
+        """400 for a sampling field this server would otherwise ignore (a penalty, best_of, ...)."""
+        problem = req.unsupported()
+        if problem is not None:
+            raise APIError(400, problem[1], param=problem[0])
 
     def check_queue(self) -> None:
         """503 with Retry-After when the engine already has ``max_queue_len`` requests waiting."""
@@ -114,6 +122,13 @@ class OpenAIServing:
             return self.check_token_ids(list(ids), param)
         return self.check_token_ids(list(prompt), param)
 
+    async def tokenize_all(self, prompts: list[str | list[int]], param: str = "prompt") -> list[list[int]]:
+        """``tokenize`` of every prompt; text is encoded in a worker thread, so that a long prompt (seconds
+        for megabytes of text) does not stall the event loop and with it every other client's stream."""
+        if not any(isinstance(p, str) for p in prompts):
+            return [self.tokenize(p, param) for p in prompts]
+        return await asyncio.to_thread(lambda: [self.tokenize(p, param) for p in prompts])
+
     def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
                           max_new_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
                           max_tokens_param: str = "max_tokens") -> list[SubRequest]:
@@ -137,7 +152,7 @@ class OpenAIServing:
     @staticmethod
     def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         fields: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
-                                  "logprobs": logprobs}
+                                  "logprobs": logprobs, "include_stop_str_in_output": req.include_stop_str_in_output}
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids"):
             value = getattr(req, name)
             if value is not None:
@@ -151,9 +166,10 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_supported(req)
         if req.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        prompts = [self.tokenize(p) for p in req.prompts()]
+        prompts = await self.tokenize_all(req.prompts())
         self.check_queue()
         request_id = random_id("cmpl")
         subs = self.build_subrequests(request_id, prompts, req, req.max_tokens, req.logprobs)
@@ -163,9 +179,11 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_supported(req)
         num_logprobs = req.num_logprobs
-        ids = render_chat_prompt(self.tokenizer("chat messages"), req.messages,
-                                 add_generation_prompt=req.add_generation_prompt)
+        # off the event loop: rendering and encoding a long conversation takes as long as a long prompt
+        ids = await asyncio.to_thread(render_chat_prompt, self.tokenizer("chat messages"), req.messages,
+                                      add_generation_prompt=req.add_generation_prompt)
         prompts = [self.check_token_ids(ids, "messages")]
         self.check_queue()
         request_id = random_id("chatcmpl")

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from launch.server import build_app
 from launch.server.protocol import ChatCompletionRequest, CompletionRequest
-from tests.unit.server_fakes import FakeEngine, ServerThread
+from launch.server.serving import OpenAIServing
+from tests.unit.server_fakes import CharTokenizer, FakeEngine, ServerThread
 
 
 def server_config(**overrides):
@@ -197,6 +198,16 @@ def post(url, body, **kw):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 60}, 400,
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 60}, 400, "max_tokens"),
+    # sampling fields the server does not implement are refused, not silently ignored
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 1.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, 400,
+     "presence_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty"),
 ])
 def test_bad_requests_get_openai_errors(served, path, body, status, param):
     r = post(served.url + path, body)
@@ -206,6 +217,17 @@ def test_bad_requests_get_openai_errors(served, path, body, status, param):
     assert err["param"] == param
     ok = served.client.completions.create(model="fake-moe", prompt="still fine", max_tokens=2)
     assert len(ok.choices[0].text) == 2
+
+
+def test_neutral_values_of_unimplemented_sampling_fields_pass_and_stop_str_can_be_kept(served):
+    """What SDKs send by default (penalties 0 / 1, best_of 1, logit_bias {}) still works, and
+    vLLM's include_stop_str_in_output reaches the engine's SamplingParams."""
+    body = {"prompt": "abc", "max_tokens": 2, "n": 2, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0, "logit_bias": {}, "min_tokens": 0}
+    r = post(served.url + "/v1/completions", body)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    params = OpenAIServing.sampling_params(CompletionRequest(prompt="x", stop="y", include_stop_str_in_output=True), 4, None)
+    assert params.include_stop_str_in_output and params.stop == ("y",)
 
 
 def test_a_non_text_content_part_is_named(served):
@@ -298,6 +320,36 @@ def test_full_queue_gets_503_and_recovers():
         assert post(srv.base_url + "/v1/completions", {"prompt": "q", "max_tokens": 2}).status_code == 200
         assert 'moe:requests_rejected_total{model_name="fake-moe",status="503"} 1.0' in \
             httpx.get(srv.base_url + "/metrics").text
+
+
+class SlowTokenizer(CharTokenizer):
+    """Takes ``delay`` seconds to encode a text that starts with "slow" (a megabyte-long prompt)."""
+
+    delay = 2.0
+
+    def encode(self, text, add_special_tokens=True):
+        if "slow" in text:
+            time.sleep(self.delay)
+        return super().encode(text, add_special_tokens)
+
+
+def test_tokenizing_a_long_prompt_does_not_stall_other_clients():
+    """Text prompts and chat messages are encoded off the event loop: while one request's prompt
+    takes seconds to encode, /health and other requests are answered at once."""
+    engine = FakeEngine()
+    engine.tokenizer = SlowTokenizer()
+    with ServerThread(build_app(engine, server_config())) as srv, ThreadPoolExecutor(2) as pool:
+        slow = [pool.submit(post, srv.base_url + "/v1/completions", {"prompt": "slow", "max_tokens": 2}),
+                pool.submit(post, srv.base_url + "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "slow"}], "max_tokens": 2})]
+        time.sleep(0.3)  # both are encoding now
+        start = time.monotonic()
+        assert httpx.get(srv.base_url + "/health", timeout=10).status_code == 200
+        fast = post(srv.base_url + "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+        assert fast.status_code == 200
+        assert time.monotonic() - start < SlowTokenizer.delay / 2
+        assert not any(f.done() for f in slow)
+        assert [f.result().status_code for f in slow] == [200, 200]
 
 
 def test_engine_queue_full_maps_to_503():
