@@ -88,6 +88,14 @@ class _Formatter:
 class CompletionFormatter(_Formatter):
     """``/v1/completions`` bodies and chunks."""
 
+    def top_logprobs(self, token_id: int, entry: dict[int, float]) -> dict[str, float]:
+        """The position's ``num_logprobs`` most likely tokens, and the sampled one when it is not among
+        them (OpenAI's completions: "there may be up to logprobs+1 elements"; vLLM's too)."""
+        pairs = top_n(entry, self.num_logprobs or 0)
+        if token_id in entry and all(t != token_id for t, _ in pairs):
+            pairs.append((token_id, entry[token_id]))
+        return {self.token_text(t): lp for t, lp in pairs}
+
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None,
                  offset: int) -> CompletionLogprobs | None:
         if self.num_logprobs is None or entries is None:
@@ -97,8 +105,7 @@ class CompletionFormatter(_Formatter):
             text = self.token_text(token_id)
             out.tokens.append(text)
             out.token_logprobs.append(entry.get(token_id))
-            out.top_logprobs.append({self.token_text(t): lp for t, lp in top_n(entry, self.num_logprobs)}
-                                    if self.num_logprobs > 0 else None)
+            out.top_logprobs.append(self.top_logprobs(token_id, entry) if self.num_logprobs > 0 else None)
             out.text_offset.append(offset)
             offset += len(text)
         return out

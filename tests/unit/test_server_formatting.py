@@ -45,3 +45,11 @@ def test_chat_deltas_carry_only_their_keys() -> None:
               for chunk in chat.stream_chunks(0, _out(ids, cumulative, i == len(STEPS) - 1))]
     # the held-back byte's chunk (logprobs asked for) and nothing else carries no content key
     assert deltas == [{"content": "a"}, {}, {"content": "\u00e9"}, {"content": "b"}]
+
+
+def test_completion_top_logprobs_keep_the_sampled_token_past_the_top_n() -> None:
+    """OpenAI's completions: the sampled token's logprob is always there, so up to logprobs + 1 entries."""
+    fmt = _formatter(CompletionFormatter)  # num_logprobs=1
+    lp = fmt.logprobs([4, 1], [{4: -2.0, 1: -0.1, 3: -1.0}, {1: -0.2, 4: -3.0}], 0)
+    assert lp.top_logprobs == [{"a": -0.1, "b": -2.0}, {"a": -0.2}]  # sampled b below the top 1: added
+    assert lp.token_logprobs == [-2.0, -0.2]
