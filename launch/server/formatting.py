@@ -187,7 +187,8 @@ class ChatFormatter(_Formatter):
         if not text and not cursor.finished and not (token_ids and self.num_logprobs is not None):
             return []
         choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None),
-                                 finish_reason=c.finish_reason, logprobs=self.logprobs(token_ids, entries))
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                 logprobs=self.logprobs(token_ids, entries))
         return [ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])]
 
     def usage_chunk(self) -> ChatCompletionChunk:

@@ -53,3 +53,19 @@ def test_completion_top_logprobs_keep_the_sampled_token_past_the_top_n() -> None
     lp = fmt.logprobs([4, 1], [{4: -2.0, 1: -0.1, 3: -1.0}, {1: -0.2, 4: -3.0}], 0)
     assert lp.top_logprobs == [{"a": -0.1, "b": -2.0}, {"a": -0.2}]  # sampled b below the top 1: added
     assert lp.token_logprobs == [-2.0, -0.2]
+
+
+def test_the_last_chat_chunk_says_which_stop_ended_the_choice_as_the_whole_response_does() -> None:
+    def stopped(ids: list[int], text: str, done: bool) -> SimpleNamespace:
+        out = _out(ids, text, done)
+        out.outputs[0].finish_reason, out.outputs[0].stop_reason = ("stop", "b") if done else (None, None)
+        return out
+
+    chat = _formatter(ChatFormatter)
+    chunks = [json.loads(chunk.model_dump_json())["choices"][0]
+              for i, (ids, cumulative) in enumerate(STEPS)
+              for chunk in chat.stream_chunks(0, stopped(ids, cumulative, i == len(STEPS) - 1))]
+    whole = _formatter(ChatFormatter).response([stopped(*STEPS[-1], True)]).choices[0]
+    assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", "b") == \
+        (whole.finish_reason, whole.stop_reason)
+    assert all(c["stop_reason"] is None for c in chunks[:-1])
