@@ -198,3 +198,19 @@ def test_logprobs_are_written(tiny_ckpt_with_tokenizer, tmp_path, capsys):
         assert comp["top_logprobs"] == [[], []] and len(comp["token_logprobs"]) == 2
         assert comp["cumulative_logprob"] == pytest.approx(sum(comp["token_logprobs"]))
     assert not {"token_logprobs", "top_logprobs", "cumulative_logprob"} & set(plain)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('["a"]', "a line must be a JSON object, got an array"),
+    ('"a prompt"', "a line must be a JSON object, got a string"),
+    ("3", "a line must be a JSON object, got a number"),
+    ("null", "a line must be a JSON object, got null"),
+    ('{"prompt": "a", "prompt_token_ids": [3]}', "each line needs exactly one of 'prompt' or 'prompt_token_ids'"),
+    ("{}", "each line needs exactly one of 'prompt' or 'prompt_token_ids'"),
+])
+def test_a_line_that_is_not_one_request_object_is_named(tmp_path, line: str, message: str) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(ValueError) as err:
+        read_requests(src)
+    assert str(err.value) == f"{src}:2: {message}"
