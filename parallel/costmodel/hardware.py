@@ -36,6 +36,13 @@ def _table(rows: Any, what: str) -> tuple[tuple[float, float], ...]:
     return out
 
 
+def _number(value: Any, key: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"hardware key {key}: {value!r} is not a number") from None
+
+
 def interpolate_loglog(table: tuple[tuple[float, float], ...], x: float) -> float:
     """y at x on a sorted ((x, y), ...) table, log-log linear inside, clamped slope-preserving
     outside: below the first point y is the first y (latency floor); above the last point y
@@ -116,19 +123,21 @@ class Hardware:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown hardware key(s) {unknown}; known: {sorted(known)}")
+        missing = [f.name for f in fields(cls) if f.name in ("name", "flops", "memory_bandwidth", "memory_bytes")
+                   and f.name not in data]
+        if missing:
+            raise ValueError(f"hardware {data.get('name', '?')!r}: missing required key(s) {missing}")
         kw = dict(data)
-        kw["flops"] = {canonical_dtype(k): float(v) for k, v in dict(data.get("flops") or {}).items()}
+        if not isinstance(data["flops"], dict):
+            raise ValueError(f"hardware key flops: expected a mapping of dtype to FLOP/s, got {data['flops']!r}")
+        kw["flops"] = {canonical_dtype(k): _number(v, f"flops.{k}") for k, v in data["flops"].items()}
         kw["gemm_rates"] = {canonical_dtype(k): _table(v, f"gemm_rates.{k}")
                             for k, v in dict(data.get("gemm_rates") or {}).items()}
         kw["collectives"] = {k: _table(v, f"collectives.{k}") for k, v in dict(data.get("collectives") or {}).items()}
         for f in fields(cls):  # YAML 1.1 reads "5e-06" as a string: numbers are coerced here
             if f.name in kw and f.type in ("float", float):
-                try:
-                    kw[f.name] = float(kw[f.name])
-                except (TypeError, ValueError):
-                    raise ValueError(f"hardware key {f.name}: {kw[f.name]!r} is not a number") from None
-        if "memory_bytes" in kw:
-            kw["memory_bytes"] = int(float(kw["memory_bytes"]))
+                kw[f.name] = _number(kw[f.name], f.name)
+        kw["memory_bytes"] = int(_number(kw["memory_bytes"], "memory_bytes"))
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,6 +179,9 @@ class Hardware:
     def link(self, inter_node: bool) -> tuple[float, float]:
         """(bytes/s achieved, latency s) of one rank's intra- or inter-node link."""
         if inter_node:
+            if self.inter_node_bandwidth <= 0:
+                raise ValueError(f"hardware {self.name!r} has no inter_node_bandwidth: set it to predict a layout "
+                                 f"that spans more than one node")
             bw, lat = self.inter_node_bandwidth, self.inter_node_latency_s
         else:
             bw, lat = self.intra_node_bandwidth or self.memory_bandwidth, self.intra_node_latency_s

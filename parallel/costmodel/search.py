@@ -57,7 +57,7 @@ def enumerate_layouts(cfg: ModelConfig, num_nodes: int, gpus_per_node: int, base
     group that holds every expert), the fewest redundant slots that split evenly and one
     more slot per rank, two-batch overlap on and off when experts are spread."""
     out = []
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and cfg.num_attention_heads % t == 0]
+    tps = [t for t in (1, 2, 4, 8, 16) if gpus_per_node % t == 0 and cfg.num_attention_heads % t == 0]
     for nodes, tp in itertools.product(range(1, num_nodes + 1), tps):
         world = nodes * gpus_per_node
         eps = sorted({world, gpus_per_node, 1} if world > 1 else {1})
@@ -108,11 +108,13 @@ def evaluate(cfg: ModelConfig, dep: Deployment, hw: Hardware, slo: SLO, *, input
     b, step, tpot = best
     goodput = b * dep.dp / dep.world_size / (tpot / 1e3)
     nxt = [x for x in BATCHES if x > b]
-    if nxt and nxt[0] > min(fit, dep.max_num_seqs):
+    if not nxt:
+        why = "batch grid end"
+    elif nxt[0] > min(fit, dep.max_num_seqs):
         why = (f"KV capacity: {capacity:,} tokens per rank hold {fit} sequences" if fit < dep.max_num_seqs
                else f"max_num_seqs {dep.max_num_seqs}")
     elif slo.tpot_ms is not None:
-        why = f"TPOT {slo.tpot_ms:g} ms: batch {nxt[0] if nxt else b} would exceed it"
+        why = f"TPOT {slo.tpot_ms:g} ms: batch {nxt[0]} would exceed it"
     else:
         why = "batch grid end"
     return Candidate(dep, True, b, tpot, step.step_ms, ttft, goodput, rank_load.balancedness if rank_load else 1.0,
