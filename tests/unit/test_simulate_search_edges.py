@@ -68,3 +68,15 @@ def test_a_kv_cache_capped_by_num_kv_blocks_is_not_blamed_on_the_weights(capsys)
     err = capsys.readouterr().err.strip()
     assert "engine.num_kv_blocks=10 x block_size=16 hold 160 KV tokens" in err, err
     assert "weights" not in err and len(err.splitlines()) == 1
+
+
+def test_the_search_offers_only_tp_degrees_the_runtime_takes_for_the_kv_heads():
+    """The runtime refuses a TP degree that neither divides nor is a multiple of the kv heads
+    (launch.config.validate_for_model): 6 query heads over 3 kv heads leave TP 1 and 3, not 2."""
+    from dataclasses import replace
+
+    odd = replace(MIXTRAL, num_attention_heads=6, num_key_value_heads=3)
+    assert {d.tp for d in enumerate_layouts(odd, 1, 8, Deployment())} == {1}  # 3 does not divide 8 GPUs
+    assert {d.tp for d in enumerate_layouts(MIXTRAL, 1, 8, Deployment())} == {1, 2, 4, 8}  # 8 kv heads
+    assert {d.tp for d in enumerate_layouts(replace(MIXTRAL, num_key_value_heads=2), 1, 16, Deployment())} == \
+        {1, 2, 4, 8, 16}  # multiples of the kv heads: each rank holds a copy
