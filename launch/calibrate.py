@@ -36,6 +36,7 @@ import torch
 
 from launch.core.kv_sizing import parse_memory
 from launch.hardware import load_hardware, save_hardware
+from launch.paths import output_file_problem
 from moe.config import ModelConfig
 from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
 from parallel.costmodel.microbench import (
@@ -98,15 +99,26 @@ def read_nccl_tables(specs: list[str]) -> dict[str, list[tuple[float, float]]]:
     tables = {}
     for spec in specs:
         path, _, rest = spec.partition(":")
-        text = Path(path).read_text()
+        try:
+            text = Path(path).read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"--nccl-table {path}: not UTF-8 text") from None
+        except OSError as e:
+            raise ValueError(f"--nccl-table {path}: {e.strerror or e}") from None
         op, n = nccl_table_op(text)
         if rest:
             op, _, ranks = rest.partition(":")
-            n = int(ranks) if ranks else n
-        if op is None or not n:
+            if ranks:
+                if not ranks.strip().isdigit() or int(ranks) < 2:
+                    raise ValueError(f"--nccl-table {spec}: NRANKS must be an integer >= 2, got {ranks!r}")
+                n = int(ranks)
+        if not op or not n:
             raise ValueError(f"{path}: cannot tell the collective and rank count from the table; "
                              f"pass {path}:OP:NRANKS (e.g. {path}:alltoall:8)")
-        tables[f"{op}:{n}"] = parse_nccl_table(text)
+        try:
+            tables[f"{op}:{n}"] = parse_nccl_table(text)
+        except ValueError as e:
+            raise ValueError(f"--nccl-table {path}: {e}") from None
     return tables
 
 
@@ -360,10 +372,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        nprocs = tuple(int(n) for n in args.nprocs.split(",") if n.strip())
+        parts = [n.strip() for n in args.nprocs.split(",") if n.strip()]
+        if not all(n.isdigit() for n in parts):
+            raise ValueError(f"--nprocs takes comma-separated integers, got {args.nprocs!r}")
+        nprocs = tuple(int(n) for n in parts)
         dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
-        if args.threads < 1 or any(n < 2 for n in nprocs) or not dtypes:
-            raise ValueError("need --threads >= 1, --nprocs values >= 2 and at least one dtype")
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        if any(n < 2 for n in nprocs):
+            raise ValueError(f"--nprocs values must be >= 2, got {args.nprocs}")
+        if not dtypes:
+            raise ValueError("--dtypes names no dtype")
+        if (problem := output_file_problem(args.out)) is not None:
+            raise ValueError(f"--out: {problem}")  # now, not after the measurements
         if args.base:
             hw = with_link_tables(load_hardware(args.base), read_nccl_tables(args.nccl_table),
                                   ", ".join(args.nccl_table))

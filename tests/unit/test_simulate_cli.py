@@ -332,3 +332,32 @@ def test_nccl_tables_on_top_of_a_shipped_hardware_drive_dispatch(tmp_path):
     b = predict_point(mixtral, dep, datasheet, batch_size=64, kv_len=1000)
     assert a.decode_breakdown["dispatch"] != b.decode_breakdown["dispatch"]
     assert calibrate_main(["--base", "h100", "--out", str(out)]) == 2  # nothing to add
+
+
+def test_calibrate_names_the_bad_flag_or_table_before_measuring(tmp_path, capsys):
+    from launch.calibrate import main as calibrate_main
+
+    table = tmp_path / "a2a.txt"
+    table.write_text("# nothing here\n")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = str(tmp_path / "hw.yaml")
+    base = ["--base", "h100"]
+    cases = [
+        (["--out", out, "--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--out", out, "--nprocs", "2,x"], "--nprocs takes comma-separated integers, got '2,x'"),
+        (["--out", out, "--nprocs", "1"], "--nprocs values must be >= 2, got 1"),
+        (["--out", out, "--dtypes", ","], "--dtypes names no dtype"),
+        (["--out", str(blocker / "hw.yaml")], f"--out: {blocker} is not a directory"),
+        ([*base, "--out", out, "--nccl-table", f"{table}:alltoall:x"],
+         f"--nccl-table {table}:alltoall:x: NRANKS must be an integer >= 2, got 'x'"),
+        ([*base, "--out", out, "--nccl-table", str(tmp_path / "missing.txt")],
+         f"--nccl-table {tmp_path / 'missing.txt'}: No such file or directory"),
+        ([*base, "--out", out, "--nccl-table", f"{table}:alltoall:8"],
+         f"--nccl-table {table}: no nccl-tests rows found"),
+    ]
+    for argv, message in cases:
+        assert calibrate_main(argv) == 2, argv
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: simulate calibrate: {message}"), (argv, line)
+    assert not Path(out).exists()
