@@ -67,6 +67,12 @@ class GQAAttention(WatchedModule):
             fused = self.fused_decode_op(x, cache)
             if fused is not None:
                 return fused(x, cos, sin, meta, cache)
+        return self._forward_ops(x, cos, sin, meta, cache)
+
+    def _forward_ops(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                     cache: KVLayerView) -> torch.Tensor:
+        """``forward`` op by op (x: [T, D] -> [T, D]), whatever the rows are."""
+        t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -108,8 +114,8 @@ class GQAAttention(WatchedModule):
 
     def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, hd]: CPU, the kernel
-        built, the cache stored in q's dtype (not fp8), no autograd. (Sliding-window layers keep the
-        gather path: ``paged_attention`` only hands full-attention decode rows to the kernel.)"""
+        built, the cache stored in q's dtype (not fp8), no autograd. (``paged_attention`` hands a
+        sliding-window layer's decode rows to the kernel only when every context fits in the window.)"""
         return self.use_paged_kernel and kernels.cpu_op_applies(q, view.pool)
 
     def fused_decode_op(self, x: torch.Tensor, view: KVLayerView) -> DecodeAttentionOp | None:
@@ -117,10 +123,11 @@ class GQAAttention(WatchedModule):
         for this forward on decode rows x [B, D], else None: exactly when every op of the op-by-op
         path would take its CPU kernel (every projection on the packed linear kernel at B rows, the
         per-head norms on theirs, the paged decode kernel: full attention, a cache in x's dtype) and
-        the head dim is even. The op takes ``(x [B, D], cos, sin, meta, view)`` and returns
+        the head dim is even. With a sliding window the op serves the steps whose contexts all fit in
+        it (each query then sees every key, as the op does); a longer one runs op by op. The op takes ``(x [B, D], cos, sin, meta, view)`` and returns
         [B, D]; its weights hold until one of them or a switch changes (``moe.decode_plan`` keeps it
         over steps on that condition)."""
-        if not (self.use_fused_decode and self.use_paged_kernel) or self.sliding_window is not None:
+        if not (self.use_fused_decode and self.use_paged_kernel):
             return None
         if self.head_dim % 2:
             return None
@@ -143,9 +150,12 @@ class GQAAttention(WatchedModule):
         biases = tuple(lin.bias for lin in linears)
         dims = (self.num_heads, self.num_kv_heads, self.head_dim, linears[3].weight.shape[0])
         run = kernels.gqa_decode_attention_op(packed, biases, norms, eps, dims, self.interleave, self.scale)
+        window = self.sliding_window
 
         def attend(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                    view: KVLayerView) -> torch.Tensor:
+            if window is not None and max(meta.context_lens_list) > window:  # the op sees every key
+                return self._forward_ops(x, cos, sin, meta, view)
             return run(x, cos, sin, view.pool, meta.slot_mapping, meta.block_tables, meta.context_lens)
 
         return attend

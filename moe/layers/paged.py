@@ -75,8 +75,8 @@ def paged_attention(
     The current step's entries must already be written to ``view``. ``sliding_window`` w
     (None: full causal) lets the query at position p see keys k with p - w < k <= p, the rule
     of transformers' ``sliding_window_overlay``; blocks wholly before every query's window are
-    not gathered. ``decode_paged_fn``, when given (full attention only), serves the decode rows
-    from the block tables instead of a gathered copy; ``prefill_paged_fn``, when given, serves the
+    not gathered. ``decode_paged_fn``, when given, serves the decode rows from the block tables
+    instead of a gathered copy (full attention, or every decode context within the window); ``prefill_paged_fn``, when given, serves the
     rows of every sequence with several new tokens in one call (it applies the window itself).
     """
     if sliding_window is not None and sliding_window <= 0:
@@ -92,12 +92,13 @@ def paged_attention(
         ctx = meta.context_lens if all_decode else meta.context_lens[idx]
         tables = meta.block_tables if all_decode else meta.block_tables[idx]
         rows = None if all_decode else meta.query_start_loc[idx]
-        if decode_paged_fn is not None and sliding_window is None:
+        lens = meta.context_lens_list if all_decode else [meta.context_lens_list[b] for b in dec]
+        # the kernel sees every key: with a window, only when every context fits in it
+        if decode_paged_fn is not None and (sliding_window is None or max(lens) <= sliding_window):
             if all_decode:
                 return decode_paged_fn(q, view, tables, ctx)
             out[rows] = decode_paged_fn(q[rows], view, tables, ctx)
             return _prefill(q, meta, view, prefill_fn, sliding_window, out, prefill_paged_fn)
-        lens = meta.context_lens_list if all_decode else [meta.context_lens_list[b] for b in dec]
         nb = -(-max(lens) // size)
         first = _first_block(min(lens) - 1, sliding_window, size)
         cache = view.gather(tables[:, first:nb])  # [Bd, (nb - first) * S, ...]

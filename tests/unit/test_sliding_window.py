@@ -186,3 +186,47 @@ def test_llm_chunked_prefill_greedy_matches_hf_generate(checkpoints: dict[str, P
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [NEW_TOKENS] * len(prompts)
     assert [list(o.outputs[0].token_ids) for o in outs] == oracle
+
+
+def test_decode_runs_the_fused_kernels_while_every_context_fits_the_window(tmp_path: Path, monkeypatch) -> None:
+    """A window of 24 over 18-22-token prompts and 12 decoded tokens: the first decode steps see every
+    key (contexts within the window) and run the fused attention op and the paged decode kernel; the
+    later ones cross the window edge and run op by op. Logits match transformers' throughout."""
+    from moe import kernels
+    from moe.layers.gqa import GQAAttention
+
+    if not kernels.is_available():
+        pytest.skip("the CPU kernels could not be built here")
+    window, new_tokens = 24, 12
+    path = write_hf_checkpoint("mixtral", tmp_path / "wide", 21, sliding_window=window)
+    hf, model = _hf(path), _ours(path)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 96) for _ in range(n)] for n in (18, 20, 22)]
+    fused_calls, op_by_op = [0], []
+    build = kernels.gqa_decode_attention_op
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        run = build(*args, **kw)
+
+        def counted(*a: Any) -> torch.Tensor:
+            fused_calls[0] += 1
+            return run(*a)
+        return counted
+
+    forward_ops = GQAAttention._forward_ops
+
+    def logged(self: GQAAttention, x: torch.Tensor, cos, sin, meta: AttentionMetadata, cache) -> torch.Tensor:
+        if len(meta.query_lens_list) == x.shape[0]:  # a step of decode rows only
+            op_by_op.append(max(meta.context_lens_list))
+        return forward_ops(self, x, cos, sin, meta, cache)
+
+    monkeypatch.setattr(kernels, "gqa_decode_attention_op", counting)
+    monkeypatch.setattr(GQAAttention, "_forward_ops", logged)
+    tokens, logits = greedy_generate(model, prompts, new_tokens)
+    layers = model.config.num_hidden_layers
+    assert fused_calls[0] > 0 and fused_calls[0] % layers == 0  # whole steps on the op
+    assert op_by_op and min(op_by_op) > window  # op by op only past the window edge
+    for prompt, toks, steps in zip(prompts, tokens, logits):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + toks[:-1]])).logits[0, len(prompt) - 1 :]
+        assert (torch.stack(steps) - ref).abs().max().item() <= TOL
