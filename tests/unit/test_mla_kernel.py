@@ -343,9 +343,9 @@ def test_whole_decode_attention_op_steps_aside_when_an_op_would_not_run_its_kern
         module.use_kernel = False
         assert attn.fused_decode_op(x, view) is None
         module.use_kernel = True
-    if isinstance(attn, GQAAttention):
-        attn.sliding_window = 8  # windowed layers gather their keys
-        assert attn.fused_decode_op(x, view) is None
+    if isinstance(attn, GQAAttention):  # a windowed layer has the op: it checks each step's contexts
+        attn.sliding_window = 8  # against the window (tests/unit/test_sliding_window.py)
+        assert attn.fused_decode_op(x, view) is not None
         attn.sliding_window = None
     attn.use_paged_kernel = False
     assert attn.fused_decode_op(x, view) is None
