@@ -88,7 +88,8 @@ def read_requests(path: Path, defaults: dict[str, Any] | None = None) -> list[In
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
             if not isinstance(row, dict):
-                kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(row), "a number")
+                kind = {list: "an array", str: "a string", bool: "a boolean",
+                        type(None): "null"}.get(type(row), "a number")
                 raise ValueError(f"{where}: a line must be a JSON object, got {kind}")
             if ("prompt" in row) == ("prompt_token_ids" in row):
                 raise ValueError(f"{where}: each line needs exactly one of 'prompt' or 'prompt_token_ids'")

@@ -332,7 +332,8 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
         args.max_num_seqs = args.batch
     if args.max_num_batched_tokens is None:  # room to prefill beside the batch's decode tokens (num_prefill_steps)
         args.max_num_batched_tokens = max(512, args.batch + 512)
-    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+    for flag, value in (("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
         if value < args.batch:  # else every step runs, none decodes the whole batch, and only then the error
             raise ValueError(f"{flag} {value} < --batch {args.batch}: the batch could never decode in one step")
     if args.num_kv_blocks is None:  # room for what a sequence decodes while the rest of the batch prefills

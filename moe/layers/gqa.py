@@ -122,11 +122,11 @@ class GQAAttention(WatchedModule):
         """``kernels.gqa_decode_attention_op`` with this layer's weights bound, when it can stand in
         for this forward on decode rows x [B, D], else None: exactly when every op of the op-by-op
         path would take its CPU kernel (every projection on the packed linear kernel at B rows, the
-        per-head norms on theirs, the paged decode kernel: full attention, a cache in x's dtype) and
-        the head dim is even. With a sliding window the op serves the steps whose contexts all fit in
-        it (each query then sees every key, as the op does); a longer one runs op by op. The op takes ``(x [B, D], cos, sin, meta, view)`` and returns
-        [B, D]; its weights hold until one of them or a switch changes (``moe.decode_plan`` keeps it
-        over steps on that condition)."""
+        per-head norms on theirs, the paged decode kernel, a cache in x's dtype) and the head dim is
+        even. With a sliding window the op serves the steps whose contexts all fit in it (each query
+        then sees every key, as the op does); a step with a longer one runs op by op. The op takes
+        ``(x [B, D], cos, sin, meta, view)`` and returns [B, D]; its weights hold until one of them
+        or a switch changes (``moe.decode_plan`` keeps it over steps on that condition)."""
         if not (self.use_fused_decode and self.use_paged_kernel):
             return None
         if self.head_dim % 2:

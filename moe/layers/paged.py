@@ -76,8 +76,9 @@ def paged_attention(
     (None: full causal) lets the query at position p see keys k with p - w < k <= p, the rule
     of transformers' ``sliding_window_overlay``; blocks wholly before every query's window are
     not gathered. ``decode_paged_fn``, when given, serves the decode rows from the block tables
-    instead of a gathered copy (full attention, or every decode context within the window); ``prefill_paged_fn``, when given, serves the
-    rows of every sequence with several new tokens in one call (it applies the window itself).
+    instead of a gathered copy (full attention, or every decode context within the window);
+    ``prefill_paged_fn``, when given, serves the rows of every sequence with several new tokens in
+    one call (it applies the window itself).
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")

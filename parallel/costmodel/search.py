@@ -53,9 +53,10 @@ class Candidate:
 
 def enumerate_layouts(cfg: ModelConfig, num_nodes: int, gpus_per_node: int, base: Deployment) -> list[Deployment]:
     """Layouts of one instance on 1..num_nodes nodes: TP in powers of two dividing a node's GPUs
-    and the heads, and (GQA) dividing or a multiple of the kv heads, as the runtime takes; EP over the whole instance or one node (or none for a single rank
-    group that holds every expert), the fewest redundant slots that split evenly and one
-    more slot per rank, two-batch overlap on and off when experts are spread."""
+    and the heads, and (GQA) dividing or a multiple of the kv heads, as the runtime takes; EP over
+    the whole instance or one node (or none for a single rank group that holds every expert), the
+    fewest redundant slots that split evenly and one more slot per rank, two-batch overlap on and
+    off when experts are spread."""
     out = []
     tps = [t for t in (1, 2, 4, 8, 16) if gpus_per_node % t == 0 and cfg.num_attention_heads % t == 0
            and not (cfg.attention == "gqa" and cfg.num_key_value_heads % t and t % cfg.num_key_value_heads)]
@@ -78,7 +79,8 @@ def _prompt_prefill_ms(cfg: ModelConfig, dep: Deployment, hw: Hardware, rank_loa
     new = max(1, input_len - prefix_len)
     chunks = -(-new // dep.max_num_batched_tokens)
     per_chunk = min(new, dep.max_num_batched_tokens)
-    step = predict_phase(cfg, dep, hw, rank_load, prefill_work(per_chunk, input_len, prefix_len, cfg.sliding_window), decode=False)
+    work = prefill_work(per_chunk, input_len, prefix_len, cfg.sliding_window)
+    step = predict_phase(cfg, dep, hw, rank_load, work, decode=False)
     return chunks * step.step_ms
 
 
