@@ -331,13 +331,8 @@ class RuntimeConfig:
         if e.max_model_len is not None and e.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"engine.max_model_len={e.max_model_len} > the model's max_position_embeddings "
                              f"{mc.max_position_embeddings}")
-        tp = p.tensor_parallel_size
-        if mc.num_attention_heads % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads "
-                             f"{mc.num_attention_heads}")
-        if mc.attention == "gqa" and mc.num_key_value_heads % tp and tp % mc.num_key_value_heads:
-            raise ValueError(f"tensor_parallel_size={tp} must divide or be a multiple of num_key_value_heads "
-                             f"{mc.num_key_value_heads}")
+        if (problem := mc.tensor_parallel_problem(p.tensor_parallel_size)) is not None:
+            raise ValueError(problem)
         self.balancer.validate_for(mc.num_experts, p.expert_parallel_size)
 
 

@@ -184,6 +184,17 @@ class ModelConfig:
             raise ValueError(f"layer {i} out of range [0, {self.num_hidden_layers})")
         return self.sliding_window
 
+    def tensor_parallel_problem(self, tp: int) -> str | None:
+        """Why the attention heads cannot be split over ``tp`` ranks (naming the numbers), or None:
+        ``tp`` must divide the query heads and, for GQA, divide the kv heads or be a multiple of them
+        (each rank then holds a copy of its query heads' kv head, vLLM's rule)."""
+        if self.num_attention_heads % tp:
+            return f"tensor_parallel_size={tp} does not divide num_attention_heads {self.num_attention_heads}"
+        if self.attention == "gqa" and self.num_key_value_heads % tp and tp % self.num_key_value_heads:
+            return (f"tensor_parallel_size={tp} must divide or be a multiple of num_key_value_heads "
+                    f"{self.num_key_value_heads}")
+        return None
+
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))

@@ -58,8 +58,7 @@ def enumerate_layouts(cfg: ModelConfig, num_nodes: int, gpus_per_node: int, base
     fewest redundant slots that split evenly and one more slot per rank, two-batch overlap on and
     off when experts are spread."""
     out = []
-    tps = [t for t in (1, 2, 4, 8, 16) if gpus_per_node % t == 0 and cfg.num_attention_heads % t == 0
-           and not (cfg.attention == "gqa" and cfg.num_key_value_heads % t and t % cfg.num_key_value_heads)]
+    tps = [t for t in (1, 2, 4, 8, 16) if gpus_per_node % t == 0 and cfg.tensor_parallel_problem(t) is None]
     for nodes, tp in itertools.product(range(1, num_nodes + 1), tps):
         world = nodes * gpus_per_node
         eps = sorted({world, gpus_per_node, 1} if world > 1 else {1})
