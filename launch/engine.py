@@ -19,6 +19,7 @@ from launch.balancing import EplbDriver
 from launch.config import RuntimeConfig
 from launch.core import (
     BlockAllocator,
+    NoKVRoomError,
     RequestOutput,
     SampledTokens,
     SamplingParams,
@@ -71,8 +72,8 @@ def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_
             memory_utilization=e.memory_utilization,
             max_model_len=max_model_len, tensor_parallel_size=config.parallel.tensor_parallel_size,
         )
-    except ValueError as err:  # the budget nobody gave: say where it came from and what raises it
-        if e.memory is not None or not str(err).startswith("no room for the KV cache"):
+    except NoKVRoomError as err:  # the budget nobody gave: say where it came from and what raises it
+        if e.memory is not None:
             raise
         source = "this GPU's memory" if torch.cuda.is_available() else f"the CPU default {DEFAULT_CPU_MEMORY}"
         raise ValueError(f"{err} ({source}, as no memory budget was given: give one with --memory, e.g. "

@@ -7,7 +7,7 @@ so); torch is used by the sampler only.
 from launch.core.batch import BatchSpec, SampledTokens, ScheduledSequence, SchedulerOutput
 from launch.core.block_allocator import BlockAllocator, PrefixCacheStats
 from launch.core.detokenizer import IncrementalDetokenizer, find_stop_string
-from launch.core.kv_sizing import KVSizing, compute_kv_sizing, parse_memory
+from launch.core.kv_sizing import KVSizing, NoKVRoomError, compute_kv_sizing, parse_memory
 from launch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from launch.core.request import Request, Sequence, SequenceStatus
 from launch.core.sampler import Sampler, SamplerOutput, apply_sampling_filters
@@ -16,7 +16,7 @@ from launch.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
 __all__ = [
     "BatchSpec", "BlockAllocator", "CompletionOutput", "IncrementalDetokenizer", "KVSizing",
-    "PrefixCacheStats", "Request", "RequestMetrics", "RequestOutput", "SampledTokens", "Sampler",
+    "NoKVRoomError", "PrefixCacheStats", "Request", "RequestMetrics", "RequestOutput", "SampledTokens", "Sampler",
     "SamplerOutput", "SamplingParams", "ScheduledSequence", "Scheduler", "SchedulerConfig",
     "SchedulerOutput", "SchedulerStats", "Sequence", "SequenceStatus", "apply_sampling_filters",
     "compute_kv_sizing", "find_stop_string", "parse_memory",

@@ -31,6 +31,10 @@ _UNITS = {
 _MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
+class NoKVRoomError(ValueError):
+    """The weights (and reserved memory) leave no room for the KV cache in the memory budget."""
+
+
 class KVConfig(Protocol):
     """The fields of ``moe.config.ModelConfig`` sizing reads."""
 
@@ -127,7 +131,7 @@ def compute_kv_sizing(
     caches in that dtype, ``"fp8"`` in 1 byte. weight_dtype_bytes defaults to dtype_bytes.
     weight_bytes_per_rank: the rank's weights when the caller knows better than
     ``num_parameters() x bytes / tp`` (expert parallelism: ``parallel.costmodel``).
-    Raises ValueError when the weights leave no room for KV.
+    Raises NoKVRoomError (a ValueError) when the weights leave no room for KV.
     """
     memory, reserved = parse_memory(memory_bytes), parse_memory(reserved_bytes)
     tp = tensor_parallel_size
@@ -156,7 +160,7 @@ def compute_kv_sizing(
     budget = int(memory * memory_utilization) - weights - reserved
     if budget <= 0:
         held = f" and {format_memory(reserved)} reserved" if reserved else ""
-        raise ValueError(
+        raise NoKVRoomError(
             f"no room for the KV cache: the weights take {format_memory(weights)} per rank (tp={tp}){held} of "
             f"{memory_utilization:g} x {format_memory(memory)} = {format_memory(memory * memory_utilization)} "
             f"usable; KV needs {per_token:,} B per token (all layers) on top"
