@@ -15,7 +15,7 @@ from moe.layers.linear import Linear, kernel_weights
 from moe.layers.mla import DecodeAttentionOp
 from moe.layers.mlp import shard_linear_
 from moe.layers.norm import RMSNorm
-from moe.layers.paged import paged_attention, sdpa
+from moe.layers.paged import paged_attention, sdpa, window_sees_every_key
 from moe.layers.rope import apply_rotary
 from moe.plan_watch import WatchedModule
 
@@ -154,7 +154,7 @@ class GQAAttention(WatchedModule):
 
         def attend(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                    view: KVLayerView) -> torch.Tensor:
-            if window is not None and max(meta.context_lens_list) > window:  # the op sees every key
+            if not window_sees_every_key(meta.context_lens_list, window):  # the op sees every key
                 return self._forward_ops(x, cos, sin, meta, view)
             return run(x, cos, sin, view.pool, meta.slot_mapping, meta.block_tables, meta.context_lens)
 

@@ -65,6 +65,13 @@ def _slow_half_gemm(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not has_fast_bf16_gemm()
 
 
+def window_sees_every_key(context_lens: Sequence[int], sliding_window: int | None) -> bool:
+    """Whether decode queries at the ends of contexts of ``context_lens`` tokens see every key of
+    their context: full attention, or no context longer than the window (the query at L - 1 sees
+    keys L - w .. L - 1). The decode kernels, which take no window, serve exactly those."""
+    return sliding_window is None or max(context_lens) <= sliding_window
+
+
 def paged_attention(
     q: torch.Tensor, meta: AttentionMetadata, view: KVLayerView, out_dim: int,
     decode_fn: AttendFn, prefill_fn: AttendFn, sliding_window: int | None = None,
@@ -94,8 +101,7 @@ def paged_attention(
         tables = meta.block_tables if all_decode else meta.block_tables[idx]
         rows = None if all_decode else meta.query_start_loc[idx]
         lens = meta.context_lens_list if all_decode else [meta.context_lens_list[b] for b in dec]
-        # the kernel sees every key: with a window, only when every context fits in it
-        if decode_paged_fn is not None and (sliding_window is None or max(lens) <= sliding_window):
+        if decode_paged_fn is not None and window_sees_every_key(lens, sliding_window):
             if all_decode:
                 return decode_paged_fn(q, view, tables, ctx)
             out[rows] = decode_paged_fn(q[rows], view, tables, ctx)
