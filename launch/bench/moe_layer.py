@@ -748,11 +748,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for flag, bad in (("--tokens", next((t for t in args.tokens if t < 1), None)),
-                      ("--num-threads", args.num_threads if args.num_threads < 1 else None),
-                      ("--min-seconds", args.min_seconds if not args.min_seconds >= 0 else None)):
+    for flag, least, values in (("--tokens", 1, args.tokens), ("--num-threads", 1, [args.num_threads]),
+                                ("--min-seconds", 0, [args.min_seconds])):
+        bad = next((v for v in values if not v >= least), None)  # not >=: NaN too
         if bad is not None:
-            print(f"error: {flag} must be >= {0 if flag == '--min-seconds' else 1}, got {bad}", file=sys.stderr)
+            print(f"error: {flag} must be >= {least}, got {bad}", file=sys.stderr)
             return 2
     if args.json and (problem := output_file_problem(args.json)) is not None:
         print(f"error: --json: {problem}", file=sys.stderr)
