@@ -87,6 +87,8 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
     if engine is None:
         from launch.async_llm import AsyncLLM
         engine = AsyncLLM.from_config(cfg)
+    if (warning := kv_pool_warning(engine.engine)) is not None:
+        logger.warning("%s", warning)
     done = False
 
     @contextlib.asynccontextmanager
@@ -109,6 +111,19 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
     finally:
         if not done:  # the server never started (e.g. the port was taken)
             await _shutdown(engine)
+
+
+def kv_pool_warning(engine: Any) -> str | None:
+    """What to warn of when one DP rank's KV pool cannot hold a request of ``max_model_len``
+    tokens (vLLM refuses to start then; here only requests that need more get a 400),
+    else None. ``engine``: an ``LLMEngine`` (reads ``num_kv_blocks``, ``max_model_len``, the block size)."""
+    block_size = engine.config.engine.block_size
+    pool_tokens = engine.num_kv_blocks * block_size
+    if pool_tokens >= engine.max_model_len - 1:  # the last token is never fed back (request_kv_tokens)
+        return None
+    return (f"the KV pool holds {pool_tokens} tokens per DP rank ({engine.num_kv_blocks} blocks of {block_size}), "
+            f"less than max_model_len={engine.max_model_len}: a request whose prompt and max_tokens need more gets a 400; "
+            "give more --memory or --num-kv-blocks, or a smaller --max-model-len")
 
 
 def check_serve_config(cfg: RuntimeConfig) -> None:

@@ -94,3 +94,23 @@ def test_demo_checks_what_serve_checks_before_the_ranks_start(capsys, monkeypatc
         port = taken.getsockname()[1]
         assert demo.main(["--port", str(port)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+
+
+def test_kv_pool_smaller_than_max_model_len_is_warned_of(tiny_ckpt):
+    """A pool that cannot hold a max_model_len request (vLLM refuses to start): the warning names
+    the pool, the length and the flags; a pool that holds max_model_len - 1 slots (the last token is
+    never fed back) is enough."""
+    from launch.config import RuntimeConfig
+    from launch.engine import LLMEngine
+    from launch.serve import kv_pool_warning
+
+    def engine(max_model_len: int) -> LLMEngine:
+        return LLMEngine(RuntimeConfig.from_dict({
+            "model": str(tiny_ckpt), "engine": {"dtype": "float32", "max_model_len": max_model_len,
+                                                "num_kv_blocks": 4, "block_size": 16}}))
+
+    warning = kv_pool_warning(engine(66))
+    assert warning is not None and "64 tokens per DP rank (4 blocks of 16)" in warning
+    assert "max_model_len=66" in warning and "--num-kv-blocks" in warning and "\n" not in warning
+    assert kv_pool_warning(engine(65)) is None
+    assert kv_pool_warning(engine(64)) is None
