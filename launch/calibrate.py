@@ -149,7 +149,7 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
     recorder = _StepRecorder(engine.executor)
     engine.executor = recorder
     rng = random.Random(batch)
-    vocab = [t for t in range(engine.model_config.vocab_size) if t not in engine.model_config.eos_token_ids]
+    vocab = [t for t in range(engine.model_config.vocab_size) if t not in engine.eos_token_ids]
     params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + context + 8, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(engine.next_request_id(), [rng.choice(vocab) for _ in range(context)], params)

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -137,6 +138,8 @@ class LLMEngine:
         path, self.model_config = plan.model_path, plan.model_config
         self.max_model_len, self.num_kv_blocks, self.placement = plan.max_model_len, plan.num_kv_blocks, plan.placement
         self.tokenizer = _load_tokenizer(path)
+        # where generation stops: generation_config.json's, config.json's and the tokenizer's eos ids
+        self.eos_token_ids = _eos_token_ids(path, self.tokenizer)
         e, p = config.engine, config.parallel
         self.dtype = resolve_dtype(e.dtype, self.model_config)
         world = p.world_size
@@ -161,9 +164,9 @@ class LLMEngine:
                 max_model_len=self.max_model_len, enable_chunked_prefill=e.enable_chunked_prefill,
                 dp_size=p.data_parallel_size, block_size=e.block_size,
             )
-            eos = self.model_config.eos_token_ids
             decode = self.tokenizer.decode if self.tokenizer is not None else None
-            self.scheduler = Scheduler(sched, self._new_allocators(), eos_token_ids=eos, decode=decode)
+            self.scheduler = Scheduler(sched, self._new_allocators(), eos_token_ids=self.eos_token_ids,
+                                       decode=decode)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -336,6 +339,16 @@ def step_timeout_s(config: RuntimeConfig) -> float:
     if config.recovery.step_timeout_s is not None:
         return float(config.recovery.step_timeout_s)
     return 2 * config.parallel.collective_timeout_s + 30.0
+
+
+def _eos_token_ids(path: Path, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end generation: the tokenizer's (generation_config.json's, config.json's and
+    its eos token's), or without a tokenizer the two files' (launch.tokenizer.checkpoint_eos_token_ids)."""
+    if tokenizer is not None:
+        return tuple(tokenizer.eos_token_ids)
+    from launch.tokenizer import checkpoint_eos_token_ids
+
+    return checkpoint_eos_token_ids(path)
 
 
 def _load_tokenizer(path):

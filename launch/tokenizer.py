@@ -131,6 +131,18 @@ def _as_id_list(value: Any, path: Path, key: str) -> list[int]:
     raise TokenizerError(f"{path}: {key} must be a non-negative integer or a list of them, got {value!r:.100}")
 
 
+def checkpoint_eos_token_ids(directory: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids a checkpoint directory names without its tokenizer: the union, in
+    this order, of ``generation_config.json`` and ``config.json`` ``eos_token_id`` (each an id or a
+    list; a missing file names none). ``Tokenizer.eos_token_ids`` adds the tokenizer's eos token.
+    TokenizerError naming the file for an id that is not a non-negative integer."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = Path(directory) / name
+        ids += _as_id_list(_read_json(path).get("eos_token_id"), path, "eos_token_id")
+    return tuple(dict.fromkeys(ids))
+
+
 def _as_id(value: Any, path: Path, key: str) -> int | None:
     """``value`` as one token id (None stays None); TokenizerError naming ``path`` and ``key`` otherwise."""
     if value is None or _is_id(value):
@@ -234,8 +246,7 @@ class Tokenizer:
             directory / name for name in ("tokenizer_config.json", "generation_config.json", "config.json"))
         cfg, gen, model = _read_json(cfg_file), _read_json(gen_file), _read_json(model_file)
         bos, eos = _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token"))
-        eos_ids = (_as_id_list(gen.get("eos_token_id"), gen_file, "eos_token_id")
-                   + _as_id_list(model.get("eos_token_id"), model_file, "eos_token_id"))
+        eos_ids = list(checkpoint_eos_token_ids(directory))
         if eos is not None and tok.token_to_id(eos) is not None:
             eos_ids.append(tok.token_to_id(eos))
         if "bos_token_id" in gen:

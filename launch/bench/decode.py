@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         matmul_flops, matmul_name = measure_matmul_flops(worker.dtype, device=worker.device)
         weights = compute_weight_bytes(worker.model)
         kv_per_token = mc.kv_bytes_per_token(worker.kv_cache.pools[0].element_size())
-        vocab = [t for t in range(mc.vocab_size) if t not in mc.eos_token_ids]
+        vocab = [t for t in range(mc.vocab_size) if t not in engine.eos_token_ids]
         rows = []
         for b in args.batch_sizes:
             breakdown: dict[str, float] | None = {} if args.breakdown else None

@@ -181,7 +181,7 @@ def run_decode(engine: Any, batch_size: int, context_len: int, steps: int, warmu
     the number of decode steps left out because a rebalance ran in them."""
     executor, scheduler = engine.executor, engine.scheduler
     mc = engine.model_config
-    vocab = [t for t in range(mc.vocab_size) if t not in mc.eos_token_ids]
+    vocab = [t for t in range(mc.vocab_size) if t not in engine.eos_token_ids]
     rng = random.Random(seed)
     prefill_steps = num_prefill_steps(batch_size, context_len, engine.config.engine.max_num_batched_tokens)
     max_steps = 2 * (warmup_steps + steps) + 4 * prefill_steps + 16
