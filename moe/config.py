@@ -17,6 +17,11 @@ Semantics follow Hugging Face transformers (the numerical oracle):
 - ``sliding_window`` (GQA only): Mixtral applies it to every layer whenever it is set;
   Qwen3-MoE only when ``use_sliding_window``, then to every layer (transformers 5.24's
   Qwen3-MoE reads neither ``max_window_layers`` nor ``layer_types``, so neither do we).
+- A field the config.json leaves out takes transformers' default for the family
+  (``_HF_DEFAULTS``; e.g. DeepSeek-V3's ``n_shared_experts`` 1, ``n_group`` 8, ``topk_group`` 4),
+  since the checkpoint was shaped by those; booleans must be JSON booleans.
+- One exception: DeepSeek's ``moe_layer_freq`` (dense every layer ``i % freq != 0``) is
+  applied as DeepSeek's code and vLLM do; transformers ignores it. Released checkpoints use 1.
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ ARCHITECTURES = {
 }
 _MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
 _DEFAULT_THETA = {"mixtral": 1_000_000.0}
+# transformers' defaults (its config classes' __init__) for fields a config.json may leave out
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"max_position_embeddings": 4096, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+                    "q_lora_rank": 1536},
+    "deepseek_v2": {"max_position_embeddings": 2048, "n_shared_experts": 2, "q_lora_rank": 1536},
+    "mixtral": {"max_position_embeddings": 131072, "num_key_value_heads": 8},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096},
+}
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim", "attention_factor", "truncate")
 
@@ -139,7 +152,13 @@ class ModelConfig:
         if self.topk_method == "noaux_tc" and self.num_experts // self.n_group < 2:
             raise ValueError("noaux_tc needs at least 2 experts per group (group score = top-2 sum)")
         if self.moe_layer_freq < 1 or self.decoder_sparse_step < 1:
-            raise ValueError("moe_layer_freq and decoder_sparse_step must be >= 1")
+            raise ValueError(f"moe_layer_freq and decoder_sparse_step must be >= 1, got {self.moe_layer_freq} "
+                             f"and {self.decoder_sparse_step}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if not self.moe_layer_ids:
+            raise ValueError(f"no MoE layer: {self._dense_layer_fields()} leave all {self.num_hidden_layers} "
+                             "layers dense, and this runtime serves mixture-of-experts models")
         if self.sliding_window is not None and (self.attention != "gqa" or self.sliding_window <= 0):
             raise ValueError(f"sliding_window {self.sliding_window} needs GQA attention and a positive size")
 
@@ -194,6 +213,14 @@ class ModelConfig:
             return (f"tensor_parallel_size={tp} must divide or be a multiple of num_key_value_heads "
                     f"{self.num_key_value_heads}")
         return None
+
+    def _dense_layer_fields(self) -> str:
+        """The fields that make layers dense, with their values (for messages)."""
+        if self.architecture in ("deepseek_v2", "deepseek_v3"):
+            return f"first_k_dense_replace={self.first_k_dense_replace}, moe_layer_freq={self.moe_layer_freq}"
+        if self.architecture == "qwen3_moe":
+            return f"mlp_only_layers={list(self.mlp_only_layers)}, decoder_sparse_step={self.decoder_sparse_step}"
+        return "the config's fields"
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -345,6 +372,22 @@ def _int(raw: dict[str, Any], key: str, *aliases: str, default: Any = _REQUIRED)
     return default
 
 
+def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
+    """Config field ``key`` as a JSON boolean (``default`` when absent or null); the string
+    ``"false"`` is truthy in Python, so anything but a boolean is an error, as in transformers."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"config field {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _default(arch: str, key: str, fallback: Any = _REQUIRED) -> Any:
+    """transformers' default for ``key`` in family ``arch`` (``_HF_DEFAULTS``), else ``fallback``."""
+    return _HF_DEFAULTS[arch].get(key, fallback)
+
+
 def _rope_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
@@ -388,9 +431,9 @@ def _common_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[
         hidden_size=_int(raw, "hidden_size"),
         num_hidden_layers=_int(raw, "num_hidden_layers"),
         num_attention_heads=_int(raw, "num_attention_heads"),
-        max_position_embeddings=_int(raw, "max_position_embeddings", default=4096),
+        max_position_embeddings=_int(raw, "max_position_embeddings", default=_default(arch, "max_position_embeddings")),
         rms_norm_eps=_as_float("rms_norm_eps", raw.get("rms_norm_eps", 1e-5 if arch == "mixtral" else 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
         hidden_act=act,
         eos_token_ids=eos_ids,
         bos_token_id=raw.get("bos_token_id"),
@@ -420,7 +463,8 @@ def _deepseek_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dic
         attention="mla",
         num_key_value_heads=heads,
         head_dim=nope + rope,
-        q_lora_rank=_int(raw, "q_lora_rank", default=None),
+        # absent: transformers' 1536; null: no q compression (V2-Lite's checkpoints say so)
+        q_lora_rank=_int(raw, "q_lora_rank", default=None) if "q_lora_rank" in raw else _default(arch, "q_lora_rank"),
         kv_lora_rank=_int(raw, "kv_lora_rank"),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
@@ -429,25 +473,29 @@ def _deepseek_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dic
         moe_intermediate_size=_int(raw, "moe_intermediate_size"),
         num_experts=_int(raw, "n_routed_experts", "num_local_experts", "num_experts"),
         num_experts_per_tok=_int(raw, "num_experts_per_tok"),
-        num_shared_experts=_int(raw, "n_shared_experts", default=0),
-        n_group=(_int(raw, "n_group", default=1) or 1) if grouped else 1,
-        topk_group=(_int(raw, "topk_group", default=1) or 1) if grouped else 1,
+        num_shared_experts=_int(raw, "n_shared_experts", default=0 if "n_shared_experts" in raw
+                                else _default(arch, "n_shared_experts")),
+        n_group=(_int(raw, "n_group", default=1 if "n_group" in raw else _default(arch, "n_group", 1)) or 1)
+        if grouped else 1,
+        topk_group=(_int(raw, "topk_group", default=1 if "topk_group" in raw else _default(arch, "topk_group", 1))
+                    or 1) if grouped else 1,
         scoring_func=scoring,
         topk_method=method,
         # transformers' DeepseekV2 router never renormalises the top-k weights
-        norm_topk_prob=bool(raw.get("norm_topk_prob", v3)) if v3 else False,
+        norm_topk_prob=_bool(raw, "norm_topk_prob", True) if v3 else False,
         routed_scaling_factor=_as_float("routed_scaling_factor", raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
         first_k_dense_replace=_int(raw, "first_k_dense_replace", default=3 if v3 else 0),
-        moe_layer_freq=_int(raw, "moe_layer_freq", default=1) or 1,
+        moe_layer_freq=_int(raw, "moe_layer_freq", default=1),
         # V3's interleave is a flag; V2's checkpoints are always in the interleaved-pair layout
-        rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,
-        attention_bias=bool(raw.get("attention_bias", False)),
+        rope_interleave=_bool(raw, "rope_interleave", True) if v3 else True,
+        attention_bias=_bool(raw, "attention_bias", False),
     )
 
 
-def _sliding_window(raw: dict[str, Any], enabled: bool, problems: list[str]) -> int | None:
-    """The window transformers applies (None when off or unset); a bad value is a problem."""
-    window = raw.get("sliding_window")
+def _sliding_window(raw: dict[str, Any], arch: str, enabled: bool, problems: list[str]) -> int | None:
+    """The window transformers applies (None when off or null; absent: the family's default);
+    a bad value is a problem."""
+    window = raw.get("sliding_window", _default(arch, "sliding_window", None))
     if not enabled or window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
@@ -456,13 +504,15 @@ def _sliding_window(raw: dict[str, Any], enabled: bool, problems: list[str]) -> 
     return window
 
 
-def _gqa_common(raw: dict[str, Any]) -> dict[str, Any]:
+def _gqa_common(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     heads = _int(raw, "num_attention_heads")
     # heads <= 0: leave head_dim 0 for __post_init__ to name num_attention_heads
     derived = _int(raw, "hidden_size") // heads if heads > 0 else 0
     return dict(
         attention="gqa",
-        num_key_value_heads=_int(raw, "num_key_value_heads", default=0) or heads,
+        # absent: transformers' default; null (or 0): one kv head per query head, as transformers
+        num_key_value_heads=(_int(raw, "num_key_value_heads", default=0) if "num_key_value_heads" in raw
+                             else _default(arch, "num_key_value_heads")) or heads,
         head_dim=_int(raw, "head_dim", default=0) or derived,
         num_experts_per_tok=_int(raw, "num_experts_per_tok"),
     )
@@ -470,25 +520,25 @@ def _gqa_common(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _mixtral_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     inter = _int(raw, "intermediate_size")
-    out = _gqa_common(raw)
+    out = _gqa_common(raw, "mixtral")
     out.update(intermediate_size=inter, moe_intermediate_size=inter,
                num_experts=_int(raw, "num_local_experts", "num_experts"), norm_topk_prob=True,
-               sliding_window=_sliding_window(raw, True, problems))
+               sliding_window=_sliding_window(raw, "mixtral", True, problems))
     return out
 
 
 def _qwen3_fields(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-    out = _gqa_common(raw)
+    out = _gqa_common(raw, "qwen3_moe")
     out.update(
         intermediate_size=_int(raw, "intermediate_size"),
         moe_intermediate_size=_int(raw, "moe_intermediate_size"),
         num_experts=_int(raw, "num_experts", "num_local_experts"),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        norm_topk_prob=_bool(raw, "norm_topk_prob", False),
         mlp_only_layers=_mlp_only_layers(raw),
-        decoder_sparse_step=_int(raw, "decoder_sparse_step", default=1) or 1,
+        decoder_sparse_step=_int(raw, "decoder_sparse_step", default=1),
         qk_norm=True,
-        attention_bias=bool(raw.get("attention_bias", False)),
-        sliding_window=_sliding_window(raw, bool(raw.get("use_sliding_window", False)), problems),
+        attention_bias=_bool(raw, "attention_bias", False),
+        sliding_window=_sliding_window(raw, "qwen3_moe", _bool(raw, "use_sliding_window", False), problems),
     )
     return out
 

@@ -120,7 +120,7 @@ def test_yarn_softmax_scale_deepseek_v3() -> None:
     cfg = ModelConfig.from_hf(dict(
         architectures=["DeepseekV3ForCausalLM"], vocab_size=32, hidden_size=32, num_hidden_layers=1,
         num_attention_heads=2, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, qk_nope_head_dim=128,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=8, max_position_embeddings=163840,
         rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
                           beta_slow=1, mscale=1.0, mscale_all_dim=1.0)))

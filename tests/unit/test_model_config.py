@@ -206,3 +206,59 @@ def test_tiny_checkpoints_agree_with_transformers(hf_checkpoints: dict[str, Path
     assert cfg.moe_layer_ids == expected
     model = MoEModel(cfg, dtype=torch.float32)
     assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
+
+
+FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2_LITE, "mixtral": MIXTRAL_8X7B,
+            "qwen3_moe": dict(QWEN3_30B_A3B, use_sliding_window=True)}
+OUR_NAMES = {"n_shared_experts": "num_shared_experts"}
+
+
+@pytest.mark.parametrize(("family", "key"), [
+    ("deepseek_v3", "n_shared_experts"), ("deepseek_v3", "n_group"), ("deepseek_v3", "topk_group"),
+    ("deepseek_v3", "q_lora_rank"), ("deepseek_v3", "max_position_embeddings"),
+    ("deepseek_v2", "n_shared_experts"), ("deepseek_v2", "q_lora_rank"), ("deepseek_v2", "max_position_embeddings"),
+    ("mixtral", "num_key_value_heads"), ("mixtral", "max_position_embeddings"),
+    ("qwen3_moe", "max_position_embeddings"), ("qwen3_moe", "sliding_window"),
+])
+def test_a_field_left_out_takes_transformers_default(tmp_path: Path, family: str, key: str) -> None:
+    """The checkpoint was shaped by transformers' defaults: a DeepSeek-V3 config without
+    n_shared_experts has one shared expert (it was read as none, silently dropping its weights)."""
+    import transformers
+
+    raw = {k: v for k, v in FAMILIES[family].items() if k != key}
+    (tmp_path / "config.json").write_text(json.dumps(dict(raw, model_type=family)))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = ModelConfig.from_hf(raw, strict=False)
+    assert getattr(ours, OUR_NAMES.get(key, key)) == getattr(hf, key)
+
+
+def test_null_keeps_its_meaning_where_transformers_gives_one() -> None:
+    """null q_lora_rank is V2-Lite's "no q compression"; null kv heads is one per query head."""
+    assert ModelConfig.from_hf(DEEPSEEK_V2_LITE).q_lora_rank is None
+    assert ModelConfig.from_hf(dict(MIXTRAL_8X7B, num_key_value_heads=None)).num_key_value_heads == 32
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "attention_bias"])
+@pytest.mark.parametrize("value", ["false", 0, 1, "yes"])
+def test_booleans_must_be_json_booleans(key: str, value: object) -> None:
+    """The string "false" is truthy: it tied the lm head, renormalised, windowed; now refused."""
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf(dict(QWEN3_30B_A3B, **{key: value}))
+    assert str(e.value) == f"config field {key!r} must be true or false, got {value!r}"
+    absent = {k: v for k, v in QWEN3_30B_A3B.items() if k != key}
+    assert ModelConfig.from_hf(dict(QWEN3_30B_A3B, **{key: None})) == ModelConfig.from_hf(absent)
+
+
+@pytest.mark.parametrize(("raw", "match"), [
+    (dict(MIXTRAL_8X7B, rms_norm_eps=-1), "rms_norm_eps must be positive, got -1"),
+    (dict(MIXTRAL_8X7B, rms_norm_eps=0), "rms_norm_eps must be positive"),
+    (dict(QWEN3_30B_A3B, decoder_sparse_step=0), "decoder_sparse_step must be >= 1, got 1 and 0"),
+    (dict(DEEPSEEK_V2_LITE, moe_layer_freq=0), "must be >= 1, got 0 and 1"),
+    (dict(DEEPSEEK_V2_LITE, num_hidden_layers=3, first_k_dense_replace=3),
+     r"no MoE layer: first_k_dense_replace=3, moe_layer_freq=1 leave all 3 layers dense"),
+    (dict(QWEN3_30B_A3B, num_hidden_layers=2, mlp_only_layers=[0, 1]),
+     r"no MoE layer: mlp_only_layers=\[0, 1\], decoder_sparse_step=1 leave all 2 layers"),
+])
+def test_values_transformers_would_compute_nonsense_or_crash_on(raw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(raw)
