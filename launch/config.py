@@ -319,6 +319,9 @@ class RuntimeConfig:
     def check_model_path(self) -> Path:
         """The checkpoint directory; raises FileNotFoundError naming what is missing."""
         path = Path(self.model)
+        if path.is_file():
+            raise FileNotFoundError(f"model {self.model!r} is a file: give the checkpoint directory"
+                                    f" that holds it ({str(path.parent)!r})")
         if not (path / "config.json").is_file():
             hint = " (hub names need the files downloaded first)" if not path.exists() else ""
             raise FileNotFoundError(f"model {self.model!r}: no config.json in that directory{hint}")

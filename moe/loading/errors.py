@@ -29,11 +29,12 @@ class CheckpointFormatError(LoadError, ValueError):
 class MissingTensorError(LoadError, ValueError):
     """A tensor the model needs is in no shard of the checkpoint."""
 
-    def __init__(self, canonical: str, tried: list[str], where: str) -> None:
+    def __init__(self, canonical: str, tried: list[str], where: str, hint: str = "") -> None:
         self.canonical = canonical
         self.tried = list(tried)
         names = ", ".join(repr(t) for t in tried)
-        super().__init__(f"{where}: tensor {canonical!r} not found; looked for checkpoint name(s) {names}")
+        super().__init__(f"{where}: tensor {canonical!r} not found; looked for checkpoint name(s) {names}"
+                         + (f"; {hint}" if hint else ""))
 
 
 class TensorShapeError(LoadError, ValueError):

@@ -11,6 +11,7 @@ I expert intermediate size, D hidden size.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from moe.loading.checkpoint import Checkpoint, TensorInfo
@@ -28,6 +29,8 @@ from moe.loading.names import (
 SUPPORTED_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"})
 EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
+# config.json fields that decide which layers have routed experts (DeepSeek, Qwen3-MoE)
+_DENSE_LAYER_FIELDS = ("first_k_dense_replace", "moe_layer_freq", "mlp_only_layers", "decoder_sparse_step")
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ class Planner:
             tried.append(EMBED_NAME)
         key = next((k for k in tried if k in self.ckpt), None)
         if key is None:
-            raise MissingTensorError(request.name, tried, str(self.ckpt.root))
+            raise MissingTensorError(request.name, tried, str(self.ckpt.root), self._layer_kind_hint(request.name))
         self._check_shape(request.name, key, request.shape)
         return TensorPlan(request, (Copy(key),), self._info(key).dtype)
 
@@ -187,7 +190,30 @@ class Planner:
                 if expert >= num_experts:
                     raise MissingTensorError(label, [f"{key}[{expert}] (holds {num_experts} experts)"], str(self.ckpt.root))
                 return [Copy(key, index=expert, transpose=transposed, slots=slots)]
-        raise MissingTensorError(label, tried, str(self.ckpt.root))
+        raise MissingTensorError(label, tried, str(self.ckpt.root), self._layer_kind_hint(canonical))
+
+    def _layer_kind_hint(self, canonical: str) -> str:
+        """Why a layer's FFN tensor may be missing: the checkpoint's layer is the other kind (routed
+        experts where the config has a dense MLP, or the reverse), named with the config fields that
+        decide the kind; "" when that is not it."""
+        match = re.match(r"model\.layers\.(\d+)\.mlp\.(experts\.|gate\.|shared_experts?\.|gate_proj|up_proj|down_proj)",
+                         canonical)
+        if match is None:
+            return ""
+        layer, wants_experts = int(match.group(1)), not match.group(2).endswith("_proj")
+        prefix = f"model.layers.{layer}."
+        has_experts = any(k.startswith(prefix) and ".experts." in k and "shared_expert" not in k
+                          for k in self.ckpt.keys())
+        if has_experts == wants_experts:
+            return ""
+        cfg = self.ckpt.config
+        fields = ", ".join(f"{k}={cfg[k]!r}" for k in _DENSE_LAYER_FIELDS if k in cfg) or "its defaults"
+        kinds = ("a dense MLP", "routed experts") if wants_experts else ("routed experts", "a dense MLP")
+        hint = f"the checkpoint's layer {layer} has {kinds[0]} where the config ({fields}) makes {kinds[1]}"
+        if cfg.get("moe_layer_freq", 1) != 1:
+            hint += (" (moe_layer_freq is applied as DeepSeek's code and vLLM do, layer i dense unless "
+                     "i % moe_layer_freq == 0; transformers ignores it)")
+        return hint
 
     def _fused_layout(self, block: str, key: str, canonical: str, inter: int, hidden: int) -> bool:
         if block not in self._layouts:

@@ -1,5 +1,6 @@
-"""Generation stops on every eos id the checkpoint names: generation_config.json's (where Qwen3
-and others list theirs), config.json's and the tokenizer's eos token, with or without a tokenizer."""
+"""What the engine takes from a checkpoint beside its weights: every eos id it names
+(generation_config.json's, where Qwen3 and others list theirs, config.json's and the tokenizer's
+eos token, with or without a tokenizer), and a warning for tensors nothing reads."""
 
 from __future__ import annotations
 
@@ -31,3 +32,24 @@ def test_generation_config_eos_ends_generation(tiny_ckpt, tiny_ckpt_with_tokeniz
         ignored = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
     assert list(out.token_ids) == tokens[:stop_at + 1] and out.finish_reason == "stop"
     assert list(ignored.token_ids) == tokens and ignored.finish_reason == "length"
+
+
+def test_checkpoint_tensors_nothing_reads_are_warned_of(tiny_ckpt, tmp_path, caplog):
+    """A tensor the config does not account for (here an attention bias the config says is absent)
+    would be dropped without a word: the load names it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt, path)
+    tensors = load_file(path / "model.safetensors")
+    save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": torch.zeros(4)}, path / "model.safetensors")
+    with caplog.at_level("WARNING", logger="launch.worker"), LLM(str(path), dtype="float32"):
+        pass
+    warned = [r.getMessage() for r in caplog.records if r.name == "launch.worker"]
+    assert warned == [f"{path}: 1 checkpoint tensor(s) that no part of the model reads, e.g. "
+                      "'model.layers.0.self_attn.o_proj.bias': config.json may not describe this checkpoint"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="launch.worker"), LLM(str(tiny_ckpt), dtype="float32"):
+        pass
+    assert not [r for r in caplog.records if r.name == "launch.worker"]

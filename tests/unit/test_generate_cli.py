@@ -170,6 +170,22 @@ def test_model_and_memory_problems_are_one_line_errors(tiny_ckpt_with_tokenizer,
          f"error: {tmp_path}/noweights: no safetensors weights found"),
         (["--model", str(broken("shape", {"moe_intermediate_size": 48}))],
          f"error: {tmp_path}/shape/model.safetensors: shape mismatch for "),
+        (["--model", str(ckpt / "model.safetensors")],
+         f"error: model '{ckpt}/model.safetensors' is a file: give the checkpoint directory that holds it "
+         f"('{ckpt}')"),
+        # the config's dense layers are not the checkpoint's: the message says which layer and fields
+        (["--model", str(broken("freq", {"moe_layer_freq": 2}))],
+         f"error: {tmp_path}/freq: tensor 'model.layers.1.mlp.gate_proj.weight' not found; looked for checkpoint "
+         "name(s) 'model.layers.1.mlp.gate_proj.weight'; the checkpoint's layer 1 has routed experts where the "
+         "config (first_k_dense_replace=1, moe_layer_freq=2) makes a dense MLP (moe_layer_freq is applied as "
+         "DeepSeek's code and vLLM do, layer i dense unless i % moe_layer_freq == 0; transformers ignores it)"),
+        (["--model", str(broken("first", {"first_k_dense_replace": 0}))],
+         f"error: {tmp_path}/first: tensor 'model.layers.0.mlp.gate.weight' not found; looked for checkpoint "
+         "name(s) 'model.layers.0.mlp.gate.weight'; the checkpoint's layer 0 has a dense MLP where the config "
+         "(first_k_dense_replace=0, moe_layer_freq=1) makes routed experts"),
+        (["--model", str(broken("alldense", {"first_k_dense_replace": 9}))],
+         f"error: model '{tmp_path}/alldense': no MoE layer: first_k_dense_replace=9, moe_layer_freq=1 leave "
+         "all 3 layers dense"),
     ]
     for flags, message in cases:
         rc = main(["--input", str(src), "--output", str(dst), *flags])
