@@ -282,7 +282,10 @@ class AsyncLLM:
         directory = directory or self.runtime_config.server.expert_distribution_dir
         if directory is None:
             raise ValueError("no directory for the dump: set server.expert_distribution_dir")
-        return self.call(lambda e: self._eplb().dump_record(directory))
+        from launch.profile.dumps import model_metadata
+
+        # n_group and the MoE layer ids let `profile report` draw the dump as `profile run` would.
+        return self.call(lambda e: self._eplb().dump_record(directory, metadata=model_metadata(e.model_config)))
 
     # ---- lifecycle ---------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """``python -m launch profile report DUMP... --out DIR`` and ``profile run --model DIR --workload W --out DIR``.
 
 Bad input (unreadable or mismatched dumps, a pickle with code in it, an EP size that does not
-divide the experts, an unknown workload) prints one line ``error: ...`` and exits 2.
+divide the experts, an unknown workload) prints one line ``error: ...`` and exits 2. Of several
+dumps, the empty ones are skipped with one ``warning: ...`` line; only empty ones is an error.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def report_main(argv: list[str]) -> int:
 
     try:
         recording = read_recording(args.dumps)
+        if recording.skipped:
+            print(f"warning: skipped {len(recording.skipped)} dump(s) with no recorded steps: "
+                  + ", ".join(path for path, _ in recording.skipped), file=sys.stderr)
         page = write_report(recording, args.out, options_from_args(args))
     except DumpError as e:
         print(f"error: {e}", file=sys.stderr)

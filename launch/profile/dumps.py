@@ -3,18 +3,34 @@ and the checks every reader applies. Shape legend: S steps, L layers, E experts,
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Dump", "DumpError", "Recording", "check_counts", "check_dropped", "check_logical", "check_placement",
-           "physical_to_logical"]
+__all__ = ["Dump", "DumpError", "EmptyDumpError", "Recording", "check_counts", "check_dropped", "check_logical",
+           "check_placement", "model_metadata", "physical_to_logical"]
+
+# Metadata keys of our safetensors dump that carry what the report needs from the model.
+META_N_GROUP = "n_group"
+META_MOE_LAYERS = "moe_layer_ids"
 
 
 class DumpError(ValueError):
     """A dump that cannot be read as expert counts; the message names the file."""
+
+
+class EmptyDumpError(DumpError):
+    """A readable dump that holds no recorded steps (or only steps without tokens)."""
+
+
+def model_metadata(model_config: Any) -> dict[str, str]:
+    """The dump metadata the report reads back (``n_group``, ``moe_layer_ids`` as JSON) from a
+    ``moe.config.ModelConfig``, so a report from the dump draws what ``profile run`` drew."""
+    return {META_N_GROUP: str(int(model_config.n_group or 1)),
+            META_MOE_LAYERS: json.dumps([int(x) for x in model_config.moe_layer_ids])}
 
 
 @dataclass(frozen=True)
@@ -26,7 +42,9 @@ class Dump:
     phy2log: [L, P] int64 placement in force (the last one when it changed), or None;
     num_ranks: EP size of that placement when the dump records it; dropped: [S, L] or None;
     phases: (name, first step, end step) of workload phases, steps relative to this dump;
-    ranks: SGLang ranks whose records a per_pass dump holds.
+    ranks: SGLang ranks whose records a per_pass dump holds; n_group: the model's expert
+    groups and model_layers: the model layer id of each of the L MoE layers, when the dump
+    records them (ours, metadata ``n_group`` / ``moe_layer_ids``).
     """
 
     path: str
@@ -39,6 +57,8 @@ class Dump:
     phases: tuple[tuple[str, int, int], ...] = ()
     ranks: frozenset[int] = field(default_factory=frozenset)
     pass_ids: np.ndarray | None = None
+    n_group: int | None = None
+    model_layers: tuple[int, ...] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -47,11 +67,13 @@ class Dump:
 
 @dataclass(frozen=True)
 class Recording:
-    """Dumps concatenated in time (same L and E). ``logical_count`` [S, L, E] float64."""
+    """Dumps concatenated in time (same L and E). ``logical_count`` [S, L, E] float64;
+    ``skipped``: (path, reason) of the given dumps left out because they hold no steps."""
 
     dumps: tuple[Dump, ...]
     logical_count: np.ndarray
     dropped: np.ndarray | None
+    skipped: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_steps(self) -> int:
@@ -69,6 +91,20 @@ class Recording:
     def offsets(self) -> list[int]:
         """First step of each dump in the concatenated recording."""
         return [int(x) for x in np.cumsum([0] + [d.num_steps for d in self.dumps])[:-1]]
+
+    @property
+    def num_groups(self) -> int | None:
+        """The model's expert groups when the dumps record it (and agree), it is above 1 and
+        divides E (what the hierarchical what-if uses); else None."""
+        said = {d.n_group for d in self.dumps if d.n_group is not None}
+        groups = said.pop() if len(said) == 1 else None
+        return groups if groups and groups > 1 and self.num_experts % groups == 0 else None
+
+    @property
+    def model_layers(self) -> list[int] | None:
+        """Model layer id of each MoE layer when the dumps record them (and agree); else None."""
+        said = {d.model_layers for d in self.dumps if d.model_layers is not None}
+        return list(said.pop()) if len(said) == 1 else None
 
     @property
     def phases(self) -> list[tuple[str, int, int]]:
@@ -106,7 +142,7 @@ def check_logical(path: Path, value: Any) -> np.ndarray:
     if arr.ndim == 2:
         arr = arr[None]
     if arr.shape[0] == 0:
-        raise DumpError(f"{path}: holds no recorded steps (logical_count is {list(arr.shape)})")
+        raise EmptyDumpError(f"{path}: holds no recorded steps (logical_count is {list(arr.shape)})")
     if arr.shape[1] == 0 or arr.shape[2] == 0:
         raise DumpError(f"{path}: logical_count {list(arr.shape)} has no layers or no experts")
     return arr

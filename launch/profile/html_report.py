@@ -71,7 +71,7 @@ def _recommendation(rec: dict) -> str:
 def _layer_table(summary: dict) -> str:
     rows = []
     for x in summary["layers"]:
-        hot = ", ".join(f"{i} ({s:.1%})" for i, s in zip(x["hot_experts"], x["load_share"]))
+        hot = ", ".join(f"{i} ({s:.1%})" for i, s in zip(x["hot_experts"], x["load_share"])) or "idle (no tokens)"
         loads = x["rank_load"]
         mean = sum(loads) / len(loads) if loads else 0.0
         name = f"{x['layer']}" + (f" (L{x['model_layer']})" if "model_layer" in x else "")
@@ -118,6 +118,8 @@ def _schedule_table(rec: dict) -> str:
 def _sources(summary: dict) -> str:
     items = "".join(f"<li><code>{_e(s['path'])}</code>: {_e(s['format'])}, {s['steps']} steps, placement from "
                     f"{_e(s['placement'])}</li>" for s in summary["sources"])
+    items += "".join(f"<li><code>{_e(s['path'])}</code>: skipped, {_e(s['reason'])}</li>"
+                     for s in summary["skipped_sources"])
     run = summary.get("run")
     run_line = ("<p class='sub'>Run: " + ", ".join(f"{_e(k)} = {_e(v)}" for k, v in run.items()) + "</p>") if run else ""
     return f"<ul class='sub'>{items}</ul>{run_line}"
@@ -128,7 +130,8 @@ def _phase_table(phases: list[dict], top: int) -> str:
         return ""
     rows = []
     for p in phases:
-        hot = "; ".join(f"{x}: " + ", ".join(str(i) for i in ids[:3]) for x, ids in enumerate(p["hot_experts"]))
+        hot = "; ".join(f"{x}: " + (", ".join(str(i) for i in ids[:3]) or "idle")
+                        for x, ids in enumerate(p["hot_experts"]))
         overlap = "" if p["overlap_with_previous"] is None else f"{p['overlap_with_previous']:.2f}"
         rows.append(f"<tr><td class='l'>{_e(p['name'])}</td><td>{p['start']}-{p['end']}</td>"
                     f"<td>{p['balancedness']:.3f}</td><td>{overlap}</td><td class='l'>{_e(hot)}</td></tr>")

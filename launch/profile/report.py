@@ -1,11 +1,12 @@
 """Analyse a ``Recording`` and write the report folder: ``summary.json``, PNGs, ``index.html``.
 
 ``summary.json`` keys (issue 10): ``layers`` (per MoE layer in order: ``layer``,
-``balancedness``, ``hot_experts`` = the 5 most loaded logical ids most loaded first,
-``load_share`` of each, plus ``rank_load`` and ``idle``), ``overall_balancedness`` (sum of
-means / sum of maxes), ``what_if`` (rows of ``ep``, ``redundant``, ``policy``,
-``balancedness``, ``no_eplb_balancedness``, ``gain_over_no_eplb``, ``held_out_balancedness``),
-``steps``, ``num_layers``, ``num_experts``; and ``recorded_ep``, ``sources``, ``phases``,
+``balancedness``, ``hot_experts`` = the 5 most loaded logical ids most loaded first (none
+for an idle layer), ``load_share`` of each, plus ``rank_load`` and ``idle``),
+``overall_balancedness`` (sum of means / sum of maxes), ``what_if`` (rows of ``ep``,
+``redundant``, ``policy``, ``balancedness``, ``no_eplb_balancedness``, ``gain_over_no_eplb``,
+``held_out_balancedness``), ``steps``, ``num_layers``, ``num_experts``; and ``recorded_ep``,
+``sources``, ``skipped_sources`` (empty dumps left out), ``phases``,
 ``balancedness_over_time``, ``hot_set_churn``, ``drops``, ``recommendation``.
 """
 
@@ -29,11 +30,12 @@ def _layers(a: Analysis) -> list[dict]:
     count = a.recording.logical_count.sum(0)
     out = []
     for x in range(a.recording.num_layers):
+        idle = bool(count[x].sum() == 0)  # no tokens: no expert is hot
         entry = {"layer": x, "balancedness": float(a.layer_bal[x]),
-                 "hot_experts": [int(i) for i in a.hot_ids[x]],
-                 "load_share": [float(s) for s in a.hot_share[x]],
+                 "hot_experts": [] if idle else [int(i) for i in a.hot_ids[x]],
+                 "load_share": [] if idle else [float(s) for s in a.hot_share[x]],
                  "tokens": float(count[x].sum()), "rank_load": [float(v) for v in total[x]],
-                 "idle": bool(count[x].sum() == 0)}
+                 "idle": idle}
         if a.options.model_layers and len(a.options.model_layers) == a.recording.num_layers:
             entry["model_layer"] = int(a.options.model_layers[x])
         out.append(entry)
@@ -80,9 +82,12 @@ def _phases(a: Analysis) -> list[dict]:
         count = a.recording.logical_count[start:end].sum(0)
         ids, share = an.hot_experts(count)
         top = np.argsort(-count, axis=1, kind="stable")[:, : a.top]
+        idle = count.sum(1) == 0
         entry = {"name": name, "start": start, "end": end,
                  "balancedness": an.layer_balancedness(a.rank_load[start:end].sum(0))[1],
-                 "hot_experts": ids.tolist(), "load_share": share.tolist(), "overlap_with_previous": None}
+                 "hot_experts": [[] if i else r for i, r in zip(idle, ids.tolist())],
+                 "load_share": [[] if i else r for i, r in zip(idle, share.tolist())],
+                 "overlap_with_previous": None}
         if prev is not None and end > start:
             shared = [len(set(t) & set(p)) / a.top for t, p in zip(top.tolist(), prev.tolist())]
             entry["overlap_with_previous"] = float(np.mean(shared))
@@ -105,6 +110,7 @@ def summary_of(a: Analysis) -> dict:
                      "placement": "physical counts" if d.physical_count is not None
                      else "phy2log (even split over copies)" if d.phy2log is not None else "identity"}
                     for d in rec.dumps],
+        "skipped_sources": [{"path": p, "reason": why} for p, why in rec.skipped],
         **({"run": a.options.extra} if a.options.extra else {}),
     }
 

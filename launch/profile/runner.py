@@ -105,17 +105,11 @@ def drive(engine, phases: list[tuple[str, list[str]]], steps: int | None, max_to
     return spans
 
 
-def _num_groups(model_config, requested: int | None) -> int | None:
-    if requested:
-        return requested
-    groups = model_config.n_group or 1
-    return groups if groups > 1 and model_config.num_experts % groups == 0 else None
-
-
 def run_and_report(args: argparse.Namespace) -> Path:
     """Parse the runtime flags, record the run, dump it into ``args.out`` and write the report there."""
     from launch.config_args import runtime_config_from_args
     from launch.llm import LLM
+    from launch.profile.dumps import model_metadata
     from launch.profile.readers import read_recording
     from launch.profile.report import write_report
     from launch.profile.study import options_from_args
@@ -148,10 +142,11 @@ def run_and_report(args: argparse.Namespace) -> Path:
         base = engine.counters.num_steps
         spans = drive(engine, phases, args.steps, args.max_tokens, progress=not args.no_progress)
         engine.eplb.stop_record()
+        # n_group and the MoE layer ids go into the dump: the report below reads them from it, as a
+        # later `profile report` of the dump does, so both draw the same.
         meta = {"phases": json.dumps([{"name": n, "start": a - base, "end": b - base} for n, a, b in spans]),
-                "model": str(config.model), "workload": args.workload}
+                "model": str(config.model), "workload": args.workload, **model_metadata(engine.model_config)}
         dump = engine.eplb.dump_record(out, metadata=meta)
-        model_config = engine.model_config
         p = config.parallel
         extra = {"model": str(config.model), "workload": args.workload,
                  "layout": f"TP {p.tensor_parallel_size} x DP {p.data_parallel_size}, EP {p.expert_parallel_size}",
@@ -161,10 +156,6 @@ def run_and_report(args: argparse.Namespace) -> Path:
     finally:
         llm.shutdown()
     recording = read_recording([dump])
-    options = options_from_args(args, model_layers=list(model_config.moe_layer_ids), extra=extra,
-                             title=f"Expert load profile: {Path(str(config.model)).name}, {args.workload}")
-    if options.num_groups is None:
-        from dataclasses import replace
-
-        options = replace(options, num_groups=_num_groups(model_config, None))
+    options = options_from_args(args, extra=extra,
+                                title=f"Expert load profile: {Path(str(config.model)).name}, {args.workload}")
     return write_report(recording, out, options)

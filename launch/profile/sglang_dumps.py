@@ -12,6 +12,8 @@ lists/tuples, strings and numbers; anything else is refused with a one-line ``Du
 
 from __future__ import annotations
 
+import operator
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ import numpy as np
 from launch.profile.dumps import (
     Dump,
     DumpError,
+    EmptyDumpError,
+    as_array,
     check_counts,
     check_logical,
     check_placement,
@@ -55,7 +59,10 @@ def _torch_load(path: Path) -> Any:
     import torch
 
     try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        # torch warns about a plain pickle's protocol before refusing it: the refusal is the one line to show.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = next((line for line in str(e).splitlines() if line.strip()), "")
         if "Unsupported global" in str(e) or "weights_only" in str(e).lower():
@@ -77,7 +84,7 @@ def read_torch_dump(path: Path) -> Dump:
         count = check_logical(path, obj["logical_count"])
         nonzero = np.flatnonzero(count.reshape(count.shape[0], -1).sum(1) > 0)
         if nonzero.size == 0:
-            raise DumpError(f"{path}: every recorded step is empty (no tokens)")
+            raise EmptyDumpError(f"{path}: every recorded step is empty (no tokens)")
         return Dump(str(path), "sglang-stat", count[: nonzero[-1] + 1])
     if "records" in obj and "last_physical_to_logical_map" in obj:
         return _read_per_pass(path, obj)
@@ -87,14 +94,25 @@ def read_torch_dump(path: Path) -> Dump:
 
 def _read_per_pass(path: Path, obj: dict) -> Dump:
     records = obj["records"]
-    if not isinstance(records, list | tuple) or not records:
-        raise DumpError(f"{path}: per_pass dump has no records")
+    if not isinstance(records, list | tuple):
+        raise DumpError(f"{path}: per_pass 'records' must be a list, found a {type(records).__name__}")
+    if not records:
+        raise EmptyDumpError(f"{path}: per_pass dump has no records")
     phy_raw = obj["last_physical_to_logical_map"]
     if getattr(phy_raw, "ndim", None) != 2:
         raise DumpError(f"{path}: last_physical_to_logical_map must be [L, P], got {_shape(phy_raw)}")
-    num_layers, num_slots = phy_raw.shape
-    num_experts = int(phy_raw.max()) + 1
-    phy = check_placement(path, phy_raw, num_layers, num_experts)
+    phy_arr = as_array(phy_raw)
+    num_layers, num_slots = phy_arr.shape
+    if phy_arr.size == 0:
+        raise DumpError(f"{path}: last_physical_to_logical_map {list(phy_arr.shape)} has no layers or no slots")
+    if not np.issubdtype(phy_arr.dtype, np.integer):
+        raise DumpError(f"{path}: placement must hold integer expert ids, got dtype {phy_arr.dtype}")
+    # Every expert 0..max needs a slot: a larger id than P - 1 cannot be a placement (and would size arrays).
+    num_experts = int(phy_arr.max()) + 1
+    if num_experts > num_slots:
+        raise DumpError(f"{path}: last_physical_to_logical_map names expert {num_experts - 1} but has only "
+                        f"{num_slots} slots")
+    phy = check_placement(path, phy_arr, num_layers, num_experts)
     by_pass: dict[int, np.ndarray] = {}
     ranks = set()
     for i, rec in enumerate(records):
@@ -104,13 +122,22 @@ def _read_per_pass(path: Path, obj: dict) -> Dump:
         if count.shape != (num_layers, num_slots):
             raise DumpError(f"{path}: records[{i}].global_physical_count is {list(count.shape)}, the map is "
                             f"[{num_layers}, {num_slots}]")
-        pid = int(rec["forward_pass_id"])
+        pid = _record_int(path, i, rec, "forward_pass_id")
         by_pass[pid] = by_pass[pid] + count if pid in by_pass else count
-        ranks.add(int(rec.get("rank", 0)))
+        ranks.add(_record_int(path, i, rec, "rank", 0))
     ids = np.array(sorted(by_pass), dtype=np.int64)
     physical = np.stack([by_pass[int(p)] for p in ids])
     return Dump(str(path), "sglang-per_pass", physical_to_logical(physical, phy, num_experts), physical, phy,
                 None, ranks=frozenset(ranks), pass_ids=ids)
+
+
+def _record_int(path: Path, i: int, rec: dict, key: str, default: int | None = None) -> int:
+    """records[i][key] as an int (a Python or numpy int, or a one-element integer tensor)."""
+    value = rec.get(key, default)
+    try:
+        return operator.index(value)
+    except (TypeError, RuntimeError):
+        raise DumpError(f"{path}: records[{i}].{key} must be an integer, got {value!r:.40}") from None
 
 
 def _shape(x: Any) -> str:

@@ -7,7 +7,7 @@ Shape legend: S steps, L layers, E experts, R ranks.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -26,8 +26,9 @@ from launch.profile.whatif import (
 class ReportOptions:
     """ep_sizes / redundant: what-if grid (None: defaults); recorded_ep: EP size of the
     recorded placement when the dumps do not say (None: the first EP size); num_groups /
-    num_nodes: hierarchical placement (None groups: num_nodes groups); model_layers: model
-    layer id of each MoE layer, when known; extra: run facts shown in the report."""
+    num_nodes: hierarchical placement (None groups: the model's n_group the dumps record,
+    else num_nodes groups); model_layers: model layer id of each MoE layer (None: what the
+    dumps record, if anything); extra: run facts shown in the report."""
 
     ep_sizes: list[int] | None = None
     redundant: list[int] | None = None
@@ -64,7 +65,10 @@ class Analysis:
 
 
 def analyze(recording: Recording, options: ReportOptions) -> Analysis:
-    """Run every analysis; DumpError for an EP size that does not divide the experts."""
+    """Run every analysis; DumpError for an EP size that does not divide the experts.
+    ``Analysis.options`` has num_groups and model_layers filled from the dumps where unset."""
+    options = replace(options, num_groups=options.num_groups or recording.num_groups,
+                      model_layers=options.model_layers or recording.model_layers)
     count = recording.logical_count
     steps, num_layers, num_experts = count.shape
     ep_sizes = options.ep_sizes or default_ep_sizes(num_experts)

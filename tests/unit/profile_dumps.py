@@ -67,3 +67,29 @@ def oracle_hot(load: np.ndarray, n: int = 5) -> tuple[list[list[int]], list[list
         ids.append(order)
         shares.append([float(row[e]) / float(row.sum()) for e in order])
     return ids, shares
+
+
+def write_csv(path: Path, count: np.ndarray, encoding: str = "utf-8") -> Path:
+    """The documented CSV: header ``step,layer,e0,...``, one row per (step, layer)."""
+    steps, num_layers, num_experts = count.shape
+    lines = ["step,layer," + ",".join(f"e{e}" for e in range(num_experts))]
+    lines += [f"{s},{x}," + ",".join(str(v) for v in count[s, x]) for s in range(steps) for x in range(num_layers)]
+    path.write_text("\n".join(lines) + "\n", encoding=encoding)
+    return path
+
+
+def record_our_dump(directory: Path, slot_loads: list[np.ndarray], num_experts: int, num_gpus: int,
+                    metadata: dict[str, str] | None = None) -> Path:
+    """This runtime's dump as the server writes it: an ``EplbDriver`` on the identity placement
+    records each [L, P] slot load (P = num_experts) as one step; an empty list gives a 0-step dump."""
+    from balancer import BalancerConfig, Placement
+    from launch.balancing import EplbDriver
+
+    num_layers = slot_loads[0].shape[0] if slot_loads else 2
+    driver = EplbDriver(BalancerConfig(), Placement.identity(num_layers, num_experts, 0, num_gpus), num_groups=1,
+                        num_nodes=1, expert_bytes=1)
+    driver.start_record()
+    for load in slot_loads:
+        driver.record(torch.from_numpy(np.asarray(load)), None)
+    driver.stop_record()
+    return driver.dump_record(directory, metadata=metadata)

@@ -118,8 +118,10 @@ def test_profile_run_on_a_tiny_checkpoint_shows_the_workload_switch(tmp_path, ca
     assert len(dumps) == 1
     page = _check_page(out)
     assert "words.txt" in page and "digits.txt" in page
-    # The dump reads back on its own with the same numbers.
+    # The dump reads back on its own with the same numbers, layer ids and what-if groups (the dump
+    # records the model's n_group and MoE layer ids).
     again = tmp_path / "again"
     assert cli.main(["profile", "report", str(dumps[0]), "--out", str(again), "--ep", "2", "--no-progress"]) == 0
-    assert json.loads((again / "summary.json").read_text())["overall_balancedness"] == \
-        pytest.approx(summary["overall_balancedness"], rel=1e-12)
+    redrawn = json.loads((again / "summary.json").read_text())
+    assert redrawn["overall_balancedness"] == pytest.approx(summary["overall_balancedness"], rel=1e-12)
+    assert redrawn["layers"] == summary["layers"] and redrawn["what_if"] == summary["what_if"]

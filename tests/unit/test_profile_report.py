@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,7 +25,9 @@ from tests.unit.profile_dumps import (
     oracle_balancedness,
     oracle_hot,
     oracle_identity_rank_load,
+    record_our_dump,
     skewed_counts,
+    write_csv,
     write_sglang_per_pass,
     write_sglang_stat,
 )
@@ -247,7 +250,9 @@ def test_idle_layers_like_sglang_dense_layers(tmp_path):
     count[:, 0] = 0  # SGLang counts every model layer: dense ones stay zero
     summary = _summary([write_sglang_stat(tmp_path / "s.pt", count)], ep_sizes=[2])
     first = summary["layers"][0]
-    assert first["idle"] and first["balancedness"] == 1.0 and first["load_share"] == [0.0] * 5
+    assert first["idle"] and first["balancedness"] == 1.0
+    assert first["hot_experts"] == [] and first["load_share"] == []  # no tokens: no expert is hot
+    assert all(len(x["hot_experts"]) == 5 for x in summary["layers"][1:])
     want = oracle_balancedness(oracle_identity_rank_load(count.sum(0)[1:], 2))[1]
     assert summary["overall_balancedness"] == pytest.approx(want, rel=1e-12)
     churn = an.hot_set_churn(count.astype(float), 10, 2)
@@ -273,3 +278,162 @@ def test_stat_dump_of_bfloat16_or_nested_lists(tmp_path):
     torch.save({"logical_count": count.tolist()}, str(tmp_path / "lists.pt"))
     for name in ("bf16.pt", "lists.pt"):
         np.testing.assert_array_equal(read_dump(tmp_path / name).logical_count, count)  # small ints are exact
+
+
+def test_idle_layer_shows_idle_in_the_page_and_phases(tmp_path):
+    from launch.profile.html_report import render_page
+
+    count = skewed_counts(20, L, E, seed=9)
+    count[:10, 1] = 0  # layer 1 idle in the first phase only
+    count[:, 2] = 0  # layer 2 idle throughout
+    phases = json.dumps([{"name": "a", "start": 0, "end": 10}, {"name": "b", "start": 10, "end": 20}])
+    save_file({"logical_count": count}, str(tmp_path / "d.safetensors"), metadata={"phases": phases})
+    a = analyze(read_recording([tmp_path / "d.safetensors"]), ReportOptions(progress=False, ep_sizes=[2]))
+    summary = summary_of(a)
+    first, second = summary["phases"]
+    assert first["hot_experts"][1] == [] and first["load_share"][1] == [] and len(first["hot_experts"][0]) == 5
+    assert len(second["hot_experts"][1]) == 5 and second["hot_experts"][2] == []
+    page = render_page(a, summary, [])
+    assert "<td>2</td>" in page and "idle (no tokens)" in page and "2: idle" in page
+
+
+def test_empty_dumps_among_several_are_skipped_with_one_warning(tmp_path, capsys):
+    """The server writes a 0-step dump for a dump before /start, after /stop or twice in a row."""
+    rng = np.random.default_rng(5)
+    before = record_our_dump(tmp_path, [], E, 2)
+    full = record_our_dump(tmp_path, [rng.integers(0, 9, size=(2, E)) for _ in range(6)], E, 2)
+    after = record_our_dump(tmp_path, [], E, 2)
+    assert "_0steps_" in before.name and "_0steps_" in after.name
+    out = tmp_path / "r"
+    rc, err = _run([before, full, after, "--out", out, "--ep", "2"], capsys)
+    assert rc == 0
+    assert err == f"warning: skipped 2 dump(s) with no recorded steps: {before}, {after}\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and [s["path"] for s in summary["sources"]] == [str(full)]
+    assert summary["skipped_sources"] == [
+        {"path": str(p), "reason": f"holds no recorded steps (logical_count is [0, 2, {E}])"} for p in (before, after)]
+    assert f"<code>{before}</code>: skipped" in (out / "index.html").read_text()
+    stat_empty = write_sglang_stat(tmp_path / "stat.pt", np.zeros((4, 2, E), dtype=np.int64))  # no tokens at all
+    rc, err = _run([before, stat_empty, "--out", tmp_path / "r2"], capsys)
+    assert rc == 2 and err == f"error: none of the 2 dumps given holds a recorded step: {before}, {stat_empty}\n"
+    rc, err = _run([before, "--out", tmp_path / "r3"], capsys)  # one empty dump stays an error
+    assert rc == 2 and err == f"error: {before}: holds no recorded steps (logical_count is [0, 2, {E}])\n"
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+
+
+def _per_pass(path, records, phy2log):
+    torch.save({"records": records, "last_physical_to_logical_map": phy2log}, str(path))
+
+
+def _bad_inputs(tmp_path) -> dict[str, tuple[pathlib.Path, str]]:
+    """name -> (file, the one-line message it must give)."""
+    phy = torch.arange(E).repeat(2, 1)
+    rec = {"forward_pass_id": 0, "rank": 0, "gatherer_key": "primary",
+           "global_physical_count": torch.ones(2, E, dtype=torch.int32)}
+    cases = {}
+    _per_pass(tmp_path / "badid.pt", [{**rec, "forward_pass_id": "x"}], phy)
+    cases["pass id"] = (tmp_path / "badid.pt", "records[0].forward_pass_id must be an integer, got 'x'")
+    _per_pass(tmp_path / "badrank.pt", [{**rec, "rank": 1.5}], phy)
+    cases["rank"] = (tmp_path / "badrank.pt", "records[0].rank must be an integer, got 1.5")
+    _per_pass(tmp_path / "emptymap.pt", [{**rec, "global_physical_count": torch.zeros(2, 0)}],
+              torch.zeros(2, 0, dtype=torch.int64))
+    cases["empty map"] = (tmp_path / "emptymap.pt", "last_physical_to_logical_map [2, 0] has no layers or no slots")
+    _per_pass(tmp_path / "hugeid.pt", [rec], torch.tensor([[0, 10**12]] * 2))
+    cases["huge expert id"] = (tmp_path / "hugeid.pt",
+                               "last_physical_to_logical_map names expert 1000000000000 but has only 2 slots")
+    save_file({"logical_count": np.ones((2, 2, 4), dtype=np.int64), "num_gpus": np.zeros(0, dtype=np.int64)},
+              str(tmp_path / "gpus.safetensors"))
+    cases["num_gpus"] = (tmp_path / "gpus.safetensors", "num_gpus must be one integer, got int64 of shape [0]")
+    (tmp_path / "huge.csv").write_text("step,layer,e0,e1\n0,0,1,2\n1000000000000,0,3,4\n")
+    cases["huge step"] = (tmp_path / "huge.csv",
+                          "row for step 1, layer 0 is missing (every step x layer needs exactly one row)")
+    (tmp_path / "dup.csv").write_text("step,layer,e0,e1\n0,0,1,2\n1,0,3,4\n0,0,1,2\n")
+    cases["repeated row"] = (tmp_path / "dup.csv",
+                             "row for step 0, layer 0 is repeated (every step x layer needs exactly one row)")
+    (tmp_path / "short.csv").write_text("step,layer,e0,e1\n0,0,1,2\n\n1,0,3\n")
+    cases["short row"] = (tmp_path / "short.csv", "line 4 has 3 columns, the header has 4")
+    (tmp_path / "long.csv").write_text("step,layer,e0,e1\n0,0,1,2,9\n1,0,3,4\n")
+    cases["long row"] = (tmp_path / "long.csv", "line 2 has 5 columns, the header has 4")
+    (tmp_path / "nan.csv").write_text("step,layer,e0,e1\n0,0,1,2\n1,0,3,four\n")
+    cases["not a number"] = (tmp_path / "nan.csv", "line 3 holds a value that is not a number")
+    save_file({"logical_count": np.ones((2, 2, 4), dtype=np.int64)}, str(tmp_path / "meta.safetensors"),
+              metadata={"moe_layer_ids": "[1, 2, 3]"})
+    cases["layer ids"] = (tmp_path / "meta.safetensors", "metadata 'moe_layer_ids' must be a JSON list of 2 layer ids")
+    save_file({"logical_count": np.ones((2, 2, 4), dtype=np.int64)}, str(tmp_path / "group.safetensors"),
+              metadata={"n_group": "two"})
+    cases["n_group"] = (tmp_path / "group.safetensors", "metadata 'n_group' must be a positive integer, got 'two'")
+    return cases
+
+
+BAD = ["pass id", "rank", "empty map", "huge expert id", "num_gpus", "huge step", "repeated row", "short row",
+       "long row", "not a number", "layer ids", "n_group"]
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_malformed_dumps_are_one_line_errors_naming_the_problem(tmp_path, capsys, name):
+    path, message = _bad_inputs(tmp_path)[name]
+    rc, err = _run([path, "--out", tmp_path / "r"], capsys)
+    assert (rc, err) == (2, f"error: {path}: {message}\n")
+    assert not (tmp_path / "r").exists()
+
+
+def test_csv_with_a_utf8_bom_and_npz_or_torch_dump_without_suffix(tmp_path):
+    count = skewed_counts(5, 2, 4, seed=2)
+    bom = write_csv(tmp_path / "excel.csv", count, encoding="utf-8-sig")
+    assert bom.read_bytes().startswith(b"\xef\xbb\xbf")
+    np.testing.assert_array_equal(read_dump(bom).logical_count, count)
+    np.savez(tmp_path / "c.npz", logical_count=count)
+    (tmp_path / "c.npz").rename(tmp_path / "counts")
+    d = read_dump(tmp_path / "counts")
+    assert d.format == "npz"
+    np.testing.assert_array_equal(d.logical_count, count)
+    write_sglang_stat(tmp_path / "s.pt", count).rename(tmp_path / "stat")  # torch.save's zip stays torch's
+    assert read_dump(tmp_path / "stat").format == "sglang-stat"
+
+
+def test_plain_pickle_with_code_is_refused_in_one_line_without_warnings(tmp_path, capsys):
+    import pickle
+    import warnings
+
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil_plain.pt").write_bytes(pickle.dumps(_Payload(marker), protocol=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc, err = _run([tmp_path / "evil_plain.pt", "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and err.startswith(f"error: {tmp_path / 'evil_plain.pt'}: refused")
+    assert [str(w.message) for w in caught] == []
+    assert not marker.exists()
+
+
+def test_dump_metadata_gives_the_report_the_models_groups_and_layer_ids(tmp_path):
+    from launch.profile.dumps import model_metadata
+
+    model = SimpleNamespace(n_group=4, moe_layer_ids=(1, 3), num_experts=E)
+    loads = [np.random.default_rng(s).integers(0, 9, size=(2, E)) for s in range(8)]
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old").mkdir()
+    new = record_our_dump(tmp_path / "new", loads, E, 2, metadata=model_metadata(model))
+    old = record_our_dump(tmp_path / "old", loads, E, 2)  # written before the metadata existed
+    summary = _summary([new], ep_sizes=[2])
+    assert [x["model_layer"] for x in summary["layers"]] == [1, 3]
+    assert {r["num_groups"] for r in summary["what_if"] if r["policy"] == "hierarchical"} == {4}
+    summary = _summary([old], ep_sizes=[2])
+    assert all("model_layer" not in x for x in summary["layers"])
+    assert {r["num_groups"] for r in summary["what_if"] if r["policy"] == "hierarchical"} == {2}  # the nodes
+    summary = _summary([new], ep_sizes=[2], num_groups=8)  # --num-groups still wins
+    assert {r["num_groups"] for r in summary["what_if"] if r["policy"] == "hierarchical"} == {8}
+
+
+def test_server_dump_carries_the_models_groups_and_layer_ids(tmp_path):
+    """``/dump_expert_distribution_record`` goes through ``AsyncLLM.dump_expert_distribution_record``."""
+    from launch.async_llm import AsyncLLM
+
+    engine = SimpleNamespace(model_config=SimpleNamespace(n_group=4, moe_layer_ids=(1, 2), num_experts=E))
+    driver = EplbDriver(BalancerConfig(), Placement.identity(2, E, 0, 2), num_groups=4, num_nodes=1, expert_bytes=1)
+    driver.start_record()
+    driver.record(torch.ones(2, E, dtype=torch.int64))
+    server = SimpleNamespace(runtime_config=SimpleNamespace(server=SimpleNamespace(expert_distribution_dir=tmp_path)),
+                             _eplb=lambda: driver, call=lambda fn: fn(engine))
+    path = AsyncLLM.dump_expert_distribution_record(server)
+    d = read_dump(path)
+    assert (d.n_group, d.model_layers) == (4, (1, 2))
