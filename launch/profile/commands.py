@@ -8,7 +8,9 @@ dumps, the empty ones are skipped with one ``warning: ...`` line; only empty one
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from launch.paths import output_dir_problem
 from launch.workloads import SHIPPED_MODEL
@@ -78,8 +80,18 @@ def report_main(argv: list[str]) -> int:
     except DumpError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    warn_if_no_what_if(page.parent / "summary.json")
     print(f"report: {page}")
     return 0
+
+
+def warn_if_no_what_if(summary_path: Path) -> None:
+    """One ``warning: ...`` line on stderr when the what-if grid drew no point (every EP size x
+    redundant count asked for was skipped), naming the first reason."""
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    if not summary["what_if"] and summary["what_if_skipped"]:
+        print(f"warning: the what-if table is empty: {len(summary['what_if_skipped'])} point(s) skipped, e.g. "
+              f"{summary['what_if_skipped'][0]}", file=sys.stderr)
 
 
 def run_main(argv: list[str]) -> int:
@@ -116,6 +128,7 @@ def run_main(argv: list[str]) -> int:
     except (ConfigError, DumpError, ProfileRunError, FileNotFoundError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    warn_if_no_what_if(page.parent / "summary.json")
     print(f"report: {page}")
     return 0
 

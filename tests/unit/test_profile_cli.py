@@ -125,3 +125,19 @@ def test_profile_run_on_a_tiny_checkpoint_shows_the_workload_switch(tmp_path, ca
     redrawn = json.loads((again / "summary.json").read_text())
     assert redrawn["overall_balancedness"] == pytest.approx(summary["overall_balancedness"], rel=1e-12)
     assert redrawn["layers"] == summary["layers"] and redrawn["what_if"] == summary["what_if"]
+
+
+def test_an_empty_what_if_table_is_warned_of(tmp_path, capsys):
+    """--ep 2 --redundant 1 3 over 8 experts: 9 and 11 slots split over no 2 ranks, so the grid
+    draws nothing; the report is still written, with one warning line naming why."""
+    counts = tmp_path / "c.npy"
+    np.save(counts, skewed_counts(6, 2, 8, seed=1))
+    assert cli.main(["profile", "report", str(counts), "--out", str(tmp_path / "a"), "--ep", "2",
+                     "--redundant", "1", "3", "--no-progress"]) == 0
+    err = capsys.readouterr().err.strip()
+    assert err == ("warning: the what-if table is empty: 1 point(s) skipped, e.g. EP 2: redundant [1, 3] do not "
+                   "give a slot count divisible by 2")
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["what_if"] == []
+    assert cli.main(["profile", "report", str(counts), "--out", str(tmp_path / "b"), "--ep", "2",
+                     "--redundant", "0", "2", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
