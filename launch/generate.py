@@ -31,7 +31,7 @@ from launch.config_schema import ConfigError
 from launch.core import CompletionOutput, SamplingParams
 from launch.core.outputs import top_n
 from launch.paths import output_file_problem
-from launch.tokenizer import check_text
+from launch.tokenizer import check_prompt
 
 if TYPE_CHECKING:
     from launch.engine import LLMEngine
@@ -101,21 +101,6 @@ def read_requests(path: Path, defaults: dict[str, Any] | None = None) -> list[In
     if not rows:
         raise ValueError(f"{path}: no requests")
     return rows
-
-
-def check_prompt(row: dict[str, Any], where: str) -> None:
-    """``prompt`` a non-empty valid-Unicode string, or ``prompt_token_ids`` a non-empty list of
-    non-negative ints; else ValueError naming ``where``."""
-    if "prompt" in row:
-        prompt = row["prompt"]
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{where}: 'prompt' must be a non-empty string")
-        check_text(prompt, f"{where}: 'prompt'")
-        return
-    ids = row["prompt_token_ids"]
-    if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-                                                   for t in ids):
-        raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of non-negative integers")
 
 
 def sampling_params_for(row: dict[str, Any], defaults: dict[str, Any], where: str) -> SamplingParams:
@@ -204,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             comps = [completion_record(c, req.params.logprobs) for c in out.outputs]
             record = {**req.row, **comps[0]} if len(comps) == 1 else {**req.row, "outputs": comps}
             f.write(json.dumps(record) + "\n")
-    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completions = [c for o in outputs for c in o.outputs]  # n per request
+    generated = sum(len(c.token_ids) for c in completions)
     seconds = time.perf_counter() - started
-    print(f"wrote {len(outputs)} completions ({generated} tokens) to {args.output} in {seconds:.1f}s")
+    print(f"wrote {len(completions)} completions for {len(outputs)} requests ({generated} tokens) to {args.output} "
+          f"in {seconds:.1f}s")
     return 0

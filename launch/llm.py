@@ -9,6 +9,7 @@ from launch.config import VLLM_KEYS, RuntimeConfig
 from launch.config_schema import set_dotted
 from launch.core import RequestOutput, SamplingParams
 from launch.engine import LLMEngine
+from launch.tokenizer import check_prompt
 
 # Flat names that configure the HTTP server or name the model: flags only, not LLM() keywords.
 _SERVER_ONLY = frozenset({"model", "host", "port", "api_key", "served_model_name", "max_queue_len"})
@@ -64,7 +65,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """prompts: a string, ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``, or a list of
         them. sampling_params: one for all, or one per prompt. Returns one RequestOutput per
-        prompt, in order, each finished."""
+        prompt, in order, each finished.
+
+        Every prompt is checked (``launch.tokenizer.check_prompt``, as ``generate`` does, then the
+        engine's limits) before any is queued: a bad one raises ValueError naming its index and
+        queues none of the call's prompts. If the call ends early any other way (an exception, KeyboardInterrupt), the
+        requests it queued are aborted, so the engine is left with what it had before."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         prompts = list(prompts)
@@ -74,32 +80,61 @@ class LLM:
             else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = []
-        for prompt, p in zip(prompts, params):
-            token_ids, text = self._tokenize(prompt)
-            request_id = self.engine.next_request_id()
-            self.engine.add_request(request_id, token_ids, p, prompt=text)
-            ids.append(request_id)
-        finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            token_ids, text = self._tokenize(prompt, f"prompt {i}")
+            try:
+                self.engine.check_request(token_ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            checked.append((token_ids, text, p))
+        ids: list[str] = []
+        try:
+            for token_ids, text, p in checked:
+                request_id = self.engine.next_request_id()
+                self.engine.add_request(request_id, token_ids, p, prompt=text)
+                ids.append(request_id)
+            finished: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
         return [finished[i] for i in ids]
 
-    def _tokenize(self, prompt: Prompt) -> tuple[list[int], str | None]:
+    def _tokenize(self, prompt: Prompt, where: str) -> tuple[list[int], str | None]:
+        """The prompt's token ids and text (None for ids alone); ValueError naming ``where`` for a
+        prompt that is not a non-empty string, ``{"prompt": non-empty str}`` or
+        ``{"prompt_token_ids": non-empty list of non-negative ints}`` (with an optional str
+        ``"prompt"``, its text)."""
         if isinstance(prompt, str):
-            return self._encode(prompt), prompt
+            check_prompt({"prompt": prompt}, where)
+            return self._encode(prompt, where), prompt
+        if not isinstance(prompt, Mapping):
+            raise ValueError(f"{where}: a prompt must be a string, {{'prompt': str}} or "
+                             f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
         if "prompt_token_ids" in prompt:
-            return [int(t) for t in prompt["prompt_token_ids"]], prompt.get("prompt")
+            ids = prompt["prompt_token_ids"]
+            check_prompt({"prompt_token_ids": list(ids) if isinstance(ids, tuple) else ids}, where)
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{where}: 'prompt' beside 'prompt_token_ids' must be a string, got "
+                                 f"{type(text).__name__}")
+            return list(ids), text
         if "prompt" in prompt:
-            return self._encode(prompt["prompt"]), prompt["prompt"]
-        raise ValueError(f"a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; got "
-                         f"keys {sorted(prompt)}")
+            check_prompt({"prompt": prompt["prompt"]}, where)
+            return self._encode(prompt["prompt"], where), prompt["prompt"]
+        raise ValueError(f"{where}: a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
+                         f"got keys {sorted(prompt, key=str)}")
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, where: str) -> list[int]:
         if self.engine.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer.json: pass {'prompt_token_ids': [...]}")
+            raise ValueError(f"{where}: this checkpoint has no tokenizer.json: pass {{'prompt_token_ids': [...]}}")
         return self.engine.tokenizer.encode(text)
 
     def shutdown(self) -> None:

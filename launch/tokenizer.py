@@ -78,6 +78,21 @@ def check_text(text: str, what: str = "text") -> str:
     return text
 
 
+def check_prompt(row: dict[str, Any], where: str) -> None:
+    """``prompt`` a non-empty valid-Unicode string, or ``prompt_token_ids`` a non-empty list of
+    non-negative ints; else ValueError naming ``where``."""
+    if "prompt" in row:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+        check_text(prompt, f"{where}: 'prompt'")
+        return
+    ids = row["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                   for t in ids):
+        raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of non-negative integers")
+
+
 def _first_line(e: BaseException, limit: int = 200) -> str:
     """The first non-blank line of ``e``'s message (its type name if it has none), at most ``limit`` chars."""
     line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)

@@ -15,10 +15,15 @@ token whose interval of the running sum of its kept probabilities holds ``u * to
 (``search_fraction``: one fp64 pass up to V = 4096, else fp32 block sums and fp64 running
 sums). A row keeping at most V / ``FEW`` tokens sums over its ``torch.topk`` candidates in
 probability order, any other row over the whole vocabulary in id order; which of the two
-depends on the row and V alone. A seeded row's u is a hash of ``(seed, output_index)``: the
-draw for a request's k-th token depends on nothing else, so seeded output does not change with
-batch composition, preemption, worker restarts or the device. Unseeded rows take u from the
-sampler's generator.
+depends on the row and V alone. A seeded row's u is ``seeded_uniform(seed, output_index)``: distinct
+seeds (any int64) give distinct streams, and the draw for a request's k-th token depends on its
+logits row and nothing else. Given the same logits, then, seeded output does not change with batch
+composition, preemption, chunking, worker restarts or the device. The logits themselves are not
+always bit-identical: a row's can move in the last bits with the rows batched beside it (about
+1e-6 in float32). With float32 weights and the default KV cache that has been too small to move a
+draw in testing; bf16 weights or ``kv_cache_dtype="fp8"`` magnify it, and there a draw whose u lies
+at the edge between two tokens' intervals (a near-tie) can differ between a batched run and the
+request alone, or after a preemption. Unseeded rows take u from the sampler's generator.
 
 On one core (Zen 5), a seeded [32, V] batch with top-k 50 and top-p 0.9 takes 0.44 ms at
 V = 1024 and 7.6 ms at V = 129280, against 3.4 ms and 504 ms with an index sort of every row
@@ -27,6 +32,8 @@ and an exponential race over V (``python -m launch bench sampler``; docs/serving
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,9 +41,9 @@ import numpy as np
 import torch
 
 from launch.core.batch import SampledTokens
-from launch.core.sampling_params import SamplingParams
+from launch.core.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
-_MASK64 = (1 << 64) - 1
+_SEED_KEY = struct.Struct("<qQ")  # (seed int64, output index uint64): 16 bytes, one-to-one
 # Rows keeping at most V / FEW tokens work on torch.topk candidates: on CPU, topk of V / 256
 # columns costs about what numpy's value sort of the whole row does ([32, V] float32 rows,
 # V = 1024 .. 129280, one thread).
@@ -129,13 +136,17 @@ class Sampler:
 
 
 def seeded_uniform(seed: int, output_index: int) -> float:
-    """A uniform number in [0, 1) that depends only on (seed, output_index): Python's int-tuple
-    hash (not salted per process) through the splitmix64 finaliser, top 53 bits."""
-    z = (hash((seed, output_index)) + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z >> 11) * 2.0**-53
+    """A uniform number in [0, 1) that depends only on (seed, output_index): the top 53 bits of
+    BLAKE2b (8-byte digest) of the pair packed as a little-endian int64 and uint64. The packing is
+    one-to-one on seed in [SEED_MIN, SEED_MAX] and output_index in [0, 2**64), so distinct seeds
+    never share a stream (unlike an integer hash reduced modulo a prime); the same in every
+    process and on every device. ValueError outside those ranges."""
+    if not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"seed must be in [-2**63, 2**63 - 1] (int64), got {seed}")
+    if not 0 <= output_index < 1 << 64:
+        raise ValueError(f"output_index must be in [0, 2**64), got {output_index}")
+    digest = hashlib.blake2b(_SEED_KEY.pack(seed, output_index), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
 
 
 def sample_filtered(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:

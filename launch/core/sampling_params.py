@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
+# Accepted seeds: int64, as vLLM's OpenAI server and torch.Generator take them.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,7 @@ class SamplingParams:
     """How to sample one request's continuation (all fields validated on construction).
 
     n: completions per prompt (>= 1); each gets its own sequence and, when ``seed`` is
-        set, the seed ``seed + index``.
+        set, the seed ``seed + index`` (wrapping around within int64).
     temperature: >= 0; 0 is greedy (argmax).
     top_p: in (0, 1]; nucleus filter applied after top-k.
     top_k: -1 or 0 disables; otherwise keep the k largest logits.
@@ -28,7 +30,8 @@ class SamplingParams:
         unless ``include_stop_str_in_output``.
     stop_token_ids: token ids that end generation (kept in token_ids, not detokenized).
     ignore_eos: keep generating past the model's EOS tokens.
-    seed: per-request seed, for output that does not depend on the batch it ran in.
+    seed: per-request seed in [-2**63, 2**63 - 1] (int64), for output that does not depend on the
+        batch it ran in (``launch.core.sampler``: given the same logits).
     logprobs: None, or n >= 0: return the sampled token's log-probability plus the top-n.
     """
 
@@ -74,8 +77,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**63 - 1] (int64), got {self.seed!r}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
         ):
@@ -104,8 +108,9 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=0)
 
     def for_sample(self, index: int) -> SamplingParams:
-        """Parameters of the ``index``-th of ``n`` completions: n=1 and, if seeded, seed + index."""
+        """Parameters of the ``index``-th of ``n`` completions: n=1 and, if seeded, seed + index
+        (wrapped into int64, so the n seeds stay distinct and accepted)."""
         if not 0 <= index < self.n:
             raise ValueError(f"sample index {index} out of range for n={self.n}")
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
         return dataclasses.replace(self, n=1, seed=seed)

@@ -8,6 +8,7 @@ max_position_embeddings 2048): each run takes well under a second.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -200,8 +201,9 @@ def test_logprobs_are_written(tiny_ckpt_with_tokenizer, tmp_path, capsys):
                  {"prompt_token_ids": [3, 4], "logprobs": 0, "max_tokens": 2, "n": 2, "ignore_eos": True},
                  {"prompt": "no logprobs", "max_tokens": 2})
     dst = tmp_path / "out.jsonl"
-    rc, err, _ = _run(capsys, tiny_ckpt_with_tokenizer, src, dst)
+    rc, err, out = _run(capsys, tiny_ckpt_with_tokenizer, src, dst)
     assert (rc, err) == (0, "")
+    assert re.match(rf"wrote 4 completions for 3 requests \(\d+ tokens\) to {re.escape(str(dst))} in ", out)  # n=2: 2
     greedy, fanned, plain = [json.loads(line) for line in dst.read_text().splitlines()]
     assert greedy["logprobs"] == 2 and len(greedy["token_ids"]) == 3
     assert len(greedy["token_logprobs"]) == len(greedy["top_logprobs"]) == 3

@@ -34,7 +34,9 @@ def feed(seq: Sequence, text: str) -> list[str]:
     [({"n": 0}, "n must"), ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
      ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
      ({"stop": ["ok", ""]}, "stop strings"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-     ({"seed": 1.5}, "seed"), ({"logprobs": -1}, "logprobs"), ({"max_tokens": True}, "max_tokens")],
+     ({"seed": 1.5}, "seed"), ({"logprobs": -1}, "logprobs"), ({"max_tokens": True}, "max_tokens"),
+     ({"seed": 2**63}, r"^seed must be None or an integer in \[-2\*\*63, 2\*\*63 - 1\] \(int64\), got 9223372036854775808$"),
+     ({"seed": -(2**63) - 1}, r"in \[-2\*\*63, 2\*\*63 - 1\] \(int64\)")],
 )
 def test_sampling_params_reject_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -51,6 +53,13 @@ def test_sampling_params_normalise_and_derive():
     with pytest.raises(ValueError, match="out of range"):
         p.for_sample(3)
     assert SamplingParams().max_tokens == 16 and SamplingParams().temperature == 1.0
+
+
+def test_completion_seeds_wrap_within_int64():
+    """seed + index stays an accepted (int64) seed at the top of the range, and the n seeds differ."""
+    top = SamplingParams(n=3, seed=2**63 - 1)
+    assert [top.for_sample(i).seed for i in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]
+    assert [SamplingParams(n=2, seed=-2).for_sample(i).seed for i in range(2)] == [-2, -1]
 
 
 def test_incremental_detokenizer_waits_for_complete_characters():

@@ -21,7 +21,7 @@ from launch.core.sampler import (
     seeded_uniform,
     sorted_values,
 )
-from launch.core.sampling_params import SamplingParams
+from launch.core.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -245,13 +245,38 @@ def test_search_fraction_matches_a_full_fp64_running_sum():
 
 
 def test_seeded_uniform_is_stable_across_processes():
-    values = [seeded_uniform(s, i) for s in (0, 1, -5, 2**70) for i in range(50)]
+    values = [seeded_uniform(s, i) for s in (0, 1, -5, SEED_MIN, SEED_MAX) for i in range(50)]
     assert all(0.0 <= v < 1.0 for v in values) and len(set(values)) == len(values)
     assert abs(sum(seeded_uniform(9, i) for i in range(20000)) / 20000 - 0.5) < 0.01
     code = "from launch.core.sampler import seeded_uniform; print(repr(seeded_uniform(1234, 17)))"
     env = {**os.environ, "PYTHONHASHSEED": "4321"}
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert float(other.stdout) == seeded_uniform(1234, 17)
+
+
+def test_distinct_seeds_give_distinct_streams():
+    """No two accepted seeds share a stream: not -1 and -2 (equal under Python's int hash), not
+    seeds 2**61 - 1 apart (that hash works modulo 2**61 - 1), not the ends of the int64 range."""
+    for a, b in ((-1, -2), (0, 2**61 - 1), (7, 7 + 2**61 - 1), (-3, -3 - (2**61 - 1)), (SEED_MIN, SEED_MAX),
+                 (0, -1), (SEED_MIN, 0)):
+        assert [seeded_uniform(a, i) for i in range(8)] != [seeded_uniform(b, i) for i in range(8)], (a, b)
+    values = [seeded_uniform(s, i) for s in range(-200, 200) for i in range(30)]
+    assert len(set(values)) == len(values)  # 12,000 draws of 53 bits: no repeats
+    for seed, index in ((SEED_MAX + 1, 0), (SEED_MIN - 1, 0), (0, -1)):
+        with pytest.raises(ValueError, match=r"must be in \["):
+            seeded_uniform(seed, index)
+
+
+def test_completions_of_one_seeded_request_draw_differently():
+    """The n completions of a seeded request (seeds seed + j) sample different tokens, seed -2
+    included, while each one alone repeats itself."""
+    logits = torch.zeros(1, 1000)  # uniform: every u picks its own token
+    for seed in (-2, -1, 0, 5, SEED_MAX):
+        request = SamplingParams(temperature=1.0, n=2, seed=seed)
+        rows = [request.for_sample(j) for j in range(2)]
+        draws = [[Sampler(seed=0)(logits, [p], [k]).token_ids.item() for k in range(10)] for p in rows]
+        assert draws[0] != draws[1], seed
+        assert draws[0] == [Sampler(seed=1)(logits, [rows[0]], [k]).token_ids.item() for k in range(10)]
 
 
 def test_top_p_nucleus_is_the_fp64_one_on_a_flat_large_vocabulary():
