@@ -30,6 +30,7 @@ seconds per unit of PAR. Shape legend: W steps, L layers, E logical experts, P s
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -132,9 +133,12 @@ class HistoryDecision:
 
 def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
                       num_gpus: int, *, old_phy2log: torch.Tensor | np.ndarray | None,
-                      options: HistoryOptions | None = None) -> HistoryDecision:
-    """The decision behind rebalance_from_history (same arguments), with its reasons."""
-    opt = options or HistoryOptions()
+                      options: HistoryOptions | None = None, **option_fields: Any) -> HistoryDecision:
+    """The decision behind rebalance_from_history (same arguments), with its reasons.
+
+    Options come as HistoryOptions fields (interval=16, early_stay=True, ...) or as one
+    options=HistoryOptions(...), not both."""
+    opt = _resolve_options(options, option_fields)
     hist = as_numpy(history, "history", 3)
     if hist.shape[0] == 0 or 0 in hist.shape:
         raise ValueError(f"history must be a non-empty [W, L, E], got shape {hist.shape}")
@@ -175,6 +179,17 @@ def plan_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num
             second[rows] = _lighter(weight[rows], args, old[rows], first[rows], opt.policy)
             cands.append(second)
     return _choose(hist, fc, old, cands, value, opt, num_gpus)
+
+
+def _resolve_options(options: HistoryOptions | None, option_fields: dict) -> HistoryOptions:
+    """options= or HistoryOptions keyword fields (unknown ones raise naming them) -> HistoryOptions."""
+    if options is None:
+        return HistoryOptions.from_kwargs(option_fields)
+    if not isinstance(options, HistoryOptions):
+        raise ValueError(f"options must be a HistoryOptions, got {type(options).__name__}")
+    if option_fields:
+        raise ValueError(f"pass options=HistoryOptions(...) or option keywords {sorted(option_fields)}, not both")
+    return options
 
 
 def _choose(hist, fc: Forecast, old: np.ndarray, cands: list[np.ndarray], value: np.ndarray,
@@ -272,18 +287,20 @@ def full_horizon(check_interval: int, full_interval: int) -> int:
 def rebalance_from_history(history: torch.Tensor | np.ndarray, num_replicas: int, num_groups: int,
                            num_nodes: int, num_gpus: int, *,
                            old_phy2log: torch.Tensor | np.ndarray | None,
-                           **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           options: HistoryOptions | None = None,
+                           **option_fields: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Place experts for the load to come, or keep old_phy2log when no move pays.
 
     history: [W, L, E] per-step logical expert loads, oldest first (torch or numpy, any
     real dtype, >= 0, W >= 1). num_replicas, num_groups, num_nodes, num_gpus: as
     rebalance_experts. old_phy2log: [L, P] placement in force (None: place afresh).
-    options: HistoryOptions fields (interval, step_cost, slot_cost, margin, ...).
+    option_fields: HistoryOptions fields (interval, step_cost, slot_cost, margin, ...),
+    or options: one HistoryOptions (not both; unknown fields raise naming them).
     Returns: phy2log [L, P], log2phy [L, E, max_replicas], logcnt [L, E] int64 CPU
     tensors; phy2log equals old_phy2log on every layer where staying pays better.
     Deterministic for the same input.
     """
-    opt = HistoryOptions.from_kwargs(options)
+    opt = _resolve_options(options, option_fields)
     decision = plan_from_history(history, num_replicas, num_groups, num_nodes, num_gpus,
                                  old_phy2log=old_phy2log, options=opt)
     phy2log = torch.from_numpy(np.ascontiguousarray(decision.phy2log, dtype=np.int64))

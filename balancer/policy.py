@@ -17,8 +17,10 @@ expert's load); every greedy packing is refined by a swap local search; given
 old_phy2log, bins are relabelled and slots ordered to keep copies in place, and a
 "sticky" candidate that starts from the old placement and swaps only until it is
 within `stability_tolerance` of the fresh balancedness (never below the reference's)
-is taken wherever it gets there; finally, per layer, DeepSeek's own placement is taken
-wherever it still balances better, so ours is never worse than the reference.
+is taken wherever it gets there; per layer, DeepSeek's own placement is taken wherever
+it still balances better, so ours is never worse than the reference; finally, a layer
+whose old placement already balances the new load as well as the new one (an idle or
+uniform layer) keeps it, copy for copy.
 """
 
 from __future__ import annotations
@@ -220,7 +222,8 @@ def _ours(w, shape, old, ref, tolerance) -> np.ndarray:
     """Per layer: the dup-free placement; one allowing two replicas on a GPU (an
     uneven split of that expert's load) only where the reference beats dup-free;
     the reference's own layer where it still wins. Given old, the sticky candidate
-    wherever it reaches max(fresh - tolerance, reference). Returns phy2log [L, P]."""
+    wherever it reaches max(fresh - tolerance, reference); old itself wherever it
+    balances w at least as well as that and fits the policy family. Returns phy2log [L, P]."""
     num_gpus = shape[3]
 
     def bal(weight, phy):
@@ -252,4 +255,26 @@ def _ours(w, shape, old, ref, tolerance) -> np.ndarray:
         alt = _place(w[rows], *shape, old[rows], max_load[rows], allow_dup=True)
         reached = bal(w[rows], alt) + _EPS >= goal[rows]
         sticky[rows[reached]], ok[rows[reached]] = alt[reached], True
-    return np.where(ok[:, None], sticky, fresh)
+    new = np.where(ok[:, None], sticky, fresh)
+    # Ties go to the placement in force: an idle or uniform layer has nothing to gain.
+    stay = (bal(w, old) + _EPS >= bal(w, new)) & _fits_family(old, shape, w.shape[1])
+    return np.where(stay[:, None], old, new)
+
+
+def _fits_family(old: np.ndarray, shape: tuple, num_experts: int) -> np.ndarray:
+    """Per layer, whether old is a placement of our policy family: every expert has a copy
+    and each group's copies sit on one node (hierarchical). old: [L, P] -> [L] bool.
+    (Two copies of an expert on one GPU are allowed: staying is only taken where old
+    balances the load as well as the new placement.)"""
+    num_replicas, num_groups, num_nodes, _ = shape
+    num_layers = old.shape[0]
+    layer = np.arange(num_layers)[:, None]
+    counts = np.zeros((num_layers, num_experts), dtype=np.int64)
+    np.add.at(counts, (layer, old), 1)
+    ok = (counts > 0).all(1)
+    if num_nodes > 1:
+        node = np.broadcast_to(np.arange(num_replicas) // (num_replicas // num_nodes), old.shape)
+        on_node = np.zeros((num_layers, num_groups, num_nodes), dtype=bool)
+        on_node[layer, old // (num_experts // num_groups), node] = True
+        ok &= (on_node.sum(-1) <= 1).all(1)
+    return ok

@@ -262,3 +262,24 @@ def test_early_stay_evaluates_only_the_layers_that_got_worse():
     assert early.moved[2] == full.moved[2] and early.par_new[2] == pytest.approx(full.par_new[2])
     assert np.array_equal(early.phy2log[[0, 1, 3]], old[[0, 1, 3]]) and early.forecast.mean.shape == (1, 32)
     assert "move" in early.reason
+
+
+def test_plan_and_rebalance_take_the_same_options():
+    """plan_from_history takes rebalance_from_history's keyword options (the documented
+    call), both take options=HistoryOptions(...), and giving both or a wrong key is named."""
+    rng = np.random.default_rng(8)
+    rate = _rates(rng)
+    old = rebalance_experts(rate, 40, 1, 1, 8)[0]
+    history = _poisson(rng, rate * rng.lognormal(0, 0.5, rate.shape), 512)
+    opts = dict(interval=16, step_cost=0.05, early_stay=True)
+    by_keywords = plan_from_history(history, 40, 1, 1, 8, old_phy2log=old, **opts)
+    by_options = plan_from_history(history, 40, 1, 1, 8, old_phy2log=old, options=HistoryOptions(**opts))
+    assert np.array_equal(by_keywords.phy2log, by_options.phy2log) and by_keywords.reason == by_options.reason
+    phy2log = rebalance_from_history(history, 40, 1, 1, 8, old_phy2log=old, options=HistoryOptions(**opts))[0]
+    assert np.array_equal(phy2log.numpy(), by_keywords.phy2log)
+    with pytest.raises(ValueError, match=r"not both"):
+        plan_from_history(history, 40, 1, 1, 8, old_phy2log=old, options=HistoryOptions(), interval=16)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['intervall'\]"):
+        plan_from_history(history, 40, 1, 1, 8, old_phy2log=old, intervall=16)
+    with pytest.raises(ValueError, match="options must be a HistoryOptions, got dict"):
+        rebalance_from_history(history, 40, 1, 1, 8, old_phy2log=old, options=opts)

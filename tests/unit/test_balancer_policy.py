@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balancer import predict, rebalance_experts
+from balancer.placement import compute_log2phy
 from balancer.policy import _place
 
 # README example of deepseek-ai/EPLB: 2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs.
@@ -178,6 +179,41 @@ def test_unchanged_load_moves_nothing():
     weight = rng.lognormal(0, 1, size=(3, 16))
     old = rebalance_experts(weight, 24, 4, 2, 8)[0]
     assert torch.equal(rebalance_experts(weight, 24, 4, 2, 8, old_phy2log=old)[0], old)
+
+
+@pytest.mark.parametrize("num_experts, args", [
+    (16, (20, 1, 1, 4)), (8, (10, 1, 1, 2)), (256, (288, 1, 1, 32)), (32, (48, 8, 4, 16)),
+])
+def test_idle_and_uniform_layers_keep_the_old_placement(num_experts, args):
+    """Nothing to gain on an idle or already balanced uniform layer: not one copy moves,
+    the loaded layer next to an idle one is placed as it would be alone."""
+    rng = np.random.default_rng(2)
+    weight = rng.integers(1, 100, (2, num_experts)).astype(np.float64)
+    old = rebalance_experts(weight, *args)[0]
+    for policy in ("auto", "global"):
+        assert torch.equal(rebalance_experts(np.zeros_like(weight), *args, old_phy2log=old, policy=policy)[0], old)
+        uniform = np.full_like(weight, 7.0)
+        new = rebalance_experts(uniform, *args, old_phy2log=old, policy=policy)[0]
+        kept = predict(uniform, old, args[-1]).per_layer >= predict(uniform, new, args[-1]).per_layer
+        assert torch.equal(new[kept], old[kept])
+        half_idle = weight * rng.lognormal(0, 0.3, weight.shape)
+        half_idle[0] = 0.0
+        new = rebalance_experts(half_idle, *args, old_phy2log=old, policy=policy)[0]
+        alone = rebalance_experts(half_idle[1:], *args, old_phy2log=old[1:], policy=policy)[0]
+        assert torch.equal(new[0], old[0]) and torch.equal(new[1:], alone)
+
+
+def test_a_tie_keeps_only_an_old_placement_of_the_family():
+    """An idle layer keeps a placement of ours (0 moved) but not one ours would never
+    return: a group split over nodes (hierarchical), an expert with no copy."""
+    kept = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 4]])
+    assert torch.equal(rebalance_experts(np.zeros((1, 8)), 10, 1, 1, 2, old_phy2log=kept)[0], kept)
+    old = torch.tensor([[0, 4, 1, 5, 2, 6, 3, 7]])  # groups {0..3}, {4..7} across both nodes
+    new = rebalance_experts(np.zeros((1, 8)), 8, 2, 2, 4, old_phy2log=old)[0]
+    check_invariants(np.zeros((1, 8)), new, *compute_log2phy(new, 8), 8, 2, 2, 4, hierarchical=True)
+    missing = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 6]])  # expert 7 has no copy
+    new, _, logcnt = rebalance_experts(np.zeros((1, 8)), 8, 1, 1, 4, old_phy2log=missing)
+    assert (logcnt >= 1).all()
 
 
 @pytest.mark.parametrize("args, match", [
