@@ -56,6 +56,11 @@ class TokenWindows:
     def num_tokens(self) -> dict[str, int]:
         return {k: int(t.numel()) for k, t in self.tokens.items()}
 
+    def check_seq_len(self, seq_len: int) -> None:
+        """Raise ValueError naming the first kind whose text is too short for ``seq_len``-token rows."""
+        for kind, toks in self.tokens.items():
+            _check_length(kind, toks, seq_len)
+
     def sample(self, gen: torch.Generator, batch: int, seq_len: int) -> tuple[torch.Tensor, list[str]]:
         """Returns ids [batch, seq_len + 1] int64 (column 0 is bos) and each row's kind.
 
@@ -66,9 +71,13 @@ class TokenWindows:
         for r in range(batch):
             kind = self.kinds[(start_kind + r) % len(self.kinds)]
             toks = self.tokens[kind]
-            if toks.numel() <= seq_len:
-                raise ValueError(f"{kind} text has {toks.numel()} tokens, fewer than seq_len {seq_len}")
+            _check_length(kind, toks, seq_len)
             off = int(torch.randint(toks.numel() - seq_len + 1, (1,), generator=gen))
             rows.append(torch.cat((torch.tensor([self.bos]), toks[off:off + seq_len])))
             kinds.append(kind)
         return torch.stack(rows), kinds
+
+
+def _check_length(kind: str, toks: torch.Tensor, seq_len: int) -> None:
+    if toks.numel() <= seq_len:
+        raise ValueError(f"{kind} text has {toks.numel()} tokens, fewer than seq_len {seq_len}")

@@ -14,6 +14,7 @@ A small rate leaves the skew real models show.
 Output: the checkpoint (config.json, generation_config.json, model.safetensors, tokenizer
 files) written by ``moe.tiny.save_checkpoint``, plus ``training.json`` (arguments, losses,
 per-kind expert load of the final model). Same arguments and seed, same machine: same weights.
+The files reach ``--out`` only when the run has finished: a failed run leaves it as it was.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -121,20 +124,61 @@ def _step(model: TrainableMoE, opt: torch.optim.Optimizer, ids: torch.Tensor) ->
 def train(args: TrainArgs, *, progress: bool = True, report_prompts: int | None = None) -> dict:
     """Run ``args`` and write the checkpoint to ``args.out``. Returns the training summary
     (also written to ``training.json``); its routing report uses the first ``report_prompts``
-    prompts of each workload (all by default)."""
+    prompts of each workload (all by default).
+
+    Every file is written into a hidden staging folder (inside ``args.out`` if it exists, else
+    in its nearest existing parent) and moved into ``args.out`` only once the run has finished:
+    a run that fails leaves ``args.out`` as it was (files of the same name are replaced only by
+    a finished run; other files are never touched)."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    staging = _make_staging_dir(out)
+    try:
+        summary = _train_into(args, staging, progress, report_prompts)
+        _move_into(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return summary
+
+
+def _make_staging_dir(out: Path) -> Path:
+    """A new hidden folder on the file system of ``out``: inside it, or in its nearest existing
+    parent (so that moving the finished files is a rename)."""
+    base = out.absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"--out {out}: {base} is not a directory")
+    return Path(tempfile.mkdtemp(prefix=".train-tiny-", dir=base))
+
+
+def _move_into(staging: Path, out: Path) -> None:
+    """Move every file of ``staging`` into ``out`` (created if missing), replacing files of
+    the same name; checked first, so that a name taken by a folder moves nothing."""
+    files = sorted(staging.iterdir())
+    taken = [f.name for f in files if (out / f.name).is_dir()]
+    if taken:
+        raise ValueError(f"--out {out} holds folders named {taken}, where the checkpoint's files go")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        os.replace(f, out / f.name)
+
+
+def _train_into(args: TrainArgs, out: Path, progress: bool, report_prompts: int | None) -> dict:
+    """train()'s run, writing every file into ``out`` (the staging folder)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     else:
         torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(args.seed)
-    out = Path(args.out)
     hf_tok = train_tokenizer(TOKENIZER_VOCAB_SIZE["tiny"])
     config = build_train_config(args.arch, args.dtype)
-    out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, hf_tok, model_max_length=config["max_position_embeddings"])
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok = Tokenizer.from_dir(out)
     windows = TokenWindows(tok, load_corpus())
+    windows.check_seq_len(args.seq_len)  # before any step: a bad --seq-len fails at once
     model = TrainableMoE(ModelConfig.from_hf(config))
     model.init_weights_(args.seed)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
@@ -142,23 +186,23 @@ def train(args: TrainArgs, *, progress: bool = True, report_prompts: int | None 
     gen = torch.Generator().manual_seed(args.seed + 1)
     limit = None if args.minutes is None else args.minutes * 60.0
     t0, losses, ema = time.perf_counter(), [], None
-    bar = tqdm(total=args.steps, desc=f"train-tiny {args.arch}", unit="step", disable=not progress)
-    for step in range(args.steps):
-        elapsed = time.perf_counter() - t0
-        if limit is not None and elapsed >= limit and losses:  # --minutes: always at least one step
-            break
-        frac = max(step / args.steps, 0.0 if limit is None else elapsed / limit)
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(args, frac, step)
-        ids, _ = windows.sample(gen, args.batch_size, args.seq_len)
-        loss = _step(model, opt, ids)
-        if args.bias_update_rate:
-            apply_bias_update_(model, args.bias_update_rate)
-        losses.append(loss)
-        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
-        bar.set_postfix(loss=f"{ema:.3f}")
-        bar.update(1)
-    bar.close()
+    # The with closes the bar (ending its line) also when a step raises, so an error starts its own line.
+    with tqdm(total=args.steps, desc=f"train-tiny {args.arch}", unit="step", disable=not progress) as bar:
+        for step in range(args.steps):
+            elapsed = time.perf_counter() - t0
+            if limit is not None and elapsed >= limit and losses:  # --minutes: always at least one step
+                break
+            frac = max(step / args.steps, 0.0 if limit is None else elapsed / limit)
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(args, frac, step)
+            ids, _ = windows.sample(gen, args.batch_size, args.seq_len)
+            loss = _step(model, opt, ids)
+            if args.bias_update_rate:
+                apply_bias_update_(model, args.bias_update_rate)
+            losses.append(loss)
+            ema = loss if ema is None else 0.95 * ema + 0.05 * loss
+            bar.set_postfix(loss=f"{ema:.3f}")
+            bar.update(1)
     model.eval()
     save_checkpoint(config, model.hf_state_dict(), out)
     summary = {
@@ -214,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                          batch_size=ns.batch_size, seq_len=ns.seq_len, lr=ns.lr,
                          bias_update_rate=ns.bias_update_rate, dtype=ns.dtype, threads=ns.threads)
         summary = train(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{args.arch}: {summary['parameters']:,} parameters, {summary['steps_run']} steps in "

@@ -142,6 +142,53 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys) -> None:
     assert message in err and err.count("\n") == 1
 
 
+def _listing(root) -> dict[str, str]:
+    """Every path under root (hidden ones too) -> its text ("" for a folder)."""
+    return {str(p.relative_to(root)): "" if p.is_dir() else p.read_text() for p in sorted(root.rglob("*"))}
+
+
+def test_a_too_long_seq_len_fails_before_writing_anything(tmp_path, capsys) -> None:
+    """The QA case: --seq-len longer than a corpus text is a one-line error, and neither a new
+    --out (nor its parents) nor an existing one gets a half checkpoint."""
+    existing = tmp_path / "old"
+    existing.mkdir()
+    (existing / "config.json").write_text("an earlier checkpoint's config")
+    (existing / "notes.txt").write_text("mine")
+    before = _listing(tmp_path)
+    for out in (tmp_path / "new" / "ckpt", existing):
+        argv = ["--arch", "mixtral", "--out", str(out), "--steps", "1", "--threads", "1", "--seq-len", "100000"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "fewer than seq_len 100000" in err
+        assert _listing(tmp_path) == before
+
+
+def test_a_run_failing_mid_training_leaves_out_as_it_was(tmp_path, capsys, monkeypatch) -> None:
+    """A step that raises after the progress bar started: --out keeps exactly what it held,
+    no staging folder is left, and the error starts its own line after the bar."""
+    import launch.training.train as train_module
+
+    calls = []
+
+    def failing_step(model, opt, ids):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("boom")
+        return 1.0
+
+    monkeypatch.setattr(train_module, "_step", failing_step)
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "config.json").write_text("an earlier checkpoint's config")
+    before = _listing(tmp_path)
+    argv = ["--arch", "mixtral", "--out", str(out), "--steps", "3", "--batch-size", "1", "--seq-len", "8",
+            "--threads", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "train-tiny mixtral" in err and err.splitlines()[-1] == "error: boom"
+    assert _listing(tmp_path) == before
+
+
 def test_save_checkpoint_names_a_wrong_tensor(tmp_path) -> None:
     cfg = build_train_config("mixtral")
     tensors = _model("mixtral").hf_state_dict()
@@ -189,9 +236,16 @@ def test_a_short_run_writes_a_checkpoint_the_engine_and_transformers_agree_on(tm
 
 @pytest.mark.slow
 def test_minutes_stops_early_after_at_least_one_step(tmp_path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "notes.txt").write_text("mine")
     args = TrainArgs(arch="mixtral", out=str(tmp_path / "m"), steps=1000, minutes=1e-6, batch_size=1, seq_len=8,
                      threads=1)
     summary = train(args, progress=False, report_prompts=1)
     assert summary["steps_run"] == 1
     assert "--minutes 1e-06" in summary["command"]
     assert (tmp_path / "m" / "model.safetensors").is_file()
+    # the finished files moved in beside what was there; the staging folder is gone
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "notes.txt", "tokenizer.json",
+        "tokenizer_config.json", "training.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
