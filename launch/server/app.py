@@ -14,6 +14,7 @@ import json
 import logging
 import secrets
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +67,10 @@ def error_response(status: int, message: str, *, type: str | None = None, param:
 class APIKeyMiddleware:
     """Pure ASGI middleware (streaming and disconnects pass through untouched): 401 without the key."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[int], None] | None = None) -> None:
         self.app = app
         self._expected = api_key.strip().encode()
+        self._on_reject = on_reject  # counts the 401s (ServerMetrics.on_rejected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
@@ -79,6 +81,8 @@ class APIKeyMiddleware:
         if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self._expected):
             response = error_response(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                                       headers={"WWW-Authenticate": "Bearer"})
+            if self._on_reject is not None:
+                self._on_reject(401)
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -87,9 +91,10 @@ class APIKeyMiddleware:
 class BodyLimitMiddleware:
     """413 for request bodies over ``max_bytes`` (declared or streamed), before they are buffered."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self._on_reject = on_reject  # counts a 413 answered here (a streamed one goes through the handlers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,6 +102,8 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
+            if self._on_reject is not None:
+                self._on_reject(413)
             await error_response(413, self._message())(scope, receive, send)
             return
         received = 0
@@ -161,6 +168,8 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code >= 400:  # unknown routes, wrong methods, a body over the limit
+            metrics.on_rejected(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -265,8 +274,8 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
         return await serving.chat(body, raw)
 
     _install_expert_distribution_routes(app, engine, dump_dir)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_reject=metrics.on_rejected)
     api_key = getattr(server_config, "api_key", None)
     if api_key:  # added last = outermost: unauthenticated bodies are never read
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=metrics.on_rejected)
     return app

@@ -276,6 +276,18 @@ def test_oversized_bodies_get_413():
         r = httpx.post(srv.base_url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413, r.text
         assert post(srv.base_url + "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+        # both 413s counted once: the declared one in the middleware, the streamed one by the handler
+        assert 'moe:requests_rejected_total{model_name="fake-moe",status="413"} 2.0' in \
+            httpx.get(srv.base_url + "/metrics").text
+
+
+def test_unknown_routes_and_methods_are_counted_as_rejected():
+    with ServerThread(build_app(FakeEngine(), server_config())) as srv:
+        assert httpx.get(srv.base_url + "/nope").status_code == 404
+        assert httpx.get(srv.base_url + "/v1/completions").status_code == 405
+        text = httpx.get(srv.base_url + "/metrics").text
+        assert 'moe:requests_rejected_total{model_name="fake-moe",status="404"} 1.0' in text
+        assert 'moe:requests_rejected_total{model_name="fake-moe",status="405"} 1.0' in text
 
 
 def test_api_key_guards_everything_but_health():
@@ -296,6 +308,8 @@ def test_api_key_guards_everything_but_health():
             openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sekret", max_retries=0)
         assert good.completions.create(model="fake-moe", prompt="k", max_tokens=2).usage.completion_tokens == 2
+        metrics = httpx.get(srv.base_url + "/metrics", headers={"Authorization": "Bearer sekret"}).text
+        assert 'moe:requests_rejected_total{model_name="fake-moe",status="401"} 9.0' in metrics
 
 
 # ---------------------------------------------------------------- load shedding and cancellation
