@@ -74,6 +74,9 @@ def test_measure_recording_parts_sum_to_total():
     assert all(v > 0 for v in r.values())
     with pytest.raises(ValueError, match="must be >= 1"):
         measure_recording(0, 12, 4, 8, 2, 50, repeats=20)
+    fused = measure_recording(2, 12, 4, 8, 2, 50, repeats=20, counted_in_fused_op=True)
+    assert fused["bincount_per_layer_us"] == fused["bincount_us"] == 0
+    assert fused["total_us"] == pytest.approx(fused["worker_collect_us"] + fused["driver_record_us"])
 
 
 def test_main_in_process_with_stats_overhead(tiny_ckpt, tmp_path, capsys):
@@ -101,6 +104,12 @@ def test_main_in_process_with_stats_overhead(tiny_ckpt, tmp_path, capsys):
     assert s["ratio_at_min_step"] == pytest.approx(s["total_us"] / (s["min_step_ms"] * 1e3))
     assert s["ratio_at_min_step"] >= s["ratio"]
     assert s["within_budget"] == (s["ratio_at_min_step"] <= 0.02)
+    # float32 on one rank: the layers count their slots in the fused CPU op, where the kernel builds
+    from moe import kernels
+
+    assert s["counted_in_fused_op"] == kernels.is_available()
+    assert (s["bincount_us"] == 0) == s["counted_in_fused_op"]
+    assert ("in the op" in printed) == s["counted_in_fused_op"]
 
 
 def test_main_times_the_sampler_with_the_requested_settings(tiny_ckpt, tmp_path, capsys):
