@@ -5,7 +5,13 @@ The engine owns the tokenizer; the core only sees a ``decode(ids) -> str`` callb
 one token at a time by decoding a short sliding window twice (the window with and
 without the new tokens) and emitting the difference, so multi-byte characters split
 across tokens and tokenizers that merge leading spaces come out right. A window that
-ends in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
+ends in U+FFFD (an incomplete UTF-8 sequence) waits for the next token; ``flush`` gives
+what is still waiting when the sequence ends (as ``decode`` of the ids would show it).
+
+The left context taken from the prompt starts where it decodes cleanly: a window that begins
+inside a multi-byte character decodes to U+FFFD, and a byte-fallback decoder (Llama and
+Mistral's ``<0xE2>`` tokens) turns the whole run of byte tokens after it into U+FFFD too,
+which would then be emitted as text.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from collections.abc import Callable, Sequence
 DecodeFn = Callable[[list[int]], str]
 
 # Prompt tokens kept as left context, so the first generated token decodes with the
-# spacing it has inside the text.
+# spacing it has inside the text; the start moves back (then forward) by up to
+# _CONTEXT_SEARCH tokens to a place where the context decodes without U+FFFD.
 _PROMPT_CONTEXT_TOKENS = 5
+_CONTEXT_SEARCH = 8
 
 
 class IncrementalDetokenizer:
@@ -24,7 +32,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, decode: DecodeFn, prompt_token_ids: Sequence[int]) -> None:
         self._decode = decode
-        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._ids: list[int] = _clean_context(decode, prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
@@ -39,6 +47,31 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
             return new_text
         return ""
+
+    def flush(self) -> str:
+        """The text of the tokens still waiting (an incomplete character shows as U+FFFD, as
+        ``decode`` shows it), emitted once: call when the sequence ends."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+
+
+def _clean_context(decode: DecodeFn, prompt_token_ids: Sequence[int]) -> list[int]:
+    """The prompt's last ~``_PROMPT_CONTEXT_TOKENS`` ids, starting where they decode without
+    U+FFFD (not inside a multi-byte character): the nearest such start, earlier first."""
+    n = len(prompt_token_ids)
+    default = max(0, n - _PROMPT_CONTEXT_TOKENS)
+    earlier = range(default, max(0, default - _CONTEXT_SEARCH) - 1, -1)
+    later = range(default + 1, min(n, default + _CONTEXT_SEARCH) + 1)
+    for start in (*earlier, *later):
+        window = list(prompt_token_ids[start:])
+        if "\ufffd" not in decode(window):
+            return window
+    return list(prompt_token_ids[default:])
 
 
 def find_stop_string(

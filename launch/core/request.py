@@ -140,13 +140,27 @@ class Sequence:
             self.logprobs.append(dict(logprobs))
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + float(logprobs.get(token_id, 0.0))
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
-            self._finish(SequenceStatus.FINISHED_STOPPED, None)
+            self._stop_on_token(None)
             return True
         if token_id in self.params.stop_token_ids:
-            self._finish(SequenceStatus.FINISHED_STOPPED, token_id)
+            self._stop_on_token(token_id)
             return True
         new_text = self._detokenizer.add_token(token_id) if self._detokenizer is not None else ""
         return self.check_stop(new_text)
+
+    def _stop_on_token(self, stop_reason: int | None) -> None:
+        """End with "stop" on an eos or stop token (not detokenized); the text of the tokens
+        before it that still waits for the rest of a character is kept (and a stop string in
+        it still trims the text)."""
+        pending = self._detokenizer.flush() if self._detokenizer is not None else ""
+        if pending:
+            self.output_text += pending
+            hit = find_stop_string(self.output_text, len(pending), self.params.stop,
+                                   self.params.include_stop_str_in_output)
+            if hit is not None:
+                self.output_text = self.output_text[:hit[1]]
+                stop_reason = hit[0]
+        self._finish(SequenceStatus.FINISHED_STOPPED, stop_reason)
 
     def check_stop(self, new_text: str) -> bool:
         """Add ``new_text`` (the text of the latest token) and check text and length stops.
@@ -154,7 +168,11 @@ class Sequence:
         A stop string found in the tail (overlapping the new text) ends the sequence with
         "stop"; the text is trimmed just before the stop string (or after it, with
         include_stop_str_in_output). Otherwise max_tokens / max_model_len give "length".
+        At the length limit the text still waiting for the rest of a character is added first
+        (as U+FFFD, the way ``decode`` of the ids shows it).
         """
+        if self.num_tokens >= self.max_num_tokens and self._detokenizer is not None:
+            new_text += self._detokenizer.flush()
         self.output_text += new_text
         hit = find_stop_string(
             self.output_text, len(new_text), self.params.stop, self.params.include_stop_str_in_output
