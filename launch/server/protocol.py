@@ -122,6 +122,7 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(None, ge=0)
+    skip_special_tokens: bool | None = None  # vLLM's; special tokens are always left out of the text
 
     @field_validator("model", "user")
     @classmethod
@@ -166,6 +167,9 @@ class SamplingRequest(BaseModel):
             return "logit_bias", "logit_bias is not supported"
         if self.min_tokens:
             return "min_tokens", f"min_tokens={self.min_tokens} is not supported (only 0)"
+        if self.skip_special_tokens is False:
+            return "skip_special_tokens", ("skip_special_tokens=false is not supported: special tokens are always "
+                                           "left out of the text")
         return None
 
 
@@ -230,12 +234,12 @@ class ChatMessage(BaseModel):
         return check_texts(value, info.field_name)
 
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
+        """The content as one string (text parts joined by newlines, as vLLM joins them)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingRequest):

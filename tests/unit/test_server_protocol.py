@@ -72,7 +72,7 @@ def test_sampling_fields_validated():
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                        {"type": "text", "text": "b"}]}],
                                  max_tokens=3, max_completion_tokens=5)
-    assert chat.messages[0].text() == "ab" and chat.max_new_tokens == 5
+    assert chat.messages[0].text() == "a\nb" and chat.max_new_tokens == 5  # vLLM joins text parts with newlines
     with pytest.raises(ValidationError):
         ChatCompletionRequest(messages=[])
 
@@ -207,6 +207,7 @@ def post(url, body, **kw):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, 400,
      "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty"),
 ])
 def test_bad_requests_get_openai_errors(served, path, body, status, param):
@@ -223,7 +224,7 @@ def test_neutral_values_of_unimplemented_sampling_fields_pass_and_stop_str_can_b
     """What SDKs send by default (penalties 0 / 1, best_of 1, logit_bias {}) still works, and
     vLLM's include_stop_str_in_output reaches the engine's SamplingParams."""
     body = {"prompt": "abc", "max_tokens": 2, "n": 2, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0, "logit_bias": {}, "min_tokens": 0}
+            "repetition_penalty": 1.0, "logit_bias": {}, "min_tokens": 0, "skip_special_tokens": True}
     r = post(served.url + "/v1/completions", body)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     params = OpenAIServing.sampling_params(CompletionRequest(prompt="x", stop="y", include_stop_str_in_output=True), 4, None)
