@@ -1,16 +1,23 @@
 """Text <-> token ids for a checkpoint directory: a thin wrapper over ``tokenizers``.
 
 ``Tokenizer.from_dir(path)`` reads ``tokenizer.json`` (required) and, when present,
-``tokenizer_config.json`` (bos/eos tokens, ``chat_template``), ``chat_template.jinja``,
-``generation_config.json`` and ``config.json`` (eos/bos ids).
+``tokenizer_config.json`` (special tokens, ``chat_template``), ``chat_template.jinja``,
+``special_tokens_map.json`` (legacy special tokens), ``generation_config.json`` and ``config.json``
+(eos/bos ids).
 
 End-of-sequence ids are the union, in this order, of ``generation_config.json``
 ``eos_token_id`` (int or list), ``config.json`` ``eos_token_id`` and the id of
 ``tokenizer_config.json`` ``eos_token``.
 
-Chat template: the checkpoint's Jinja ``chat_template`` (rendered in a sandbox with
-``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` and
-``raise_exception``), else ``DEFAULT_CHAT_TEMPLATE``, which renders::
+Chat template: the checkpoint's Jinja ``chat_template``, rendered as transformers'
+``apply_chat_template(..., tokenize=False)`` renders it: in a sandbox with ``trim_blocks``,
+``lstrip_blocks``, ``loopcontrols`` and the ``{% generation %}`` tag (its body rendered as-is), the
+``tojson`` filter of ``json.dumps`` (non-ASCII kept, key order kept, no HTML escaping; ``indent``,
+``separators``, ``sort_keys``), ``raise_exception`` and ``strftime_now``; it sees ``messages``,
+``add_generation_prompt``, ``tools`` and ``documents`` (None unless given) and the special tokens of
+``tokenizer_config.json`` (``bos_token``, ``eos_token``, ``pad_token``, ... and any other ``*_token``
+string; a null or missing one is undefined, even when ``config.json`` names its id). Without a
+template, ``DEFAULT_CHAT_TEMPLATE`` renders::
 
     {bos_token}<|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n
 
@@ -34,11 +41,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2 import TemplateError, TemplateSyntaxError, nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
+from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from launch.core.detokenizer import IncrementalDetokenizer
@@ -183,8 +194,68 @@ def _pick_chat_template(cfg: Mapping, directory: Path) -> tuple[str | None, Path
     return template, cfg_file
 
 
+def _template_special_tokens(cfg: Mapping[str, Any], directory: Path) -> dict[str, str]:
+    """The special tokens a chat template sees, read as transformers (5.x) reads them: every
+    ``*_token`` key of ``tokenizer_config.json`` holding a string or an AddedToken dict (so the seven
+    named ones and model-specific ones such as ``image_token``; a null or missing one is left out, i.e.
+    undefined in the template), plus an ``extra_special_tokens`` dict's entries. A legacy
+    ``special_tokens_map.json`` overrides the config's keys when the config has no
+    ``added_tokens_decoder``. Ids in ``config.json`` / ``generation_config.json`` never add a token here
+    (Qwen2 ships ``bos_token: null``: its templates render no bos). ``additional_special_tokens`` /
+    ``extra_special_tokens`` lists are not template variables (transformers 5 drops them from the map)."""
+    merged = dict(cfg)
+    legacy_file = directory / "special_tokens_map.json"
+    if "added_tokens_decoder" not in cfg and legacy_file.is_file():
+        merged.update(_read_json(legacy_file))
+    out: dict[str, str] = {}
+    for key, value in merged.items():
+        if isinstance(key, str) and key.endswith("_token") and _token_content(value) is not None:
+            out[key] = _token_content(value)
+    extra = merged.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        out |= {k: _token_content(v) for k, v in extra.items() if isinstance(k, str) and _token_content(v) is not None}
+    return out
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson``: plain ``json.dumps`` (non-ASCII kept, keys in insertion order, no HTML
+    escaping), unlike Jinja's built-in filter."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    """The local date and time now, formatted with ``fmt`` (Llama 3.x templates print today's date)."""
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers' marker of assistant text for training
+    masks. Serving asks for no mask, so the body renders as-is (in its own scope, as transformers' does)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Macro) -> str:
+        return caller()
+
+
+def _build_template_environment() -> ImmutableSandboxedEnvironment:
+    """The sandbox chat templates render in, with transformers' options, tags, filters and globals."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
 
 
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -215,6 +286,9 @@ class Tokenizer:
     """Encode/decode and chat formatting for one checkpoint.
 
     ``bos_token_id`` / ``eos_token_ids`` come from the checkpoint's files (see module doc);
+    ``special_tokens`` (name -> token, e.g. ``{"bos_token": "<s>"}``) are what chat templates see:
+    from ``tokenizer_config.json`` only, so ``bos_token`` / ``eos_token`` (also filled from the ids in
+    ``config.json``, for callers that want a name) may hold a token the template does not;
     ``add_bos`` says whether ``encode(..., add_special_tokens=True)`` prepends bos (that is
     the tokenizer.json post-processor's job; the flag is informational).
     """
@@ -229,6 +303,7 @@ class Tokenizer:
         bos_token_id: int | None,
         chat_template: str | None,
         add_bos: bool,
+        special_tokens: Mapping[str, str] | None = None,
     ) -> None:
         self._tok = tokenizer
         self.bos_token = bos_token
@@ -237,9 +312,10 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
         self.add_bos = add_bos
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise_exception
-        self._template = env.from_string(self.chat_template)
+        if special_tokens is None:
+            special_tokens = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
+        self.special_tokens: dict[str, str] = dict(special_tokens)
+        self._template = _build_template_environment().from_string(self.chat_template)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -279,6 +355,7 @@ class Tokenizer:
             return cls(
                 tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, bos_token_id=bos_id,
                 chat_template=chat_template, add_bos=bool(cfg.get("add_bos_token", False)),
+                special_tokens=_template_special_tokens(cfg, directory),
             )
         except TemplateSyntaxError as e:
             raise TokenizerError(f"{template_file}: chat_template is not a valid Jinja template "
@@ -313,14 +390,20 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None, **kwargs: Any,
     ) -> str:
-        """Render chat ``messages`` (``[{"role": str, "content": str | text parts}]``) to a prompt."""
+        """Render chat ``messages`` (``[{"role": str, "content": str | text parts}]``) to a prompt.
+
+        The template sees what transformers' ``apply_chat_template`` passes: ``messages``,
+        ``add_generation_prompt``, ``tools`` and ``documents`` (None when not given), the
+        ``special_tokens`` (absent ones undefined) and ``kwargs``, which override them."""
         normalized = _normalize_messages(messages)
+        context = {**self.special_tokens, **kwargs}
         try:
             return self._template.render(
-                messages=normalized, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
+                messages=normalized, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, **context,
             )
         except TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e

@@ -225,3 +225,88 @@ def test_streaming_equals_full_decode(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
     chunks = _stream(tok, [tok.bos_token_id], ids)
     assert "".join(chunks) == tok.decode(ids) == text
+
+
+# Chat templates render as transformers' apply_chat_template(..., tokenize=False) renders them: the same
+# variables (tools/documents None, the config's special tokens, absent ones undefined), tags, filters and globals.
+HTML_MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>x</b> & 'y' 日本 🙂"},
+                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather <now> in a city",
+                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOKENS_SEEN = "".join(f"{name}={{{{ {name} is defined }}}}:{{{{ {name} }}}}|" for name in (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "image_token",
+    "additional_special_tokens", "extra_special_tokens"))
+# (template, tokenizer_config.json updates, other files): each case failed before templates matched transformers.
+TEMPLATE_CASES = {
+    "tools_none": ("{% if tools is not none %}[TOOLS]{{ tools|tojson }}[/TOOLS]{% endif %}{{ tools is defined }}"
+                   "|{{ documents is none }}|{% for m in messages %}{{ m.content }};{% endfor %}", {}, {}),
+    "generation_tag": ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{% set seen = 1 %}"
+                       "<a>{{ m.content }}</a>{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+                       "{{ seen is defined }}", {}, {}),
+    "strftime_now": ("{{ bos_token }}Year {{ strftime_now('%Y') }}{% if strftime_now is defined %}!{% endif %}", {}, {}),
+    "tojson": ("{% for m in messages %}{{ m|tojson }}\n{% endfor %}{{ messages[:2]|tojson(indent=2) }}"
+               "{{ messages[1]|tojson(sort_keys=true) }}{{ messages[0]|tojson(separators=(',', ':')) }}", {}, {}),
+    "bos_eos_null": ("{{ bos_token }}|{{ eos_token }}|{{ bos_token is none }}{{ eos_token is defined }}",
+                     {"bos_token": None, "eos_token": None},
+                     {"config.json": {"bos_token_id": 0, "eos_token_id": 1}, "generation_config.json": {"eos_token_id": 1}}),
+    "special_tokens": (TOKENS_SEEN, {"pad_token": {"__type": "AddedToken", "content": "<|pad|>", "lstrip": False,
+                                                   "normalized": False, "rstrip": False, "single_word": False},
+                                     "unk_token": "<|eos|>", "sep_token": "<|sep|>", "cls_token": "<|cls|>",
+                                     "mask_token": None, "image_token": "<|img|>",
+                                     "additional_special_tokens": ["<|a|>"]}, {}),
+    "special_tokens_map_json": (TOKENS_SEEN, {"pad_token": "<|eos|>"},
+                                {"special_tokens_map.json": {"pad_token": "<|pad|>", "unk_token": "<|unk|>"}}),
+    "whitespace": ("  {% for m in messages %}\n    {{ m.content }}  \n  {% endfor %}\n{% if add_generation_prompt %}"
+                   "\n  GO\n{% endif %}", {}, {}),
+}
+
+
+def _checkpoint_with_template(ckpt, dst, template, cfg_updates, files):
+    d = _copy_tokenizer(ckpt, dst)
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+           "chat_template": template, **cfg_updates}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for name, content in files.items():
+        (d / name).write_text(json.dumps(content))
+    return d
+
+
+@pytest.mark.parametrize("case", list(TEMPLATE_CASES))
+def test_chat_template_renders_as_transformers(ckpt, tmp_path, case):
+    transformers = pytest.importorskip("transformers")
+    d = _checkpoint_with_template(ckpt, tmp_path / case, *TEMPLATE_CASES[case])
+    hf, ours = transformers.AutoTokenizer.from_pretrained(d), Tokenizer.from_dir(d)
+    for add_generation_prompt in (True, False):
+        expected = hf.apply_chat_template(HTML_MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert ours.apply_chat_template(HTML_MESSAGES, add_generation_prompt=add_generation_prompt) == expected
+    if case == "tools_none":  # tools given by a caller reach the template as they do in transformers
+        expected = hf.apply_chat_template(HTML_MESSAGES, tools=[WEATHER_TOOL], tokenize=False)
+        assert ours.apply_chat_template(HTML_MESSAGES, tools=[WEATHER_TOOL], add_generation_prompt=False) == expected
+        assert "[TOOLS]" in expected and "<now>" in expected
+
+
+def test_null_config_tokens_change_only_the_template(ckpt, tmp_path):
+    """bos/eos null in tokenizer_config.json (as Qwen2 ships bos): the template sees none, but the ids from
+    config.json / generation_config.json still give bos_token_id and the stop ids."""
+    d = _checkpoint_with_template(ckpt, tmp_path / "ck", "{{ bos_token }}{{ eos_token }}{{ messages[0].content }}",
+                                  {"bos_token": None, "eos_token": None},
+                                  {"config.json": {"bos_token_id": 0, "eos_token_id": 2},
+                                   "generation_config.json": {"eos_token_id": [1, 2]}})
+    t = Tokenizer.from_dir(d)
+    assert t.apply_chat_template(MESSAGES) == "Be brief."
+    assert t.encode_chat(MESSAGES) == t.encode("Be brief.", add_special_tokens=False)
+    assert t.bos_token_id == 0 and t.eos_token_ids == (1, 2) and t.eos_token_id == 1
+    assert (t.bos_token, t.eos_token) == ("<|bos|>", "<|eos|>")  # still named for decoding and logs
+
+
+def test_server_renders_a_tools_template(ckpt, tmp_path):
+    """A Mistral v0.3 / Hermes style template (``tools|tojson`` behind ``tools is not none``) served a chat
+    request with a 400 before; the request's (ignored) tools field leaves ``tools`` None."""
+    from launch.server.chat import render_chat_prompt
+    from launch.server.protocol import ChatMessage
+
+    tmpl = ("{{ bos_token }}{% if tools is not none %}{{ tools|tojson }}{% endif %}"
+            "{% for m in messages %}{{ m.content }}{% endfor %}")
+    t = Tokenizer.from_dir(_checkpoint_with_template(ckpt, tmp_path / "ck", tmpl, {}, {}))
+    assert render_chat_prompt(t, [ChatMessage(role="user", content="hi")]) == t.encode("<|bos|>hi",
+                                                                                     add_special_tokens=False)
