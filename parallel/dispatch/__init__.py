@@ -53,6 +53,11 @@ def build_dispatcher(
         raise ValueError(f"backend {backend!r} with tp={layout.tp} needs ProcessGroups")
     capped = global_capacity if global_capacity is not None and global_capacity.enabled else None
     inner: ExpertDispatcher
+    if backend == "local" and capped is not None and layout.tp > 1:
+        # capacity over the whole batch every TP rank holds, then the rows are shared out
+        assert groups is not None
+        split = TensorParallelSplit(LocalDispatcher(), groups.tp, groups.coords.tp_rank, layout.tp)
+        return CappedLocalDispatcher(capped, inner=split, report_stats=groups.coords.tp_rank == 0)
     if backend == "local":
         inner = CappedLocalDispatcher(capped) if capped is not None else LocalDispatcher()
     else:

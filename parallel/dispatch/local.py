@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from moe.capacity import CapacityConfig, CapacityStats, apply_capacity
+from moe.dispatch import ExpertDispatcher
 from moe.experts import Experts
 from parallel.dispatch.global_capacity import check_global
 from parallel.dispatch.plan import check_dispatch_args
@@ -17,9 +18,18 @@ class CappedLocalDispatcher:
     rank = 0
     num_ranks = 1
 
-    def __init__(self, global_capacity: CapacityConfig) -> None:
+    def __init__(self, global_capacity: CapacityConfig, inner: ExpertDispatcher | None = None,
+                 report_stats: bool = True) -> None:
+        """inner: where the capped assignments go (None: this rank's experts). With tp > 1 and
+        one EP rank it is the ``TensorParallelSplit`` of a ``LocalDispatcher``: every TP rank holds
+        the whole batch, so capacity is applied to all of it here, in token order, as one process
+        applies it, before the rows are shared out (capping each TP rank's share changed C and the
+        order). report_stats: keep ``capacity_stats`` (False on every TP rank but the first: they
+        all cap the same batch, and the driver sums what the ranks report)."""
         check_global(global_capacity)
         self.global_capacity = global_capacity
+        self.inner = inner
+        self.report_stats = report_stats
         self.capacity_stats: dict[int, CapacityStats] = {}
 
     def dispatch_combine(
@@ -30,5 +40,8 @@ class CappedLocalDispatcher:
         cfg = self.global_capacity
         result = apply_capacity(slot_ids, weights, experts.num_local_slots, cfg.capacity_factor,
                                 min_capacity=cfg.min_capacity, renormalize=cfg.renormalize)
-        self.capacity_stats[layer_id] = result.stats
+        if self.report_stats:
+            self.capacity_stats[layer_id] = result.stats
+        if self.inner is not None:
+            return self.inner.dispatch_combine(x, result.topk_ids, result.topk_weights, experts, layer_id)
         return experts(x, result.topk_ids, result.topk_weights)

@@ -104,6 +104,21 @@ def test_capacity_on_an_ep_group(ray_local, oracle, scope, policy, overflow):
         assert counters.tokens_dropped > 0 and counters.tokens_rerouted == 0
 
 
+@pytest.mark.slow
+def test_global_capacity_under_tp_without_ep_is_the_single_process_capacity(ray_local, oracle):
+    """Every TP rank holds the whole batch: capacity is applied to all of it in token order, as
+    one process applies it, then the rows are shared out (capping each rank's share changed the
+    capacity and the order), and the drops are counted once."""
+    path, prompts, _ = oracle
+    cap = dict(dtype="float32", capacity_factor=1.0, capacity_scope="global")
+    with LLM(str(path), **cap) as llm:
+        single, dropped = generate(llm, prompts), llm.engine.counters.tokens_dropped
+    assert dropped > 0
+    with LLM(str(path), tensor_parallel_size=2, **cap) as llm:
+        assert generate(llm, prompts) == single
+        assert llm.engine.counters.tokens_dropped == dropped
+
+
 def test_a_checkpoint_a_rank_cannot_load_is_the_ranks_own_error(ray_local, tiny_ckpt, tmp_path, capsys):
     """A tensor of the wrong shape found by a rank comes back as the loader's own error (its class and
     fields, the message naming the rank), so the command line prints it as one line, as in one process."""
