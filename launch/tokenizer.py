@@ -275,7 +275,7 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
                 if not isinstance(part, Mapping) or part.get("type") != "text":
                     raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported, got {part!r}")
                 parts.append(str(part.get("text", "")))
-            content = "".join(parts)
+            content = "\n".join(parts)  # as vLLM joins a message's text parts
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
         out.append({**m, "content": check_text(content, f"messages[{i}].content")})

@@ -25,11 +25,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
-                       add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of the templated conversation (ending with the assistant header if asked)."""
+                       add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of the templated conversation (ending with the assistant header if asked);
+    ``tools`` (OpenAI tool definitions) are handed to the template, as transformers does."""
+    extra = {"tools": tools} if tools else {}
     try:
         rendered = tokenizer.apply_chat_template(chat_messages(messages),
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, TypeError, KeyError) as exc:
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
     except Exception as exc:  # jinja2's TemplateError and raise_exception() land here

@@ -250,6 +250,21 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # OpenAI tools: rendered into the prompt by the chat template (as transformers and vLLM pass
+    # them); tool calls are not parsed out of the reply, so only tool_choice "none" is accepted
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        problem = super().unsupported()
+        if problem is not None:
+            return problem
+        if self.tools and self.tool_choice != "none":
+            return "tool_choice", ("tool calls are not parsed by this server: with tools, send tool_choice \"none\" "
+                                   "(the chat template then renders the tools into the prompt)")
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", f"tool_choice={self.tool_choice!r} is not supported (only \"none\")"
+        return None
 
     @property
     def max_new_tokens(self) -> int | None:

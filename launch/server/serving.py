@@ -183,7 +183,7 @@ class OpenAIServing:
         num_logprobs = req.num_logprobs
         # off the event loop: rendering and encoding a long conversation takes as long as a long prompt
         ids = await asyncio.to_thread(render_chat_prompt, self.tokenizer("chat messages"), req.messages,
-                                      add_generation_prompt=req.add_generation_prompt)
+                                      add_generation_prompt=req.add_generation_prompt, tools=req.tools)
         prompts = [self.check_token_ids(ids, "messages")]
         self.check_queue()
         request_id = random_id("chatcmpl")

@@ -38,10 +38,12 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(32 + i) for i in ids if not (skip_special_tokens and i == EOS))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if messages[0]["role"] == "assistant":
             raise ValueError("conversation must not start with an assistant message")
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text = "".join(f"<tool:{t['function']['name']}>" for t in tools or [])
+        text += "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
 

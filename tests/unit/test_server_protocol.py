@@ -208,6 +208,11 @@ def post(url, body, **kw):
      "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 4}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens"),
+    # tools are rendered into the prompt, but tool calls are not parsed out: only tool_choice "none"
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty"),
 ])
 def test_bad_requests_get_openai_errors(served, path, body, status, param):
@@ -229,6 +234,16 @@ def test_neutral_values_of_unimplemented_sampling_fields_pass_and_stop_str_can_b
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     params = OpenAIServing.sampling_params(CompletionRequest(prompt="x", stop="y", include_stop_str_in_output=True), 4, None)
     assert params.include_stop_str_in_output and params.stop == ("y",)
+
+
+def test_tools_with_tool_choice_none_are_served(served):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    r = post(served.url + "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    without = post(served.url + "/v1/chat/completions", {**body, "tools": None, "tool_choice": None})
+    # the template rendered the tool into the prompt: "<tool:f>" is 8 more prompt tokens (one per character)
+    assert r.json()["usage"]["prompt_tokens"] == without.json()["usage"]["prompt_tokens"] + len("<tool:f>")
 
 
 def test_a_non_text_content_part_is_named(served):
