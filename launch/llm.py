@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)`` (vLLM-shaped)."""
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)`` and
+``LLM.chat(messages, sampling_params)`` (vLLM-shaped)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,35 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts, content a
+        string or OpenAI text parts) or a list of conversations, each rendered with the checkpoint's
+        chat template as the server renders a chat request (``Tokenizer.apply_chat_template``, tools
+        handed to the template), encoded without adding special tokens again, then generated as
+        ``generate`` does. Returns one RequestOutput per conversation; ValueError naming the
+        conversation for messages the template or the checks refuse."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs the checkpoint's tokenizer.json (its chat template and vocabulary)")
+        if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts: list[Prompt] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
+            prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text})
+        return self.generate(prompts, sampling_params)
 
     def _tokenize(self, prompt: Prompt, where: str) -> tuple[list[int], str | None]:
         """The prompt's token ids and text (None for ids alone); ValueError naming ``where`` for a

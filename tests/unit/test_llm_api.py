@@ -1,6 +1,7 @@
 """``LLM.generate``: every prompt is checked before any is queued, a failed or interrupted call
 leaves the engine as it was, prompt ids are checked like ``python -m launch generate`` checks
-them, and the completions of a seeded request differ.
+them, and the completions of a seeded request differ; ``LLM.chat`` renders conversations with
+the checkpoint's chat template.
 
 Runs the in-process engine on the session's tiny ``make-tiny`` checkpoint (vocab 512, no
 tokenizer): a generate call takes well under a second.
@@ -109,3 +110,27 @@ def test_seeded_completions_differ_between_seeds_and_completions(llm):
     assert first != second
     assert tokens(seed=0) != tokens(seed=2**61 - 1)
     assert tokens(n=2, seed=-2) == [first, second] and tokens(seed=-1) == [second]
+
+
+def test_chat_renders_each_conversation_with_the_template_and_generates(tiny_ckpt_with_tokenizer, tiny_ckpt):
+    """vLLM's LLM.chat: one conversation or several, rendered as the server renders a chat request
+    (the template supplies bos; no second one), then generated as generate's prompts are."""
+    hi = [{"role": "user", "content": "Hi"}]
+    brief = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                      {"type": "text", "text": "b"}]}]
+    with LLM(str(tiny_ckpt_with_tokenizer), dtype="float32") as llm:
+        tok = llm.get_tokenizer()
+        one = llm.chat(hi, GREEDY)
+        both = llm.chat([hi, brief], GREEDY)
+        direct = llm.generate([{"prompt_token_ids": tok.encode_chat(c)} for c in (hi, brief)], GREEDY)
+        assert one[0].prompt_token_ids == tok.encode_chat(hi) and one[0].prompt_token_ids.count(tok.bos_token_id) == 1
+        assert one[0].prompt == tok.apply_chat_template(hi)
+        assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in direct]
+        assert both[0].outputs[0].token_ids == one[0].outputs[0].token_ids
+        with pytest.raises(ValueError, match=r"^conversation 1: messages\[0\] must be a dict with a string 'role'"):
+            llm.chat([hi, [{"content": "no role"}]], GREEDY)
+        assert not llm.engine.has_unfinished_requests()
+        with pytest.raises(ValueError, match="non-empty list"):
+            llm.chat([], GREEDY)
+    with LLM(str(tiny_ckpt), dtype="float32") as llm, pytest.raises(ValueError, match="tokenizer.json"):
+        llm.chat(hi, GREEDY)
