@@ -1,6 +1,8 @@
 """``python -m launch generate --model DIR --input IN.jsonl --output OUT.jsonl [flags]``.
 
-Input lines: ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``, optionally with sampling
+Input lines: ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or ``{"messages": [...]}`` (a chat
+conversation, rendered with the checkpoint's chat template as the server renders a chat
+request), optionally with sampling
 fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``n``, ``logprobs``). Output lines repeat the input and add
 ``text``, ``token_ids``, ``finish_reason`` (lists of them when n > 1 under ``outputs``). With
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from launch.engine import LLMEngine
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_PROMPT_FIELDS = {"prompt", "prompt_token_ids", "messages"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +94,9 @@ def read_requests(path: Path, defaults: dict[str, Any] | None = None) -> list[In
                 kind = {list: "an array", str: "a string", bool: "a boolean",
                         type(None): "null"}.get(type(row), "a number")
                 raise ValueError(f"{where}: a line must be a JSON object, got {kind}")
-            if ("prompt" in row) == ("prompt_token_ids" in row):
-                raise ValueError(f"{where}: each line needs exactly one of 'prompt' or 'prompt_token_ids'")
-            unknown = set(row) - _SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "id"}
+            if sum(k in row for k in _PROMPT_FIELDS) != 1:
+                raise ValueError(f"{where}: each line needs exactly one of 'prompt', 'prompt_token_ids' or 'messages'")
+            unknown = set(row) - _SAMPLING_FIELDS - _PROMPT_FIELDS - {"id"}
             if unknown:
                 raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
             check_prompt(row, where)
@@ -112,12 +115,17 @@ def sampling_params_for(row: dict[str, Any], defaults: dict[str, Any], where: st
 
 
 def prompt_ids(row: dict[str, Any], engine: LLMEngine) -> list[int]:
-    """The token ids the engine runs for ``row``; ValueError when a text prompt has no tokenizer."""
+    """The token ids the engine runs for ``row`` (a conversation rendered with the chat template,
+    no second bos); ValueError when a text prompt or a conversation has no tokenizer, or the
+    template refuses the messages."""
     if "prompt_token_ids" in row:
         return list(row["prompt_token_ids"])
+    field = "messages" if "messages" in row else "prompt"
     if engine.tokenizer is None:
-        raise ValueError("'prompt' needs the checkpoint's tokenizer.json, which this model lacks; "
+        raise ValueError(f"'{field}' needs the checkpoint's tokenizer.json, which this model lacks; "
                          "pass 'prompt_token_ids'")
+    if field == "messages":
+        return engine.tokenizer.encode_chat(row["messages"])
     return engine.tokenizer.encode(row["prompt"])
 
 

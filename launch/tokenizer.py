@@ -90,8 +90,18 @@ def check_text(text: str, what: str = "text") -> str:
 
 
 def check_prompt(row: dict[str, Any], where: str) -> None:
-    """``prompt`` a non-empty valid-Unicode string, or ``prompt_token_ids`` a non-empty list of
-    non-negative ints; else ValueError naming ``where``."""
+    """``prompt`` a non-empty valid-Unicode string, ``prompt_token_ids`` a non-empty list of
+    non-negative ints, or ``messages`` a non-empty chat conversation (``{"role", "content"}``
+    dicts, content a string or text parts); else ValueError naming ``where``."""
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+        try:
+            _normalize_messages(messages)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return
     if "prompt" in row:
         prompt = row["prompt"]
         if not isinstance(prompt, str) or not prompt:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.core import SamplingParams
 from launch.engine import LLMEngine
 from launch.generate import main, read_requests
 from launch.llm import LLM
@@ -223,8 +224,10 @@ def test_logprobs_are_written(tiny_ckpt_with_tokenizer, tmp_path, capsys):
     ('"a prompt"', "a line must be a JSON object, got a string"),
     ("3", "a line must be a JSON object, got a number"),
     ("null", "a line must be a JSON object, got null"),
-    ('{"prompt": "a", "prompt_token_ids": [3]}', "each line needs exactly one of 'prompt' or 'prompt_token_ids'"),
-    ("{}", "each line needs exactly one of 'prompt' or 'prompt_token_ids'"),
+    ('{"prompt": "a", "prompt_token_ids": [3]}', "each line needs exactly one of 'prompt', 'prompt_token_ids' or 'messages'"),
+    ("{}", "each line needs exactly one of 'prompt', 'prompt_token_ids' or 'messages'"),
+    ('{"messages": []}', "'messages' must be a non-empty list of {'role', 'content'} objects"),
+    ('{"messages": [{"content": "x"}]}', "messages[0] must be a dict with a string 'role', got {'content': 'x'}"),
 ])
 def test_a_line_that_is_not_one_request_object_is_named(tmp_path, line: str, message: str) -> None:
     src = tmp_path / "in.jsonl"
@@ -232,3 +235,20 @@ def test_a_line_that_is_not_one_request_object_is_named(tmp_path, line: str, mes
     with pytest.raises(ValueError) as err:
         read_requests(src)
     assert str(err.value) == f"{src}:2: {message}"
+
+
+def test_chat_lines_are_rendered_with_the_chat_template(tiny_ckpt_with_tokenizer, tiny_ckpt, tmp_path, capsys):
+    """A ``messages`` line gives what ``LLM.chat`` gives (the server's rendering); without a
+    tokenizer it is a line error before anything runs."""
+    messages = [{"role": "user", "content": "Hi"}]
+    src = _write(tmp_path / "in.jsonl", {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    rc, err, _ = _run(capsys, tiny_ckpt_with_tokenizer, src, tmp_path / "out.jsonl", "--dtype", "float32")
+    assert rc == 0, err
+    row = json.loads((tmp_path / "out.jsonl").read_text())
+    with LLM(str(tiny_ckpt_with_tokenizer), dtype="float32") as llm:
+        chat = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert row["messages"] == messages and row["token_ids"] == list(chat.token_ids) and row["text"] == chat.text
+    rc, err, _ = _run(capsys, tiny_ckpt, src, tmp_path / "none.jsonl")
+    assert (rc, err) == (2, f"error: {src}:1: 'messages' needs the checkpoint's tokenizer.json, which this model "
+                            "lacks; pass 'prompt_token_ids'")
+    assert not (tmp_path / "none.jsonl").exists()
