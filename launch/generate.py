@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as e:
                 return _error(f"{args.input}:{req.line}: {e}")
             prompts.append({"prompt_token_ids": ids, **({"prompt": req.row["prompt"]} if "prompt" in req.row else {})})
-        outputs = llm.generate(prompts, [req.params for req in requests])
+        outputs = llm.generate(prompts, [req.params for req in requests], use_tqdm=sys.stderr.isatty())
     finally:
         llm.shutdown()
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tqdm import tqdm
+
 from launch.config import VLLM_KEYS, RuntimeConfig
 from launch.config_schema import set_dotted
 from launch.core import RequestOutput, SamplingParams
@@ -63,9 +65,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """prompts: a string, ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``, or a list of
-        them. sampling_params: one for all, or one per prompt. Returns one RequestOutput per
+        them. sampling_params: one for all, or one per prompt. use_tqdm: a progress bar of finished
+        requests on stderr (vLLM's flag; off by default here). Returns one RequestOutput per
         prompt, in order, each finished.
 
         Every prompt is checked (``launch.tokenizer.check_prompt``, as ``generate`` does, then the
@@ -98,10 +103,13 @@ class LLM:
                 self.engine.add_request(request_id, token_ids, p, prompt=text)
                 ids.append(request_id)
             finished: dict[str, RequestOutput] = {}
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
+            wanted = set(ids)
+            with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(out.request_id in wanted)
         except BaseException:
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -115,6 +123,7 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts, content a
         string or OpenAI text parts) or a list of conversations, each rendered with the checkpoint's
@@ -135,7 +144,7 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
             prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text})
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _tokenize(self, prompt: Prompt, where: str) -> tuple[list[int], str | None]:
         """The prompt's token ids and text (None for ids alone); ValueError naming ``where`` for a

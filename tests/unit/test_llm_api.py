@@ -134,3 +134,14 @@ def test_chat_renders_each_conversation_with_the_template_and_generates(tiny_ckp
             llm.chat([], GREEDY)
     with LLM(str(tiny_ckpt), dtype="float32") as llm, pytest.raises(ValueError, match="tokenizer.json"):
         llm.chat(hi, GREEDY)
+
+
+def test_use_tqdm_shows_the_calls_requests(llm, capsys):
+    """vLLM's use_tqdm: a bar of this call's finished requests on stderr; none by default."""
+    prompts = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}]
+    quiet = llm.generate(prompts, GREEDY)
+    assert capsys.readouterr().err == ""
+    shown = llm.generate(prompts, GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "requests: 100%" in err and "2/2" in err
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in quiet]
