@@ -61,15 +61,17 @@ class IncrementalDetokenizer:
 
 
 def _clean_context(decode: DecodeFn, prompt_token_ids: Sequence[int]) -> list[int]:
-    """The prompt's last ~``_PROMPT_CONTEXT_TOKENS`` ids, starting where they decode without
-    U+FFFD (not inside a multi-byte character): the nearest such start, earlier first."""
+    """The prompt's last ~``_PROMPT_CONTEXT_TOKENS`` ids, starting where their text does not begin
+    with U+FFFD (not inside a multi-byte character): the nearest such start, earlier first, and
+    never an empty window (the context carries the first generated token's leading space). A
+    U+FFFD further in is the prompt's own text and does not matter."""
     n = len(prompt_token_ids)
     default = max(0, n - _PROMPT_CONTEXT_TOKENS)
     earlier = range(default, max(0, default - _CONTEXT_SEARCH) - 1, -1)
-    later = range(default + 1, min(n, default + _CONTEXT_SEARCH) + 1)
+    later = range(default + 1, min(n - 1, default + _CONTEXT_SEARCH) + 1)
     for start in (*earlier, *later):
         window = list(prompt_token_ids[start:])
-        if "\ufffd" not in decode(window):
+        if not decode(window).startswith("\ufffd"):
             return window
     return list(prompt_token_ids[default:])
 

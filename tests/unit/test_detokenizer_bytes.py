@@ -47,6 +47,15 @@ def test_a_prompt_ending_in_byte_tokens_does_not_turn_the_output_into_replacemen
     assert full.endswith("".join(deltas))
 
 
+def test_a_prompt_whose_own_text_holds_a_replacement_character_keeps_its_context(tok):
+    """U+FFFD written in the prompt is text, not a cut character: the context stays, so the
+    first generated word keeps its leading space."""
+    generated = tok.encode("x and more").ids[2:]  # "▁and▁more" pieces
+    for prompt in ("Replace it: \ufffd", "ok ab"):
+        deltas, rest = stream(tok, prompt, generated)
+        assert "".join(deltas) + rest == " and more"
+
+
 def test_the_text_of_an_unfinished_character_is_flushed_as_decode_shows_it(tok):
     prompt_ids = tok.encode("ok").ids
     generated = tok.encode("ab Ж").ids[1:-1]  # ends with the first of Ж's two byte tokens
