@@ -322,9 +322,12 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
         self.add_bos = add_bos
-        if special_tokens is None:
-            special_tokens = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
-        self.special_tokens: dict[str, str] = dict(special_tokens)
+        named = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
+        # A checkpoint's own template sees tokenizer_config.json's tokens only (as in transformers);
+        # our default template is ours, and takes the bos/eos the ids in config.json name too.
+        default = chat_template is None
+        self.special_tokens: dict[str, str] = (named if special_tokens is None
+                                               else {**named, **special_tokens} if default else dict(special_tokens))
         self._template = _build_template_environment().from_string(self.chat_template)
 
     @classmethod

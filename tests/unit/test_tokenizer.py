@@ -118,6 +118,12 @@ def test_default_template_when_config_has_none(ckpt, tmp_path):
     assert t.chat_template == DEFAULT_CHAT_TEMPLATE
     assert t.eos_token_ids == () and t.eos_token_id is None
     assert t.apply_chat_template(MESSAGES[1:]) == "<|user|>\nHi 🙂\n<|assistant|>\n"
+    # our default template takes the bos config.json names by id (a checkpoint's own template
+    # sees tokenizer_config.json's tokens only): the prompt keeps its bos
+    (d / "config.json").write_text(json.dumps({"bos_token_id": 0}))
+    t = Tokenizer.from_dir(d)
+    assert t.apply_chat_template(MESSAGES[1:]) == "<|bos|><|user|>\nHi 🙂\n<|assistant|>\n"
+    assert t.encode_chat(MESSAGES[1:])[0] == 0
 
 
 def test_missing_or_broken_files_name_the_path(tmp_path, ckpt):
