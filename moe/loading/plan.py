@@ -202,10 +202,11 @@ class Planner:
             return ""
         layer, wants_experts = int(match.group(1)), not match.group(2).endswith("_proj")
         prefix = f"model.layers.{layer}."
-        has_experts = any(k.startswith(prefix) and ".experts." in k and "shared_expert" not in k
-                          for k in self.ckpt.keys())
-        if has_experts == wants_experts:
-            return ""
+        keys = [k for k in self.ckpt.keys() if k.startswith(prefix)]
+        has_experts = any(".experts." in k and "shared_expert" not in k for k in keys)
+        has_dense = any(re.search(r"\.mlp\.(gate|up|down)_proj\.", k) for k in keys)
+        if (has_experts, has_dense) != ((False, True) if wants_experts else (True, False)):
+            return ""  # the layer is the kind asked for, has both, or has no FFN at all
         cfg = self.ckpt.config
         fields = ", ".join(f"{k}={cfg[k]!r}" for k in _DENSE_LAYER_FIELDS if k in cfg) or "its defaults"
         kinds = ("a dense MLP", "routed experts") if wants_experts else ("routed experts", "a dense MLP")

@@ -252,3 +252,17 @@ def test_chat_lines_are_rendered_with_the_chat_template(tiny_ckpt_with_tokenizer
     assert (rc, err) == (2, f"error: {src}:1: 'messages' needs the checkpoint's tokenizer.json, which this model "
                             "lacks; pass 'prompt_token_ids'")
     assert not (tmp_path / "none.jsonl").exists()
+
+
+def test_a_layer_without_any_ffn_tensor_gets_no_layer_kind_hint(tiny_ckpt_with_tokenizer, tmp_path, capsys):
+    """Tensors missing altogether (a lost shard) are not "the other kind of layer"."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "lost"
+    shutil.copytree(tiny_ckpt_with_tokenizer, path)
+    tensors = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.1.mlp.")}, path / "model.safetensors")
+    src = _write(tmp_path / "in.jsonl", {"prompt": "ok"})
+    rc, err, _ = _run(capsys, path, src, tmp_path / "out.jsonl")
+    assert (rc, err) == (2, f"error: {path}: tensor 'model.layers.1.mlp.gate.weight' not found; looked for "
+                            "checkpoint name(s) 'model.layers.1.mlp.gate.weight'")
