@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -158,13 +159,13 @@ class LLM:
             raise ValueError(f"{where}: a prompt must be a string, {{'prompt': str}} or "
                              f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
         if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            check_prompt({"prompt_token_ids": list(ids) if isinstance(ids, tuple) else ids}, where)
+            ids = _as_id_list(prompt["prompt_token_ids"])
+            check_prompt({"prompt_token_ids": ids}, where)
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise ValueError(f"{where}: 'prompt' beside 'prompt_token_ids' must be a string, got "
                                  f"{type(text).__name__}")
-            return list(ids), text
+            return ids, text
         if "prompt" in prompt:
             check_prompt({"prompt": prompt["prompt"]}, where)
             return self._encode(prompt["prompt"], where), prompt["prompt"]
@@ -194,3 +195,13 @@ class LLM:
             self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
+
+
+def _as_id_list(ids: Any) -> Any:
+    """Token ids given as a list, tuple, numpy array or tensor, numpy / torch integers among them,
+    as a list of Python ints; anything else is returned for ``check_prompt`` to name."""
+    if hasattr(ids, "tolist") and not isinstance(ids, list | tuple):
+        ids = ids.tolist()  # numpy array, torch tensor
+    if not isinstance(ids, list | tuple):
+        return ids
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]

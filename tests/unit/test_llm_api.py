@@ -92,9 +92,17 @@ def test_prompts_are_checked_like_the_generate_cli(llm, prompt, message):
     assert _engine_state(llm) == before
 
 
-def test_token_ids_may_be_a_tuple_and_sampling_params_must_be_sampling_params(llm):
+def test_token_ids_may_be_a_tuple_or_array_and_sampling_params_must_be_sampling_params(llm):
+    import numpy as np
+    import torch
+
     out = llm.generate({"prompt_token_ids": (3, 4)}, GREEDY)[0]
     assert out.prompt_token_ids == [3, 4] and len(out.outputs[0].token_ids) == 4
+    # numpy / torch ids, as vLLM takes them
+    for ids in (np.array([3, 4]), [np.int64(3), np.int32(4)], torch.tensor([3, 4])):
+        again = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
+        assert again.prompt_token_ids == [3, 4] and again.outputs[0].token_ids == out.outputs[0].token_ids
+        assert all(type(t) is int for t in again.prompt_token_ids)
     with pytest.raises(ValueError, match="^sampling_params\\[1\\] must be a SamplingParams, got dict"):
         llm.generate([{"prompt_token_ids": [3]}, {"prompt_token_ids": [4]}], [GREEDY, {"max_tokens": 2}])
 
