@@ -126,31 +126,46 @@ def train(args: TrainArgs, *, progress: bool = True, report_prompts: int | None 
     (also written to ``training.json``); its routing report uses the first ``report_prompts``
     prompts of each workload (all by default).
 
-    Every file is written into a hidden staging folder (inside ``args.out`` if it exists, else
-    in its nearest existing parent) and moved into ``args.out`` only once the run has finished:
-    a run that fails leaves ``args.out`` as it was (files of the same name are replaced only by
-    a finished run; other files are never touched)."""
+    ``args.out`` (and its missing parents) is made first, so that a path that cannot be a folder
+    fails before training; every file is written into a hidden ``.train-tiny-*`` folder inside it
+    and moved into place only once the run has finished. A run that fails leaves ``args.out`` as
+    it was (folders it made are removed again; files of the same name are replaced only by a
+    finished run; other files are never touched). A process killed outright (SIGKILL) can leave
+    its hidden staging folder behind in ``args.out``."""
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
-    staging = _make_staging_dir(out)
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"--out {out} is a symbolic link to a folder that does not exist")
+    made = _make_dirs(out)
+    staging = Path(tempfile.mkdtemp(prefix=".train-tiny-", dir=out))
+    finished = False
     try:
         summary = _train_into(args, staging, progress, report_prompts)
         _move_into(staging, out)
+        finished = True
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if not finished:
+            for folder in reversed(made):  # deepest first; stops at one that is not empty
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
     return summary
 
 
-def _make_staging_dir(out: Path) -> Path:
-    """A new hidden folder on the file system of ``out``: inside it, or in its nearest existing
-    parent (so that moving the finished files is a rename)."""
-    base = out.absolute()
-    while not base.exists():
-        base = base.parent
-    if not base.is_dir():
-        raise ValueError(f"--out {out}: {base} is not a directory")
-    return Path(tempfile.mkdtemp(prefix=".train-tiny-", dir=base))
+def _make_dirs(out: Path) -> list[Path]:
+    """Make ``out`` and its missing parents; returns the folders made, outermost first."""
+    missing = []
+    folder = out.absolute()
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"--out {out}: {folder} is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
 
 
 def _move_into(staging: Path, out: Path) -> None:

@@ -163,6 +163,25 @@ def test_a_too_long_seq_len_fails_before_writing_anything(tmp_path, capsys) -> N
         assert _listing(tmp_path) == before
 
 
+def test_an_out_that_cannot_be_a_folder_fails_before_training(tmp_path, capsys, monkeypatch) -> None:
+    """A dangling symbolic link or a file in the way: a one-line error before the first step
+    (it used to train the whole run, then fail moving the files)."""
+    import launch.training.train as train_module
+
+    def no_step(*args):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(train_module, "_step", no_step)
+    (tmp_path / "link").symlink_to(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    for out, message in ((tmp_path / "link", "is a symbolic link to a folder that does not exist"),
+                         (tmp_path / "file" / "ckpt", "is not a directory")):
+        assert main(["--arch", "mixtral", "--out", str(out), "--steps", "1", "--threads", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --out {out}") and message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link"]
+
+
 def test_a_run_failing_mid_training_leaves_out_as_it_was(tmp_path, capsys, monkeypatch) -> None:
     """A step that raises after the progress bar started: --out keeps exactly what it held,
     no staging folder is left, and the error starts its own line after the bar."""
