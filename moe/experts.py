@@ -344,8 +344,8 @@ class Experts(WatchedModule):
         if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or not self.fused_topk:
             return None
         params = self._parameters  # without nn.Module.__getattr__: this runs every layer of every step
-        if kernels.needs_autograd(x, params["w13"], params["w2"]):
-            return None
+        if x.dtype != params["w13"].dtype or kernels.needs_autograd(x, params["w13"], params["w2"]):
+            return None  # rows in another dtype: the op-by-op path's answer (an error), not a silent cast
         packed = self.packed_weights()
         if packed is None:
             return None

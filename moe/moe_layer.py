@@ -189,6 +189,8 @@ class MoELayer(WatchedModule):
         experts from the router's output, the shared experts)."""
         if self.capacity is not None or type(self.dispatcher) is not LocalDispatcher:
             return None
+        if self.count_rows is not None:  # padded rows must count nothing in slot_load: the op counts every row
+            return None
         mods = self._modules  # submodules and parameters without nn.Module.__getattr__ (every layer, every step)
         gate = mods["gate"]
         weight = gate._parameters["weight"]

@@ -159,6 +159,14 @@ def test_moe_ffn_steps_aside_where_an_op_would_not_run_its_kernel(kernel_isas: l
     x = torch.zeros(4, layer.experts.w13.shape[-1], dtype=torch.bfloat16)
     assert layer._fused_ffn_weights(x) is not None
     assert layer._fused_ffn_weights(x.float()) is None  # rows in another dtype than the experts
+    # the same without a shared expert to refuse them: the routed experts must (Mixtral)
+    plain = _moe_layer(hf_checkpoints["mixtral"], torch.bfloat16)
+    y = torch.zeros(4, plain.experts.w13.shape[-1], dtype=torch.bfloat16)
+    assert plain._fused_ffn_weights(y) is not None and plain._fused_ffn_weights(y.float()) is None
+    # padded rows (count_rows) must count nothing in slot_load; the op counts every row
+    layer.set_count_rows(torch.tensor([1, 1, 0, 0]))
+    assert layer._fused_ffn_weights(x) is None
+    layer.set_count_rows(None)
     for module, attr in ((layer.gate, "use_kernel"), (layer.experts, "fused_topk")):
         setattr(module, attr, False)
         assert layer._fused_ffn_weights(x) is None
