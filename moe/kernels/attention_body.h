@@ -92,7 +92,7 @@ static inline void attn_pv_columns(const float* p, int64_t ldp, int64_t T, const
   for (; c < C; ++c)
     for (int h = 0; h < HH; ++h) {
       float s = o[h * ldo + c];
-      for (int64_t t = 0; t < T; ++t) s += p[h * ldp + t] * v[t * ldv + c];
+      for (int64_t t = 0; t < T; ++t) s = sfma(p[h * ldp + t], v[t * ldv + c], s);  // vfma's arithmetic
       o[h * ldo + c] = s;
     }
 }
@@ -635,7 +635,7 @@ static inline void prefill_pv(const float* p, int64_t lds, int64_t n, const floa
   for (; c < dv; ++c)
     for (int r = 0; r < RR; ++r) {
       float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum = p[r * lds + t] * v[t * ldv + c] + sum;  // vfma's arithmetic
+      for (int64_t t = 0; t < n; ++t) sum = sfma(p[r * lds + t], v[t * ldv + c], sum);  // vfma's arithmetic
       store_value(o + r * ldo + c, sum);
     }
 }

@@ -262,6 +262,8 @@ static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 8 columns
 }
 static inline vf vbroadcast(const float* p) { return vf{} + *p; }
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+// The scalar twin of vfma for columns past the last whole vector: no FMA instruction at this ISA.
+static inline float sfma(float a, float b, float c) { return a * b + c; }
 static inline vf vadd(vf a, vf b) { return a + b; }
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 static inline float vhsum(vf v) {
@@ -299,6 +301,9 @@ static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 8 columns
 }
 static inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+// Fused like vfma whatever the compiler makes of the loop around it (a row's values must not depend
+// on how many rows share its tile).
+static inline float sfma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline float vhsum(vf v) {  // (lo + hi) then pairwise within 128 bits
@@ -339,6 +344,7 @@ static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 16 column
 }
 static inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float sfma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // as avx2's
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }

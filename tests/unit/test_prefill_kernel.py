@@ -189,12 +189,13 @@ def test_model_generates_the_same_with_the_prefill_kernel(kernel_isas: list[str]
     assert_same_generation((tokens_kernel, logits_kernel), greedy_generate(model, prompts, 6, chunk=3))
 
 
-@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize(("window", "hd"), [(None, 64), (40, 64), (None, 24), (40, 40)])
 def test_a_rows_values_do_not_depend_on_the_chunk_or_batch_it_comes_in(kernel_isas: list[str],
-                                                                       window: int | None) -> None:
+                                                                       window: int | None, hd: int) -> None:
     """A prompt's rows prefilled whole, as a later chunk after cached rows, or beside another
-    sequence: the same bits (a row's sums do not depend on the query tile it lands in)."""
-    size, hkv, h, hd, length = 16, 2, 4, 64, 150
+    sequence: the same bits (a row's sums do not depend on the query tile it lands in). Head
+    sizes 24 and 40 end in a partial 16-lane vector, whose columns sum one by one."""
+    size, hkv, h, length = 16, 2, 4, 150
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
         pool = torch.randn(20, size, 2, hkv, hd, generator=gen).to(dtype)
