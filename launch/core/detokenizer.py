@@ -39,25 +39,23 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Append one generated token; return the newly completed text (may be "")."""
         self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            new_text = full_text[len(prefix_text) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            return new_text
-        return ""
+        return self._emit(final=False)
 
     def flush(self) -> str:
         """The text of the tokens still waiting (an incomplete character shows as U+FFFD, as
         ``decode`` shows it), emitted once: call when the sequence ends."""
-        if self._read_offset == len(self._ids):
-            return ""
+        return self._emit(final=True) if self._read_offset < len(self._ids) else ""
+
+    def _emit(self, final: bool) -> str:
+        """The window's new text, and the window moved past it; "" (the window kept) while the
+        text has not grown or, unless ``final``, ends in U+FFFD."""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return full_text[len(prefix_text) :]
+        return ""
 
 
 def _clean_context(decode: DecodeFn, prompt_token_ids: Sequence[int]) -> list[int]:

@@ -152,15 +152,8 @@ class Sequence:
         """End with "stop" on an eos or stop token (not detokenized); the text of the tokens
         before it that still waits for the rest of a character is kept (and a stop string in
         it still trims the text)."""
-        pending = self._detokenizer.flush() if self._detokenizer is not None else ""
-        if pending:
-            self.output_text += pending
-            hit = find_stop_string(self.output_text, len(pending), self.params.stop,
-                                   self.params.include_stop_str_in_output)
-            if hit is not None:
-                self.output_text = self.output_text[:hit[1]]
-                stop_reason = hit[0]
-        self._finish(SequenceStatus.FINISHED_STOPPED, stop_reason)
+        stop_str = self._append_text(self._detokenizer.flush()) if self._detokenizer is not None else None
+        self._finish(SequenceStatus.FINISHED_STOPPED, stop_reason if stop_str is None else stop_str)
 
     def check_stop(self, new_text: str) -> bool:
         """Add ``new_text`` (the text of the latest token) and check text and length stops.
@@ -173,19 +166,27 @@ class Sequence:
         """
         if self.num_tokens >= self.max_num_tokens and self._detokenizer is not None:
             new_text += self._detokenizer.flush()
-        self.output_text += new_text
-        hit = find_stop_string(
-            self.output_text, len(new_text), self.params.stop, self.params.include_stop_str_in_output
-        )
-        if hit is not None:
-            stop_str, keep = hit
-            self.output_text = self.output_text[:keep]
+        stop_str = self._append_text(new_text)
+        if stop_str is not None:
             self._finish(SequenceStatus.FINISHED_STOPPED, stop_str)
             return True
         if self.num_tokens >= self.max_num_tokens:
             self._finish(SequenceStatus.FINISHED_LENGTH_CAPPED, None)
             return True
         return False
+
+    def _append_text(self, new_text: str) -> str | None:
+        """Add ``new_text`` to the output; the stop string found in the tail (overlapping it), the
+        text trimmed at it (or after it, with include_stop_str_in_output), or None."""
+        self.output_text += new_text
+        hit = find_stop_string(
+            self.output_text, len(new_text), self.params.stop, self.params.include_stop_str_in_output
+        )
+        if hit is None:
+            return None
+        stop_str, keep = hit
+        self.output_text = self.output_text[:keep]
+        return stop_str
 
     def abort(self) -> None:
         self._finish(SequenceStatus.FINISHED_ABORTED, None)
