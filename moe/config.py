@@ -388,6 +388,12 @@ def _default(arch: str, key: str, fallback: Any = _REQUIRED) -> Any:
     return _HF_DEFAULTS[arch].get(key, fallback)
 
 
+def _int_or_default(raw: dict[str, Any], arch: str, key: str, null: Any) -> Any:
+    """Config field ``key`` as an int; ``null`` when it is null; transformers' default for the
+    family when it is absent (``null`` where transformers has none)."""
+    return _int(raw, key, default=null) if key in raw else _default(arch, key, null)
+
+
 def _rope_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
@@ -464,7 +470,7 @@ def _deepseek_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dic
         num_key_value_heads=heads,
         head_dim=nope + rope,
         # absent: transformers' 1536; null: no q compression (V2-Lite's checkpoints say so)
-        q_lora_rank=_int(raw, "q_lora_rank", default=None) if "q_lora_rank" in raw else _default(arch, "q_lora_rank"),
+        q_lora_rank=_int_or_default(raw, arch, "q_lora_rank", None),
         kv_lora_rank=_int(raw, "kv_lora_rank"),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
@@ -473,12 +479,9 @@ def _deepseek_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dic
         moe_intermediate_size=_int(raw, "moe_intermediate_size"),
         num_experts=_int(raw, "n_routed_experts", "num_local_experts", "num_experts"),
         num_experts_per_tok=_int(raw, "num_experts_per_tok"),
-        num_shared_experts=_int(raw, "n_shared_experts", default=0 if "n_shared_experts" in raw
-                                else _default(arch, "n_shared_experts")),
-        n_group=(_int(raw, "n_group", default=1 if "n_group" in raw else _default(arch, "n_group", 1)) or 1)
-        if grouped else 1,
-        topk_group=(_int(raw, "topk_group", default=1 if "topk_group" in raw else _default(arch, "topk_group", 1))
-                    or 1) if grouped else 1,
+        num_shared_experts=_int_or_default(raw, arch, "n_shared_experts", 0),
+        n_group=(_int_or_default(raw, arch, "n_group", 1) or 1) if grouped else 1,
+        topk_group=(_int_or_default(raw, arch, "topk_group", 1) or 1) if grouped else 1,
         scoring_func=scoring,
         topk_method=method,
         # transformers' DeepseekV2 router never renormalises the top-k weights
@@ -511,8 +514,7 @@ def _gqa_common(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     return dict(
         attention="gqa",
         # absent: transformers' default; null (or 0): one kv head per query head, as transformers
-        num_key_value_heads=(_int(raw, "num_key_value_heads", default=0) if "num_key_value_heads" in raw
-                             else _default(arch, "num_key_value_heads")) or heads,
+        num_key_value_heads=_int_or_default(raw, arch, "num_key_value_heads", 0) or heads,
         head_dim=_int(raw, "head_dim", default=0) or derived,
         num_experts_per_tok=_int(raw, "num_experts_per_tok"),
     )
