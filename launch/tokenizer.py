@@ -172,10 +172,15 @@ def checkpoint_eos_token_ids(directory: str | Path) -> tuple[int, ...]:
     this order, of ``generation_config.json`` and ``config.json`` ``eos_token_id`` (each an id or a
     list; a missing file names none). ``Tokenizer.eos_token_ids`` adds the tokenizer's eos token.
     TokenizerError naming the file for an id that is not a non-negative integer."""
+    files = [Path(directory) / name for name in ("generation_config.json", "config.json")]
+    return _eos_ids_of([(_read_json(path), path) for path in files])
+
+
+def _eos_ids_of(configs: list[tuple[Mapping[str, Any], Path]]) -> tuple[int, ...]:
+    """The union, in order, of the ``eos_token_id`` of each (read JSON, its file)."""
     ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        path = Path(directory) / name
-        ids += _as_id_list(_read_json(path).get("eos_token_id"), path, "eos_token_id")
+    for data, path in configs:
+        ids += _as_id_list(data.get("eos_token_id"), path, "eos_token_id")
     return tuple(dict.fromkeys(ids))
 
 
@@ -350,7 +355,7 @@ class Tokenizer:
             directory / name for name in ("tokenizer_config.json", "generation_config.json", "config.json"))
         cfg, gen, model = _read_json(cfg_file), _read_json(gen_file), _read_json(model_file)
         bos, eos = _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token"))
-        eos_ids = list(checkpoint_eos_token_ids(directory))
+        eos_ids = list(_eos_ids_of([(gen, gen_file), (model, model_file)]))  # checkpoint_eos_token_ids
         if eos is not None and tok.token_to_id(eos) is not None:
             eos_ids.append(tok.token_to_id(eos))
         if "bos_token_id" in gen:
