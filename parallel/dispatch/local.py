@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moe.capacity import CapacityConfig, CapacityStats, apply_capacity
-from moe.dispatch import ExpertDispatcher
+from moe.dispatch import ExpertDispatcher, LocalDispatcher
 from moe.experts import Experts
 from parallel.dispatch.global_capacity import check_global
 from parallel.dispatch.plan import check_dispatch_args
@@ -20,7 +20,7 @@ class CappedLocalDispatcher:
 
     def __init__(self, global_capacity: CapacityConfig, inner: ExpertDispatcher | None = None,
                  report_stats: bool = True) -> None:
-        """inner: where the capped assignments go (None: this rank's experts). With tp > 1 and
+        """inner: where the capped assignments go (None: a ``LocalDispatcher``, this rank's experts). With tp > 1 and
         one EP rank it is the ``TensorParallelSplit`` of a ``LocalDispatcher``: every TP rank holds
         the whole batch, so capacity is applied to all of it here, in token order, as one process
         applies it, before the rows are shared out (capping each TP rank's share changed C and the
@@ -28,7 +28,7 @@ class CappedLocalDispatcher:
         all cap the same batch, and the driver sums what the ranks report)."""
         check_global(global_capacity)
         self.global_capacity = global_capacity
-        self.inner = inner
+        self.inner = inner if inner is not None else LocalDispatcher()
         self.report_stats = report_stats
         self.capacity_stats: dict[int, CapacityStats] = {}
 
@@ -42,6 +42,4 @@ class CappedLocalDispatcher:
                                 min_capacity=cfg.min_capacity, renormalize=cfg.renormalize)
         if self.report_stats:
             self.capacity_stats[layer_id] = result.stats
-        if self.inner is not None:
-            return self.inner.dispatch_combine(x, result.topk_ids, result.topk_weights, experts, layer_id)
-        return experts(x, result.topk_ids, result.topk_weights)
+        return self.inner.dispatch_combine(x, result.topk_ids, result.topk_weights, experts, layer_id)
