@@ -159,7 +159,7 @@ class LLM:
             raise ValueError(f"{where}: a prompt must be a string, {{'prompt': str}} or "
                              f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
         if "prompt_token_ids" in prompt:
-            ids = _as_id_list(prompt["prompt_token_ids"])
+            ids = _plain_ids(prompt["prompt_token_ids"])
             check_prompt({"prompt_token_ids": ids}, where)
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
@@ -197,7 +197,7 @@ class LLM:
             pass
 
 
-def _as_id_list(ids: Any) -> Any:
+def _plain_ids(ids: Any) -> Any:
     """Token ids given as a list, tuple, numpy array or tensor, numpy / torch integers among them,
     as a list of Python ints; anything else is returned for ``check_prompt`` to name."""
     if hasattr(ids, "tolist") and not isinstance(ids, list | tuple):
