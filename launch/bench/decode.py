@@ -438,18 +438,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    if args.warmup_steps is None:
-        from moe.cuda_graphs import CAPTURE_AFTER
-
-        args.warmup_steps = CAPTURE_AFTER + 1 if getattr(args, "cuda_graphs", None) else 3
-    for name in ("context_len", "steps", "copy_mib"):
+def check_step_flags(args: argparse.Namespace, positive: tuple[str, ...]) -> None:
+    """ValueError naming the first of the flags ``positive`` (attribute names) below 1, a negative
+    ``--warmup-steps`` or a ``--num-threads`` below 1 (the step benchmarks' shared flags)."""
+    for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.warmup_steps is None:
+        from moe.cuda_graphs import CAPTURE_AFTER
+
+        args.warmup_steps = CAPTURE_AFTER + 1 if getattr(args, "cuda_graphs", None) else 3
+    check_step_flags(args, ("context_len", "steps", "copy_mib"))
     if any(b < 1 for b in args.batch_sizes):
         raise ValueError(f"--batch-sizes must all be >= 1, got {args.batch_sizes}")
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:

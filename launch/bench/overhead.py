@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from launch.bench.decode import num_prefill_steps
+from launch.bench.decode import check_step_flags, num_prefill_steps
 from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
@@ -322,13 +322,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def build_config(args: argparse.Namespace) -> RuntimeConfig:
     """The runtime config with room for the batch (max_num_seqs, KV blocks) so no step is preempted."""
-    for name in ("batch", "context_len", "steps", "repeats"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup_steps < 0:
-        raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
-    if args.num_threads is not None and args.num_threads < 1:
-        raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+    check_step_flags(args, ("batch", "context_len", "steps", "repeats"))
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         raise ValueError(f"--json: {problem}")  # now, not after the whole benchmark
     if args.max_num_seqs is None:
