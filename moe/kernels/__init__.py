@@ -28,6 +28,8 @@ weights packed once by ``pack_experts``:
   same 8 up channels, the reduction dimension D outermost inside a block, so one register
   tile produces both halves of SwiGLU and streams its block contiguously;
 - ``w2p [P, D/16, I, 16]``: the down projection in the same block order;
+- an I that is not a multiple of 8 is packed zero-padded to one (``padded_inter``): the padded
+  channels' SiLU(0) * 0 adds nothing, so any I runs the kernel (D must be a multiple of 16);
 - bf16 blocks hold k pairs: memory order ``[K/2, 16, 2]`` inside a ``[K, 16]`` block (K even),
   the order AVX512-BF16's ``vdpbf16ps`` reads; ``unpack_blocks`` inverts any block order;
 - int8 (``quantization="int8"``): the same layout in int8 with one fp32 scale per output
@@ -102,7 +104,8 @@ _NONE = torch.empty(0, dtype=torch.float32)
 class PackedExperts:
     """Routed-expert weights in the kernel's layout (see the module docstring).
 
-    w13p: [P, I/8, D, 16]; w2p: [P, D/16, I, 16] (float32, bfloat16 or int8).
+    w13p: [P, I/8, D, 16]; w2p: [P, D/16, I, 16] (float32, bfloat16 or int8), I here the
+    weights' intermediate size padded to a multiple of 8 (``padded_inter``).
     s13: [P, I/8, 16] float32 and s2: [P, D/16, 16] float32 for int8, else empty tensors.
     """
 
@@ -120,11 +123,34 @@ class PackedExperts:
 
 
 def can_pack(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether w13 [P, 2I, D] / w2 [P, D, I] fit the kernel: CPU, fp32/bf16, I % 8 == 0, D % 16 == 0."""
+    """Whether w13 [P, 2I, D] / w2 [P, D, I] fit the kernel: CPU, fp32/bf16, D % 16 == 0 (any I:
+    ``pack_experts`` pads it)."""
     if w13.device.type != "cpu" or w13.dtype not in (torch.float32, torch.bfloat16) or w13.dim() != 3:
         return False
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
-    return inter % 8 == 0 and hidden % BLOCK == 0 and inter > 0 and tuple(w2.shape[1:]) == (hidden, inter)
+    return (w13.shape[1] % 2 == 0 and hidden % BLOCK == 0 and inter > 0
+            and tuple(w2.shape[1:]) == (hidden, inter))
+
+
+def padded_inter(inter: int) -> int:
+    """The intermediate size the kernel's packed experts hold for I: I rounded up to a multiple of
+    8 (a packed gate/up block holds 8 gate and 8 up channels)."""
+    return -(-inter // 8) * 8
+
+
+def _pad_inter(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [P, 2I, D] (gate rows, then up rows) and w2 [P, D, I] with I zero-padded to
+    ``padded_inter(I)`` = Ip: [P, 2Ip, D] and [P, D, Ip]. A zero gate and up channel gives
+    SiLU(0) * 0 = 0, which the zero down column adds nowhere: the same outputs for finite inputs."""
+    slots, two_i, hidden = w13.shape
+    inter = two_i // 2
+    pad = padded_inter(inter) - inter
+    if pad == 0:
+        return w13, w2
+    zeros = w13.new_zeros(slots, pad, hidden)
+    w13 = torch.cat([w13[:, :inter], zeros, w13[:, inter:], zeros], dim=1)
+    w2 = torch.cat([w2, w2.new_zeros(slots, w2.shape[1], pad)], dim=2)
+    return w13, w2
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,9 +170,11 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, quantization: str | None = None) -> PackedExperts:
     """Pack w13 [P, 2I, D] (gate rows, then up rows) and w2 [P, D, I] into the kernel's layout,
-    optionally quantized to int8 per output channel."""
+    optionally quantized to int8 per output channel. I is zero-padded to Ip = ``padded_inter(I)``
+    first: w13p [P, Ip/8, D, 16], w2p [P, D/16, Ip, 16]."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
+    w13, w2 = _pad_inter(w13, w2)
     slots, two_i, hidden = w13.shape
     inter = two_i // 2
     empty = torch.empty(0, dtype=torch.float32)

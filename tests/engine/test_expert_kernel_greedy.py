@@ -50,3 +50,27 @@ def test_quantization_option_is_opt_in_and_validated():
     assert config.engine.quantization == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "fp4"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "overrides"), [
+    ("deepseek_v3", {"moe_intermediate_size": 36, "intermediate_size": 100}),
+    ("mixtral", {"intermediate_size": 92}),
+])
+def test_an_intermediate_size_off_the_block_runs_the_kernel_with_the_same_tokens(tmp_path, arch, overrides):
+    """Routed, shared and dense MLP widths that are not multiples of 8 are packed zero-padded: the
+    kernel serves them, with the PyTorch path's greedy tokens (fp32)."""
+    if not kernels.is_available():
+        pytest.skip("the CPU expert kernel could not be built here")
+    from moe.tiny import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(arch, tmp_path / arch, seed=3, config_overrides=overrides)
+    prompts = make_prompts(3, 5, 96)
+    with LLM(str(path), dtype="float32") as llm:
+        experts = next(llm.engine.executor.worker.model.moe_layers()).experts
+        fused = _greedy(llm, prompts, True)
+        packed = experts.packed_weights()
+        assert packed is not None and packed.w2p.shape[2] % 8 == 0 and packed.w2p.shape[2] > experts.w2.shape[2]
+        plain = _greedy(llm, prompts, False)
+    assert fused == plain
+    assert all(len(t) == 12 for t in fused)

@@ -337,10 +337,46 @@ def test_kernel_can_be_switched_off_by_environment(monkeypatch: pytest.MonkeyPat
 
 
 def test_shapes_the_kernel_does_not_take_use_pytorch() -> None:
-    odd = Experts(2, 12, 7, dtype=torch.float32)  # I % 8 != 0, D % 16 != 0
+    odd = Experts(2, 12, 7, dtype=torch.float32)  # D % 16 != 0
     assert not kernels.can_pack(odd.w13, odd.w2)
     assert odd.packed_weights() is None
     assert not kernels.can_pack(torch.empty(2, 16, 16, dtype=torch.float16), torch.empty(2, 16, 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inter", [4, 12, 36, 250])
+@pytest.mark.parametrize(("dtype", "quantization", "tol"),
+                         [(torch.float32, None, 2e-5), (torch.bfloat16, None, 2e-2), (torch.bfloat16, "int8", 2e-2)])
+def test_an_intermediate_size_off_the_block_is_padded_and_runs_the_kernel(
+        kernel_isas: list[str], inter: int, dtype: torch.dtype, quantization: str | None, tol: float) -> None:
+    """I % 8 != 0: the packed copy holds I zero-padded to a multiple of 8, and the kernel's rows match
+    the reference on the unpadded weights (int8: on the dequantized weights)."""
+    counts = [3, 0, 40, 1]
+    hidden, padded = 32, -(-inter // 8) * 8
+    w13, w2 = _weights(len(counts), hidden, inter, dtype, seed=inter)
+    assert kernels.can_pack(w13, w2) and kernels.padded_inter(inter) == padded
+    packed = kernels.pack_experts(w13, w2, quantization)
+    assert packed.w13p.shape == (len(counts), padded // 8, hidden, 16)
+    assert packed.w2p.shape == (len(counts), hidden // 16, padded, 16)
+    if quantization:
+        (q13, s13), (q2, s2) = kernels.quantize_int8(w13), kernels.quantize_int8(w2)
+        w13, w2 = kernels.dequantize_int8(q13, s13, dtype), kernels.dequantize_int8(q2, s2, dtype)
+        assert packed.s13.shape == (len(counts), padded // 8, 16) and packed.s2.shape == (len(counts), hidden // 16, 16)
+    gen = torch.Generator().manual_seed(2)
+    n = sum(counts)
+    x = torch.randn(n, hidden, generator=gen).to(dtype)
+    rw = torch.rand(n, generator=gen)
+    want = grouped_expert_forward(x.double(), counts, w13.double(), w2.double(), rw.double())  # [N, D]
+    try:
+        for isa in kernel_isas:
+            kernels.select_isa(isa)
+            got = kernels.experts_forward(x, counts, packed, rw)
+            assert got.shape == (n, hidden) and got.dtype == dtype
+            torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    finally:
+        kernels.select_isa("auto")
+    module = Experts(len(counts), hidden, inter, dtype=dtype)
+    assert module.packed_weights() is not None  # the module takes the kernel too
 
 
 def test_unknown_quantization_is_refused() -> None:
