@@ -28,8 +28,9 @@ weights packed once by ``pack_experts``:
   same 8 up channels, the reduction dimension D outermost inside a block, so one register
   tile produces both halves of SwiGLU and streams its block contiguously;
 - ``w2p [P, D/16, I, 16]``: the down projection in the same block order;
-- an I that is not a multiple of 8 is packed zero-padded to one (``padded_inter``): the padded
-  channels' SiLU(0) * 0 adds nothing, so any I runs the kernel (D must be a multiple of 16);
+- an I that is not a multiple of 8 (for bf16 on AMX: of 32) is packed zero-padded to one
+  (``inter_multiple``): the padded channels' SiLU(0) * 0 adds nothing, so any I runs the kernel,
+  and on AMX the down projection's reduction stays on the tiles (D must be a multiple of 16);
 - bf16 blocks hold k pairs: memory order ``[K/2, 16, 2]`` inside a ``[K, 16]`` block (K even),
   the order AVX512-BF16's ``vdpbf16ps`` reads; ``unpack_blocks`` inverts any block order;
 - int8 (``quantization="int8"``): the same layout in int8 with one fp32 scale per output
@@ -105,7 +106,7 @@ class PackedExperts:
     """Routed-expert weights in the kernel's layout (see the module docstring).
 
     w13p: [P, I/8, D, 16]; w2p: [P, D/16, I, 16] (float32, bfloat16 or int8), I here the
-    weights' intermediate size padded to a multiple of 8 (``padded_inter``).
+    weights' intermediate size padded to a multiple of 8, or of 32 on AMX (``inter_multiple``).
     s13: [P, I/8, 16] float32 and s2: [P, D/16, 16] float32 for int8, else empty tensors.
     """
 
@@ -132,19 +133,31 @@ def can_pack(w13: torch.Tensor, w2: torch.Tensor) -> bool:
             and tuple(w2.shape[1:]) == (hidden, inter))
 
 
-def padded_inter(inter: int) -> int:
-    """The intermediate size the kernel's packed experts hold for I: I rounded up to a multiple of
-    8 (a packed gate/up block holds 8 gate and 8 up channels)."""
-    return -(-inter // 8) * 8
+def inter_multiple(dtype: torch.dtype) -> int:
+    """What ``pack_experts`` rounds the intermediate size I of ``dtype`` weights up to: 8 (a packed
+    gate/up block holds 8 gate and 8 up channels), or 32 for bf16 weights where the kernel runs AMX,
+    whose tiles take the down projection's reduction (K = I) 32 at a time. Without that, an I
+    that is not a multiple of 32 sends the down projection to the dot-product tiles: a
+    DeepSeek-style layer at I 240 ran a 4,096-token prefill 3.4x slower than at I 224, for the
+    price of reading up to 31 zero channels more per expert in decode."""
+    if dtype == torch.bfloat16 and is_available() and isa() == "amx":
+        return 32
+    return 8
 
 
-def _pad_inter(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_inter(inter: int, multiple: int = 8) -> int:
+    """I rounded up to a multiple of ``multiple`` (see ``inter_multiple``)."""
+    return -(-inter // multiple) * multiple
+
+
+def _pad_inter(w13: torch.Tensor, w2: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w13 [P, 2I, D] (gate rows, then up rows) and w2 [P, D, I] with I zero-padded to
-    ``padded_inter(I)`` = Ip: [P, 2Ip, D] and [P, D, Ip]. A zero gate and up channel gives
-    SiLU(0) * 0 = 0, which the zero down column adds nowhere: the same outputs for finite inputs."""
+    Ip = ``padded_inter(I, multiple)``: [P, 2Ip, D] and [P, D, Ip]. A zero gate and up channel
+    gives SiLU(0) * 0 = 0, which the zero down column adds nowhere: the same outputs for finite
+    inputs."""
     slots, two_i, hidden = w13.shape
     inter = two_i // 2
-    pad = padded_inter(inter) - inter
+    pad = padded_inter(inter, multiple) - inter
     if pad == 0:
         return w13, w2
     zeros = w13.new_zeros(slots, pad, hidden)
@@ -168,13 +181,17 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale[..., None]).to(dtype)
 
 
-def pack_experts(w13: torch.Tensor, w2: torch.Tensor, quantization: str | None = None) -> PackedExperts:
+def pack_experts(w13: torch.Tensor, w2: torch.Tensor, quantization: str | None = None, *,
+                 multiple: int | None = None) -> PackedExperts:
     """Pack w13 [P, 2I, D] (gate rows, then up rows) and w2 [P, D, I] into the kernel's layout,
-    optionally quantized to int8 per output channel. I is zero-padded to Ip = ``padded_inter(I)``
-    first: w13p [P, Ip/8, D, 16], w2p [P, D/16, Ip, 16]."""
+    optionally quantized to int8 per output channel. I is zero-padded to Ip = ``padded_inter(I, m)``
+    first, m = ``multiple`` (a multiple of 8) or by default ``inter_multiple(w13.dtype)``:
+    w13p [P, Ip/8, D, 16], w2p [P, D/16, Ip, 16]."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}")
-    w13, w2 = _pad_inter(w13, w2)
+    if multiple is not None and (multiple <= 0 or multiple % 8):
+        raise ValueError(f"multiple must be a positive multiple of 8, got {multiple}")
+    w13, w2 = _pad_inter(w13, w2, inter_multiple(w13.dtype) if multiple is None else multiple)
     slots, two_i, hidden = w13.shape
     inter = two_i // 2
     empty = torch.empty(0, dtype=torch.float32)
@@ -574,8 +591,8 @@ def prefers_library_experts(dtype: torch.dtype, mean_rows: float) -> bool:
     MLP as one group): the same, except on AMX, where the kernel's bf16 tiles out-run PyTorch's
     per-expert GEMMs at every row count measured (1.26-1.58x at 256-4096 rows per expert, one
     thread, ``docs/benchmarks.md``), so bf16 experts stay on the kernel: a row's values then do not
-    depend on how many rows its expert got while I is a multiple of 32, as in every released model
-    (with I 40 or 264, a row alone and in a 2-64-row call differed by 6e-8 to 2.4e-7 in fp32 outputs)."""
+    depend on how many rows its expert got (``pack_experts`` pads I to a multiple of 32 there; packed
+    unpadded, I 40 or 264 gave 5e-7 to 8e-7 between a row alone and in a 2-100-row call)."""
     if not prefers_library_gemm(dtype, mean_rows):
         return False
     return not (dtype == torch.bfloat16 and is_available() and isa() == "amx")

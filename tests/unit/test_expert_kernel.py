@@ -45,8 +45,9 @@ def test_kernel_matches_reference(kernel_isas: list[str], case: str, dtype: torc
     rw = torch.rand(n, generator=gen)
     want = grouped_expert_forward(x.double(), counts, w13.double(), w2.double(), rw.double())  # [N, D]
     packed = kernels.pack_experts(w13, w2)
-    assert packed.w13p.shape == (len(counts), inter // 8, hidden, 16)
-    assert packed.w2p.shape == (len(counts), hidden // 16, inter, 16)
+    padded = kernels.padded_inter(inter, kernels.inter_multiple(dtype))  # 40, or 64 for bf16 on AMX
+    assert packed.w13p.shape == (len(counts), padded // 8, hidden, 16)
+    assert packed.w2p.shape == (len(counts), hidden // 16, padded, 16)
     for isa in kernel_isas:
         kernels.select_isa(isa)
         got = kernels.experts_forward(x, counts, packed, rw)
@@ -109,7 +110,7 @@ def test_packed_experts_unpack_to_the_weights(dtype: torch.dtype) -> None:
     channels 16b..16b+15: unpacking each block gives those rows of w13 / w2 back."""
     slots, hidden, inter = 3, 32, 16
     w13, w2 = _weights(slots, hidden, inter, dtype, seed=2)
-    packed = kernels.pack_experts(w13, w2)
+    packed = kernels.pack_experts(w13, w2, multiple=8)
     up = kernels.unpack_blocks(packed.w13p)  # [P, I/8, 16, D]
     assert torch.equal(up[:, :, :8].reshape(slots, inter, hidden), w13[:, :inter])
     assert torch.equal(up[:, :, 8:].reshape(slots, inter, hidden), w13[:, inter:])
@@ -142,7 +143,8 @@ def test_int8_kernel_equals_reference_on_dequantized_weights(kernel_isas: list[s
                                   kernels.dequantize_int8(q2, s2, torch.float64), rw.double())
     packed = kernels.pack_experts(w13, w2, "int8")
     assert packed.quantized and packed.w13p.dtype == torch.int8
-    assert packed.nbytes() < kernels.pack_experts(w13.float(), w2.float()).nbytes() / 3
+    assert kernels.pack_experts(w13, w2, "int8", multiple=8).nbytes() < kernels.pack_experts(
+        w13.float(), w2.float()).nbytes() / 3
     for isa in kernel_isas:
         kernels.select_isa(isa)
         got = kernels.experts_forward(x, counts, packed, rw, out_fp32=True)
@@ -349,12 +351,13 @@ def test_shapes_the_kernel_does_not_take_use_pytorch() -> None:
                          [(torch.float32, None, 2e-5), (torch.bfloat16, None, 2e-2), (torch.bfloat16, "int8", 2e-2)])
 def test_an_intermediate_size_off_the_block_is_padded_and_runs_the_kernel(
         kernel_isas: list[str], inter: int, dtype: torch.dtype, quantization: str | None, tol: float) -> None:
-    """I % 8 != 0: the packed copy holds I zero-padded to a multiple of 8, and the kernel's rows match
-    the reference on the unpadded weights (int8: on the dequantized weights)."""
+    """I % 8 != 0: the packed copy holds I zero-padded to a multiple of 8 (of 32 for bf16 on AMX), and
+    the kernel's rows match the reference on the unpadded weights (int8: on the dequantized weights)."""
     counts = [3, 0, 40, 1]
-    hidden, padded = 32, -(-inter // 8) * 8
+    hidden, multiple = 32, kernels.inter_multiple(dtype)
+    padded = -(-inter // multiple) * multiple
     w13, w2 = _weights(len(counts), hidden, inter, dtype, seed=inter)
-    assert kernels.can_pack(w13, w2) and kernels.padded_inter(inter) == padded
+    assert kernels.can_pack(w13, w2) and kernels.padded_inter(inter, multiple) == padded
     packed = kernels.pack_experts(w13, w2, quantization)
     assert packed.w13p.shape == (len(counts), padded // 8, hidden, 16)
     assert packed.w2p.shape == (len(counts), hidden // 16, padded, 16)
