@@ -3,11 +3,14 @@
 Each step, per DP rank and under ``max_num_batched_tokens`` / ``max_num_seqs``: running
 decodes first, then running prefill chunks, then waiting sequences in arrival order
 (FCFS), each taking its uncached prompt whole or, with chunked prefill, as much as the
-token budget allows. When a running sequence cannot get a KV block, the newest running
-sequence of that rank is preempted by recomputation: its blocks are freed and it goes
-back to the waiting queue with its generated tokens, to be recomputed later as a longer
-prompt. A request is assigned to one DP rank when it arrives (least outstanding tokens,
-ties to the lower rank); a rank with nothing to do gets an empty ``BatchSpec``.
+token budget allows. With prefix caching the n completions of one request compute their
+prompt once: the others wait while the first runs its prefill, then reuse its cached blocks
+(later requests are admitted meanwhile). When a running sequence cannot get a KV block,
+the newest running sequence of that rank is preempted by recomputation: its blocks are
+freed and it goes back to the waiting queue with its generated tokens, to be recomputed
+later as a longer prompt. A request is assigned to one DP rank when it arrives (least
+outstanding tokens, ties to the lower rank); a rank with nothing to do gets an empty
+``BatchSpec``.
 
 The engine loop is: ``out = schedule()``, run every rank's batch, ``update(out, sampled)``.
 """
@@ -312,9 +315,14 @@ class Scheduler:
 
     def _schedule_waiting(self, rank: int, ctx: _RankStep) -> None:
         alloc, waiting, running = self.allocators[rank], self._waiting[rank], self._running[rank]
-        while waiting and ctx.budget > 0 and len(running) < self.config.max_num_seqs:
-            seq = waiting[0]
-            num_new = seq.num_tokens - alloc.num_cached_tokens(seq)
+        head = 0  # waiting[:head] wait for a sibling's prefill (``_awaits_sibling_prefix``)
+        while head < len(waiting) and ctx.budget > 0 and len(running) < self.config.max_num_seqs:
+            seq = waiting[head]
+            num_cached = alloc.num_cached_tokens(seq)
+            if self._awaits_sibling_prefix(seq, num_cached, alloc):
+                head += 1  # it starts once a sibling has cached the prompt; the queue behind it goes on
+                continue
+            num_new = seq.num_tokens - num_cached
             if num_new > ctx.budget:
                 if not self.config.enable_chunked_prefill:
                     break  # FCFS: the head waits for a step with room for its whole prompt
@@ -322,7 +330,7 @@ class Scheduler:
             if not alloc.can_allocate(seq, num_new):
                 break
             alloc.allocate(seq, num_new)
-            waiting.popleft()
+            del waiting[head]
             seq.status = SequenceStatus.RUNNING
             pos = len(running)
             while pos > 0 and running[pos - 1].arrival_order > seq.arrival_order:
@@ -333,6 +341,19 @@ class Scheduler:
             metrics = self._requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = self._clock()
+
+    def _awaits_sibling_prefix(self, seq: Sequence, num_cached: int, alloc: BlockAllocator) -> bool:
+        """With prefix caching, a fresh completion of an n > 1 request waits while a sibling runs
+        the shared prompt's prefill and would cache more of its full blocks than ``num_cached``
+        tokens: it then reuses those blocks instead of computing the prompt again (vLLM computes
+        the prompt once for all n). Blocks are cached once computed (after ``update``), so it
+        starts a step (or a chunked prefill) later."""
+        if not alloc.enable_prefix_caching or seq.num_output_tokens:
+            return False
+        if (seq.num_prompt_tokens - 1) // alloc.block_size * alloc.block_size <= num_cached:
+            return False  # nothing more of the prompt can come from the cache
+        return any(s is not seq and s.status is SequenceStatus.RUNNING and s.num_computed_tokens < s.num_prompt_tokens
+                   for s in self._requests[seq.request_id].seqs)
 
     def _build_batch(self, rank: int, ctx: _RankStep) -> BatchSpec:
         rows = []
