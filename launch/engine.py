@@ -200,9 +200,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
-        """Queue a request; ValueError for one that can never run (ids outside the vocab,
-        too long for max_model_len or for the KV pool)."""
-        bad = self._outside_vocab(prompt_token_ids)
+        """Queue a request; ValueError for one that can never run (prompt or stop token ids
+        outside the vocab, too long for max_model_len or for the KV pool)."""
+        bad = self._outside_vocab(prompt_token_ids, params)
         if bad is not None:
             raise ValueError(f"request {request_id!r}: {bad}")
         self.scheduler.add_request(request_id, prompt_token_ids, params, prompt=prompt)
@@ -210,16 +210,22 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError naming why ``add_request`` would refuse these prompt ids and params (without
-        queueing anything): ids outside the vocabulary, then the scheduler's checks."""
-        bad = self._outside_vocab(prompt_token_ids)
+        queueing anything): prompt or stop token ids outside the vocabulary, then the scheduler's
+        checks."""
+        bad = self._outside_vocab(prompt_token_ids, params)
         if bad is not None:
             raise ValueError(bad)
         self.scheduler.check_request(prompt_token_ids, params)
 
-    def _outside_vocab(self, prompt_token_ids: list[int]) -> str | None:
+    def _outside_vocab(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> str | None:
+        """Why the prompt ids or ``params.stop_token_ids`` (vLLM refuses those too) leave the
+        vocabulary, or None."""
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
-        return f"token id {bad[0]} is outside the vocabulary [0, {vocab})" if bad else None
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        bad = [t for t in (params.stop_token_ids if params is not None else ()) if t >= vocab]
+        return f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})" if bad else None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         self.supervisor.forget_request(request_id)

@@ -132,7 +132,8 @@ class Sequence:
         """Append one sampled token, extend the text and check every stop condition.
 
         EOS (unless ignore_eos) and stop token ids end the sequence with "stop" and are
-        kept in token_ids but not detokenized. Returns True if the sequence finished.
+        kept in token_ids; their text is added only with include_stop_str_in_output (as vLLM:
+        an EOS, a special token, then usually adds nothing). Returns True if the sequence finished.
         """
         token_id = int(token_id)
         self.output_token_ids.append(token_id)
@@ -140,19 +141,22 @@ class Sequence:
             self.logprobs.append(dict(logprobs))
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + float(logprobs.get(token_id, 0.0))
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
-            self._stop_on_token(None)
+            self._stop_on_token(token_id, None)
             return True
         if token_id in self.params.stop_token_ids:
-            self._stop_on_token(token_id)
+            self._stop_on_token(token_id, token_id)
             return True
         new_text = self._detokenizer.add_token(token_id) if self._detokenizer is not None else ""
         return self.check_stop(new_text)
 
-    def _stop_on_token(self, stop_reason: int | None) -> None:
-        """End with "stop" on an eos or stop token (not detokenized); the text of the tokens
-        before it that still waits for the rest of a character is kept (and a stop string in
-        it still trims the text)."""
-        stop_str = self._append_text(self._detokenizer.flush()) if self._detokenizer is not None else None
+    def _stop_on_token(self, token_id: int, stop_reason: int | None) -> None:
+        """End with "stop" on an eos or stop token ``token_id`` (detokenized only with
+        include_stop_str_in_output); the text of the tokens before it that still waits for the
+        rest of a character is kept (and a stop string in it still trims the text)."""
+        stop_str = None
+        if self._detokenizer is not None:
+            text = self._detokenizer.add_token(token_id) if self.params.include_stop_str_in_output else ""
+            stop_str = self._append_text(text + self._detokenizer.flush())
         self._finish(SequenceStatus.FINISHED_STOPPED, stop_reason if stop_str is None else stop_str)
 
     def check_stop(self, new_text: str) -> bool:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
@@ -20,7 +21,7 @@ class SamplingParams:
 
     n: completions per prompt (>= 1); each gets its own sequence and, when ``seed`` is
         set, the seed ``seed + index`` (wrapping around within int64).
-    temperature: >= 0; 0 is greedy (argmax).
+    temperature: a finite number >= 0; 0 is greedy (argmax).
     top_p: in (0, 1]; nucleus filter applied after top-k.
     top_k: -1 or 0 disables; otherwise keep the k largest logits.
     min_p: in [0, 1]; drop tokens whose probability (after temperature) is below
@@ -28,11 +29,13 @@ class SamplingParams:
     max_tokens: generated tokens at most (>= 1), or None for "until max_model_len".
     stop: stop strings (a string or a list); the matched string is trimmed from the text
         unless ``include_stop_str_in_output``.
-    stop_token_ids: token ids that end generation (kept in token_ids, not detokenized).
+    stop_token_ids: token ids that end generation (kept in token_ids; like an EOS, detokenized
+        only with ``include_stop_str_in_output``, as vLLM does).
     ignore_eos: keep generating past the model's EOS tokens.
     seed: per-request seed in [-2**63, 2**63 - 1] (int64), for output that does not depend on the
         batch it ran in (``launch.core.sampler``: given the same logits).
-    logprobs: None, or n >= 0: return the sampled token's log-probability plus the top-n.
+    logprobs: None, or n >= 0: return the sampled token's log-probability plus the top-n (raw
+        model log-probabilities, before temperature or any filter, as vLLM's default).
     """
 
     n: int = 1
@@ -50,18 +53,22 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Normalise containers to tuples so the frozen object is hashable and safe to share.
-        stop = self.stop
-        stop_tuple = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-        object.__setattr__(self, "stop", stop_tuple)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        stop, stop_ids = self.stop, self.stop_token_ids
+        if not (stop is None or isinstance(stop, str | list | tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if not (stop_ids is None or isinstance(stop_ids, list | tuple)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {stop_ids!r}")
+        object.__setattr__(self, "stop", () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(stop_ids or ()))
         self._validate()
 
     def _validate(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, int | float) or not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float)
+                or not 0.0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -80,6 +87,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63 - 1] (int64), got {self.seed!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
         ):
