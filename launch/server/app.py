@@ -33,9 +33,8 @@ from launch.server.protocol import (
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
-    ModelCard,
-    ModelList,
 )
+from launch.server.responses import ModelCard, ModelList
 from launch.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -123,6 +122,10 @@ class BodyLimitMiddleware:
         return f"Request body too large: the limit is {self.max_bytes} bytes."
 
 
+_JSON_TYPE_NAMES = {"list": "an array", "str": "a string", "int": "a number", "float": "a number",
+                    "bool": "a boolean", "NoneType": "null"}
+
+
 def _is_union_tag(part: Any) -> bool:
     """pydantic names the union branch it tried in ``loc`` ('str', 'list[TextPart]', ...)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part)
@@ -138,6 +141,9 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, str | 
     loc = [str(part) for part in err.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     if err.get("type") == "json_invalid":
         return f"Malformed JSON body: {err.get('msg')} ({err.get('ctx', {}).get('error', '')}).", None
+    if err.get("type") == "model_attributes_type" and not loc:  # the body is valid JSON, but not an object
+        got = type(err.get("input")).__name__
+        return f"The request body must be a JSON object, got {_JSON_TYPE_NAMES.get(got, got)}.", None
     field = ".".join(loc)
     msg = str(err.get("ctx", {}).get("error", "")) if err.get("type") == "value_error" else ""
     msg = msg or str(err.get("msg"))

@@ -3,11 +3,13 @@
 The engine's outputs are cumulative (full text and token ids so far); a
 ``ChoiceCursor`` remembers how much of each choice was already sent so streaming
 emits deltas only. ``CompletionOutput.logprobs`` is one ``{token_id: logprob}``
-dict per generated token (the sampled token plus the top-n).
+dict per generated token (the sampled token plus the top-n). Every chunk of one
+response carries the response's ``id`` and ``created`` (OpenAI's and vLLM's).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from launch.core.outputs import top_n
-from launch.server.protocol import (
+from launch.server.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -33,6 +35,14 @@ from launch.server.protocol import (
 
 TokenText = Callable[[int], str]
 
+# What a logprob of -inf is sent as: JSON has no infinity (OpenAI and vLLM send -9999.0).
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """``logprob`` as JSON can carry it (-inf -> ``MIN_LOGPROB``)."""
+    return max(float(logprob), MIN_LOGPROB)
+
 
 def sse(payload: BaseModel) -> str:
     """One server-sent event carrying ``payload`` as JSON."""
@@ -47,6 +57,7 @@ class ChoiceCursor:
     num_tokens: int = 0
     finished: bool = False
     text_offset: int = 0  # logprobs' text_offset of the next token: the streamed tokens' texts so far
+    echoed: bool = False  # the prompt's text (echo) has been sent
 
     def advance(self, completion: Any) -> tuple[str, list[int], list[dict[int, float]] | None]:
         """New text, token ids and logprob entries since the last call."""
@@ -62,12 +73,17 @@ class ChoiceCursor:
 
 @dataclass
 class _Formatter:
+    """``continuous_usage``: vLLM's ``stream_options.continuous_usage_stats``: every streamed chunk of a
+    choice carries that choice's usage so far (its prompt's tokens, its own generated tokens)."""
+
     request_id: str
     model: str
     prompts: list[list[int]]
     n: int
     token_text: TokenText
     num_logprobs: int | None
+    continuous_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
     cursors: dict[int, ChoiceCursor] = field(default_factory=dict)
 
     def cursor(self, index: int) -> ChoiceCursor:
@@ -78,6 +94,15 @@ class _Formatter:
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens)
 
+    def choice_usage(self, index: int) -> UsageInfo | None:
+        """Choice ``index``'s usage so far, for a streamed chunk (None unless ``continuous_usage``)."""
+        if not self.continuous_usage:
+            return None
+        prompt_tokens = len(self.prompts[index // self.n])
+        completion_tokens = self.cursor(index).num_tokens
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
     def stream_start(self) -> list[BaseModel]:
         return []
 
@@ -85,16 +110,27 @@ class _Formatter:
         return self.usage(sum(c.num_tokens for c in self.cursors.values()))
 
 
+@dataclass
 class CompletionFormatter(_Formatter):
-    """``/v1/completions`` bodies and chunks."""
+    """``/v1/completions`` bodies and chunks. ``echo_texts``: with ``echo``, each prompt's text, put
+    before the text of each of its choices (in the first streamed chunk of each choice)."""
+
+    echo_texts: list[str] | None = None
+
+    def echo_text(self, index: int) -> str:
+        return "" if self.echo_texts is None else self.echo_texts[index // self.n]
 
     def top_logprobs(self, token_id: int, entry: dict[int, float]) -> dict[str, float]:
         """The position's ``num_logprobs`` most likely tokens, and the sampled one when it is not among
-        them (OpenAI's completions: "there may be up to logprobs+1 elements"; vLLM's too)."""
+        them (OpenAI's completions: "there may be up to logprobs+1 elements"; vLLM's too). Tokens whose
+        texts are equal (byte tokens of one UTF-8 character all read U+FFFD) keep the likelier value."""
         pairs = top_n(entry, self.num_logprobs or 0)
         if token_id in entry and all(t != token_id for t, _ in pairs):
             pairs.append((token_id, entry[token_id]))
-        return {self.token_text(t): lp for t, lp in pairs}
+        out: dict[str, float] = {}
+        for t, lp in pairs:
+            out.setdefault(self.token_text(t), json_logprob(lp))
+        return out
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None,
                  offset: int) -> CompletionLogprobs | None:
@@ -104,8 +140,10 @@ class CompletionFormatter(_Formatter):
         for token_id, entry in zip(token_ids, entries):
             text = self.token_text(token_id)
             out.tokens.append(text)
-            out.token_logprobs.append(entry.get(token_id))
-            out.top_logprobs.append(self.top_logprobs(token_id, entry) if self.num_logprobs > 0 else None)
+            logprob = entry.get(token_id)
+            out.token_logprobs.append(None if logprob is None else json_logprob(logprob))
+            # logprobs=0 still carries the sampled token ("up to logprobs+1 elements"), as OpenAI and vLLM
+            out.top_logprobs.append(self.top_logprobs(token_id, entry))
             out.text_offset.append(offset)
             offset += len(text)
         return out
@@ -114,11 +152,11 @@ class CompletionFormatter(_Formatter):
         choices = []
         for index, out in enumerate(finals):
             c = out.outputs[0]
-            choices.append(CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason,
+            choices.append(CompletionChoice(index=index, text=self.echo_text(index) + c.text,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                             logprobs=self.logprobs(c.token_ids, c.logprobs, 0)))
         completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
-        return CompletionResponse(id=self.request_id, model=self.model, choices=choices,
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage(completion_tokens))
 
     def stream_chunks(self, index: int, out: Any) -> list[BaseModel]:
@@ -128,6 +166,9 @@ class CompletionFormatter(_Formatter):
         c = out.outputs[0]
         text, token_ids, entries = cursor.advance(c)
         cursor.finished = c.finish_reason is not None
+        if not cursor.echoed:
+            cursor.echoed = True
+            text = self.echo_text(index) + text
         if not text and not cursor.finished and not (token_ids and self.num_logprobs is not None):
             return []
         # offsets count each token's own text, as the whole response's do (a token that is part of
@@ -137,10 +178,11 @@ class CompletionFormatter(_Formatter):
             cursor.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
                                   stop_reason=c.stop_reason, logprobs=logprobs)
-        return [CompletionResponse(id=self.request_id, model=self.model, choices=[choice])]
+        return [CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
+                                   usage=self.choice_usage(index))]
 
     def usage_chunk(self) -> CompletionResponse:
-        return CompletionResponse(id=self.request_id, model=self.model, choices=[],
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[],
                                   usage=self.streamed_usage())
 
 
@@ -153,9 +195,10 @@ class ChatFormatter(_Formatter):
         content = []
         for token_id, entry in zip(token_ids, entries):
             text = self.token_text(token_id)
-            tops = [TopLogprob(token=self.token_text(t), logprob=lp, bytes=list(self.token_text(t).encode()))
+            tops = [TopLogprob(token=self.token_text(t), logprob=json_logprob(lp),
+                               bytes=list(self.token_text(t).encode()))
                     for t, lp in top_n(entry, self.num_logprobs)]
-            content.append(ChatTokenLogprob(token=text, logprob=entry.get(token_id, float("-inf")),
+            content.append(ChatTokenLogprob(token=text, logprob=json_logprob(entry.get(token_id, MIN_LOGPROB)),
                                             bytes=list(text.encode()), top_logprobs=tops))
         return ChatLogprobs(content=content)
 
@@ -167,14 +210,14 @@ class ChatFormatter(_Formatter):
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                       logprobs=self.logprobs(c.token_ids, c.logprobs)))
         completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
-        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices,
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage(completion_tokens))
 
     def stream_start(self) -> list[BaseModel]:
         """The first chunk of every choice: the assistant role, empty content."""
         num_choices = len(self.prompts) * self.n
-        return [ChatCompletionChunk(id=self.request_id, model=self.model, choices=[
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        return [ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))], usage=self.choice_usage(i))
             for i in range(num_choices)]
 
     def stream_chunks(self, index: int, out: Any) -> list[BaseModel]:
@@ -189,8 +232,9 @@ class ChatFormatter(_Formatter):
         choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None),
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                  logprobs=self.logprobs(token_ids, entries))
-        return [ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])]
+        return [ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
+                                    usage=self.choice_usage(index))]
 
     def usage_chunk(self) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[],
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[],
                                    usage=self.streamed_usage())

@@ -1,15 +1,21 @@
-"""OpenAI wire format: request and response models for the completions and chat APIs.
+"""OpenAI wire format: the request models of the completions and chat APIs, and the error body
+(responses are in ``launch.server.responses``).
 
 Requests are validated here (types, ranges); checks that need the engine (prompt
 length against ``max_model_len``, token ids against the vocabulary, the model
-name) live in ``launch.server.serving``. Unknown request fields are ignored, as
-OpenAI and vLLM do. Every error leaves the server as ``ErrorResponse``:
-``{"error": {"message", "type", "param", "code"}}``.
+name) live in ``launch.server.serving``. Types are strict, as OpenAI's are: ``"n": "2"``,
+``"max_tokens": 2.5`` or ``"stream": "yes"`` are 400s, not coerced; ``null`` for a field
+that has a default means that default (OpenAI's fields are nullable). Unknown request
+fields are ignored with a logged warning, as vLLM does. Every error leaves the server as
+``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
-import time
+import json
+import logging
+import types
+import typing
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -17,21 +23,28 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
 from launch.tokenizer import check_text
 
+logger = logging.getLogger(__name__)
+
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
+# /v1/completions without max_tokens generates this many tokens at most (OpenAI's and vLLM's default);
+# an explicit null means "until max_model_len" (vLLM); chat has no default cap (both of them)
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and launch.core.sampling_params take seeds
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
 def check_texts(value: Any, name: str) -> Any:
@@ -50,6 +63,61 @@ def check_texts(value: Any, name: str) -> Any:
 def random_id(prefix: str) -> str:
     """An OpenAI-style object id such as ``cmpl-3f2a...``."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """``value`` as JSON, cut to ``limit`` characters, for error messages that quote the request."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _bad_token_id(ids: list[Any], where: str) -> str | None:
+    """The message for the first entry of ``ids`` that is not a token id, or None."""
+    j = next((j for j, t in enumerate(ids) if not _is_token_id(t)), None)
+    if j is None:
+        return None
+    return f"{where}[{j}] must be a token id (an integer >= 0), got {_short(ids[j])}"
+
+
+def check_prompt_shape(value: Any) -> Any:
+    """``value`` unchanged when it is one of the four prompt forms; else ValueError naming the first
+    entry that breaks the form (``prompt[1][0] must be a token id ...``), one message instead of
+    pydantic's one per branch of the union."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"prompt must be {PROMPT_FORMS}, got {_short(value)}")
+    if not value:
+        raise ValueError("prompt must not be an empty list")
+    first = value[0]
+    if isinstance(first, str):
+        j = next((j for j, p in enumerate(value) if not isinstance(p, str)), None)
+        if j is not None:
+            raise ValueError(f"prompt[{j}] must be a string, as prompt[0] is, got {_short(value[j])}")
+        return value
+    if isinstance(first, list):
+        for i, ids in enumerate(value):
+            if not isinstance(ids, list):
+                raise ValueError(f"prompt[{i}] must be a list of token ids, as prompt[0] is, got {_short(ids)}")
+            if not ids:
+                raise ValueError(f"prompt[{i}] must not be an empty list of token ids")
+            problem = _bad_token_id(ids, f"prompt[{i}]")
+            if problem is not None:
+                raise ValueError(problem)
+        return value
+    problem = _bad_token_id(value, "prompt")
+    if problem is not None:
+        raise ValueError(problem if _is_token_id(first) else f"prompt must be {PROMPT_FORMS}; {problem}")
+    return value
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is None or annotation is type(None) or (
+        typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation))
 
 
 # ---------------------------------------------------------------- errors
@@ -91,7 +159,20 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    """``include_usage``: a last chunk with the whole usage. vLLM's ``continuous_usage_stats``: every
+    chunk also carries its choice's usage so far (and, as in vLLM, implies ``include_usage`` unless
+    that is set to false)."""
+
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool = False
+
+    @property
+    def final_usage(self) -> bool:
+        return bool(self.include_usage) or (self.include_usage is None and self.continuous_usage_stats)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.continuous_usage_stats and self.include_usage is not False
 
 
 class SamplingRequest(BaseModel):
@@ -100,34 +181,79 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=100.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    stream: bool = False
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # OpenAI / vLLM sampling fields this server does not implement: typed here so that a value
     # that would change the output is refused (``unsupported``) instead of silently ignored
-    best_of: int | None = Field(None, ge=1)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    best_of: StrictInt | None = Field(None, ge=1)
+    presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0, le=100.0)
     logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = Field(None, ge=0)
-    skip_special_tokens: bool | None = None  # vLLM's; special tokens are always left out of the text
+    min_tokens: StrictInt | None = Field(None, ge=0)
+    skip_special_tokens: StrictBool | None = None  # vLLM's; special tokens are always left out of the text
+    response_format: dict[str, Any] | None = None  # OpenAI's; only {"type": "text"} (no constrained decoding)
+    # vLLM's extensions that change the output, refused unless neutral (no constrained decoding, no
+    # beam search, no prompt logprobs here)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    use_beam_search: StrictBool | None = None
+    prompt_logprobs: StrictInt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``"n": null``, ``"stream": null`` (as some clients send every field): the default, as OpenAI
+        and vLLM take them. Fields whose own default is null (``max_tokens``, ``seed``, ...) keep it."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = {name for name, f in cls.model_fields.items()
+                     if not f.is_required() and not _accepts_none(f.annotation)}
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _warn_ignored_fields(cls, data: Any, handler: Any) -> Any:
+        """Log the request fields this server does not know (ignored, as vLLM logs them)."""
+        result = handler(data)
+        if isinstance(data, dict):
+            ignored = sorted(k for k in data if k not in cls.model_fields)
+            if ignored:
+                logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        return result
 
     @field_validator("model", "user")
     @classmethod
     def _check_unicode(cls, value: str | None, info: Any) -> str | None:
         return check_texts(value, info.field_name)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop_shape(cls, value: Any) -> Any:
+        """One message naming the entry that is not a string (not one per branch of the union)."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"stop must be a string or a list of strings, got {_short(value)}")
+        j = next((j for j, s in enumerate(value) if not isinstance(s, str)), None)
+        if j is not None:
+            raise ValueError(f"stop[{j}] must be a string, got {_short(value[j])}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -142,15 +268,22 @@ class SamplingRequest(BaseModel):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 
-    @model_validator(mode="after")
-    def _check_stream_options(self) -> SamplingRequest:
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, value: StreamOptions | None, info: Any) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream", False):
             raise ValueError("stream_options can only be set when stream is true")
-        return self
+        return value
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        """A last chunk with the usage of the whole request."""
+        return self.stream_options is not None and self.stream_options.final_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: every chunk carries its choice's usage so far."""
+        return self.stream_options is not None and self.stream_options.continuous_usage
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first field set to a value this server cannot honour (its
@@ -170,26 +303,56 @@ class SamplingRequest(BaseModel):
         if self.skip_special_tokens is False:
             return "skip_special_tokens", ("skip_special_tokens=false is not supported: special tokens are always "
                                            "left out of the text")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format", (f"response_format type {_short(self.response_format.get('type'))} is not "
+                                       "supported: this server has no constrained decoding (only \"text\")")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag"):
+            if getattr(self, name) is not None:
+                return name, f"{name} is not supported: this server has no constrained decoding"
+        if self.use_beam_search:
+            return "use_beam_search", "use_beam_search=true is not supported (sampling only)"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs", "prompt_logprobs is not supported: this server returns logprobs of generated tokens only"
         return None
 
 
 class CompletionRequest(SamplingRequest):
-    """``/v1/completions``: ``prompt`` is a string, strings, token ids, or lists of token ids."""
+    """``/v1/completions``: ``prompt`` is a string, strings, token ids, or lists of token ids.
+
+    ``max_tokens`` defaults to 16 (OpenAI's and vLLM's default); ``null`` asks for as many as
+    ``max_model_len`` leaves. ``echo`` puts the prompt's text before each choice's text.
+    """
 
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    max_tokens: StrictInt | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    suffix: str | None = None  # OpenAI's insertion mode: refused (``unsupported``), as vLLM refuses it
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, value: Any) -> Any:
+        return check_prompt_shape(value)
 
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be an empty list")
         if isinstance(value, str) and not value:
             raise ValueError("prompt must not be empty")
         if isinstance(value, list) and any(isinstance(p, str) and not p for p in value):
             raise ValueError("prompt strings must not be empty")
         return check_texts(value, "prompt")
+
+    def unsupported(self) -> tuple[str, str] | None:
+        problem = super().unsupported()
+        if problem is not None:
+            return problem
+        if self.suffix:
+            return "suffix", "suffix is not supported (this server has no insertion mode)"
+        if self.echo and self.logprobs is not None:
+            return "echo", ("echo with logprobs is not supported: this server computes logprobs of generated "
+                            "tokens only, not of the prompt")
+        return None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""
@@ -246,10 +409,13 @@ class ChatCompletionRequest(SamplingRequest):
     """``/v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+    # vLLM's chat extensions that change the prompt: refused when set (``unsupported``)
+    echo: StrictBool = False
+    continue_final_message: StrictBool = False
     # OpenAI tools: rendered into the prompt by the chat template (as transformers and vLLM pass
     # them); tool calls are not parsed out of the reply, so only tool_choice "none" is accepted
     tools: list[dict[str, Any]] | None = None
@@ -264,6 +430,11 @@ class ChatCompletionRequest(SamplingRequest):
                                    "(the chat template then renders the tools into the prompt)")
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", f"tool_choice={self.tool_choice!r} is not supported (only \"none\")"
+        if self.echo:
+            return "echo", "echo=true is not supported for chat (the reply is never prefixed with the last message)"
+        if self.continue_final_message:
+            return "continue_final_message", ("continue_final_message=true is not supported: the chat template "
+                                              "closes every message")
         return None
 
     @property
@@ -278,117 +449,3 @@ class ChatCompletionRequest(SamplingRequest):
                 raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
             return None
         return self.top_logprobs or 0
-
-
-# ---------------------------------------------------------------- responses
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: one entry per generated token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(BaseModel):
-    """A chat chunk's delta: only the keys it carries (``{"content": "..."}``; ``{}`` in a last chunk
-    with no new text), as OpenAI and vLLM send them, never ``"role": null``."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended the choice
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "moe-serve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -88,9 +88,10 @@ class OpenAIServing:
         return ids
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt",
-                           max_tokens_param: str = "max_tokens") -> int:
+                           max_tokens_param: str = "max_tokens", is_default: bool = False) -> int:
         """``max_tokens`` for a prompt: the request's, or what is left of ``max_model_len``; errors name
-        the request's own fields (chat: ``messages``, ``max_completion_tokens`` where it was given)."""
+        the request's own fields (chat: ``messages``, ``max_completion_tokens`` where it was given).
+        A value the client did not send (``is_default``: completions' 16) is cut to what is left."""
         limit = int(self.engine.max_model_len)
         if prompt_len >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
@@ -98,6 +99,8 @@ class OpenAIServing:
                            param=prompt_param)
         if requested is None:
             return limit - prompt_len
+        if is_default:
+            return min(requested, limit - prompt_len)
         if prompt_len + requested > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
@@ -131,7 +134,8 @@ class OpenAIServing:
 
     def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
                           max_new_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
-                          max_tokens_param: str = "max_tokens") -> list[SubRequest]:
+                          max_tokens_param: str = "max_tokens", max_tokens_is_default: bool = False
+                          ) -> list[SubRequest]:
         """P prompts x ``req.n`` choices -> SubRequests with ``index = p * n + j``. 400 when they
         are more than the engine ever queues (a 503 would invite retries that cannot succeed)."""
         fan_out = len(prompts) * req.n
@@ -139,9 +143,12 @@ class OpenAIServing:
             raise APIError(400, f"This request needs {fan_out} engine requests ({len(prompts)} prompt(s) x n={req.n}), "
                            f"more than the server queues (max_queue_len={self.max_queue_len}). Send fewer prompts "
                            "or a smaller n per request.", param="n" if req.n > 1 else "prompt")
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         subs = []
         for p, ids in enumerate(prompts):
-            max_tokens = self.resolve_max_tokens(max_new_tokens, len(ids), prompt_param, max_tokens_param)
+            max_tokens = self.resolve_max_tokens(max_new_tokens, len(ids), prompt_param, max_tokens_param,
+                                                 max_tokens_is_default)
             params = self.sampling_params(req, max_tokens, logprobs)
             for j in range(req.n):
                 index = p * req.n + j
@@ -164,17 +171,29 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ endpoints
 
+    def echo_texts(self, prompts: list[str | list[int]]) -> list[str]:
+        """Each prompt's text for ``echo``: a text prompt as sent, token ids decoded (special tokens
+        left out, as the generated text leaves them out)."""
+        if all(isinstance(p, str) for p in prompts):
+            return list(prompts)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "echo of token-id prompts needs a tokenizer to decode them, and this model has none.",
+                           param="echo")
+        return [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=True) for p in prompts]
+
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_supported(req)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        prompts = await self.tokenize_all(req.prompts())
+        texts_or_ids = req.prompts()
+        prompts = await self.tokenize_all(texts_or_ids)
+        echo_texts = self.echo_texts(texts_or_ids) if req.echo else None
         self.check_queue()
         request_id = random_id("cmpl")
-        subs = self.build_subrequests(request_id, prompts, req, req.max_tokens, req.logprobs)
+        subs = self.build_subrequests(request_id, prompts, req, req.max_tokens, req.logprobs,
+                                      max_tokens_is_default="max_tokens" not in req.model_fields_set)
         formatter = CompletionFormatter(request_id, self.model_name, prompts, req.n, self._token_text,
-                                        req.logprobs)
+                                        req.logprobs, continuous_usage=req.continuous_usage, echo_texts=echo_texts)
         return await self._respond(subs, formatter, req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -189,7 +208,8 @@ class OpenAIServing:
         request_id = random_id("chatcmpl")
         subs = self.build_subrequests(request_id, prompts, req, req.max_new_tokens, num_logprobs, "messages",
                                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-        formatter = ChatFormatter(request_id, self.model_name, prompts, req.n, self._token_text, num_logprobs)
+        formatter = ChatFormatter(request_id, self.model_name, prompts, req.n, self._token_text, num_logprobs,
+                                  continuous_usage=req.continuous_usage)
         return await self._respond(subs, formatter, req, raw)
 
     def _token_text(self, token_id: int) -> str:
