@@ -39,10 +39,14 @@ __all__ = [
 
 # vLLM's --all2all-backend names for what our dispatchers implement.
 _BACKEND_ALIASES = {"allgather_reducescatter": "allgather", "naive": "allgather"}
+ALL2ALL_BACKENDS = DISPATCH_BACKENDS + tuple(_BACKEND_ALIASES)  # what all2all_backend accepts
 STEP_TRANSPORTS = ("auto", "socket", "ray")  # launch.executor.RayExecutor
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")  # Ray placement groups
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# vLLM's other spellings of the same dtypes, accepted by the flags (``launch.config_args``).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}  # kv_cache.FP8_DTYPE is float8_e4m3fn
 # Weight-only quantization of the routed experts (vLLM's --quantization); None = the dtype.
 QUANTIZATIONS = ("int8",)
 
@@ -90,7 +94,7 @@ class ParallelConfig:
         _check_choice("step_transport", self.step_transport, STEP_TRANSPORTS)
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
-        _check_choice("all2all_backend", self.all2all_backend, DISPATCH_BACKENDS + tuple(_BACKEND_ALIASES))
+        _check_choice("all2all_backend", self.all2all_backend, ALL2ALL_BACKENDS)
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
         if self.world_size % self.num_nodes:
             raise ValueError(f"world size tensor_parallel_size x data_parallel_size = {self.world_size} "
@@ -241,6 +245,8 @@ class ServerConfig:
             raise ValueError("host must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty: give a key, or leave it out to serve without one")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name is empty: give a name, or leave it out to serve under the model's")
 
 
 @dataclass(frozen=True)
@@ -300,6 +306,9 @@ class RuntimeConfig:
         if self.balancer.num_redundant_experts and not self.balancer.enable_eplb:
             raise ValueError(f"balancer.num_redundant_experts={self.balancer.num_redundant_experts} "
                              "needs balancer.enable_eplb")
+        if self.balancer.use_async:
+            raise ValueError("balancer.use_async=true (vLLM's asynchronous EPLB) is not implemented: experts "
+                             "move between engine steps; leave use_async out or false")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RuntimeConfig:
@@ -328,12 +337,21 @@ class RuntimeConfig:
         return path
 
     def validate_for_model(self, model_config: Any) -> None:
-        """Check the layout against a ``moe.config.ModelConfig``; ValueError with the numbers."""
+        """Check the layout and the engine limits against a ``moe.config.ModelConfig`` (max_model_len, or
+        the model's length when unset, against max_position_embeddings and, without chunked prefill,
+        max_num_batched_tokens); ValueError with the numbers."""
         p, e = self.parallel, self.engine
         mc = model_config
         if e.max_model_len is not None and e.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"engine.max_model_len={e.max_model_len} > the model's max_position_embeddings "
                              f"{mc.max_position_embeddings}")
+        max_model_len = e.max_model_len or mc.max_position_embeddings
+        if not e.enable_chunked_prefill and e.max_num_batched_tokens < max_model_len:
+            source = "" if e.max_model_len else ", the model's max_position_embeddings"
+            raise ValueError(
+                f"max_num_batched_tokens ({e.max_num_batched_tokens}) < max_model_len ({max_model_len}{source}) "
+                "without chunked prefill: long prompts could never be scheduled; raise --max-num-batched-tokens, "
+                "lower --max-model-len or enable chunked prefill")
         if (problem := mc.tensor_parallel_problem(p.tensor_parallel_size)) is not None:
             raise ValueError(problem)
         self.balancer.validate_for(mc.num_experts, p.expert_parallel_size)
@@ -364,6 +382,7 @@ VLLM_KEYS: dict[str, str] = {
     "max_model_len": "engine.max_model_len",
     "block_size": "engine.block_size",
     "num_kv_blocks": "engine.num_kv_blocks",
+    "num_gpu_blocks_override": "engine.num_kv_blocks",
     "enable_prefix_caching": "engine.enable_prefix_caching",
     "enable_chunked_prefill": "engine.enable_chunked_prefill",
     "kv_cache_dtype": "engine.kv_cache_dtype",

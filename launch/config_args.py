@@ -2,22 +2,30 @@
 
 ``add_runtime_args(parser)`` adds ``--model``, ``--config FILE``, ``--set key.sub=value``
 (repeatable) and the flags in ``FLAG_KEYS`` (vLLM spellings: ``-tp``, ``-dp``,
-``--enable-expert-parallel``, ``--enable-eplb``, ``--eplb-config JSON``, ...). Every flag
-defaults to None, so only flags actually given override the file.
+``--enable-expert-parallel``, ``--enable-eplb``, ``--eplb-config JSON``, ``--dtype half``, ...).
+Every flag defaults to None, so only flags actually given override the file.
 ``runtime_config_from_args(args)`` resolves defaults < config file < ``--set`` <
-``--eplb-config`` < other flags, then builds the config strictly.
+``--eplb-config`` < other flags, then builds the config strictly. A ``--config`` file is the
+nested YAML of ``launch.config``, or vLLM's flat one (flag names as keys, ``-`` or ``_``:
+``tensor-parallel-size: 2``), or both mixed (``nest_flat_keys``). ``FlagParser`` is the
+argparse parser of the commands that take these flags: a bad flag is one ``error:`` line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from launch.config import (
+    ALL2ALL_BACKENDS,
+    DTYPE_ALIASES,
     DTYPES,
+    KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
     PLACEMENT_STRATEGIES,
     QUANTIZATIONS,
@@ -36,66 +44,133 @@ from launch.config_schema import (
 
 # argparse dest -> dotted config key: every flat vLLM name is a flag.
 FLAG_KEYS = VLLM_KEYS
+# Flat keys a --config file may hold besides FLAG_KEYS: the serve-only flags.
+_FILE_ONLY_KEYS = {name: f"server.{name}" for name in (
+    "init_expert_location", "expert_distribution_dir", "expert_distribution_recorder_buffer_size")}
+# vLLM flags taken and documented as changing nothing here (flags and flat --config keys).
+COMPAT_NOOP_KEYS = ("trust_remote_code", "disable_log_requests")
+_VALUE_ALIASES = {"engine.dtype": DTYPE_ALIASES, "engine.kv_cache_dtype": KV_CACHE_DTYPE_ALIASES}
+_DEFAULTS = RuntimeConfig(model="-")
+
+
+class FlagParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors (an unknown flag, a bad value) are one line,
+    ``error: MESSAGE (`PROG --help` lists the flags)``, exit status 2, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
+def default_of(key: str) -> Any:
+    """The default of dotted config ``key`` (e.g. "engine.max_num_seqs"), for help texts."""
+    node: Any = _DEFAULTS
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _aliased(aliases: Mapping[str, str]) -> Callable[[str], str]:
+    """An argparse ``type`` that turns vLLM's other spellings into ours (argparse checks choices after)."""
+    def convert(value: str) -> str:
+        return aliases.get(value, value)
+    return convert
+
+
+def _d(key: str) -> str:
+    return f"(default: {default_of(key)})"
 
 
 def _group_parallel(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                   help=f"tensor-parallel ranks per DP rank {_d('parallel.tensor_parallel_size')}")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                   help=f"data-parallel ranks; the run has tp x dp ranks {_d('parallel.data_parallel_size')}")
     g.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=None,
-                   help="spread experts over all tp x dp ranks")
-    g.add_argument("--all2all-backend", default=None, help="alltoall | allgather (allgather_reducescatter) | local")
-    g.add_argument("--num-nodes", type=int, default=None)
-    g.add_argument("--placement-strategy", choices=PLACEMENT_STRATEGIES, default=None)
+                   help="spread experts over all tp x dp ranks (off by default)")
+    g.add_argument("--all2all-backend", choices=ALL2ALL_BACKENDS, default=None,
+                   metavar="NAME", help="expert-parallel dispatch: alltoall | allgather (vLLM's "
+                   f"allgather_reducescatter, naive) | local {_d('parallel.all2all_backend')}")
+    g.add_argument("--num-nodes", type=int, default=None, metavar="N",
+                   help=f"machines the ranks span {_d('parallel.num_nodes')}")
+    g.add_argument("--placement-strategy", choices=PLACEMENT_STRATEGIES, default=None,
+                   help=f"Ray placement-group strategy for the ranks {_d('parallel.placement_strategy')}")
     g.add_argument("--enable-cpu-pinning", action=argparse.BooleanOptionalAction, default=None,
                    help="pin each rank to one CPU core and one torch thread (CPU runs)")
     g.add_argument("--step-transport", choices=STEP_TRANSPORTS, default=None,
                    help="driver -> Ray worker steps: socket channel, Ray calls, or auto (socket when reachable)")
     g.add_argument("--capacity-factor", type=float, default=None, help="<= 0: dropless (default)")
-    g.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=None,
+                   help="expert load balancing (needs --enable-expert-parallel; off by default)")
     g.add_argument("--eplb-config", default=None, metavar="JSON",
                    help='vLLM EPLB config, e.g. \'{"window_size": 1000, "step_interval": 3000}\'')
-    g.add_argument("--num-redundant-experts", type=int, default=None)
+    g.add_argument("--num-redundant-experts", type=int, default=None, metavar="N",
+                   help="extra expert slots per MoE layer (needs --enable-eplb) "
+                        f"{_d('balancer.num_redundant_experts')}")
 
 
 def _group_engine(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", choices=DTYPES, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
+    g.add_argument("--dtype", type=_aliased(DTYPE_ALIASES), choices=DTYPES, default=None,
+                   metavar="{auto,bfloat16,float16,half,float32,float}",
+                   help=f"compute dtype; auto: the checkpoint's (bfloat16 when it names none) {_d('engine.dtype')}")
+    g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help=f"sequences running at once per DP rank {_d('engine.max_num_seqs')}")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens per step per DP rank {_d('engine.max_num_batched_tokens')}")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="prompt + output tokens per request (default: the model's max_position_embeddings)")
+    g.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help=f"tokens per KV-cache block {_d('engine.block_size')}")
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="KV-cache blocks per DP rank (default: what --memory x --gpu-memory-utilization holds "
+                        "after the weights)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of a shared prompt prefix (on by default)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over steps (on by default)")
+    g.add_argument("--kv-cache-dtype", type=_aliased(KV_CACHE_DTYPE_ALIASES), choices=KV_CACHE_DTYPES, default=None,
+                   metavar="{auto,fp8,fp8_e4m3}",
+                   help=f"fp8 (e4m3, per-layer scale) or auto (the compute dtype) {_d('engine.kv_cache_dtype')}")
     g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
                    help="weight-only int8 routed experts (per-output-channel scales); off by default")
     g.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
-                   type=float, default=None)
-    g.add_argument("--memory", default=None, help="per-rank memory budget, e.g. 8GiB")
-    g.add_argument("--seed", type=int, default=None)
+                   type=float, default=None, metavar="FRACTION",
+                   help=f"share of --memory (or of the GPU) for weights + KV cache {_d('engine.memory_utilization')}")
+    g.add_argument("--memory", default=None,
+                   help="per-rank memory budget, e.g. 8GiB (default: the GPU's memory; 2GiB on CPU)")
+    g.add_argument("--seed", type=int, default=None,
+                   help=f"sampling seed (DP rank r uses seed + r) {_d('engine.seed')}")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: replay decode steps as CUDA graphs (bf16, one rank; off by default)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="never CUDA graphs, whatever --cuda-graphs says (vLLM's flag)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                    help="CUDA: the largest decode batch run on a CUDA graph (default: max-num-seqs, at most 256)")
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="accepted for vLLM compatibility and changes nothing: no code from a checkpoint is ever "
+                        "run (the model families are built in)")
 
 
 def _group_server(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default=None)
-    g.add_argument("--port", type=int, default=None)
-    g.add_argument("--api-key", default=None)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-queue-len", type=int, default=None)
+    g.add_argument("--host", default=None, help=f"address to listen on {_d('server.host')}")
+    g.add_argument("--port", type=int, default=None, help=f"port to listen on; 0: any free one {_d('server.port')}")
+    g.add_argument("--api-key", default=None,
+                   help="every route but /health then wants 'Authorization: Bearer KEY' (default: none)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API (default: --model); one name: several are refused")
+    g.add_argument("--max-queue-len", type=int, default=None, metavar="N",
+                   help=f"waiting requests beyond which new ones get 503 {_d('server.max_queue_len')}")
+    g.add_argument("--disable-log-requests", action="store_true", default=None,
+                   help="accepted for vLLM compatibility and changes nothing: requests are never logged")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser, *, server: bool = True) -> argparse.ArgumentParser:
     """Add the runtime flags to ``parser`` (server flags unless ``server=False``)."""
     parser.add_argument("--model", default=None, help="checkpoint directory (or HF name in presets)")
-    parser.add_argument("--config", default=None, metavar="FILE", help="YAML file, e.g. configs/demo.yaml")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML file: ours (e.g. configs/demo.yaml) or vLLM's flat one (flag names as keys)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config value, e.g. --set engine.block_size=32 (repeatable)")
     _group_parallel(parser)
@@ -105,25 +180,92 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, server: bool = True) ->
     return parser
 
 
-def parse_eplb_config(text: str) -> dict[str, Any]:
-    """vLLM's ``--eplb-config`` JSON object; unknown keys raise naming the closest valid key."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--eplb-config is not valid JSON: {e}") from e
+def parse_eplb_config(text: str | Mapping[str, Any], source: str = "--eplb-config") -> dict[str, Any]:
+    """vLLM's ``--eplb-config`` JSON object (or, from a config file, the mapping itself); unknown keys
+    raise naming the closest valid key."""
+    if isinstance(text, Mapping):
+        data: Any = dict(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{source} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
-        raise ConfigError(f"--eplb-config must be a JSON object, found {type(data).__name__}")
+        raise ConfigError(f"{source} must be a JSON object, found {type(data).__name__}")
     valid = [k.split(".", 1)[1] for k in dotted_keys(RuntimeConfig) if k.startswith("balancer.")]
     for key in data:
         if key not in valid:
-            raise ConfigError(f"unknown --eplb-config key '{key}'{suggest_key(key, valid, None)}; "
+            raise ConfigError(f"unknown {source} key '{key}'{suggest_key(key, valid, None)}; "
                               f"valid keys: {sorted(valid)}")
     return data
 
 
+def one_served_name(value: Any, source: str) -> Any:
+    """The single served model name in ``value`` (a list from ``--served-model-name`` or a vLLM
+    config file). vLLM answers to several names; this server answers to one, so more is a
+    ConfigError naming ``source``."""
+    if not isinstance(value, list):
+        return value
+    if len(value) != 1:
+        raise ConfigError(f"{source}: this server answers to one model name, got {len(value)} "
+                          f"({', '.join(map(str, value))}): give one")
+    return value[0]
+
+
+def _get_dotted(data: Mapping[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return dataclasses.MISSING
+        node = node[part]
+    return node
+
+
+def nest_flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A ``--config`` file's top level with vLLM's flat keys moved to their nested place.
+
+    vLLM's config files hold flag names (``tensor-parallel-size: 2``, ``max_num_seqs: 16``,
+    ``served-model-name: [NAME]``, ``eplb-config: {...}``); each ``FLAG_KEYS`` name (``-`` or ``_``)
+    is set at its dotted key, with vLLM's dtype spellings (``dtype: half``); vLLM flags that change
+    nothing here (``COMPAT_NOOP_KEYS``) are dropped. The sections of ``RuntimeConfig`` stay as they
+    are (``RuntimeConfig.from_dict`` checks inside them). ConfigError naming ``where`` for any other
+    key (with the closest valid one) and for one setting given both flat and nested with different
+    values.
+    """
+    sections = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    out: dict[str, Any] = {}
+    flat: list[tuple[str, str, Any]] = []  # (key as written, dotted key, value)
+    for key, value in data.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if key in sections:
+            out[key] = value
+        elif name in COMPAT_NOOP_KEYS:
+            continue
+        elif name == "eplb_config":
+            flat.extend((key, f"balancer.{k}", v) for k, v in parse_eplb_config(value, f"{where}: {key}").items())
+        elif name in FLAG_KEYS or name in _FILE_ONLY_KEYS:
+            dotted = FLAG_KEYS.get(name) or _FILE_ONLY_KEYS[name]
+            if dotted == "server.served_model_name":
+                value = one_served_name(value, f"{where}: {key}")
+            value = _VALUE_ALIASES.get(dotted, {}).get(value, value) if isinstance(value, str) else value
+            flat.append((key, dotted, value))
+        else:
+            names = sorted(sections | set(FLAG_KEYS) | set(_FILE_ONLY_KEYS))
+            raise ConfigError(f"{where}: unknown config key '{key}'{suggest_key(str(name), names, RuntimeConfig)}; "
+                              f"a key is a section ({', '.join(sorted(sections))}) or a flag name "
+                              "(tensor-parallel-size: 2)")
+    for key, dotted, value in flat:
+        given = _get_dotted(out, dotted)
+        if given is not dataclasses.MISSING and given != value:
+            raise ConfigError(f"{where}: '{key}: {value}' and '{dotted}: {given}' set the same value differently")
+        set_dotted(out, dotted, value)
+    return out
+
+
 def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     """Resolve file, --set, --eplb-config and flags into a validated RuntimeConfig."""
-    data: dict[str, Any] = load_yaml_mapping(args.config) if getattr(args, "config", None) else {}
+    path = getattr(args, "config", None)
+    data: dict[str, Any] = nest_flat_keys(load_yaml_mapping(path), str(path)) if path else {}
     for item in getattr(args, "overrides", None) or ():
         apply_override(data, item)
     if getattr(args, "eplb_config", None):
@@ -132,15 +274,20 @@ def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     for dest, key in FLAG_KEYS.items():
         value = getattr(args, dest, None)
         if value is not None:
+            if dest == "served_model_name":
+                value = one_served_name(value, "--served-model-name")
             set_dotted(data, key, value)
     if not data.get("model"):
         raise ConfigError("missing required config key 'model': pass --model DIR or set 'model:' in --config")
-    return RuntimeConfig.from_dict(data)
+    cfg = RuntimeConfig.from_dict(data)
+    if getattr(args, "eplb_config", None) and not cfg.balancer.enable_eplb:
+        raise ConfigError("--eplb-config does nothing without --enable-eplb: add it, or leave --eplb-config out")
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     """``config``: resolve config file + --set + flags, validate, print the result as YAML."""
-    parser = argparse.ArgumentParser(prog="python -m launch config", description=main.__doc__)
+    parser = FlagParser(prog="python -m launch config", description=main.__doc__)
     add_runtime_args(parser)
     args = parser.parse_args(argv)
     try:

@@ -9,7 +9,6 @@ written into it first. Stop with Ctrl-C.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
@@ -17,7 +16,8 @@ import sys
 from pathlib import Path
 
 from launch.config import load_runtime_config
-from launch.config_schema import ConfigError
+from launch.config_args import FlagParser, nest_flat_keys
+from launch.config_schema import ConfigError, load_yaml_mapping
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,15 +39,17 @@ def resolve_model_dir(model: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    parser.add_argument("--port", type=int, default=None)
+    parser = FlagParser(prog="python -m launch demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"), metavar="FILE",
+                        help="runtime YAML, ours or vLLM's flat one (default: configs/demo.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. --set engine.max_num_seqs=8 (repeatable)")
+    parser.add_argument("--port", type=int, default=None, help="port to listen on (default: the config's, 8000)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = list(args.set) + ([f"server.port={args.port}"] if args.port is not None else [])
     try:
-        cfg = load_runtime_config(args.config, overrides=overrides)
+        cfg = load_runtime_config(overrides=overrides, base=nest_flat_keys(load_yaml_mapping(args.config), args.config))
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -58,13 +60,15 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"writing the tiny DeepSeek-V3-style checkpoint to {model}")
         make_tiny_checkpoint("deepseek_v3", model)
-    from launch.serve import check_serve_config, serve
+    from launch.serve import check_serve_config, exposure_warning, serve
 
     try:
         check_serve_config(cfg)  # as `serve` does: before the ranks start and the weights load
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if (warning := exposure_warning(cfg)) is not None:
+        logging.getLogger("launch.demo").warning("%s", warning)
     s, p = cfg.server, cfg.parallel
     print(f"\nstarting {cfg.served_model_name}: tp={p.tensor_parallel_size} dp={p.data_parallel_size} "
           f"expert-parallel={p.enable_expert_parallel} eplb={cfg.balancer.enable_eplb} "

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launch.config_args import add_runtime_args, runtime_config_from_args
+from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
 from launch.config_schema import ConfigError
 from launch.core import CompletionOutput, SamplingParams
 from launch.core.outputs import top_n
@@ -147,13 +147,13 @@ def _error(problem: object) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(prog="python -m launch generate", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, type=Path, help="JSONL of prompts")
     parser.add_argument("--output", required=True, type=Path, help="JSONL written with the completions")
     parser.add_argument("--max-tokens", type=int, default=None, help="default max_tokens per request")
     parser.add_argument("--temperature", type=float, default=None, help="default temperature (0 = greedy)")
-    add_runtime_args(parser)
+    add_runtime_args(parser, server=False)  # no server here: --host, --port, --api-key ... would do nothing
     args = parser.parse_args(argv)
     try:
         config = runtime_config_from_args(args)

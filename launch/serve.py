@@ -1,13 +1,15 @@
-"""``python -m launch serve --model DIR``: the OpenAI-compatible server on an ``AsyncLLM``.
+"""``python -m launch serve [MODEL | --model DIR]``: the OpenAI-compatible server on an ``AsyncLLM``.
 
-Flags: every runtime flag of ``launch.config.add_runtime_args`` (layout, engine,
-``--host`` (127.0.0.1 unless told otherwise), ``--port``, ``--api-key``,
+The model is a checkpoint directory, given as vLLM's ``vllm serve MODEL`` does (first word) or
+with ``--model``. Flags: every runtime flag of ``launch.config_args.add_runtime_args`` (layout,
+engine, ``--host`` (127.0.0.1 unless told otherwise), ``--port``, ``--api-key``,
 ``--served-model-name``, ``--max-queue-len``, ``--config FILE``, ``--set k=v``), plus
 ``--init-expert-location FILE`` (start from a dump's placement) and
 ``--expert-distribution-dir DIR`` (where ``/dump_expert_distribution_record`` writes) and
-``--expert-distribution-recorder-buffer-size N`` (steps the record keeps between dumps).
-The engine is built inside the server's event loop and shut down when uvicorn exits
-(Ctrl-C / SIGTERM).
+``--expert-distribution-recorder-buffer-size N`` (steps the record keeps between dumps);
+``--log-level`` (this process's logging and uvicorn's) and vLLM's ``--uvicorn-log-level``
+(uvicorn's alone). The engine is built inside the server's event loop and shut down when
+uvicorn exits (Ctrl-C / SIGTERM).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import uvicorn
 
 from launch.config import RuntimeConfig
-from launch.config_args import add_runtime_args, runtime_config_from_args
+from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
 from launch.config_schema import ConfigError
 from launch.paths import output_dir_problem
 from launch.server import build_app
@@ -35,10 +37,13 @@ from launch.server import build_app
 logger = logging.getLogger("launch.serve")
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch serve", description=__doc__.splitlines()[0])
+    parser = FlagParser(prog="python -m launch serve", description=__doc__.splitlines()[0])
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="checkpoint directory, as `vllm serve MODEL` takes it (or --model DIR)")
     add_runtime_args(parser)
     g = parser.add_argument_group("expert distribution")
     g.add_argument("--init-expert-location", default=None, metavar="FILE",
@@ -48,12 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-distribution-recorder-buffer-size", type=int, default=None, metavar="N",
                    help="steps the record keeps between dumps; older ones are dropped and counted "
                         "(moe:expert_distribution_steps_dropped_total); -1 keeps every step (default 1000)")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                        help="this process's logging and uvicorn's (default: info)")
+    parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
+                        help="uvicorn's alone, as vLLM's flag (default: --log-level)")
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
-    """The runtime config with the serve-only flags folded into ``server``."""
+    """The runtime config with the model (``MODEL`` or ``--model``) and the serve-only flags folded in."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ConfigError(f"the model is given twice, as MODEL {tag!r} and as --model {args.model!r}: give one")
+        args = argparse.Namespace(**{**vars(args), "model": tag})
     cfg = runtime_config_from_args(args)
     extra = {name: getattr(args, name) for name in ("init_expert_location", "expert_distribution_dir",
                                                     "expert_distribution_recorder_buffer_size")
@@ -147,19 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not is_loopback(cfg.server.host) and not cfg.server.api_key:
-        logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
-                       cfg.server.host)
+    if (warning := exposure_warning(cfg)) is not None:
+        logger.warning("%s", warning)
     # uvicorn handles SIGINT/SIGTERM while serving and re-raises them afterwards; by then
     # the engine is shut down, so the re-raised signal just ends the process with status 0.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        asyncio.run(serve(cfg, log_level=args.log_level))
+        asyncio.run(serve(cfg, log_level=args.uvicorn_log_level or args.log_level))
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def exposure_warning(cfg: RuntimeConfig) -> str | None:
+    """The warning for a server other machines can reach with no API key, else None."""
+    if is_loopback(cfg.server.host) or cfg.server.api_key:
+        return None
+    return f"listening on {cfg.server.host} without --api-key: anyone who can reach this port can use the model"
 
 
 def check_listen_address(host: str, port: int) -> None:

@@ -19,10 +19,15 @@ passing its output through, and returns its exit code. A head that has just star
 have its job agent yet ("No available agent to submit job, please try again later": nothing
 was submitted); the wrapper then tries again every 5 s for up to ``AGENT_WAIT_S``. Every ``ray job submit`` flag works (``--address``, ``--working-dir``,
 ``--runtime-env-json``, ``--no-wait``, ...); the address comes from ``--address``, else
-``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``, else ``http://127.0.0.1:8265``, as Ray's CLI.
+``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``, else ``http://127.0.0.1:8265``.
 It must be the dashboard's http(s) URL (or a bare ``HOST:PORT``, taken as http) with a numeric
-port if it names one; anything else (``ray://``, the Ray Client address; another scheme; a
-malformed URL) is a one-line error before anything runs.
+port if it names one, or ``auto`` (the cluster running on this machine); anything else
+(``ray://``, the Ray Client address; another scheme; a malformed URL) is a one-line error before
+anything runs. Ray 2.60's own CLI lets ``RAY_API_SERVER_ADDRESS`` / ``RAY_ADDRESS`` override
+``--address`` and reads a bare ``HOST:PORT`` as a GCS address, so it is handed the checked URL as
+``--address`` and neither variable (``pin_address``): it submits to the dashboard that was asked.
+``auto`` is passed on as it is (Ray finds the local cluster through its GCS; the token is then
+looked for here, as ``ray start`` on the head does).
 """
 
 from __future__ import annotations
@@ -76,9 +81,9 @@ def _given_address(args: Sequence[str], env: Mapping[str, str]) -> tuple[str, st
 
 
 def submission_address(args: Sequence[str], env: Mapping[str, str]) -> str:
-    """The dashboard address ``ray job submit`` will use, as an http(s) URL."""
+    """The dashboard address to submit to, as an http(s) URL, or "auto"."""
     address, _ = _given_address(args, env)
-    return address if "://" in address else f"http://{address}"
+    return address if "://" in address or address == "auto" else f"http://{address}"
 
 
 def check_address(args: Sequence[str], env: Mapping[str, str]) -> str:
@@ -89,6 +94,8 @@ def check_address(args: Sequence[str], env: Mapping[str, str]) -> str:
     given, source = _given_address(args, env)
     where = f"{source} {given}" if source.startswith("--") else f"{source}={given}"
     address = submission_address(args, env)
+    if address == "auto":
+        return address
     example = "give the head's dashboard, e.g. --address http://HEAD:8265"
     scheme = address.split("://", 1)[0]
     if scheme == "ray":
@@ -159,6 +166,27 @@ def submit_env(address: str, env: Mapping[str, str], *, home: Path | None = None
     return out
 
 
+def pin_address(args: Sequence[str], env: Mapping[str, str], address: str) -> tuple[list[str], dict[str, str]]:
+    """The ``ray job submit`` arguments and environment that make Ray's CLI submit to ``address``
+    (what ``check_address`` returned and the probe asked): every ``--address`` before ``--``
+    replaced by ``--address ADDRESS``, and RAY_API_SERVER_ADDRESS / RAY_ADDRESS left out, since Ray
+    lets them override the flag. "auto" keeps the arguments and environment as they are."""
+    if address == "auto":
+        return list(args), dict(env)
+    split = list(args).index("--")
+    flags: list[str] = []
+    skip_value = False
+    for arg in args[:split]:
+        if skip_value:
+            skip_value = False
+        elif arg == "--address":
+            skip_value = True
+        elif not arg.startswith("--address="):
+            flags.append(arg)
+    child_env = {k: v for k, v in env.items() if k not in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")}
+    return ["--address", address, *flags, *args[split:]], child_env
+
+
 def ray_command() -> list[str]:
     """The ``ray`` CLI of this Python environment."""
     script = Path(sys.executable).parent / "ray"
@@ -180,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     except SubmitError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    args, env = pin_address(args, env, address)
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         rc, saw_no_agent = run_passing_output([*ray_command(), "job", "submit", *args], env)
