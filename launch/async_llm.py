@@ -101,6 +101,7 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = config.served_model_name
+        self.model_path = config.model
         self.max_queue_len = config.server.max_queue_len
         self._inbox: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = \
             queue.SimpleQueue()

@@ -216,9 +216,32 @@ class EngineConfig:
         return min(self.max_num_seqs, 256)
 
 
+def _check_served_model_name(value: Any) -> None:
+    """ValueError unless ``value`` is a non-blank name or a non-empty list of distinct ones."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list | tuple):
+        raise ValueError(f"served_model_name must be a name or a list of names, found {type(value).__name__} "
+                         f"{value!r}")
+    if not names:
+        raise ValueError("served_model_name is an empty list: give a name, or leave it out to serve under "
+                         "the model's")
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"served_model_name: each name must be a string, found {type(name).__name__} "
+                             f"{name!r}")
+        if not name.strip():
+            raise ValueError("served_model_name is empty: give a name, or leave it out to serve under the model's")
+    if len(set(names)) != len(names):
+        twice = next(name for i, name in enumerate(names) if name in names[:i])
+        raise ValueError(f"served_model_name lists {twice!r} twice")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """OpenAI-compatible server. served_model_name None = the model string; max_queue_len:
+    """OpenAI-compatible server. served_model_name: one name or a list of names (vLLM's
+    ``--served-model-name``; requests may use any, the first is the primary one), None = the
+    model string; annotated ``Any`` because the schema loader checks no lists: ``__post_init__``
+    checks it; ``RuntimeConfig.served_model_names`` reads it as a tuple. max_queue_len:
     waiting requests beyond which new ones get 503; expert_distribution_dir: where
     /dump_expert_distribution_record writes; init_expert_location: a dump to place from;
     expert_distribution_recorder_buffer_size: steps the expert-distribution record keeps
@@ -227,7 +250,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: Any = None  # str | list[str] | None
     max_queue_len: int = 1024
     expert_distribution_dir: str | None = None
     init_expert_location: str | None = None
@@ -245,8 +268,8 @@ class ServerConfig:
             raise ValueError("host must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty: give a key, or leave it out to serve without one")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name is empty: give a name, or leave it out to serve under the model's")
+        if self.served_model_name is not None:
+            _check_served_model_name(self.served_model_name)
 
 
 @dataclass(frozen=True)
@@ -322,8 +345,18 @@ class RuntimeConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name the server answers to, in order: ``server.served_model_name`` (one name or
+        several), else the model string."""
+        names = self.server.served_model_name
+        if names is None:
+            return (self.model,)
+        return (names,) if isinstance(names, str) else tuple(names)
+
+    @property
     def served_model_name(self) -> str:
-        return self.server.served_model_name or self.model
+        """The primary served name: the first of ``served_model_names``."""
+        return self.served_model_names[0]
 
     def check_model_path(self) -> Path:
         """The checkpoint directory; raises FileNotFoundError naming what is missing."""

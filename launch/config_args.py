@@ -159,7 +159,8 @@ def _group_server(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None,
                    help="every route but /health then wants 'Authorization: Bearer KEY' (default: none)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model's name in the API (default: --model); one name: several are refused")
+                   help="the model's names in the API, as vLLM's: requests may use any, /v1/models lists "
+                        "all, the first is the primary one (default: --model)")
     g.add_argument("--max-queue-len", type=int, default=None, metavar="N",
                    help=f"waiting requests beyond which new ones get 503 {_d('server.max_queue_len')}")
     g.add_argument("--disable-log-requests", action="store_true", default=None,
@@ -200,16 +201,13 @@ def parse_eplb_config(text: str | Mapping[str, Any], source: str = "--eplb-confi
     return data
 
 
-def one_served_name(value: Any, source: str) -> Any:
-    """The single served model name in ``value`` (a list from ``--served-model-name`` or a vLLM
-    config file). vLLM answers to several names; this server answers to one, so more is a
-    ConfigError naming ``source``."""
-    if not isinstance(value, list):
-        return value
-    if len(value) != 1:
-        raise ConfigError(f"{source}: this server answers to one model name, got {len(value)} "
-                          f"({', '.join(map(str, value))}): give one")
-    return value[0]
+def served_name_value(value: Any) -> Any:
+    """``server.served_model_name`` from ``value`` (a list from ``--served-model-name`` or a vLLM
+    config file): a one-name list is that name, a longer list stays a list (``ServerConfig``
+    checks the names)."""
+    if isinstance(value, list) and len(value) == 1:
+        return value[0]
+    return value
 
 
 def _get_dotted(data: Mapping[str, Any], key: str) -> Any:
@@ -246,7 +244,7 @@ def nest_flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
         elif name in FLAG_KEYS or name in _FILE_ONLY_KEYS:
             dotted = FLAG_KEYS.get(name) or _FILE_ONLY_KEYS[name]
             if dotted == "server.served_model_name":
-                value = one_served_name(value, f"{where}: {key}")
+                value = served_name_value(value)
             value = _VALUE_ALIASES.get(dotted, {}).get(value, value) if isinstance(value, str) else value
             flat.append((key, dotted, value))
         else:
@@ -275,7 +273,7 @@ def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         value = getattr(args, dest, None)
         if value is not None:
             if dest == "served_model_name":
-                value = one_served_name(value, "--served-model-name")
+                value = served_name_value(value)
             set_dotted(data, key, value)
     if not data.get("model"):
         raise ConfigError("missing required config key 'model': pass --model DIR or set 'model:' in --config")

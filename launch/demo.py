@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if (warning := exposure_warning(cfg)) is not None:
         logging.getLogger("launch.demo").warning("%s", warning)
     s, p = cfg.server, cfg.parallel
-    print(f"\nstarting {cfg.served_model_name}: tp={p.tensor_parallel_size} dp={p.data_parallel_size} "
+    print(f"\nstarting {', '.join(cfg.served_model_names)}: tp={p.tensor_parallel_size} dp={p.data_parallel_size} "
           f"expert-parallel={p.enable_expert_parallel} eplb={cfg.balancer.enable_eplb} "
           f"(+{cfg.balancer.num_redundant_experts} redundant experts) on a local Ray cluster")
     print(f"OpenAI API: http://{s.host}:{s.port}/v1   metrics: http://{s.host}:{s.port}/metrics")

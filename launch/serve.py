@@ -118,7 +118,7 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
         app.router.lifespan_context = lifespan
         server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
                                                log_level=log_level, timeout_graceful_shutdown=5))
-        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", cfg.served_model_name,
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(cfg.served_model_names),
                     cfg.server.host, cfg.server.port)
         await server.serve()
     finally:

@@ -229,14 +229,18 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
 
     server_config: ``launch.config.ServerConfig`` (reads ``api_key``, ``served_model_name``,
         ``max_queue_len``, ``expert_distribution_dir``; a missing field means its default).
+    Requests may name any served name; ``/v1/models`` lists each, with ``root`` the engine's
+    ``model_path`` (the checkpoint; an engine without one: its ``model_name``), as vLLM's.
     """
-    served_name = getattr(server_config, "served_model_name", None) or engine.model_name
+    served = getattr(server_config, "served_model_name", None) or engine.model_name  # one name or a list
+    served_names: tuple[str, ...] = (served,) if isinstance(served, str) else tuple(served)
+    model_path = str(getattr(engine, "model_path", None) or engine.model_name)
     max_queue_len = getattr(server_config, "max_queue_len", None)
     dump_dir = Path(getattr(server_config, "expert_distribution_dir", None)
                     or Path(tempfile.gettempdir()) / "moe_expert_distribution")
     moe_layer_ids = tuple(getattr(engine.model_config, "moe_layer_ids", ()) or ())
-    metrics = ServerMetrics(served_name, stats=engine.stats, moe_layer_ids=moe_layer_ids or None)
-    serving = OpenAIServing(engine, served_name, metrics, max_queue_len=max_queue_len)
+    metrics = ServerMetrics(served_names[0], stats=engine.stats, moe_layer_ids=moe_layer_ids or None)
+    serving = OpenAIServing(engine, served_names, metrics, max_queue_len=max_queue_len)
 
     app = FastAPI(title="moe-serve OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.engine = engine
@@ -264,8 +268,8 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_name, root=engine.model_name,
-                                         max_model_len=int(engine.max_model_len))])
+        return ModelList(data=[ModelCard(id=name, root=model_path, max_model_len=int(engine.max_model_len))
+                               for name in served_names])
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

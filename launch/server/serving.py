@@ -1,8 +1,9 @@
 """The completions and chat handlers: validate, fan out to the engine, format the reply.
 
 Checks that need the engine happen here, before anything is queued: the model
-name (404), prompt token ids inside the vocabulary, prompt plus ``max_tokens``
-within ``max_model_len`` (400), and the waiting queue under ``max_queue_len`` (503).
+name (404 unless absent or one of the served names), prompt token ids inside the
+vocabulary, prompt plus ``max_tokens`` within ``max_model_len`` (400), and the waiting
+queue under ``max_queue_len`` (503).
 Streaming replies are held until the first output arrives so that an error the
 engine raises on admission still reaches the client as an HTTP status; errors
 after that arrive as an SSE ``data: {"error": ...}`` event followed by ``[DONE]``.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -46,12 +47,20 @@ CLIENT_CLOSED = 499
 
 
 class OpenAIServing:
-    """Serves ``/v1/completions`` and ``/v1/chat/completions`` on one engine."""
+    """Serves ``/v1/completions`` and ``/v1/chat/completions`` on one engine.
 
-    def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics,
+    served_model_names: the names requests may use (one name or several, as vLLM's
+    ``--served-model-name``); the first is the primary one.
+    """
+
+    def __init__(self, engine: EngineClient, served_model_names: str | Sequence[str], metrics: ServerMetrics,
                  max_queue_len: int | None = None) -> None:
         self.engine = engine
-        self.model_name = served_model_name
+        names = (served_model_names,) if isinstance(served_model_names, str) else tuple(served_model_names)
+        if not names:
+            raise ValueError("OpenAIServing needs at least one served model name")
+        self.served_model_names = names
+        self.model_name = names[0]
         self.metrics = metrics
         self.max_queue_len = max_queue_len
         self.vocab_size = int(engine.model_config.vocab_size)
@@ -59,9 +68,16 @@ class OpenAIServing:
     # ------------------------------------------------------------ validation
 
     def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is absent or names this server's model."""
-        if model is not None and model not in (self.model_name, self.engine.model_name):
-            raise APIError(404, f"The model `{model}` does not exist.", type="not_found_error", param="model")
+        """404 unless ``model`` is absent (None or empty, as vLLM) or one of the served names."""
+        if model and model not in self.served_model_names:
+            served = ", ".join(f"`{name}`" for name in self.served_model_names)
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
+                           type="not_found_error", param="model")
+
+    def reply_model_name(self, model: str | None) -> str:
+        """The ``model`` a reply carries: the request's (a served name once ``check_model`` passed),
+        else the primary served name, as vLLM's ``_get_model_name``."""
+        return model or self.model_name
 
     @staticmethod
     def check_supported(req: SamplingRequest) -> None:
@@ -192,7 +208,7 @@ class OpenAIServing:
         request_id = random_id("cmpl")
         subs = self.build_subrequests(request_id, prompts, req, req.max_tokens, req.logprobs,
                                       max_tokens_is_default="max_tokens" not in req.model_fields_set)
-        formatter = CompletionFormatter(request_id, self.model_name, prompts, req.n, self._token_text,
+        formatter = CompletionFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self._token_text,
                                         req.logprobs, continuous_usage=req.continuous_usage, echo_texts=echo_texts)
         return await self._respond(subs, formatter, req, raw)
 
@@ -208,8 +224,8 @@ class OpenAIServing:
         request_id = random_id("chatcmpl")
         subs = self.build_subrequests(request_id, prompts, req, req.max_new_tokens, num_logprobs, "messages",
                                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-        formatter = ChatFormatter(request_id, self.model_name, prompts, req.n, self._token_text, num_logprobs,
-                                  continuous_usage=req.continuous_usage)
+        formatter = ChatFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self._token_text,
+                                  num_logprobs, continuous_usage=req.continuous_usage)
         return await self._respond(subs, formatter, req, raw)
 
     def _token_text(self, token_id: int) -> str:
