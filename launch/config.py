@@ -29,6 +29,7 @@ import yaml
 from balancer.config import BalancerConfig
 from launch.config_schema import ConfigError, apply_override, build_dataclass, load_yaml_mapping
 from launch.core.kv_sizing import parse_memory
+from launch.generation_config import SAMPLING_KEYS as GENERATION_SAMPLING_KEYS
 from moe.capacity import CapacityConfig
 from parallel.dispatch import BACKENDS as DISPATCH_BACKENDS
 
@@ -161,7 +162,9 @@ class EngineConfig:
     dtype "auto": the checkpoint's own dtype (config.json ``dtype``/``torch_dtype``), bfloat16
     when it names none. cuda_graphs (off by default): on CUDA, decode steps of up to
     max_cudagraph_capture_size sequences (None: max_num_seqs, at most 256) replay CUDA graphs
-    (``moe.cuda_graphs``); enforce_eager (vLLM's name) turns them off whatever cuda_graphs says."""
+    (``moe.cuda_graphs``); enforce_eager (vLLM's name) turns them off whatever cuda_graphs says.
+    generation_config / override_generation_config (vLLM's): where requests' default sampling
+    parameters come from (``launch.generation_config``)."""
 
     dtype: str = "auto"
     max_num_seqs: int = 256
@@ -179,9 +182,17 @@ class EngineConfig:
     cuda_graphs: bool = False
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
+        if not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a directory, got ''")
+        unknown = [k for k in self.override_generation_config if k not in GENERATION_SAMPLING_KEYS]
+        if unknown:
+            raise ValueError(f"override_generation_config: unknown key {unknown[0]!r}; known keys: "
+                             f"{list(GENERATION_SAMPLING_KEYS)}")
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.quantization == "fp8":
             raise ValueError("quantization 'fp8' is not implemented: the CPU kernel has no fp8 path "
@@ -427,6 +438,8 @@ VLLM_KEYS: dict[str, str] = {
     "cuda_graphs": "engine.cuda_graphs",
     "enforce_eager": "engine.enforce_eager",
     "max_cudagraph_capture_size": "engine.max_cudagraph_capture_size",
+    "generation_config": "engine.generation_config",
+    "override_generation_config": "engine.override_generation_config",
     "host": "server.host",
     "port": "server.port",
     "api_key": "server.api_key",

@@ -76,6 +76,20 @@ def _aliased(aliases: Mapping[str, str]) -> Callable[[str], str]:
     return convert
 
 
+def _json_object(flag: str) -> Callable[[str], dict[str, Any]]:
+    """An argparse ``type`` for a flag whose value is a JSON object (a bad one: argparse's error line)."""
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from e
+        if not isinstance(data, dict):
+            raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(data).__name__}")
+        return data
+    parse.__name__ = flag  # argparse names the type in its message
+    return parse
+
+
 def _d(key: str) -> str:
     return f"(default: {default_of(key)})"
 
@@ -147,6 +161,13 @@ def _group_engine(parser: argparse.ArgumentParser) -> None:
                    help="never CUDA graphs, whatever --cuda-graphs says (vLLM's flag)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                    help="CUDA: the largest decode batch run on a CUDA graph (default: max-num-seqs, at most 256)")
+    g.add_argument("--generation-config", default=None, metavar="{auto,vllm,DIR}",
+                   help="default sampling parameters of requests that leave them out: auto, the model's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens); vllm, none; or DIR's generation_config.json "
+                        f"{_d('engine.generation_config')}")
+    g.add_argument("--override-generation-config", type=_json_object("--override-generation-config"), default=None,
+                   metavar="JSON", help="generation config keys set on top, e.g. '{\"temperature\": 0.5}'")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="accepted for vLLM compatibility and changes nothing: no code from a checkpoint is ever "
                         "run (the model families are built in)")
