@@ -67,6 +67,21 @@ def test_amx_experts_match_reference(amx, hidden: int, inter: int) -> None:
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
+def _assert_rows_alone_give(want: torch.Tensor, x: torch.Tensor, rw: torch.Tensor,
+                            packed: kernels.PackedExperts) -> None:
+    """The first, middle and last row of each slot in ``COUNTS``, run alone in its expert (a 1-row
+    call), give the same bits as in ``want`` [N, D] (the call over all N rows)."""
+    start = 0
+    for slot, rows in enumerate(COUNTS):
+        for r in (0, rows // 2, rows - 1) if rows else ():
+            alone = [0] * len(COUNTS)
+            alone[slot] = 1
+            row = start + r
+            got = kernels.experts_forward(x[row:row + 1], alone, packed, rw[row:row + 1], out_fp32=True)
+            assert torch.equal(got[0], want[row]), (slot, r)
+        start += rows
+
+
 @pytest.mark.slow
 def test_amx_row_values_do_not_depend_on_the_rows_beside_them_or_the_threads(amx) -> None:
     """A row's outputs are the same bits alone in its expert (a 1-row tile) as among 100 rows, and
@@ -82,15 +97,7 @@ def test_amx_row_values_do_not_depend_on_the_rows_beside_them_or_the_threads(amx
     try:
         torch.set_num_threads(1)
         want = kernels.experts_forward(x, COUNTS, packed, rw, out_fp32=True)
-        start = 0
-        for slot, rows in enumerate(COUNTS):
-            for r in (0, rows // 2, rows - 1) if rows else ():
-                alone = [0] * len(COUNTS)
-                alone[slot] = 1
-                row = start + r
-                got = kernels.experts_forward(x[row:row + 1], alone, packed, rw[row:row + 1], out_fp32=True)
-                assert torch.equal(got[0], want[row]), (slot, r)
-            start += rows
+        _assert_rows_alone_give(want, x, rw, packed)
         for num in (2, 3):
             torch.set_num_threads(num)
             assert torch.equal(kernels.experts_forward(x, COUNTS, packed, rw, out_fp32=True), want), num
@@ -116,15 +123,7 @@ def test_amx_pads_an_intermediate_size_off_32_so_rows_keep_their_values_alone(am
     want = kernels.experts_forward(x, COUNTS, packed, rw, out_fp32=True)
     ref = grouped_expert_forward(x.double(), COUNTS, w13.double(), w2.double(), rw.double())  # [N, D]
     torch.testing.assert_close(want.double(), ref, atol=2e-2, rtol=2e-2)
-    start = 0
-    for slot, rows in enumerate(COUNTS):
-        for r in (0, rows // 2, rows - 1) if rows else ():
-            alone = [0] * len(COUNTS)
-            alone[slot] = 1
-            row = start + r
-            got = kernels.experts_forward(x[row:row + 1], alone, packed, rw[row:row + 1], out_fp32=True)
-            assert torch.equal(got[0], want[row]), (slot, r)
-        start += rows
+    _assert_rows_alone_give(want, x, rw, packed)
 
 
 @pytest.mark.slow
