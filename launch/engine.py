@@ -153,6 +153,7 @@ class LLMEngine:
             num_threads=max(1, (torch.get_num_threads() // world)) if world > 1 else None,
             pin_cpu=p.enable_cpu_pinning,
             cudagraph_max_batch=e.cudagraph_max_batch, max_model_len=self.max_model_len,
+            eos_token_ids=tuple(self.eos_token_ids),
         )
         self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
                                                  transport=p.step_transport,

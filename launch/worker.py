@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from launch.core import BatchSpec, SampledTokens, Sampler
+from launch.core.token_history import TokenHistory, gather_logprobs, prompt_logprob_positions
 from moe import plan_watch
 from moe.capacity import CapacityConfig
 from moe.config import ModelConfig
@@ -90,6 +91,7 @@ class WorkerSpec:
     cudagraph_max_batch: on a CUDA device, decode steps of up to this many sequences replay CUDA
     graphs (``moe.cuda_graphs``; 0: never); max_model_len sizes their block tables (None: the
     model's max_position_embeddings).
+    eos_token_ids: the model's EOS ids (the driver's), which ``min_tokens`` masks.
     """
 
     model_path: str
@@ -112,6 +114,7 @@ class WorkerSpec:
     pin_cpu: bool = False
     cudagraph_max_batch: int = 0
     max_model_len: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -135,12 +138,14 @@ class StepResult:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
 
-    _HEAD = struct.Struct("<ddBBqqq")  # seconds, cpu_seconds, has sampled, has logprobs, S, L, P (-1: no load)
+    # seconds, cpu_seconds, has sampled, has logprobs, has prompt logprobs, S, L, P (-1: no load)
+    _HEAD = struct.Struct("<ddBBBqqq")
 
     def to_bytes(self) -> bytes:
         """The reply on the fast step transport: a header, token ids [S], capacity [L, 2] and
         slot load [L, P] as int64, then the logprobs as JSON (rows of [token id, logprob] pairs, or
-        null) when any row asked for them."""
+        null) when any row asked for them, then the prompt logprobs as JSON (per span, per position
+        its pairs) when the batch scored prompt positions."""
         sampled = self.sampled
         ids = np.asarray(sampled.token_ids if sampled is not None else [], dtype="<i8")
         capacity = np.asarray(self.capacity, dtype="<i8").reshape(-1, 2)
@@ -148,18 +153,24 @@ class StepResult:
         if load is not None and (load.ndim != 2 or load.shape[0] != len(capacity)):
             raise ValueError(f"slot load of shape {load.shape} with capacity counters for {len(capacity)} layers")
         logprobs = sampled.logprobs if sampled is not None else None
-        parts = [self._HEAD.pack(self.seconds, self.cpu_seconds, sampled is not None, logprobs is not None, len(ids), len(capacity),
-                                 -1 if load is None else load.shape[1]), ids.tobytes(), capacity.tobytes()]
+        prompt = sampled.prompt_logprobs if sampled is not None else None
+        parts = [self._HEAD.pack(self.seconds, self.cpu_seconds, sampled is not None, logprobs is not None,
+                                 prompt is not None, len(ids), len(capacity), -1 if load is None else load.shape[1]),
+                 ids.tobytes(), capacity.tobytes()]
         if load is not None:
             parts.append(load.tobytes())
         if logprobs is not None:
             parts.append(json.dumps([None if row is None else list(row.items()) for row in logprobs]).encode())
+        if prompt is not None:
+            # after the logprobs' JSON: a newline (which json.dumps never writes) splits the two
+            parts.append(b"\n" + json.dumps([[list(entry.items()) for entry in span] for span in prompt]).encode())
         return b"".join(parts)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray) -> StepResult:
         """What ``to_bytes`` wrote (slot_load as an int64 tensor [L, P])."""
-        seconds, cpu_seconds, has_sampled, has_logprobs, num_ids, num_layers, num_slots = cls._HEAD.unpack_from(data, 0)
+        (seconds, cpu_seconds, has_sampled, has_logprobs, has_prompt, num_ids, num_layers,
+         num_slots) = cls._HEAD.unpack_from(data, 0)
         offset = cls._HEAD.size
         ids = np.frombuffer(data, dtype="<i8", count=num_ids, offset=offset)
         offset += 8 * num_ids
@@ -171,14 +182,23 @@ class StepResult:
             load = torch.from_numpy(np.frombuffer(data, dtype="<i8", count=count, offset=offset)
                                     .reshape(num_layers, num_slots).copy())
             offset += 8 * count
-        logprobs = _decode_logprobs(bytes(memoryview(data)[offset:])) if has_logprobs else None
-        sampled = SampledTokens(token_ids=ids.tolist(), logprobs=logprobs) if has_sampled else None
+        tail = bytes(memoryview(data)[offset:])
+        logprobs_json, _, prompt_json = tail.partition(b"\n") if has_prompt else (tail, b"", b"")
+        logprobs = _decode_logprobs(logprobs_json) if has_logprobs else None
+        prompt = _decode_prompt_logprobs(prompt_json) if has_prompt else None
+        sampled = SampledTokens(token_ids=ids.tolist(), logprobs=logprobs, prompt_logprobs=prompt) \
+            if has_sampled else None
         return cls(sampled, load, [(a, b) for a, b in capacity.tolist()], seconds, cpu_seconds)
 
 
 def _decode_logprobs(data: bytes) -> list[dict[int, float] | None]:
     """Per sampled row {token id: logprob} (insertion order kept: the sampled token first), or None."""
     return [None if row is None else {int(t): float(lp) for t, lp in row} for row in json.loads(data)]
+
+
+def _decode_prompt_logprobs(data: bytes) -> list[list[dict[int, float]]]:
+    """Per prompt span, per position {token id: logprob} (the scored prompt token first)."""
+    return [[{int(t): float(lp) for t, lp in entry} for entry in span] for span in json.loads(data)]
 
 
 class Worker:
@@ -270,7 +290,8 @@ class Worker:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, scratch_block=spec.num_kv_blocks,
                                               max_batch=spec.cudagraph_max_batch,
                                               max_blocks=-(-max_len // spec.block_size))
-        self.sampler = Sampler(seed=spec.seed + self.coords.dp_rank)
+        self.sampler = Sampler(seed=spec.seed + self.coords.dp_rank, eos_token_ids=spec.eos_token_ids)
+        self.token_history = TokenHistory(self.config.vocab_size, self.device)  # rows with penalties
         self.one_row_gemv = use_native_gemv(self.dtype, self.device)
         if spec.world_size > 1:
             self._track_collectives()
@@ -381,24 +402,65 @@ class Worker:
                 # first step) and the KV cache got their own mappings: temporaries reuse memory
                 keep_freed_heap_memory()
         sampled = None
+        report = self.coords.tp_rank == 0
         if batch.is_empty:
             self._run_collectives_only()
         else:
+            self._record_history(batch)
             rows = batch.logits_indices  # strictly increasing: all T of them is every row (decode steps)
-            logits = self._graph_logits(batch)  # [B, V] float32, or None: not a graph step
+            hidden = None
+            # [B, V] float32, or None: not a graph step (a step scoring prompt positions needs every row's hidden)
+            logits = None if batch.prompt_logprobs else self._graph_logits(batch)
             if logits is None:
-                logits = self._eager_logits(batch, rows)
-            if rows:
-                params = batch.sampling_params
-                sampled = self.sampler(logits, params, batch.output_indices).to_sampled_tokens(params)
-            else:
-                sampled = SampledTokens()
-        report = self.coords.tp_rank == 0
+                logits, hidden = self._eager_logits(batch, rows)
+            sampled = self._sample(batch, logits) if rows else SampledTokens()
+            if batch.prompt_logprobs and report:
+                sampled.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         load, capacity = self._read_counters(collect_load and report, report)
         if batch.is_empty:
             sampled = SampledTokens()
         return StepResult(sampled if report else None, load, capacity, time.perf_counter() - started,
                           time.process_time() - cpu_started)
+
+    def _record_history(self, batch: BatchSpec) -> None:
+        """Keep the token history of the rows with penalties (``TokenHistory``), after dropping the
+        sequences the driver released."""
+        if batch.released_seq_ids:
+            self.token_history.release(batch.released_seq_ids)
+        if batch.history:
+            self.token_history.record(batch.history, batch.input_ids, batch.query_lens, batch.context_lens)
+
+    def _sample(self, batch: BatchSpec, logits: torch.Tensor) -> SampledTokens:
+        """logits: [S, V] float32 of the sampled rows -> their tokens (and logprobs when asked)."""
+        params = batch.sampling_params
+        seq_ids = None
+        if batch.history:  # the sampled rows' sequences, for those with a penalty
+            seq_of_row = {chunk.row: chunk.seq_id for chunk in batch.history}
+            seq_ids = [seq_of_row.get(b, -1) for b in batch.sample_rows]
+        out = self.sampler(logits, params, batch.output_indices, seq_ids=seq_ids, history=self.token_history)
+        return out.to_sampled_tokens(params)
+
+    # rows of a prompt's logits scored at once: [PROMPT_LOGPROBS_ROWS, V] float32 at a time
+    PROMPT_LOGPROBS_ROWS = 512
+
+    def _prompt_logprobs(self, batch: BatchSpec, hidden: torch.Tensor) -> list[list[dict[int, float]]]:
+        """hidden: [T, D] of the step. Per ``PromptLogprobsSpan`` the raw logprob entries of its
+        positions (``launch.core.token_history.gather_logprobs``)."""
+        spans = batch.prompt_logprobs
+        flat, targets = prompt_logprob_positions(spans, batch.input_ids, batch.query_lens, batch.context_lens)
+        counts = [n for span in spans for n in [span.num_logprobs] * (span.end - span.start)]
+        index = torch.tensor(flat, dtype=torch.int64, device=hidden.device)
+        target = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+        entries = []
+        for at in range(0, len(flat), self.PROMPT_LOGPROBS_ROWS):
+            part = slice(at, at + self.PROMPT_LOGPROBS_ROWS)
+            logits = self.model.compute_logits(hidden.index_select(0, index[part]))  # [<= rows, V]
+            entries.extend(gather_logprobs(logits, target[part], counts[part]))
+        out, at = [], 0
+        for span in spans:
+            out.append(entries[at:at + span.end - span.start])
+            at += span.end - span.start
+        return out
 
     def _graph_logits(self, batch: BatchSpec) -> torch.Tensor | None:
         """A decode step (one new token per sequence) on a CUDA graph: logits [B, V] float32; None
@@ -408,9 +470,9 @@ class Worker:
             return None
         return graphs.run(batch.input_ids, batch.positions, batch.context_lens, batch.block_tables)
 
-    def _eager_logits(self, batch: BatchSpec, rows: list[int]) -> torch.Tensor | None:
+    def _eager_logits(self, batch: BatchSpec, rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The step's forward op by op. Returns logits [len(rows), V] float32 of the sampled rows
-        (None when no row samples: a mid-prompt prefill chunk)."""
+        (None when no row samples: a mid-prompt prefill chunk) and the hidden states [T, D]."""
         meta = AttentionMetadata.build(batch.query_lens, batch.context_lens, batch.block_tables,
                                        self.spec.block_size, device=self.device)
         pick = bool(rows) and len(rows) != len(batch.input_ids)  # some rows sample, not all (prefill chunks)
@@ -423,8 +485,8 @@ class Worker:
         with native_gemv(self.one_row_gemv and len(batch.input_ids) == 1):
             hidden = self.model(ids, pos, meta, self.kv_cache)  # [T, D]
             if not rows:
-                return None
-            return self.model.compute_logits(hidden.index_select(0, picked[0]) if pick else hidden)
+                return None, hidden
+            return self.model.compute_logits(hidden.index_select(0, picked[0]) if pick else hidden), hidden
 
     def _run_collectives_only(self) -> None:
         # An idle DP rank: no attention, but each MoE layer's dispatch is a collective over

@@ -6,6 +6,15 @@ Shape letters: B sequences in a rank's batch, T tokens in it, S block size.
 rank still enters every MoE collective). A ``BatchSpec`` lists the scheduled sequences
 and exposes the flat lists ``moe.kv_cache.AttentionMetadata.build`` takes. Workers send
 back one ``SampledTokens`` per rank: a token for each row with ``do_sample``, in order.
+
+Two optional sections serve the rows that need more than their logits' last row:
+
+- ``history`` (rows of requests with a penalty): the worker keeps each such sequence's token
+  history (``launch.core.token_history.TokenHistory``) from the tokens it computes, so a decode step
+  sends nothing more; only a row whose leading KV came from the prefix cache (tokens the worker
+  never saw) carries them once. ``released_seq_ids`` lets the worker drop a history.
+- ``prompt_logprobs`` (rows of requests with ``prompt_logprobs`` whose chunk covers prompt
+  positions not scored yet): the worker scores those positions' next prompt tokens.
 """
 
 from __future__ import annotations
@@ -50,13 +59,55 @@ class ScheduledSequence:
         return self.num_computed_tokens + len(self.token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class HistoryChunk:
+    """A batch row of a sequence with penalties: the worker adds the row's tokens (positions
+    ``num_computed_tokens ...``) to the sequence's token history, after ``prefix``.
+
+    row: index into the batch's rows. seq_id: whose history.
+    num_prompt_tokens: positions below it hold prompt tokens (the repetition penalty's), the others
+        outputs (all three penalties'); a recomputed sequence's outputs stay outputs.
+    prefix: the tokens of positions [0, num_computed_tokens) when the worker has not seen them (the
+        row's first KV blocks came from the prefix cache this step), else (). A row with no prefix
+        starting at position 0 restarts the history; any other row continues it.
+    """
+
+    row: int
+    seq_id: int
+    num_prompt_tokens: int
+    prefix: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobsSpan:
+    """Prompt positions [start, end) of a batch row to score: the logits at position q give the
+    log-probability of prompt token q + 1 (the row's next input token; for q = end - 1,
+    ``next_token_id``, the prompt token at position ``end``), plus the top ``num_logprobs``.
+    ``num_computed_tokens <= start < end <= context_len`` of the row and ``end < num_prompt_tokens``."""
+
+    row: int
+    start: int
+    end: int
+    next_token_id: int
+    num_logprobs: int
+
+
 @dataclass(frozen=True)
 class BatchSpec:
-    """One DP rank's batch for one step (possibly empty)."""
+    """One DP rank's batch for one step (possibly empty).
+
+    history: one ``HistoryChunk`` per row whose request has a penalty (rows in order).
+    released_seq_ids: sequences whose token history the worker may drop (finished, aborted or
+        preempted since the rank's last batch); only on non-empty batches.
+    prompt_logprobs: one ``PromptLogprobsSpan`` per row that scores prompt positions (rows in order).
+    """
 
     dp_rank: int
     block_size: int
     seqs: tuple[ScheduledSequence, ...] = ()
+    history: tuple[HistoryChunk, ...] = ()
+    released_seq_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobsSpan, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -150,7 +201,10 @@ class SampledTokens:
 
     logprobs: None, or per sampled row a dict token id -> logprob (sampled token first,
         then the top-n) or None for rows that did not ask for logprobs.
+    prompt_logprobs: None, or per ``PromptLogprobsSpan`` of the batch (in order) one dict per
+        position of the span: the scored prompt token first, then the top-n.
     """
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[list[TokenLogprobs]] | None = None

@@ -196,7 +196,9 @@ class BlockAllocator:
         return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids))
 
     def _find_cached_prefix(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching:
+        # a sequence that still scores its prompt (prompt_logprobs) computes every position, as
+        # vLLM's skip_reading_prefix_cache; the blocks it computes are cached for others as usual
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)

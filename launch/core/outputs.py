@@ -4,6 +4,7 @@ Each ``RequestOutput`` carries the full text and token ids generated so far (cum
 not deltas); a streaming server diffs consecutive outputs. ``logprobs`` is a list with
 one dict per generated token mapping token id -> log-probability (the sampled token
 first, then the requested top-n), or None when the request did not ask for logprobs.
+``RequestOutput.prompt_logprobs`` is the same per prompt token (None for the first), or None.
 """
 
 from __future__ import annotations
@@ -71,7 +72,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step; ``finished`` once every completion has ended."""
+    """The state of one request after a step; ``finished`` once every completion has ended.
+
+    prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token: None for
+        the first, then {prompt token id: log-probability given the tokens before it, then the
+        position's top-n} (vLLM's layout); complete from the first output with a token on. Else None.
+    """
 
     request_id: str
     prompt: str | None
@@ -79,6 +85,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -75,11 +75,18 @@ class Sequence:
     stop_reason: str | int | None = None
     finish_reason: FinishReason | None = None
     num_cached_blocks: int = 0  # leading block_ids already registered in (or shadowed by) the prefix cache
+    # per prompt token: None for the first, then its logprob entry (``PromptLogprobsSpan``); only the
+    # first completion of a request collects them (its siblings may read the prompt from the cache)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    has_penalties: bool = field(init=False, default=False)  # params.has_penalties, read per row per step
 
     def __post_init__(self) -> None:
         self._detokenizer = None if self.decode is None else IncrementalDetokenizer(self.decode, self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
+        self.has_penalties = self.params.has_penalties
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
 
     # ---- sizes ---------------------------------------------------------------------
 
@@ -126,6 +133,30 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    # ---- prompt logprobs -----------------------------------------------------------
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt positions remain to be scored (it then skips the prefix cache)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def prompt_logprobs_span(self, start: int, end: int) -> tuple[int, int, int] | None:
+        """For a chunk of positions [start, end) computed this step: the positions [first, last) whose
+        logits score prompt tokens not scored yet, and the prompt token at ``last`` (scored by position
+        last - 1); None when the chunk holds none. A chunk recomputed after a preemption skips the
+        positions already scored, so no entry is added twice."""
+        if not self.needs_prompt_logprobs:
+            return None
+        first = max(start, len(self.prompt_logprobs) - 1)
+        last = min(end, len(self.prompt_token_ids) - 1)
+        return (first, last, self.prompt_token_ids[last]) if first < last else None
+
+    def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """Entries for the prompt tokens at positions first + 1 ...; ignored unless they are the
+        next ones missing (a stale reply cannot add an entry twice)."""
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) == first + 1:
+            self.prompt_logprobs.extend(entries[: len(self.prompt_token_ids) - len(self.prompt_logprobs)])
+
     # ---- generation ----------------------------------------------------------------
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> bool:
@@ -133,19 +164,23 @@ class Sequence:
 
         EOS (unless ignore_eos) and stop token ids end the sequence with "stop" and are
         kept in token_ids; their text is added only with include_stop_str_in_output (as vLLM:
-        an EOS, a special token, then usually adds nothing). Returns True if the sequence finished.
+        an EOS, a special token, then usually adds nothing). Before ``min_tokens`` outputs exist
+        neither ends it (the sampler masks them then; vLLM's ``check_stop`` skips them too).
+        Returns True if the sequence finished.
         """
         token_id = int(token_id)
         self.output_token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(dict(logprobs))
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + float(logprobs.get(token_id, 0.0))
-        if not self.params.ignore_eos and token_id in self.eos_token_ids:
-            self._stop_on_token(token_id, None)
-            return True
-        if token_id in self.params.stop_token_ids:
-            self._stop_on_token(token_id, token_id)
-            return True
+        params = self.params
+        if not params.min_tokens or len(self.output_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                self._stop_on_token(token_id, None)
+                return True
+            if token_id in params.stop_token_ids:
+                self._stop_on_token(token_id, token_id)
+                return True
         new_text = self._detokenizer.add_token(token_id) if self._detokenizer is not None else ""
         return self.check_stop(new_text)
 
@@ -164,7 +199,9 @@ class Sequence:
 
         A stop string found in the tail (overlapping the new text) ends the sequence with
         "stop"; the text is trimmed just before the stop string (or after it, with
-        include_stop_str_in_output). Otherwise max_tokens / max_model_len give "length".
+        include_stop_str_in_output). Stop strings are searched only once more than ``min_tokens``
+        outputs exist, in the text from the first of them on (plus the overlap), as vLLM's
+        detokenizer does. Otherwise max_tokens / max_model_len give "length".
         At the length limit the text still waiting for the rest of a character is added first
         (as U+FFFD, the way ``decode`` of the ids shows it).
         """
@@ -181,8 +218,11 @@ class Sequence:
 
     def _append_text(self, new_text: str) -> str | None:
         """Add ``new_text`` to the output; the stop string found in the tail (overlapping it), the
-        text trimmed at it (or after it, with include_stop_str_in_output), or None."""
+        text trimmed at it (or after it, with include_stop_str_in_output), or None (always None
+        while at most ``min_tokens`` outputs exist)."""
         self.output_text += new_text
+        if self.params.min_tokens and len(self.output_token_ids) <= self.params.min_tokens:
+            return None
         hit = find_stop_string(
             self.output_text, len(new_text), self.params.stop, self.params.include_stop_str_in_output
         )
@@ -261,4 +301,5 @@ class Request:
             outputs=[s.to_completion_output() for s in self.seqs],
             finished=self.is_finished,
             metrics=self.metrics,
+            prompt_logprobs=self.seqs[0].prompt_logprobs and list(self.seqs[0].prompt_logprobs),
         )

@@ -1,6 +1,17 @@
-"""Token sampling from logits: greedy, temperature, min-p, top-k, top-p, seeded per request.
+"""Token sampling from logits: penalties, min_tokens, greedy, temperature, min-p, top-k, top-p,
+seeded per request.
 
-Shape letters: B rows (sequences sampling this step), V vocabulary, N top logprobs.
+Shape letters: B rows (sequences sampling this step), V vocabulary, N top logprobs, S sequences
+with a token history on this worker, Q scored prompt positions.
+
+Before anything else, as vLLM V1 (``Sampler.apply_logits_processors``): rows short of their
+``min_tokens`` get -inf at the EOS ids and their ``stop_token_ids``; then the repetition,
+frequency and presence penalties (``apply_penalties_inplace``, ``launch.core.token_history``) change the
+raw logits of the rows that have them, from the sequence's token history (``TokenHistory``: its
+distinct prompt and output tokens,
+with the output ones' counts, kept on the worker), at those tokens only. Greedy rows take the
+argmax of those logits. Rows without either never build a history and sample from the logits as
+given.
 
 Filters run in vLLM's order: temperature, then min-p (on the tempered probabilities), then
 top-k, then top-p, all on each row's tempered probabilities (a dropped token's is 0). Top-k and
@@ -42,6 +53,7 @@ import torch
 
 from launch.core.batch import SampledTokens
 from launch.core.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from launch.core.token_history import TokenHistory, apply_penalties_inplace, min_tokens_pairs
 
 _SEED_KEY = struct.Struct("<qQ")  # (seed int64, output index uint64): 16 bytes, one-to-one
 # Rows keeping at most V / FEW tokens work on torch.topk candidates: on CPU, topk of V / 256
@@ -89,21 +101,26 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples one token per row. ``seed`` seeds the generator of unseeded rows."""
+    """Samples one token per row. ``seed`` seeds the generator of unseeded rows; ``eos_token_ids``
+    are the model's EOS ids, which ``min_tokens`` masks beside each row's ``stop_token_ids``."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
 
     def __call__(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int] | None = None
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int] | None = None,
+        *, seq_ids: Sequence[int] | None = None, history: TokenHistory | None = None,
     ) -> SamplerOutput:
         """logits: [B, V] float (upcast to float32); params: B entries; output_indices: B
-        ints, the index of the output token each row samples (seeds row noise; default 0).
-        Returns SamplerOutput with token_ids [B] int64."""
+        ints, the index of the output token each row samples (seeds row noise; min_tokens counts
+        it; default 0); seq_ids: B ints, each row's sequence in ``history`` (read for rows with a
+        penalty only; needed when one has). Returns SamplerOutput with token_ids [B] int64 and the
+        raw logprobs (of ``logits`` as given) when a row asks."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         num_rows = logits.shape[0]
@@ -112,19 +129,64 @@ class Sampler:
         output_indices = [0] * num_rows if output_indices is None else list(output_indices)
         if len(output_indices) != num_rows:
             raise ValueError(f"{num_rows} logits rows but {len(output_indices)} output indices")
-        logits = logits.float()
+        logits = logits.float().contiguous()
+        # min_tokens and the penalties change the (row, token) pairs they touch in place; the raw
+        # values go back before the logprobs (raw, as vLLM) and before the caller sees the tensor
+        undo = self._adjust_inplace(logits, params, output_indices, seq_ids, history)
+        try:
+            token_ids = self._draw(logits, params, output_indices)
+        finally:
+            for flat, raw in undo:
+                logits.view(-1).index_copy_(0, flat, raw)
+        return _with_logprobs(logits, token_ids, params)
+
+    def _draw(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: list[int]) -> torch.Tensor:
+        """logits: [B, V] float32 -> [B] int64: greedy rows' argmax, the others' draws."""
         random = [b for b, p in enumerate(params) if not p.is_greedy]
         if not random:
-            return _with_logprobs(logits, logits.argmax(dim=-1), params)
-        if len(random) == num_rows:
-            token_ids = self._sample(logits, params, output_indices)
-        else:
-            greedy = [b for b, p in enumerate(params) if p.is_greedy]
-            token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
-            token_ids[random] = self._sample(logits[random], [params[b] for b in random],
-                                             [output_indices[b] for b in random])
-        return _with_logprobs(logits, token_ids, params)
+            return logits.argmax(dim=-1)
+        if len(random) == len(params):
+            return self._sample(logits, list(params), output_indices)
+        greedy = [b for b, p in enumerate(params) if p.is_greedy]
+        token_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+        token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        token_ids[random] = self._sample(logits[random], [params[b] for b in random], [output_indices[b] for b in random])
+        return token_ids
+
+    def _adjust_inplace(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: list[int],
+                        seq_ids: Sequence[int] | None, history: TokenHistory | None,
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Apply min_tokens' masks, then the penalties, to logits [B, V] float32 (contiguous) in
+        place, at the pairs they touch only (no [B, V] copy: 3 ms for [32, 129280] on one core).
+        Returns per change (flat indices [M] into logits.view(-1), raw values [M]): what writing
+        back undoes it ([] when no row has min_tokens to wait for or a penalty)."""
+        masked = [b for b, p in enumerate(params) if p.min_tokens > output_indices[b]]
+        penalised = [b for b, p in enumerate(params) if p.has_penalties]
+        if not masked and not penalised:
+            return []
+        flat_logits, vocab = logits.view(-1), logits.shape[1]
+        changed = []
+        if masked:
+            rows, ids = min_tokens_pairs(masked, [self._banned_ids(params[b]) for b in masked], vocab, logits.device)
+            changed.append(rows * vocab + ids)
+        if penalised:
+            if history is None or seq_ids is None:
+                raise ValueError("rows with a penalty need their sequences' token history (seq_ids, history)")
+            rows, token_ids, counts = history.entries([seq_ids[b] for b in penalised], penalised)
+            changed.append(rows * vocab + token_ids)
+        undo = [(flat, flat_logits.index_select(0, flat)) for flat in changed]  # raw: before any write
+        if masked:
+            flat_logits.index_fill_(0, changed[0], float("-inf"))
+        if penalised:
+            factors = [torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype, device=logits.device)
+                       for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")]
+            apply_penalties_inplace(logits, rows, token_ids, counts, *factors)
+        return undo
+
+    def _banned_ids(self, params: SamplingParams) -> list[int]:
+        """The ids min_tokens masks: the row's stop_token_ids and the EOS ids, whatever ignore_eos
+        says (vLLM adds the EOS id to ``_all_stop_token_ids`` unconditionally)."""
+        return sorted(set(params.stop_token_ids).union(self.eos_token_ids))
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> torch.Tensor:
         """logits: [R, V] float32 of random rows -> [R] int64 drawn from the filtered distribution."""

@@ -2,6 +2,8 @@
 
 ``temperature == 0`` means greedy decoding; ``top_k`` of -1 or 0, ``top_p == 1`` and
 ``min_p == 0`` switch those filters off; ``max_tokens=None`` generates until ``max_model_len``.
+``repetition_penalty == 1``, ``presence_penalty == frequency_penalty == 0`` and ``min_tokens == 0``
+leave the logits as the model gave them (a row without them never touches its token history).
 """
 
 from __future__ import annotations
@@ -34,8 +36,35 @@ class SamplingParams:
     ignore_eos: keep generating past the model's EOS tokens.
     seed: per-request seed in [-2**63, 2**63 - 1] (int64), for output that does not depend on the
         batch it ran in (``launch.core.sampler``: given the same logits).
-    logprobs: None, or n >= 0: return the sampled token's log-probability plus the top-n (raw
-        model log-probabilities, before temperature or any filter, as vLLM's default).
+    logprobs: None, or n >= 0: return the sampled token's log-probability plus the top-n. These are
+        the raw model log-probabilities (log-softmax of the logits as the model gave them: before
+        min_tokens' masking, the penalties, temperature or any filter), what vLLM V1 returns by
+        default (``logprobs_mode="raw_logprobs"``: ``vllm/v1/sample/sampler.py`` computes them
+        before ``apply_logits_processors``); with penalties on, a greedy token need not be the top-1.
+    include_stop_str_in_output: keep a matched stop string (and the text of a stop token) in the text.
+    presence_penalty: in [-2, 2]; subtracted from the logit of every token that occurs in the
+        output so far (not the prompt). 0 disables.
+    frequency_penalty: in [-2, 2]; times the number of times a token occurs in the output so far,
+        subtracted from its logit. 0 disables.
+    repetition_penalty: a finite number > 0; the logit of every token that occurs in the prompt or
+        the output so far is divided by it when positive, multiplied by it otherwise. 1 disables.
+        As vLLM, the three penalties act on the raw logits, after min_tokens' masking and before
+        temperature, min-p, top-k and top-p; greedy rows too: there the argmax is over the
+        penalised logits. Per row: ``l = where(l > 0, l / r, l * r)`` on prompt-or-output tokens,
+        then ``l -= frequency * count``, then ``l -= presence * (count > 0)``.
+    min_tokens: an integer >= 0 (at most ``max_tokens``). Until ``min_tokens`` tokens are generated
+        the model's EOS ids and ``stop_token_ids`` get -inf logits (greedy rows too). As vLLM (its
+        ``_all_stop_token_ids`` take the EOS ids whatever ``ignore_eos`` says), EOS is masked even
+        with ``ignore_eos``. Stop strings only end the output once more than ``min_tokens`` tokens
+        exist, and only on text that the tokens after the first ``min_tokens`` complete (vLLM's
+        detokenizer: ``len(output_token_ids) > min_tokens``).
+    prompt_logprobs: None, or n >= 0: ``RequestOutput.prompt_logprobs`` is then a list over the
+        prompt's tokens: None for the first, for each later one a dict {its token id: its raw
+        log-probability given the tokens before it} plus that position's top-n (raw, as
+        ``logprobs``; the prompt token first). As vLLM, such a request does not read its prompt
+        from the prefix cache (every position's logits are computed; the blocks it computes are
+        still cached for others); with ``n > 1`` the first completion computes them and the others
+        may reuse its cached prompt.
     """
 
     n: int = 1
@@ -50,6 +79,11 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers to tuples so the frozen object is hashable and safe to share.
@@ -94,11 +128,36 @@ class SamplingParams:
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
         ):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        value = self.repetition_penalty
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {value!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens!r}")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or self.prompt_logprobs < 0
+        ):
+            raise ValueError(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
         """True when sampling is argmax (temperature effectively zero)."""
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty changes the logits (the worker
+        then keeps this sequence's token history)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def top_k_enabled(self) -> bool:

@@ -12,6 +12,11 @@ later as a longer prompt. A request is assigned to one DP rank when it arrives (
 outstanding tokens, ties to the lower rank); a rank with nothing to do gets an empty
 ``BatchSpec``.
 
+A sequence still scoring its prompt (``prompt_logprobs``) does not read the prefix cache, as
+vLLM: every prompt position's logits must be computed. Rows of requests with penalties carry a
+``HistoryChunk`` (``launch.core.batch``); their sequences' ids go back to the worker in
+``released_seq_ids`` once they leave the running set.
+
 The engine loop is: ``out = schedule()``, run every rank's batch, ``update(out, sampled)``.
 """
 
@@ -24,7 +29,14 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
-from launch.core.batch import BatchSpec, SampledTokens, ScheduledSequence, SchedulerOutput
+from launch.core.batch import (
+    BatchSpec,
+    HistoryChunk,
+    PromptLogprobsSpan,
+    SampledTokens,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from launch.core.block_allocator import BlockAllocator
 from launch.core.detokenizer import DecodeFn
 from launch.core.outputs import RequestMetrics, RequestOutput
@@ -84,6 +96,7 @@ class _RankStep:
     budget: int
     scheduled: dict[int, tuple[Sequence, int]] = field(default_factory=dict)  # seq_id -> (seq, new)
     preempted: list[int] = field(default_factory=list)
+    from_cache: set[int] = field(default_factory=set)  # admitted on cached KV: the worker never saw it
 
 
 class Scheduler:
@@ -114,6 +127,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}
         self._waiting: list[deque[Sequence]] = [deque() for _ in range(config.dp_size)]
         self._running: list[list[Sequence]] = [[] for _ in range(config.dp_size)]  # by arrival order
+        self._released: list[list[int]] = [[] for _ in range(config.dp_size)]  # for the rank's next batch
         self._next_seq_id = 0
         self._step_id = 0
         self._pending_step: int | None = None
@@ -232,6 +246,7 @@ class Scheduler:
                  if s.seq_id in self._seqs]
         self._running = [[] for _ in range(self.config.dp_size)]
         self._waiting = [deque() for _ in range(self.config.dp_size)]
+        self._released = [[] for _ in range(self.config.dp_size)]  # the new workers hold no history
         for request in self._requests.values():  # a request's seqs stay together on one rank
             request.dp_rank %= self.config.dp_size
             for seq in request.seqs:
@@ -246,9 +261,14 @@ class Scheduler:
         rank = seq.dp_rank
         if seq in self._running[rank]:
             self._running[rank].remove(seq)
+            self._release_history(rank, seq)
         elif seq in self._waiting[rank]:
             self._waiting[rank].remove(seq)
         self.allocators[rank].free(seq)
+
+    def _release_history(self, rank: int, seq: Sequence) -> None:
+        if seq.has_penalties:
+            self._released[rank].append(seq.seq_id)
 
     # ---- scheduling ----------------------------------------------------------------
 
@@ -295,6 +315,7 @@ class Scheduler:
 
     def _preempt(self, rank: int, seq: Sequence, ctx: _RankStep) -> None:
         self._running[rank].remove(seq)
+        self._release_history(rank, seq)
         if seq.seq_id in ctx.scheduled:
             ctx.budget += ctx.scheduled.pop(seq.seq_id)[1]
         self.allocators[rank].free(seq)
@@ -319,7 +340,7 @@ class Scheduler:
         while head < len(waiting) and ctx.budget > 0 and len(running) < self.config.max_num_seqs:
             seq = waiting[head]
             num_cached = alloc.num_cached_tokens(seq)
-            if self._awaits_sibling_prefix(seq, num_cached, alloc):
+            if not seq.needs_prompt_logprobs and self._awaits_sibling_prefix(seq, num_cached, alloc):
                 head += 1  # it starts once a sibling has cached the prompt; the queue behind it goes on
                 continue
             num_new = seq.num_tokens - num_cached
@@ -330,6 +351,8 @@ class Scheduler:
             if not alloc.can_allocate(seq, num_new):
                 break
             alloc.allocate(seq, num_new)
+            if seq.num_computed_tokens and seq.has_penalties:
+                ctx.from_cache.add(seq.seq_id)
             del waiting[head]
             seq.status = SequenceStatus.RUNNING
             pos = len(running)
@@ -356,16 +379,28 @@ class Scheduler:
                    for s in self._requests[seq.request_id].seqs)
 
     def _build_batch(self, rank: int, ctx: _RankStep) -> BatchSpec:
-        rows = []
+        rows, history, spans = [], [], []
         for seq, num_new in ctx.scheduled.values():
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            params = seq.params
+            if seq.has_penalties:
+                prefix = tuple(seq.token_slice(0, start)) if seq.seq_id in ctx.from_cache else ()
+                history.append(HistoryChunk(len(rows), seq.seq_id, seq.num_prompt_tokens, prefix))
+            if seq.prompt_logprobs is not None:
+                span = seq.prompt_logprobs_span(start, end)
+                if span is not None:
+                    spans.append(PromptLogprobsSpan(len(rows), *span, num_logprobs=params.prompt_logprobs))
             rows.append(ScheduledSequence(
                 request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index,
                 token_ids=tuple(seq.token_slice(start, end)), positions=tuple(range(start, end)),
                 num_computed_tokens=start, block_ids=tuple(seq.block_ids), do_sample=end == seq.num_tokens,
-                params=seq.params, num_output_tokens=seq.num_output_tokens,
+                params=params, num_output_tokens=seq.num_output_tokens,
             ))
-        return BatchSpec(dp_rank=rank, block_size=self.config.block_size, seqs=tuple(rows))
+        released = ()
+        if rows and self._released[rank]:  # an empty batch may never run: keep them for a real one
+            released, self._released[rank] = tuple(self._released[rank]), []
+        return BatchSpec(dp_rank=rank, block_size=self.config.block_size, seqs=tuple(rows), history=tuple(history),
+                         released_seq_ids=released, prompt_logprobs=tuple(spans))
 
     # ---- results -------------------------------------------------------------------
 
@@ -387,6 +422,9 @@ class Scheduler:
                 raise ValueError(f"rank {batch.dp_rank}: {want} rows sample a token, got {len(result.token_ids)} tokens")
             if result.logprobs is not None and len(result.logprobs) != want:
                 raise ValueError(f"rank {batch.dp_rank}: {want} sampled rows, got {len(result.logprobs)} logprobs")
+            spans, got = batch.prompt_logprobs, result.prompt_logprobs
+            if spans and (got is None or [len(e) for e in got] != [s.end - s.start for s in spans]):
+                raise ValueError(f"rank {batch.dp_rank}: prompt logprobs do not match the batch's {len(spans)} prompt spans")
         self._pending_step = None
         now = self._clock()
         touched: dict[str, Request] = {}
@@ -404,6 +442,10 @@ class Scheduler:
 
     def _apply_batch(self, batch: BatchSpec, result: SampledTokens, now: float, touched: dict[str, Request]) -> None:
         alloc = self.allocators[batch.dp_rank]
+        for span, entries in zip(batch.prompt_logprobs, result.prompt_logprobs or ()):
+            seq = self._seqs.get(batch.seqs[span.row].seq_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                seq.add_prompt_logprobs(span.start, entries)
         k = 0
         for row in batch.seqs:
             token, logprobs = None, None

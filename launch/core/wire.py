@@ -1,7 +1,8 @@
 """The compact step message: one DP rank's batch as a few flat int arrays, not pickled dataclasses.
 
 Shape letters: B sequences in the batch, T tokens in it, N block ids over all its sequences,
-S sampled rows, U distinct sampling params among the sampled rows.
+S sampled rows, U distinct sampling params among the sampled rows, H rows with a token history
+(penalties), X history prefix tokens over them, R released sequences, Q prompt-logprob spans.
 
 ``encode_batch(BatchSpec) -> bytes`` is what the driver sends a worker each step on the fast
 transport (``launch.step_channel``); ``decode_batch(bytes) -> WireBatch`` gives the worker an
@@ -15,7 +16,10 @@ entry may be another request's params object with the same sampler fields.
 Layout (little-endian): a 20-byte header (magic, version, dp_rank, block_size, B) then
 the int32 arrays ``input_ids [T]``, ``positions [T]``, ``query_lens [B]``,
 ``context_lens [B]``, ``num_blocks [B]``, ``block_ids [N]``, ``sampled [S]`` (batch rows with
-``do_sample``), ``output_indices [S]``, ``param_index [S]`` (into the params table), each
+``do_sample``), ``output_indices [S]``, ``param_index [S]`` (into the params table), then the
+optional sections (empty for plain batches): ``history [4H]`` (row, seq_id, num_prompt_tokens,
+prefix length per ``HistoryChunk``), ``history_prefix [X]``, ``released [R]``, ``prompt_logprobs
+[5Q]`` (row, start, end, next_token_id, num_logprobs per ``PromptLogprobsSpan``), each array
 prefixed by its length, then the params table as JSON (U ``SamplingParams`` field dicts; no pickle
 crosses the channel).
 """
@@ -29,21 +33,23 @@ import sys
 from array import array
 from itertools import accumulate, chain
 
-from launch.core.batch import BatchSpec
+from launch.core.batch import BatchSpec, HistoryChunk, PromptLogprobsSpan
 from launch.core.sampling_params import SamplingParams
 
 MAGIC = b"MOEB"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sIiiI")  # magic, version, dp_rank, block_size, B
 _LEN = struct.Struct("<Q")
 _ARRAYS = ("input_ids", "positions", "query_lens", "context_lens", "num_blocks", "block_ids", "sampled",
-           "output_indices", "param_index")
+           "output_indices", "param_index", "history", "history_prefix", "released", "prompt_logprobs")
 
 
 # The SamplingParams fields the worker uses (launch.core.sampler); the others (stop strings,
 # max_tokens, ...) act on the driver only. A field the sampler reads but this tuple misses would
 # let two requests that differ only in it share one entry, one sampled with the other's value.
-SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
+# (stop_token_ids: min_tokens masks them; prompt_logprobs travels in its spans, not in the table.)
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids")
 _KEYS: dict[int, tuple[SamplingParams, tuple]] = {}
 _KEYS_MAX = 4096
 _SWAP = sys.byteorder != "little"  # the format is little-endian on every host
@@ -78,6 +84,10 @@ def encode_batch(batch: BatchSpec) -> bytes:
         [len(s.block_ids) for s in seqs],
         list(chain.from_iterable(s.block_ids for s in seqs)),
         sampled, out_idx, p_idx,
+        [v for h in batch.history for v in (h.row, h.seq_id, h.num_prompt_tokens, len(h.prefix))],
+        list(chain.from_iterable(h.prefix for h in batch.history)),
+        batch.released_seq_ids,
+        [v for p in batch.prompt_logprobs for v in (p.row, p.start, p.end, p.next_token_id, p.num_logprobs)],
     )
     parts = [_HEADER.pack(MAGIC, VERSION, batch.dp_rank, batch.block_size, len(seqs))]
     for values in arrays:
@@ -147,17 +157,25 @@ class WireBatch:
     built on each use."""
 
     __slots__ = ("dp_rank", "block_size", "input_ids_arr", "positions_arr", "query_lens_arr", "context_lens_arr",
-                 "num_blocks", "block_ids", "sampled", "output_indices_arr", "param_index", "params")
+                 "num_blocks", "block_ids", "sampled", "output_indices_arr", "param_index", "params", "history",
+                 "released_seq_ids", "prompt_logprobs")
 
     def __init__(self, dp_rank: int, block_size: int, *, input_ids: array, positions: array,
                  query_lens: array, context_lens: array, num_blocks: array, block_ids: array, sampled: array,
-                 output_indices: array, param_index: array, params: tuple[SamplingParams, ...]) -> None:
+                 output_indices: array, param_index: array, params: tuple[SamplingParams, ...],
+                 history: array, history_prefix: array, released: array, prompt_logprobs: array) -> None:
         self.dp_rank, self.block_size = dp_rank, block_size
         self.input_ids_arr, self.positions_arr = input_ids, positions
         self.query_lens_arr, self.context_lens_arr = query_lens, context_lens
         self.num_blocks, self.block_ids = num_blocks, block_ids
         self.sampled, self.output_indices_arr, self.param_index = sampled, output_indices, param_index
         self.params = params
+        self.history = _history_chunks(history, history_prefix)
+        self.released_seq_ids = tuple(released)
+        spans = prompt_logprobs.tolist()
+        if len(spans) % 5:
+            raise WireError(f"step message has a prompt logprobs section of {len(spans)} ints, not 5 per span")
+        self.prompt_logprobs = tuple(PromptLogprobsSpan(*spans[i:i + 5]) for i in range(0, len(spans), 5))
 
     @property
     def is_empty(self) -> bool:
@@ -219,6 +237,22 @@ class WireBatch:
     def output_indices(self) -> list[int]:
         """[S] per sampled row, the index of the output token being sampled (for seeding)."""
         return self.output_indices_arr.tolist()
+
+
+def _history_chunks(fields: array, prefix: array) -> tuple[HistoryChunk, ...]:
+    """The ``HistoryChunk`` s of the history section: 4 ints each (the last one the length of its
+    prefix, whose tokens follow one another in ``prefix``)."""
+    if not fields:
+        return ()
+    values, tokens = fields.tolist(), prefix.tolist()
+    if len(values) % 4 or sum(values[3::4]) != len(tokens):
+        raise WireError("step message has a malformed history section")
+    chunks, at = [], 0
+    for i in range(0, len(values), 4):
+        row, seq_id, num_prompt, size = values[i:i + 4]
+        chunks.append(HistoryChunk(row, seq_id, num_prompt, tuple(tokens[at:at + size])))
+        at += size
+    return tuple(chunks)
 
 
 def _decode_params(data: memoryview) -> tuple[SamplingParams, ...]:

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from launch.core import BatchSpec, SampledTokens, SamplingParams, ScheduledSequence
+from launch.core.batch import HistoryChunk, PromptLogprobsSpan
 from launch.core.wire import SAMPLER_FIELDS, WireBatch, WireError, decode_batch, encode_batch
 from launch.step_channel import ChannelClosed, ChannelTimeout, RemoteError, StepClient, StepServer
 from launch.worker import StepResult
 
 VIEWS = ("is_empty", "num_seqs", "num_tokens", "input_ids", "positions", "query_lens", "context_lens", "block_tables",
-         "sample_rows", "logits_indices", "sampling_params", "output_indices")
+         "sample_rows", "logits_indices", "sampling_params", "output_indices", "history", "released_seq_ids",
+         "prompt_logprobs")
 
 
 def make_batch(seed: int = 0) -> BatchSpec:
@@ -54,15 +56,32 @@ def test_wire_keeps_apart_params_that_differ_only_in_a_sampler_field():
     base = SamplingParams(temperature=1.0, seed=7)
     variants = [base, dataclasses.replace(base, min_p=1.0), dataclasses.replace(base, top_k=5),
                 dataclasses.replace(base, top_p=0.5), dataclasses.replace(base, logprobs=1),
-                dataclasses.replace(base, seed=8), dataclasses.replace(base, temperature=0.5)]
+                dataclasses.replace(base, seed=8), dataclasses.replace(base, temperature=0.5),
+                dataclasses.replace(base, repetition_penalty=1.3), dataclasses.replace(base, presence_penalty=0.5),
+                dataclasses.replace(base, frequency_penalty=-0.5), dataclasses.replace(base, min_tokens=3),
+                dataclasses.replace(base, min_tokens=3, stop_token_ids=[4])]
     rows = [ScheduledSequence(request_id=f"r{b}", seq_id=b, index=0, token_ids=(1,), positions=(0,),
                               num_computed_tokens=0, block_ids=(b,), do_sample=True, params=p, num_output_tokens=0)
             for b, p in enumerate(variants)]
     wire = decode_batch(encode_batch(BatchSpec(dp_rank=0, block_size=16, seqs=tuple(rows))))
     assert wire.sampling_params == variants
-    # every field the sampler reads is part of the key; the rest act on the driver only
-    driver_only = {"n", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output"}
+    # every field the sampler reads is part of the key; the rest act on the driver only (ignore_eos
+    # too: min_tokens masks the EOS ids whatever it says, as vLLM; prompt_logprobs travels in its spans)
+    driver_only = {"n", "max_tokens", "stop", "ignore_eos", "include_stop_str_in_output", "prompt_logprobs"}
     assert {f.name for f in dataclasses.fields(SamplingParams)} == set(SAMPLER_FIELDS) | driver_only
+
+
+def test_wire_carries_history_releases_and_prompt_spans():
+    """The optional sections: history chunks (with and without a cached prefix), released sequences
+    and prompt-logprob spans come back equal; a plain batch's message only grows by their lengths."""
+    batch = make_batch()
+    plain = len(encode_batch(batch))
+    extra = dataclasses.replace(batch, history=(HistoryChunk(0, 10, 4, (9, 8, 7)), HistoryChunk(2, 12, 19)),
+                                released_seq_ids=(3, 5), prompt_logprobs=(PromptLogprobsSpan(0, 1, 5, 77, 2),))
+    wire = decode_batch(encode_batch(extra))
+    for name in VIEWS:
+        assert getattr(wire, name) == getattr(extra, name), name
+    assert len(encode_batch(extra)) == plain + 4 * (2 * 4 + 3 + 2 + 5)
 
 
 def test_wire_empty_batch_and_bad_bytes():
@@ -88,11 +107,12 @@ def test_wire_message_is_smaller_than_the_pickled_batch():
     assert len(encode_batch(batch)) < len(pickle.dumps(batch)) / 2
 
 
-@pytest.mark.parametrize("case", ["plain", "logprobs", "follower", "no_load"])
+@pytest.mark.parametrize("case", ["plain", "logprobs", "follower", "no_load", "prompt", "prompt_only"])
 def test_step_result_round_trip(case):
     load = torch.arange(12, dtype=torch.int64).reshape(2, 6)  # [L, P]
-    logprobs = [{5: -0.1, 7: -2.5}, None] if case == "logprobs" else None
-    sampled = None if case == "follower" else SampledTokens([5, 9], logprobs)
+    logprobs = [{5: -0.1, 7: -2.5}, None] if case in ("logprobs", "prompt") else None
+    prompt = [[{3: -1.5, 4: -0.25}], [{8: -0.5}, {2: -3.0, 1: -0.1}]] if case.startswith("prompt") else None
+    sampled = None if case == "follower" else SampledTokens([5, 9], logprobs, prompt)
     result = StepResult(sampled, None if case == "no_load" else load, [(3, 1), (0, 2)], 0.0125, 0.0093)
     back = StepResult.from_bytes(result.to_bytes())
     assert back.seconds == result.seconds and back.capacity == [(3, 1), (0, 2)]
@@ -106,6 +126,9 @@ def test_step_result_round_trip(case):
         assert back.sampled is None
     else:
         assert back.sampled.token_ids == [5, 9] and back.sampled.logprobs == logprobs
+        assert back.sampled.prompt_logprobs == prompt
+        if prompt is not None:  # the order of each entry (the scored token first) travels too
+            assert [list(e) for e in back.sampled.prompt_logprobs[1]] == [[8], [2, 1]]
 
 
 def test_step_result_rejects_mismatched_load():
