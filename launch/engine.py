@@ -29,6 +29,7 @@ from launch.core import (
     compute_kv_sizing,
 )
 from launch.executor import Executor, build_executor
+from launch.generation_config import default_sampling_fields, describe_defaults, generation_config_file
 from launch.recovery import SERVING, EngineRecovery, Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
 from moe.config import ModelConfig
@@ -94,13 +95,15 @@ class EnginePlan:
     max_model_len: int
     num_kv_blocks: int
     placement: Placement
+    default_sampling: dict[str, Any]
 
 
 def check_runtime_config(config: RuntimeConfig) -> EnginePlan:
     """The plan of an engine for ``config`` (``LLMEngine`` builds from it), or what building one would
     refuse, before any weights load: the model path and its config.json, the layout against the model,
-    the KV budget, the initial expert placement (``init_expert_location``). Raises FileNotFoundError
-    (no config.json, no placement dump) or ValueError naming the problem."""
+    the KV budget, the initial expert placement (``init_expert_location``), the requests' default
+    sampling fields (``sampling_defaults``). Raises FileNotFoundError (no config.json, no placement
+    dump) or ValueError naming the problem."""
     path = config.check_model_path()
     try:
         model_config = ModelConfig.from_hf(path)
@@ -109,7 +112,24 @@ def check_runtime_config(config: RuntimeConfig) -> EnginePlan:
     config.validate_for_model(model_config)
     max_model_len = config.engine.max_model_len or model_config.max_position_embeddings
     return EnginePlan(path, model_config, max_model_len, compute_num_kv_blocks(config, model_config, max_model_len),
-                      build_initial_placement(config, model_config))
+                      build_initial_placement(config, model_config), sampling_defaults(config, path))
+
+
+def sampling_defaults(config: RuntimeConfig, model_path: Path) -> dict[str, Any]:
+    """The ``SamplingParams`` fields requests take when they leave them out, from the generation
+    config (``launch.generation_config``: engine.generation_config, engine.override_generation_config),
+    checked as ``SamplingParams`` checks them; ValueError naming the source and the field otherwise."""
+    e = config.engine
+    fields = {}
+    for overrides in ({}, e.override_generation_config):  # the file's values alone first: errors name their source
+        fields = default_sampling_fields(model_path, e.generation_config, overrides)
+        try:
+            SamplingParams(**fields)
+        except ValueError as err:
+            source = "override_generation_config" if overrides else generation_config_file(model_path,
+                                                                                           e.generation_config)
+            raise ValueError(f"generation config {source}: {err}") from None
+    return fields
 
 
 def build_initial_placement(config: RuntimeConfig, model_config: ModelConfig) -> Placement:
@@ -137,6 +157,10 @@ class LLMEngine:
         plan = check_runtime_config(config)
         path, self.model_config = plan.model_path, plan.model_config
         self.max_model_len, self.num_kv_blocks, self.placement = plan.max_model_len, plan.num_kv_blocks, plan.placement
+        # what requests take for the sampling fields they leave out (the generation config's)
+        self.default_sampling: dict[str, Any] = plan.default_sampling
+        if self.default_sampling:
+            log.info(describe_defaults(self.default_sampling))
         self.tokenizer = _load_tokenizer(path)
         # where generation stops: generation_config.json's, config.json's and the tokenizer's eos ids
         self.eos_token_ids = _eos_token_ids(path, self.tokenizer)
@@ -198,6 +222,11 @@ class LLMEngine:
 
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
+
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the generation config's defaults (vLLM's
+        ``get_default_sampling_params``): what a request that sets nothing samples with."""
+        return SamplingParams(**self.default_sampling)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:

@@ -3,13 +3,18 @@
 Input lines: ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or ``{"messages": [...]}`` (a chat
 conversation, rendered with the checkpoint's chat template as the server renders a chat
 request), optionally with sampling
-fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
-``stop_token_ids``, ``ignore_eos``, ``n``, ``logprobs``). Output lines repeat the input and add
+fields (every ``SamplingParams`` field: ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``n``, ``logprobs``, the
+penalties, ``min_tokens``, ...). A field a line leaves out takes ``--max-tokens`` /
+``--temperature``, else the model's generation config (``--generation-config``, as vLLM), else
+the ``SamplingParams`` default. Output lines repeat the input and add
 ``text``, ``token_ids``, ``finish_reason`` (lists of them when n > 1 under ``outputs``). With
 ``"logprobs": N`` each completion also has, per generated token, ``token_logprobs`` (the
 log-probability of the token in ``token_ids``) and ``top_logprobs`` (the N most likely
 ``[token_id, logprob]`` pairs, best first; empty lists for N = 0), and ``cumulative_logprob``
-(the sum of ``token_logprobs``). Logprobs are the model's raw ones (before temperature etc.).
+(the sum of ``token_logprobs``). With ``"prompt_logprobs": N`` the line also gets
+``prompt_logprobs``: ``token_logprobs`` and ``top_logprobs`` over the prompt's tokens (null and []
+for the first). Logprobs are the model's raw ones (before temperature etc.).
 
 Everything that can be checked is checked before any output is produced: the paths, every
 input line (errors name the file and its physical line, ``IN.jsonl:4: ...``), the model and
@@ -32,6 +37,7 @@ from launch.config_args import FlagParser, add_runtime_args, runtime_config_from
 from launch.config_schema import ConfigError
 from launch.core import CompletionOutput, SamplingParams
 from launch.core.outputs import top_n
+from launch.generation_config import default_sampling_fields
 from launch.paths import output_file_problem
 from launch.tokenizer import check_prompt
 
@@ -141,6 +147,14 @@ def completion_record(c: CompletionOutput, num_logprobs: int | None = None) -> d
     return record
 
 
+def prompt_logprobs_record(prompt_ids: list[int], entries: list[Any], n: int) -> dict[str, Any]:
+    """A request's ``prompt_logprobs`` as written to the output: ``token_logprobs`` (each prompt
+    token's log-probability given the tokens before it; null for the first) and ``top_logprobs``
+    (the n most likely ``[token_id, logprob]`` pairs at each position; empty for the first)."""
+    return {"token_logprobs": [None if e is None else e.get(t) for t, e in zip(prompt_ids, entries)],
+            "top_logprobs": [[] if e is None else [[i, lp] for i, lp in top_n(e, n)] for e in entries]}
+
+
 def _error(problem: object) -> int:
     print("error: " + " ".join(str(problem).splitlines()), file=sys.stderr)
     return 2
@@ -159,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         config = runtime_config_from_args(args)
         check_input_file(args.input)
         check_output_path(args.output, args.input)
-        defaults = {}
+        # the model's generation config first (as vLLM's LLM.get_default_sampling_params), then the flags
+        e = config.engine
+        defaults = default_sampling_fields(config.check_model_path(), e.generation_config, e.override_generation_config)
         for flag, key, value in (("--max-tokens", "max_tokens", args.max_tokens),
                                  ("--temperature", "temperature", args.temperature)):
             if value is not None:
@@ -196,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         for req, out in zip(requests, outputs):
             comps = [completion_record(c, req.params.logprobs) for c in out.outputs]
             record = {**req.row, **comps[0]} if len(comps) == 1 else {**req.row, "outputs": comps}
+            if out.prompt_logprobs is not None:
+                record["prompt_logprobs"] = prompt_logprobs_record(out.prompt_token_ids, out.prompt_logprobs,
+                                                                   req.params.prompt_logprobs or 0)
             f.write(json.dumps(record) + "\n")
     completions = [c for o in outputs for c in o.outputs]  # n per request
     generated = sum(len(c.token_ids) for c in completions)

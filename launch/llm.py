@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from launch.config import VLLM_KEYS, RuntimeConfig
+from launch.config import DTYPE_ALIASES, KV_CACHE_DTYPE_ALIASES, VLLM_KEYS, RuntimeConfig
 from launch.config_schema import set_dotted
 from launch.core import RequestOutput, SamplingParams
 from launch.engine import LLMEngine
@@ -19,10 +19,13 @@ from launch.tokenizer import check_prompt
 _SERVER_ONLY = frozenset({"model", "host", "port", "api_key", "served_model_name", "max_queue_len"})
 
 Prompt = str | Mapping[str, Any]
+# vLLM's other spellings of a value (dtype="half"), as the flags take them
+_VALUE_ALIASES = {"dtype": DTYPE_ALIASES, "kv_cache_dtype": KV_CACHE_DTYPE_ALIASES}
 
 
 def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig:
-    """Map LLM(...) keyword arguments (vLLM names) onto the nested RuntimeConfig; an unknown
+    """Map LLM(...) keyword arguments (vLLM names and value spellings: ``dtype="half"``;
+    ``trust_remote_code`` is taken and changes nothing) onto the nested RuntimeConfig; an unknown
     argument raises TypeError naming it."""
     data: dict[str, Any] = {"model": str(model)}
     for key, value in kwargs.items():
@@ -34,8 +37,12 @@ def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig
                 set_dotted(data, f"recovery.{sub}", sub_value)
         elif key == "collective_timeout_s":
             set_dotted(data, "parallel.collective_timeout_s", value)
+        elif key == "trust_remote_code":  # vLLM's; no checkpoint code is ever run here
+            if not isinstance(value, bool):
+                raise TypeError(f"LLM() trust_remote_code must be a bool, got {value!r}")
         elif key in VLLM_KEYS and key not in _SERVER_ONLY:
-            set_dotted(data, VLLM_KEYS[key], value)
+            aliases = _VALUE_ALIASES.get(key, {})
+            set_dotted(data, VLLM_KEYS[key], aliases.get(value, value) if isinstance(value, str) else value)
         else:
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
     return RuntimeConfig.from_dict(data)
@@ -62,6 +69,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` sample with when given no sampling params: the model's
+        generation config defaults (``--generation-config``, as vLLM), else ``SamplingParams()``."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -70,7 +82,8 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """prompts: a string, ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``, or a list of
-        them. sampling_params: one for all, or one per prompt. use_tqdm: a progress bar of finished
+        them. sampling_params: one for all, or one per prompt (None: ``get_default_sampling_params()``,
+        the generation config's defaults). use_tqdm: a progress bar of finished
         requests on stderr (vLLM's flag; off by default here). Returns one RequestOutput per
         prompt, in order, each finished.
 
@@ -82,7 +95,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(params) != len(prompts):
