@@ -37,7 +37,6 @@ from launch.config_args import FlagParser, add_runtime_args, runtime_config_from
 from launch.config_schema import ConfigError
 from launch.core import CompletionOutput, SamplingParams
 from launch.core.outputs import top_n
-from launch.generation_config import default_sampling_fields
 from launch.paths import output_file_problem
 from launch.tokenizer import check_prompt
 
@@ -173,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         config = runtime_config_from_args(args)
         check_input_file(args.input)
         check_output_path(args.output, args.input)
-        # the model's generation config first (as vLLM's LLM.get_default_sampling_params), then the flags
-        e = config.engine
-        defaults = default_sampling_fields(config.check_model_path(), e.generation_config, e.override_generation_config)
+        defaults = {}
         for flag, key, value in (("--max-tokens", "max_tokens", args.max_tokens),
                                  ("--temperature", "temperature", args.temperature)):
             if value is not None:
@@ -184,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         requests = read_requests(args.input, defaults)
         from launch.engine import check_runtime_config
 
-        check_runtime_config(config)
+        # under the flags, the model's generation config (as vLLM's LLM.get_default_sampling_params)
+        model_defaults = check_runtime_config(config).default_sampling
+        if model_defaults:
+            requests = read_requests(args.input, {**model_defaults, **defaults})
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _error(e)
     from launch.llm import LLM
