@@ -256,7 +256,10 @@ class ServerConfig:
     waiting requests beyond which new ones get 503; expert_distribution_dir: where
     /dump_expert_distribution_record writes; init_expert_location: a dump to place from;
     expert_distribution_recorder_buffer_size: steps the expert-distribution record keeps
-    between dumps (SGLang's flag; older steps are dropped and counted; -1 keeps all)."""
+    between dumps (SGLang's flag; older steps are dropped and counted; -1 keeps all).
+    enable_auto_tool_choice / tool_call_parser: vLLM's tool-calling flags (tool_choice "auto" served,
+    the reply's calls parsed with that format; the name is checked against
+    ``launch.server.tools.registry`` when serving starts)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -266,8 +269,12 @@ class ServerConfig:
     expert_distribution_dir: str | None = None
     init_expert_location: str | None = None
     expert_distribution_recorder_buffer_size: int = 1000
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         size = self.expert_distribution_recorder_buffer_size
         if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or size >= 1):
             raise ValueError(f"expert_distribution_recorder_buffer_size must be >= 1, or -1 for unbounded; "

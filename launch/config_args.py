@@ -46,7 +46,8 @@ from launch.config_schema import (
 FLAG_KEYS = VLLM_KEYS
 # Flat keys a --config file may hold besides FLAG_KEYS: the serve-only flags.
 _FILE_ONLY_KEYS = {name: f"server.{name}" for name in (
-    "init_expert_location", "expert_distribution_dir", "expert_distribution_recorder_buffer_size")}
+    "init_expert_location", "expert_distribution_dir", "expert_distribution_recorder_buffer_size",
+    "enable_auto_tool_choice", "tool_call_parser")}
 # vLLM flags taken and documented as changing nothing here (flags and flat --config keys).
 COMPAT_NOOP_KEYS = ("trust_remote_code", "disable_log_requests")
 _VALUE_ALIASES = {"engine.dtype": DTYPE_ALIASES, "engine.kv_cache_dtype": KV_CACHE_DTYPE_ALIASES}

@@ -6,7 +6,9 @@ engine, ``--host`` (127.0.0.1 unless told otherwise), ``--port``, ``--api-key``,
 ``--served-model-name``, ``--max-queue-len``, ``--config FILE``, ``--set k=v``), plus
 ``--init-expert-location FILE`` (start from a dump's placement) and
 ``--expert-distribution-dir DIR`` (where ``/dump_expert_distribution_record`` writes) and
-``--expert-distribution-recorder-buffer-size N`` (steps the record keeps between dumps);
+``--expert-distribution-recorder-buffer-size N`` (steps the record keeps between dumps),
+vLLM's ``--enable-auto-tool-choice`` and ``--tool-call-parser NAME`` (tool calls parsed out of
+chat replies; checked against the checkpoint's tokenizer before the weights load);
 ``--log-level`` (this process's logging and uvicorn's) and vLLM's ``--uvicorn-log-level``
 (uvicorn's alone). The engine is built inside the server's event loop and shut down when
 uvicorn exits (Ctrl-C / SIGTERM).
@@ -24,6 +26,7 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -33,6 +36,7 @@ from launch.config_args import FlagParser, add_runtime_args, runtime_config_from
 from launch.config_schema import ConfigError
 from launch.paths import output_dir_problem
 from launch.server import build_app
+from launch.server.tools.registry import TOOL_PARSER_NAMES
 
 logger = logging.getLogger("launch.serve")
 
@@ -53,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-distribution-recorder-buffer-size", type=int, default=None, metavar="N",
                    help="steps the record keeps between dumps; older ones are dropped and counted "
                         "(moe:expert_distribution_steps_dropped_total); -1 keeps every step (default 1000)")
+    g = parser.add_argument_group("tool calling")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help='serve tool_choice "auto" (the default with tools): tool calls are parsed out of chat '
+                        "replies with --tool-call-parser (which it requires)")
+    g.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None, metavar="NAME",
+                   help=f"the model's tool-call format, vLLM's names: {', '.join(TOOL_PARSER_NAMES)}")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                         help="this process's logging and uvicorn's (default: info)")
     parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
@@ -69,8 +79,9 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         args = argparse.Namespace(**{**vars(args), "model": tag})
     cfg = runtime_config_from_args(args)
     extra = {name: getattr(args, name) for name in ("init_expert_location", "expert_distribution_dir",
-                                                    "expert_distribution_recorder_buffer_size")
-             if getattr(args, name) is not None}
+                                                    "expert_distribution_recorder_buffer_size",
+                                                    "enable_auto_tool_choice", "tool_call_parser")
+             if getattr(args, name, None) is not None}
     if extra:
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **extra))
     return cfg
@@ -146,9 +157,25 @@ def check_serve_config(cfg: RuntimeConfig) -> None:
     if cfg.server.expert_distribution_dir and (
             problem := output_dir_problem(cfg.server.expert_distribution_dir)) is not None:
         raise ValueError(f"expert_distribution_dir: {problem}")
+    check_tool_call_parser(cfg)
     from launch.engine import check_runtime_config
 
     check_runtime_config(cfg)
+
+
+def check_tool_call_parser(cfg: RuntimeConfig) -> None:
+    """ValueError when ``tool_call_parser`` is unknown or the checkpoint's tokenizer lacks the tokens its
+    format needs (vLLM's parsers fail every request then); checked before the weights load."""
+    name = cfg.server.tool_call_parser
+    if name is None:
+        return
+    from launch.server.tools.registry import check_tool_parser, get_tool_parser
+    from launch.tokenizer import Tokenizer
+
+    get_tool_parser(name)
+    if Path(cfg.model).is_dir():
+        tokenizer = Tokenizer.from_dir(cfg.model) if (Path(cfg.model) / "tokenizer.json").is_file() else None
+        check_tool_parser(name, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

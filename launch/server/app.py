@@ -36,6 +36,7 @@ from launch.server.protocol import (
 )
 from launch.server.responses import ModelCard, ModelList
 from launch.server.serving import OpenAIServing
+from launch.server.tools.calling import ToolCalling
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +229,9 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
     """The server app for ``engine``; request bodies over ``max_body_bytes`` get 413.
 
     server_config: ``launch.config.ServerConfig`` (reads ``api_key``, ``served_model_name``,
-        ``max_queue_len``, ``expert_distribution_dir``; a missing field means its default).
+        ``max_queue_len``, ``expert_distribution_dir``, ``enable_auto_tool_choice``, ``tool_call_parser``;
+        a missing field means its default). ValueError (one line) for a tool-call setup the model's
+        tokenizer cannot serve (``launch.server.tools.calling.ToolCalling.build``).
     Requests may name any served name; ``/v1/models`` lists each, with ``root`` the engine's
     ``model_path`` (the checkpoint; an engine without one: its ``model_name``), as vLLM's.
     """
@@ -240,7 +243,8 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
                     or Path(tempfile.gettempdir()) / "moe_expert_distribution")
     moe_layer_ids = tuple(getattr(engine.model_config, "moe_layer_ids", ()) or ())
     metrics = ServerMetrics(served_names[0], stats=engine.stats, moe_layer_ids=moe_layer_ids or None)
-    serving = OpenAIServing(engine, served_names, metrics, max_queue_len=max_queue_len)
+    tool_calling = ToolCalling.build(server_config, engine.tokenizer)
+    serving = OpenAIServing(engine, served_names, metrics, max_queue_len=max_queue_len, tool_calling=tool_calling)
 
     app = FastAPI(title="moe-serve OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.engine = engine

@@ -2,8 +2,9 @@
 
 The template itself (the checkpoint's ``tokenizer_config.json`` ``chat_template``,
 or the documented default when it has none) belongs to ``launch.tokenizer``; this
-module only normalises OpenAI messages (text parts joined) and turns template
-failures (e.g. a template that rejects the role order) into 400 errors.
+module only normalises OpenAI messages (text parts joined; past tool calls and tool
+results as vLLM hands them to templates) and turns template failures (e.g. a template
+that rejects the role order) into 400 errors.
 """
 
 from __future__ import annotations
@@ -11,13 +12,20 @@ from __future__ import annotations
 from typing import Any
 
 from launch.server.protocol import APIError, ChatMessage
+from launch.server.tools.requests import template_tool_calls
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI messages as the plain ``{"role", "content"[, "name"]}`` dicts templates expect."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages as the plain dicts templates expect: ``{"role", "content"}``, plus ``name``,
+    an assistant's ``tool_calls`` (``arguments`` parsed into a dict; an empty list left out) and a tool
+    message's ``tool_call_id`` when given (vLLM's conversation messages)."""
     out = []
     for m in messages:
-        entry = {"role": m.role, "content": m.text()}
+        entry: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.role == "assistant" and m.tool_calls:
+            entry["tool_calls"] = template_tool_calls(m.tool_calls)
+        if m.role == "tool" and m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             entry["name"] = m.name
         out.append(entry)

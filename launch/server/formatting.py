@@ -32,6 +32,7 @@ from launch.server.responses import (
     TopLogprob,
     UsageInfo,
 )
+from launch.server.tools.stream import ToolCallStream, tool_finish_reason
 
 TokenText = Callable[[int], str]
 
@@ -186,8 +187,14 @@ class CompletionFormatter(_Formatter):
                                   usage=self.streamed_usage())
 
 
+@dataclass
 class ChatFormatter(_Formatter):
-    """``/v1/chat/completions`` bodies and chunks."""
+    """``/v1/chat/completions`` bodies and chunks. ``tool_streams``: with tool calls parsed (tool_choice
+    "auto"), a factory of one ``ToolCallStream`` per choice; the message then carries ``tool_calls``, its
+    content is the text outside them, and a choice that stopped after calling tools ends with "tool_calls"."""
+
+    tool_streams: Callable[[], ToolCallStream] | None = None
+    _choice_tools: dict[int, ToolCallStream] = field(default_factory=dict, init=False, repr=False)
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs | None:
         if self.num_logprobs is None or entries is None:
@@ -206,9 +213,13 @@ class ChatFormatter(_Formatter):
         choices = []
         for index, out in enumerate(finals):
             c = out.outputs[0]
-            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text),
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                      logprobs=self.logprobs(c.token_ids, c.logprobs)))
+            message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
+            if self.tool_streams is not None:
+                content, calls = self.tool_streams().result(c)
+                message = ChatResponseMessage(content=content, tool_calls=calls)
+                finish_reason = tool_finish_reason(finish_reason, bool(calls))
+            choices.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
+                                      stop_reason=c.stop_reason, logprobs=self.logprobs(c.token_ids, c.logprobs)))
         completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage(completion_tokens))
@@ -227,10 +238,16 @@ class ChatFormatter(_Formatter):
         c = out.outputs[0]
         text, token_ids, entries = cursor.advance(c)
         cursor.finished = c.finish_reason is not None
-        if not text and not cursor.finished and not (token_ids and self.num_logprobs is not None):
+        delta, finish_reason = DeltaMessage(content=text or None), c.finish_reason
+        if self.tool_streams is not None:
+            tools = self._choice_tools.setdefault(index, self.tool_streams())
+            text, calls = tools.update(c)
+            delta = DeltaMessage(content=text or None, tool_calls=calls or None)
+            finish_reason = tool_finish_reason(finish_reason, tools.called)
+        if not (delta.content or delta.tool_calls) and not cursor.finished and not (
+                token_ids and self.num_logprobs is not None):
             return []
-        choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=text or None),
-                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, stop_reason=c.stop_reason,
                                  logprobs=self.logprobs(token_ids, entries))
         return [ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
                                     usage=self.choice_usage(index))]

@@ -31,6 +31,7 @@ from pydantic import (
     model_validator,
 )
 
+from launch.server.tools.requests import ToolCallParam, check_tool_choice, check_tools
 from launch.tokenizer import check_text
 
 logger = logging.getLogger(__name__)
@@ -375,9 +376,13 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """``tool_calls``: an assistant turn's calls; ``tool_call_id``: the call a ``tool`` message answers."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: StrictStr | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -416,20 +421,35 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's chat extensions that change the prompt: refused when set (``unsupported``)
     echo: StrictBool = False
     continue_final_message: StrictBool = False
-    # OpenAI tools: rendered into the prompt by the chat template (as transformers and vLLM pass
-    # them); tool calls are not parsed out of the reply, so only tool_choice "none" is accepted
+    # OpenAI tools, rendered into the prompt by the chat template (as transformers and vLLM pass them,
+    # with "none" too); with "auto" the reply's calls are parsed (launch.server.tools.calling)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None  # accepted and not enforced, as vLLM
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return value if value is None else check_tools(value)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, value: Any, info: Any) -> Any:
+        return check_tool_choice(value, info.data.get("tools"))
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any] | None:
+        """``tool_choice``, "auto" when tools are given without one (OpenAI's and vLLM's default)."""
+        return "auto" if self.tool_choice is None and self.tools else self.tool_choice
 
     def unsupported(self) -> tuple[str, str] | None:
         problem = super().unsupported()
         if problem is not None:
             return problem
-        if self.tools and self.tool_choice != "none":
-            return "tool_choice", ("tool calls are not parsed by this server: with tools, send tool_choice \"none\" "
-                                   "(the chat template then renders the tools into the prompt)")
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", f"tool_choice={self.tool_choice!r} is not supported (only \"none\")"
+        if self.effective_tool_choice == "required" or isinstance(self.tool_choice, dict):
+            return "tool_choice", (f"tool_choice {_short(self.tool_choice)} is not supported: forcing a tool call needs "
+                                   "guided decoding, which this server lacks; send \"auto\" (the model may call a "
+                                   "tool) or \"none\"")
         if self.echo:
             return "echo", "echo=true is not supported for chat (the reply is never prefixed with the last message)"
         if self.continue_final_message:

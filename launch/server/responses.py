@@ -55,9 +55,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """A parsed call: ``arguments`` is the JSON text the model wrote (OpenAI: validate before use)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
+    """``tool_calls`` is always there (``[]`` without calls), as vLLM sends it."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -77,16 +93,36 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(BaseModel):
+class _WithoutNulls(BaseModel):
+    """Serialized with only the keys that are set (a delta never says ``"role": null``)."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNulls):
+    """A streamed call: the first delta of call ``index`` carries ``id``, ``type`` and ``function.name``
+    (and the arguments so far), the next ones argument fragments only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_WithoutNulls):
     """A chat chunk's delta: only the keys it carries (``{"content": "..."}``; ``{}`` in a last chunk
     with no new text), as OpenAI and vLLM send them, never ``"role": null``."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

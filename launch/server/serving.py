@@ -39,6 +39,7 @@ from launch.server.protocol import (
     SamplingRequest,
     random_id,
 )
+from launch.server.tools.calling import ToolCalling
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ class OpenAIServing:
     """
 
     def __init__(self, engine: EngineClient, served_model_names: str | Sequence[str], metrics: ServerMetrics,
-                 max_queue_len: int | None = None) -> None:
+                 max_queue_len: int | None = None, tool_calling: ToolCalling | None = None) -> None:
         self.engine = engine
+        self.tool_calling = tool_calling or ToolCalling()  # default: tools rendered, "auto" refused
         names = (served_model_names,) if isinstance(served_model_names, str) else tuple(served_model_names)
         if not names:
             raise ValueError("OpenAIServing needs at least one served model name")
@@ -215,6 +217,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_supported(req)
+        tool_parser = self.tool_calling.parser_for(req)
         num_logprobs = req.num_logprobs
         # off the event loop: rendering and encoding a long conversation takes as long as a long prompt
         ids = await asyncio.to_thread(render_chat_prompt, self.tokenizer("chat messages"), req.messages,
@@ -224,8 +227,10 @@ class OpenAIServing:
         request_id = random_id("chatcmpl")
         subs = self.build_subrequests(request_id, prompts, req, req.max_new_tokens, num_logprobs, "messages",
                                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        tool_streams = None if tool_parser is None else self.tool_calling.streams(
+            tool_parser, self.engine.tokenizer, ids, req.include_stop_str_in_output)
         formatter = ChatFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self._token_text,
-                                  num_logprobs, continuous_usage=req.continuous_usage)
+                                  num_logprobs, continuous_usage=req.continuous_usage, tool_streams=tool_streams)
         return await self._respond(subs, formatter, req, raw)
 
     def _token_text(self, token_id: int) -> str:

@@ -82,3 +82,13 @@ def test_flags_reach_the_engine_config() -> None:
         EngineConfig(override_generation_config={"temp": 1.0})
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--override-generation-config", "[1]"])
+
+
+def test_a_vllm_flat_config_file_takes_the_generation_and_tool_keys(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.yaml"
+    path.write_text("model: m\ngeneration-config: vllm\noverride-generation-config: {temperature: 0.3}\n"
+                    "enable-auto-tool-choice: true\ntool-call-parser: hermes\n")
+    parser = add_runtime_args(argparse.ArgumentParser())
+    cfg = runtime_config_from_args(parser.parse_args(["--config", str(path)]))
+    assert (cfg.engine.generation_config, cfg.engine.override_generation_config) == ("vllm", {"temperature": 0.3})
+    assert (cfg.server.enable_auto_tool_choice, cfg.server.tool_call_parser) == (True, "hermes")
