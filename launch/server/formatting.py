@@ -29,6 +29,8 @@ from launch.server.responses import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
     UsageInfo,
 )
@@ -110,13 +112,38 @@ class _Formatter:
     def streamed_usage(self) -> UsageInfo:
         return self.usage(sum(c.num_tokens for c in self.cursors.values()))
 
+    def prompt_logprobs_of(self, out: Any, num: int | None) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` of one engine output (None unless asked for with ``num``):
+        null for the first prompt token, then {token id: logprob, rank among the top ``num``,
+        decoded text}, the prompt token first, then the top ``num``."""
+        if num is None or out.prompt_logprobs is None:
+            return None
+        scored: PromptLogprobs = []
+        for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
+            if entry is None:
+                scored.append(None)
+                continue
+            ranks = {t: r for r, (t, _) in enumerate(top_n(entry, num), 1)}
+            row = {token_id: PromptLogprob(logprob=json_logprob(entry[token_id]), rank=ranks.get(token_id),
+                                           decoded_token=self.token_text(token_id))}
+            for t, rank in ranks.items():
+                row.setdefault(t, PromptLogprob(logprob=json_logprob(entry[t]), rank=rank,
+                                                decoded_token=self.token_text(t)))
+            scored.append(row)
+        return scored
+
 
 @dataclass
 class CompletionFormatter(_Formatter):
     """``/v1/completions`` bodies and chunks. ``echo_texts``: with ``echo``, each prompt's text, put
-    before the text of each of its choices (in the first streamed chunk of each choice)."""
+    before the text of each of its choices (in the first streamed chunk of each choice); with logprobs
+    the prompt's tokens then lead the logprobs (the first with null logprobs, as vLLM). ``echo_only``
+    (echo with max_tokens 0): the prompt alone, the one token sampled for it dropped.
+    ``prompt_logprobs``: the request's, for each choice's vLLM ``prompt_logprobs``."""
 
     echo_texts: list[str] | None = None
+    echo_only: bool = False
+    prompt_logprobs: int | None = None
 
     def echo_text(self, index: int) -> str:
         return "" if self.echo_texts is None else self.echo_texts[index // self.n]
@@ -133,30 +160,43 @@ class CompletionFormatter(_Formatter):
             out.setdefault(self.token_text(t), json_logprob(lp))
         return out
 
-    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None,
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None] | None,
                  offset: int) -> CompletionLogprobs | None:
+        """Logprobs of ``token_ids`` (a None entry: a token with no logprob, the prompt's first)."""
         if self.num_logprobs is None or entries is None:
             return None
         out = CompletionLogprobs()
         for token_id, entry in zip(token_ids, entries):
             text = self.token_text(token_id)
             out.tokens.append(text)
-            logprob = entry.get(token_id)
+            logprob = None if entry is None else entry.get(token_id)
             out.token_logprobs.append(None if logprob is None else json_logprob(logprob))
             # logprobs=0 still carries the sampled token ("up to logprobs+1 elements"), as OpenAI and vLLM
-            out.top_logprobs.append(self.top_logprobs(token_id, entry))
+            out.top_logprobs.append(None if entry is None else self.top_logprobs(token_id, entry))
             out.text_offset.append(offset)
             offset += len(text)
         return out
+
+    def generated(self, c: Any) -> tuple[str, list[int], list[dict[int, float]] | None]:
+        """A completion's text, token ids and logprob entries as the response shows them (none of
+        them with ``echo_only``)."""
+        if self.echo_only:
+            return "", [], None if c.logprobs is None else []
+        return c.text, list(c.token_ids), None if c.logprobs is None else list(c.logprobs)
 
     def response(self, finals: list[Any]) -> CompletionResponse:
         choices = []
         for index, out in enumerate(finals):
             c = out.outputs[0]
-            choices.append(CompletionChoice(index=index, text=self.echo_text(index) + c.text,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                            logprobs=self.logprobs(c.token_ids, c.logprobs, 0)))
-        completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
+            text, token_ids, entries = self.generated(c)
+            if self.echo_texts is not None and entries is not None and out.prompt_logprobs is not None:
+                token_ids, entries = list(out.prompt_token_ids) + token_ids, list(out.prompt_logprobs) + entries
+            choices.append(CompletionChoice(
+                index=index, text=self.echo_text(index) + text, finish_reason="length" if self.echo_only else
+                c.finish_reason, stop_reason=None if self.echo_only else c.stop_reason,
+                logprobs=self.logprobs(token_ids, entries, 0),
+                prompt_logprobs=self.prompt_logprobs_of(out, self.prompt_logprobs)))
+        completion_tokens = sum(len(self.generated(out.outputs[0])[1]) for out in finals)
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage(completion_tokens))
 
@@ -167,6 +207,9 @@ class CompletionFormatter(_Formatter):
         c = out.outputs[0]
         text, token_ids, entries = cursor.advance(c)
         cursor.finished = c.finish_reason is not None
+        if self.echo_only:  # the sampled token is dropped: its text, ids and count
+            text, token_ids, entries = "", [], None if entries is None else []
+            cursor.num_tokens = 0
         if not cursor.echoed:
             cursor.echoed = True
             text = self.echo_text(index) + text
@@ -177,8 +220,11 @@ class CompletionFormatter(_Formatter):
         logprobs = self.logprobs(token_ids, entries, cursor.text_offset)
         if logprobs is not None and logprobs.tokens:
             cursor.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        choice = CompletionChoice(index=index, text=text, finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason, logprobs=logprobs)
+        finish_reason, stop_reason = c.finish_reason, c.stop_reason
+        if self.echo_only and finish_reason is not None:
+            finish_reason, stop_reason = "length", None
+        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason,
+                                  stop_reason=stop_reason, logprobs=logprobs)
         return [CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
                                    usage=self.choice_usage(index))]
 
@@ -194,6 +240,7 @@ class ChatFormatter(_Formatter):
     content is the text outside them, and a choice that stopped after calling tools ends with "tool_calls"."""
 
     tool_streams: Callable[[], ToolCallStream] | None = None
+    prompt_logprobs: int | None = None  # the request's: the response's vLLM ``prompt_logprobs``
     _choice_tools: dict[int, ToolCallStream] = field(default_factory=dict, init=False, repr=False)
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs | None:
@@ -222,7 +269,8 @@ class ChatFormatter(_Formatter):
                                       stop_reason=c.stop_reason, logprobs=self.logprobs(c.token_ids, c.logprobs)))
         completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                      usage=self.usage(completion_tokens))
+                                      usage=self.usage(completion_tokens),
+                                      prompt_logprobs=self.prompt_logprobs_of(finals[0], self.prompt_logprobs))
 
     def stream_start(self) -> list[BaseModel]:
         """The first chunk of every choice: the assistant role, empty content."""

@@ -196,25 +196,26 @@ class SamplingRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # OpenAI / vLLM sampling fields this server does not implement: typed here so that a value
-    # that would change the output is refused (``unsupported``) instead of silently ignored
-    best_of: StrictInt | None = Field(None, ge=1)
+    # OpenAI's penalties and vLLM's repetition_penalty / min_tokens / prompt_logprobs (SamplingParams)
     presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: StrictFloat | None = Field(None, gt=0.0, le=100.0)
-    logit_bias: dict[str, float] | None = None
     min_tokens: StrictInt | None = Field(None, ge=0)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI / vLLM sampling fields this server does not implement: typed here so that a value
+    # that would change the output is refused (``unsupported``) instead of silently ignored
+    best_of: StrictInt | None = Field(None, ge=1)
+    logit_bias: dict[str, float] | None = None
     skip_special_tokens: StrictBool | None = None  # vLLM's; special tokens are always left out of the text
     response_format: dict[str, Any] | None = None  # OpenAI's; only {"type": "text"} (no constrained decoding)
     # vLLM's extensions that change the output, refused unless neutral (no constrained decoding, no
-    # beam search, no prompt logprobs here)
+    # beam search here)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structural_tag: Any = None
     use_beam_search: StrictBool | None = None
-    prompt_logprobs: StrictInt | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -288,19 +289,15 @@ class SamplingRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first field set to a value this server cannot honour (its
-        no-op values pass: penalties 0 / 1, ``best_of`` up to ``n`` (no extra candidates to choose
-        from; some SDKs send ``best_of=1`` by default), an empty ``logit_bias``)."""
+        no-op values pass: ``best_of`` up to ``n`` (no extra candidates to choose from; some SDKs send
+        ``best_of=1`` by default), an empty ``logit_bias``)."""
         if self.best_of is not None and self.best_of > self.n:
             return "best_of", (f"best_of={self.best_of} is not supported: this server returns the n={self.n} "
                                "samples it draws (best_of <= n)")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                return name, f"{name}={value} is not supported (only {neutral})"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
-        if self.min_tokens:
-            return "min_tokens", f"min_tokens={self.min_tokens} is not supported (only 0)"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs is not supported with stream=true (as vLLM)"
         if self.skip_special_tokens is False:
             return "skip_special_tokens", ("skip_special_tokens=false is not supported: special tokens are always "
                                            "left out of the text")
@@ -312,8 +309,6 @@ class SamplingRequest(BaseModel):
                 return name, f"{name} is not supported: this server has no constrained decoding"
         if self.use_beam_search:
             return "use_beam_search", "use_beam_search=true is not supported (sampling only)"
-        if self.prompt_logprobs is not None:
-            return "prompt_logprobs", "prompt_logprobs is not supported: this server returns logprobs of generated tokens only"
         return None
 
 
@@ -321,11 +316,13 @@ class CompletionRequest(SamplingRequest):
     """``/v1/completions``: ``prompt`` is a string, strings, token ids, or lists of token ids.
 
     ``max_tokens`` defaults to 16 (OpenAI's and vLLM's default); ``null`` asks for as many as
-    ``max_model_len`` leaves. ``echo`` puts the prompt's text before each choice's text.
+    ``max_model_len`` leaves. ``echo`` puts the prompt's text before each choice's text; with
+    ``logprobs`` the prompt's tokens lead the logprobs too (vLLM: ``prompt_logprobs`` defaults to
+    ``logprobs`` then), and ``max_tokens: 0`` with ``echo`` returns the prompt alone (scoring).
     """
 
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: StrictInt | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: StrictInt | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None  # OpenAI's insertion mode: refused (``unsupported``), as vLLM refuses it
@@ -350,10 +347,24 @@ class CompletionRequest(SamplingRequest):
             return problem
         if self.suffix:
             return "suffix", "suffix is not supported (this server has no insertion mode)"
-        if self.echo and self.logprobs is not None:
-            return "echo", ("echo with logprobs is not supported: this server computes logprobs of generated "
-                            "tokens only, not of the prompt")
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens=0 needs echo=true (the prompt alone, for scoring)"
+        if self.echo and self.logprobs is not None and self.stream:
+            return "echo", "echo with logprobs scores the prompt, which is not supported with stream=true (as vLLM)"
         return None
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt alone (vLLM samples one token and drops it)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def prompt_scores(self) -> int | None:
+        """How many top logprobs to score each prompt token with: ``prompt_logprobs``, or with
+        ``echo`` the request's ``logprobs`` (vLLM's rule), else None (the prompt is not scored)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""

@@ -24,12 +24,26 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob`` in ``prompt_logprobs``: ``rank`` is the token's place among the top
+    logprobs asked for (1: most likely), null when it is not among them."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: per prompt token, null for the first, else {token id: PromptLogprob}
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with ``prompt_logprobs``
 
 
 class CompletionResponse(BaseModel):
@@ -91,6 +105,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with ``prompt_logprobs``
 
 
 class _WithoutNulls(BaseModel):

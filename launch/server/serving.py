@@ -115,16 +115,17 @@ class OpenAIServing:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
                            f"prompt has {prompt_len} tokens, leaving no room for a completion.",
                            param=prompt_param)
+        cap = self.default_sampling.get("max_tokens")  # the generation config's max_new_tokens (vLLM's rule)
         if requested is None:
-            return limit - prompt_len
+            return min(limit - prompt_len, cap or limit)
         if is_default:
-            return min(requested, limit - prompt_len)
+            return min(requested, limit - prompt_len, cap or limit)
         if prompt_len + requested > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
                            f"{requested} in the completion). Reduce the prompt or {max_tokens_param}.",
                            param=max_tokens_param)
-        return requested
+        return min(requested, cap or requested)
 
     def tokenizer(self, what: str) -> Any:
         """The engine's tokenizer; 400 when the checkpoint has none (token-id prompts still work)."""
@@ -152,8 +153,8 @@ class OpenAIServing:
 
     def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
                           max_new_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
-                          max_tokens_param: str = "max_tokens", max_tokens_is_default: bool = False
-                          ) -> list[SubRequest]:
+                          max_tokens_param: str = "max_tokens", max_tokens_is_default: bool = False,
+                          prompt_logprobs: int | None = None) -> list[SubRequest]:
         """P prompts x ``req.n`` choices -> SubRequests with ``index = p * n + j``. 400 when they
         are more than the engine ever queues (a 503 would invite retries that cannot succeed)."""
         fan_out = len(prompts) * req.n
@@ -167,21 +168,39 @@ class OpenAIServing:
         for p, ids in enumerate(prompts):
             max_tokens = self.resolve_max_tokens(max_new_tokens, len(ids), prompt_param, max_tokens_param,
                                                  max_tokens_is_default)
-            params = self.sampling_params(req, max_tokens, logprobs)
+            params = self.sampling_params(req, max_tokens, logprobs, prompt_logprobs, self.default_sampling)
             for j in range(req.n):
                 index = p * req.n + j
                 subs.append(SubRequest(index=index, prompt_index=p, request_id=f"{prefix}-{index}",
                                        prompt_token_ids=ids, params=params.for_sample(j)))
         return subs
 
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The engine's defaults for the sampling fields a request leaves out (the model's generation
+        config: ``launch.generation_config``); {} for an engine without them."""
+        return getattr(self.engine, "default_sampling", None) or {}
+
     @staticmethod
-    def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's ``SamplingParams``: its own fields, else ``defaults`` (the generation config's
+        temperature, top_p, top_k, min_p, repetition_penalty: ``default_sampling``), else
+        ``SamplingParams``'."""
         fields: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
-                                  "logprobs": logprobs, "include_stop_str_in_output": req.include_stop_str_in_output}
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids"):
+                                  "logprobs": logprobs, "include_stop_str_in_output": req.include_stop_str_in_output,
+                                  "prompt_logprobs": prompt_logprobs}
+        defaults = defaults or {}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens"):
             value = getattr(req, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 fields[name] = value
+        if fields.get("min_tokens", 0) > max_tokens:
+            raise APIError(400, f"min_tokens={fields['min_tokens']} is more than max_tokens={max_tokens}",
+                           param="min_tokens")
         try:
             return SamplingParams(**fields)
         except ValueError as exc:
@@ -208,10 +227,14 @@ class OpenAIServing:
         echo_texts = self.echo_texts(texts_or_ids) if req.echo else None
         self.check_queue()
         request_id = random_id("cmpl")
-        subs = self.build_subrequests(request_id, prompts, req, req.max_tokens, req.logprobs,
-                                      max_tokens_is_default="max_tokens" not in req.model_fields_set)
+        # echo with max_tokens 0 (the prompt alone): one token is sampled and dropped, as vLLM does
+        max_tokens = 1 if req.echo_only else req.max_tokens
+        subs = self.build_subrequests(request_id, prompts, req, max_tokens, req.logprobs,
+                                      max_tokens_is_default="max_tokens" not in req.model_fields_set,
+                                      prompt_logprobs=req.prompt_scores)
         formatter = CompletionFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self._token_text,
-                                        req.logprobs, continuous_usage=req.continuous_usage, echo_texts=echo_texts)
+                                        req.logprobs, continuous_usage=req.continuous_usage, echo_texts=echo_texts,
+                                        echo_only=req.echo_only, prompt_logprobs=req.prompt_logprobs)
         return await self._respond(subs, formatter, req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -226,11 +249,13 @@ class OpenAIServing:
         self.check_queue()
         request_id = random_id("chatcmpl")
         subs = self.build_subrequests(request_id, prompts, req, req.max_new_tokens, num_logprobs, "messages",
-                                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+                                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                                      prompt_logprobs=req.prompt_logprobs)
         tool_streams = None if tool_parser is None else self.tool_calling.streams(
             tool_parser, self.engine.tokenizer, ids, req.include_stop_str_in_output)
         formatter = ChatFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self._token_text,
-                                  num_logprobs, continuous_usage=req.continuous_usage, tool_streams=tool_streams)
+                                  num_logprobs, continuous_usage=req.continuous_usage, tool_streams=tool_streams,
+                                  prompt_logprobs=req.prompt_logprobs)
         return await self._respond(subs, formatter, req, raw)
 
     def _token_text(self, token_id: int) -> str:

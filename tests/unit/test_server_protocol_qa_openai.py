@@ -125,12 +125,12 @@ def test_negative_seeds_are_int64_seeds(served):
      "response_format"),
     ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"messages": CHAT, "guided_choice": ["a", "b"]}, "guided_choice"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False},
      "continue_final_message"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),  # needs prompt logprobs
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),  # as vLLM
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # only with echo
 ])
 def test_fields_that_would_change_the_output_are_refused_not_ignored(served, path, body, param):
     assert_error(post(served, path, body), 400, param, param)

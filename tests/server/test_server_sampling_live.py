@@ -1,0 +1,103 @@
+"""The OpenAI server's vLLM sampling fields on the real engine: penalties and min_tokens reach the
+engine, echo + logprobs and prompt_logprobs score the prompt, and the model's generation config
+gives the defaults of the fields a request leaves out (``max_new_tokens`` capping ``max_tokens``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from launch import LLM, SamplingParams
+from tests.server.test_server_live import LiveServer, runtime_config
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt_with_tokenizer: Path, tmp_path_factory) -> Path:
+    """The tiny checkpoint with a generation config recommending greedy decoding and 16 tokens at most."""
+    dst = tmp_path_factory.mktemp("gen") / "ckpt"
+    shutil.copytree(tiny_ckpt_with_tokenizer, dst)
+    path = dst / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": 0.0, "max_new_tokens": 16}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def server(ckpt: Path, tmp_path_factory):
+    with LiveServer(runtime_config(ckpt, tmp_path_factory.mktemp("dist"))) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt: Path):
+    with LLM(str(ckpt), dtype="float32", max_model_len=96, num_kv_blocks=64, block_size=8) as llm:
+        yield llm
+
+
+def post(srv: LiveServer, path: str, body: dict) -> dict:
+    r = httpx.post(srv.base_url + path, json={"model": srv.cfg.served_model_name, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_generation_config_gives_the_defaults_and_caps_max_tokens(server: LiveServer, offline: LLM) -> None:
+    ids = offline.get_tokenizer().encode(PROMPT)
+    greedy = offline.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=16,
+                                                                           ignore_eos=True))[0].outputs[0]
+    out = post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, "ignore_eos": True})
+    assert out["usage"]["completion_tokens"] == 16  # max_new_tokens, not the rest of the context
+    assert out["choices"][0]["text"] == greedy.text  # temperature 0 from the generation config
+    capped = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 20, "ignore_eos": True})
+    assert capped["usage"]["completion_tokens"] == 16  # vLLM: the generation config's max_new_tokens caps a request's
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+    assert chat["usage"]["completion_tokens"] == 16
+
+
+def test_penalties_and_min_tokens_reach_the_engine(server: LiveServer, offline: LLM) -> None:
+    ids = offline.get_tokenizer().encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8,
+                            presence_penalty=0.5, frequency_penalty=0.7)
+    want = offline.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+    plain = offline.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                          ignore_eos=True))[0].outputs[0]
+    out = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 12, "ignore_eos": True, "temperature": 0,
+                                           "repetition_penalty": 1.8, "presence_penalty": 0.5,
+                                           "frequency_penalty": 0.7})
+    assert out["choices"][0]["text"] == want.text
+    assert want.token_ids != plain.token_ids  # the penalties changed the greedy tokens here
+    first = plain.token_ids[0]
+    stopped = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 4, "stop_token_ids": [first]})
+    assert stopped["usage"]["completion_tokens"] == 1
+    held = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 4, "stop_token_ids": [first],
+                                            "min_tokens": 3})
+    assert held["usage"]["completion_tokens"] >= 3
+
+
+def test_echo_with_logprobs_scores_the_prompt(server: LiveServer, offline: LLM) -> None:
+    ids = offline.get_tokenizer().encode(PROMPT)
+    want = offline.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                         prompt_logprobs=2))[0].prompt_logprobs
+    out = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2})
+    choice = out["choices"][0]
+    assert out["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for q in range(1, len(ids)):
+        assert lp["token_logprobs"][q] == pytest.approx(want[q][ids[q]], abs=1e-5)
+        assert len(lp["top_logprobs"][q]) <= 3
+    assert choice["text"] == offline.get_tokenizer().decode(ids, skip_special_tokens=True)
+    scored = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 2, "prompt_logprobs": 1,
+                                              "ignore_eos": True})["choices"][0]
+    assert scored["prompt_logprobs"][0] is None and len(scored["prompt_logprobs"]) == len(ids)
+    for q in range(1, len(ids)):
+        entry = scored["prompt_logprobs"][q]
+        assert entry[str(ids[q])]["logprob"] == pytest.approx(want[q][ids[q]], abs=1e-5)
+        assert sum(1 for e in entry.values() if e["rank"] == 1) == 1
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                 "prompt_logprobs": 0})
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
