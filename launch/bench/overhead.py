@@ -24,7 +24,9 @@ rank, one Ray actor per rank otherwise. Per timed step:
     sampler_ms    the worker's Sampler call (one in-process rank only; nan with Ray ranks)
 
 The decoding requests sample with ``--temperature`` (0: greedy, the default), ``--top-p``,
-``--top-k``, ``--min-p`` and, with ``--request-seeds``, a seed each (the seeded path). With one
+``--top-k``, ``--min-p``, the penalties (``--repetition-penalty``, ``--presence-penalty``,
+``--frequency-penalty``: the worker then keeps each request's token history) and, with
+``--request-seeds``, a seed each (the seeded path). With one
 in-process rank a closing line gives scheduler + sampler as a share of the median step's CPU.
 
 ``--transports ray,socket`` runs the same measurement once per step transport
@@ -311,13 +313,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=-1)
     s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
     s.add_argument("--request-seeds", action="store_true", help="give request i the seed i (seeded sampling)")
     return parser
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The decoding requests' sampling settings from the flags (ValueError names a bad one)."""
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty)
 
 
 def build_config(args: argparse.Namespace) -> RuntimeConfig:
