@@ -118,18 +118,30 @@ def check_runtime_config(config: RuntimeConfig) -> EnginePlan:
 def sampling_defaults(config: RuntimeConfig, model_path: Path) -> dict[str, Any]:
     """The ``SamplingParams`` fields requests take when they leave them out, from the generation
     config (``launch.generation_config``: engine.generation_config, engine.override_generation_config),
-    checked as ``SamplingParams`` checks them; ValueError naming the source and the field otherwise."""
+    checked as ``SamplingParams`` checks them once the overrides replaced the file's values (as vLLM
+    merges them: an override can replace a value of the file that requests could not take);
+    ValueError naming the source and the field otherwise."""
     e = config.engine
-    fields = {}
-    for overrides in ({}, e.override_generation_config):  # the file's values alone first: errors name their source
-        fields = default_sampling_fields(model_path, e.generation_config, overrides)
-        try:
-            SamplingParams(**fields)
-        except ValueError as err:
-            source = "override_generation_config" if overrides else generation_config_file(model_path,
-                                                                                           e.generation_config)
-            raise ValueError(f"generation config {source}: {err}") from None
-    return fields
+    fields = default_sampling_fields(model_path, e.generation_config, e.override_generation_config)
+    problem = _sampling_problem(fields)
+    if problem is None:
+        return fields
+    overridden = default_sampling_fields(model_path, "vllm", e.override_generation_config)
+    kept = {k: v for k, v in fields.items() if k not in overridden}  # the file's values still in force
+    file_problem = _sampling_problem(kept)  # the file is to blame when those fail on their own
+    if file_problem is not None:
+        raise ValueError(f"generation config {generation_config_file(model_path, e.generation_config)}: "
+                         f"{file_problem}")
+    raise ValueError(f"generation config override_generation_config: {problem}")
+
+
+def _sampling_problem(fields: dict[str, Any]) -> str | None:
+    """What ``SamplingParams(**fields)`` refuses, or None."""
+    try:
+        SamplingParams(**fields)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def build_initial_placement(config: RuntimeConfig, model_config: ModelConfig) -> Placement:

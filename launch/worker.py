@@ -463,12 +463,17 @@ class Worker:
         return out
 
     def _graph_logits(self, batch: BatchSpec) -> torch.Tensor | None:
-        """A decode step (one new token per sequence) on a CUDA graph: logits [B, V] float32; None
-        when graphs are off here or the step is not one they serve."""
+        """A decode step (one new token per sequence) on a CUDA graph: logits [S, V] float32 of the
+        sampled rows; None when graphs are off here or the step is not one they serve."""
         graphs = self.decode_graphs
         if graphs is None or batch.num_tokens != batch.num_seqs:
             return None
-        return graphs.run(batch.input_ids, batch.positions, batch.context_lens, batch.block_tables)
+        logits = graphs.run(batch.input_ids, batch.positions, batch.context_lens, batch.block_tables)  # [B, V]
+        rows = batch.sample_rows
+        if logits is None or len(rows) == batch.num_seqs:
+            return logits
+        # a one-token prefill chunk short of its prompt's end (one token of budget left) samples nothing
+        return logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device))
 
     def _eager_logits(self, batch: BatchSpec, rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The step's forward op by op. Returns logits [len(rows), V] float32 of the sampled rows

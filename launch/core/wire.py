@@ -17,11 +17,13 @@ Layout (little-endian): a 20-byte header (magic, version, dp_rank, block_size, B
 the int32 arrays ``input_ids [T]``, ``positions [T]``, ``query_lens [B]``,
 ``context_lens [B]``, ``num_blocks [B]``, ``block_ids [N]``, ``sampled [S]`` (batch rows with
 ``do_sample``), ``output_indices [S]``, ``param_index [S]`` (into the params table), then the
-optional sections (empty for plain batches): ``history [4H]`` (row, seq_id, num_prompt_tokens,
-prefix length per ``HistoryChunk``), ``history_prefix [X]``, ``released [R]``, ``prompt_logprobs
-[5Q]`` (row, start, end, next_token_id, num_logprobs per ``PromptLogprobsSpan``), each array
-prefixed by its length, then the params table as JSON (U ``SamplingParams`` field dicts; no pickle
-crosses the channel).
+optional sections (empty for plain batches): ``history [4H]`` int64 (row, seq_id,
+num_prompt_tokens, prefix length per ``HistoryChunk``), ``history_prefix [X]``, ``released [R]``
+int64, ``prompt_logprobs [5Q]`` (row, start, end, next_token_id, num_logprobs per
+``PromptLogprobsSpan``; num_logprobs capped at 2**31 - 1, which the worker's vocabulary caps
+anyway), each array prefixed by its byte length (sequence ids only grow, past 2**31 on a
+long-lived server: int64), then the params table as JSON (U ``SamplingParams`` field dicts; no
+pickle crosses the channel).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ from launch.core.batch import BatchSpec, HistoryChunk, PromptLogprobsSpan
 from launch.core.sampling_params import SamplingParams
 
 MAGIC = b"MOEB"
-VERSION = 2
+VERSION = 3
 _HEADER = struct.Struct("<4sIiiI")  # magic, version, dp_rank, block_size, B
 _LEN = struct.Struct("<Q")
 _ARRAYS = ("input_ids", "positions", "query_lens", "context_lens", "num_blocks", "block_ids", "sampled",
            "output_indices", "param_index", "history", "history_prefix", "released", "prompt_logprobs")
+_INT64_ARRAYS = frozenset({"history", "released"})  # they hold sequence ids
+_INT32_MAX = 2**31 - 1
 
 
 # The SamplingParams fields the worker uses (launch.core.sampler); the others (stop strings,
@@ -87,11 +91,12 @@ def encode_batch(batch: BatchSpec) -> bytes:
         [v for h in batch.history for v in (h.row, h.seq_id, h.num_prompt_tokens, len(h.prefix))],
         list(chain.from_iterable(h.prefix for h in batch.history)),
         batch.released_seq_ids,
-        [v for p in batch.prompt_logprobs for v in (p.row, p.start, p.end, p.next_token_id, p.num_logprobs)],
+        [v for p in batch.prompt_logprobs
+         for v in (p.row, p.start, p.end, p.next_token_id, min(p.num_logprobs, _INT32_MAX))],
     )
     parts = [_HEADER.pack(MAGIC, VERSION, batch.dp_rank, batch.block_size, len(seqs))]
-    for values in arrays:
-        data = _to_bytes(array("i", values))
+    for name, values in zip(_ARRAYS, arrays):
+        data = _to_bytes(array("q" if name in _INT64_ARRAYS else "i", values))
         parts.append(_LEN.pack(len(data)))
         parts.append(data)
     parts.append(json.dumps([dataclasses.asdict(p) for p in params], separators=(",", ":")).encode())
@@ -104,8 +109,8 @@ def _to_bytes(values: array) -> bytes:
     return values.tobytes()
 
 
-def _from_bytes(data: memoryview) -> array:
-    values = array("i")
+def _from_bytes(data: memoryview, typecode: str = "i") -> array:
+    values = array(typecode)
     values.frombytes(data)
     if _SWAP:
         values.byteswap()
@@ -140,9 +145,10 @@ def decode_batch(data: bytes | bytearray | memoryview) -> WireBatch:
             raise WireError(f"step message truncated before {name}")
         (size,) = _LEN.unpack_from(view, offset)
         offset += _LEN.size
-        if size % 4 or offset + size > len(view):
+        typecode = "q" if name in _INT64_ARRAYS else "i"
+        if size % array(typecode).itemsize or offset + size > len(view):
             raise WireError(f"step message truncated in {name}")
-        arrays[name] = _from_bytes(view[offset:offset + size])
+        arrays[name] = _from_bytes(view[offset:offset + size], typecode)
         offset += size
     params = _decode_params(view[offset:])
     batch = WireBatch(dp_rank, block_size, params=params, **arrays)

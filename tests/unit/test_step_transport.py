@@ -81,7 +81,7 @@ def test_wire_carries_history_releases_and_prompt_spans():
     wire = decode_batch(encode_batch(extra))
     for name in VIEWS:
         assert getattr(wire, name) == getattr(extra, name), name
-    assert len(encode_batch(extra)) == plain + 4 * (2 * 4 + 3 + 2 + 5)
+    assert len(encode_batch(extra)) == plain + 8 * (2 * 4 + 2) + 4 * (3 + 5)  # history, released: int64
 
 
 def test_wire_empty_batch_and_bad_bytes():
