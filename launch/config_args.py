@@ -44,7 +44,8 @@ from launch.config_schema import (
 
 # argparse dest -> dotted config key: every flat vLLM name is a flag.
 FLAG_KEYS = VLLM_KEYS
-# Flat keys a --config file may hold besides FLAG_KEYS: the serve-only flags.
+# The serve-only flags (`launch.serve` adds them): flat keys a --config file may hold besides FLAG_KEYS, and
+# taken from serve's arguments as FLAG_KEYS are.
 _FILE_ONLY_KEYS = {name: f"server.{name}" for name in (
     "init_expert_location", "expert_distribution_dir", "expert_distribution_recorder_buffer_size",
     "enable_auto_tool_choice", "tool_call_parser")}
@@ -291,7 +292,8 @@ def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     if getattr(args, "eplb_config", None):
         for key, value in parse_eplb_config(args.eplb_config).items():
             set_dotted(data, f"balancer.{key}", value)
-    for dest, key in FLAG_KEYS.items():
+    # the serve-only flags (present only in serve's namespace) are flags too: set before the config is checked
+    for dest, key in {**FLAG_KEYS, **_FILE_ONLY_KEYS}.items():
         value = getattr(args, dest, None)
         if value is not None:
             if dest == "served_model_name":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import signal
@@ -77,14 +76,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         if args.model is not None and args.model != tag:
             raise ConfigError(f"the model is given twice, as MODEL {tag!r} and as --model {args.model!r}: give one")
         args = argparse.Namespace(**{**vars(args), "model": tag})
-    cfg = runtime_config_from_args(args)
-    extra = {name: getattr(args, name) for name in ("init_expert_location", "expert_distribution_dir",
-                                                    "expert_distribution_recorder_buffer_size",
-                                                    "enable_auto_tool_choice", "tool_call_parser")
-             if getattr(args, name, None) is not None}
-    if extra:
-        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **extra))
-    return cfg
+    return runtime_config_from_args(args)  # the serve-only flags included, over the file like every flag
 
 
 def is_loopback(host: str) -> bool:

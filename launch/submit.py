@@ -26,8 +26,8 @@ port if it names one, or ``auto`` (the cluster running on this machine); anythin
 anything runs. Ray 2.60's own CLI lets ``RAY_API_SERVER_ADDRESS`` / ``RAY_ADDRESS`` override
 ``--address`` and reads a bare ``HOST:PORT`` as a GCS address, so it is handed the checked URL as
 ``--address`` and neither variable (``pin_address``): it submits to the dashboard that was asked.
-``auto`` is passed on as it is (Ray finds the local cluster through its GCS; the token is then
-looked for here, as ``ray start`` on the head does).
+``auto`` is passed on as it came (Ray finds the local cluster through its GCS; the token is then
+looked for here, as ``ray start`` on the head does); ``--address auto`` drops the variables too.
 """
 
 from __future__ import annotations
@@ -170,8 +170,9 @@ def pin_address(args: Sequence[str], env: Mapping[str, str], address: str) -> tu
     """The ``ray job submit`` arguments and environment that make Ray's CLI submit to ``address``
     (what ``check_address`` returned and the probe asked): every ``--address`` before ``--``
     replaced by ``--address ADDRESS``, and RAY_API_SERVER_ADDRESS / RAY_ADDRESS left out, since Ray
-    lets them override the flag. "auto" keeps the arguments and environment as they are."""
-    if address == "auto":
+    lets them override the flag. "auto" from RAY_API_SERVER_ADDRESS / RAY_ADDRESS keeps the arguments and
+    environment as they are (Ray reads that variable); ``--address auto`` is pinned like any other."""
+    if address == "auto" and _given_address(args, env)[1] != "--address":
         return list(args), dict(env)
     split = list(args).index("--")
     flags: list[str] = []

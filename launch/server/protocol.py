@@ -162,18 +162,18 @@ class APIError(Exception):
 class StreamOptions(BaseModel):
     """``include_usage``: a last chunk with the whole usage. vLLM's ``continuous_usage_stats``: every
     chunk also carries its choice's usage so far (and, as in vLLM, implies ``include_usage`` unless
-    that is set to false)."""
+    that is set to false). Either may be sent as null (its default), as vLLM types them."""
 
     include_usage: StrictBool | None = None
-    continuous_usage_stats: StrictBool = False
+    continuous_usage_stats: StrictBool | None = None
 
     @property
     def final_usage(self) -> bool:
-        return bool(self.include_usage) or (self.include_usage is None and self.continuous_usage_stats)
+        return bool(self.include_usage) or (self.include_usage is None and bool(self.continuous_usage_stats))
 
     @property
     def continuous_usage(self) -> bool:
-        return self.continuous_usage_stats and self.include_usage is not False
+        return bool(self.continuous_usage_stats) and self.include_usage is not False
 
 
 class SamplingRequest(BaseModel):

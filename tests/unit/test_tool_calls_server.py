@@ -330,7 +330,7 @@ def test_flag_checks_at_startup(tiny_ckpt_with_tokenizer, monkeypatch, capsys, c
     monkeypatch.setattr(serve_module, "serve", never)
     model = ["--model", str(tiny_ckpt_with_tokenizer), "--port", "0"]
     assert serve_module.main([*model, "--enable-auto-tool-choice"]) == 2
-    assert capsys.readouterr().err == "error: --enable-auto-tool-choice requires --tool-call-parser\n"
+    assert capsys.readouterr().err == "error: server: --enable-auto-tool-choice requires --tool-call-parser\n"
     assert serve_module.main([*model, "--enable-auto-tool-choice", "--tool-call-parser", "mistral"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: --tool-call-parser mistral: the tokenizer has no [TOOL_CALLS] token")
