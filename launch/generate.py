@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         # under the flags, the model's generation config (as vLLM's LLM.get_default_sampling_params)
         model_defaults = check_runtime_config(config).default_sampling
         if model_defaults:
-            requests = read_requests(args.input, {**model_defaults, **defaults})
+            merged = {**model_defaults, **defaults}
+            requests = [dataclasses.replace(req, params=sampling_params_for(req.row, merged, f"{args.input}:{req.line}"))
+                        for req in requests]
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _error(e)
     from launch.llm import LLM
