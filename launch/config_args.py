@@ -78,16 +78,25 @@ def _aliased(aliases: Mapping[str, str]) -> Callable[[str], str]:
     return convert
 
 
+def parse_json_object(text: str, source: str) -> dict[str, Any]:
+    """The JSON object in ``text``; ConfigError naming ``source`` when it is not valid JSON or not an
+    object."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must be a JSON object, found {type(data).__name__}")
+    return data
+
+
 def _json_object(flag: str) -> Callable[[str], dict[str, Any]]:
     """An argparse ``type`` for a flag whose value is a JSON object (a bad one: argparse's error line)."""
     def parse(text: str) -> dict[str, Any]:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from e
-        if not isinstance(data, dict):
-            raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(data).__name__}")
-        return data
+            return parse_json_object(text, "the value")
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
     parse.__name__ = flag  # argparse names the type in its message
     return parse
 
@@ -207,15 +216,7 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, server: bool = True) ->
 def parse_eplb_config(text: str | Mapping[str, Any], source: str = "--eplb-config") -> dict[str, Any]:
     """vLLM's ``--eplb-config`` JSON object (or, from a config file, the mapping itself); unknown keys
     raise naming the closest valid key."""
-    if isinstance(text, Mapping):
-        data: Any = dict(text)
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{source} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source} must be a JSON object, found {type(data).__name__}")
+    data = dict(text) if isinstance(text, Mapping) else parse_json_object(text, source)
     valid = [k.split(".", 1)[1] for k in dotted_keys(RuntimeConfig) if k.startswith("balancer.")]
     for key in data:
         if key not in valid:
