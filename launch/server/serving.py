@@ -115,17 +115,19 @@ class OpenAIServing:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
                            f"prompt has {prompt_len} tokens, leaving no room for a completion.",
                            param=prompt_param)
-        cap = self.default_sampling.get("max_tokens")  # the generation config's max_new_tokens (vLLM's rule)
         if requested is None:
-            return min(limit - prompt_len, cap or limit)
-        if is_default:
-            return min(requested, limit - prompt_len, cap or limit)
-        if prompt_len + requested > limit:
+            tokens = limit - prompt_len
+        elif is_default:
+            tokens = min(requested, limit - prompt_len)
+        elif prompt_len + requested > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
                            f"{requested} in the completion). Reduce the prompt or {max_tokens_param}.",
                            param=max_tokens_param)
-        return min(requested, cap or requested)
+        else:
+            tokens = requested
+        cap = self.default_sampling.get("max_tokens")  # the generation config's max_new_tokens (vLLM's rule)
+        return tokens if cap is None else min(tokens, cap)
 
     def tokenizer(self, what: str) -> Any:
         """The engine's tokenizer; 400 when the checkpoint has none (token-id prompts still work)."""
@@ -198,13 +200,11 @@ class OpenAIServing:
                 value = defaults.get(name)
             if value is not None:
                 fields[name] = value
-        if fields.get("min_tokens", 0) > max_tokens:
-            raise APIError(400, f"min_tokens={fields['min_tokens']} is more than max_tokens={max_tokens}",
-                           param="min_tokens")
         try:
             return SamplingParams(**fields)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+        except ValueError as exc:  # its messages start with the field they refuse ("min_tokens must be ...")
+            name = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=name if name in type(req).model_fields else None) from exc
 
     # ------------------------------------------------------------ endpoints
 
