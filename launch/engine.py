@@ -29,6 +29,7 @@ from launch.core import (
     compute_kv_sizing,
 )
 from launch.executor import Executor, build_executor
+from launch.generation_config import SAMPLING_KEYS as GENERATION_KEYS
 from launch.generation_config import default_sampling_fields, describe_defaults, generation_config_file
 from launch.recovery import SERVING, EngineRecovery, Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
@@ -126,7 +127,7 @@ def sampling_defaults(config: RuntimeConfig, model_path: Path) -> dict[str, Any]
     problem = _sampling_problem(fields)
     if problem is None:
         return fields
-    overridden = default_sampling_fields(model_path, "vllm", e.override_generation_config)
+    overridden = {GENERATION_KEYS[k] for k, v in e.override_generation_config.items() if v is not None}
     kept = {k: v for k, v in fields.items() if k not in overridden}  # the file's values still in force
     file_problem = _sampling_problem(kept)  # the file is to blame when those fail on their own
     if file_problem is not None:
