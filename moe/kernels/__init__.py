@@ -140,9 +140,12 @@ def inter_multiple(dtype: torch.dtype) -> int:
     that is not a multiple of 32 sends the down projection to the dot-product tiles: a
     DeepSeek-style layer at I 240 ran a 4,096-token prefill 3.4x slower than at I 224, for the
     price of reading up to 31 zero channels more per expert in decode."""
-    if dtype == torch.bfloat16 and is_available() and isa() == "amx":
-        return 32
-    return 8
+    return 32 if bf16_on_amx(dtype) else 8
+
+
+def bf16_on_amx(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` experts run on the AMX tiles here: bf16, the kernel loaded, ``amx`` selected."""
+    return dtype == torch.bfloat16 and is_available() and isa() == "amx"
 
 
 def padded_inter(inter: int, multiple: int = 8) -> int:
@@ -595,7 +598,7 @@ def prefers_library_experts(dtype: torch.dtype, mean_rows: float) -> bool:
     unpadded, I 40 or 264 gave 5e-7 to 8e-7 between a row alone and in a 2-100-row call)."""
     if not prefers_library_gemm(dtype, mean_rows):
         return False
-    return not (dtype == torch.bfloat16 and is_available() and isa() == "amx")
+    return not bf16_on_amx(dtype)
 
 
 def bf16_dot_rate() -> float:
