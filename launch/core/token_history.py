@@ -10,6 +10,7 @@ sequences asked about, T tokens of the batch, Q scored prompt positions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -102,10 +103,7 @@ class TokenHistory:
         """Add each chunk's row tokens (its slice of the batch's flat ``input_ids`` [T], at positions
         context_len - query_len ...) after its prefix. ValueError when a row continues a history
         that does not end where the row starts (the driver and this worker disagree)."""
-        starts, at = [], 0
-        for q in query_lens:
-            starts.append(at)
-            at += q
+        starts = row_starts(query_lens)
         for chunk in chunks:
             row = chunk.row
             position = context_lens[row] - query_lens[row]
@@ -146,15 +144,17 @@ class TokenHistory:
         return seen, output
 
 
+def row_starts(query_lens: Sequence[int]) -> list[int]:
+    """Each row's first index into the batch's flat [T] tokens: [B] prefix sums of ``query_lens``."""
+    return [0, *accumulate(query_lens)][:-1]
+
+
 def prompt_logprob_positions(spans: Sequence[PromptLogprobsSpan], input_ids: Sequence[int],
                              query_lens: Sequence[int], context_lens: Sequence[int]) -> tuple[list[int], list[int]]:
     """Where the spans' logits are and what they score: (flat indices into the batch's [T] tokens,
     the prompt token each scores), both [Q] over the spans in order. Position q of a row scores the
     token at q + 1: the row's next input, or the span's ``next_token_id`` past the row's chunk."""
-    starts, at = [], 0
-    for q in query_lens:
-        starts.append(at)
-        at += q
+    starts = row_starts(query_lens)
     flat, targets = [], []
     for span in spans:
         row = span.row
