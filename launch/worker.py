@@ -143,9 +143,9 @@ class StepResult:
 
     def to_bytes(self) -> bytes:
         """The reply on the fast step transport: a header, token ids [S], capacity [L, 2] and
-        slot load [L, P] as int64, then the logprobs as JSON (rows of [token id, logprob] pairs, or
-        null) when any row asked for them, then the prompt logprobs as JSON (per span, per position
-        its pairs) when the batch scored prompt positions."""
+        slot load [L, P] as int64, then the logprobs as JSON (rows of [rank, [token id, logprob]
+        pairs], or null) when any row asked for them, then the prompt logprobs as JSON (per span, per
+        position [rank, its pairs]) when the batch scored prompt positions."""
         sampled = self.sampled
         ids = np.asarray(sampled.token_ids if sampled is not None else [], dtype="<i8")
         capacity = np.asarray(self.capacity, dtype="<i8").reshape(-1, 2)
@@ -160,10 +160,14 @@ class StepResult:
         if load is not None:
             parts.append(load.tobytes())
         if logprobs is not None:
-            parts.append(json.dumps([None if row is None else list(row.items()) for row in logprobs]).encode())
+            ranks = sampled.logprob_ranks or [None] * len(logprobs)
+            parts.append(json.dumps([None if row is None else [rank, list(row.items())]
+                                     for row, rank in zip(logprobs, ranks)]).encode())
         if prompt is not None:
+            ranks = sampled.prompt_logprob_ranks or [[None] * len(span) for span in prompt]
             # after the logprobs' JSON: a newline (which json.dumps never writes) splits the two
-            parts.append(b"\n" + json.dumps([[list(entry.items()) for entry in span] for span in prompt]).encode())
+            parts.append(b"\n" + json.dumps([[[rank, list(entry.items())] for entry, rank in zip(span, span_ranks)]
+                                             for span, span_ranks in zip(prompt, ranks)]).encode())
         return b"".join(parts)
 
     @classmethod
@@ -184,21 +188,27 @@ class StepResult:
             offset += 8 * count
         tail = bytes(memoryview(data)[offset:])
         logprobs_json, _, prompt_json = tail.partition(b"\n") if has_prompt else (tail, b"", b"")
-        logprobs = _decode_logprobs(logprobs_json) if has_logprobs else None
-        prompt = _decode_prompt_logprobs(prompt_json) if has_prompt else None
-        sampled = SampledTokens(token_ids=ids.tolist(), logprobs=logprobs, prompt_logprobs=prompt) \
-            if has_sampled else None
+        logprobs, ranks = _decode_logprobs(logprobs_json) if has_logprobs else (None, None)
+        prompt, prompt_ranks = _decode_prompt_logprobs(prompt_json) if has_prompt else (None, None)
+        sampled = SampledTokens(token_ids=ids.tolist(), logprobs=logprobs, prompt_logprobs=prompt,
+                                logprob_ranks=ranks, prompt_logprob_ranks=prompt_ranks) if has_sampled else None
         return cls(sampled, load, [(a, b) for a, b in capacity.tolist()], seconds, cpu_seconds)
 
 
-def _decode_logprobs(data: bytes) -> list[dict[int, float] | None]:
-    """Per sampled row {token id: logprob} (insertion order kept: the sampled token first), or None."""
-    return [None if row is None else {int(t): float(lp) for t, lp in row} for row in json.loads(data)]
+def _decode_logprobs(data: bytes) -> tuple[list[dict[int, float] | None], list[int | None]]:
+    """Per sampled row {token id: logprob} (insertion order kept: the sampled token first), or None;
+    and per row the sampled token's rank (None beside a None row)."""
+    rows = json.loads(data)
+    return ([None if row is None else {int(t): float(lp) for t, lp in row[1]} for row in rows],
+            [None if row is None else row[0] for row in rows])
 
 
-def _decode_prompt_logprobs(data: bytes) -> list[list[dict[int, float]]]:
-    """Per prompt span, per position {token id: logprob} (the scored prompt token first)."""
-    return [[{int(t): float(lp) for t, lp in entry} for entry in span] for span in json.loads(data)]
+def _decode_prompt_logprobs(data: bytes) -> tuple[list[list[dict[int, float]]], list[list[int]]]:
+    """Per prompt span, per position {token id: logprob} (the scored prompt token first), and the
+    scored token's rank."""
+    spans = json.loads(data)
+    return ([[{int(t): float(lp) for t, lp in entry[1]} for entry in span] for span in spans],
+            [[entry[0] for entry in span] for span in spans])
 
 
 class Worker:
@@ -415,7 +425,7 @@ class Worker:
                 logits, hidden = self._eager_logits(batch, rows)
             sampled = self._sample(batch, logits) if rows else SampledTokens()
             if batch.prompt_logprobs and report:
-                sampled.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+                sampled.prompt_logprobs, sampled.prompt_logprob_ranks = self._prompt_logprobs(batch, hidden)
         load, capacity = self._read_counters(collect_load and report, report)
         if batch.is_empty:
             sampled = SampledTokens()
@@ -443,24 +453,28 @@ class Worker:
     # rows of a prompt's logits scored at once: [PROMPT_LOGPROBS_ROWS, V] float32 at a time
     PROMPT_LOGPROBS_ROWS = 512
 
-    def _prompt_logprobs(self, batch: BatchSpec, hidden: torch.Tensor) -> list[list[dict[int, float]]]:
+    def _prompt_logprobs(self, batch: BatchSpec,
+                         hidden: torch.Tensor) -> tuple[list[list[dict[int, float]]], list[list[int]]]:
         """hidden: [T, D] of the step. Per ``PromptLogprobsSpan`` the raw logprob entries of its
-        positions (``launch.core.token_history.gather_logprobs``)."""
+        positions and the scored tokens' ranks (``launch.core.token_history.gather_logprobs``)."""
         spans = batch.prompt_logprobs
         flat, targets = prompt_logprob_positions(spans, batch.input_ids, batch.query_lens, batch.context_lens)
         counts = [n for span in spans for n in [span.num_logprobs] * (span.end - span.start)]
         index = torch.tensor(flat, dtype=torch.int64, device=hidden.device)
         target = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
-        entries = []
+        entries, ranks = [], []
         for at in range(0, len(flat), self.PROMPT_LOGPROBS_ROWS):
             part = slice(at, at + self.PROMPT_LOGPROBS_ROWS)
             logits = self.model.compute_logits(hidden.index_select(0, index[part]))  # [<= rows, V]
-            entries.extend(gather_logprobs(logits, target[part], counts[part]))
-        out, at = [], 0
+            part_entries, part_ranks = gather_logprobs(logits, target[part], counts[part])
+            entries.extend(part_entries)
+            ranks.extend(part_ranks)
+        out, out_ranks, at = [], [], 0
         for span in spans:
             out.append(entries[at:at + span.end - span.start])
+            out_ranks.append(ranks[at:at + span.end - span.start])
             at += span.end - span.start
-        return out
+        return out, out_ranks
 
     def _graph_logits(self, batch: BatchSpec) -> torch.Tensor | None:
         """A decode step (one new token per sequence) on a CUDA graph: logits [S, V] float32 of the

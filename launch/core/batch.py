@@ -203,8 +203,14 @@ class SampledTokens:
         then the top-n) or None for rows that did not ask for logprobs.
     prompt_logprobs: None, or per ``PromptLogprobsSpan`` of the batch (in order) one dict per
         position of the span: the scored prompt token first, then the top-n.
+    logprob_ranks: beside ``logprobs``: per sampled row the sampled token's rank over the whole
+        vocabulary (``launch.core.token_history.token_ranks``), None where ``logprobs`` has None.
+    prompt_logprob_ranks: beside ``prompt_logprobs``: per span, per position the scored prompt
+        token's rank over the whole vocabulary.
     """
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[list[TokenLogprobs]] | None = None
+    logprob_ranks: list[int | None] | None = None
+    prompt_logprob_ranks: list[list[int]] | None = None

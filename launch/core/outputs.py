@@ -18,8 +18,9 @@ TokenLogprobs = dict[int, float]
 
 def top_n(entry: TokenLogprobs, n: int) -> list[tuple[int, float]]:
     """The ``n`` most likely ``(token_id, logprob)`` pairs of one position, best first (ties: lower
-    id first)."""
-    return sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+    id first); n = -1: all of them (``logprobs=-1`` asked for the whole vocabulary)."""
+    pairs = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))
+    return pairs if n < 0 else pairs[:n]
 
 
 @dataclass
@@ -31,6 +32,8 @@ class CompletionOutput:
         ``launch.recovery``), or None while still generating.
     stop_reason: the stop string or stop token id that ended it; None for EOS/length.
     cumulative_logprob: sum of the sampled tokens' logprobs (None without logprobs).
+    logprob_ranks: beside ``logprobs``, each sampled token's rank over the whole vocabulary (vLLM's
+        ``Logprob.rank``: how many tokens have a logprob >= its own; 1 for the most likely), or None.
     """
 
     index: int
@@ -40,6 +43,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
+    logprob_ranks: list[int | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -77,6 +81,8 @@ class RequestOutput:
     prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token: None for
         the first, then {prompt token id: log-probability given the tokens before it, then the
         position's top-n} (vLLM's layout); complete from the first output with a token on. Else None.
+    prompt_logprob_ranks: beside ``prompt_logprobs``: None for the first prompt token, then each
+        prompt token's rank over the whole vocabulary (as ``CompletionOutput.logprob_ranks``), or None.
     """
 
     request_id: str
@@ -86,6 +92,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

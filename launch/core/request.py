@@ -71,6 +71,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     output_text: str = ""
     logprobs: list[TokenLogprobs] | None = None
+    logprob_ranks: list[int | None] | None = None  # beside logprobs: each sampled token's vocabulary rank
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
     finish_reason: FinishReason | None = None
@@ -78,15 +79,16 @@ class Sequence:
     # per prompt token: None for the first, then its logprob entry (``PromptLogprobsSpan``); only the
     # first completion of a request collects them (its siblings may read the prompt from the cache)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # beside prompt_logprobs: each prompt token's rank
     has_penalties: bool = field(init=False, default=False)  # params.has_penalties, read per row per step
 
     def __post_init__(self) -> None:
         self._detokenizer = None if self.decode is None else IncrementalDetokenizer(self.decode, self.prompt_token_ids)
         if self.params.logprobs is not None:
-            self.logprobs, self.cumulative_logprob = [], 0.0
+            self.logprobs, self.logprob_ranks, self.cumulative_logprob = [], [], 0.0
         self.has_penalties = self.params.has_penalties
         if self.params.prompt_logprobs is not None and self.index == 0:
-            self.prompt_logprobs = [None]
+            self.prompt_logprobs, self.prompt_logprob_ranks = [None], [None]
 
     # ---- sizes ---------------------------------------------------------------------
 
@@ -151,27 +153,33 @@ class Sequence:
         last = min(end, len(self.prompt_token_ids) - 1)
         return (first, last, self.prompt_token_ids[last]) if first < last else None
 
-    def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
-        """Entries for the prompt tokens at positions first + 1 ...; ignored unless they are the
-        next ones missing (a stale reply cannot add an entry twice)."""
+    def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs],
+                            ranks: list[int] | None = None) -> None:
+        """Entries (and the scored tokens' vocabulary ranks, None when unknown) for the prompt tokens
+        at positions first + 1 ...; ignored unless they are the next ones missing (a stale reply
+        cannot add an entry twice)."""
         if self.prompt_logprobs is not None and len(self.prompt_logprobs) == first + 1:
-            self.prompt_logprobs.extend(entries[: len(self.prompt_token_ids) - len(self.prompt_logprobs)])
+            room = len(self.prompt_token_ids) - len(self.prompt_logprobs)
+            self.prompt_logprobs.extend(entries[:room])
+            self.prompt_logprob_ranks.extend((ranks or [None] * len(entries))[:min(room, len(entries))])
 
     # ---- generation ----------------------------------------------------------------
 
-    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> bool:
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None, rank: int | None = None) -> bool:
         """Append one sampled token, extend the text and check every stop condition.
 
         EOS (unless ignore_eos) and stop token ids end the sequence with "stop" and are
         kept in token_ids; their text is added only with include_stop_str_in_output (as vLLM:
         an EOS, a special token, then usually adds nothing). Before ``min_tokens`` outputs exist
         neither ends it (the sampler masks them then; vLLM's ``check_stop`` skips them too).
+        ``rank``: the token's rank over the vocabulary, beside ``logprobs`` (None when unknown).
         Returns True if the sequence finished.
         """
         token_id = int(token_id)
         self.output_token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(dict(logprobs))
+            self.logprob_ranks.append(rank)
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + float(logprobs.get(token_id, 0.0))
         params = self.params
         if not params.min_tokens or len(self.output_token_ids) >= params.min_tokens:
@@ -273,6 +281,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),  # dicts are never mutated
+            logprob_ranks=None if self.logprob_ranks is None else list(self.logprob_ranks),
             cumulative_logprob=self.cumulative_logprob,
         )
 
@@ -302,4 +311,5 @@ class Request:
             finished=self.is_finished,
             metrics=self.metrics,
             prompt_logprobs=self.seqs[0].prompt_logprobs and list(self.seqs[0].prompt_logprobs),
+            prompt_logprob_ranks=self.seqs[0].prompt_logprob_ranks and list(self.seqs[0].prompt_logprob_ranks),
         )

@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from launch.core.batch import SampledTokens
-from launch.core.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
-from launch.core.token_history import TokenHistory, apply_penalties_inplace, min_tokens_pairs
+from launch.core.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, resolve_num_logprobs
+from launch.core.token_history import TokenHistory, apply_penalties_inplace, min_tokens_pairs, token_ranks
 
 _SEED_KEY = struct.Struct("<qQ")  # (seed int64, output index uint64): 16 bytes, one-to-one
 # Rows keeping at most V / FEW tokens work on torch.topk candidates: on CPU, topk of V / 256
@@ -71,33 +71,42 @@ ONE_PASS_MAX_VOCAB = 4096
 @dataclass
 class SamplerOutput:
     """token_ids: [B] int64. When any row asked for logprobs: sampled_logprobs [B] float32
-    (raw logprob of each sampled token), topn_token_ids [B, N] int64 and topn_logprobs
-    [B, N] float32 with N the largest ``logprobs`` asked for (None otherwise)."""
+    (raw logprob of each sampled token), sampled_ranks [B] int64 (its rank over the whole
+    vocabulary, ``token_ranks``), topn_token_ids [B, N] int64 and topn_logprobs [B, N] float32
+    with N the largest ``logprobs`` asked for, V for -1 (None otherwise)."""
 
     token_ids: torch.Tensor
     sampled_logprobs: torch.Tensor | None = None
     topn_token_ids: torch.Tensor | None = None
     topn_logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
 
     def to_sampled_tokens(self, params: Sequence[SamplingParams]) -> SampledTokens:
         """Plain-python result for ``Scheduler.update``: per row a dict token id -> logprob
-        (sampled token first, then its own top-n) for rows that asked, else None."""
+        (sampled token first, then its own top-n) and the sampled token's rank for rows that
+        asked, else None."""
         ids = self.token_ids.tolist()
         if self.sampled_logprobs is None:
             return SampledTokens(token_ids=ids, logprobs=None)
         sampled = self.sampled_logprobs.tolist()
         top_ids = self.topn_token_ids.tolist()
         top_lp = self.topn_logprobs.tolist()
+        ranks = self.sampled_ranks.tolist() if self.sampled_ranks is not None else [None] * len(ids)
+        vocab = self.topn_token_ids.shape[1] if any(p.logprobs == -1 for p in params) else 0
         rows: list[dict[int, float] | None] = []
+        row_ranks: list[int | None] = []
         for b, p in enumerate(params):
             if p.logprobs is None:
                 rows.append(None)
+                row_ranks.append(None)
                 continue
+            n = vocab if p.logprobs < 0 else p.logprobs
             d = {ids[b]: sampled[b]}
-            for t, lp in zip(top_ids[b][: p.logprobs], top_lp[b][: p.logprobs]):
+            for t, lp in zip(top_ids[b][:n], top_lp[b][:n]):
                 d.setdefault(t, lp)
             rows.append(d)
-        return SampledTokens(token_ids=ids, logprobs=rows)
+            row_ranks.append(ranks[b])
+        return SampledTokens(token_ids=ids, logprobs=rows, logprob_ranks=row_ranks)
 
 
 class Sampler:
@@ -395,10 +404,12 @@ def keep_top(probs: torch.Tensor, counts: torch.Tensor, threshold: torch.Tensor)
 
 
 def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]) -> SamplerOutput:
-    max_n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+    vocab = logits.shape[1]
+    max_n = max((resolve_num_logprobs(p.logprobs, vocab) for p in params if p.logprobs is not None), default=None)
     if max_n is None:
         return SamplerOutput(token_ids=token_ids)
     logprobs = logits.log_softmax(dim=-1)  # raw model logprobs  [B, V]
     sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    top_lp, top_ids = logprobs.topk(min(max_n, logits.shape[1]), dim=-1)
-    return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled, topn_token_ids=top_ids, topn_logprobs=top_lp)
+    top_lp, top_ids = logprobs.topk(max_n, dim=-1)
+    return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled, topn_token_ids=top_ids, topn_logprobs=top_lp,
+                         sampled_ranks=token_ranks(logprobs, sampled))

@@ -17,6 +17,17 @@ _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
+def _check_num_logprobs(name: str, value: object) -> None:
+    """``logprobs`` / ``prompt_logprobs``: None, an integer >= 0, or -1 (the whole vocabulary), as vLLM."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
+        raise ValueError(f"{name} must be None, an integer >= 0 or -1 (the whole vocabulary), got {value!r}")
+
+
+def resolve_num_logprobs(num: int, vocab_size: int) -> int:
+    """How many top logprobs ``num`` asks for over a vocabulary of ``vocab_size``: -1 is all of them."""
+    return vocab_size if num < 0 else min(num, vocab_size)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's continuation (all fields validated on construction).
@@ -36,7 +47,10 @@ class SamplingParams:
     ignore_eos: keep generating past the model's EOS tokens.
     seed: per-request seed in [-2**63, 2**63 - 1] (int64), for output that does not depend on the
         batch it ran in (``launch.core.sampler``: given the same logits).
-    logprobs: None, or n >= 0: return the sampled token's log-probability plus the top-n. These are
+    logprobs: None, or n >= 0, or -1 (the whole vocabulary, as vLLM): return the sampled token's
+        log-probability plus the top-n, and its rank over the whole vocabulary
+        (``CompletionOutput.logprob_ranks``: vLLM's ``Logprob.rank``, the number of tokens whose
+        logprob is >= the sampled token's; 1 for the most likely). These are
         the raw model log-probabilities (log-softmax of the logits as the model gave them: before
         min_tokens' masking, the penalties, temperature or any filter), what vLLM V1 returns by
         default (``logprobs_mode="raw_logprobs"``: ``vllm/v1/sample/sampler.py`` computes them
@@ -58,10 +72,11 @@ class SamplingParams:
         with ``ignore_eos``. Stop strings only end the output once more than ``min_tokens`` tokens
         exist, and only on text that the tokens after the first ``min_tokens`` complete (vLLM's
         detokenizer: ``len(output_token_ids) > min_tokens``).
-    prompt_logprobs: None, or n >= 0: ``RequestOutput.prompt_logprobs`` is then a list over the
-        prompt's tokens: None for the first, for each later one a dict {its token id: its raw
-        log-probability given the tokens before it} plus that position's top-n (raw, as
-        ``logprobs``; the prompt token first). As vLLM, such a request does not read its prompt
+    prompt_logprobs: None, or n >= 0, or -1 (the whole vocabulary): ``RequestOutput.prompt_logprobs``
+        is then a list over the prompt's tokens: None for the first, for each later one a dict {its
+        token id: its raw log-probability given the tokens before it} plus that position's top-n (raw,
+        as ``logprobs``; the prompt token first), and ``RequestOutput.prompt_logprob_ranks`` each prompt
+        token's rank over the whole vocabulary (as ``logprobs``'). As vLLM, such a request does not read its prompt
         from the prefix cache (every position's logits are computed; the blocks it computes are
         still cached for others); with ``n > 1`` the first completion computes them and the others
         may reuse its cached prompt.
@@ -124,10 +139,7 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
-        ):
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        _check_num_logprobs("logprobs", self.logprobs)
         self._validate_penalties()
 
     def _validate_penalties(self) -> None:
@@ -142,11 +154,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens!r}")
-        if self.prompt_logprobs is not None and (
-            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
-            or self.prompt_logprobs < 0
-        ):
-            raise ValueError(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
+        _check_num_logprobs("prompt_logprobs", self.prompt_logprobs)
 
     @property
     def is_greedy(self) -> bool:

@@ -442,16 +442,18 @@ class Scheduler:
 
     def _apply_batch(self, batch: BatchSpec, result: SampledTokens, now: float, touched: dict[str, Request]) -> None:
         alloc = self.allocators[batch.dp_rank]
-        for span, entries in zip(batch.prompt_logprobs, result.prompt_logprobs or ()):
+        prompt_ranks = result.prompt_logprob_ranks or [None] * len(batch.prompt_logprobs)
+        for span, entries, ranks in zip(batch.prompt_logprobs, result.prompt_logprobs or (), prompt_ranks):
             seq = self._seqs.get(batch.seqs[span.row].seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
-                seq.add_prompt_logprobs(span.start, entries)
+                seq.add_prompt_logprobs(span.start, entries, ranks)
         k = 0
         for row in batch.seqs:
-            token, logprobs = None, None
+            token, logprobs, rank = None, None, None
             if row.do_sample:
                 token = result.token_ids[k]
                 logprobs = result.logprobs[k] if result.logprobs is not None else None
+                rank = result.logprob_ranks[k] if result.logprob_ranks is not None else None
                 k += 1
             seq = self._seqs.get(row.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
@@ -463,7 +465,7 @@ class Scheduler:
             if isinstance(token, bool) or int(token) < 0:
                 raise ValueError(f"sequence {seq.seq_id}: invalid sampled token id {token!r}")
             request = self._requests[seq.request_id]
-            if seq.append_token(int(token), logprobs):
+            if seq.append_token(int(token), logprobs, rank):
                 self._retire(seq)
             self.generation_tokens_total += 1
             metrics = request.metrics

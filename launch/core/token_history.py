@@ -17,6 +17,7 @@ import torch
 
 from launch.core.batch import HistoryChunk, PromptLogprobsSpan
 from launch.core.outputs import TokenLogprobs
+from launch.core.sampling_params import resolve_num_logprobs
 
 
 def min_tokens_pairs(rows: Sequence[int], banned: Sequence[Sequence[int]], vocab: int,
@@ -166,19 +167,32 @@ def prompt_logprob_positions(spans: Sequence[PromptLogprobsSpan], input_ids: Seq
     return flat, targets
 
 
-def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]) -> list[TokenLogprobs]:
-    """logits: [Q, V] float32; token_ids: [Q] int64; num_logprobs: Q ints. Returns per row
-    {token id: raw log-probability} with the row's token first, then its top num_logprobs[i]."""
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """logprobs: [Q, V] float32; chosen: [Q] float32, a logprob of each row. Returns [Q] int64: how
+    many of the row's V logprobs are >= ``chosen`` (vLLM's ``Logprob.rank`` of the token holding it:
+    1 + the tokens strictly likelier, the token itself and any it ties with)."""
+    return (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                    num_logprobs: Sequence[int]) -> tuple[list[TokenLogprobs], list[int]]:
+    """logits: [Q, V] float32; token_ids: [Q] int64; num_logprobs: Q ints (-1: all V). Returns per row
+    {token id: raw log-probability} with the row's token first, then its top num_logprobs[i]; and
+    per row its token's rank over the whole vocabulary (``token_ranks``)."""
     logprobs = logits.float().log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    vocab = logits.shape[1]
+    chosen_t = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = token_ranks(logprobs, chosen_t).tolist()
+    chosen = chosen_t.tolist()
     ids = token_ids.tolist()
-    width = min(max(num_logprobs, default=0), logits.shape[1])
+    counts = [resolve_num_logprobs(n, vocab) for n in num_logprobs]
+    width = max(counts, default=0)
     top_lp, top_ids = (logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0].long()))
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
     out = []
-    for i, n in enumerate(num_logprobs):
+    for i, n in enumerate(counts):
         entry = {ids[i]: chosen[i]}
         for t, lp in zip(top_ids[i][:n], top_lp[i][:n]):
             entry.setdefault(t, lp)
         out.append(entry)
-    return out
+    return out, ranks

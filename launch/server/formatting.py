@@ -113,18 +113,22 @@ class _Formatter:
         return self.usage(sum(c.num_tokens for c in self.cursors.values()))
 
     def prompt_logprobs_of(self, out: Any, num: int | None) -> PromptLogprobs | None:
-        """vLLM's ``prompt_logprobs`` of one engine output (None unless asked for with ``num``):
-        null for the first prompt token, then {token id: logprob, rank among the top ``num``,
-        decoded text}, the prompt token first, then the top ``num``."""
+        """vLLM's ``prompt_logprobs`` of one engine output (None unless asked for with ``num``, -1:
+        the whole vocabulary): null for the first prompt token, then {token id: logprob, rank,
+        decoded text}, the prompt token first, then the top ``num``. As vLLM, the top ``num`` are
+        ranked by their place (1: most likely) and the prompt token, wherever it is, by its rank over
+        the whole vocabulary (``RequestOutput.prompt_logprob_ranks``)."""
         if num is None or out.prompt_logprobs is None:
             return None
+        vocab_ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
         scored: PromptLogprobs = []
-        for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
+        for token_id, entry, vocab_rank in zip(out.prompt_token_ids, out.prompt_logprobs, vocab_ranks):
             if entry is None:
                 scored.append(None)
                 continue
             ranks = {t: r for r, (t, _) in enumerate(top_n(entry, num), 1)}
-            row = {token_id: PromptLogprob(logprob=json_logprob(entry[token_id]), rank=ranks.get(token_id),
+            rank = ranks.get(token_id, vocab_rank)
+            row = {token_id: PromptLogprob(logprob=json_logprob(entry[token_id]), rank=rank,
                                            decoded_token=self.token_text(token_id))}
             for t, rank in ranks.items():
                 row.setdefault(t, PromptLogprob(logprob=json_logprob(entry[t]), rank=rank,

@@ -37,6 +37,8 @@ from launch.tokenizer import check_text
 logger = logging.getLogger(__name__)
 
 MAX_N = 16
+# Top logprobs a request may ask for per token: vLLM's default ``--max-logprobs``. As vLLM, -1 (the
+# whole vocabulary, where a field takes it) counts as vocab_size against it (``OpenAIServing``).
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 # /v1/completions without max_tokens generates this many tokens at most (OpenAI's and vLLM's default);
@@ -58,6 +60,14 @@ def check_texts(value: Any, name: str) -> Any:
         for i, item in enumerate(value):
             if isinstance(item, str):
                 check_text(item, f"{name}[{i}]")
+    return value
+
+
+def check_num_logprobs(value: int | None, name: str) -> int | None:
+    """``value`` of a field that takes -1 for the whole vocabulary, as vLLM's ``prompt_logprobs`` and
+    chat ``top_logprobs`` do: None, -1 or an integer >= 0; else ValueError naming ``name``."""
+    if value is not None and value < -1:
+        raise ValueError(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, got {value}")
     return value
 
 
@@ -201,7 +211,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: StrictFloat | None = Field(None, gt=0.0, le=100.0)
     min_tokens: StrictInt | None = Field(None, ge=0)
-    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = Field(None, le=MAX_LOGPROBS)  # -1: the whole vocabulary (vLLM)
     # OpenAI / vLLM sampling fields this server does not implement: typed here so that a value
     # that would change the output is refused (``unsupported``) instead of silently ignored
     best_of: StrictInt | None = Field(None, ge=1)
@@ -243,6 +253,11 @@ class SamplingRequest(BaseModel):
     @classmethod
     def _check_unicode(cls, value: str | None, info: Any) -> str | None:
         return check_texts(value, info.field_name)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, value: int | None, info: Any) -> int | None:
+        return check_num_logprobs(value, info.field_name)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -427,7 +442,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(None, le=MAX_LOGPROBS)  # -1: the whole vocabulary (vLLM)
     add_generation_prompt: StrictBool = True
     # vLLM's chat extensions that change the prompt: refused when set (``unsupported``)
     echo: StrictBool = False
@@ -437,6 +452,11 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None  # accepted and not enforced, as vLLM
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: int | None, info: Any) -> int | None:
+        return check_num_logprobs(value, info.field_name)
 
     @field_validator("tools")
     @classmethod

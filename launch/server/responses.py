@@ -26,7 +26,8 @@ class CompletionLogprobs(BaseModel):
 
 class PromptLogprob(BaseModel):
     """vLLM's ``Logprob`` in ``prompt_logprobs``: ``rank`` is the token's place among the top
-    logprobs asked for (1: most likely), null when it is not among them."""
+    logprobs asked for (1: most likely); the prompt token's, when it is not among them, is its rank
+    over the whole vocabulary (how many tokens have a logprob >= its own)."""
 
     logprob: float
     rank: int | None = None

@@ -33,6 +33,7 @@ from launch.server.generation import (
 )
 from launch.server.metrics import ServerMetrics
 from launch.server.protocol import (
+    MAX_LOGPROBS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -105,6 +106,13 @@ class OpenAIServing:
                            param=param)
         return ids
 
+    def check_num_logprobs(self, num: int | None, kind: str, param: str) -> None:
+        """400 when ``num`` top logprobs (-1: the whole vocabulary, counted as vocab_size, as vLLM
+        counts it) are more than ``MAX_LOGPROBS``; vLLM's message."""
+        if num is not None and num < 0 and self.vocab_size > MAX_LOGPROBS:
+            raise APIError(400, f"Requested {kind} logprobs of {self.vocab_size}, which is greater than max allowed: "
+                           f"{MAX_LOGPROBS}", param=param)
+
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt",
                            max_tokens_param: str = "max_tokens", is_default: bool = False) -> int:
         """``max_tokens`` for a prompt: the request's, or what is left of ``max_model_len``; errors name
@@ -166,6 +174,10 @@ class OpenAIServing:
                            "or a smaller n per request.", param="n" if req.n > 1 else "prompt")
         if req.stop_token_ids:
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        self.check_num_logprobs(logprobs, "sample", "top_logprobs" if "top_logprobs" in type(req).model_fields
+                                else "logprobs")
+        self.check_num_logprobs(prompt_logprobs, "prompt", "prompt_logprobs" if req.prompt_logprobs is not None
+                                else "logprobs")
         subs = []
         for p, ids in enumerate(prompts):
             max_tokens = self.resolve_max_tokens(max_new_tokens, len(ids), prompt_param, max_tokens_param,

@@ -5,6 +5,7 @@ gives the defaults of the fields a request leaves out (``max_new_tokens`` cappin
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -101,3 +102,55 @@ def test_echo_with_logprobs_scores_the_prompt(server: LiveServer, offline: LLM) 
     chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                                  "prompt_logprobs": 0})
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_logprob_ranks_are_over_the_whole_vocabulary(server: LiveServer, offline: LLM) -> None:
+    """vLLM's ranks: the prompt token's (and the sampled token's) rank over the whole vocabulary, also
+    where it is outside the top-n returned; logprobs=-1 / prompt_logprobs=-1 return every token."""
+    ids = offline.get_tokenizer().encode(PROMPT)
+    base = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    plain = offline.generate([{"prompt_token_ids": ids}], base)[0].outputs[0]
+    full = offline.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=-1, prompt_logprobs=-1))[0]
+    few = offline.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0, prompt_logprobs=0))[0]
+    vocab = len(full.prompt_logprobs[1])
+    assert vocab == int(offline.engine.model_config.vocab_size) > 20
+    assert full.outputs[0].token_ids == few.outputs[0].token_ids == plain.token_ids  # same greedy tokens
+    want = [None] + [sum(lp >= e[t] for lp in e.values()) for t, e in zip(ids[1:], full.prompt_logprobs[1:])]
+    assert full.prompt_logprob_ranks == few.prompt_logprob_ranks == want
+    assert max(want[1:]) > 1  # some prompt token is outside the top-1
+    for q in range(1, len(ids)):
+        assert few.prompt_logprobs[q][ids[q]] == pytest.approx(full.prompt_logprobs[q][ids[q]], abs=1e-6)
+    out = full.outputs[0]
+    assert all(len(e) == vocab for e in out.logprobs)
+    assert out.logprob_ranks == few.outputs[0].logprob_ranks == [
+        sum(lp >= e[t] for lp in e.values()) for t, e in zip(out.token_ids, out.logprobs)]
+    scored = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 0})
+    ranks = [None if e is None else e[str(t)]["rank"] for t, e in zip(ids, scored["choices"][0]["prompt_logprobs"])]
+    assert ranks == want  # was null for every prompt token outside the top-0
+    echoed = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert len(echoed["choices"][0]["logprobs"]["tokens"]) == len(ids)
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), [
+    ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs",
+     r"Requested prompt logprobs of \d+, which is greater than max allowed: 20"),
+    ("/v1/completions", {"prompt_logprobs": -2}, "prompt_logprobs", "or -1 for the whole vocabulary, got -2"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs", "greater than or equal to 0"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs",
+     r"Requested sample logprobs of \d+, which is greater than max allowed: 20"),
+    ("/v1/chat/completions", {"top_logprobs": -1}, "top_logprobs", "top_logprobs requires logprobs=true"),
+    ("/v1/chat/completions", {"prompt_logprobs": -1}, "prompt_logprobs", "Requested prompt logprobs of"),
+])
+def test_minus_one_logprobs_over_http_as_vllm(server: LiveServer, path: str, body: dict, param: str,
+                                              message: str) -> None:
+    """vLLM takes -1 (the whole vocabulary) for prompt_logprobs and chat top_logprobs, not for
+    completions' logprobs; -1 counts as vocab_size against --max-logprobs (20, vLLM's default)."""
+    base = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.base_url + path, json={"model": server.cfg.served_model_name, "max_tokens": 1, **base,
+                                                 **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and re.search(message, error["message"]), error
+    assert "\n" not in error["message"]

@@ -150,10 +150,11 @@ def test_prompt_logprob_positions_and_entries():
     flat, targets = prompt_logprob_positions(spans, [10, 11, 12, 20, 21, 22], [3, 3], [5, 3])
     assert flat == [1, 2, 3, 4] and targets == [12, 42, 21, 22]
     logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 5.0]])
-    entries = gather_logprobs(logits, torch.tensor([0, 2]), [2, 0])
+    entries, ranks = gather_logprobs(logits, torch.tensor([0, 2]), [2, 0])
     lp = logits.log_softmax(-1)
     assert list(entries[0]) == [0, 2, 1] and entries[0][0] == pytest.approx(lp[0, 0].item())
     assert entries[1] == {2: pytest.approx(lp[1, 2].item())}
+    assert ranks == [3, 1]  # over the whole vocabulary, whatever the top-n asked for
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -164,7 +165,7 @@ def test_prompt_logprob_positions_and_entries():
     ({"repetition_penalty": math.inf}, "repetition_penalty"), ({"repetition_penalty": "2"}, "repetition_penalty"),
     ({"min_tokens": -1}, r"^min_tokens must be an integer >= 0, got -1$"), ({"min_tokens": 1.0}, "min_tokens"),
     ({"min_tokens": 5, "max_tokens": 4}, r"^min_tokens must be at most max_tokens=4, got 5$"),
-    ({"prompt_logprobs": -1}, r"^prompt_logprobs must be None or an integer >= 0, got -1$"),
+    ({"prompt_logprobs": -2}, r"^prompt_logprobs must be None, an integer >= 0 or -1 \(the whole vocabulary\), got -2$"),
     ({"prompt_logprobs": True}, "prompt_logprobs"),
 ])
 def test_new_fields_refuse_out_of_range_values_in_one_line(kwargs, message):

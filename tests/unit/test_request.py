@@ -34,7 +34,7 @@ def feed(seq: Sequence, text: str) -> list[str]:
     [({"n": 0}, "n must"), ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
      ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
      ({"stop": ["ok", ""]}, "stop strings"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-     ({"seed": 1.5}, "seed"), ({"logprobs": -1}, "logprobs"), ({"max_tokens": True}, "max_tokens"),
+     ({"seed": 1.5}, "seed"), ({"logprobs": -2}, "logprobs"), ({"max_tokens": True}, "max_tokens"),
      ({"seed": 2**63}, r"^seed must be None or an integer in \[-2\*\*63, 2\*\*63 - 1\] \(int64\), got 9223372036854775808$"),
      ({"seed": -(2**63) - 1}, r"in \[-2\*\*63, 2\*\*63 - 1\] \(int64\)")],
 )
