@@ -39,6 +39,7 @@ from launch.hardware import load_hardware, save_hardware
 from launch.paths import output_file_problem
 from moe.config import ModelConfig
 from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
+from parallel.costmodel.microbench import DTYPES as GEMM_DTYPES
 from parallel.costmodel.microbench import (
     measure_attention_rate,
     measure_call_overhead,
@@ -182,6 +183,23 @@ def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 1
         return statistics.median(time_decode_steps(engine, batch, 16, steps, 3, clock))
     finally:
         engine.shutdown()
+
+
+def check_engine_model(model: str) -> None:
+    """ValueError naming what ``--model`` lacks to time engine steps on: a checkpoint directory
+    with a config.json this runtime reads and its *.safetensors weights (checked before measuring)."""
+    path = Path(model)
+    if not path.is_dir():
+        what = "is a file" if path.is_file() else "does not exist"
+        raise ValueError(f"--model {model} {what}: expected a checkpoint directory (config.json and *.safetensors), "
+                         "e.g. one `python -m launch make-tiny` wrote")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"--model {model}: no *.safetensors weights in the directory; the engine steps it times "
+                         "need a checkpoint (`python -m launch make-tiny` writes one)")
+    try:
+        ModelConfig.from_hf(path)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"--model {model}: {e}") from None
 
 
 def _truncated_checkpoint(src: Path, dst: Path, num_layers: int) -> Path:
@@ -383,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--nprocs values must be >= 2, got {args.nprocs}")
         if not dtypes:
             raise ValueError("--dtypes names no dtype")
+        if unknown := [d for d in dtypes if d not in GEMM_DTYPES]:
+            raise ValueError(f"--dtypes: unknown dtype(s) {unknown}; expected a comma-separated list of "
+                             f"{', '.join(GEMM_DTYPES)}")
+        if args.model is not None and not args.base and not args.no_engine:
+            check_engine_model(args.model)
         if (problem := output_file_problem(args.out)) is not None:
             raise ValueError(f"--out: {problem}")  # now, not after the measurements
         if args.base:

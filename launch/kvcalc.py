@@ -120,6 +120,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"num_redundant_experts must be >= 0, got {args.num_redundant_experts}")
     if not 0.0 < args.memory_utilization <= 1.0:
         raise ValueError(f"memory_utilization must be in (0, 1], got {args.memory_utilization}")
+    ep, tp = args.expert_parallel_size, args.tensor_parallel_size
+    if ep > 1 and ep % tp:
+        # The runtime spreads the experts over every rank of the instance: ep = tp x dp.
+        nearest = " or ".join(str(n) for n in (tp * (ep // tp), tp * (ep // tp + 1)) if n > 1)
+        raise ValueError(f"expert_parallel_size {ep} is not a multiple of tensor_parallel_size {tp}: experts are "
+                         f"spread over all tp x dp ranks, so ep is tp x dp (the nearest: {nearest})")
 
 
 def _check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
@@ -134,8 +140,7 @@ def _ep_weight_bytes(cfg: ModelConfig, args: argparse.Namespace) -> int | None:
         return None
     from parallel.costmodel import Deployment, weight_bytes_per_rank
 
-    world = max(args.expert_parallel_size, args.tensor_parallel_size)
-    dep = Deployment(tp=args.tensor_parallel_size, dp=world // args.tensor_parallel_size,
+    dep = Deployment(tp=args.tensor_parallel_size, dp=args.expert_parallel_size // args.tensor_parallel_size,
                      ep=args.expert_parallel_size, num_redundant_experts=args.num_redundant_experts,
                      dtype=args.dtype, weight_dtype=args.weight_dtype)
     return weight_bytes_per_rank(cfg, dep)

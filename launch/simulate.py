@@ -33,11 +33,18 @@ from typing import Any
 import numpy as np
 
 from launch.config import ConfigError, load_runtime_config
+from launch.core.kv_sizing import format_memory
 from launch.hardware import deployment_from_config, load_hardware, model_raw_config, stored_weight_dtype
 from launch.kvcalc import model_runtime_config
 from launch.paths import output_file_problem, write_output_file
 from moe.config import ModelConfig
-from parallel.costmodel import Deployment, Hardware, predict_point
+from parallel.costmodel import (
+    Deployment,
+    Hardware,
+    kv_bytes_per_token_per_rank,
+    predict_point,
+    weight_bytes_per_rank,
+)
 from parallel.costmodel.search import SLO, Candidate, search_layouts
 
 
@@ -115,9 +122,12 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
     hw = load_hardware(args.hardware)
     dep = deployment_from_config(cfg, model, weight_dtype=_weight_dtype(args, raw, cfg.engine.dtype, model),
                                  enable_two_batch_overlap=args.two_batch_overlap, dispatch_dtype=args.dispatch_dtype)
+    _check_kv_blocks_fit(model, dep, hw)
     prefix = int(round(args.input_len * args.prefix_hit_rate))
     prefix = min(prefix, args.input_len - 1)
     kv_len = args.kv_len if args.kv_len is not None else args.input_len + args.output_len // 2
+    _check_sequence_fits(args, kv_len, cfg.engine.max_model_len or model.max_position_embeddings,
+                         "engine.max_model_len" if cfg.engine.max_model_len else "the model's max_position_embeddings")
     expert_load = load_expert_load(args.expert_load) if args.expert_load else None
     pred = predict_point(model, dep, hw, batch_size=args.batch_size or dep.max_num_seqs, kv_len=kv_len,
                          prompt_len=args.input_len, prefix_len=prefix, prefill_tokens=dep.max_num_batched_tokens,
@@ -145,6 +155,32 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_input_tokens_per_s_per_node": prefill_tps,
         "decode_output_tokens_per_s_per_node": decode_tps,
     }
+
+
+def _check_sequence_fits(args: argparse.Namespace, kv_len: int, max_len: int, limit: str) -> None:
+    """ValueError when a sequence of the flags' lengths is longer than the engine would take."""
+    total = args.input_len + args.output_len
+    if total > max_len:
+        raise ValueError(f"--input-len {args.input_len:,} + --output-len {args.output_len:,} = {total:,} tokens per "
+                         f"sequence exceed {limit} {max_len:,}")
+    if kv_len > max_len:
+        raise ValueError(f"--kv-len {kv_len:,} exceeds {limit} {max_len:,}")
+
+
+def _check_kv_blocks_fit(model: ModelConfig, dep: Deployment, hw: Hardware) -> None:
+    """A config that fixes engine.num_kv_blocks skips the cost model's memory sizing: ValueError
+    when its weights and those KV blocks do not fit one rank's memory x utilization."""
+    if dep.kv_capacity_tokens is None:
+        return
+    memory = dep.memory_bytes or hw.memory_bytes
+    usable = int(memory * dep.memory_utilization)
+    weights = weight_bytes_per_rank(model, dep)
+    kv = dep.kv_capacity_tokens * kv_bytes_per_token_per_rank(model, dep)
+    if weights + kv > usable:
+        raise ValueError(f"{dep.describe()} on {hw.name}: the weights take {format_memory(weights)} per rank and "
+                         f"engine.num_kv_blocks holds {format_memory(kv)} of KV, over the {dep.memory_utilization:g} x "
+                         f"{format_memory(memory)} = {format_memory(usable)} usable (fewer KV blocks, more expert or "
+                         "tensor parallelism, fp8 weights or a bigger memory)")
 
 
 def _weight_dtype(args: argparse.Namespace, raw: dict[str, Any], engine_dtype: str, model: ModelConfig) -> str | None:
@@ -195,11 +231,14 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
     raw = model_raw_config(model_name, runtime.model_overrides if runtime is not None else None)
     model = ModelConfig.from_hf(raw, strict=False)
     nodes, gpus, hw = parse_cluster(args.cluster)
+    max_len = runtime.engine.max_model_len if runtime is not None else None
+    _check_sequence_fits(args, 0, max_len or model.max_position_embeddings,
+                         "engine.max_model_len" if max_len else "the model's max_position_embeddings")
     slo = parse_slo(args.slo or "")
     weight = "fp8" if stored_weight_dtype(raw, "bfloat16") == "fp8" else None
     if args.weight_dtype != "auto":
         weight = args.weight_dtype
-    base = Deployment(dtype="bfloat16", weight_dtype=weight, kv_cache_dtype=args.kv_cache_dtype,
+    base = Deployment(dtype="bfloat16", weight_dtype=weight, kv_cache_dtype=args.kv_cache_dtype or "fp8",
                       dispatch_dtype=args.dispatch_dtype, max_num_seqs=1024, max_num_batched_tokens=16384)
     prefix = min(int(round(args.input_len * args.prefix_hit_rate)), args.input_len - 1)
     started = time.perf_counter()
@@ -237,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search", action="store_true", help="rank layouts on --cluster under --slo")
     p.add_argument("--cluster", help="NODESxGPUSxHARDWARE, e.g. 4x8xH100")
     p.add_argument("--slo", default="", help="ttft_ms=MS,tpot_ms=MS")
-    p.add_argument("--top", type=int, default=5, help="layouts to print (--search)")
+    p.add_argument("--top", type=int, default=None, help="layouts to print (--search; default 5)")
     p.add_argument("--input-len", type=int, default=2000)
     p.add_argument("--output-len", type=int, default=500)
     p.add_argument("--prefix-hit-rate", type=float, default=0.0)
@@ -245,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="decode sequences per DP rank")
     p.add_argument("--weight-dtype", default="auto", choices=("auto", "fp8", "bfloat16", "float16", "float32"),
                    help="auto: fp8 when the checkpoint ships fp8 weights, else the compute dtype")
-    p.add_argument("--kv-cache-dtype", default="fp8", choices=("auto", "fp8"), help="(--search)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "fp8"),
+                   help="(--search; default fp8; a --config's is its engine.kv_cache_dtype)")
     p.add_argument("--dispatch-dtype", default=None, choices=("fp8", "bfloat16", "float32"),
                    help="wire format of dispatched rows (DeepEP: fp8); default the compute dtype")
     p.add_argument("--two-batch-overlap", action="store_true", help="overlap dispatch/combine with compute")
@@ -266,7 +306,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--batch-size must be >= 1")
     if args.kv_len is not None and args.kv_len < 1:
         raise ValueError(f"--kv-len must be >= 1, got {args.kv_len}")
-    if args.top < 1:
+    if args.top is not None and args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if not math.isfinite(args.load_skew) or args.load_skew < 0:
         raise ValueError(f"--load-skew must be a finite number >= 0, got {args.load_skew}")
@@ -274,6 +314,34 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--json: {problem}")  # before the search, not after it
     if not args.search and (not args.config or not args.hardware):
         raise ValueError("give --config CONFIG.yaml and --hardware NAME|FILE (or --search --model ... --cluster ...)")
+    _check_flags_of_the_other_form(args)
+
+
+# Flags that only one form reads, with what to do instead in the other: a flag the form
+# would silently ignore is refused rather than leaving a prediction that looks like it applied.
+_CONFIG_ONLY = {
+    "config": ("--config", "give the runtime config as --model"),
+    "hardware": ("--hardware", "the hardware is the last part of --cluster NODESxGPUSxHARDWARE (a name or a file)"),
+    "batch_size": ("--batch-size", "the search finds the largest batch that meets --slo"),
+    "kv_len": ("--kv-len", "the search decodes at input + output / 2"),
+    "expert_load": ("--expert-load", "the search takes a synthetic --load-skew"),
+    "set": ("--set", "put the overrides in a runtime config YAML given as --model"),
+    "two_batch_overlap": ("--two-batch-overlap", "the search tries two-batch overlap on and off itself"),
+}
+_SEARCH_ONLY = {
+    "cluster": ("--cluster", None),
+    "slo": ("--slo", None),
+    "top": ("--top", None),
+    "kv_cache_dtype": ("--kv-cache-dtype", "the config's is engine.kv_cache_dtype: --set engine.kv_cache_dtype=fp8"),
+}
+
+
+def _check_flags_of_the_other_form(args: argparse.Namespace) -> None:
+    """ValueError naming a flag the chosen form does not read (defaults are None / empty / False)."""
+    other, form = (_CONFIG_ONLY, "--config prediction") if args.search else (_SEARCH_ONLY, "--search")
+    for name, (flag, instead) in other.items():
+        if getattr(args, name) not in (None, "", [], False):
+            raise ValueError(f"{flag} applies only to a {form}" + (f"; {instead}" if instead else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError, KeyError) as e:
         print(f"error: simulate: {e}", file=sys.stderr)
         return 2
-    print(format_search(report, args.top) if args.search else format_config_report(report))
+    print(format_search(report, args.top or 5) if args.search else format_config_report(report))
     if args.json:
         write_output_file(args.json, json.dumps(report, indent=2) + "\n")
     return 0
