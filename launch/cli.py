@@ -16,6 +16,7 @@ import difflib
 import importlib
 import importlib.util
 import os
+import select
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,8 +166,40 @@ def _user_error(e: Exception) -> tuple[str, int] | None:
     return None
 
 
+# A command's output piped into a reader that stops early (`| head`): exit as the coreutils do
+# when SIGPIPE ends them (128 + 13), without a traceback.
+EXIT_BROKEN_PIPE = 141
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reading end has closed (poll reports an error or a
+    hang-up on it), so that a BrokenPipeError was ours to write, not a connection's."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or stdout is no file
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a registered command."""
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a registered command. Output piped into a
+    reader that closed early (``| head``) ends it quietly with ``EXIT_BROKEN_PIPE``."""
+    try:
+        rc = _dispatch(argv)
+        sys.stdout.flush()  # now, where a closed pipe can still be caught, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise  # a connection of the command's own, not its output
+        # stdout onto /dev/null: the interpreter's own flush at exit would raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _dispatch(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(format_help())
@@ -188,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = fn(rest)
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and stdout_reader_gone():
+            raise  # main's: the reader of our output went away (a socket's is the command's error)
         problem = _user_error(e)
         if problem is None or os.environ.get("MOE_TRACEBACK") == "1":  # MOE_TRACEBACK=1: the traceback
             raise
