@@ -54,14 +54,15 @@ class Candidate:
 def enumerate_layouts(cfg: ModelConfig, num_nodes: int, gpus_per_node: int, base: Deployment) -> list[Deployment]:
     """Layouts of one instance on 1..num_nodes nodes: TP in powers of two dividing a node's GPUs
     and the heads, and (GQA) dividing or a multiple of the kv heads, as the runtime takes; EP over
-    the whole instance or one node (or none for a single rank group that holds every expert), the
+    the whole instance (what ``parallel.enable_expert_parallel`` lays out: the runtime has no EP
+    group smaller than its world) or none (every rank holds every expert), the
     fewest redundant slots that split evenly and one more slot per rank, two-batch overlap on and
     off when experts are spread."""
     out = []
     tps = [t for t in (1, 2, 4, 8, 16) if gpus_per_node % t == 0 and cfg.tensor_parallel_problem(t) is None]
     for nodes, tp in itertools.product(range(1, num_nodes + 1), tps):
         world = nodes * gpus_per_node
-        eps = sorted({world, gpus_per_node, 1} if world > 1 else {1})
+        eps = sorted({world, 1})
         for ep in eps:
             if world % ep:
                 continue

@@ -186,6 +186,9 @@ def test_layouts_cover_tp_ep_redundancy_and_overlap():
     assert any(d.enable_two_batch_overlap for d in layouts) and any(d.num_redundant_experts for d in layouts)
     for d in layouts:
         assert (8 + d.num_redundant_experts) % d.ep == 0 and d.world_size == 8 * d.num_nodes
+        # the runtime spreads experts over every rank or none (parallel.enable_expert_parallel):
+        # no EP8 inside a two-node instance, which no config could launch
+        assert d.ep in (1, d.world_size), d.describe()
 
 
 def test_search_ranks_by_goodput_and_respects_the_slo():
