@@ -100,6 +100,7 @@ class AsyncLLM:
         self.model_config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.max_logprobs = self.engine.max_logprobs  # engine.max_logprobs (vLLM's --max-logprobs)
         self.default_sampling = self.engine.default_sampling  # the generation config's (launch.generation_config)
         self.model_name = config.served_model_name
         self.model_path = config.model

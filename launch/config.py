@@ -29,6 +29,7 @@ import yaml
 from balancer.config import BalancerConfig
 from launch.config_schema import ConfigError, apply_override, build_dataclass, load_yaml_mapping
 from launch.core.kv_sizing import parse_memory
+from launch.core.sampling_params import DEFAULT_MAX_LOGPROBS
 from launch.generation_config import SAMPLING_KEYS as GENERATION_SAMPLING_KEYS
 from moe.capacity import CapacityConfig
 from parallel.dispatch import BACKENDS as DISPATCH_BACKENDS
@@ -164,7 +165,9 @@ class EngineConfig:
     max_cudagraph_capture_size sequences (None: max_num_seqs, at most 256) replay CUDA graphs
     (``moe.cuda_graphs``); enforce_eager (vLLM's name) turns them off whatever cuda_graphs says.
     generation_config / override_generation_config (vLLM's): where requests' default sampling
-    parameters come from (``launch.generation_config``)."""
+    parameters come from (``launch.generation_config``). max_logprobs (vLLM's ``--max-logprobs``):
+    the most top logprobs a request may ask for per token, sample or prompt (-1 in a request counts
+    as the vocabulary size); -1 here allows the whole vocabulary."""
 
     dtype: str = "auto"
     max_num_seqs: int = 256
@@ -184,6 +187,7 @@ class EngineConfig:
     max_cudagraph_capture_size: int | None = None
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -207,6 +211,8 @@ class EngineConfig:
             parse_memory(self.memory)
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
@@ -447,6 +453,7 @@ VLLM_KEYS: dict[str, str] = {
     "max_cudagraph_capture_size": "engine.max_cudagraph_capture_size",
     "generation_config": "engine.generation_config",
     "override_generation_config": "engine.override_generation_config",
+    "max_logprobs": "engine.max_logprobs",
     "host": "server.host",
     "port": "server.port",
     "api_key": "server.api_key",

@@ -179,6 +179,10 @@ def _group_engine(parser: argparse.ArgumentParser) -> None:
                         f"{_d('engine.generation_config')}")
     g.add_argument("--override-generation-config", type=_json_object("--override-generation-config"), default=None,
                    metavar="JSON", help="generation config keys set on top, e.g. '{\"temperature\": 0.5}'")
+    g.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                   help="the most logprobs a request may ask for per token (logprobs, top_logprobs, "
+                        "prompt_logprobs; a request's -1 counts as the vocabulary size); -1: the whole vocabulary "
+                        f"{_d('engine.max_logprobs')}")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="accepted for vLLM compatibility and changes nothing: no code from a checkpoint is ever "
                         "run (the model families are built in)")

@@ -28,6 +28,7 @@ from launch.core import (
     SchedulerConfig,
     compute_kv_sizing,
 )
+from launch.core.sampling_params import params_max_logprobs_problem
 from launch.executor import Executor, build_executor
 from launch.generation_config import SAMPLING_KEYS as GENERATION_KEYS
 from launch.generation_config import default_sampling_fields, describe_defaults, generation_config_file
@@ -170,6 +171,7 @@ class LLMEngine:
         plan = check_runtime_config(config)
         path, self.model_config = plan.model_path, plan.model_config
         self.max_model_len, self.num_kv_blocks, self.placement = plan.max_model_len, plan.num_kv_blocks, plan.placement
+        self.max_logprobs = config.engine.max_logprobs  # vLLM's --max-logprobs; -1: the whole vocabulary
         # what requests take for the sampling fields they leave out (the generation config's)
         self.default_sampling: dict[str, Any] = plan.default_sampling
         if self.default_sampling:
@@ -244,8 +246,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
         """Queue a request; ValueError for one that can never run (prompt or stop token ids
-        outside the vocab, too long for max_model_len or for the KV pool)."""
-        bad = self._outside_vocab(prompt_token_ids, params)
+        outside the vocab, more logprobs than ``max_logprobs``, too long for max_model_len or for
+        the KV pool)."""
+        bad = self._request_problem(prompt_token_ids, params)
         if bad is not None:
             raise ValueError(f"request {request_id!r}: {bad}")
         self.scheduler.add_request(request_id, prompt_token_ids, params, prompt=prompt)
@@ -253,12 +256,20 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError naming why ``add_request`` would refuse these prompt ids and params (without
-        queueing anything): prompt or stop token ids outside the vocabulary, then the scheduler's
-        checks."""
-        bad = self._outside_vocab(prompt_token_ids, params)
+        queueing anything): prompt or stop token ids outside the vocabulary, more logprobs than
+        ``max_logprobs``, then the scheduler's checks."""
+        bad = self._request_problem(prompt_token_ids, params)
         if bad is not None:
             raise ValueError(bad)
         self.scheduler.check_request(prompt_token_ids, params)
+
+    def _request_problem(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
+        """Why the engine refuses these ids and params before the scheduler looks: ids outside the
+        vocabulary, then sample or prompt logprobs over ``max_logprobs`` (vLLM's message), or None."""
+        bad = self._outside_vocab(prompt_token_ids, params)
+        if bad is not None:
+            return bad
+        return params_max_logprobs_problem(params, self.max_logprobs, int(self.model_config.vocab_size))
 
     def _outside_vocab(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> str | None:
         """Why the prompt ids or ``params.stop_token_ids`` (vLLM refuses those too) leave the

@@ -23,6 +23,24 @@ def _check_num_logprobs(name: str, value: object) -> None:
         raise ValueError(f"{name} must be None, an integer >= 0 or -1 (the whole vocabulary), got {value!r}")
 
 
+# vLLM's default ``--max-logprobs`` (``ModelConfig.max_logprobs``): the most top logprobs a request may
+# ask for per token (``engine.max_logprobs``); -1 there lifts the cap to the whole vocabulary.
+DEFAULT_MAX_LOGPROBS = 20
+
+
+def max_logprobs_problem(num: int | None, kind: str, max_logprobs: int, vocab_size: int) -> str | None:
+    """vLLM's message when ``num`` ``kind`` ("sample" or "prompt") logprobs are more than
+    ``max_logprobs`` allows, else None. -1, in either, counts as ``vocab_size``; None and 0 (no
+    alternatives) always pass (vLLM's ``SamplingParams._validate_logprobs``)."""
+    if not num:
+        return None
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
+    wanted = vocab_size if num == -1 else num
+    if wanted <= cap:
+        return None
+    return f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {cap}"
+
+
 def resolve_num_logprobs(num: int, vocab_size: int) -> int:
     """How many top logprobs ``num`` asks for over a vocabulary of ``vocab_size``: -1 is all of them."""
     return vocab_size if num < 0 else min(num, vocab_size)
@@ -191,3 +209,13 @@ class SamplingParams:
             raise ValueError(f"sample index {index} out of range for n={self.n}")
         seed = None if self.seed is None else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+def params_max_logprobs_problem(params: SamplingParams, max_logprobs: int, vocab_size: int) -> str | None:
+    """vLLM's message when ``params.logprobs`` or ``params.prompt_logprobs`` ask for more than
+    ``max_logprobs`` (``max_logprobs_problem``; sample logprobs first, as vLLM checks them), else None."""
+    for num, kind in ((params.logprobs, "sample"), (params.prompt_logprobs, "prompt")):
+        problem = max_logprobs_problem(num, kind, max_logprobs, vocab_size)
+        if problem is not None:
+            return problem
+    return None

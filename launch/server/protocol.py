@@ -37,9 +37,8 @@ from launch.tokenizer import check_text
 logger = logging.getLogger(__name__)
 
 MAX_N = 16
-# Top logprobs a request may ask for per token: vLLM's default ``--max-logprobs``. As vLLM, -1 (the
-# whole vocabulary, where a field takes it) counts as vocab_size against it (``OpenAIServing``).
-MAX_LOGPROBS = 20
+# How many top logprobs a request may ask for per token is the engine's ``max_logprobs`` (vLLM's
+# ``--max-logprobs``), checked by ``OpenAIServing`` (-1 counting as vocab_size), not here.
 MAX_STOP_SEQUENCES = 16
 # /v1/completions without max_tokens generates this many tokens at most (OpenAI's and vLLM's default);
 # an explicit null means "until max_model_len" (vLLM); chat has no default cap (both of them)
@@ -211,7 +210,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: StrictFloat | None = Field(None, gt=0.0, le=100.0)
     min_tokens: StrictInt | None = Field(None, ge=0)
-    prompt_logprobs: StrictInt | None = Field(None, le=MAX_LOGPROBS)  # -1: the whole vocabulary (vLLM)
+    prompt_logprobs: StrictInt | None = None  # -1: the whole vocabulary (vLLM)
     # OpenAI / vLLM sampling fields this server does not implement: typed here so that a value
     # that would change the output is refused (``unsupported``) instead of silently ignored
     best_of: StrictInt | None = Field(None, ge=1)
@@ -311,7 +310,7 @@ class SamplingRequest(BaseModel):
                                "samples it draws (best_of <= n)")
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
-        if self.prompt_logprobs is not None and self.stream:
+        if self.stream and self.prompt_logprobs not in (None, 0):  # vLLM refuses > 0 and -1, takes 0
             return "prompt_logprobs", "prompt_logprobs is not supported with stream=true (as vLLM)"
         if self.skip_special_tokens is False:
             return "skip_special_tokens", ("skip_special_tokens=false is not supported: special tokens are always "
@@ -338,7 +337,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     max_tokens: StrictInt | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0)
     echo: StrictBool = False
     suffix: str | None = None  # OpenAI's insertion mode: refused (``unsupported``), as vLLM refuses it
 
@@ -442,7 +441,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, le=MAX_LOGPROBS)  # -1: the whole vocabulary (vLLM)
+    top_logprobs: StrictInt | None = None  # -1: the whole vocabulary (vLLM)
     add_generation_prompt: StrictBool = True
     # vLLM's chat extensions that change the prompt: refused when set (``unsupported``)
     echo: StrictBool = False

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from launch.core.sampling_params import SamplingParams
+from launch.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, max_logprobs_problem
 from launch.server.chat import render_chat_prompt
 from launch.server.formatting import ChatFormatter, CompletionFormatter, sse
 from launch.server.generation import (
@@ -33,7 +33,6 @@ from launch.server.generation import (
 )
 from launch.server.metrics import ServerMetrics
 from launch.server.protocol import (
-    MAX_LOGPROBS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,7 +51,8 @@ class OpenAIServing:
     """Serves ``/v1/completions`` and ``/v1/chat/completions`` on one engine.
 
     served_model_names: the names requests may use (one name or several, as vLLM's
-    ``--served-model-name``); the first is the primary one.
+    ``--served-model-name``); the first is the primary one. The logprobs cap is the engine's
+    ``max_logprobs`` (vLLM's ``--max-logprobs``; an engine without one: vLLM's default, 20).
     """
 
     def __init__(self, engine: EngineClient, served_model_names: str | Sequence[str], metrics: ServerMetrics,
@@ -67,6 +67,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_queue_len = max_queue_len
         self.vocab_size = int(engine.model_config.vocab_size)
+        self.max_logprobs = int(getattr(engine, "max_logprobs", DEFAULT_MAX_LOGPROBS))
 
     # ------------------------------------------------------------ validation
 
@@ -107,11 +108,12 @@ class OpenAIServing:
         return ids
 
     def check_num_logprobs(self, num: int | None, kind: str, param: str) -> None:
-        """400 when ``num`` top logprobs (-1: the whole vocabulary, counted as vocab_size, as vLLM
-        counts it) are more than ``MAX_LOGPROBS``; vLLM's message."""
-        if num is not None and num < 0 and self.vocab_size > MAX_LOGPROBS:
-            raise APIError(400, f"Requested {kind} logprobs of {self.vocab_size}, which is greater than max allowed: "
-                           f"{MAX_LOGPROBS}", param=param)
+        """400 naming ``param`` when ``num`` ``kind`` ("sample" / "prompt") top logprobs (-1: the whole
+        vocabulary, counted as vocab_size, as vLLM counts it) are more than the engine's
+        ``max_logprobs``; vLLM's message."""
+        problem = max_logprobs_problem(num, kind, self.max_logprobs, self.vocab_size)
+        if problem is not None:
+            raise APIError(400, problem, param=param)
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str = "prompt",
                            max_tokens_param: str = "max_tokens", is_default: bool = False) -> int:

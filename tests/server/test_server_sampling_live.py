@@ -4,6 +4,7 @@ gives the defaults of the fields a request leaves out (``max_new_tokens`` cappin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -36,7 +37,8 @@ def server(ckpt: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(ckpt: Path):
-    with LLM(str(ckpt), dtype="float32", max_model_len=96, num_kv_blocks=64, block_size=8) as llm:
+    # max_logprobs=-1: logprobs=-1 / prompt_logprobs=-1 (the whole vocabulary) pass vLLM's --max-logprobs cap
+    with LLM(str(ckpt), dtype="float32", max_model_len=96, num_kv_blocks=64, block_size=8, max_logprobs=-1) as llm:
         yield llm
 
 
@@ -154,3 +156,28 @@ def test_minus_one_logprobs_over_http_as_vllm(server: LiveServer, path: str, bod
     error = r.json()["error"]
     assert error["param"] == param and re.search(message, error["message"]), error
     assert "\n" not in error["message"]
+
+
+def test_max_logprobs_flag_sets_the_servers_cap(ckpt: Path, tmp_path_factory) -> None:
+    """``--max-logprobs 5`` (engine.max_logprobs) is the cap the server's 400s and the engine use, not
+    vLLM's default 20: 5 alternatives are served, 6 are refused naming the request's field."""
+    cfg = runtime_config(ckpt, tmp_path_factory.mktemp("dist"))
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_logprobs=5))
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with LiveServer(cfg) as srv:
+        assert srv.engine.max_logprobs == 5
+        ok = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logprobs": 5, "prompt_logprobs": 5})
+        scored = ok["choices"][0]["prompt_logprobs"]  # keyed by token id: texts may coincide, ids do not
+        assert scored[0] is None and all(5 <= len(entry) <= 6 for entry in scored[1:])
+        assert len(ok["choices"][0]["logprobs"]["tokens"]) == 2
+        for path, body, param, kind in [
+            ("/v1/completions", {"prompt": PROMPT, "logprobs": 6}, "logprobs", "sample"),
+            ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 6}, "prompt_logprobs", "prompt"),
+            ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 6}, "top_logprobs", "sample"),
+        ]:
+            r = httpx.post(srv.base_url + path, json={"model": srv.cfg.served_model_name, "max_tokens": 1, **body},
+                           timeout=60)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == {"message": f"Requested {kind} logprobs of 6, which is greater than max "
+                                                    "allowed: 5", "type": "invalid_request_error", "param": param,
+                                         "code": 400}

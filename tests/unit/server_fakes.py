@@ -57,9 +57,10 @@ class FakeEngine:
     """Runs at most ``max_running`` requests at a time, one token per ``step_s``; others wait."""
 
     def __init__(self, *, max_model_len: int = 64, max_running: int = 4, max_queue_len: int = 8,
-                 step_s: float = 0.002) -> None:
+                 step_s: float = 0.002, max_logprobs: int = 20) -> None:
         self.model_name = "fake-moe"
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs  # engine.max_logprobs (vLLM's --max-logprobs; -1: the vocabulary)
         self.model_config = SimpleNamespace(vocab_size=VOCAB, moe_layer_ids=(1, 2), num_experts=4)
         self.tokenizer = CharTokenizer()
         self.max_running = max_running

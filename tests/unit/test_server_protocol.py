@@ -63,7 +63,7 @@ def test_completion_prompt_forms():
 
 def test_sampling_fields_validated():
     for bad in ({"max_tokens": -3}, {"n": 0}, {"top_p": 0}, {"temperature": -1},
-                {"logprobs": 21}, {"stop": [""]}, {"stop": ["x"] * 17}, {"top_k": -2}):
+                {"logprobs": -1}, {"stop": [""]}, {"stop": ["x"] * 17}, {"top_k": -2}):
         with pytest.raises(ValidationError):
             CompletionRequest(prompt="x", **bad)
     assert CompletionRequest(prompt="x", stop="END").stop == ["END"]
