@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from balancer.balancedness import compute_balancedness, rank_load_of_slots
@@ -47,8 +48,9 @@ class RoutingStats:
     def is_full(self) -> bool:
         return self.num_steps >= self.window_size
 
-    def record(self, slot_load: torch.Tensor) -> None:
-        """slot_load: [L, P] integer tokens routed to each slot this step (this rank)."""
+    def record(self, slot_load: torch.Tensor | np.ndarray) -> None:
+        """slot_load: [L, P] integer tokens routed to each slot this step (this rank; torch or numpy)."""
+        slot_load = torch.as_tensor(slot_load)
         if slot_load.shape != self._sum.shape:
             raise ValueError(f"slot_load has shape {tuple(slot_load.shape)}, expected {tuple(self._sum.shape)}")
         row = self._buffer[self._pos]
@@ -60,9 +62,10 @@ class RoutingStats:
         self.version += 1
         self._global = None
 
-    def record_many(self, slot_loads: torch.Tensor) -> None:
-        """slot_loads: [K, L, P] integer loads of K consecutive steps, oldest first: the same window
-        as K calls of ``record``, in a few ops (a driver that applies its steps in batches)."""
+    def record_many(self, slot_loads: torch.Tensor | np.ndarray) -> None:
+        """slot_loads: [K, L, P] integer loads of K consecutive steps, oldest first (torch or numpy):
+        the same window as K calls of ``record``, in a few ops (a driver that applies its steps in batches)."""
+        slot_loads = torch.as_tensor(slot_loads)
         if slot_loads.dim() != 3 or slot_loads.shape[1:] != self._sum.shape:
             raise ValueError(f"slot_loads has shape {tuple(slot_loads.shape)}, expected [K, "
                              f"{', '.join(str(d) for d in self._sum.shape)}]")
@@ -95,8 +98,9 @@ class RoutingStats:
         """[L, P] int64 contiguous tensor for the caller to all-reduce (SUM) over EP ranks."""
         return self._sum.clone().contiguous()
 
-    def set_global(self, reduced: torch.Tensor) -> None:
+    def set_global(self, reduced: torch.Tensor | np.ndarray) -> None:
         """Accept the all-reduced window; valid until the next record()."""
+        reduced = torch.as_tensor(reduced)
         if reduced.shape != self._sum.shape:
             raise ValueError(f"reduced window has shape {tuple(reduced.shape)}, expected {tuple(self._sum.shape)}")
         self._global = reduced.detach().to("cpu", torch.int64).clone()
@@ -106,8 +110,9 @@ class RoutingStats:
         """[L, P] int64: the all-reduced window if set since the last record, else local."""
         return self._global.clone() if self._global is not None else self._sum.clone()
 
-    def logical_load(self, phy2log: torch.Tensor) -> torch.Tensor:
-        """[L, E] int64 tokens per logical expert over the window; phy2log: [L, P]."""
+    def logical_load(self, phy2log: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """[L, E] int64 tokens per logical expert over the window; phy2log: [L, P] (torch or numpy)."""
+        phy2log = torch.as_tensor(phy2log)
         if phy2log.shape != self._sum.shape:
             raise ValueError(f"phy2log has shape {tuple(phy2log.shape)}, expected {tuple(self._sum.shape)}")
         num_experts = int(phy2log.max()) + 1
@@ -118,7 +123,7 @@ class RoutingStats:
         """(per_layer [L] float64, overall float) of the rank loads in the window."""
         return compute_balancedness(rank_load_of_slots(self.window_load(), self.num_ranks))
 
-    def diagnostics(self, phy2log: torch.Tensor, top_k: int = 5) -> Diagnostics:
+    def diagnostics(self, phy2log: torch.Tensor | np.ndarray, top_k: int = 5) -> Diagnostics:
         """The hottest experts and the worst layers of the window."""
         per_layer, overall = self.balancedness()
         load = self.logical_load(phy2log).to(torch.float64)

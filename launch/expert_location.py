@@ -225,7 +225,10 @@ def placement_from_dump(path: str | Path, *, num_layers: int, num_experts: int, 
     tensors = read_expert_distribution_dump(path)
     phy2log = tensors.get("phy2log")
     if phy2log is not None and tuple(phy2log.shape) == (num_layers, num_physical_experts):
-        placement = Placement.from_phy2log(phy2log, num_experts, num_gpus)
+        try:
+            placement = Placement.from_phy2log(phy2log, num_experts, num_gpus)
+        except ValueError as exc:  # ids outside [0, E), an expert without a slot, P not split over the ranks
+            raise ValueError(f"{path}: its placement phy2log does not fit this layout: {exc}") from None
         for name in ("log2phy", "logcnt"):
             if name in tensors and not torch.equal(tensors[name], getattr(placement, name)):
                 raise ValueError(f"{path}: {name} disagrees with phy2log")

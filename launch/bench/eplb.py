@@ -122,7 +122,43 @@ def load_reference(path: str | None) -> tuple[Callable, str]:
                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
     if not callable(getattr(module, "rebalance_experts", None)):
         raise ValueError(f"--reference {path}: {file} defines no rebalance_experts() (expected deepseek-ai/EPLB's eplb.py)")
-    return module.rebalance_experts, f"deepseek-ai/EPLB eplb.py at {file}"
+    return _checked_reference(module.rebalance_experts, path), f"deepseek-ai/EPLB eplb.py at {file}"
+
+
+class BadReferenceError(ValueError):
+    """The --reference file's rebalance_experts failed or answered other than DeepSeek's does."""
+
+
+def _checked_reference(fn: Callable, path: str) -> Callable:
+    """fn, whose failure or answer other than DeepSeek's (phy2log [L, P] of expert ids in [0, E),
+    every expert placed, ...) raises BadReferenceError naming --reference: a user's file, not our bug.
+    Its answer is passed on with phy2log as an int64 tensor."""
+    def call(weight: torch.Tensor, num_replicas: int, *args):
+        try:
+            out = fn(weight, num_replicas, *args)
+        except Exception as e:  # noqa: BLE001 - whatever the user's file raises is one user error
+            raise BadReferenceError(f"--reference {path}: rebalance_experts failed: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        num_layers, num_experts = weight.shape
+        phy = out[0] if isinstance(out, tuple | list) and out else out
+        try:
+            arr = np.asarray(phy.detach().cpu() if isinstance(phy, torch.Tensor) else phy)
+        except (ValueError, TypeError):  # ragged or odd objects: not a phy2log either
+            arr = np.zeros(0)
+        if (arr.shape != (num_layers, num_replicas) or not np.issubdtype(arr.dtype, np.integer)
+                or arr.min() < 0 or arr.max() >= num_experts or not _places_every_expert(arr, num_experts)):
+            raise BadReferenceError(f"--reference {path}: rebalance_experts did not return DeepSeek's (phy2log "
+                             f"[{num_layers}, {num_replicas}] of every expert id in [0, {num_experts}), ...)")
+        rest = tuple(out[1:]) if isinstance(out, tuple | list) else ()
+        return (torch.from_numpy(arr.astype(np.int64)), *rest)
+    return call
+
+
+def _places_every_expert(phy2log: np.ndarray, num_experts: int) -> bool:
+    """phy2log [L, P] ids in [0, E): whether every layer gives every expert a slot."""
+    covered = np.zeros((phy2log.shape[0], num_experts), dtype=bool)
+    covered[np.arange(phy2log.shape[0])[:, None], phy2log] = True
+    return bool(covered.all())
 
 
 def _timed(fn, repeats: int):
@@ -196,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--drift must be >= 0, got {args.drift}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.seed < 0:  # numpy's generators take no negative seed
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.json and (problem := output_file_problem(args.json)) is not None:
         parser.error(f"--json: {problem}")
     torch.set_num_threads(1)
@@ -204,8 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     rng = np.random.default_rng(args.seed)
-    rows = [run_case(SCENARIOS[name], kind, reference, rng, args.drift, args.repeats)
-            for name in (args.scenario or list(SCENARIOS)) for kind in (args.load or LOADS)]
+    try:
+        rows = [run_case(SCENARIOS[name], kind, reference, rng, args.drift, args.repeats)
+                for name in (args.scenario or list(SCENARIOS)) for kind in (args.load or LOADS)]
+    except BadReferenceError as e:
+        parser.error(str(e))
     print(f"reference: {ref_name}")
     print(f"balancedness = sum(mean GPU load) / sum(max GPU load); bound: no placement does better; "
           f"ms old: ours given old_phy2log;\ndrift: load x lognormal(0, {args.drift}), then rebalanced "
@@ -214,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     mean_ours = float(np.mean([r["balancedness_ours"] for r in rows]))
     mean_ref = float(np.mean([r["balancedness_reference"] for r in rows]))
     moved = sum(r["moved_ours"] for r in rows), sum(r["moved_reference"] for r in rows)
+    share = f" ({moved[0] / moved[1]:.0%})" if moved[1] else ""  # a share of nothing is no figure
     print(f"mean balancedness ours {mean_ours:.4f} vs reference {mean_ref:.4f}; "
-          f"copies moved ours {moved[0]} vs reference {moved[1]} ({moved[0] / max(moved[1], 1):.0%})")
+          f"copies moved ours {moved[0]} vs reference {moved[1]}{share}")
     if args.json:
         write_output_file(args.json, json.dumps({"reference": ref_name, "drift": args.drift, "seed": args.seed,
                                                  "scenarios": [asdict(SCENARIOS[r["scenario"]]) for r in rows],

@@ -258,6 +258,8 @@ def series_main(argv: list[str] | None = None) -> int:
         return 0
     if args.num_gpus <= 0:
         parser.error("--num-gpus must be positive")
+    if any(seed < 0 for seed in args.seed or []):  # numpy's generators take no negative seed
+        parser.error(f"--seed must be >= 0, got {min(args.seed)}")
     if args.json and (problem := output_file_problem(args.json)) is not None:
         parser.error(f"--json: {problem}")
     for flag, value in (("--check-interval", args.check_interval), ("--full-interval", args.full_interval)):

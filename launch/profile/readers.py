@@ -19,7 +19,7 @@ Formats (chosen by file suffix, then by content):
   layer's E counts; steps 0..S-1 and layers 0..L-1 must all be present, in any order.
 
 A file without a known suffix is sniffed: ``.npy`` magic, a zip (``.npz`` when its members
-are ``*.npy``, else ``torch.save``), safetensors' JSON header.
+are ``*.npy``, else ``torch.save``), safetensors' JSON header, a CSV's ``step,layer,...`` header.
 
 ``torch.load`` runs with ``weights_only=True`` and the result is checked to hold only
 tensors, dicts, lists/tuples, strings and numbers. Every problem raises ``DumpError`` with a
@@ -54,6 +54,7 @@ __all__ = ["Dump", "DumpError", "EmptyDumpError", "Recording", "read_dump", "rea
 
 # A CSV step or layer id at or above this is not an exact integer in float64.
 MAX_CSV_ID = 2**53
+NPY_MAGIC = b"\x93NUMPY"
 
 
 def _read_safetensors(path: Path) -> Dump:
@@ -128,6 +129,10 @@ def _phases(path: Path, meta: dict[str, str], steps: int) -> tuple[tuple[str, in
 
 
 def _read_npy(path: Path) -> Dump:
+    with path.open("rb") as f:
+        head = f.read(len(NPY_MAGIC))
+    if not NPY_MAGIC.startswith(head):  # else numpy takes it for a pickle and suggests loading it unsafely
+        raise DumpError(f"{path}: not a .npy file (it does not start with NumPy's header)")
     try:
         arr = np.load(str(path), allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -225,13 +230,16 @@ def read_dump(path: str | Path) -> Dump:
                ".npy": _read_npy, ".npz": _read_npz, ".csv": _read_csv}
     reader = readers.get(p.suffix.lower())
     if reader is None:
-        head = p.open("rb").read(16)
-        if head.startswith(b"\x93NUMPY"):
+        with p.open("rb") as f:
+            head = f.read(16)
+        if head.startswith(NPY_MAGIC):
             reader = _read_npy
         elif head.startswith(b"PK"):
             reader = _read_npz if _is_npz(p) else read_torch_dump
         elif len(head) > 8 and head[8:9] == b"{":
             reader = _read_safetensors
+        elif head.removeprefix(b"\xef\xbb\xbf").lstrip().lower().startswith(b"step"):
+            reader = _read_csv  # the header every CSV dump starts with (after an Excel BOM)
         else:
             raise DumpError(f"{p}: unknown dump format (expected .safetensors, .pt, .npy, .npz or .csv)")
     return reader(p)

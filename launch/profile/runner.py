@@ -77,6 +77,16 @@ class _Feeder:
         self.live.clear()
 
 
+def phase_budgets(steps: int, num_phases: int) -> list[int]:
+    """Engine steps of each of ``num_phases`` phases for ``--steps steps``: as even as integers
+    allow (they differ by at most one and sum to ``steps``). ProfileRunError when a phase
+    would get no step (its report row would show a phase that never ran)."""
+    if steps < num_phases:
+        raise ProfileRunError(f"--steps {steps} is fewer than the {num_phases} workload phases: every phase "
+                              "needs at least one step")
+    return [steps * (i + 1) // num_phases - steps * i // num_phases for i in range(num_phases)]
+
+
 def drive(engine, phases: list[tuple[str, list[str]]], steps: int | None, max_tokens: int,
           progress: bool = True) -> list[tuple[str, int, int]]:
     """Run the phases; returns (name, first step, end step) of each, in engine steps."""
@@ -85,6 +95,7 @@ def drive(engine, phases: list[tuple[str, list[str]]], steps: int | None, max_to
     concurrency = engine.config.engine.max_num_seqs * engine.config.parallel.data_parallel_size
     spans = []
     total = steps if steps else None
+    budgets = phase_budgets(steps, len(phases)) if steps else None
     with tqdm(total=total, desc="profiling", unit="step", disable=not progress) as bar:
         for i, (name, prompts) in enumerate(phases):
             start = engine.counters.num_steps
@@ -94,7 +105,7 @@ def drive(engine, phases: list[tuple[str, list[str]]], steps: int | None, max_to
                 while engine.has_unfinished_requests():
                     bar.update(feeder.step())
             else:
-                budget = steps // len(phases) + (steps % len(phases) if i == len(phases) - 1 else 0)
+                budget = budgets[i]
                 source = itertools.cycle(prompts)
                 while engine.counters.num_steps - start < budget:
                     while len(feeder.live) < concurrency:
@@ -119,6 +130,8 @@ def run_and_report(args: argparse.Namespace) -> Path:
         phases = load_workload_phases(args.workload)
     except WorkloadError as e:
         raise ProfileRunError(str(e)) from None
+    if args.steps is not None:
+        phase_budgets(args.steps, len(phases))  # before the weights load
     config = runtime_config_from_args(args)
     # The report needs every step of the run (phase spans count from its first step): the record
     # is unbounded here; the run itself is bounded by --steps.
