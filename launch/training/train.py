@@ -81,8 +81,12 @@ class TrainArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.minutes is not None and not self.minutes > 0:  # not >: NaN too
             raise ValueError(f"--minutes must be > 0, got {self.minutes}")
-        if self.lr <= 0 or self.bias_update_rate < 0:
-            raise ValueError("--lr must be > 0 and --bias-update-rate >= 0")
+        if not (math.isfinite(self.lr) and self.lr > 0):  # NaN and inf fail too
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.bias_update_rate) and self.bias_update_rate >= 0):
+            raise ValueError(f"--bias-update-rate must be a finite number >= 0, got {self.bias_update_rate}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
 
@@ -182,7 +186,7 @@ def _move_into(staging: Path, out: Path) -> None:
 
 def _train_into(args: TrainArgs, out: Path, progress: bool, report_prompts: int | None) -> dict:
     """train()'s run, writing every file into ``out`` (the staging folder)."""
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     else:
         torch.set_num_threads(os.cpu_count() or 1)

@@ -134,6 +134,11 @@ def test_corpus_windows_start_with_bos_and_cover_every_kind(tmp_path) -> None:
         (["--arch", "deepseek_v3", "--out", "x", "--steps", "0"], "--steps must be >= 1"),
         (["--arch", "deepseek_v3", "--out", "x", "--minutes", "-1"], "--minutes must be > 0"),
         (["--arch", "deepseek_v3", "--out", "x", "--minutes", "nan"], "--minutes must be > 0"),
+        (["--arch", "deepseek_v3", "--out", "x", "--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--arch", "deepseek_v3", "--out", "x", "--lr", "inf"], "--lr must be a finite number > 0"),
+        (["--arch", "deepseek_v3", "--out", "x", "--bias-update-rate", "nan"], "--bias-update-rate must be"),
+        (["--arch", "deepseek_v3", "--out", "x", "--threads", "0"], "--threads must be >= 1"),
+        (["--arch", "deepseek_v3", "--out", "x", "--threads", "-2"], "--threads must be >= 1"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys) -> None:
