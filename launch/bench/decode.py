@@ -572,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
               "time to the step's tokens on the host; cpu ms the driver's CPU time")
     print(format_table(rows, bandwidth, matmul_flops, matmul_name))
     if args.json:
-        result = {"model": config.model, "dtype": engine.dtype, "num_threads": torch.get_num_threads(),
+        result = {"model": config.model, "dtype": engine.dtype, "quantization": config.engine.quantization,
+                  "kv_cache_dtype": config.engine.kv_cache_dtype, "num_threads": torch.get_num_threads(),
                   "device": str(worker.device),
                   "context_len": args.context_len, "steps": args.steps, "copy_bandwidth_bytes_per_s": bandwidth,
                   "matmul_flops_per_s": matmul_flops, "matmul_path": matmul_name,

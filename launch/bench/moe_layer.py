@@ -20,7 +20,9 @@ is refused before anything is built, and so are ``--tokens`` whose activations (
 estimate of one cell's: x, the K copies of each row, the intermediate activations, the outputs)
 would not fit beside it. Implementations:
 
-- ``ours``: ``moe.moe_layer.MoELayer`` with the fused CPU expert kernel (``moe.kernels``);
+- ``ours``: ``moe.moe_layer.MoELayer`` with the fused CPU expert kernel (``moe.kernels``). The kernel
+  needs D a multiple of 16: for another D the layer would run its PyTorch path, so on the CPU this
+  cell and ``ours-int8`` are not run (a ``# ... not run`` line; ``ours-pytorch`` is that path);
 - ``ours-pytorch``: the same layer on its PyTorch expert path (the kernel switched off);
 - ``ours-int8`` (only when asked for): the same layer with its routed experts in int8 with per-channel
   scales (``--quantization int8``), on the kernel; ``max |diff|`` is its distance from ``ours``, and its
@@ -308,11 +310,34 @@ def grouped_mm_width_problem(hidden: int, inter: int, dtype: torch.dtype) -> str
     return f"grouped_mm needs rows of whole 16 bytes; {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not"
 
 
-def cells_not_run(shape: Shape, impls: Sequence[str], dtype: torch.dtype) -> dict[str, str]:
-    """impl -> why it cannot run ``shape`` in ``dtype`` (the other cells still run), for the ``impls``
-    asked for."""
-    why = grouped_mm_width_problem(shape.hidden, shape.inter, dtype)
-    return {"transformers-grouped-mm": why} if why and "transformers-grouped-mm" in impls else {}
+def kernel_shape_problem(hidden: int, inter: int, dtype: torch.dtype) -> str | None:
+    """Why the fused CPU expert kernel (``moe.kernels.can_pack``) cannot take experts of hidden size
+    ``hidden`` (D) and intermediate size ``inter`` (I) in ``dtype``, or None when it can. The layer then
+    runs its PyTorch expert path: what ``ours-pytorch`` already measures."""
+    from moe import kernels
+
+    w13 = torch.zeros((), dtype=dtype).expand(1, 2 * inter, hidden)  # [1, 2I, D], no storage
+    w2 = torch.zeros((), dtype=dtype).expand(1, hidden, inter)  # [1, D, I]
+    if kernels.can_pack(w13, w2):
+        return None
+    if hidden % kernels.BLOCK:
+        return (f"the fused CPU expert kernel needs hidden a multiple of {kernels.BLOCK}, got {hidden} "
+                "(ours-pytorch is this shape's expert path)")
+    return f"the fused CPU expert kernel does not take {dtype} experts (ours-pytorch is their expert path)"
+
+
+def cells_not_run(shape: Shape, impls: Sequence[str], dtype: torch.dtype,
+                  device: torch.device | None = None) -> dict[str, str]:
+    """impl -> why it cannot run ``shape`` in ``dtype`` on ``device`` (CPU when None; the other cells
+    still run), for the ``impls`` asked for. ``ours`` and ``ours-int8`` are the fused CPU kernel's
+    cells: on the CPU a shape it does not take is left out rather than timed on the PyTorch path under
+    the kernel's name (on CUDA both run the PyTorch path by design: see the module docstring)."""
+    problems = {}
+    if (device is None or device.type == "cpu") and (why := kernel_shape_problem(shape.hidden, shape.inter, dtype)):
+        problems.update({impl: why for impl in ("ours", "ours-int8")})
+    if why := grouped_mm_width_problem(shape.hidden, shape.inter, dtype):
+        problems["transformers-grouped-mm"] = why
+    return {impl: why for impl, why in problems.items() if impl in impls}
 
 
 def hf_config(shape: Shape | str) -> Any:
@@ -643,22 +668,22 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
               device: torch.device | None = None, label_width: int = 9) -> list[Cell]:
     device = device or torch.device("cpu")
     shape = as_shape(shape)
-    not_run = cells_not_run(shape, impls, dtype)
+    not_run = cells_not_run(shape, impls, dtype, device)
     for impl, why in not_run.items():
         print(f"# {shape.label}: {impl} not run: {why}", flush=True)
     impls = [impl for impl in impls if impl not in not_run]
     ours, hf = build_layers(shape, dtype)
     ours, hf = ours.to(device), hf.to(device)
     fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    if "ours" in impls or "ours-pytorch" in impls:
-        ours.experts.packed_weights()  # pack once, as loading does, outside the timing
+    ours.experts.packed_weights()  # pack once, as loading does, outside the timing
 
-        def run_ours(x: torch.Tensor, kernel: bool) -> torch.Tensor:
-            ours.experts.use_kernel = kernel
-            return ours(x)
+    def run_ours(x: torch.Tensor, kernel: bool) -> torch.Tensor:
+        ours.experts.use_kernel = kernel
+        return ours(x)
 
-        fns["ours"] = lambda x: run_ours(x, True)
-        fns["ours-pytorch"] = lambda x: run_ours(x, False)
+    # "ours" is also the reference of every max |diff|, whether or not its cell runs
+    fns["ours"] = lambda x: run_ours(x, True)
+    fns["ours-pytorch"] = lambda x: run_ours(x, False)
     if "ours-int8" in impls:  # the same layer with its routed experts int8 (--quantization int8)
         ours_int8 = copy.deepcopy(ours)
         ours_int8.experts.set_quantization("int8")
@@ -683,7 +708,7 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
         if "ours-int8" in fns:
             bounds[True] = roofline_seconds(fns["ours-int8"], x, bandwidth, peak_flops)
         with torch.inference_mode():
-            reference = fns["ours"](x).float() if "ours" in fns else None
+            reference = fns["ours"](x).float()
             for impl in impls:
                 gpu = None
                 if device.type == "cuda":
@@ -692,7 +717,7 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
                     cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
                 judged = cpu if gpu is None else gpu
                 diff = None
-                if (impl.startswith("transformers") or impl in ("ours-pytorch", "ours-int8")) and reference is not None:
+                if impl.startswith("transformers") or impl in ("ours-pytorch", "ours-int8"):
                     diff = float((fns[impl](x).float() - reference).abs().max())
                 bound = bounds[impl == "ours-int8"]
                 cells.append(Cell(shape.label, t, impl, cpu * 1e3, wall * 1e3, t / judged, bound * 1e3, bound / judged, diff,
@@ -777,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --device cuda: no CUDA device is available here", file=sys.stderr)
         return 2
     for s in shapes:
-        if (not_run := cells_not_run(s, args.impls, dtype)) and set(not_run) == set(args.impls):
+        if (not_run := cells_not_run(s, args.impls, dtype, device)) and set(not_run) == set(args.impls):
             impl, why = next(iter(not_run.items()))
             print(f"error: --impls {impl}: {s.label}: {why}", file=sys.stderr)
             return 2
@@ -836,5 +861,5 @@ def main(argv: list[str] | None = None) -> int:
             "peak_flops_per_s": peak, "shapes": [asdict(s) for s in shapes],
             "cells": [asdict(c) for c in cells],
             "not_run": [{"shape": s.label, "impl": impl, "reason": why} for s in shapes
-                        for impl, why in cells_not_run(s, args.impls, dtype).items()]}, indent=2) + "\n")
+                        for impl, why in cells_not_run(s, args.impls, dtype, device).items()]}, indent=2) + "\n")
     return 0

@@ -451,7 +451,8 @@ def format_stats(s: dict[str, Any]) -> str:
 
 def measure(config: RuntimeConfig, args: argparse.Namespace) -> dict[str, Any]:
     """One engine on ``config``: the timed decode steps, their summary, and the statistics
-    overhead when asked. Returns timings, summary, skipped, stats and the transport used."""
+    overhead when asked. Returns timings, summary, skipped, stats, the transport used and the compute
+    dtype the engine ran ("auto" resolved)."""
     from launch.engine import LLMEngine
 
     engine = LLMEngine(config)
@@ -474,7 +475,8 @@ def measure(config: RuntimeConfig, args: argparse.Namespace) -> dict[str, Any]:
             if args.stats_overhead else None
     finally:
         engine.shutdown()
-    return {"timings": timings, "summary": summary, "skipped": skipped, "stats": stats, "transport": transport}
+    return {"timings": timings, "summary": summary, "skipped": skipped, "stats": stats, "transport": transport,
+            "dtype": engine.dtype}
 
 
 def parse_transports(text: str | None, config: RuntimeConfig) -> list[str]:
@@ -541,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"model": config.model, "executor": label, "world_size": config.parallel.world_size,
                   "data_parallel_size": config.parallel.data_parallel_size,
                   "expert_parallel_size": config.parallel.expert_parallel_size,
-                  "enable_eplb": config.balancer.enable_eplb, "dtype": config.engine.dtype,
+                  "enable_eplb": config.balancer.enable_eplb, "dtype": runs[0]["dtype"],
                   "num_threads": torch.get_num_threads(), "batch": args.batch, "context_len": args.context_len,
                   "steps": args.steps,
                   "runs": [{"transport": r["transport"], "rebalance_steps_skipped": r["skipped"],

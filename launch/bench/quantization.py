@@ -98,12 +98,23 @@ def check_args(model: str, max_tokens: int, texts: list[Path], json_path: str | 
         if not text.is_file():
             problem = "is a directory, not a file" if text.is_dir() else "no such file"
             raise FileNotFoundError(f"--texts {text}: {problem}")
+    seen: dict[Path, Path] = {}
+    for text in texts:
+        if (first := seen.setdefault(text.resolve(), text)) is not text:
+            raise ValueError(f"--texts names one file twice: {first} and {text}")
     try:
         max_len = ModelConfig.from_hf(model).max_position_embeddings
     except ValueError as e:
         raise ValueError(f"--model {model}: {e}") from None
     if max_tokens > max_len:
         raise ValueError(f"--max-tokens {max_tokens} exceeds the model's max_position_embeddings ({max_len})")
+
+
+def text_labels(texts: list[Path]) -> list[str]:
+    """Each text's label in the table and the JSON: its file name, or the path as given where two
+    texts share a name (a/x.txt, b/x.txt), so no text's results replace another's."""
+    names = [text.name for text in texts]
+    return [text.name if names.count(text.name) == 1 else str(text) for text in texts]
 
 
 def encode_text(tokenizer: Tokenizer, text: Path) -> list[int]:
@@ -159,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if dtype != torch.float32:
         models["float32"] = build_model(args.model, torch.float32, None)
     results = {}
-    for text in texts:
+    for text, label in zip(texts, text_labels(texts)):
         ids = token_ids[text]
         windows = [ids[i:i + args.max_tokens] for i in range(0, len(ids) - 1, args.max_tokens)]
-        results[text.name] = evaluate(models, [w for w in windows if len(w) > 1])
+        results[label] = evaluate(models, [w for w in windows if len(w) > 1])
     total = {name: {"perplexity": math.exp(sum(math.log(r[name]["perplexity"]) * r[name]["tokens"]
                                                 for r in results.values()) / sum(r[name]["tokens"] for r in results.values())),
                     "top1_agreement": sum(r[name]["top1_agreement"] * r[name]["tokens"] for r in results.values())
@@ -170,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens": sum(r[name]["tokens"] for r in results.values())} for name in models}
     results["all"] = total
     base = next(iter(models))
-    print(f"{'text':>16} {'run':>16} {'tokens':>7} {'perplexity':>11} {'top-1 agree vs ' + base:>24}")
+    width = max(16, *(len(text) for text in results))
+    print(f"{'text':>{width}} {'run':>16} {'tokens':>7} {'perplexity':>11} {'top-1 agree vs ' + base:>24}")
     for text, per_run in results.items():
         for name, r in per_run.items():
-            print(f"{text:>16} {name:>16} {r['tokens']:>7} {r['perplexity']:>11.3f} {r['top1_agreement']:>24.4f}")
+            print(f"{text:>{width}} {name:>16} {r['tokens']:>7} {r['perplexity']:>11.3f} "
+                  f"{r['top1_agreement']:>24.4f}")
     if args.json:
         write_output_file(args.json, json.dumps({"model": args.model, "dtype": args.dtype, "results": results},
                                                 indent=2) + "\n")

@@ -85,16 +85,25 @@ def sample_random_requests(num_prompts: int, input_len: int, output_len: int, ra
                          output_len=int(m)) for n, m in zip(input_lens, output_lens)]
 
 
+def arrival_flags_problem(request_rate: float, burstiness: float) -> str | None:
+    """What is wrong with ``--request-rate`` / ``--burstiness`` (one line naming the flag), or None:
+    a rate > 0 (``inf``: all at once) and a finite burstiness > 0. NaN is neither: its intervals
+    would be NaN, which sends every request at once while the result still names the rate."""
+    if not request_rate > 0:  # not >: NaN too
+        return f"--request-rate must be > 0 (inf: all at once), got {request_rate}"
+    if not (math.isfinite(burstiness) and burstiness > 0):
+        return f"--burstiness must be a finite number > 0, got {burstiness}"
+    return None
+
+
 def arrival_intervals(num_requests: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
     """Seconds to wait before each request: gamma(shape=burstiness, scale=1/(rate*burstiness)).
 
     Mean interval 1/rate whatever the burstiness; burstiness 1 is a Poisson process,
     lower is burstier. An infinite rate sends everything at once (all zeros).
     """
-    if burstiness <= 0:
-        raise ValueError(f"--burstiness must be > 0, got {burstiness}")
-    if request_rate <= 0:
-        raise ValueError(f"--request-rate must be > 0, got {request_rate}")
+    if (problem := arrival_flags_problem(request_rate, burstiness)) is not None:
+        raise ValueError(problem)
     if request_rate == float("inf"):
         return [0.0] * num_requests
     rng = np.random.default_rng(seed)
@@ -122,7 +131,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
             slos[name] = float(value)
         except ValueError as exc:
             raise ValueError(f"--goodput value for {name} must be a number of ms, got {value!r}") from exc
-        if slos[name] < 0:
+        if not slos[name] >= 0:  # not >=: NaN too (no request would ever be good)
             raise ValueError(f"--goodput value for {name} must be >= 0, got {value}")
     return slos
 
@@ -336,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         # before the server is asked for its model and vocabulary
         if (problem := random_flags_problem(args.num_prompts, args.random_input_len, args.random_output_len,
                                             args.random_range_ratio, args.random_prefix_len)) is not None:
+            raise ValueError(problem)
+        if (problem := arrival_flags_problem(args.request_rate, args.burstiness)) is not None:
             raise ValueError(problem)
         if (problem := check_output(args)) is not None:
             raise ValueError(problem)

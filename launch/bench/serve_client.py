@@ -73,16 +73,32 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
 
 
-def _checkpoint_vocab(path: str | None) -> tuple[int, tuple[int, ...]] | None:
-    """``(vocab_size, special ids)`` from ``path/config.json``, or None when there is none."""
+def _checkpoint_vocab(path: str | None, need_vocab_size: bool = True) -> tuple[int | None, tuple[int, ...]] | None:
+    """``(vocab_size, special ids)`` from ``path/config.json``, or None when there is none.
+    ValueError naming the file when it is not JSON, has special ids that are not integers, or (when
+    ``need_vocab_size``; else that size is None) no integer ``vocab_size``."""
     if not path or not (Path(path) / "config.json").is_file():
         return None
-    config = json.loads((Path(path) / "config.json").read_text())
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: cannot be read as JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    vocab_size = config.get("vocab_size")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        if need_vocab_size:
+            raise ValueError(f"{file} has no integer vocab_size: pass --vocab-size N")
+        vocab_size = None
     special = []
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         value = config.get(key)
-        special.extend(value if isinstance(value, list) else [] if value is None else [value])
-    return int(config["vocab_size"]), tuple(int(v) for v in special)
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{file}: {key} must be an integer or a list of integers, got {value!r}")
+        special.extend(values)
+    return vocab_size, tuple(special)
 
 
 async def fetch_model_name(base_url: str, api_key: str | None) -> str:
@@ -100,15 +116,18 @@ async def fetch_model_name(base_url: str, api_key: str | None) -> str:
 async def resolve_target(args: argparse.Namespace) -> tuple[BenchTarget, int, tuple[int, ...]]:
     """``(BenchTarget, vocab_size, token ids to avoid)`` from the parsed flags."""
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    # the local files first: their problems are named whether or not the server is up
+    if args.tokenizer is not None and not (Path(args.tokenizer) / "config.json").is_file():
+        raise ValueError(f"--tokenizer {args.tokenizer}: no config.json in that directory")
+    found = _checkpoint_vocab(args.tokenizer or args.model, need_vocab_size=args.vocab_size is None)
     try:
         model = args.model or await fetch_model_name(base_url, args.api_key)
     except aiohttp.ClientError as exc:
         raise ValueError(f"cannot reach {base_url}: {exc}") from exc
-    found = _checkpoint_vocab(args.tokenizer or args.model)
     if args.vocab_size is not None:
         vocab, avoid = args.vocab_size, found[1] if found else ()
-    elif found is not None:
-        vocab, avoid = found
+    elif found is not None and found[0] is not None:  # need_vocab_size: never None here
+        vocab, avoid = found[0], found[1]
     else:
         raise ValueError("need the vocabulary size for random prompts: pass --vocab-size N or "
                          "--tokenizer CHECKPOINT_DIR (with config.json)")

@@ -188,7 +188,8 @@ def summarize(config: RuntimeConfig, requests: Sequence[BenchRequest], ours: Run
     out_tokens = sum(r.output_len for r in requests)
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     result: dict[str, Any] = {
-        "model": config.model, "dtype": dtype, "num_threads": num_threads, "seed": seed,
+        "model": config.model, "dtype": dtype, "quantization": config.engine.quantization,
+        "kv_cache_dtype": config.engine.kv_cache_dtype, "num_threads": num_threads, "seed": seed,
         "num_requests": len(requests), "input_len_range": list(input_len_range),
         "output_len_range": list(output_len_range), "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens, "elapsed_time": ours.elapsed_s,
@@ -213,6 +214,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"{'=' * 16} Offline Throughput Benchmark Result {'=' * 16}",
         f"{'Model:':<40}{result['model']}",
         f"{'Dtype / threads:':<40}{result['dtype']} / {result['num_threads']}",
+        f"{'Ours: routed experts / KV cache:':<40}{result['quantization'] or result['dtype']} / "
+        f"{result['kv_cache_dtype']}",
         f"{'Requests:':<40}{result['num_requests']}",
         f"{'Total input tokens:':<40}{result['total_input_tokens']}",
         f"{'Total output tokens (requested):':<40}{result['total_output_tokens']}",
