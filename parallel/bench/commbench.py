@@ -205,30 +205,63 @@ def format_table(op: str, rows: list[Row], world: int, backend: str) -> str:
     return "\n".join(lines)
 
 
+# Flags one mode reads and the others would ignore: left unset (None) in the parser so that a value the
+# user gave to a mode that does not read it is refused (``mode_flag_problem``), then given these defaults.
+COLLECTIVE_DEFAULTS = {"minbytes": "8", "maxbytes": "32M", "stepfactor": 2, "datatype": "float", "check": 1}
+EP_DEFAULTS = {"backend": "alltoall", "tokens": 2048, "hidden": 1024, "topk": 6, "experts": 64}
+MOE_LAYER_DEFAULTS = {"inter": 256, "ranks": "1,2,4"}
+NPROCS_DEFAULT = 4
+_FLAG_NAMES = {"minbytes": "-b", "maxbytes": "-e", "stepfactor": "-f", "datatype": "-d", "check": "-c",
+               "backend": "--backend", "tokens": "--tokens", "hidden": "--hidden", "topk": "--topk",
+               "experts": "--experts", "inter": "--inter", "ranks": "--ranks", "nprocs": "-np"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commbench", description=__doc__.split("\n\n")[0])
     p.add_argument("op", nargs="?", choices=OPS, help="collective to time (not with --dispatch/--moe-layer)")
-    p.add_argument("-b", "--minbytes", default="8", help="smallest size, e.g. 8, 1K")
-    p.add_argument("-e", "--maxbytes", default="32M", help="largest size, e.g. 32M")
-    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplication factor")
+    p.add_argument("-b", "--minbytes", default=None, help="smallest size, e.g. 8, 1K (default 8)")
+    p.add_argument("-e", "--maxbytes", default=None, help="largest size, e.g. 32M (default 32M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=None, help="size multiplication factor (default 2)")
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("-w", "--warmup_iters", type=int, default=5)
-    p.add_argument("-np", "--nprocs", type=int, default=4, help="ranks to spawn")
-    p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPES))
-    p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results")
+    p.add_argument("-np", "--nprocs", type=int, default=None,
+                   help=f"ranks to spawn (default {NPROCS_DEFAULT}; --moe-layer's are --ranks)")
+    p.add_argument("-d", "--datatype", default=None, choices=sorted(DTYPES), help="(default float)")
+    p.add_argument("-c", "--check", type=int, default=None, choices=(0, 1), help="check results (default 1)")
     p.add_argument("-J", "--output_file", default=None, help="write results as JSON here")
     p.add_argument("--dispatch", action="store_true", help="time EP dispatch+combine vs raw all_to_all_single")
     p.add_argument("--moe-layer", action="store_true", help="EP MoE layer tokens/s at each of --ranks")
-    p.add_argument("--backend", default="alltoall", choices=("alltoall", "allgather"),
-                   help="dispatcher for --dispatch / --moe-layer")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--topk", type=int, default=6)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--inter", type=int, default=256, help="expert intermediate size (--moe-layer)")
-    p.add_argument("--ranks", default="1,2,4", help="rank counts for --moe-layer")
+    p.add_argument("--backend", default=None, choices=("alltoall", "allgather"),
+                   help="dispatcher for --dispatch / --moe-layer (default alltoall)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 2048)")
+    p.add_argument("--hidden", type=int, default=None, help="(default 1024)")
+    p.add_argument("--topk", type=int, default=None, help="(default 6)")
+    p.add_argument("--experts", type=int, default=None, help="(default 64)")
+    p.add_argument("--inter", type=int, default=None, help="expert intermediate size (--moe-layer; default 256)")
+    p.add_argument("--ranks", default=None, help="rank counts for --moe-layer (default 1,2,4)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: cores / ranks)")
     return p
+
+
+def mode_flag_problem(args: argparse.Namespace) -> str | None:
+    """One line naming a flag the chosen mode (a collective, ``--dispatch`` or ``--moe-layer``) would
+    ignore, or None; then fills every unset flag with its default. Run on freshly parsed flags."""
+    if args.dispatch and args.moe_layer:
+        return "--dispatch and --moe-layer are two benchmarks: run one at a time"
+    if args.dispatch or args.moe_layer:
+        mode = "--dispatch" if args.dispatch else "--moe-layer"
+        unread = dict(COLLECTIVE_DEFAULTS) | ({"nprocs": None} if args.moe_layer else dict(MOE_LAYER_DEFAULTS))
+        if args.op is not None:
+            return f"{mode} times no collective: drop {args.op!r} (or run `commbench {args.op}` without {mode})"
+    else:
+        mode, unread = "a collective", dict(EP_DEFAULTS) | dict(MOE_LAYER_DEFAULTS)
+    given = [_FLAG_NAMES[name] for name in unread if getattr(args, name) is not None]
+    if given:
+        return f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to {mode}"
+    for name, value in {**COLLECTIVE_DEFAULTS, **EP_DEFAULTS, **MOE_LAYER_DEFAULTS, "nprocs": NPROCS_DEFAULT}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return None
 
 
 def check_args(args: argparse.Namespace, output_problem: Callable[[str], str | None] | None = None) -> str | None:
@@ -285,7 +318,7 @@ def main(argv: list[str], output_problem: Callable[[str], str | None] | None = N
     ``launch.bench.commbench``). Returns the exit status (2: bad flags, one line). output_problem:
     what is wrong with writing -J's path (None: nothing), checked with the flags, before any rank."""
     args = build_parser().parse_args(argv)
-    problem = check_args(args, output_problem)
+    problem = mode_flag_problem(args) or check_args(args, output_problem)
     if problem is None and not (args.dispatch or args.moe_layer):
         if args.op is None:
             problem = ("name a collective (alltoall, allreduce, allgather, reducescatter), "
