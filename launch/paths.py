@@ -4,6 +4,7 @@ out at its end that ``--json /tmp`` is a directory."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -39,7 +40,7 @@ def output_dir_problem(path: str | os.PathLike[str]) -> str | None:
     if p.exists() and not p.is_dir():
         return f"{p} exists and is not a directory"
     if p.is_dir():
-        return None if os.access(p, os.W_OK | os.X_OK) else f"{p} is not writable"
+        return _writable_dir_problem(p)
     return _creatable(p.parent)
 
 
@@ -49,6 +50,19 @@ def _creatable(parent: Path) -> str | None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         return f"{ancestor} is not a directory"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"{ancestor} is not writable"
+    return _writable_dir_problem(ancestor)
+
+
+def _writable_dir_problem(folder: Path) -> str | None:
+    """Why no file can be made in the existing directory ``folder``, or None. os.access alone says yes
+    to root wherever the mode bits would (/proc, a read-only bind mount), so a file is made there and
+    removed again to be sure."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".moe-write-probe-", dir=folder)
+    except OSError as e:
+        return f"{folder} is not writable ({(e.strerror or str(e)).lower()})"
+    os.close(fd)
+    os.unlink(probe)
     return None

@@ -29,6 +29,15 @@ def test_output_file_problems_name_the_path(tmp_path) -> None:
         assert output_file_problem(tmp_path / "locked" / "x.json") == f"{tmp_path / 'locked'} is not writable"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_folder_no_file_can_be_made_in_is_refused_even_for_root(tmp_path) -> None:
+    # os.access says yes to root for /proc; nothing can be created there
+    assert "/proc is not writable" in output_file_problem("/proc/x.json")
+    assert "/proc is not writable" in output_dir_problem("/proc/out")
+    assert output_file_problem(tmp_path / "a" / "x.json") is None and output_dir_problem(tmp_path / "d") is None
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone again
+
+
 def test_a_path_error_no_command_checked_is_one_line(monkeypatch, capsys) -> None:
     def fails(argv: list[str]) -> int:
         open("/nonexistent-dir/x.json", "w")  # noqa: SIM115 - raises
