@@ -169,6 +169,9 @@ def _user_error(e: Exception) -> tuple[str, int] | None:
 # A command's output piped into a reader that stops early (`| head`): exit as the coreutils do
 # when SIGPIPE ends them (128 + 13), without a traceback.
 EXIT_BROKEN_PIPE = 141
+# Ctrl-C: one line and the shell's status for SIGINT (128 + 2), not a KeyboardInterrupt traceback.
+# The command's own cleanup (``finally``: engine and Ray shutdown) has run on the way out.
+EXIT_INTERRUPTED = 130
 
 
 def stdout_reader_gone() -> bool:
@@ -184,11 +187,17 @@ def stdout_reader_gone() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``) to a registered command. Output piped into a
-    reader that closed early (``| head``) ends it quietly with ``EXIT_BROKEN_PIPE``."""
+    reader that closed early (``| head``) ends it quietly with ``EXIT_BROKEN_PIPE``; Ctrl-C with
+    "interrupted" and ``EXIT_INTERRUPTED`` (``MOE_TRACEBACK=1``: the traceback)."""
     try:
         rc = _dispatch(argv)
         sys.stdout.flush()  # now, where a closed pipe can still be caught, not at interpreter exit
         return rc
+    except KeyboardInterrupt:
+        if os.environ.get("MOE_TRACEBACK") == "1":
+            raise
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         if not stdout_reader_gone():
             raise  # a connection of the command's own, not its output

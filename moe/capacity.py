@@ -25,6 +25,7 @@ EP group with ``compute_global_limits`` + ``apply_slot_limits`` after its count 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,8 @@ class CapacityConfig:
                                      ("overflow", self.overflow, OVERFLOWS)):
             if value not in choices:
                 raise ValueError(f"capacity_{name} must be one of {choices}, got {value!r}")
+        if not math.isfinite(self.capacity_factor):  # nan compares false: it would pass as dropless
+            raise ValueError(f"capacity_factor must be a finite number (<= 0: dropless), got {self.capacity_factor}")
         if self.min_capacity < 0:
             raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
         if self.enabled and self.scope == "global" and (self.policy, self.overflow) != ("position", "drop"):

@@ -206,12 +206,17 @@ class ModelConfig:
     def tensor_parallel_problem(self, tp: int) -> str | None:
         """Why the attention heads cannot be split over ``tp`` ranks (naming the numbers), or None:
         ``tp`` must divide the query heads and, for GQA, divide the kv heads or be a multiple of them
-        (each rank then holds a copy of its query heads' kv head, vLLM's rule)."""
+        (each rank then holds a copy of its query heads' kv head, vLLM's rule). The dense MLP layers
+        split their intermediate columns too, so ``tp`` must divide ``intermediate_size`` when the
+        model has any (routed and shared experts are not split: TP ranks split their tokens)."""
         if self.num_attention_heads % tp:
             return f"tensor_parallel_size={tp} does not divide num_attention_heads {self.num_attention_heads}"
         if self.attention == "gqa" and self.num_key_value_heads % tp and tp % self.num_key_value_heads:
             return (f"tensor_parallel_size={tp} must divide or be a multiple of num_key_value_heads "
                     f"{self.num_key_value_heads}")
+        if self.intermediate_size % tp and len(self.moe_layer_ids) < self.num_hidden_layers:
+            return (f"tensor_parallel_size={tp} does not divide intermediate_size {self.intermediate_size} "
+                    f"of the dense MLP layers ({self._dense_layer_fields()})")
         return None
 
     def _dense_layer_fields(self) -> str:
