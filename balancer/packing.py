@@ -52,6 +52,37 @@ def replicate(weight: np.ndarray, num_slots: int, max_count: int | None = None) 
     return counts, extra
 
 
+def replicate_cold(weight: np.ndarray, num_slots: int, max_count: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """``replicate``'s shape with the redundant slots given, one at a time, to the expert of the
+    *lowest* load per replica below ``max_count`` (the cap is lifted for a row only when every expert
+    sits at it): a copy of an idle expert weighs nothing, any copy only splits its expert's load, so
+    the experts pack much as they would without redundant slots.
+
+    Greedy replication minimises the largest replica, not the largest GPU: on few GPUs its copies of
+    the hottest experts, one per GPU, can pack worse than no redundant slots at all (loads 32, 23, 9
+    on two GPUs: 32 | 23 + 9 is even; with two redundant slots 16 + 16 and 11.5 + 11.5 go one to each
+    GPU and 9 tips it). weight: [X, e] float; num_slots >= e. Returns (counts [X, e] >= 1, rows
+    summing to num_slots; extra [X, num_slots - e], the expert given each redundant slot).
+    """
+    num_rows, num_experts = weight.shape
+    if num_slots < num_experts:
+        raise ValueError(f"num_slots={num_slots} is fewer than the {num_experts} experts to place")
+    counts = np.ones((num_rows, num_experts), dtype=np.int64)
+    extra = np.empty((num_rows, num_slots - num_experts), dtype=np.int64)
+    rows = np.arange(num_rows)
+    for t in range(num_slots - num_experts):
+        score = weight / counts.astype(weight.dtype)
+        if max_count is not None:
+            capped = np.where(counts >= max_count, np.inf, score)
+            full = np.isposinf(capped).all(1)
+            score = np.where(full[:, None], score, capped)
+        pick = score.argmin(axis=1)
+        extra[:, t] = pick
+        counts[rows, pick] += 1
+    return counts, extra
+
+
 def greedy_pack(
     item_weight: np.ndarray, item_expert: np.ndarray | None, num_bins: int, *, torch_order: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:

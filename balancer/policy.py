@@ -36,6 +36,7 @@ from balancer.packing import (
     refine_swaps,
     repair_duplicates,
     replicate,
+    replicate_cold,
     search_counts,
 )
 from balancer.placement import compute_log2phy
@@ -43,6 +44,10 @@ from balancer.stability import greedy_matching, keep_slots_on_gpu, match_bins, o
 
 POLICIES = ("auto", "hierarchical", "global", "deepseek")
 _EPS = 1e-12
+# How much better (balancedness) the placement with cold redundant copies (``replicate_cold``) must be
+# than the greedy one to be taken: where greedy replication packs worse than no redundancy at all,
+# not the window's noise (a steady load would otherwise be repacked window after window).
+_COLD_MARGIN = 0.01
 
 
 def rebalance_experts(
@@ -119,12 +124,13 @@ def _validate(weight, num_replicas, num_groups, num_nodes, num_gpus, policy) -> 
 
 
 def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, max_load, *, allow_dup: bool,
-           search: bool = False) -> np.ndarray:
+           search: bool = False, cold: bool = False) -> np.ndarray:
     """Our placement; w [L, E] float64, old [L, P] or None -> phy2log [L, P].
     max_load [L] (sticky mode, needs old): start from old and only swap until every
     GPU load is at most this; None: pack afresh, then relabel to overlap old.
     allow_dup: let two replicas of an expert share a GPU (no cap on replicas);
-    search: also move replicas between experts (search_counts) in fresh mode."""
+    search: also move replicas between experts (search_counts) in fresh mode.
+    cold: give the redundant slots to the coldest experts (``replicate_cold``), not the hottest."""
     num_layers, num_experts = w.shape
     group_size = num_experts // num_groups
     group_weight = w.reshape(num_layers, num_groups, group_size).sum(-1)
@@ -145,7 +151,7 @@ def _place(w, num_replicas, num_groups, num_nodes, num_gpus, old, max_load, *, a
         old_local = np.take_along_axis(local_of, old.reshape(rows, -1), 1)
     dom_max = None if max_load is None else np.repeat(max_load, num_nodes)
     slots = _place_domain(dom_w, num_replicas // num_nodes, num_gpus // num_nodes, old_local, dom_max, allow_dup,
-                          search)
+                          search, cold)
     return np.take_along_axis(dom_exp, slots, 1).reshape(num_layers, num_replicas)
 
 
@@ -191,10 +197,10 @@ def _sticky_groups(counts: np.ndarray, per_node: int) -> np.ndarray:
     return out
 
 
-def _place_domain(w, num_slots, num_bins, old_local, max_load, allow_dup, search) -> np.ndarray:
+def _place_domain(w, num_slots, num_bins, old_local, max_load, allow_dup, search, cold=False) -> np.ndarray:
     """w [X, e] -> slots [X, num_slots] local expert ids, GPU b owning slots b*k..b*k+k-1."""
     num_rows, num_experts = w.shape
-    counts, extra = replicate(w, num_slots, max_count=None if allow_dup else num_bins)
+    counts, extra = (replicate_cold if cold else replicate)(w, num_slots, max_count=None if allow_dup else num_bins)
     item_expert = np.concatenate([np.broadcast_to(np.arange(num_experts), (num_rows, num_experts)), extra], 1)
     item_weight = np.take_along_axis(w / counts, item_expert, 1)
     sticky = max_load is not None
@@ -241,6 +247,14 @@ def _ours(w, shape, old, ref, tolerance) -> np.ndarray:
             b_alt = bal(w[rows], alt)
             better = b_alt > b_fresh[rows] + _EPS
             fresh[rows[better]], b_fresh[rows[better]] = alt[better], b_alt[better]
+    # redundant slots: the cold copies' packing where it is clearly better (a layer already within the
+    # margin of even cannot be)
+    rows = np.nonzero(b_fresh < 1.0 - _COLD_MARGIN)[0] if shape[0] > w.shape[1] else np.empty(0, dtype=np.int64)
+    if rows.size:
+        alt = _place(w[rows], *shape, sub(old, rows), None, allow_dup=False, cold=True)
+        b_alt = bal(w[rows], alt)
+        better = b_alt > b_fresh[rows] + _COLD_MARGIN
+        fresh[rows[better]], b_fresh[rows[better]] = alt[better], b_alt[better]
     worse = b_fresh + _EPS < b_ref
     fresh[worse], b_fresh[worse] = ref[worse], b_ref[worse]
     if old is None:
