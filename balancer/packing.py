@@ -14,6 +14,16 @@ import numpy as np
 import torch
 
 
+def _one_replica_each(weight: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where the replications start: counts [X, e] all 1, extra [X, num_slots - e] to fill, the row
+    indices [X]; ValueError when num_slots < e."""
+    num_rows, num_experts = weight.shape
+    if num_slots < num_experts:
+        raise ValueError(f"num_slots={num_slots} is fewer than the {num_experts} experts to place")
+    counts = np.ones((num_rows, num_experts), dtype=np.int64)
+    return counts, np.empty((num_rows, num_slots - num_experts), dtype=np.int64), np.arange(num_rows)
+
+
 def replicate(weight: np.ndarray, num_slots: int, max_count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Greedily give the `num_slots - e` redundant slots to the experts with the
     highest load per replica (this minimises the maximum per-replica load).
@@ -25,19 +35,14 @@ def replicate(weight: np.ndarray, num_slots: int, max_count: int | None = None) 
     extra [X, num_slots - e] int64, the expert given each redundant slot, in the
     order they were given.
     """
-    num_rows, num_experts = weight.shape
-    if num_slots < num_experts:
-        raise ValueError(f"num_slots={num_slots} is fewer than the {num_experts} experts to place")
-    counts = np.ones((num_rows, num_experts), dtype=np.int64)
-    extra = np.empty((num_rows, num_slots - num_experts), dtype=np.int64)
-    rows = np.arange(num_rows)
+    counts, extra, rows = _one_replica_each(weight, num_slots)
     # Load per replica, and the same with experts at the cap masked; only the picked
     # expert's entry changes per round.
     score = weight / counts.astype(weight.dtype)
     capped = score.copy()
     if max_count is not None:
         capped[counts >= max_count] = -np.inf
-    for t in range(num_slots - num_experts):
+    for t in range(extra.shape[1]):
         pick = capped.argmax(axis=1)
         if max_count is not None:
             full = np.isneginf(capped[rows, pick])  # every expert at the cap: the cap is lifted
@@ -65,13 +70,8 @@ def replicate_cold(weight: np.ndarray, num_slots: int, max_count: int | None = N
     GPU and 9 tips it). weight: [X, e] float; num_slots >= e. Returns (counts [X, e] >= 1, rows
     summing to num_slots; extra [X, num_slots - e], the expert given each redundant slot).
     """
-    num_rows, num_experts = weight.shape
-    if num_slots < num_experts:
-        raise ValueError(f"num_slots={num_slots} is fewer than the {num_experts} experts to place")
-    counts = np.ones((num_rows, num_experts), dtype=np.int64)
-    extra = np.empty((num_rows, num_slots - num_experts), dtype=np.int64)
-    rows = np.arange(num_rows)
-    for t in range(num_slots - num_experts):
+    counts, extra, rows = _one_replica_each(weight, num_slots)
+    for t in range(extra.shape[1]):
         score = weight / counts.astype(weight.dtype)
         if max_count is not None:
             capped = np.where(counts >= max_count, np.inf, score)
