@@ -51,8 +51,19 @@ def slot_load_of_experts(load: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
         raise ValueError(f"phy2log holds expert ids outside [0, {num_experts})")
     counts = np.zeros((num_layers, num_experts), dtype=np.float64)
     np.add.at(counts, (np.arange(num_layers)[:, None], phy2log), 1.0)
+    _check_covered(load, counts)
     share = load.astype(np.float64) / np.maximum(counts, 1.0)
     return np.take_along_axis(share, phy2log, 1)
+
+
+def _check_covered(load: np.ndarray, counts: np.ndarray) -> None:
+    """ValueError naming the first expert with load ([L, E]) but no slot (counts [L, E] copies per
+    expert): a placement that leaves it out would drop its tokens from every rank's load."""
+    missing = (counts == 0) & (load > 0)
+    if missing.any():
+        layer, expert = (int(i) for i in np.argwhere(missing)[0])
+        raise ValueError(f"phy2log gives expert {expert} of layer {layer} no slot, but it has load "
+                         f"{float(load[layer, expert]):g}: every expert with load needs a copy")
 
 
 @dataclass(frozen=True)
@@ -97,8 +108,11 @@ def compute_par(load: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndar
     num_steps, num_layers, num_experts = load.shape
     if phy.shape[0] != num_layers or phy.shape[1] % num_gpus:
         raise ValueError(f"phy2log {phy.shape} does not fit load {load.shape} on {num_gpus} GPUs")
+    if phy.size and (phy.min() < 0 or phy.max() >= num_experts):
+        raise ValueError(f"phy2log holds expert ids outside [0, {num_experts})")
     counts = np.zeros((num_layers, num_experts), dtype=np.float64)
     np.add.at(counts, (np.arange(num_layers)[:, None], phy), 1.0)
+    _check_covered(load.max(0) if num_steps else np.zeros((num_layers, num_experts)), counts)
     share = (load / np.maximum(counts, 1.0)).reshape(num_steps, -1)  # [S, L * E] load of one copy
     flat = (np.arange(num_layers)[:, None] * num_experts + phy).ravel()  # [L * P] into L * E
     slot = np.take(share, flat, axis=1)  # [S, L * P]
