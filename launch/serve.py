@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,8 @@ logger = logging.getLogger("launch.serve")
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
+# vLLM's environment variable for the API key when --api-key is not given
+API_KEY_ENV = "VLLM_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,14 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
-    """The runtime config with the model (``MODEL`` or ``--model``) and the serve-only flags folded in."""
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+    """The runtime config with the model (``MODEL`` or ``--model``) and the serve-only flags folded in;
+    without an API key from the flags or the file, vLLM's ``VLLM_API_KEY`` (``environ``, default
+    ``os.environ``) is the key, as ``vllm serve`` takes it (``args.api_key or envs.VLLM_API_KEY``)."""
     tag = getattr(args, "model_tag", None)
     if tag is not None:
         if args.model is not None and args.model != tag:
             raise ConfigError(f"the model is given twice, as MODEL {tag!r} and as --model {args.model!r}: give one")
         args = argparse.Namespace(**{**vars(args), "model": tag})
-    return runtime_config_from_args(args)  # the serve-only flags included, over the file like every flag
+    cfg = runtime_config_from_args(args)  # the serve-only flags included, over the file like every flag
+    env_key = (os.environ if environ is None else environ).get(API_KEY_ENV)
+    if cfg.server.api_key or not env_key:
+        return cfg
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=env_key))
 
 
 def is_loopback(host: str) -> bool:

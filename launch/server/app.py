@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, Prometheus ``/metrics``, SGLang's expert-distribution routes.
+"""The FastAPI application: OpenAI routes, vLLM's ``/tokenize`` and ``/detokenize``, Prometheus
+``/metrics``, SGLang's expert-distribution routes.
 
 ``build_app(engine, server_config)`` wires an engine (``launch.async_llm.AsyncLLM`` or
 anything with the same surface) into an app; ``launch.serve`` runs it with uvicorn.
@@ -36,6 +37,14 @@ from launch.server.protocol import (
 )
 from launch.server.responses import ModelCard, ModelList
 from launch.server.serving import OpenAIServing
+from launch.server.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 from launch.server.tools.calling import ToolCalling
 
 logger = logging.getLogger(__name__)
@@ -286,6 +295,14 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokenize(serving, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await detokenize(serving, body)
 
     _install_expert_distribution_routes(app, engine, dump_dir)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_reject=metrics.on_rejected)

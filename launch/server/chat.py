@@ -33,10 +33,19 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
-                       add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                       add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+                       documents: list[dict[str, Any]] | None = None,
+                       template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
     """Token ids of the templated conversation (ending with the assistant header if asked);
-    ``tools`` (OpenAI tool definitions) are handed to the template, as transformers does."""
-    extra = {"tools": tools} if tools else {}
+    ``tools`` (OpenAI tool definitions), ``documents`` and vLLM's ``chat_template_kwargs``
+    (``template_kwargs``: extra template variables such as ``enable_thinking``) are handed to the
+    template, as transformers and vLLM hand them. The rendered text is encoded without the tokenizer's
+    special tokens (the template writes them) unless ``add_special_tokens`` (vLLM's field)."""
+    extra: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
+    if documents is not None:
+        extra["documents"] = documents
     try:
         rendered = tokenizer.apply_chat_template(chat_messages(messages),
                                                  add_generation_prompt=add_generation_prompt, **extra)
@@ -48,7 +57,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
         raise
     if isinstance(rendered, str):
         try:
-            return list(tokenizer.encode(rendered, add_special_tokens=False))
+            return list(tokenizer.encode(rendered, add_special_tokens=add_special_tokens))
         except ValueError as exc:  # e.g. InvalidTextError from a template that injects bad text
             raise APIError(400, str(exc), param="messages") from exc
     return [int(t) for t in rendered]

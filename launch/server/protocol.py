@@ -17,7 +17,7 @@ import logging
 import types
 import typing
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -40,6 +40,8 @@ MAX_N = 16
 # How many top logprobs a request may ask for per token is the engine's ``max_logprobs`` (vLLM's
 # ``--max-logprobs``), checked by ``OpenAIServing`` (-1 counting as vocab_size), not here.
 MAX_STOP_SEQUENCES = 16
+# What chat_template_kwargs may not set: the request's own fields (messages, tools, ...) fill them
+CHAT_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 # /v1/completions without max_tokens generates this many tokens at most (OpenAI's and vLLM's default);
 # an explicit null means "until max_model_len" (vLLM); chat has no default cap (both of them)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -225,6 +227,21 @@ class SamplingRequest(BaseModel):
     guided_grammar: Any = None
     structural_tag: Any = None
     use_beam_search: StrictBool | None = None
+    # vLLM's engine-side extensions (SamplingParams, prompt handling): refused unless neutral
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    # vLLM's: whether the prompt is encoded with the tokenizer's special tokens (bos, ...); null: the
+    # endpoint's default, ``ADDS_SPECIAL_TOKENS`` (completions yes; chat no, the template writes them)
+    add_special_tokens: StrictBool | None = None
+
+    ADDS_SPECIAL_TOKENS: ClassVar[bool] = True
+
+    @property
+    def encode_special_tokens(self) -> bool:
+        return self.ADDS_SPECIAL_TOKENS if self.add_special_tokens is None else self.add_special_tokens
 
     @model_validator(mode="before")
     @classmethod
@@ -323,6 +340,12 @@ class SamplingRequest(BaseModel):
                 return name, f"{name} is not supported: this server has no constrained decoding"
         if self.use_beam_search:
             return "use_beam_search", "use_beam_search=true is not supported (sampling only)"
+        for name in ("allowed_token_ids", "bad_words", "logits_processors", "truncate_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and value != []:
+                return name, f"{name} is not supported by this server"
+        if self.return_tokens_as_token_ids:
+            return "return_tokens_as_token_ids", "return_tokens_as_token_ids=true is not supported"
         return None
 
 
@@ -340,6 +363,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = Field(None, ge=0)
     echo: StrictBool = False
     suffix: str | None = None  # OpenAI's insertion mode: refused (``unsupported``), as vLLM refuses it
+    prompt_embeds: Any = None  # vLLM's; refused when set (token prompts only)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -361,6 +385,8 @@ class CompletionRequest(SamplingRequest):
             return problem
         if self.suffix:
             return "suffix", "suffix is not supported (this server has no insertion mode)"
+        if self.prompt_embeds is not None:
+            return "prompt_embeds", "prompt_embeds is not supported: send text or token ids"
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens=0 needs echo=true (the prompt alone, for scoring)"
         if self.echo and self.logprobs is not None and self.stream:
@@ -451,6 +477,13 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None  # accepted and not enforced, as vLLM
+    # vLLM's: extra template variables (e.g. Qwen3's enable_thinking) and RAG documents, handed to the
+    # chat template; a per-request template is refused (vLLM: only with --trust-request-chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: Any = None
+
+    ADDS_SPECIAL_TOKENS: ClassVar[bool] = False
 
     @field_validator("top_logprobs")
     @classmethod
@@ -485,6 +518,12 @@ class ChatCompletionRequest(SamplingRequest):
         if self.continue_final_message:
             return "continue_final_message", ("continue_final_message=true is not supported: the chat template "
                                               "closes every message")
+        if self.chat_template is not None:
+            return "chat_template", "chat_template is not supported: the checkpoint's chat template is used"
+        reserved = sorted(set(self.chat_template_kwargs or ()) & CHAT_TEMPLATE_RESERVED)
+        if reserved:
+            return "chat_template_kwargs", (f"chat_template_kwargs may not set {reserved[0]!r}: send the request's "
+                                            "own field instead")
         return None
 
     @property

@@ -147,21 +147,22 @@ class OpenAIServing:
                            param="messages" if what == "chat messages" else "prompt")
         return tok
 
-    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def tokenize(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             try:
-                ids = self.tokenizer("text prompts").encode(prompt)
+                ids = self.tokenizer("text prompts").encode(prompt, add_special_tokens=add_special_tokens)
             except ValueError as exc:  # e.g. InvalidTextError: text the tokenizer cannot take
                 raise APIError(400, str(exc), param=param) from exc
             return self.check_token_ids(list(ids), param)
         return self.check_token_ids(list(prompt), param)
 
-    async def tokenize_all(self, prompts: list[str | list[int]], param: str = "prompt") -> list[list[int]]:
+    async def tokenize_all(self, prompts: list[str | list[int]], param: str = "prompt",
+                           add_special_tokens: bool = True) -> list[list[int]]:
         """``tokenize`` of every prompt; text is encoded in a worker thread, so that a long prompt (seconds
         for megabytes of text) does not stall the event loop and with it every other client's stream."""
         if not any(isinstance(p, str) for p in prompts):
             return [self.tokenize(p, param) for p in prompts]
-        return await asyncio.to_thread(lambda: [self.tokenize(p, param) for p in prompts])
+        return await asyncio.to_thread(lambda: [self.tokenize(p, param, add_special_tokens) for p in prompts])
 
     def build_subrequests(self, prefix: str, prompts: list[list[int]], req: SamplingRequest,
                           max_new_tokens: int | None, logprobs: int | None, prompt_param: str = "prompt",
@@ -237,7 +238,7 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_supported(req)
         texts_or_ids = req.prompts()
-        prompts = await self.tokenize_all(texts_or_ids)
+        prompts = await self.tokenize_all(texts_or_ids, add_special_tokens=req.encode_special_tokens)
         echo_texts = self.echo_texts(texts_or_ids) if req.echo else None
         self.check_queue()
         request_id = random_id("cmpl")
@@ -258,7 +259,9 @@ class OpenAIServing:
         num_logprobs = req.num_logprobs
         # off the event loop: rendering and encoding a long conversation takes as long as a long prompt
         ids = await asyncio.to_thread(render_chat_prompt, self.tokenizer("chat messages"), req.messages,
-                                      add_generation_prompt=req.add_generation_prompt, tools=req.tools)
+                                      add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+                                      documents=req.documents, template_kwargs=req.chat_template_kwargs,
+                                      add_special_tokens=req.encode_special_tokens)
         prompts = [self.check_token_ids(ids, "messages")]
         self.check_queue()
         request_id = random_id("chatcmpl")
