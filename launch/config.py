@@ -383,7 +383,14 @@ class RuntimeConfig:
         return self.served_model_names[0]
 
     def check_model_path(self) -> Path:
-        """The checkpoint directory; raises FileNotFoundError naming what is missing."""
+        """The checkpoint directory of a run that loads it; raises FileNotFoundError naming what is
+        missing, ValueError when ``model_overrides`` is set: it reshapes the model only for the cost
+        model (``simulate``, ``config``), while a run builds the model from the checkpoint's own
+        config.json, so the overrides would be silently ignored."""
+        if self.model_overrides:
+            raise ValueError(f"model_overrides ({', '.join(sorted(self.model_overrides))}) only reshape the "
+                             "model for simulate and config; a run builds it from the checkpoint's "
+                             "config.json as it is: edit that file (or make-tiny --override) instead")
         path = Path(self.model)
         if path.is_file():
             raise FileNotFoundError(f"model {self.model!r} is a file: give the checkpoint directory"
@@ -399,9 +406,13 @@ class RuntimeConfig:
         max_num_batched_tokens); ValueError with the numbers."""
         p, e = self.parallel, self.engine
         mc = model_config
-        if e.max_model_len is not None and e.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"engine.max_model_len={e.max_model_len} > the model's max_position_embeddings "
-                             f"{mc.max_position_embeddings}")
+        if e.max_model_len is not None and e.max_model_len > mc.max_model_len_limit:
+            limit = (f"max_position_embeddings {mc.max_position_embeddings}"
+                     if mc.rope_scaling is None or mc.max_model_len_limit == mc.max_position_embeddings else
+                     f"context length {mc.max_model_len_limit} (max_position_embeddings "
+                     f"{mc.max_position_embeddings}, YaRN {mc.rope_scaling.original_max_position_embeddings} x "
+                     f"{mc.rope_scaling.factor:g})")
+            raise ValueError(f"engine.max_model_len={e.max_model_len} > the model's {limit}")
         max_model_len = e.max_model_len or mc.max_position_embeddings
         if not e.enable_chunked_prefill and e.max_num_batched_tokens < max_model_len:
             source = "" if e.max_model_len else ", the model's max_position_embeddings"

@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: put the job's command after `--`, e.g. `python -m launch submit --address "
               "http://HEAD:8265 --working-dir . -- python -m launch generate ...`", file=sys.stderr)
         return EXIT_USAGE
+    if not args[args.index("--") + 1 :]:
+        print("error: no job command after `--`: give the command the job runs, e.g. `-- python -m "
+              "launch generate --model DIR --input IN.jsonl --output OUT.jsonl`", file=sys.stderr)
+        return EXIT_USAGE
     try:
         address = check_address(args, os.environ)
         env = submit_env(address, os.environ)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+import torch
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from launch.paths import output_dir_problem
@@ -40,6 +41,8 @@ from moe.tiny import write_tiny_checkpoint as write_tiny_weights
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 TOKENIZER_VOCAB_SIZE = {"tiny": 512, "small": 1024}
+# config.json ``torch_dtype`` -> the dtype the weights are stored in (an override changes both)
+STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def training_texts() -> list[str]:
@@ -122,10 +125,12 @@ def make_tiny_checkpoint(
         raise ValueError("config override 'vocab_size' is not allowed: the vocabulary is the trained tokenizer's")
     created = check_out_dir(out_dir)
     config = tiny_config(arch, size, overrides)
+    # torch_dtype names the stored weights' dtype: write them in it, so config.json does not lie
+    dtype = STORED_DTYPES[overrides.pop("torch_dtype")] if "torch_dtype" in overrides else None
     tok = train_tokenizer(TOKENIZER_VOCAB_SIZE[size])
     try:
         out = write_tiny_weights(arch, out_dir, size=size, seed=seed, vocab_size=tok.get_vocab_size(), log=log,
-                                 router_skew=router_skew, config_overrides=overrides)
+                                 router_skew=router_skew, config_overrides=overrides, dtype=dtype)
         write_tokenizer(out, tok, model_max_length=config["max_position_embeddings"])
     except BaseException:
         if created is not None:
@@ -186,6 +191,9 @@ def tiny_config(arch: str, size: str, overrides: dict[str, Any]) -> dict[str, An
             raise ValueError(f"config override {key!r} is not a field of the {arch} config.json; "
                              f"fields: {sorted(config)}")
         _check_override_type(key, value, config[key])
+    if "torch_dtype" in overrides and overrides["torch_dtype"] not in STORED_DTYPES:
+        raise ValueError(f"config override 'torch_dtype' must be one of {list(STORED_DTYPES)} (the dtype the "
+                         f"weights are written in), got {json.dumps(overrides['torch_dtype'])}")
     config.update(overrides)
     given = ", ".join(f"{k}={json.dumps(v, default=repr)}" for k, v in overrides.items())
     given = f"config override {given} gives" if len(overrides) == 1 else f"config overrides {given} give"

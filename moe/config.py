@@ -228,6 +228,16 @@ class ModelConfig:
         return "the config's fields"
 
     @property
+    def max_model_len_limit(self) -> int:
+        """The longest context (prompt + output) the model supports: max_position_embeddings, or with
+        YaRN original_max_position_embeddings x factor when that is larger, as vLLM derives it (Qwen3's
+        YaRN recipe adds rope_scaling factor 4 over 32768 and leaves max_position_embeddings at 40960)."""
+        if self.rope_scaling is None:
+            return self.max_position_embeddings
+        extended = int(self.rope_scaling.original_max_position_embeddings * self.rope_scaling.factor)
+        return max(self.max_position_embeddings, extended)
+
+    @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
 

@@ -96,6 +96,20 @@ def _plan_all(ckpt: Checkpoint, requests: Iterable[TensorRequest]) -> tuple[list
     return [planner.plan(r) for r in requests], scheme.family
 
 
+def _check_source_kinds(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) -> None:
+    """CheckpointFormatError unless every source of ``plan`` is floating point exactly when ``dest``
+    is: an integer tensor (int8/uint8 quantized weights without their scales) copied into a
+    floating-point parameter would load as garbage values, silently."""
+    for copy in plan.copies:
+        info = ckpt.info(copy.key)
+        if _TORCH_DTYPES[info.dtype].is_floating_point != dest.is_floating_point():
+            raise CheckpointFormatError(
+                f"{info.file}: tensor {copy.key!r} has dtype {info.dtype}, but {plan.request.name!r} is "
+                f"{str(dest.dtype).removeprefix('torch.')}: integer (quantized) weights are not supported, "
+                "dequantize the checkpoint first"
+            )
+
+
 @torch.no_grad()
 def _execute(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) -> None:
     """Read each copy's source once and write it into ``dest`` (converting dtype)."""
@@ -233,6 +247,8 @@ def load_weights(
     start = _Start.of(ckpt)
     try:
         plans, family = _plan_all(ckpt, (req for req, _ in targets.values()))
+        for plan in plans:  # every check before the first write
+            _check_source_kinds(ckpt, plan, targets[plan.request.name][1])
         for plan in plans:
             _execute(ckpt, plan, targets[plan.request.name][1])
         return _finish_report(ckpt, family, plans, start, aliases)
@@ -263,6 +279,8 @@ def load_experts(
             for leaf in (GATE_UP, DOWN)
         ]
         plans, family = _plan_all(ckpt, requests)
+        for plan, leaf in zip(plans, (GATE_UP, DOWN)):
+            _check_source_kinds(ckpt, plan, getattr(experts, leaf))
         for plan, leaf in zip(plans, (GATE_UP, DOWN)):
             _execute(ckpt, plan, getattr(experts, leaf).detach())
         return _finish_report(ckpt, family, plans, start, account_leftovers=False)

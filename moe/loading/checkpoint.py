@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from moe.loading.errors import CheckpointFormatError, CheckpointNotFoundError
 
 INDEX_NAME = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$")  # model-00001-of-00004.safetensors
 CONFIG_NAME = "config.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _REFUSE_PICKLE = (
@@ -86,6 +88,25 @@ def _files_from_index(index_path: Path) -> tuple[list[Path], dict[str, Path]]:
     return list(files), by_key
 
 
+def _check_shard_set(directory: Path, files: list[Path]) -> None:
+    """Without an index, shards named ``STEM-0000i-of-0000N.safetensors`` must all be there:
+    CheckpointNotFoundError naming the first missing one (else its tensors would be reported
+    missing one by one, with no word of the shard)."""
+    series: dict[tuple[str, str, int], set[int]] = {}  # (stem, "0000N", digits of i) -> the i present
+    for f in files:
+        m = _SHARD_RE.match(f.name)
+        if m:
+            series.setdefault((m["stem"], m["n"], len(m["i"])), set()).add(int(m["i"]))
+    for (stem, n, width), present in series.items():
+        missing = [i for i in range(1, int(n) + 1) if i not in present]
+        if missing:
+            name = f"{stem}-{missing[0]:0{width}d}-of-{n}.safetensors"
+            raise CheckpointNotFoundError(
+                f"{directory}: shard {name!r} does not exist ({len(present)} of {int(n)} shards of {stem!r} "
+                f"here, and no {INDEX_NAME})"
+            )
+
+
 @dataclass(frozen=True)
 class CheckpointFiles:
     """Where a checkpoint's weights are: its directory, shard files, and the index if any."""
@@ -122,6 +143,7 @@ def resolve_checkpoint_files(path: str | Path) -> CheckpointFiles:
     # model.safetensors alone wins over stray files (e.g. Mistral's consolidated.safetensors).
     files = [p / "model.safetensors"] if (p / "model.safetensors").is_file() else sorted(p.glob("*.safetensors"))
     if files:
+        _check_shard_set(p, files)
         return CheckpointFiles(p, files)
     _refuse_pickles(sorted(f for f in p.iterdir() if f.suffix in PICKLE_SUFFIXES))
     raise CheckpointNotFoundError(

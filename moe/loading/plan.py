@@ -131,7 +131,8 @@ class Planner:
             tried.append(EMBED_NAME)
         key = next((k for k in tried if k in self.ckpt), None)
         if key is None:
-            raise MissingTensorError(request.name, tried, str(self.ckpt.root), self._layer_kind_hint(request.name))
+            hint = self._layer_kind_hint(request.name) or self._prefix_hint(request.name)
+            raise MissingTensorError(request.name, tried, str(self.ckpt.root), hint)
         self._check_shape(request.name, key, request.shape)
         return TensorPlan(request, (Copy(key),), self._info(key).dtype)
 
@@ -191,6 +192,16 @@ class Planner:
                     raise MissingTensorError(label, [f"{key}[{expert}] (holds {num_experts} experts)"], str(self.ckpt.root))
                 return [Copy(key, index=expert, transpose=transposed, slots=slots)]
         raise MissingTensorError(label, tried, str(self.ckpt.root), self._layer_kind_hint(canonical))
+
+    def _prefix_hint(self, canonical: str) -> str:
+        """Why a tensor may be missing: the checkpoint holds it under another prefix (a base model's
+        ``embed_tokens.weight``, a wrapper's ``language_model.model.embed_tokens.weight``); "" if not."""
+        bare = canonical.removeprefix("model.")
+        found = next((k for k in self.ckpt.keys() if k == bare or k.endswith("." + bare)), None)
+        if found is None:
+            return ""
+        return (f"the checkpoint has {found!r}: its names carry another prefix than a *ForCausalLM "
+                "checkpoint's ('model.layers.N...', 'lm_head.weight'), which this loader reads")
 
     def _layer_kind_hint(self, canonical: str) -> str:
         """Why a layer's FFN tensor may be missing: the checkpoint's layer is the other kind (routed
