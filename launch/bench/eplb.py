@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from balancer import compute_move_plan, predict, rebalance_experts
+from balancer.placement import compute_log2phy
 from launch.paths import output_file_problem, write_output_file
 
 
@@ -145,20 +146,18 @@ def _checked_reference(fn: Callable, path: str) -> Callable:
             arr = np.asarray(phy.detach().cpu() if isinstance(phy, torch.Tensor) else phy)
         except (ValueError, TypeError):  # ragged or odd objects: not a phy2log either
             arr = np.zeros(0)
-        if (arr.shape != (num_layers, num_replicas) or not np.issubdtype(arr.dtype, np.integer)
-                or arr.min() < 0 or arr.max() >= num_experts or not _places_every_expert(arr, num_experts)):
+        try:
+            if arr.shape != (num_layers, num_replicas) or not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError("not a phy2log")
+            compute_log2phy(arr, num_experts)  # ids in [0, E), every expert with a slot
+        except ValueError:
             raise BadReferenceError(f"--reference {path}: rebalance_experts did not return DeepSeek's (phy2log "
-                             f"[{num_layers}, {num_replicas}] of every expert id in [0, {num_experts}), ...)")
+                                    f"[{num_layers}, {num_replicas}] of every expert id in [0, {num_experts}), "
+                                    "...)") from None
         rest = tuple(out[1:]) if isinstance(out, tuple | list) else ()
         return (torch.from_numpy(arr.astype(np.int64)), *rest)
     return call
 
-
-def _places_every_expert(phy2log: np.ndarray, num_experts: int) -> bool:
-    """phy2log [L, P] ids in [0, E): whether every layer gives every expert a slot."""
-    covered = np.zeros((phy2log.shape[0], num_experts), dtype=bool)
-    covered[np.arange(phy2log.shape[0])[:, None], phy2log] = True
-    return bool(covered.all())
 
 
 def _timed(fn, repeats: int):
