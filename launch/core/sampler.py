@@ -92,7 +92,6 @@ class SamplerOutput:
         top_ids = self.topn_token_ids.tolist()
         top_lp = self.topn_logprobs.tolist()
         ranks = self.sampled_ranks.tolist() if self.sampled_ranks is not None else [None] * len(ids)
-        vocab = self.topn_token_ids.shape[1] if any(p.logprobs == -1 for p in params) else 0
         rows: list[dict[int, float] | None] = []
         row_ranks: list[int | None] = []
         for b, p in enumerate(params):
@@ -100,7 +99,7 @@ class SamplerOutput:
                 rows.append(None)
                 row_ranks.append(None)
                 continue
-            n = vocab if p.logprobs < 0 else p.logprobs
+            n = len(top_ids[b]) if p.logprobs < 0 else p.logprobs  # -1: all V (the top-n is V wide then)
             d = {ids[b]: sampled[b]}
             for t, lp in zip(top_ids[b][:n], top_lp[b][:n]):
                 d.setdefault(t, lp)
