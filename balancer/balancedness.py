@@ -112,7 +112,8 @@ def compute_par(load: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndar
         raise ValueError(f"phy2log holds expert ids outside [0, {num_experts})")
     counts = np.zeros((num_layers, num_experts), dtype=np.float64)
     np.add.at(counts, (np.arange(num_layers)[:, None], phy), 1.0)
-    _check_covered(load.max(0) if num_steps else np.zeros((num_layers, num_experts)), counts)
+    if num_steps and (counts == 0).any():  # only then is the [S, L, E] load read for it
+        _check_covered(load.max(0), counts)
     share = (load / np.maximum(counts, 1.0)).reshape(num_steps, -1)  # [S, L * E] load of one copy
     flat = (np.arange(num_layers)[:, None] * num_experts + phy).ravel()  # [L * P] into L * E
     slot = np.take(share, flat, axis=1)  # [S, L * P]
