@@ -109,6 +109,7 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
 
     The shutdown runs in the app's lifespan, inside uvicorn's serve: uvicorn re-raises a
     captured SIGTERM/SIGINT after serving, so anything after ``serve()`` might never run.
+    A Ctrl-C before uvicorn has SIGINT (during the engine build) ends here the same way, quietly.
     """
     if engine is None:
         from launch.async_llm import AsyncLLM
@@ -133,6 +134,11 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
                                                log_level=log_level, timeout_graceful_shutdown=5))
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(cfg.served_model_names),
                     cfg.server.host, cfg.server.port)
+        # Until uvicorn's serve() installs its handler, SIGINT is asyncio.run's, which cancels this
+        # task; the synchronous build above never awaits, so take that cancellation here, before
+        # uvicorn starts a lifespan task that asyncio.run would then cancel (a logged traceback).
+        # What is left unguarded is the few synchronous lines into uvicorn's serve().
+        await asyncio.sleep(0)
         await server.serve()
     finally:
         if not done:  # the server never started (e.g. the port was taken)

@@ -4,12 +4,15 @@
 ``build_app(engine, server_config)`` wires an engine (``launch.async_llm.AsyncLLM`` or
 anything with the same surface) into an app; ``launch.serve`` runs it with uvicorn.
 Every error leaves as OpenAI's ``{"error": {"message", "type", "param", "code"}}``;
-with ``api_key`` set every route but ``/health`` wants ``Authorization: Bearer KEY``.
+with ``api_key`` set, vLLM's rule: routes under ``/v1`` want ``Authorization: Bearer KEY``
+(OPTIONS excepted), and so do SGLang's expert-distribution routes, as SGLang guards them; the rest
+(``/health``, ``/ping``, ``/version``, ``/metrics``, ``/tokenize``, ``/detokenize``) stay open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import inspect
 import json
 import logging
@@ -49,7 +52,12 @@ from launch.server.tools.calling import ToolCalling
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health"})
+# vLLM guards the paths under root_path + "/v1"; SGLang guards its own routes (it opens only
+# /health and /metrics): a dump writes a file, so the record routes keep the key here too.
+GUARDED_PREFIX = "/v1"
+GUARDED_PATHS = frozenset({"/start_expert_distribution_record", "/stop_expert_distribution_record",
+                           "/dump_expert_distribution_record"})
+DISTRIBUTION_NAME = "moe-serve"  # pyproject.toml's [project] name
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -82,7 +90,7 @@ class APIKeyMiddleware:
         self._on_reject = on_reject  # counts the 401s (ServerMetrics.on_rejected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not is_guarded_path(scope):
             await self.app(scope, receive, send)
             return
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
@@ -95,6 +103,21 @@ class APIKeyMiddleware:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def is_guarded_path(scope: Scope) -> bool:
+    """Whether a request to ``scope["path"]`` (less the app's ``root_path``) needs the API key."""
+    path = scope["path"].removeprefix(scope.get("root_path", ""))
+    return path.startswith(GUARDED_PREFIX) or path in GUARDED_PATHS
+
+
+def package_version() -> str:
+    """This package's version, as installed (``moe-serve`` in pyproject.toml); ``"unknown"`` when the
+    source runs without being installed."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION_NAME)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class BodyLimitMiddleware:
@@ -204,6 +227,22 @@ async def _call(method: Any, *args: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+async def _health_response(engine: EngineClient) -> Response:
+    """``/health`` and ``/ping``: 200, or 503 ``service_unavailable`` naming why the engine cannot serve."""
+    try:
+        check = getattr(engine, "check_health", None)
+        if check is not None:
+            await _call(check)
+        if getattr(engine, "errored", False):
+            raise RuntimeError("the engine has stopped on an error")
+    except Exception as exc:
+        unavailable = unavailable_error(exc)
+        if unavailable is not None:
+            return error_response(503, unavailable.message, type="service_unavailable", headers=unavailable.headers)
+        return error_response(503, f"Engine unhealthy: {exc}", type="service_unavailable")
+    return Response(status_code=200)
+
+
 def _install_expert_distribution_routes(app: FastAPI, engine: EngineClient, dump_dir: Path) -> None:
     """SGLang's ``/start_``, ``/stop_`` and ``/dump_expert_distribution_record`` (POST)."""
 
@@ -265,19 +304,18 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
     async def health() -> Response:
         """200 while the engine serves; 503 with the reason while it recovers from a worker
         fault (with Retry-After) or once it has stopped (``errored`` / ``check_health``)."""
-        try:
-            check = getattr(engine, "check_health", None)
-            if check is not None:
-                await _call(check)
-            if getattr(engine, "errored", False):
-                raise RuntimeError("the engine has stopped on an error")
-        except Exception as exc:
-            unavailable = unavailable_error(exc)
-            if unavailable is not None:
-                return error_response(503, unavailable.message, type="service_unavailable",
-                                      headers=unavailable.headers)
-            return error_response(503, f"Engine unhealthy: {exc}", type="service_unavailable")
-        return Response(status_code=200)
+        return await _health_response(engine)
+
+    async def ping() -> Response:
+        """SageMaker's liveness check (GET or POST), answered as ``/health``, as vLLM's."""
+        return await _health_response(engine)
+
+    for method in ("GET", "POST"):  # one route per method: OpenAPI wants distinct operation ids
+        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
@@ -158,13 +159,34 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's ``ModelPermission``: fixed values that OpenAI's old model object carried."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
+    """vLLM's ``ModelCard``: ``root`` is the checkpoint, ``permission`` one ``ModelPermission``."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "moe-serve"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

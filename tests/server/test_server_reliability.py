@@ -325,17 +325,24 @@ def test_soak_rss_flat_and_metrics_idle(server):
     assert httpx.post(server.url + "/stop_expert_distribution_record", headers=AUTH).status_code == 200
 
 
-def test_auth_on_every_route_but_health(server):
-    """The key guards every route, /openapi.json included; /health never needs it."""
-    routes = [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("POST", "/v1/completions"),
-              ("POST", "/v1/chat/completions"), ("POST", "/start_expert_distribution_record"),
-              ("POST", "/stop_expert_distribution_record"), ("POST", "/dump_expert_distribution_record"),
-              ("GET", "/no-such-route")]
-    for method, path in routes:
+def test_auth_guards_v1_and_the_record_routes(server):
+    """vLLM's rule: the key guards the routes under /v1 (an unknown one included) and, as SGLang's,
+    the expert-distribution routes; /health, /ping, /version, /metrics, /tokenize, /detokenize and
+    /openapi.json never need it."""
+    guarded = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+               ("GET", "/v1/no-such-route"), ("POST", "/start_expert_distribution_record"),
+               ("POST", "/stop_expert_distribution_record"), ("POST", "/dump_expert_distribution_record")]
+    for method, path in guarded:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = httpx.request(method, server.url + path, headers=headers, timeout=30)
             assert r.status_code == 401, (method, path, r.status_code)
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    open_ = [("GET", "/health", None), ("GET", "/ping", None), ("POST", "/ping", None), ("GET", "/version", None),
+             ("GET", "/metrics", None), ("GET", "/openapi.json", None), ("POST", "/tokenize", {"prompt": "a"}),
+             ("POST", "/detokenize", {"tokens": [1]})]
+    for method, path, body in open_:
+        r = httpx.request(method, server.url + path, json=body, timeout=30)
+        assert r.status_code == 200, (method, path, r.status_code, r.text)
+    assert httpx.get(server.url + "/no-such-route", timeout=10).status_code == 404
     # The server listens on loopback only (the default bind).
     conns = [c for c in psutil.Process(server.proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
     assert conns and all(c.laddr.ip == "127.0.0.1" for c in conns), conns
