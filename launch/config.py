@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from balancer.config import BalancerConfig
-from launch.config_schema import ConfigError, apply_override, build_dataclass, load_yaml_mapping
+from launch.config_schema import PATH, ConfigError, apply_override, build_dataclass, load_yaml_mapping
 from launch.core.kv_sizing import parse_memory
 from launch.core.sampling_params import DEFAULT_MAX_LOGPROBS
 from launch.generation_config import SAMPLING_KEYS as GENERATION_SAMPLING_KEYS
@@ -185,7 +185,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
-    generation_config: str = "auto"
+    generation_config: str = field(default="auto", metadata=PATH)  # or "vllm"
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
@@ -272,8 +272,8 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: Any = None  # str | list[str] | None
     max_queue_len: int = 1024
-    expert_distribution_dir: str | None = None
-    init_expert_location: str | None = None
+    expert_distribution_dir: str | None = field(default=None, metadata=PATH)
+    init_expert_location: str | None = field(default=None, metadata=PATH)
     expert_distribution_recorder_buffer_size: int = 1000
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -336,7 +336,7 @@ class RecoveryConfig:
 class RuntimeConfig:
     """Everything a run needs; see the module docstring for YAML layout and precedence."""
 
-    model: str
+    model: str = field(metadata=PATH)  # or a Hugging Face repo name (never begins with "~")
     model_overrides: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

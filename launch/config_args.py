@@ -52,6 +52,7 @@ _FILE_ONLY_KEYS = {name: f"server.{name}" for name in (
 # vLLM flags taken and documented as changing nothing here (flags and flat --config keys).
 COMPAT_NOOP_KEYS = ("trust_remote_code", "disable_log_requests")
 _VALUE_ALIASES = {"engine.dtype": DTYPE_ALIASES, "engine.kv_cache_dtype": KV_CACHE_DTYPE_ALIASES}
+_CHOICES = {"engine.dtype": DTYPES, "engine.kv_cache_dtype": KV_CACHE_DTYPES}
 _DEFAULTS = RuntimeConfig(model="-")
 
 
@@ -71,11 +72,27 @@ def default_of(key: str) -> Any:
     return node
 
 
-def _aliased(aliases: Mapping[str, str]) -> Callable[[str], str]:
-    """An argparse ``type`` that turns vLLM's other spellings into ours (argparse checks choices after)."""
+def _accepted(key: str) -> tuple[str, ...]:
+    """Every spelling a flag or flat config key takes for dotted ``key``: ours, then vLLM's other ones."""
+    return (*_CHOICES[key], *_VALUE_ALIASES[key])
+
+
+def _invalid_choice(key: str, value: Any) -> str:
+    return f"invalid choice: {value!r} (choose from {', '.join(repr(c) for c in _accepted(key))})"
+
+
+def _aliased(key: str) -> Callable[[str], str]:
+    """An argparse ``type`` for dotted ``key``: one of ``_accepted(key)``, vLLM's spellings turned into
+    ours; anything else is argparse's one-line error listing every accepted spelling."""
     def convert(value: str) -> str:
-        return aliases.get(value, value)
+        if value not in _accepted(key):
+            raise argparse.ArgumentTypeError(_invalid_choice(key, value))
+        return _VALUE_ALIASES[key].get(value, value)
     return convert
+
+
+def _metavar(key: str) -> str:
+    return "{" + ",".join(_accepted(key)) + "}"
 
 
 def parse_json_object(text: str, source: str) -> dict[str, Any]:
@@ -136,8 +153,7 @@ def _group_parallel(parser: argparse.ArgumentParser) -> None:
 
 def _group_engine(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", type=_aliased(DTYPE_ALIASES), choices=DTYPES, default=None,
-                   metavar="{auto,bfloat16,float16,half,float32,float}",
+    g.add_argument("--dtype", type=_aliased("engine.dtype"), default=None, metavar=_metavar("engine.dtype"),
                    help=f"compute dtype; auto: the checkpoint's (bfloat16 when it names none) {_d('engine.dtype')}")
     g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help=f"sequences running at once per DP rank {_d('engine.max_num_seqs')}")
@@ -154,8 +170,8 @@ def _group_engine(parser: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of a shared prompt prefix (on by default)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts over steps (on by default)")
-    g.add_argument("--kv-cache-dtype", type=_aliased(KV_CACHE_DTYPE_ALIASES), choices=KV_CACHE_DTYPES, default=None,
-                   metavar="{auto,fp8,fp8_e4m3}",
+    g.add_argument("--kv-cache-dtype", type=_aliased("engine.kv_cache_dtype"), default=None,
+                   metavar=_metavar("engine.kv_cache_dtype"),
                    help=f"fp8 (e4m3, per-layer scale) or auto (the compute dtype) {_d('engine.kv_cache_dtype')}")
     g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
                    help="weight-only int8 routed experts (per-output-channel scales); off by default")
@@ -273,7 +289,10 @@ def nest_flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
             dotted = FLAG_KEYS.get(name) or _FILE_ONLY_KEYS[name]
             if dotted == "server.served_model_name":
                 value = served_name_value(value)
-            value = _VALUE_ALIASES.get(dotted, {}).get(value, value) if isinstance(value, str) else value
+            if dotted in _VALUE_ALIASES:
+                if value not in _accepted(dotted):
+                    raise ConfigError(f"{where}: {key}: {_invalid_choice(dotted, value)}")
+                value = _VALUE_ALIASES[dotted].get(value, value)
             flat.append((key, dotted, value))
         else:
             names = sorted(sections | set(FLAG_KEYS) | set(_FILE_ONLY_KEYS))

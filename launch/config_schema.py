@@ -5,13 +5,17 @@ fields take mappings, the rest are type-checked against their annotations (``int
 ``float``, ``bool``, ``str``, ``dict``, ``Any`` and unions of these; ``None`` only where the
 annotation allows it; an int is accepted for a float; ``1e-3``, which YAML 1.1 reads as
 a string, is accepted for a float). Every error is a ``ConfigError`` naming the full
-dotted key; an unknown key also names the closest valid key.
+dotted key; an unknown key also names the closest valid key. A field whose metadata is
+``PATH`` (``field(metadata=PATH)``) holds a filesystem path: a leading ``~`` / ``~user`` is
+expanded to the home directory, so a YAML file, ``--set`` and a flag all read ``~/ckpt`` alike
+(YAML reads a bare ``~`` as null, which the type check then refuses).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -22,6 +26,7 @@ from typing import Any
 import yaml
 
 _SCI_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+PATH: Mapping[str, Any] = types.MappingProxyType({"path": True})  # field metadata: a filesystem path
 _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", dict: "mapping", type(None): "null"}
 
 
@@ -123,6 +128,8 @@ def build_dataclass(cls: type, data: Any, prefix: str = "", root: type | None = 
             kwargs[name] = build_dataclass(tp, {} if value is None else value, dotted, root)
         else:
             kwargs[name] = check_value(value, tp, dotted)
+            if fields[name].metadata.get("path") and isinstance(kwargs[name], str):
+                kwargs[name] = os.path.expanduser(kwargs[name])
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:

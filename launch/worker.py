@@ -273,12 +273,8 @@ class Worker:
         )
         for i, layer in enumerate(self.model.moe_layers()):
             layer.set_placement(self.phy2log[i], self.layout.ep_size, self.coords.ep_rank)
+        # strict: a tensor nothing reads is an UnexpectedTensorError before the first write, as in vLLM
         self.load_report = load_weights(self.model, spec.model_path, dtype=self.dtype)
-        if self.load_report.unexpected and rank == 0:  # every rank sees the same names: one says so
-            names = self.load_report.unexpected
-            log.warning("%s: %d checkpoint tensor(s) that no part of the model reads, e.g. %s: config.json "
-                        "may not describe this checkpoint", spec.model_path, len(names),
-                        ", ".join(repr(n) for n in names[:3]))
         for layer in self.model.moe_layers():
             layer.experts.set_quantization(spec.quantization)
         self.model.shard_for_tp()

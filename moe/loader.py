@@ -18,6 +18,7 @@ Names per family and fused-expert layouts: ``moe.loading.names``. Errors:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,8 +34,17 @@ from moe.loading.errors import (
     LoadError,
     MissingTensorError,
     TensorShapeError,
+    UnexpectedTensorError,
 )
-from moe.loading.names import DOWN, GATE_UP, detect_scheme, expert_block_of, is_known_unused
+from moe.loading.names import (
+    DOWN,
+    GATE_UP,
+    detect_scheme,
+    expert_block_of,
+    is_rotary_cache,
+    layer_of,
+    num_mtp_layers,
+)
 from moe.loading.plan import EMBED_NAME, LM_HEAD_NAME, Planner, TensorPlan, TensorRequest
 
 __all__ = [
@@ -46,6 +56,7 @@ __all__ = [
     "MissingTensorError",
     "TensorRequest",
     "TensorShapeError",
+    "UnexpectedTensorError",
     "load_experts",
     "load_state_dict",
     "load_weights",
@@ -56,6 +67,7 @@ _TORCH_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,9 +78,11 @@ class LoadReport:
     embedding (tie_word_embeddings). num_reads / num_bytes_read: checkpoint reads
     (a per-expert tensor or one expert row of a fused tensor counts as one read).
     skipped_experts: checkpoint expert tensors of layers the model has, not hosted
-    here. ignored: known tensors the runtime does not use (rotary caches, layers past
-    num_hidden_layers such as DeepSeek-V3's MTP layer). unexpected: any other
-    checkpoint tensor nothing consumed (a sign of a name-mapping gap).
+    here. ignored: known tensors the runtime does not use (rotary caches, DeepSeek-V3's
+    multi-token-prediction layers ``model.layers.{num_hidden_layers + i}`` for i <
+    num_nextn_predict_layers, tied copies). num_mtp_layers_skipped: how many such MTP layers
+    the checkpoint holds. unexpected: any other checkpoint tensor nothing consumed, layers past
+    the MTP ones included (``load_weights`` raises instead, as vLLM does).
     """
 
     path: Path
@@ -80,6 +94,7 @@ class LoadReport:
     num_bytes_read: int = 0
     skipped_experts: int = 0
     ignored: list[str] = field(default_factory=list)
+    num_mtp_layers_skipped: int = 0
     unexpected: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -136,37 +151,87 @@ class _Start:
         return cls(time.perf_counter(), ckpt.num_reads, ckpt.num_bytes_read)
 
 
-def _finish_report(
-    ckpt: Checkpoint,
-    family: str,
-    plans: list[TensorPlan],
-    start: _Start,
-    aliases: frozenset[str] = frozenset(),
-    account_leftovers: bool = True,
-) -> LoadReport:
-    """Account for every checkpoint tensor: consumed, skipped expert, ignored or unexpected
-    (one pass over the checkpoint's names; skipped when ``account_leftovers`` is False).
+@dataclass
+class _Leftovers:
+    """Checkpoint tensors no plan consumed, by kind (see ``LoadReport``). past_layers: (layer, key)
+    of tensors in decoder layers past num_hidden_layers + num_nextn_predict_layers."""
+
+    ignored: list[str] = field(default_factory=list)
+    mtp_layers: set[int] = field(default_factory=set)
+    skipped_experts: int = 0
+    unexpected: list[str] = field(default_factory=list)
+    past_layers: list[tuple[int, str]] = field(default_factory=list)
+
+
+def _leftovers(ckpt: Checkpoint, plans: list[TensorPlan], aliases: frozenset[str]) -> _Leftovers:
+    """Sort every checkpoint tensor no plan reads (one pass over the checkpoint's names), as vLLM's
+    ``load_weights`` does: rotary caches and MTP layers are skipped, a routed expert of a hosted
+    block that this rank does not host is skipped, anything else is unexpected.
     aliases: model names filled through a tied tensor (their checkpoint copy is ignored)."""
+    consumed = {c.key for p in plans for c in p.copies}
+    expert_blocks = {expert_block_of(c.key) for p in plans for c in p.copies} - {None}
+    num_layers = ckpt.config.get("num_hidden_layers")
+    num_layers = num_layers if isinstance(num_layers, int) and not isinstance(num_layers, bool) else None
+    num_mtp = num_mtp_layers(ckpt.config)
+    out = _Leftovers()
+    for key in ckpt.keys():
+        if key in consumed:
+            continue
+        layer = layer_of(key)
+        if key in aliases or is_rotary_cache(key):
+            out.ignored.append(key)
+        elif num_layers is not None and layer is not None and layer >= num_layers:
+            if layer < num_layers + num_mtp:
+                out.ignored.append(key)
+                out.mtp_layers.add(layer)
+            else:
+                out.past_layers.append((layer, key))
+        elif expert_block_of(key) in expert_blocks:
+            out.skipped_experts += 1
+        else:
+            out.unexpected.append(key)
+    return out
+
+
+def _check_leftovers(ckpt: Checkpoint, left: _Leftovers) -> None:
+    """UnexpectedTensorError, one line, for tensors in layers past the config's count or tensors
+    nothing reads (vLLM: ``KeyError`` from ``params_dict[name]`` for either)."""
+    if left.past_layers:
+        layer, key = max(left.past_layers)
+        cfg = ckpt.config
+        mtp = num_mtp_layers(cfg)
+        allowed = f"num_hidden_layers={cfg['num_hidden_layers']}"
+        if mtp:
+            allowed += f" + num_nextn_predict_layers={mtp} (MTP layers, skipped)"
+        raise UnexpectedTensorError(
+            f"{ckpt.root}: checkpoint tensor {key!r} is in decoder layer {layer}, but config.json has "
+            f"{allowed}: layers 0..{cfg['num_hidden_layers'] + mtp - 1} only ({len(left.past_layers)} tensor(s) "
+            "past them); the config does not describe this checkpoint"
+        )
+    if left.unexpected:
+        names = ", ".join(repr(k) for k in left.unexpected[:3])
+        more = f" and {len(left.unexpected) - 3} more" if len(left.unexpected) > 3 else ""
+        raise UnexpectedTensorError(
+            f"{ckpt.root}: {len(left.unexpected)} checkpoint tensor(s) that no part of the model reads: "
+            f"{names}{more}; config.json may not describe this checkpoint"
+        )
+
+
+def _finish_report(
+    ckpt: Checkpoint, family: str, plans: list[TensorPlan], start: _Start, left: _Leftovers | None = None
+) -> LoadReport:
+    """The report of one load; ``left`` (None: not accounted) sorts the tensors nothing read."""
     report = LoadReport(ckpt.root, family, list(ckpt.files))
     report.loaded = [p.request.name for p in plans]
     report.tied_lm_head = any(p.request.name == LM_HEAD_NAME and p.copies[0].key == EMBED_NAME for p in plans)
     report.num_reads = ckpt.num_reads - start.num_reads
     report.num_bytes_read = ckpt.num_bytes_read - start.num_bytes_read
     report.seconds = time.perf_counter() - start.seconds
-    if not account_leftovers:
-        return report
-    consumed = {c.key for p in plans for c in p.copies}
-    expert_blocks = {expert_block_of(c.key) for p in plans for c in p.copies} - {None}
-    num_layers = ckpt.config.get("num_hidden_layers")
-    for key in ckpt.keys():
-        if key in consumed:
-            continue
-        if key in aliases or is_known_unused(key, num_layers if isinstance(num_layers, int) else None):
-            report.ignored.append(key)
-        elif expert_block_of(key) in expert_blocks:
-            report.skipped_experts += 1
-        else:
-            report.unexpected.append(key)
+    if left is not None:
+        report.ignored = left.ignored
+        report.num_mtp_layers_skipped = len(left.mtp_layers)
+        report.skipped_experts = left.skipped_experts
+        report.unexpected = left.unexpected + [key for _, key in left.past_layers]
     return report
 
 
@@ -197,7 +262,7 @@ def load_state_dict(
             # Zero-filled so slots a request leaves out (``slots``) hold no garbage.
             out[plan.request.name] = torch.zeros(plan.request.shape, dtype=want)
             _execute(ckpt, plan, out[plan.request.name])
-        return out, _finish_report(ckpt, family, plans, start)
+        return out, _finish_report(ckpt, family, plans, start, _leftovers(ckpt, plans, frozenset()))
     finally:
         if owned:
             ckpt.close()
@@ -231,7 +296,7 @@ def _model_requests(
 
 
 def load_weights(
-    model: nn.Module, path: str | Path | Checkpoint, *, dtype: torch.dtype | None = None
+    model: nn.Module, path: str | Path | Checkpoint, *, dtype: torch.dtype | None = None, strict: bool = True
 ) -> LoadReport:
     """Fill every parameter and persistent buffer of ``model`` in place from ``path``.
 
@@ -239,8 +304,12 @@ def load_weights(
     ``Checkpoint``. dtype: the model's weight dtype, checked (floating tensors must be
     ``dtype`` or float32, e.g. router biases kept in full precision); values are always
     converted to each destination's own dtype. Only the logical experts named by each
-    experts module's ``slot_to_logical`` are read. Every tensor is resolved and
-    shape-checked before the first write, so a bad checkpoint leaves the model untouched.
+    experts module's ``slot_to_logical`` are read. strict: a checkpoint tensor nothing reads
+    (other than rotary caches, DeepSeek-V3's ``num_nextn_predict_layers`` MTP layers, logged
+    once, and experts hosted elsewhere) raises ``UnexpectedTensorError``, as vLLM's
+    ``load_weights`` does; False lists them in ``report.unexpected`` (a model that is part of
+    one). Every tensor is resolved and shape-checked before the first write, so a bad
+    checkpoint leaves the model untouched.
     """
     targets, aliases = _model_requests(model, dtype)
     ckpt, owned = _open(path)
@@ -249,9 +318,16 @@ def load_weights(
         plans, family = _plan_all(ckpt, (req for req, _ in targets.values()))
         for plan in plans:  # every check before the first write
             _check_source_kinds(ckpt, plan, targets[plan.request.name][1])
+        left = _leftovers(ckpt, plans, aliases)
+        if strict:
+            _check_leftovers(ckpt, left)
+        if left.mtp_layers:
+            log.info("%s: skipped %d multi-token-prediction layer(s) (num_nextn_predict_layers; layers %s): "
+                     "speculative decoding is not served", ckpt.root, len(left.mtp_layers),
+                     ", ".join(str(i) for i in sorted(left.mtp_layers)))
         for plan in plans:
             _execute(ckpt, plan, targets[plan.request.name][1])
-        return _finish_report(ckpt, family, plans, start, aliases)
+        return _finish_report(ckpt, family, plans, start, left)
     finally:
         if owned:
             ckpt.close()
@@ -283,7 +359,7 @@ def load_experts(
             _check_source_kinds(ckpt, plan, getattr(experts, leaf))
         for plan, leaf in zip(plans, (GATE_UP, DOWN)):
             _execute(ckpt, plan, getattr(experts, leaf).detach())
-        return _finish_report(ckpt, family, plans, start, account_leftovers=False)
+        return _finish_report(ckpt, family, plans, start)
     finally:
         if owned:
             ckpt.close()

@@ -49,6 +49,13 @@ class TensorShapeError(LoadError, ValueError):
         super().__init__(f"{where}: shape mismatch for {label}: expected {list(expected)}, found {list(found)}")
 
 
+class UnexpectedTensorError(LoadError, ValueError):
+    """The checkpoint holds tensors the model has no place for: a decoder layer past config.json's
+    ``num_hidden_layers`` (beyond DeepSeek-V3's ``num_nextn_predict_layers`` MTP layers, which are
+    skipped), or a name no part of the model reads. vLLM's ``load_weights`` raises ``KeyError`` for
+    both; a config.json that does not describe its checkpoint would otherwise serve a truncated model."""
+
+
 def _rebuild(cls: type[LoadError], state: dict, args: tuple) -> LoadError:
     """An error of ``cls`` with ``state`` and ``args`` (its message, possibly rewritten since it was
     raised), without calling its ``__init__``: the unpickling half of ``LoadError.__reduce__``."""

@@ -107,10 +107,20 @@ def expert_block_of(key: str) -> str | None:
     return m["block"] if m else None
 
 
-def is_known_unused(key: str, num_hidden_layers: int | None) -> bool:
-    """Tensors checkpoints carry that the runtime never uses: rotary caches, and layers past
-    ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer ``model.layers.61``)."""
-    if _IGNORED_RE.search(key):
-        return True
+def layer_of(key: str) -> int | None:
+    """The decoder-layer index of a ``model.layers.N.*`` (or ``layers.N.*``) tensor, else None."""
     m = _LAYER_RE.match(key)
-    return m is not None and num_hidden_layers is not None and int(m["layer"]) >= num_hidden_layers
+    return int(m["layer"]) if m else None
+
+
+def is_rotary_cache(key: str) -> bool:
+    """A rotary-embedding cache some checkpoints carry (``...rotary_emb.inv_freq``): recomputed at
+    run time, never read (vLLM skips these names too)."""
+    return _IGNORED_RE.search(key) is not None
+
+
+def num_mtp_layers(config: dict[str, Any]) -> int:
+    """config.json's ``num_nextn_predict_layers`` (DeepSeek-V3: 1): the multi-token-prediction layers
+    a checkpoint stores as ``model.layers.{num_hidden_layers + i}.*``; 0 when absent or not an int."""
+    value = config.get("num_nextn_predict_layers")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

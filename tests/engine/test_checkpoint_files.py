@@ -34,22 +34,23 @@ def test_generation_config_eos_ends_generation(tiny_ckpt, tiny_ckpt_with_tokeniz
     assert list(ignored.token_ids) == tokens and ignored.finish_reason == "length"
 
 
-def test_checkpoint_tensors_nothing_reads_are_warned_of(tiny_ckpt, tmp_path, caplog):
+def test_checkpoint_tensors_nothing_reads_are_refused(tiny_ckpt, tmp_path, caplog):
     """A tensor the config does not account for (here an attention bias the config says is absent)
-    would be dropped without a word: the load names it."""
+    would be dropped without a word: the load refuses it by name, before a weight is written, as
+    vLLM's load_weights does (its KeyError); the checkpoint without it loads with no warning."""
     import torch
     from safetensors.torch import load_file, save_file
+
+    from moe.loader import UnexpectedTensorError
 
     path = tmp_path / "ck"
     shutil.copytree(tiny_ckpt, path)
     tensors = load_file(path / "model.safetensors")
     save_file({**tensors, "model.layers.0.self_attn.o_proj.bias": torch.zeros(4)}, path / "model.safetensors")
-    with caplog.at_level("WARNING", logger="launch.worker"), LLM(str(path), dtype="float32"):
+    with pytest.raises(UnexpectedTensorError) as err, LLM(str(path), dtype="float32"):
         pass
-    warned = [r.getMessage() for r in caplog.records if r.name == "launch.worker"]
-    assert warned == [f"{path}: 1 checkpoint tensor(s) that no part of the model reads, e.g. "
-                      "'model.layers.0.self_attn.o_proj.bias': config.json may not describe this checkpoint"]
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="launch.worker"), LLM(str(tiny_ckpt), dtype="float32"):
+    assert str(err.value) == (f"{path}: 1 checkpoint tensor(s) that no part of the model reads: "
+                              "'model.layers.0.self_attn.o_proj.bias'; config.json may not describe this checkpoint")
+    with caplog.at_level("WARNING"), LLM(str(tiny_ckpt), dtype="float32"):
         pass
-    assert not [r for r in caplog.records if r.name == "launch.worker"]
+    assert not [r for r in caplog.records if r.name in ("launch.worker", "moe.loader")]
