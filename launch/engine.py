@@ -26,12 +26,12 @@ from launch.core import (
     SamplingParams,
     Scheduler,
     SchedulerConfig,
-    compute_kv_sizing,
 )
 from launch.core.sampling_params import params_max_logprobs_problem
 from launch.executor import Executor, build_executor
 from launch.generation_config import SAMPLING_KEYS as GENERATION_KEYS
 from launch.generation_config import default_sampling_fields, describe_defaults, generation_config_file
+from launch.hardware import compute_layout_kv_sizing, deployment_from_config
 from launch.recovery import SERVING, EngineRecovery, Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
 from moe.config import ModelConfig
@@ -62,20 +62,18 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> str:
 
 
 def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_model_len: int) -> int:
-    """KV blocks per DP rank: the override, else what the memory budget holds, capped at
-    what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use."""
+    """KV blocks per DP rank: the override, else what the memory budget holds beside the rank's
+    weights (``launch.hardware.compute_layout_kv_sizing``, as ``kvcalc`` and ``simulate`` size the
+    same layout: with expert parallelism a rank's P / ep routed slots, without it every routed
+    expert), capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use."""
     e = config.engine
     if e.num_kv_blocks is not None:
         return int(e.num_kv_blocks)
     memory = e.memory or (f"{torch.cuda.get_device_properties(0).total_memory}" if torch.cuda.is_available()
                           else DEFAULT_CPU_MEMORY)
-    try:
-        sizing = compute_kv_sizing(
-            model_config, memory_bytes=memory, kv_cache_dtype=e.kv_cache_dtype,
-            dtype_bytes=torch.finfo(DTYPES[resolve_dtype(e.dtype, model_config)]).bits // 8,
-            memory_utilization=e.memory_utilization,
-            max_model_len=max_model_len, tensor_parallel_size=config.parallel.tensor_parallel_size,
-        )
+    dep = deployment_from_config(config, model_config)
+    try:  # kvcalc's and simulate's arithmetic: the same layout gets the same blocks
+        sizing = compute_layout_kv_sizing(model_config, dep, memory, max_model_len=max_model_len)
     except NoKVRoomError as err:  # the budget nobody gave: say where it came from and what raises it
         if e.memory is not None:
             raise

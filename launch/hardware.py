@@ -3,7 +3,9 @@
 ``load_hardware("h100")`` reads ``configs/hardware/h100.yaml`` (names are the files there,
 case-insensitive); any other argument is a YAML/JSON file in the same format, such as
 what ``python -m launch simulate calibrate --out FILE`` wrote for this machine.
-``deployment_from_config`` maps a ``RuntimeConfig`` onto ``parallel.costmodel.Deployment``.
+``deployment_from_config`` maps a ``RuntimeConfig`` onto ``parallel.costmodel.Deployment``, and
+``compute_layout_kv_sizing`` is the one KV capacity of a rank of a layout: ``kvcalc`` and
+``simulate`` both report it (tests/unit/test_kv_capacity_agreement.py keeps them equal).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import yaml
 
 from launch.config import RuntimeConfig
 from launch.config_schema import ConfigError, load_yaml_text
+from launch.core.kv_sizing import KVSizing, NoKVRoomError, compute_kv_sizing
 from moe.config import ModelConfig, read_config_json
-from parallel.costmodel import Deployment, Hardware
+from parallel.costmodel import Deployment, Hardware, weight_bytes_per_rank
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
 _RUNTIME_DTYPES = ("bfloat16", "float16", "float32")
@@ -73,6 +76,14 @@ def stored_weight_dtype(raw: dict[str, Any], compute_dtype: str) -> str:
     return "fp8" if str(quant.get("quant_method", "")).lower() == "fp8" else compute_dtype
 
 
+def resolve_weight_dtype(flag: str | None, raw: dict[str, Any], compute: str) -> str | None:
+    """The ``Deployment.weight_dtype`` of a ``--weight-dtype`` flag: "auto" (or None) reads the
+    checkpoint's quantization_config ("fp8" for fp8 weights, else None: the compute dtype)."""
+    if flag in (None, "auto"):
+        return "fp8" if stored_weight_dtype(raw, compute) == "fp8" else None
+    return flag
+
+
 def compute_dtype(engine_dtype: str, model_config: ModelConfig) -> str:
     """engine.dtype with "auto" resolved like the engine does (the checkpoint's, else bfloat16)."""
     if engine_dtype != "auto":
@@ -97,3 +108,30 @@ def deployment_from_config(cfg: RuntimeConfig, model_config: ModelConfig, *, wei
         max_num_batched_tokens=e.max_num_batched_tokens, memory_utilization=e.memory_utilization,
         memory_bytes=e.memory_bytes or memory_bytes, kv_capacity_tokens=kv_tokens,
     )
+
+
+def compute_layout_kv_sizing(model: ModelConfig, dep: Deployment, memory_bytes: int | str, *,
+                             max_model_len: int | None = None) -> KVSizing:
+    """KV capacity of one rank of ``dep``: ``dep.memory_bytes`` (else ``memory_bytes``, the
+    hardware's) x ``dep.memory_utilization``, less the rank's weights
+    (``parallel.costmodel.weight_bytes_per_rank``: its P / ep routed expert slots, every
+    routed expert when ep = 1, dense weights over TP, in ``dep.weight_dtype``), in KV of
+    ``dep.kv_cache_dtype`` (MLA latent whole on every rank, GQA heads over TP).
+    ``dep.kv_capacity_tokens`` (a config's fixed engine.num_kv_blocks) is not read here.
+    Raises NoKVRoomError (a ValueError) when the weights leave no room."""
+    return compute_kv_sizing(
+        model, memory_bytes=dep.memory_bytes or memory_bytes, kv_cache_dtype=dep.kv_cache_dtype,
+        dtype_bytes=dep.act_bytes, memory_utilization=dep.memory_utilization, max_model_len=max_model_len,
+        tensor_parallel_size=dep.tp, weight_bytes_per_rank=weight_bytes_per_rank(model, dep),
+    )
+
+
+def compute_kv_capacity_tokens(model: ModelConfig, dep: Deployment, memory_bytes: int) -> int:
+    """KV tokens one rank of ``dep`` holds: a config's fixed ``dep.kv_capacity_tokens``, else
+    ``compute_layout_kv_sizing``'s ``max_num_tokens`` (0 when the weights leave no room)."""
+    if dep.kv_capacity_tokens is not None:
+        return dep.kv_capacity_tokens
+    try:
+        return compute_layout_kv_sizing(model, dep, memory_bytes).max_num_tokens
+    except NoKVRoomError:
+        return 0

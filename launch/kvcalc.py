@@ -3,15 +3,19 @@
 Prints bytes per token (MLA latent or GQA heads, and what full MHA would need), the
 weights per TP rank, the tokens that fit in the rest of the memory budget, and how many
 sequences of ``--max-model-len`` tokens fit at once. The arithmetic is
-``launch.core.kv_sizing.compute_kv_sizing``.
+``launch.hardware.compute_layout_kv_sizing``, the same call ``simulate`` sizes its KV
+capacity with: same model, hardware and layout, same tokens (tests/unit/test_kv_capacity_agreement.py).
 
 ``--model`` is a checkpoint directory, its config.json, a released model's name
 (``deepseek-ai/DeepSeek-V3``, shipped offline in ``configs/models``), or a runtime config
 YAML (``configs/deepseek-v3-decode-ep144.yaml``): then its model, TP and EP sizes,
-redundant experts, KV-cache dtype, max_model_len, block size and memory utilization are
-the defaults (flags still win). With expert parallelism a rank holds only its P / ep
-routed expert slots (``parallel.costmodel.weight_bytes_per_rank``); without, weights are
-split over TP ranks.
+redundant experts, KV-cache dtype, dtype, memory, max_model_len, block size, memory
+utilization and model_overrides are the defaults (flags still win). A rank's weights are
+``parallel.costmodel.weight_bytes_per_rank``: with expert parallelism its P / ep routed
+expert slots, without it every routed expert (TP splits attention and dense MLPs, not
+experts), in the checkpoint's stored dtype (``quantization_config`` fp8: 1 byte).
+Memory per rank is ``--memory``, else the runtime config's ``engine.memory``, else the
+``--hardware`` spec's ``memory_bytes`` (default ``h100``, as ``simulate --hardware h100``).
 """
 
 from __future__ import annotations
@@ -23,15 +27,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.core.kv_sizing import KVSizing, compute_kv_sizing
+from launch.core.kv_sizing import KVSizing, format_memory, parse_memory
+from launch.hardware import (
+    compute_dtype,
+    compute_layout_kv_sizing,
+    load_hardware,
+    model_raw_config,
+    resolve_weight_dtype,
+)
 from moe.config import ModelConfig
+from parallel.costmodel import Deployment
 
 if TYPE_CHECKING:
     from launch.config import RuntimeConfig
 
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_WEIGHT_DTYPE_BYTES = {**_DTYPE_BYTES, "fp8": 1}
+_DTYPES = ("bfloat16", "float16", "float32")
 _GIB = 1024**3
+DEFAULT_HARDWARE = "h100"
 EXIT_USAGE = 2  # bad input, as across the CLI (launch.cli.EXIT_USAGE)
 
 
@@ -40,10 +52,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help="checkpoint dir, config.json, model name (deepseek-ai/DeepSeek-V3) or runtime config YAML")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None, help="default: auto")
-    p.add_argument("--dtype", choices=tuple(_DTYPE_BYTES), default="bfloat16", help="weights (and 'auto' KV)")
-    p.add_argument("--weight-dtype", choices=tuple(_WEIGHT_DTYPE_BYTES), default=None,
-                   help="stored weight dtype if not --dtype (fp8 for DeepSeek-V3's released weights)")
-    p.add_argument("--memory", default="80GiB", help="accelerator memory per rank, e.g. 80GiB, 141GB")
+    p.add_argument("--dtype", choices=("auto", *_DTYPES), default=None,
+                   help="compute dtype (and 'auto' KV); default auto: the checkpoint's, else bfloat16")
+    p.add_argument("--weight-dtype", choices=("auto", "fp8", *_DTYPES), default="auto",
+                   help="stored weight dtype; auto: fp8 when quantization_config says so, else --dtype")
+    p.add_argument("--memory", default=None,
+                   help="accelerator memory per rank, e.g. 80GiB, 141GB, 80e9 (default: --hardware's)")
+    p.add_argument("--hardware", default=None,
+                   help=f"h800 | h100 | h200 | b200 or a hardware YAML: its memory_bytes (default {DEFAULT_HARDWARE})")
     p.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
                    type=float, default=None, help="default: 0.9")
     p.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
@@ -84,30 +100,32 @@ def _apply_runtime_config(args: argparse.Namespace, cfg: RuntimeConfig) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if e.dtype in _DTYPE_BYTES and args.dtype == "bfloat16":
+    if args.dtype is None:
         args.dtype = e.dtype
-    if e.memory is not None and args.memory == "80GiB":
+    if e.memory is not None and args.memory is None:
         args.memory = e.memory
+    args.model_overrides = cfg.model_overrides
 
 
 EXPECTED = ("expected a checkpoint directory, its config.json, a runtime config YAML (configs/*.yaml) or a "
             "model name such as deepseek-ai/DeepSeek-V3")
 
 
-def _model_config(model: str) -> ModelConfig:
+def _raw_model_config(model: str, overrides: dict | None) -> dict:
     path = Path(model)
     if path.is_file():
         try:
             json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{model} is neither a model config.json nor a runtime config: {EXPECTED}") from None
-    return ModelConfig.from_hf(model, strict=False)
+    return model_raw_config(model, overrides)
 
 
 def _fill_defaults(args: argparse.Namespace) -> None:
     for name, value in (("tensor_parallel_size", 1), ("expert_parallel_size", 1), ("num_redundant_experts", 0),
-                        ("kv_cache_dtype", "auto"), ("memory_utilization", 0.9), ("block_size", 16)):
-        if getattr(args, name) is None:
+                        ("kv_cache_dtype", "auto"), ("memory_utilization", 0.9), ("block_size", 16),
+                        ("dtype", "auto"), ("model_overrides", None)):
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
 
 
@@ -134,16 +152,22 @@ def _check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size {tp} does not divide num_attention_heads {cfg.num_attention_heads}")
 
 
-def _ep_weight_bytes(cfg: ModelConfig, args: argparse.Namespace) -> int | None:
-    """The rank's weights under expert parallelism (None: split everything over TP)."""
-    if args.expert_parallel_size <= 1:
-        return None
-    from parallel.costmodel import Deployment, weight_bytes_per_rank
+def _deployment(cfg: ModelConfig, raw: dict, args: argparse.Namespace) -> Deployment:
+    """The flags as the cost model's layout: one EP group of ep = tp x dp ranks (dp 1 without EP:
+    a rank's memory does not depend on how many DP replicas there are)."""
+    tp, ep = args.tensor_parallel_size, args.expert_parallel_size
+    dtype = compute_dtype(args.dtype, cfg)
+    return Deployment(tp=tp, dp=max(1, ep // tp), ep=ep, num_redundant_experts=args.num_redundant_experts,
+                      dtype=dtype, weight_dtype=resolve_weight_dtype(args.weight_dtype, raw, dtype),
+                      kv_cache_dtype=args.kv_cache_dtype, memory_utilization=args.memory_utilization)
 
-    dep = Deployment(tp=args.tensor_parallel_size, dp=args.expert_parallel_size // args.tensor_parallel_size,
-                     ep=args.expert_parallel_size, num_redundant_experts=args.num_redundant_experts,
-                     dtype=args.dtype, weight_dtype=args.weight_dtype)
-    return weight_bytes_per_rank(cfg, dep)
+
+def _memory(args: argparse.Namespace) -> tuple[int, str]:
+    """(bytes per rank, where they come from): --memory / engine.memory, else --hardware's."""
+    if args.memory is not None:
+        return parse_memory(args.memory), str(args.memory)
+    hw = load_hardware(args.hardware or DEFAULT_HARDWARE)
+    return hw.memory_bytes, f"{hw.name} memory_bytes {hw.memory_bytes:,}"
 
 
 def _layout_line(cfg: ModelConfig) -> str:
@@ -154,7 +178,8 @@ def _layout_line(cfg: ModelConfig) -> str:
             f"{2 * cfg.num_key_value_heads * cfg.head_dim} values per layer")
 
 
-def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str, ep: int = 1) -> str:
+def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str, ep: int = 1,
+                  memory_source: str = "") -> str:
     """The human-readable kvcalc table."""
     lines = [
         f"model: {cfg.architecture}, {cfg.num_hidden_layers} layers, {cfg.num_parameters() / 1e9:.2f}B parameters "
@@ -164,7 +189,8 @@ def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str, ep
         f"KV bytes per token (all layers): {s.kv_bytes_per_token:,} B",
         f"  as full multi-head attention: {s.mha_bytes_per_token:,} B ({s.savings_vs_mha:.1f}x more)",
         f"  per rank at tensor_parallel_size={s.tensor_parallel_size}: {s.kv_bytes_per_token_per_rank:,} B",
-        f"memory per rank: {s.memory_bytes / _GIB:.2f} GiB x {s.memory_utilization:g} utilization",
+        f"memory per rank: {format_memory(s.memory_bytes)} x {s.memory_utilization:g} utilization"
+        + (f" ({memory_source})" if memory_source else ""),
         f"weights per rank: {s.weight_bytes_per_rank / _GIB:.2f} GiB"
         + (f" (routed experts spread over expert_parallel_size={ep})" if ep > 1 else ""),
         f"KV budget per rank: {s.kv_budget_bytes / _GIB:.2f} GiB",
@@ -186,16 +212,12 @@ def main(argv: list[str] | None = None) -> int:
             _apply_runtime_config(args, runtime_config)
         _fill_defaults(args)
         _check_args(args)
-        cfg = _model_config(args.model)
+        raw = _raw_model_config(args.model, args.model_overrides)
+        cfg = ModelConfig.from_hf(raw, strict=False)
         _check_tensor_parallel(cfg, args.tensor_parallel_size)
-        sizing = compute_kv_sizing(
-            cfg, memory_bytes=args.memory, kv_cache_dtype=args.kv_cache_dtype,
-            dtype_bytes=_DTYPE_BYTES[args.dtype],
-            weight_dtype_bytes=_WEIGHT_DTYPE_BYTES[args.weight_dtype] if args.weight_dtype else None,
-            memory_utilization=args.memory_utilization,
-            max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-            weight_bytes_per_rank=_ep_weight_bytes(cfg, args),
-        )
+        dep = _deployment(cfg, raw, args)
+        memory, memory_source = _memory(args)
+        sizing = compute_layout_kv_sizing(cfg, dep, memory, max_model_len=args.max_model_len)
         blocks = sizing.num_blocks(args.block_size)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: kvcalc {model_arg}: {e}", file=sys.stderr)
@@ -204,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": args.model, "architecture": cfg.architecture, "attention": cfg.attention,
                           "num_parameters": cfg.num_parameters(), "num_blocks": blocks,
                           "block_size": args.block_size, "expert_parallel_size": args.expert_parallel_size,
-                          **asdict(sizing)}))
+                          "dtype": dep.dtype, "weight_dtype": dep.weight_dtype or dep.dtype, **asdict(sizing)}))
     else:
-        print(format_report(cfg, sizing, args.block_size, args.weight_dtype or args.dtype,
-                            args.expert_parallel_size))
+        print(format_report(cfg, sizing, args.block_size, dep.weight_dtype or dep.dtype, args.expert_parallel_size,
+                            memory_source))
     return 0

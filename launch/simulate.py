@@ -26,7 +26,7 @@ import re
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,15 @@ import numpy as np
 
 from launch.config import ConfigError, load_runtime_config
 from launch.core.kv_sizing import format_memory
-from launch.hardware import deployment_from_config, load_hardware, model_raw_config, stored_weight_dtype
+from launch.hardware import (
+    compute_dtype,
+    compute_kv_capacity_tokens,
+    deployment_from_config,
+    load_hardware,
+    model_raw_config,
+    resolve_weight_dtype,
+    stored_weight_dtype,
+)
 from launch.kvcalc import model_runtime_config
 from launch.paths import output_file_problem, write_output_file
 from moe.config import ModelConfig
@@ -120,17 +128,19 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
     model = ModelConfig.from_hf(raw, strict=False)
     cfg.validate_for_model(model)
     hw = load_hardware(args.hardware)
-    dep = deployment_from_config(cfg, model, weight_dtype=_weight_dtype(args, raw, cfg.engine.dtype, model),
+    weight_dtype = resolve_weight_dtype(args.weight_dtype, raw, compute_dtype(cfg.engine.dtype, model))
+    dep = deployment_from_config(cfg, model, weight_dtype=weight_dtype,
                                  enable_two_batch_overlap=args.two_batch_overlap, dispatch_dtype=args.dispatch_dtype)
     _check_kv_blocks_fit(model, dep, hw)
+    capacity = compute_kv_capacity_tokens(model, dep, hw.memory_bytes)
     prefix = int(round(args.input_len * args.prefix_hit_rate))
     prefix = min(prefix, args.input_len - 1)
     kv_len = args.kv_len if args.kv_len is not None else args.input_len + args.output_len // 2
     _check_sequence_fits(args, kv_len, cfg.engine.max_model_len or model.max_position_embeddings,
                          "engine.max_model_len" if cfg.engine.max_model_len else "the model's max_position_embeddings")
     expert_load = load_expert_load(args.expert_load) if args.expert_load else None
-    pred = predict_point(model, dep, hw, batch_size=args.batch_size or dep.max_num_seqs, kv_len=kv_len,
-                         prompt_len=args.input_len, prefix_len=prefix, prefill_tokens=dep.max_num_batched_tokens,
+    pred = predict_point(model, replace(dep, kv_capacity_tokens=capacity), hw,
+                         batch_size=args.batch_size or dep.max_num_seqs, kv_len=kv_len, prompt_len=args.input_len, prefix_len=prefix, prefill_tokens=dep.max_num_batched_tokens,
                          expert_load=expert_load, load_skew=args.load_skew)
     if pred.kv_capacity_tokens < kv_len and dep.kv_capacity_tokens is not None:
         raise ValueError(f"{dep.describe()}: engine.num_kv_blocks={cfg.engine.num_kv_blocks} x block_size="
@@ -147,7 +157,8 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": model_name, "hardware": hw.name, "layout": dep.describe(), "deployment": asdict(dep),
         "input_len": args.input_len, "output_len": args.output_len, "prefix_hit_rate": hit, "kv_len": kv_len,
-        "kv_capacity_tokens": pred.kv_capacity_tokens, "balancedness": pred.balancedness,
+        "kv_capacity_tokens": pred.kv_capacity_tokens, "kv_blocks": pred.kv_capacity_tokens // cfg.engine.block_size,
+        "block_size": cfg.engine.block_size, "balancedness": pred.balancedness,
         "decode": {"batch_size": pred.batch_size, "batch_limited_by": pred.batch_limited_by,
                    **_phase_json(pred.decode_step_ms, pred.decode_breakdown, pred.decode_bound)},
         "prefill": {"tokens_per_step": pred.prefill_tokens,
@@ -183,19 +194,11 @@ def _check_kv_blocks_fit(model: ModelConfig, dep: Deployment, hw: Hardware) -> N
                          "tensor parallelism, fp8 weights or a bigger memory)")
 
 
-def _weight_dtype(args: argparse.Namespace, raw: dict[str, Any], engine_dtype: str, model: ModelConfig) -> str | None:
-    if args.weight_dtype == "auto":
-        from launch.hardware import compute_dtype
-
-        stored = stored_weight_dtype(raw, compute_dtype(engine_dtype, model))
-        return stored if stored == "fp8" else None
-    return args.weight_dtype
-
-
 def format_config_report(r: dict[str, Any]) -> str:
     d, p = r["decode"], r["prefill"]
     lines = [f"{r['model']} on {r['hardware']}: {r['layout']}",
-             f"KV capacity per rank: {r['kv_capacity_tokens']:,} tokens; expert balancedness {r['balancedness']:.3f}",
+             f"KV capacity per rank: {r['kv_capacity_tokens']:,} tokens ({r['kv_blocks']:,} blocks of "
+             f"{r['block_size']}); expert balancedness {r['balancedness']:.3f}",
              f"decode: batch {d['batch_size']} per DP rank at {r['kv_len']:,} context -> step {d['step_ms']:.2f} ms "
              f"(bound: {d['bound']}{', batch cut by ' + d['batch_limited_by'] if d['batch_limited_by'] else ''})",
              f"prefill: {p['tokens_per_step']:,} new tokens per DP rank -> step {p['step_ms']:.2f} ms "

@@ -9,9 +9,12 @@ Per token, over all layers L:
 - ``mha_bytes_per_token`` is what full multi-head attention would cache for the same
   model (``L * H * (qk head dim + v head dim)``), the yardstick MLA and GQA save against.
 
-Weights are assumed evenly split over TP ranks (``num_parameters() * bytes / tp``), a
-lower bound: replicated norms and routers are small. Activations are not modelled; pass
-``reserved_bytes`` for them.
+Weights: ``weight_bytes_per_rank`` when the caller passes it. ``kvcalc`` and ``simulate``
+always do, through ``launch.hardware.compute_layout_kv_sizing`` (the rank's share under its
+TP/EP layout, ``parallel.costmodel.weight_bytes_per_rank``), so the two report one capacity.
+Without it, all weights are split evenly over TP ranks (``num_parameters() * bytes / tp``),
+a lower bound: the runtime keeps every routed expert on each TP rank unless experts are
+spread by EP. Activations are not modelled; pass ``reserved_bytes`` for them.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
     "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
 }
-_MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 class NoKVRoomError(ValueError):
@@ -86,7 +89,7 @@ class KVSizing:
 
 def parse_memory(value: str | int | float) -> int:
     """Bytes from ``"80GiB"``, ``"80GB"`` (powers of 1000), ``"80G"`` (binary), ``"512MiB"``,
-    ``"1.5TiB"`` or a plain number of bytes."""
+    ``"1.5TiB"`` or a plain number of bytes (``"80e9"``, as ``configs/hardware`` writes it)."""
     if isinstance(value, bool):
         raise ValueError(f"memory size must be a number or a string like '80GiB', got {value!r}")
     if isinstance(value, int | float):

@@ -16,10 +16,14 @@ from parallel.costmodel.deployment import Deployment
 
 def weight_bytes_per_rank(cfg: ModelConfig, dep: Deployment) -> int:
     """Weights of one rank: embeddings and lm_head (vocab-parallel over TP, in the activation
-    dtype), attention, dense MLPs and shared experts over TP, and P / ep routed slots."""
+    dtype), attention, dense MLPs and shared experts over TP, and P / ep routed slots; the
+    norms and DeepSeek-V3's router bias whole on every rank, in the activation dtype (at
+    tp = ep = 1 the bytes of ``cfg.num_parameters()``, every parameter counted)."""
     d = cfg.hidden_size
     wb, ab = dep.weight_bytes, dep.act_bytes
     embed = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2) * ab / dep.tp
+    bias = cfg.num_experts if cfg.topk_method == "noaux_tc" else 0
+    whole = (d + cfg.num_hidden_layers * 2 * d + len(cfg.moe_layer_ids) * bias) * ab  # norms, router bias
     per_expert = 3 * d * cfg.moe_intermediate_size
     dense = 0.0
     routed = 0.0
@@ -33,7 +37,7 @@ def weight_bytes_per_rank(cfg: ModelConfig, dep: Deployment) -> int:
     if moe_layers:
         slots_per_rank = dep.num_slots(cfg.num_experts) // dep.ep
         routed = moe_layers * slots_per_rank * per_expert
-    return math.ceil(embed + dense * wb / dep.tp + routed * wb)
+    return math.ceil(embed + whole + dense * wb / dep.tp + routed * wb)
 
 
 def kv_bytes_per_token_per_rank(cfg: ModelConfig, dep: Deployment) -> int:

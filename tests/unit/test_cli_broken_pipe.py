@@ -19,7 +19,7 @@ def test_output_into_a_closed_pipe_exits_141_without_a_traceback():
     os.close(read)  # the reader is gone before the command writes: every write is EPIPE
     try:
         proc = subprocess.run([sys.executable, "-m", "launch", "kvcalc", "--model", "mistralai/Mixtral-8x7B-v0.1",
-                               "-tp", "4"], stdout=write, stderr=subprocess.PIPE, cwd=ROOT, text=True, timeout=120)
+                               "-tp", "4", "-ep", "4"], stdout=write, stderr=subprocess.PIPE, cwd=ROOT, text=True, timeout=120)
     finally:
         os.close(write)
     assert proc.returncode == cli.EXIT_BROKEN_PIPE, proc.stderr

@@ -89,7 +89,8 @@ def test_weights_that_do_not_fit_raise(v3):
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("80GiB", 80 * GiB), ("80 GB", 80 * 10**9), ("80G", 80 * GiB), ("512MiB", 512 * 2**20),
-     ("1.5TiB", int(1.5 * 2**40)), ("4096", 4096), (1024, 1024), ("2kb", 2000)],
+     ("1.5TiB", int(1.5 * 2**40)), ("4096", 4096), (1024, 1024), ("2kb", 2000),
+     ("80e9", 80 * 10**9), ("1.41E11", 141 * 10**9)],  # configs/hardware spells bytes so
 )
 def test_parse_memory(text, expected):
     assert parse_memory(text) == expected
@@ -118,7 +119,8 @@ def _kvcalc_error(capsys, *argv: str) -> str:
     (["-tp", "3"], "tensor_parallel_size 3 does not divide num_attention_heads 128"),  # MLA splits heads too
     (["--num-redundant-experts", "-1", "-ep", "8"], "num_redundant_experts must be >= 0, got -1"),
     (["--gpu-memory-utilization", "0"], "memory_utilization must be in (0, 1], got 0.0"),
-    ([], "no room for the KV cache: the weights take 1.22 TiB per rank (tp=1) of 0.9 x 80.00 GiB = 72.00 GiB "
+    # fp8 weights, as its quantization_config says (kvcalc used to count them in bf16: 1.22 TiB)
+    ([], "no room for the KV cache: the weights take 626.67 GiB per rank (tp=1) of 0.9 x 80.00 GiB = 72.00 GiB "
          "usable; KV needs 70,272 B per token (all layers) on top"),
 ])
 def test_kvcalc_bad_sizes_are_one_line_exit_2(capsys, argv, message):
@@ -155,6 +157,7 @@ def test_kvcalc_accepts_an_architectures_string(tmp_path, capsys):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**V3, "architectures": "DeepseekV3ForCausalLM"}))
-    assert kvcalc(["--model", str(path), "--memory", "141GiB", "-tp", "16", "--weight-dtype", "fp8", "--json"]) == 0
+    assert kvcalc(["--model", str(path), "--memory", "141GiB", "-tp", "16", "-ep", "16", "--weight-dtype", "fp8",
+                   "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["architecture"] == "deepseek_v3" and out["kv_bytes_per_token"] == 70_272
