@@ -6,7 +6,7 @@ starts fast).
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
         from launch.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
+    if name in ("SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind"):
         import launch.core as core
 
         return getattr(core, name)

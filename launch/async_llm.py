@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import RuntimeConfig
-from launch.core import RequestOutput, SamplingParams
+from launch.core import RequestOutput, RequestOutputKind, SamplingParams
 from launch.engine import LLMEngine
 from launch.recovery import ENGINE_STATES, EngineDeadError, EngineRecoveringError, WorkerFault
 
@@ -220,7 +220,10 @@ class AsyncLLM:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until finished; closing early aborts the request."""
+        """Yield cumulative outputs until finished; closing early aborts the request. ValueError for
+        ``output_kind=DELTA`` (outputs here are cumulative; FINAL_ONLY is taken: use the last one)."""
+        if params.output_kind == RequestOutputKind.DELTA:
+            raise ValueError("output_kind=DELTA is not supported: AsyncLLM.generate yields cumulative outputs")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         if request_id in self._streams:

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                         for req in requests]
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _error(e)
-    from launch.llm import LLM
+    from launch.llm import LLM, truncate_prompt
     from moe.loading.errors import LoadError
 
     started = time.perf_counter()
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = []
         for req in requests:
             try:
-                ids = prompt_ids(req.row, llm.engine)
+                ids = truncate_prompt(prompt_ids(req.row, llm.engine), req.params, llm.engine.max_model_len)
                 llm.engine.check_request(ids, req.params)
             except ValueError as e:
                 return _error(f"{args.input}:{req.line}: {e}")

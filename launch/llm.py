@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -16,6 +17,9 @@ from launch.engine import LLMEngine
 from launch.tokenizer import check_prompt
 
 # Flat names that configure the HTTP server or name the model: flags only, not LLM() keywords.
+# LLM.chat's own arguments, which chat_template_kwargs may not override.
+_CHAT_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
+                                     "documents", "chat_template"})
 _SERVER_ONLY = frozenset({"model", "host", "port", "api_key", "served_model_name", "max_queue_len"})
 
 Prompt = str | Mapping[str, Any]
@@ -25,7 +29,8 @@ _VALUE_ALIASES = {"dtype": DTYPE_ALIASES, "kv_cache_dtype": KV_CACHE_DTYPE_ALIAS
 
 def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig:
     """Map LLM(...) keyword arguments (vLLM names and value spellings: ``dtype="half"``;
-    ``trust_remote_code`` is taken and changes nothing) onto the nested RuntimeConfig; an unknown
+    ``trust_remote_code`` and ``disable_log_stats`` (bools) and ``tokenizer`` (None or the model path)
+    are taken and change nothing) onto the nested RuntimeConfig; an unknown
     argument raises TypeError naming it."""
     data: dict[str, Any] = {"model": str(model)}
     for key, value in kwargs.items():
@@ -37,9 +42,13 @@ def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig
                 set_dotted(data, f"recovery.{sub}", sub_value)
         elif key == "collective_timeout_s":
             set_dotted(data, "parallel.collective_timeout_s", value)
-        elif key == "trust_remote_code":  # vLLM's; no checkpoint code is ever run here
-            if not isinstance(value, bool):
-                raise TypeError(f"LLM() trust_remote_code must be a bool, got {value!r}")
+        elif key in ("trust_remote_code", "disable_log_stats"):  # vLLM's; no checkpoint code is ever run
+            if not isinstance(value, bool):                       # here, and LLM logs no periodic stats
+                raise TypeError(f"LLM() {key} must be a bool, got {value!r}")
+        elif key == "tokenizer":  # vLLM's; the tokenizer is always the model directory's tokenizer.json
+            if value is not None and Path(str(value)).resolve() != Path(str(model)).resolve():
+                raise TypeError(f"LLM() tokenizer={value!r} is not supported: the tokenizer is read from the "
+                                "model directory (pass tokenizer=None or the model path)")
         elif key in VLLM_KEYS and key not in _SERVER_ONLY:
             aliases = _VALUE_ALIASES.get(key, {})
             set_dotted(data, VLLM_KEYS[key], aliases.get(value, value) if isinstance(value, str) else value)
@@ -60,7 +69,20 @@ class LLM:
         elif kwargs or model is not None:
             raise TypeError("LLM(config=...) takes no other arguments")
         self.config = config
-        self.engine = LLMEngine(config)
+        self._engine: LLMEngine | None = None
+        self._engine = LLMEngine(config)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine; RuntimeError once ``shutdown()`` (or leaving a ``with`` block) has stopped it."""
+        if self._engine is None:
+            raise RuntimeError("this LLM has been shut down: create a new LLM(...) to generate again")
+        return self._engine
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for ``engine``."""
+        return self.engine
 
     @property
     def tokenizer(self):
@@ -78,14 +100,15 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """prompts: a string, ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}``, or a list of
         them. sampling_params: one for all, or one per prompt (None: ``get_default_sampling_params()``,
         the generation config's defaults). use_tqdm: a progress bar of finished
         requests on stderr (vLLM's flag; off by default here). Returns one RequestOutput per
-        prompt, in order, each finished.
+        prompt, in order, each finished, whatever ``output_kind`` says (as vLLM's ``LLM``). A
+        request's ``truncate_prompt_tokens`` keeps its prompt's last k token ids (``prompt`` keeps the
+        whole text).
 
         Every prompt is checked (``launch.tokenizer.check_prompt``, as ``generate`` does, then the
         engine's limits) before any is queued: a bad one raises ValueError naming its index and
@@ -105,6 +128,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
             token_ids, text = self._tokenize(prompt, f"prompt {i}")
+            token_ids = truncate_prompt(token_ids, p, self.engine.max_model_len)
             try:
                 self.engine.check_request(token_ids, p)
             except ValueError as e:
@@ -134,27 +158,44 @@ class LLM:
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = False,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts, content a
         string or OpenAI text parts) or a list of conversations, each rendered with the checkpoint's
         chat template as the server renders a chat request (``Tokenizer.apply_chat_template``, tools
         handed to the template), encoded without adding special tokens again, then generated as
         ``generate`` does. Returns one RequestOutput per conversation; ValueError naming the
-        conversation for messages the template or the checks refuse."""
+        conversation for messages the template or the checks refuse.
+
+        As vLLM: ``chat_template`` (a Jinja string) replaces the checkpoint's; ``continue_final_message``
+        ends the prompt inside the last message (an assistant prefix to continue; not with
+        ``add_generation_prompt``); ``chat_template_kwargs`` are extra template variables (e.g.
+        ``{"enable_thinking": False}``), not the ones named above."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat needs the checkpoint's tokenizer.json (its chat template and vocabulary)")
         if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False (it continues the "
+                             "last message instead of opening a new one)")
+        template_kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(set(template_kwargs) & _CHAT_TEMPLATE_RESERVED)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}: pass it as LLM.chat's own argument")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts: list[Prompt] = []
         for i, conversation in enumerate(conversations):
             try:
-                text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tools=tools)
+                text = tok.apply_chat_template(
+                    conversation, add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template,
+                    continue_final_message=continue_final_message, **template_kwargs)
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
             prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text})
@@ -192,10 +233,10 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the workers (and a Ray cluster this LLM started)."""
-        engine = getattr(self, "engine", None)
+        engine = getattr(self, "_engine", None)
         if engine is not None:
+            self._engine = None
             engine.shutdown()
-            self.engine = None
 
     def __enter__(self) -> LLM:
         return self
@@ -208,6 +249,12 @@ class LLM:
             self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
+
+
+def truncate_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The last ``params.truncate_prompt_tokens`` ids (-1: ``max_model_len``), or all of them when None."""
+    k = params.truncate_prompt_tokens
+    return token_ids if k is None else token_ids[-(max_model_len if k == -1 else k):]
 
 
 def _plain_ids(ids: Any) -> Any:

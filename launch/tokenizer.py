@@ -275,6 +275,24 @@ def _build_template_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``text`` up to the end of the last message's content (its last text part), as transformers'
+    ``continue_final_message``: the template's end-of-turn markup after it is dropped."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list | tuple):
+        parts = [p.get("text") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+        content = parts[-1] if parts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with text content to continue")
+    stripped = content.strip()
+    at = text.rfind(stripped)
+    if at < 0:
+        raise ValueError("continue_final_message: the last message's content does not appear in the rendered chat")
+    # keep the message's trailing whitespace when the template kept it
+    end = at + len(content.lstrip()) if text[at:at + len(content.lstrip())] == content.lstrip() else at + len(stripped)
+    return text[:end]
+
+
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Check chat messages; flatten OpenAI content parts ``[{"type": "text", "text": ...}]``."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -428,22 +446,29 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None, **kwargs: Any,
+        tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None, continue_final_message: bool = False, **kwargs: Any,
     ) -> str:
         """Render chat ``messages`` (``[{"role": str, "content": str | text parts}]``) to a prompt.
 
         The template sees what transformers' ``apply_chat_template`` passes: ``messages``,
         ``add_generation_prompt``, ``tools`` and ``documents`` (None when not given), the
-        ``special_tokens`` (absent ones undefined) and ``kwargs``, which override them."""
+        ``special_tokens`` (absent ones undefined) and ``kwargs``, which override them.
+        ``chat_template``: a Jinja string used instead of the checkpoint's. ``continue_final_message``
+        (transformers'): the text ends right after the last message's content, so the model
+        continues it; ValueError when that content is not found in the rendered text."""
         normalized = _normalize_messages(messages)
         context = {**self.special_tokens, **kwargs}
         try:
-            return self._template.render(
+            template = self._template if chat_template is None \
+                else _build_template_environment().from_string(chat_template)
+            text = template.render(
                 messages=normalized, tools=tools, documents=documents,
                 add_generation_prompt=add_generation_prompt, **context,
             )
         except TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+        return _cut_after_final_message(text, normalized) if continue_final_message else text
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat prompt (the template supplies bos itself)."""

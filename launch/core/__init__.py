@@ -11,13 +11,13 @@ from launch.core.kv_sizing import KVSizing, NoKVRoomError, compute_kv_sizing, pa
 from launch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from launch.core.request import Request, Sequence, SequenceStatus
 from launch.core.sampler import Sampler, SamplerOutput, apply_sampling_filters
-from launch.core.sampling_params import SamplingParams
+from launch.core.sampling_params import RequestOutputKind, SamplingParams
 from launch.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
 __all__ = [
     "BatchSpec", "BlockAllocator", "CompletionOutput", "IncrementalDetokenizer", "KVSizing",
     "NoKVRoomError", "PrefixCacheStats", "Request", "RequestMetrics", "RequestOutput", "SampledTokens", "Sampler",
-    "SamplerOutput", "SamplingParams", "ScheduledSequence", "Scheduler", "SchedulerConfig",
+    "RequestOutputKind", "SamplerOutput", "SamplingParams", "ScheduledSequence", "Scheduler", "SchedulerConfig",
     "SchedulerOutput", "SchedulerStats", "Sequence", "SequenceStatus", "apply_sampling_filters",
     "compute_kv_sizing", "find_stop_string", "parse_memory",
 ]

@@ -13,7 +13,38 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Logprob(float):
+    """A log-probability that also reads as vLLM's ``Logprob``: ``.logprob`` (the value), ``.rank``
+    (its rank over the vocabulary, 1 for the most likely; None when unknown) and ``.decoded_token``
+    (always None here: decode the id with the tokenizer). It is a float, so arithmetic, comparisons
+    and JSON see the number."""
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, value: float, rank: int | None = None) -> Logprob:
+        obj = super().__new__(cls, value)
+        obj.rank, obj.decoded_token = rank, None
+        return obj
+
+    def __reduce__(self) -> tuple:
+        return (Logprob, (float(self), self.rank))
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+
 TokenLogprobs = dict[int, float]
+
+
+def as_logprobs(entry: TokenLogprobs, token_id: int, rank: int | None) -> TokenLogprobs:
+    """One position's ``{token id: logprob}`` with ``Logprob`` values: ``token_id`` (the sampled or
+    scored token) gets ``rank``, each other entry (a top-n one) its rank among the entry's values."""
+    values = sorted(entry.values(), reverse=True)
+    return {t: Logprob(v, rank if t == token_id else 1 + sum(u > v for u in values)) for t, v in entry.items()}
 
 
 def top_n(entry: TokenLogprobs, n: int) -> list[tuple[int, float]]:
@@ -45,8 +76,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprob_ranks: list[int | None] | None = None
 
-    @property
     def finished(self) -> bool:
+        """True once this completion has ended (a method, as vLLM's ``CompletionOutput.finished()``)."""
         return self.finish_reason is not None
 
 

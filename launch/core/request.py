@@ -14,7 +14,14 @@ import enum
 from dataclasses import dataclass, field
 
 from launch.core.detokenizer import DecodeFn, IncrementalDetokenizer, find_stop_string
-from launch.core.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, TokenLogprobs
+from launch.core.outputs import (
+    CompletionOutput,
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+    as_logprobs,
+)
 from launch.core.sampling_params import SamplingParams
 
 
@@ -83,7 +90,8 @@ class Sequence:
     has_penalties: bool = field(init=False, default=False)  # params.has_penalties, read per row per step
 
     def __post_init__(self) -> None:
-        self._detokenizer = None if self.decode is None else IncrementalDetokenizer(self.decode, self.prompt_token_ids)
+        self._detokenizer = None if self.decode is None or not self.params.detokenize \
+            else IncrementalDetokenizer(_decode_for(self.decode, self.params), self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs, self.logprob_ranks, self.cumulative_logprob = [], [], 0.0
         self.has_penalties = self.params.has_penalties
@@ -160,8 +168,11 @@ class Sequence:
         cannot add an entry twice)."""
         if self.prompt_logprobs is not None and len(self.prompt_logprobs) == first + 1:
             room = len(self.prompt_token_ids) - len(self.prompt_logprobs)
-            self.prompt_logprobs.extend(entries[:room])
-            self.prompt_logprob_ranks.extend((ranks or [None] * len(entries))[:min(room, len(entries))])
+            ranks = (ranks or [None] * len(entries))[:min(room, len(entries))]
+            at = len(self.prompt_logprobs)
+            self.prompt_logprobs.extend(as_logprobs(e, self.prompt_token_ids[at + i], r)
+                                        for i, (e, r) in enumerate(zip(entries[:room], ranks)))
+            self.prompt_logprob_ranks.extend(ranks)
 
     # ---- generation ----------------------------------------------------------------
 
@@ -178,7 +189,7 @@ class Sequence:
         token_id = int(token_id)
         self.output_token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
-            self.logprobs.append(dict(logprobs))
+            self.logprobs.append(as_logprobs(logprobs, token_id, rank))
             self.logprob_ranks.append(rank)
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + float(logprobs.get(token_id, 0.0))
         params = self.params
@@ -313,3 +324,11 @@ class Request:
             prompt_logprobs=self.seqs[0].prompt_logprobs and list(self.seqs[0].prompt_logprobs),
             prompt_logprob_ranks=self.seqs[0].prompt_logprob_ranks and list(self.seqs[0].prompt_logprob_ranks),
         )
+
+
+def _decode_for(decode: DecodeFn, params: SamplingParams) -> DecodeFn:
+    """``decode`` as ``params`` want it: with ``skip_special_tokens=False`` the callback is asked to keep
+    special tokens (the engine's callback is ``Tokenizer.decode``, which takes that keyword)."""
+    if params.skip_special_tokens:
+        return decode
+    return lambda ids: decode(ids, skip_special_tokens=False)

@@ -9,6 +9,7 @@ leave the logits as the model gave them (a row without them never touches its to
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 
@@ -44,6 +45,21 @@ def max_logprobs_problem(num: int | None, kind: str, max_logprobs: int, vocab_si
 def resolve_num_logprobs(num: int, vocab_size: int) -> int:
     """How many top logprobs ``num`` asks for over a vocabulary of ``vocab_size``: -1 is all of them."""
     return vocab_size if num < 0 else min(num, vocab_size)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's ``RequestOutputKind``: what each streamed output holds. ``LLM.generate`` returns only
+    the final outputs whatever a request says (as vLLM's ``LLM`` does); ``AsyncLLM.generate`` yields
+    cumulative outputs and refuses DELTA."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+# vLLM fields this engine has no sampler support for: None (their default) or an empty container is
+# accepted (kept as None), anything else is a ValueError naming the field.
+UNSUPPORTED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "logits_processors")
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,18 @@ class SamplingParams:
         from the prefix cache (every position's logits are computed; the blocks it computes are
         still cached for others); with ``n > 1`` the first completion computes them and the others
         may reuse its cached prompt.
+    detokenize: False leaves ``CompletionOutput.text`` empty (token ids only); stop strings then
+        cannot be matched and are refused, as vLLM.
+    skip_special_tokens: False keeps special tokens (EOS, chat markers) in the text (vLLM's default: True).
+    spaces_between_special_tokens: accepted and ignored, as Hugging Face fast tokenizers (the only
+        kind here) ignore it.
+    truncate_prompt_tokens: None, -1 (``max_model_len``) or k >= 1: ``LLM.generate`` / ``LLM.chat``
+        keep only the prompt's last k tokens (left truncation, as vLLM).
+    output_kind: vLLM's ``RequestOutputKind`` (see there); an int 0-2 is taken too.
+    best_of: None or ``n`` (no extra candidates are drawn to choose from); other values raise.
+    logit_bias, allowed_token_ids, bad_words, logits_processors: vLLM's; None or an empty container
+        (kept as None) is accepted, anything else raises ValueError naming the field (this sampler
+        has no such support).
     """
 
     n: int = 1
@@ -117,6 +145,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    best_of: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers to tuples so the frozen object is hashable and safe to share.
@@ -127,7 +165,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {stop_ids!r}")
         object.__setattr__(self, "stop", () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids or ()))
+        if self.output_kind not in tuple(RequestOutputKind) or isinstance(self.output_kind, bool):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         self._validate()
+        self._validate_output_fields()
 
     def _validate(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
@@ -154,7 +196,8 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63 - 1] (int64), got {self.seed!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_num_logprobs("logprobs", self.logprobs)
@@ -173,6 +216,21 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens!r}")
         _check_num_logprobs("prompt_logprobs", self.prompt_logprobs)
+
+    def _validate_output_fields(self) -> None:
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (they are matched on the text)")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of!r} is not supported: only None or best_of == n={self.n} "
+                             "(no extra candidates are drawn)")
+        for name in UNSUPPORTED_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, dict | list | tuple) and not value):
+                raise ValueError(f"{name} is not supported by this engine (only None), got {value!r}"[:200])
+            object.__setattr__(self, name, None)
 
     @property
     def is_greedy(self) -> bool:
@@ -208,7 +266,7 @@ class SamplingParams:
         if not 0 <= index < self.n:
             raise ValueError(f"sample index {index} out of range for n={self.n}")
         seed = None if self.seed is None else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
-        return dataclasses.replace(self, n=1, seed=seed)
+        return dataclasses.replace(self, n=1, seed=seed, best_of=None)
 
 
 def params_max_logprobs_problem(params: SamplingParams, max_logprobs: int, vocab_size: int) -> str | None:

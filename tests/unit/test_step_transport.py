@@ -67,7 +67,11 @@ def test_wire_keeps_apart_params_that_differ_only_in_a_sampler_field():
     assert wire.sampling_params == variants
     # every field the sampler reads is part of the key; the rest act on the driver only (ignore_eos
     # too: min_tokens masks the EOS ids whatever it says, as vLLM; prompt_logprobs travels in its spans)
-    driver_only = {"n", "max_tokens", "stop", "ignore_eos", "include_stop_str_in_output", "prompt_logprobs"}
+    driver_only = {"n", "max_tokens", "stop", "ignore_eos", "include_stop_str_in_output", "prompt_logprobs",
+                   "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+                   "output_kind", "best_of"}
+    # vLLM's sampler fields this engine refuses unless None (launch.core.sampling_params.UNSUPPORTED_FIELDS)
+    driver_only |= {"logit_bias", "allowed_token_ids", "bad_words", "logits_processors"}
     assert {f.name for f in dataclasses.fields(SamplingParams)} == set(SAMPLER_FIELDS) | driver_only
 
 
