@@ -253,6 +253,15 @@ def _check_served_model_name(value: Any) -> None:
         raise ValueError(f"served_model_name lists {twice!r} twice")
 
 
+CORS_LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
+
+
+def _check_string_list(cfg: Any, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+        raise ValueError(f'{name} must be a list of strings (e.g. ["*"]), got {value!r}')
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """OpenAI-compatible server. served_model_name: one name or a list of names (vLLM's
@@ -265,7 +274,9 @@ class ServerConfig:
     between dumps (SGLang's flag; older steps are dropped and counted; -1 keeps all).
     enable_auto_tool_choice / tool_call_parser: vLLM's tool-calling flags (tool_choice "auto" served,
     the reply's calls parsed with that format; the name is checked against
-    ``launch.server.tools.registry`` when serving starts)."""
+    ``launch.server.tools.registry`` when serving starts). allowed_origins / allowed_methods /
+    allowed_headers (lists of strings, ``"*"`` = any; ``Any`` for the schema loader as above) and
+    allow_credentials: vLLM's CORS flags, handed to Starlette's ``CORSMiddleware``."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -277,8 +288,14 @@ class ServerConfig:
     expert_distribution_recorder_buffer_size: int = 1000
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    allowed_origins: Any = field(default_factory=lambda: ["*"])  # list[str]
+    allowed_methods: Any = field(default_factory=lambda: ["*"])  # list[str]
+    allowed_headers: Any = field(default_factory=lambda: ["*"])  # list[str]
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
+        for name in CORS_LIST_FIELDS:
+            _check_string_list(self, name)
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         size = self.expert_distribution_recorder_buffer_size
@@ -470,6 +487,10 @@ VLLM_KEYS: dict[str, str] = {
     "api_key": "server.api_key",
     "served_model_name": "server.served_model_name",
     "max_queue_len": "server.max_queue_len",
+    "allowed_origins": "server.allowed_origins",
+    "allowed_methods": "server.allowed_methods",
+    "allowed_headers": "server.allowed_headers",
+    "allow_credentials": "server.allow_credentials",
 }
 
 

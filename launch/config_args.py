@@ -118,6 +118,30 @@ def _json_object(flag: str) -> Callable[[str], dict[str, Any]]:
     return parse
 
 
+def parse_json_string_list(text: str, source: str) -> list[str]:
+    """The JSON array of strings in ``text`` (vLLM's CORS flags: ``'["https://a.example"]'``);
+    ConfigError naming ``source`` otherwise."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source} is not valid JSON: {e}") from e
+    if not isinstance(data, list) or not all(isinstance(item, str) for item in data):
+        raise ConfigError(f'{source} must be a JSON array of strings, e.g. \'["*"]\', found {text!r}')
+    return data
+
+
+def _json_string_list(flag: str) -> Callable[[str], list[str]]:
+    """An argparse ``type`` for a flag whose value is a JSON array of strings (a bad one: argparse's
+    error line, which names the flag)."""
+    def parse(text: str) -> list[str]:
+        try:
+            return parse_json_string_list(text, "the value")
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    parse.__name__ = flag
+    return parse
+
+
 def _d(key: str) -> str:
     return f"(default: {default_of(key)})"
 
@@ -215,6 +239,13 @@ def _group_server(parser: argparse.ArgumentParser) -> None:
                         "all, the first is the primary one (default: --model)")
     g.add_argument("--max-queue-len", type=int, default=None, metavar="N",
                    help=f"waiting requests beyond which new ones get 503 {_d('server.max_queue_len')}")
+    for name, what in (("origins", "origins (e.g. '[\"https://app.example\"]')"), ("methods", "HTTP methods"),
+                       ("headers", "request headers")):
+        g.add_argument(f"--allowed-{name}", type=_json_string_list(f"--allowed-{name}"), default=None,
+                       metavar="JSON", help=f"CORS: the allowed {what}, a JSON array of strings; \"*\" = any "
+                                            "(default: [\"*\"])")
+    g.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=None,
+                   help="CORS: let browsers send credentials (cookies, Authorization) cross-origin (default: off)")
     g.add_argument("--disable-log-requests", action="store_true", default=None,
                    help="accepted for vLLM compatibility and changes nothing: requests are never logged")
 

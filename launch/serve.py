@@ -10,8 +10,10 @@ engine, ``--host`` (127.0.0.1 unless told otherwise), ``--port``, ``--api-key``,
 vLLM's ``--enable-auto-tool-choice`` and ``--tool-call-parser NAME`` (tool calls parsed out of
 chat replies; checked against the checkpoint's tokenizer before the weights load);
 ``--log-level`` (this process's logging and uvicorn's) and vLLM's ``--uvicorn-log-level``
-(uvicorn's alone). The engine is built inside the server's event loop and shut down when
-uvicorn exits (Ctrl-C / SIGTERM).
+(uvicorn's alone); vLLM's CORS flags ``--allowed-origins``, ``--allowed-methods``,
+``--allowed-headers`` (JSON arrays) and ``--allow-credentials``. The engine is built inside the
+server's event loop and shut down when uvicorn exits (Ctrl-C / SIGTERM, also one that comes while
+the engine is still being built).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +106,15 @@ async def _shutdown(engine: Any) -> None:
         await result
 
 
-async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = None) -> None:
+async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = None,
+                stop_requested: Callable[[], bool] = lambda: False) -> None:
     """Build the engine (unless given), serve until uvicorn is told to stop, then shut the engine down.
 
     The shutdown runs in the app's lifespan, inside uvicorn's serve: uvicorn re-raises a
     captured SIGTERM/SIGINT after serving, so anything after ``serve()`` might never run.
     A Ctrl-C before uvicorn has SIGINT (during the engine build) ends here the same way, quietly.
+    ``stop_requested``: whether a SIGTERM came before uvicorn had the signal (``main``'s
+    ``TermRequest``); then the engine is shut down once the build is done and nothing is served.
     """
     if engine is None:
         from launch.async_llm import AsyncLLM
@@ -121,6 +126,8 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
         nonlocal done
+        if stop_requested():  # came in the few lines into uvicorn's serve(), before its handler
+            server.should_exit = True
         try:
             yield
         finally:
@@ -139,6 +146,9 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
         # uvicorn starts a lifespan task that asyncio.run would then cancel (a logged traceback).
         # What is left unguarded is the few synchronous lines into uvicorn's serve().
         await asyncio.sleep(0)
+        if stop_requested():
+            logger.info("SIGTERM while the engine was being built: shutting down")
+            return
         await server.serve()
     finally:
         if not done:  # the server never started (e.g. the port was taken)
@@ -197,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if (warning := exposure_warning(cfg)) is not None:
         logger.warning("%s", warning)
-    # uvicorn handles SIGINT/SIGTERM while serving and re-raises them afterwards; by then
-    # the engine is shut down, so the re-raised signal just ends the process with status 0.
-    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    # uvicorn handles SIGINT/SIGTERM while serving and re-raises them afterwards, when the engine
+    # is shut down; before it starts (the engine build) a SIGTERM is only recorded, and serve()
+    # shuts the engine down once the build is done. Either way main returns 0.
+    term = TermRequest()
+    previous = signal.signal(signal.SIGTERM, term)
     try:
-        asyncio.run(serve(cfg, log_level=args.uvicorn_log_level or args.log_level))
+        asyncio.run(serve(cfg, log_level=args.uvicorn_log_level or args.log_level, stop_requested=term.is_set))
     except KeyboardInterrupt:
         pass
     finally:
@@ -232,5 +244,15 @@ def check_listen_address(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def _exit_cleanly(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
+class TermRequest:
+    """``main``'s SIGTERM handler: records the signal and returns. Raising from it (SystemExit) would
+    unwind whatever runs at that moment, the engine build half done (never shut down) included."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def is_set(self) -> bool:
+        return self.received

@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -277,8 +278,9 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
     """The server app for ``engine``; request bodies over ``max_body_bytes`` get 413.
 
     server_config: ``launch.config.ServerConfig`` (reads ``api_key``, ``served_model_name``,
-        ``max_queue_len``, ``expert_distribution_dir``, ``enable_auto_tool_choice``, ``tool_call_parser``;
-        a missing field means its default). ValueError (one line) for a tool-call setup the model's
+        ``max_queue_len``, ``expert_distribution_dir``, ``enable_auto_tool_choice``, ``tool_call_parser``,
+        the CORS fields ``allowed_origins``, ``allowed_methods``, ``allowed_headers``,
+        ``allow_credentials``; a missing field means its default). ValueError (one line) for a tool-call setup the model's
         tokenizer cannot serve (``launch.server.tools.calling.ToolCalling.build``).
     Requests may name any served name; ``/v1/models`` lists each, with ``root`` the engine's
     ``model_path`` (the checkpoint; an engine without one: its ``model_name``), as vLLM's.
@@ -345,6 +347,21 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
     _install_expert_distribution_routes(app, engine, dump_dir)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_reject=metrics.on_rejected)
     api_key = getattr(server_config, "api_key", None)
-    if api_key:  # added last = outermost: unauthenticated bodies are never read
+    if api_key:  # outside the body limit: unauthenticated bodies are never read
         app.add_middleware(APIKeyMiddleware, api_key=api_key, on_reject=metrics.on_rejected)
+    _add_cors(app, server_config)
     return app
+
+
+def _add_cors(app: FastAPI, server_config: Any) -> None:
+    """vLLM's CORS (``--allowed-origins`` / ``-methods`` / ``-headers``, default any; ``--allow-credentials``),
+    added last = outermost: it answers preflights itself and puts its headers on every reply, the
+    401s and 413s of the middlewares inside included (vLLM adds its key check outside CORS, so a browser
+    cannot read its 401s)."""
+    def allowed(name: str) -> list[str]:  # a missing field: vLLM's default, any; [] allows none
+        value = getattr(server_config, name, None)
+        return ["*"] if value is None else list(value)
+
+    app.add_middleware(CORSMiddleware, allow_origins=allowed("allowed_origins"),
+                       allow_methods=allowed("allowed_methods"), allow_headers=allowed("allowed_headers"),
+                       allow_credentials=bool(getattr(server_config, "allow_credentials", False)))

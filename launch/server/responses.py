@@ -11,9 +11,13 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 
 
 class UsageInfo(BaseModel):
+    """vLLM's: ``prompt_tokens_details`` is always there, null (vLLM fills in ``cached_tokens`` only
+    under ``--enable-prompt-tokens-details``, a flag this server does not have)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -85,11 +89,20 @@ class ToolCall(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """``tool_calls`` is always there (``[]`` without calls), as vLLM sends it."""
+    """vLLM's ``ChatMessage``, every key always there: ``tool_calls`` (``[]`` without calls); OpenAI's
+    ``refusal``, ``annotations``, ``audio`` and ``function_call`` and vLLM's reasoning text
+    (``reasoning_content``, named ``reasoning`` since vLLM 0.11) are null: this server has no
+    refusals, audio, legacy function calls or reasoning parser."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: FunctionCall | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -106,6 +119,8 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
+    service_tier: str | None = None  # OpenAI's; null, as vLLM sends it
+    system_fingerprint: str | None = None  # OpenAI's; null, as vLLM sends it
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, with ``prompt_logprobs``
 

@@ -223,12 +223,18 @@ def test_client_disconnects_abort_requests(server):
     are aborted: counted, not finished, KV freed, metrics idle."""
     long = {"prompt": "Disconnect me", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0}
     chat = {"messages": [{"role": "user", "content": "wait"}], **long}
-    # The client's timeout is a quarter of what the whole request takes on this machine, so the
-    # client leaves mid-generation however fast the engine is (a fixed timeout was outrun).
-    start = time.monotonic()
-    assert httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=REQUEST_TIMEOUT_S,
-                      json=chat).status_code == 200
-    client_timeout = (time.monotonic() - start) / 4
+    # The client's timeout is a quarter of what the whole request took just before, so the client
+    # leaves mid-generation however fast the engine is (a fixed timeout was outrun). Other load on
+    # the box can end between the two (a request then finishes inside its timeout): such a request
+    # is counted as finished and the pair is tried again, up to five times.
+
+    def calibrated_timeout() -> float:
+        start = time.monotonic()
+        assert httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=REQUEST_TIMEOUT_S,
+                          json=chat).status_code == 200
+        return (time.monotonic() - start) / 4
+
+    client_timeout = calibrated_timeout()
     before = metrics(server.url)
     for _ in range(3):
         with httpx.Client() as client, client.stream("POST", server.url + "/v1/completions", headers=AUTH,
@@ -240,17 +246,27 @@ def test_client_disconnects_abort_requests(server):
                 if next(lines).startswith("data: {"):
                     chunks += 1
         # leaving the block closes the connection mid-stream
-    for _ in range(2):
-        with pytest.raises(httpx.ReadTimeout):
+    timed_out = completed = 0
+    for attempt in range(5):
+        if attempt:
+            client_timeout = calibrated_timeout()
+            completed += 1  # the calibration request finishes
+        try:
             httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=client_timeout, json=chat)
+            completed += 1
+        except httpx.ReadTimeout:
+            timed_out += 1
+            if timed_out == 2:
+                break
+    assert timed_out == 2, f"the client timeout ({client_timeout * 1e3:.0f} ms) was outrun five times"
     after = assert_idle(server.url)
     aborted = after["moe:requests_aborted_total"] - before["moe:requests_aborted_total"]
     finished = after["vllm:request_success_total"] - before["vllm:request_success_total"]
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     print(f"\ndisconnects: aborted {aborted:.0f}, finished {finished:.0f}, tokens generated {generated:.0f} "
-          f"(of {5 * long['max_tokens']} asked; client timeout {client_timeout * 1e3:.0f} ms)")
-    assert aborted == 5 and finished == 0
-    assert generated < 5 * long["max_tokens"]
+          f"(of {(5 + completed) * long['max_tokens']} asked, {completed} finished; client timeout {client_timeout * 1e3:.0f} ms)")
+    assert aborted == 5 and finished == completed
+    assert generated < (5 + completed) * long["max_tokens"]
 
 
 # ---------------------------------------------------------------- soak
