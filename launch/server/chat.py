@@ -35,8 +35,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
                        add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
                        documents: list[dict[str, Any]] | None = None,
-                       template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of the templated conversation (ending with the assistant header if asked);
+                       template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
+                       continue_final_message: bool = False) -> list[int]:
+    """Token ids of the templated conversation (ending with the assistant header if asked, or with the
+    last message left open for the reply to continue it: ``continue_final_message``, vLLM's);
     ``tools`` (OpenAI tool definitions), ``documents`` and vLLM's ``chat_template_kwargs``
     (``template_kwargs``: extra template variables such as ``enable_thinking``) are handed to the
     template, as transformers and vLLM hand them. The rendered text is encoded without the tokenizer's
@@ -46,6 +48,8 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
         extra["tools"] = tools
     if documents is not None:
         extra["documents"] = documents
+    if continue_final_message:
+        extra["continue_final_message"] = True
     try:
         rendered = tokenizer.apply_chat_template(chat_messages(messages),
                                                  add_generation_prompt=add_generation_prompt, **extra)

@@ -41,7 +41,8 @@ MAX_N = 16
 # ``--max-logprobs``), checked by ``OpenAIServing`` (-1 counting as vocab_size), not here.
 MAX_STOP_SEQUENCES = 16
 # What chat_template_kwargs may not set: the request's own fields (messages, tools, ...) fill them
-CHAT_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+CHAT_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
+                                    "documents"})
 # /v1/completions without max_tokens generates this many tokens at most (OpenAI's and vLLM's default);
 # an explicit null means "until max_model_len" (vLLM); chat has no default cap (both of them)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -217,7 +218,7 @@ class SamplingRequest(BaseModel):
     # that would change the output is refused (``unsupported``) instead of silently ignored
     best_of: StrictInt | None = Field(None, ge=1)
     logit_bias: dict[str, float] | None = None
-    skip_special_tokens: StrictBool | None = None  # vLLM's; special tokens are always left out of the text
+    skip_special_tokens: StrictBool | None = None  # vLLM's (default true): false keeps them in the text
     response_format: dict[str, Any] | None = None  # OpenAI's; only {"type": "text"} (no constrained decoding)
     # vLLM's extensions that change the output, refused unless neutral (no constrained decoding, no
     # beam search here)
@@ -231,7 +232,8 @@ class SamplingRequest(BaseModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    truncate_prompt_tokens: Any = None
+    # vLLM's: keep the prompt's last k tokens (-1: max_model_len), after encoding
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     return_tokens_as_token_ids: StrictBool | None = None
     # vLLM's: whether the prompt is encoded with the tokenizer's special tokens (bos, ...); null: the
     # endpoint's default, ``ADDS_SPECIAL_TOKENS`` (completions yes; chat no, the template writes them)
@@ -329,9 +331,6 @@ class SamplingRequest(BaseModel):
             return "logit_bias", "logit_bias is not supported"
         if self.stream and self.prompt_logprobs not in (None, 0):  # vLLM refuses > 0 and -1, takes 0
             return "prompt_logprobs", "prompt_logprobs is not supported with stream=true (as vLLM)"
-        if self.skip_special_tokens is False:
-            return "skip_special_tokens", ("skip_special_tokens=false is not supported: special tokens are always "
-                                           "left out of the text")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             return "response_format", (f"response_format type {_short(self.response_format.get('type'))} is not "
                                        "supported: this server has no constrained decoding (only \"text\")")
@@ -340,7 +339,9 @@ class SamplingRequest(BaseModel):
                 return name, f"{name} is not supported: this server has no constrained decoding"
         if self.use_beam_search:
             return "use_beam_search", "use_beam_search=true is not supported (sampling only)"
-        for name in ("allowed_token_ids", "bad_words", "logits_processors", "truncate_prompt_tokens"):
+        if self.truncate_prompt_tokens == 0:
+            return "truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got 0"
+        for name in ("allowed_token_ids", "bad_words", "logits_processors"):
             value = getattr(self, name)
             if value is not None and value != []:
                 return name, f"{name} is not supported by this server"
@@ -469,7 +470,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None  # -1: the whole vocabulary (vLLM)
     add_generation_prompt: StrictBool = True
-    # vLLM's chat extensions that change the prompt: refused when set (``unsupported``)
+    # vLLM's chat extensions that change the prompt: echo is refused when set (``unsupported``);
+    # continue_final_message renders the last (assistant) message open, for the reply to continue it
     echo: StrictBool = False
     continue_final_message: StrictBool = False
     # OpenAI tools, rendered into the prompt by the chat template (as transformers and vLLM pass them,
@@ -515,9 +517,9 @@ class ChatCompletionRequest(SamplingRequest):
                                    "tool) or \"none\"")
         if self.echo:
             return "echo", "echo=true is not supported for chat (the reply is never prefixed with the last message)"
-        if self.continue_final_message:
-            return "continue_final_message", ("continue_final_message=true is not supported: the chat template "
-                                              "closes every message")
+        if self.continue_final_message and self.add_generation_prompt:
+            return "continue_final_message", ("continue_final_message=true needs add_generation_prompt=false "
+                                              "(as vLLM: it continues the last message instead of starting a reply)")
         if self.chat_template is not None:
             return "chat_template", "chat_template is not supported: the checkpoint's chat template is used"
         reserved = sorted(set(self.chat_template_kwargs or ()) & CHAT_TEMPLATE_RESERVED)

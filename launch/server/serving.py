@@ -107,6 +107,14 @@ class OpenAIServing:
                            param=param)
         return ids
 
+    def truncate(self, ids: list[int], req: SamplingRequest) -> list[int]:
+        """The prompt's last ``req.truncate_prompt_tokens`` ids (-1: ``max_model_len``; None: all), as
+        vLLM truncates (from the left, after encoding)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        return ids[-(int(self.engine.max_model_len) if k == -1 else k):]
+
     def check_num_logprobs(self, num: int | None, kind: str, param: str) -> None:
         """400 naming ``param`` when ``num`` ``kind`` ("sample" / "prompt") top logprobs (-1: the whole
         vocabulary, counted as vocab_size, as vLLM counts it) are more than the engine's
@@ -207,6 +215,8 @@ class OpenAIServing:
         fields: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
                                   "logprobs": logprobs, "include_stop_str_in_output": req.include_stop_str_in_output,
                                   "prompt_logprobs": prompt_logprobs}
+        if req.skip_special_tokens is not None:
+            fields["skip_special_tokens"] = req.skip_special_tokens
         defaults = defaults or {}
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens"):
@@ -223,23 +233,28 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ endpoints
 
-    def echo_texts(self, prompts: list[str | list[int]]) -> list[str]:
+    def echo_texts(self, prompts: list[str | list[int]], skip_special_tokens: bool = True) -> list[str]:
         """Each prompt's text for ``echo``: a text prompt as sent, token ids decoded (special tokens
-        left out, as the generated text leaves them out)."""
+        left out unless the request's ``skip_special_tokens`` is false, as the generated text)."""
         if all(isinstance(p, str) for p in prompts):
             return list(prompts)
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError(400, "echo of token-id prompts needs a tokenizer to decode them, and this model has none.",
                            param="echo")
-        return [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=True) for p in prompts]
+        return [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=skip_special_tokens) for p in prompts]
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_supported(req)
         texts_or_ids = req.prompts()
         prompts = await self.tokenize_all(texts_or_ids, add_special_tokens=req.encode_special_tokens)
-        echo_texts = self.echo_texts(texts_or_ids) if req.echo else None
+        if req.truncate_prompt_tokens is not None:
+            truncated = [self.truncate(ids, req) for ids in prompts]
+            # echo shows the prompt the model saw
+            texts_or_ids = [t if len(k) == len(ids) else k for t, ids, k in zip(texts_or_ids, prompts, truncated)]
+            prompts = truncated
+        echo_texts = self.echo_texts(texts_or_ids, req.skip_special_tokens is not False) if req.echo else None
         self.check_queue()
         request_id = random_id("cmpl")
         # echo with max_tokens 0 (the prompt alone): one token is sampled and dropped, as vLLM does
@@ -261,15 +276,16 @@ class OpenAIServing:
         ids = await asyncio.to_thread(render_chat_prompt, self.tokenizer("chat messages"), req.messages,
                                       add_generation_prompt=req.add_generation_prompt, tools=req.tools,
                                       documents=req.documents, template_kwargs=req.chat_template_kwargs,
-                                      add_special_tokens=req.encode_special_tokens)
-        prompts = [self.check_token_ids(ids, "messages")]
+                                      add_special_tokens=req.encode_special_tokens,
+                                      continue_final_message=req.continue_final_message)
+        prompts = [self.check_token_ids(self.truncate(ids, req), "messages")]
         self.check_queue()
         request_id = random_id("chatcmpl")
         subs = self.build_subrequests(request_id, prompts, req, req.max_new_tokens, num_logprobs, "messages",
                                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                       prompt_logprobs=req.prompt_logprobs)
         tool_streams = None if tool_parser is None else self.tool_calling.streams(
-            tool_parser, self.engine.tokenizer, ids, req.include_stop_str_in_output)
+            tool_parser, self.engine.tokenizer, prompts[0], req.include_stop_str_in_output)
         formatter = ChatFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self._token_text,
                                   num_logprobs, continuous_usage=req.continuous_usage, tool_streams=tool_streams,
                                   prompt_logprobs=req.prompt_logprobs)

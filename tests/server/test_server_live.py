@@ -152,6 +152,33 @@ def test_chat_and_streamed_chat_with_usage(main_server):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_vllm_prompt_and_text_fields_on_the_real_tokenizer(main_server):
+    """continue_final_message (an assistant prefill through the checkpoint's template),
+    truncate_prompt_tokens and skip_special_tokens, each against what the tokenizer itself gives."""
+    client, name, tok = main_server.client(), main_server.cfg.served_model_name, main_server.engine.tokenizer
+    msgs = [{"role": "user", "content": "Tell me about experts."}, {"role": "assistant", "content": "Experts are"}]
+    cont = client.chat.completions.create(model=name, messages=msgs, max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True, "continue_final_message": True,
+                                                      "add_generation_prompt": False})
+    open_ids = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    open_ids = tok.encode(open_ids, add_special_tokens=False) if isinstance(open_ids, str) else open_ids
+    assert cont.usage.prompt_tokens == len(open_ids)
+    assert tok.decode(open_ids).endswith("Experts are")  # the message is left open, not closed
+    prompt_ids = tok.encode("The quick brown fox jumps")
+    short = client.completions.create(model=name, prompt="The quick brown fox jumps", max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True, "truncate_prompt_tokens": 2})
+    direct = client.completions.create(model=name, prompt=prompt_ids[-2:], max_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert short.usage.prompt_tokens == 2 and short.choices[0].text == direct.choices[0].text
+    eos = tok.eos_token_ids[0]
+    kept = client.completions.create(model=name, prompt=[eos, *prompt_ids[-3:]], max_tokens=1, temperature=0,
+                                     echo=True, extra_body={"skip_special_tokens": False})
+    dropped = client.completions.create(model=name, prompt=[eos, *prompt_ids[-3:]], max_tokens=1, temperature=0,
+                                        echo=True)
+    assert kept.choices[0].text.startswith(tok.decode([eos], skip_special_tokens=False))
+    assert not dropped.choices[0].text.startswith(tok.decode([eos], skip_special_tokens=False))
+
+
 @pytest.mark.parametrize("body,status", [
     (b"{oops", 400),
     ({"prompt": "x", "max_tokens": -1}, 400),

@@ -62,13 +62,16 @@ def prompt_tokens(served, body: dict) -> int:
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [3, 4]}, "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["a"]}, "bad_words"),
     ("/v1/completions", {"prompt": "x", "logits_processors": ["pkg.Proc"]}, "logits_processors"),
-    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
-    ("/v1/chat/completions", {"messages": CHAT, "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "return_tokens_as_token_ids": True, "logprobs": 1},
      "return_tokens_as_token_ids"),
     ("/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"continue_final_message": True}},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
 ])
 def test_vllm_fields_that_change_the_output_are_refused_not_ignored(served, path, body, param):
     r = post(served, path, {"max_tokens": 2, **body})
@@ -109,3 +112,33 @@ def test_add_special_tokens_is_honoured(served):
     plain = prompt_tokens(served, {})
     assert prompt_tokens(served, {"add_special_tokens": False}) == plain
     assert prompt_tokens(served, {"add_special_tokens": True}) == plain + 1
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(served):
+    """vLLM: the encoded prompt keeps its last k tokens (-1: max_model_len); echo shows what is kept."""
+    def completion(body: dict) -> dict:
+        r = post(served, "/v1/completions", {"prompt": "abcdef", "max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+    assert completion({})["usage"]["prompt_tokens"] == 7  # bos + 6
+    assert completion({"truncate_prompt_tokens": 3})["usage"]["prompt_tokens"] == 3
+    assert completion({"truncate_prompt_tokens": 3, "echo": True})["choices"][0]["text"].startswith("def")
+    assert completion({"truncate_prompt_tokens": 50})["usage"]["prompt_tokens"] == 7
+    assert completion({"truncate_prompt_tokens": -1})["usage"]["prompt_tokens"] == 7  # max_model_len 64
+    long = post(served, "/v1/completions", {"prompt": "a" * 100, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"  # 64 kept: no room to generate
+    assert prompt_tokens(served, {"truncate_prompt_tokens": 2}) == 2
+
+
+def test_continue_final_message_reaches_the_template(served):
+    """vLLM: the last message is left open (the template's continue_final_message), never beside
+    add_generation_prompt."""
+    plain = prompt_tokens(served, {"add_generation_prompt": False})
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    assert prompt_tokens(served, body) == plain + len("[continue_final_message=True]")
+
+
+def test_skip_special_tokens_reaches_the_sampling_params(served):
+    for body, want in (({}, True), ({"skip_special_tokens": False}, False), ({"skip_special_tokens": True}, True)):
+        assert post(served, "/v1/completions", {"prompt": "x", "max_tokens": 1, **body}).status_code == 200
+        assert served.engine.seen_params[-1].skip_special_tokens is want

@@ -206,7 +206,7 @@ def post(url, body, **kw):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 4, "max_tokens": 2}, 400,
      "min_tokens"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     # tools are rendered into the prompt, but tool calls are not parsed out: only tool_choice "none"
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),

@@ -127,7 +127,7 @@ def test_negative_seeds_are_int64_seeds(served):
     ("/v1/chat/completions", {"messages": CHAT, "guided_choice": ["a", "b"]}, "guided_choice"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
-    ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False},
+    ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True},  # beside add_generation_prompt
      "continue_final_message"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),  # as vLLM
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # only with echo
