@@ -282,11 +282,14 @@ class ModelConfig:
                 total += 3 * d * self.intermediate_size
         return total
 
-    def _attention_parameters(self) -> int:
-        d, h = self.hidden_size, self.num_attention_heads
+    def _attention_parameters(self, tp: int = 1) -> int:
+        """One layer's attention parameters, or with ``tp`` > 1 those tensor-parallel rank 0 holds
+        (``shard_for_tp``: query / output heads and GQA's kv heads split, a kv head replicated once tp
+        passes their count, MLA's latent projections and norms whole, the row-parallel bias on rank 0)."""
+        d, h = self.hidden_size, self.num_attention_heads // tp
         b = 1 if self.attention_bias else 0
         if self.attention == "gqa":
-            q, kv = h * self.head_dim, self.num_key_value_heads * self.head_dim
+            q, kv = h * self.head_dim, max(1, self.num_key_value_heads // tp) * self.head_dim
             n = d * q + 2 * d * kv + q * d + b * (q + 2 * kv + d)
             return n + (2 * self.head_dim if self.qk_norm else 0)
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim

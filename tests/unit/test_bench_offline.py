@@ -230,10 +230,10 @@ _LEN_HINT = "exceeds max_model_len=2048 (the model's max_position_embeddings unl
      "error: --context-len 2030 + 28 tokens decoded per sequence (warm-up, timed and profiled steps, prefill headroom "
      f"at batch size 4) = 2058 {_LEN_HINT}"),
     (["--memory", "1KiB"],
-     "error: no room for the KV cache: the weights take 503.38 KiB per rank (tp=1) of 0.9 x 1.00 KiB = 922 B usable; "
+     "error: no room for the KV cache: the weights take 505.41 KiB per rank (tp=1) of 0.9 x 1.00 KiB = 922 B usable; "
      "KV needs 240 B per token (all layers) on top"),
     (["--memory", "1MiB", "--batch-sizes", "1", "64"],
-     "error: --batch-sizes 64: 64 sequences x 156 tokens need 640 KV blocks of 16, more than the 111 that --memory "
+     "error: --batch-sizes 64: 64 sequences x 156 tokens need 640 KV blocks of 16, more than the 110 that --memory "
      "1MiB x memory_utilization 0.9 holds after the weights: lower the batch size or --context-len, or raise --memory"),
     (["--batch-sizes", "64", "--num-kv-blocks", "100"],
      "error: --batch-sizes 64: 64 sequences x 156 tokens need 640 KV blocks of 16, more than --num-kv-blocks 100: "
@@ -250,7 +250,7 @@ def test_decode_refuses_batches_the_default_memory_budget_cannot_hold(tiny_ckpt,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the engine's CPU default budget, 2GiB
     assert bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "100000"]) == 2
     assert capsys.readouterr().err == (
-        "error: --batch-sizes 100000: 100000 sequences x 485 tokens need 3100000 KV blocks of 16, more than the 503182 "
+        "error: --batch-sizes 100000: 100000 sequences x 485 tokens need 3100000 KV blocks of 16, more than the 503181 "
         "that the engine's default 2GiB x memory_utilization 0.9 holds after the weights: lower the batch size or "
         "--context-len, or raise --memory\n")
 

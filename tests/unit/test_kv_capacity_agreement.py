@@ -143,3 +143,26 @@ def test_the_engine_allocates_the_blocks_kvcalc_reports(tmp_path, capsys, layout
     runtime = load_runtime_config(str(config))
     blocks = compute_num_kv_blocks(runtime, ModelConfig.from_hf(TINY, strict=False), 256)
     assert blocks == k["num_blocks"] > 0
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_weight_bytes_per_rank_are_a_sharded_models_bytes(tmp_path, arch, tp, ep):
+    """The capacity's weights are what a rank of this runtime holds: a model built with the rank's
+    expert slots and sharded over TP (``shard_for_tp``), every parameter and persistent buffer
+    counted. The cost model used to split embeddings, lm_head and shared experts over TP, which
+    this runtime keeps whole on every rank (KV blocks the memory could not hold)."""
+    import torch
+
+    from moe.config import ModelConfig
+    from moe.model import MoEModel
+    from moe.tiny import write_tiny_checkpoint
+    from parallel.costmodel import Deployment, weight_bytes_per_rank
+
+    write_tiny_checkpoint(arch, tmp_path / arch, size="tiny", seed=0)
+    cfg = ModelConfig.from_hf(tmp_path / arch)
+    slots = [e for e in range(cfg.num_experts) if e % ep == 0]  # rank 0's share: E / ep slots
+    model = MoEModel(cfg, dtype=torch.bfloat16, local_slots=slots if ep > 1 else None)
+    model.shard_for_tp(0, tp)
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert weight_bytes_per_rank(cfg, Deployment(tp=tp, dp=ep // tp if ep >= tp else 1, ep=ep)) == held

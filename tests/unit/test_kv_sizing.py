@@ -120,7 +120,7 @@ def _kvcalc_error(capsys, *argv: str) -> str:
     (["--num-redundant-experts", "-1", "-ep", "8"], "num_redundant_experts must be >= 0, got -1"),
     (["--gpu-memory-utilization", "0"], "memory_utilization must be in (0, 1], got 0.0"),
     # fp8 weights, as its quantization_config says (kvcalc used to count them in bf16: 1.22 TiB)
-    ([], "no room for the KV cache: the weights take 626.67 GiB per rank (tp=1) of 0.9 x 80.00 GiB = 72.00 GiB "
+    ([], "no room for the KV cache: the weights take 626.97 GiB per rank (tp=1) of 0.9 x 80.00 GiB = 72.00 GiB "
          "usable; KV needs 70,272 B per token (all layers) on top"),
 ])
 def test_kvcalc_bad_sizes_are_one_line_exit_2(capsys, argv, message):
