@@ -66,7 +66,7 @@ def test_fixed_kv_blocks_next_to_weights_that_do_not_fit_are_refused(capsys):
             "--input-len", "100", "--output-len", "10"]
     assert simulate(argv) == 2
     line = _one_line_error(capsys)
-    assert line.startswith("error: simulate: TP1 DP1 EP1 1 node(s) on H100: the weights take 630.12 GiB per rank "
+    assert line.startswith("error: simulate: TP1 DP1 EP1 1 node(s) on H100: the weights take 630.42 GiB per rank "
                            "and engine.num_kv_blocks holds ")
     assert "over the 0.9 x 74.51 GiB = 67.06 GiB usable" in line
 
