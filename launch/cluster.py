@@ -7,10 +7,13 @@ ordered node-major (the ranks of one node are contiguous) so the balancer's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,16 +92,49 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> b
         except ValueError as e:  # not an address Ray reads (no port, a port that is not a number, ...)
             raise ClusterError(f"{source} {target!r} is not a Ray cluster address ({_first_line(e)}): {fix}") from e
         return False
-    ray.init(
-        address="local",  # a fresh cluster even when some other `ray start` runs on this machine
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env=runtime_env,
-        log_to_driver=True,
-        configure_logging=False,
-    )
+    try:
+        with sigint_held_for_children():
+            ray.init(
+                address="local",  # a fresh cluster even when some other `ray start` runs on this machine
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                runtime_env=runtime_env,
+                log_to_driver=True,
+                configure_logging=False,
+            )
+    except BaseException:  # a Ctrl-C held during the start lands here: take the half-made cluster down
+        if ray.is_initialized():
+            ray.shutdown()
+        raise
     return True
+
+
+@contextlib.contextmanager
+def sigint_held_for_children() -> Iterator[None]:
+    """A Ctrl-C while Ray starts its local processes is held until they are all up, then raised here.
+
+    A Ctrl-C reaches the terminal's whole foreground process group, and one that cuts ``ray.init``
+    short (or kills a raylet still starting) leaves the raylet's dashboard and runtime-env agents
+    running after this process has gone. So, inside the block: SIGINT is blocked in this thread,
+    and Ray's processes, started from it, inherit the mask and never see a Ctrl-C (this process
+    stops them with ``ray.shutdown``); in the main thread a press is only recorded, and raised as
+    KeyboardInterrupt when the block ends, once ``ray.init`` has finished and can be undone whole."""
+    pressed: list[int] = []
+    is_main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if is_main else None
+    if is_main:
+        signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
+    try:
+        yield
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if is_main:
+            signal.signal(signal.SIGINT, handler if handler is not None else signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def compute_node_major_order(bundle_nodes: Sequence[str]) -> list[int]:

@@ -12,7 +12,12 @@ dashboard (``GET /api/version``) first:
   or ``~/.ray/auth_token``, where Ray itself looks), and otherwise stops with a one-line error
   saying how to fetch the token from the head (``ray get-auth-token``).
 - 200: the cluster runs without authentication; the command is passed on as is.
-- no answer: a one-line error naming the address.
+- no answer, or an answer that is not HTTP (the GCS port given for the dashboard's): a one-line
+  error naming the address.
+
+When the client is to send a token, the dashboard is asked once more with it: a 403 (a token of
+another head, a stale ``~/.ray/auth_token``) is a one-line error naming where the token came from,
+not the traceback Ray's client prints.
 
 Then it runs ``ray job submit`` with the same arguments (the ``ray`` next to this Python),
 passing its output through, and returns its exit code. A head that has just started may not
@@ -32,6 +37,7 @@ looked for here, as ``ray start`` on the head does); ``--address auto`` drops th
 
 from __future__ import annotations
 
+import difflib
 import http.client
 import os
 import subprocess
@@ -58,6 +64,32 @@ Flags are `ray job submit`'s (`ray job submit --help`)."""
 
 class SubmitError(RuntimeError):
     """A problem the user can fix (no cluster at the address, no token): one line, exit 2."""
+
+
+def unknown_flag(args: Sequence[str]) -> str | None:
+    """The first flag before ``--`` that ``ray job submit`` does not take, with a did-you-mean
+    hint, or None. Checked first: a misspelt ``--adress`` would otherwise send the probe to the
+    default address and blame the cluster. None too when Ray's CLI cannot be read here."""
+    try:
+        from ray.dashboard.modules.job.cli import submit as ray_submit
+    except Exception:  # noqa: BLE001 - no Ray CLI to check against: `ray job submit` says it
+        return None
+    takes_value = {o: not getattr(p, "is_flag", False) for p in ray_submit.params for o in p.opts if o.startswith("-")}
+    flags = list(args[: args.index("--")] if "--" in args else args)
+    skip = False
+    for arg in flags:
+        if skip:
+            skip = False
+            continue
+        if not arg.startswith("-"):
+            continue
+        name = arg.split("=", 1)[0]
+        if name in takes_value:
+            skip = takes_value[name] and "=" not in arg
+            continue
+        close = difflib.get_close_matches(name, list(takes_value), n=1)
+        return f"`ray job submit` has no flag {name}" + (f" (did you mean {close[0]}?)" if close else "")
+    return None
 
 
 def _given_address(args: Sequence[str], env: Mapping[str, str]) -> tuple[str, str]:
@@ -112,22 +144,30 @@ def check_address(args: Sequence[str], env: Mapping[str, str]) -> str:
     return address
 
 
-def has_auth_token(env: Mapping[str, str], home: Path | None = None) -> bool:
-    """Whether Ray's client would find a token: RAY_AUTH_TOKEN, the file at
-    RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token (non-empty)."""
+def find_auth_token(env: Mapping[str, str], home: Path | None = None) -> tuple[str, str] | None:
+    """(the token Ray's client would send, where it came from), or None: RAY_AUTH_TOKEN, else
+    the file at RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token (non-empty, stripped)."""
     if env.get("RAY_AUTH_TOKEN", "").strip():
-        return True
+        return env["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
     path = Path(env["RAY_AUTH_TOKEN_PATH"]) if env.get("RAY_AUTH_TOKEN_PATH") else \
         (home or Path.home()) / ".ray" / "auth_token"
     try:
-        return bool(path.read_text().strip())
-    except OSError:
-        return False
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return (token, str(path)) if token else None
+
+
+def has_auth_token(env: Mapping[str, str], home: Path | None = None) -> bool:
+    """Whether Ray's client would find a token: RAY_AUTH_TOKEN, the file at
+    RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token (non-empty)."""
+    return find_auth_token(env, home) is not None
 
 
 def probe_auth(address: str, timeout_s: float = 10.0) -> bool:
     """True when the dashboard at ``address`` wants a token (401/403), False when it answers
-    without one; SubmitError when nothing answers."""
+    without one; SubmitError when nothing answers, or something that is not HTTP does (the GCS
+    port 6379 given for the dashboard's 8265)."""
     url = address.rstrip("/") + "/api/version"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s):
@@ -138,10 +178,36 @@ def probe_auth(address: str, timeout_s: float = 10.0) -> bool:
         raise SubmitError(f"the Ray dashboard at {address} answered {e.code} to {url}") from e
     except (ValueError, http.client.InvalidURL) as e:  # a URL check_address let through but http refuses
         raise SubmitError(f"{address} is not a valid dashboard URL ({e}): pass --address http://HEAD:8265") from e
+    except http.client.HTTPException as e:  # e.g. BadStatusLine: a gRPC port, not the dashboard
+        raise SubmitError(f"{address} answered, but not as a Ray dashboard does ({type(e).__name__}): is that the "
+                          "GCS port (6379)? give the head's dashboard, e.g. --address http://HEAD:8265") from e
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise SubmitError(f"no Ray dashboard answers at {address} ({reason}): start a head with "
                           "`ray start --head` there, or pass --address http://HEAD:8265") from e
+
+
+def check_token(address: str, env: Mapping[str, str], home: Path | None = None, timeout_s: float = 10.0) -> None:
+    """SubmitError when the dashboard at ``address`` refuses the token Ray's client would send
+    (403, "Invalid authentication token": a token of another head, or a stale one); anything
+    else is left to ``ray job submit``."""
+    found = find_auth_token(env, home)
+    if found is None:
+        return
+    token, source = found
+    request = urllib.request.Request(address.rstrip("/") + "/api/version",
+                                     headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as e:
+        if e.code != 403:
+            return
+    except (ValueError, OSError, http.client.HTTPException):
+        return
+    raise SubmitError(f"the Ray cluster at {address} refused the token from {source} (403 Invalid authentication "
+                      "token): run `ray get-auth-token` on that head node, then `export RAY_AUTH_TOKEN=<token>` "
+                      "and submit again")
 
 
 def submit_env(address: str, env: Mapping[str, str], *, home: Path | None = None,
@@ -149,8 +215,10 @@ def submit_env(address: str, env: Mapping[str, str], *, home: Path | None = None
     """The environment for ``ray job submit``: token mode on when the cluster wants a token and
     the user has not chosen a mode. ``wants_token`` None probes the dashboard."""
     out = dict(env)
-    if out.get("RAY_AUTH_MODE"):
-        return out  # the user's explicit choice
+    if out.get("RAY_AUTH_MODE"):  # the user's explicit choice
+        if out["RAY_AUTH_MODE"] == "token" and wants_token is None and address.startswith(("http://", "https://")):
+            check_token(address, out, home)
+        return out
     if address.startswith(("http://", "https://")):
         wants = probe_auth(address) if wants_token is None else wants_token
     else:
@@ -162,6 +230,8 @@ def submit_env(address: str, env: Mapping[str, str], *, home: Path | None = None
             f"the Ray cluster at {address} uses token authentication and no token was found here: "
             "run `ray get-auth-token` on the head node, then `export RAY_AUTH_TOKEN=<token>` "
             "(or save it to ~/.ray/auth_token) and submit again")
+    if wants_token is None and address.startswith(("http://", "https://")):
+        check_token(address, out, home)
     out["RAY_AUTH_MODE"] = "token"
     return out
 
@@ -206,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args[args.index("--") + 1 :]:
         print("error: no job command after `--`: give the command the job runs, e.g. `-- python -m "
               "launch generate --model DIR --input IN.jsonl --output OUT.jsonl`", file=sys.stderr)
+        return EXIT_USAGE
+    problem = unknown_flag(args)
+    if problem:
+        print(f"error: {problem}; see `ray job submit --help`", file=sys.stderr)
         return EXIT_USAGE
     try:
         address = check_address(args, os.environ)

@@ -39,15 +39,18 @@ COLUMNS = (
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Rows of a results.jsonl; a torn last line (a run killed mid-write) is ignored."""
+    """Rows of a results.jsonl; a torn last line (a run killed mid-write) and lines that are
+    no row (not a JSON object with a "key") are ignored."""
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(row, dict) and isinstance(row.get("key"), str):
+            rows.append(row)
     return rows
 
 

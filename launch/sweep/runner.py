@@ -11,11 +11,14 @@ finishes; ``results.csv`` and the plots are rewritten after each. Rerunning the 
 command skips points already recorded as "ok" or "skipped" (keyed by their settings, and
 the repeat with ``--repeats N``: every point N times, round-robin) and retries "error"
 ones; a grid with more values adds points to the same folder. A folder holding a sweep of
-another base config or workload is refused.
+another base config or workload, or results without a ``sweep.json``, is refused. A point that
+fails is one line on the console (its traceback goes to ``DIR/errors.log``); Ctrl-C keeps the
+rows recorded, rewrites the CSV and plots from them, says how to resume, and exits 130.
 
 Bad input is refused before anything runs (one line, exit 2): a grid value of the wrong
-type, a workload the model cannot run (text without a tokenizer, a token id outside the
-vocabulary), or a prompt + ``--max-tokens`` longer than max_model_len. Invalid points (a
+type, a ``model`` grid value that is not a checkpoint directory, a workload the model cannot
+run (text without a tokenizer, a token id outside the vocabulary), or a prompt +
+``--max-tokens`` longer than max_model_len. Invalid points (a
 combination the config or the model rejects, e.g. redundant experts without EPLB, 8 + 3
 slots over 2 ranks, or a swept max_model_len too short for the workload) are recorded with
 ``status: "skipped"`` and the one-line reason, and the sweep goes on; when no point is
@@ -28,10 +31,11 @@ grid, ``never`` skips it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
-import logging
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,8 +48,9 @@ from launch.sweep.measure import Workload, run_point, summarize_run
 from launch.sweep.prediction import predict_row, resolve_hardware
 from launch.sweep.workload import check_fits, load_prompts, model_token_ids
 
-log = logging.getLogger(__name__)
 META_JSON = "sweep.json"
+ERRORS_LOG = "errors.log"
+EXIT_INTERRUPTED = 130  # the shell's status for SIGINT, as launch.cli
 BASELINE_JSON = "baseline.json"
 
 
@@ -106,6 +111,14 @@ class SweepPlan:
         axes = parse_grid(args.grid)
         if "model" not in {k for a in axes for k in a.keys}:
             base_config.check_model_path()
+        for axis in axes:  # a checkpoint that is not there is a typo, not a layout to skip
+            if "model" in axis.keys:
+                for value in axis.values:
+                    model = axis.settings(value)["model"]
+                    try:
+                        dataclasses.replace(base_config, model=str(model)).check_model_path()
+                    except (FileNotFoundError, ValueError) as e:
+                        raise ValueError(f"--grid model: {str(e).splitlines()[0]}") from None
         for name in ("num_prompts", "max_tokens", "repeats"):
             value = getattr(args, name)
             if value is not None and value < 1:
@@ -158,8 +171,16 @@ class SweepPlan:
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / META_JSON
         meta = self.meta()
+        if not path.is_file() and (self.out / report.RESULTS_JSONL).exists():
+            raise ValueError(f"{self.out} holds {report.RESULTS_JSONL} but no {META_JSON}, so it is not a sweep "
+                             "this command can resume; use another --out")
         if path.is_file():
-            old = json.loads(path.read_text())
+            try:
+                old = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path} is not a sweep's JSON ({e}); use another --out") from None
+            if not isinstance(old, dict):
+                raise ValueError(f"{path} is not a sweep's JSON (not an object); use another --out")
             for part in ("base", "workload", "warmup"):
                 if old.get(part) != meta[part]:
                     raise ValueError(f"{self.out} holds a sweep with another {part} ({old.get(part)} vs "
@@ -177,8 +198,6 @@ class SweepPlan:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        from tqdm import tqdm
-
         results = self.out / report.RESULTS_JSONL
         done = report.latest_rows(report.read_rows(results))
         configs = {point_key(s): self._point_config(s) for s in self.points}
@@ -193,27 +212,50 @@ class SweepPlan:
             except (ValueError, OSError, KeyError) as e:
                 print(f"error: --hardware {self.hardware_spec}: {e}", file=sys.stderr)
                 return 2
-        baseline = self._baseline(configs, progress)
-        bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="sweep", unit="point",
-                   disable=not progress, position=0)
         status = {key: row.get("status") for key, row in done.items()}
-        for settings, repeat in todo:
-            row = self._run_one(settings, configs[point_key(settings)], baseline, progress)
-            row.update(key=run_key(settings, repeat), repeat=repeat)
-            status[row["key"]] = row["status"]
-            report.append_row(results, row)
-            self._rewrite_outputs(results, plots=False)
-            bar.update(1)
-            bar.set_postfix_str(f"{format_settings(settings)}: {row['status']}")
-        bar.close()
-        self._rewrite_outputs(results)
-        print(f"wrote {results}, {self.out / report.RESULTS_CSV} and plots in {self.out}")
+        try:
+            self._run_todo(todo, configs, status, results, len(runs), progress)
+        except KeyboardInterrupt:  # what finished is in results.jsonl; the point cut short is not
+            if status:
+                self._rewrite_outputs(results)
+            recorded = sum(status.get(run_key(s, r)) is not None for s, r in runs)
+            print(f"interrupted: {recorded} of {len(runs)} runs recorded in {results}; run the same command "
+                  "again to resume", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        plots = self._rewrite_outputs(results)
+        print(f"wrote {results}, {self.out / report.RESULTS_CSV}"
+              + (f" and plots in {self.out}" if plots else " (no plots: no point was measured)"))
         outcomes = [status.get(run_key(s, r)) for s, r in runs]
+        num_failed = outcomes.count("error")
+        if num_failed:
+            print(f"{num_failed} run(s) failed (reasons in {results}, tracebacks in {self.out / ERRORS_LOG}): "
+                  "run the same command again to retry them; runs recorded as ok or skipped are kept",
+                  file=sys.stderr)
         if "ok" not in outcomes:
-            print(f"error: no point was measured: {outcomes.count('skipped')} skipped, {outcomes.count('error')} "
+            print(f"error: no point was measured: {outcomes.count('skipped')} skipped, {num_failed} "
                   f"failed (reasons in {results})", file=sys.stderr)
             return 1
-        return 1 if "error" in outcomes else 0
+        return 1 if num_failed else 0
+
+    def _run_todo(self, todo: Sequence[tuple[dict[str, Any], int]], configs: Mapping[str, RuntimeConfig | str],
+                  status: dict[str, str | None], results: Path, num_runs: int, progress: bool) -> None:
+        """Run ``todo`` in order, appending each row to ``results`` as it finishes (``status``: key -> status)."""
+        from tqdm import tqdm
+
+        baseline = self._baseline(configs, progress)
+        bar = tqdm(total=num_runs, initial=num_runs - len(todo), desc="sweep", unit="point",
+                   disable=not progress, position=0)
+        try:
+            for settings, repeat in todo:
+                row = self._run_one(settings, configs[point_key(settings)], baseline, progress)
+                row.update(key=run_key(settings, repeat), repeat=repeat)
+                report.append_row(results, row)
+                status[row["key"]] = row["status"]
+                self._rewrite_outputs(results, plots=False)
+                bar.update(1)
+                bar.set_postfix_str(f"{format_settings(settings)}: {row['status']}")
+        finally:
+            bar.close()
 
     def _point_config(self, settings: Mapping[str, Any]) -> RuntimeConfig | str:
         """The point's config, or the one-line reason it is skipped (an invalid combination, or
@@ -244,9 +286,12 @@ class SweepPlan:
             print(f"skipped {format_settings(settings)}: {e}", file=sys.stderr)
             return {**row, "status": "skipped", "reason": str(e).splitlines()[0]}
         except Exception as e:  # noqa: BLE001 - one failed point must not end the sweep
-            log.exception("point %s failed", row["key"])
-            print(f"error {format_settings(settings)}: {type(e).__name__}: {e}", file=sys.stderr)
-            return {**row, "status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            with (self.out / ERRORS_LOG).open("a", encoding="utf-8") as f:  # the traceback, off the console
+                f.write(f"point {row['key']} failed:\n{traceback.format_exc()}\n")
+            print(f"error {format_settings(settings)}: {reason} (traceback in {self.out / ERRORS_LOG})",
+                  file=sys.stderr)
+            return {**row, "status": "error", "reason": reason}
         finally:
             bar.close()
         row.update(summarize_run(run, baseline))
@@ -283,19 +328,27 @@ class SweepPlan:
             print(f"no greedy-agreement baseline: {problem}", file=sys.stderr)
             return None
         print("running the dropless single-process baseline for greedy agreement")
-        run = run_point(config, self.workload, warmup_prompts=0, warmup_tokens=0)
+        from launch.cluster import ClusterError
+
+        try:
+            run = run_point(config, self.workload, warmup_prompts=0, warmup_tokens=0)
+        except (ValueError, ClusterError) as e:  # the base config cannot run the workload: its points say why
+            print(f"no greedy-agreement baseline: {str(e).splitlines()[0]}", file=sys.stderr)
+            return None
         path.write_text(json.dumps({"settings": settings, "outputs": run.outputs}) + "\n")
         return run.outputs
 
-    def _rewrite_outputs(self, results: Path, *, plots: bool = True) -> None:
+    def _rewrite_outputs(self, results: Path, *, plots: bool = True) -> list[Path]:
+        """results.csv (and medians.csv) from every row so far; with ``plots`` the PNGs, returned."""
         rows = list(report.latest_rows(report.read_rows(results)).values())
         keys = list(dict.fromkeys(k for r in rows for k in r.get("settings", {})))
         report.write_csv(self.out / report.RESULTS_CSV, rows, keys)
         medians = report.median_rows(rows) if self.repeats > 1 else None
         if medians is not None:
             report.write_csv(self.out / report.MEDIANS_CSV, medians, keys)
-        if plots:  # one mark per point: its median over the repeats
-            report.write_plots(self.out, medians if medians is not None else rows)
+        if not plots:
+            return []
+        return report.write_plots(self.out, medians if medians is not None else rows)  # one mark per point
 
 
 def run_key(settings: Mapping[str, Any], repeat: int) -> str:
