@@ -60,6 +60,9 @@ class EngineStats:
     num_requests_retried: int = 0
     num_requests_failed: int = 0
     num_missing_ranks: int = 0  # ranks a degraded group serves without
+    # tokens per executed step: one count per launch.core.outputs.ITERATION_TOKEN_BUCKETS bound, then +Inf
+    iteration_tokens_counts: list[int] | None = None
+    iteration_tokens_sum: int = 0
 
 
 def snapshot_stats(engine: LLMEngine) -> EngineStats:
@@ -72,6 +75,7 @@ def snapshot_stats(engine: LLMEngine) -> EngineStats:
         prompt_tokens_total=c.prompt_tokens_total, generation_tokens_total=c.generation_tokens_total,
         tokens_dropped=c.tokens_dropped, tokens_rerouted=c.tokens_rerouted, num_steps=c.num_steps,
         step_seconds_total=c.step_seconds_total,
+        iteration_tokens_counts=list(c.iteration_tokens_counts), iteration_tokens_sum=c.iteration_tokens_sum,
     )
     sup = engine.supervisor
     k = sup.counters

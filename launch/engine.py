@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from launch.core import (
     Scheduler,
     SchedulerConfig,
 )
+from launch.core.outputs import ITERATION_TOKEN_BUCKETS, bucket_index
 from launch.core.sampling_params import params_max_logprobs_problem
 from launch.executor import Executor, build_executor
 from launch.generation_config import SAMPLING_KEYS as GENERATION_KEYS
@@ -51,6 +52,9 @@ class EngineCounters:
     step_seconds_total: float = 0.0
     worker_seconds_total: float = 0.0
     worker_cpu_seconds_total: float = 0.0
+    # tokens computed per executed step: one count per ITERATION_TOKEN_BUCKETS bound, then +Inf
+    iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
 
 
 def resolve_dtype(name: str, model_config: ModelConfig) -> str:
@@ -312,6 +316,8 @@ class LLMEngine:
         outputs = self.scheduler.update(output, [r.sampled for r in results])
         self._account(results)
         self.counters.num_steps += 1
+        self.counters.iteration_tokens_counts[bucket_index(output.num_scheduled_tokens, ITERATION_TOKEN_BUCKETS)] += 1
+        self.counters.iteration_tokens_sum += output.num_scheduled_tokens
         self.counters.worker_seconds_total += max(r.seconds for r in results)
         self.counters.worker_cpu_seconds_total += max(r.cpu_seconds for r in results)
         self.counters.step_seconds_total += time.perf_counter() - started

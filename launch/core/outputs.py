@@ -14,6 +14,14 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+# Upper bounds of the tokens-per-engine-step histogram (vLLM's ``iteration_tokens_total`` buckets).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def bucket_index(value: float, bounds: tuple[float, ...]) -> int:
+    """The first i with ``value <= bounds[i]``; ``len(bounds)`` (the +Inf bucket) when none."""
+    return next((i for i, bound in enumerate(bounds) if value <= bound), len(bounds))
+
 
 class Logprob(float):
     """A log-probability that also reads as vLLM's ``Logprob``: ``.logprob`` (the value), ``.rank``

@@ -292,7 +292,8 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
     dump_dir = Path(getattr(server_config, "expert_distribution_dir", None)
                     or Path(tempfile.gettempdir()) / "moe_expert_distribution")
     moe_layer_ids = tuple(getattr(engine.model_config, "moe_layer_ids", ()) or ())
-    metrics = ServerMetrics(served_names[0], stats=engine.stats, moe_layer_ids=moe_layer_ids or None)
+    metrics = ServerMetrics(served_names[0], stats=engine.stats, moe_layer_ids=moe_layer_ids or None,
+                            max_model_len=getattr(engine, "max_model_len", None))
     tool_calling = ToolCalling.build(server_config, engine.tokenizer)
     serving = OpenAIServing(engine, served_names, metrics, max_queue_len=max_queue_len, tool_calling=tool_calling)
 

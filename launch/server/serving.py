@@ -301,6 +301,7 @@ class OpenAIServing:
 
     async def _respond(self, subs: list[SubRequest], formatter: Any, req: SamplingRequest,
                        raw: Request) -> Response:
+        self.metrics.on_request(subs)
         stream = merge_streams(self.engine, subs, self.metrics)
         try:
             if not req.stream:
