@@ -38,6 +38,8 @@ from launch.core.kv_sizing import parse_memory
 from launch.hardware import load_hardware, save_hardware
 from launch.paths import output_file_problem
 from moe.config import ModelConfig
+from moe.loading.checkpoint import resolve_checkpoint_files
+from moe.loading.errors import NoWeightsError
 from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
 from parallel.costmodel.microbench import DTYPES as GEMM_DTYPES
 from parallel.costmodel.microbench import (
@@ -193,12 +195,13 @@ def check_engine_model(model: str) -> None:
         what = "is a file" if path.is_file() else "does not exist"
         raise ValueError(f"--model {model} {what}: expected a checkpoint directory (config.json and *.safetensors), "
                          "e.g. one `python -m launch make-tiny` wrote")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"--model {model}: no *.safetensors weights in the directory; the engine steps it times "
-                         "need a checkpoint (`python -m launch make-tiny` writes one)")
     try:
+        resolve_checkpoint_files(path)  # the weights the engine would load (an index's shards, no pickles)
         ModelConfig.from_hf(path)
-    except (ValueError, KeyError, OSError) as e:
+    except NoWeightsError:
+        raise ValueError(f"--model {model}: no *.safetensors weights in the directory; the engine steps it times "
+                         "need a checkpoint (`python -m launch make-tiny` writes one)") from None
+    except (ValueError, KeyError, OSError) as e:  # the loader's errors are ValueError / FileNotFoundError
         raise ValueError(f"--model {model}: {e}") from None
 
 

@@ -41,6 +41,7 @@ from launch.config_schema import (
     set_dotted,
     suggest_key,
 )
+from moe.json_object import parse_json_object as _parse_json_object
 
 # argparse dest -> dotted config key: every flat vLLM name is a flag.
 FLAG_KEYS = VLLM_KEYS
@@ -98,13 +99,8 @@ def _metavar(key: str) -> str:
 def parse_json_object(text: str, source: str) -> dict[str, Any]:
     """The JSON object in ``text``; ConfigError naming ``source`` when it is not valid JSON or not an
     object."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{source} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source} must be a JSON object, found {type(data).__name__}")
-    return data
+    return _parse_json_object(text, ConfigError, lambda e: f"{source} is not valid JSON: {e}",
+                              lambda data: f"{source} must be a JSON object, found {type(data).__name__}")
 
 
 def _json_object(flag: str) -> Callable[[str], dict[str, Any]]:

@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from moe.json_object import read_json_object
+
 log = logging.getLogger(__name__)
 
 FILE_NAME = "generation_config.json"
@@ -67,12 +69,9 @@ def default_sampling_fields(model_dir: str | Path, generation_config: str = "aut
     path = generation_config_file(model_dir, generation_config)
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise GenerationConfigError(f"{path}: not a readable JSON file ({str(e).splitlines()[0]})") from e
-        if not isinstance(raw, dict):
-            raise GenerationConfigError(f"{path}: must hold a JSON object, found {type(raw).__name__}")
+        raw = read_json_object(path, GenerationConfigError,
+                               lambda e: f"{path}: not a readable JSON file ({str(e).splitlines()[0]})",
+                               lambda raw: f"{path}: must hold a JSON object, found {type(raw).__name__}")
         data = {key: raw[key] for key in SAMPLING_KEYS if raw.get(key) is not None}
         _check_types(data, str(path))
     if overrides:

@@ -41,6 +41,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
+from moe.json_object import parse_json_object
 from moe.loading.errors import CheckpointFormatError
 
 __all__ = [
@@ -74,14 +75,8 @@ def read_json(path: Path) -> dict:
     """The JSON object in ``path`` ({} when there is no such file); TokenizerError when it is not one."""
     if not path.exists():
         return {}
-    text = read_text(path)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: invalid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, found a {type(data).__name__}")
-    return data
+    return parse_json_object(read_text(path), TokenizerError, lambda e: f"{path}: invalid JSON: {e}",
+                             lambda data: f"{path}: expected a JSON object, found a {type(data).__name__}")
 
 
 def is_token_id(value: Any) -> bool:

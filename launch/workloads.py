@@ -18,7 +18,9 @@ line, empty workload) raises ``WorkloadError`` (a ValueError) with a one-line me
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 __all__ = ["WORKLOAD_DIR", "WORKLOAD_NAMES", "WorkloadError", "load_workload", "load_workload_phases"]
 
@@ -48,15 +50,22 @@ def read_text_file(path: Path) -> str:
         raise WorkloadError(f"{path}: not UTF-8 text (line {line})") from None
 
 
-def _read_jsonl(path: Path) -> list[str]:
-    prompts = []
-    for n, line in enumerate(read_text_file(path).splitlines(), start=1):
+def jsonl_values(text: str, where: Callable[[int], str]) -> Iterator[tuple[int, Any]]:
+    """(line number from 1, value) of each non-blank line of the JSONL ``text``; WorkloadError
+    ``"{where(n)}: not JSON (...)"`` at the first line that is not JSON."""
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            value = json.loads(line)
         except json.JSONDecodeError as e:
-            raise WorkloadError(f"{path}:{n}: not JSON ({e.msg})") from None
+            raise WorkloadError(f"{where(n)}: not JSON ({e.msg})") from None
+        yield n, value
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    prompts = []
+    for n, row in jsonl_values(read_text_file(path), lambda n: f"{path}:{n}"):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise WorkloadError(f"{path}:{n}: expected an object with a string \"prompt\"")
         prompts.append(row["prompt"])

@@ -26,12 +26,12 @@ Semantics follow Hugging Face transformers (the numerical oracle):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe.json_object import parse_json_object
 from moe.model_catalog import find_model_config, known_model_names
 
 ARCHITECTURES = {
@@ -331,15 +331,13 @@ def read_config_json(path_or_name: str | os.PathLike) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ValueError(f"no config.json at {path!r}")
     with open(path, encoding="utf-8") as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not a model config.json (JSON: {e}); expected a checkpoint directory, "
-                             "its config.json, or a model name such as deepseek-ai/DeepSeek-V3") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} is not a model config.json: expected a JSON object, "
-                         f"got {_JSON_TYPES.get(type(raw), type(raw).__name__)}")
-    return raw
+        text = f.read()
+    return parse_json_object(
+        text, ValueError,
+        lambda e: (f"{path} is not a model config.json (JSON: {e}); expected a checkpoint directory, "
+                   "its config.json, or a model name such as deepseek-ai/DeepSeek-V3"),
+        lambda raw: (f"{path} is not a model config.json: expected a JSON object, "
+                     f"got {_JSON_TYPES.get(type(raw), type(raw).__name__)}"))
 
 
 def _architecture_of(raw: dict[str, Any]) -> str:

@@ -47,6 +47,7 @@ from launch.sweep.grid import expand_grid, format_settings, parse_grid, point_co
 from launch.sweep.measure import Workload, run_point, summarize_run
 from launch.sweep.prediction import predict_row, resolve_hardware
 from launch.sweep.workload import check_fits, load_prompts, model_token_ids
+from moe.json_object import read_json_object
 
 META_JSON = "sweep.json"
 ERRORS_LOG = "errors.log"
@@ -175,12 +176,8 @@ class SweepPlan:
             raise ValueError(f"{self.out} holds {report.RESULTS_JSONL} but no {META_JSON}, so it is not a sweep "
                              "this command can resume; use another --out")
         if path.is_file():
-            try:
-                old = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path} is not a sweep's JSON ({e}); use another --out") from None
-            if not isinstance(old, dict):
-                raise ValueError(f"{path} is not a sweep's JSON (not an object); use another --out")
+            old = read_json_object(path, ValueError, lambda e: f"{path} is not a sweep's JSON ({e}); use another --out",
+                                   lambda _: f"{path} is not a sweep's JSON (not an object); use another --out")
             for part in ("base", "workload", "warmup"):
                 if old.get(part) != meta[part]:
                     raise ValueError(f"{self.out} holds a sweep with another {part} ({old.get(part)} vs "

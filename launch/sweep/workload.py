@@ -13,7 +13,6 @@ engine would refuse, or cut short of ``--max-tokens``, is not a measurement.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,7 +21,7 @@ Prompt = str | tuple[int, ...]
 
 def read_prompt_file(path: Path) -> list[Prompt]:
     """Prompts of a .txt / .jsonl file; ValueError naming the file and line otherwise."""
-    from launch.workloads import read_text_file  # its WorkloadError is a ValueError
+    from launch.workloads import jsonl_values, read_text_file  # their WorkloadError is a ValueError
 
     text = read_text_file(path)
     if path.suffix == ".txt":
@@ -30,13 +29,7 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     if path.suffix != ".jsonl":
         raise ValueError(f"workload file {path}: expected .txt (one prompt per line) or .jsonl")
     prompts: list[Prompt] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"workload file {path} line {n}: not JSON ({e.msg})") from e
+    for n, obj in jsonl_values(text, lambda n: f"workload file {path} line {n}"):
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             prompts.append(obj["prompt"])
         elif isinstance(obj, dict) and isinstance(obj.get("prompt_token_ids"), list) and obj["prompt_token_ids"] \

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moe.loading.errors import CheckpointFormatError, CheckpointNotFoundError
+from moe.loading.errors import CheckpointFormatError, CheckpointNotFoundError, NoWeightsError
 
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$")  # model-00001-of-00004.safetensors
@@ -146,7 +146,7 @@ def resolve_checkpoint_files(path: str | Path) -> CheckpointFiles:
         _check_shard_set(p, files)
         return CheckpointFiles(p, files)
     _refuse_pickles(sorted(f for f in p.iterdir() if f.suffix in PICKLE_SUFFIXES))
-    raise CheckpointNotFoundError(
+    raise NoWeightsError(
         f"{p}: no safetensors weights found (expected model.safetensors or {INDEX_NAME})"
     )
 

@@ -21,6 +21,10 @@ class CheckpointNotFoundError(LoadError, FileNotFoundError):
     """The path, its safetensors files, or a shard named by the index does not exist."""
 
 
+class NoWeightsError(CheckpointNotFoundError):
+    """A checkpoint directory holds no safetensors weights (and no pickle-based ones to refuse)."""
+
+
 class CheckpointFormatError(LoadError, ValueError):
     """A file exists but cannot be used: corrupt or truncated safetensors, a bad index,
     a pickle-based weight file (refused, never unpickled), an unsupported dtype."""
