@@ -229,7 +229,8 @@ def _group_server(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=None, help=f"address to listen on {_d('server.host')}")
     g.add_argument("--port", type=int, default=None, help=f"port to listen on; 0: any free one {_d('server.port')}")
     g.add_argument("--api-key", default=None,
-                   help="every route but /health then wants 'Authorization: Bearer KEY' (default: none)")
+                   help="routes under /v1 (and the expert-distribution record routes) then want "
+                        "'Authorization: Bearer KEY', as vLLM (default: $VLLM_API_KEY, else none)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's names in the API, as vLLM's: requests may use any, /v1/models lists "
                         "all, the first is the primary one (default: --model)")
