@@ -31,7 +31,8 @@ class CountingEngine(FakeEngine):
         self.shutdowns += 1
 
 
-def interrupt_when_serving(port: int) -> None:
+def signal_when_serving(port: int, signum: int = signal.SIGINT) -> None:
+    """Send this process ``signum`` once the server on ``port`` answers /health (within 10 s)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -39,30 +40,38 @@ def interrupt_when_serving(port: int) -> None:
             break
         except httpx.HTTPError:
             time.sleep(0.02)
-    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signum)
 
 
-@pytest.mark.parametrize("when", ["building the engine", "serving"])
-def test_ctrl_c_exits_quietly(when: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # asyncio.run's handler takes over
+def serve_with_signal(when: str, signum: int, monkeypatch: pytest.MonkeyPatch,
+                      capfd: pytest.CaptureFixture) -> tuple[list[CountingEngine], str]:
+    """``launch.serve.main`` on a counting fake engine, sent ``signum`` while "building the engine"
+    (from inside the build) or while "serving" (once /health answers); returns the engines built and
+    the captured stdout + stderr, after checking main returned 0."""
     cfg = RuntimeConfig(model="fake-moe", server=ServerConfig(port=free_port()))
     engines: list[CountingEngine] = []
 
     def from_config(_cfg: RuntimeConfig) -> CountingEngine:
         engines.append(CountingEngine())
         if when == "building the engine":
-            signal.raise_signal(signal.SIGINT)  # the build is synchronous: it goes on to the end
+            signal.raise_signal(signum)  # the build is synchronous: it goes on to the end
         else:
-            threading.Thread(target=interrupt_when_serving, args=(cfg.server.port,), daemon=True).start()
+            threading.Thread(target=signal_when_serving, args=(cfg.server.port, signum), daemon=True).start()
         return engines[-1]
 
     monkeypatch.setattr(launch.async_llm.AsyncLLM, "from_config", staticmethod(from_config))
     monkeypatch.setattr(launch.serve, "config_from_args", lambda args: cfg)
     monkeypatch.setattr(launch.serve, "check_serve_config", lambda cfg: None)
     monkeypatch.setattr(launch.serve, "kv_pool_warning", lambda engine: None)
-
     assert launch.serve.main(["--log-level", "info"]) == 0
     out, err = capfd.readouterr()
-    assert "Traceback" not in out + err and "CancelledError" not in out + err, err
+    return engines, out + err
+
+
+@pytest.mark.parametrize("when", ["building the engine", "serving"])
+def test_ctrl_c_exits_quietly(when: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # asyncio.run's handler takes over
+    engines, output = serve_with_signal(when, signal.SIGINT, monkeypatch, capfd)
+    assert "Traceback" not in output and "CancelledError" not in output, output
     assert [e.shutdowns for e in engines] == [1]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

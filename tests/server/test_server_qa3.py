@@ -6,23 +6,18 @@ response fields vLLM always sends: in process, on ``build_app`` around the fake 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import threading
-import time
 from types import SimpleNamespace
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 import launch.async_llm
 import launch.serve
-from launch.config import RuntimeConfig, ServerConfig
+from launch.config import ServerConfig
 from launch.config_args import runtime_config_from_args
 from launch.server import build_app
-from parallel.groups import free_port
-from tests.server.test_serve_interrupt import CountingEngine
+from tests.server.test_serve_interrupt import serve_with_signal
 from tests.unit.server_fakes import FakeEngine
 
 KEY = "sekret"
@@ -103,43 +98,15 @@ def test_cors_keys_in_a_vllm_config_file(tmp_path) -> None:
 # --- SIGTERM --------------------------------------------------------------------------------------
 
 
-def terminate_when_serving(port: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.02)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
 @pytest.mark.parametrize("when", ["building the engine", "serving"])
 def test_sigterm_exits_quietly(when: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
     before = signal.getsignal(signal.SIGTERM)
-    cfg = RuntimeConfig(model="fake-moe", server=ServerConfig(port=free_port()))
-    engines: list[CountingEngine] = []
-
-    def from_config(_cfg: RuntimeConfig) -> CountingEngine:
-        if when == "building the engine":
-            signal.raise_signal(signal.SIGTERM)  # mid-build: the build must still run to its end
-        else:
-            threading.Thread(target=terminate_when_serving, args=(cfg.server.port,), daemon=True).start()
-        engines.append(CountingEngine())
-        return engines[-1]
-
-    monkeypatch.setattr(launch.async_llm.AsyncLLM, "from_config", staticmethod(from_config))
-    monkeypatch.setattr(launch.serve, "config_from_args", lambda args: cfg)
-    monkeypatch.setattr(launch.serve, "check_serve_config", lambda cfg: None)
-    monkeypatch.setattr(launch.serve, "kv_pool_warning", lambda engine: None)
-
-    assert launch.serve.main(["--log-level", "info"]) == 0
-    out, err = capfd.readouterr()
-    assert "Traceback" not in out + err and "SystemExit" not in out + err, err
+    engines, output = serve_with_signal(when, signal.SIGTERM, monkeypatch, capfd)  # mid-build: the build ends
+    assert "Traceback" not in output and "SystemExit" not in output, output
     assert [e.shutdowns for e in engines] == [1]
     assert signal.getsignal(signal.SIGTERM) is before
     if when == "building the engine":
-        assert "Uvicorn running" not in err  # nothing was served
+        assert "Uvicorn running" not in output  # nothing was served
 
 
 # --- chat response fields -------------------------------------------------------------------------

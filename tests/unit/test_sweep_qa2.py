@@ -12,22 +12,14 @@ import pytest
 
 from launch.sweep import runner
 from launch.sweep.report import read_rows
-from moe.tiny import build_tiny_config
-from tests.unit.test_sweep_runner import fake_run, write_prompt_ids
+from tests.unit.test_sweep_runner import fake_run, sweep_base_args
 
 
 @pytest.fixture
 def sweep_args(tmp_path: Path, monkeypatch) -> list[str]:
     """A base config on a config.json-only checkpoint and a token-id workload (the runs are fake)."""
     monkeypatch.setattr(runner.SweepPlan, "_hardware", lambda self: None)
-    model = tmp_path / "ckpt"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(build_tiny_config("deepseek_v3")))
-    base = tmp_path / "base.yaml"
-    base.write_text(f"model: {model}\nengine: {{max_num_seqs: 4}}\n")
-    prompts = write_prompt_ids(tmp_path / "p.jsonl", [[1, 2, 3], [4, 5]])
-    return ["--config", str(base), "--workload", str(prompts), "--max-tokens", "3", "--out", str(tmp_path / "out"),
-            "--no-progress", "--hardware", "none", "--grid", "engine.max_num_seqs=[2,4]"]
+    return [*sweep_base_args(tmp_path), "engine.max_num_seqs=[2,4]"]
 
 
 def _grid(args: list[str], *items: str) -> list[str]:

@@ -37,16 +37,22 @@ def write_prompt_ids(path: Path, token_lists: list[list[int]]) -> Path:
     return path
 
 
-@pytest.fixture
-def sweep_args(tmp_path: Path) -> list[str]:
-    model = tmp_path / "ckpt"  # only config.json: the fake run never loads weights
+def sweep_base_args(tmp_path: Path) -> list[str]:
+    """A sweep's flags up to ``--grid`` (no axes yet): a base config on a config.json-only
+    checkpoint (the fake run never loads weights) and a two-prompt token-id workload."""
+    model = tmp_path / "ckpt"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(build_tiny_config("deepseek_v3")))
     base = tmp_path / "base.yaml"
     base.write_text(f"model: {model}\nengine: {{max_num_seqs: 4}}\n")
     prompts = write_prompt_ids(tmp_path / "p.jsonl", [[1, 2, 3], [4, 5]])
     return ["--config", str(base), "--workload", str(prompts), "--max-tokens", "3", "--out", str(tmp_path / "out"),
-            "--no-progress", "--hardware", "none", "--grid", "engine.max_num_seqs=[2,4]", "moe.capacity_factor=[0,1.5]",
+            "--no-progress", "--hardware", "none", "--grid"]
+
+
+@pytest.fixture
+def sweep_args(tmp_path: Path) -> list[str]:
+    return [*sweep_base_args(tmp_path), "engine.max_num_seqs=[2,4]", "moe.capacity_factor=[0,1.5]",
             "balancer.num_redundant_experts=[0,2]"]
 
 
