@@ -215,13 +215,14 @@ def time_full_scale(num_calls: int = 4, seed: int = 1) -> tuple[list[float], lis
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'trace':<34} {'score':>6} {'fixhl':>6} {'hind':>6} {'PAR ours':>8} {'ref':>6} {'fixhl':>6} "
+    w = max([34, *(len(r["trace"]) for r in rows)])  # the trace names' column, as wide as the longest
+    head = (f"{'trace':<{w}} {'score':>6} {'fixhl':>6} {'hind':>6} {'PAR ours':>8} {'ref':>6} {'fixhl':>6} "
             f"{'hind':>6} {'moved ours':>10} {'ref':>7} {'fixhl':>7} {'hind':>7} {'s/call':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         p = r["policies"]
         lines.append(
-            f"{r['trace']:<34} {r['score']['ours']:6.1f} {r['score']['fixed-hl']:6.1f} {r['score']['hindsight']:6.1f} "
+            f"{r['trace']:<{w}} {r['score']['ours']:6.1f} {r['score']['fixed-hl']:6.1f} {r['score']['hindsight']:6.1f} "
             f"{p['ours']['mean_par']:8.4f} {p['reference']['mean_par']:6.4f} {p['fixed-hl']['mean_par']:6.4f} "
             f"{p['hindsight']['mean_par']:6.4f} {p['ours']['moved']:10d} {p['reference']['moved']:7d} "
             f"{p['fixed-hl']['moved']:7d} {p['hindsight']['moved']:7d} {p['ours']['seconds_per_call']:6.3f}")

@@ -186,3 +186,19 @@ def test_ours_checks_cheaply_between_full_evaluations(monkeypatch, check, full, 
         ours(np.zeros((2048, 2, 8), dtype=np.int32), 1024 + (i + 1) * check, old)
     assert calls == pattern
     assert (SeriesSettings().ours_interval, SeriesSettings().ours_full_interval) == (16, 64)
+
+
+def test_the_table_keeps_its_columns_under_a_long_trace_name():
+    """A trace name longer than the first column (noisy-decode:qwen3-moe:8/94L:ep32:s1, 36 characters)
+    pushed that row's figures right of the header's."""
+    from launch.bench.eplb_series import format_rows
+
+    def row(name: str) -> dict:
+        policy = {"mean_par": 1.25, "moved": 100, "seconds_per_call": 0.02}
+        return {"trace": name, "score": {"ours": 110.0, "fixed-hl": 105.0, "hindsight": 108.0},
+                "policies": {k: policy for k in ("ours", "reference", "fixed-hl", "hindsight")}}
+
+    lines = format_rows([row("steady:deepseek-r1:8/58L:ep64:s1"), row("noisy-decode:qwen3-moe:8/94L:ep32:s1" * 2)])
+    head, rows = lines.splitlines()[0], lines.splitlines()[2:]
+    ends = {head.index("score") + len("score")} | {r.index("110.0") + len("110.0") for r in rows}
+    assert len(ends) == 1 and len({len(line) for line in [head, *rows]}) == 1
