@@ -25,11 +25,25 @@ from launch.recovery import ENGINE_STATES, EngineDeadError, EngineRecoveringErro
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineQueueFull", "EngineRecoveringError", "EngineStats"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineQueueFull", "EngineRecoveringError", "EngineStats", "KVCacheInfo"]
 
 
 class EngineQueueFull(RuntimeError):
     """Too many requests are waiting; the server answers 503 with Retry-After."""
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """The KV pool as configured and sized at start-up (``/metrics``' ``vllm:cache_config_info``):
+    ``num_blocks`` per DP rank (each rank has a pool of that size), ``num_blocks_override`` the
+    configured count (None: sized from memory), ``cache_dtype`` as configured ("auto": the model's)."""
+
+    num_blocks: int
+    block_size: int
+    cache_dtype: str
+    memory_utilization: float
+    enable_prefix_caching: bool
+    num_blocks_override: int | None
 
 
 @dataclass
@@ -63,6 +77,15 @@ class EngineStats:
     # tokens per executed step: one count per launch.core.outputs.ITERATION_TOKEN_BUCKETS bound, then +Inf
     iteration_tokens_counts: list[int] | None = None
     iteration_tokens_sum: int = 0
+    kv_cache: KVCacheInfo | None = None
+
+
+def kv_cache_info(engine: LLMEngine) -> KVCacheInfo:
+    """``engine``'s KV pool: the blocks it sized per DP rank and the engine config's cache fields."""
+    e = engine.config.engine
+    return KVCacheInfo(num_blocks=engine.num_kv_blocks, block_size=e.block_size, cache_dtype=e.kv_cache_dtype,
+                       memory_utilization=e.memory_utilization, enable_prefix_caching=e.enable_prefix_caching,
+                       num_blocks_override=e.num_kv_blocks)
 
 
 def snapshot_stats(engine: LLMEngine) -> EngineStats:
@@ -76,6 +99,7 @@ def snapshot_stats(engine: LLMEngine) -> EngineStats:
         tokens_dropped=c.tokens_dropped, tokens_rerouted=c.tokens_rerouted, num_steps=c.num_steps,
         step_seconds_total=c.step_seconds_total,
         iteration_tokens_counts=list(c.iteration_tokens_counts), iteration_tokens_sum=c.iteration_tokens_sum,
+        kv_cache=kv_cache_info(engine),
     )
     sup = engine.supervisor
     k = sup.counters

@@ -203,11 +203,10 @@ class LLM:
 
     def _tokenize(self, prompt: Prompt, where: str) -> tuple[list[int], str | None]:
         """The prompt's token ids and text (None for ids alone); ValueError naming ``where`` for a
-        prompt that is not a non-empty string, ``{"prompt": non-empty str}`` or
-        ``{"prompt_token_ids": non-empty list of non-negative ints}`` (with an optional str
-        ``"prompt"``, its text)."""
+        prompt that is not a string, ``{"prompt": str}`` (either encoding to at least one id: "" is
+        the bos alone where the tokenizer adds one) or ``{"prompt_token_ids": non-empty list of
+        non-negative ints}`` (with an optional str ``"prompt"``, its text)."""
         if isinstance(prompt, str):
-            check_prompt({"prompt": prompt}, where)
             return self._encode(prompt, where), prompt
         if not isinstance(prompt, Mapping):
             raise ValueError(f"{where}: a prompt must be a string, {{'prompt': str}} or "
@@ -221,15 +220,23 @@ class LLM:
                                  f"{type(text).__name__}")
             return ids, text
         if "prompt" in prompt:
-            check_prompt({"prompt": prompt["prompt"]}, where)
             return self._encode(prompt["prompt"], where), prompt["prompt"]
         raise ValueError(f"{where}: a prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
                          f"got keys {sorted(prompt, key=str)}")
 
     def _encode(self, text: str, where: str) -> list[int]:
+        """``text``'s ids with the tokenizer's special tokens. As vLLM, "" is a prompt when the tokenizer
+        adds a bos (the prompt is then that bos alone); text that encodes to no ids at all is refused
+        with vLLM's message."""
+        if text != "":  # "" is checked by what it encodes to
+            check_prompt({"prompt": text}, where)
         if self.engine.tokenizer is None:
             raise ValueError(f"{where}: this checkpoint has no tokenizer.json: pass {{'prompt_token_ids': [...]}}")
-        return self.engine.tokenizer.encode(text)
+        ids = self.engine.tokenizer.encode(text)
+        if not ids:
+            raise ValueError(f"{where}: The decoder prompt cannot be empty (the text encodes to no tokens and the "
+                             "tokenizer adds no special tokens)")
+        return ids
 
     def shutdown(self) -> None:
         """Stop the workers (and a Ray cluster this LLM started)."""

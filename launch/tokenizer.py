@@ -78,7 +78,7 @@ from launch.tokenizer_backend import (
 from moe.loading.errors import CheckpointNotFoundError
 
 __all__ = [
-    "DEFAULT_CHAT_TEMPLATE", "IncrementalDetokenizer", "InvalidTextError", "Tokenizer", "TokenizerError", "check_text",
+    "BatchEncoding", "DEFAULT_CHAT_TEMPLATE", "IncrementalDetokenizer", "InvalidTextError", "Tokenizer", "TokenizerError", "check_text",
     # re-exported from launch.tokenizer_backend, where they live
     "MODEL_TYPES_OF_LLAMA", "MODEL_TYPES_OVERRULING_LLAMA", "build_backend",
 ]
@@ -317,6 +317,18 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
     return out
 
 
+class BatchEncoding(dict):
+    """What calling a ``Tokenizer`` returns, as transformers' ``BatchEncoding`` without padding:
+    ``input_ids`` and ``attention_mask`` (all ones), each a list of ints for one text or a list of
+    such lists for a batch (tensors with ``return_tensors="pt"``); keys read as attributes too."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class Tokenizer:
     """Encode/decode and chat formatting for one checkpoint.
 
@@ -433,6 +445,35 @@ class Tokenizer:
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         check_text(text, "the prompt")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __call__(self, text: str | Sequence[str], *, add_special_tokens: bool = True,
+                 return_attention_mask: bool = True, return_tensors: str | None = None) -> BatchEncoding:
+        """transformers' ``tokenizer(text)`` without padding or truncation: ``input_ids`` (``encode`` of
+        ``text``, or of each text of a list) and ``attention_mask`` (ones, unless ``return_attention_mask``
+        is False). ``return_tensors``: None (lists) or "pt" (int64 tensors ``[1, T]`` for one text,
+        ``[B, T]`` for a non-empty batch of equal lengths; ValueError otherwise, as nothing is padded)."""
+        if return_tensors not in (None, "pt"):
+            raise ValueError(f"return_tensors={return_tensors!r} is not supported: only None (lists) or 'pt'")
+        is_batch = not isinstance(text, str)
+        if is_batch and not (isinstance(text, list | tuple) and all(isinstance(t, str) for t in text)):
+            raise TypeError(f"text must be a string or a list of strings, got {type(text).__name__}")
+        ids = [self.encode(t, add_special_tokens=add_special_tokens) for t in (text if is_batch else [text])]
+        if return_tensors == "pt":
+            if len({len(row) for row in ids}) != 1:
+                raise ValueError("return_tensors='pt' needs one text or texts of equal token lengths (no "
+                                 "padding here); leave return_tensors out for lists")
+            import torch
+
+            rows = torch.tensor(ids, dtype=torch.int64)  # [B, T]
+            out = BatchEncoding(input_ids=rows)
+            if return_attention_mask:
+                out["attention_mask"] = torch.ones_like(rows)
+            return out
+        out = BatchEncoding(input_ids=ids if is_batch else ids[0])
+        if return_attention_mask:
+            masks = [[1] * len(row) for row in ids]
+            out["attention_mask"] = masks if is_batch else masks[0]
+        return out
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True,
                clean_up_tokenization_spaces: bool | None = None) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 # Accepted seeds: int64, as vLLM's OpenAI server and torch.Generator take them.
@@ -60,6 +61,10 @@ class RequestOutputKind(enum.IntEnum):
 # vLLM fields this engine has no sampler support for: None (their default) or an empty container is
 # accepted (kept as None), anything else is a ValueError naming the field.
 UNSUPPORTED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "logits_processors")
+# vLLM's constrained-decoding fields (``structured_outputs``; ``guided_decoding``, its older name): None
+# only, anything else is a ValueError naming the field. ``extra_args`` (what vLLM hands custom logits
+# processors, of which there are none here): None or {} (kept as None).
+CONSTRAINED_DECODING_FIELDS = ("structured_outputs", "guided_decoding")
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,10 @@ class SamplingParams:
     logit_bias, allowed_token_ids, bad_words, logits_processors: vLLM's; None or an empty container
         (kept as None) is accepted, anything else raises ValueError naming the field (this sampler
         has no such support).
+    structured_outputs, guided_decoding: vLLM's constrained decoding (``guided_decoding`` is its older
+        name); only None: anything else raises ValueError naming the field (no constrained decoding).
+    extra_args: vLLM's extra arguments for custom logits processors; None or {} (kept as None), else
+        ValueError (there are no custom logits processors to read them).
     """
 
     n: int = 1
@@ -155,6 +164,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     logits_processors: list | None = None
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers to tuples so the frozen object is hashable and safe to share.
@@ -226,11 +238,23 @@ class SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of!r} is not supported: only None or best_of == n={self.n} "
                              "(no extra candidates are drawn)")
+        self._validate_unsupported_fields()
+
+    def _validate_unsupported_fields(self) -> None:
+        """vLLM's fields this engine has nothing behind: their neutral value, kept as None, or ValueError."""
         for name in UNSUPPORTED_FIELDS:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, dict | list | tuple) and not value):
                 raise ValueError(f"{name} is not supported by this engine (only None), got {value!r}"[:200])
             object.__setattr__(self, name, None)
+        for name in CONSTRAINED_DECODING_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                raise ValueError(f"{name} is not supported: no constrained decoding (only None), got {value!r}"[:200])
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict) and not self.extra_args):
+            raise ValueError(f"extra_args is not supported: no custom logits processors to read them (only None "
+                             f"or {{}}), got {self.extra_args!r}"[:200])
+        object.__setattr__(self, "extra_args", None)
 
     @property
     def is_greedy(self) -> bool:

@@ -2,8 +2,8 @@
 
 Each app owns a ``CollectorRegistry`` (two servers in one process never share
 series). Latency histograms are observed by the server as outputs stream;
-engine-wide numbers (queue depths, token totals, KV usage, prefix cache, expert
-balance) are read from ``engine.stats()`` at scrape time by ``EngineStatsCollector``,
+engine-wide numbers (queue depths, token totals, KV usage and pool config, prefix cache,
+expert balance) are read from ``engine.stats()`` at scrape time by ``EngineStatsCollector``,
 so they can never drift from the engine's own counters.
 """
 
@@ -83,6 +83,20 @@ _COUNTERS = (
 )
 
 
+def compute_cache_config_labels(kv_cache: Any) -> dict[str, str]:
+    """``vllm:cache_config_info``'s labels from ``EngineStats.kv_cache`` (``launch.async_llm.KVCacheInfo``):
+    vLLM's ``CacheConfig`` field names, each value ``str()`` of it as vLLM's ``metrics_info`` writes
+    it ("True", "0.9", "None"); only the fields this engine has (``num_gpu_blocks`` is per DP rank)."""
+    return {
+        "block_size": str(kv_cache.block_size),
+        "cache_dtype": str(kv_cache.cache_dtype),
+        "enable_prefix_caching": str(kv_cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(kv_cache.memory_utilization),
+        "num_gpu_blocks": str(kv_cache.num_blocks),
+        "num_gpu_blocks_override": str(kv_cache.num_blocks_override),
+    }
+
+
 def _scalar(value: Any) -> float | None:
     """A stats field as one number: per-DP-rank sequences (e.g. KV usage of each rank's pool,
     pools of equal size) are averaged."""
@@ -132,6 +146,14 @@ class EngineStatsCollector(Collector):
             bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
             family.add_metric([self._model_name], list(zip(bounds, cumulative)),
                               float(getattr(stats, "iteration_tokens_sum", 0)))
+            yield family
+        kv_cache = getattr(stats, "kv_cache", None)
+        if kv_cache is not None:
+            # vLLM's info metric: a gauge of 1 whose labels carry the cache config
+            labels = compute_cache_config_labels(kv_cache)
+            family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                       labels=["model_name", *labels])
+            family.add_metric([self._model_name, *labels.values()], 1.0)
             yield family
         per_layer = getattr(stats, "balancedness_per_layer", None)
         if per_layer is not None:

@@ -72,6 +72,8 @@ def test_wire_keeps_apart_params_that_differ_only_in_a_sampler_field():
                    "output_kind", "best_of"}
     # vLLM's sampler fields this engine refuses unless None (launch.core.sampling_params.UNSUPPORTED_FIELDS)
     driver_only |= {"logit_bias", "allowed_token_ids", "bad_words", "logits_processors"}
+    # vLLM's constrained decoding and logits-processor arguments: None only (CONSTRAINED_DECODING_FIELDS)
+    driver_only |= {"structured_outputs", "guided_decoding", "extra_args"}
     assert {f.name for f in dataclasses.fields(SamplingParams)} == set(SAMPLER_FIELDS) | driver_only
 
 

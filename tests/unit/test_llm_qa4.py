@@ -1,0 +1,141 @@
+"""QA of the offline API against vLLM, fourth pass: an empty text prompt is its bos alone (and
+vLLM's "The decoder prompt cannot be empty" where the tokenizer adds nothing), vLLM's constrained
+decoding and ``extra_args`` fields taken at their neutral value and refused by name otherwise,
+and the tokenizer callable as a Hugging Face tokenizer is (transformers as the oracle).
+
+Runs the in-process engine on the session's tiny ``make-tiny`` checkpoint with its tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import shutil
+
+import pytest
+
+from launch import LLM, SamplingParams
+from launch.core.wire import SAMPLER_FIELDS
+from launch.tokenizer import BatchEncoding, Tokenizer
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt_with_tokenizer):
+    with LLM(str(tiny_ckpt_with_tokenizer), dtype="float32", max_model_len=48) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def no_bos_ckpt(tiny_ckpt_with_tokenizer, tmp_path_factory):
+    """The same checkpoint whose tokenizer adds no special tokens (no post-processor, no add_bos_token)."""
+    path = tmp_path_factory.mktemp("no_bos") / "tiny-v3"
+    shutil.copytree(tiny_ckpt_with_tokenizer, path)
+    for name, key, value in (("tokenizer.json", "post_processor", None),
+                             ("tokenizer_config.json", "add_bos_token", False)):
+        data = json.loads((path / name).read_text())
+        data[key] = value
+        (path / name).write_text(json.dumps(data))
+    return path
+
+
+# --- 1. the empty prompt ----------------------------------------------------------------------
+
+
+def test_an_empty_text_prompt_is_the_bos_alone(llm):
+    """vLLM: "" encodes to the tokenizer's special tokens; with a bos that is a one-token prompt."""
+    bos = llm.get_tokenizer().bos_token_id
+    assert bos is not None and llm.get_tokenizer().encode("") == [bos]
+    direct = llm.generate({"prompt_token_ids": [bos]}, GREEDY)[0]
+    for prompt in ("", {"prompt": ""}):
+        out = llm.generate(prompt, GREEDY)[0]
+        assert out.prompt == "" and out.prompt_token_ids == [bos]
+        assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    both = llm.generate(["", "Hi"], GREEDY)
+    assert [o.prompt for o in both] == ["", "Hi"] and both[0].prompt_token_ids == [bos]
+
+
+def test_an_empty_prompt_without_special_tokens_is_refused_as_vllm_refuses_it(no_bos_ckpt):
+    with LLM(str(no_bos_ckpt), dtype="float32", max_model_len=48) as llm:
+        assert llm.get_tokenizer().encode("") == []
+        for prompt in ("", {"prompt": ""}):
+            with pytest.raises(ValueError, match="^prompt 1: The decoder prompt cannot be empty"):
+                llm.generate(["Hi", prompt], GREEDY)
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.generate("Hi", GREEDY)[0].prompt_token_ids == llm.get_tokenizer().encode("Hi")
+
+
+def test_an_empty_token_list_is_still_refused(llm):
+    with pytest.raises(ValueError, match="^prompt 0: 'prompt_token_ids' must be a non-empty list"):
+        llm.generate({"prompt_token_ids": []}, GREEDY)
+    with pytest.raises(ValueError, match="^prompt 0: 'prompt' must be a non-empty string"):
+        llm.generate({"prompt": None}, GREEDY)
+
+
+# --- 2. constrained decoding and extra_args -----------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["guided_decoding", "structured_outputs"])
+def test_constrained_decoding_fields_take_none_and_refuse_the_rest_by_name(field):
+    params = SamplingParams(**{field: None})
+    assert getattr(params, field) is None and params == SamplingParams() and hash(params) == hash(SamplingParams())
+    for value in ({"json": {"type": "object"}}, {"choice": ["a", "b"]}, "regex", {}):
+        with pytest.raises(ValueError, match=f"^{field} is not supported: no constrained decoding"):
+            SamplingParams(**{field: value})
+
+
+def test_extra_args_takes_none_or_empty_and_refuses_the_rest():
+    for value in (None, {}):
+        params = SamplingParams(extra_args=value)
+        assert params.extra_args is None and params == SamplingParams() and hash(params) == hash(SamplingParams())
+    for value in ({"k": 1}, [], "x"):
+        with pytest.raises(ValueError, match="^extra_args is not supported"):
+            SamplingParams(extra_args=value)
+
+
+def test_the_new_fields_keep_sampling_params_frozen_picklable_and_driver_only(llm):
+    params = SamplingParams(structured_outputs=None, guided_decoding=None, extra_args={}, max_tokens=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.extra_args = {"k": 1}  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(params)) == params
+    assert not {"structured_outputs", "guided_decoding", "extra_args"} & set(SAMPLER_FIELDS)
+    assert len(llm.generate("Hi", params)[0].outputs[0].token_ids) == 2
+
+
+# --- 3. the tokenizer is callable ----------------------------------------------------------------
+
+
+def test_calling_the_tokenizer_matches_transformers(llm, tiny_ckpt_with_tokenizer):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tiny_ckpt_with_tokenizer))
+    tok = llm.get_tokenizer()
+    assert isinstance(tok, Tokenizer)
+    for text in ("Hello world", "", ["a", "bb c", ""], ("x y",)):
+        for special in (True, False):
+            ours, theirs = tok(text, add_special_tokens=special), hf(text, add_special_tokens=special)
+            assert isinstance(ours, BatchEncoding)
+            assert dict(ours) == {k: theirs[k] for k in ("input_ids", "attention_mask")}
+            assert ours.input_ids == theirs.input_ids and ours.attention_mask == theirs.attention_mask
+    assert tok("Hi")["input_ids"] == tok.encode("Hi")
+    assert dict(tok("Hi", return_attention_mask=False)) == {"input_ids": tok.encode("Hi")}
+    with pytest.raises(AttributeError):
+        tok("Hi").token_type_ids  # noqa: B018
+
+
+def test_calling_the_tokenizer_with_pt_tensors_or_refusals(llm, tiny_ckpt_with_tokenizer):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tiny_ckpt_with_tokenizer))
+    tok = llm.get_tokenizer()
+    for text in ("Hello world", ["a", "b"]):
+        ours, theirs = tok(text, return_tensors="pt"), hf(text, return_tensors="pt")
+        for key in ("input_ids", "attention_mask"):
+            assert ours[key].dtype == torch.int64 and torch.equal(ours[key], theirs[key])
+    with pytest.raises(ValueError, match="needs one text or texts of equal token lengths"):
+        tok(["a", "bb c"], return_tensors="pt")
+    with pytest.raises(ValueError, match="return_tensors='np' is not supported"):
+        tok("a", return_tensors="np")
+    with pytest.raises(TypeError, match="text must be a string or a list of strings"):
+        tok([1, 2])
