@@ -35,6 +35,9 @@ class ClusterError(RuntimeError):
 # seconds a TCP connect to the cluster's address may take before it counts as not answering
 PROBE_TIMEOUT_S = 3.0
 
+# GCS addresses of the local clusters ``connect_ray`` started in this process (``is_local_cluster``)
+_started_here: set[str] = set()
+
 
 def _host_port(address: str) -> tuple[str, int] | None:
     """(host, port) of a "host:port" or "ray://host:port" address; None for "auto", "local" or
@@ -107,7 +110,14 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> b
         if ray.is_initialized():
             ray.shutdown()
         raise
+    _started_here.add(ray.get_runtime_context().gcs_address)
     return True
+
+
+def is_local_cluster() -> bool:
+    """True while this process is connected to a local cluster that ``connect_ray`` started here
+    (whoever holds it, e.g. a sweep reusing it across points): its nodes are all it will ever have."""
+    return ray.is_initialized() and ray.get_runtime_context().gcs_address in _started_here
 
 
 @contextlib.contextmanager

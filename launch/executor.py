@@ -67,7 +67,7 @@ class RayExecutor:
 
     def __init__(self, spec: WorkerSpec, *, strategy: str = "PACK", address: str | None = None,
                  call_timeout_s: float = 600.0, transport: str = "auto") -> None:
-        from launch.cluster import WorkerGroup, connect_ray
+        from launch.cluster import WorkerGroup, connect_ray, is_local_cluster
 
         if transport not in STEP_TRANSPORTS:
             raise ValueError(f"step transport must be one of {list(STEP_TRANSPORTS)}, got {transport!r}")
@@ -81,7 +81,8 @@ class RayExecutor:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
             self.group = WorkerGroup(Worker, spec.world_size, self._make_args(spec), strategy=strategy,
                                      num_gpus_per_rank=gpus, num_cpus_per_rank=cpus_per_rank(spec.world_size),
-                                     call_timeout_s=call_timeout_s, fixed_cluster=self._owns_ray)
+                                     call_timeout_s=call_timeout_s,
+                                     fixed_cluster=self._owns_ray or is_local_cluster())
             self.num_nodes = self.group.num_nodes
             if spec.num_nodes not in (1, self.num_nodes):  # the ranks landed elsewhere than asked
                 log.warning("--num-nodes %d: the ranks run on %d node(s) of this cluster; the layout and the "

@@ -23,6 +23,7 @@ from typing import Any
 
 from launch.config import RuntimeConfig
 from launch.core import SamplingParams, SchedulerOutput
+from launch.sweep.shared_cluster import SharedCluster
 from launch.worker import StepResult
 
 
@@ -158,19 +159,27 @@ def warm_up(engine: Any, token_lists: Sequence[list[int]], num_prompts: int, num
 
 
 def run_point(config: RuntimeConfig, workload: Workload, *, warmup_prompts: int = 8, warmup_tokens: int = 4,
-              on_tokens: Callable[[int], None] | None = None) -> PointRun:
-    """Build the engine for ``config``, warm it up, time the workload; always shuts it down."""
+              on_tokens: Callable[[int], None] | None = None, cluster: SharedCluster | None = None) -> PointRun:
+    """Build the engine for ``config``, warm it up, time the workload; always shuts it down.
+    cluster: the sweep's local Ray cluster, acquired before the engine is built and released
+    (nothing of this point left on it) after it is shut down."""
     from launch.engine import LLMEngine
 
-    engine = LLMEngine(config)
     try:
-        recorder = _StepRecorder(engine.executor)
-        engine.executor = recorder
-        tokens = _tokenize(engine, workload.prompts)
-        warm_up(engine, tokens, warmup_prompts, warmup_tokens)
-        return _timed_run(engine, recorder, tokens, workload.max_tokens, on_tokens)
+        if cluster is not None:
+            cluster.acquire(config.parallel.world_size)
+        engine = LLMEngine(config)
+        try:
+            recorder = _StepRecorder(engine.executor)
+            engine.executor = recorder
+            tokens = _tokenize(engine, workload.prompts)
+            warm_up(engine, tokens, warmup_prompts, warmup_tokens)
+            return _timed_run(engine, recorder, tokens, workload.max_tokens, on_tokens)
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        if cluster is not None:
+            cluster.release()
 
 
 def _timed_run(engine: Any, recorder: _StepRecorder, tokens: list[list[int]], max_tokens: int,

@@ -3,7 +3,7 @@
 Row keys: ``key`` (canonical settings JSON, `` #r`` for repeat r > 0), ``settings``, ``repeat``, ``status`` ("ok" | "skipped" |
 "error"), ``reason`` (why a point was skipped or failed), then the measured columns of
 ``launch.sweep.measure.summarize_run`` plus ``predicted_step_ms`` and ``prediction_error``
-((predicted - measured) / measured). The CSV has one column per swept key (``settings.*``)
+((predicted - measured) / measured), or ``prediction_note`` (why there is no prediction). The CSV has one column per swept key (``settings.*``)
 followed by every measured column; with ``--repeats``, ``medians.csv`` holds each point's
 median over its repeats (``num_repeats`` column) and the plots show those medians. Plots
 (matplotlib, Agg): ``throughput.png`` (output tokens/s per point) and
@@ -34,7 +34,7 @@ COLUMNS = (
     "measured_step_ms_p99", "prefill_step_ms", "prefill_step_cpu_ms", "predicted_prefill_step_ms", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
     "balancedness", "drop_rate", "kv_tokens", "greedy_agreement", "num_requests", "num_output_tokens",
     "elapsed_s", "num_steps", "num_decode_steps", "mean_decode_batch", "decode_batch_per_rank_p50",
-    "decode_context_mean", "predicted_balancedness", "predicted_bound", "num_rebalances", "ep_size", "repeat",
+    "decode_context_mean", "predicted_balancedness", "predicted_bound", "prediction_note", "num_rebalances", "ep_size", "repeat",
 )
 
 

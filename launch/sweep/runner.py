@@ -1,12 +1,14 @@
 """``python -m launch sweep``: run every point of a layout grid for real, one at a time.
 
-    python -m launch sweep --config BASE.yaml \\
-        --grid 'parallel.data_parallel_size=[1,2]' 'balancer.num_redundant_experts=[0,2]' ... \\
+    python -m launch sweep --config configs/tiny.yaml \\
+        --grid 'parallel.data_parallel_size,parallel.enable_expert_parallel=[[1,false],[2,false],[2,true]]' \\
+            'moe.capacity_factor=[0,1.25]' ... \\
         --workload SPEC [--num-prompts N] [--max-tokens N] --out DIR
 
 Each point is the base config with the point's values set (dotted ``--set`` keys). It runs
 on the engine: in this process for one rank, on Ray actors for more (inside
-``ray job submit`` the job's cluster). Rows go to ``DIR/results.jsonl`` as each point
+``ray job submit`` on the job's cluster; otherwise on one local cluster, started at the first
+multi-rank point and reused by the later ones, ``launch.sweep.shared_cluster``). Rows go to ``DIR/results.jsonl`` as each point
 finishes; ``results.csv`` and the plots are rewritten after each. Rerunning the same
 command skips points already recorded as "ok" or "skipped" (keyed by their settings, and
 the repeat with ``--repeats N``: every point N times, round-robin) and retries "error"
@@ -46,6 +48,7 @@ from launch.sweep import report
 from launch.sweep.grid import expand_grid, format_settings, parse_grid, point_config, point_key
 from launch.sweep.measure import Workload, run_point, summarize_run
 from launch.sweep.prediction import predict_row, resolve_hardware
+from launch.sweep.shared_cluster import SharedCluster, cluster_cpus
 from launch.sweep.workload import check_fits, load_prompts, model_token_ids
 from moe.json_object import read_json_object
 
@@ -210,8 +213,10 @@ class SweepPlan:
                 print(f"error: --hardware {self.hardware_spec}: {e}", file=sys.stderr)
                 return 2
         status = {key: row.get("status") for key, row in done.items()}
+        widths = [c.parallel.world_size for c in configs.values() if not isinstance(c, str)]
         try:
-            self._run_todo(todo, configs, status, results, len(runs), progress)
+            with SharedCluster(cluster_cpus(widths)) as cluster:  # shut down on the way out, Ctrl-C included
+                self._run_todo(todo, configs, status, results, len(runs), progress, cluster)
         except KeyboardInterrupt:  # what finished is in results.jsonl; the point cut short is not
             if status:
                 self._rewrite_outputs(results)
@@ -235,8 +240,10 @@ class SweepPlan:
         return 1 if num_failed else 0
 
     def _run_todo(self, todo: Sequence[tuple[dict[str, Any], int]], configs: Mapping[str, RuntimeConfig | str],
-                  status: dict[str, str | None], results: Path, num_runs: int, progress: bool) -> None:
-        """Run ``todo`` in order, appending each row to ``results`` as it finishes (``status``: key -> status)."""
+                  status: dict[str, str | None], results: Path, num_runs: int, progress: bool,
+                  cluster: SharedCluster | None = None) -> None:
+        """Run ``todo`` in order, appending each row to ``results`` as it finishes (``status``: key -> status);
+        multi-rank points run on ``cluster``."""
         from tqdm import tqdm
 
         baseline = self._baseline(configs, progress)
@@ -244,7 +251,7 @@ class SweepPlan:
                    disable=not progress, position=0)
         try:
             for settings, repeat in todo:
-                row = self._run_one(settings, configs[point_key(settings)], baseline, progress)
+                row = self._run_one(settings, configs[point_key(settings)], baseline, progress, cluster)
                 row.update(key=run_key(settings, repeat), repeat=repeat)
                 report.append_row(results, row)
                 status[row["key"]] = row["status"]
@@ -263,7 +270,7 @@ class SweepPlan:
         return self.workload_problem(config) or config
 
     def _run_one(self, settings: dict[str, Any], config: RuntimeConfig | str, baseline: list[list[int]] | None,
-                 progress: bool) -> dict[str, Any]:
+                 progress: bool, cluster: SharedCluster | None = None) -> dict[str, Any]:
         from tqdm import tqdm
 
         from launch.cluster import ClusterError
@@ -277,7 +284,7 @@ class SweepPlan:
                    position=1)
         try:
             run = run_point(config, self.workload, warmup_prompts=self.warmup_prompts,
-                            warmup_tokens=self.warmup_tokens, on_tokens=bar.update)
+                            warmup_tokens=self.warmup_tokens, on_tokens=bar.update, cluster=cluster)
         except (ValueError, ClusterError) as e:  # the model rejects the layout (validate_for_model and
             # friends), or this cluster cannot place its ranks (STRICT_SPREAD on too few nodes, ...)
             print(f"skipped {format_settings(settings)}: {e}", file=sys.stderr)
