@@ -40,6 +40,7 @@ from launch.server.protocol import (
     ErrorResponse,
 )
 from launch.server.responses import ModelCard, ModelList
+from launch.server.responses_api import ResponsesRequest, create_response
 from launch.server.serving import OpenAIServing
 from launch.server.tokenization import (
     DetokenizeRequest,
@@ -336,6 +337,10 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(body, raw)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(serving, body, raw)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from launch.core.outputs import top_n
+from launch.server.protocol import APIError
 from launch.server.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -108,6 +109,18 @@ class _Formatter:
 
     def stream_start(self) -> list[BaseModel]:
         return []
+
+    def encode(self, payload: BaseModel) -> str:
+        """One SSE event of this API's stream (completions and chat: ``data: {json}``)."""
+        return sse(payload)
+
+    def error_event(self, err: APIError) -> BaseModel:
+        """What a failure after the first event is sent as (completions and chat: ``{"error": ...}``)."""
+        return err.to_response()
+
+    def stream_end(self) -> str:
+        """What closes the stream (completions and chat: ``data: [DONE]``)."""
+        return "data: [DONE]\n\n"
 
     def streamed_usage(self) -> UsageInfo:
         return self.usage(sum(c.num_tokens for c in self.cursors.values()))

@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from launch.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, max_logprobs_problem
 from launch.server.chat import render_chat_prompt
-from launch.server.formatting import ChatFormatter, CompletionFormatter, sse
+from launch.server.formatting import ChatFormatter, CompletionFormatter
 from launch.server.generation import (
     ClientDisconnected,
     EngineClient,
@@ -262,10 +262,10 @@ class OpenAIServing:
         subs = self.build_subrequests(request_id, prompts, req, max_tokens, req.logprobs,
                                       max_tokens_is_default="max_tokens" not in req.model_fields_set,
                                       prompt_logprobs=req.prompt_scores)
-        formatter = CompletionFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self._token_text,
+        formatter = CompletionFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self.token_text,
                                         req.logprobs, continuous_usage=req.continuous_usage, echo_texts=echo_texts,
                                         echo_only=req.echo_only, prompt_logprobs=req.prompt_logprobs)
-        return await self._respond(subs, formatter, req, raw)
+        return await self.respond(subs, formatter, req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -286,12 +286,12 @@ class OpenAIServing:
                                       prompt_logprobs=req.prompt_logprobs)
         tool_streams = None if tool_parser is None else self.tool_calling.streams(
             tool_parser, self.engine.tokenizer, prompts[0], req.include_stop_str_in_output)
-        formatter = ChatFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self._token_text,
+        formatter = ChatFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self.token_text,
                                   num_logprobs, continuous_usage=req.continuous_usage, tool_streams=tool_streams,
                                   prompt_logprobs=req.prompt_logprobs)
-        return await self._respond(subs, formatter, req, raw)
+        return await self.respond(subs, formatter, req, raw)
 
-    def _token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         """A token's text for logprobs (``token_id:N`` when the model has no tokenizer, as vLLM)."""
         if self.engine.tokenizer is None:
             return f"token_id:{token_id}"
@@ -299,7 +299,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ driving the engine
 
-    async def _respond(self, subs: list[SubRequest], formatter: Any, req: SamplingRequest,
+    async def respond(self, subs: list[SubRequest], formatter: Any, req: SamplingRequest,
                        raw: Request) -> Response:
         self.metrics.on_request(subs)
         stream = merge_streams(self.engine, subs, self.metrics)
@@ -333,20 +333,22 @@ class OpenAIServing:
     @staticmethod
     async def _sse(stream: AsyncIterator[tuple[int, Any]], first: tuple[int, Any], formatter: Any,
                    include_usage: bool) -> AsyncIterator[str]:
-        """The SSE body; closing it (client gone) closes ``stream``, which aborts the engine requests."""
+        """The SSE body; closing it (client gone) closes ``stream``, which aborts the engine requests.
+        The formatter frames the events and ends the stream (``encode``, ``error_event``, ``stream_end``)."""
         try:
             for chunk in formatter.stream_start():
-                yield sse(chunk)
+                yield formatter.encode(chunk)
             for chunk in formatter.stream_chunks(*first):
-                yield sse(chunk)
+                yield formatter.encode(chunk)
             async for index, out in stream:
                 for chunk in formatter.stream_chunks(index, out):
-                    yield sse(chunk)
+                    yield formatter.encode(chunk)
             if include_usage:
-                yield sse(formatter.usage_chunk())
+                yield formatter.encode(formatter.usage_chunk())
         except APIError as err:
-            yield sse(err.to_response())
+            yield formatter.encode(formatter.error_event(err))
         finally:
             await stream.aclose()
-        yield "data: [DONE]\n\n"
-
+        end = formatter.stream_end()
+        if end:
+            yield end
