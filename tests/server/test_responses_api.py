@@ -4,7 +4,6 @@ raw HTTP against ``FakeEngine`` in a ``ServerThread``, plus one round trip on th
 from __future__ import annotations
 
 import json
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -13,7 +12,7 @@ import pytest
 
 from launch.server import build_app
 from launch.server.responses_api import ResponsesRequest
-from tests.unit.server_fakes import CharTokenizer, FakeEngine, ServerThread
+from tests.unit.server_fakes import CharTokenizer, FakeEngine, ServerThread, wait_until
 
 STREAM_TYPES = ["response.created", "response.in_progress", "response.output_item.added",
                 "response.content_part.added"]
@@ -33,15 +32,6 @@ def served():
     with ServerThread(build_app(engine, server_config())) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
         yield SimpleNamespace(engine=engine, url=srv.base_url, client=client)
-
-
-def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def prompt_len(messages):

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from launch.server import build_app
 from launch.server.protocol import ChatCompletionRequest, CompletionRequest
 from launch.server.serving import OpenAIServing
-from tests.unit.server_fakes import CharTokenizer, FakeEngine, ServerThread
+from tests.unit.server_fakes import CharTokenizer, FakeEngine, ServerThread, wait_until
 
 
 def server_config(**overrides):
@@ -37,15 +37,6 @@ def served(tmp_path_factory):
     with ServerThread(build_app(engine, cfg)) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
         yield SimpleNamespace(engine=engine, url=srv.base_url, client=client)
-
-
-def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 # ---------------------------------------------------------------- request models
