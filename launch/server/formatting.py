@@ -93,6 +93,18 @@ class _Formatter:
     def cursor(self, index: int) -> ChoiceCursor:
         return self.cursors.setdefault(index, ChoiceCursor())
 
+    def next_piece(self, index: int, out: Any) -> tuple[ChoiceCursor, Any, str, list[int], Any] | None:
+        """Choice ``index``'s cursor, completion (``out.outputs[0]``) and what it added since the
+        last call (``ChoiceCursor.advance``), the cursor marked finished with the completion; None
+        once the choice has finished (nothing more is streamed for it)."""
+        cursor = self.cursor(index)
+        if cursor.finished:
+            return None
+        c = out.outputs[0]
+        text, token_ids, entries = cursor.advance(c)
+        cursor.finished = c.finish_reason is not None
+        return cursor, c, text, token_ids, entries
+
     def usage(self, completion_tokens: int) -> UsageInfo:
         prompt_tokens = sum(len(p) for p in self.prompts)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -218,12 +230,10 @@ class CompletionFormatter(_Formatter):
                                   usage=self.usage(completion_tokens))
 
     def stream_chunks(self, index: int, out: Any) -> list[BaseModel]:
-        cursor = self.cursor(index)
-        if cursor.finished:
+        piece = self.next_piece(index, out)
+        if piece is None:
             return []
-        c = out.outputs[0]
-        text, token_ids, entries = cursor.advance(c)
-        cursor.finished = c.finish_reason is not None
+        cursor, c, text, token_ids, entries = piece
         if self.echo_only:  # the sampled token is dropped: its text, ids and count
             text, token_ids, entries = "", [], None if entries is None else []
             cursor.num_tokens = 0
@@ -297,12 +307,10 @@ class ChatFormatter(_Formatter):
             for i in range(num_choices)]
 
     def stream_chunks(self, index: int, out: Any) -> list[BaseModel]:
-        cursor = self.cursor(index)
-        if cursor.finished:
+        piece = self.next_piece(index, out)
+        if piece is None:
             return []
-        c = out.outputs[0]
-        text, token_ids, entries = cursor.advance(c)
-        cursor.finished = c.finish_reason is not None
+        cursor, c, text, token_ids, entries = piece
         delta, finish_reason = DeltaMessage(content=text or None), c.finish_reason
         if self.tool_streams is not None:
             tools = self._choice_tools.setdefault(index, self.tool_streams())

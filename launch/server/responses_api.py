@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from launch.server.chat import render_chat_prompt
 from launch.server.formatting import _Formatter
-from launch.server.protocol import APIError, ChatMessage, SamplingRequest, check_texts
+from launch.server.protocol import APIError, ChatMessage, SamplingRequest, TextPart, check_texts
 from launch.server.serving import OpenAIServing
 
 TEXT_PART_TYPES = ("input_text", "output_text")  # an assistant turn in the history carries output_text
@@ -36,14 +36,12 @@ TEXT_PART_TYPES = ("input_text", "output_text")  # an assistant turn in the hist
 # ---------------------------------------------------------------- request
 
 
-class InputTextPart(BaseModel):
-    type: Literal["input_text", "output_text"]
-    text: StrictStr
+class InputTextPart(TextPart):
+    """A text part of a message item (chat's ``TextPart``, its Unicode check included, under the
+    Responses API's type names)."""
 
-    @field_validator("text")
-    @classmethod
-    def _check_unicode(cls, value: str) -> str:
-        return check_texts(value, "text")
+    type: Literal["input_text", "output_text"]  # type: ignore[assignment]
+    text: StrictStr
 
 
 class InputMessage(BaseModel):
@@ -301,12 +299,10 @@ class ResponsesFormatter(_Formatter):
                 self.event("response.content_part.added", **where, part=OutputText(text=""))]
 
     def stream_chunks(self, index: int, out: Any) -> list[BaseModel]:
-        cursor = self.cursor(index)
-        if cursor.finished:
+        piece = self.next_piece(index, out)
+        if piece is None:
             return []
-        c = out.outputs[0]
-        text, _, _ = cursor.advance(c)
-        cursor.finished = c.finish_reason is not None
+        cursor, c, text, _, _ = piece
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         events = [self.event("response.output_text.delta", **where, delta=text, logprobs=[])] if text else []
         if cursor.finished:
