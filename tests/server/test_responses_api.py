@@ -12,7 +12,13 @@ import pytest
 
 from launch.server import build_app
 from launch.server.responses_api import ResponsesRequest
-from tests.unit.server_fakes import CharTokenizer, FakeEngine, ServerThread, wait_until
+from tests.unit.server_fakes import (
+    CharTokenizer,
+    FakeEngine,
+    ServerThread,
+    assert_read_timeout_aborts,
+    wait_until,
+)
 
 STREAM_TYPES = ["response.created", "response.in_progress", "response.output_item.added",
                 "response.content_part.added"]
@@ -216,17 +222,7 @@ def test_disconnecting_stream_aborts_and_frees(served):
 
 
 def test_disconnecting_non_streaming_client_aborts(served):
-    engine = served.engine
-    before = len(engine.aborted)
-    engine.step_s = 0.05
-    try:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(served.url + "/v1/responses", json={"input": "slow", "max_output_tokens": 30},
-                       timeout=httpx.Timeout(10, read=0.3))
-        assert wait_until(lambda: len(engine.aborted) > before)
-        assert wait_until(lambda: engine.stats().num_running == 0)
-    finally:
-        engine.step_s = 0.002
+    assert_read_timeout_aborts(served.engine, served.url + "/v1/responses", {"input": "slow", "max_output_tokens": 30})
 
 
 # ---------------------------------------------------------------- the tiny real engine

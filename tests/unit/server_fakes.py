@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
+import pytest
 import torch
 import uvicorn
 
@@ -181,3 +183,17 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def assert_read_timeout_aborts(engine: FakeEngine, url: str, body: dict, aborts: int = 1) -> None:
+    """A non-streaming POST of ``body`` to ``url`` whose client gives up reading (0.3 s, the fake
+    engine slowed to 50 ms a token) ends in ``aborts`` engine aborts and nothing left running."""
+    before = len(engine.aborted)
+    step_s, engine.step_s = engine.step_s, 0.05
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=body, timeout=httpx.Timeout(10, read=0.3))
+        assert wait_until(lambda: len(engine.aborted) >= before + aborts)
+        assert wait_until(lambda: engine.stats().num_running == 0)
+    finally:
+        engine.step_s = step_s

@@ -21,7 +21,13 @@ from safetensors.torch import load_file
 from launch.server import build_app
 from launch.server.protocol import ChatCompletionRequest, CompletionRequest
 from launch.server.serving import OpenAIServing
-from tests.unit.server_fakes import CharTokenizer, FakeEngine, ServerThread, wait_until
+from tests.unit.server_fakes import (
+    CharTokenizer,
+    FakeEngine,
+    ServerThread,
+    assert_read_timeout_aborts,
+    wait_until,
+)
 
 
 def server_config(**overrides):
@@ -393,18 +399,8 @@ def test_disconnecting_stream_aborts_and_frees(served):
 
 
 def test_disconnecting_non_streaming_client_aborts(served):
-    engine = served.engine
-    before = len(engine.aborted)
-    engine.step_s = 0.05
-    try:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(served.url + "/v1/chat/completions",
-                       json={"messages": [{"role": "user", "content": "slow"}], "max_tokens": 30, "n": 2},
-                       timeout=httpx.Timeout(10, read=0.3))
-        assert wait_until(lambda: len(engine.aborted) >= before + 2)
-        assert wait_until(lambda: engine.stats().num_running == 0)
-    finally:
-        engine.step_s = 0.002
+    body = {"messages": [{"role": "user", "content": "slow"}], "max_tokens": 30, "n": 2}
+    assert_read_timeout_aborts(served.engine, served.url + "/v1/chat/completions", body, aborts=2)
 
 
 # ---------------------------------------------------------------- expert distribution routes
