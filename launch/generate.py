@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                         for req in requests]
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _error(e)
-    from launch.llm import LLM, truncate_prompt
+    from launch.core.sampling_params import truncate_prompt
+    from launch.llm import LLM
     from moe.loading.errors import LoadError
 
     started = time.perf_counter()
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = []
         for req in requests:
             try:
-                ids = truncate_prompt(prompt_ids(req.row, llm.engine), req.params, llm.engine.max_model_len)
+                ids = truncate_prompt(prompt_ids(req.row, llm.engine), req.params.truncate_prompt_tokens,
+                                      llm.engine.max_model_len)
                 llm.engine.check_request(ids, req.params)
             except ValueError as e:
                 return _error(f"{args.input}:{req.line}: {e}")

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from launch.config import DTYPE_ALIASES, KV_CACHE_DTYPE_ALIASES, VLLM_KEYS, RuntimeConfig
 from launch.config_schema import set_dotted
 from launch.core import RequestOutput, SamplingParams
+from launch.core.sampling_params import truncate_prompt
 from launch.engine import LLMEngine
 from launch.tokenizer import check_prompt
 
@@ -128,7 +129,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
             token_ids, text = self._tokenize(prompt, f"prompt {i}")
-            token_ids = truncate_prompt(token_ids, p, self.engine.max_model_len)
+            token_ids = truncate_prompt(token_ids, p.truncate_prompt_tokens, self.engine.max_model_len)
             try:
                 self.engine.check_request(token_ids, p)
             except ValueError as e:
@@ -256,12 +257,6 @@ class LLM:
             self.shutdown()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
-
-
-def truncate_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
-    """The last ``params.truncate_prompt_tokens`` ids (-1: ``max_model_len``), or all of them when None."""
-    k = params.truncate_prompt_tokens
-    return token_ids if k is None else token_ids[-(max_model_len if k == -1 else k):]
 
 
 def _plain_ids(ids: Any) -> Any:

@@ -43,6 +43,12 @@ def max_logprobs_problem(num: int | None, kind: str, max_logprobs: int, vocab_si
     return f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {cap}"
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` ids (-1: ``max_model_len``),
+    all of them when None (left truncation, after encoding)."""
+    return token_ids if keep is None else token_ids[-(max_model_len if keep == -1 else keep):]
+
+
 def resolve_num_logprobs(num: int, vocab_size: int) -> int:
     """How many top logprobs ``num`` asks for over a vocabulary of ``vocab_size``: -1 is all of them."""
     return vocab_size if num < 0 else min(num, vocab_size)

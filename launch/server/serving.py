@@ -20,7 +20,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from launch.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, max_logprobs_problem
+from launch.core.sampling_params import (
+    DEFAULT_MAX_LOGPROBS,
+    SamplingParams,
+    max_logprobs_problem,
+    truncate_prompt,
+)
 from launch.server.chat import render_chat_prompt
 from launch.server.formatting import ChatFormatter, CompletionFormatter
 from launch.server.generation import (
@@ -110,10 +115,7 @@ class OpenAIServing:
     def truncate(self, ids: list[int], req: SamplingRequest) -> list[int]:
         """The prompt's last ``req.truncate_prompt_tokens`` ids (-1: ``max_model_len``; None: all), as
         vLLM truncates (from the left, after encoding)."""
-        k = req.truncate_prompt_tokens
-        if k is None:
-            return ids
-        return ids[-(int(self.engine.max_model_len) if k == -1 else k):]
+        return truncate_prompt(ids, req.truncate_prompt_tokens, int(self.engine.max_model_len))
 
     def check_num_logprobs(self, num: int | None, kind: str, param: str) -> None:
         """400 naming ``param`` when ``num`` ``kind`` ("sample" / "prompt") top logprobs (-1: the whole
