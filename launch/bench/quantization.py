@@ -1,14 +1,20 @@
 """``python -m launch bench quantization``: what weight-only int8 experts cost in accuracy.
 
     python -m launch bench quantization --model DIR [--dtype bfloat16] [--max-tokens 512]
-        [--texts FILE ...] [--json FILE]
+        [--texts FILE ...] [--transformers] [--json FILE]
 
 Runs the checkpoint teacher-forced over text the package ships (``launch/data/*.txt`` unless
 ``--texts`` names others; each file cut into ``--max-tokens`` windows) twice: routed experts
 in the checkpoint's weights at ``--dtype``, then ``--quantization int8`` (per-output-channel
 scales). Reports per text and overall: perplexity of each run, and top-1 agreement = the
 fraction of positions whose argmax next token is the same in both runs. A float32 run is
-added as the reference when ``--dtype`` is bfloat16 (so bf16's own drift is visible).
+added as the reference when ``--dtype`` is bfloat16 (so bf16's own drift is visible), and then
+every run's top-1 agreement with it is reported too.
+
+``--transformers`` adds transformers' own forward of the checkpoint (``AutoModelForCausalLM``,
+eager attention, no KV cache: the model's definition) at ``--dtype``, and in float32 when
+``--dtype`` is bfloat16: how far ours is from the definition, set beside how far transformers'
+bf16 is from its own float32.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,23 +65,74 @@ def window_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16) 
     return model.compute_logits(hidden)
 
 
-def evaluate(models: dict[str, torch.nn.Module], windows: list[list[int]]) -> dict[str, dict[str, float]]:
-    """Per run: nll sum, token count and top-1 agreement with the first run."""
+def build_transformers(path: str, dtype: torch.dtype) -> Callable[[list[int]], torch.Tensor]:
+    """transformers' forward of the checkpoint (eager attention, no KV cache): ids [L] -> logits
+    [L, V] float32. ValueError in one line when transformers cannot load it."""
+    import transformers
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--transformers: transformers cannot load {path}: {first}") from None
+    model.eval()
+
+    @torch.inference_mode()
+    def run(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+    return run
+
+
+def run_logits(model: torch.nn.Module | Callable[[list[int]], torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [L, V] float32 of one window from one of our models (``build_model``)
+    or a function of the ids (``build_transformers``)."""
+    if isinstance(model, torch.nn.Module):
+        return window_logits(model, ids)
+    return model(ids)
+
+
+def evaluate(models: dict[str, torch.nn.Module | Callable[[list[int]], torch.Tensor]],
+             windows: list[list[int]]) -> dict[str, dict[str, float]]:
+    """Per run: perplexity, token count, top-1 agreement with the first run, and with the run
+    named "float32" where there is one (``top1_agreement_float32``)."""
     names = list(models)
-    stats = {name: {"nll": 0.0, "tokens": 0, "agree": 0} for name in names}
+    stats = {name: {"nll": 0.0, "tokens": 0, "agree": 0, "agree32": 0} for name in names}
     for ids in windows:
         target = torch.tensor(ids[1:])
-        base = None
+        tops = {}
         for name in names:
-            logits = window_logits(models[name], ids)[:-1]  # [L-1, V]
+            logits = run_logits(models[name], ids)[:-1]  # [L-1, V]
             s = stats[name]
             s["nll"] += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
             s["tokens"] += target.numel()
-            top = logits.argmax(-1)
-            base = top if base is None else base
-            s["agree"] += int((top == base).sum())
-    return {name: {"perplexity": math.exp(s["nll"] / s["tokens"]), "top1_agreement": s["agree"] / s["tokens"],
-                   "tokens": s["tokens"]} for name, s in stats.items()}
+            tops[name] = logits.argmax(-1)
+        for name in names:
+            stats[name]["agree"] += int((tops[name] == tops[names[0]]).sum())
+            if "float32" in tops:
+                stats[name]["agree32"] += int((tops[name] == tops["float32"]).sum())
+    out = {}
+    for name, s in stats.items():
+        out[name] = {"perplexity": math.exp(s["nll"] / s["tokens"]), "top1_agreement": s["agree"] / s["tokens"],
+                     "tokens": s["tokens"]}
+        if "float32" in models:
+            out[name]["top1_agreement_float32"] = s["agree32"] / s["tokens"]
+    return out
+
+
+def overall(results: dict[str, dict[str, dict[str, float]]], names: list[str]) -> dict[str, dict[str, float]]:
+    """The texts' results of each run pooled: perplexity over all tokens, agreements weighted by
+    each text's tokens."""
+    total: dict[str, dict[str, float]] = {}
+    for name in names:
+        runs = [r[name] for r in results.values()]
+        tokens = sum(r["tokens"] for r in runs)
+        total[name] = {"perplexity": math.exp(sum(math.log(r["perplexity"]) * r["tokens"] for r in runs) / tokens),
+                       "top1_agreement": sum(r["top1_agreement"] * r["tokens"] for r in runs) / tokens,
+                       "tokens": tokens}
+        if "top1_agreement_float32" in runs[0]:
+            total[name]["top1_agreement_float32"] = sum(r["top1_agreement_float32"] * r["tokens"] for r in runs) / tokens
+    return total
 
 
 def check_args(model: str, max_tokens: int, texts: list[Path], json_path: str | None = None) -> None:
@@ -151,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--max-tokens", type=int, default=512, help="tokens per teacher-forced window")
     parser.add_argument("--texts", nargs="+", default=None, help="text files (default: launch/data/*.txt)")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also run transformers' forward (eager, no KV cache) at --dtype (and float32)")
     parser.add_argument("--json", default=None, metavar="FILE")
     args = parser.parse_args(argv)
     texts = [Path(t) for t in args.texts] if args.texts else sorted(DATA_DIR.glob("*.txt"))
@@ -169,24 +229,31 @@ def main(argv: list[str] | None = None) -> int:
     models = {args.dtype: build_model(args.model, dtype, None), f"{args.dtype}+int8": build_model(args.model, dtype, "int8")}
     if dtype != torch.float32:
         models["float32"] = build_model(args.model, torch.float32, None)
+    if args.transformers:
+        try:
+            for name, d in ((f"transformers {args.dtype}", dtype), ("transformers float32", torch.float32)):
+                if name not in models and (d == dtype or dtype != torch.float32):
+                    models[name] = build_transformers(args.model, d)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     results = {}
     for text, label in zip(texts, text_labels(texts)):
         ids = token_ids[text]
         windows = [ids[i:i + args.max_tokens] for i in range(0, len(ids) - 1, args.max_tokens)]
         results[label] = evaluate(models, [w for w in windows if len(w) > 1])
-    total = {name: {"perplexity": math.exp(sum(math.log(r[name]["perplexity"]) * r[name]["tokens"]
-                                                for r in results.values()) / sum(r[name]["tokens"] for r in results.values())),
-                    "top1_agreement": sum(r[name]["top1_agreement"] * r[name]["tokens"] for r in results.values())
-                    / sum(r[name]["tokens"] for r in results.values()),
-                    "tokens": sum(r[name]["tokens"] for r in results.values())} for name in models}
-    results["all"] = total
+    results["all"] = overall(results, list(models))
     base = next(iter(models))
     width = max(16, *(len(text) for text in results))
-    print(f"{'text':>{width}} {'run':>16} {'tokens':>7} {'perplexity':>11} {'top-1 agree vs ' + base:>24}")
+    run_width = max(16, *(len(name) for name in models))
+    head = f"{'text':>{width}} {'run':>{run_width}} {'tokens':>7} {'perplexity':>11} {'top-1 agree vs ' + base:>24}"
+    with_f32 = "float32" in models
+    print(head + (f" {'vs float32':>11}" if with_f32 else ""))
     for text, per_run in results.items():
         for name, r in per_run.items():
-            print(f"{text:>{width}} {name:>16} {r['tokens']:>7} {r['perplexity']:>11.3f} "
-                  f"{r['top1_agreement']:>24.4f}")
+            line = (f"{text:>{width}} {name:>{run_width}} {r['tokens']:>7} {r['perplexity']:>11.3f} "
+                    f"{r['top1_agreement']:>24.4f}")
+            print(line + (f" {r['top1_agreement_float32']:>11.4f}" if with_f32 else ""))
     if args.json:
         write_output_file(args.json, json.dumps({"model": args.model, "dtype": args.dtype, "results": results},
                                                 indent=2) + "\n")

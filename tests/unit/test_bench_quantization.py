@@ -101,3 +101,25 @@ def test_a_tiny_run_scores_every_text(tiny_ckpt_with_tokenizer, tmp_path, capsys
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"short.txt", "all"}
     assert set(results["all"]) == {"float32", "float32+int8"} and results["all"]["float32"]["tokens"] > 0
+
+
+def test_transformers_runs_beside_ours(tiny_ckpt_with_tokenizer, tmp_path, capsys):
+    """--transformers adds the model's definition (transformers' uncached forward): in float32 it
+    picks every next token ours does, and with --dtype bfloat16 every run is also set against
+    our float32 run."""
+    text = tmp_path / "short.txt"
+    text.write_text(Path(bench_quantization.DATA_DIR, "essays.txt").read_text()[:600])
+    out = tmp_path / "q.json"
+    common = ["--model", str(tiny_ckpt_with_tokenizer), "--max-tokens", "48", "--texts", str(text), "--transformers"]
+    assert bench_quantization.main([*common, "--dtype", "float32", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["results"]["all"]
+    assert list(runs) == ["float32", "float32+int8", "transformers float32"]
+    assert runs["transformers float32"]["top1_agreement"] == 1.0
+    assert runs["transformers float32"]["perplexity"] == pytest.approx(runs["float32"]["perplexity"], rel=1e-4)
+    assert bench_quantization.main([*common, "--dtype", "bfloat16", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["results"]["all"]
+    assert list(runs) == ["bfloat16", "bfloat16+int8", "float32", "transformers bfloat16", "transformers float32"]
+    assert runs["float32"]["top1_agreement_float32"] == 1.0
+    assert runs["transformers float32"]["top1_agreement_float32"] == 1.0
+    assert all(0.0 < r["top1_agreement_float32"] <= 1.0 for r in runs.values())
+    assert "vs float32" in capsys.readouterr().out
