@@ -75,7 +75,9 @@ def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_
         return int(e.num_kv_blocks)
     memory = e.memory or (f"{torch.cuda.get_device_properties(0).total_memory}" if torch.cuda.is_available()
                           else DEFAULT_CPU_MEMORY)
-    dep = deployment_from_config(config, model_config)
+    # weight_dtype None: the compute dtype, also for an fp8 checkpoint (kvcalc and simulate count its
+    # 1 byte per weight, as fp8 serving would), since the loader dequantizes it into the compute dtype
+    dep = deployment_from_config(config, model_config, weight_dtype=None)
     try:  # kvcalc's and simulate's arithmetic: the same layout gets the same blocks
         sizing = compute_layout_kv_sizing(model_config, dep, memory, max_model_len=max_model_len)
     except NoKVRoomError as err:  # the budget nobody gave: say where it came from and what raises it

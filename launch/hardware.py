@@ -71,7 +71,8 @@ def model_raw_config(model: str, overrides: dict[str, Any] | None = None) -> dic
 
 def stored_weight_dtype(raw: dict[str, Any], compute_dtype: str) -> str:
     """'fp8' when the checkpoint ships fp8 weights (quantization_config quant_method fp8),
-    else the compute dtype."""
+    else the compute dtype. kvcalc and simulate size fp8 serving with it; the engine does not (it
+    dequantizes fp8 weights at load and holds them in the compute dtype: ``compute_num_kv_blocks``)."""
     quant = raw.get("quantization_config") or {}
     return "fp8" if str(quant.get("quant_method", "")).lower() == "fp8" else compute_dtype
 

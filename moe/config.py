@@ -4,7 +4,9 @@
 model's name resolved offline by ``moe.model_catalog``) of MixtralForCausalLM,
 DeepseekV2ForCausalLM, DeepseekV3ForCausalLM or Qwen3MoeForCausalLM and keeps every
 field that changes the math, under one set of names. Field values the runtime does not
-implement raise ``ValueError`` naming the field, unless ``strict=False`` (sizing only).
+implement raise ``ValueError`` naming the field, unless ``strict=False`` (sizing only); of
+``quantization_config`` only block-wise fp8 weights are accepted (``fp8_weights``: the loader
+dequantizes them into the compute dtype).
 
 Semantics follow Hugging Face transformers (the numerical oracle):
 - DeepSeek-V3 routing is sigmoid + ``noaux_tc`` (bias for selection only, grouped);
@@ -437,16 +439,58 @@ def _rope_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[st
     return {"rope_theta": theta, "rope_scaling": scaling}
 
 
+@dataclass(frozen=True)
+class Fp8Weights:
+    """A checkpoint's block-wise fp8 weights: each float8_e4m3fn ``X.weight [out, in]`` has a float
+    ``X.weight_scale_inv [ceil(out / rows), ceil(in / cols)]`` (fused experts: ``[E, ...]`` both),
+    and the weight is ``w.float() * scale_inv`` with each scale over its block (the last ones partial).
+
+    block_size: (rows, cols) of a block; None: one scale per tensor (``[1, 1]`` or a scalar).
+    """
+
+    block_size: tuple[int, int] | None
+
+
+def fp8_weights(raw: dict[str, Any]) -> Fp8Weights | None:
+    """The fp8 weight format of config.json's ``quantization_config`` (DeepSeek-V3's
+    ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size":
+    [128, 128]}``); None when there is no quantization_config. ValueError, one line naming the method, for any other quantization (gptq, awq,
+    compressed-tensors, fp8 with static activation scales, ...): the loader dequantizes fp8 weights
+    into the compute dtype and nothing else."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return None
+    if not isinstance(quant, dict):
+        raise ValueError(f"quantization_config must be a mapping, got {quant!r}")
+    method = quant.get("quant_method", "?")
+    refused = f"quantization_config (quant_method {method!r}"
+    if method != "fp8":
+        raise ValueError(f"{refused}) is not supported: only block-wise fp8 weights (quant_method 'fp8') are "
+                         "dequantized at load; dequantize the checkpoint to bf16 first")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{refused}, fmt {quant['fmt']!r}) is not supported: only fmt 'e4m3' fp8 weights are")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"{refused}, activation_scheme {quant['activation_scheme']!r}) is not supported: only "
+                         "'dynamic' (weight scales, no input scales) is dequantized at load")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return Fp8Weights(None)
+    if (not isinstance(block, list | tuple) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config weight_block_size must be two positive integers or null, got {block!r}")
+    return Fp8Weights((int(block[0]), int(block[1])))
+
+
 def _common_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[str, Any]:
     eos = raw.get("eos_token_id")
     eos_ids = () if eos is None else tuple(_as_int("eos_token_id", e) for e in (eos if isinstance(eos, list) else [eos]))
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act {act!r} (only 'silu' is implemented)")
-    if raw.get("quantization_config") is not None:
-        quant = raw["quantization_config"]
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        problems.append(f"quantization_config ({method}) is not implemented")
+    try:
+        fp8_weights(raw)
+    except ValueError as e:
+        problems.append(str(e))
     dtype = raw.get("dtype", raw.get("torch_dtype"))
     out = dict(
         vocab_size=_int(raw, "vocab_size"),

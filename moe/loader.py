@@ -12,6 +12,11 @@ lazy per-expert reads, one expert row of a fused tensor at a time), and a replic
 expert is read once and copied into each of its slots. Full (unsharded) tensors are
 loaded: the model applies tensor parallelism after loading.
 
+Block-wise fp8 checkpoints (DeepSeek-V3/R1, ``*-FP8``: config.json ``quantization_config``
+quant_method "fp8", float8_e4m3fn weights with ``*_scale_inv`` block scales) are dequantized at
+load into each destination's dtype, bit for bit ``(w.float() * expanded_scale_inv).to(dtype)``;
+the scales are consumed with their weights. Any other quantization is refused before any read.
+
 Names per family and fused-expert layouts: ``moe.loading.names``. Errors:
 ``moe.loading.errors`` (all subclass ``LoadError``).
 """
@@ -27,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moe.loading.checkpoint import Checkpoint
+from moe.loading.checkpoint import Checkpoint, dequantize_fp8
 from moe.loading.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -65,8 +70,9 @@ __all__ = [
 _TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }  # fmt: skip
+_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
 
 
@@ -127,9 +133,12 @@ def _check_source_kinds(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) 
 
 @torch.no_grad()
 def _execute(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) -> None:
-    """Read each copy's source once and write it into ``dest`` (converting dtype)."""
+    """Read each copy's source once (fp8: dequantized to float32 with its scales) and write it
+    into ``dest`` (converting dtype)."""
     for copy in plan.copies:
         src = ckpt.read(copy.key, copy.index)
+        if copy.scale is not None:
+            src = dequantize_fp8(src, ckpt.read(copy.scale, copy.index), copy.block_size)
         if copy.transpose:
             src = src.t()
         if copy.slots is None:
@@ -168,7 +177,7 @@ def _leftovers(ckpt: Checkpoint, plans: list[TensorPlan], aliases: frozenset[str
     ``load_weights`` does: rotary caches and MTP layers are skipped, a routed expert of a hosted
     block that this rank does not host is skipped, anything else is unexpected.
     aliases: model names filled through a tied tensor (their checkpoint copy is ignored)."""
-    consumed = {c.key for p in plans for c in p.copies}
+    consumed = {k for p in plans for c in p.copies for k in (c.key, c.scale) if k is not None}
     expert_blocks = {expert_block_of(c.key) for p in plans for c in p.copies} - {None}
     num_layers = ckpt.config.get("num_hidden_layers")
     num_layers = num_layers if isinstance(num_layers, int) and not isinstance(num_layers, bool) else None
@@ -244,7 +253,8 @@ def load_state_dict(
     """Load tensors by canonical name, independent of any model class.
 
     requests: ``TensorRequest``s, or a mapping canonical name -> shape for non-expert
-    tensors. dtype: dtype of floating-point results (None: the checkpoint's).
+    tensors. dtype: dtype of floating-point results (None: the checkpoint's; for fp8 weights,
+    dequantized, config.json's torch_dtype, else bfloat16).
     Returns: (canonical name -> new CPU tensor of the requested shape, report).
     Raises ``LoadError`` subclasses naming file and tensor; nothing is read before
     every request has been resolved and shape-checked.
@@ -259,6 +269,9 @@ def load_state_dict(
         for plan in plans:
             src_dtype = _TORCH_DTYPES[plan.source_dtype]
             want = dtype if dtype is not None and src_dtype.is_floating_point else src_dtype
+            if want == torch.float8_e4m3fn:
+                want = _FLOAT_DTYPES.get(str(ckpt.config.get("torch_dtype", ckpt.config.get("dtype"))),
+                                         torch.bfloat16)
             # Zero-filled so slots a request leaves out (``slots``) hold no garbage.
             out[plan.request.name] = torch.zeros(plan.request.shape, dtype=want)
             _execute(ckpt, plan, out[plan.request.name])

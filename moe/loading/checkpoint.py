@@ -238,3 +238,28 @@ class Checkpoint:
         self.num_reads += 1
         self.num_bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+
+def expected_scale_shape(weight_shape: tuple[int, ...], block_size: tuple[int, int] | None) -> tuple[int, ...]:
+    """The ``*_scale_inv`` shape of an fp8 tensor: [..., ceil(out / rows), ceil(in / cols)] for
+    ``weight_shape`` [..., out, in] (leading dims: the experts of a fused tensor), [..., 1, 1] per
+    tensor (block_size None)."""
+    *lead, out, inp = weight_shape
+    rows, cols = block_size if block_size is not None else (out, inp)
+    return (*lead, -(-out // max(rows, 1)), -(-inp // max(cols, 1)))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] | None) -> torch.Tensor:
+    """``weight.float() * scale_inv``, each scale over its block, in float32.
+
+    weight: [out, in] float8_e4m3fn. scale_inv: [ceil(out / rows), ceil(in / cols)] (the last
+    blocks partial), or for block_size None one scale ([1, 1], [1] or a scalar).
+    Returns: [out, in] float32, bit for bit ``weight.float() * expanded_scale_inv``.
+    """
+    out, inp = weight.shape
+    scale = scale_inv.float()
+    if block_size is None:
+        return weight.float() * scale.reshape(1, 1)
+    rows, cols = block_size
+    scale = scale.repeat_interleave(rows, dim=0)[:out].repeat_interleave(cols, dim=1)[:, :inp]
+    return weight.float() * scale

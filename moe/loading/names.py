@@ -57,8 +57,9 @@ _ROUTER_RE = re.compile(r"^(?P<layer>.+\.layers\.\d+)\.mlp\.gate\.(?P<leaf>weigh
 _EXPERTS_RE = re.compile(r"^(?P<layer>.+\.layers\.\d+)\.mlp\.experts$")
 _CKPT_EXPERT_RE = re.compile(
     r"^(?P<block>.+)\.experts\.(?:(?P<expert>\d+)\.(?:gate_proj|up_proj|down_proj|w1|w2|w3)\.weight"
-    r"|gate_up_proj|down_proj)$"
+    r"|gate_up_proj|down_proj)(?:_scale_inv)?$"
 )
+SCALE_INV_SUFFIX = "_scale_inv"  # fp8 weights: X.weight -> X.weight_scale_inv, fused experts.down_proj -> ..._scale_inv
 _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.")
 _IGNORED_RE = re.compile(r"(?:^|\.)rotary_emb\.(?:inv_freq|cos_cached|sin_cached)$")
 
@@ -101,8 +102,14 @@ def fused_names(block: str) -> tuple[str, str]:
     return f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"
 
 
+def scale_inv_name(key: str) -> str:
+    """The checkpoint name of the fp8 tensor ``key``'s block scales (``X.weight`` -> ``X.weight_scale_inv``)."""
+    return key + SCALE_INV_SUFFIX
+
+
 def expert_block_of(key: str) -> str | None:
-    """The MoE block prefix if ``key`` is a routed-expert tensor (per-expert or fused), else None."""
+    """The MoE block prefix if ``key`` is a routed-expert tensor (per-expert or fused, or the fp8
+    scales of one), else None."""
     m = _CKPT_EXPERT_RE.match(key)
     return m["block"] if m else None
 

@@ -5,6 +5,10 @@ rows of a fused tensor) fill which part of the destination. Planning checks that
 every tensor exists and has the right shape and a supported dtype, so a bad
 checkpoint fails before a single weight of the model is overwritten.
 
+Block-wise fp8 weights (config.json ``quantization_config`` quant_method "fp8", see
+``moe.config.Fp8Weights``): a float8_e4m3fn tensor is read with its ``*_scale_inv`` sibling,
+whose presence and shape are checked here too, and dequantized at load (``Copy.scale``).
+
 Shape legend: P destination expert slots, E logical experts in the checkpoint,
 I expert intermediate size, D hidden size.
 """
@@ -14,7 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from moe.loading.checkpoint import Checkpoint, TensorInfo
+from moe.config import Fp8Weights, fp8_weights
+from moe.loading.checkpoint import Checkpoint, TensorInfo, expected_scale_shape
 from moe.loading.errors import CheckpointFormatError, MissingTensorError, TensorShapeError
 from moe.loading.names import (
     DOWN,
@@ -24,9 +29,12 @@ from moe.loading.names import (
     expert_blocks,
     fused_names,
     per_expert_names,
+    scale_inv_name,
 )
 
 SUPPORTED_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"})
+FP8_DTYPE = "F8_E4M3"  # read only with its *_scale_inv, under an fp8 quantization_config
+SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
 EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
 # config.json fields that decide which layers have routed experts (DeepSeek, Qwen3-MoE)
@@ -51,15 +59,18 @@ class TensorRequest:
 
 @dataclass(frozen=True)
 class Copy:
-    """Read ``key`` (or only ``key[index]``, one expert of a fused tensor), transpose it if
-    asked, and copy it into the destination (``dest[s][rows[0]:rows[1]]`` for each slot s,
-    or the whole destination when ``slots`` is None)."""
+    """Read ``key`` (or only ``key[index]``, one expert of a fused tensor), dequantize it when
+    ``scale`` names its fp8 block scales (read at the same index; ``block_size`` None: one scale
+    per tensor), transpose it if asked, and copy it into the destination
+    (``dest[s][rows[0]:rows[1]]`` for each slot s, or the whole destination when ``slots`` is None)."""
 
     key: str
     index: int | None = None
     transpose: bool = False
     slots: tuple[int, ...] | None = None
     rows: tuple[int, int] | None = None
+    scale: str | None = None
+    block_size: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,11 @@ class Planner:
         self.tie_word_embeddings = tie_word_embeddings
         self._layouts: dict[str, bool] = {}
         self._infos: dict[str, TensorInfo] = {}
+        self._scales: dict[str, str] = {}  # fp8 tensor -> its checked *_scale_inv
+        try:
+            self.fp8: Fp8Weights | None = fp8_weights(checkpoint.config)
+        except ValueError as e:
+            raise CheckpointFormatError(f"{checkpoint.root}: config.json: {e}") from None
 
     def plan(self, request: TensorRequest) -> TensorPlan:
         """Resolve, shape-check and dtype-check one request (reads headers only)."""
@@ -112,12 +128,57 @@ class Planner:
         info = self._infos.get(key)
         if info is None:
             info = self._infos[key] = self.ckpt.info(key)
-            if info.dtype not in SUPPORTED_DTYPES:
+            if info.dtype == FP8_DTYPE and self.fp8 is None:
                 raise CheckpointFormatError(
-                    f"{info.file}: tensor {key!r} has dtype {info.dtype}; quantized checkpoints "
-                    "(fp8/fp4 with scale tensors) are not supported: dequantize to bf16 first"
+                    f"{info.file}: tensor {key!r} has dtype {info.dtype}, but config.json has no fp8 "
+                    "quantization_config (quant_method 'fp8', fmt 'e4m3') to dequantize it with"
+                )
+            if info.dtype not in SUPPORTED_DTYPES and info.dtype != FP8_DTYPE:
+                raise CheckpointFormatError(
+                    f"{info.file}: tensor {key!r} has dtype {info.dtype}; of quantized checkpoints only "
+                    "block-wise fp8 (F8_E4M3 with *_scale_inv) is supported: dequantize to bf16 first"
                 )
         return info
+
+    def _copy(self, key: str, *, index: int | None = None, transpose: bool = False,
+              slots: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None) -> Copy:
+        """A ``Copy`` of ``key``, with its fp8 scales when it is fp8 (checked: ``_scale_of``)."""
+        if self._info(key).dtype != FP8_DTYPE:
+            return Copy(key, index, transpose, slots, rows)
+        block = self.fp8.block_size if self.fp8 is not None else None
+        return Copy(key, index, transpose, slots, rows, scale=self._scale_of(key), block_size=block)
+
+    def _scale_of(self, key: str) -> str:
+        """The checked ``*_scale_inv`` of fp8 tensor ``key``: CheckpointFormatError, naming both tensors,
+        their files and shapes, when it is absent, not a float tensor, or not one scale per block."""
+        if key in self._scales:
+            return self._scales[key]
+        info, scale = self._info(key), scale_inv_name(key)
+        block = self.fp8.block_size if self.fp8 is not None else None
+        told = f"weight_block_size {list(block)}" if block is not None else "one scale per tensor"
+        if len(info.shape) not in (2, 3):
+            raise CheckpointFormatError(f"{info.file}: fp8 tensor {key!r} has shape {list(info.shape)}; "
+                                        "fp8 weights must be [out, in] (or [E, out, in] fused experts)")
+        want = expected_scale_shape(info.shape, block)
+        if scale not in self.ckpt:
+            raise CheckpointFormatError(
+                f"{info.file}: fp8 tensor {key!r} {list(info.shape)} has no scale tensor {scale!r} "
+                f"(expected {list(want)} for {told}); the checkpoint is incomplete"
+            )
+        found = self.ckpt.info(scale)
+        lead = info.shape[:-2]
+        allowed = {want} if block is not None else {want, lead, (*lead, 1)}
+        where = str(found.file) if found.file == info.file else f"{found.file} (weight in {info.file})"
+        if found.dtype not in SCALE_DTYPES:
+            raise CheckpointFormatError(f"{where}: scale tensor {scale!r} has dtype {found.dtype}; fp8 scales "
+                                        f"must be float (F32, BF16 or F16)")
+        if tuple(found.shape) not in allowed:
+            raise CheckpointFormatError(
+                f"{where}: scale tensor {scale!r} has shape {list(found.shape)}, but fp8 tensor {key!r} "
+                f"{list(info.shape)} with {told} needs {list(want)}"
+            )
+        self._scales[key] = scale
+        return scale
 
     def _check_shape(self, canonical: str, key: str, expected: tuple[int, ...], index: int | None = None) -> None:
         info = self._info(key)
@@ -134,7 +195,7 @@ class Planner:
             hint = self._layer_kind_hint(request.name) or self._prefix_hint(request.name)
             raise MissingTensorError(request.name, tried, str(self.ckpt.root), hint)
         self._check_shape(request.name, key, request.shape)
-        return TensorPlan(request, (Copy(key),), self._info(key).dtype)
+        return TensorPlan(request, (self._copy(key),), self._info(key).dtype)
 
     def _plan_experts(self, request: TensorRequest) -> TensorPlan:
         module, leaf = request.name.rsplit(".", 1)
@@ -180,7 +241,7 @@ class Planner:
                     if key not in self.ckpt:
                         raise MissingTensorError(label, [key], str(self.ckpt.root))
                     self._check_shape(label, key, (inter, hidden) if leaf == GATE_UP else (hidden, inter))
-                    copies.append(Copy(key, slots=slots, rows=rows))
+                    copies.append(self._copy(key, slots=slots, rows=rows))
                 return copies
         for block in blocks:
             key = fused_names(block)[0 if leaf == GATE_UP else 1]
@@ -190,7 +251,7 @@ class Planner:
                 num_experts = self._info(key).shape[0]
                 if expert >= num_experts:
                     raise MissingTensorError(label, [f"{key}[{expert}] (holds {num_experts} experts)"], str(self.ckpt.root))
-                return [Copy(key, index=expert, transpose=transposed, slots=slots)]
+                return [self._copy(key, index=expert, transpose=transposed, slots=slots)]
         raise MissingTensorError(label, tried, str(self.ckpt.root), self._layer_kind_hint(canonical))
 
     def _prefix_hint(self, canonical: str) -> str:

@@ -194,7 +194,7 @@ def test_duplicate_tensor_across_unindexed_files(tmp_path):
 
 def test_quantized_dtype_refused(tmp_path):
     save_file({"w": torch.ones(2, 2).to(torch.float8_e4m3fn)}, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointFormatError, match="'w' has dtype F8_E4M3; quantized"):
+    with pytest.raises(CheckpointFormatError, match="'w' has dtype F8_E4M3, but config.json has no fp8 quantization"):
         load_state_dict(tmp_path, {"w": (2, 2)})
 
 

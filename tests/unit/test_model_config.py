@@ -52,9 +52,9 @@ QWEN3_30B_A3B = dict(
 
 
 def test_deepseek_v3_real_config() -> None:
-    with pytest.raises(ValueError, match="quantization_config"):
-        ModelConfig.from_hf(DEEPSEEK_V3)
-    cfg = ModelConfig.from_hf(DEEPSEEK_V3, strict=False)
+    cfg = ModelConfig.from_hf(DEEPSEEK_V3)  # block-wise fp8 weights: dequantized at load
+    with pytest.raises(ValueError, match="quant_method 'gptq'"):
+        ModelConfig.from_hf(dict(DEEPSEEK_V3, quantization_config=dict(quant_method="gptq", bits=4)))
     assert cfg.attention == "mla" and cfg.kv_entry_shape == (576,)
     assert cfg.kv_bytes_per_token(2) == 70_272 and cfg.kv_bytes_per_token(1) == 35_136
     assert cfg.moe_layer_ids == tuple(range(3, 61)) and not cfg.is_moe_layer(2)
@@ -62,7 +62,7 @@ def test_deepseek_v3_real_config() -> None:
     assert cfg.rope_interleave and cfg.rope_scaling.factor == 40 and cfg.softmax_scale == pytest.approx(0.1352, abs=1e-4)
     assert cfg.eos_token_ids == (1,) and cfg.dtype == "bfloat16" and cfg.head_dim == 192
     assert cfg.num_parameters() == pytest.approx(671e9, rel=2e-3)
-    assert any("quantization_config" in u for u in cfg.unsupported)
+    assert cfg.unsupported == ()
 
 
 def test_mixtral_8x7b_real_config() -> None:
