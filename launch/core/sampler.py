@@ -164,27 +164,48 @@ class Sampler:
     def _adjust_inplace(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: list[int],
                         seq_ids: Sequence[int] | None, history: TokenHistory | None,
                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Apply min_tokens' masks, then the penalties, to logits [B, V] float32 (contiguous) in
-        place, at the pairs they touch only (no [B, V] copy: 3 ms for [32, 129280] on one core).
-        Returns per change (flat indices [M] into logits.view(-1), raw values [M]): what writing
-        back undoes it ([] when no row has min_tokens to wait for or a penalty)."""
+        """Apply, in vLLM's order, ``allowed_token_ids`` (every other logit -inf), min_tokens'
+        masks, ``logit_bias`` and then the penalties to logits [B, V] float32 (contiguous) in place,
+        at the pairs they touch only (no [B, V] copy: 3 ms for [32, 129280] on one core; a row with
+        allowed_token_ids is saved whole). Returns per change (flat indices [M] into
+        logits.view(-1), raw values [M]): what writing back undoes it ([] when no row has
+        allowed_token_ids, min_tokens to wait for, a bias or a penalty)."""
         masked = [b for b, p in enumerate(params) if p.min_tokens > output_indices[b]]
         penalised = [b for b, p in enumerate(params) if p.has_penalties]
-        if not masked and not penalised:
+        allowed = [b for b, p in enumerate(params) if p.allowed_token_ids is not None]
+        biased = [b for b, p in enumerate(params) if p.logit_bias is not None]
+        if not masked and not penalised and not allowed and not biased:
             return []
         flat_logits, vocab = logits.view(-1), logits.shape[1]
-        changed = []
+        device = logits.device
+        changed: dict[str, torch.Tensor] = {}
+        if allowed:  # whole rows
+            rows = torch.tensor(allowed, dtype=torch.int64, device=device)
+            changed["allowed"] = (rows[:, None] * vocab + torch.arange(vocab, device=device)).view(-1)
         if masked:
-            rows, ids = min_tokens_pairs(masked, [self._banned_ids(params[b]) for b in masked], vocab, logits.device)
-            changed.append(rows * vocab + ids)
+            rows, ids = min_tokens_pairs(masked, [self._banned_ids(params[b]) for b in masked], vocab, device)
+            changed["masked"] = rows * vocab + ids
+        if biased:
+            pairs = [(b, token, bias) for b in biased for token, bias in params[b].logit_bias]
+            changed["biased"] = torch.tensor([b * vocab + token for b, token, _ in pairs], dtype=torch.int64,
+                                             device=device)
+            biases = torch.tensor([bias for _, _, bias in pairs], dtype=logits.dtype, device=device)
         if penalised:
             if history is None or seq_ids is None:
                 raise ValueError("rows with a penalty need their sequences' token history (seq_ids, history)")
             rows, token_ids, counts = history.entries([seq_ids[b] for b in penalised], penalised)
-            changed.append(rows * vocab + token_ids)
-        undo = [(flat, flat_logits.index_select(0, flat)) for flat in changed]  # raw: before any write
+            changed["penalised"] = rows * vocab + token_ids
+        undo = [(flat, flat_logits.index_select(0, flat)) for flat in changed.values()]  # raw: before any write
+        if allowed:
+            keep = [(b, torch.tensor(params[b].allowed_token_ids, dtype=torch.int64, device=device)) for b in allowed]
+            kept = [logits[b].index_select(0, ids) for b, ids in keep]
+            logits[allowed] = float("-inf")
+            for (b, ids), values in zip(keep, kept):
+                logits[b].index_copy_(0, ids, values)
         if masked:
-            flat_logits.index_fill_(0, changed[0], float("-inf"))
+            flat_logits.index_fill_(0, changed["masked"], float("-inf"))
+        if biased:
+            flat_logits.index_add_(0, changed["biased"], biases)
         if penalised:
             factors = [torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype, device=logits.device)
                        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")]

@@ -19,6 +19,43 @@ _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _token_biases(value: Any) -> tuple[tuple[int, float], ...] | None:
+    """``logit_bias`` as ((id, bias), ...) sorted by id, None for None or an empty one; ValueError
+    naming the field for anything but a mapping (or sequence of pairs) of ids >= 0 to finite numbers."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list | tuple) and all(isinstance(p, list | tuple) and len(p) == 2 for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise ValueError(f"logit_bias must map token ids (integers >= 0) to biases, got {value!r}"[:200])
+    out: dict[int, float] = {}
+    for token, bias in pairs:
+        if not _is_token_id(token):
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}"[:200])
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token}"[:200])
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice")
+        out[token] = float(bias)
+    return tuple(sorted(out.items())) or None
+
+
+def _token_id_set(value: Any) -> tuple[int, ...] | None:
+    """``allowed_token_ids`` as a sorted tuple of distinct ids, None for None or an empty one;
+    ValueError naming the field otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple | set | frozenset) or not all(_is_token_id(t) for t in value):
+        raise ValueError(f"allowed_token_ids must be a list of token ids (integers >= 0), got {value!r}"[:200])
+    return tuple(sorted(set(value))) or None
+
+
 def _check_num_logprobs(name: str, value: object) -> None:
     """``logprobs`` / ``prompt_logprobs``: None, an integer >= 0, or -1 (the whole vocabulary), as vLLM."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
@@ -66,7 +103,7 @@ class RequestOutputKind(enum.IntEnum):
 
 # vLLM fields this engine has no sampler support for: None (their default) or an empty container is
 # accepted (kept as None), anything else is a ValueError naming the field.
-UNSUPPORTED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "logits_processors")
+UNSUPPORTED_FIELDS = ("bad_words", "logits_processors")
 # vLLM's constrained-decoding fields (``structured_outputs``; ``guided_decoding``, its older name): None
 # only, anything else is a ValueError naming the field. ``extra_args`` (what vLLM hands custom logits
 # processors, of which there are none here): None or {} (kept as None).
@@ -134,9 +171,16 @@ class SamplingParams:
         keep only the prompt's last k tokens (left truncation, as vLLM).
     output_kind: vLLM's ``RequestOutputKind`` (see there); an int 0-2 is taken too.
     best_of: None or ``n`` (no extra candidates are drawn to choose from); other values raise.
-    logit_bias, allowed_token_ids, bad_words, logits_processors: vLLM's; None or an empty container
-        (kept as None) is accepted, anything else raises ValueError naming the field (this sampler
-        has no such support).
+    logit_bias: {token id: bias} added to those tokens' logits before the penalties and sampling
+        (greedy rows too), as vLLM's; kept as ((id, bias), ...) sorted by id (a sequence of such
+        pairs is taken too); an empty mapping is None. Ids must be in the vocabulary (checked when
+        the engine takes the request); a bias must be a finite number (OpenAI's range is -100 to
+        100: -100 all but bans a token).
+    allowed_token_ids: only these tokens can be drawn (every other logit -inf first, before
+        min_tokens, the bias and the penalties), as vLLM's; kept as a sorted tuple of distinct ids;
+        an empty list is None (no restriction). Ids must be in the vocabulary.
+    bad_words, logits_processors: vLLM's; None or an empty container (kept as None) is accepted,
+        anything else raises ValueError naming the field (this sampler has no such support).
     structured_outputs, guided_decoding: vLLM's constrained decoding (``guided_decoding`` is its older
         name); only None: anything else raises ValueError naming the field (no constrained decoding).
     extra_args: vLLM's extra arguments for custom logits processors; None or {} (kept as None), else
@@ -166,8 +210,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     best_of: int | None = None
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None
     bad_words: list[str] | None = None
     logits_processors: list | None = None
     structured_outputs: Any = None
@@ -186,6 +230,8 @@ class SamplingParams:
         if self.output_kind not in tuple(RequestOutputKind) or isinstance(self.output_kind, bool):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
+        object.__setattr__(self, "logit_bias", _token_biases(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", _token_id_set(self.allowed_token_ids))
         self._validate()
         self._validate_output_fields()
 
@@ -266,6 +312,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when sampling is argmax (temperature effectively zero)."""
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def changes_logits(self) -> bool:
+        """True when ``logit_bias`` or ``allowed_token_ids`` changes this row's logits."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -53,7 +53,8 @@ _INT32_MAX = 2**31 - 1
 # let two requests that differ only in it share one entry, one sampled with the other's value.
 # (stop_token_ids: min_tokens masks them; prompt_logprobs travels in its spans, not in the table.)
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids")
+                  "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids", "logit_bias",
+                  "allowed_token_ids")
 _KEYS: dict[int, tuple[SamplingParams, tuple]] = {}
 _KEYS_MAX = 4096
 _SWAP = sys.byteorder != "little"  # the format is little-endian on every host

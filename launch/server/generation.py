@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -82,6 +83,9 @@ def unavailable_error(exc: BaseException) -> APIError | None:
     return None
 
 
+_TOKEN_ID_FIELD = re.compile(r"^(?:request '[^']*': )?(?P<field>stop_token_ids|logit_bias|allowed_token_ids): token id ")
+
+
 def engine_error(exc: Exception) -> APIError:
     """Map an exception raised by ``engine.generate`` to the HTTP error the client gets."""
     if isinstance(exc, APIError):
@@ -93,7 +97,8 @@ def engine_error(exc: Exception) -> APIError:
     if unavailable is not None:
         return unavailable  # the engine logged the fault once; nothing per request
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
+        field = _TOKEN_ID_FIELD.match(str(exc))  # the engine's "<field>: token id N is outside the vocabulary"
+        return APIError(400, str(exc), param=field["field"] if field else None)
     logger.exception("engine failed a request", exc_info=exc)
     return APIError(500, f"Internal engine error: {type(exc).__name__}: {exc}", type="internal_error")
 

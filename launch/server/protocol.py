@@ -217,6 +217,7 @@ class SamplingRequest(BaseModel):
     # OpenAI / vLLM sampling fields this server does not implement: typed here so that a value
     # that would change the output is refused (``unsupported``) instead of silently ignored
     best_of: StrictInt | None = Field(None, ge=1)
+    # OpenAI's {"token id": bias}; each bias clamped to [-100, 100] as OpenAI and vLLM do
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: StrictBool | None = None  # vLLM's (default true): false keeps them in the text
     response_format: dict[str, Any] | None = None  # OpenAI's; only {"type": "text"} (no constrained decoding)
@@ -228,8 +229,9 @@ class SamplingRequest(BaseModel):
     guided_grammar: Any = None
     structural_tag: Any = None
     use_beam_search: StrictBool | None = None
-    # vLLM's engine-side extensions (SamplingParams, prompt handling): refused unless neutral
+    # vLLM's: only these token ids can be drawn (SamplingParams.allowed_token_ids)
     allowed_token_ids: Any = None
+    # vLLM's engine-side extensions (SamplingParams, prompt handling): refused unless neutral
     bad_words: Any = None
     logits_processors: Any = None
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len), after encoding
@@ -323,12 +325,10 @@ class SamplingRequest(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first field set to a value this server cannot honour (its
         no-op values pass: ``best_of`` up to ``n`` (no extra candidates to choose from; some SDKs send
-        ``best_of=1`` by default), an empty ``logit_bias``)."""
+        ``best_of=1`` by default), an empty ``bad_words``)."""
         if self.best_of is not None and self.best_of > self.n:
             return "best_of", (f"best_of={self.best_of} is not supported: this server returns the n={self.n} "
                                "samples it draws (best_of <= n)")
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream and self.prompt_logprobs not in (None, 0):  # vLLM refuses > 0 and -1, takes 0
             return "prompt_logprobs", "prompt_logprobs is not supported with stream=true (as vLLM)"
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
@@ -341,7 +341,7 @@ class SamplingRequest(BaseModel):
             return "use_beam_search", "use_beam_search=true is not supported (sampling only)"
         if self.truncate_prompt_tokens == 0:
             return "truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got 0"
-        for name in ("allowed_token_ids", "bad_words", "logits_processors"):
+        for name in ("bad_words", "logits_processors"):
             value = getattr(self, name)
             if value is not None and value != []:
                 return name, f"{name} is not supported by this server"

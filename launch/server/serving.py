@@ -219,6 +219,10 @@ class OpenAIServing:
                                   "prompt_logprobs": prompt_logprobs}
         if req.skip_special_tokens is not None:
             fields["skip_special_tokens"] = req.skip_special_tokens
+        if req.logit_bias:
+            fields["logit_bias"] = openai_logit_bias(req.logit_bias)
+        if req.allowed_token_ids is not None:
+            fields["allowed_token_ids"] = req.allowed_token_ids
         defaults = defaults or {}
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens"):
@@ -354,3 +358,20 @@ class OpenAIServing:
         end = formatter.stream_end()
         if end:
             yield end
+
+
+# OpenAI's bounds on a logit_bias value; vLLM clamps to them too
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def openai_logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """An OpenAI ``logit_bias`` ({"token id": bias}) as ``SamplingParams.logit_bias``: integer keys,
+    biases clamped to [-100, 100]; APIError 400 naming ``logit_bias`` for a key that is not a token id."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        text = key.strip()
+        if not text.isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids (integers >= 0 as strings), got {key!r}"[:200],
+                           param="logit_bias")
+        out[int(text)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+    return out

@@ -95,8 +95,10 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(tiny_ckpt_with_tokeniz
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    (dict(logit_bias={5: 1.0}), "^logit_bias is not supported"),
-    (dict(allowed_token_ids=[5]), "^allowed_token_ids is not supported"),
+    (dict(logit_bias={5: float("nan")}), "^logit_bias values must be finite numbers"),
+    (dict(logit_bias={"5": 1.0}), "^logit_bias keys must be token ids"),
+    (dict(logit_bias=[5, 1.0]), "^logit_bias must map token ids"),
+    (dict(allowed_token_ids=[5, -1]), "^allowed_token_ids must be a list of token ids"),
     (dict(bad_words=["x"]), "^bad_words is not supported"),
     (dict(best_of=3), r"^best_of=3 is not supported"),
     (dict(truncate_prompt_tokens=0), "^truncate_prompt_tokens must be"),

@@ -199,7 +199,7 @@ def post(url, body, **kw):
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 100}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 4, "max_tokens": 2}, 400,
      "min_tokens"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
