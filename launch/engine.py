@@ -6,6 +6,7 @@ The same engine runs one in-process rank or a Ray cluster of TP x DP ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -28,7 +29,7 @@ from launch.core import (
     SchedulerConfig,
 )
 from launch.core.outputs import ITERATION_TOKEN_BUCKETS, bucket_index
-from launch.core.sampling_params import params_max_logprobs_problem
+from launch.core.sampling_params import encode_bad_words, params_max_logprobs_problem
 from launch.executor import Executor, build_executor
 from launch.generation_config import SAMPLING_KEYS as GENERATION_KEYS
 from launch.generation_config import default_sampling_fields, describe_defaults, generation_config_file
@@ -252,6 +253,10 @@ class LLMEngine:
         """Queue a request; ValueError for one that can never run (prompt or stop token ids
         outside the vocab, more logprobs than ``max_logprobs``, too long for max_model_len or for
         the KV pool)."""
+        try:
+            params = self._with_bad_word_ids(params)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         bad = self._request_problem(prompt_token_ids, params)
         if bad is not None:
             raise ValueError(f"request {request_id!r}: {bad}")
@@ -262,10 +267,22 @@ class LLMEngine:
         """ValueError naming why ``add_request`` would refuse these prompt ids and params (without
         queueing anything): prompt or stop token ids outside the vocabulary, more logprobs than
         ``max_logprobs``, then the scheduler's checks."""
+        params = self._with_bad_word_ids(params)
         bad = self._request_problem(prompt_token_ids, params)
         if bad is not None:
             raise ValueError(bad)
         self.scheduler.check_request(prompt_token_ids, params)
+
+    def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``bad_words_token_ids`` from its ``bad_words`` (the model's tokenizer,
+        vLLM's rule: ``encode_bad_words``) unless it has them; ValueError without a tokenizer."""
+        if params.bad_words is None or params.bad_words_token_ids is not None:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer (the checkpoint has no tokenizer.json): "
+                             "give bad_words_token_ids instead")
+        ids = encode_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        return dataclasses.replace(params, bad_words_token_ids=ids or None)
 
     def _request_problem(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
         """Why the engine refuses these ids and params before the scheduler looks: ids outside the
@@ -286,7 +303,8 @@ class LLMEngine:
             return None
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", [t for t, _ in params.logit_bias or ()]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words_token_ids", [t for seq in params.bad_words_token_ids or () for t in seq])):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 return f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})"

@@ -87,14 +87,14 @@ class Sequence:
     # first completion of a request collects them (its siblings may read the prompt from the cache)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None  # beside prompt_logprobs: each prompt token's rank
-    has_penalties: bool = field(init=False, default=False)  # params.has_penalties, read per row per step
+    keeps_history: bool = field(init=False, default=False)  # params.keeps_history, read per row per step
 
     def __post_init__(self) -> None:
         self._detokenizer = None if self.decode is None or not self.params.detokenize \
             else IncrementalDetokenizer(_decode_for(self.decode, self.params), self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs, self.logprob_ranks, self.cumulative_logprob = [], [], 0.0
-        self.has_penalties = self.params.has_penalties
+        self.keeps_history = self.params.keeps_history
         if self.params.prompt_logprobs is not None and self.index == 0:
             self.prompt_logprobs, self.prompt_logprob_ranks = [None], [None]
 

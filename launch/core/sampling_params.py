@@ -56,6 +56,43 @@ def _token_id_set(value: Any) -> tuple[int, ...] | None:
     return tuple(sorted(set(value))) or None
 
 
+def encode_bad_words(words: tuple[str, ...], encode: Any) -> tuple[tuple[int, ...], ...]:
+    """``bad_words``' token sequences (vLLM's rule): each word without its leading white space,
+    then with one leading space where that encodes to as many tokens with another first token (the
+    word inside a text). ``encode(text) -> list[int]`` without special tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(encode(word.lstrip()))
+        if not plain:
+            continue
+        out.append(plain)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            out.append(spaced)
+    return tuple(out)
+
+
+def _bad_words(value: Any) -> tuple[str, ...] | None:
+    """``bad_words`` as a tuple of non-empty strings (None for None or an empty list)."""
+    if value is None:
+        return None
+    words = (value,) if isinstance(value, str) else value
+    if not isinstance(words, list | tuple) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise ValueError(f"bad_words must be a list of non-blank strings, got {value!r}"[:200])
+    return tuple(words) or None
+
+
+def _token_sequences(value: Any) -> tuple[tuple[int, ...], ...] | None:
+    """``bad_words_token_ids`` as tuples of token ids (None for None or an empty list)."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not all(
+            isinstance(ids, list | tuple) and ids and all(_is_token_id(t) for t in ids) for ids in value):
+        raise ValueError("bad_words_token_ids must be a list of non-empty lists of token ids (integers >= 0), "
+                         f"got {value!r}"[:200])
+    return tuple(tuple(ids) for ids in value) or None
+
+
 def _check_num_logprobs(name: str, value: object) -> None:
     """``logprobs`` / ``prompt_logprobs``: None, an integer >= 0, or -1 (the whole vocabulary), as vLLM."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
@@ -103,7 +140,7 @@ class RequestOutputKind(enum.IntEnum):
 
 # vLLM fields this engine has no sampler support for: None (their default) or an empty container is
 # accepted (kept as None), anything else is a ValueError naming the field.
-UNSUPPORTED_FIELDS = ("bad_words", "logits_processors")
+UNSUPPORTED_FIELDS = ("logits_processors",)
 # vLLM's constrained-decoding fields (``structured_outputs``; ``guided_decoding``, its older name): None
 # only, anything else is a ValueError naming the field. ``extra_args`` (what vLLM hands custom logits
 # processors, of which there are none here): None or {} (kept as None).
@@ -179,8 +216,16 @@ class SamplingParams:
     allowed_token_ids: only these tokens can be drawn (every other logit -inf first, before
         min_tokens, the bias and the penalties), as vLLM's; kept as a sorted tuple of distinct ids;
         an empty list is None (no restriction). Ids must be in the vocabulary.
-    bad_words, logits_processors: vLLM's; None or an empty container (kept as None) is accepted,
-        anything else raises ValueError naming the field (this sampler has no such support).
+    bad_words: words that are never generated, as vLLM's: the engine encodes each (as given, and
+        with one leading space where that is a different first token of as many tokens) with the
+        model's tokenizer into ``bad_words_token_ids``; kept as a tuple of non-empty strings, an
+        empty list is None. A request with bad_words needs the model's tokenizer.
+    bad_words_token_ids: token sequences that are never completed: whenever a row's last output
+        tokens are a sequence's first ones (none for a one-token sequence), its last token gets a
+        -inf logit (after ``allowed_token_ids``, before min_tokens), as vLLM's bad words. Set by the
+        engine from ``bad_words``, or directly (ids in the vocabulary); kept as tuples.
+    logits_processors: vLLM's; None or an empty container (kept as None) is accepted, anything else
+        raises ValueError naming the field (this sampler has no such support).
     structured_outputs, guided_decoding: vLLM's constrained decoding (``guided_decoding`` is its older
         name); only None: anything else raises ValueError naming the field (no constrained decoding).
     extra_args: vLLM's extra arguments for custom logits processors; None or {} (kept as None), else
@@ -212,7 +257,8 @@ class SamplingParams:
     best_of: int | None = None
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     allowed_token_ids: list[int] | tuple[int, ...] | None = None
-    bad_words: list[str] | None = None
+    bad_words: list[str] | tuple[str, ...] | None = None
+    bad_words_token_ids: list[list[int]] | tuple[tuple[int, ...], ...] | None = None
     logits_processors: list | None = None
     structured_outputs: Any = None
     guided_decoding: Any = None
@@ -232,6 +278,8 @@ class SamplingParams:
         object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         object.__setattr__(self, "logit_bias", _token_biases(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", _token_id_set(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids", _token_sequences(self.bad_words_token_ids))
         self._validate()
         self._validate_output_fields()
 
@@ -315,8 +363,16 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """True when ``logit_bias`` or ``allowed_token_ids`` changes this row's logits."""
-        return self.logit_bias is not None or self.allowed_token_ids is not None
+        """True when ``logit_bias``, ``allowed_token_ids`` or ``bad_words_token_ids`` changes this
+        row's logits."""
+        return (self.logit_bias is not None or self.allowed_token_ids is not None
+                or self.bad_words_token_ids is not None)
+
+    @property
+    def keeps_history(self) -> bool:
+        """True when the worker keeps this sequence's token history: for a penalty, or for
+        ``bad_words_token_ids`` (which read the last output tokens)."""
+        return self.has_penalties or self.bad_words_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -267,7 +267,7 @@ class Scheduler:
         self.allocators[rank].free(seq)
 
     def _release_history(self, rank: int, seq: Sequence) -> None:
-        if seq.has_penalties:
+        if seq.keeps_history:
             self._released[rank].append(seq.seq_id)
 
     # ---- scheduling ----------------------------------------------------------------
@@ -351,7 +351,7 @@ class Scheduler:
             if not alloc.can_allocate(seq, num_new):
                 break
             alloc.allocate(seq, num_new)
-            if seq.num_computed_tokens and seq.has_penalties:
+            if seq.num_computed_tokens and seq.keeps_history:
                 ctx.from_cache.add(seq.seq_id)
             del waiting[head]
             seq.status = SequenceStatus.RUNNING
@@ -383,7 +383,7 @@ class Scheduler:
         for seq, num_new in ctx.scheduled.values():
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             params = seq.params
-            if seq.has_penalties:
+            if seq.keeps_history:
                 prefix = tuple(seq.token_slice(0, start)) if seq.seq_id in ctx.from_cache else ()
                 history.append(HistoryChunk(len(rows), seq.seq_id, seq.num_prompt_tokens, prefix))
             if seq.prompt_logprobs is not None:

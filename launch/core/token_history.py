@@ -29,6 +29,19 @@ def min_tokens_pairs(rows: Sequence[int], banned: Sequence[Sequence[int]], vocab
     return index[:, 0], index[:, 1]
 
 
+def bad_word_pairs(rows: Sequence[int], sequences: Sequence[Sequence[Sequence[int]]],
+                   outputs: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """The (row, token) pairs bad words ban: for row ``rows[i]``, the last token of each of
+    ``sequences[i]`` whose other tokens are the last tokens of ``outputs[i]`` (every one-token sequence)."""
+    pairs = []
+    for row, seqs, out in zip(rows, sequences, outputs):
+        for ids in seqs:
+            k = len(ids) - 1
+            if k <= len(out) and (k == 0 or list(out[len(out) - k:]) == list(ids[:k])):
+                pairs.append((row, ids[-1]))
+    return pairs
+
+
 def apply_penalties_inplace(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
                             output_counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
                             presence: torch.Tensor) -> None:
@@ -51,9 +64,10 @@ def apply_penalties_inplace(logits: torch.Tensor, rows: torch.Tensor, token_ids:
 
 class _SeqHistory:
     """One sequence's distinct tokens so far (prompt and output), in order of first appearance, with
-    their output occurrences: ids [cap] int64 and counts [cap] float32, the first ``size`` in use."""
+    their output occurrences: ids [cap] int64 and counts [cap] float32, the first ``size`` in use;
+    and its output tokens in order (``outputs``: bad words read their tail)."""
 
-    __slots__ = ("ids", "counts", "size", "index", "length")
+    __slots__ = ("ids", "counts", "size", "index", "length", "outputs")
 
     def __init__(self) -> None:
         self.ids = np.empty(16, dtype=np.int64)
@@ -61,8 +75,11 @@ class _SeqHistory:
         self.size = 0
         self.index: dict[int, int] = {}  # token id -> its place in ids
         self.length = 0  # positions recorded
+        self.outputs: list[int] = []
 
     def add(self, tokens: Sequence[int], output: bool) -> None:
+        if output:
+            self.outputs.extend(int(t) for t in tokens)
         index, counts = self.index, self.counts
         for t in tokens:
             i = index.get(t)
@@ -133,6 +150,13 @@ class TokenHistory:
         arrays = (np.repeat(np.asarray(rows, dtype=np.int64), sizes),
                   np.concatenate([s.ids[:s.size] for s in seqs]), np.concatenate([s.counts[:s.size] for s in seqs]))
         return tuple(torch.from_numpy(a).to(self.device) for a in arrays)
+
+    def output_tokens(self, seq_id: int) -> list[int]:
+        """The output tokens of sequence ``seq_id`` recorded so far, in order (the list itself: read only)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"no token history for sequence {seq_id} on this worker")
+        return seq.outputs
 
     def tables(self, seq_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense views (inspection, tests): seen [R, V] bool (in the prompt or the output) and

@@ -54,7 +54,7 @@ _INT32_MAX = 2**31 - 1
 # (stop_token_ids: min_tokens masks them; prompt_logprobs travels in its spans, not in the table.)
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids", "logit_bias",
-                  "allowed_token_ids")
+                  "allowed_token_ids", "bad_words_token_ids")
 _KEYS: dict[int, tuple[SamplingParams, tuple]] = {}
 _KEYS_MAX = 4096
 _SWAP = sys.byteorder != "little"  # the format is little-endian on every host

@@ -229,10 +229,10 @@ class SamplingRequest(BaseModel):
     guided_grammar: Any = None
     structural_tag: Any = None
     use_beam_search: StrictBool | None = None
-    # vLLM's: only these token ids can be drawn (SamplingParams.allowed_token_ids)
+    # vLLM's: only these token ids can be drawn; these words are never generated (SamplingParams)
     allowed_token_ids: Any = None
-    # vLLM's engine-side extensions (SamplingParams, prompt handling): refused unless neutral
     bad_words: Any = None
+    # vLLM's engine-side extensions (SamplingParams, prompt handling): refused unless neutral
     logits_processors: Any = None
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len), after encoding
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
@@ -325,7 +325,7 @@ class SamplingRequest(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first field set to a value this server cannot honour (its
         no-op values pass: ``best_of`` up to ``n`` (no extra candidates to choose from; some SDKs send
-        ``best_of=1`` by default), an empty ``bad_words``)."""
+        ``best_of=1`` by default), an empty ``logits_processors``)."""
         if self.best_of is not None and self.best_of > self.n:
             return "best_of", (f"best_of={self.best_of} is not supported: this server returns the n={self.n} "
                                "samples it draws (best_of <= n)")
@@ -341,7 +341,7 @@ class SamplingRequest(BaseModel):
             return "use_beam_search", "use_beam_search=true is not supported (sampling only)"
         if self.truncate_prompt_tokens == 0:
             return "truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got 0"
-        for name in ("bad_words", "logits_processors"):
+        for name in ("logits_processors",):
             value = getattr(self, name)
             if value is not None and value != []:
                 return name, f"{name} is not supported by this server"

@@ -223,6 +223,8 @@ class OpenAIServing:
             fields["logit_bias"] = openai_logit_bias(req.logit_bias)
         if req.allowed_token_ids is not None:
             fields["allowed_token_ids"] = req.allowed_token_ids
+        if req.bad_words is not None:
+            fields["bad_words"] = req.bad_words
         defaults = defaults or {}
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens"):

@@ -127,3 +127,66 @@ def test_engine_vocab_errors_name_their_field_for_the_server() -> None:
     assert engine_error(ValueError("allowed_token_ids: token id 600 is outside the vocabulary [0, 512)")).param == \
         "allowed_token_ids"
     assert engine_error(ValueError("token id 600 is outside the vocabulary [0, 512)")).param is None
+
+
+def test_bad_word_pairs_and_encoding() -> None:
+    from launch.core.sampling_params import encode_bad_words
+    from launch.core.token_history import bad_word_pairs
+
+    seqs = ((4,), (1, 2), (7, 1, 2))
+    assert bad_word_pairs([0], [seqs], [[]]) == [(0, 4)]  # only one-token words before any output
+    assert bad_word_pairs([3], [seqs], [[5, 1]]) == [(3, 4), (3, 2)]
+    assert bad_word_pairs([0, 1], [seqs, seqs], [[7, 1], [9, 1]]) == [(0, 4), (0, 2), (0, 2), (1, 4), (1, 2)]
+    codes = {"cat": [10, 11], " cat": [12, 11], "dog": [20], " dog": [20, 21], "x": [30], " x": [30]}
+    assert encode_bad_words((" cat", "dog", "x"), codes.__getitem__) == ((10, 11), (12, 11), (20,), (30,))
+
+
+def test_bad_words_are_never_completed(llm) -> None:
+    prompt = {"prompt_token_ids": [5, 9, 14, 3]}
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                              bad_words_token_ids=[[greedy[0]], greedy[2:4]]))[0].outputs[0].token_ids
+    assert greedy[0] not in out
+    assert all(out[i:i + 2] != greedy[2:4] for i in range(len(out) - 1))
+    tokenizer = llm.get_tokenizer()
+    word = tokenizer.decode(greedy[1:3])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word])
+    banned = llm.engine._with_bad_word_ids(params).bad_words_token_ids
+    assert banned and banned[0] == tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+    out = llm.generate(prompt, params)[0].outputs[0].token_ids
+    for seq in banned:
+        assert all(tuple(out[i:i + len(seq)]) != seq for i in range(len(out) - len(seq) + 1)), (seq, out)
+
+
+def test_bad_words_survive_preemption_and_batching(tmp_path) -> None:
+    """The worker keeps a bad-word request's output tokens; recomputed after preemption or run
+    beside others, each request gets the tokens it gets alone."""
+    from launch.tiny_checkpoint import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path / "ck")
+    prompts = [{"prompt_token_ids": [3 + i, 9, 14, 3 + 2 * i, 7]} for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words_token_ids=[[5 + i, 6], [8]])
+              for i in range(4)]
+    with LLM(str(path), dtype="float32", max_model_len=32) as roomy:
+        alone = [roomy.generate(p, q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    with LLM(str(path), dtype="float32", max_model_len=32, block_size=4, num_kv_blocks=10,
+             max_num_batched_tokens=8) as tight:
+        together = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+        assert tight.engine.scheduler.num_preemptions > 0
+    assert together == alone
+    assert all(8 not in out for out in alone)
+
+
+def test_bad_words_need_a_tokenizer(tmp_path) -> None:
+    import shutil
+
+    from launch.tiny_checkpoint import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path / "ck")
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    with LLM(str(bare), dtype="float32", max_model_len=32) as llm:
+        with pytest.raises(ValueError, match="bad_words need the model's tokenizer"):
+            llm.generate({"prompt_token_ids": [3, 4]}, SamplingParams(max_tokens=2, bad_words=["x"]))
+        ok = llm.generate({"prompt_token_ids": [3, 4]}, SamplingParams(max_tokens=2, bad_words_token_ids=[[3]]))
+        assert 3 not in ok[0].outputs[0].token_ids

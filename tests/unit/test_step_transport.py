@@ -61,7 +61,9 @@ def test_wire_keeps_apart_params_that_differ_only_in_a_sampler_field():
                 dataclasses.replace(base, frequency_penalty=-0.5), dataclasses.replace(base, min_tokens=3),
                 dataclasses.replace(base, min_tokens=3, stop_token_ids=[4]),
                 dataclasses.replace(base, logit_bias={4: 2.5, 1: -1.0}), dataclasses.replace(base, logit_bias={4: 2.0}),
-                dataclasses.replace(base, allowed_token_ids=[3, 1]), dataclasses.replace(base, allowed_token_ids=[3])]
+                dataclasses.replace(base, allowed_token_ids=[3, 1]), dataclasses.replace(base, allowed_token_ids=[3]),
+                dataclasses.replace(base, bad_words_token_ids=[[3, 1], [2]]),
+                dataclasses.replace(base, bad_words_token_ids=[[3, 1]])]
     rows = [ScheduledSequence(request_id=f"r{b}", seq_id=b, index=0, token_ids=(1,), positions=(0,),
                               num_computed_tokens=0, block_ids=(b,), do_sample=True, params=p, num_output_tokens=0)
             for b, p in enumerate(variants)]
@@ -73,7 +75,8 @@ def test_wire_keeps_apart_params_that_differ_only_in_a_sampler_field():
                    "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
                    "output_kind", "best_of"}
     # vLLM's sampler fields this engine refuses unless None (launch.core.sampling_params.UNSUPPORTED_FIELDS)
-    driver_only |= {"bad_words", "logits_processors"}
+    driver_only |= {"logits_processors"}
+    driver_only |= {"bad_words"}  # the engine turns them into bad_words_token_ids, which the sampler reads
     # vLLM's constrained decoding and logits-processor arguments: None only (CONSTRAINED_DECODING_FIELDS)
     driver_only |= {"structured_outputs", "guided_decoding", "extra_args"}
     assert {f.name for f in dataclasses.fields(SamplingParams)} == set(SAMPLER_FIELDS) | driver_only
