@@ -105,6 +105,13 @@ def _draw_params(rng: random.Random, prompt_len: int, max_model_len: int) -> Sam
         fields["min_p"] = rng.choice([0.05, 0.2])
     if rng.random() < 0.1 and fields["max_tokens"]:
         fields["min_tokens"] = rng.randrange(0, fields["max_tokens"] + 1)
+    if rng.random() < 0.1:
+        fields["logit_bias"] = {rng.randrange(2, VOCAB): rng.choice([-100.0, -2.0, 3.0, 100.0]) for _ in range(3)}
+    if rng.random() < 0.05:
+        fields["allowed_token_ids"] = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 40))]
+    if rng.random() < 0.1:  # single tokens, and pairs whose second token is banned after the first
+        fields["bad_words_token_ids"] = [[rng.randrange(2, VOCAB) for _ in range(rng.choice([1, 2]))]
+                                         for _ in range(rng.randrange(1, 6))]
     return SamplingParams(**fields)
 
 
