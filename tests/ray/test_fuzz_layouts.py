@@ -100,6 +100,16 @@ def _draw_params(rng: random.Random, prompt_len: int, max_model_len: int) -> Sam
                       frequency_penalty=rng.choice([0.0, 0.4]))
     if rng.random() < 0.1 and fields["max_tokens"]:
         fields["min_tokens"] = rng.randrange(0, fields["max_tokens"] + 1)
+    # the fields that travel to the ranks on the step wire for the sampler only, drawn from their own
+    # generator (seeded by what was drawn so far) so the kept seeds' layouts and workloads stay as chosen
+    rng = random.Random(repr(sorted(fields.items())))
+    if rng.random() < 0.15:
+        fields["logit_bias"] = {rng.randrange(2, VOCAB): rng.choice([-100.0, -2.0, 3.0, 100.0]) for _ in range(3)}
+    if rng.random() < 0.08:
+        fields["allowed_token_ids"] = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 40))]
+    if rng.random() < 0.15:
+        fields["bad_words_token_ids"] = [[rng.randrange(2, VOCAB) for _ in range(rng.choice([1, 2]))]
+                                         for _ in range(rng.randrange(1, 6))]
     return SamplingParams(**fields)
 
 
