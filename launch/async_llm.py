@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -248,10 +249,13 @@ class AsyncLLM:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until finished; closing early aborts the request. ValueError for
-        ``output_kind=DELTA`` (outputs here are cumulative; FINAL_ONLY is taken: use the last one)."""
-        if params.output_kind == RequestOutputKind.DELTA:
-            raise ValueError("output_kind=DELTA is not supported: AsyncLLM.generate yields cumulative outputs")
+        """Yield outputs until finished, as ``params.output_kind`` says (vLLM's): CUMULATIVE each
+        step's whole output so far; DELTA only what each step added (each completion's new token
+        ids, text, logprobs and ranks; ``cumulative_logprob`` and the finish fields as they stand;
+        the prompt logprobs in the first output only); FINAL_ONLY the finished output alone.
+        Closing the iterator early aborts the request."""
+        kind = params.output_kind
+        sent: dict[int, tuple[int, int]] = {}  # DELTA: completion index -> (token ids, characters) yielded
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         if request_id in self._streams:
@@ -265,7 +269,9 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
-                yield item
+                if kind == RequestOutputKind.FINAL_ONLY and not finished:
+                    continue
+                yield delta_output(item, sent) if kind == RequestOutputKind.DELTA else item
                 if finished:
                     return
         finally:
@@ -334,3 +340,21 @@ class AsyncLLM:
         deadline = time.monotonic() + timeout
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self.engine.shutdown()
+
+
+def delta_output(out: RequestOutput, sent: dict[int, tuple[int, int]]) -> RequestOutput:
+    """What ``out`` (a cumulative output) adds to what ``sent`` says was yielded before (completion
+    index -> (token ids, characters) of it; updated here): a new RequestOutput whose completions hold
+    only their new token ids, text, logprobs and ranks; the prompt logprobs only on the first call
+    (``sent`` empty)."""
+    first = not sent
+    outputs = []
+    for c in out.outputs:
+        tokens, chars = sent.get(c.index, (0, 0))
+        outputs.append(dataclasses.replace(
+            c, token_ids=list(c.token_ids[tokens:]), text=c.text[chars:],
+            logprobs=None if c.logprobs is None else list(c.logprobs[tokens:]),
+            logprob_ranks=None if c.logprob_ranks is None else list(c.logprob_ranks[tokens:])))
+        sent[c.index] = (len(c.token_ids), len(c.text))
+    return dataclasses.replace(out, outputs=outputs, prompt_logprobs=out.prompt_logprobs if first else None,
+                               prompt_logprob_ranks=out.prompt_logprob_ranks if first else None)

@@ -131,7 +131,8 @@ def resolve_num_logprobs(num: int, vocab_size: int) -> int:
 class RequestOutputKind(enum.IntEnum):
     """vLLM's ``RequestOutputKind``: what each streamed output holds. ``LLM.generate`` returns only
     the final outputs whatever a request says (as vLLM's ``LLM`` does); ``AsyncLLM.generate`` yields
-    cumulative outputs and refuses DELTA."""
+    each step's whole output (CUMULATIVE), what each step added (DELTA) or the finished output alone
+    (FINAL_ONLY)."""
 
     CUMULATIVE = 0
     DELTA = 1
