@@ -19,7 +19,6 @@ Run ``python tests/engine/test_fuzz_schedules.py START STOP`` to explore more se
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import sys
 from dataclasses import dataclass
@@ -31,22 +30,24 @@ import pytest
 from launch import LLM, SamplingParams
 from launch.core import RequestOutput
 from launch.tiny_checkpoint import make_tiny_checkpoint
+from tests.fuzz_support import (
+    VOCAB,
+    FuzzRequest,
+    ParamOdds,
+    Reference,
+    check_all_blocks_free,
+    check_finished,
+    check_output,
+    draw_params,
+    drive_steps,
+    stop_from,
+)
 
 FAMILIES = ("deepseek_v3", "deepseek_v2", "mixtral", "qwen3_moe", "mixtral_window", "qwen3_moe_window")
 # the families with a sliding window far shorter than max_model_len: windowed paged attention
 _WINDOWED = {"mixtral_window": ("mixtral", {"sliding_window": 5}),
              "qwen3_moe_window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 7})}
-VOCAB = 512  # the tiny tokenizer's
 EOS = 1
-LOGPROB_TOL = 1e-4
-
-
-@dataclass
-class FuzzRequest:
-    prompt: list[int]
-    params: SamplingParams
-    arrival_step: int = 0  # step API: added before this step
-    abort_step: int | None = None  # step API: aborted before this step (if still running)
 
 
 @dataclass
@@ -81,38 +82,13 @@ def _draw_prompts(rng: random.Random, num: int, max_model_len: int) -> list[list
     return prompts
 
 
+PARAM_ODDS = ParamOdds(max_tokens=(1, 1, 2, 3, 5, 8, 12, None), sampled=0.4, logprobs=0.2, prompt_logprobs=0.1,
+                  min_p=0.1, logit_bias=0.1, allowed_token_ids=0.05, bad_words=0.1,
+                  own_generator_for_logits_fields=False)
+
+
 def _draw_params(rng: random.Random, prompt_len: int, max_model_len: int) -> SamplingParams:
-    fields: dict[str, Any] = {"max_tokens": rng.choice([1, 1, 2, 3, 5, 8, 12, None])}
-    if fields["max_tokens"] is None and max_model_len - prompt_len > 16:
-        fields["max_tokens"] = 16
-    if rng.random() < 0.4:
-        fields.update(temperature=rng.choice([0.7, 1.0, 1.3]), seed=rng.randrange(-2**63, 2**63))
-        if rng.random() < 0.5:
-            fields.update(top_k=rng.choice([5, 20, 50]), top_p=rng.choice([0.8, 0.95, 1.0]))
-    else:
-        fields["temperature"] = 0.0
-    if rng.random() < 0.25:
-        fields["n"] = rng.choice([2, 3])
-    fields["ignore_eos"] = rng.random() < 0.7
-    if rng.random() < 0.2:
-        fields["logprobs"] = rng.choice([0, 2])
-    if rng.random() < 0.1:
-        fields["prompt_logprobs"] = rng.choice([0, 1])
-    if rng.random() < 0.15:
-        fields.update(repetition_penalty=rng.choice([1.3, 0.8]), presence_penalty=rng.choice([0.0, 0.5]),
-                      frequency_penalty=rng.choice([0.0, 0.4]))
-    if rng.random() < 0.1:
-        fields["min_p"] = rng.choice([0.05, 0.2])
-    if rng.random() < 0.1 and fields["max_tokens"]:
-        fields["min_tokens"] = rng.randrange(0, fields["max_tokens"] + 1)
-    if rng.random() < 0.1:
-        fields["logit_bias"] = {rng.randrange(2, VOCAB): rng.choice([-100.0, -2.0, 3.0, 100.0]) for _ in range(3)}
-    if rng.random() < 0.05:
-        fields["allowed_token_ids"] = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 40))]
-    if rng.random() < 0.1:  # single tokens, and pairs whose second token is banned after the first
-        fields["bad_words_token_ids"] = [[rng.randrange(2, VOCAB) for _ in range(rng.choice([1, 2]))]
-                                         for _ in range(rng.randrange(1, 6))]
-    return SamplingParams(**fields)
+    return draw_params(rng, prompt_len, max_model_len, PARAM_ODDS)
 
 
 def draw_case(seed: int) -> FuzzCase:
@@ -146,36 +122,6 @@ def draw_case(seed: int) -> FuzzCase:
 # ---- the reference ---------------------------------------------------------------------
 
 
-class Reference:
-    """Each request alone in a roomy engine of the same family: one request at a time, the whole
-    prompt in one step, no prefix cache, a pool far larger than any request. Results are memoized."""
-
-    def __init__(self, checkpoints: dict[str, Path]) -> None:
-        self.checkpoints = checkpoints
-        self._llms: dict[tuple[str, int], LLM] = {}
-        self._memo: dict[tuple, RequestOutput] = {}
-
-    def llm(self, family: str, max_model_len: int) -> LLM:
-        key = (family, max_model_len)
-        if key not in self._llms:
-            self._llms[key] = LLM(str(self.checkpoints[family]), dtype="float32", max_model_len=max_model_len,
-                                  block_size=16, num_kv_blocks=64, max_num_batched_tokens=max_model_len,
-                                  enable_chunked_prefill=False, enable_prefix_caching=False, max_num_seqs=256)
-        return self._llms[key]
-
-    def __call__(self, family: str, max_model_len: int, prompt: list[int], params: SamplingParams) -> RequestOutput:
-        key = (family, max_model_len, tuple(prompt), repr(params))
-        if key not in self._memo:
-            llm = self.llm(family, max_model_len)
-            self._memo[key] = llm.generate({"prompt_token_ids": prompt}, params)[0]
-            assert llm.engine.scheduler.stats().kv_cache_usage == (0.0,)
-        return self._memo[key]
-
-    def close(self) -> None:
-        for llm in self._llms.values():
-            llm.shutdown()
-
-
 def add_stops(case: FuzzCase, ref: Reference, rng: random.Random) -> None:
     """Give some requests a stop token id or a stop string taken from their reference output (so
     that they fire)."""
@@ -183,15 +129,7 @@ def add_stops(case: FuzzCase, ref: Reference, rng: random.Random) -> None:
         if rng.random() >= 0.3:
             continue
         out = ref(case.family, case.max_model_len, r.prompt, r.params).outputs[rng.randrange(r.params.n)]
-        if not out.token_ids:
-            continue
-        if rng.random() < 0.5:
-            r.params = dataclasses.replace(r.params, stop_token_ids=[rng.choice(out.token_ids)],
-                                           include_stop_str_in_output=rng.random() < 0.5)
-        elif len(out.text) >= 2:
-            i = rng.randrange(len(out.text) - 1)
-            r.params = dataclasses.replace(r.params, stop=[out.text[i:i + rng.choice([1, 2, 4])]],
-                                           include_stop_str_in_output=rng.random() < 0.5)
+        r.params = stop_from(rng, out, r.params, (1, 2, 4)) or r.params
 
 
 # ---- running and comparing ---------------------------------------------------------------
@@ -214,53 +152,13 @@ def _count_output(out: RequestOutput, coverage: dict[str, int]) -> None:
     coverage["n"] += len(out.outputs) > 1
 
 
-def _check_logprobs(got: list | None, want: list | None, what: str) -> None:
-    assert (got is None) == (want is None), what
-    if want is None:
-        return
-    assert len(got) == len(want), what
-    for pos, (g, w) in enumerate(zip(got, want)):
-        if w is None:
-            assert g is None, f"{what} position {pos}"
-            continue
-        assert set(g) == set(w), f"{what} position {pos}: ids {sorted(g)} != {sorted(w)}"
-        for t in w:
-            assert abs(g[t] - w[t]) <= LOGPROB_TOL, f"{what} position {pos} token {t}: {g[t]} != {w[t]}"
-
-
-def check_output(got: RequestOutput, want: RequestOutput, what: str) -> None:
-    """Everything a request returns, against its reference."""
-    assert len(got.outputs) == len(want.outputs), what
-    for g, w in zip(got.outputs, want.outputs):
-        tag = f"{what} completion {w.index}"
-        assert g.token_ids == w.token_ids, f"{tag}: tokens {g.token_ids} != {w.token_ids}"
-        assert (g.finish_reason, g.stop_reason, g.text) == (w.finish_reason, w.stop_reason, w.text), tag
-        _check_logprobs(g.logprobs, w.logprobs, f"{tag} logprobs")
-        if w.cumulative_logprob is not None:
-            assert abs(g.cumulative_logprob - w.cumulative_logprob) <= LOGPROB_TOL * (1 + len(w.token_ids)), tag
-    _check_logprobs(got.prompt_logprobs, want.prompt_logprobs, f"{what} prompt logprobs")
-
-
-def check_all_blocks_free(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished_requests()
-    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
-    for alloc in engine.scheduler.allocators:
-        assert alloc.num_free_blocks == alloc.num_blocks
-        assert all(alloc.ref_count(b) == 0 for b in range(alloc.num_blocks))
-
-
-def _prompt(r: FuzzRequest) -> dict[str, list[int]]:
-    return {"prompt_token_ids": r.prompt}
-
-
 def run_generate(llm: LLM, case: FuzzCase, ref: Reference, coverage: dict[str, int]) -> None:
     """The workload split into ``num_calls`` generate calls on the same LLM."""
     calls = [case.requests[i::case.num_calls] for i in range(case.num_calls)]
     for c, reqs in enumerate(calls):
         if not reqs:
             continue
-        outs = llm.generate([_prompt(r) for r in reqs], [r.params for r in reqs])
+        outs = llm.generate([r.prompt_input for r in reqs], [r.params for r in reqs])
         for r, out in zip(reqs, outs):
             check_output(out, ref(case.family, case.max_model_len, r.prompt, r.params),
                          f"seed {case.seed} call {c} prompt {r.prompt} {r.params}")
@@ -270,39 +168,18 @@ def run_generate(llm: LLM, case: FuzzCase, ref: Reference, coverage: dict[str, i
 
 
 def run_steps(llm: LLM, case: FuzzCase, ref: Reference, coverage: dict[str, int]) -> None:
-    """The step API: requests arrive at their steps, some are aborted on theirs."""
-    engine, finished, step = llm.engine, {}, 0
+    """The step API: requests arrive at their steps, some are aborted on theirs; each streamed
+    output is a prefix of the request's last one."""
     streamed: dict[str, list[RequestOutput]] = {}  # every output each step gave, in order
-    pending = list(enumerate(case.requests))
-    live: dict[str, FuzzRequest] = {}
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][1].arrival_step <= step:
-            i, r = pending.pop(0)
-            engine.add_request(f"f{i}", r.prompt, r.params)
-            live[f"f{i}"] = r
-        for rid, r in live.items():
-            if r.abort_step == step and rid not in finished:
-                out = engine.abort_request(rid)
-                if out is not None:
-                    finished[rid] = out
-        for out in engine.step():
-            streamed.setdefault(out.request_id, []).append(out)
-            if out.finished:
-                finished[out.request_id] = out
-        step += 1
-        assert step < 10_000, f"seed {case.seed}: the engine made no progress"
-    for rid, r in live.items():
-        out, want = finished[rid], ref(case.family, case.max_model_len, r.prompt, r.params)
+    results = drive_steps(llm, case.requests, f"seed {case.seed}", 10_000,
+                          lambda out: streamed.setdefault(out.request_id, []).append(out))
+    for rid, (r, out) in results.items():
         what = f"seed {case.seed} step API {rid} prompt {r.prompt} {r.params}"
         for partial in streamed.get(rid, []):  # a stream only grows: each output a prefix of the last
             for p, g in zip(partial.outputs, out.outputs):
                 assert g.token_ids[:len(p.token_ids)] == p.token_ids and g.text.startswith(p.text), what
                 assert p.logprobs is None or len(p.logprobs) == len(p.token_ids), what
-        if any(o.finish_reason == "abort" for o in out.outputs):
-            for g, w in zip(out.outputs, want.outputs):
-                assert w.token_ids[:len(g.token_ids)] == g.token_ids, what
-        else:
-            check_output(out, want, what)
+        check_finished(out, ref(case.family, case.max_model_len, r.prompt, r.params), what)
         _count_output(out, coverage)
     check_all_blocks_free(llm)
 
