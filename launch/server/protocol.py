@@ -17,6 +17,7 @@ import logging
 import types
 import typing
 import uuid
+from collections.abc import Container
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -50,6 +51,19 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and launch.core.sampl
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def only_item_types(value: Any, accepted: Container[str], where: str, takes: str, default: str | None = None) -> Any:
+    """``value`` unchanged unless it is a list holding a mapping whose ``"type"`` (``default`` when
+    absent) is a string not in ``accepted``: then ValueError "<where> has type '...': this server
+    takes <takes>", ``where`` formatted with the item's index ``i``. One message for an item of
+    another type (image_url, function_call, ...), not pydantic's errors for every branch of a union."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            kind = item.get("type", default) if isinstance(item, dict) else None
+            if isinstance(kind, str) and kind not in accepted:
+                raise ValueError(f"{where.format(i=i)} has type {kind!r}: this server takes {takes}")
+    return value
 
 
 def check_texts(value: Any, name: str) -> Any:
@@ -439,14 +453,8 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
-        """A part of another type (image_url, input_audio, ...) gets one message saying so, not
-        pydantic's errors for every branch of the union."""
-        if isinstance(value, list):
-            for i, part in enumerate(value):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind != "text":
-                    raise ValueError(f"content part {i} has type {kind!r}: this server takes text parts only")
-        return value
+        """A part of another type (image_url, input_audio, ...) gets one message saying so."""
+        return only_item_types(value, ("text",), "content part {i}", "text parts only")
 
     @field_validator("content", "name")
     @classmethod

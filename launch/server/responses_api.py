@@ -27,7 +27,14 @@ from starlette.responses import Response
 
 from launch.server.chat import render_chat_prompt
 from launch.server.formatting import _Formatter
-from launch.server.protocol import APIError, ChatMessage, SamplingRequest, TextPart, check_texts
+from launch.server.protocol import (
+    APIError,
+    ChatMessage,
+    SamplingRequest,
+    TextPart,
+    check_texts,
+    only_item_types,
+)
 from launch.server.serving import OpenAIServing
 
 TEXT_PART_TYPES = ("input_text", "output_text")  # an assistant turn in the history carries output_text
@@ -56,12 +63,7 @@ class InputMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            for i, part in enumerate(value):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind not in TEXT_PART_TYPES:
-                    raise ValueError(f"content part {i} has type {kind!r}: this server takes input_text parts only")
-        return value
+        return only_item_types(value, TEXT_PART_TYPES, "content part {i}", "input_text parts only")
 
     @field_validator("content")
     @classmethod
@@ -105,14 +107,9 @@ class ResponsesRequest(SamplingRequest):
     @classmethod
     def _message_items_only(cls, value: Any) -> Any:
         """An item of another type (function_call, reasoning, item_reference, ...) gets one message."""
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("input must not be an empty list")
-            for i, item in enumerate(value):
-                kind = item.get("type", "message") if isinstance(item, dict) else None
-                if isinstance(kind, str) and kind != "message":
-                    raise ValueError(f"input[{i}] has type {kind!r}: this server takes message items with text only")
-        return value
+        if isinstance(value, list) and not value:
+            raise ValueError("input must not be an empty list")
+        return only_item_types(value, ("message",), "input[{i}]", "message items with text only", default="message")
 
     @field_validator("input", "instructions")
     @classmethod
