@@ -293,18 +293,16 @@ class LLMEngine:
         return params_max_logprobs_problem(params, self.max_logprobs, int(self.model_config.vocab_size))
 
     def _outside_vocab(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> str | None:
-        """Why the prompt ids or the ids of ``params.stop_token_ids``, ``logit_bias`` or
-        ``allowed_token_ids`` (vLLM refuses those too) leave the vocabulary, or None."""
+        """Why the prompt ids or the ids ``params`` names (``TOKEN_ID_FIELDS``: stop_token_ids,
+        logit_bias, allowed_token_ids, bad_words_token_ids; vLLM refuses those too) leave the
+        vocabulary, or None."""
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
             return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
         if params is None:
             return None
-        for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", [t for t, _ in params.logit_bias or ()]),
-                          ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("bad_words_token_ids", [t for seq in params.bad_words_token_ids or () for t in seq])):
+        for name, ids in params.token_ids_by_field():
             bad = [t for t in ids if t >= vocab]
             if bad:
                 return f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})"

@@ -139,6 +139,9 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+# The fields that name token ids (``SamplingParams.token_ids_by_field``): the engine refuses a request
+# whose ids leave the vocabulary, its message starting "<field>: token id".
+TOKEN_ID_FIELDS = ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words_token_ids")
 # vLLM fields this engine has no sampler support for: None (their default) or an empty container is
 # accepted (kept as None), anything else is a ValueError naming the field.
 UNSUPPORTED_FIELDS = ("logits_processors",)
@@ -362,12 +365,13 @@ class SamplingParams:
         """True when sampling is argmax (temperature effectively zero)."""
         return self.temperature < _GREEDY_EPS
 
-    @property
-    def changes_logits(self) -> bool:
-        """True when ``logit_bias``, ``allowed_token_ids`` or ``bad_words_token_ids`` changes this
-        row's logits."""
-        return (self.logit_bias is not None or self.allowed_token_ids is not None
-                or self.bad_words_token_ids is not None)
+    def token_ids_by_field(self) -> list[tuple[str, list[int]]]:
+        """(field, the token ids it names) for each of TOKEN_ID_FIELDS, in that order: the ids the
+        engine checks against the vocabulary."""
+        return [("stop_token_ids", list(self.stop_token_ids)),
+                ("logit_bias", [t for t, _ in self.logit_bias or ()]),
+                ("allowed_token_ids", list(self.allowed_token_ids or ())),
+                ("bad_words_token_ids", [t for seq in self.bad_words_token_ids or () for t in seq])]
 
     @property
     def keeps_history(self) -> bool:

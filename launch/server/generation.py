@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 
+from launch.core.sampling_params import TOKEN_ID_FIELDS
 from launch.server.metrics import RequestTimer, ServerMetrics
 from launch.server.protocol import APIError
 
@@ -83,7 +84,8 @@ def unavailable_error(exc: BaseException) -> APIError | None:
     return None
 
 
-_TOKEN_ID_FIELD = re.compile(r"^(?:request '[^']*': )?(?P<field>stop_token_ids|logit_bias|allowed_token_ids): token id ")
+# the engine's "[request 'id': ]<field>: token id N is outside the vocabulary"
+_TOKEN_ID_FIELD = re.compile(rf"^(?:request '[^']*': )?(?P<field>{'|'.join(TOKEN_ID_FIELDS)}): token id ")
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -97,7 +99,7 @@ def engine_error(exc: Exception) -> APIError:
     if unavailable is not None:
         return unavailable  # the engine logged the fault once; nothing per request
     if isinstance(exc, ValueError):
-        field = _TOKEN_ID_FIELD.match(str(exc))  # the engine's "<field>: token id N is outside the vocabulary"
+        field = _TOKEN_ID_FIELD.match(str(exc))
         return APIError(400, str(exc), param=field["field"] if field else None)
     logger.exception("engine failed a request", exc_info=exc)
     return APIError(500, f"Internal engine error: {type(exc).__name__}: {exc}", type="internal_error")

@@ -28,7 +28,8 @@ def sample(params: list[SamplingParams], logits: torch.Tensor = LOGITS, **kwargs
 def test_params_normalise_and_validate() -> None:
     p = SamplingParams(logit_bias={5: 1, 2: -3.5}, allowed_token_ids=[4, 1, 4])
     assert p.logit_bias == ((2, -3.5), (5, 1.0)) and p.allowed_token_ids == (1, 4)
-    assert p.changes_logits and not SamplingParams().changes_logits
+    assert dict(p.token_ids_by_field()) == {"stop_token_ids": [], "logit_bias": [2, 5], "allowed_token_ids": [1, 4],
+                                            "bad_words_token_ids": []}
     assert SamplingParams(**vars(p)) == p and hash(p) == hash(SamplingParams(logit_bias=[[5, 1.0], [2, -3.5]],
                                                                              allowed_token_ids=(1, 4)))
     assert SamplingParams(logit_bias={}, allowed_token_ids=[]).logit_bias is None
@@ -126,6 +127,8 @@ def test_engine_vocab_errors_name_their_field_for_the_server() -> None:
     assert (err.status_code, err.param) == (400, "logit_bias")
     assert engine_error(ValueError("allowed_token_ids: token id 600 is outside the vocabulary [0, 512)")).param == \
         "allowed_token_ids"
+    assert engine_error(ValueError("bad_words_token_ids: token id 600 is outside the vocabulary [0, 512)")).param == \
+        "bad_words_token_ids"
     assert engine_error(ValueError("token id 600 is outside the vocabulary [0, 512)")).param is None
 
 
