@@ -133,12 +133,12 @@ def _check_source_kinds(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) 
 
 @torch.no_grad()
 def _execute(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) -> None:
-    """Read each copy's source once (fp8: dequantized to float32 with its scales) and write it
-    into ``dest`` (converting dtype)."""
+    """Read each copy's source once (fp8: dequantized with its scales, products in float32,
+    straight into ``dest``'s dtype) and write it into ``dest`` (converting dtype)."""
     for copy in plan.copies:
         src = ckpt.read(copy.key, copy.index)
         if copy.scale is not None:
-            src = dequantize_fp8(src, ckpt.read(copy.scale, copy.index), copy.block_size)
+            src = dequantize_fp8(src, ckpt.read(copy.scale, copy.index), copy.block_size, dest.dtype)
         if copy.transpose:
             src = src.t()
         if copy.slots is None:
@@ -254,7 +254,7 @@ def load_state_dict(
 
     requests: ``TensorRequest``s, or a mapping canonical name -> shape for non-expert
     tensors. dtype: dtype of floating-point results (None: the checkpoint's; for fp8 weights,
-    dequantized, config.json's torch_dtype, else bfloat16).
+    dequantized, config.json's dtype (else its torch_dtype), else bfloat16).
     Returns: (canonical name -> new CPU tensor of the requested shape, report).
     Raises ``LoadError`` subclasses naming file and tensor; nothing is read before
     every request has been resolved and shape-checked.
@@ -270,7 +270,7 @@ def load_state_dict(
             src_dtype = _TORCH_DTYPES[plan.source_dtype]
             want = dtype if dtype is not None and src_dtype.is_floating_point else src_dtype
             if want == torch.float8_e4m3fn:
-                want = _FLOAT_DTYPES.get(str(ckpt.config.get("torch_dtype", ckpt.config.get("dtype"))),
+                want = _FLOAT_DTYPES.get(str(ckpt.config.get("dtype", ckpt.config.get("torch_dtype"))),
                                          torch.bfloat16)
             # Zero-filled so slots a request leaves out (``slots``) hold no garbage.
             out[plan.request.name] = torch.zeros(plan.request.shape, dtype=want)

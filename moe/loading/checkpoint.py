@@ -249,17 +249,29 @@ def expected_scale_shape(weight_shape: tuple[int, ...], block_size: tuple[int, i
     return (*lead, -(-out // max(rows, 1)), -(-inp // max(cols, 1)))
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] | None) -> torch.Tensor:
-    """``weight.float() * scale_inv``, each scale over its block, in float32.
+def dequantize_fp8(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_size: tuple[int, int] | None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``weight.float() * scale_inv``, each scale over its block, in float32, returned in ``dtype``.
 
     weight: [out, in] float8_e4m3fn. scale_inv: [ceil(out / rows), ceil(in / cols)] (the last
     blocks partial), or for block_size None one scale ([1, 1], [1] or a scalar).
-    Returns: [out, in] float32, bit for bit ``weight.float() * expanded_scale_inv``.
+    Returns: [out, in] in ``dtype``, bit for bit ``(weight.float() * expanded_scale_inv).to(dtype)``.
+    The products are made one block row at a time, so the only float32 temporary is one block row
+    (not the whole tensor and its scales expanded: ~1 GB for DeepSeek-V3's largest weight).
     """
     out, inp = weight.shape
     scale = scale_inv.float()
+    result = torch.empty(out, inp, dtype=dtype)
     if block_size is None:
-        return weight.float() * scale.reshape(1, 1)
-    rows, cols = block_size
-    scale = scale.repeat_interleave(rows, dim=0)[:out].repeat_interleave(cols, dim=1)[:, :inp]
-    return weight.float() * scale
+        rows, cols, scale = max(out, 1), inp, scale.reshape(1, 1)
+    else:
+        rows, cols = block_size
+    for b, r0 in enumerate(range(0, out, rows)):
+        r1 = min(out, r0 + rows)
+        row_scale = scale[b].repeat_interleave(cols)[:inp] if block_size is not None else scale[0]
+        result[r0:r1] = weight[r0:r1].float() * row_scale
+    return result

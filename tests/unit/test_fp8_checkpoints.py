@@ -146,6 +146,44 @@ def test_fused_experts_read_their_scales_by_expert_index(ckpts: dict, tmp_path: 
             assert torch.equal(out[f"{block}.{leaf}"][slot], dequant(q, s).to(torch.bfloat16)), (leaf, slot)
 
 
+@pytest.mark.parametrize("shape,block", [((40, 64), (16, 24)), ((128, 96), (128, 128)), ((33, 7), (1, 7)),
+                                         ((20, 30), None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_fp8_is_the_expanded_product_in_the_asked_dtype(shape: tuple, block: tuple | None,
+                                                                  dtype: torch.dtype) -> None:
+    """One block row at a time, the same bits as the whole float32 product with every scale expanded
+    to its elements, cast to ``dtype``: partial last blocks both ways, one block, per-tensor scales."""
+    from moe.loading.checkpoint import dequantize_fp8, expected_scale_shape
+
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(shape, generator=gen) * 100).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = torch.rand(expected_scale_shape(shape, block), generator=gen) + 1e-3
+    rows, cols = block if block is not None else shape
+    full = scale[torch.arange(shape[0]) // rows][:, torch.arange(shape[1]) // cols]
+    got = dequantize_fp8(q, scale, block, dtype)
+    assert got.shape == shape and got.dtype == dtype
+    assert torch.equal(got, (q.float() * full).to(dtype))
+    if block is None:  # a scalar or [1] per-tensor scale reads the same
+        assert torch.equal(dequantize_fp8(q, scale.reshape(()), None, dtype), got)
+
+
+def test_fp8_weights_load_in_config_dtype_before_torch_dtype(ckpts: dict, tmp_path: Path) -> None:
+    """With no dtype asked, fp8 weights come out in config.json's ``dtype`` when it is set (as
+    ModelConfig reads it), its ``torch_dtype`` otherwise."""
+    name = "model.layers.1.mlp.shared_experts.down_proj.weight"
+    shape = tuple(ckpts["fp8_tensors"][name].shape)
+    for fields, want in (({"dtype": "float32", "torch_dtype": "bfloat16"}, torch.float32),
+                         ({"torch_dtype": "float32"}, torch.float32), ({}, torch.bfloat16)):
+        path = write_variant(ckpts["tiny"], tmp_path / f"v{len(fields)}", ckpts["fp8_tensors"], QUANT)
+        config = json.loads((path / "config.json").read_text())
+        config.pop("dtype", None), config.pop("torch_dtype", None)
+        (path / "config.json").write_text(json.dumps({**config, **fields}))
+        out, _ = load_state_dict(path, {name: shape})
+        assert out[name].dtype == want, fields
+        assert torch.equal(out[name], dequant(ckpts["fp8_tensors"][name], ckpts["fp8_tensors"][name + "_scale_inv"])
+                           .to(want))
+
+
 def hf_uncached_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     """transformers' forward over the whole sequence at each step (no cache), fp32, argmax."""
     import transformers
