@@ -263,15 +263,18 @@ class LLMEngine:
         self.scheduler.add_request(request_id, prompt_token_ids, params, prompt=prompt)
         self.counters.prompt_tokens_total += len(prompt_token_ids)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """ValueError naming why ``add_request`` would refuse these prompt ids and params (without
         queueing anything): prompt or stop token ids outside the vocabulary, more logprobs than
-        ``max_logprobs``, then the scheduler's checks."""
+        ``max_logprobs``, then the scheduler's checks. Returns the params as ``add_request`` would
+        queue them (``bad_words`` encoded into ``bad_words_token_ids``): handing those to
+        ``add_request`` encodes nothing twice."""
         params = self._with_bad_word_ids(params)
         bad = self._request_problem(prompt_token_ids, params)
         if bad is not None:
             raise ValueError(bad)
         self.scheduler.check_request(prompt_token_ids, params)
+        return params
 
     def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
         """``params`` with ``bad_words_token_ids`` from its ``bad_words`` (the model's tokenizer,

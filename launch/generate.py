@@ -199,16 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     except LoadError as e:
         return _error(e)
     try:
-        prompts = []
+        prompts, checked = [], []
         for req in requests:
             try:
                 ids = truncate_prompt(prompt_ids(req.row, llm.engine), req.params.truncate_prompt_tokens,
                                       llm.engine.max_model_len)
-                llm.engine.check_request(ids, req.params)
+                checked.append(llm.engine.check_request(ids, req.params))  # bad_words encoded once
             except ValueError as e:
                 return _error(f"{args.input}:{req.line}: {e}")
             prompts.append({"prompt_token_ids": ids, **({"prompt": req.row["prompt"]} if "prompt" in req.row else {})})
-        outputs = llm.generate(prompts, [req.params for req in requests], use_tqdm=sys.stderr.isatty())
+        outputs = llm.generate(prompts, checked, use_tqdm=sys.stderr.isatty())
     finally:
         llm.shutdown()
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -131,7 +131,7 @@ class LLM:
             token_ids, text = self._tokenize(prompt, f"prompt {i}")
             token_ids = truncate_prompt(token_ids, p.truncate_prompt_tokens, self.engine.max_model_len)
             try:
-                self.engine.check_request(token_ids, p)
+                p = self.engine.check_request(token_ids, p)  # bad_words encoded once, here
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             checked.append((token_ids, text, p))

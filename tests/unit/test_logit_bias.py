@@ -161,6 +161,25 @@ def test_bad_words_are_never_completed(llm) -> None:
         assert all(tuple(out[i:i + len(seq)]) != seq for i in range(len(out) - len(seq) + 1)), (seq, out)
 
 
+def test_generate_encodes_each_requests_bad_words_once(llm, monkeypatch) -> None:
+    """``LLM.generate`` checks every prompt before queueing any, and queues the checked params:
+    each bad word goes through the tokenizer once (both spellings: "cat" and " cat")."""
+    import launch.engine as engine_module
+
+    calls: list[tuple[str, ...]] = []
+    real = engine_module.encode_bad_words
+
+    def counting(words, encode):
+        calls.append(tuple(words))
+        return real(words, encode)
+
+    monkeypatch.setattr(engine_module, "encode_bad_words", counting)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, bad_words=["cat", "dog"])
+    outs = llm.generate([{"prompt_token_ids": [5, 9]}, {"prompt_token_ids": [7]}], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+    assert calls == [("cat", "dog"), ("cat", "dog")]  # one encoding per request, not per check
+
+
 def test_bad_words_survive_preemption_and_batching(tmp_path) -> None:
     """The worker keeps a bad-word request's output tokens; recomputed after preemption or run
     beside others, each request gets the tokens it gets alone."""
