@@ -51,7 +51,7 @@ def test_config_report_has_the_throughput_keys(tmp_path, capsys):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--hardware", "h100"], "give --config"),
     (["--config", "configs/mixtral-8x7b-ep8.yaml", "--hardware", "tpu9"], "neither a file nor one of"),
-    (["--config", "configs/tiny.yaml", "--hardware", "h100"], "none of the shipped model configs"),
+    (["--config", "{missing_model}", "--hardware", "h100"], "none of the shipped model configs"),
     (["--config", "configs/mixtral-8x7b-ep8.yaml", "--hardware", "h100", "--prefix-hit-rate", "1.5"],
      "--prefix-hit-rate"),
     (["--search", "--model", "deepseek-ai/DeepSeek-V3", "--cluster", "4xH100"], "NODESxGPUSxHARDWARE"),
@@ -60,8 +60,15 @@ def test_config_report_has_the_throughput_keys(tmp_path, capsys):
       "parallel.data_parallel_size=8", "--set", "parallel.num_nodes=1", "--set",
       "balancer.num_redundant_experts=0"], "leave room for"),
 ])
-def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, message):
+def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, message):
     monkeypatch.chdir(ROOT)
+    # configs/tiny.yaml with a model that is neither a local folder nor a shipped name (tiny.yaml's own
+    # checkpoints/tiny-deepseek-v3 exists once a user has followed docs/layouts.md)
+    missing = tmp_path / "missing-model.yaml"
+    tiny = (ROOT / "configs/tiny.yaml").read_text()
+    assert "model: checkpoints/tiny-deepseek-v3" in tiny
+    missing.write_text(tiny.replace("model: checkpoints/tiny-deepseek-v3", f"model: {tmp_path / 'no-such-checkpoint'}"))
+    argv = [str(missing) if a == "{missing_model}" else a for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
