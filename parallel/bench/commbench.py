@@ -330,6 +330,8 @@ def main(argv: list[str], output_problem: Callable[[str], str | None] | None = N
                                        args.stepfactor, elem, args.nprocs)
             except ValueError as e:
                 problem = str(e)
+    if problem is None:
+        problem = memory_problem(args, counts[-1] * elem if not (args.dispatch or args.moe_layer) else 0)
     if problem is not None:
         print(f"commbench: error: {problem}", file=sys.stderr)
         return 2
@@ -349,6 +351,31 @@ def main(argv: list[str], output_problem: Callable[[str], str | None] | None = N
                                              "avg_busbw": sum(busbws) / max(len(busbws), 1)})
     wrong = sum(t.wrong or 0 for r in rows for t in (r.out_of_place, r.in_place) if t is not None)
     return 1 if wrong or written else 0
+
+
+def memory_problem(args: argparse.Namespace, max_bytes: int, available: int | None = None) -> str | None:
+    """Why the run cannot fit in this machine's memory (one line naming the flags), or None: a lower
+    bound of what the ranks allocate together against MemAvailable (``available``: that figure,
+    read from /proc/meminfo when None; no check where there is none). Collectives: each rank's
+    input and output of the largest size (-e). --dispatch / --moe-layer: each rank's tokens' bf16
+    rows, sent once per routed copy and received back (K + 1 rows per token)."""
+    from moe.kv_cache import available_memory_bytes
+
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return None
+    if args.dispatch or args.moe_layer:
+        from parallel.bench.dispatch import parse_ranks
+
+        ranks = args.nprocs if args.dispatch else max(parse_ranks(args.ranks, args.experts))
+        need = ranks * args.tokens * args.hidden * 2 * (args.topk + 1)
+        what = f"--tokens {args.tokens} x --hidden {args.hidden} x (--topk {args.topk} + 1) bf16 rows on {ranks} rank(s)"
+    else:
+        need = 2 * max_bytes * args.nprocs
+        what = f"-e {args.maxbytes}: input and output of {max_bytes:,} bytes on each of -np {args.nprocs} ranks"
+    if need > available:
+        return f"{what} need at least {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB available"
+    return None
 
 
 def _size_flag(flag: str, text: str) -> int:

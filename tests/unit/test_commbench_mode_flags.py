@@ -31,3 +31,31 @@ def test_unset_flags_take_their_defaults_and_given_ones_stay():
     args = build_parser().parse_args(["--moe-layer", "--inter", "64"])
     assert mode_flag_problem(args) is None
     assert (args.inter, args.ranks, args.tokens, args.experts, args.backend) == (64, "1,2,4", 2048, 64, "alltoall")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["allreduce", "-np", "2", "-n", "1", "-w", "0", "-b", "100G", "-e", "100G"],
+     "-e 100G: input and output of 107,374,182,400 bytes on each of -np 2 ranks need at least 400.0 GiB"),
+    (["--dispatch", "--tokens", "100000000", "-np", "2"], "--tokens 100000000 x --hidden"),
+    (["--moe-layer", "--tokens", "10000000", "--ranks", "1"], "bf16 rows on 1 rank(s) need at least"),
+])
+def test_sizes_past_the_memory_are_one_line_before_any_rank(argv, message, capsys, monkeypatch):
+    """A size the ranks cannot allocate is refused up front (MemAvailable), not as each rank's
+    allocator traceback."""
+    import moe.kv_cache
+
+    monkeypatch.setattr(moe.kv_cache, "available_memory_bytes", lambda: 16 * 2**30)
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("commbench: error: ") and message in line and "16.0 GiB available" in line
+
+
+def test_memory_check_passes_what_fits_and_skips_without_meminfo(monkeypatch):
+    import moe.kv_cache
+    from parallel.bench.commbench import memory_problem
+
+    args = build_parser().parse_args(["allreduce", "-np", "2", "-e", "1M"])
+    assert memory_problem(args, 2**20, available=2**30) is None
+    assert "need at least 4.0 GiB" in memory_problem(args, 2**30, available=2**30)
+    monkeypatch.setattr(moe.kv_cache, "available_memory_bytes", lambda: None)  # not Linux: no figure, no check
+    assert memory_problem(args, 2**40) is None
