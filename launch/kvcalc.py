@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from launch.config_args import FlagParser
 from launch.core.kv_sizing import KVSizing, format_memory, parse_memory
 from launch.hardware import (
     compute_dtype,
@@ -48,7 +49,7 @@ EXIT_USAGE = 2  # bad input, as across the CLI (launch.cli.EXIT_USAGE)
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch kvcalc", description=__doc__.split("\n\n")[0])
+    p = FlagParser(prog="python -m launch kvcalc", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
                    help="checkpoint dir, config.json, model name (deepseek-ai/DeepSeek-V3) or runtime config YAML")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None, help="default: auto")
@@ -152,6 +153,17 @@ def _check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size {tp} does not divide num_attention_heads {cfg.num_attention_heads}")
 
 
+def _check_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> None:
+    """``launch config``'s check of ``engine.max_model_len`` against the model's context length
+    (``RuntimeConfig.validate_for_model``: max_position_embeddings, or YaRN's longer one), same words."""
+    if max_model_len is None:
+        return
+    from launch.config import EngineConfig, RuntimeConfig
+
+    # the rest of the layout at its defaults (tp 1, no EP, chunked prefill): only max_model_len is checked here
+    RuntimeConfig(model="-", engine=EngineConfig(max_model_len=max_model_len)).validate_for_model(cfg)
+
+
 def _deployment(cfg: ModelConfig, raw: dict, args: argparse.Namespace) -> Deployment:
     """The flags as the cost model's layout: one EP group of ep = tp x dp ranks (dp 1 without EP:
     a rank's memory does not depend on how many DP replicas there are)."""
@@ -215,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         raw = _raw_model_config(args.model, args.model_overrides)
         cfg = ModelConfig.from_hf(raw, strict=False)
         _check_tensor_parallel(cfg, args.tensor_parallel_size)
+        _check_max_model_len(cfg, args.max_model_len)
         dep = _deployment(cfg, raw, args)
         memory, memory_source = _memory(args)
         sizing = compute_layout_kv_sizing(cfg, dep, memory, max_model_len=args.max_model_len)

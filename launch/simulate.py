@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from launch.config import ConfigError, load_runtime_config
+from launch.config_args import FlagParser
 from launch.core.kv_sizing import format_memory
 from launch.hardware import (
     compute_dtype,
@@ -271,7 +272,7 @@ def format_search(r: dict[str, Any], top: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch simulate", description=__doc__.split("\n\n")[0])
+    p = FlagParser(prog="python -m launch simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="runtime config YAML to predict")
     p.add_argument("--hardware", default=None, help="h800 | h100 | h200 | b200 or a hardware YAML (calibrate's)")
     p.add_argument("--model", help="model for --search (config.json, checkpoint dir, name or runtime config YAML); "
@@ -313,7 +314,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if not math.isfinite(args.load_skew) or args.load_skew < 0:
         raise ValueError(f"--load-skew must be a finite number >= 0, got {args.load_skew}")
-    if args.json and (problem := output_file_problem(args.json)) is not None:
+    if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         raise ValueError(f"--json: {problem}")  # before the search, not after it
     if not args.search and (not args.config or not args.hardware):
         raise ValueError("give --config CONFIG.yaml and --hardware NAME|FILE (or --search --model ... --cluster ...)")
@@ -356,6 +357,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: simulate: {e}", file=sys.stderr)
         return 2
     print(format_search(report, args.top or 5) if args.search else format_config_report(report))
-    if args.json:
+    if args.json is not None:
         write_output_file(args.json, json.dumps(report, indent=2) + "\n")
     return 0

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import add_runtime_args, runtime_config_from_args
+from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
 from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
@@ -415,8 +415,8 @@ def profile_steps(engine: Any, steps: int) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch bench decode", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(prog="python -m launch bench decode", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(parser, server=False)
     g = parser.add_argument_group("benchmark")
     g.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])

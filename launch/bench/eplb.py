@@ -13,7 +13,6 @@ algorithm (policy "deepseek") stands in, and the output says so.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import time
@@ -26,6 +25,7 @@ import torch
 
 from balancer import compute_move_plan, predict, rebalance_experts
 from balancer.placement import compute_log2phy
+from launch.config_args import FlagParser
 from launch.paths import output_file_problem, write_output_file
 
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         from launch.bench.eplb_series import series_main
 
         return series_main(argv)
-    parser = argparse.ArgumentParser(prog="python -m launch bench eplb", description=__doc__.split("\n\n")[0])
+    parser = FlagParser(prog="python -m launch bench eplb", description=__doc__.split("\n\n")[0])
     parser.add_argument("--series", action="store_true",
                         help="judge balancers over time on load traces instead (see --series --help)")
     parser.add_argument("--reference", metavar="PATH", help="DeepSeek's eplb.py, or the folder holding it")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.seed < 0:  # numpy's generators take no negative seed
         parser.error(f"--seed must be >= 0, got {args.seed}")
-    if args.json and (problem := output_file_problem(args.json)) is not None:
+    if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         parser.error(f"--json: {problem}")
     torch.set_num_threads(1)
     try:

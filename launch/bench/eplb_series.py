@@ -36,6 +36,7 @@ from tqdm import tqdm
 from balancer import compute_par, rebalance_experts, rebalance_from_history
 from balancer.history import LINK_BYTES_PER_S, SLOT_BYTES, full_horizon
 from launch.bench.eplb_traces import KINDS, TraceSpec, load_trace, make_trace
+from launch.config_args import FlagParser
 from launch.paths import output_file_problem, write_output_file
 
 PAR_SECONDS = 60.0
@@ -230,8 +231,8 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def series_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch bench eplb --series",
-                                     description=__doc__.split("\n\n")[0])
+    parser = FlagParser(prog="python -m launch bench eplb --series",
+                        description=__doc__.split("\n\n")[0])
     parser.add_argument("--series", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--full", action="store_true", help="every shape with all layers, 8,192 steps (slow)")
     parser.add_argument("--seed", type=int, action="append", help="trace seeds (repeatable; default 1)")
@@ -261,7 +262,7 @@ def series_main(argv: list[str] | None = None) -> int:
         parser.error("--num-gpus must be positive")
     if any(seed < 0 for seed in args.seed or []):  # numpy's generators take no negative seed
         parser.error(f"--seed must be >= 0, got {min(args.seed)}")
-    if args.json and (problem := output_file_problem(args.json)) is not None:
+    if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         parser.error(f"--json: {problem}")
     for flag, value in (("--check-interval", args.check_interval), ("--full-interval", args.full_interval)):
         if value <= 0:

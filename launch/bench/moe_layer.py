@@ -90,6 +90,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from launch.config_args import FlagParser
 from launch.paths import output_file_problem, write_output_file
 from parallel.costmodel.microbench import best_call_seconds
 
@@ -747,8 +748,8 @@ def speedups(cells: Sequence[Cell]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch bench moe-layer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(prog="python -m launch bench moe-layer", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
                         help="deepseek, mixtral, qwen3, or one with sizes: deepseek:experts=128,top_k=8 "
                              "(keys hidden experts top_k inter shared groups topk_group; default: both "
@@ -779,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad is not None:
             print(f"error: {flag} must be >= {least}, got {bad}", file=sys.stderr)
             return 2
-    if args.json and (problem := output_file_problem(args.json)) is not None:
+    if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         print(f"error: --json: {problem}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype]

@@ -59,7 +59,7 @@ import torch
 
 from launch.bench.decode import check_step_flags, num_prefill_steps
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import add_runtime_args, runtime_config_from_args
+from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
 from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
@@ -292,8 +292,8 @@ def measure_recording(num_layers: int, num_slots: int, num_ranks: int, tokens_pe
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch bench overhead", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(prog="python -m launch bench overhead", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(parser, server=False)
     g = parser.add_argument_group("benchmark")
     g.add_argument("--batch", type=int, default=8, help="sequences decoding together")

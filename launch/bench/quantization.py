@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from launch.config_args import FlagParser
 from launch.paths import output_file_problem, write_output_file
 
 if TYPE_CHECKING:
@@ -203,8 +204,8 @@ def check_token_ids(model: str, token_ids: dict[Path, list[int]], vocab_size: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch bench quantization", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(prog="python -m launch bench quantization", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--max-tokens", type=int, default=512, help="tokens per teacher-forced window")

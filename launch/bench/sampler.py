@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from launch.config_args import FlagParser
 from launch.core.sampler import Sampler, apply_sampling_filters
 from launch.core.sampling_params import SamplingParams
 from launch.paths import output_file_problem, write_output_file
@@ -161,8 +162,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch bench sampler", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(prog="python -m launch bench sampler", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32, help="rows sampled per call")
     parser.add_argument("--vocab", type=int, nargs="+", default=[1024, 32000, 129280], help="vocabulary sizes")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), metavar="NAME",

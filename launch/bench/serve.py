@@ -38,6 +38,7 @@ from launch.bench.serve_client import (
     resolve_target,
     send_request,
 )
+from launch.config_args import FlagParser
 from launch.paths import output_dir_problem, output_file_problem, write_output_file
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -294,7 +295,7 @@ async def run_benchmark(target: BenchTarget, requests: list[RequestInput], inter
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch bench serve", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="python -m launch bench serve", description=__doc__.splitlines()[0])
     add_target_args(p)
     p.add_argument("--dataset-name", default="random", choices=["random"])
     p.add_argument("--num-prompts", type=int, default=1000)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import add_runtime_args, runtime_config_from_args
+from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams
 from launch.core.scheduler import request_kv_tokens
 from launch.paths import output_file_problem, write_output_file
@@ -242,8 +242,8 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch bench throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(prog="python -m launch bench throughput", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(parser, server=False)
     g = parser.add_argument_group("benchmark")
     g.add_argument("--num-prompts", type=int, default=32)
@@ -267,7 +267,7 @@ def check_args(args: argparse.Namespace) -> tuple[RuntimeConfig, Any]:
     ConfigError, ValueError or FileNotFoundError naming the problem."""
     from launch.engine import check_runtime_config
 
-    if args.json and (problem := output_file_problem(args.json)) is not None:
+    if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         raise ValueError(f"--json: {problem}")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from launch.config_args import FlagParser
 from launch.paths import output_dir_problem
 from launch.workloads import SHIPPED_MODEL
 
@@ -57,7 +58,7 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
 
 def report_main(argv: list[str]) -> int:
     """``profile report DUMP [DUMP ...] --out DIR [--ep N ...] [--redundant N ...]``."""
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="python -m launch profile report",
         description="Expert-load report from expert-distribution dumps: this project's .safetensors, SGLang's "
                     "stat / per_pass .pt (torch.save), or [steps, L, E] counts as .npy / .npz / .csv. Several "
@@ -99,7 +100,7 @@ def run_main(argv: list[str]) -> int:
     defaults to the shipped trained checkpoint."""
     from launch.config_args import add_runtime_args
 
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="python -m launch profile run",
         description="Run the engine over a workload with expert-distribution recording on, dump it, and write "
                     "the expert-load report. Workload phases joined by '+' (prose+code) run one after the other.")

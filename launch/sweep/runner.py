@@ -5,7 +5,8 @@
             'moe.capacity_factor=[0,1.25]' ... \\
         --workload SPEC [--num-prompts N] [--max-tokens N] --out DIR
 
-Each point is the base config with the point's values set (dotted ``--set`` keys). It runs
+Each point is the base config with the point's values set (dotted ``--set`` keys); ``--grid`` may be
+given more than once, and every one's axes count. It runs
 on the engine: in this process for one rank, on Ray actors for more (inside
 ``ray job submit`` on the job's cluster; otherwise on one local cluster, started at the first
 multi-rank point and reused by the later ones, ``launch.sweep.shared_cluster``). Rows go to ``DIR/results.jsonl`` as each point
@@ -19,8 +20,9 @@ rows recorded, rewrites the CSV and plots from them, says how to resume, and exi
 
 Bad input is refused before anything runs (one line, exit 2): a grid value of the wrong
 type, a ``model`` grid value that is not a checkpoint directory, a workload the model cannot
-run (text without a tokenizer, a token id outside the vocabulary), or a prompt +
-``--max-tokens`` longer than max_model_len. Invalid points (a
+run (text without a tokenizer, a token id outside the vocabulary), a prompt +
+``--max-tokens`` longer than max_model_len, or a named ``--hardware`` that does not load (a
+resumed sweep's too, with nothing left to run). Invalid points (a
 combination the config or the model rejects, e.g. redundant experts without EPLB, 8 + 3
 slots over 2 ranks, or a swept max_model_len too short for the workload) are recorded with
 ``status: "skipped"`` and the one-line reason, and the sweep goes on; when no point is
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import RuntimeConfig
+from launch.config_args import FlagParser
 from launch.config_schema import ConfigError, apply_override, load_yaml_mapping
 from launch.sweep import report
 from launch.sweep.grid import expand_grid, format_settings, parse_grid, point_config, point_key
@@ -59,13 +62,13 @@ BASELINE_JSON = "baseline.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FlagParser(prog="python -m launch sweep", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, metavar="BASE.yaml", help="base runtime config (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a base config value (repeatable), e.g. --set model=DIR")
-    p.add_argument("--grid", nargs="+", default=[], metavar="KEY=[V1,V2]",
-                   help="swept config keys with their values (YAML lists)")
+    p.add_argument("--grid", nargs="+", action="extend", default=[], metavar="KEY=[V1,V2]",
+                   help="swept config keys with their values (YAML lists; repeatable)")
     p.add_argument("--workload", required=True, metavar="SPEC",
                    help="a shipped workload name (launch.workloads), or a .txt / .jsonl file of prompts")
     p.add_argument("--num-prompts", type=int, default=None, help="use this many prompts (cycled; default: all)")
@@ -92,6 +95,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return plan.run(progress=not args.no_progress)
+
+
+def check_hardware(spec: str) -> Any:
+    """The ``parallel.costmodel.Hardware`` a named ``--hardware`` (a shipped name or a file) loads, None
+    for ``auto`` (calibrated when a point runs) and ``none``; ValueError naming the flag when it loads none."""
+    if spec in ("auto", "none"):
+        return None
+    from launch.hardware import load_hardware
+
+    try:
+        return load_hardware(spec)
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"--hardware {spec}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 class SweepPlan:
@@ -129,11 +145,13 @@ class SweepPlan:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if args.warmup_prompts < 0 or args.warmup_tokens < 0:
             raise ValueError("--warmup-prompts and --warmup-tokens must be >= 0")
+        hardware = check_hardware(args.hardware)  # up front, a resumed sweep's too (it may have nothing left to run)
         name, prompts = load_prompts(args.workload, args.num_prompts)
         workload = Workload(tuple(prompts), args.max_tokens, name)
         plan = cls(base, [k for a in axes for k in a.keys], expand_grid(axes), workload, args.out,
                    baseline=args.baseline, warmup_prompts=args.warmup_prompts, warmup_tokens=args.warmup_tokens,
                    hardware=args.hardware, repeats=args.repeats)
+        plan.hardware = hardware
         if not {"model", "engine.max_model_len"} & set(plan.grid_keys):  # every point: the base's model, length
             problem = plan.workload_problem(base_config)
             if problem:
@@ -206,7 +224,7 @@ class SweepPlan:
         todo = [(s, r) for s, r in runs if done.get(run_key(s, r), {}).get("status") not in ("ok", "skipped")]
         if len(todo) < len(runs):
             print(f"resuming: {len(runs) - len(todo)} of {len(runs)} runs already recorded in {results}")
-        if todo:
+        if todo and self.hardware is None:  # a named one is loaded (by from_args); auto calibrates only now
             try:
                 self.hardware = self._hardware()
             except (ValueError, OSError, KeyError) as e:

@@ -27,9 +27,10 @@ CASES = [
 def test_an_out_of_range_flag_is_named_alone_with_its_value(capsys, argv: list[str], message: str) -> None:
     try:
         rc = main(argv)
-    except SystemExit as exit_:  # argparse's parser.error
+    except SystemExit as exit_:  # the parser's error (launch.config_args.FlagParser: one line)
         rc = exit_.code
     err = capsys.readouterr().err
     assert rc == 2
-    assert err.strip().splitlines()[-1].endswith(message), err
+    (line,) = err.strip().splitlines()  # one line, no usage block
+    assert line.startswith(f"error: {message}"), err
     assert "Traceback" not in err

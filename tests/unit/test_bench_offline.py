@@ -106,7 +106,7 @@ def test_throughput_hf_dtype_sets_only_the_baselines_dtype(tiny_ckpt, tmp_path, 
     r = json.loads(out.read_text())
     assert (r["dtype"], r["hf_dtype"]) == ("bfloat16", "float32")
     assert "HF generate: dtype:" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:  # argparse: usage and one error line
+    with pytest.raises(SystemExit) as exit_info:  # the parser's one error line
         bench_throughput.main(["--model", str(tiny_ckpt), "--hf-dtype", "int8"])
     assert exit_info.value.code == 2 and "--hf-dtype" in capsys.readouterr().err
 
