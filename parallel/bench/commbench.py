@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -216,8 +217,16 @@ _FLAG_NAMES = {"minbytes": "-b", "maxbytes": "-e", "stepfactor": "-f", "datatype
                "experts": "--experts", "inter": "--inter", "ranks": "--ranks", "nprocs": "-np"}
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line, ``commbench: error: MESSAGE``, exit status 2 (as the flag checks'),
+    without argparse's usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"commbench: error: {message} (`python -m launch commbench --help` lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="commbench", description=__doc__.split("\n\n")[0])
+    p = _OneLineParser(prog="commbench", description=__doc__.split("\n\n")[0])
     p.add_argument("op", nargs="?", choices=OPS, help="collective to time (not with --dispatch/--moe-layer)")
     p.add_argument("-b", "--minbytes", default=None, help="smallest size, e.g. 8, 1K (default 8)")
     p.add_argument("-e", "--maxbytes", default=None, help="largest size, e.g. 32M (default 32M)")

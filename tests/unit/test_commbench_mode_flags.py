@@ -59,3 +59,15 @@ def test_memory_check_passes_what_fits_and_skips_without_meminfo(monkeypatch):
     assert "need at least 4.0 GiB" in memory_problem(args, 2**30, available=2**30)
     monkeypatch.setattr(moe.kv_cache, "available_memory_bytes", lambda: None)  # not Linux: no figure, no check
     assert memory_problem(args, 2**40) is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-np", "abc", "allreduce"], "argument -np/--nprocs: invalid int value: 'abc'"),
+    (["bogus"], "argument op: invalid choice: 'bogus'"),
+])
+def test_argparse_errors_are_one_line_too(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"commbench: error: {message}") and "usage:" not in line
