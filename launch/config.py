@@ -30,7 +30,8 @@ from balancer.config import BalancerConfig
 from launch.config_schema import PATH, ConfigError, apply_override, build_dataclass, load_yaml_mapping
 from launch.core.kv_sizing import parse_memory
 from launch.core.sampling_params import DEFAULT_MAX_LOGPROBS
-from launch.generation_config import SAMPLING_KEYS as GENERATION_SAMPLING_KEYS
+from launch.generation_config import check_overrides as check_generation_overrides
+from launch.generation_config import checked_sampling_defaults
 from moe.capacity import CapacityConfig
 from parallel.dispatch import BACKENDS as DISPATCH_BACKENDS
 
@@ -193,10 +194,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         if not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a directory, got ''")
-        unknown = [k for k in self.override_generation_config if k not in GENERATION_SAMPLING_KEYS]
-        if unknown:
-            raise ValueError(f"override_generation_config: unknown key {unknown[0]!r}; known keys: "
-                             f"{list(GENERATION_SAMPLING_KEYS)}")
+        check_generation_overrides(self.override_generation_config)  # unknown keys, wrong types
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.quantization == "fp8":
             raise ValueError("quantization 'fp8' is not implemented: the CPU kernel has no fp8 path "
@@ -416,6 +414,16 @@ class RuntimeConfig:
             hint = " (hub names need the files downloaded first)" if not path.exists() else ""
             raise FileNotFoundError(f"model {self.model!r}: no config.json in that directory{hint}")
         return path
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The ``SamplingParams`` fields requests take when they leave them out
+        (``launch.generation_config.checked_sampling_defaults``: engine.generation_config, a directory
+        that must hold a generation_config.json, or the model directory's file for "auto", then
+        engine.override_generation_config); ValueError naming the source and the field when the
+        engine would refuse them. ``config`` runs it, so that it refuses what ``generate`` and
+        ``serve`` refuse."""
+        return checked_sampling_defaults(self.model, self.engine.generation_config,
+                                         self.engine.override_generation_config)
 
     def validate_for_model(self, model_config: Any) -> None:
         """Check the layout and the engine limits against a ``moe.config.ModelConfig`` (max_model_len, or

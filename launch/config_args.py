@@ -371,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_against_model(cfg)
+        cfg.sampling_defaults()  # the generation config generate and serve would start with
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -382,12 +383,12 @@ def check_against_model(cfg: RuntimeConfig) -> bool:
     """Validate the layout against the model's config.json when it can be found (a checkpoint
     directory, or a released model shipped by name in configs/models); False when it cannot.
     Raises ValueError naming the mismatch."""
-    from moe.config import ModelConfig
+    from moe.config import ModelConfig, read_config_json
     from moe.model_catalog import find_model_config
 
     path = Path(cfg.model)
     if (path / "config.json").is_file():
-        raw = json.loads((path / "config.json").read_text())
+        raw = read_config_json(path)  # the loader's reader: one ValueError naming the file when it is bad
     else:
         raw = find_model_config(cfg.model)
         if raw is None:

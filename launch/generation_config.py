@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from launch.core.sampling_params import SamplingParams
 from moe.json_object import read_json_object
 
 log = logging.getLogger(__name__)
@@ -75,14 +76,50 @@ def default_sampling_fields(model_dir: str | Path, generation_config: str = "aut
         data = {key: raw[key] for key in SAMPLING_KEYS if raw.get(key) is not None}
         _check_types(data, str(path))
     if overrides:
-        unknown = [key for key in overrides if key not in SAMPLING_KEYS]
-        if unknown:
-            raise GenerationConfigError(f"override_generation_config: unknown key {unknown[0]!r}; "
-                                        f"known keys: {list(SAMPLING_KEYS)}")
-        given = {key: value for key, value in overrides.items() if value is not None}
-        _check_types(given, "override_generation_config")
-        data.update(given)
+        data.update(check_overrides(overrides))
     return {SAMPLING_KEYS[key]: value for key, value in data.items()}
+
+
+def check_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys ``overrides`` (``override_generation_config``) sets (its non-null ones);
+    GenerationConfigError naming an unknown key or a value of the wrong type. Needs no file: the
+    runtime config checks it when it is built (``launch.config.EngineConfig``)."""
+    unknown = [key for key in overrides if key not in SAMPLING_KEYS]
+    if unknown:
+        raise GenerationConfigError(f"override_generation_config: unknown key {unknown[0]!r}; "
+                                    f"known keys: {list(SAMPLING_KEYS)}")
+    given = {key: value for key, value in overrides.items() if value is not None}
+    _check_types(given, "override_generation_config")
+    return given
+
+
+def checked_sampling_defaults(model_dir: str | Path, generation_config: str = "auto",
+                              overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``default_sampling_fields``, checked as ``SamplingParams`` checks them once the overrides
+    replaced the file's values (as vLLM merges them: an override can replace a value of the file
+    that requests could not take); ValueError naming the source (the file, or
+    override_generation_config) and the field otherwise. What the engine starts with, and what
+    ``config`` checks, so that every command refuses the same generation configs."""
+    fields = default_sampling_fields(model_dir, generation_config, overrides)
+    problem = _sampling_problem(fields)
+    if problem is None:
+        return fields
+    overridden = {SAMPLING_KEYS[k] for k, v in (overrides or {}).items() if v is not None}
+    kept = {k: v for k, v in fields.items() if k not in overridden}  # the file's values still in force
+    file_problem = _sampling_problem(kept)  # the file is to blame when those fail on their own
+    if file_problem is not None:
+        raise GenerationConfigError(f"generation config {generation_config_file(model_dir, generation_config)}: "
+                                    f"{file_problem}")
+    raise GenerationConfigError(f"generation config override_generation_config: {problem}")
+
+
+def _sampling_problem(fields: Mapping[str, Any]) -> str | None:
+    """What ``SamplingParams(**fields)`` refuses, or None."""
+    try:
+        SamplingParams(**fields)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _check_types(data: Mapping[str, Any], where: str) -> None:

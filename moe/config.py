@@ -332,14 +332,38 @@ def read_config_json(path_or_name: str | os.PathLike) -> dict[str, Any]:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"no config.json at {path!r}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a model config.json: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     return parse_json_object(
         text, ValueError,
         lambda e: (f"{path} is not a model config.json (JSON: {e}); expected a checkpoint directory, "
                    "its config.json, or a model name such as deepseek-ai/DeepSeek-V3"),
         lambda raw: (f"{path} is not a model config.json: expected a JSON object, "
                      f"got {_JSON_TYPES.get(type(raw), type(raw).__name__)}"))
+
+
+# model_type values released checkpoints pair with a family's architecture besides the family's own:
+# Kimi K2 is a DeepseekV3ForCausalLM with model_type "kimi_k2".
+_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def _check_model_type_agrees(model_type: Any, architecture: str) -> None:
+    """ValueError naming both when config.json's ``model_type`` names another family than its
+    ``architectures`` entry (``llama`` with ``DeepseekV3ForCausalLM``): transformers builds the config
+    from model_type and the checkpoint loader picks its tensor names from it, while the model is
+    built from architectures, so one of them is wrong. An absent model_type is fine."""
+    if model_type is None:
+        return
+    family = ARCHITECTURES[architecture]
+    if model_type == family or _MODEL_TYPE_ALIASES.get(model_type) == family:
+        return
+    raise ValueError(f"config.json contradicts itself: model_type {model_type!r} but architectures "
+                     f"{architecture!r} (whose model_type is {family!r}); fix one of them")
 
 
 def _architecture_of(raw: dict[str, Any]) -> str:
@@ -350,6 +374,7 @@ def _architecture_of(raw: dict[str, Any]) -> str:
         raise ValueError(f"config field 'architectures' must be a list of class names, got {archs!r}")
     for a in archs:
         if a in ARCHITECTURES:
+            _check_model_type_agrees(raw.get("model_type"), a)
             return ARCHITECTURES[a]
     if archs:
         raise ValueError(f"unsupported architecture {archs!r}; supported: {sorted(ARCHITECTURES)}")
