@@ -13,7 +13,6 @@ CLI: ``python -m launch make-tiny --arch deepseek_v3 --out DIR [--size tiny|smal
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -25,6 +24,7 @@ import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from launch.config_args import FlagParser
 from launch.paths import output_dir_problem
 from launch.tokenizer import DEFAULT_CHAT_TEMPLATE
 from moe.config import ModelConfig
@@ -116,7 +116,9 @@ def make_tiny_checkpoint(
     router_skew / config_overrides: see ``moe.tiny.write_tiny_checkpoint`` (the vocab size
     cannot be overridden: it is the tokenizer's). Everything is checked before anything is
     written (ValueError naming the problem); on failure the folders this call created are
-    removed again (a folder that existed before is never removed).
+    removed again (a folder that existed before is never removed). Writing into a folder that
+    holds a checkpoint replaces it: its weight files go first (``remove_stale_weights``), so a
+    sharded one's index and shards cannot outlive it; other files stay.
     """
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
@@ -129,6 +131,7 @@ def make_tiny_checkpoint(
     dtype = STORED_DTYPES[overrides.pop("torch_dtype")] if "torch_dtype" in overrides else None
     tok = train_tokenizer(TOKENIZER_VOCAB_SIZE[size])
     try:
+        remove_stale_weights(out_dir)  # the new files replace a checkpoint written there before
         out = write_tiny_weights(arch, out_dir, size=size, seed=seed, vocab_size=tok.get_vocab_size(), log=log,
                                  router_skew=router_skew, config_overrides=overrides, dtype=dtype)
         write_tokenizer(out, tok, model_max_length=config["max_position_embeddings"])
@@ -137,6 +140,26 @@ def make_tiny_checkpoint(
             shutil.rmtree(created, ignore_errors=True)
         raise
     return out
+
+
+# The weight files of a checkpoint (the loader reads any of them: ``moe.loading.checkpoint``).
+_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+
+
+def remove_stale_weights(out_dir: str | Path) -> list[Path]:
+    """Remove the weight files of a checkpoint already in ``out_dir`` (``*.safetensors`` and
+    ``*.safetensors.index.json``), so that a checkpoint written there next is the one loaded: a
+    sharded one's index and shards would otherwise outlive a new single ``model.safetensors``
+    (and win), or old shards mix with new ones. Nothing else is touched (config.json and the
+    tokenizer files are rewritten by name; other files and folders stay). Returns what it removed."""
+    folder = Path(out_dir)
+    if not folder.is_dir():
+        return []
+    stale = sorted({p for pattern in _WEIGHT_PATTERNS for p in folder.glob(pattern)
+                    if p.is_symlink() or p.is_file()})
+    for p in stale:
+        p.unlink()
+    return stale
 
 
 def check_out_dir(out_dir: str | Path) -> Path | None:
@@ -223,7 +246,7 @@ def parse_config_override(item: str) -> tuple[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``make-tiny``: write a random checkpoint with tokenizer; prints the parameter count."""
-    parser = argparse.ArgumentParser(prog="python -m launch make-tiny", description=main.__doc__)
+    parser = FlagParser(prog="python -m launch make-tiny", description=main.__doc__)
     parser.add_argument("--arch", required=True, choices=ARCHITECTURES)
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--size", default="tiny", choices=SIZES)

@@ -34,7 +34,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from launch.tiny_checkpoint import TOKENIZER_VOCAB_SIZE, train_tokenizer, write_tokenizer
+from launch.config_args import FlagParser
+from launch.paths import output_dir_problem
+from launch.tiny_checkpoint import (
+    TOKENIZER_VOCAB_SIZE,
+    remove_stale_weights,
+    train_tokenizer,
+    write_tokenizer,
+)
 from launch.tokenizer import Tokenizer
 from launch.training.corpus import TokenWindows, load_corpus
 from launch.training.model import TrainableMoE
@@ -134,13 +141,13 @@ def train(args: TrainArgs, *, progress: bool = True, report_prompts: int | None 
     fails before training; every file is written into a hidden ``.train-tiny-*`` folder inside it
     and moved into place only once the run has finished. A run that fails leaves ``args.out`` as
     it was (folders it made are removed again; files of the same name are replaced only by a
-    finished run; other files are never touched). A process killed outright (SIGKILL) can leave
-    its hidden staging folder behind in ``args.out``."""
+    finished run, which also removes the weight files of a checkpoint written there before, e.g.
+    a sharded one's index and shards, ``remove_stale_weights``; other files are never touched).
+    ``args.out`` must be a usable folder (``check_out``: not empty, ...), checked before anything
+    is made. A process killed outright (SIGKILL) can leave its hidden staging folder behind in
+    ``args.out``."""
+    check_out(args.out)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    if out.is_symlink() and not out.exists():
-        raise ValueError(f"--out {out} is a symbolic link to a folder that does not exist")
     made = _make_dirs(out)
     staging = Path(tempfile.mkdtemp(prefix=".train-tiny-", dir=out))
     finished = False
@@ -159,6 +166,20 @@ def train(args: TrainArgs, *, progress: bool = True, report_prompts: int | None 
     return summary
 
 
+def check_out(out_dir: str) -> None:
+    """ValueError (naming ``--out``) unless ``out_dir`` can take the checkpoint: not empty (that
+    would write into the current folder), not a file or a dangling symbolic link, a writable folder
+    or creatable under one (``launch.paths.output_dir_problem``, as make-tiny checks)."""
+    out = Path(out_dir)
+    if out_dir and out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out_dir and out.is_symlink() and not out.exists():
+        raise ValueError(f"--out {out} is a symbolic link to a folder that does not exist")
+    problem = output_dir_problem(out_dir)
+    if problem is not None:
+        raise ValueError(f"--out {out_dir or repr(out_dir)}: {problem}")
+
+
 def _make_dirs(out: Path) -> list[Path]:
     """Make ``out`` and its missing parents; returns the folders made, outermost first."""
     missing = []
@@ -174,12 +195,14 @@ def _make_dirs(out: Path) -> list[Path]:
 
 def _move_into(staging: Path, out: Path) -> None:
     """Move every file of ``staging`` into ``out`` (created if missing), replacing files of
-    the same name; checked first, so that a name taken by a folder moves nothing."""
+    the same name; checked first, so that a name taken by a folder moves nothing. The weight
+    files of a checkpoint written there before (``remove_stale_weights``) go first."""
     files = sorted(staging.iterdir())
     taken = [f.name for f in files if (out / f.name).is_dir()]
     if taken:
         raise ValueError(f"--out {out} holds folders named {taken}, where the checkpoint's files go")
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_weights(out)  # a sharded checkpoint there before: its index and shards would win
     for f in files:
         os.replace(f, out / f.name)
 
@@ -251,7 +274,7 @@ def _as_argv(args: TrainArgs) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch train-tiny",
+    p = FlagParser(prog="python -m launch train-tiny",
                                 description="train a small MoE on the shipped text (CPU, minutes)")
     d = TrainArgs(arch="deepseek_v3", out="")
     p.add_argument("--arch", required=True, choices=TRAIN_ARCHITECTURES)
