@@ -118,6 +118,8 @@ def check_prompt(row: dict[str, Any], where: str) -> None:
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
         try:
+            for i, message in enumerate(messages):
+                _check_chat_message(i, message)
             _normalize_messages(messages)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
@@ -132,6 +134,25 @@ def check_prompt(row: dict[str, Any], where: str) -> None:
     if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
                                                    for t in ids):
         raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of non-negative integers")
+
+
+# The roles a chat message may have: the OpenAI server's (``launch.server.protocol.ChatMessage``).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_chat_message(i: int, message: Any) -> None:
+    """ValueError unless ``message`` (``messages[i]`` of a ``generate`` line) has a known role
+    (``CHAT_ROLES``) and a content: a string or a list of text parts. As in the OpenAI API, only an
+    assistant message that carries ``tool_calls`` may leave its content out (or null)."""
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        return  # _normalize_messages names it
+    role = message["role"]
+    if role not in CHAT_ROLES:
+        raise ValueError(f"messages[{i}]: unknown role {role!r}; expected one of "
+                         f"{', '.join(repr(r) for r in CHAT_ROLES)}")
+    if message.get("content") is None and not (role == "assistant" and message.get("tool_calls")):
+        raise ValueError(f"messages[{i}] has no 'content': each message needs a 'role' and a 'content' "
+                         "(a string or a list of text parts)")
 
 
 def _token_content(value: Any) -> str | None:

@@ -5,8 +5,10 @@ A workload ``spec`` is one of
 - a shipped name (``WORKLOAD_NAMES``): ``prose`` (English essays and stories), ``code``
   (Python and shell snippets), ``tables`` (numbers: CSV and Markdown tables, ledgers) and
   ``french`` (French prose). Each is ``launch/data/workloads/<name>.jsonl``;
-- a file: ``.jsonl`` with one JSON object per line holding a string ``"prompt"`` (other keys
-  are ignored), or ``.txt`` with one prompt per non-blank line;
+- a file: ``.jsonl`` with one JSON object per line holding a non-empty string ``"prompt"`` (other
+  keys are ignored, except a ``generate`` line's sampling fields such as ``"max_tokens"``: the run's
+  own flags set those, and a line that names one is an error naming the line), or ``.txt`` with
+  one prompt per non-blank line;
 - phases joined by ``+``: ``prose+code`` is every prose prompt, then every code prompt, so a
   run over it switches kind of text midway (expert load drifts with it).
 
@@ -17,10 +19,14 @@ line, empty workload) raises ``WorkloadError`` (a ValueError) with a one-line me
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from launch.core.sampling_params import SamplingParams
+from launch.tokenizer import check_prompt
 
 __all__ = ["WORKLOAD_DIR", "WORKLOAD_NAMES", "WorkloadError", "load_workload", "load_workload_phases"]
 
@@ -63,13 +69,34 @@ def jsonl_values(text: str, where: Callable[[int], str]) -> Iterator[tuple[int, 
         yield n, value
 
 
+# Fields of a ``generate`` input line that a workload line must not carry: the run's flags set them.
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def check_workload_row(row: Any, where: str) -> str:
+    """The prompt of one ``.jsonl`` workload line; WorkloadError naming ``where`` (file:line) unless
+    ``row`` is an object with a non-empty string ``"prompt"`` and no sampling field (``max_tokens``,
+    ``temperature``, ...: a ``generate`` line's, which a workload would silently not apply; the
+    command's own flags set them). Other keys (``"id"``, a dataset's metadata) are ignored."""
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+        raise WorkloadError(f"{where}: expected an object with a string \"prompt\"")
+    sampling = sorted(set(row) & _SAMPLING_FIELDS)
+    if sampling:
+        raise WorkloadError(f"{where}: sampling field(s) {sampling} in a workload line: a workload sets only "
+                            "prompts; the command's flags (--max-tokens, ...) set sampling")
+    try:
+        check_prompt({"prompt": row["prompt"]}, where)
+    except WorkloadError:
+        raise
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        raise WorkloadError(message if message.startswith(f"{where}:") else f"{where}: {message}") from None
+    return row["prompt"]
+
+
 def _read_jsonl(path: Path) -> list[str]:
-    prompts = []
-    for n, row in jsonl_values(read_text_file(path), lambda n: f"{path}:{n}"):
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise WorkloadError(f"{path}:{n}: expected an object with a string \"prompt\"")
-        prompts.append(row["prompt"])
-    return prompts
+    return [check_workload_row(row, f"{path}:{n}")
+            for n, row in jsonl_values(read_text_file(path), lambda n: f"{path}:{n}")]
 
 
 def _read_file(path: Path) -> list[str]:
