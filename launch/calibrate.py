@@ -2,17 +2,22 @@
 
 Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
 
-- GEMM rates by row count (``F.linear``, K = N = 1024) per dtype; the peak FLOP/s is the
-  best of them; the per-call overhead of a near-empty GEMM;
-- decode attention FLOP/s (as a fraction of the peak) and large-copy memory bandwidth;
+- GEMM rates by row count (the engine's own linear layer, K = N = 1024: the CPU kernel or
+  PyTorch's GEMM, whichever the engine runs at that row count) per dtype; the peak FLOP/s is
+  the best of them; the per-call overhead of a near-empty GEMM;
+- decode attention FLOP/s (as a fraction of the peak) and large-copy memory bandwidth; when the
+  engine is timed, the memory bandwidth is instead the rate of reading the engine model's weights
+  (its working set: a last-level cache that holds them reads faster than DRAM);
 - gloo collectives through commbench (``allreduce``, ``alltoall``, ``allgather`` tables on
   ``--nprocs`` ranks, one rank per process with ``--threads`` threads each), and any
   nccl-tests output given with ``--nccl-table FILE`` (``all_to_all_perf``, ``all_reduce_perf``);
 - the engine's fixed costs: in-process decode steps of ``--model`` (default a tiny
-  DeepSeek-V3 checkpoint) at its depth and one layer less, at 1, 4 and 8 sequences; what
-  the operator model does not explain is fit as per-step, per-layer, per-sequence and
-  per-sequence-per-layer overheads (least squares, each >= 0);
-- with ``--ray-ranks N``, the driver/actor round trip of an N-rank EP instance on Ray.
+  DeepSeek-V3 checkpoint) at its depth and one layer less, at 1, 4 and 8 sequences, the
+  operator model fed the expert load those steps routed; what it does not explain is fit as
+  per-step, per-layer, per-sequence and per-sequence-per-layer overheads (least squares, each >= 0);
+- with ``--ray-ranks N``, what an N-rank EP instance on Ray adds per step over the operator model
+  (the driver/actor round trip, the dispatcher's host work): wall time, or with ``--clock cpu``
+  the slowest rank's CPU time per step (what a sweep's ``measured_step_cpu_ms`` is).
 
 On a GPU cluster, ``--base h100 --nccl-table all_to_all_perf.txt:alltoall:16 ...`` writes the
 shipped hardware with the measured link tables added instead (nothing measured here).
@@ -32,8 +37,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
+from launch.config_args import FlagParser
 from launch.core.kv_sizing import parse_memory
 from launch.hardware import load_hardware, save_hardware
 from launch.paths import output_file_problem
@@ -41,17 +49,22 @@ from moe.config import ModelConfig
 from moe.loading.checkpoint import resolve_checkpoint_files
 from moe.loading.errors import NoWeightsError
 from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
+from parallel.costmodel.memory import weight_bytes_per_rank
 from parallel.costmodel.microbench import DTYPES as GEMM_DTYPES
 from parallel.costmodel.microbench import (
     measure_attention_rate,
     measure_call_overhead,
     measure_copy_bandwidth,
     measure_gemm_rates,
+    measure_read_bandwidth,
     nccl_table_op,
     parse_nccl_table,
 )
 
 ENGINE_BATCHES = (1, 4, 8)
+# The smallest working set the engine model's weight reads are measured over (a model smaller than
+# this still reads its activations, KV and packed copies beside its weights).
+WORKING_SET_MIN_BYTES = 32 * 2**20
 
 
 def cpu_model() -> str:
@@ -142,8 +155,9 @@ class _StepRecorder:
 
 def time_decode_steps(engine: object, batch: int, context: int, steps: int, warmup: int,
                       clock: str = "wall") -> list[float]:
-    """Seconds (``clock``: wall, or this process's CPU time) of ``steps`` engine steps in which
-    all ``batch`` sequences (over every DP rank) decode one token each, after ``warmup``."""
+    """Seconds (``clock``: wall, this process's CPU time, or ``worker_cpu``: the slowest rank's CPU
+    time in the step, ``engine.counters.worker_cpu_seconds_total``) of ``steps`` engine steps in
+    which all ``batch`` sequences (over every DP rank) decode one token each, after ``warmup``."""
     import random
 
     from launch.core import SamplingParams
@@ -156,11 +170,17 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
     params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + context + 8, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(engine.next_request_id(), [rng.choice(vocab) for _ in range(context)], params)
+    counters = engine.counters
     timed, seen = [], 0
     for _ in range(steps + warmup + 4 * (batch * context // 16 + 8)):
-        start = CLOCKS[clock]()
-        engine.step()
-        wall = CLOCKS[clock]() - start
+        if clock == "worker_cpu":  # the slowest rank's CPU time in the step, as the sweep measures it
+            start = counters.worker_cpu_seconds_total
+            engine.step()
+            wall = counters.worker_cpu_seconds_total - start
+        else:
+            start = CLOCKS[clock]()
+            engine.step()
+            wall = CLOCKS[clock]() - start
         batches = recorder.last.batches
         if sum(b.num_seqs for b in batches) == batch and all(b.num_tokens == b.num_seqs for b in batches):
             seen += 1
@@ -172,17 +192,29 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
 
 
 def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 16, ranks: int = 1,
-                         clock: str = "wall") -> float:
+                         clock: str = "wall") -> tuple[float, np.ndarray | None]:
+    """(median seconds of a decode step of ``batch`` sequences, the [L_moe, E] tokens per logical
+    expert the engine routed in its steps, None without MoE layers): the load the operator model
+    is fed, so a model whose routers favour a few experts (a skewed tiny checkpoint) is modelled
+    reading the experts its steps touch, not all of them."""
     from launch.config import RuntimeConfig
     from launch.engine import LLMEngine
 
     cfg = RuntimeConfig.from_dict({"model": str(model_dir), "engine": {
         "dtype": dtype, "max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 256,
         "block_size": 16, "num_kv_blocks": 128},
-        "parallel": {"data_parallel_size": ranks, "enable_expert_parallel": ranks > 1}})
+        # CPU-time calibrations stand for ranks of one thread on their own cores, as a sweep pins them
+        "parallel": {"data_parallel_size": ranks, "enable_expert_parallel": ranks > 1,
+                     "enable_cpu_pinning": clock == "cpu" and ranks > 1}})
     engine = LLMEngine(cfg)
     try:
-        return statistics.median(time_decode_steps(engine, batch, 16, steps, 3, clock))
+        # ranks on Ray actors: their CPU time, not this driver's (which only waits for them)
+        step_clock = "worker_cpu" if clock == "cpu" and ranks > 1 else clock
+        seconds = statistics.median(time_decode_steps(engine, batch, 16, steps, 3, step_clock))
+        load = None
+        if engine.eplb is not None and engine.eplb.stats.num_steps:
+            load = engine.eplb.stats.logical_load(engine.eplb.placement.phy2log).numpy().astype(np.float64)
+        return seconds, load
     finally:
         engine.shutdown()
 
@@ -196,7 +228,13 @@ def check_engine_model(model: str) -> None:
         raise ValueError(f"--model {model} {what}: expected a checkpoint directory (config.json and *.safetensors), "
                          "e.g. one `python -m launch make-tiny` wrote")
     try:
-        resolve_checkpoint_files(path)  # the weights the engine would load (an index's shards, no pickles)
+        # the weights the engine would load (an index's shards, no pickles), each header readable
+        for file in resolve_checkpoint_files(path).files:
+            try:
+                with safe_open(str(file), framework="pt"):
+                    pass
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
         ModelConfig.from_hf(path)
     except NoWeightsError:
         raise ValueError(f"--model {model}: no *.safetensors weights in the directory; the engine steps it times "
@@ -263,22 +301,28 @@ def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None
     samples = []
     with tempfile.TemporaryDirectory() as tmp:
         full = Path(model) if model else make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
-        for depth in engine_depths(ModelConfig.from_hf(full)):
+        config = ModelConfig.from_hf(full)
+        weights = weight_bytes_per_rank(config, Deployment(dtype=dtype))
+        bandwidth = measure_read_bandwidth(max(weights, WORKING_SET_MIN_BYTES), clock=clock)
+        log(f"weights of the engine's model: {weights / 2**20:.1f} MiB, read at {bandwidth / 1e9:.1f} GB/s "
+            f"(large copy: {hw.memory_bandwidth / 1e9:.1f} GB/s)")
+        hw = Hardware.from_dict({**hw.to_dict(), "memory_bandwidth": bandwidth})
+        for depth in engine_depths(config):
             model_dir = _truncated_checkpoint(full, Path(tmp) / f"l{depth}", depth)
             mc = ModelConfig.from_hf(model_dir)
             dep = Deployment(dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256, kv_capacity_tokens=2048)
-            rank_load = build_rank_load(mc, dep)
             for batch in ENGINE_BATCHES:
-                measured = _engine_step_seconds(model_dir, batch, dtype, clock=clock)
+                measured, load = _engine_step_seconds(model_dir, batch, dtype, clock=clock)
+                rank_load = build_rank_load(mc, dep, expert_load=load if load is not None and load.sum() else None)
                 predicted = predict_phase(mc, dep, hw, rank_load, decode_work(batch, 17), decode=True).step_ms / 1e3
                 log(f"engine decode step: {depth} layer(s), batch {batch}: {measured * 1e3:.2f} ms measured, "
                     f"{predicted * 1e3:.2f} ms from operators")
                 samples.append((depth, batch, measured - predicted))
-    return fit_overheads(samples)
+    return {"memory_bandwidth": bandwidth, **fit_overheads(samples)}
 
 
 def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Callable[[str], None],
-                                model: str | None = None) -> float:
+                                model: str | None = None, clock: str = "wall") -> float:
     """Seconds per step a ``ranks``-rank EP instance of ``model`` (default a tiny DeepSeek-V3)
     on Ray adds over the operator model and the single-rank overheads: the driver/actor
     round trip and the EP dispatcher's host work (the collectives themselves are modelled)."""
@@ -290,12 +334,13 @@ def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Calla
         mc = ModelConfig.from_hf(model_dir)
         dep = Deployment(dp=ranks, ep=ranks, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256,
                          kv_capacity_tokens=2048)
-        rank_load = build_rank_load(mc, dep)
         batch = 4
-        measured = _engine_step_seconds(model_dir, batch, dtype, ranks=ranks)
+        measured, load = _engine_step_seconds(model_dir, batch, dtype, ranks=ranks, clock=clock)
+        rank_load = build_rank_load(mc, dep, expert_load=load if load is not None and load.sum() else None)
         per_rank = decode_work(max(1, batch // ranks), 17)
         model = predict_phase(mc, dep, hw, rank_load, per_rank, decode=True).step_ms / 1e3
-        log(f"engine decode step on {ranks} Ray ranks, batch {batch}: {measured * 1e3:.2f} ms measured, "
+        what = "the slowest rank's CPU time" if clock == "cpu" else "wall"
+        log(f"engine decode step on {ranks} Ray ranks, batch {batch}: {measured * 1e3:.2f} ms measured ({what}), "
             f"{model * 1e3:.2f} ms modelled without the round trip")
         residuals.append(measured - model)
     return max(0.0, statistics.median(residuals))
@@ -321,8 +366,6 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
     collectives and the Ray round trip stay wall-clock (waiting is their cost)."""
     if clock == "cpu" and threads != 1:
         raise ValueError("--clock cpu needs --threads 1 (CPU time adds up over threads)")
-    if clock == "cpu" and ray_ranks > 1:
-        raise ValueError("--ray-ranks times a wall-clock round trip; use it with --clock wall")
     if torch.cuda.is_available():
         log("note: calibrate measures this machine's CPU ranks; for GPUs use --base NAME with nccl-tests tables")
     previous = torch.get_num_threads()
@@ -357,9 +400,10 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
         if measure_engine:
             fitted = measure_engine_overheads(hw, engine_dtype, log, clock, model)
             hw = Hardware.from_dict({**hw.to_dict(), **fitted})
-            log("engine overheads (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in fitted.items()))
+            log("engine overheads (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in fitted.items()
+                                                        if k in OVERHEAD_FIELDS))
         if ray_ranks > 1:
-            extra = measure_multi_rank_overhead(hw, engine_dtype, ray_ranks, log, model)
+            extra = measure_multi_rank_overhead(hw, engine_dtype, ray_ranks, log, model, clock)
             hw = Hardware.from_dict({**hw.to_dict(), "multi_rank_step_overhead_s": extra})
             log(f"multi-rank step overhead: {extra * 1e3:.2f} ms")
         return hw
@@ -368,7 +412,7 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch simulate calibrate", description=__doc__.split("\n\n")[0])
+    p = FlagParser(prog="python -m launch simulate calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="where to write the hardware YAML (or .json)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank while measuring")
     p.add_argument("--nprocs", default="2", help="rank counts for the gloo collectives, e.g. 2,4 ('' for none)")
@@ -407,8 +451,14 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := [d for d in dtypes if d not in GEMM_DTYPES]:
             raise ValueError(f"--dtypes: unknown dtype(s) {unknown}; expected a comma-separated list of "
                              f"{', '.join(GEMM_DTYPES)}")
-        if args.model is not None and not args.base and not args.no_engine:
+        if args.ray_ranks < 0 or args.ray_ranks == 1:
+            raise ValueError(f"--ray-ranks must be 0 (skip) or >= 2, got {args.ray_ranks}")
+        if args.model is not None and (args.no_engine or args.base):
+            raise ValueError(f"--model times the engine's steps, which {'--no-engine' if args.no_engine else '--base'} "
+                             "skips: drop one of them")
+        if args.model is not None:
             check_engine_model(args.model)
+        read_nccl_tables(args.nccl_table)  # every table readable before anything is measured
         if (problem := output_file_problem(args.out)) is not None:
             raise ValueError(f"--out: {problem}")  # now, not after the measurements
         if args.base:

@@ -330,7 +330,22 @@ class SweepPlan:
 
         model = self.base.get("model")
         return resolve_hardware(self.hardware_spec, self.out, threads=1 if pinned else torch.get_num_threads(),
-                                model=str(model) if model and Path(str(model)).is_dir() else None)
+                                model=str(model) if model and Path(str(model)).is_dir() else None,
+                                ray_ranks=self.most_ranks())
+
+    def most_ranks(self) -> int:
+        """The most ranks (tensor x data parallel) any point of the sweep runs on."""
+        par = self.base.get("parallel", {})
+
+        def ranks(point: Mapping[str, Any]) -> int:
+            tp = point.get("parallel.tensor_parallel_size", par.get("tensor_parallel_size", 1))
+            dp = point.get("parallel.data_parallel_size", par.get("data_parallel_size", 1))
+            try:
+                return int(tp) * int(dp)
+            except (TypeError, ValueError):  # a bad value: that point is skipped with its reason
+                return 1
+
+        return max((ranks(p) for p in self.points), default=ranks({}))
 
     def _baseline(self, configs: Mapping[str, RuntimeConfig | str], progress: bool) -> list[list[int]] | None:
         """Greedy outputs of the dropless single-process run of the base config (cached)."""

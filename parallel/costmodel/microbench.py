@@ -56,14 +56,22 @@ def best_call_seconds(fn: Callable[[], object], *, repeats: int = 5, budget_s: f
 
 def measure_gemm_rates(dtype: str, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
                        features: int = 1024, clock: str = "wall") -> list[tuple[float, float]]:
-    """((M, FLOP/s), ...) of ``F.linear`` [M, K] x [N, K]^T with K = N = ``features``."""
+    """((M, FLOP/s), ...) of [M, K] x [N, K]^T with K = N = ``features``, through the engine's own
+    linear layer (``moe.layers.linear.Linear``): at each M the path the engine takes there, the CPU
+    kernel's packed weights or PyTorch's GEMM (``moe.kernels.prefers_library_gemm``), so a machine
+    whose kernel out-runs ``F.linear`` (AMX, the small-M streams) is modelled at the rate it serves at."""
+    from moe.layers.linear import Linear
+
     dt = DTYPES[dtype]
-    w = torch.randn(features, features).to(dt)
+    layer = Linear(features, features, bias=False).to(dt).requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(features, features))
     out = []
     for m in rows:
         x = torch.randn(m, features).to(dt)
         iters = max(3, min(200, int(2e8 / (2 * m * features * features) + 3)))
-        t = time_call(lambda x=x: F.linear(x, w), iters=iters, clock=clock)
+        with torch.no_grad():
+            t = time_call(lambda x=x: layer(x), iters=iters, clock=clock)
         out.append((float(m), 2.0 * m * features * features / t))
     return out
 
@@ -81,6 +89,16 @@ def measure_copy_bandwidth(num_bytes: int = 128 * 1024**2, clock: str = "wall") 
     dst = torch.empty_like(src)
     t = time_call(lambda: dst.copy_(src), iters=3, repeats=3, warmup=1, clock=clock)
     return 2 * num_bytes / t
+
+
+def measure_read_bandwidth(num_bytes: int, clock: str = "wall") -> float:
+    """Bytes/s of reading a float32 buffer of ``num_bytes`` over and over (``sum``): the rate at
+    which a decode step streams weights of that working set. On a CPU whose last-level cache
+    holds the set this is the cache's rate, not DRAM's (2 vCPUs of an AMX Xeon: 28 GB/s at
+    64 MiB, 13 GB/s from 256 MiB on)."""
+    buf = torch.ones(max(num_bytes, 4096) // 4, dtype=torch.float32)
+    t = time_call(lambda: buf.sum(), iters=3, repeats=3, warmup=1, clock=clock)
+    return buf.numel() * 4 / t
 
 
 def measure_attention_rate(dtype: str, *, batch: int = 8, heads: int = 8, head_dim: int = 64,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from launch.calibrate import fit_overheads, read_nccl_tables
@@ -353,6 +354,10 @@ def test_calibrate_names_the_bad_flag_or_table_before_measuring(tmp_path, capsys
     blocker.write_text("x")
     out = str(tmp_path / "hw.yaml")
     base = ["--base", "h100"]
+    truncated = tmp_path / "truncated"  # a checkpoint whose weights file ends inside its header
+    truncated.mkdir()
+    (truncated / "config.json").write_text(json.dumps({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}))
+    (truncated / "model.safetensors").write_bytes(b"\x10\x00")
     cases = [
         (["--out", out, "--threads", "0"], "--threads must be >= 1, got 0"),
         (["--out", out, "--nprocs", "2,x"], "--nprocs takes comma-separated integers, got '2,x'"),
@@ -365,9 +370,80 @@ def test_calibrate_names_the_bad_flag_or_table_before_measuring(tmp_path, capsys
          f"--nccl-table {tmp_path / 'missing.txt'}: No such file or directory"),
         ([*base, "--out", out, "--nccl-table", f"{table}:alltoall:8"],
          f"--nccl-table {table}: no nccl-tests rows found"),
+        # without --base too: the tables are read before the GEMMs are measured
+        (["--out", out, "--nccl-table", str(tmp_path / "missing.txt")],
+         f"--nccl-table {tmp_path / 'missing.txt'}: No such file or directory"),
+        (["--out", out, "--ray-ranks", "-1"], "--ray-ranks must be 0 (skip) or >= 2, got -1"),
+        (["--out", out, "--model", str(tmp_path), "--no-engine"],
+         "--model times the engine's steps, which --no-engine skips"),
+        (["--out", out, "--model", str(truncated)], f"--model {truncated}: {truncated / 'model.safetensors'}: "
+                                                     "not a readable safetensors file"),
     ]
     for argv, message in cases:
         assert calibrate_main(argv) == 2, argv
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith(f"error: simulate calibrate: {message}"), (argv, line)
     assert not Path(out).exists()
+
+
+def test_gemm_rates_time_the_engines_own_linear(monkeypatch):
+    """The calibrated GEMM rates are the engine's linear layer's (the CPU kernel where the engine
+    runs it), not ``F.linear``'s."""
+    import moe.layers.linear as linear
+    from parallel.costmodel.microbench import measure_gemm_rates
+
+    rows_seen: list[int] = []
+    forward = linear.Linear.forward
+
+    def counting(self, x):
+        rows_seen.append(x.shape[0])
+        return forward(self, x)
+
+    monkeypatch.setattr(linear.Linear, "forward", counting)
+    rates = measure_gemm_rates("float32", rows=(1, 8), features=64)
+    assert [m for m, _ in rates] == [1.0, 8.0] and all(r > 0 for _, r in rates)
+    assert set(rows_seen) == {1, 8}
+
+
+def test_engine_steps_report_the_load_they_routed(tmp_path):
+    """Calibration feeds the operator model the expert load the timed steps routed: [L_moe, E]
+    tokens per expert, piled on the favoured experts of a skewed checkpoint."""
+    from launch.calibrate import _engine_step_seconds
+    from launch.tiny_checkpoint import make_tiny_checkpoint
+    from moe.config import ModelConfig
+
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path / "skewed", router_skew=3.0)
+    mc = ModelConfig.from_hf(path)
+    seconds, load = _engine_step_seconds(path, 2, "float32", steps=2)
+    assert seconds > 0
+    assert load.shape == (len(mc.moe_layer_ids), mc.num_experts) and load.sum() > 0
+    share = np.sort(load, axis=1)[:, ::-1] / load.sum(axis=1, keepdims=True)
+    assert (share[:, : mc.num_experts_per_tok].sum(axis=1) > 2 * mc.num_experts_per_tok / mc.num_experts).all()
+
+
+def test_read_bandwidth_is_bytes_over_seconds(monkeypatch):
+    import parallel.costmodel.microbench as mb
+
+    monkeypatch.setattr(mb, "time_call", lambda fn, **kw: (fn(), 0.5)[1])
+    assert mb.measure_read_bandwidth(8 * 2**20) == pytest.approx(8 * 2**20 / 0.5)
+
+
+def test_decode_steps_timed_by_the_workers_cpu_time(tmp_path):
+    """``worker_cpu``: each timed step is what the engine's counters add for it (the slowest rank's
+    CPU time, what a sweep's ``measured_step_cpu_ms`` reads); a multi-rank calibration in CPU time
+    times its Ray ranks so, not the driver that waits for them."""
+    from launch.calibrate import time_decode_steps
+    from launch.config import RuntimeConfig
+    from launch.engine import LLMEngine
+    from launch.tiny_checkpoint import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path / "tiny")
+    engine = LLMEngine(RuntimeConfig.from_dict({"model": str(path), "engine": {
+        "dtype": "float32", "max_num_seqs": 4, "max_model_len": 128, "block_size": 16, "num_kv_blocks": 32}}))
+    try:
+        before = engine.counters.worker_cpu_seconds_total
+        steps = time_decode_steps(engine, 2, 16, 3, 1, "worker_cpu")
+        assert len(steps) == 3 and all(s > 0 for s in steps)
+        assert sum(steps) < engine.counters.worker_cpu_seconds_total - before  # the timed steps are some of them
+    finally:
+        engine.shutdown()

@@ -320,3 +320,20 @@ def test_a_point_this_cluster_cannot_place_is_skipped_with_the_reason(sweep_args
     rows = {r["settings"]["engine.max_num_seqs"]: r for r in read_rows(tmp_path / "out" / "results.jsonl")}
     assert rows[2]["status"] == "skipped" and rows[2]["reason"].startswith("placement strategy STRICT_SPREAD")
     assert rows[4]["status"] == "ok"
+
+
+def test_auto_hardware_times_as_many_ray_ranks_as_the_widest_point(tmp_path, monkeypatch):
+    """``--hardware auto`` calibrates with ``ray_ranks`` = the most ranks (TP x DP) a point runs,
+    so multi-rank points are predicted with what running on several ranks adds per step."""
+    asked = {}
+    monkeypatch.setattr("launch.calibrate.calibrate", lambda **kw: asked.update(kw) or None)
+    monkeypatch.setattr("launch.hardware.save_hardware", lambda hw, path: None)
+    points = [{"parallel.tensor_parallel_size": 1, "parallel.data_parallel_size": 1},
+              {"parallel.tensor_parallel_size": 2}, {"parallel.data_parallel_size": 2, "parallel.tensor_parallel_size": 2}]
+    plan = runner.SweepPlan({"model": str(tmp_path), "parallel": {"data_parallel_size": 1}}, [], points,
+                            Workload(("hi",), 4, "w"), tmp_path)
+    assert plan.most_ranks() == 4
+    plan._hardware()
+    assert asked["ray_ranks"] == 4
+    assert runner.SweepPlan({"parallel": {"data_parallel_size": 2}}, [], [{}], Workload(("hi",), 4, "w"),
+                            tmp_path).most_ranks() == 2
