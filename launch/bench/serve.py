@@ -37,6 +37,7 @@ from launch.bench.serve_client import (
     add_target_args,
     resolve_target,
     send_request,
+    target_flags_problem,
 )
 from launch.config_args import FlagParser
 from launch.paths import output_dir_problem, output_file_problem, write_output_file
@@ -324,11 +325,42 @@ def check_output(args: argparse.Namespace) -> str | None:
         return None
     if args.result_dir is not None and (problem := output_dir_problem(args.result_dir)) is not None:
         return f"--result-dir: {problem}"
+    # a name with a separator (or . / ..) could land outside --result-dir
+    if args.result_dir is not None and args.result_filename is not None and not is_plain_file_name(
+            args.result_filename):
+        return (f"--result-filename must be a plain file name (no path separator, not . or ..) inside "
+                f"--result-dir, got {args.result_filename!r}")
     if args.result_filename is not None:
         path = Path(args.result_dir or ".") / args.result_filename
         if (problem := output_file_problem(path)) is not None:
             return f"--result-filename: {problem}"
     return None
+
+
+def is_plain_file_name(name: str) -> bool:
+    """``name`` names a file in a directory: not empty, not ``.`` / ``..``, no path separator."""
+    separators = {"/", os.sep} | ({os.altsep} if os.altsep else set())
+    return name not in ("", ".", "..") and not any(sep in name for sep in separators)
+
+
+def context_problem(requests: list[RequestInput], max_model_len: int | None, model: str,
+                    args: argparse.Namespace) -> str | None:
+    """Why the longest drawn request (prompt + output tokens) does not fit the served model's
+    ``max_model_len`` (the server would refuse it), naming the length flags; None when all fit or
+    the server did not say its length."""
+    if max_model_len is None or not requests:
+        return None
+    longest = max(requests, key=lambda r: r.prompt_len + r.output_len)
+    total = longest.prompt_len + longest.output_len
+    if total <= max_model_len:
+        return None
+    flags = f"--random-input-len {args.random_input_len} + --random-output-len {args.random_output_len}"
+    if args.random_prefix_len:
+        flags += f" + --random-prefix-len {args.random_prefix_len}"
+    if args.random_range_ratio:
+        flags += f" (--random-range-ratio {args.random_range_ratio})"
+    return (f"{flags} give requests of up to {total} tokens ({longest.prompt_len} prompt + "
+            f"{longest.output_len} output), more than the max_model_len {max_model_len} of model {model}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,10 +383,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(problem)
         if (problem := check_output(args)) is not None:
             raise ValueError(problem)
+        if (problem := target_flags_problem(args)) is not None:
+            raise ValueError(problem)
         target, vocab_size, avoid = asyncio.run(resolve_target(args))
         requests = sample_random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                           args.random_range_ratio, vocab_size, prefix_len=args.random_prefix_len,
                                           seed=args.seed, avoid_ids=avoid)
+        if (problem := context_problem(requests, target.max_model_len, target.model, args)) is not None:
+            raise ValueError(problem)
         intervals = arrival_intervals(len(requests), args.request_rate, args.burstiness, args.seed)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

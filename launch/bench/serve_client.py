@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -39,6 +41,7 @@ class BenchTarget:
     api_key: str | None = None
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
+    max_model_len: int | None = None  # the served model's context (its /v1/models card), None if not said
 
 
 @dataclass
@@ -101,29 +104,133 @@ def _checkpoint_vocab(path: str | None, need_vocab_size: bool = True) -> tuple[i
     return vocab_size, tuple(special)
 
 
-async def fetch_model_name(base_url: str, api_key: str | None) -> str:
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` is not an http(s) URL with a host (and a valid port, if any), or None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a port that is not a number in 0-65535
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https"):
+        return "no http:// or https:// scheme"
+    if not parts.hostname:
+        return "no host"
+    if port == 0:
+        return "port 0"
+    return None
+
+
+def _host_port_url(host: str, port: int) -> str:
+    """``http://HOST:PORT``, an IPv6 address in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _is_host(host: str, port: int) -> bool:
+    """``host`` is one host name or address: ``http://HOST:PORT`` parses back to that host."""
+    url = _host_port_url(host, port)
+    return (bool(host) and not any(c.isspace() for c in host) and _url_problem(url) is None
+            and urlsplit(url).hostname == host.strip("[]").lower())
+
+
+def base_url_of(args: argparse.Namespace) -> str:
+    return (args.base_url or _host_port_url(args.host, args.port)).rstrip("/")
+
+
+def target_flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags that say where and what to send (one line naming the flag), or
+    None; checked before the server is contacted, as the server would refuse every request (or none
+    could be sent) otherwise."""
+    if not 1 <= args.port <= 65535:
+        return f"--port must be in 1-65535, got {args.port}"
+    if args.base_url is not None:
+        if (problem := _url_problem(args.base_url)) is not None:
+            return f"--base-url must be an http:// or https:// URL with a host ({problem}), got {args.base_url!r}"
+    elif not _is_host(args.host, args.port):
+        return f"--host must be a host name or IP address, got {args.host!r}"
+    endpoint = args.endpoint
+    if not endpoint.startswith("/"):
+        return f"--endpoint must be a path starting with '/', got {endpoint!r}"
+    path = urlsplit(endpoint).path.rstrip("/")
+    if path.endswith("/chat/completions"):
+        return (f"--backend {args.backend} sends completions requests (token-id prompts), not chat ones: "
+                f"--endpoint {endpoint} is the chat API; use --endpoint /v1/completions")
+    if not path.endswith("/completions"):
+        return (f"--backend {args.backend} sends OpenAI completions requests: --endpoint must be a "
+                f"completions path such as /v1/completions, got {endpoint!r}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # SamplingParams' rule
+        return f"--temperature must be a finite number >= 0, got {args.temperature}"
+    if args.vocab_size is not None and args.vocab_size < 1:
+        return f"--vocab-size must be >= 1, got {args.vocab_size}"
+    return None
+
+
+class ModelsUnavailable(ValueError):
+    """``/v1/models`` answered, but not with a model list (an HTTP error or another body)."""
+
+
+async def fetch_models(base_url: str, api_key: str | None) -> list[dict[str, Any]]:
+    """The model cards of ``base_url/v1/models`` (each a dict with a string ``id``), in order.
+    ModelsUnavailable when the server answers otherwise; aiohttp.ClientError when it cannot be reached."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with aiohttp.ClientSession(trust_env=False) as session, \
             session.get(base_url + "/v1/models", headers=headers) as r:
         if r.status != 200:
-            raise ValueError(f"GET {base_url}/v1/models returned {r.status}: {await r.text()}")
-        data = (await r.json())["data"]
-        if not data:
-            raise ValueError(f"{base_url}/v1/models lists no model")
-        return data[0]["id"]
+            raise ModelsUnavailable(f"GET {base_url}/v1/models returned {r.status}: {(await r.text())[:200]}")
+        try:
+            data = (await r.json(content_type=None))["data"]
+        except (json.JSONDecodeError, UnicodeDecodeError, aiohttp.ContentTypeError, KeyError, TypeError):
+            raise ModelsUnavailable(f"GET {base_url}/v1/models did not return a model list") from None
+    if not isinstance(data, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in data):
+        raise ModelsUnavailable(f"GET {base_url}/v1/models did not return a model list")
+    return data
+
+
+async def fetch_model_name(base_url: str, api_key: str | None) -> str:
+    """The server's first model id."""
+    data = await fetch_models(base_url, api_key)
+    if not data:
+        raise ValueError(f"{base_url}/v1/models lists no model")
+    return data[0]["id"]
+
+
+def _card_int(card: dict[str, Any], key: str) -> int | None:
+    value = card.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 async def resolve_target(args: argparse.Namespace) -> tuple[BenchTarget, int, tuple[int, ...]]:
-    """``(BenchTarget, vocab_size, token ids to avoid)`` from the parsed flags."""
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    """``(BenchTarget, vocab_size, token ids to avoid)`` from the parsed flags. ValueError (one line
+    naming the flag) for a model the server does not serve, or a ``--vocab-size`` larger than the
+    vocabulary that ``--tokenizer`` or the server gives."""
+    base_url = base_url_of(args)
     # the local files first: their problems are named whether or not the server is up
     if args.tokenizer is not None and not (Path(args.tokenizer) / "config.json").is_file():
         raise ValueError(f"--tokenizer {args.tokenizer}: no config.json in that directory")
-    found = _checkpoint_vocab(args.tokenizer or args.model, need_vocab_size=args.vocab_size is None)
+    source = args.tokenizer or args.model
+    found = _checkpoint_vocab(source, need_vocab_size=args.vocab_size is None)
+    if args.vocab_size is not None and found is not None and found[0] is not None and args.vocab_size > found[0]:
+        flag = "--tokenizer" if args.tokenizer else "--model"
+        raise ValueError(f"--vocab-size {args.vocab_size} is larger than the vocabulary of {flag} {source} "
+                         f"({found[0]} token ids)")
     try:
-        model = args.model or await fetch_model_name(base_url, args.api_key)
+        cards = await fetch_models(base_url, args.api_key)
     except aiohttp.ClientError as exc:
         raise ValueError(f"cannot reach {base_url}: {exc}") from exc
+    except ModelsUnavailable:
+        if args.model is None:
+            raise
+        cards = None  # the named model cannot be checked: send to it as asked
+    served = [c["id"] for c in cards] if cards is not None else []
+    if cards is not None:
+        if args.model is None and not served:
+            raise ValueError(f"{base_url}/v1/models lists no model")
+        if args.model is not None and args.model not in served:
+            raise ValueError(f"--model {args.model} is not served by {base_url}; it serves: "
+                             f"{', '.join(served) or 'no model'}")
+    model = args.model or served[0]
+    card = next((c for c in cards if c["id"] == model), {}) if cards is not None else {}
     if args.vocab_size is not None:
         vocab, avoid = args.vocab_size, found[1] if found else ()
     elif found is not None and found[0] is not None:  # need_vocab_size: never None here
@@ -131,8 +238,13 @@ async def resolve_target(args: argparse.Namespace) -> tuple[BenchTarget, int, tu
     else:
         raise ValueError("need the vocabulary size for random prompts: pass --vocab-size N or "
                          "--tokenizer CHECKPOINT_DIR (with config.json)")
+    if (served_vocab := _card_int(card, "vocab_size")) is not None and vocab > served_vocab:
+        what = f"--vocab-size {vocab}" if args.vocab_size is not None else f"the vocab_size {vocab} of {source}"
+        raise ValueError(f"{what} is larger than the vocabulary of the served model {model} "
+                         f"({served_vocab} token ids)")
     target = BenchTarget(url=base_url + args.endpoint, model=model, api_key=args.api_key,
-                         ignore_eos=args.ignore_eos, extra_body={"temperature": args.temperature})
+                         ignore_eos=args.ignore_eos, extra_body={"temperature": args.temperature},
+                         max_model_len=_card_int(card, "max_model_len"))
     return target, vocab, avoid
 
 

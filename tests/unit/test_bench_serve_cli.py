@@ -52,9 +52,9 @@ def test_bench_serve_reports_failures_and_bad_flags(capsys):
     engine = FakeEngine(max_model_len=16)
     cfg = SimpleNamespace(api_key=None, served_model_name=None, max_queue_len=64, expert_distribution_dir=None)
     with ServerThread(build_app(engine, cfg)) as srv:
-        # prompts of 32 tokens never fit a 16-token model: every request fails with a 400
-        rc = main(["--base-url", srv.base_url, "--vocab-size", str(VOCAB), "--num-prompts", "2",
-                   "--random-input-len", "32", "--random-output-len", "2", "--disable-tqdm"])
+        # ids drawn from a vocabulary the server does not say it lacks: every request fails with a 400
+        rc = main(["--base-url", srv.base_url, "--vocab-size", "100000", "--num-prompts", "2",
+                   "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm"])
         assert rc == 1
         printed = capsys.readouterr()
         assert "Failed requests:" in printed.out
@@ -67,19 +67,21 @@ def test_bench_serve_reports_failures_and_bad_flags(capsys):
 
 def test_failed_requests_print_their_reasons(capsys):
     engine = FakeEngine(max_model_len=16)
-    cfg = SimpleNamespace(api_key=None, served_model_name=None, max_queue_len=64, expert_distribution_dir=None)
+    cfg = SimpleNamespace(api_key="k", served_model_name=None, max_queue_len=64, expert_distribution_dir=None)
     with ServerThread(build_app(engine, cfg)) as srv:
         common = ["--base-url", srv.base_url, "--vocab-size", str(VOCAB), "--num-prompts", "3",
-                  "--random-output-len", "2", "--disable-tqdm"]
-        assert main([*common, "--random-input-len", "32"]) == 1
+                  "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm"]
+        # a wrong key: /v1/models answers 401, so the named model is sent to unchecked and every request fails
+        assert main([*common, "--api-key", "wrong", "--model", "fake-moe"]) == 1
         out = capsys.readouterr().out
         reasons = out.split("Failure reasons (requests x reason):\n")[1].splitlines()
-        assert len(reasons) == 1 and reasons[0].startswith("  3 x HTTP 400: ")
-        assert "16" in reasons[0]  # the server's reason: the model's length limit
-        assert main([*common, "--random-input-len", "4", "--model", "no-such-model"]) == 1
-        out = capsys.readouterr().out
-        reasons = out.split("Failure reasons (requests x reason):\n")[1].splitlines()
-        assert len(reasons) == 1 and reasons[0].startswith("  3 x HTTP 404: ") and "no-such-model" in reasons[0]
+        assert len(reasons) == 1 and reasons[0].startswith("  3 x HTTP 401: ")
+        assert "API key" in reasons[0]  # the server's reason
+        # a model the server does not serve is refused before any request is sent
+        assert main([*common, "--api-key", "k", "--model", "no-such-model"]) == 2
+        printed = capsys.readouterr()
+        assert printed.out == ""
+        assert printed.err == f"error: --model no-such-model is not served by {srv.base_url}; it serves: fake-moe\n"
 
 
 @pytest.mark.parametrize("flags,line", [
@@ -105,13 +107,18 @@ def test_bad_flags_are_refused_before_contacting_the_server(monkeypatch, capsys,
 
 def test_unwritable_result_paths_are_refused_up_front(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench_serve, "resolve_target", _refuse)
+    monkeypatch.chdir(tmp_path)
     regular = tmp_path / "file"
     regular.write_text("x")
     cases = [(["--save-result", "--result-dir", str(regular)], f"error: --result-dir: {regular} exists and is not a directory"),
+             (["--result-filename", "file/r.json"], f"error: --result-filename: {regular} is not a directory"),
+             (["--result-filename", "."], "error: --result-filename: . is a directory"),
              (["--result-dir", str(tmp_path), "--result-filename", "file/r.json"],
-              f"error: --result-filename: {regular} is not a directory"),
+              "error: --result-filename must be a plain file name (no path separator, not . or ..) inside "
+              "--result-dir, got 'file/r.json'"),
              (["--result-dir", str(tmp_path), "--result-filename", "."],
-              f"error: --result-filename: {tmp_path} is a directory")]
+              "error: --result-filename must be a plain file name (no path separator, not . or ..) inside "
+              "--result-dir, got '.'")]
     for flags, line in cases:
         assert main(["--vocab-size", "9", "--disable-tqdm", *flags]) == 2
         assert capsys.readouterr().err == line + "\n"

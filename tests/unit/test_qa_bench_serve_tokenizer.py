@@ -18,7 +18,7 @@ def no_server(monkeypatch):
     async def refuse(base_url, api_key):
         raise AssertionError("the server was asked")
 
-    monkeypatch.setattr(serve_client, "fetch_model_name", refuse)
+    monkeypatch.setattr(serve_client, "fetch_models", refuse)
 
 
 @pytest.mark.parametrize(("config", "problem"), [
@@ -39,6 +39,11 @@ def test_a_tokenizer_without_a_usable_vocab_size_is_named(config, problem, tmp_p
 
 def test_vocab_size_flag_works_beside_a_config_without_one(tmp_path, monkeypatch) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
+
+    async def models(base_url, api_key):
+        return [{"id": "m", "object": "model"}]
+
+    monkeypatch.setattr(serve_client, "fetch_models", models)
     args = bench_serve.build_parser().parse_args(["--model", "m", "--tokenizer", str(tmp_path), "--vocab-size", "50"])
     target, vocab, avoid = asyncio.run(serve_client.resolve_target(args))
     assert (target.model, vocab, avoid) == ("m", 50, (3, 4))
