@@ -56,8 +56,12 @@ class InputLine:
     params: SamplingParams
 
 
-def check_input_file(path: Path) -> None:
-    """ValueError unless ``path`` is a readable regular file."""
+def check_input_file(path: str | Path) -> None:
+    """ValueError unless ``path`` is a readable regular file. Give the flag's string as typed: ``Path("")``
+    is ``.``, which would read as a directory rather than the empty path it was."""
+    if not os.fspath(path):
+        raise ValueError("--input: an empty path")
+    path = Path(path)
     if not path.exists():
         raise ValueError(f"--input {path}: no such file")
     if path.is_dir():
@@ -68,10 +72,13 @@ def check_input_file(path: Path) -> None:
         raise ValueError(f"--input {path} is not readable")
 
 
-def check_output_path(path: Path, input_path: Path | None = None) -> None:
+def check_output_path(path: str | Path, input_path: str | Path | None = None) -> None:
     """ValueError unless ``path`` can be written as a file (``launch.paths.output_file_problem``) and
-    is not the input."""
-    if input_path is not None and path.exists() and input_path.exists() and os.path.samefile(path, input_path):
+    is not the input. Give the flags' strings as typed, as to ``check_input_file``."""
+    if not os.fspath(path):
+        raise ValueError("--output: an empty path")
+    path = Path(path)
+    if input_path and path.exists() and Path(input_path).exists() and os.path.samefile(path, input_path):
         raise ValueError(f"--output {path} is the input file; write the completions elsewhere")
     problem = output_file_problem(path)
     if problem is not None:
@@ -162,8 +169,9 @@ def _error(problem: object) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = FlagParser(prog="python -m launch generate", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", required=True, type=Path, help="JSONL of prompts")
-    parser.add_argument("--output", required=True, type=Path, help="JSONL written with the completions")
+    # str, not Path: Path("") is ".", so an empty --input/--output would read as a directory
+    parser.add_argument("--input", required=True, help="JSONL of prompts")
+    parser.add_argument("--output", required=True, help="JSONL written with the completions")
     parser.add_argument("--max-tokens", type=int, default=None, help="default max_tokens per request")
     parser.add_argument("--temperature", type=float, default=None, help="default temperature (0 = greedy)")
     add_runtime_args(parser, server=False)  # no server here: --host, --port, --api-key ... would do nothing
@@ -172,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         config = runtime_config_from_args(args)
         check_input_file(args.input)
         check_output_path(args.output, args.input)
+        args.input, args.output = Path(args.input), Path(args.output)
         defaults = {}
         for flag, key, value in (("--max-tokens", "max_tokens", args.max_tokens),
                                  ("--temperature", "temperature", args.temperature)):

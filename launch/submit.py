@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import difflib
 import http.client
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +90,44 @@ def unknown_flag(args: Sequence[str]) -> str | None:
             continue
         close = difflib.get_close_matches(name, list(takes_value), n=1)
         return f"`ray job submit` has no flag {name}" + (f" (did you mean {close[0]}?)" if close else "")
+    return None
+
+
+def _flag_values(args: Sequence[str], name: str) -> list[str]:
+    """Every value given to flag ``name`` before ``--`` (``--flag VALUE`` or ``--flag=VALUE``); a
+    ``--flag`` with nothing after it is left to Ray's CLI."""
+    flags = list(args[: args.index("--")] if "--" in args else args)
+    values = []
+    for i, arg in enumerate(flags):
+        if arg == name and i + 1 < len(flags):
+            values.append(flags[i + 1])
+        elif arg.startswith(name + "="):
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
+def runtime_env_problem(args: Sequence[str]) -> str | None:
+    """Why ``--working-dir`` or ``--runtime-env-json`` cannot work, naming the flag and its value,
+    or None: checked here before the dashboard is asked anything (Ray's CLI finds out only after).
+    A working dir with no ``://`` (a remote URI, which only the cluster can fetch) must be an
+    existing local directory or .zip file; the runtime env JSON must parse to an object."""
+    for value in _flag_values(args, "--working-dir"):
+        if not value:
+            return "--working-dir: an empty path"
+        if "://" in value:
+            continue
+        path = Path(value)
+        if not path.exists():
+            return f"--working-dir {value}: no such directory"
+        if not path.is_dir() and not (path.is_file() and path.suffix == ".zip"):
+            return f"--working-dir {value}: not a directory (nor a .zip file)"
+    for value in _flag_values(args, "--runtime-env-json"):
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            return f"--runtime-env-json {value!r}: not valid JSON ({e})"
+        if not isinstance(parsed, dict):
+            return f"--runtime-env-json {value!r}: must be a JSON object, e.g. '{{\"pip\": [\"requests\"]}}'"
     return None
 
 
@@ -266,9 +305,14 @@ def ray_command() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:
+        print("error: nothing to submit: give `ray job submit` flags and the job's command after `--`, e.g. "
+              "`python -m launch submit --address http://HEAD:8265 --working-dir . -- python -m launch generate "
+              "...` (`python -m launch submit --help` shows the usage)", file=sys.stderr)
+        return EXIT_USAGE
+    if args[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if args else EXIT_USAGE
+        return 0
     if "--" not in args:
         print("error: put the job's command after `--`, e.g. `python -m launch submit --address "
               "http://HEAD:8265 --working-dir . -- python -m launch generate ...`", file=sys.stderr)
@@ -280,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     problem = unknown_flag(args)
     if problem:
         print(f"error: {problem}; see `ray job submit --help`", file=sys.stderr)
+        return EXIT_USAGE
+    problem = runtime_env_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
         address = check_address(args, os.environ)

@@ -489,8 +489,9 @@ def parse_transports(text: str | None, config: RuntimeConfig) -> list[str]:
     bad = [t for t in names if t not in STEP_TRANSPORTS]
     if bad or not names:
         raise ValueError(f"--transports takes a comma-separated list of {list(STEP_TRANSPORTS)}, got {text!r}")
-    if config.parallel.world_size == 1 and len(names) > 1:
-        raise ValueError("--transports compares Ray transports: it needs more than one rank (-dp/-tp)")
+    if config.parallel.world_size == 1:  # one rank steps in this process: no transport to pick, even one
+        raise ValueError(f"--transports {text}: a step transport carries steps between Ray ranks; it needs more "
+                         "than one rank (-dp/-tp)")
     return names
 
 

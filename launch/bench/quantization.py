@@ -22,8 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,10 +137,11 @@ def overall(results: dict[str, dict[str, dict[str, float]]], names: list[str]) -
     return total
 
 
-def check_args(model: str, max_tokens: int, texts: list[Path], json_path: str | None = None) -> None:
+def check_args(model: str, max_tokens: int, texts: Sequence[str | Path], json_path: str | None = None) -> None:
     """ValueError / FileNotFoundError naming the first flag that cannot work, before any model loads:
     --max-tokens, --json (a writable file path), --model (a directory with config.json and
-    tokenizer.json), the --texts files."""
+    tokenizer.json), the --texts files (given as typed: ``Path("")`` is ``.``, a directory, where the
+    user gave an empty path)."""
     from moe.config import ModelConfig
 
     if json_path is not None and (problem := output_file_problem(json_path)) is not None:
@@ -153,6 +155,9 @@ def check_args(model: str, max_tokens: int, texts: list[Path], json_path: str | 
             raise FileNotFoundError(f"--model {model} has no {name}")
     if not texts:
         raise FileNotFoundError(f"no texts to score: {DATA_DIR} holds no *.txt (name files with --texts)")
+    if any(not os.fspath(text) for text in texts):
+        raise ValueError("--texts: an empty path")
+    texts = [Path(text) for text in texts]
     for text in texts:
         if not text.is_file():
             problem = "is a directory, not a file" if text.is_dir() else "no such file"
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     texts = [Path(t) for t in args.texts] if args.texts else sorted(DATA_DIR.glob("*.txt"))
     try:
-        check_args(args.model, args.max_tokens, texts, args.json)
+        check_args(args.model, args.max_tokens, args.texts or texts, args.json)
         from launch.tokenizer import Tokenizer
         from moe.config import ModelConfig
 

@@ -31,6 +31,9 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
     "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
 }
+# the most bytes a memory size may name: beyond it no int64 holds it and no machine has it ("1e400" reads
+# as inf, "1e300" as a 300-digit integer)
+_MAX_MEMORY_BYTES = 2**63
 _MEMORY_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -101,9 +104,14 @@ def parse_memory(value: str | int | float) -> int:
         number, unit = float(m.group(1)), m.group(2).lower()
     if unit not in _UNITS:
         raise ValueError(f"unknown memory unit {unit!r} in {value!r}: use B, KiB/MiB/GiB/TiB, KB/MB/GB/TB or K/M/G/T")
-    if number < 0 or not math.isfinite(number):
+    if math.isnan(number):
+        raise ValueError(f"memory size {value!r} is not a number")
+    if number < 0:
         raise ValueError(f"memory size must be non-negative, got {value!r}")
-    return int(number * _UNITS[unit])
+    num_bytes = number * _UNITS[unit]
+    if not math.isfinite(num_bytes) or num_bytes > _MAX_MEMORY_BYTES:
+        raise ValueError(f"memory size {value!r} is not a finite size (at most 2**63 bytes, 8 EiB)")
+    return int(num_bytes)
 
 
 def format_memory(num_bytes: float) -> str:

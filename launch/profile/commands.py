@@ -49,7 +49,7 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
                    help="redundant experts per layer (default: 0 and 1, 2, 4 per rank)")
     g.add_argument("--recorded-ep", type=_positive, default=None, metavar="N",
                    help="EP size of the recorded run when the dump does not say (default: the first --ep)")
-    g.add_argument("--hierarchical-nodes", type=_positive, default=2,
+    g.add_argument("--hierarchical-nodes", type=_positive, default=None,  # None: not given (study: 2)
                    help="nodes for the hierarchical what-if placement (default 2)")
     g.add_argument("--num-groups", type=_positive, default=None,
                    help="expert groups for hierarchical placement (default: the model's n_group, else --hierarchical-nodes)")
@@ -68,15 +68,22 @@ def report_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if (problem := output_dir_problem(args.out)) is not None:
         parser.error(f"--out: {problem}")
+    from launch.profile.analysis import check_ep_sizes
     from launch.profile.readers import DumpError, read_recording
     from launch.profile.report import write_report
     from launch.profile.study import options_from_args
+    from launch.profile.whatif import default_ep_sizes
 
     try:
         recording = read_recording(args.dumps)
         if recording.skipped:
             print(f"warning: skipped {len(recording.skipped)} dump(s) with no recorded steps: "
                   + ", ".join(path for path, _ in recording.skipped), file=sys.stderr)
+        ep_sizes = args.ep or default_ep_sizes(recording.num_experts)
+        check_ep_sizes(ep_sizes, recording.num_experts)  # as the report would, before the check below
+        if (problem := hierarchical_flags_problem(args, recording.num_experts, recording.num_groups,
+                                                  ep_sizes)) is not None:
+            raise DumpError(problem)
         page = write_report(recording, args.out, options_from_args(args))
     except DumpError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -135,22 +142,59 @@ def run_main(argv: list[str]) -> int:
 
 
 def what_if_sizes_problem(args: argparse.Namespace) -> str | None:
-    """``--ep`` / ``--recorded-ep`` sizes that do not divide the model's experts (one line naming the
-    flag), checked before the run rather than by the report after it; None when they do, or when the
-    model's config cannot be read (``run_and_report`` reports that in its own words)."""
-    if args.ep is None and args.recorded_ep is None:
+    """``--ep`` / ``--recorded-ep`` sizes that do not divide the model's experts, or ``--num-groups`` /
+    ``--hierarchical-nodes`` that no EP size can take (``hierarchical_flags_problem``): one line naming
+    the flag, checked before the run rather than by the report after it; None when they do, or when
+    the model's config cannot be read (``run_and_report`` reports that in its own words)."""
+    if args.ep is None and args.recorded_ep is None and args.num_groups is None and args.hierarchical_nodes is None:
         return None
     from launch.config_args import runtime_config_from_args
+    from launch.profile.whatif import default_ep_sizes
     from moe.config import ModelConfig
 
     try:
         config = runtime_config_from_args(args)
-        num_experts = ModelConfig.from_hf(config.check_model_path()).num_experts
+        model = ModelConfig.from_hf(config.check_model_path())
     except (ValueError, OSError):  # ConfigError is a ValueError
         return None
+    num_experts = model.num_experts
     for flag, sizes in (("--ep", args.ep or []), ("--recorded-ep", [args.recorded_ep] if args.recorded_ep else [])):
         for ep in sizes:
             if num_experts % ep:
                 return (f"{flag} {ep} does not divide the {num_experts} experts of {config.model} "
                         "(each EP rank holds the same number)")
-    return None
+    # the groups the run's dump will record (``Recording.num_groups``): n_group above 1 that divides E
+    n_group = model.n_group if model.n_group and model.n_group > 1 and num_experts % model.n_group == 0 else None
+    return hierarchical_flags_problem(args, num_experts, n_group, args.ep or default_ep_sizes(num_experts))
+
+
+def hierarchical_flags_problem(args: argparse.Namespace, num_experts: int, model_groups: int | None,
+                               ep_sizes: list[int]) -> str | None:
+    """``--num-groups`` / ``--hierarchical-nodes`` given on the command line that leave the hierarchical
+    what-if nothing to place, at any EP size of the grid (one line naming the flags and why), as
+    ``--ep`` sizes that cannot apply are errors. None when some EP size takes them, or when neither
+    flag was given: the defaults that do not fit a model skip quietly (summary.json's
+    ``what_if_skipped``, as do EP sizes the nodes do not divide while others are drawn). Groups as
+    ``study.analyze`` takes them: --num-groups, else the model's (``model_groups``), else one per node."""
+    if args.num_groups is None and args.hierarchical_nodes is None:
+        return None
+    from launch.profile.study import ReportOptions
+
+    nodes = ReportOptions.num_nodes if args.hierarchical_nodes is None else args.hierarchical_nodes
+    groups = args.num_groups or model_groups or nodes
+    source = "" if args.num_groups else " (the model's n_group)" if model_groups else \
+        " (--num-groups defaults to one group per node)"
+    if nodes <= 1:
+        reason = "it needs more than one node"
+    elif num_experts % groups:
+        reason = f"the {num_experts} experts do not form {groups} groups{source}"
+    elif groups % nodes:
+        reason = f"{groups} expert groups{source} do not split over {nodes} nodes"
+    elif all(ep % nodes for ep in ep_sizes):
+        reason = f"no EP size of the what-if ({', '.join(map(str, ep_sizes))}) splits over {nodes} nodes"
+    else:
+        return None
+    given = " ".join(f"{flag} {value}" for flag, value in (("--num-groups", args.num_groups),
+                                                          ("--hierarchical-nodes", args.hierarchical_nodes))
+                     if value is not None)
+    return f"{given}: the hierarchical what-if cannot apply: {reason}"

@@ -96,6 +96,6 @@ def analyze(recording: Recording, options: ReportOptions) -> Analysis:
 
 def options_from_args(args: argparse.Namespace, **extra) -> ReportOptions:
     """ReportOptions from the what-if flags both commands share (``commands.add_report_args``)."""
+    nodes = ReportOptions.num_nodes if args.hierarchical_nodes is None else args.hierarchical_nodes  # None: not given
     return ReportOptions(ep_sizes=args.ep, redundant=args.redundant, recorded_ep=args.recorded_ep,
-                         num_groups=args.num_groups, num_nodes=args.hierarchical_nodes,
-                         progress=not args.no_progress, **extra)
+                         num_groups=args.num_groups, num_nodes=nodes, progress=not args.no_progress, **extra)

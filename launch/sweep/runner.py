@@ -47,6 +47,7 @@ from typing import Any
 from launch.config import RuntimeConfig
 from launch.config_args import FlagParser
 from launch.config_schema import ConfigError, apply_override, load_yaml_mapping
+from launch.paths import output_dir_problem
 from launch.sweep import report
 from launch.sweep.grid import expand_grid, format_settings, parse_grid, point_config, point_key
 from launch.sweep.measure import Workload, run_point, summarize_run
@@ -145,6 +146,8 @@ class SweepPlan:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if args.warmup_prompts < 0 or args.warmup_tokens < 0:
             raise ValueError("--warmup-prompts and --warmup-tokens must be >= 0")
+        if (problem := output_dir_problem(args.out)) is not None:  # a file there: name --out, not an OSError
+            raise ValueError(f"--out: {problem}")
         hardware = check_hardware(args.hardware)  # up front, a resumed sweep's too (it may have nothing left to run)
         name, prompts = load_prompts(args.workload, args.num_prompts)
         workload = Workload(tuple(prompts), args.max_tokens, name)
