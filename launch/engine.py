@@ -31,8 +31,7 @@ from launch.core import (
 from launch.core.outputs import ITERATION_TOKEN_BUCKETS, bucket_index
 from launch.core.sampling_params import encode_bad_words, params_max_logprobs_problem
 from launch.executor import Executor, build_executor
-from launch.generation_config import SAMPLING_KEYS as GENERATION_KEYS
-from launch.generation_config import default_sampling_fields, describe_defaults, generation_config_file
+from launch.generation_config import checked_sampling_defaults, describe_defaults
 from launch.hardware import compute_layout_kv_sizing, deployment_from_config
 from launch.recovery import SERVING, EngineRecovery, Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
@@ -124,31 +123,11 @@ def check_runtime_config(config: RuntimeConfig) -> EnginePlan:
 
 def sampling_defaults(config: RuntimeConfig, model_path: Path) -> dict[str, Any]:
     """The ``SamplingParams`` fields requests take when they leave them out, from the generation
-    config (``launch.generation_config``: engine.generation_config, engine.override_generation_config),
-    checked as ``SamplingParams`` checks them once the overrides replaced the file's values (as vLLM
-    merges them: an override can replace a value of the file that requests could not take);
-    ValueError naming the source and the field otherwise."""
+    config (``launch.generation_config.checked_sampling_defaults``: engine.generation_config, then
+    engine.override_generation_config, checked as ``SamplingParams`` checks them); ValueError naming
+    the source and the field otherwise."""
     e = config.engine
-    fields = default_sampling_fields(model_path, e.generation_config, e.override_generation_config)
-    problem = _sampling_problem(fields)
-    if problem is None:
-        return fields
-    overridden = {GENERATION_KEYS[k] for k, v in e.override_generation_config.items() if v is not None}
-    kept = {k: v for k, v in fields.items() if k not in overridden}  # the file's values still in force
-    file_problem = _sampling_problem(kept)  # the file is to blame when those fail on their own
-    if file_problem is not None:
-        raise ValueError(f"generation config {generation_config_file(model_path, e.generation_config)}: "
-                         f"{file_problem}")
-    raise ValueError(f"generation config override_generation_config: {problem}")
-
-
-def _sampling_problem(fields: dict[str, Any]) -> str | None:
-    """What ``SamplingParams(**fields)`` refuses, or None."""
-    try:
-        SamplingParams(**fields)
-    except ValueError as err:
-        return str(err)
-    return None
+    return checked_sampling_defaults(model_path, e.generation_config, e.override_generation_config)
 
 
 def build_initial_placement(config: RuntimeConfig, model_config: ModelConfig) -> Placement:
