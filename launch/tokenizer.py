@@ -136,7 +136,8 @@ def check_prompt(row: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of non-negative integers")
 
 
-# The roles a chat message may have: the OpenAI server's (``launch.server.protocol.ChatMessage``).
+# The roles a chat message may have, in generate's chat lines and the OpenAI server's requests
+# (``launch.server.protocol.ChatMessage``).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

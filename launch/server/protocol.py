@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from launch.server.tools.requests import ToolCallParam, check_tool_choice, check_tools
-from launch.tokenizer import check_text
+from launch.tokenizer import CHAT_ROLES, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -444,7 +444,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """``tool_calls``: an assistant turn's calls; ``tool_call_id``: the call a ``tool`` message answers."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[CHAT_ROLES]  # the roles generate's chat lines take too (launch.tokenizer)
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None
