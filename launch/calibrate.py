@@ -170,17 +170,13 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
     params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + context + 8, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(engine.next_request_id(), [rng.choice(vocab) for _ in range(context)], params)
-    counters = engine.counters
+    counters = engine.counters  # worker_cpu: the slowest rank's CPU time in the step, as the sweep measures it
+    now = (lambda: counters.worker_cpu_seconds_total) if clock == "worker_cpu" else CLOCKS[clock]
     timed, seen = [], 0
     for _ in range(steps + warmup + 4 * (batch * context // 16 + 8)):
-        if clock == "worker_cpu":  # the slowest rank's CPU time in the step, as the sweep measures it
-            start = counters.worker_cpu_seconds_total
-            engine.step()
-            wall = counters.worker_cpu_seconds_total - start
-        else:
-            start = CLOCKS[clock]()
-            engine.step()
-            wall = CLOCKS[clock]() - start
+        start = now()
+        engine.step()
+        wall = now() - start
         batches = recorder.last.batches
         if sum(b.num_seqs for b in batches) == batch and all(b.num_tokens == b.num_seqs for b in batches):
             seen += 1
@@ -194,7 +190,7 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
 def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 16, ranks: int = 1,
                          clock: str = "wall") -> tuple[float, np.ndarray | None]:
     """(median seconds of a decode step of ``batch`` sequences, the [L_moe, E] tokens per logical
-    expert the engine routed in its steps, None without MoE layers): the load the operator model
+    expert the engine routed in its steps, None without MoE layers or routed tokens): the load the operator model
     is fed, so a model whose routers favour a few experts (a skewed tiny checkpoint) is modelled
     reading the experts its steps touch, not all of them."""
     from launch.config import RuntimeConfig
@@ -214,7 +210,7 @@ def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 1
         load = None
         if engine.eplb is not None and engine.eplb.stats.num_steps:
             load = engine.eplb.stats.logical_load(engine.eplb.placement.phy2log).numpy().astype(np.float64)
-        return seconds, load
+        return seconds, load if load is not None and load.sum() else None
     finally:
         engine.shutdown()
 
@@ -295,7 +291,8 @@ def engine_depths(config: ModelConfig) -> tuple[int, ...]:
 def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None], clock: str = "wall",
                              model: str | None = None) -> dict[str, float]:
     """The overhead fields (``fit_overheads``): engine decode steps minus the operator model,
-    on ``model`` (a checkpoint dir; default a tiny DeepSeek-V3) at two depths."""
+    on ``model`` (a checkpoint dir; default a tiny DeepSeek-V3) at two depths; and the
+    ``memory_bandwidth`` the operator model used for them (the model's weights' read rate)."""
     from launch.tiny_checkpoint import make_tiny_checkpoint
 
     samples = []
@@ -313,7 +310,7 @@ def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None
             dep = Deployment(dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256, kv_capacity_tokens=2048)
             for batch in ENGINE_BATCHES:
                 measured, load = _engine_step_seconds(model_dir, batch, dtype, clock=clock)
-                rank_load = build_rank_load(mc, dep, expert_load=load if load is not None and load.sum() else None)
+                rank_load = build_rank_load(mc, dep, expert_load=load)
                 predicted = predict_phase(mc, dep, hw, rank_load, decode_work(batch, 17), decode=True).step_ms / 1e3
                 log(f"engine decode step: {depth} layer(s), batch {batch}: {measured * 1e3:.2f} ms measured, "
                     f"{predicted * 1e3:.2f} ms from operators")
@@ -336,7 +333,7 @@ def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Calla
                          kv_capacity_tokens=2048)
         batch = 4
         measured, load = _engine_step_seconds(model_dir, batch, dtype, ranks=ranks, clock=clock)
-        rank_load = build_rank_load(mc, dep, expert_load=load if load is not None and load.sum() else None)
+        rank_load = build_rank_load(mc, dep, expert_load=load)
         per_rank = decode_work(max(1, batch // ranks), 17)
         model = predict_phase(mc, dep, hw, rank_load, per_rank, decode=True).step_ms / 1e3
         what = "the slowest rank's CPU time" if clock == "cpu" else "wall"

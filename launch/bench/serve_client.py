@@ -187,14 +187,6 @@ async def fetch_models(base_url: str, api_key: str | None) -> list[dict[str, Any
     return data
 
 
-async def fetch_model_name(base_url: str, api_key: str | None) -> str:
-    """The server's first model id."""
-    data = await fetch_models(base_url, api_key)
-    if not data:
-        raise ValueError(f"{base_url}/v1/models lists no model")
-    return data[0]["id"]
-
-
 def _card_int(card: dict[str, Any], key: str) -> int | None:
     value = card.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
