@@ -25,6 +25,7 @@ EP group with ``compute_global_limits`` + ``apply_slot_limits`` after its count 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -73,6 +74,17 @@ class CapacityConfig:
     @property
     def enabled(self) -> bool:
         return self.capacity_factor > 0
+
+    @property
+    def drops_in_token_order(self) -> bool:
+        """Policy "position", overflow "drop", no renormalisation: what ``moe.kernels.capacity_drop``
+        (and the fused MoE op) enforce on CPU in one pass."""
+        return self.policy == "position" and self.overflow == "drop" and not self.renormalize
+
+    def capacity_for(self, num_tokens: int, num_slots: int, top_k: int) -> int | None:
+        """C for one layer call of ``num_tokens`` rows (``compute_capacity``; remembered per shape:
+        a decode step asks with the same T every layer)."""
+        return _capacity_cached(num_tokens, num_slots, top_k, self.capacity_factor, self.min_capacity)
 
     @property
     def is_local(self) -> bool:
@@ -153,6 +165,12 @@ def compute_capacity(
         return None
     cap = torch.ceil((num_tokens / num_slots) * torch.tensor(capacity_factor * top_k)).to(torch.int64)
     return max(int(cap), int(min_capacity))
+
+
+@functools.lru_cache(maxsize=1024)
+def _capacity_cached(num_tokens: int, num_slots: int, top_k: int, capacity_factor: float, min_capacity: int
+                     ) -> int | None:
+    return compute_capacity(num_tokens, num_slots, top_k, capacity_factor, min_capacity)
 
 
 def compute_slot_positions(

@@ -167,7 +167,8 @@ class MoELayer(WatchedModule):
         """``kernels.moe_ffn`` with this layer's router and expert weights bound, when it can stand in
         for this forward on x [T, D] (``_fused_ffn_weights``), else None. The op maps x [T, D] ->
         [T, D] and reads the placement (log2phy, logcnt, rank, slot_load) at each call; its weights
-        hold until one of them or a switch changes."""
+        hold until one of them or a switch changes. With a local capacity it drops over-capacity
+        assignments in token order as ``_apply_capacity`` does, counting them in ``counters``."""
         fused = self._fused_ffn_weights(x) if self.use_fused_ffn else None
         if fused is None:
             return None
@@ -175,19 +176,34 @@ class MoELayer(WatchedModule):
         run = kernels.moe_ffn_op(gate._parameters["weight"], **gate.selection_args(), packed=fused[0],
                                  shared=fused[1], gate_parts=gate.logits_parts(x))
         buffers = self._buffers
+        cap = self.capacity
+        if cap is None:
+            def ffn(x: torch.Tensor) -> torch.Tensor:
+                return run(x, buffers["log2phy"], buffers["logcnt"], self.rank, buffers["slot_load"])
 
-        def ffn(x: torch.Tensor) -> torch.Tensor:
-            return run(x, buffers["log2phy"], buffers["logcnt"], self.rank, buffers["slot_load"])
+            return ffn
+        dropped = torch.zeros(1, dtype=torch.int64)
+        counters, top_k = self.counters, self.top_k
 
-        return ffn
+        def ffn_capped(x: torch.Tensor) -> torch.Tensor:
+            load = buffers["slot_load"]
+            limit = cap.capacity_for(x.shape[0], load.shape[0], top_k)
+            out = run(x, buffers["log2phy"], buffers["logcnt"], self.rank, load, limit, dropped)
+            counters["dropped"] += int(dropped[0])
+            return out
+
+        return ffn_capped
 
     def _fused_ffn_weights(self, x: torch.Tensor
                            ) -> tuple[kernels.PackedExperts, kernels.PackedExperts | None] | None:
         """(routed, shared or None) packed weights when ``kernels.moe_ffn`` can stand in for this
-        forward on x [T, D], else None: one rank hosts every slot (no dispatcher, no capacity), and
-        every op of the op-by-op path would take its CPU kernel (router selection, the routed
-        experts from the router's output, the shared experts)."""
-        if self.capacity is not None or type(self.dispatcher) is not LocalDispatcher:
+        forward on x [T, D], else None: one rank hosts every slot (no dispatcher), any local capacity
+        drops in token order (``CapacityConfig.drops_in_token_order``), and every op of the op-by-op
+        path would take its CPU kernel (router selection, the routed experts from the router's
+        output, the shared experts)."""
+        if self.capacity is not None and not self.capacity.drops_in_token_order:
+            return None
+        if type(self.dispatcher) is not LocalDispatcher:
             return None
         if self.count_rows is not None:  # padded rows must count nothing in slot_load: the op counts every row
             return None
@@ -217,6 +233,14 @@ class MoELayer(WatchedModule):
         slot_ids / weights / topk_ids: [T, K]; scores: [T, E] router selection scores (reroute only)."""
         cap = self.capacity
         assert cap is not None
+        if (cap.drops_in_token_order and slot_ids.is_cpu and weights.is_cpu and kernels.is_available()
+                and not kernels.needs_autograd(weights)):
+            # one pass in C++: the values apply_capacity gives below, without its ~20 tensor ops
+            limit = cap.capacity_for(slot_ids.shape[0], self.num_physical_slots, max(slot_ids.shape[1], 1))
+            if limit is not None:
+                ids, kept_weights, dropped = kernels.capacity_drop(slot_ids, weights, self.num_physical_slots, limit)
+                self.counters["dropped"] += dropped
+                return ids, kept_weights
         slot_scores = None if scores is None else compute_slot_scores(scores, topk_ids, self.phy2log)
         result = apply_capacity(slot_ids, weights, self.num_physical_slots, cap.capacity_factor,
                                 min_capacity=cap.min_capacity, policy=cap.policy, overflow=cap.overflow,

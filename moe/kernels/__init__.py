@@ -99,6 +99,7 @@ LIBRARY_GEMM_MIN_ROWS = 512
 # "no tensor" for the ops' optional arguments (bias, row weights): one shared empty tensor instead
 # of a new one per call (the ops only read it)
 _NONE = torch.empty(0, dtype=torch.float32)
+_NO_COUNT = torch.zeros(0, dtype=torch.int64)  # moe_ffn's dropped count without a capacity: never written
 
 
 @dataclass(frozen=True)
@@ -401,28 +402,31 @@ def gqa_decode_attention_op(weights: tuple[torch.Tensor, ...], biases: tuple[tor
 def moe_ffn(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int,
             n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, log2phy: torch.Tensor,
             logcnt: torch.Tensor, rank: int, slot_load: torch.Tensor, packed: PackedExperts,
-            shared: PackedExperts | None, gate_parts: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE feed-forward of a rank hosting every physical slot (no dispatch, no capacity) in one op;
-    bit-equal to ``moe.moe_layer.MoELayer.forward``'s op-by-op kernel path.
+            shared: PackedExperts | None, gate_parts: torch.Tensor | None = None, capacity: int | None = None,
+            dropped: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE feed-forward of a rank hosting every physical slot (no dispatch) in one op; bit-equal
+    to ``moe.moe_layer.MoELayer.forward``'s op-by-op kernel path.
 
     x: [T, D] float32 or bfloat16; gate_weight: [E, D] float32; bias: [E] float32 (noaux_tc) or None;
     the routing arguments as ``route_topk`` takes them; log2phy: [E, R] int64, logcnt: [E] int64, rank:
     ``choose_replicas``' arguments; slot_load: [P] int64, incremented in place by the assignments per
     slot; packed: the routed experts (P slots); shared: the shared experts as one slot, or None;
-    gate_parts: ``router_split(gate_weight)`` or None, as ``router_logits`` takes it.
+    gate_parts: ``router_split(gate_weight)`` or None, as ``router_logits`` takes it; capacity: C
+    assignments per slot kept as ``capacity_drop`` keeps them (after slot_load counted the demand), None:
+    dropless; dropped: [1] int64 set to the assignments dropped (needed with a capacity).
     Returns [T, D] in x's dtype."""
     run = moe_ffn_op(gate_weight, bias, sigmoid=sigmoid, method=method, n_group=n_group, topk_group=topk_group,
                      top_k=top_k, norm_topk_prob=norm_topk_prob, scaling=scaling, packed=packed, shared=shared,
                      gate_parts=gate_parts)
-    return run(x, log2phy, logcnt, rank, slot_load)
+    return run(x, log2phy, logcnt, rank, slot_load, capacity, dropped)
 
 
 def moe_ffn_op(gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid: bool, method: int, n_group: int,
                topk_group: int, top_k: int, norm_topk_prob: bool, scaling: float, packed: PackedExperts,
                shared: PackedExperts | None, gate_parts: torch.Tensor | None = None) -> Callable[..., torch.Tensor]:
     """``moe_ffn`` with one layer's router and expert weights bound once: returns
-    ``run(x, log2phy, logcnt, rank, slot_load)`` (the placement, read per call since a rebalance
-    replaces it) -> [T, D]."""
+    ``run(x, log2phy, logcnt, rank, slot_load, capacity=None, dropped=None)`` (the placement, read per
+    call since a rebalance replaces it; the capacity, which depends on T) -> [T, D]."""
     parts = gate_parts if gate_parts is not None else _NONE
     routing = (gate_weight, parts, bias if bias is not None else _NONE, sigmoid, method, n_group, topk_group, top_k,
                norm_topk_prob, scaling)
@@ -430,11 +434,26 @@ def moe_ffn_op(gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid:
     weights = (packed.w13p, packed.s13, packed.w2p, packed.s2, *sh)
     op = torch.ops.moe_kernels.moe_ffn.default
 
-    def run(x: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, rank: int,
-            slot_load: torch.Tensor) -> torch.Tensor:
-        return op(x, *routing, log2phy, logcnt, rank, slot_load, *weights)
+    def run(x: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, rank: int, slot_load: torch.Tensor,
+            capacity: int | None = None, dropped: torch.Tensor | None = None) -> torch.Tensor:
+        if capacity is None:
+            return op(x, *routing, log2phy, logcnt, rank, slot_load, *weights, -1, _NO_COUNT)
+        if dropped is None:
+            raise ValueError("moe_ffn with a capacity needs dropped: a [1] int64 tensor for the count")
+        return op(x, *routing, log2phy, logcnt, rank, slot_load, *weights, capacity, dropped)
 
     return run
+
+
+def capacity_drop(slot_ids: torch.Tensor, weights: torch.Tensor, num_slots: int, capacity: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Local capacity with policy "position" and overflow "drop", no renormalisation, in one CPU op:
+    of each slot's assignments in token order (then k) the first ``capacity`` are kept, the rest get
+    slot -1 and weight 0. slot_ids: [T, K] int64 in [0, num_slots) or -1; weights: [T, K].
+    Returns (slot ids [T, K] int64, weights [T, K] float32, dropped): the values
+    ``moe.capacity.apply_capacity`` gives for those settings, in new tensors."""
+    ids, w, dropped = torch.ops.moe_kernels.capacity_drop(slot_ids, weights, num_slots, capacity)
+    return ids, w, int(dropped)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

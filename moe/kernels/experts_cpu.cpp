@@ -1075,6 +1075,45 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   return acc.narrow(1, 0, D);
 }
 
+// Local capacity with policy "position" and overflow "drop" (moe.capacity.apply_capacity without
+// renormalisation): of each slot's assignments in row-major order (token, then k), the first `capacity`
+// are kept and the rest get slot -1 and weight 0, in place. Assignments already at -1 get weight 0 and
+// are not counted. slots, weights: n contiguous entries; slots below P. Returns how many were dropped.
+static int64_t drop_over_capacity(int64_t* slots, float* weights, int64_t n, int64_t P, int64_t capacity) {
+  std::vector<int64_t> kept(P, 0);
+  int64_t dropped = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t s = slots[j];
+    if (s < 0) {
+      weights[j] = 0.0f;
+      continue;
+    }
+    TORCH_CHECK(s < P, "moe_kernels: slot id ", s, " outside ", P, " slots");
+    if (kept[s] < capacity) {
+      ++kept[s];
+    } else {
+      slots[j] = -1;
+      weights[j] = 0.0f;
+      ++dropped;
+    }
+  }
+  return dropped;
+}
+
+// slot_ids [T, K] int64 (-1: already dropped) and weights [T, K] (any float dtype) -> (slot ids [T, K]
+// int64, weights [T, K] float32, dropped: a 0-dim int64) after drop_over_capacity, in new tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> capacity_drop(const at::Tensor& slot_ids, const at::Tensor& weights,
+                                                             int64_t num_slots, int64_t capacity) {
+  TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.scalar_type() == at::kLong && weights.sizes() == slot_ids.sizes(),
+              "moe_kernels: capacity_drop takes slot_ids [T, K] int64 and weights [T, K]");
+  TORCH_CHECK(num_slots >= 1 && capacity >= 0, "moe_kernels: capacity_drop needs num_slots >= 1 and capacity >= 0");
+  at::Tensor ids = slot_ids.contiguous().clone(at::MemoryFormat::Contiguous);
+  at::Tensor w = weights.to(at::kFloat).contiguous().clone(at::MemoryFormat::Contiguous);
+  const int64_t dropped = drop_over_capacity(ids.data_ptr<int64_t>(), w.data_ptr<float>(), ids.numel(), num_slots,
+                                             capacity);
+  return {ids, w, at::scalar_tensor(dropped, at::TensorOptions().dtype(at::kLong))};
+}
+
 at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights,
                                 const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p,
                                 const at::Tensor& s2) {
@@ -1903,14 +1942,16 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
 // offset (the n-th assignment of expert e in the batch, row-major, goes to replica (n + rank) %
 // logcnt[e]); slot_load: [P] int64, += the assignments per slot; routed experts packed as
 // experts_forward_topk takes them (P slots); the shared experts as a one-slot experts_forward weight,
-// or sh_w13p empty without shared experts.
+// or sh_w13p empty without shared experts; capacity >= 0: local capacity enforced on the slots as
+// moe.capacity.apply_capacity does with policy "position", overflow "drop" and no renormalisation
+// (after slot_load counted the demand), with the number dropped written to dropped [1] int64.
 // Returns [T, D] in x's dtype: (routed sum in fp32 + shared output) rounded once.
 at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tensor& gate_parts, const at::Tensor& bias,
                    bool sigmoid, int64_t method, int64_t n_group, int64_t topk_group, int64_t top_k,
                    bool norm_topk_prob, double scaling, const at::Tensor& log2phy, const at::Tensor& logcnt,
                    int64_t rank, at::Tensor slot_load, const at::Tensor& w13p, const at::Tensor& s13,
                    const at::Tensor& w2p, const at::Tensor& s2, const at::Tensor& sh_w13p, const at::Tensor& sh_s13,
-                   const at::Tensor& sh_w2p, const at::Tensor& sh_s2) {
+                   const at::Tensor& sh_w2p, const at::Tensor& sh_s2, int64_t capacity, at::Tensor dropped) {
   TORCH_CHECK(x.dim() == 2 && gate_w.dim() == 2 && gate_w.size(1) == x.size(1), "moe_kernels: x [T, D] and "
               "gate_w [E, D] expected");
   const int64_t T = x.size(0), E = gate_w.size(0), P = slot_load.size(0);
@@ -1935,6 +1976,11 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tens
     TORCH_CHECK(slot >= 0 && slot < P, "moe_kernels: expert ", e, " maps to slot ", slot, " outside ", P, " slots");
     sp[j] = slot;
     ++load[slot];
+  }
+  if (capacity >= 0) {
+    TORCH_CHECK(dropped.numel() == 1 && dropped.scalar_type() == at::kLong, "moe_kernels: dropped [1] int64 expected");
+    TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous(), "moe_kernels: route_topk's weights");
+    dropped.data_ptr<int64_t>()[0] = drop_over_capacity(sp, weights.data_ptr<float>(), n, P, capacity);
   }
   at::Tensor out = experts_topk_rows(x, slots, weights, w13p, s13, w2p, s2);  // [T, D] fp32, rows maybe padded
   const Isa& isa = current_isa();
@@ -2095,7 +2141,8 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("moe_ffn(Tensor x, Tensor gate_w, Tensor gate_parts, Tensor bias, bool sigmoid, int method, int n_group, "
         "int topk_group, int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, "
         "Tensor(a!) slot_load, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, "
-        "Tensor sh_w2p, Tensor sh_s2) -> Tensor");
+        "Tensor sh_w2p, Tensor sh_s2, int capacity, Tensor(b!) dropped) -> Tensor");
+  m.def("capacity_drop(Tensor slot_ids, Tensor weights, int num_slots, int capacity) -> (Tensor, Tensor, Tensor)");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
   m.def("bf16_dot_rate() -> float", &moe_kernels::bf16_dot_rate);
@@ -2119,4 +2166,5 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("mla_decode_attention", &moe_kernels::mla_decode_attention);
   m.impl("gqa_decode_attention", &moe_kernels::gqa_decode_attention);
   m.impl("moe_ffn", &moe_kernels::moe_ffn);
+  m.impl("capacity_drop", &moe_kernels::capacity_drop);
 }

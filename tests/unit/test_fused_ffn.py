@@ -171,8 +171,10 @@ def test_moe_ffn_steps_aside_where_an_op_would_not_run_its_kernel(kernel_isas: l
         setattr(module, attr, False)
         assert layer._fused_ffn_weights(x) is None
         setattr(module, attr, True)
-    layer.capacity = CapacityConfig(1.0)  # local capacity enforcement stays op by op
+    layer.capacity = CapacityConfig(1.0, policy="score")  # a capacity kept by router score stays op by op
     assert layer._fused_ffn_weights(x) is None
+    layer.capacity = CapacityConfig(1.0)  # dropped in token order: in the op
+    assert layer._fused_ffn_weights(x) is not None
     layer.capacity = None
 
     class Remote:  # any dispatcher other than the local one (EP over ranks)
@@ -183,3 +185,60 @@ def test_moe_ffn_steps_aside_where_an_op_would_not_run_its_kernel(kernel_isas: l
     assert layer._fused_ffn_weights(x) is None
     layer.dispatcher = local
     assert layer._fused_ffn_weights(x) is not None
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_ffn_enforces_a_local_capacity_like_the_op_by_op_path(kernel_isas: list[str],
+                                                                  hf_checkpoints: dict[str, Path], family: str,
+                                                                  dtype: torch.dtype,
+                                                                  ffn_calls: list[tuple[int, ...]]) -> None:
+    """A capacity factor that drops in token order (policy position, overflow drop) stays in the one
+    op: the same bits, slot load (demand, before the drops) and dropped count as op by op, where the
+    drops themselves are moe.capacity.apply_capacity's."""
+    layer = _moe_layer(hf_checkpoints[family], dtype)
+    d = layer.experts.w13.shape[-1]
+    layer.capacity = CapacityConfig(0.5)
+    for isa in kernel_isas:
+        kernels.select_isa(isa)
+        for rows in (1, 7, 33):
+            x = torch.randn(rows, d, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            counts = []
+            for fused in (True, False):
+                layer.counters["dropped"] = 0
+                layer.use_fused_ffn = fused
+                layer.slot_load.zero_()
+                with torch.no_grad():
+                    out = layer(x)
+                counts.append((out, layer.slot_load.clone(), layer.counters["dropped"]))
+            (out, load, dropped), (want, want_load, want_dropped) = counts
+            assert torch.equal(out, want) and torch.equal(load, want_load), (isa, rows)
+            assert dropped == want_dropped and load.sum().item() == rows * layer.top_k
+            assert (dropped > 0) == (rows > 1)  # C = ceil(T / E * 0.5 * K): one row fits, 7 rows overflow
+    kernels.select_isa("auto")
+    assert ffn_calls == [(rows, d) for _ in kernel_isas for rows in (1, 7, 33)]
+    layer.use_fused_ffn = True
+    for other in (CapacityConfig(0.5, policy="score"), CapacityConfig(0.5, overflow="reroute"),
+                  CapacityConfig(0.5, renormalize=True)):
+        layer.capacity = other  # the other settings stay op by op
+        assert layer._fused_ffn_weights(x) is None
+
+
+@pytest.mark.parametrize("min_capacity", [0, 3])
+def test_capacity_drop_is_apply_capacity_in_token_order(kernel_isas: list[str], min_capacity: int) -> None:
+    from moe.capacity import apply_capacity, compute_capacity
+
+    gen = torch.Generator().manual_seed(min_capacity)
+    for tokens, top_k, slots in ((1, 2, 8), (40, 2, 8), (64, 6, 20), (0, 2, 4)):
+        ids = torch.stack([torch.randperm(slots, generator=gen)[:top_k] for _ in range(tokens)]
+                          or [torch.zeros(0, top_k, dtype=torch.int64)]).reshape(tokens, top_k)
+        ids[torch.rand(ids.shape, generator=gen) < 0.1] = -1  # already dropped upstream (a global cap)
+        weights = torch.rand(ids.shape, generator=gen).to(torch.bfloat16)
+        limit = compute_capacity(tokens, slots, top_k, 0.7, min_capacity)
+        want = apply_capacity(ids, weights, slots, 0.7, min_capacity=min_capacity)
+        got_ids, got_w, dropped = kernels.capacity_drop(ids, weights, slots, limit)
+        assert got_ids.shape == got_w.shape == (tokens, top_k) and got_w.dtype == torch.float32
+        assert torch.equal(got_ids, want.topk_ids) and torch.equal(got_w, want.topk_weights)
+        assert dropped == want.stats.dropped and (tokens < 40 or dropped > 0)
+    with pytest.raises(RuntimeError, match="slot id 9 outside 8 slots"):
+        kernels.capacity_drop(torch.tensor([[9, 0]]), torch.ones(1, 2), 8, 1)
