@@ -15,9 +15,11 @@ Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
   DeepSeek-V3 checkpoint) at its depth and one layer less, at 1, 4 and 8 sequences, the
   operator model fed the expert load those steps routed; what it does not explain is fit as
   per-step, per-layer, per-sequence and per-sequence-per-layer overheads (least squares, each >= 0);
-- with ``--ray-ranks N``, what an N-rank EP instance on Ray adds per step over the operator model
-  (the driver/actor round trip, the dispatcher's host work): wall time, or with ``--clock cpu``
-  the slowest rank's CPU time per step (what a sweep's ``measured_step_cpu_ms`` is).
+- with ``--ray-ranks N``, what an N-rank instance on Ray adds per step over the operator model, for
+  each kind of instance: TP, EP (DP attention + expert parallel) and DP replicas without EP (the
+  driver/actor round trip, TP's per-layer host work around its collectives, EP's dispatcher): wall
+  time, or with ``--clock cpu`` the slowest rank's CPU time per step (a sweep's
+  ``measured_step_cpu_ms``).
 
 On a GPU cluster, ``--base h100 --nccl-table all_to_all_perf.txt:alltoall:16 ...`` writes the
 shipped hardware with the measured link tables added instead (nothing measured here).
@@ -49,6 +51,7 @@ from moe.config import ModelConfig
 from moe.loading.checkpoint import resolve_checkpoint_files
 from moe.loading.errors import NoWeightsError
 from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
+from parallel.costmodel.hardware import MULTI_RANK_KINDS
 from parallel.costmodel.memory import weight_bytes_per_rank
 from parallel.costmodel.microbench import DTYPES as GEMM_DTYPES
 from parallel.costmodel.microbench import (
@@ -187,21 +190,37 @@ def time_decode_steps(engine: object, batch: int, context: int, steps: int, warm
     raise RuntimeError(f"only {len(timed)} of {steps} steps decoded all {batch} sequences")
 
 
-def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 16, ranks: int = 1,
-                         clock: str = "wall") -> tuple[float, np.ndarray | None]:
-    """(median seconds of a decode step of ``batch`` sequences, the [L_moe, E] tokens per logical
-    expert the engine routed in its steps, None without MoE layers or routed tokens): the load the operator model
-    is fed, so a model whose routers favour a few experts (a skewed tiny checkpoint) is modelled
-    reading the experts its steps touch, not all of them."""
+def multi_rank_layout(kind: str, ranks: int) -> tuple[dict[str, object], dict[str, int]]:
+    """(the runtime config's ``parallel`` section, ``Deployment`` fields) of a ``ranks``-rank
+    instance of ``kind`` (``MULTI_RANK_KINDS``: "tp", "ep" = DP attention + expert parallel, "dp"
+    = replicas without EP); "one" for a single rank."""
+    if kind == "tp":
+        return {"tensor_parallel_size": ranks}, {"tp": ranks}
+    if kind == "ep":
+        return {"data_parallel_size": ranks, "enable_expert_parallel": True}, {"dp": ranks, "ep": ranks}
+    if kind == "dp":
+        return {"data_parallel_size": ranks}, {"dp": ranks}
+    if kind == "one":
+        return {}, {}
+    raise ValueError(f"unknown multi-rank kind {kind!r}; expected one of {', '.join(MULTI_RANK_KINDS)}")
+
+
+def _engine_step_seconds(model_dir: Path, batch: int, dtype: str, steps: int = 16, kind: str = "one",
+                         ranks: int = 1, clock: str = "wall") -> tuple[float, np.ndarray | None]:
+    """(median seconds of a decode step of ``batch`` sequences on a ``ranks``-rank instance of
+    ``kind`` (``multi_rank_layout``), the [L_moe, E] tokens per logical expert the engine routed in
+    its steps, None without MoE layers or routed tokens): the load the operator model is fed, so a
+    model whose routers favour a few experts (a skewed tiny checkpoint) is modelled reading the
+    experts its steps touch, not all of them."""
     from launch.config import RuntimeConfig
     from launch.engine import LLMEngine
 
+    parallel, _ = multi_rank_layout(kind, ranks)
+    # CPU-time calibrations stand for ranks of one thread on their own cores, as a sweep pins them
+    parallel = {**parallel, "enable_cpu_pinning": clock == "cpu" and ranks > 1}
     cfg = RuntimeConfig.from_dict({"model": str(model_dir), "engine": {
         "dtype": dtype, "max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 256,
-        "block_size": 16, "num_kv_blocks": 128},
-        # CPU-time calibrations stand for ranks of one thread on their own cores, as a sweep pins them
-        "parallel": {"data_parallel_size": ranks, "enable_expert_parallel": ranks > 1,
-                     "enable_cpu_pinning": clock == "cpu" and ranks > 1}})
+        "block_size": 16, "num_kv_blocks": 128}, "parallel": parallel})
     engine = LLMEngine(cfg)
     try:
         # ranks on Ray actors: their CPU time, not this driver's (which only waits for them)
@@ -318,29 +337,38 @@ def measure_engine_overheads(hw: Hardware, dtype: str, log: Callable[[str], None
     return {"memory_bandwidth": bandwidth, **fit_overheads(samples)}
 
 
-def measure_multi_rank_overhead(hw: Hardware, dtype: str, ranks: int, log: Callable[[str], None],
-                                model: str | None = None, clock: str = "wall") -> float:
-    """Seconds per step a ``ranks``-rank EP instance of ``model`` (default a tiny DeepSeek-V3)
-    on Ray adds over the operator model and the single-rank overheads: the driver/actor
-    round trip and the EP dispatcher's host work (the collectives themselves are modelled)."""
+def measure_multi_rank_overheads(hw: Hardware, dtype: str, ranks: int, log: Callable[[str], None],
+                                 model: str | None = None, clock: str = "wall",
+                                 kinds: tuple[str, ...] = MULTI_RANK_KINDS) -> dict[str, float]:
+    """Seconds per step a ``ranks``-rank instance of ``model`` (default a tiny DeepSeek-V3) on Ray
+    adds over the operator model and the single-rank overheads, per kind of instance (``kinds``
+    of ``MULTI_RANK_KINDS``): the driver/actor round trip, and what each kind's host work adds
+    beyond its modelled collectives (TP's in every layer, EP's dispatcher). A kind the model cannot
+    be split by (TP over heads that do not divide) is logged and left out."""
     from launch.tiny_checkpoint import make_tiny_checkpoint
 
-    residuals = []
+    out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(model) if model else make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
         mc = ModelConfig.from_hf(model_dir)
-        dep = Deployment(dp=ranks, ep=ranks, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256,
-                         kv_capacity_tokens=2048)
-        batch = 4
-        measured, load = _engine_step_seconds(model_dir, batch, dtype, ranks=ranks, clock=clock)
-        rank_load = build_rank_load(mc, dep, expert_load=load)
-        per_rank = decode_work(max(1, batch // ranks), 17)
-        model = predict_phase(mc, dep, hw, rank_load, per_rank, decode=True).step_ms / 1e3
-        what = "the slowest rank's CPU time" if clock == "cpu" else "wall"
-        log(f"engine decode step on {ranks} Ray ranks, batch {batch}: {measured * 1e3:.2f} ms measured ({what}), "
-            f"{model * 1e3:.2f} ms modelled without the round trip")
-        residuals.append(measured - model)
-    return max(0.0, statistics.median(residuals))
+        batch = 2 * ranks
+        for kind in kinds:
+            _, fields = multi_rank_layout(kind, ranks)
+            try:
+                dep = Deployment(**fields, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256,
+                                 kv_capacity_tokens=2048)
+                measured, load = _engine_step_seconds(model_dir, batch, dtype, kind=kind, ranks=ranks, clock=clock)
+            except ValueError as e:
+                log(f"{kind.upper()}{ranks} not timed: {e}")
+                continue
+            rank_load = build_rank_load(mc, dep, expert_load=load)
+            per_rank = decode_work(batch // dep.dp, 17)
+            modelled = predict_phase(mc, dep, hw, rank_load, per_rank, decode=True).step_ms / 1e3
+            what = "the slowest rank's CPU time" if clock == "cpu" else "wall"
+            log(f"engine decode step, {kind.upper()}{ranks} on Ray, batch {batch}: {measured * 1e3:.2f} ms measured "
+                f"({what}), {modelled * 1e3:.2f} ms modelled without the round trip")
+            out[kind] = max(0.0, measured - modelled)
+    return out
 
 
 def with_link_tables(base: Hardware, tables: dict[str, list[tuple[float, float]]], source: str) -> Hardware:
@@ -400,9 +428,12 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
             log("engine overheads (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in fitted.items()
                                                         if k in OVERHEAD_FIELDS))
         if ray_ranks > 1:
-            extra = measure_multi_rank_overhead(hw, engine_dtype, ray_ranks, log, model, clock)
-            hw = Hardware.from_dict({**hw.to_dict(), "multi_rank_step_overhead_s": extra})
-            log(f"multi-rank step overhead: {extra * 1e3:.2f} ms")
+            extra = measure_multi_rank_overheads(hw, engine_dtype, ray_ranks, log, model, clock)
+            # a kind not timed (and an older reader) falls back to the largest of those timed
+            hw = Hardware.from_dict({**hw.to_dict(), "multi_rank_overheads": extra,
+                                     "multi_rank_step_overhead_s": max(extra.values(), default=0.0)})
+            log("multi-rank step overhead (ms): " + ", ".join(f"{k.upper()}{ray_ranks} {v * 1e3:.2f}"
+                                                              for k, v in extra.items()))
         return hw
     finally:
         torch.set_num_threads(previous)
@@ -427,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: time compute and engine steps in CPU time (steady on a shared machine; --threads 1)")
     p.add_argument("--ray-ranks", type=int, default=0,
-                   help="also time an EP instance of this many Ray ranks for the per-step round trip (0: skip)")
+                   help="also time TP, EP and DP instances of this many Ray ranks for what each adds per step (0: skip)")
     return p
 
 

@@ -104,6 +104,13 @@ class Deployment:
     def wire_bytes(self) -> float:
         return dtype_bytes(self.dispatch_dtype or self.dtype)
 
+    @property
+    def multi_rank_kinds(self) -> tuple[str, ...]:
+        """Which kinds of multi-rank instance this is (``Hardware.multi_rank_overheads``' keys):
+        "tp" with tp > 1, "ep" with ep > 1, "dp" with DP replicas that do not share experts."""
+        return tuple(kind for kind, on in (("tp", self.tp > 1), ("ep", self.ep > 1),
+                                            ("dp", self.dp > 1 and self.ep == 1)) if on)
+
     def num_slots(self, num_experts: int) -> int:
         """P: physical expert slots per MoE layer (over one EP group)."""
         slots = num_experts + self.num_redundant_experts

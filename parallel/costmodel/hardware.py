@@ -19,6 +19,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+# Kinds of multi-rank instance with their own per-step overhead: tensor parallel, DP attention +
+# expert parallel, data-parallel replicas without EP.
+MULTI_RANK_KINDS = ("tp", "ep", "dp")
+
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
                  "fp8_e4m3": "fp8", "float8": "fp8"}
 
@@ -70,6 +74,10 @@ class Hardware:
     step_overhead_s: per step (scheduler, sampling, host round trip);
     multi_rank_step_overhead_s: added per step when an instance spans more than one rank
     (sending every rank its batch and waiting for the replies, e.g. a Ray actor round trip);
+    multi_rank_overheads: the same measured per kind of instance ("tp": tensor parallel,
+    "ep": DP attention + expert parallel, "dp": data-parallel replicas without EP), which
+    pay differently (TP's collectives in every layer, EP's dispatcher, DP's round trip
+    alone); a kind not in it falls back to multi_rank_step_overhead_s;
     seq_overhead_s / layer_seq_overhead_s: per sequence in the step, and per sequence per
     layer (host-side loops over sequences: scheduling, sampling, paged-attention gathers).
     """
@@ -91,6 +99,7 @@ class Hardware:
     layer_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     multi_rank_step_overhead_s: float = 0.0
+    multi_rank_overheads: dict[str, float] = field(default_factory=dict)
     seq_overhead_s: float = 0.0
     layer_seq_overhead_s: float = 0.0
     gemm_rates: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
@@ -111,6 +120,12 @@ class Hardware:
                      "seq_overhead_s", "layer_seq_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
+        for kind, seconds in self.multi_rank_overheads.items():
+            if kind not in MULTI_RANK_KINDS:
+                raise ValueError(f"hardware {self.name!r}: multi_rank_overheads key {kind!r} must be one of "
+                                 f"{', '.join(MULTI_RANK_KINDS)}")
+            if seconds < 0:
+                raise ValueError(f"hardware {self.name!r}: multi_rank_overheads.{kind} must be >= 0, got {seconds}")
         for key in self.collectives:
             op, _, n = key.partition(":")
             if op not in ("allreduce", "alltoall", "allgather", "reducescatter") or not n.isdigit():
@@ -134,6 +149,11 @@ class Hardware:
         kw["gemm_rates"] = {canonical_dtype(k): _table(v, f"gemm_rates.{k}")
                             for k, v in dict(data.get("gemm_rates") or {}).items()}
         kw["collectives"] = {k: _table(v, f"collectives.{k}") for k, v in dict(data.get("collectives") or {}).items()}
+        overheads = data.get("multi_rank_overheads") or {}
+        if not isinstance(overheads, dict):
+            raise ValueError(f"hardware key multi_rank_overheads: expected a mapping of tp / ep / dp to seconds, "
+                             f"got {overheads!r}")
+        kw["multi_rank_overheads"] = {str(k): _number(v, f"multi_rank_overheads.{k}") for k, v in overheads.items()}
         for f in fields(cls):  # YAML 1.1 reads "5e-06" as a string: numbers are coerced here
             if f.name in kw and f.type in ("float", float):
                 kw[f.name] = _number(kw[f.name], f.name)
@@ -168,6 +188,12 @@ class Hardware:
                 return table[-1][1]
             return interpolate_loglog(table, max(rows, 1.0))
         return self.peak_flops(dtype) * self.gemm_efficiency
+
+    def multi_rank_overhead(self, kinds: tuple[str, ...]) -> float:
+        """Seconds per step an instance of these kinds (a subset of ``MULTI_RANK_KINDS``; empty:
+        one rank) adds: the largest measured for any of them, a kind not measured counting as
+        ``multi_rank_step_overhead_s``."""
+        return max((self.multi_rank_overheads.get(k, self.multi_rank_step_overhead_s) for k in kinds), default=0.0)
 
     def attention_rate(self, dtype: str) -> float:
         return self.peak_flops(dtype) * self.attention_efficiency

@@ -231,3 +231,41 @@ def test_a_sliding_window_caps_the_keys_attended_and_read():
     assert capped.decode_breakdown["attention_core"] < full.decode_breakdown["attention_core"] / 10
     assert predict_point(windowed, dep, hw, batch_size=8, kv_len=200).decode_step_ms == \
         predict_point(MIXTRAL, dep, hw, batch_size=8, kv_len=200).decode_step_ms
+
+
+@pytest.mark.parametrize("fields, kinds, extra_ms", [
+    ({}, (), 0.0),
+    ({"tp": 2}, ("tp",), 3.0),
+    ({"dp": 2, "ep": 2}, ("ep",), 2.0),
+    ({"dp": 2}, ("dp",), 1.0),
+    ({"tp": 2, "dp": 2, "ep": 4}, ("tp", "ep"), 3.0),  # the larger of the kinds it is
+    ({"tp": 2, "dp": 2}, ("tp", "dp"), 3.0),
+])
+def test_each_kind_of_multi_rank_instance_pays_its_own_step_overhead(fields, kinds, extra_ms):
+    """``simulate calibrate --ray-ranks`` times TP, EP and DP instances apart: TP pays host work
+    around its collectives in every layer, DP replicas only the round trip."""
+    dep = Deployment(**fields, dtype="bfloat16")
+    assert dep.multi_rank_kinds == kinds
+    measured = toy_hw(step_overhead_s=1e-3, multi_rank_step_overhead_s=5e-3,
+                      multi_rank_overheads={"tp": 3e-3, "ep": 2e-3, "dp": 1e-3})
+    small = ModelConfig.from_hf("deepseek-ai/DeepSeek-V2-Lite", strict=False)
+    p = predict_point(small, dep, measured, batch_size=8, kv_len=100)
+    assert p.decode_breakdown["step_overhead"] == pytest.approx(1.0 + extra_ms)
+    # a file from before the kinds were timed apart: every multi-rank instance pays the one figure
+    older = toy_hw(step_overhead_s=1e-3, multi_rank_step_overhead_s=5e-3)
+    assert predict_point(small, dep, older, batch_size=8, kv_len=100).decode_breakdown["step_overhead"] == \
+        pytest.approx(1.0 + (5.0 if kinds else 0.0))
+    partial = toy_hw(multi_rank_step_overhead_s=5e-3, multi_rank_overheads={"ep": 2e-3})
+    assert partial.multi_rank_overhead(("dp",)) == 5e-3 and partial.multi_rank_overhead(("ep",)) == 2e-3
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"pp": 1e-3}, "multi_rank_overheads key 'pp' must be one of tp, ep, dp"),
+    ({"tp": -1e-3}, "multi_rank_overheads.tp must be >= 0"),
+    ({"tp": "soon"}, "hardware key multi_rank_overheads.tp: 'soon' is not a number"),
+    ([1e-3], "expected a mapping of tp / ep / dp to seconds"),
+])
+def test_bad_multi_rank_overheads_name_the_key(value, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        toy_hw(multi_rank_overheads=value)
+    assert toy_hw(multi_rank_overheads={"dp": "1e-3"}).multi_rank_overheads == {"dp": 1e-3}  # YAML 1.1 strings
