@@ -29,8 +29,8 @@ def resolve_hardware(spec: str, out_dir: Path, *, threads: int, model: str | Non
     """A ``parallel.costmodel.Hardware`` for ``spec`` (see the module docstring), or None for
     "none". ``auto`` calibrates on ``model``'s engine steps, in CPU time when ranks run one
     thread each (what ``measured_step_cpu_ms`` measures), else in wall time; with ``ray_ranks`` > 1
-    (the most ranks a point of the sweep runs) it also times an EP instance of that many Ray ranks
-    for what running on several ranks adds per step (``calibrate --ray-ranks``)."""
+    (the most ranks a point of the sweep runs) it also times TP, EP and DP instances of that many Ray
+    ranks for what each kind of multi-rank instance adds per step (``calibrate --ray-ranks``)."""
     from launch.hardware import load_hardware, save_hardware
 
     if spec == "none":
