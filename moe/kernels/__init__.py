@@ -445,14 +445,16 @@ def moe_ffn_op(gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid:
     return run
 
 
-def capacity_drop(slot_ids: torch.Tensor, weights: torch.Tensor, num_slots: int, capacity: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Local capacity with policy "position" and overflow "drop", no renormalisation, in one CPU op:
-    of each slot's assignments in token order (then k) the first ``capacity`` are kept, the rest get
-    slot -1 and weight 0. slot_ids: [T, K] int64 in [0, num_slots) or -1; weights: [T, K].
-    Returns (slot ids [T, K] int64, weights [T, K] float32, dropped): the values
-    ``moe.capacity.apply_capacity`` gives for those settings, in new tensors."""
-    ids, w, dropped = torch.ops.moe_kernels.capacity_drop(slot_ids, weights, num_slots, capacity)
+def capacity_drop(slot_ids: torch.Tensor, weights: torch.Tensor, num_slots: int, capacity: int,
+                  limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Capacity with policy "position" and overflow "drop", no renormalisation, in one CPU op: of each
+    slot's assignments in token order (then k) the first ``capacity`` (``limits[slot]`` when given:
+    the global scope's share, [num_slots] int64) are kept, the rest get slot -1 and weight 0.
+    slot_ids: [T, K] int64 in [0, num_slots) or -1; weights: [T, K]. Returns (slot ids [T, K]
+    int64, weights [T, K] float32, dropped): the values ``moe.capacity.apply_capacity`` (with
+    limits: ``apply_slot_limits``) gives for those settings, in new tensors."""
+    lim = _NO_COUNT if limits is None else limits
+    ids, w, dropped = torch.ops.moe_kernels.capacity_drop(slot_ids, weights, num_slots, capacity, lim)
     return ids, w, int(dropped)
 
 

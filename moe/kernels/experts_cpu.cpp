@@ -1075,11 +1075,13 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   return acc.narrow(1, 0, D);
 }
 
-// Local capacity with policy "position" and overflow "drop" (moe.capacity.apply_capacity without
-// renormalisation): of each slot's assignments in row-major order (token, then k), the first `capacity`
-// are kept and the rest get slot -1 and weight 0, in place. Assignments already at -1 get weight 0 and
-// are not counted. slots, weights: n contiguous entries; slots below P. Returns how many were dropped.
-static int64_t drop_over_capacity(int64_t* slots, float* weights, int64_t n, int64_t P, int64_t capacity) {
+// Capacity with policy "position" and overflow "drop", no renormalisation (moe.capacity.apply_capacity,
+// and apply_slot_limits for the global scope's per-slot shares): of each slot's assignments in row-major
+// order (token, then k), the first `capacity` (or limits[slot] when limits is given) are kept and the
+// rest get slot -1 and weight 0, in place. Assignments already at -1 get weight 0 and are not counted.
+// slots, weights: n contiguous entries; slots below P. Returns how many were dropped.
+static int64_t drop_over_capacity(int64_t* slots, float* weights, int64_t n, int64_t P, int64_t capacity,
+                                  const int64_t* limits = nullptr) {
   std::vector<int64_t> kept(P, 0);
   int64_t dropped = 0;
   for (int64_t j = 0; j < n; ++j) {
@@ -1089,7 +1091,7 @@ static int64_t drop_over_capacity(int64_t* slots, float* weights, int64_t n, int
       continue;
     }
     TORCH_CHECK(s < P, "moe_kernels: slot id ", s, " outside ", P, " slots");
-    if (kept[s] < capacity) {
+    if (kept[s] < (limits ? limits[s] : capacity)) {
       ++kept[s];
     } else {
       slots[j] = -1;
@@ -1102,15 +1104,20 @@ static int64_t drop_over_capacity(int64_t* slots, float* weights, int64_t n, int
 
 // slot_ids [T, K] int64 (-1: already dropped) and weights [T, K] (any float dtype) -> (slot ids [T, K]
 // int64, weights [T, K] float32, dropped: a 0-dim int64) after drop_over_capacity, in new tensors.
+// limits: [num_slots] int64 per-slot limits, or empty for `capacity` on every slot.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> capacity_drop(const at::Tensor& slot_ids, const at::Tensor& weights,
-                                                             int64_t num_slots, int64_t capacity) {
+                                                             int64_t num_slots, int64_t capacity,
+                                                             const at::Tensor& limits) {
   TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.scalar_type() == at::kLong && weights.sizes() == slot_ids.sizes(),
               "moe_kernels: capacity_drop takes slot_ids [T, K] int64 and weights [T, K]");
   TORCH_CHECK(num_slots >= 1 && capacity >= 0, "moe_kernels: capacity_drop needs num_slots >= 1 and capacity >= 0");
+  TORCH_CHECK(limits.numel() == 0 || (limits.numel() == num_slots && limits.scalar_type() == at::kLong),
+              "moe_kernels: capacity_drop's limits must be [num_slots] int64 or empty");
+  const at::Tensor lim = limits.contiguous();
   at::Tensor ids = slot_ids.contiguous().clone(at::MemoryFormat::Contiguous);
   at::Tensor w = weights.to(at::kFloat).contiguous().clone(at::MemoryFormat::Contiguous);
   const int64_t dropped = drop_over_capacity(ids.data_ptr<int64_t>(), w.data_ptr<float>(), ids.numel(), num_slots,
-                                             capacity);
+                                             capacity, lim.numel() ? lim.data_ptr<int64_t>() : nullptr);
   return {ids, w, at::scalar_tensor(dropped, at::TensorOptions().dtype(at::kLong))};
 }
 
@@ -2142,7 +2149,8 @@ TORCH_LIBRARY(moe_kernels, m) {
         "int topk_group, int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, "
         "Tensor(a!) slot_load, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, "
         "Tensor sh_w2p, Tensor sh_s2, int capacity, Tensor(b!) dropped) -> Tensor");
-  m.def("capacity_drop(Tensor slot_ids, Tensor weights, int num_slots, int capacity) -> (Tensor, Tensor, Tensor)");
+  m.def("capacity_drop(Tensor slot_ids, Tensor weights, int num_slots, int capacity, Tensor limits) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
   m.def("bf16_dot_rate() -> float", &moe_kernels::bf16_dot_rate);

@@ -104,8 +104,8 @@ class AllToAllDispatcher(EPDispatcherState):
             return slot_ids, weights
         num_slots = num_local_slots * self.num_ranks
         counts = gather_slot_counts(slot_ids, num_slots, self.group)  # collective: every rank, every step
-        result, stats = apply_global_capacity(
+        ids, kept_weights, stats = apply_global_capacity(
             slot_ids, weights, counts, self.rank, slot_ids.shape[1], self.global_capacity
         )
         self.capacity_stats[layer_id] = stats
-        return result.topk_ids, result.topk_weights
+        return ids, kept_weights

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe import kernels
 from moe.capacity import (
     CapacityConfig,
-    CapacityResult,
     CapacityStats,
     apply_slot_limits,
     compute_capacity,
@@ -47,10 +47,12 @@ def apply_global_capacity(
     rank: int,
     top_k: int,
     config: CapacityConfig,
-) -> tuple[CapacityResult, CapacityStats]:
-    """counts: [R, P + 1] from ``gather_slot_counts``; rank: this rank's index in it.
+) -> tuple[torch.Tensor, torch.Tensor, CapacityStats]:
+    """slot_ids / weights: [T, K] this rank's assignments; counts: [R, P + 1] from
+    ``gather_slot_counts``; rank: this rank's index in it.
 
-    Returns this rank's ``CapacityResult`` and its ``CapacityStats``: assignments / dropped
+    Returns this rank's slot ids [T, K] (-1 where dropped) and weights [T, K] float32 (0 where
+    dropped, renormalised if the config asks), and its ``CapacityStats``: assignments / dropped
     are this source rank's (summing them over the EP group gives the group's totals);
     max_slot_load and capacity are group-wide (the same on every rank)."""
     num_slots = counts.shape[1] - 1
@@ -60,8 +62,13 @@ def apply_global_capacity(
     if capacity is None:
         raise ValueError("apply_global_capacity called with a dropless (capacity_factor <= 0) config")
     limits = compute_global_limits(per_slot, capacity)  # [R, P]
-    result = apply_slot_limits(slot_ids, weights, limits[rank].to(slot_ids.device),
-                               renormalize=config.renormalize, capacity=capacity)
+    if (not config.renormalize and slot_ids.is_cpu and weights.is_cpu and kernels.is_available()
+            and not kernels.needs_autograd(weights)):
+        ids, kept_weights, _ = kernels.capacity_drop(slot_ids, weights, num_slots, capacity, limits[rank].contiguous())
+    else:
+        result = apply_slot_limits(slot_ids, weights, limits[rank].to(slot_ids.device),
+                                   renormalize=config.renormalize, capacity=capacity)
+        ids, kept_weights = result.topk_ids, result.topk_weights
     accepted = limits.sum(0)
     mine = int(per_slot[rank].sum())
     stats = CapacityStats(
@@ -71,7 +78,7 @@ def apply_global_capacity(
         max_slot_load=int(accepted.max()) if accepted.numel() else 0,
         capacity=capacity,
     )
-    return result, stats
+    return ids, kept_weights, stats
 
 
 class EPDispatcherState:

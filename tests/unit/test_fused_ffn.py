@@ -226,7 +226,7 @@ def test_moe_ffn_enforces_a_local_capacity_like_the_op_by_op_path(kernel_isas: l
 
 @pytest.mark.parametrize("min_capacity", [0, 3])
 def test_capacity_drop_is_apply_capacity_in_token_order(kernel_isas: list[str], min_capacity: int) -> None:
-    from moe.capacity import apply_capacity, compute_capacity
+    from moe.capacity import apply_capacity, apply_slot_limits, compute_capacity
 
     gen = torch.Generator().manual_seed(min_capacity)
     for tokens, top_k, slots in ((1, 2, 8), (40, 2, 8), (64, 6, 20), (0, 2, 4)):
@@ -240,5 +240,13 @@ def test_capacity_drop_is_apply_capacity_in_token_order(kernel_isas: list[str], 
         assert got_ids.shape == got_w.shape == (tokens, top_k) and got_w.dtype == torch.float32
         assert torch.equal(got_ids, want.topk_ids) and torch.equal(got_w, want.topk_weights)
         assert dropped == want.stats.dropped and (tokens < 40 or dropped > 0)
+        # the global scope's per-slot shares (``compute_global_limits``): apply_slot_limits' values
+        shares = torch.randint(0, 4, (slots,), generator=gen)
+        want = apply_slot_limits(ids, weights, shares)
+        got_ids, got_w, dropped = kernels.capacity_drop(ids, weights, slots, 0, shares)
+        assert torch.equal(got_ids, want.topk_ids) and torch.equal(got_w, want.topk_weights)
+        assert dropped == want.stats.dropped
     with pytest.raises(RuntimeError, match="slot id 9 outside 8 slots"):
         kernels.capacity_drop(torch.tensor([[9, 0]]), torch.ones(1, 2), 8, 1)
+    with pytest.raises(RuntimeError, match=r"limits must be \[num_slots\] int64"):
+        kernels.capacity_drop(torch.tensor([[1, 0]]), torch.ones(1, 2), 8, 1, torch.ones(3, dtype=torch.int64))
