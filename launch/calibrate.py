@@ -467,6 +467,9 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
                                                         if k in OVERHEAD_FIELDS))
         if ray_ranks > 1:
             extra = measure_multi_rank_overheads(hw, engine_dtype, ray_ranks, log, model, clock)
+            if not extra:
+                log(f"note: no {ray_ranks}-rank instance of the model could be built (above); multi-rank layouts are "
+                    "predicted without a per-step overhead")
             # a kind not timed (and an older reader) falls back to the largest of those timed
             hw = Hardware.from_dict({**hw.to_dict(), "multi_rank_overheads": extra,
                                      "multi_rank_step_overhead_s": max(extra.values(), default=0.0)})
