@@ -445,6 +445,18 @@ def moe_ffn_op(gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid:
     return run
 
 
+def dispatch_plan(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, num_local_slots: int,
+                  num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expert-parallel AllToAll-v's plan and send buffer in one CPU op: what
+    ``parallel.dispatch.plan``'s ``destination_mask``, ``plan_from_mask`` and ``pack_rows`` give, without
+    their ~25 tensor ops. x: [T, D]; slot_ids: [T, K] int physical slots (-1 dropped), slot p on rank
+    p // num_local_slots; weights: [T, K] float32. Returns (send [N, row_bytes] uint8 in
+    ``row_layout``'s wire format, pair_token [N] int64, send_counts [R] int64, combine_index [N]
+    int64, combine_offsets [T] int64). A slot id outside the R x num_local_slots slots raises
+    ValueError naming it."""
+    return torch.ops.moe_kernels.dispatch_plan(x, slot_ids, weights, num_local_slots, num_ranks)
+
+
 def capacity_drop(slot_ids: torch.Tensor, weights: torch.Tensor, num_slots: int, capacity: int,
                   limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Capacity with policy "position" and overflow "drop", no renormalisation, in one CPU op: of each

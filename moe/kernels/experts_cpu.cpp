@@ -1121,6 +1121,67 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capacity_drop(const at::Tensor& s
   return {ids, w, at::scalar_tensor(dropped, at::TensorOptions().dtype(at::kLong))};
 }
 
+// The expert-parallel dispatch's plan and send buffer in one pass: the values of parallel.dispatch.plan's
+// destination_mask, plan_from_mask and pack_rows. x: [T, D] (any dtype); slot_ids: [T, K] int64 or int32
+// physical slots (-1 dropped), slot p on rank p / num_local; weights: [T, K] float32. Each token goes
+// once to every rank that hosts one of its slots, rows rank-major, tokens ascending inside a rank.
+// Returns (send [N, row_bytes] uint8: [hidden, padded to 8 bytes | K int32 slots | K float32 weights],
+// pair_token [N] int64, send_counts [R] int64, combine_index [N] int64: the rows token-major,
+// combine_offsets [T] int64: where each token's rows start in it).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_plan(
+    const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights, int64_t num_local,
+    int64_t num_ranks) {
+  TORCH_CHECK(x.dim() == 2 && slot_ids.dim() == 2 && slot_ids.size(0) == x.size(0) &&
+              weights.sizes() == slot_ids.sizes(), "moe_kernels: dispatch_plan takes x [T, D], slot_ids and "
+              "weights [T, K]");
+  TORCH_CHECK(num_local >= 1 && num_ranks >= 1, "moe_kernels: dispatch_plan needs num_local, num_ranks >= 1");
+  const int64_t T = x.size(0), K = slot_ids.size(1), R = num_ranks, P = num_local * num_ranks;
+  const at::Tensor xc = x.contiguous(), ids = slot_ids.to(at::kLong).contiguous();
+  const at::Tensor w = weights.to(at::kFloat).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float* wp = w.data_ptr<float>();
+  std::vector<int64_t> row(R * T, -1);  // [R, T]: the send row of (rank, token), -1 none
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int64_t s = ip[i];
+    TORCH_CHECK_VALUE(s >= -1 && s < P, "slot id ", s, " out of range: ", R, " ranks x ", num_local, " local slots");
+    if (s >= 0) row[(s / num_local) * T + i / K] = 0;
+  }
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor counts = at::zeros({R}, opts), offsets = at::empty({T}, opts);
+  int64_t* cp = counts.data_ptr<int64_t>();
+  int64_t N = 0;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < T; ++t)
+      if (row[r * T + t] == 0) row[r * T + t] = N++, ++cp[r];
+      else row[r * T + t] = -1;
+  at::Tensor pair_token = at::empty({N}, opts), combine_index = at::empty({N}, opts);
+  int64_t* pt = pair_token.data_ptr<int64_t>();
+  int64_t* ci = combine_index.data_ptr<int64_t>();
+  int64_t* co = offsets.data_ptr<int64_t>();
+  for (int64_t r = 0, n = 0; r < R; ++r)
+    for (int64_t t = 0; t < T; ++t)
+      if (row[r * T + t] >= 0) pt[n++] = t;
+  for (int64_t t = 0, j = 0; t < T; ++t) {
+    co[t] = j;
+    for (int64_t r = 0; r < R; ++r)
+      if (row[r * T + t] >= 0) ci[j++] = row[r * T + t];
+  }
+  const int64_t nbytes = x.size(1) * x.element_size(), hidden_bytes = (nbytes + 7) / 8 * 8;
+  const int64_t row_bytes = hidden_bytes + 8 * K;
+  at::Tensor send = at::empty({N, row_bytes}, at::TensorOptions().dtype(at::kByte));
+  uint8_t* sp = send.data_ptr<uint8_t>();
+  const uint8_t* xp = static_cast<const uint8_t*>(xc.data_ptr());
+  for (int64_t n = 0; n < N; ++n) {
+    uint8_t* dst = sp + n * row_bytes;
+    const int64_t t = pt[n];
+    std::memcpy(dst, xp + t * nbytes, nbytes);
+    int32_t* meta = reinterpret_cast<int32_t*>(dst + hidden_bytes);
+    for (int64_t k = 0; k < K; ++k) meta[k] = static_cast<int32_t>(ip[t * K + k]);
+    std::memcpy(meta + K, wp + t * K, K * sizeof(float));
+  }
+  return {send, pair_token, counts, combine_index, offsets};
+}
+
 at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights,
                                 const at::Tensor& w13p, const at::Tensor& s13, const at::Tensor& w2p,
                                 const at::Tensor& s2) {
@@ -2149,6 +2210,8 @@ TORCH_LIBRARY(moe_kernels, m) {
         "int topk_group, int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, "
         "Tensor(a!) slot_load, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, "
         "Tensor sh_w2p, Tensor sh_s2, int capacity, Tensor(b!) dropped) -> Tensor");
+  m.def("dispatch_plan(Tensor x, Tensor slot_ids, Tensor weights, int num_local, int num_ranks) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("capacity_drop(Tensor slot_ids, Tensor weights, int num_slots, int capacity, Tensor limits) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("isa_name() -> str", &moe_kernels::isa_name);
@@ -2175,4 +2238,5 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("gqa_decode_attention", &moe_kernels::gqa_decode_attention);
   m.impl("moe_ffn", &moe_kernels::moe_ffn);
   m.impl("capacity_drop", &moe_kernels::capacity_drop);
+  m.impl("dispatch_plan", &moe_kernels::dispatch_plan);
 }

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe import kernels
 from moe.capacity import CapacityConfig
 from moe.experts import Experts
 from parallel.dispatch.global_capacity import (
@@ -74,8 +75,19 @@ class AllToAllDispatcher(EPDispatcherState):
     ) -> tuple[DispatchPlan, torch.Tensor, list[int]]:
         """Plan and send each (token, destination rank) row: x [T, D] with its [T, K] slots and
         weights. Returns (plan; received rows [M, row_bytes] uint8, valid until the next
-        call; rows received from each rank: R ints). The count exchange runs while the
+        call; rows received from each rank: R ints). On CPU the plan and the packed rows come
+        from one C++ op (``kernels.dispatch_plan``), else the count exchange runs while the
         rest of the plan is computed and the rows are packed."""
+        if x.is_cpu and slot_ids.is_cpu and weights.is_cpu and kernels.is_available():
+            send, pair_token, counts, combine_index, combine_offsets = kernels.dispatch_plan(
+                x, slot_ids, weights, num_local_slots, self.num_ranks)
+            plan = DispatchPlan(pair_token, counts.tolist(), combine_index, combine_offsets)
+            recv_counts_t = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts_t, counts, group=self.group)
+            recv_counts = recv_counts_t.tolist()
+            recv = self.workspace.get("recv", (sum(recv_counts), send.shape[1]), torch.uint8, x.device)
+            dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
+            return plan, recv, recv_counts
         mask = destination_mask(slot_ids, num_local_slots, self.num_ranks)  # [R, T]
         send_counts = mask.sum(1)
         recv_counts_t = torch.empty_like(send_counts)

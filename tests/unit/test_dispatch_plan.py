@@ -119,3 +119,42 @@ def test_build_dispatcher_validates() -> None:
         build_dispatcher("local", None, Layout(dp=2))
     with pytest.raises(ValueError, match="needs ProcessGroups"):
         build_dispatcher("alltoall", None, Layout(dp=2))
+
+
+@given(
+    tokens=st.integers(0, 40), top_k=st.integers(1, 6), num_ranks=st.integers(1, 5),
+    num_local=st.integers(1, 4), hidden=st.integers(1, 40), bf16=st.booleans(), int32=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_cpu_op_plans_and_packs_as_the_tensor_ops_do(
+    kernel_isas: list[str], tokens: int, top_k: int, num_ranks: int, num_local: int, hidden: int, bf16: bool,
+    int32: bool, seed: int,
+) -> None:
+    """``moe.kernels.dispatch_plan`` (the AllToAll dispatcher's CPU path): the plan's rows, counts,
+    combine order and offsets, and every byte of the packed rows but the hidden vector's padding."""
+    from moe import kernels
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16 if bf16 else torch.float32)
+    ids = torch.randint(-1, num_ranks * num_local, (tokens, top_k), generator=gen)
+    ids = ids.to(torch.int32) if int32 else ids
+    weights = torch.rand(tokens, top_k, generator=gen)
+    send, pair_token, counts, combine_index, combine_offsets = kernels.dispatch_plan(x, ids, weights, num_local,
+                                                                                     num_ranks)
+    plan = compute_dispatch_plan(ids, num_local, num_ranks)
+    want = pack_rows(x, ids, weights, plan)
+    assert send.shape == want.shape == (plan.num_rows, row_layout(hidden, top_k, x.dtype)[1])
+    assert torch.equal(pair_token, plan.pair_token) and counts.tolist() == plan.send_counts
+    assert torch.equal(combine_index, plan.combine_index) and torch.equal(combine_offsets, plan.combine_offsets)
+    nbytes, padded = hidden * x.element_size(), row_layout(hidden, top_k, x.dtype)[0]
+    assert torch.equal(send[:, :nbytes], want[:, :nbytes]) and torch.equal(send[:, padded:], want[:, padded:])
+
+
+def test_the_cpu_op_names_a_slot_out_of_range(kernel_isas: list[str]) -> None:
+    from moe import kernels
+
+    with pytest.raises(ValueError, match="slot id 8 out of range: 2 ranks x 4 local slots"):
+        kernels.dispatch_plan(torch.zeros(1, 4), torch.tensor([[8, 0]]), torch.ones(1, 2), 4, 2)
+    with pytest.raises(ValueError, match="slot id -3 out of range"):
+        kernels.dispatch_plan(torch.zeros(1, 4), torch.tensor([[-3, 1]]), torch.ones(1, 2), 4, 2)
