@@ -233,8 +233,7 @@ class MoELayer(WatchedModule):
         slot_ids / weights / topk_ids: [T, K]; scores: [T, E] router selection scores (reroute only)."""
         cap = self.capacity
         assert cap is not None
-        if (cap.drops_in_token_order and slot_ids.is_cpu and weights.is_cpu and kernels.is_available()
-                and not kernels.needs_autograd(weights)):
+        if cap.drops_in_token_order and kernels.cpu_kernel_applies(slot_ids, weights):
             # one pass in C++: the values apply_capacity gives below, without its ~20 tensor ops
             limit = cap.capacity_for(slot_ids.shape[0], self.num_physical_slots, max(slot_ids.shape[1], 1))
             if limit is not None:

@@ -446,15 +446,19 @@ def moe_ffn_op(gate_weight: torch.Tensor, bias: torch.Tensor | None, *, sigmoid:
 
 
 def dispatch_plan(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, num_local_slots: int,
-                  num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  num_ranks: int, out: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The expert-parallel AllToAll-v's plan and send buffer in one CPU op: what
     ``parallel.dispatch.plan``'s ``destination_mask``, ``plan_from_mask`` and ``pack_rows`` give, without
     their ~25 tensor ops. x: [T, D]; slot_ids: [T, K] int physical slots (-1 dropped), slot p on rank
-    p // num_local_slots; weights: [T, K] float32. Returns (send [N, row_bytes] uint8 in
-    ``row_layout``'s wire format, pair_token [N] int64, send_counts [R] int64, combine_index [N]
-    int64, combine_offsets [T] int64). A slot id outside the R x num_local_slots slots raises
-    ValueError naming it."""
-    return torch.ops.moe_kernels.dispatch_plan(x, slot_ids, weights, num_local_slots, num_ranks)
+    p // num_local_slots; weights: [T, K] float32; out: a (reused) [>= N, row_bytes] uint8 buffer in
+    ``parallel.dispatch.plan.row_layout``'s row size that the rows are written into (N is at most
+    T x min(K, R)). Returns (send: out's first N rows; pair_token [N] int64, send_counts [R] int64,
+    combine_index [N] int64, combine_offsets [T] int64). A slot id outside the R x num_local_slots
+    slots raises ValueError naming it."""
+    pair_token, counts, combine_index, offsets = torch.ops.moe_kernels.dispatch_plan(
+        x, slot_ids, weights, num_local_slots, num_ranks, out)
+    return out[: pair_token.numel()], pair_token, counts, combine_index, offsets
 
 
 def capacity_drop(slot_ids: torch.Tensor, weights: torch.Tensor, num_slots: int, capacity: int,
@@ -564,7 +568,16 @@ def cpu_op_applies(*tensors: torch.Tensor) -> bool:
     if dtype != torch.float32 and dtype != torch.bfloat16:
         return False
     for t in tensors:  # a plain loop: this runs for several ops of every layer of every step
-        if not t.is_cpu or t.dtype != dtype:
+        if t.dtype != dtype:
+            return False
+    return cpu_kernel_applies(*tensors)
+
+
+def cpu_kernel_applies(*tensors: torch.Tensor) -> bool:
+    """Whether the extension's bookkeeping ops (``capacity_drop``, ``dispatch_plan``), which take
+    tensors of any dtype, can: all on CPU, none needing autograd, and the extension built."""
+    for t in tensors:
+        if not t.is_cpu:
             return False
     return not needs_autograd(*tensors) and is_available()
 

@@ -1125,12 +1125,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> capacity_drop(const at::Tensor& s
 // destination_mask, plan_from_mask and pack_rows. x: [T, D] (any dtype); slot_ids: [T, K] int64 or int32
 // physical slots (-1 dropped), slot p on rank p / num_local; weights: [T, K] float32. Each token goes
 // once to every rank that hosts one of its slots, rows rank-major, tokens ascending inside a rank.
-// Returns (send [N, row_bytes] uint8: [hidden, padded to 8 bytes | K int32 slots | K float32 weights],
-// pair_token [N] int64, send_counts [R] int64, combine_index [N] int64: the rows token-major,
+// The rows go into send's first N rows: send [>= N, row_bytes] uint8 contiguous (a reused buffer; N is at
+// most T x min(K, R)), each [hidden, padded to 8 bytes | K int32 slots | K float32 weights]. Returns
+// (pair_token [N] int64, send_counts [R] int64, combine_index [N] int64: the rows token-major,
 // combine_offsets [T] int64: where each token's rows start in it).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_plan(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_plan(
     const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights, int64_t num_local,
-    int64_t num_ranks) {
+    int64_t num_ranks, at::Tensor send) {
   TORCH_CHECK(x.dim() == 2 && slot_ids.dim() == 2 && slot_ids.size(0) == x.size(0) &&
               weights.sizes() == slot_ids.sizes(), "moe_kernels: dispatch_plan takes x [T, D], slot_ids and "
               "weights [T, K]");
@@ -1168,7 +1169,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_
   }
   const int64_t nbytes = x.size(1) * x.element_size(), hidden_bytes = (nbytes + 7) / 8 * 8;
   const int64_t row_bytes = hidden_bytes + 8 * K;
-  at::Tensor send = at::empty({N, row_bytes}, at::TensorOptions().dtype(at::kByte));
+  TORCH_CHECK(send.scalar_type() == at::kByte && send.is_contiguous() && send.dim() == 2 && send.size(1) == row_bytes &&
+              send.size(0) >= N, "moe_kernels: dispatch_plan's send buffer must be [>= ", N, ", ", row_bytes,
+              "] uint8 contiguous");
   uint8_t* sp = send.data_ptr<uint8_t>();
   const uint8_t* xp = static_cast<const uint8_t*>(xc.data_ptr());
   for (int64_t n = 0; n < N; ++n) {
@@ -1179,7 +1182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dispatch_
     for (int64_t k = 0; k < K; ++k) meta[k] = static_cast<int32_t>(ip[t * K + k]);
     std::memcpy(meta + K, wp + t * K, K * sizeof(float));
   }
-  return {send, pair_token, counts, combine_index, offsets};
+  return {pair_token, counts, combine_index, offsets};
 }
 
 at::Tensor experts_forward_topk(const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights,
@@ -2210,8 +2213,8 @@ TORCH_LIBRARY(moe_kernels, m) {
         "int topk_group, int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, "
         "Tensor(a!) slot_load, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, "
         "Tensor sh_w2p, Tensor sh_s2, int capacity, Tensor(b!) dropped) -> Tensor");
-  m.def("dispatch_plan(Tensor x, Tensor slot_ids, Tensor weights, int num_local, int num_ranks) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("dispatch_plan(Tensor x, Tensor slot_ids, Tensor weights, int num_local, int num_ranks, Tensor(a!) send) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("capacity_drop(Tensor slot_ids, Tensor weights, int num_slots, int capacity, Tensor limits) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("isa_name() -> str", &moe_kernels::isa_name);

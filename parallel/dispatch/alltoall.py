@@ -76,31 +76,34 @@ class AllToAllDispatcher(EPDispatcherState):
         """Plan and send each (token, destination rank) row: x [T, D] with its [T, K] slots and
         weights. Returns (plan; received rows [M, row_bytes] uint8, valid until the next
         call; rows received from each rank: R ints). On CPU the plan and the packed rows come
-        from one C++ op (``kernels.dispatch_plan``), else the count exchange runs while the
-        rest of the plan is computed and the rows are packed."""
-        if x.is_cpu and slot_ids.is_cpu and weights.is_cpu and kernels.is_available():
-            send, pair_token, counts, combine_index, combine_offsets = kernels.dispatch_plan(
-                x, slot_ids, weights, num_local_slots, self.num_ranks)
-            plan = DispatchPlan(pair_token, counts.tolist(), combine_index, combine_offsets)
-            recv_counts_t = torch.empty_like(counts)
-            dist.all_to_all_single(recv_counts_t, counts, group=self.group)
-            recv_counts = recv_counts_t.tolist()
-            recv = self.workspace.get("recv", (sum(recv_counts), send.shape[1]), torch.uint8, x.device)
-            dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
-            return plan, recv, recv_counts
-        mask = destination_mask(slot_ids, num_local_slots, self.num_ranks)  # [R, T]
-        send_counts = mask.sum(1)
-        recv_counts_t = torch.empty_like(send_counts)
-        work = dist.all_to_all_single(recv_counts_t, send_counts, group=self.group, async_op=True)
-        plan = plan_from_mask(mask)
+        from one C++ op (``kernels.dispatch_plan``); else the count exchange runs while the
+        rest of the plan is computed and the rows are packed. Both send from the reused
+        ``send`` buffer."""
         _, row_bytes = row_layout(x.shape[1], slot_ids.shape[1], x.dtype)
-        send = self.workspace.get("send", (plan.num_rows, row_bytes), torch.uint8, x.device)
-        pack_rows(x, slot_ids, weights, plan, send)
+        if kernels.cpu_kernel_applies(x, slot_ids, weights):
+            bound = x.shape[0] * min(slot_ids.shape[1], self.num_ranks)  # rows a token can need
+            space = self.workspace.get("send", (bound, row_bytes), torch.uint8, x.device)
+            send, pair_token, send_counts, combine_index, combine_offsets = kernels.dispatch_plan(
+                x, slot_ids, weights, num_local_slots, self.num_ranks, space)
+            plan = DispatchPlan(pair_token, send_counts.tolist(), combine_index, combine_offsets)
+            recv_counts_t, work = self._exchange_counts(send_counts)
+        else:
+            mask = destination_mask(slot_ids, num_local_slots, self.num_ranks)  # [R, T]
+            recv_counts_t, work = self._exchange_counts(mask.sum(1))
+            plan = plan_from_mask(mask)
+            send = self.workspace.get("send", (plan.num_rows, row_bytes), torch.uint8, x.device)
+            pack_rows(x, slot_ids, weights, plan, send)
         work.wait()
         recv_counts = recv_counts_t.tolist()
         recv = self.workspace.get("recv", (sum(recv_counts), row_bytes), torch.uint8, x.device)
         dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
         return plan, recv, recv_counts
+
+    def _exchange_counts(self, send_counts: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
+        """Start the all-to-all of the per-rank row counts [R]: (the counts each rank sends here,
+        filled once the returned work is waited on; the work)."""
+        recv_counts = torch.empty_like(send_counts)
+        return recv_counts, dist.all_to_all_single(recv_counts, send_counts, group=self.group, async_op=True)
 
     def combine(self, partial: torch.Tensor, plan: DispatchPlan, recv_counts: list[int]) -> torch.Tensor:
         """partial: [M, D] one weighted row per received row, in the activation dtype.

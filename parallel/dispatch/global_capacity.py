@@ -62,8 +62,7 @@ def apply_global_capacity(
     if capacity is None:
         raise ValueError("apply_global_capacity called with a dropless (capacity_factor <= 0) config")
     limits = compute_global_limits(per_slot, capacity)  # [R, P]
-    if (not config.renormalize and slot_ids.is_cpu and weights.is_cpu and kernels.is_available()
-            and not kernels.needs_autograd(weights)):
+    if not config.renormalize and kernels.cpu_kernel_applies(slot_ids, weights):
         ids, kept_weights, _ = kernels.capacity_drop(slot_ids, weights, num_slots, capacity, limits[rank].contiguous())
     else:
         result = apply_slot_limits(slot_ids, weights, limits[rank].to(slot_ids.device),

@@ -140,21 +140,26 @@ def test_the_cpu_op_plans_and_packs_as_the_tensor_ops_do(
     ids = torch.randint(-1, num_ranks * num_local, (tokens, top_k), generator=gen)
     ids = ids.to(torch.int32) if int32 else ids
     weights = torch.rand(tokens, top_k, generator=gen)
+    space = torch.empty(tokens * min(top_k, num_ranks), row_layout(hidden, top_k, x.dtype)[1], dtype=torch.uint8)
     send, pair_token, counts, combine_index, combine_offsets = kernels.dispatch_plan(x, ids, weights, num_local,
-                                                                                     num_ranks)
+                                                                                     num_ranks, space)
     plan = compute_dispatch_plan(ids, num_local, num_ranks)
     want = pack_rows(x, ids, weights, plan)
     assert send.shape == want.shape == (plan.num_rows, row_layout(hidden, top_k, x.dtype)[1])
+    assert plan.num_rows == 0 or send.data_ptr() == space.data_ptr()  # into the caller's (reused) buffer
     assert torch.equal(pair_token, plan.pair_token) and counts.tolist() == plan.send_counts
     assert torch.equal(combine_index, plan.combine_index) and torch.equal(combine_offsets, plan.combine_offsets)
     nbytes, padded = hidden * x.element_size(), row_layout(hidden, top_k, x.dtype)[0]
     assert torch.equal(send[:, :nbytes], want[:, :nbytes]) and torch.equal(send[:, padded:], want[:, padded:])
 
 
-def test_the_cpu_op_names_a_slot_out_of_range(kernel_isas: list[str]) -> None:
+def test_the_cpu_op_names_a_slot_out_of_range_and_a_short_buffer(kernel_isas: list[str]) -> None:
     from moe import kernels
 
+    space = torch.empty(2, row_layout(4, 2, torch.float32)[1], dtype=torch.uint8)
     with pytest.raises(ValueError, match="slot id 8 out of range: 2 ranks x 4 local slots"):
-        kernels.dispatch_plan(torch.zeros(1, 4), torch.tensor([[8, 0]]), torch.ones(1, 2), 4, 2)
+        kernels.dispatch_plan(torch.zeros(1, 4), torch.tensor([[8, 0]]), torch.ones(1, 2), 4, 2, space)
     with pytest.raises(ValueError, match="slot id -3 out of range"):
-        kernels.dispatch_plan(torch.zeros(1, 4), torch.tensor([[-3, 1]]), torch.ones(1, 2), 4, 2)
+        kernels.dispatch_plan(torch.zeros(1, 4), torch.tensor([[-3, 1]]), torch.ones(1, 2), 4, 2, space)
+    with pytest.raises(RuntimeError, match=r"send buffer must be \[>= 2, 32\] uint8"):
+        kernels.dispatch_plan(torch.zeros(1, 4), torch.tensor([[0, 5]]), torch.ones(1, 2), 4, 2, space[:1])
