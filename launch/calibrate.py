@@ -393,34 +393,27 @@ def measure_multi_rank_overheads(hw: Hardware, dtype: str, ranks: int, log: Call
     from launch.tiny_checkpoint import make_tiny_checkpoint
 
     batch = 2 * ranks
-    steps: dict[str, list[float]] = {}
+    steps: dict[str, list[float]] = {kind: [] for kind in kinds}  # a kind that cannot be built leaves
     loads: dict[str, np.ndarray | None] = {}
-    deps: dict[str, Deployment] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(model) if model else make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
         mc = ModelConfig.from_hf(model_dir)
         for _ in range(max(1, repeats)):
-            for kind in kinds:
-                if kind in steps and not steps[kind]:
-                    continue  # could not be built
-                _, fields = multi_rank_layout(kind, ranks)
-                steps.setdefault(kind, [])
+            for kind in [k for k in kinds if k in steps]:
                 try:
-                    deps[kind] = Deployment(**fields, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=256,
-                                            kv_capacity_tokens=2048)
                     measured, load = _engine_step_seconds(model_dir, batch, dtype, kind=kind, ranks=ranks,
                                                           clock=clock)
                 except ValueError as e:
                     log(f"{kind.upper()}{ranks} not timed: {e}")
+                    del steps[kind]
                     continue
                 steps[kind].append(measured)
                 loads.setdefault(kind, load)
     out: dict[str, float] = {}
     what = "the slowest rank's CPU time" if clock == "cpu" else "wall"
     for kind, times in steps.items():
-        if not times:
-            continue
-        dep = deps[kind]
+        dep = Deployment(**multi_rank_layout(kind, ranks)[1], dtype=dtype, max_num_seqs=8,
+                         max_num_batched_tokens=256, kv_capacity_tokens=2048)
         rank_load = build_rank_load(mc, dep, expert_load=loads[kind])
         modelled = predict_phase(mc, dep, hw, rank_load, decode_work(batch // dep.dp, 17), decode=True).step_ms / 1e3
         measured = statistics.median(times)
