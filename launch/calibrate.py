@@ -393,7 +393,7 @@ def measure_multi_rank_overheads(hw: Hardware, dtype: str, ranks: int, log: Call
     from launch.tiny_checkpoint import make_tiny_checkpoint
 
     batch = 2 * ranks
-    steps: dict[str, list[float]] = {kind: [] for kind in kinds}  # a kind that cannot be built leaves
+    steps: dict[str, list[float]] = {kind: [] for kind in kinds}  # a kind that cannot be built leaves it
     loads: dict[str, np.ndarray | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(model) if model else make_tiny_checkpoint("deepseek_v3", Path(tmp) / "full")
