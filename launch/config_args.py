@@ -41,6 +41,8 @@ from launch.config_schema import (
     set_dotted,
     suggest_key,
 )
+from launch.core.kv_sizing import parse_memory
+from launch.generation_config import check_overrides as check_generation_overrides
 from moe.json_object import parse_json_object as _parse_json_object
 
 # argparse dest -> dotted config key: every flat vLLM name is a flag.
@@ -92,6 +94,16 @@ def _aliased(key: str) -> Callable[[str], str]:
     return convert
 
 
+def memory_size(value: str) -> str:
+    """An argparse ``type`` for a memory-size flag: ``value`` unchanged when ``parse_memory`` reads it,
+    else argparse's one-line error naming the flag (``argument --memory: memory size ...``)."""
+    try:
+        parse_memory(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def _metavar(key: str) -> str:
     return "{" + ",".join(_accepted(key)) + "}"
 
@@ -112,6 +124,18 @@ def _json_object(flag: str) -> Callable[[str], dict[str, Any]]:
             raise argparse.ArgumentTypeError(str(e)) from e
     parse.__name__ = flag  # argparse names the type in its message
     return parse
+
+
+def _generation_overrides(text: str) -> dict[str, Any]:
+    """argparse ``type`` of ``--override-generation-config``: a JSON object of known sampling keys with
+    values of the right types (``launch.generation_config.check_overrides``); argparse's error line,
+    naming the flag, otherwise."""
+    data = _json_object("--override-generation-config")(text)
+    try:
+        check_generation_overrides(data)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("override_generation_config: ")) from None
+    return data
 
 
 def parse_json_string_list(text: str, source: str) -> list[str]:
@@ -198,7 +222,7 @@ def _group_engine(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
                    type=float, default=None, metavar="FRACTION",
                    help=f"share of --memory (or of the GPU) for weights + KV cache {_d('engine.memory_utilization')}")
-    g.add_argument("--memory", default=None,
+    g.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                    help="per-rank memory budget, e.g. 8GiB (default: the GPU's memory; 2GiB on CPU)")
     g.add_argument("--seed", type=int, default=None,
                    help=f"sampling seed (DP rank r uses seed + r) {_d('engine.seed')}")
@@ -213,7 +237,7 @@ def _group_engine(parser: argparse.ArgumentParser) -> None:
                         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens); vllm, none; or DIR's generation_config.json "
                         f"{_d('engine.generation_config')}")
-    g.add_argument("--override-generation-config", type=_json_object("--override-generation-config"), default=None,
+    g.add_argument("--override-generation-config", type=_generation_overrides, default=None,
                    metavar="JSON", help="generation config keys set on top, e.g. '{\"temperature\": 0.5}'")
     g.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                    help="the most logprobs a request may ask for per token (logprobs, top_logprobs, "

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.config_args import FlagParser
+from launch.config_args import FlagParser, memory_size
 from launch.core.kv_sizing import KVSizing, format_memory, parse_memory
 from launch.hardware import (
     compute_dtype,
@@ -57,7 +57,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (and 'auto' KV); default auto: the checkpoint's, else bfloat16")
     p.add_argument("--weight-dtype", choices=("auto", "fp8", *_DTYPES), default="auto",
                    help="stored weight dtype; auto: fp8 when quantization_config says so, else --dtype")
-    p.add_argument("--memory", default=None,
+    p.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                    help="accelerator memory per rank, e.g. 80GiB, 141GB, 80e9 (default: --hardware's)")
     p.add_argument("--hardware", default=None,
                    help=f"h800 | h100 | h200 | b200 or a hardware YAML: its memory_bytes (default {DEFAULT_HARDWARE})")

@@ -95,7 +95,8 @@ def test_generate_lines_take_the_generation_config_then_their_own_fields(recomme
     assert all(len(top) == 1 for top in scored["top_logprobs"][1:])
     assert len(scored["token_logprobs"]) >= 2
     capsys.readouterr()
-    rc = main(["--model", str(recommended), "--input", str(src), "--output", str(tmp_path / "o2.jsonl"),
-               "--override-generation-config", '{"temperature": "hot"}'])
-    assert rc == 2
-    assert "override_generation_config: temperature must be a number" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # refused at parse, before the engine starts
+        main(["--model", str(recommended), "--input", str(src), "--output", str(tmp_path / "o2.jsonl"),
+              "--override-generation-config", '{"temperature": "hot"}'])
+    assert exit_info.value.code == 2
+    assert "argument --override-generation-config: temperature must be a number" in capsys.readouterr().err

@@ -79,9 +79,25 @@ def test_parse_memory_keeps_large_real_sizes_and_its_other_messages():
 
 
 def test_kvcalc_memory_1e400_is_one_line(capsys):
-    assert cli.main(["kvcalc", "--model", "deepseek-ai/DeepSeek-V3", "--memory=1e400"]) == 2
+    with pytest.raises(SystemExit) as exit_info:  # argparse refuses it, naming the flag
+        cli.main(["kvcalc", "--model", "deepseek-ai/DeepSeek-V3", "--memory=1e400"])
+    assert exit_info.value.code == 2
     line = _one_line(capsys)
     assert "'1e400' is not a finite size" in line and "non-negative" not in line
+    assert line.startswith("error: argument --memory: "), line
+
+
+@pytest.mark.parametrize("value", ["1e400", "8 GiB/s", "-2GiB"])
+def test_runtime_memory_flag_is_refused_at_parse_naming_it(value, capsys):
+    from launch.config_args import FlagParser, add_runtime_args
+    parser = FlagParser(prog="python -m launch generate")
+    add_runtime_args(parser, server=False)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--model", "m", f"--memory={value}"])
+    assert exit_info.value.code == 2
+    line = _one_line(capsys)
+    assert line.startswith("error: argument --memory: ") and repr(value) in line, line
+    assert parser.parse_args(["--model", "m", "--memory", "8GiB"]).memory == "8GiB"
 
 
 # 3. sweep --out on a file -----------------------------------------------------------------------

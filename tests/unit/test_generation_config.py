@@ -84,6 +84,21 @@ def test_flags_reach_the_engine_config() -> None:
         parser.parse_args(["--model", "m", "--override-generation-config", "[1]"])
 
 
+@pytest.mark.parametrize(("value", "message"), [
+    ('{"temperature": "hot"}', 'temperature must be a number, got "hot"'),
+    ('{"temp": 1.0}', "unknown key 'temp'"),
+    ("[1]", "must be a JSON object"),
+])
+def test_override_flag_is_refused_at_parse_naming_the_flag(capsys, value: str, message: str) -> None:
+    from launch.config_args import FlagParser
+    parser = add_runtime_args(FlagParser(prog="python -m launch generate"), server=False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--override-generation-config", value])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: argument --override-generation-config: "), err
+    assert message in err and "override_generation_config:" not in err, err
+
+
 def test_a_vllm_flat_config_file_takes_the_generation_and_tool_keys(tmp_path: Path) -> None:
     path = tmp_path / "vllm.yaml"
     path.write_text("model: m\ngeneration-config: vllm\noverride-generation-config: {temperature: 0.3}\n"
