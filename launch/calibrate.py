@@ -15,11 +15,12 @@ Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
   DeepSeek-V3 checkpoint) at its depth and one layer less, at 1, 4 and 8 sequences, the
   operator model fed the expert load those steps routed; what it does not explain is fit as
   per-step, per-layer, per-sequence and per-sequence-per-layer overheads (least squares, each >= 0);
-- with ``--ray-ranks N``, what an N-rank instance on Ray adds per step over the operator model, for
-  each kind of instance: TP, EP (DP attention + expert parallel) and DP replicas without EP (the
-  driver/actor round trip, TP's per-layer host work around its collectives, EP's dispatcher): wall
-  time, or with ``--clock cpu`` the slowest rank's CPU time per step (a sweep's
-  ``measured_step_cpu_ms``).
+- with ``--ray-ranks N [N ...]``, what an N-rank instance on Ray adds per step over the operator
+  model, for each kind of instance: TP, EP (DP attention + expert parallel) and DP replicas without
+  EP (the driver/actor round trip, TP's per-layer host work around its collectives, EP's
+  dispatcher): wall time, or with ``--clock cpu`` the slowest rank's CPU time per step (a sweep's
+  ``measured_step_cpu_ms``). Each rank count is timed apart ("tp:2", "tp:4": four ranks share the
+  cores and the wire otherwise than two); the widest count's figures also stand for any other.
 
 On a GPU cluster, ``--base h100 --nccl-table all_to_all_perf.txt:alltoall:16 ...`` writes the
 shipped hardware with the measured link tables added instead (nothing measured here).
@@ -36,7 +37,7 @@ import platform
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -424,6 +425,29 @@ def measure_multi_rank_overheads(hw: Hardware, dtype: str, ranks: int, log: Call
     return out
 
 
+def with_multi_rank_overheads(hw: Hardware, dtype: str, rank_counts: Sequence[int], log: Callable[[str], None],
+                              model: str | None = None, clock: str = "wall") -> Hardware:
+    """``hw`` with what each kind of multi-rank instance adds per step at each of ``rank_counts``
+    (those above one; ``measure_multi_rank_overheads``): keys "tp:2", "tp:4" ..., and a plain "tp"
+    with the widest count that timed the kind, which stands for any count not timed;
+    ``multi_rank_step_overhead_s`` is the largest plain figure (a kind never timed, an older reader)."""
+    counts = sorted({n for n in rank_counts if n > 1})
+    extra: dict[str, float] = {}
+    for ranks in counts:  # the widest last: its figures are also each kind's for any other count
+        for kind, seconds in measure_multi_rank_overheads(hw, dtype, ranks, log, model, clock).items():
+            extra[f"{kind}:{ranks}"] = extra[kind] = seconds
+    if not extra:
+        log(f"note: no {' or '.join(map(str, counts))}-rank instance of the model could be built (above); "
+            "multi-rank layouts are predicted without a per-step overhead")
+    else:
+        log("multi-rank step overhead (ms): " + ", ".join(
+            f"{kind.upper()}{ranks} {v * 1e3:.2f}" for (kind, _, ranks), v in
+            ((k.partition(":"), v) for k, v in extra.items() if ":" in k)))
+    widest = {k: v for k, v in extra.items() if ":" not in k}
+    return Hardware.from_dict({**hw.to_dict(), "multi_rank_overheads": extra,
+                               "multi_rank_step_overhead_s": max(widest.values(), default=0.0)})
+
+
 def with_link_tables(base: Hardware, tables: dict[str, list[tuple[float, float]]], source: str) -> Hardware:
     """``base`` (e.g. the shipped h100) with measured collective tables added (replacing any
     of the same op and rank count): what a GPU cluster's nccl-tests runs know better than
@@ -437,7 +461,7 @@ def with_link_tables(base: Hardware, tables: dict[str, list[tuple[float, float]]
 
 def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple[str, ...] = ("float32", "bfloat16"),
               nccl_tables: tuple[str, ...] = (), measure_engine: bool = True, engine_dtype: str = "float32",
-              ray_ranks: int = 0, clock: str = "wall", model: str | None = None,
+              ray_ranks: int | Sequence[int] = 0, clock: str = "wall", model: str | None = None,
               log: Callable[[str], None] = print) -> Hardware:
     """Measure this machine (see the module docstring) with ``threads`` torch threads per rank.
     clock "cpu": compute and engine steps timed in CPU time (see ``microbench``); the
@@ -480,16 +504,9 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
             hw = Hardware.from_dict({**hw.to_dict(), **fitted})
             log("engine overheads (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in fitted.items()
                                                         if k in OVERHEAD_FIELDS))
-        if ray_ranks > 1:
-            extra = measure_multi_rank_overheads(hw, engine_dtype, ray_ranks, log, model, clock)
-            if not extra:
-                log(f"note: no {ray_ranks}-rank instance of the model could be built (above); multi-rank layouts are "
-                    "predicted without a per-step overhead")
-            # a kind not timed (and an older reader) falls back to the largest of those timed
-            hw = Hardware.from_dict({**hw.to_dict(), "multi_rank_overheads": extra,
-                                     "multi_rank_step_overhead_s": max(extra.values(), default=0.0)})
-            log("multi-rank step overhead (ms): " + ", ".join(f"{k.upper()}{ray_ranks} {v * 1e3:.2f}"
-                                                              for k, v in extra.items()))
+        counts = (ray_ranks,) if isinstance(ray_ranks, int) else tuple(ray_ranks)
+        if any(n > 1 for n in counts):
+            hw = with_multi_rank_overheads(hw, engine_dtype, counts, log, model, clock)
         return hw
     finally:
         torch.set_num_threads(previous)
@@ -513,8 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the predictions are for")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: time compute and engine steps in CPU time (steady on a shared machine; --threads 1)")
-    p.add_argument("--ray-ranks", type=int, default=0,
-                   help="also time TP, EP and DP instances of this many Ray ranks for what each adds per step (0: skip)")
+    p.add_argument("--ray-ranks", type=int, nargs="+", default=[0], metavar="N",
+                   help="also time TP, EP and DP instances of each of these many Ray ranks for what each adds per "
+                        "step (0: skip)")
     return p
 
 
@@ -535,8 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := [d for d in dtypes if d not in GEMM_DTYPES]:
             raise ValueError(f"--dtypes: unknown dtype(s) {unknown}; expected a comma-separated list of "
                              f"{', '.join(GEMM_DTYPES)}")
-        if args.ray_ranks < 0 or args.ray_ranks == 1:
-            raise ValueError(f"--ray-ranks must be 0 (skip) or >= 2, got {args.ray_ranks}")
+        if bad := [n for n in args.ray_ranks if n < 0 or n == 1]:
+            raise ValueError(f"--ray-ranks must be 0 (skip) or >= 2, got {bad[0]}")
         if args.model is not None and (args.no_engine or args.base):
             raise ValueError(f"--model times the engine's steps, which {'--no-engine' if args.no_engine else '--base'} "
                              "skips: drop one of them")

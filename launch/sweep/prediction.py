@@ -24,13 +24,15 @@ from launch.config import RuntimeConfig
 HARDWARE_YAML = "hardware.yaml"
 
 
-def resolve_hardware(spec: str, out_dir: Path, *, threads: int, model: str | None = None, ray_ranks: int = 0,
+def resolve_hardware(spec: str, out_dir: Path, *, threads: int, model: str | None = None,
+                     ray_ranks: int | tuple[int, ...] = 0,
                      log: Callable[[str], None] = print) -> Any:
     """A ``parallel.costmodel.Hardware`` for ``spec`` (see the module docstring), or None for
     "none". ``auto`` calibrates on ``model``'s engine steps, in CPU time when ranks run one
-    thread each (what ``measured_step_cpu_ms`` measures), else in wall time; with ``ray_ranks`` > 1
-    (the most ranks a point of the sweep runs) it also times TP, EP and DP instances of that many Ray
-    ranks for what each kind of multi-rank instance adds per step (``calibrate --ray-ranks``)."""
+    thread each (what ``measured_step_cpu_ms`` measures), else in wall time; with ``ray_ranks`` (the
+    rank counts above one that points of the sweep run on) it also times TP, EP and DP instances of
+    each many Ray ranks for what each kind of multi-rank instance adds per step at that count
+    (``calibrate --ray-ranks``)."""
     from launch.hardware import load_hardware, save_hardware
 
     if spec == "none":
@@ -44,7 +46,7 @@ def resolve_hardware(spec: str, out_dir: Path, *, threads: int, model: str | Non
 
     clock = "cpu" if threads == 1 else "wall"
     log(f"calibrating this machine for the cost model ({threads} thread(s) per rank, {clock} clock) -> {path}")
-    hw = calibrate(threads=threads, clock=clock, model=model, ray_ranks=ray_ranks if ray_ranks > 1 else 0, log=log)
+    hw = calibrate(threads=threads, clock=clock, model=model, ray_ranks=ray_ranks, log=log)
     save_hardware(hw, path)
     return hw
 

@@ -334,21 +334,22 @@ class SweepPlan:
         model = self.base.get("model")
         return resolve_hardware(self.hardware_spec, self.out, threads=1 if pinned else torch.get_num_threads(),
                                 model=str(model) if model and Path(str(model)).is_dir() else None,
-                                ray_ranks=self.most_ranks())
+                                ray_ranks=self.rank_counts())
 
-    def most_ranks(self) -> int:
-        """The most ranks (tensor x data parallel) any point of the sweep runs on."""
+    def rank_counts(self) -> tuple[int, ...]:
+        """The rank counts (tensor x data parallel) above one that points of the sweep run on, ascending:
+        what ``--hardware auto`` times multi-rank instances at."""
+        return tuple(sorted({n for n in map(self._ranks, self.points) if n > 1}))
+
+    def _ranks(self, point: Mapping[str, Any]) -> int:
+        """Ranks (tensor x data parallel) ``point`` runs on, the base config filling what it leaves out."""
         par = self.base.get("parallel", {})
-
-        def ranks(point: Mapping[str, Any]) -> int:
-            tp = point.get("parallel.tensor_parallel_size", par.get("tensor_parallel_size", 1))
-            dp = point.get("parallel.data_parallel_size", par.get("data_parallel_size", 1))
-            try:
-                return int(tp) * int(dp)
-            except (TypeError, ValueError):  # a bad value: that point is skipped with its reason
-                return 1
-
-        return max((ranks(p) for p in self.points), default=ranks({}))
+        tp = point.get("parallel.tensor_parallel_size", par.get("tensor_parallel_size", 1))
+        dp = point.get("parallel.data_parallel_size", par.get("data_parallel_size", 1))
+        try:
+            return int(tp) * int(dp)
+        except (TypeError, ValueError):  # a bad value: that point is skipped with its reason
+            return 1
 
     def _baseline(self, configs: Mapping[str, RuntimeConfig | str], progress: bool) -> list[list[int]] | None:
         """Greedy outputs of the dropless single-process run of the base config (cached)."""

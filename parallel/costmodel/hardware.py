@@ -77,7 +77,9 @@ class Hardware:
     multi_rank_overheads: the same measured per kind of instance ("tp": tensor parallel,
     "ep": DP attention + expert parallel, "dp": data-parallel replicas without EP), which
     pay differently (TP's collectives in every layer, EP's dispatcher, DP's round trip
-    alone); a kind not in it falls back to multi_rank_step_overhead_s;
+    alone); a key "tp:4" holds the kind at one rank count (four ranks share the cores and
+    the wire differently from two), a plain "tp" any rank count not given its own key; a
+    kind with neither falls back to multi_rank_step_overhead_s;
     seq_overhead_s / layer_seq_overhead_s: per sequence in the step, and per sequence per
     layer (host-side loops over sequences: scheduling, sampling, paged-attention gathers).
     """
@@ -120,12 +122,14 @@ class Hardware:
                      "seq_overhead_s", "layer_seq_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
-        for kind, seconds in self.multi_rank_overheads.items():
-            if kind not in MULTI_RANK_KINDS:
-                raise ValueError(f"hardware {self.name!r}: multi_rank_overheads key {kind!r} must be one of "
-                                 f"{', '.join(MULTI_RANK_KINDS)}")
+        for key, seconds in self.multi_rank_overheads.items():
+            kind, colon, ranks = key.partition(":")
+            if kind not in MULTI_RANK_KINDS or (colon and not (ranks.isdigit() and int(ranks) >= 2)):
+                raise ValueError(f"hardware {self.name!r}: multi_rank_overheads key {key!r} must be one of "
+                                 f"{', '.join(MULTI_RANK_KINDS)}, or one of them and a rank count >= 2 "
+                                 "(e.g. 'tp:4')")
             if seconds < 0:
-                raise ValueError(f"hardware {self.name!r}: multi_rank_overheads.{kind} must be >= 0, got {seconds}")
+                raise ValueError(f"hardware {self.name!r}: multi_rank_overheads.{key} must be >= 0, got {seconds}")
         for key in self.collectives:
             op, _, n = key.partition(":")
             if op not in ("allreduce", "alltoall", "allgather", "reducescatter") or not n.isdigit():
@@ -151,7 +155,7 @@ class Hardware:
         kw["collectives"] = {k: _table(v, f"collectives.{k}") for k, v in dict(data.get("collectives") or {}).items()}
         overheads = data.get("multi_rank_overheads") or {}
         if not isinstance(overheads, dict):
-            raise ValueError(f"hardware key multi_rank_overheads: expected a mapping of tp / ep / dp to seconds, "
+            raise ValueError(f"hardware key multi_rank_overheads: expected a mapping of tp / ep / dp (or tp:N ...) to seconds, "
                              f"got {overheads!r}")
         kw["multi_rank_overheads"] = {str(k): _number(v, f"multi_rank_overheads.{k}") for k, v in overheads.items()}
         for f in fields(cls):  # YAML 1.1 reads "5e-06" as a string: numbers are coerced here
@@ -189,11 +193,19 @@ class Hardware:
             return interpolate_loglog(table, max(rows, 1.0))
         return self.peak_flops(dtype) * self.gemm_efficiency
 
-    def multi_rank_overhead(self, kinds: tuple[str, ...]) -> float:
+    def multi_rank_overhead(self, kinds: tuple[str, ...], ranks: int | None = None) -> float:
         """Seconds per step an instance of these kinds (a subset of ``MULTI_RANK_KINDS``; empty:
-        one rank) adds: the largest measured for any of them, a kind not measured counting as
-        ``multi_rank_step_overhead_s``."""
-        return max((self.multi_rank_overheads.get(k, self.multi_rank_step_overhead_s) for k in kinds), default=0.0)
+        one rank) on ``ranks`` ranks adds: the largest measured for any of them, each kind's
+        figure at that rank count ("tp:4") where there is one, else its figure for any count
+        ("tp"), else ``multi_rank_step_overhead_s``."""
+        overheads = self.multi_rank_overheads
+
+        def one(kind: str) -> float:
+            if ranks is not None and f"{kind}:{ranks}" in overheads:
+                return overheads[f"{kind}:{ranks}"]
+            return overheads.get(kind, self.multi_rank_step_overhead_s)
+
+        return max((one(k) for k in kinds), default=0.0)
 
     def attention_rate(self, dtype: str) -> float:
         return self.peak_flops(dtype) * self.attention_efficiency

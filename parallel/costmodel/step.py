@@ -225,7 +225,7 @@ def predict_phase(cfg: ModelConfig, dep: Deployment, hw: Hardware, rank_load: Ra
     parts["lm_head"] = lm
     seqs = work.logits_rows
     parts["layer_overhead"] = cfg.num_hidden_layers * (hw.layer_overhead_s + seqs * hw.layer_seq_overhead_s)
-    parts["step_overhead"] = hw.step_overhead_s + seqs * hw.seq_overhead_s + hw.multi_rank_overhead(dep.multi_rank_kinds)
+    parts["step_overhead"] = hw.step_overhead_s + seqs * hw.seq_overhead_s + hw.multi_rank_overhead(dep.multi_rank_kinds, dep.world_size)
     if hidden:
         parts["overlap_hidden"] = hidden
     step = sum(parts.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -259,13 +260,31 @@ def test_each_kind_of_multi_rank_instance_pays_its_own_step_overhead(fields, kin
     assert partial.multi_rank_overhead(("dp",)) == 5e-3 and partial.multi_rank_overhead(("ep",)) == 2e-3
 
 
+def test_a_rank_count_timed_apart_pays_its_own_figure():
+    """``--ray-ranks 2 4`` writes "tp:2" and "tp:4" beside "tp" (the widest's): a two-rank point pays
+    the two-rank figure, a count not timed falls back to the kind's plain figure, then the global one."""
+    small = ModelConfig.from_hf("deepseek-ai/DeepSeek-V2-Lite", strict=False)
+    hw = toy_hw(step_overhead_s=1e-3, multi_rank_step_overhead_s=9e-3,
+                multi_rank_overheads={"tp:2": 1e-3, "tp:4": 4e-3, "tp": 4e-3, "ep:2": 2e-3})
+    for fields, extra_ms in (({"tp": 2}, 1.0), ({"tp": 4}, 4.0), ({"tp": 8}, 4.0), ({"tp": 2, "dp": 2}, 9.0),
+                             ({"dp": 2, "ep": 2}, 2.0), ({"dp": 4, "ep": 4}, 9.0), ({"tp": 2, "dp": 2, "ep": 4}, 9.0)):
+        p = predict_point(small, Deployment(**fields, dtype="bfloat16"), hw, batch_size=8, kv_len=100)
+        assert p.decode_breakdown["step_overhead"] == pytest.approx(1.0 + extra_ms), fields
+    assert hw.multi_rank_overhead(("tp",)) == 4e-3 and hw.multi_rank_overhead(("tp",), 2) == 1e-3
+    assert Hardware.from_dict(hw.to_dict()).multi_rank_overheads == hw.multi_rank_overheads
+
+
 @pytest.mark.parametrize("value, message", [
     ({"pp": 1e-3}, "multi_rank_overheads key 'pp' must be one of tp, ep, dp"),
+    ({"tp:1": 1e-3}, "multi_rank_overheads key 'tp:1' must be one of tp, ep, dp, or one of them and a rank count"),
+    ({"tp:two": 1e-3}, "multi_rank_overheads key 'tp:two' must be one of"),
+    ({"pp:2": 1e-3}, "multi_rank_overheads key 'pp:2' must be one of"),
     ({"tp": -1e-3}, "multi_rank_overheads.tp must be >= 0"),
+    ({"tp:4": -1e-3}, "multi_rank_overheads.tp:4 must be >= 0"),
     ({"tp": "soon"}, "hardware key multi_rank_overheads.tp: 'soon' is not a number"),
-    ([1e-3], "expected a mapping of tp / ep / dp to seconds"),
+    ([1e-3], "expected a mapping of tp / ep / dp (or tp:N ...) to seconds"),
 ])
 def test_bad_multi_rank_overheads_name_the_key(value, message):
-    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         toy_hw(multi_rank_overheads=value)
     assert toy_hw(multi_rank_overheads={"dp": "1e-3"}).multi_rank_overheads == {"dp": 1e-3}  # YAML 1.1 strings

@@ -374,6 +374,7 @@ def test_calibrate_names_the_bad_flag_or_table_before_measuring(tmp_path, capsys
         (["--out", out, "--nccl-table", str(tmp_path / "missing.txt")],
          f"--nccl-table {tmp_path / 'missing.txt'}: No such file or directory"),
         (["--out", out, "--ray-ranks", "-1"], "--ray-ranks must be 0 (skip) or >= 2, got -1"),
+        (["--out", out, "--ray-ranks", "2", "1"], "--ray-ranks must be 0 (skip) or >= 2, got 1"),
         (["--out", out, "--model", str(tmp_path), "--no-engine"],
          "--model times the engine's steps, which --no-engine skips"),
         (["--out", out, "--model", str(truncated)], f"--model {truncated}: {truncated / 'model.safetensors'}: "
@@ -490,6 +491,36 @@ def test_ray_ranks_times_each_kind_of_instance_apart(tmp_path, monkeypatch):
                                               {"dp": 4, "ep": 4})
     with pytest.raises(ValueError, match="unknown multi-rank kind 'pp'"):
         cal.multi_rank_layout("pp", 2)
+
+
+def test_each_rank_count_is_timed_apart_and_the_widest_stands_for_the_rest(monkeypatch):
+    """``--ray-ranks 4 2`` times the kinds at two and at four ranks: "tp:2" and "tp:4" in the
+    hardware, the plain "tp" the widest count that timed TP (a kind four ranks cannot build keeps
+    its two-rank figure), and the one-figure fallback the largest plain figure."""
+    import launch.calibrate as cal
+    from parallel.costmodel import Hardware
+
+    asked = []
+    figures = {2: {"tp": 1e-3, "ep": 2e-3, "dp": 0.0}, 4: {"ep": 5e-3, "dp": 3e-3}}  # TP4 not buildable
+
+    def fake(hw, dtype, ranks, log, model=None, clock="wall"):
+        asked.append((ranks, dtype, model, clock))
+        return figures[ranks]
+
+    monkeypatch.setattr(cal, "measure_multi_rank_overheads", fake)
+    hw = Hardware(name="t", flops={"float32": 1e11}, memory_bandwidth=2e10, memory_bytes=2**31)
+    lines = []
+    got = cal.with_multi_rank_overheads(hw, "float32", (4, 1, 2, 4), lines.append, "m", "cpu")
+    assert asked == [(2, "float32", "m", "cpu"), (4, "float32", "m", "cpu")]
+    assert got.multi_rank_overheads == {"tp:2": 1e-3, "tp": 1e-3, "ep:2": 2e-3, "ep": 5e-3, "dp:2": 0.0, "dp": 3e-3,
+                                        "ep:4": 5e-3, "dp:4": 3e-3}
+    assert got.multi_rank_step_overhead_s == 5e-3
+    assert lines == ["multi-rank step overhead (ms): TP2 1.00, EP2 2.00, DP2 0.00, EP4 5.00, DP4 3.00"]
+    assert got.multi_rank_overhead(("tp",), 4) == 1e-3 and got.multi_rank_overhead(("ep",), 2) == 2e-3
+    figures[2] = figures[4] = {}
+    lines.clear()
+    assert cal.with_multi_rank_overheads(hw, "float32", (2, 4), lines.append).multi_rank_overheads == {}
+    assert len(lines) == 1 and lines[0].startswith("note: no 2 or 4-rank instance of the model could be built")
 
 
 def test_bandwidth_settles_where_no_engine_step_is_over_predicted():

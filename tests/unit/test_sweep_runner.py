@@ -322,18 +322,20 @@ def test_a_point_this_cluster_cannot_place_is_skipped_with_the_reason(sweep_args
     assert rows[4]["status"] == "ok"
 
 
-def test_auto_hardware_times_as_many_ray_ranks_as_the_widest_point(tmp_path, monkeypatch):
-    """``--hardware auto`` calibrates with ``ray_ranks`` = the most ranks (TP x DP) a point runs,
-    so multi-rank points are predicted with what running on several ranks adds per step."""
+def test_auto_hardware_times_ray_ranks_at_each_count_a_point_runs(tmp_path, monkeypatch):
+    """``--hardware auto`` calibrates with ``ray_ranks`` = every rank count above one (TP x DP) a
+    point runs, so each multi-rank point is predicted with what its own rank count adds per step."""
     asked = {}
     monkeypatch.setattr("launch.calibrate.calibrate", lambda **kw: asked.update(kw) or None)
     monkeypatch.setattr("launch.hardware.save_hardware", lambda hw, path: None)
     points = [{"parallel.tensor_parallel_size": 1, "parallel.data_parallel_size": 1},
-              {"parallel.tensor_parallel_size": 2}, {"parallel.data_parallel_size": 2, "parallel.tensor_parallel_size": 2}]
+              {"parallel.tensor_parallel_size": 2}, {"parallel.data_parallel_size": 2, "parallel.tensor_parallel_size": 2},
+              {"parallel.data_parallel_size": 4}, {"parallel.data_parallel_size": "x"}]
     plan = runner.SweepPlan({"model": str(tmp_path), "parallel": {"data_parallel_size": 1}}, [], points,
                             Workload(("hi",), 4, "w"), tmp_path)
-    assert plan.most_ranks() == 4
+    assert plan.rank_counts() == (2, 4)
     plan._hardware()
-    assert asked["ray_ranks"] == 4
+    assert asked["ray_ranks"] == (2, 4)
     assert runner.SweepPlan({"parallel": {"data_parallel_size": 2}}, [], [{}], Workload(("hi",), 4, "w"),
-                            tmp_path).most_ranks() == 2
+                            tmp_path).rank_counts() == (2,)
+    assert runner.SweepPlan({}, [], [{}], Workload(("hi",), 4, "w"), tmp_path).rank_counts() == ()
