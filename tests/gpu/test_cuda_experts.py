@@ -29,3 +29,27 @@ def test_cuda_layer_grouped_gemm_equals_loop_and_cpu(shape: str) -> None:
     scale = want.abs().max()
     assert (grouped - loop).abs().max() <= 2e-2 * scale
     assert (grouped - want).abs().max() <= 2e-2 * scale
+
+
+@pytest.mark.parametrize("shape", ["deepseek", "mixtral"])
+def test_cuda_layer_drops_the_rows_the_cpu_layer_drops(shape: str) -> None:
+    """A capacity factor on CUDA (``moe.capacity``'s tensor ops; the CPU's one-pass drop is CPU
+    only): the same slot load, the same dropped count, and the output within bf16 rounding."""
+    from launch.bench.moe_layer import build_layers
+    from moe.capacity import CapacityConfig
+
+    cpu_layer, _ = build_layers(shape, torch.bfloat16)
+    cpu_layer.capacity = CapacityConfig(1.0)
+    x = torch.randn(300, cpu_layer.experts.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+    results = []
+    with torch.inference_mode():
+        for device in ("cpu", "cuda"):
+            layer = cpu_layer.to(device)
+            layer.counters["dropped"] = 0
+            layer.slot_load.zero_()
+            out = layer(x.to(device)).float().cpu()
+            results.append((out, layer.slot_load.cpu().clone(), int(layer.counters["dropped"])))
+    (want, want_load, want_dropped), (got, load, dropped) = results
+    assert got.shape == want.shape == (300, cpu_layer.experts.hidden_size)
+    assert torch.equal(load, want_load) and dropped == want_dropped > 0
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
