@@ -21,6 +21,7 @@ in fp32 inside the kernel); the PyTorch path then runs on the dequantized weight
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -354,6 +355,28 @@ class Experts(WatchedModule):
             return None
         return packed
 
+    def forward_rows_fused(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
+                           first_slot: int = 0) -> torch.Tensor | None:
+        """``forward_rows`` in one CPU op (``kernels.experts_forward_rows``: the grouping, the gather,
+        the experts and the per-row sums, the same values), or None where it does not apply: not
+        CPU, no packed weights, autograd, or groups of prefill size that ``grouped`` gives the
+        library GEMMs. x: [M, D] (rows may lie any stride apart, e.g. in the receive buffer);
+        slot_ids: [M, K] int32 or int64, slot s being local slot s - first_slot where that is in
+        [0, P) and not here otherwise (an expert-parallel rank passes the wire's physical slots
+        and its first slot); weights: [M, K]. Returns [M, D] in x's dtype."""
+        if (not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or not self.fused_topk
+                or slot_ids.dtype not in (torch.int32, torch.int64) or x.dim() != 2):
+            return None
+        params = self._parameters
+        if x.dtype != params["w13"].dtype or kernels.needs_autograd(x, weights, params["w13"], params["w2"]):
+            return None
+        packed = self.packed_weights()
+        if packed is None:
+            return None
+        library = not packed.quantized and kernels.prefers_library_experts(x.dtype, kernels.LIBRARY_GEMM_MIN_ROWS)
+        return kernels.experts_forward_rows(x, slot_ids, weights.float(), first_slot, packed,
+                                            kernels.LIBRARY_GEMM_MIN_ROWS if library else math.inf)
+
     def forward_rows(self, x: torch.Tensor, local_slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Routed experts returning each row's weighted sum in x's dtype (the EP wire format).
 
@@ -362,6 +385,9 @@ class Experts(WatchedModule):
         in fp32 and rounded once (one gather + sum over the expert outputs, no fp32 [T, D]
         temporary and no zero-fill; a row with no local assignment gets zeros).
         """
+        fused = self.forward_rows_fused(x, local_slot_ids, weights)
+        if fused is not None:
+            return fused
         order, token_of_row, counts = compute_local_routing(local_slot_ids, self.num_local_slots)
         w = weights.reshape(-1)[order].float()  # [M]
         y = self.grouped(x[token_of_row], counts, w)  # [M, D] weighted, x's dtype

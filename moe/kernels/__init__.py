@@ -67,6 +67,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import sys
@@ -459,6 +460,20 @@ def dispatch_plan(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
     pair_token, counts, combine_index, offsets = torch.ops.moe_kernels.dispatch_plan(
         x, slot_ids, weights, num_local_slots, num_ranks, out)
     return out[: pair_token.numel()], pair_token, counts, combine_index, offsets
+
+
+def experts_forward_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, first_slot: int,
+                         packed: PackedExperts, library_min_rows: float = math.inf) -> torch.Tensor | None:
+    """An expert-parallel destination's routed experts over the rows it received, in one CPU op.
+    x: [M, D] float32 or bfloat16 (rows any stride apart: a view into the receive buffer does);
+    slot_ids: [M, K] int32 or int64 physical slots, slot s being local slot s - first_slot where
+    that lies in [0, P) and elsewhere (or dropped, -1) otherwise; weights: [M, K] float32. Returns
+    [M, D] in x's dtype: each row's weighted expert outputs, each rounded to x's dtype, summed in
+    fp32 in k order and rounded once (the values of ``Experts.forward_rows``' tensor ops); None,
+    computing nothing, where the rows per busy slot reach ``library_min_rows``."""
+    out = torch.ops.moe_kernels.experts_forward_rows(x, slot_ids, weights, first_slot, packed.w13p, packed.s13,
+                                                     packed.w2p, packed.s2, float(library_min_rows))
+    return None if out.dim() == 1 else out
 
 
 def capacity_drop(slot_ids: torch.Tensor, weights: torch.Tensor, num_slots: int, capacity: int,

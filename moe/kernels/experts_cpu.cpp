@@ -1075,6 +1075,115 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
   return acc.narrow(1, 0, D);
 }
 
+// bf16 of an fp32 value, ties away from zero: how torch.embedding_bag rounds its fp32 sums of bf16 rows
+// on CPU (round to nearest-even elsewhere in this file).
+static inline uint16_t bf16_ties_away(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+  return static_cast<uint16_t>((u + 0x8000u) >> 16);
+}
+
+// The routed experts of an expert-parallel destination over the rows it received, in one op. x [M, D]
+// float32 or bfloat16 (rows any stride apart, columns contiguous: a view into the receive buffer);
+// slot_ids [M, K] int32 or int64 physical slots (any row stride), slot s being local slot s - first_slot
+// where that lies in [0, P) and hosted elsewhere (or dropped, -1) otherwise; weights [M, K] float32 (any
+// row stride). Returns [M, D] in x's dtype: per row, over k ascending, the fp32 sum of weights[m, k] *
+// expert(x[m]) each rounded to x's dtype, rounded once more to x's dtype (bf16: ties away from zero) --
+// the values of Experts.forward_rows' tensor ops (localize_slots, compute_local_routing, experts_forward,
+// embedding_bag). Returns an empty [0] tensor, computing nothing, where the rows per busy slot reach
+// library_min_rows (where the caller runs library GEMMs instead).
+at::Tensor experts_forward_rows(const at::Tensor& x, const at::Tensor& slot_ids, const at::Tensor& weights,
+                                int64_t first_slot, const at::Tensor& w13p, const at::Tensor& s13,
+                                const at::Tensor& w2p, const at::Tensor& s2, double library_min_rows) {
+  check_experts(x, w13p, s13, w2p, s2);
+  const int64_t M = x.size(0), D = x.size(1), P = w13p.size(0);
+  TORCH_CHECK(x.stride(1) == 1 || D <= 1, "moe_kernels: experts_forward_rows needs x's columns contiguous");
+  TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.size(0) == M &&
+              (slot_ids.scalar_type() == at::kLong || slot_ids.scalar_type() == at::kInt) &&
+              (slot_ids.stride(1) == 1 || slot_ids.size(1) <= 1),
+              "moe_kernels: experts_forward_rows takes slot_ids [M, K] int32 or int64 with contiguous columns");
+  TORCH_CHECK(weights.sizes() == slot_ids.sizes() && weights.scalar_type() == at::kFloat &&
+              (weights.stride(1) == 1 || weights.size(1) <= 1),
+              "moe_kernels: experts_forward_rows takes weights [M, K] float32 like slot_ids");
+  const int64_t K = slot_ids.size(1);
+  const bool ids64 = slot_ids.scalar_type() == at::kLong;
+  const int64_t is0 = slot_ids.stride(0), ws0 = weights.stride(0), xs0 = x.stride(0);
+  const int64_t* id64 = ids64 ? slot_ids.data_ptr<int64_t>() : nullptr;
+  const int32_t* id32 = ids64 ? nullptr : slot_ids.data_ptr<int32_t>();
+  const float* wsrc = weights.data_ptr<float>();
+  std::vector<int64_t> local(M * K), offsets(P + 1, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t s = ids64 ? id64[m * is0 + k] : id32[m * is0 + k];
+      const int64_t l = s - first_slot;
+      const int64_t slot = s >= 0 && l >= 0 && l < P ? l : -1;
+      local[m * K + k] = slot;
+      if (slot >= 0) ++offsets[slot + 1];
+    }
+  int64_t busy = 0;
+  for (int64_t e = 0; e < P; ++e) busy += offsets[e + 1] > 0, offsets[e + 1] += offsets[e];
+  const int64_t N = offsets[P];
+  if (N > 0 && static_cast<double>(N) / static_cast<double>(busy) >= library_min_rows)
+    return at::empty({0}, x.options());
+  at::Tensor out = at::empty({M, D}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (N == 0) return out.zero_();
+  // the assignments grouped by slot, row-major within a slot (compute_local_routing's order)
+  std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1), token(N), pos(M * K, -1);
+  std::vector<float> rw(N);
+  for (int64_t i = 0; i < M * K; ++i)
+    if (local[i] >= 0) {
+      const int64_t r = fill[local[i]]++;
+      token[r] = i / K;
+      rw[r] = wsrc[(i / K) * ws0 + i % K];
+      pos[i] = r;
+    }
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool dot = experts_on_dot(current_isa(), weight_type(w13p), x.scalar_type(), offsets);
+  // the rows gathered in slot order: bf16 for the dot tiles (dot_row_stride apart), else fp32
+  const int64_t ldr = dot ? dot_row_stride(D) : D;
+  at::Tensor rows = at::empty({N, ldr}, at::TensorOptions().dtype(dot ? at::kBFloat16 : at::kFloat));
+  const int64_t esize = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  for (int64_t r = 0; r < N; ++r) {
+    const char* src = xp + token[r] * xs0 * esize;
+    if (bf16 && !dot) {  // widened to fp32
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+      float* dst = rows.data_ptr<float>() + r * D;
+      for (int64_t c = 0; c < D; ++c) dst[c] = to_float(h[c]);
+    } else {
+      std::memcpy(static_cast<char*>(rows.data_ptr()) + r * ldr * rows.element_size(), src, D * esize);
+    }
+  }
+  at::Tensor y = at::empty({N, D}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw.data(), bf16, y.data_ptr(), nullptr, 0, ldr);
+  // each row's sum over its k, in k order, as embedding_bag sums a bag
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t m = begin; m < end; ++m) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = pos[m * K + k];
+        if (r < 0) continue;
+        if (bf16) {
+          const uint16_t* yr = reinterpret_cast<const uint16_t*>(y.data_ptr()) + r * D;
+          for (int64_t c = 0; c < D; ++c) acc[c] += to_float(yr[c]);
+        } else {
+          const float* yr = y.data_ptr<float>() + r * D;
+          for (int64_t c = 0; c < D; ++c) acc[c] += yr[c];
+        }
+      }
+      if (bf16) {
+        uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + m * D;
+        for (int64_t c = 0; c < D; ++c) o[c] = bf16_ties_away(acc[c]);
+      } else {
+        std::memcpy(out.data_ptr<float>() + m * D, acc.data(), D * sizeof(float));
+      }
+    }
+  });
+  return out;
+}
+
 // Capacity with policy "position" and overflow "drop", no renormalisation (moe.capacity.apply_capacity,
 // and apply_slot_limits for the global scope's per-slot shares): of each slot's assignments in row-major
 // order (token, then k), the first `capacity` (or limits[slot] when limits is given) are kept and the
@@ -2213,6 +2322,8 @@ TORCH_LIBRARY(moe_kernels, m) {
         "int topk_group, int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, "
         "Tensor(a!) slot_load, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, "
         "Tensor sh_w2p, Tensor sh_s2, int capacity, Tensor(b!) dropped) -> Tensor");
+  m.def("experts_forward_rows(Tensor x, Tensor slot_ids, Tensor weights, int first_slot, Tensor w13p, Tensor s13, "
+        "Tensor w2p, Tensor s2, float library_min_rows) -> Tensor");
   m.def("dispatch_plan(Tensor x, Tensor slot_ids, Tensor weights, int num_local, int num_ranks, Tensor(a!) send) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("capacity_drop(Tensor slot_ids, Tensor weights, int num_slots, int capacity, Tensor limits) -> "
@@ -2242,4 +2353,5 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("moe_ffn", &moe_kernels::moe_ffn);
   m.impl("capacity_drop", &moe_kernels::capacity_drop);
   m.impl("dispatch_plan", &moe_kernels::dispatch_plan);
+  m.impl("experts_forward_rows", &moe_kernels::experts_forward_rows);
 }

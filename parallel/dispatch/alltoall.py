@@ -67,7 +67,10 @@ class AllToAllDispatcher(EPDispatcherState):
         slot_ids, weights = self._apply_capacity(slot_ids, weights, num_local, layer_id)
         plan, recv, recv_counts = self.dispatch(x, slot_ids, weights, num_local)
         rx, rslots, rweights = unpack_rows(recv, x.shape[1], slot_ids.shape[1], x.dtype)
-        partial = experts.forward_rows(rx, localize_slots(rslots, self.rank, num_local), rweights)  # [M, D]
+        # [M, D]: on CPU one op over the receive buffer's rows (the wire's physical slots localized in it)
+        partial = experts.forward_rows_fused(rx, rslots, rweights, self.rank * num_local)
+        if partial is None:
+            partial = experts.forward_rows(rx, localize_slots(rslots, self.rank, num_local), rweights)
         return self.combine(partial, plan, recv_counts)
 
     def dispatch(

@@ -186,6 +186,62 @@ def test_one_op_from_router_output_equals_grouping_first(kernel_isas: list[str],
     assert not experts(x, torch.full_like(ids, -1), w).any()
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_received_rows_in_one_op_equal_the_tensor_ops(kernel_isas: list[str], dtype: torch.dtype,
+                                                     quantization: str | None) -> None:
+    """An expert-parallel rank's experts over the rows it received (``Experts.forward_rows_fused``:
+    its slots on the wire, physical, localized in the op; the rows read where they lie in the receive
+    buffer) give ``forward_rows``' tensor ops' bits: each weighted row rounded to the wire dtype, the
+    rows of one received row summed in fp32 in k order and rounded once (bf16: ties away from zero,
+    as embedding_bag rounds). Rows with no local slot come back zero; 120 rows x 3 on one slot in
+    bf16 sum many ties."""
+    from parallel.dispatch.plan import localize_slots, pack_rows, plan_from_mask, unpack_rows
+
+    experts = _module(dtype, quantization)  # 6 local slots: rank 1 of 3 hosts physical slots 6-11
+    gen = torch.Generator().manual_seed(7)
+    for rows, k in ((20, 3), (1, 1), (120, 8)):
+        x = torch.randn(rows, 32, generator=gen).to(dtype)
+        slots = torch.randint(-1, 18, (rows, k), generator=gen)
+        slots[0] = torch.where(torch.arange(k) % 2 == 0, 3, -1)  # nothing hosted here: zeros
+        w = torch.rand(rows, k, generator=gen)
+        plan = plan_from_mask(torch.ones(1, rows, dtype=torch.bool))
+        rx, rslots, rweights = unpack_rows(pack_rows(x, slots, w, plan), 32, k, dtype)  # strided views
+        assert rx.stride(0) > 32 and rslots.dtype == torch.int32
+        for name in kernel_isas:
+            kernels.select_isa(name)
+            experts.fused_topk = True
+            got = experts.forward_rows_fused(rx, rslots, rweights, first_slot=6)
+            assert got is not None and got.shape == (rows, 32) and got.dtype == dtype and got.is_contiguous()
+            experts.fused_topk = False
+            want = experts.forward_rows(rx.contiguous(), localize_slots(rslots, 1, 6), rweights)
+            assert torch.equal(got, want), (name, rows, k)
+            assert not got[0].any()
+            experts.fused_topk = True
+            local = localize_slots(slots, 1, 6)
+            assert torch.equal(experts.forward_rows(x, local, w), want)  # local ids, first_slot 0
+    kernels.select_isa("auto")
+    assert experts.forward_rows_fused(x[:0], slots[:0], w[:0]).shape == (0, 32)
+    assert not experts.forward_rows_fused(x, torch.full_like(slots, -1), w).any()
+    experts.fused_topk = False
+    assert experts.forward_rows_fused(x, slots, w) is None
+
+
+def test_received_rows_of_prefill_size_go_to_the_library_gemms(kernel_isas: list[str], monkeypatch) -> None:
+    """Where ``grouped`` gives prefill-size groups to the library GEMMs, the one op steps aside (None),
+    judged on the rows per busy slot as ``grouped`` judges them; int8 weights stay in the op."""
+    experts = _module(torch.float32)
+    monkeypatch.setattr(kernels, "LIBRARY_GEMM_MIN_ROWS", 8)
+    x = torch.randn(16, 32)
+    two_slots = torch.tensor([[0], [1]]).repeat(8, 1)  # 16 rows on 2 busy slots: 8 each
+    assert kernels.prefers_library_experts(torch.float32, 8)
+    assert experts.forward_rows_fused(x, two_slots, torch.ones(16, 1)) is None
+    spread = torch.arange(16).remainder(6).unsqueeze(1)  # 16 rows on 6 slots: 2.7 each
+    assert experts.forward_rows_fused(x, spread, torch.ones(16, 1)) is not None
+    quantized = _module(torch.float32, "int8")
+    assert quantized.forward_rows_fused(x, two_slots, torch.ones(16, 1)) is not None
+
+
 @pytest.mark.parametrize("tokens", [120, 700])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("skewed", [False, True])
