@@ -12,6 +12,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe import kernels
 from moe.experts import Experts, grouped_expert_forward
@@ -225,6 +227,34 @@ def test_received_rows_in_one_op_equal_the_tensor_ops(kernel_isas: list[str], dt
     assert not experts.forward_rows_fused(x, torch.full_like(slots, -1), w).any()
     experts.fused_topk = False
     assert experts.forward_rows_fused(x, slots, w) is None
+
+
+@given(rows=st.integers(0, 48), top_k=st.integers(1, 8), num_local=st.integers(1, 6), rank=st.integers(0, 3),
+       hidden=st.sampled_from([16, 48]), inter=st.sampled_from([8, 40]), bf16=st.booleans(),
+       int8=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_received_rows_op_over_random_routings(kernel_isas: list[str], rows: int, top_k: int, num_local: int,
+                                              rank: int, hidden: int, inter: int, bf16: bool, int8: bool,
+                                              seed: int) -> None:
+    """``forward_rows_fused`` over the wire's views against the tensor ops on the localized slots, for
+    any rows, top-k, slots per rank, rank, widths, dtype and int8 experts: the same bits."""
+    from parallel.dispatch.plan import localize_slots, pack_rows, plan_from_mask, unpack_rows
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    gen = torch.Generator().manual_seed(seed)
+    experts = Experts(num_local, hidden, inter, dtype=dtype, quantization="int8" if int8 else None)
+    experts.w13.data.copy_(torch.randn(experts.w13.shape, generator=gen) * 0.3)
+    experts.w2.data.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    slots = torch.randint(-1, 4 * num_local, (rows, top_k), generator=gen)
+    w = torch.rand(rows, top_k, generator=gen)
+    rx, rslots, rweights = unpack_rows(pack_rows(x, slots, w, plan_from_mask(torch.ones(1, rows, dtype=torch.bool))),
+                                       hidden, top_k, dtype)
+    got = experts.forward_rows_fused(rx, rslots, rweights, rank * num_local)
+    experts.fused_topk = False
+    want = experts.forward_rows(rx.contiguous(), localize_slots(rslots, rank, num_local), rweights)
+    assert got is not None and got.shape == want.shape == (rows, hidden) and got.dtype == dtype
+    assert torch.equal(got, want)
 
 
 def test_received_rows_of_prefill_size_go_to_the_library_gemms(kernel_isas: list[str], monkeypatch) -> None:
