@@ -425,6 +425,20 @@ def measure_multi_rank_overheads(hw: Hardware, dtype: str, ranks: int, log: Call
     return out
 
 
+def oversubscribed_note(nprocs: int, threads: int, cpus: int | None = None) -> str | None:
+    """A note when ``nprocs`` ranks of ``threads`` threads are more than this machine's ``cpus``
+    (default: the CPUs this process may run on): their collectives' wall time then includes waiting
+    for a core, which the engine steps' CPU time leaves out (docs/layouts.md, "Each rank count timed
+    apart"). None when they fit."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nprocs * threads <= cpus:
+        return None
+    return (f"note: --nprocs {nprocs} x {threads} thread(s) is more than this machine's {cpus} CPUs: the {nprocs}-rank "
+            "collective tables include waiting for a core, and multi-rank points of that many ranks are predicted "
+            "high; a count that fits the cores, rescaled, predicts them better")
+
+
 def with_multi_rank_overheads(hw: Hardware, dtype: str, rank_counts: Sequence[int], log: Callable[[str], None],
                               model: str | None = None, clock: str = "wall") -> Hardware:
     """``hw`` with what each kind of multi-rank instance adds per step at each of ``rank_counts``
@@ -482,6 +496,8 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
             f"attention {attention / 1e9:.1f} GFLOP/s; copy {bandwidth / 1e9:.1f} GB/s; call {overhead * 1e6:.1f} us")
         collectives: dict[str, list[tuple[float, float]]] = {}
         for n in nprocs:
+            if (note := oversubscribed_note(n, threads)) is not None:
+                log(note)
             collectives.update(measure_collectives(n, threads))
         collectives.update(read_nccl_tables(list(nccl_tables)))
         link = 0.0

@@ -523,6 +523,18 @@ def test_each_rank_count_is_timed_apart_and_the_widest_stands_for_the_rest(monke
     assert len(lines) == 1 and lines[0].startswith("note: no 2 or 4-rank instance of the model could be built")
 
 
+def test_more_ranks_than_cores_is_noted():
+    """Gloo tables of more ranks than cores include waiting for a core (docs/layouts.md): calibrate
+    says so, naming the count; ranks that fit get no note."""
+    from launch.calibrate import oversubscribed_note
+
+    assert oversubscribed_note(2, 1, cpus=2) is None and oversubscribed_note(4, 2, cpus=8) is None
+    note = oversubscribed_note(4, 1, cpus=2)
+    assert note is not None and note.startswith("note: --nprocs 4 x 1 thread(s) is more than this machine's 2 CPUs")
+    assert oversubscribed_note(2, 2, cpus=2) is not None
+    assert oversubscribed_note(1, 1) is None  # this machine's own CPU count
+
+
 def test_bandwidth_settles_where_no_engine_step_is_over_predicted():
     """The weight-read benchmark under-measures when other guests hold the shared cache: the read
     rate is raised in 5 % steps until the operator model stops over-predicting the engine's own
