@@ -22,7 +22,7 @@ class Workspace:
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` and ``dtype`` backed by buffer ``name``."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < nbytes or buf.device != torch.device(device):
             buf = torch.empty(max(nbytes + nbytes // 4, 64), dtype=torch.uint8, device=device)
