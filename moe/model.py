@@ -204,7 +204,7 @@ class MoEModel(nn.Module):
         """Switch the small fused CPU ops on or off together (off: their PyTorch ops, the reference):
         RMSNorm, router selection, MLA's rope + latent norm + cache write, MLA's and GQA's whole
         decode attention as one op, MLA's and GQA's paged decode and prefill attention, the routed experts straight
-        from the router's output and the whole MoE feed-forward as one op. The GEMM kernels
+        from the router's output (an EP rank's: over its received rows) and the whole MoE feed-forward as one op. The GEMM kernels
         (``moe.kernels`` experts / linear) stay as they are. Returns how many modules were set."""
         count = 0
         for module in self.modules():
