@@ -38,7 +38,7 @@ ARENA_ALIGN = 64
 
 def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes of a contiguous tensor of ``shape`` and ``dtype``."""
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def huge_pages_wanted() -> bool:

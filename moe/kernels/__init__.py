@@ -462,6 +462,15 @@ def dispatch_plan(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor
     return out[: pair_token.numel()], pair_token, counts, combine_index, offsets
 
 
+def choose_slots(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, rank: int,
+                 slot_load: torch.Tensor) -> torch.Tensor:
+    """``moe.moe_layer.choose_replicas`` and the slot-load count in one CPU op. topk_ids: [T, K] int64
+    logical experts; log2phy: [E, R] int64 replicas (-1 padded); logcnt: [E] int64; slot_load: [P]
+    int64, += each slot's assignments in place. Returns slot_ids [T, K] int64: the n-th assignment of
+    expert e (row-major) on replica (n + rank) % logcnt[e]."""
+    return torch.ops.moe_kernels.choose_slots(topk_ids, log2phy, logcnt, rank, slot_load)
+
+
 def experts_forward_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, first_slot: int,
                          packed: PackedExperts, library_min_rows: float = math.inf) -> torch.Tensor | None:
     """An expert-parallel destination's routed experts over the rows it received, in one CPU op.

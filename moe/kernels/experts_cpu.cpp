@@ -2114,6 +2114,43 @@ std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits, const at
   return {ids, weights};
 }
 
+// The physical slot of each of n logical expert ids (ids[j] in [0, E)): the n-th assignment of expert e
+// (in j order) goes to replica (n + rank) % logcnt[e] of log2phy [E, R] int64 (-1 padded), logcnt [E]
+// int64 -- moe.moe_layer.choose_replicas -- written to slots, each counted into load [P] (+= 1).
+static void assign_slots(const int64_t* ids, int64_t n, const at::Tensor& log2phy, const at::Tensor& logcnt,
+                         int64_t rank, int64_t* slots, int64_t* load, int64_t P) {
+  const at::Tensor table = log2phy.contiguous(), counts = logcnt.contiguous();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  const int64_t E = table.size(0), R = table.size(1);
+  std::vector<int64_t> seen(R > 1 ? E : 0, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t e = ids[j];
+    TORCH_CHECK(e >= 0 && e < E, "moe_kernels: expert id ", e, " outside ", E, " experts");
+    const int64_t replica = R > 1 ? (seen[e]++ + rank) % cp[e] : 0;
+    const int64_t slot = tp[e * R + replica];
+    TORCH_CHECK(slot >= 0 && slot < P, "moe_kernels: expert ", e, " maps to slot ", slot, " outside ", P, " slots");
+    slots[j] = slot;
+    ++load[slot];
+  }
+}
+
+// topk_ids [T, K] int64 logical experts -> their physical slots [T, K] int64 (assign_slots: replica
+// (n + rank) % logcnt[e] for the n-th assignment of expert e, row-major), each counted into slot_load
+// [P] int64 in place: moe.moe_layer.choose_replicas and the layer's slot-load count in one pass.
+at::Tensor choose_slots(const at::Tensor& topk_ids, const at::Tensor& log2phy, const at::Tensor& logcnt, int64_t rank,
+                        at::Tensor slot_load) {
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.scalar_type() == at::kLong, "moe_kernels: topk_ids [T, K] int64 expected");
+  TORCH_CHECK(log2phy.dim() == 2 && log2phy.scalar_type() == at::kLong && logcnt.scalar_type() == at::kLong &&
+              logcnt.numel() == log2phy.size(0) && slot_load.scalar_type() == at::kLong && slot_load.dim() == 1 &&
+              slot_load.is_contiguous(), "moe_kernels: log2phy [E, R], logcnt [E] and slot_load [P] int64 expected");
+  const at::Tensor ids = topk_ids.contiguous();
+  at::Tensor slots = at::empty_like(ids);
+  assign_slots(ids.data_ptr<int64_t>(), ids.numel(), log2phy, logcnt, rank, slots.data_ptr<int64_t>(),
+               slot_load.data_ptr<int64_t>(), slot_load.size(0));
+  return slots;
+}
+
 // The MoE feed-forward of a rank that hosts every physical slot (no dispatch, no capacity), in one
 // op: the same calls in the same order as moe.moe_layer.MoELayer.forward's kernel path, so bit-equal
 // to it. x: [T, D] float32 or bfloat16; gate_w: [E, D] float32 (logits = x in fp32 @ gate_w^T) and
@@ -2140,23 +2177,10 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& gate_w, const at::Tens
               "moe_kernels: log2phy [E, R], logcnt [E] and slot_load [P] int64 expected");
   const at::Tensor logits = router_logits(x, gate_w.to(at::kFloat), gate_parts);  // [T, E]
   auto [ids, weights] = route_topk(logits, bias, sigmoid, method, n_group, topk_group, top_k, norm_topk_prob, scaling);
-  const at::Tensor table = log2phy.contiguous(), counts = logcnt.contiguous();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t* cp = counts.data_ptr<int64_t>();
-  const int64_t R = table.size(1), n = ids.numel();
+  const int64_t n = ids.numel();
   at::Tensor slots = at::empty_like(ids);
-  const int64_t* ip = ids.data_ptr<int64_t>();
   int64_t* sp = slots.data_ptr<int64_t>();
-  int64_t* load = slot_load.data_ptr<int64_t>();
-  std::vector<int64_t> seen(R > 1 ? E : 0, 0);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t e = ip[j];
-    const int64_t replica = R > 1 ? (seen[e]++ + rank) % cp[e] : 0;
-    const int64_t slot = tp[e * R + replica];
-    TORCH_CHECK(slot >= 0 && slot < P, "moe_kernels: expert ", e, " maps to slot ", slot, " outside ", P, " slots");
-    sp[j] = slot;
-    ++load[slot];
-  }
+  assign_slots(ids.data_ptr<int64_t>(), n, log2phy, logcnt, rank, sp, slot_load.data_ptr<int64_t>(), P);
   if (capacity >= 0) {
     TORCH_CHECK(dropped.numel() == 1 && dropped.scalar_type() == at::kLong, "moe_kernels: dropped [1] int64 expected");
     TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous(), "moe_kernels: route_topk's weights");
@@ -2322,6 +2346,7 @@ TORCH_LIBRARY(moe_kernels, m) {
         "int topk_group, int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, "
         "Tensor(a!) slot_load, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, "
         "Tensor sh_w2p, Tensor sh_s2, int capacity, Tensor(b!) dropped) -> Tensor");
+  m.def("choose_slots(Tensor topk_ids, Tensor log2phy, Tensor logcnt, int rank, Tensor(a!) slot_load) -> Tensor");
   m.def("experts_forward_rows(Tensor x, Tensor slot_ids, Tensor weights, int first_slot, Tensor w13p, Tensor s13, "
         "Tensor w2p, Tensor s2, float library_min_rows) -> Tensor");
   m.def("dispatch_plan(Tensor x, Tensor slot_ids, Tensor weights, int num_local, int num_ranks, Tensor(a!) send) "
@@ -2354,4 +2379,5 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("capacity_drop", &moe_kernels::capacity_drop);
   m.impl("dispatch_plan", &moe_kernels::dispatch_plan);
   m.impl("experts_forward_rows", &moe_kernels::experts_forward_rows);
+  m.impl("choose_slots", &moe_kernels::choose_slots);
 }

@@ -89,7 +89,7 @@ def plan_from_mask(mask: torch.Tensor) -> DispatchPlan:
 
 def row_layout(hidden_size: int, top_k: int, dtype: torch.dtype) -> tuple[int, int]:
     """(hidden bytes padded to 8, total row bytes) of the dispatch wire format."""
-    hidden_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
+    hidden_bytes = hidden_size * dtype.itemsize
     hidden_bytes = (hidden_bytes + 7) // 8 * 8
     return hidden_bytes, hidden_bytes + 8 * top_k
 
@@ -124,7 +124,7 @@ def unpack_rows(
     hidden_bytes, row_bytes = row_layout(hidden_size, top_k, dtype)
     if buf.dim() != 2 or buf.shape[1] != row_bytes:
         raise ValueError(f"dispatch buffer must be [M, {row_bytes}] uint8, got {tuple(buf.shape)}")
-    nbytes = hidden_size * torch.empty((), dtype=dtype).element_size()
+    nbytes = hidden_size * dtype.itemsize
     x = buf[:, :nbytes].view(dtype)
     slots = buf[:, hidden_bytes : hidden_bytes + 4 * top_k].view(torch.int32)
     weights = buf[:, hidden_bytes + 4 * top_k :].view(torch.float32)

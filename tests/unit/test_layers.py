@@ -200,6 +200,29 @@ def test_placement_tables_and_even_replica_spread() -> None:
         compute_placement_tables(torch.tensor([0, 0, 2, 3]), 4)
 
 
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_choose_slots_is_choose_replicas_and_the_count_in_one_pass(kernel_isas: list[str], rank: int) -> None:
+    """``kernels.choose_slots`` (the EP layer's CPU path): choose_replicas' slots and bincount's
+    slot load, added in place, for replicated and single-copy placements and an empty batch; an
+    expert id outside the table is refused, naming it."""
+    from moe import kernels
+    from moe.experts import count_ids
+
+    gen = torch.Generator().manual_seed(rank)
+    for phy2log in (torch.tensor([0, 1, 2, 3, 1, 1, 0]), torch.arange(4)):
+        log2phy, logcnt = compute_placement_tables(phy2log, 4)
+        for tokens in (0, 1, 37):
+            ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)] or [torch.empty(0, 2)])
+            ids = ids.reshape(tokens, 2).long()
+            load = torch.arange(phy2log.numel(), dtype=torch.int64)  # counts already there are kept
+            want_load = load + count_ids(choose_replicas(ids, log2phy, logcnt, rank).reshape(-1), phy2log.numel())
+            slots = kernels.choose_slots(ids, log2phy, logcnt, rank, load)
+            assert slots.shape == (tokens, 2) and slots.dtype == torch.int64
+            assert torch.equal(slots, choose_replicas(ids, log2phy, logcnt, rank)) and torch.equal(load, want_load)
+    with pytest.raises(RuntimeError, match="expert id 4 outside 4 experts"):
+        kernels.choose_slots(torch.tensor([[4, 0]]), log2phy, logcnt, 0, torch.zeros(4, dtype=torch.int64))
+
+
 def test_moe_layer_replicated_placement_same_output_and_slot_load() -> None:
     cfg = _ours(transformers.DeepseekV3Config(**V3_BASE, n_shared_experts=1))
     layer = MoELayer(cfg, 1, dtype=torch.float32)
