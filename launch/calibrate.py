@@ -37,11 +37,13 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from launch.config_args import FlagParser
@@ -88,6 +90,38 @@ def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]], r
     for op, counts in plan:
         runs = [run_collective(rank, world, op, counts, "float32", 3, 10, False) for _ in range(repeats)]
         out[op] = [(rows[0].size, min(r.out_of_place.time_us for r in rows) * 1e-6) for rows in zip(*runs)]
+    if "allreduce" in out:  # what the runtime's tensor-parallel all-reduce takes for the sizes it sends that way
+        out["allreduce"] = _with_shm_allreduce(out["allreduce"], repeats)
+    return out
+
+
+def _with_shm_allreduce(table: list[tuple[int, float]], repeats: int, iters: int = 50) -> list[tuple[int, float]]:
+    """``table`` (allreduce sizes in bytes, seconds) with the sizes ``parallel.shm_allreduce`` takes
+    timed through it (the slowest rank's mean, best of ``repeats``), where the group's ranks share a
+    host: the tensor-parallel layers send those sizes that way. Collective over the world."""
+    from parallel.shm_allreduce import ShmAllReduce
+
+    shm = ShmAllReduce.for_group(dist.group.WORLD)
+    if shm is None:
+        return table
+    out = []
+    for size, seconds in table:
+        x = torch.ones(max(1, int(size) // 4))
+        if not shm.applies(x):
+            out.append((size, seconds))
+            continue
+        best = float("inf")
+        for _ in range(repeats):
+            for _ in range(5):
+                shm.all_reduce(x)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                shm.all_reduce(x)
+            mean = torch.tensor([(time.perf_counter() - start) / iters])
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+            best = min(best, float(mean))
+        out.append((size, best))
     return out
 
 

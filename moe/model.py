@@ -13,6 +13,7 @@ cache is replicated across the TP group.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,15 @@ from moe.router import Router
 LocalSlots = Sequence[int] | Mapping[int, Sequence[int]] | None
 RowOp = Callable[[torch.Tensor], torch.Tensor]  # x [T, D] -> [T, D]: a norm or an FFN
 AddNormOp = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (h, r) -> (h + r, norm(h + r))
+
+
+class TpAllReduce(Protocol):
+    """A faster path for the tensor-parallel all-reduce of some tensors than the group's backend
+    (``parallel.shm_allreduce.ShmAllReduce``: small CPU tensors through shared memory)."""
+
+    def applies(self, t: torch.Tensor) -> bool: ...
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
 class DecoderLayer(nn.Module):
@@ -57,6 +67,7 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
         self.tp_group: dist.ProcessGroup | None = None
         self.tp_size = 1
+        self.tp_shm: TpAllReduce | None = None  # small all-reduces through shared memory (one host, CPU)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 cache: KVLayerView) -> torch.Tensor:
@@ -92,6 +103,9 @@ class DecoderLayer(nn.Module):
     def _tp_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         # every TP rank reaches this for every layer of every step (T may be 0): no rank skips it
         if self.tp_size > 1:
+            shm = self.tp_shm
+            if shm is not None and shm.applies(partial):  # the same answer on every TP rank: same shapes
+                return shm.all_reduce(partial)
             dist.all_reduce(partial, group=self.tp_group)
         return partial
 
@@ -136,6 +150,7 @@ class MoEModel(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         capacity: CapacityConfig | None = None,
+        tp_shm: TpAllReduce | None = None,
     ) -> None:
         super().__init__()
         if not 0 <= tp_rank < tp_size:
@@ -143,6 +158,7 @@ class MoEModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.tp_shm = tp_shm
         self.model = _Backbone(config, dtype, local_slots, dispatcher, capacity)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
@@ -242,5 +258,5 @@ class MoEModel(nn.Module):
             layer.self_attn.shard_for_tp(tp_rank, tp_size)
             if isinstance(layer.mlp, DenseMLP):
                 layer.mlp.shard_for_tp(tp_rank, tp_size)
-            layer.tp_group, layer.tp_size = self.tp_group, tp_size
+            layer.tp_group, layer.tp_size, layer.tp_shm = self.tp_group, tp_size, self.tp_shm
         self.tp_rank, self.tp_size = tp_rank, tp_size

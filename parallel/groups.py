@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.layout import Layout, RankCoords
+from parallel.shm_allreduce import ShmAllReduce
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -36,6 +37,7 @@ class ProcessGroups:
     coords: RankCoords
     backend: str
     device: torch.device
+    tp_shm: ShmAllReduce | None = None  # small all-reduces over tp through shared memory (gloo, one host)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -137,6 +139,7 @@ def build_process_groups(
             if rank in ranks:
                 mine[kind] = group
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    tp_shm = ShmAllReduce.for_group(mine["tp"], timeout_s=td.total_seconds()) if layout.tp > 1 else None
     return ProcessGroups(
         world=dist.group.WORLD,
         ep=mine["ep"],
@@ -146,4 +149,5 @@ def build_process_groups(
         coords=layout.coords(rank),
         backend=backend,
         device=device,
+        tp_shm=tp_shm,
     )

@@ -1,0 +1,162 @@
+"""Sum all-reduce of small CPU tensors through shared memory, for the ranks of a group on one host.
+
+gloo over loopback takes 340-590 us of wall time for an all-reduce of a decode step's few rows
+(2 ranks, 4-16 KiB, Intel Xeon with AMX; ``docs/parallel.md``), nearly all of it the TCP round
+trips of its rounds. A tensor-parallel decode step makes one such all-reduce per layer. Ranks on
+one host can instead write their tensors into a shared segment and each sum all of them.
+
+Protocol (``ShmAllReduce.all_reduce``): the n-th call of every rank writes its tensor into its slot
+of buffer n % 2, then publishes n in its flag; each rank waits until every flag reads at least n,
+sums the slots in rank order and returns. A rank reaching call n + 2 (the same buffer again) has
+seen every flag at n + 1, which each rank sets only after it finished reading call n, so two
+buffers are enough. Every rank sums the same slots in the same order: the results are the same
+bits on every rank (for two ranks also gloo's: a + b is commutative). Stores are published in
+program order, which x86's memory model guarantees; other machines keep gloo.
+
+The segment is a file in /dev/shm that rank 0 creates and unlinks once every rank has mapped it,
+so nothing is left behind if a rank dies. A waiting rank checks its peers' processes every 50 ms
+and raises when one has exited (gloo raises on the closed socket); ``timeout_s`` bounds the wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import socket
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+DEFAULT_CAPACITY_BYTES = 1 << 20  # per rank and buffer: larger tensors (prefill) stay on gloo
+FLAG_STRIDE = 8  # int64s per rank's flag: one 64-byte line each
+PEER_CHECK_S = 0.05
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def shm_allreduce_wanted() -> bool:
+    """Whether groups on one host use shared memory for small all-reduces: on x86-64 Linux with
+    /dev/shm, unless MOE_SHM_ALLREDUCE=0."""
+    if os.environ.get("MOE_SHM_ALLREDUCE", "1") == "0":
+        return False
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(SHM_DIR)
+
+
+class ShmAllReduce:
+    """In-place sum all-reduce of CPU tensors of at most ``capacity_bytes`` over ``group``'s ranks,
+    which must share this host. Build it collectively (every rank of ``group``), or with
+    ``for_group``, which returns None where it does not apply."""
+
+    def __init__(self, group: dist.ProcessGroup, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+                 timeout_s: float = 600.0) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.capacity = capacity_bytes
+        self.timeout_s = timeout_s
+        self.calls = 0
+        header = self.world * FLAG_STRIDE * 8
+        size = header + 2 * self.world * capacity_bytes
+        name = [os.path.join(SHM_DIR, f"moe-allreduce-{uuid.uuid4().hex}") if self.rank == 0 else None]
+        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+        path = name[0]
+        if self.rank == 0:
+            with open(path, "wb") as f:
+                f.truncate(size)  # zero-filled: every flag starts at 0
+        dist.barrier(group=group)
+        segment = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        pids = [None] * self.world
+        dist.all_gather_object(pids, os.getpid(), group=group)
+        dist.barrier(group=group)  # every rank has it mapped: the name can go
+        if self.rank == 0:
+            os.unlink(path)
+        self.peers = [pid for r, pid in enumerate(pids) if r != self.rank]
+        self.segment = segment
+        self.flags = segment[:header].view(torch.int64).view(self.world, FLAG_STRIDE)[:, 0]  # [R] views
+        self.data = segment[header:].view(2, self.world, capacity_bytes)
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup, **kwargs: object) -> ShmAllReduce | None:
+        """A ``ShmAllReduce`` over ``group`` when its ranks share this host and run gloo on a machine
+        where the protocol holds (``shm_allreduce_wanted``); None otherwise. Collective over group."""
+        if dist.get_world_size(group) < 2 or dist.get_backend(group) != "gloo":
+            return None
+        hosts = [None] * dist.get_world_size(group)
+        wanted = shm_allreduce_wanted()
+        dist.all_gather_object(hosts, (socket.gethostname(), wanted), group=group)
+        if len({h for h, _ in hosts}) != 1 or not all(w for _, w in hosts):
+            return None
+        try:
+            return cls(group, **kwargs)  # type: ignore[arg-type]
+        except OSError as e:  # /dev/shm full or unwritable: every rank raised at the same point
+            log.warning("shared-memory all-reduce not used: %s", e)
+            return None
+
+    def applies(self, t: torch.Tensor) -> bool:
+        """Whether ``all_reduce`` takes t: a contiguous CPU tensor of a float dtype within capacity."""
+        return (t.device.type == "cpu" and t.dtype in DTYPES and t.is_contiguous() and not t.requires_grad
+                and t.numel() * t.element_size() <= self.capacity)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the group's ranks, in place (every rank calls it, with tensors of one shape
+        and dtype; ``applies(t)`` must hold). Returns t. Sums in rank order, fp16/bf16 in fp32 and
+        rounded once, so every rank gets the same bits."""
+        self.calls += 1
+        n = self.calls
+        nbytes = t.numel() * t.element_size()
+        slots = self.data[n % 2, :, :nbytes]  # [R, nbytes]
+        slots[self.rank].view(t.dtype).view(t.shape).copy_(t)
+        self.flags[self.rank] = n  # published after the data (x86 keeps stores in order)
+        self._wait(n)
+        parts = slots.view(t.dtype).view(self.world, *t.shape)
+        if t.dtype == torch.float32:
+            total = parts[0].clone()
+            for r in range(1, self.world):
+                total += parts[r]
+        else:
+            total = parts[0].float()
+            for r in range(1, self.world):
+                total += parts[r].float()
+        t.copy_(total)
+        return t
+
+    def _wait(self, n: int) -> None:
+        flags = self.flags
+        if int(flags.min()) >= n:
+            return
+        start = last_check = time.monotonic()
+        while int(flags.min()) < n:
+            os.sched_yield()
+            now = time.monotonic()
+            if now - last_check >= PEER_CHECK_S:
+                last_check = now
+                for pid in self.peers:
+                    if not _alive(pid):
+                        raise RuntimeError(f"shared-memory all-reduce: peer process {pid} exited "
+                                           f"(call {n} of rank {self.rank} of {self.world})")
+                if now - start > self.timeout_s:
+                    raise RuntimeError(f"shared-memory all-reduce: call {n} waited {self.timeout_s:.0f} s "
+                                       "for its peers")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: not gone and not a zombie waiting for its parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in (b"Z", b"X")

@@ -1,0 +1,78 @@
+"""``parallel.shm_allreduce``: the tensor-parallel all-reduce of small CPU tensors through shared
+memory gives gloo's sums (its bits for two ranks; the same bits on every rank for three), steps
+aside for what it does not take, leaves no file behind, and a rank whose peer died raises instead
+of waiting."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel.shm_allreduce import SHM_DIR, ShmAllReduce, shm_allreduce_wanted
+from tests.dist.conftest import run_ranks
+
+pytestmark = pytest.mark.skipif(not shm_allreduce_wanted(), reason="needs x86-64 Linux with /dev/shm")
+
+
+def _sums(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shm = ShmAllReduce.for_group(dist.group.WORLD, capacity_bytes=64 * 1024)
+    dist.barrier()  # rank 0 unlinks the file once every rank mapped it
+    assert shm is not None and not glob.glob(os.path.join(SHM_DIR, "moe-allreduce-*"))
+    out = []
+    gen = torch.Generator().manual_seed(rank)
+    for step, (shape, dtype) in enumerate([((4, 1024), torch.float32), ((1, 7), torch.bfloat16),
+                                           ((3, 96), torch.float16), ((8, 2048), torch.float32),
+                                           ((0, 16), torch.float32)] * 3):  # each buffer several times
+        x = (torch.randn(shape, generator=gen) * (step + 1)).to(dtype)
+        want = x.clone()
+        dist.all_reduce(want)
+        got = x.clone()
+        assert shm.applies(got) and shm.all_reduce(got) is got
+        out.append((got, want))
+    big = torch.zeros(64 * 1024 // 4 + 1)
+    assert not shm.applies(big) and not shm.applies(torch.zeros(4, 4, dtype=torch.int64))
+    assert not shm.applies(torch.zeros(8, 8).t())  # not contiguous
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sums_match_gloo_on_every_rank(world: int) -> None:
+    results = run_ranks(_sums, world)
+    for (got0, want0), *others in zip(*results):
+        assert got0.shape == want0.shape and got0.dtype == want0.dtype
+        for got, _ in others:
+            assert torch.equal(got, got0)  # every rank the same bits
+        if world == 2:
+            assert torch.equal(got0, want0)  # a + b: gloo's bits
+        else:
+            torch.testing.assert_close(got0.float(), want0.float(), rtol=1e-2 if got0.dtype != torch.float32 else 1e-6,
+                                       atol=1e-2 if got0.dtype != torch.float32 else 1e-5)
+
+
+def _peer_dies(rank: int, world: int) -> str:
+    shm = ShmAllReduce.for_group(dist.group.WORLD)
+    assert shm is not None
+    shm.all_reduce(torch.ones(4))
+    if rank == 1:
+        os._exit(0)  # gone without a word, as a killed worker
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"peer process \d+ exited"):
+        shm.all_reduce(torch.ones(4))
+    assert time.monotonic() - start < 5
+    return "raised"
+
+
+def test_a_rank_whose_peer_died_raises() -> None:
+    # rank 0's own check failing would be "rank0 failed"; passing, only rank 1's result is missing
+    with pytest.raises(FileNotFoundError, match="rank1.pt"):
+        run_ranks(_peer_dies, 2)
+
+
+def test_not_wanted_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOE_SHM_ALLREDUCE", "0")
+    assert not shm_allreduce_wanted()
