@@ -9,7 +9,8 @@ Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
   engine is timed, the memory bandwidth is instead the rate of reading the engine model's weights
   (its working set: a last-level cache that holds them reads faster than DRAM);
 - gloo collectives through commbench (``allreduce``, ``alltoall``, ``allgather`` tables on
-  ``--nprocs`` ranks, one rank per process with ``--threads`` threads each), and any
+  ``--nprocs`` ranks, one rank per process with ``--threads`` threads each; the all-reduce sizes
+  that tensor-parallel layers send through shared memory timed that way), and any
   nccl-tests output given with ``--nccl-table FILE`` (``all_to_all_perf``, ``all_reduce_perf``);
 - the engine's fixed costs: in-process decode steps of ``--model`` (default a tiny
   DeepSeek-V3 checkpoint) at its depth and one layer less, at 1, 4 and 8 sequences, the
