@@ -52,50 +52,68 @@ class ShmAllReduce:
     which must share this host. Build it collectively (every rank of ``group``), or with
     ``for_group``, which returns None where it does not apply."""
 
-    def __init__(self, group: dist.ProcessGroup, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
-                 timeout_s: float = 600.0) -> None:
+    def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, peers: list[int],
+                 capacity_bytes: int = DEFAULT_CAPACITY_BYTES, timeout_s: float = 600.0) -> None:
+        """Over ``segment`` (the mapped [header + 2 * R * capacity_bytes] uint8 file) and the peers'
+        pids; ``for_group`` builds both."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.capacity = capacity_bytes
         self.timeout_s = timeout_s
         self.calls = 0
+        self.peers = peers
         header = self.world * FLAG_STRIDE * 8
-        size = header + 2 * self.world * capacity_bytes
-        name = [os.path.join(SHM_DIR, f"moe-allreduce-{uuid.uuid4().hex}") if self.rank == 0 else None]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
-        path = name[0]
-        if self.rank == 0:
-            with open(path, "wb") as f:
-                f.truncate(size)  # zero-filled: every flag starts at 0
-        dist.barrier(group=group)
-        segment = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        pids = [None] * self.world
-        dist.all_gather_object(pids, os.getpid(), group=group)
-        dist.barrier(group=group)  # every rank has it mapped: the name can go
-        if self.rank == 0:
-            os.unlink(path)
-        self.peers = [pid for r, pid in enumerate(pids) if r != self.rank]
         self.segment = segment
         self.flags = segment[:header].view(torch.int64).view(self.world, FLAG_STRIDE)[:, 0]  # [R] views
         self.data = segment[header:].view(2, self.world, capacity_bytes)
 
     @classmethod
-    def for_group(cls, group: dist.ProcessGroup, **kwargs: object) -> ShmAllReduce | None:
+    def for_group(cls, group: dist.ProcessGroup, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+                  timeout_s: float = 600.0) -> ShmAllReduce | None:
         """A ``ShmAllReduce`` over ``group`` when its ranks share this host and run gloo on a machine
-        where the protocol holds (``shm_allreduce_wanted``); None otherwise. Collective over group."""
-        if dist.get_world_size(group) < 2 or dist.get_backend(group) != "gloo":
+        where the protocol holds (``shm_allreduce_wanted``), and the segment could be made and mapped
+        on every rank; None otherwise (a warning says why when /dev/shm refused). Collective over
+        group: every rank gets the same answer."""
+        world = dist.get_world_size(group)
+        if world < 2 or dist.get_backend(group) != "gloo":
             return None
-        hosts = [None] * dist.get_world_size(group)
-        wanted = shm_allreduce_wanted()
-        dist.all_gather_object(hosts, (socket.gethostname(), wanted), group=group)
-        if len({h for h, _ in hosts}) != 1 or not all(w for _, w in hosts):
+        rank = dist.get_rank(group)
+        hosts: list = [None] * world
+        dist.all_gather_object(hosts, (socket.gethostname(), shm_allreduce_wanted(), os.getpid()), group=group)
+        if len({h for h, _, _ in hosts}) != 1 or not all(w for _, w, _ in hosts):
             return None
-        try:
-            return cls(group, **kwargs)  # type: ignore[arg-type]
-        except OSError as e:  # /dev/shm full or unwritable: every rank raised at the same point
-            log.warning("shared-memory all-reduce not used: %s", e)
+        size = world * FLAG_STRIDE * 8 + 2 * world * capacity_bytes
+        made: list = [None]
+        if rank == 0:
+            path = os.path.join(SHM_DIR, f"moe-allreduce-{uuid.uuid4().hex}")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)  # the pages now: a full /dev/shm is an error here, not SIGBUS
+                finally:
+                    os.close(fd)
+                made = [(path, None)]
+            except OSError as e:
+                made = [(path, str(e))]
+        dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group)
+        path, problem = made[0]
+        segment = None
+        if problem is None:
+            try:
+                segment = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            except (OSError, RuntimeError) as e:
+                problem = str(e)
+        problems: list = [None] * world
+        dist.all_gather_object(problems, problem, group=group)  # every rank has it mapped, or none uses it
+        if rank == 0 and os.path.exists(path):
+            os.unlink(path)
+        if any(problems):
+            if rank == 0:
+                log.warning("shared-memory all-reduce not used: %s", next(p for p in problems if p))
             return None
+        peers = [pid for r, (_, _, pid) in enumerate(hosts) if r != rank]
+        return cls(group, segment, peers, capacity_bytes, timeout_s)
 
     def applies(self, t: torch.Tensor) -> bool:
         """Whether ``all_reduce`` takes t: a contiguous CPU tensor of a float dtype within capacity."""

@@ -73,6 +73,36 @@ def test_a_rank_whose_peer_died_raises() -> None:
         run_ranks(_peer_dies, 2)
 
 
+def _refused(rank: int, world: int) -> list[bool]:
+    import socket
+
+    import parallel.shm_allreduce as shm_mod
+
+    answers = []
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    shm_mod.os.posix_fallocate = full  # /dev/shm full: rank 0 cannot make the segment
+    answers.append(ShmAllReduce.for_group(dist.group.WORLD) is None)
+    shm_mod.os.posix_fallocate = real
+    hostname = socket.gethostname
+    socket.gethostname = lambda: f"host{rank}"  # ranks on two hosts
+    answers.append(ShmAllReduce.for_group(dist.group.WORLD) is None)
+    socket.gethostname = hostname
+    answers.append(ShmAllReduce.for_group(dist.group.WORLD) is not None)  # and the group still works after
+    dist.barrier()
+    answers.append(not glob.glob(os.path.join(SHM_DIR, "moe-allreduce-*")))
+    return answers
+
+
+def test_every_rank_steps_aside_together_where_the_segment_cannot_be_made() -> None:
+    """A full /dev/shm (on rank 0 only) or ranks on two hosts: None on every rank, no rank left waiting,
+    no file left behind; gloo serves the all-reduces."""
+    assert run_ranks(_refused, 2) == [[True, True, True, True]] * 2
+
+
 def test_not_wanted_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOE_SHM_ALLREDUCE", "0")
     assert not shm_allreduce_wanted()
