@@ -56,7 +56,8 @@ def build_dispatcher(
     if backend == "local" and capped is not None and layout.tp > 1:
         # capacity over the whole batch every TP rank holds, then the rows are shared out
         assert groups is not None
-        split = TensorParallelSplit(LocalDispatcher(), groups.tp, groups.coords.tp_rank, layout.tp)
+        split = TensorParallelSplit(LocalDispatcher(), groups.tp, groups.coords.tp_rank, layout.tp,
+                                    getattr(groups, "tp_shm", None))
         return CappedLocalDispatcher(capped, inner=split, report_stats=groups.coords.tp_rank == 0)
     if backend == "local":
         inner = CappedLocalDispatcher(capped) if capped is not None else LocalDispatcher()
@@ -66,5 +67,6 @@ def build_dispatcher(
         inner = cls(groups.ep, groups.coords.ep_rank, layout.ep_size, global_capacity=capped)
     if layout.tp > 1:
         assert groups is not None
-        return TensorParallelSplit(inner, groups.tp, groups.coords.tp_rank, layout.tp)
+        return TensorParallelSplit(inner, groups.tp, groups.coords.tp_rank, layout.tp,
+                                   getattr(groups, "tp_shm", None))
     return inner

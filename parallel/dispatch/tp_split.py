@@ -15,18 +15,21 @@ import torch.distributed as dist
 from moe.dispatch import ExpertDispatcher
 from moe.experts import Experts
 from parallel.dispatch.plan import split_sizes
+from parallel.shm_allreduce import ShmAllReduce
 
 
 class TensorParallelSplit:
     """Wraps an ExpertDispatcher; ``rank``/``num_ranks`` are the inner (EP) ones."""
 
-    def __init__(self, inner: ExpertDispatcher, tp_group: dist.ProcessGroup, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, inner: ExpertDispatcher, tp_group: dist.ProcessGroup, tp_rank: int, tp_size: int,
+                 shm: ShmAllReduce | None = None) -> None:
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"TP rank {tp_rank} outside TP size {tp_size}")
         self.inner = inner
         self.tp_group = tp_group
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.shm = shm  # small gathers through shared memory (the TP group's, one host)
 
     @property
     def rank(self) -> int:
@@ -51,7 +54,10 @@ class TensorParallelSplit:
         chunk = max(sizes)
         send = torch.zeros((chunk, x.shape[1]), dtype=torch.float32, device=x.device)
         send[: part.shape[0]] = part
-        gathered = torch.empty((self.tp_size * chunk, x.shape[1]), dtype=torch.float32, device=x.device)
-        if chunk:  # T is the same on every TP rank, so they all skip together
-            dist.all_gather_single(gathered, send, group=self.tp_group)
+        if chunk and self.shm is not None and self.shm.applies(send):  # the same answer on every TP rank
+            gathered = self.shm.all_gather(send).view(self.tp_size * chunk, x.shape[1])
+        else:
+            gathered = torch.empty((self.tp_size * chunk, x.shape[1]), dtype=torch.float32, device=x.device)
+            if chunk:  # T is the same on every TP rank, so they all skip together
+                dist.all_gather_single(gathered, send, group=self.tp_group)
         return torch.cat([gathered[i * chunk : i * chunk + n] for i, n in enumerate(sizes)])

@@ -34,6 +34,8 @@ def _sums(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         got = x.clone()
         assert shm.applies(got) and shm.all_reduce(got) is got
         out.append((got, want))
+    gathered = shm.all_gather(torch.full((3, 5), float(rank)))  # between the all-reduces: one call sequence
+    assert gathered.shape == (world, 3, 5) and all(bool((gathered[r] == r).all()) for r in range(world))
     big = torch.zeros(64 * 1024 // 4 + 1)
     assert not shm.applies(big) and not shm.applies(torch.zeros(4, 4, dtype=torch.int64))
     assert not shm.applies(torch.zeros(8, 8).t())  # not contiguous
