@@ -38,6 +38,7 @@ class ProcessGroups:
     backend: str
     device: torch.device
     tp_shm: ShmAllReduce | None = None  # small all-reduces over tp through shared memory (gloo, one host)
+    ep_shm: ShmAllReduce | None = None  # the EP all-to-alls of small steps, the same way
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -140,6 +141,7 @@ def build_process_groups(
                 mine[kind] = group
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     tp_shm = ShmAllReduce.for_group(mine["tp"], timeout_s=td.total_seconds()) if layout.tp > 1 else None
+    ep_shm = ShmAllReduce.for_group(mine["ep"], timeout_s=td.total_seconds()) if layout.ep_size > 1 else None
     return ProcessGroups(
         world=dist.group.WORLD,
         ep=mine["ep"],
@@ -150,4 +152,5 @@ def build_process_groups(
         backend=backend,
         device=device,
         tp_shm=tp_shm,
+        ep_shm=ep_shm,
     )

@@ -16,7 +16,8 @@ program order, which x86's memory model guarantees; other machines keep gloo.
 
 The segment is a file in /dev/shm that rank 0 creates and unlinks once every rank has mapped it,
 so nothing is left behind if a rank dies. A waiting rank checks its peers' processes every 50 ms
-and raises when one has exited (gloo raises on the closed socket); ``timeout_s`` bounds the wait.
+and raises ``torch.distributed.DistError`` when one has exited (gloo raises on the closed socket),
+or when ``timeout_s`` (the group's collective timeout) passed.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ class ShmAllReduce:
         self.timeout_s = timeout_s
         self.calls = 0
         self.peers = peers
-        header = self.world * FLAG_STRIDE * 8
+        flags_bytes, meta_bytes = _header_bytes(self.world)
         self.segment = segment
-        self.flags = segment[:header].view(torch.int64).view(self.world, FLAG_STRIDE)[:, 0]  # [R] views
-        self.data = segment[header:].view(2, self.world, capacity_bytes)
+        self.flags = segment[:flags_bytes].view(torch.int64).view(self.world, FLAG_STRIDE)[:, 0]  # [R] views
+        # per buffer, per rank: [fits, counts to each rank (R)], a line-padded row of int64
+        self.meta = segment[flags_bytes:flags_bytes + meta_bytes].view(torch.int64).view(2, self.world, -1)
+        self.data = segment[flags_bytes + meta_bytes:].view(2, self.world, capacity_bytes)
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
@@ -84,7 +87,7 @@ class ShmAllReduce:
         dist.all_gather_object(hosts, (socket.gethostname(), shm_allreduce_wanted(), os.getpid()), group=group)
         if len({h for h, _, _ in hosts}) != 1 or not all(w for _, w, _ in hosts):
             return None
-        size = world * FLAG_STRIDE * 8 + 2 * world * capacity_bytes
+        size = sum(_header_bytes(world)) + 2 * world * capacity_bytes
         made: list = [None]
         if rank == 0:
             path = os.path.join(SHM_DIR, f"moe-allreduce-{uuid.uuid4().hex}")
@@ -156,6 +159,41 @@ class ShmAllReduce:
         self._wait(n)
         return slots.view(t.dtype).view(self.world, *t.shape).clone()
 
+    def all_to_all_v(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+        """An all-to-all-v of rows: send [N, W] (contiguous CPU; its rows for rank 0 first, then rank
+        1's ...), send_counts: R ints summing to N. Returns (the rows every rank sent here, source-major:
+        [sum of recv_counts, W] of send's dtype, a new tensor; recv_counts: R ints, what each rank sent
+        here). Where any rank's rows exceed the capacity, no rows move and the first is None: every rank
+        gets None together and the recv_counts, so it can make the exchange itself (gloo) without the
+        count exchange. Collective over the group, in the same call sequence as the others."""
+        self.calls += 1
+        n, b = self.calls, self.calls % 2
+        nbytes = send.numel() * send.element_size()
+        fits = send.device.type == "cpu" and send.is_contiguous() and nbytes <= self.capacity
+        meta = self.meta[b, self.rank]
+        meta[1:1 + self.world] = torch.tensor(send_counts, dtype=torch.int64)
+        meta[0] = int(fits)
+        if fits and nbytes:
+            self.data[b, self.rank, :nbytes].copy_(send.reshape(-1).view(torch.uint8))
+        self.flags[self.rank] = n
+        self._wait(n)
+        table = self.meta[b, :, : 1 + self.world].tolist()  # [R][fits, counts...]
+        recv_counts = [row[1 + self.rank] for row in table]
+        if not all(row[0] for row in table):
+            return None, recv_counts
+        width = send.shape[1] if send.dim() == 2 else 1
+        row_bytes = width * send.element_size()
+        out = torch.empty((sum(recv_counts), width), dtype=send.dtype)
+        flat = out.view(-1).view(torch.uint8)
+        at = 0
+        for src, row in enumerate(table):
+            first = sum(row[1:1 + self.rank]) * row_bytes
+            size = row[1 + self.rank] * row_bytes
+            if size:
+                flat[at:at + size].copy_(self.data[b, src, first:first + size])
+            at += size
+        return out, recv_counts
+
     def _wait(self, n: int) -> None:
         flags = self.flags
         if int(flags.min()) >= n:
@@ -168,11 +206,18 @@ class ShmAllReduce:
                 last_check = now
                 for pid in self.peers:
                     if not _alive(pid):
-                        raise RuntimeError(f"shared-memory all-reduce: peer process {pid} exited "
-                                           f"(call {n} of rank {self.rank} of {self.world})")
+                        raise dist.DistError(f"shared-memory collective: peer process {pid} exited "
+                                             f"(call {n} of rank {self.rank} of {self.world}): Connection lost")
                 if now - start > self.timeout_s:
-                    raise RuntimeError(f"shared-memory all-reduce: call {n} waited {self.timeout_s:.0f} s "
-                                       "for its peers")
+                    raise dist.DistError(f"shared-memory collective timed out: call {n} waited "
+                                         f"{self.timeout_s:g} s for its peers")
+
+
+def _header_bytes(world: int) -> tuple[int, int]:
+    """(flags, per-buffer meta) bytes of a segment for ``world`` ranks: one 64-byte line per rank's
+    flag; per buffer and rank [fits, R counts] padded to whole lines."""
+    meta_stride = (1 + world + FLAG_STRIDE - 1) // FLAG_STRIDE * FLAG_STRIDE
+    return world * FLAG_STRIDE * 8, 2 * world * meta_stride * 8
 
 
 def _alive(pid: int) -> bool:

@@ -63,8 +63,11 @@ def build_dispatcher(
         inner = CappedLocalDispatcher(capped) if capped is not None else LocalDispatcher()
     else:
         assert groups is not None
-        cls = AllToAllDispatcher if backend == "alltoall" else AllGatherDispatcher
-        inner = cls(groups.ep, groups.coords.ep_rank, layout.ep_size, global_capacity=capped)
+        if backend == "alltoall":
+            inner = AllToAllDispatcher(groups.ep, groups.coords.ep_rank, layout.ep_size, global_capacity=capped,
+                                       shm=getattr(groups, "ep_shm", None))
+        else:
+            inner = AllGatherDispatcher(groups.ep, groups.coords.ep_rank, layout.ep_size, global_capacity=capped)
     if layout.tp > 1:
         assert groups is not None
         return TensorParallelSplit(inner, groups.tp, groups.coords.tp_rank, layout.tp,

@@ -41,6 +41,7 @@ from parallel.dispatch.plan import (
     unpack_rows,
 )
 from parallel.dispatch.workspace import Workspace
+from parallel.shm_allreduce import ShmAllReduce
 
 
 class AllToAllDispatcher(EPDispatcherState):
@@ -52,10 +53,12 @@ class AllToAllDispatcher(EPDispatcherState):
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: CapacityConfig | None = None
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: CapacityConfig | None = None,
+        shm: ShmAllReduce | None = None,
     ) -> None:
         super().__init__(group, rank, num_ranks, global_capacity=global_capacity)
         self.workspace = Workspace()
+        self.shm = shm  # the EP group's shared memory (one host): the exchanges of a decode step's rows
 
     def dispatch_combine(
         self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, experts: Experts, layer_id: int
@@ -83,6 +86,13 @@ class AllToAllDispatcher(EPDispatcherState):
         rest of the plan is computed and the rows are packed. Both send from the reused
         ``send`` buffer."""
         _, row_bytes = row_layout(x.shape[1], slot_ids.shape[1], x.dtype)
+        if self.shm is not None:  # the counts ride with the rows; rows past its capacity go through gloo
+            plan, send = self._plan_and_pack(x, slot_ids, weights, num_local_slots, row_bytes)
+            recv, recv_counts = self.shm.all_to_all_v(send, plan.send_counts)
+            if recv is None:
+                recv = self.workspace.get("recv", (sum(recv_counts), row_bytes), torch.uint8, x.device)
+                dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
+            return plan, recv, recv_counts
         if kernels.cpu_kernel_applies(x, slot_ids, weights):
             bound = x.shape[0] * min(slot_ids.shape[1], self.num_ranks)  # rows a token can need
             space = self.workspace.get("send", (bound, row_bytes), torch.uint8, x.device)
@@ -102,6 +112,21 @@ class AllToAllDispatcher(EPDispatcherState):
         dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
         return plan, recv, recv_counts
 
+    def _plan_and_pack(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, num_local_slots: int,
+                       row_bytes: int) -> tuple[DispatchPlan, torch.Tensor]:
+        """The plan and the packed rows [N, row_bytes] uint8 in the reused send buffer, without the
+        count exchange (one C++ op on CPU)."""
+        if kernels.cpu_kernel_applies(x, slot_ids, weights):
+            bound = x.shape[0] * min(slot_ids.shape[1], self.num_ranks)
+            space = self.workspace.get("send", (bound, row_bytes), torch.uint8, x.device)
+            send, pair_token, send_counts, combine_index, combine_offsets = kernels.dispatch_plan(
+                x, slot_ids, weights, num_local_slots, self.num_ranks, space)
+            return DispatchPlan(pair_token, send_counts.tolist(), combine_index, combine_offsets), send
+        plan = plan_from_mask(destination_mask(slot_ids, num_local_slots, self.num_ranks))
+        send = self.workspace.get("send", (plan.num_rows, row_bytes), torch.uint8, x.device)
+        pack_rows(x, slot_ids, weights, plan, send)
+        return plan, send
+
     def _exchange_counts(self, send_counts: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
         """Start the all-to-all of the per-rank row counts [R]: (the counts each rank sends here,
         filled once the returned work is waited on; the work)."""
@@ -111,6 +136,10 @@ class AllToAllDispatcher(EPDispatcherState):
     def combine(self, partial: torch.Tensor, plan: DispatchPlan, recv_counts: list[int]) -> torch.Tensor:
         """partial: [M, D] one weighted row per received row, in the activation dtype.
         Returns [T, D] float32: the fp32 sum of the partial rows sent back for each token."""
+        if self.shm is not None:
+            back, _ = self.shm.all_to_all_v(partial.contiguous(), recv_counts)
+            if back is not None:
+                return combine_rows(back, plan)
         back = self.workspace.get("back", (plan.num_rows, partial.shape[1]), partial.dtype, partial.device)
         dist.all_to_all_single(back, partial.contiguous(), plan.send_counts, recv_counts, group=self.group)
         return combine_rows(back, plan)

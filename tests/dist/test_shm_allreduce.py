@@ -56,6 +56,39 @@ def test_sums_match_gloo_on_every_rank(world: int) -> None:
                                        atol=1e-2 if got0.dtype != torch.float32 else 1e-5)
 
 
+def _exchanges(rank: int, world: int) -> list:
+    shm = ShmAllReduce.for_group(dist.group.WORLD, capacity_bytes=4096)
+    gen = torch.Generator().manual_seed(10 + rank)
+    out = []
+    for step in range(6):
+        counts = torch.randint(0, 4, (world,), generator=gen)
+        counts[(rank + step) % world] = 0  # a pair with nothing to send
+        if step == 4 and rank == world - 1:
+            counts[0] = 200  # 200 rows of 40 bytes: past one rank's capacity, so nobody's rows move
+        dtype = (torch.uint8, torch.float32, torch.bfloat16)[step % 3]
+        send = (torch.arange(int(counts.sum()) * 10) + 1000 * rank).reshape(-1, 10).to(dtype)
+        got, recv_counts = shm.all_to_all_v(send, counts.tolist())
+        want_counts = torch.empty_like(counts)
+        dist.all_to_all_single(want_counts, counts)
+        assert recv_counts == want_counts.tolist()
+        want = torch.empty((sum(recv_counts), 10), dtype=dtype)
+        dist.all_to_all_single(want, send, recv_counts, counts.tolist())
+        out.append((step, got, want))
+    return out
+
+
+def test_all_to_all_v_moves_gloos_rows_or_none_together() -> None:
+    """Rows and counts as gloo's all_to_all_single moves them, for uint8 / fp32 / bf16 rows, empty
+    pairs and one rank's rows past the capacity (then no rank gets rows, every rank the counts)."""
+    for world in (2, 3):
+        for rank_results in run_ranks(_exchanges, world):
+            for step, got, want in rank_results:
+                if step == 4:
+                    assert got is None
+                else:
+                    assert got is not None and got.dtype == want.dtype and torch.equal(got, want), step
+
+
 def _peer_dies(rank: int, world: int) -> str:
     shm = ShmAllReduce.for_group(dist.group.WORLD)
     assert shm is not None
@@ -63,7 +96,7 @@ def _peer_dies(rank: int, world: int) -> str:
     if rank == 1:
         os._exit(0)  # gone without a word, as a killed worker
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"peer process \d+ exited"):
+    with pytest.raises(dist.DistError, match=r"peer process \d+ exited"):
         shm.all_reduce(torch.ones(4))
     assert time.monotonic() - start < 5
     return "raised"
