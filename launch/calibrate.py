@@ -9,8 +9,8 @@ Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
   engine is timed, the memory bandwidth is instead the rate of reading the engine model's weights
   (its working set: a last-level cache that holds them reads faster than DRAM);
 - gloo collectives through commbench (``allreduce``, ``alltoall``, ``allgather`` tables on
-  ``--nprocs`` ranks, one rank per process with ``--threads`` threads each; the all-reduce sizes
-  that tensor-parallel layers send through shared memory timed that way), and any
+  ``--nprocs`` ranks, one rank per process with ``--threads`` threads each; the sizes the layers
+  send through shared memory on one host, ``parallel.shm_allreduce``, timed that way), and any
   nccl-tests output given with ``--nccl-table FILE`` (``all_to_all_perf``, ``all_reduce_perf``);
 - the engine's fixed costs: in-process decode steps of ``--model`` (default a tiny
   DeepSeek-V3 checkpoint) at its depth and one layer less, at 1, 4 and 8 sequences, the
@@ -67,6 +67,7 @@ from parallel.costmodel.microbench import (
     nccl_table_op,
     parse_nccl_table,
 )
+from parallel.shm_allreduce import ShmAllReduce
 
 ENGINE_BATCHES = (1, 4, 8)
 # The smallest working set the engine model's weight reads are measured over (a model smaller than
@@ -91,34 +92,45 @@ def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]], r
     for op, counts in plan:
         runs = [run_collective(rank, world, op, counts, "float32", 3, 10, False) for _ in range(repeats)]
         out[op] = [(rows[0].size, min(r.out_of_place.time_us for r in rows) * 1e-6) for rows in zip(*runs)]
-    if "allreduce" in out:  # what the runtime's tensor-parallel all-reduce takes for the sizes it sends that way
-        out["allreduce"] = _with_shm_allreduce(out["allreduce"], repeats)
+    shm = ShmAllReduce.for_group(dist.group.WORLD)  # collective: every rank gets the same answer
+    if shm is not None:  # what the runtime's layers send through shared memory, timed that way
+        for op in out:
+            out[op] = _with_shm(shm, op, out[op], repeats)
     return out
 
 
-def _with_shm_allreduce(table: list[tuple[int, float]], repeats: int, iters: int = 50) -> list[tuple[int, float]]:
-    """``table`` (allreduce sizes in bytes, seconds) with the sizes ``parallel.shm_allreduce`` takes
-    timed through it (the slowest rank's mean, best of ``repeats``), where the group's ranks share a
-    host: the tensor-parallel layers send those sizes that way. Collective over the world."""
-    from parallel.shm_allreduce import ShmAllReduce
-
-    shm = ShmAllReduce.for_group(dist.group.WORLD)
-    if shm is None:
-        return table
+def _with_shm(shm: ShmAllReduce, op: str, table: list[tuple[int, float]], repeats: int,
+              iters: int = 50) -> list[tuple[int, float]]:
+    """``table`` (``op``'s sizes in bytes as commbench gives them, seconds) with the sizes
+    ``parallel.shm_allreduce`` takes timed through it (the slowest rank's mean, best of ``repeats``):
+    the TP all-reduce and all-gather and the EP all-to-all send those sizes that way on one host.
+    allreduce: the vector; alltoall: one rank's send buffer, split evenly; allgather: the gathered
+    whole. Collective over the world."""
+    world = shm.world
     out = []
     for size, seconds in table:
-        x = torch.ones(max(1, int(size) // 4))
-        if not shm.applies(x):
+        if op == "allreduce":
+            x = torch.ones(max(1, int(size) // 4))
+            call = (lambda x=x: shm.all_reduce(x)) if shm.applies(x) else None
+        elif op == "alltoall":
+            rows = max(world, int(size) // 64) // world * world
+            x = torch.ones(rows, 16)
+            counts = [rows // world] * world
+            call = (lambda x=x, c=counts: shm.all_to_all_v(x, c)) if shm.applies(x) else None
+        else:  # allgather
+            x = torch.ones(max(1, int(size) // 4 // world))
+            call = (lambda x=x: shm.all_gather(x)) if shm.applies(x) else None
+        if call is None:
             out.append((size, seconds))
             continue
         best = float("inf")
         for _ in range(repeats):
             for _ in range(5):
-                shm.all_reduce(x)
+                call()
             dist.barrier()
             start = time.perf_counter()
             for _ in range(iters):
-                shm.all_reduce(x)
+                call()
             mean = torch.tensor([(time.perf_counter() - start) / iters])
             dist.all_reduce(mean, op=dist.ReduceOp.MAX)
             best = min(best, float(mean))
