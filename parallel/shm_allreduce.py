@@ -38,6 +38,7 @@ SHM_DIR = "/dev/shm"
 DEFAULT_CAPACITY_BYTES = 1 << 20  # per rank and buffer: larger tensors (prefill) stay on gloo
 FLAG_STRIDE = 8  # int64s per rank's flag: one 64-byte line each
 PEER_CHECK_S = 0.05
+TOKEN_BYTES = 64  # the segment's first line: rank 0's random token, which every rank checks
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -50,9 +51,10 @@ def shm_allreduce_wanted() -> bool:
 
 
 class ShmAllReduce:
-    """In-place sum all-reduce of CPU tensors of at most ``capacity_bytes`` over ``group``'s ranks,
-    which must share this host. Build it collectively (every rank of ``group``), or with
-    ``for_group``, which returns None where it does not apply."""
+    """Collectives of CPU tensors of at most ``capacity_bytes`` a rank over ``group``'s ranks, which
+    share this host: an in-place sum all-reduce, an all-gather and an all-to-all-v of rows, on one
+    call sequence. Build it with ``for_group`` (collective), which returns None where it does not
+    apply."""
 
     def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, peers: list[int],
                  capacity_bytes: int = DEFAULT_CAPACITY_BYTES, timeout_s: float = 600.0) -> None:
@@ -67,10 +69,12 @@ class ShmAllReduce:
         self.peers = peers
         flags_bytes, meta_bytes = _header_bytes(self.world)
         self.segment = segment
-        self.flags = segment[:flags_bytes].view(torch.int64).view(self.world, FLAG_STRIDE)[:, 0]  # [R] views
+        at = TOKEN_BYTES
+        self.flags = segment[at:at + flags_bytes].view(torch.int64).view(self.world, FLAG_STRIDE)[:, 0]  # [R]
+        at += flags_bytes
         # per buffer, per rank: [fits, counts to each rank (R)], a line-padded row of int64
-        self.meta = segment[flags_bytes:flags_bytes + meta_bytes].view(torch.int64).view(2, self.world, -1)
-        self.data = segment[flags_bytes + meta_bytes:].view(2, self.world, capacity_bytes)
+        self.meta = segment[at:at + meta_bytes].view(torch.int64).view(2, self.world, -1)
+        self.data = segment[at + meta_bytes:].view(2, self.world, capacity_bytes)
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
@@ -87,25 +91,31 @@ class ShmAllReduce:
         dist.all_gather_object(hosts, (socket.gethostname(), shm_allreduce_wanted(), os.getpid()), group=group)
         if len({h for h, _, _ in hosts}) != 1 or not all(w for _, w, _ in hosts):
             return None
-        size = sum(_header_bytes(world)) + 2 * world * capacity_bytes
+        size = TOKEN_BYTES + sum(_header_bytes(world)) + 2 * world * capacity_bytes
         made: list = [None]
         if rank == 0:
-            path = os.path.join(SHM_DIR, f"moe-allreduce-{uuid.uuid4().hex}")
+            token = uuid.uuid4().hex
+            path = os.path.join(SHM_DIR, f"moe-allreduce-{token}")
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
                     os.posix_fallocate(fd, 0, size)  # the pages now: a full /dev/shm is an error here, not SIGBUS
+                    os.pwrite(fd, token.encode(), 0)
                 finally:
                     os.close(fd)
-                made = [(path, None)]
+                made = [(path, token, None)]
             except OSError as e:
-                made = [(path, str(e))]
+                made = [(path, token, str(e))]
         dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group)
-        path, problem = made[0]
+        path, token, problem = made[0]
         segment = None
         if problem is None:
-            try:
+            try:  # the file rank 0 made, not one of the same name elsewhere (a container's own /dev/shm)
+                if not os.path.isfile(path) or os.path.getsize(path) != size:
+                    raise OSError(f"{path} is not the {size}-byte segment rank 0 made (another /dev/shm?)")
                 segment = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                if bytes(segment[:len(token)].tolist()) != token.encode():
+                    raise OSError(f"{path} does not hold rank 0's token (another /dev/shm?)")
             except (OSError, RuntimeError) as e:
                 problem = str(e)
         problems: list = [None] * world

@@ -126,6 +126,11 @@ def _refused(rank: int, world: int) -> list[bool]:
     socket.gethostname = lambda: f"host{rank}"  # ranks on two hosts
     answers.append(ShmAllReduce.for_group(dist.group.WORLD) is None)
     socket.gethostname = hostname
+    isfile = os.path.isfile
+    if rank == 1:  # rank 1 sees another /dev/shm (a container's own) under the same host name
+        shm_mod.os.path.isfile = lambda path: False
+    answers.append(ShmAllReduce.for_group(dist.group.WORLD) is None)
+    shm_mod.os.path.isfile = isfile
     answers.append(ShmAllReduce.for_group(dist.group.WORLD) is not None)  # and the group still works after
     dist.barrier()
     answers.append(not glob.glob(os.path.join(SHM_DIR, "moe-allreduce-*")))
@@ -133,9 +138,9 @@ def _refused(rank: int, world: int) -> list[bool]:
 
 
 def test_every_rank_steps_aside_together_where_the_segment_cannot_be_made() -> None:
-    """A full /dev/shm (on rank 0 only) or ranks on two hosts: None on every rank, no rank left waiting,
-    no file left behind; gloo serves the all-reduces."""
-    assert run_ranks(_refused, 2) == [[True, True, True, True]] * 2
+    """A full /dev/shm (on rank 0 only), ranks on two hosts, or a rank that does not see rank 0's file:
+    None on every rank, no rank left waiting, no file left behind; gloo serves the collectives."""
+    assert run_ranks(_refused, 2) == [[True] * 5] * 2
 
 
 def test_not_wanted_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
