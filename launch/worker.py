@@ -269,7 +269,7 @@ class Worker:
         self.model = MoEModel(
             self.config, dtype=self.dtype, local_slots=self._local_slots(), dispatcher=dispatcher,
             tp_group=self.groups.tp if self.groups else None, tp_rank=self.coords.tp_rank, tp_size=spec.tp,
-            capacity=spec.capacity, tp_shm=getattr(self.groups, "tp_shm", None),
+            capacity=spec.capacity, tp_shm=self.groups.tp_shm if self.groups else None,
         )
         for i, layer in enumerate(self.model.moe_layers()):
             layer.set_placement(self.phy2log[i], self.layout.ep_size, self.coords.ep_rank)

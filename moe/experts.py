@@ -342,18 +342,24 @@ class Experts(WatchedModule):
     def fused_packed_for(self, x: torch.Tensor, assignments: int) -> kernels.PackedExperts | None:
         """``_fused_packed``'s answer for x [T, D] and ``assignments`` (token, k) pairs, routing
         weights not needing autograd."""
-        if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or not self.fused_topk:
-            return None
-        params = self._parameters  # without nn.Module.__getattr__: this runs every layer of every step
-        if x.dtype != params["w13"].dtype or kernels.needs_autograd(x, params["w13"], params["w2"]):
-            return None  # rows in another dtype: the op-by-op path's answer (an error), not a silent cast
-        packed = self.packed_weights()
+        packed = self._one_op_weights(x)
         if packed is None:
             return None
         if not packed.quantized and kernels.prefers_library_experts(x.dtype, assignments / max(1, min(
                 self.num_local_slots, assignments))):
             return None
         return packed
+
+    def _one_op_weights(self, x: torch.Tensor) -> kernels.PackedExperts | None:
+        """The packed weights when a one-op CPU path (``experts_forward_topk``, ``experts_forward_rows``)
+        may take rows like x: CPU, fp32/bf16 in the weights' dtype, ``fused_topk`` on, no autograd
+        through x or the weights, the kernel built; else None."""
+        if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or not self.fused_topk:
+            return None
+        params = self._parameters  # without nn.Module.__getattr__: this runs every layer of every step
+        if x.dtype != params["w13"].dtype or kernels.needs_autograd(x, params["w13"], params["w2"]):
+            return None  # rows in another dtype: the op-by-op path's answer (an error), not a silent cast
+        return self.packed_weights()
 
     def forward_rows_fused(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
                            first_slot: int = 0) -> torch.Tensor | None:
@@ -364,13 +370,9 @@ class Experts(WatchedModule):
         slot_ids: [M, K] int32 or int64, slot s being local slot s - first_slot where that is in
         [0, P) and not here otherwise (an expert-parallel rank passes the wire's physical slots
         and its first slot); weights: [M, K]. Returns [M, D] in x's dtype."""
-        if (not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or not self.fused_topk
-                or slot_ids.dtype not in (torch.int32, torch.int64) or x.dim() != 2):
+        if slot_ids.dtype not in (torch.int32, torch.int64) or x.dim() != 2 or kernels.needs_autograd(weights):
             return None
-        params = self._parameters
-        if x.dtype != params["w13"].dtype or kernels.needs_autograd(x, weights, params["w13"], params["w2"]):
-            return None
-        packed = self.packed_weights()
+        packed = self._one_op_weights(x)
         if packed is None:
             return None
         library = not packed.quantized and kernels.prefers_library_experts(x.dtype, kernels.LIBRARY_GEMM_MIN_ROWS)

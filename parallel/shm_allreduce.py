@@ -1,5 +1,5 @@
-"""Sum all-reduce (and all-gather) of small CPU tensors through shared memory, for the ranks of a
-group on one host.
+"""Sum all-reduce, all-gather and all-to-all-v of small CPU tensors through shared memory, for the
+ranks of a group on one host.
 
 gloo over loopback takes 340-590 us of wall time for an all-reduce of a decode step's few rows
 (2 ranks, 4-16 KiB, Intel Xeon with AMX; ``docs/parallel.md``), nearly all of it the TCP round
@@ -138,6 +138,21 @@ class ShmAllReduce:
         """Sum ``t`` over the group's ranks, in place (every rank calls it, with tensors of one shape
         and dtype; ``applies(t)`` must hold). Returns t. Sums in rank order, fp16/bf16 in fp32 and
         rounded once, so every rank gets the same bits."""
+        parts = self._exchange(t)
+        total = parts[0].to(torch.float32, copy=True)  # a copy: parts are the shared slots
+        for r in range(1, self.world):
+            total += parts[r]  # widened exactly, added in fp32
+        t.copy_(total)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (one shape and dtype on every rank; ``applies(t)`` must hold), stacked
+        in rank order: [R, *t.shape], a new tensor. The same calls and buffers as ``all_reduce``."""
+        return self._exchange(t).clone()
+
+    def _exchange(self, t: torch.Tensor) -> torch.Tensor:
+        """Write ``t`` into this rank's slot of the next call's buffer, publish the call and wait for
+        every rank's: the slots [R, *t.shape] in t's dtype, valid until this rank's next-but-one call."""
         self.calls += 1
         n = self.calls
         nbytes = t.numel() * t.element_size()
@@ -145,29 +160,7 @@ class ShmAllReduce:
         slots[self.rank].view(t.dtype).view(t.shape).copy_(t)
         self.flags[self.rank] = n  # published after the data (x86 keeps stores in order)
         self._wait(n)
-        parts = slots.view(t.dtype).view(self.world, *t.shape)
-        if t.dtype == torch.float32:
-            total = parts[0].clone()
-            for r in range(1, self.world):
-                total += parts[r]
-        else:
-            total = parts[0].float()
-            for r in range(1, self.world):
-                total += parts[r].float()
-        t.copy_(total)
-        return t
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``t`` (one shape and dtype on every rank; ``applies(t)`` must hold), stacked
-        in rank order: [R, *t.shape], a new tensor. The same calls and buffers as ``all_reduce``."""
-        self.calls += 1
-        n = self.calls
-        nbytes = t.numel() * t.element_size()
-        slots = self.data[n % 2, :, :nbytes]
-        slots[self.rank].view(t.dtype).view(t.shape).copy_(t)
-        self.flags[self.rank] = n
-        self._wait(n)
-        return slots.view(t.dtype).view(self.world, *t.shape).clone()
+        return slots.view(t.dtype).view(self.world, *t.shape)
 
     def all_to_all_v(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor | None, list[int]]:
         """An all-to-all-v of rows: send [N, W] (contiguous CPU; its rows for rank 0 first, then rank

@@ -985,6 +985,32 @@ at::Tensor experts_forward(const at::Tensor& x, at::IntArrayRef counts, const at
   return out;
 }
 
+// Rows token[0..N) of x [T, D] (float32 or bfloat16; rows any stride apart, columns contiguous) gathered
+// in that order: bf16 copies dot_row_stride(D) apart for the dot tiles, else fp32 rows D apart (bf16 ones
+// widened). [N, ldr].
+static at::Tensor gather_rows(const at::Tensor& x, const std::vector<int64_t>& token, bool dot) {
+  const int64_t N = static_cast<int64_t>(token.size()), D = x.size(1), xs0 = x.stride(0);
+  const int64_t ldr = dot ? dot_row_stride(D) : D;
+  at::Tensor rows = at::empty({N, ldr}, at::TensorOptions().dtype(dot ? at::kBFloat16 : at::kFloat));
+  const bool widen = x.scalar_type() == at::kBFloat16 && !dot;
+  const int64_t esize = x.element_size(), row_bytes = D * esize;
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* rp = static_cast<char*>(rows.data_ptr());
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const char* src = xp + token[r] * xs0 * esize;
+      if (widen) {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+        float* dst = rows.data_ptr<float>() + r * D;
+        for (int64_t c = 0; c < D; ++c) dst[c] = to_float(h[c]);
+      } else {  // same dtype as x
+        std::memcpy(rp + r * ldr * esize, src, row_bytes);
+      }
+    }
+  });
+  return rows;
+}
+
 // The whole routed-expert step from the router's output: x [T, D] float32 or bfloat16; slot_ids
 // [T, K] int64 local slots (-1: dropped / not here); weights [T, K] routing weights. Groups the
 // (token, k) assignments by slot (row-major order within a slot), gathers their rows, runs the
@@ -1045,7 +1071,6 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
       if (!seen[t]) std::memset(ap + t * ld, 0, D * sizeof(float));
   }
   const at::Tensor xc = x.contiguous();
-  const bool bf16_in = x.scalar_type() == at::kBFloat16;
   // panels gathered as gate/up goes (see GATHER_MIN_ROWS)
   if (dot && M >= GATHER_MIN_ROWS &&
       panels_fill_threads(panel_count(offsets, expert_panel_rows(current_isa(), dot, w13p)))) {
@@ -1053,22 +1078,8 @@ static at::Tensor experts_topk_rows(const at::Tensor& x, const at::Tensor& slot_
                 0, true, first.data());
     return acc.narrow(1, 0, D);
   }
-  // the rows gathered in slot order: bf16 copies for the dot tiles (dot_row_stride apart), else fp32
   const int64_t ldr = dot ? dot_row_stride(D) : D;
-  at::Tensor rows = at::empty({M, ldr}, at::TensorOptions().dtype(dot ? at::kBFloat16 : at::kFloat));
-  const int64_t row_bytes = D * rows.element_size();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      if (bf16_in && !dot) {  // widened to fp32
-        const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr()) + token[r] * D;
-        float* xs = rows.data_ptr<float>() + r * D;
-        for (int64_t c = 0; c < D; ++c) xs[c] = to_float(src[c]);
-      } else {  // same dtype as x
-        std::memcpy(static_cast<char*>(rows.data_ptr()) + r * ldr * rows.element_size(),
-                    static_cast<const char*>(xc.data_ptr()) + token[r] * row_bytes, row_bytes);
-      }
-    }
-  });
+  const at::Tensor rows = gather_rows(xc, token, dot);
   // the down projection adds each row into its token's output row (slot order per element)
   run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw, false, acc.data_ptr(), token.data(), ld, ldr,
               false, dot ? first.data() : nullptr);
@@ -1108,7 +1119,7 @@ at::Tensor experts_forward_rows(const at::Tensor& x, const at::Tensor& slot_ids,
               "moe_kernels: experts_forward_rows takes weights [M, K] float32 like slot_ids");
   const int64_t K = slot_ids.size(1);
   const bool ids64 = slot_ids.scalar_type() == at::kLong;
-  const int64_t is0 = slot_ids.stride(0), ws0 = weights.stride(0), xs0 = x.stride(0);
+  const int64_t is0 = slot_ids.stride(0), ws0 = weights.stride(0);
   const int64_t* id64 = ids64 ? slot_ids.data_ptr<int64_t>() : nullptr;
   const int32_t* id32 = ids64 ? nullptr : slot_ids.data_ptr<int32_t>();
   const float* wsrc = weights.data_ptr<float>();
@@ -1140,21 +1151,8 @@ at::Tensor experts_forward_rows(const at::Tensor& x, const at::Tensor& slot_ids,
     }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const bool dot = experts_on_dot(current_isa(), weight_type(w13p), x.scalar_type(), offsets);
-  // the rows gathered in slot order: bf16 for the dot tiles (dot_row_stride apart), else fp32
   const int64_t ldr = dot ? dot_row_stride(D) : D;
-  at::Tensor rows = at::empty({N, ldr}, at::TensorOptions().dtype(dot ? at::kBFloat16 : at::kFloat));
-  const int64_t esize = x.element_size();
-  const char* xp = static_cast<const char*>(x.data_ptr());
-  for (int64_t r = 0; r < N; ++r) {
-    const char* src = xp + token[r] * xs0 * esize;
-    if (bf16 && !dot) {  // widened to fp32
-      const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
-      float* dst = rows.data_ptr<float>() + r * D;
-      for (int64_t c = 0; c < D; ++c) dst[c] = to_float(h[c]);
-    } else {
-      std::memcpy(static_cast<char*>(rows.data_ptr()) + r * ldr * rows.element_size(), src, D * esize);
-    }
-  }
+  const at::Tensor rows = gather_rows(x, token, dot);
   at::Tensor y = at::empty({N, D}, x.options().memory_format(at::MemoryFormat::Contiguous));
   run_experts(rows.data_ptr(), dot, offsets, D, w13p, s13, w2p, s2, rw.data(), bf16, y.data_ptr(), nullptr, 0, ldr);
   // each row's sum over its k, in k order, as embedding_bag sums a bag

@@ -56,8 +56,7 @@ def build_dispatcher(
     if backend == "local" and capped is not None and layout.tp > 1:
         # capacity over the whole batch every TP rank holds, then the rows are shared out
         assert groups is not None
-        split = TensorParallelSplit(LocalDispatcher(), groups.tp, groups.coords.tp_rank, layout.tp,
-                                    getattr(groups, "tp_shm", None))
+        split = TensorParallelSplit(LocalDispatcher(), groups.tp, groups.coords.tp_rank, layout.tp, groups.tp_shm)
         return CappedLocalDispatcher(capped, inner=split, report_stats=groups.coords.tp_rank == 0)
     if backend == "local":
         inner = CappedLocalDispatcher(capped) if capped is not None else LocalDispatcher()
@@ -65,11 +64,10 @@ def build_dispatcher(
         assert groups is not None
         if backend == "alltoall":
             inner = AllToAllDispatcher(groups.ep, groups.coords.ep_rank, layout.ep_size, global_capacity=capped,
-                                       shm=getattr(groups, "ep_shm", None))
+                                       shm=groups.ep_shm)
         else:
             inner = AllGatherDispatcher(groups.ep, groups.coords.ep_rank, layout.ep_size, global_capacity=capped)
     if layout.tp > 1:
         assert groups is not None
-        return TensorParallelSplit(inner, groups.tp, groups.coords.tp_rank, layout.tp,
-                                   getattr(groups, "tp_shm", None))
+        return TensorParallelSplit(inner, groups.tp, groups.coords.tp_rank, layout.tp, groups.tp_shm)
     return inner

@@ -86,46 +86,41 @@ class AllToAllDispatcher(EPDispatcherState):
         rest of the plan is computed and the rows are packed. Both send from the reused
         ``send`` buffer."""
         _, row_bytes = row_layout(x.shape[1], slot_ids.shape[1], x.dtype)
-        if self.shm is not None:  # the counts ride with the rows; rows past its capacity go through gloo
-            plan, send = self._plan_and_pack(x, slot_ids, weights, num_local_slots, row_bytes)
+        # with shared memory the counts ride with the rows; rows past its capacity go through gloo
+        plan, send, counts = self._plan_and_pack(x, slot_ids, weights, num_local_slots, row_bytes,
+                                                 exchange_counts=self.shm is None)
+        if counts is None:
+            assert self.shm is not None
             recv, recv_counts = self.shm.all_to_all_v(send, plan.send_counts)
-            if recv is None:
-                recv = self.workspace.get("recv", (sum(recv_counts), row_bytes), torch.uint8, x.device)
-                dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
-            return plan, recv, recv_counts
+            if recv is not None:
+                return plan, recv, recv_counts
+        else:
+            recv_counts_t, work = counts
+            work.wait()
+            recv_counts = recv_counts_t.tolist()
+        recv = self.workspace.get("recv", (sum(recv_counts), row_bytes), torch.uint8, x.device)
+        dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
+        return plan, recv, recv_counts
+
+    def _plan_and_pack(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, num_local_slots: int,
+                       row_bytes: int, *, exchange_counts: bool
+                       ) -> tuple[DispatchPlan, torch.Tensor, tuple[torch.Tensor, dist.Work] | None]:
+        """The plan and the packed rows [N, row_bytes] uint8 in the reused send buffer (one C++ op on
+        CPU), and with ``exchange_counts`` the started count exchange (``_exchange_counts``: with the
+        tensor ops it runs while the rest of the plan is computed and the rows are packed), else None."""
         if kernels.cpu_kernel_applies(x, slot_ids, weights):
             bound = x.shape[0] * min(slot_ids.shape[1], self.num_ranks)  # rows a token can need
             space = self.workspace.get("send", (bound, row_bytes), torch.uint8, x.device)
             send, pair_token, send_counts, combine_index, combine_offsets = kernels.dispatch_plan(
                 x, slot_ids, weights, num_local_slots, self.num_ranks, space)
             plan = DispatchPlan(pair_token, send_counts.tolist(), combine_index, combine_offsets)
-            recv_counts_t, work = self._exchange_counts(send_counts)
-        else:
-            mask = destination_mask(slot_ids, num_local_slots, self.num_ranks)  # [R, T]
-            recv_counts_t, work = self._exchange_counts(mask.sum(1))
-            plan = plan_from_mask(mask)
-            send = self.workspace.get("send", (plan.num_rows, row_bytes), torch.uint8, x.device)
-            pack_rows(x, slot_ids, weights, plan, send)
-        work.wait()
-        recv_counts = recv_counts_t.tolist()
-        recv = self.workspace.get("recv", (sum(recv_counts), row_bytes), torch.uint8, x.device)
-        dist.all_to_all_single(recv, send, recv_counts, plan.send_counts, group=self.group)
-        return plan, recv, recv_counts
-
-    def _plan_and_pack(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, num_local_slots: int,
-                       row_bytes: int) -> tuple[DispatchPlan, torch.Tensor]:
-        """The plan and the packed rows [N, row_bytes] uint8 in the reused send buffer, without the
-        count exchange (one C++ op on CPU)."""
-        if kernels.cpu_kernel_applies(x, slot_ids, weights):
-            bound = x.shape[0] * min(slot_ids.shape[1], self.num_ranks)
-            space = self.workspace.get("send", (bound, row_bytes), torch.uint8, x.device)
-            send, pair_token, send_counts, combine_index, combine_offsets = kernels.dispatch_plan(
-                x, slot_ids, weights, num_local_slots, self.num_ranks, space)
-            return DispatchPlan(pair_token, send_counts.tolist(), combine_index, combine_offsets), send
-        plan = plan_from_mask(destination_mask(slot_ids, num_local_slots, self.num_ranks))
+            return plan, send, self._exchange_counts(send_counts) if exchange_counts else None
+        mask = destination_mask(slot_ids, num_local_slots, self.num_ranks)  # [R, T]
+        counts = self._exchange_counts(mask.sum(1)) if exchange_counts else None
+        plan = plan_from_mask(mask)
         send = self.workspace.get("send", (plan.num_rows, row_bytes), torch.uint8, x.device)
         pack_rows(x, slot_ids, weights, plan, send)
-        return plan, send
+        return plan, send, counts
 
     def _exchange_counts(self, send_counts: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
         """Start the all-to-all of the per-rank row counts [R]: (the counts each rank sends here,
