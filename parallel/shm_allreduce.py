@@ -1,5 +1,5 @@
-"""Sum all-reduce, all-gather and all-to-all-v of small CPU tensors through shared memory, for the
-ranks of a group on one host.
+"""Sum all-reduce and reduce-scatter, all-gather(-v) and all-to-all-v of small CPU tensors through
+shared memory, for the ranks of a group on one host.
 
 gloo over loopback takes 340-590 us of wall time for an all-reduce of a decode step's few rows
 (2 ranks, 4-16 KiB, Intel Xeon with AMX; ``docs/parallel.md``), nearly all of it the TCP round
@@ -52,14 +52,14 @@ def shm_allreduce_wanted() -> bool:
 
 class ShmAllReduce:
     """Collectives of CPU tensors of at most ``capacity_bytes`` a rank over ``group``'s ranks, which
-    share this host: an in-place sum all-reduce, an all-gather and an all-to-all-v of rows, on one
-    call sequence. Build it with ``for_group`` (collective), which returns None where it does not
-    apply."""
+    share this host: an in-place sum all-reduce, a reduce-scatter, an all-gather, and an all-gather
+    and an all-to-all-v of varying numbers of rows, on one call sequence. Build it with ``for_group``
+    (collective), which returns None where it does not apply."""
 
     def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, peers: list[int],
                  capacity_bytes: int = DEFAULT_CAPACITY_BYTES, timeout_s: float = 600.0) -> None:
-        """Over ``segment`` (the mapped [header + 2 * R * capacity_bytes] uint8 file) and the peers'
-        pids; ``for_group`` builds both."""
+        """Over ``segment`` (the mapped [header + 2 * R * slot] uint8 file; slot: capacity_bytes in
+        whole lines) and the peers' pids; ``for_group`` builds both."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -74,7 +74,8 @@ class ShmAllReduce:
         at += flags_bytes
         # per buffer, per rank: [fits, counts to each rank (R)], a line-padded row of int64
         self.meta = segment[at:at + meta_bytes].view(torch.int64).view(2, self.world, -1)
-        self.data = segment[at + meta_bytes:].view(2, self.world, capacity_bytes)
+        # each slot starts on a line (any dtype's view lines up); its first capacity_bytes are used
+        self.data = segment[at + meta_bytes:].view(2, self.world, _slot_bytes(capacity_bytes))
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
@@ -91,7 +92,7 @@ class ShmAllReduce:
         dist.all_gather_object(hosts, (socket.gethostname(), shm_allreduce_wanted(), os.getpid()), group=group)
         if len({h for h, _, _ in hosts}) != 1 or not all(w for _, w, _ in hosts):
             return None
-        size = TOKEN_BYTES + sum(_header_bytes(world)) + 2 * world * capacity_bytes
+        size = TOKEN_BYTES + sum(_header_bytes(world)) + 2 * world * _slot_bytes(capacity_bytes)
         made: list = [None]
         if rank == 0:
             token = uuid.uuid4().hex
@@ -129,24 +130,30 @@ class ShmAllReduce:
         peers = [pid for r, (_, _, pid) in enumerate(hosts) if r != rank]
         return cls(group, segment, peers, capacity_bytes, timeout_s)
 
-    def applies(self, t: torch.Tensor) -> bool:
-        """Whether ``all_reduce`` takes t: a contiguous CPU tensor of a float dtype within capacity."""
-        return (t.device.type == "cpu" and t.dtype in DTYPES and t.is_contiguous() and not t.requires_grad
+    def fits(self, t: torch.Tensor) -> bool:
+        """Whether ``all_gather`` takes t: a contiguous CPU tensor (any dtype) within capacity."""
+        return (t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
                 and t.numel() * t.element_size() <= self.capacity)
+
+    def applies(self, t: torch.Tensor) -> bool:
+        """Whether ``all_reduce`` and ``reduce_scatter`` take t: ``fits(t)`` and a float dtype."""
+        return t.dtype in DTYPES and self.fits(t)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the group's ranks, in place (every rank calls it, with tensors of one shape
         and dtype; ``applies(t)`` must hold). Returns t. Sums in rank order, fp16/bf16 in fp32 and
         rounded once, so every rank gets the same bits."""
-        parts = self._exchange(t)
-        total = parts[0].to(torch.float32, copy=True)  # a copy: parts are the shared slots
-        for r in range(1, self.world):
-            total += parts[r]  # widened exactly, added in fp32
-        t.copy_(total)
+        t.copy_(_rank_order_sum(self._exchange(t)))
         return t
 
+    def reduce_scatter(self, t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the sum of every rank's ``t`` [N, ...] (one shape and dtype on every
+        rank, ``applies(t)``; each rank names its own rows): a new [stop - start, ...] tensor of t's
+        dtype, summed as ``all_reduce`` sums. The same calls and buffers as the others."""
+        return _rank_order_sum(self._exchange(t)[:, start:stop]).to(t.dtype)
+
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``t`` (one shape and dtype on every rank; ``applies(t)`` must hold), stacked
+        """Every rank's ``t`` (one shape and dtype on every rank; ``fits(t)`` must hold), stacked
         in rank order: [R, *t.shape], a new tensor. The same calls and buffers as ``all_reduce``."""
         return self._exchange(t).clone()
 
@@ -169,33 +176,56 @@ class ShmAllReduce:
         here). Where any rank's rows exceed the capacity, no rows move and the first is None: every rank
         gets None together and the recv_counts, so it can make the exchange itself (gloo) without the
         count exchange. Collective over the group, in the same call sequence as the others."""
+        b, table = self._publish_rows(send, send_counts)  # table: [R][fits, counts to each rank...]
+        recv_counts = [row[1 + self.rank] for row in table]
+        if not all(row[0] for row in table):
+            return None, recv_counts
+        row_bytes = _row_bytes(send)
+        return self._read_rows(b, [(src, sum(row[1:1 + self.rank]) * row_bytes, n * row_bytes)
+                                   for src, (row, n) in enumerate(zip(table, recv_counts))], send), recv_counts
+
+    def all_gather_v(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:
+        """An all-gather of a varying number of rows: rows [N_r, W] (contiguous CPU, one W and dtype on
+        every rank). Returns (every rank's rows in rank order, [sum of N, W] of rows' dtype, a new
+        tensor; each rank's N). Where any rank's rows exceed the capacity, none move and the first is
+        None on every rank, with the counts. Collective over the group, in the same call sequence."""
+        b, table = self._publish_rows(rows, [rows.shape[0]])  # table: [R][fits, N]
+        sizes = [row[1] for row in table]
+        if not all(row[0] for row in table):
+            return None, sizes
+        row_bytes = _row_bytes(rows)
+        return self._read_rows(b, [(src, 0, n * row_bytes) for src, n in enumerate(sizes)], rows), sizes
+
+    def _publish_rows(self, send: torch.Tensor, meta: list[int]) -> tuple[int, list[list[int]]]:
+        """Write ``send``'s bytes (where they fit) and [fits, *meta] into this rank's slot of the next
+        call's buffer, publish the call and wait for every rank's. Returns (the buffer, every rank's
+        [fits, *meta])."""
         self.calls += 1
         n, b = self.calls, self.calls % 2
         nbytes = send.numel() * send.element_size()
-        fits = send.device.type == "cpu" and send.is_contiguous() and nbytes <= self.capacity
-        meta = self.meta[b, self.rank]
-        meta[1:1 + self.world] = torch.tensor(send_counts, dtype=torch.int64)
-        meta[0] = int(fits)
+        fits = self.fits(send)
+        mine = self.meta[b, self.rank]
+        mine[1:1 + len(meta)] = torch.tensor(meta, dtype=torch.int64)
+        mine[0] = int(fits)
         if fits and nbytes:
             self.data[b, self.rank, :nbytes].copy_(send.reshape(-1).view(torch.uint8))
         self.flags[self.rank] = n
         self._wait(n)
-        table = self.meta[b, :, : 1 + self.world].tolist()  # [R][fits, counts...]
-        recv_counts = [row[1 + self.rank] for row in table]
-        if not all(row[0] for row in table):
-            return None, recv_counts
-        width = send.shape[1] if send.dim() == 2 else 1
-        row_bytes = width * send.element_size()
-        out = torch.empty((sum(recv_counts), width), dtype=send.dtype)
+        return b, self.meta[b, :, : 1 + len(meta)].tolist()
+
+    def _read_rows(self, b: int, spans: list[tuple[int, int, int]], like: torch.Tensor) -> torch.Tensor:
+        """The (source rank, byte offset, bytes) spans of buffer ``b``, concatenated: a new [M, W]
+        tensor of ``like``'s dtype and width."""
+        width = like.shape[1] if like.dim() == 2 else 1
+        total = sum(size for _, _, size in spans)
+        out = torch.empty((total // max(1, _row_bytes(like)), width), dtype=like.dtype)
         flat = out.view(-1).view(torch.uint8)
         at = 0
-        for src, row in enumerate(table):
-            first = sum(row[1:1 + self.rank]) * row_bytes
-            size = row[1 + self.rank] * row_bytes
+        for src, first, size in spans:
             if size:
                 flat[at:at + size].copy_(self.data[b, src, first:first + size])
             at += size
-        return out, recv_counts
+        return out
 
     def _wait(self, n: int) -> None:
         flags = self.flags
@@ -214,6 +244,24 @@ class ShmAllReduce:
                 if now - start > self.timeout_s:
                     raise dist.DistError(f"shared-memory collective timed out: call {n} waited "
                                          f"{self.timeout_s:g} s for its peers")
+
+
+def _rank_order_sum(parts: torch.Tensor) -> torch.Tensor:
+    """parts [R, ...]: their fp32 sum, added in rank order (a new tensor)."""
+    total = parts[0].to(torch.float32, copy=True)  # a copy: parts are the shared slots
+    for r in range(1, parts.shape[0]):
+        total += parts[r]  # widened exactly, added in fp32
+    return total
+
+
+def _slot_bytes(capacity_bytes: int) -> int:
+    """A rank's slot in each buffer: ``capacity_bytes`` rounded up to whole 64-byte lines."""
+    return (capacity_bytes + 63) // 64 * 64
+
+
+def _row_bytes(rows: torch.Tensor) -> int:
+    """Bytes of one row of [N, W] (or of one element of [N])."""
+    return (rows.shape[1] if rows.dim() == 2 else 1) * rows.element_size()
 
 
 def _header_bytes(world: int) -> tuple[int, int]:

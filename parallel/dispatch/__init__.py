@@ -66,7 +66,8 @@ def build_dispatcher(
             inner = AllToAllDispatcher(groups.ep, groups.coords.ep_rank, layout.ep_size, global_capacity=capped,
                                        shm=groups.ep_shm)
         else:
-            inner = AllGatherDispatcher(groups.ep, groups.coords.ep_rank, layout.ep_size, global_capacity=capped)
+            inner = AllGatherDispatcher(groups.ep, groups.coords.ep_rank, layout.ep_size, global_capacity=capped,
+                                        shm=groups.ep_shm)
     if layout.tp > 1:
         assert groups is not None
         return TensorParallelSplit(inner, groups.tp, groups.coords.tp_rank, layout.tp, groups.tp_shm)

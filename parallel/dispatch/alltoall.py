@@ -56,9 +56,8 @@ class AllToAllDispatcher(EPDispatcherState):
         self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: CapacityConfig | None = None,
         shm: ShmAllReduce | None = None,
     ) -> None:
-        super().__init__(group, rank, num_ranks, global_capacity=global_capacity)
+        super().__init__(group, rank, num_ranks, global_capacity=global_capacity, shm=shm)
         self.workspace = Workspace()
-        self.shm = shm  # the EP group's shared memory (one host): the exchanges of a decode step's rows
 
     def dispatch_combine(
         self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, experts: Experts, layer_id: int
@@ -145,7 +144,7 @@ class AllToAllDispatcher(EPDispatcherState):
         if self.global_capacity is None:
             return slot_ids, weights
         num_slots = num_local_slots * self.num_ranks
-        counts = gather_slot_counts(slot_ids, num_slots, self.group)  # collective: every rank, every step
+        counts = gather_slot_counts(slot_ids, num_slots, self.group, self.shm)  # collective: every rank, every step
         ids, kept_weights, stats = apply_global_capacity(
             slot_ids, weights, counts, self.rank, slot_ids.shape[1], self.global_capacity
         )

@@ -20,6 +20,7 @@ from moe.capacity import (
     compute_capacity,
     compute_global_limits,
 )
+from parallel.shm_allreduce import ShmAllReduce
 
 
 def check_global(config: CapacityConfig | None) -> None:
@@ -28,13 +29,17 @@ def check_global(config: CapacityConfig | None) -> None:
         raise ValueError(f"a dispatcher enforces capacity_scope 'global', got {config.scope!r}")
 
 
-def gather_slot_counts(slot_ids: torch.Tensor, num_slots: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Collective over ``group``. slot_ids: [T, K]. Returns [R, P + 1] int64: row r = rank r's
-    assignments per slot, then its token count."""
+def gather_slot_counts(slot_ids: torch.Tensor, num_slots: int, group: dist.ProcessGroup,
+                       shm: ShmAllReduce | None = None) -> torch.Tensor:
+    """Collective over ``group`` (through ``shm``, its shared memory, where given and the counts fit).
+    slot_ids: [T, K]. Returns [R, P + 1] int64: row r = rank r's assignments per slot, then its token
+    count."""
     valid = slot_ids[slot_ids >= 0]
     mine = torch.zeros(num_slots + 1, dtype=torch.int64, device=slot_ids.device)
     mine[:num_slots] = torch.bincount(valid, minlength=num_slots)
     mine[num_slots] = slot_ids.shape[0]
+    if shm is not None and shm.fits(mine):  # the same size on every rank: every rank takes this branch
+        return shm.all_gather(mine)
     out = torch.empty(dist.get_world_size(group) * (num_slots + 1), dtype=torch.int64, device=slot_ids.device)
     dist.all_gather_single(out, mine, group=group)
     return out.view(-1, num_slots + 1).cpu()
@@ -81,16 +86,19 @@ def apply_global_capacity(
 
 
 class EPDispatcherState:
-    """What every EP dispatcher holds: the EP group, this rank's EP coordinates, an optional
-    global capacity (None when disabled) and the last step's ``capacity_stats[layer_id]``."""
+    """What every EP dispatcher holds: the EP group and its shared memory (``shm``: ranks on one host;
+    None where the group has none), this rank's EP coordinates, an optional global capacity (None
+    when disabled) and the last step's ``capacity_stats[layer_id]``."""
 
     def __init__(
-        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: CapacityConfig | None = None
+        self, group: dist.ProcessGroup, rank: int, num_ranks: int, *, global_capacity: CapacityConfig | None = None,
+        shm: ShmAllReduce | None = None,
     ) -> None:
         if not 0 <= rank < num_ranks:
             raise ValueError(f"EP rank {rank} outside EP size {num_ranks}")
         check_global(global_capacity)
         self.group = group
+        self.shm = shm  # a decode step's small exchanges go through it; larger ones through gloo
         self.rank = rank
         self.num_ranks = num_ranks
         self.global_capacity = global_capacity if global_capacity is not None and global_capacity.enabled else None

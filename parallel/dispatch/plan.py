@@ -116,6 +116,18 @@ def pack_rows(
     return buf
 
 
+def pack_token_rows(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x: [T, D]; slot_ids: [T, K] int; weights: [T, K] float. Returns every token's row of the wire
+    format in token order, [T, row_bytes] uint8 (a new tensor; ``unpack_rows`` reads it)."""
+    hidden_size, top_k = x.shape[1], slot_ids.shape[1]
+    hidden_bytes, row_bytes = row_layout(hidden_size, top_k, x.dtype)
+    buf = torch.empty((x.shape[0], row_bytes), dtype=torch.uint8, device=x.device)
+    buf[:, : hidden_size * x.element_size()].view(x.dtype).copy_(x)
+    buf[:, hidden_bytes : hidden_bytes + 4 * top_k].view(torch.int32).copy_(slot_ids)
+    buf[:, hidden_bytes + 4 * top_k :].view(torch.float32).copy_(weights)
+    return buf
+
+
 def unpack_rows(
     buf: torch.Tensor, hidden_size: int, top_k: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -89,6 +89,54 @@ def test_all_to_all_v_moves_gloos_rows_or_none_together() -> None:
                     assert got is not None and got.dtype == want.dtype and torch.equal(got, want), step
 
 
+def _gathers(rank: int, world: int) -> list:
+    shm = ShmAllReduce.for_group(dist.group.WORLD, capacity_bytes=1001)  # slots not a multiple of any dtype
+    gen = torch.Generator().manual_seed(20 + rank)
+    out = []
+    for step, (dtype, width) in enumerate([(torch.uint8, 24), (torch.float32, 5), (torch.int64, 3),
+                                           (torch.bfloat16, 7), (torch.float32, 5)]):
+        rows = 0 if (rank + step) % 3 == 0 else 1 + rank + step  # some ranks send nothing
+        if step == 4 and rank == 0:
+            rows = 60  # 60 x 20 bytes: past rank 0's slot, so nobody's rows move
+        send = (torch.randn(rows, width, generator=gen) * 100).to(dtype)
+        got, sizes = shm.all_gather_v(send)
+        want_sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(want_sizes, torch.tensor([rows]))
+        assert sizes == [int(n) for n in want_sizes]
+        want = [torch.empty(n, width, dtype=dtype) for n in sizes]
+        for r in range(world):  # gloo's all_gather wants equal sizes: one broadcast per rank
+            if r == rank:
+                want[r] = send.clone()
+            dist.broadcast(want[r], src=r)
+        out.append((step, got, torch.cat(want)))
+    counts = torch.arange(5, dtype=torch.int64) * (rank + 1)  # the capacity count gather's dtype
+    assert shm.fits(counts) and not shm.applies(counts)
+    out.append(("int64", shm.all_gather(counts), torch.stack([torch.arange(5) * (r + 1) for r in range(world)])))
+    partial = torch.randn(11, 6, generator=gen)  # [N, D] fp32: the allgather dispatcher's partial sums
+    want = partial.clone()
+    dist.all_reduce(want)
+    first, stop = [(0, 4), (4, 4), (4, 11)][rank]
+    out.append(("reduce_scatter", shm.reduce_scatter(partial, first, stop), want[first:stop]))
+    return out
+
+
+def test_all_gather_v_and_reduce_scatter_match_gloo() -> None:
+    """all_gather_v: every rank's rows in rank order (empty ranks included; none where one rank's rows
+    exceed its slot); all_gather of int64; reduce_scatter: each rank's rows of gloo's sum (its bits at
+    two ranks). A capacity that is no multiple of the dtypes' sizes still lines every slot up."""
+    for world in (2, 3):
+        for rank_results in run_ranks(_gathers, world):
+            for step, got, want in rank_results:
+                if step == 4:
+                    assert got is None
+                    continue
+                assert got is not None and got.dtype == want.dtype and got.shape == want.shape, step
+                if step == "reduce_scatter" and world == 3:
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+                else:
+                    assert torch.equal(got, want), step
+
+
 def _peer_dies(rank: int, world: int) -> str:
     shm = ShmAllReduce.for_group(dist.group.WORLD)
     assert shm is not None
