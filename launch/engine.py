@@ -28,6 +28,7 @@ from launch.core import (
     Scheduler,
     SchedulerConfig,
 )
+from launch.core.kv_sizing import format_memory
 from launch.core.outputs import ITERATION_TOKEN_BUCKETS, bucket_index
 from launch.core.sampling_params import encode_bad_words, params_max_logprobs_problem
 from launch.executor import Executor, build_executor
@@ -69,12 +70,16 @@ def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_
     """KV blocks per DP rank: the override, else what the memory budget holds beside the rank's
     weights (``launch.hardware.compute_layout_kv_sizing``, as ``kvcalc`` and ``simulate`` size the
     same layout: with expert parallelism a rank's P / ep routed slots, without it every routed
-    expert), capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use."""
+    expert), capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use.
+    An override the budget does not hold beside the weights is refused (ValueError), as
+    ``simulate`` refuses it."""
     e = config.engine
-    if e.num_kv_blocks is not None:
-        return int(e.num_kv_blocks)
     memory = e.memory or (f"{torch.cuda.get_device_properties(0).total_memory}" if torch.cuda.is_available()
                           else DEFAULT_CPU_MEMORY)
+    source = ""  # where the budget came from when nobody gave one, and what raises it
+    if e.memory is None:
+        default = "this GPU's memory" if torch.cuda.is_available() else f"the CPU default {DEFAULT_CPU_MEMORY}"
+        source = f" ({default}, as no memory budget was given: give one with --memory, e.g. --memory 8GiB, or engine.memory)"
     # weight_dtype None: the compute dtype, also for an fp8 checkpoint (kvcalc and simulate count its
     # 1 byte per weight, as fp8 serving would), since the loader dequantizes it into the compute dtype
     dep = deployment_from_config(config, model_config, weight_dtype=None)
@@ -83,11 +88,19 @@ def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_
     except NoKVRoomError as err:  # the budget nobody gave: say where it came from and what raises it
         if e.memory is not None:
             raise
-        source = "this GPU's memory" if torch.cuda.is_available() else f"the CPU default {DEFAULT_CPU_MEMORY}"
-        raise ValueError(f"{err} ({source}, as no memory budget was given: give one with --memory, e.g. "
-                         "--memory 8GiB, or engine.memory)") from None
+        raise ValueError(f"{err}{source}") from None
+    fits = sizing.num_blocks(e.block_size)
+    if e.num_kv_blocks is not None:
+        if e.num_kv_blocks > fits:
+            kv = e.num_kv_blocks * e.block_size * sizing.kv_bytes_per_token_per_rank
+            raise ValueError(
+                f"num_kv_blocks {e.num_kv_blocks:,} (--num-kv-blocks) of {e.block_size} tokens hold "
+                f"{format_memory(kv)} of KV per rank, over the {format_memory(sizing.kv_budget_bytes)} that "
+                f"{sizing.memory_utilization:g} x {format_memory(sizing.memory_bytes)}{source} leaves beside the "
+                f"weights ({format_memory(sizing.weight_bytes_per_rank)} per rank): at most {fits:,} blocks fit")
+        return int(e.num_kv_blocks)
     ceiling = -(-e.max_num_seqs * max_model_len // e.block_size) + 1
-    return max(1, min(sizing.num_blocks(e.block_size), ceiling))
+    return max(1, min(fits, ceiling))
 
 
 @dataclass(frozen=True)

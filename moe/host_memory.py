@@ -50,14 +50,18 @@ def anonymous_tensor(shape: Sequence[int], dtype: torch.dtype, *, align: int = H
     """A zero-filled CPU tensor of ``shape`` on its own anonymous mapping (pages faulted in on first
     touch, transparent huge pages asked for), starting ``align`` bytes aligned (a power of two).
     Linux only: elsewhere ``torch.zeros``. The tensor keeps the mapping alive; it is unmapped with
-    the last view of the tensor."""
+    the last view of the tensor. MemoryError (naming the size) where the system refuses the mapping."""
     nbytes = tensor_bytes(shape, dtype)
     if not sys.platform.startswith("linux") or nbytes == 0:
         return torch.zeros(*shape, dtype=dtype)
     if align & (align - 1):
         raise ValueError(f"align must be a power of two, got {align}")
     slack = align if align > mmap.PAGESIZE else 0  # mmap returns page-aligned addresses
-    buffer = mmap.mmap(-1, nbytes + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buffer = mmap.mmap(-1, nbytes + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:  # ENOMEM: more than the system lets this process map
+        raise MemoryError(f"cannot map {nbytes / 2**30:.2f} GiB for a {list(shape)} {dtype} tensor: "
+                          f"{e.strerror or e}") from None
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)
