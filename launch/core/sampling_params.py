@@ -47,13 +47,15 @@ def _token_biases(value: Any) -> tuple[tuple[int, float], ...] | None:
 
 
 def _token_id_set(value: Any) -> tuple[int, ...] | None:
-    """``allowed_token_ids`` as a sorted tuple of distinct ids, None for None or an empty one;
-    ValueError naming the field otherwise."""
+    """``allowed_token_ids`` as a sorted tuple of distinct ids, None for None; ValueError naming the
+    field otherwise, an empty list included (no token could be drawn; vLLM refuses it too)."""
     if value is None:
         return None
     if not isinstance(value, list | tuple | set | frozenset) or not all(_is_token_id(t) for t in value):
         raise ValueError(f"allowed_token_ids must be a list of token ids (integers >= 0), got {value!r}"[:200])
-    return tuple(sorted(set(value))) or None
+    if not value:
+        raise ValueError("allowed_token_ids is empty: no token could be drawn (leave it out to allow every token)")
+    return tuple(sorted(set(value)))
 
 
 def encode_bad_words(words: tuple[str, ...], encode: Any) -> tuple[tuple[int, ...], ...]:

@@ -32,7 +32,9 @@ def test_params_normalise_and_validate() -> None:
                                             "bad_words_token_ids": []}
     assert SamplingParams(**vars(p)) == p and hash(p) == hash(SamplingParams(logit_bias=[[5, 1.0], [2, -3.5]],
                                                                              allowed_token_ids=(1, 4)))
-    assert SamplingParams(logit_bias={}, allowed_token_ids=[]).logit_bias is None
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    with pytest.raises(ValueError, match="^allowed_token_ids is empty: no token could be drawn"):
+        SamplingParams(allowed_token_ids=[])
     assert p.for_sample(0).logit_bias == p.logit_bias
     with pytest.raises(ValueError, match="^logit_bias values must be finite numbers"):
         SamplingParams(logit_bias={1: float("inf")})

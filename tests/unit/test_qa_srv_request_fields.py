@@ -60,6 +60,7 @@ def prompt_tokens(served, body: dict) -> int:
 
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [3, -4]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": []}, "allowed_token_ids"),  # nothing to draw
     ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["a", 3]}, "bad_words"),
     ("/v1/completions", {"prompt": "x", "logits_processors": ["pkg.Proc"]}, "logits_processors"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
