@@ -123,6 +123,9 @@ def as_array(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+MAX_COUNT = float(2**53)  # float64 counts exactly up to here; the placement's sums need headroom
+
+
 def check_counts(path: Path, name: str, value: Any, ndim: int | tuple[int, ...]) -> np.ndarray:
     arr = as_array(value)
     dims = (ndim,) if isinstance(ndim, int) else ndim
@@ -134,6 +137,8 @@ def check_counts(path: Path, name: str, value: Any, ndim: int | tuple[int, ...])
     arr = arr.astype(np.float64)
     if not np.isfinite(arr).all() or (arr < 0).any():
         raise DumpError(f"{path}: {name} must hold finite non-negative counts")
+    if arr.size and arr.max() > MAX_COUNT:  # sums of such values overflow or stop counting
+        raise DumpError(f"{path}: {name} holds {arr.max():.3g}, past 2**53 = {MAX_COUNT:.3g}: not a token count")
     return arr
 
 

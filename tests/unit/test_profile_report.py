@@ -208,6 +208,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     save_file({"logical_count": -np.ones((2, 2, 2), dtype=np.int64)}, str(tmp_path / "neg.safetensors"))
     rc, err = _run([tmp_path / "neg.safetensors", "--out", tmp_path / "r"], capsys)
     assert rc == 2 and "non-negative" in err
+    np.save(tmp_path / "huge.npy", np.full((2, 1, 4), 1e300))  # finite, but its sums overflow the placement's
+    rc, err = _run([tmp_path / "huge.npy", "--out", tmp_path / "r"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "huge.npy: logical_count holds 1e+300, past 2**53" in err
     assert not (tmp_path / "r").exists()
 
 
