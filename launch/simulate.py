@@ -239,6 +239,11 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
     _check_sequence_fits(args, 0, max_len or model.max_position_embeddings,
                          "engine.max_model_len" if max_len else "the model's max_position_embeddings")
     slo = parse_slo(args.slo or "")
+    if args.output_len < 1:
+        raise ValueError("--search ranks layouts by output tokens/s: give --output-len >= 1")
+    if slo.tpot_ms is not None and args.output_len < 2:  # TPOT: the time between a request's output tokens
+        raise ValueError(f"--slo tpot_ms needs --output-len >= 2: {args.output_len} output token(s) leave no time "
+                         "between tokens to hold to it (give a longer --output-len or leave tpot_ms out)")
     weight = "fp8" if stored_weight_dtype(raw, "bfloat16") == "fp8" else None
     if args.weight_dtype != "auto":
         weight = args.weight_dtype

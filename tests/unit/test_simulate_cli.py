@@ -89,6 +89,10 @@ MIXTRAL_CONFIG = ["--config", "configs/mixtral-8x7b-ep8.yaml", "--hardware", "h1
     ([*MIXTRAL_SEARCH, "--slo", "ttft_ms=nan"], "--slo ttft_ms must be a positive number of ms, got nan"),
     ([*MIXTRAL_SEARCH, "--slo", "tpot_ms=inf"], "--slo tpot_ms must be a positive number of ms, got inf"),
     ([*MIXTRAL_SEARCH, "--json", "configs"], "--json: configs is a directory"),  # before the search runs
+    ([*MIXTRAL_SEARCH, "--output-len", "0"], "--search ranks layouts by output tokens/s: give --output-len >= 1"),
+    ([*MIXTRAL_SEARCH, "--output-len", "1", "--slo", "ttft_ms=500,tpot_ms=20"],
+     "--slo tpot_ms needs --output-len >= 2: 1 output token(s) leave no time between tokens to hold to it (give a "
+     "longer --output-len or leave tpot_ms out)"),
     (["--search", "--model", "configs/hardware/h100.yaml", "--cluster", "1x8xH100"],
      "configs/hardware/h100.yaml is not a runtime config (unknown config key 'name'; valid keys: ['balancer', "
      "'engine', 'model', 'model_overrides', 'moe', 'parallel', 'recovery', 'server']); expected a checkpoint "
