@@ -340,17 +340,15 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
                         ("--max-num-batched-tokens", args.max_num_batched_tokens)):
         if value < args.batch:  # else every step runs, none decodes the whole batch, and only then the error
             raise ValueError(f"{flag} {value} < --batch {args.batch}: the batch could never decode in one step")
-    if args.num_kv_blocks is None:  # room for what a sequence decodes while the rest of the batch prefills
-        prefill = num_prefill_steps(args.batch, args.context_len, args.max_num_batched_tokens)
-        tokens = args.context_len + 2 * (args.warmup_steps + args.steps) + 4 * prefill + 64
-        args.num_kv_blocks = args.batch * -(-tokens // (args.block_size or 16)) + 1
+    given_blocks = args.num_kv_blocks
     config = runtime_config_from_args(args)
     if args.stats_overhead and config.parallel.world_size != 1:
         raise ValueError("--stats-overhead runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
     from launch.engine import check_runtime_config
 
     # model path, layout, KV budget: before any engine or rank starts
-    max_len = check_runtime_config(config).max_model_len
+    plan = check_runtime_config(config)
+    max_len = plan.max_model_len
     # a sequence decodes while the rest of the batch prefills, then the warm-up and timed steps
     prefill_steps = num_prefill_steps(args.batch, args.context_len, config.engine.max_num_batched_tokens)
     tokens = args.context_len + prefill_steps + args.warmup_steps + args.steps
@@ -358,6 +356,20 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
         raise ValueError(f"--context-len {args.context_len} + {tokens - args.context_len} tokens decoded per sequence "
                          f"= {tokens} exceeds max_model_len={max_len} (the model's max_position_embeddings unless "
                          "--max-model-len)")
+    if given_blocks is None:  # room for what a sequence decodes while the rest of the batch prefills, within the
+        # sequence's max_model_len, and within what the memory budget holds (plan.num_kv_blocks: sized from it)
+        block = config.engine.block_size
+        room = min(max_len, args.context_len + 2 * (args.warmup_steps + args.steps) + 4 * prefill_steps + 64)
+        want = args.batch * -(-room // block) + 1
+        need = args.batch * -(-tokens // block) + 1
+        if need > plan.num_kv_blocks:
+            budget = f"--memory {config.engine.memory}" if config.engine.memory is not None else \
+                "the engine's default memory budget"
+            raise ValueError(f"--batch {args.batch} x {tokens} tokens need {need:,} KV blocks of {block}, more than "
+                             f"the {plan.num_kv_blocks:,} that {budget} holds beside the weights: lower --batch or "
+                             "--context-len, or raise --memory")
+        config = dataclasses.replace(config, engine=dataclasses.replace(
+            config.engine, num_kv_blocks=min(want, plan.num_kv_blocks)))
     return config
 
 

@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from launch.bench import overhead as bench_overhead
 from launch.bench.overhead import (
@@ -193,6 +194,34 @@ def test_a_context_past_max_model_len_is_refused_before_the_engine_starts(tiny_c
                                                "unless --max-model-len)")
     args = bench_overhead.build_parser().parse_args([*flags, "--context-len", "2033"])  # 2033 + 8 + 7 = 2048
     assert bench_overhead.build_config(args).engine.max_num_seqs == 2
+
+
+def test_the_pool_is_sized_within_max_model_len_and_the_budget(tiny_ckpt, capsys, monkeypatch) -> None:
+    """The pool holds each sequence's tokens with headroom, never past max_model_len a sequence nor past
+    what the memory budget holds; a batch the budget cannot hold names --batch and --memory, not a
+    --num-kv-blocks nobody gave."""
+    import launch.engine
+
+    monkeypatch.setattr(launch.engine.LLMEngine, "__init__", lambda *a, **k: pytest.fail("the engine started"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    flags = ["--model", str(tiny_ckpt), "--steps", "2", "--warmup-steps", "0"]
+    # 1024 x 500 prompt tokens prefill in hundreds of steps of 1536 (a sequence decodes in each): the pool's
+    # headroom (4 tokens a prefill step) is capped at the model's 2048 a sequence
+    prefill = bench_overhead.num_prefill_steps(1024, 500, 1536)
+    assert 500 + 4 * prefill > 2048 and 500 + prefill + 2 <= 2048
+    engine = bench_overhead.build_config(bench_overhead.build_parser().parse_args(
+        [*flags, "--batch", "1024", "--context-len", "500"])).engine
+    assert engine.num_kv_blocks == 1024 * 2048 // 16 + 1
+    engine = bench_overhead.build_config(bench_overhead.build_parser().parse_args(
+        [*flags, "--batch", "8", "--context-len", "100"])).engine  # 1 prefill step: 100 + 4 + 4 + 64 = 172 tokens
+    assert engine.num_kv_blocks == 8 * -(-172 // 16) + 1
+    assert bench_overhead.main([*flags, "--batch", "1024", "--context-len", "500", "--memory", "4MiB"]) == 2
+    err = capsys.readouterr().err
+    tokens = 500 + prefill + 2
+    assert err.startswith(f"error: --batch 1024 x {tokens} tokens need {1024 * -(-tokens // 16) + 1:,} KV blocks of 16, "
+                          "more than the ") and \
+        err.endswith(" that --memory 4MiB holds beside the weights: lower --batch or --context-len, or raise --memory\n")
+    assert "--num-kv-blocks" not in err
 
 
 def test_an_unwritable_json_path_is_refused_before_the_engine_starts(tiny_ckpt, tmp_path, capsys, monkeypatch) -> None:
