@@ -195,10 +195,11 @@ def _group_parallel(parser: argparse.ArgumentParser) -> None:
                         f"{_d('balancer.num_redundant_experts')}")
 
 
-def _group_engine(parser: argparse.ArgumentParser) -> None:
+def _group_engine(parser: argparse.ArgumentParser, dtype_default: str | None = None) -> None:
     g = parser.add_argument_group("engine")
+    default = f"(default: {dtype_default}, whatever the checkpoint stores)" if dtype_default else _d("engine.dtype")
     g.add_argument("--dtype", type=_aliased("engine.dtype"), default=None, metavar=_metavar("engine.dtype"),
-                   help=f"compute dtype; auto: the checkpoint's (bfloat16 when it names none) {_d('engine.dtype')}")
+                   help=f"compute dtype; auto: the checkpoint's (bfloat16 when it names none) {default}")
     g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                    help=f"sequences running at once per DP rank {_d('engine.max_num_seqs')}")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
@@ -271,15 +272,17 @@ def _group_server(parser: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility and changes nothing: requests are never logged")
 
 
-def add_runtime_args(parser: argparse.ArgumentParser, *, server: bool = True) -> argparse.ArgumentParser:
-    """Add the runtime flags to ``parser`` (server flags unless ``server=False``)."""
+def add_runtime_args(parser: argparse.ArgumentParser, *, server: bool = True,
+                     dtype_default: str | None = None) -> argparse.ArgumentParser:
+    """Add the runtime flags to ``parser`` (server flags unless ``server=False``). ``dtype_default``:
+    what a command that sets its own compute dtype when --dtype is left out says it uses."""
     parser.add_argument("--model", default=None, help="checkpoint directory (or HF name in presets)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="YAML file: ours (e.g. configs/demo.yaml) or vLLM's flat one (flag names as keys)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config value, e.g. --set engine.block_size=32 (repeatable)")
     _group_parallel(parser)
-    _group_engine(parser)
+    _group_engine(parser, dtype_default)
     if server:
         _group_server(parser)
     return parser

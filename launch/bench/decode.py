@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from launch.bench import BENCH_DTYPE, repeated_value_problem
 from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
@@ -417,7 +418,7 @@ def profile_steps(engine: Any, steps: int) -> dict[str, float]:
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(prog="python -m launch bench decode", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_runtime_args(parser, server=False)
+    add_runtime_args(parser, server=False, dtype_default=BENCH_DTYPE)
     g = parser.add_argument_group("benchmark")
     g.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
     g.add_argument("--context-len", type=int, default=128, help="prompt tokens per sequence before decoding")
@@ -458,6 +459,8 @@ def _check_args(args: argparse.Namespace) -> None:
     check_step_flags(args, ("context_len", "steps", "copy_mib"))
     if any(b < 1 for b in args.batch_sizes):
         raise ValueError(f"--batch-sizes must all be >= 1, got {args.batch_sizes}")
+    if (problem := repeated_value_problem("--batch-sizes", args.batch_sizes)) is not None:
+        raise ValueError(problem)
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         raise ValueError(f"--json: {problem}")  # now, not after the whole benchmark
 
@@ -473,7 +476,7 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
 
     _check_args(args)
     if args.dtype is None:
-        args.dtype = "bfloat16"  # the benchmark's default, whatever the checkpoint stores
+        args.dtype = BENCH_DTYPE  # the benchmark's default, whatever the checkpoint stores
     biggest = max(args.batch_sizes)
     if args.max_num_batched_tokens is None:  # room to prefill beside the batch's decode tokens (num_prefill_steps)
         args.max_num_batched_tokens = max(8192, biggest + 8192)
@@ -570,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     if worker.device.type == "cuda":
         print(f"# device {torch.cuda.get_device_name(worker.device)}, torch {torch.__version__}: step ms is wall "
               "time to the step's tokens on the host; cpu ms the driver's CPU time")
+    quant = f", {config.engine.quantization} experts" if config.engine.quantization else ""
+    print(f"# {config.model}: {engine.dtype}{quant}, KV cache {config.engine.kv_cache_dtype}, "
+          f"{torch.get_num_threads()} thread(s)")
     print(format_table(rows, bandwidth, matmul_flops, matmul_name))
     if args.json:
         result = {"model": config.model, "dtype": engine.dtype, "quantization": config.engine.quantization,

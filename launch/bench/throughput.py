@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from launch.bench import BENCH_DTYPE
 from launch.config import ConfigError, RuntimeConfig
 from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
 from launch.core import SamplingParams
@@ -244,7 +245,7 @@ def format_report(result: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(prog="python -m launch bench throughput", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_runtime_args(parser, server=False)
+    add_runtime_args(parser, server=False, dtype_default=BENCH_DTYPE)
     g = parser.add_argument_group("benchmark")
     g.add_argument("--num-prompts", type=int, default=32)
     g.add_argument("--input-len-range", type=int, nargs=2, default=[16, 200], metavar=("LO", "HI"))
@@ -286,7 +287,7 @@ def check_args(args: argparse.Namespace) -> tuple[RuntimeConfig, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.dtype is None:
-        args.dtype = "bfloat16"  # the benchmark's default, whatever the checkpoint stores
+        args.dtype = BENCH_DTYPE  # the benchmark's default, whatever the checkpoint stores
     try:
         config, model_config = check_args(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -345,3 +345,15 @@ def test_a_sliding_window_caps_the_kv_read_and_attended_per_sequence():
     assert bench_decode.step_bytes(output, result, weights, 4, 64) == (1220, (10 + 64) * 4, 2.0)  # 64 of the 1500
     assert bench_decode.step_flops(output, weights, 2, 3) == 2 * 2 * (500 + 2 * 50) + 3 * 1510
     assert bench_decode.step_flops(output, weights, 2, 3, 64) == 2 * 2 * (500 + 2 * 50) + 3 * (10 + 64)
+
+
+def test_the_dtype_help_says_the_dtype_the_benchmarks_run():
+    """decode and throughput run bfloat16 when --dtype is left out, whatever the checkpoint stores: their
+    help says so (not the engine's "auto"), and serve's keeps the engine's default."""
+    from launch.serve import build_parser as serve_parser
+
+    for parser in (bench_decode.build_parser(), bench_throughput.build_parser()):
+        text = " ".join(parser.format_help().split())
+        assert "the checkpoint's (bfloat16 when it names none) (default: bfloat16, whatever the checkpoint stores)" in text
+        assert parser.parse_args(["--model", "m"]).dtype is None  # set to bfloat16 where the run is built
+    assert "the checkpoint's (bfloat16 when it names none) (default: auto)" in " ".join(serve_parser().format_help().split())
