@@ -54,7 +54,9 @@ would not fit beside it. Implementations:
   small T.
 
 Each cell: one untimed warm-up call, then calls until ``--min-seconds`` of CPU time (at least
-one, at most 50); the best call's CPU time (steadier than wall time on a shared machine). Before
+one, at most 50); the best call's CPU time (steadier than wall time on a shared machine; with
+``--num-threads`` above 1 its wall time, as the bandwidth and peak then are: CPU time would add up
+the threads'). Before
 each timed call an untimed read of twice the last-level cache (``llc_bytes``; at least 64 MiB)
 evicts the layer's weights, as the model's other layers do between two calls of this one: a layer
 whose weights fit a large L3 (260 MiB on some Xeons) would otherwise read them from cache and
@@ -83,13 +85,14 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from launch.bench import repeated_value_problem
 from launch.config_args import FlagParser
 from launch.paths import output_file_problem, write_output_file
 from parallel.costmodel.microbench import best_call_seconds
@@ -119,11 +122,14 @@ class Cell:
     roofline: float
     max_abs_diff: float | None = None
     gpu_ms: float | None = None  # --device cuda: CUDA-event time of the best call
+    wall_clock: bool = False  # judged by wall time (CPU runs on several threads, whose CPU times add up)
 
     @property
     def ms(self) -> float:
-        """The time the cell is judged by: GPU time on CUDA, else CPU time."""
-        return self.cpu_ms if self.gpu_ms is None else self.gpu_ms
+        """The time the cell is judged by: GPU time on CUDA, else CPU time (wall time on several threads)."""
+        if self.gpu_ms is not None:
+            return self.gpu_ms
+        return self.wall_ms if self.wall_clock else self.cpu_ms
 
 
 class ShapeError(ValueError):
@@ -507,12 +513,12 @@ def build_deepspeed(ours: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tens
     return forward
 
 
-def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5, device: torch.device | None = None
-                           ) -> float:
+def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5, device: torch.device | None = None,
+                           clock: str = "cpu") -> float:
     """Bytes/s of summing an fp32 tensor (read only; best of ``repeats``) of ``num_bytes`` (default: 256
     MiB or twice the last-level cache, whichever is larger: DRAM, not cache; 2 GiB on CUDA, timed with
     events). fp32, not bf16: one thread's bf16 sum is bound by its conversions (7.2 against 13.0 GB/s
-    on an Intel Xeon core)."""
+    on an Intel Xeon core). ``clock``: "cpu" (CPU time) or "wall" (on CPU)."""
     device = device or torch.device("cpu")
     if device.type == "cuda":
         num_bytes = num_bytes or 2 * 1024**3
@@ -522,14 +528,15 @@ def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5, devic
     if device.type == "cuda":
         best = min(cuda_seconds(t.sum) for _ in range(repeats))
     else:
-        best = min(_cpu_seconds(t.sum) for _ in range(repeats))
+        best = best_call_seconds(t.sum, repeats=repeats, clock=clock)
     return num_bytes / best
 
 
-def measure_peak_flops(dtype: torch.dtype, size: int | None = None, device: torch.device | None = None) -> float:
+def measure_peak_flops(dtype: torch.dtype, size: int | None = None, device: torch.device | None = None,
+                       clock: str = "cpu") -> float:
     """The faster of a fp32 and an in-``dtype`` square matmul (FLOP/s; on CPU 1024^3, CPU time, best
     of 3, a path slow here, such as bf16 without native bf16 GEMMs, timed once; on CUDA 8192^3 on
-    random data, CUDA events, best of 5 after a warm-up)."""
+    random data, CUDA events, best of 5 after a warm-up). ``clock``: "cpu" or "wall" (on CPU)."""
     device = device or torch.device("cpu")
     size = size or (8192 if device.type == "cuda" else 1024)
     rates = []
@@ -538,7 +545,7 @@ def measure_peak_flops(dtype: torch.dtype, size: int | None = None, device: torc
             rates.append(cuda_matmul_flops(dt, device, size))
             continue
         a, b = torch.randn(size, size).to(dt), torch.randn(size, size).to(dt)
-        seconds = best_call_seconds(lambda a=a, b=b: a @ b, repeats=3, clock="cpu")
+        seconds = best_call_seconds(lambda a=a, b=b: a @ b, repeats=3, clock=clock)
         rates.append(2 * size**3 / seconds)
     return max(rates)
 
@@ -561,12 +568,6 @@ def cuda_seconds(fn: Callable[[], Any]) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3
-
-
-def _cpu_seconds(fn: Callable[[], Any]) -> float:
-    started = time.process_time()
-    fn()
-    return time.process_time() - started
 
 
 def llc_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
@@ -666,7 +667,8 @@ def roofline_seconds(ours: nn.Module, x: torch.Tensor, bandwidth: float, peak_fl
 
 def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], dtype: torch.dtype,
               min_seconds: float, bandwidth: float, peak_flops: float, before: Callable[[], Any] | None = None,
-              device: torch.device | None = None, label_width: int = 9) -> list[Cell]:
+              device: torch.device | None = None, label_width: int = 9, wall_clock: bool = False) -> list[Cell]:
+    """Time ``impls`` on ``shape`` at each T; ``wall_clock``: judge CPU runs by wall time (several threads)."""
     device = device or torch.device("cpu")
     shape = as_shape(shape)
     not_run = cells_not_run(shape, impls, dtype, device)
@@ -716,13 +718,13 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
                     gpu, cpu, wall = time_call_cuda(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
                 else:
                     cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
-                judged = cpu if gpu is None else gpu
+                judged = gpu if gpu is not None else wall if wall_clock else cpu
                 diff = None
                 if impl.startswith("transformers") or impl in ("ours-pytorch", "ours-int8"):
                     diff = float((fns[impl](x).float() - reference).abs().max())
                 bound = bounds[impl == "ours-int8"]
                 cells.append(Cell(shape.label, t, impl, cpu * 1e3, wall * 1e3, t / judged, bound * 1e3, bound / judged, diff,
-                                  None if gpu is None else gpu * 1e3))
+                                  None if gpu is None else gpu * 1e3, wall_clock))
                 print(_row(cells[-1], label_width), flush=True)
     return cells
 
@@ -735,7 +737,8 @@ def _row(c: Cell, label_width: int = 9) -> str:
 
 
 def speedups(cells: Sequence[Cell]) -> list[str]:
-    """Lines: ours' speedup (CPU time; GPU time on CUDA) over each other implementation, per shape and T."""
+    """Lines: ours' speedup (``Cell.ms``: CPU time, wall time on several threads, GPU time on CUDA) over each
+    other implementation, per shape and T."""
     by = {(c.shape, c.tokens, c.impl): c for c in cells}
     lines = []
     for (shape, t, impl), c in by.items():
@@ -780,13 +783,18 @@ def main(argv: list[str] | None = None) -> int:
         if bad is not None:
             print(f"error: {flag} must be >= {least}, got {bad}", file=sys.stderr)
             return 2
+    if (problem := repeated_value_problem("--tokens", args.tokens)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         print(f"error: --json: {problem}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype]
     try:
         shapes = [parse_shape(spec) for spec in (args.shapes or ([] if args.model else DEFAULT_SHAPES))]
-        shapes += [shape_from_model(name) for name in args.model]
+        from_models = [shape_from_model(name) for name in args.model]
+        taken = [s.label for s in shapes + from_models]  # two checkpoints in folders of one name: their paths
+        shapes += [replace(s, label=name) if taken.count(s.label) > 1 else s for s, name in zip(from_models, args.model)]
     except ShapeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -830,14 +838,19 @@ def main(argv: list[str] | None = None) -> int:
     # as in a serving worker: a layer's large temporaries reuse freed heap memory instead of fresh
     # zeroed pages (for every implementation alike: the setting is the process's)
     kept = keep_freed_heap_memory()
-    bandwidth, peak = measure_read_bandwidth(device=device), measure_peak_flops(dtype, device=device)
+    # one thread: CPU time, steadier than wall time on a shared machine; several: wall time (CPU time adds up
+    # the threads', so tokens/s and the roofline would read as if they ran one after the other)
+    wall_clock = device.type == "cpu" and args.num_threads > 1
+    timer = "wall" if wall_clock else "cpu"
+    bandwidth, peak = (measure_read_bandwidth(device=device, clock=timer),
+                       measure_peak_flops(dtype, device=device, clock=timer))
     if device.type == "cuda":
         where = (f"device {torch.cuda.get_device_name(device)} (CUDA events; cpu ms = the host's launch time)"
                  f", torch {torch.__version__}")
     else:
         where = (f"{args.num_threads} thread(s), kernel isa {isa}"
                  f"{f' (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate)' if dot_rate else ''}")
-    clock = "GPU time" if device.type == "cuda" else "CPU time"
+    clock = "GPU time" if device.type == "cuda" else "wall time" if wall_clock else "CPU time"
     print(f"# dtype {args.dtype}, {where}; read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s ({clock}); freed heap memory "
           f"{'kept' if kept else 'returned'}; "
@@ -851,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'roofline':>9} {'max|diff|':>10}")
     cells = [c for shape in shapes
              for c in run_shape(shape, args.tokens, args.impls, dtype, args.min_seconds, bandwidth, peak, evict,
-                                device, width)]
+                                device, width, wall_clock)]
     print("\n".join(speedups(cells)))
     if args.json:
         write_output_file(args.json, json.dumps({

@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from launch.bench import moe_layer
 
@@ -222,6 +223,23 @@ def test_model_shapes_come_from_config_json(tmp_path, capsys) -> None:
     assert line.startswith(f"error: --model '{tmp_path / 'nothing'}': no config.json")
 
 
+def test_two_checkpoints_in_folders_of_one_name_are_told_apart_by_path(tmp_path, capsys) -> None:
+    import json as _json
+
+    for where, hidden in ((tmp_path / "a" / "ckpt", 48), (tmp_path / "b" / "ckpt", 64)):
+        where.mkdir(parents=True)
+        cfg = moe_layer.hf_config(f"mixtral:hidden={hidden},experts=4,top_k=2,inter=32").to_dict()
+        (where / "config.json").write_text(_json.dumps(cfg))
+    a, b = str(tmp_path / "a" / "ckpt"), str(tmp_path / "b" / "ckpt")
+    out = tmp_path / "r.json"
+    assert moe_layer.main(["--model", a, b, "--tokens", "2", "--impls", "ours", "--min-seconds", "0",
+                           "--json", str(out)]) == 0
+    assert [row["shape"] for row in _json.loads(out.read_text())["cells"]] == [a, b]
+    assert capsys.readouterr().out.count("ckpt: D ") == 2
+    assert moe_layer.main(["--model", a, a, "--tokens", "2"]) == 2  # the same one twice: still refused
+    assert capsys.readouterr().err == f"error: a shape is given twice: {a}, {a}\n"
+
+
 def test_a_shape_too_large_for_memory_is_refused_before_it_is_built(monkeypatch, capsys) -> None:
     import torch
 
@@ -378,3 +396,26 @@ def test_json_makes_its_missing_parent_folders(tmp_path, monkeypatch) -> None:
     assert [c["impl"] for c in report["cells"]] == ["ours"]
     assert report["not_run"] == [{"shape": "mixtral:hidden=64,experts=4,inter=36", "impl": "transformers-grouped-mm",
                                   "reason": "grouped_mm needs rows of whole 16 bytes; inter 36 x 2 B = 72 B is not"}]
+
+
+def test_several_threads_are_judged_by_wall_time(monkeypatch, capsys) -> None:
+    """CPU time adds up the threads': with --num-threads 2 the tok/s, roofline and speedups use wall time,
+    and the bandwidth and peak are measured the same way (the header says which)."""
+    clocks = []
+    monkeypatch.setattr(moe_layer, "measure_read_bandwidth", lambda device=None, clock="cpu": clocks.append(clock) or 1e10)
+    monkeypatch.setattr(moe_layer, "measure_peak_flops", lambda dtype, device=None, clock="cpu": clocks.append(clock) or 1e12)
+    monkeypatch.setattr(moe_layer, "time_call", lambda fn, min_seconds, before=None: (fn(), 0.004, 0.002)[1:])
+    before = torch.get_num_threads()
+    try:
+        for threads, clock in (("1", "cpu"), ("2", "wall")):
+            clocks.clear()
+            assert moe_layer.main(["--shapes", "mixtral:hidden=32,experts=4,top_k=2,inter=32", "--tokens", "8",
+                                   "--impls", "ours", "transformers", "--num-threads", threads, "--warm-cache"]) == 0
+            out = capsys.readouterr().out
+            assert clocks == [clock, clock] and f"({clock.replace('cpu', 'CPU')} time)" in out
+            row = next(line for line in out.splitlines() if line.split()[2:3] == ["ours"])
+            assert row.split()[5] == ("2000" if threads == "1" else "4000")  # 8 tokens / 4 ms CPU or / 2 ms wall
+            cell = moe_layer.Cell("s", 8, "ours", 4.0, 2.0, 0.0, 0.0, 0.0, wall_clock=threads == "2")
+            assert cell.ms == (4.0 if threads == "1" else 2.0)
+    finally:
+        torch.set_num_threads(before)
