@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     width = max(16, *(len(text) for text in results))
     run_width = max(16, *(len(name) for name in models))
     head = f"{'text':>{width}} {'run':>{run_width}} {'tokens':>7} {'perplexity':>11} {'top-1 agree vs ' + base:>24}"
-    with_f32 = "float32" in models
+    with_f32 = "float32" in models and base != "float32"  # a float32 run's first column is this one already
     print(head + (f" {'vs float32':>11}" if with_f32 else ""))
     for text, per_run in results.items():
         for name, r in per_run.items():

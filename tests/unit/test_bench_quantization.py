@@ -112,6 +112,8 @@ def test_transformers_runs_beside_ours(tiny_ckpt_with_tokenizer, tmp_path, capsy
     out = tmp_path / "q.json"
     common = ["--model", str(tiny_ckpt_with_tokenizer), "--max-tokens", "48", "--texts", str(text), "--transformers"]
     assert bench_quantization.main([*common, "--dtype", "float32", "--json", str(out)]) == 0
+    (head,) = [line for line in capsys.readouterr().out.splitlines() if "top-1 agree" in line]
+    assert head.endswith("top-1 agree vs float32") and head.count("vs float32") == 1  # one column, not two alike
     runs = json.loads(out.read_text())["results"]["all"]
     assert list(runs) == ["float32", "float32+int8", "transformers float32"]
     assert runs["transformers float32"]["top1_agreement"] == 1.0
