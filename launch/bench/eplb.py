@@ -25,6 +25,7 @@ import torch
 
 from balancer import compute_move_plan, predict, rebalance_experts
 from balancer.placement import compute_log2phy
+from launch.bench import repeated_value_problem
 from launch.config_args import FlagParser
 from launch.paths import output_file_problem, write_output_file
 
@@ -233,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.seed < 0:  # numpy's generators take no negative seed
         parser.error(f"--seed must be >= 0, got {args.seed}")
+    for flag, values in (("--scenario", args.scenario), ("--load", args.load)):
+        if (problem := repeated_value_problem(flag, values)) is not None:
+            parser.error(problem)
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         parser.error(f"--json: {problem}")
     torch.set_num_threads(1)

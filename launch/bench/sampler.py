@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from launch.bench import repeated_value_problem
 from launch.config_args import FlagParser
 from launch.core.sampler import Sampler, apply_sampling_filters
 from launch.core.sampling_params import SamplingParams
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown --settings {' '.join(unknown)} (known: {' '.join(SETTINGS)})", file=sys.stderr)
         return 2
-    problem = check_args(args)
+    problem = repeated_value_problem("--settings", args.settings) or check_args(args)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
