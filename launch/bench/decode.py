@@ -362,6 +362,11 @@ def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: f
                      f"{r.mean_context_len:>6.0f} {r.experts_touched_per_layer:>14.1f} {r.weight_bytes / 1e6:>11.1f} "
                      f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f} {r.cpu_ratio:>9.2f} {r.gflop:>7.2f} "
                      f"{r.compute_bound_ms:>11.2f} {r.cpu_roof_ratio:>9.2f}")
+    under = [r.batch_size for r in rows if r.ratio < 0.95]  # wall time: on CUDA cpu ms is the host's alone
+    if under:  # a step that reads its bytes faster than the copy ran: the ratios are not against DRAM's rate
+        lines.append(f"# note: batch {', '.join(map(str, under))} stepped faster than its bandwidth floor: the copy "
+                     f"({bandwidth / 1e9:.1f} GB/s) ran slow this time (other load on the machine? rerun), or the "
+                     "step's bytes sit in a cache the copy's --copy-mib does not fit")
     with_ab = [r for r in rows if r.fused_off_cpu_ms]
     if with_ab:
         lines += ["", "# fused small ops on vs off (their PyTorch ops), alternating steps of this run: median CPU ms",

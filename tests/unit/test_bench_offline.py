@@ -3,6 +3,7 @@ byte accounting, and both ``main()``s end to end on a tiny checkpoint with tiny 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -357,3 +358,17 @@ def test_the_dtype_help_says_the_dtype_the_benchmarks_run():
         assert "the checkpoint's (bfloat16 when it names none) (default: bfloat16, whatever the checkpoint stores)" in text
         assert parser.parse_args(["--model", "m"]).dtype is None  # set to bfloat16 where the run is built
     assert "the checkpoint's (bfloat16 when it names none) (default: auto)" in " ".join(serve_parser().format_help().split())
+
+
+def test_a_step_faster_than_its_floor_is_noted_under_the_table():
+    """A ratio under 1 means the copy bandwidth ran slow (or the bytes were cached): said, not left to
+    read as a step beating the memory."""
+    row = bench_decode.DecodeResult(batch_size=8, step_ms=7.0, step_cpu_ms=7.0, worker_ms=6.0, tokens_per_s=1.0,
+                                    mean_context_len=130.0, experts_touched_per_layer=2.0, weight_bytes=1, kv_bytes=1,
+                                    bytes_read=2, bound_ms=10.0, ratio=0.7, gflop=0.0, compute_bound_ms=0.0,
+                                    cpu_ratio=0.7, roof_ms=10.0, cpu_roof_ratio=0.7)
+    text = bench_decode.format_table([row, dataclasses.replace(row, batch_size=32, ratio=1.2, cpu_ratio=1.2)],
+                                     9.2e9, 1e12)
+    (note,) = [line for line in text.splitlines() if line.startswith("# note:")]
+    assert note.startswith("# note: batch 8 stepped faster than its bandwidth floor: the copy (9.2 GB/s) ran slow")
+    assert "# note:" not in bench_decode.format_table([dataclasses.replace(row, ratio=1.1, cpu_ratio=1.1)], 9.2e9, 1e12)
