@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from launch.config import RuntimeConfig
 
 _DTYPES = ("bfloat16", "float16", "float32")
-_GIB = 1024**3
 DEFAULT_HARDWARE = "h100"
 EXIT_USAGE = 2  # bad input, as across the CLI (launch.cli.EXIT_USAGE)
 
@@ -190,11 +189,19 @@ def _layout_line(cfg: ModelConfig) -> str:
             f"{2 * cfg.num_key_value_heads * cfg.head_dim} values per layer")
 
 
+def _count(n: float) -> str:
+    """A parameter count in the largest of B, M, K that keeps it >= 1 ('671.03B', '386.37K')."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:,.0f}"
+
+
 def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str, ep: int = 1,
                   memory_source: str = "") -> str:
     """The human-readable kvcalc table."""
     lines = [
-        f"model: {cfg.architecture}, {cfg.num_hidden_layers} layers, {cfg.num_parameters() / 1e9:.2f}B parameters "
+        f"model: {cfg.architecture}, {cfg.num_hidden_layers} layers, {_count(cfg.num_parameters())} parameters "
         f"({dtype} weights)",
         f"attention: {_layout_line(cfg)}",
         f"kv cache dtype: {s.kv_cache_dtype} ({s.kv_dtype_bytes:g} B per value)",
@@ -203,9 +210,9 @@ def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str, ep
         f"  per rank at tensor_parallel_size={s.tensor_parallel_size}: {s.kv_bytes_per_token_per_rank:,} B",
         f"memory per rank: {format_memory(s.memory_bytes)} x {s.memory_utilization:g} utilization"
         + (f" ({memory_source})" if memory_source else ""),
-        f"weights per rank: {s.weight_bytes_per_rank / _GIB:.2f} GiB"
+        f"weights per rank: {format_memory(s.weight_bytes_per_rank)}"
         + (f" (routed experts spread over expert_parallel_size={ep})" if ep > 1 else ""),
-        f"KV budget per rank: {s.kv_budget_bytes / _GIB:.2f} GiB",
+        f"KV budget per rank: {format_memory(s.kv_budget_bytes)}",
         f"tokens that fit: {s.max_num_tokens:,} ({s.num_blocks(block_size):,} blocks of {block_size})",
         f"concurrent sequences at max_model_len {s.max_model_len:,}: {s.max_concurrency:.2f}",
     ]

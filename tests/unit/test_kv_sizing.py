@@ -161,3 +161,17 @@ def test_kvcalc_accepts_an_architectures_string(tmp_path, capsys):
                    "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["architecture"] == "deepseek_v3" and out["kv_bytes_per_token"] == 70_272
+
+
+def test_kvcalc_prints_small_models_in_units_that_show_them(tiny_ckpt, capsys):
+    """A tiny checkpoint's parameters, weights and a small budget read in K / MiB, not '0.00B' / '0.00 GiB'."""
+    from launch.kvcalc import main as kvcalc
+
+    assert kvcalc(["--model", str(tiny_ckpt), "--memory", "4MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "K parameters" in out and "0.00B" not in out and "0.00 GiB" not in out
+    lines = {line.split(":")[0]: line for line in out.splitlines()}
+    assert lines["weights per rank"].endswith((" MiB", " KiB")) and lines["KV budget per rank"].endswith((" MiB", " KiB"))
+    assert kvcalc(["--model", "mistralai/Mixtral-8x7B-v0.1", "-tp", "4", "-ep", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "46.70B parameters" in out and "weights per rank: 22.12 GiB" in out
