@@ -11,6 +11,11 @@ torch has no out-of-place all_reduce: its out-of-place column is copy-into-recv-
 all_reduce, the in-place column all_reduce alone. torch's all_to_all_single cannot alias
 its buffers (gloo corrupts them), so alltoall's in-place column is N/A.
 
+``--transport shm`` sends each size that fits the runtime's shared-memory segment (1 MiB a rank,
+``parallel.shm_allreduce``) through it, as the decoder layers and dispatchers do on one host, and
+larger ones through gloo; a footer says which went which way. Its all-gather, reduce-scatter and
+all-to-all return new tensors, so their in-place columns are N/A.
+
 ``--dispatch`` and ``--moe-layer`` run ``parallel.bench.dispatch``.
 """
 
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.bench.ranks import current_device, spawn, time_op
+from parallel.shm_allreduce import ShmAllReduce, shm_allreduce_wanted
 
 OPS = ("alltoall", "allreduce", "allgather", "reducescatter")
 DTYPES = {"float": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16,
@@ -54,6 +60,7 @@ class Row:
     root: int
     out_of_place: Timing
     in_place: Timing | None  # None: not supported (N/A)
+    transport: str = "gloo"  # "shm": through the shared-memory segment (--transport shm); else the backend
 
 
 def parse_size(text: str) -> int:
@@ -130,11 +137,43 @@ def _ops(op: str, count: int, rank: int, world: int, dtype: torch.dtype):
     return (lambda: dist.all_to_all_single(recv, inp), None, recv)
 
 
-def _check(op: str, count: int, rank: int, world: int, dtype: torch.dtype, in_place: bool) -> int:
+def _shm_op(op: str, shm: ShmAllReduce, inp: torch.Tensor, rank: int, world: int) -> Callable[[], torch.Tensor] | None:
+    """The call that runs ``op`` on this rank's input through ``shm``, returning the result as the
+    backend's op leaves it, or None where the input does not fit (every rank decides alike: one size)."""
+    chunk = inp.numel() // world
+    if op == "allreduce":
+        return (lambda: shm.all_reduce(inp.clone())) if shm.applies(inp) else None
+    if op == "allgather":
+        return (lambda: shm.all_gather(inp).view(-1)) if shm.fits(inp) else None
+    if op == "reducescatter":
+        return (lambda: shm.reduce_scatter(inp, rank * chunk, (rank + 1) * chunk)) if shm.applies(inp) else None
+    rows = inp.view(world, chunk)
+    if not shm.fits(rows):
+        return None
+    return lambda: shm.all_to_all_v(rows, [1] * world)[0].view(-1)
+
+
+def _shm_ops(op: str, shm: ShmAllReduce, count: int, rank: int, world: int, dtype: torch.dtype):
+    """``_ops``' triple through ``shm``, or None where the size does not fit it."""
+    inp, _ = _buffers(op, count, rank, world, dtype)
+    call = _shm_op(op, shm, inp, rank, world)
+    if call is None:
+        return None
+    if op == "allreduce":  # in place as the layers call it; out of place: a copy first, as _ops'
+        recv = torch.empty_like(inp)
+        return (lambda: (recv.copy_(inp), shm.all_reduce(recv)), lambda: shm.all_reduce(recv), recv)
+    return call, None, None
+
+
+def _check(op: str, count: int, rank: int, world: int, dtype: torch.dtype, in_place: bool,
+           shm: ShmAllReduce | None = None) -> int:
     """Run ``op`` once on fresh data and count wrong elements, summed over ranks."""
     inp, want = _buffers(op, count, rank, world, dtype)
     chunk = count // world
-    if op == "allreduce":
+    call = _shm_op(op, shm, inp, rank, world) if shm is not None else None
+    if call is not None:
+        got = call()
+    elif op == "allreduce":
         got = inp.clone()
         dist.all_reduce(got)
     elif op == "allgather":
@@ -161,23 +200,31 @@ def _timing(op: str, seconds: float, size: int, world: int, wrong: int | None) -
 
 
 def run_collective(rank: int, world: int, op: str, counts: list[int], dtype_name: str, warmup: int,
-                   iters: int, check: bool) -> list[Row]:
-    """One rank's part of the table (rank 0's result is printed)."""
+                   iters: int, check: bool, transport: str = "gloo") -> list[Row]:
+    """One rank's part of the table (rank 0's result is printed). ``transport`` "shm": the sizes that
+    fit the runtime's shared-memory segment go through it (``_shm_ops``), the rest through gloo."""
     dtype = DTYPES[dtype_name]
     elem = torch.empty((), dtype=dtype).element_size()
     redop = "sum" if op in ("allreduce", "reducescatter") else "none"
+    shm = None
+    if transport == "shm":  # collective: every rank gets the segment, or none does
+        shm = ShmAllReduce.for_group(dist.group.WORLD)
+        if shm is None:
+            raise RuntimeError("--transport shm: the shared-memory segment could not be set up (see the warning)")
     rows = []
     for count in counts:
-        oop, ip, _ = _ops(op, count, rank, world, dtype)
+        ops = _shm_ops(op, shm, count, rank, world, dtype) if shm is not None else None
+        via = "shm" if ops is not None else "nccl" if torch.cuda.is_available() else "gloo"
+        oop, ip, _ = ops if ops is not None else _ops(op, count, rank, world, dtype)
         t_oop = time_op(oop, warmup, iters)
-        w_oop = _check(op, count, rank, world, dtype, False) if check else None
+        w_oop = _check(op, count, rank, world, dtype, False, shm) if check else None
         in_place = None
         if ip is not None:
             t_ip = time_op(ip, warmup, iters)
-            w_ip = _check(op, count, rank, world, dtype, True) if check else None
+            w_ip = _check(op, count, rank, world, dtype, True, shm) if check else None
             in_place = _timing(op, t_ip, count * elem, world, w_ip)
         rows.append(Row(count * elem, count, dtype_name, redop, -1,
-                        _timing(op, t_oop, count * elem, world, w_oop), in_place))
+                        _timing(op, t_oop, count * elem, world, w_oop), in_place, via))
     return rows
 
 
@@ -201,6 +248,10 @@ def format_table(op: str, rows: list[Row], world: int, backend: str) -> str:
                      f"{cols(r.out_of_place)}{cols(r.in_place)}")
     busbws = [t.busbw for r in rows for t in (r.out_of_place, r.in_place) if t is not None]
     wrong = sum(t.wrong or 0 for r in rows for t in (r.out_of_place, r.in_place) if t is not None)
+    through = [r.size for r in rows if r.transport == "shm"]
+    if through:
+        lines.append(f"# Through shared memory: sizes {min(through)}-{max(through)} B; "
+                     f"{len(rows) - len(through)} larger size(s) through {backend}")
     lines.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     lines.append(f"# Avg bus bandwidth : {sum(busbws) / max(len(busbws), 1):.4f}")
     return "\n".join(lines)
@@ -208,13 +259,15 @@ def format_table(op: str, rows: list[Row], world: int, backend: str) -> str:
 
 # Flags one mode reads and the others would ignore: left unset (None) in the parser so that a value the
 # user gave to a mode that does not read it is refused (``mode_flag_problem``), then given these defaults.
-COLLECTIVE_DEFAULTS = {"minbytes": "8", "maxbytes": "32M", "stepfactor": 2, "datatype": "float", "check": 1}
+COLLECTIVE_DEFAULTS = {"minbytes": "8", "maxbytes": "32M", "stepfactor": 2, "datatype": "float", "check": 1,
+                       "transport": "gloo"}
 EP_DEFAULTS = {"backend": "alltoall", "tokens": 2048, "hidden": 1024, "topk": 6, "experts": 64}
 MOE_LAYER_DEFAULTS = {"inter": 256, "ranks": "1,2,4"}
 NPROCS_DEFAULT = 4
 _FLAG_NAMES = {"minbytes": "-b", "maxbytes": "-e", "stepfactor": "-f", "datatype": "-d", "check": "-c",
                "backend": "--backend", "tokens": "--tokens", "hidden": "--hidden", "topk": "--topk",
-               "experts": "--experts", "inter": "--inter", "ranks": "--ranks", "nprocs": "-np"}
+               "experts": "--experts", "inter": "--inter", "ranks": "--ranks", "nprocs": "-np",
+               "transport": "--transport"}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -238,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--datatype", default=None, choices=sorted(DTYPES), help="(default float)")
     p.add_argument("-c", "--check", type=int, default=None, choices=(0, 1), help="check results (default 1)")
     p.add_argument("-J", "--output_file", default=None, help="write results as JSON here")
+    p.add_argument("--transport", default=None, choices=("gloo", "shm"),
+                   help="collectives: shm sends the sizes that fit the runtime's shared-memory segment (1 MiB "
+                        "a rank) through it, as the layers do on one host, the rest through gloo (default gloo)")
     p.add_argument("--dispatch", action="store_true", help="time EP dispatch+combine vs raw all_to_all_single")
     p.add_argument("--moe-layer", action="store_true", help="EP MoE layer tokens/s at each of --ranks")
     p.add_argument("--backend", default=None, choices=("alltoall", "allgather"),
@@ -288,6 +344,9 @@ def check_args(args: argparse.Namespace, output_problem: Callable[[str], str | N
             return f"-J/--output_file: {problem}"
     if args.dispatch or args.moe_layer:
         return _check_ep_args(args)
+    if args.transport == "shm" and (torch.cuda.is_available() or not shm_allreduce_wanted()):
+        return ("--transport shm needs gloo ranks on x86-64 Linux with /dev/shm and MOE_SHM_ALLREDUCE not 0 "
+                "(the runtime's shared-memory collectives)")
     return None
 
 
@@ -351,11 +410,12 @@ def main(argv: list[str], output_problem: Callable[[str], str | None] | None = N
         print(report["text"])
         return _write_json(args.output_file, report["json"])
     rows = spawn(run_collective, args.nprocs, args.op, counts, args.datatype, args.warmup_iters, args.iters,
-                 bool(args.check), threads=args.threads)
+                 bool(args.check), args.transport, threads=args.threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     print(format_table(args.op, rows, args.nprocs, backend))
     busbws = [t.busbw for r in rows for t in (r.out_of_place, r.in_place) if t is not None]
     written = _write_json(args.output_file, {"op": args.op, "nranks": args.nprocs, "backend": backend,
+                                             "transport": args.transport,
                                              "datatype": args.datatype, "rows": [asdict(r) for r in rows],
                                              "avg_busbw": sum(busbws) / max(len(busbws), 1)})
     wrong = sum(t.wrong or 0 for r in rows for t in (r.out_of_place, r.in_place) if t is not None)

@@ -21,6 +21,7 @@ from parallel.bench.commbench import (
 )
 from launch.bench.commbench import main as launch_commbench
 from parallel.bench.dispatch import time_dispatch
+from parallel.shm_allreduce import shm_allreduce_wanted
 from tests.dist.conftest import run_ranks
 
 
@@ -78,6 +79,7 @@ _BAD_SIZE = "bad size {!r}: expected an integer with an optional K, M or G suffi
     ("--dispatch --experts 6 -np 4",
      "--experts 6 must be divisible by -np 4 (each rank hosts the same number of experts)"),
     ("--dispatch --tokens 0", "--tokens must be >= 1, got 0"),
+    ("--dispatch --transport shm", "--transport does not apply to --dispatch"),
     ("--dispatch --hidden -1", "--hidden must be >= 1, got -1"),
     ("--moe-layer --topk 0", "--topk must be >= 1, got 0"),
     ("--moe-layer --inter 0", "--inter must be >= 1, got 0"),
@@ -155,6 +157,9 @@ def test_table_format() -> None:
 
 def _all_modes(rank: int, world: int) -> dict:
     rows = {op: run_collective(rank, world, op, [8, 64], "bfloat16", 1, 2, True) for op in OPS}
+    if shm_allreduce_wanted():  # the two sizes through the segment, 4 MiB (2 a rank to gather) through gloo
+        rows |= {f"{op}-shm": run_collective(rank, world, op, [8, 64, 1 << 20], "float", 1, 2, True, "shm")
+                 for op in OPS}
     cfg = {"tokens": 16, "hidden": 8, "topk": 2, "experts": 4, "iters": 2, "warmup": 0}
     return {"rows": rows, "dispatch": time_dispatch(rank, world, cfg)}
 
@@ -174,6 +179,30 @@ def test_collective_on_two_ranks(op: str, rank0: dict) -> None:
         assert (row.in_place is None) == (op == "alltoall")
         if row.in_place is not None:
             assert row.in_place.wrong == 0
+
+
+@pytest.mark.skipif(not shm_allreduce_wanted(), reason="needs x86-64 Linux with /dev/shm")
+@pytest.mark.parametrize("op", OPS)
+def test_collective_through_shared_memory_on_two_ranks(op: str, rank0: dict) -> None:
+    """--transport shm: the sizes that fit the segment go through it (in place only for the all-reduce,
+    the one it does in place), the larger one through gloo; every result checked."""
+    rows = rank0["rows"][f"{op}-shm"]
+    assert [(r.size, r.transport) for r in rows] == [(32, "shm"), (256, "shm"), (1 << 22, "gloo")]
+    for row in rows:
+        assert row.out_of_place.wrong == 0 and row.out_of_place.time_us > 0
+        assert (row.in_place is None) == (op == "alltoall" or (op != "allreduce" and row.transport == "shm"))
+        assert row.in_place is None or row.in_place.wrong == 0
+    table = format_table(op, rows, 2, "gloo")
+    assert "# Through shared memory: sizes 32-256 B; 1 larger size(s) through gloo" in table
+
+
+def test_shm_transport_where_the_runtime_has_none_is_one_line(monkeypatch, capsys) -> None:
+    monkeypatch.setattr("parallel.bench.commbench.shm_allreduce_wanted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["allreduce", "-np", "2", "--transport", "shm"]) == 2
+    assert capsys.readouterr().err == (
+        "commbench: error: --transport shm needs gloo ranks on x86-64 Linux with /dev/shm and MOE_SHM_ALLREDUCE "
+        "not 0 (the runtime's shared-memory collectives)\n")
 
 
 def test_dispatch_bench_on_two_ranks(rank0: dict) -> None:
