@@ -38,13 +38,11 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from launch.config_args import FlagParser
@@ -67,7 +65,6 @@ from parallel.costmodel.microbench import (
     nccl_table_op,
     parse_nccl_table,
 )
-from parallel.shm_allreduce import ShmAllReduce
 
 ENGINE_BATCHES = (1, 4, 8)
 # The smallest working set the engine model's weight reads are measured over (a model smaller than
@@ -89,52 +86,9 @@ def _run_collectives(rank: int, world: int, plan: list[tuple[str, list[int]]], r
     from parallel.bench.commbench import run_collective
 
     out = {}
-    for op, counts in plan:
-        runs = [run_collective(rank, world, op, counts, "float32", 3, 10, False) for _ in range(repeats)]
+    for op, counts in plan:  # "auto": the sizes the layers send through shared memory on one host, that way
+        runs = [run_collective(rank, world, op, counts, "float32", 3, 10, False, "auto") for _ in range(repeats)]
         out[op] = [(rows[0].size, min(r.out_of_place.time_us for r in rows) * 1e-6) for rows in zip(*runs)]
-    shm = ShmAllReduce.for_group(dist.group.WORLD)  # collective: every rank gets the same answer
-    if shm is not None:  # what the runtime's layers send through shared memory, timed that way
-        for op in out:
-            out[op] = _with_shm(shm, op, out[op], repeats)
-    return out
-
-
-def _with_shm(shm: ShmAllReduce, op: str, table: list[tuple[int, float]], repeats: int,
-              iters: int = 50) -> list[tuple[int, float]]:
-    """``table`` (``op``'s sizes in bytes as commbench gives them, seconds) with the sizes
-    ``parallel.shm_allreduce`` takes timed through it (the slowest rank's mean, best of ``repeats``):
-    the TP all-reduce and all-gather and the EP all-to-all send those sizes that way on one host.
-    allreduce: the vector; alltoall: one rank's send buffer, split evenly; allgather: the gathered
-    whole. Collective over the world."""
-    world = shm.world
-    out = []
-    for size, seconds in table:
-        if op == "allreduce":
-            x = torch.ones(max(1, int(size) // 4))
-            call = (lambda x=x: shm.all_reduce(x)) if shm.applies(x) else None
-        elif op == "alltoall":
-            rows = max(world, int(size) // 64) // world * world
-            x = torch.ones(rows, 16)
-            counts = [rows // world] * world
-            call = (lambda x=x, c=counts: shm.all_to_all_v(x, c)) if shm.applies(x) else None
-        else:  # allgather
-            x = torch.ones(max(1, int(size) // 4 // world))
-            call = (lambda x=x: shm.all_gather(x)) if shm.applies(x) else None
-        if call is None:
-            out.append((size, seconds))
-            continue
-        best = float("inf")
-        for _ in range(repeats):
-            for _ in range(5):
-                call()
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                call()
-            mean = torch.tensor([(time.perf_counter() - start) / iters])
-            dist.all_reduce(mean, op=dist.ReduceOp.MAX)
-            best = min(best, float(mean))
-        out.append((size, best))
     return out
 
 

@@ -202,14 +202,15 @@ def _timing(op: str, seconds: float, size: int, world: int, wrong: int | None) -
 def run_collective(rank: int, world: int, op: str, counts: list[int], dtype_name: str, warmup: int,
                    iters: int, check: bool, transport: str = "gloo") -> list[Row]:
     """One rank's part of the table (rank 0's result is printed). ``transport`` "shm": the sizes that
-    fit the runtime's shared-memory segment go through it (``_shm_ops``), the rest through gloo."""
+    fit the runtime's shared-memory segment go through it (``_shm_ops``), the rest through gloo;
+    "auto": the same where the segment can be made (as the runtime's groups), else the backend alone."""
     dtype = DTYPES[dtype_name]
     elem = torch.empty((), dtype=dtype).element_size()
     redop = "sum" if op in ("allreduce", "reducescatter") else "none"
     shm = None
-    if transport == "shm":  # collective: every rank gets the segment, or none does
+    if transport in ("shm", "auto"):  # collective: every rank gets the segment, or none does
         shm = ShmAllReduce.for_group(dist.group.WORLD)
-        if shm is None:
+        if shm is None and transport == "shm":
             raise RuntimeError("--transport shm: the shared-memory segment could not be set up (see the warning)")
     rows = []
     for count in counts:
