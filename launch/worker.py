@@ -483,7 +483,9 @@ class Worker:
         if logits is None or len(rows) == batch.num_seqs:
             return logits
         # a one-token prefill chunk short of its prompt's end (one token of budget left) samples nothing
-        return logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device))
+        # through pinned memory: a pageable copy to the GPU would wait for the replay to finish
+        (index,) = copy_to_device([torch.tensor(rows, dtype=torch.int64)], logits.device)
+        return logits.index_select(0, index)
 
     def _eager_logits(self, batch: BatchSpec, rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The step's forward op by op. Returns logits [len(rows), V] float32 of the sampled rows

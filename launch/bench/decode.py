@@ -519,8 +519,8 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
         raise ValueError(f"--batch-sizes {b}: {b} sequences x {tokens[b]} tokens need {need[b]} KV blocks of "
                          f"{e.block_size}, more than {source}: lower the batch size or --context-len, or raise "
                          f"{'--num-kv-blocks' if e.num_kv_blocks is not None else '--memory'}")
-    if e.num_kv_blocks is None:  # only what the largest batch uses, within the budget
-        config = replace(config, engine=replace(e, num_kv_blocks=need[biggest] + 1))
+    if e.num_kv_blocks is None:  # only what the largest batch uses (and a spare block), within the budget
+        config = replace(config, engine=replace(e, num_kv_blocks=min(need[biggest] + 1, pool)))
     return config
 
 

@@ -78,6 +78,34 @@ def test_a_replay_never_waits_on_the_device(hf_checkpoints):
         assert logits is not None and logits.shape[0] == batch and graphs.captures == len(graphs.graphs)
 
 
+def test_a_replay_that_samples_some_rows_never_waits_on_the_device(hf_checkpoints):
+    """A graph step whose row 0 is a one-token prefill chunk short of its prompt's end (samples
+    nothing): the sampled rows' logits, picked without a host wait, equal the full replay's rows."""
+    from launch.core.batch import BatchSpec, ScheduledSequence
+
+    with LLM(str(hf_checkpoints["deepseek_v3"]), dtype="bfloat16", cuda_graphs=True) as llm:
+        llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        worker = llm.engine.executor.worker
+        graphs = worker.decode_graphs
+        assert graphs is not None and graphs.captures >= 1
+        n = max(b for b, _ in graphs.graphs)
+        assert n >= 2, sorted(graphs.graphs)
+        params = SamplingParams(temperature=0.0)
+        seqs = tuple(ScheduledSequence(f"r{i}", i, i, (3 + i,), (4,), 4, (1 + i,), i > 0, params, 0)
+                     for i in range(n))
+        batch = BatchSpec(dp_rank=0, block_size=worker.spec.block_size, seqs=seqs)
+        with torch.inference_mode():
+            whole = graphs.run(batch.input_ids, batch.positions, batch.context_lens, batch.block_tables).clone()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                picked = worker._graph_logits(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert picked is not None and picked.shape == (len(seqs) - 1, whole.shape[1])
+        torch.testing.assert_close(picked, whole[1:])
+
+
 def test_a_prefill_step_never_waits_on_the_device(hf_checkpoints):
     """A step of prefill chunks of several lengths (grouped attention calls and one alone) and a
     decode row, op by op: its metadata in one asynchronous copy, nothing read back."""

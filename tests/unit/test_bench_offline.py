@@ -265,6 +265,21 @@ def test_decode_honours_memory_with_a_pool_for_the_largest_batch(tiny_ckpt, monk
     assert config.engine.num_kv_blocks == 4 * 2 + 1 and config.engine.memory == "1MiB"
 
 
+def test_decode_pool_stays_within_a_budget_the_largest_batch_fills(tiny_ckpt, monkeypatch):
+    """A budget that holds exactly the largest batch's blocks: the pool is that many, not one more
+    (the engine refuses a pool past its budget)."""
+    import dataclasses
+
+    import launch.engine
+
+    real = launch.engine.check_runtime_config
+    monkeypatch.setattr(launch.engine, "check_runtime_config",
+                        lambda config: dataclasses.replace(real(config), num_kv_blocks=8))
+    args = bench_decode.build_parser().parse_args(["--model", str(tiny_ckpt), "--batch-sizes", "1", "4",
+                                                   "--context-len", "8", "--steps", "3", "--memory", "1MiB"])
+    assert bench_decode.build_config(args).engine.num_kv_blocks == 8  # 4 sequences x 2 blocks
+
+
 def _tiny_config() -> dict:
     from moe.tiny import build_tiny_config
 

@@ -6,6 +6,7 @@ sides take the op-by-op path a GPU runs."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -220,7 +221,6 @@ def test_a_refused_capture_falls_back_to_eager_for_good(hf_checkpoints: dict[str
 def test_a_worker_says_why_it_decodes_without_graphs(tiny_ckpt: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Graphs asked for where they cannot run: the worker decodes eagerly and logs the reason once;
     each refusal names its cause, and a single CUDA rank with dropless bf16 experts has none."""
-    import dataclasses
     from types import SimpleNamespace
 
     from launch.worker import Worker, WorkerSpec
@@ -254,3 +254,38 @@ def test_a_worker_says_why_it_decodes_without_graphs(tiny_ckpt: Path, caplog: py
     assert "capacity-factor" in refused(dataclasses.replace(base, capacity=CapacityConfig(capacity_factor=1.25)))
     assert refused(window=4096) == "sliding-window attention"
     assert refused(dataclasses.replace(base, quantization="int8")) == "int8 experts"
+
+
+def test_a_graph_step_hands_the_sampler_only_its_sampled_rows(tiny_ckpt: Path) -> None:
+    """A decode-shaped step whose row 0 is a one-token prefill chunk short of its prompt's end:
+    ``Worker._graph_logits`` returns the replay's logits of the sampling rows only, [S - 1, V]."""
+    from launch import SamplingParams
+    from launch.core.batch import BatchSpec, ScheduledSequence
+    from launch.worker import Worker, WorkerSpec
+
+    worker = Worker(WorkerSpec(str(tiny_ckpt), dtype="float32", num_kv_blocks=16), 0)
+    worker.setup()
+    try:
+        worker.decode_graphs = DecodeGraphs(worker.model, worker.kv_cache, scratch_block=15, max_batch=4,
+                                            max_blocks=2, backend=EagerBackend(), capture_after=1)
+        params = SamplingParams(temperature=0.0)
+        seqs = tuple(ScheduledSequence(f"r{i}", i, i, (3 + i,), (4,), 4, (1 + i,), i > 0, params, 0)
+                     for i in range(3))
+        batch = BatchSpec(dp_rank=0, block_size=worker.spec.block_size, seqs=seqs)
+        with torch.inference_mode():
+            whole = worker.decode_graphs.run(batch.input_ids, batch.positions, batch.context_lens,
+                                             batch.block_tables)
+            assert whole is not None
+            whole = whole.clone()
+            picked = worker._graph_logits(batch)
+        assert picked is not None and picked.shape == (2, worker.config.vocab_size)
+        torch.testing.assert_close(picked, whole[1:])
+        every = BatchSpec(dp_rank=0, block_size=worker.spec.block_size,
+                          seqs=tuple(dataclasses.replace(s, do_sample=True) for s in seqs))
+        with torch.inference_mode():
+            assert worker._graph_logits(every).shape == (3, worker.config.vocab_size)
+        prefill = BatchSpec(dp_rank=0, block_size=worker.spec.block_size,
+                            seqs=(dataclasses.replace(seqs[1], token_ids=(3, 4), positions=(3, 4)),))
+        assert worker._graph_logits(prefill) is None  # not a decode step: eager
+    finally:
+        worker.shutdown()
