@@ -362,8 +362,8 @@ def nest_flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
-    """Resolve file, --set, --eplb-config and flags into a validated RuntimeConfig."""
+def configured_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The nested mapping that --config's file, --set and --eplb-config give (no other flag yet)."""
     path = getattr(args, "config", None)
     data: dict[str, Any] = nest_flat_keys(load_yaml_mapping(path), str(path)) if path else {}
     for item in getattr(args, "overrides", None) or ():
@@ -371,6 +371,22 @@ def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     if getattr(args, "eplb_config", None):
         for key, value in parse_eplb_config(args.eplb_config).items():
             set_dotted(data, f"balancer.{key}", value)
+    return data
+
+
+def fill_unset(args: argparse.Namespace, defaults: Mapping[str, Any]) -> None:
+    """A command's own defaults for runtime flags (dest -> value, e.g. a benchmark's dtype): each
+    flag left out takes its value unless --config or --set sets that key, so what the user
+    configured wins over the command's default as it does over the engine's."""
+    data = configured_values(args)
+    for dest, value in defaults.items():
+        if getattr(args, dest, None) is None and _get_dotted(data, FLAG_KEYS[dest]) is dataclasses.MISSING:
+            setattr(args, dest, value)
+
+
+def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    """Resolve file, --set, --eplb-config and flags into a validated RuntimeConfig."""
+    data = configured_values(args)
     # the serve-only flags (present only in serve's namespace) are flags too: set before the config is checked
     for dest, key in {**FLAG_KEYS, **_FILE_ONLY_KEYS}.items():
         value = getattr(args, dest, None)

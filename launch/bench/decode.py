@@ -56,7 +56,7 @@ import torch
 
 from launch.bench import BENCH_DTYPE, repeated_value_problem
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
+from launch.config_args import FlagParser, add_runtime_args, fill_unset, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
 from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
@@ -99,7 +99,7 @@ class DecodeResult:
     cpu_ratio: float = 0.0  # step CPU time / bound
     roof_ms: float = 0.0  # max(bandwidth bound, compute bound)
     cpu_roof_ratio: float = 0.0  # step CPU time / roof
-    fused_off_cpu_ms: float = 0.0  # --ab-fused-ops: median CPU ms of the steps with the fused ops off
+    fused_off_cpu_ms: float | None = None  # --ab-fused-ops: median CPU ms of the steps with the fused ops off
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per step, by kind of work (--breakdown)
 
 
@@ -480,18 +480,17 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     from launch.engine import DEFAULT_CPU_MEMORY, check_runtime_config
 
     _check_args(args)
-    if args.dtype is None:
-        args.dtype = BENCH_DTYPE  # the benchmark's default, whatever the checkpoint stores
     biggest = max(args.batch_sizes)
-    if args.max_num_batched_tokens is None:  # room to prefill beside the batch's decode tokens (num_prefill_steps)
-        args.max_num_batched_tokens = max(8192, biggest + 8192)
-    if args.max_num_seqs is None:
-        args.max_num_seqs = max(biggest, 1)
+    # the benchmark's dtype whatever the checkpoint stores; room to prefill beside the batch's decode
+    # tokens (num_prefill_steps); unless flags, --config or --set say otherwise
+    fill_unset(args, {"dtype": BENCH_DTYPE, "max_num_batched_tokens": max(8192, biggest + 8192),
+                      "max_num_seqs": max(biggest, 1)})
     config = runtime_config_from_args(args)
     if config.parallel.world_size != 1:
         raise ValueError("bench decode runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
     e = config.engine
-    for name, value in (("--max-num-seqs", e.max_num_seqs), ("--max-num-batched-tokens", e.max_num_batched_tokens)):
+    for dest, value in (("max_num_seqs", e.max_num_seqs), ("max_num_batched_tokens", e.max_num_batched_tokens)):
+        name = f"--{dest.replace('_', '-')}" if getattr(args, dest) is not None else f"engine.{dest} (--config/--set)"
         if value < biggest:
             raise ValueError(f"{name} {value} < the largest --batch-sizes {biggest}: that batch could never decode "
                              "in one step")
@@ -568,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             row = summarize_batch(b, timed, weights, kv_per_token, bandwidth, top_k=mc.num_experts_per_tok,
                                   flops_per_key=attention_flops_per_key(mc), matmul_flops=matmul_flops,
                                   sliding_window=mc.sliding_window)
-            off_ms = statistics.median(fused_off) * 1e3 if fused_off else 0.0
+            off_ms = statistics.median(fused_off) * 1e3 if fused_off else None
             rows.append(replace(row, breakdown_ms=breakdown or {}, fused_off_cpu_ms=off_ms))
     except (ValueError, RuntimeError) as e:  # e.g. a batch that never decoded together: one line, as bench overhead
         print(f"error: {e}", file=sys.stderr)

@@ -153,6 +153,7 @@ class Shape:
     topk_group: int = 1
     routed_scaling: float = 1.0
     norm_topk_prob: bool = True
+    note: str = ""  # how the layer differs from the model it was read from (describe's last words)
 
     def describe(self) -> str:
         """One line of sizes, e.g. ``deepseek: D 1024, E 64, top-6, I 256, 1 shared, 1 group``."""
@@ -160,7 +161,8 @@ class Shape:
         if self.family == "deepseek":
             extra = (f", {self.shared} shared, {self.groups} group{'s' if self.groups > 1 else ''}"
                      + (f" (top-{self.topk_group})" if self.groups > 1 else ""))
-        return f"{self.label}: D {self.hidden}, E {self.experts}, top-{self.top_k}, I {self.inter}{extra}"
+        note = f"; {self.note}" if self.note else ""
+        return f"{self.label}: D {self.hidden}, E {self.experts}, top-{self.top_k}, I {self.inter}{extra}{note}"
 
     def parameters(self) -> int:
         """Weights of one layer: routed and shared experts and the router."""
@@ -191,25 +193,29 @@ def parse_shape(spec: str) -> Shape:
 
 
 def shape_from_model(name: str) -> Shape:
-    """One MoE layer's shape from a DeepSeek-V3, Mixtral or Qwen3-MoE checkpoint's config.json (a
-    directory, the file, or a shipped model name). Raises ShapeError for anything else."""
+    """One MoE layer's shape from a DeepSeek-V2/V3, Mixtral or Qwen3-MoE checkpoint's config.json (a
+    directory, the file, or a shipped model name); a DeepSeek-V2 layer runs with its sizes on the
+    DeepSeek-V3 block's routing (said in the shape's note). Raises ShapeError for anything else."""
     from moe.config import ModelConfig
 
     try:
         cfg = ModelConfig.from_hf(name, strict=False)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ShapeError(f"--model {name!r}: {e}") from None
-    families = {"deepseek_v3": "deepseek", "mixtral": "mixtral", "qwen3_moe": "qwen3"}
+    families = {"deepseek_v3": "deepseek", "deepseek_v2": "deepseek", "mixtral": "mixtral", "qwen3_moe": "qwen3"}
     if cfg.architecture not in families:
         raise ShapeError(f"--model {name!r} is {cfg.architecture}: bench moe-layer compares against DeepSeek-V3's, "
                          "Mixtral's and Qwen3-MoE's transformers blocks; give its sizes with --shapes instead "
                          "(deepseek:hidden=...,experts=... or mixtral:...)")
+    # DeepSeek-V2 routes by softmax (greedy or group-limited), V3 by sigmoid scores plus a bias: the
+    # router is a sliver of the layer's time, and the experts' GEMMs are the model's own
+    note = "DeepSeek-V2's sizes, routed as DeepSeek-V3's block routes" if cfg.architecture == "deepseek_v2" else ""
     label = Path(name).name if Path(name).exists() else name.rsplit("/", 1)[-1]
     if label == "config.json":
         label = Path(name).resolve().parent.name
     shape = Shape(label, families[cfg.architecture], cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                   cfg.moe_intermediate_size, cfg.num_shared_experts, cfg.n_group, cfg.topk_group,
-                  cfg.routed_scaling_factor, cfg.norm_topk_prob)
+                  cfg.routed_scaling_factor, cfg.norm_topk_prob, note)
     return _checked(shape, f"--model {name!r}")
 
 

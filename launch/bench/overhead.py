@@ -59,7 +59,7 @@ import torch
 
 from launch.bench.decode import check_step_flags, num_prefill_steps
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
+from launch.config_args import FlagParser, add_runtime_args, fill_unset, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
 from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
@@ -332,16 +332,16 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     check_step_flags(args, ("batch", "context_len", "steps", "repeats"))
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         raise ValueError(f"--json: {problem}")  # now, not after the whole benchmark
-    if args.max_num_seqs is None:
-        args.max_num_seqs = args.batch
-    if args.max_num_batched_tokens is None:  # room to prefill beside the batch's decode tokens (num_prefill_steps)
-        args.max_num_batched_tokens = max(512, args.batch + 512)
-    for flag, value in (("--max-num-seqs", args.max_num_seqs),
-                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
-        if value < args.batch:  # else every step runs, none decodes the whole batch, and only then the error
-            raise ValueError(f"{flag} {value} < --batch {args.batch}: the batch could never decode in one step")
+    # room for the batch, and to prefill beside its decode tokens (num_prefill_steps), unless flags,
+    # --config or --set say otherwise
+    fill_unset(args, {"max_num_seqs": args.batch, "max_num_batched_tokens": max(512, args.batch + 512)})
     given_blocks = args.num_kv_blocks
     config = runtime_config_from_args(args)
+    for dest in ("max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(config.engine, dest)
+        if value < args.batch:  # else every step runs, none decodes the whole batch, and only then the error
+            flag = f"--{dest.replace('_', '-')}" if getattr(args, dest) is not None else f"engine.{dest} (--config/--set)"
+            raise ValueError(f"{flag} {value} < --batch {args.batch}: the batch could never decode in one step")
     if args.stats_overhead and config.parallel.world_size != 1:
         raise ValueError("--stats-overhead runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
     from launch.engine import check_runtime_config

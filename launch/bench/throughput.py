@@ -35,10 +35,12 @@ import torch
 
 from launch.bench import BENCH_DTYPE
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
+from launch.config_args import FlagParser, add_runtime_args, fill_unset, runtime_config_from_args
 from launch.core import SamplingParams
 from launch.core.scheduler import request_kv_tokens
 from launch.paths import output_file_problem, write_output_file
+
+HF_BATCH_SIZE = 8  # transformers' static batch unless --hf-batch-size
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def agreement(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) ->
 
 
 def summarize(config: RuntimeConfig, requests: Sequence[BenchRequest], ours: RunResult, hf: RunResult | None,
-              *, num_threads: int, seed: int, dtype: str, hf_batch_size: int, hf_dtype: str | None = None,
+              *, num_threads: int, seed: int, dtype: str, hf_batch_size: int | None, hf_dtype: str | None = None,
               input_len_range: Sequence[int], output_len_range: Sequence[int]) -> dict[str, Any]:
     """The result JSON (vLLM ``bench throughput`` keys for our side, ``hf_*`` for the baseline)."""
     out_tokens = sum(r.output_len for r in requests)
@@ -251,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input-len-range", type=int, nargs=2, default=[16, 200], metavar=("LO", "HI"))
     g.add_argument("--output-len-range", type=int, nargs=2, default=[8, 96], metavar=("LO", "HI"))
     g.add_argument("--baseline", choices=("hf", "none"), default="hf")
-    g.add_argument("--hf-batch-size", type=int, default=8)
+    g.add_argument("--hf-batch-size", type=int, default=None, help="transformers' static batch (default: 8)")
     g.add_argument("--hf-dtype", choices=("same", "float32", "bfloat16", "float16"), default="same",
                    help="transformers' dtype (default: ours', --dtype); float32 is its fastest on CPUs "
                         "without native bf16 GEMMs")
@@ -272,6 +274,14 @@ def check_args(args: argparse.Namespace) -> tuple[RuntimeConfig, Any]:
         raise ValueError(f"--json: {problem}")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+    if args.baseline == "none":
+        given = [flag for flag, value in (("--hf-batch-size", args.hf_batch_size), ("--hf-dtype", args.hf_dtype))
+                 if value not in (None, "same")]
+        if given:
+            raise ValueError(f"{' and '.join(given)} set{'s' if len(given) == 1 else ''} transformers' side, which "
+                             "--baseline none does not run: leave it out, or use --baseline hf")
+    elif args.hf_batch_size is None:
+        args.hf_batch_size = HF_BATCH_SIZE
     if args.baseline == "hf" and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
     if args.num_prompts < 1:
@@ -286,9 +296,9 @@ def check_args(args: argparse.Namespace) -> tuple[RuntimeConfig, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.dtype is None:
-        args.dtype = BENCH_DTYPE  # the benchmark's default, whatever the checkpoint stores
     try:
+        # the benchmark's dtype whatever the checkpoint stores, unless --dtype, --config or --set says
+        fill_unset(args, {"dtype": BENCH_DTYPE})
         config, model_config = check_args(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -35,11 +35,16 @@ def _e(x: object) -> str:
     return html.escape(str(x))
 
 
+def _layer_name(layer: dict) -> str:
+    """A summary layer entry's name: its MoE-layer index, and the model's layer id where known ("0 (L1)")."""
+    return f"{layer['layer']}" + (f" (L{layer['model_layer']})" if "model_layer" in layer else "")
+
+
 def _cards(a: Analysis, summary: dict) -> str:
     worst = min(summary["layers"], key=lambda x: x["balancedness"])
     time = summary["balancedness_over_time"]
     items = [(f"{a.overall:.3f}", f"overall balancedness (EP {a.num_ranks})"),
-             (f"{worst['balancedness']:.3f}", f"worst layer ({worst['layer']})"),
+             (f"{worst['balancedness']:.3f}", f"worst layer ({_layer_name(worst)})"),
              (f"{min(time['min_average'].values()):.3f}",
               f"lowest {time['window_sizes'][0]}-step average"),
              (str(summary["steps"]), f"steps, {summary['num_layers']} layers x {summary['num_experts']} experts")]
@@ -74,7 +79,7 @@ def _layer_table(summary: dict) -> str:
         hot = ", ".join(f"{i} ({s:.1%})" for i, s in zip(x["hot_experts"], x["load_share"])) or "idle (no tokens)"
         loads = x["rank_load"]
         mean = sum(loads) / len(loads) if loads else 0.0
-        name = f"{x['layer']}" + (f" (L{x['model_layer']})" if "model_layer" in x else "")
+        name = _layer_name(x)
         rows.append(f"<tr><td>{_e(name)}</td><td>{x['balancedness']:.3f}</td><td>{max(loads):.0f}</td>"
                     f"<td>{mean:.0f}</td><td class='l'>{_e(hot)}</td></tr>")
     return ("<table><tr><th>layer</th><th>balancedness</th><th>max rank load</th><th>mean rank load</th>"

@@ -216,8 +216,13 @@ def test_model_shapes_come_from_config_json(tmp_path, capsys) -> None:
     assert (mixtral.family, mixtral.hidden, mixtral.experts, mixtral.inter) == ("mixtral", 4096, 8, 14336)
     qwen = moe_layer.shape_from_model("Qwen/Qwen3-30B-A3B")
     assert (qwen.family, qwen.hidden, qwen.experts, qwen.top_k, qwen.inter, qwen.shared) == ("qwen3", 2048, 128, 8, 768, 0)
-    with pytest.raises(moe_layer.ShapeError, match="is deepseek_v2: bench moe-layer compares against"):
-        moe_layer.shape_from_model("deepseek-ai/DeepSeek-V2-Lite")
+    lite = moe_layer.shape_from_model("deepseek-ai/DeepSeek-V2-Lite")  # its sizes on DeepSeek-V3's block
+    assert (lite.label, lite.family, lite.hidden, lite.experts, lite.top_k, lite.inter, lite.shared) == (
+        "DeepSeek-V2-Lite", "deepseek", 2048, 64, 6, 1408, 2)
+    assert lite.norm_topk_prob is False and lite.describe().endswith("routed as DeepSeek-V3's block routes")
+    v2 = moe_layer.shape_from_model("deepseek-ai/DeepSeek-V2")
+    assert (v2.experts, v2.groups, v2.topk_group, v2.routed_scaling) == (160, 8, 3, 16.0)
+    assert not mixtral.note and "routed as" not in mixtral.describe()
     assert moe_layer.main(["--model", str(tmp_path / "nothing"), "--tokens", "1"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: --model '{tmp_path / 'nothing'}': no config.json")

@@ -183,6 +183,7 @@ def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
         for key in ("step_ms", "step_cpu_ms", "worker_ms", "tokens_per_s", "gflop", "compute_bound_ms", "weight_bytes", "kv_bytes", "bound_ms", "ratio"):
             assert row[key] > 0, key
         assert row["bytes_read"] == row["weight_bytes"] + row["kv_bytes"]
+        assert row["fused_off_cpu_ms"] is None  # no --ab-fused-ops: not measured, not 0
         assert row["weight_bytes"] > r["dense_weight_bytes"]
         # every sequence decodes after its 5 prompt tokens plus the warm-up token(s)
         assert 5 < row["mean_context_len"] <= 5 + 1 + 1 + 2
@@ -263,6 +264,52 @@ def test_decode_honours_memory_with_a_pool_for_the_largest_batch(tiny_ckpt, monk
     config = bench_decode.build_config(args)
     # 4 sequences x (8 + 3 warm-up + 3 timed + 1 prefill step + 4) tokens = 2 blocks each, plus one spare
     assert config.engine.num_kv_blocks == 4 * 2 + 1 and config.engine.memory == "1MiB"
+
+
+def test_bench_defaults_yield_to_config_files_and_set(tiny_ckpt, tmp_path, no_engine, monkeypatch, capsys):
+    """The benchmarks' own defaults (bf16, room for the largest batch) fill only what neither a flag
+    nor --config nor --set gives."""
+    from launch.bench import overhead as bench_overhead
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = ["--model", str(tiny_ckpt), "--batch-sizes", "1", "4", "--context-len", "8", "--steps", "3"]
+    parse = bench_decode.build_parser().parse_args
+    assert bench_decode.build_config(parse(base)).engine.dtype == "bfloat16"
+    assert bench_decode.build_config(parse([*base, "--set", "engine.dtype=float32"])).engine.dtype == "float32"
+    flat = tmp_path / "vllm.yaml"
+    flat.write_text("dtype: float32\nmax-num-seqs: 6\n")
+    engine = bench_decode.build_config(parse([*base, "--config", str(flat)])).engine
+    assert (engine.dtype, engine.max_num_seqs, engine.max_num_batched_tokens) == ("float32", 6, 8192 + 4)
+    assert bench_decode.build_config(parse([*base, "--config", str(flat), "--dtype", "bfloat16"])).engine.dtype == \
+        "bfloat16"  # the flag over the file
+    assert bench_decode.main([*base, "--set", "engine.max_num_seqs=2"]) == 2
+    assert capsys.readouterr().err == ("error: engine.max_num_seqs (--config/--set) 2 < the largest --batch-sizes 4: "
+                                       "that batch could never decode in one step\n")
+    over = bench_overhead.build_parser().parse_args
+    assert bench_overhead.build_config(over(["--model", str(tiny_ckpt), "--batch", "4"])).engine.max_num_seqs == 4
+    with pytest.raises(ValueError, match=r"^engine.max_num_seqs \(--config/--set\) 2 < --batch 4"):
+        bench_overhead.build_config(over(["--model", str(tiny_ckpt), "--batch", "4", "--set", "engine.max_num_seqs=2"]))
+
+
+def test_throughput_dtype_from_set_and_hf_flags_without_a_baseline(tiny_ckpt, no_runs, monkeypatch, capsys):
+    seen = {}
+
+    def check_args(args):
+        seen["dtype"] = args.dtype
+        raise ValueError("stop")
+
+    monkeypatch.setattr(bench_throughput, "check_args", check_args)
+    assert bench_throughput.main(["--model", str(tiny_ckpt), "--set", "engine.dtype=float32"]) == 2
+    assert seen["dtype"] is None  # left to --set's float32
+    assert bench_throughput.main(["--model", str(tiny_ckpt)]) == 2 and seen["dtype"] == "bfloat16"
+    capsys.readouterr()
+    monkeypatch.undo()
+    monkeypatch.setattr(bench_throughput, "run_ours", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    for flags, named in ((["--hf-dtype", "float32"], "--hf-dtype sets"),
+                         (["--hf-batch-size", "4", "--hf-dtype", "float32"], "--hf-batch-size and --hf-dtype set")):
+        assert bench_throughput.main(["--model", str(tiny_ckpt), "--baseline", "none", *flags]) == 2
+        assert capsys.readouterr().err == (f"error: {named} transformers' side, which --baseline none does not run: "
+                                           "leave it out, or use --baseline hf\n")
 
 
 def test_decode_pool_stays_within_a_budget_the_largest_batch_fills(tiny_ckpt, monkeypatch):

@@ -440,3 +440,20 @@ def test_server_dump_carries_the_models_groups_and_layer_ids(tmp_path):
     path = AsyncLLM.dump_expert_distribution_record(server)
     d = read_dump(path)
     assert (d.n_group, d.model_layers) == (4, (1, 2))
+
+
+def test_the_worst_layer_card_names_the_layer_as_the_table_does(tmp_path):
+    """With the model's layer ids known (a dense first layer), the headline card and the per-layer
+    table both say "1 (L2)": the MoE-layer index and the model's layer id."""
+    from launch.profile import html_report
+    from launch.profile.dumps import model_metadata
+
+    model = SimpleNamespace(n_group=1, moe_layer_ids=(1, 2), num_experts=E)
+    loads = [np.random.default_rng(s).integers(0, 9, size=(2, E)) for s in range(8)]
+    dump = record_our_dump(tmp_path, loads, E, 2, metadata=model_metadata(model))
+    summary = _summary([dump], ep_sizes=[2])
+    worst = min(summary["layers"], key=lambda x: x["balancedness"])
+    name = f"{worst['layer']} (L{worst['model_layer']})"
+    cards = html_report._cards(SimpleNamespace(overall=0.5, num_ranks=2, top=4), summary)
+    assert f"worst layer ({name})" in cards
+    assert f"<td>{name}</td>" in html_report._layer_table(summary)
