@@ -20,6 +20,9 @@ Everything that can be checked is checked before any output is produced: the pat
 input line (errors name the file and its physical line, ``IN.jsonl:4: ...``), the model and
 the memory budget, then each prompt against the loaded engine's limits (vocabulary,
 ``max_model_len``, KV pool). A problem is one ``error: ...`` line on stderr and exit code 2.
+A ``max_tokens`` past what ``max_model_len`` leaves after the prompt is not an error here (the
+server refuses it with a 400, as vLLM's does): the completion stops at ``max_model_len`` with
+``finish_reason`` "length", as vLLM's offline ``LLM`` does.
 """
 
 from __future__ import annotations
