@@ -198,6 +198,17 @@ class ModelConfig:
             return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
         return True
 
+    def transformers_differs(self) -> str | None:
+        """Where transformers' own model of this checkpoint is a different model from ours (so a
+        comparison of tokens or logits with it measures that, not rounding), in one line; else None.
+        The one case: DeepSeek's ``moe_layer_freq`` > 1, which transformers ignores."""
+        if self.architecture in ("deepseek_v2", "deepseek_v3") and self.moe_layer_freq != 1:
+            return (f"moe_layer_freq={self.moe_layer_freq}: transformers ignores it and gives every layer from "
+                    f"first_k_dense_replace={self.first_k_dense_replace} on routed experts; ours keeps layers "
+                    f"i % {self.moe_layer_freq} != 0 dense, as DeepSeek's code and vLLM do, so the two run different "
+                    "models")
+        return None
+
     def layer_sliding_window(self, i: int) -> int | None:
         """Decoder layer ``i``'s attention window w (query p sees keys p - w < k <= p), or
         None for full causal attention. Both GQA families window every layer alike."""

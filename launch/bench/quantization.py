@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = Tokenizer.from_dir(args.model)
         token_ids = {text: encode_text(tokenizer, text) for text in texts}
-        check_token_ids(args.model, token_ids, ModelConfig.from_hf(args.model).vocab_size)
+        model_config = ModelConfig.from_hf(args.model)
+        check_token_ids(args.model, token_ids, model_config.vocab_size)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -243,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    differs = model_config.transformers_differs() if args.transformers else None
+    if differs:
+        print(f"# transformers' rows are another model's: {differs}")
     results = {}
     for text, label in zip(texts, text_labels(texts)):
         ids = token_ids[text]
@@ -261,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['top1_agreement']:>24.4f}")
             print(line + (f" {r['top1_agreement_float32']:>11.4f}" if with_f32 else ""))
     if args.json:
-        write_output_file(args.json, json.dumps({"model": args.model, "dtype": args.dtype, "results": results},
-                                                indent=2) + "\n")
+        extra = {"transformers_differs": differs} if differs else {}
+        write_output_file(args.json, json.dumps({"model": args.model, "dtype": args.dtype, **extra,
+                                                 "results": results}, indent=2) + "\n")
     return 0

@@ -434,3 +434,19 @@ def test_a_step_faster_than_its_floor_is_noted_under_the_table():
     (note,) = [line for line in text.splitlines() if line.startswith("# note:")]
     assert note.startswith("# note: batch 8 stepped faster than its bandwidth floor: the copy (9.2 GB/s) ran slow")
     assert "# note:" not in bench_decode.format_table([dataclasses.replace(row, ratio=1.1, cpu_ratio=1.1)], 9.2e9, 1e12)
+
+
+def test_throughput_report_says_when_transformers_runs_another_model(tiny_ckpt):
+    from launch.config import RuntimeConfig
+
+    config = RuntimeConfig.from_dict({"model": str(tiny_ckpt)})
+    requests = [bench_throughput.BenchRequest([5, 6, 7], 2)]
+    ours = bench_throughput.RunResult(1.0, [[8, 9]], cpu_s=1.0)
+    hf = bench_throughput.RunResult(2.0, [[8, 10]], cpu_s=2.0)
+    kwargs = dict(num_threads=1, seed=0, dtype="float32", hf_batch_size=8, input_len_range=[3, 3],
+                  output_len_range=[2, 2])
+    plain = bench_throughput.summarize(config, requests, ours, hf, **kwargs)
+    assert "hf_differs" not in plain and "not a rounding measure" not in bench_throughput.format_report(plain)
+    other = bench_throughput.summarize(config, requests, ours, hf, hf_differs="moe_layer_freq=2: ...", **kwargs)
+    assert other["hf_differs"] == "moe_layer_freq=2: ..." and other["greedy_agreement"] == 0.5
+    assert "0.500 (not a rounding measure: moe_layer_freq=2: ...)" in bench_throughput.format_report(other)

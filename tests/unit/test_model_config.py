@@ -92,6 +92,10 @@ def test_qwen3_dense_layer_rules() -> None:
 def test_deepseek_moe_layer_freq() -> None:
     cfg = ModelConfig.from_hf(dict(DEEPSEEK_V2_LITE, num_hidden_layers=8, first_k_dense_replace=2, moe_layer_freq=2))
     assert cfg.moe_layer_ids == (2, 4, 6)
+    differs = cfg.transformers_differs()  # transformers would give layers 2-7 experts: another model
+    assert differs is not None and differs.startswith("moe_layer_freq=2: transformers ignores it")
+    assert ModelConfig.from_hf(DEEPSEEK_V2_LITE).transformers_differs() is None
+    assert ModelConfig.from_hf(MIXTRAL_8X7B).transformers_differs() is None
 
 
 @pytest.mark.parametrize("change,match", [
