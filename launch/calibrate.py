@@ -47,6 +47,7 @@ from safetensors import SafetensorError, safe_open
 
 from launch.config_args import FlagParser
 from launch.core.kv_sizing import parse_memory
+from launch.engine import DEFAULT_CPU_MEMORY
 from launch.hardware import load_hardware, save_hardware
 from launch.paths import output_file_problem
 from moe.config import ModelConfig
@@ -508,7 +509,7 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
                 link = max(link, size / seconds)
         hw = Hardware(
             name="local-cpu", source=f"simulate calibrate: {cpu_model()}, {threads} thread(s) per rank, {clock} clock",
-            flops=flops, memory_bandwidth=bandwidth, memory_bytes=parse_memory("2GiB"),
+            flops=flops, memory_bandwidth=bandwidth, memory_bytes=parse_memory(DEFAULT_CPU_MEMORY),
             gpus_per_node=os.cpu_count() or 1, intra_node_bandwidth=link or bandwidth,
             inter_node_bandwidth=link or bandwidth, intra_node_latency_s=0.0, inter_node_latency_s=0.0,
             gemm_efficiency=1.0, attention_efficiency=min(1.0, attention / flops[dtypes[0]]),

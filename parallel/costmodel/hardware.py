@@ -35,16 +35,20 @@ def canonical_dtype(name: str) -> str:
 
 def _table(rows: Any, what: str) -> tuple[tuple[float, float], ...]:
     out = tuple(sorted((float(x), float(y)) for x, y in rows))
-    if not out or any(x <= 0 or y <= 0 for x, y in out):
-        raise ValueError(f"{what}: need non-empty (size, value) pairs with positive numbers, got {rows!r}")
+    if not out or any(not (0 < x < math.inf and 0 < y < math.inf) for x, y in out):
+        raise ValueError(f"{what}: need non-empty (size, value) pairs with positive finite numbers, got {rows!r}")
     return out
 
 
 def _number(value: Any, key: str) -> float:
+    """A hardware file's number (YAML 1.1 reads "5e-06" as a string): finite, else ValueError naming the key."""
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"hardware key {key}: {value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"hardware key {key}: {value!r} is not a finite number")
+    return number
 
 
 def interpolate_loglog(table: tuple[tuple[float, float], ...], x: float) -> float:
@@ -161,7 +165,12 @@ class Hardware:
         for f in fields(cls):  # YAML 1.1 reads "5e-06" as a string: numbers are coerced here
             if f.name in kw and f.type in ("float", float):
                 kw[f.name] = _number(kw[f.name], f.name)
-        kw["memory_bytes"] = int(_number(kw["memory_bytes"], "memory_bytes"))
+        for name in ("memory_bytes", "gpus_per_node"):
+            if name in kw:
+                number = _number(kw[name], name)
+                if not number.is_integer():
+                    raise ValueError(f"hardware key {name}: {kw[name]!r} is not a whole number")
+                kw[name] = int(number)
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:

@@ -288,3 +288,21 @@ def test_bad_multi_rank_overheads_name_the_key(value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         toy_hw(multi_rank_overheads=value)
     assert toy_hw(multi_rank_overheads={"dp": "1e-3"}).multi_rank_overheads == {"dp": 1e-3}  # YAML 1.1 strings
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"flops": {"bfloat16": 1e12, "fp8": math.nan}}, "hardware key flops.fp8: nan is not a finite number"),
+    ({"memory_bandwidth": math.nan}, "hardware key memory_bandwidth: nan is not a finite number"),
+    ({"memory_bandwidth": math.inf}, "hardware key memory_bandwidth: inf is not a finite number"),
+    ({"memory_bytes": math.inf}, "hardware key memory_bytes: inf is not a finite number"),
+    ({"memory_bytes": 80.5e0}, "hardware key memory_bytes: 80.5 is not a whole number"),
+    ({"gpus_per_node": math.nan}, "hardware key gpus_per_node: nan is not a finite number"),
+    ({"step_overhead_s": math.inf}, "hardware key step_overhead_s: inf is not a finite number"),
+    ({"gemm_rates": {"bfloat16": [[1, 1e12], [64, math.nan]]}}, "gemm_rates.bfloat16: need non-empty (size, value) "
+                                                                "pairs with positive finite numbers"),
+])
+def test_a_hardware_file_of_nan_or_inf_is_refused_naming_the_key(change, message):
+    """YAML reads .nan and .inf as floats: each is one error naming the key, not NaN step times later."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        toy_hw(**change)
+    assert toy_hw(memory_bytes="80e9", gpus_per_node=4.0).memory_bytes == 80_000_000_000
