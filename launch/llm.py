@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,8 @@ _SERVER_ONLY = frozenset({"model", "host", "port", "api_key", "served_model_name
 Prompt = str | Mapping[str, Any]
 # vLLM's other spellings of a value (dtype="half"), as the flags take them
 _VALUE_ALIASES = {"dtype": DTYPE_ALIASES, "kv_cache_dtype": KV_CACHE_DTYPE_ALIASES}
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})  # what a prompt dict may hold
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig:
@@ -120,6 +123,9 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, Mapping | str):  # a list of its keys or characters otherwise
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(sampling_params).__name__}: SamplingParams(**fields) makes one from a dict")
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
             else list(sampling_params)
         if len(params) != len(prompts):
@@ -212,6 +218,13 @@ class LLM:
         if not isinstance(prompt, Mapping):
             raise ValueError(f"{where}: a prompt must be a string, {{'prompt': str}} or "
                              f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+        unknown = sorted((str(k) for k in prompt if k not in PROMPT_KEYS), key=str)
+        if unknown:
+            sampling = [k for k in unknown if k in SAMPLING_FIELDS]
+            hint = (f"sampling fields ({', '.join(sampling)}) go in SamplingParams, not the prompt" if sampling else
+                    "a prompt dict holds 'prompt' and/or 'prompt_token_ids' (text-only models: no multi-modal "
+                    "data)")
+            raise ValueError(f"{where}: unknown prompt key(s) {unknown}: {hint}")
         if "prompt_token_ids" in prompt:
             ids = _plain_ids(prompt["prompt_token_ids"])
             check_prompt({"prompt_token_ids": ids}, where)

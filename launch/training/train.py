@@ -59,6 +59,13 @@ TRAIN_DIMS: dict[str, dict[str, int]] = {
                       experts=16, top_k=2),
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_BIAS_UPDATE_RATE = 5e-4
+BIAS_ARCHITECTURES = ("deepseek_v3",)  # routers with an e_score_correction_bias (auxiliary-loss-free balancing)
+
+
+def _no_bias(arch: str) -> str:
+    return (f"--bias-update-rate moves DeepSeek-V3's e_score_correction_bias; --arch {arch} routes without one: "
+            "leave the flag out")
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ class TrainArgs:
     lr: float = 3e-3
     warmup_steps: int = 30
     weight_decay: float = 0.01
-    bias_update_rate: float = 5e-4
+    bias_update_rate: float = DEFAULT_BIAS_UPDATE_RATE  # ignored where the router has no correction bias
     dtype: str = "float32"
     threads: int | None = None
 
@@ -92,6 +99,8 @@ class TrainArgs:
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.bias_update_rate) and self.bias_update_rate >= 0):
             raise ValueError(f"--bias-update-rate must be a finite number >= 0, got {self.bias_update_rate}")
+        if self.arch not in BIAS_ARCHITECTURES and self.bias_update_rate not in (0.0, DEFAULT_BIAS_UPDATE_RATE):
+            raise ValueError(_no_bias(self.arch))
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.dtype not in _DTYPES:
@@ -249,7 +258,7 @@ def _train_into(args: TrainArgs, out: Path, progress: bool, report_prompts: int 
     save_checkpoint(config, model.hf_state_dict(), out)
     summary = {
         "command": "python -m launch train-tiny " + " ".join(_as_argv(args)),
-        "args": asdict(args),
+        "args": {**asdict(args), **({} if args.arch in BIAS_ARCHITECTURES else {"bias_update_rate": None})},
         "parameters": count_parameters(config),
         "steps_run": len(losses),
         "train_seconds": round(time.perf_counter() - t0, 1),
@@ -285,8 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (after bos)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
-    p.add_argument("--bias-update-rate", type=float, default=d.bias_update_rate,
-                   help="DeepSeek-V3 e_score_correction_bias step per optimizer step (0: frozen at 0)")
+    p.add_argument("--bias-update-rate", type=float, default=None,
+                   help="DeepSeek-V3 e_score_correction_bias step per optimizer step (0: frozen at 0; default "
+                        f"{d.bias_update_rate}); --arch deepseek_v3 only")
     p.add_argument("--dtype", default=d.dtype, choices=tuple(_DTYPES), help="stored weight dtype")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all CPUs)")
     return p
@@ -298,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = TrainArgs(arch=ns.arch, out=ns.out, steps=ns.steps, minutes=ns.minutes, seed=ns.seed,
                          batch_size=ns.batch_size, seq_len=ns.seq_len, lr=ns.lr,
-                         bias_update_rate=ns.bias_update_rate, dtype=ns.dtype, threads=ns.threads)
+                         bias_update_rate=DEFAULT_BIAS_UPDATE_RATE if ns.bias_update_rate is None else
+                         ns.bias_update_rate, dtype=ns.dtype, threads=ns.threads)
+        if ns.bias_update_rate is not None and args.arch not in BIAS_ARCHITECTURES:
+            raise ValueError(_no_bias(args.arch))
         summary = train(args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -80,7 +80,11 @@ def test_an_interrupted_generate_aborts_what_it_queued(llm, monkeypatch):
     ({"prompt_token_ids": [5], "prompt": 3}, "'prompt' beside 'prompt_token_ids' must be a string, got int"),
     ({"prompt": None}, "'prompt' must be a non-empty string"),
     ({"prompt": ""}, "this checkpoint has no tokenizer.json"),  # "" is its bos alone, with a tokenizer
-    ({"text": "hi"}, r"a prompt must be a string, .* got keys \['text'\]"),
+    ({"text": "hi"}, r"unknown prompt key\(s\) \['text'\]: a prompt dict holds 'prompt' and/or 'prompt_token_ids'"),
+    ({"prompt": "hi", "max_tokens": 3}, r"unknown prompt key\(s\) \['max_tokens'\]: sampling fields \(max_tokens\) "
+                                        "go in SamplingParams, not the prompt"),
+    ({"prompt_token_ids": [5], "multi_modal_data": {}}, r"unknown prompt key\(s\) \['multi_modal_data'\]"),
+    ({}, r"a prompt must be a string, .* got keys \[\]"),
     ([5, 6], "a prompt must be a string, .* got list"),
     ("hi", "this checkpoint has no tokenizer.json"),
     ({"prompt": "hi"}, "this checkpoint has no tokenizer.json"),
@@ -105,6 +109,10 @@ def test_token_ids_may_be_a_tuple_or_array_and_sampling_params_must_be_sampling_
         assert all(type(t) is int for t in again.prompt_token_ids)
     with pytest.raises(ValueError, match="^sampling_params\\[1\\] must be a SamplingParams, got dict"):
         llm.generate([{"prompt_token_ids": [3]}, {"prompt_token_ids": [4]}], [GREEDY, {"max_tokens": 2}])
+    for params in ({"max_tokens": 2}, "max_tokens"):  # one dict (or str): not a list of its keys (characters)
+        with pytest.raises(ValueError, match=f"^sampling_params must be a SamplingParams or a list of them \\(one per "
+                                             f"prompt\\), got {type(params).__name__}"):
+            llm.generate({"prompt_token_ids": [3]}, params)
 
 
 def test_seeded_completions_differ_between_seeds_and_completions(llm):

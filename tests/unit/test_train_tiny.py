@@ -139,12 +139,25 @@ def test_corpus_windows_start_with_bos_and_cover_every_kind(tmp_path) -> None:
         (["--arch", "deepseek_v3", "--out", "x", "--bias-update-rate", "nan"], "--bias-update-rate must be"),
         (["--arch", "deepseek_v3", "--out", "x", "--threads", "0"], "--threads must be >= 1"),
         (["--arch", "deepseek_v3", "--out", "x", "--threads", "-2"], "--threads must be >= 1"),
+        (["--arch", "mixtral", "--out", "x", "--bias-update-rate", "0.1"],
+         "--bias-update-rate moves DeepSeek-V3's e_score_correction_bias; --arch mixtral routes without one"),
+        (["--arch", "qwen3_moe", "--out", "x", "--bias-update-rate", "0.0005"], "--arch qwen3_moe routes without one"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_the_bias_rate_is_a_deepseek_v3_setting() -> None:
+    """Routers without a correction bias take no rate: the default passes (and is not recorded as used),
+    any other is refused; DeepSeek-V3 takes any finite rate >= 0."""
+    assert TrainArgs(arch="mixtral", out="x").bias_update_rate == 5e-4
+    assert TrainArgs(arch="mixtral", out="x", bias_update_rate=0.0).bias_update_rate == 0.0
+    with pytest.raises(ValueError, match="--arch mixtral routes without one"):
+        TrainArgs(arch="mixtral", out="x", bias_update_rate=0.1)
+    assert TrainArgs(arch="deepseek_v3", out="x", bias_update_rate=0.1).bias_update_rate == 0.1
 
 
 def _listing(root) -> dict[str, str]:
