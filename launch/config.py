@@ -204,7 +204,8 @@ class EngineConfig:
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                         "num_kv_blocks", "max_cudagraph_capture_size")
         if not 0.0 < self.memory_utilization <= 1.0:
-            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+            raise ValueError(f"memory_utilization (--gpu-memory-utilization, LLM(gpu_memory_utilization=...)) must be "
+                             f"in (0, 1], got {self.memory_utilization}")
         if self.memory is not None:
             parse_memory(self.memory)
         if self.seed < 0:

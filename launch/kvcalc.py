@@ -137,7 +137,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.num_redundant_experts < 0:
         raise ValueError(f"num_redundant_experts must be >= 0, got {args.num_redundant_experts}")
     if not 0.0 < args.memory_utilization <= 1.0:
-        raise ValueError(f"memory_utilization must be in (0, 1], got {args.memory_utilization}")
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.memory_utilization}")
     ep, tp = args.expert_parallel_size, args.tensor_parallel_size
     if ep > 1 and ep % tp:
         # The runtime spreads the experts over every rank of the instance: ep = tp x dp.

@@ -129,8 +129,8 @@ def test_wrong_types_name_key_expected_and_found(data, match):
     [
         ({"engine": {"dtype": "fp32"}}, "dtype must be one of"),
         ({"engine": {"kv_cache_dtype": "int4"}}, "kv_cache_dtype must be one of"),
-        ({"engine": {"memory_utilization": 0.0}}, r"memory_utilization must be in \(0, 1\]"),
-        ({"engine": {"memory_utilization": 1.5}}, r"memory_utilization must be in \(0, 1\]"),
+        ({"engine": {"memory_utilization": 0.0}}, r"memory_utilization \(--gpu-memory-utilization, .*\) must be in \(0, 1\]"),
+        ({"engine": {"memory_utilization": 1.5}}, r"memory_utilization \(--gpu-memory-utilization, .*\) must be in \(0, 1\]"),
         ({"engine": {"max_num_seqs": 0}}, "max_num_seqs must be >= 1"),
         ({"engine": {"memory": "8XB"}}, "unknown memory unit"),
         ({"engine": {"enable_chunked_prefill": False, "max_model_len": 4096, "max_num_batched_tokens": 2048}},
