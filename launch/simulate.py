@@ -166,7 +166,18 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
                     **_phase_json(pred.prefill_step_ms, pred.prefill_breakdown, pred.prefill_bound)},
         "prefill_input_tokens_per_s_per_node": prefill_tps,
         "decode_output_tokens_per_s_per_node": decode_tps,
+        "notes": _hardware_notes(hw, dep),
     }
+
+
+def _hardware_notes(hw: Hardware, dep: Deployment) -> list[str]:
+    """What the prediction assumed for lack of a hardware figure (one line each)."""
+    notes = []
+    if dep.ranks_per_node > 1 and hw.intra_node_bandwidth <= 0 and not hw.collectives:
+        notes.append(f"{hw.name} gives no intra_node_bandwidth and no collective tables: the ranks of one node "
+                     f"exchange at its memory bandwidth ({hw.memory_bandwidth / 1e9:,.0f} GB/s x network_efficiency "
+                     f"{hw.network_efficiency:g}); set intra_node_bandwidth for NVLink-class links")
+    return notes
 
 
 def _check_sequence_fits(args: argparse.Namespace, kv_len: int, max_len: int, limit: str) -> None:
@@ -206,6 +217,7 @@ def format_config_report(r: dict[str, Any]) -> str:
              f"(bound: {p['bound']})",
              f"per node: prefill {r['prefill_input_tokens_per_s_per_node']:,.0f} input tok/s (cache hits "
              f"{r['prefix_hit_rate']:.1%} included), decode {r['decode_output_tokens_per_s_per_node']:,.0f} output tok/s",
+             *(f"note: {n}" for n in r.get("notes", ())),
              "", f"{'operator':<18}{'decode ms':>12}{'prefill ms':>12}"]
     for key in dict.fromkeys([*d["breakdown_ms"], *p["breakdown_ms"]]):
         lines.append(f"{key:<18}{d['breakdown_ms'].get(key, 0.0):>12.3f}{p['breakdown_ms'].get(key, 0.0):>12.3f}")

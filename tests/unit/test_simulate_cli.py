@@ -46,7 +46,23 @@ def test_config_report_has_the_throughput_keys(tmp_path, capsys):
     assert report["kv_len"] == 1100 and report["decode"]["batch_size"] == 256
     assert report["layout"].startswith("TP1 DP8 EP8")
     assert "routed_experts" in report["decode"]["breakdown_ms"]
-    assert "per node" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "per node" in out_text and "note:" not in out_text and report["notes"] == []
+
+
+def test_a_hardware_file_without_node_links_says_what_was_assumed(tmp_path, capsys):
+    """No intra_node_bandwidth and no collective tables: one node's ranks exchange at the memory
+    bandwidth, and the report says so (a one-rank layout needs no such line)."""
+    lines = (ROOT / "configs/hardware/h100.yaml").read_text().splitlines()
+    hw = tmp_path / "h100-no-links.yaml"
+    hw.write_text("\n".join(line for line in lines if not line.startswith("intra_node_bandwidth")) + "\n")
+    out = tmp_path / "r.json"
+    assert main(["--config", str(ROOT / "configs/mixtral-8x7b-ep8.yaml"), "--hardware", str(hw), "--json",
+                 str(out)]) == 0
+    (note,) = json.loads(out.read_text())["notes"]
+    assert note.startswith("H100 gives no intra_node_bandwidth and no collective tables: the ranks of one node "
+                           "exchange at its memory bandwidth (3,350 GB/s")
+    assert f"note: {note}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "message"), [
