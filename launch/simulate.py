@@ -225,10 +225,15 @@ def format_config_report(r: dict[str, Any]) -> str:
 
 
 def _candidate_json(c: Candidate) -> dict[str, Any]:
+    """One layout's JSON: a time the search never reached for an infeasible layout (its decode batch and
+    steps; the TTFT where memory ruled it out first) is null, not 0; its goodput is 0."""
+    ran = c.feasible
     return {"layout": c.deployment.describe(), "feasible": c.feasible, "goodput_per_gpu": c.goodput_per_gpu,
-            "batch_size": c.batch_size, "tpot_ms": c.tpot_ms, "decode_step_ms": c.decode_step_ms,
-            "ttft_ms": c.ttft_ms, "balancedness": c.balancedness, "bound": c.bound, "decode_bound": c.decode_bound,
-            "kv_capacity_tokens": c.kv_capacity_tokens, "deployment": asdict(c.deployment)}
+            "batch_size": c.batch_size if ran else None, "tpot_ms": c.tpot_ms if ran else None,
+            "decode_step_ms": c.decode_step_ms if ran else None,
+            "ttft_ms": c.ttft_ms if ran or c.ttft_ms > 0 else None, "balancedness": c.balancedness, "bound": c.bound,
+            "decode_bound": c.decode_bound, "kv_capacity_tokens": c.kv_capacity_tokens,
+            "deployment": asdict(c.deployment)}
 
 
 def _search_bar(layouts: list[Deployment]) -> Iterable[Deployment]:

@@ -572,3 +572,20 @@ def test_bandwidth_settles_where_no_engine_step_is_over_predicted():
     assert any(p > 1.03 * m for p, m in zip(predict(settled / BANDWIDTH_STEP), measured))  # the first that fits
     assert settle_bandwidth(30e9, predict, measured) == 30e9  # a fast read is kept: the slack becomes overheads
     assert settle_bandwidth(1e9, predict, measured) == pytest.approx(4e9)  # at most 4x the measured rate
+
+
+def test_search_json_has_no_made_up_times_for_infeasible_layouts(tmp_path):
+    """A layout the SLO or memory rules out has null for the decode figures the search never reached
+    (not 0 ms, which reads as instant); its goodput is 0 and its TTFT is kept where it was computed."""
+    out = tmp_path / "s.json"
+    assert main(["--search", "--model", "mistralai/Mixtral-8x7B-v0.1", "--cluster", "1x8xH100", "--slo",
+                 "ttft_ms=45,tpot_ms=50", "--no-progress", "--json", str(out)]) == 0  # TTFT and memory rule some out
+    ranked = json.loads(out.read_text())["ranked"]
+    feasible = [c for c in ranked if c["feasible"]]
+    ruled_out = [c for c in ranked if not c["feasible"]]
+    assert feasible and ruled_out
+    assert all(c["tpot_ms"] > 0 and c["decode_step_ms"] > 0 and c["batch_size"] >= 1 for c in feasible)
+    for c in ruled_out:
+        assert c["tpot_ms"] is None and c["decode_step_ms"] is None and c["batch_size"] is None, c
+        assert c["goodput_per_gpu"] == 0.0 and (c["ttft_ms"] is None or c["ttft_ms"] > 0)
+    assert any(c["ttft_ms"] is not None for c in ruled_out if c["bound"].startswith(("TTFT", "TPOT")))
