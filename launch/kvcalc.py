@@ -139,6 +139,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if not 0.0 < args.memory_utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.memory_utilization}")
     ep, tp = args.expert_parallel_size, args.tensor_parallel_size
+    if args.num_redundant_experts and ep == 1:  # as the runtime: redundant slots need EPLB, which needs EP
+        raise ValueError(f"num_redundant_experts {args.num_redundant_experts} needs expert parallelism (-ep N, N > 1): "
+                         "redundant slots are the balancer's replicas spread over the EP ranks")
     if ep > 1 and ep % tp:
         # The runtime spreads the experts over every rank of the instance: ep = tp x dp.
         nearest = " or ".join(str(n) for n in (tp * (ep // tp), tp * (ep // tp + 1)) if n > 1)

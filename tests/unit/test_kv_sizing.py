@@ -118,6 +118,8 @@ def _kvcalc_error(capsys, *argv: str) -> str:
     (["-tp", "0"], "tensor_parallel_size must be >= 1, got 0"),
     (["-tp", "3"], "tensor_parallel_size 3 does not divide num_attention_heads 128"),  # MLA splits heads too
     (["--num-redundant-experts", "-1", "-ep", "8"], "num_redundant_experts must be >= 0, got -1"),
+    (["--num-redundant-experts", "32"], "num_redundant_experts 32 needs expert parallelism (-ep N, N > 1): redundant "
+                                        "slots are the balancer's replicas spread over the EP ranks"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1], got 0.0"),
     # fp8 weights, as its quantization_config says (kvcalc used to count them in bf16: 1.22 TiB)
     ([], "no room for the KV cache: the weights take 626.97 GiB per rank (tp=1) of 0.9 x 80.00 GiB = 72.00 GiB "
