@@ -143,13 +143,16 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
     pred = predict_point(model, replace(dep, kv_capacity_tokens=capacity), hw,
                          batch_size=args.batch_size or dep.max_num_seqs, kv_len=kv_len, prompt_len=args.input_len, prefix_len=prefix, prefill_tokens=dep.max_num_batched_tokens,
                          expert_load=expert_load, load_skew=args.load_skew)
-    if pred.kv_capacity_tokens < kv_len and dep.kv_capacity_tokens is not None:
+    # a sequence holds all its tokens' KV at its end (input + output), whatever the average decode context
+    whole = max(args.input_len + args.output_len, kv_len)
+    if pred.kv_capacity_tokens < whole and dep.kv_capacity_tokens is not None:
         raise ValueError(f"{dep.describe()}: engine.num_kv_blocks={cfg.engine.num_kv_blocks} x block_size="
                          f"{cfg.engine.block_size} hold {dep.kv_capacity_tokens:,} KV tokens per rank, not one "
-                         f"{kv_len:,}-token sequence (more KV blocks, or a shorter --input-len / --kv-len)")
-    if pred.kv_capacity_tokens < kv_len:
+                         f"{whole:,}-token sequence (more KV blocks, or a shorter --input-len / --output-len / "
+                         "--kv-len)")
+    if pred.kv_capacity_tokens < whole:
         raise ValueError(f"{dep.describe()} on {hw.name}: the weights leave room for {pred.kv_capacity_tokens:,} KV "
-                         f"tokens per rank, not one {kv_len:,}-token sequence (more expert parallelism, fp8 "
+                         f"tokens per rank, not one {whole:,}-token sequence (more expert parallelism, fp8 "
                          "weights or a bigger memory)")
     dp_per_node = dep.dp / dep.num_nodes
     hit = prefix / args.input_len

@@ -589,3 +589,16 @@ def test_search_json_has_no_made_up_times_for_infeasible_layouts(tmp_path):
         assert c["tpot_ms"] is None and c["decode_step_ms"] is None and c["batch_size"] is None, c
         assert c["goodput_per_gpu"] == 0.0 and (c["ttft_ms"] is None or c["ttft_ms"] > 0)
     assert any(c["ttft_ms"] is not None for c in ruled_out if c["bound"].startswith(("TTFT", "TPOT")))
+
+
+def test_the_kv_pool_must_hold_a_whole_sequence_not_the_average_context(capsys):
+    """2,304 KV tokens per rank hold the average decode context (2,000 + 500 / 2) but not a sequence's
+    last token (2,500): refused, as the engine would preempt it for good; 2,512 runs."""
+    base = ["--config", str(ROOT / "configs/mixtral-8x7b-ep8.yaml"), "--hardware", "h100", "--input-len", "2000",
+            "--output-len", "500"]
+    assert main([*base, "--set", "engine.num_kv_blocks=144"]) == 2
+    assert capsys.readouterr().err == (
+        "error: simulate: TP1 DP8 EP8 1 node(s) +8 redundant EPLB: engine.num_kv_blocks=144 x block_size=16 hold 2,304 "
+        "KV tokens per rank, not one 2,500-token sequence (more KV blocks, or a shorter --input-len / --output-len / "
+        "--kv-len)\n")
+    assert main([*base, "--set", "engine.num_kv_blocks=157"]) == 0
