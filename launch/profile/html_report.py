@@ -44,7 +44,7 @@ def _cards(a: Analysis, summary: dict) -> str:
     worst = min(summary["layers"], key=lambda x: x["balancedness"])
     time = summary["balancedness_over_time"]
     items = [(f"{a.overall:.3f}", f"overall balancedness (EP {a.num_ranks})"),
-             (f"{worst['balancedness']:.3f}", f"worst layer ({_layer_name(worst)})"),
+             (f"{worst['balancedness']:.3f}", f"worst layer {_layer_name(worst)}"),
              (f"{min(time['min_average'].values()):.3f}",
               f"lowest {time['window_sizes'][0]}-step average"),
              (str(summary["steps"]), f"steps, {summary['num_layers']} layers x {summary['num_experts']} experts")]
