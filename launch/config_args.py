@@ -384,6 +384,14 @@ def fill_unset(args: argparse.Namespace, defaults: Mapping[str, Any]) -> None:
             setattr(args, dest, value)
 
 
+def value_source(args: argparse.Namespace, dest: str) -> str:
+    """How to name where a runtime flag's value came from in a message: the flag ("--max-num-seqs") when
+    it was given or ``fill_unset`` filled it, else its key with where such keys come from."""
+    if getattr(args, dest, None) is not None:
+        return f"--{dest.replace('_', '-')}"
+    return f"{FLAG_KEYS[dest]} (--config/--set)"
+
+
 def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     """Resolve file, --set, --eplb-config and flags into a validated RuntimeConfig."""
     data = configured_values(args)

@@ -56,7 +56,13 @@ import torch
 
 from launch.bench import BENCH_DTYPE, repeated_value_problem
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import FlagParser, add_runtime_args, fill_unset, runtime_config_from_args
+from launch.config_args import (
+    FlagParser,
+    add_runtime_args,
+    fill_unset,
+    runtime_config_from_args,
+    value_source,
+)
 from launch.core import SamplingParams, SchedulerOutput
 from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
@@ -490,9 +496,8 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
         raise ValueError("bench decode runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
     e = config.engine
     for dest, value in (("max_num_seqs", e.max_num_seqs), ("max_num_batched_tokens", e.max_num_batched_tokens)):
-        name = f"--{dest.replace('_', '-')}" if getattr(args, dest) is not None else f"engine.{dest} (--config/--set)"
         if value < biggest:
-            raise ValueError(f"{name} {value} < the largest --batch-sizes {biggest}: that batch could never decode "
+            raise ValueError(f"{value_source(args, dest)} {value} < the largest --batch-sizes {biggest}: that batch could never decode "
                              "in one step")
     plan = check_runtime_config(config)  # model path, layout, KV budget (--memory), before any weights load
     max_len = plan.max_model_len

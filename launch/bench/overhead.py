@@ -59,7 +59,13 @@ import torch
 
 from launch.bench.decode import check_step_flags, num_prefill_steps
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import FlagParser, add_runtime_args, fill_unset, runtime_config_from_args
+from launch.config_args import (
+    FlagParser,
+    add_runtime_args,
+    fill_unset,
+    runtime_config_from_args,
+    value_source,
+)
 from launch.core import SamplingParams, SchedulerOutput
 from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
@@ -340,8 +346,7 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     for dest in ("max_num_seqs", "max_num_batched_tokens"):
         value = getattr(config.engine, dest)
         if value < args.batch:  # else every step runs, none decodes the whole batch, and only then the error
-            flag = f"--{dest.replace('_', '-')}" if getattr(args, dest) is not None else f"engine.{dest} (--config/--set)"
-            raise ValueError(f"{flag} {value} < --batch {args.batch}: the batch could never decode in one step")
+            raise ValueError(f"{value_source(args, dest)} {value} < --batch {args.batch}: the batch could never decode in one step")
     if args.stats_overhead and config.parallel.world_size != 1:
         raise ValueError("--stats-overhead runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
     from launch.engine import check_runtime_config
