@@ -341,7 +341,6 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     # room for the batch, and to prefill beside its decode tokens (num_prefill_steps), unless flags,
     # --config or --set say otherwise
     fill_unset(args, {"max_num_seqs": args.batch, "max_num_batched_tokens": max(512, args.batch + 512)})
-    given_blocks = args.num_kv_blocks
     config = runtime_config_from_args(args)
     for dest in ("max_num_seqs", "max_num_batched_tokens"):
         value = getattr(config.engine, dest)
@@ -361,8 +360,9 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
         raise ValueError(f"--context-len {args.context_len} + {tokens - args.context_len} tokens decoded per sequence "
                          f"= {tokens} exceeds max_model_len={max_len} (the model's max_position_embeddings unless "
                          "--max-model-len)")
-    if given_blocks is None:  # room for what a sequence decodes while the rest of the batch prefills, within the
-        # sequence's max_model_len, and within what the memory budget holds (plan.num_kv_blocks: sized from it)
+    if config.engine.num_kv_blocks is None:  # no flag, file or --set sized the pool: room for what a sequence
+        # decodes while the rest of the batch prefills, within the sequence's max_model_len, and within what the
+        # memory budget holds (plan.num_kv_blocks: sized from it)
         block = config.engine.block_size
         room = min(max_len, args.context_len + 2 * (args.warmup_steps + args.steps) + 4 * prefill_steps + 64)
         want = args.batch * -(-room // block) + 1

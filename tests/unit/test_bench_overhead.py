@@ -215,6 +215,10 @@ def test_the_pool_is_sized_within_max_model_len_and_the_budget(tiny_ckpt, capsys
     engine = bench_overhead.build_config(bench_overhead.build_parser().parse_args(
         [*flags, "--batch", "8", "--context-len", "100"])).engine  # 1 prefill step: 100 + 4 + 4 + 64 = 172 tokens
     assert engine.num_kv_blocks == 8 * -(-172 // 16) + 1
+    for given in (["--num-kv-blocks", "300"], ["--set", "engine.num_kv_blocks=300"]):  # a pool asked for is kept
+        engine = bench_overhead.build_config(bench_overhead.build_parser().parse_args(
+            [*flags, "--batch", "8", "--context-len", "100", *given])).engine
+        assert engine.num_kv_blocks == 300, given
     assert bench_overhead.main([*flags, "--batch", "1024", "--context-len", "500", "--memory", "4MiB"]) == 2
     err = capsys.readouterr().err
     tokens = 500 + prefill + 2
