@@ -137,6 +137,12 @@ struct AmxTiles {
     int64_t prev_r0 = 0, prev_rows = 0;
     int prev_j0 = 0, prev_nb = 0;
     auto finish = [&](const float* b, int64_t r0, int64_t rows, int j0, int pnb) {
+      if constexpr (HasPairEpilogue<std::decay_t<Epilogue>>::value) {
+        if (pnb == 2) {
+          for (int64_t r = 0; r < rows; ++r) epilogue.pair(r0 + r, j0, b + r * 32);
+          return;
+        }
+      }
       for (int64_t r = 0; r < rows; ++r)
         for (int j = 0; j < pnb; ++j) epilogue(r0 + r, j0 + j, b + (r * pnb + j) * 16);
     };

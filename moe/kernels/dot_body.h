@@ -117,6 +117,12 @@ static inline void dot_tiles_over_rows(const uint16_t* x, int64_t n, int64_t K, 
       if (ahead) dot_tile_rows<1, true>(rows, x + r0 * ldx, ldx, w, w_stride, K, buf, next);
       else dot_tile_rows<1>(rows, x + r0 * ldx, ldx, w, w_stride, K, buf);
     }
+    if constexpr (HasPairEpilogue<std::decay_t<Epilogue>>::value) {
+      if (nb == 2) {
+        for (int64_t r = 0; r < rows; ++r) epilogue.pair(r0 + r, 0, buf + r * 32);
+        continue;
+      }
+    }
     for (int64_t r = 0; r < rows; ++r)
       for (int j = 0; j < nb; ++j) epilogue(r0 + r, j, buf + (r * nb + j) * 16);
   }
@@ -179,10 +185,66 @@ struct VdpTiles {
       dot_tiles_over_rows(x, n, K, w, nb, w_stride, epilogue, before, ldx);
       return;
     }
-    for (int jb = 0; jb < nb; jb += 2)
-      dot_tiles_over_rows(x, n, K, w + jb * w_stride, std::min(2, nb - jb), w_stride,
-                          [&](int64_t row, int j, const float* acc) { epilogue(row, jb + j, acc); },
-                          [&](int64_t r0, int64_t rows, int j) { before(r0, rows, jb + j); }, ldx);
+    for (int jb = 0; jb < nb; jb += 2) {
+      auto start = [&](int64_t r0, int64_t rows, int j) { before(r0, rows, jb + j); };
+      if constexpr (HasPairEpilogue<std::decay_t<Epilogue>>::value)
+        dot_tiles_over_rows(x, n, K, w + jb * w_stride, std::min(2, nb - jb), w_stride,
+                            BlocksFrom<std::decay_t<Epilogue>>{epilogue, jb}, start, ldx);
+      else
+        dot_tiles_over_rows(x, n, K, w + jb * w_stride, std::min(2, nb - jb), w_stride,
+                            [&](int64_t row, int j, const float* acc) { epilogue(row, jb + j, acc); }, start, ldx);
+    }
+  }
+  // an epilogue with pair(), its blocks counted from jb
+  template <typename E>
+  struct BlocksFrom {
+    const E& e;
+    int jb;
+    void operator()(int64_t row, int j, const float* acc) const { e(row, jb + j, acc); }
+    void pair(int64_t row, int j, const float* acc) const { e.pair(row, jb + j, acc); }
+  };
+};
+
+// e^x on 16 lanes: exp8's operations (exp_body.h) lane for lane, so the same bits.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n));
+}
+
+// silu_mul8 on 16 lanes (the same bits)
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+
+// gate_up's epilogue: act[row, 8j:8j+8] = bf16(silu(gate) * up) from a block's 16 accumulated columns
+// (8 gate channels, then their 8 up channels); pair() takes blocks j and j + 1 of a row in one pass of
+// 16 lanes (the same bits: half the instructions of two 8-lane passes, which ran beside the tile
+// products in the issue slots those left free).
+struct SwiGluRows {
+  uint16_t* act;
+  int64_t ld;
+  void operator()(int64_t row, int j, const float* acc) const {
+    store_bf16x8(act + row * ld + 8 * j, silu_mul8(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)));
+  }
+  void pair(int64_t row, int j, const float* acc) const {
+    const __m512 a = _mm512_loadu_ps(acc), b = _mm512_loadu_ps(acc + 16);  // [g_j u_j], [g_j+1 u_j+1]
+    const __m512i gates = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i ups = _mm512_add_epi32(gates, _mm512_set1_epi32(8));
+    const __m512 v = silu_mul16(_mm512_permutex2var_ps(a, gates, b), _mm512_permutex2var_ps(a, ups, b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + row * ld + 8 * j), (__m256i)_mm512_cvtneps_pbh(v));
   }
 };
 
@@ -196,9 +258,7 @@ struct DotKernelsOf {
   // columns 8 further): x [n, D] bf16 (rows ldx elements apart), w the [D/2][16][2] block.
   static void gate_up(const uint16_t* x, int64_t n, int64_t D, int64_t ldx, const uint16_t* w, int nb,
                       int64_t w_stride, uint16_t* act, int64_t ld_act) {
-    Tiles::over_rows(x, n, D, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
-      store_bf16x8(act + row * ld_act + 8 * j, silu_mul8(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)));
-    }, NoTileStart{}, ldx);
+    Tiles::over_rows(x, n, D, w, nb, w_stride, SwiGluRows{act, ld_act}, NoTileStart{}, ldx);
   }
   // out[row, 16b:16b+16] = row_weight[row] * (act[row] @ block) (and block b + 1 at 16 columns on):
   // act [n, I] bf16, rows ld_act elements apart.
@@ -221,19 +281,33 @@ struct DotKernelsOf {
   static void down_add(const uint16_t* act, int64_t n, int64_t I, int64_t ld_act, const uint16_t* w, int nb,
                        int64_t w_stride, const float* row_weight, const int64_t* out_rows, float* out,
                        int64_t ld_out, const uint8_t* first) {
-    Tiles::over_rows(act, n, I, w, nb, w_stride, [&](int64_t row, int j, const float* acc) {
-      alignas(64) float v[16];
-      _mm512_store_ps(v, _mm512_mul_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(row_weight ? row_weight[row] : 1.f)));
+    Tiles::over_rows(act, n, I, w, nb, w_stride, AddRows{row_weight, out_rows, out, ld_out, first},
+                     OutRowPrefetch{out_rows, out, ld_out}, ld_act);
+  }
+  // down_add's epilogue; pair() takes a row's blocks j and j + 1 (32 columns) at once
+  struct AddRows {
+    const float* row_weight;
+    const int64_t* out_rows;
+    float* out;
+    int64_t ld_out;
+    const uint8_t* first;
+    template <int NB>
+    void add(int64_t row, int j, const float* acc) const {
+      const __m512 rw = _mm512_set1_ps(row_weight ? row_weight[row] : 1.f);
+      alignas(64) float v[16 * NB];
+      for (int b = 0; b < NB; ++b) _mm512_store_ps(v + 16 * b, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * b), rw));
       float* dst = out + out_rows[row] * ld_out + 16 * j;
       if (first && first[row]) {  // 0 + v through add_rounded16 (v unfused with the product), then stored
-        alignas(64) float sum[16] = {};
-        add_rounded16(sum, v);
+        alignas(64) float sum[16 * NB] = {};
+        for (int b = 0; b < NB; ++b) add_rounded16(sum + 16 * b, v + 16 * b);
         std::memcpy(dst, sum, sizeof(sum));
         return;
       }
-      add_rounded16(dst, v);
-    }, OutRowPrefetch{out_rows, out, ld_out}, ld_act);
-  }
+      for (int b = 0; b < NB; ++b) add_rounded16(dst + 16 * b, v + 16 * b);
+    }
+    void operator()(int64_t row, int j, const float* acc) const { add<1>(row, j, acc); }
+    void pair(int64_t row, int j, const float* acc) const { add<2>(row, j, acc); }
+  };
   // The layer's last term and its rounding in one: out[row, 16b:16b+16] (bf16) = bf16(sums[row,
   // 16b:16b+16] + bf16(act[row] @ block)), the product rounded as down<uint16_t> rounds it (its
   // output widened exactly), the sum as add_round rounds it (store_value's rule): the values of

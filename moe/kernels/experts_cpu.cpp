@@ -140,6 +140,13 @@ static inline void add_rounded16(float* __restrict dst, float* v) {
   a += b;
   std::memcpy(dst, &a, sizeof(a));
 }
+// Whether a row loop's epilogue also takes a row's two neighbouring blocks at once: e.pair(row, block j,
+// acc[32]) with block j's 16 columns then block j + 1's (the row loops call it where a tile covers both).
+template <typename E, typename = void>
+struct HasPairEpilogue : std::false_type {};
+template <typename E>
+struct HasPairEpilogue<E, std::void_t<decltype(std::declval<const E&>().pair(int64_t{}, 0, static_cast<const float*>(nullptr)))>>
+    : std::true_type {};
 // What the row loops (tiles_over_rows and the dot tiles') run before a register tile's products:
 // before(row0, rows, block j) for each block of the tile. Nothing by default.
 struct NoTileStart {

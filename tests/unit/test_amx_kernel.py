@@ -68,12 +68,12 @@ def test_amx_experts_match_reference(amx, hidden: int, inter: int) -> None:
 
 
 def _assert_rows_alone_give(want: torch.Tensor, x: torch.Tensor, rw: torch.Tensor,
-                            packed: kernels.PackedExperts) -> None:
-    """The first, middle and last row of each slot in ``COUNTS``, run alone in its expert (a 1-row
-    call), give the same bits as in ``want`` [N, D] (the call over all N rows)."""
+                            packed: kernels.PackedExperts, every_row: bool = False) -> None:
+    """The first, middle and last row (``every_row``: each row) of each slot in ``COUNTS``, run alone
+    in its expert (a 1-row call), give the same bits as in ``want`` [N, D] (the call over all N rows)."""
     start = 0
     for slot, rows in enumerate(COUNTS):
-        for r in (0, rows // 2, rows - 1) if rows else ():
+        for r in (range(rows) if every_row else (0, rows // 2, rows - 1)) if rows else ():
             alone = [0] * len(COUNTS)
             alone[slot] = 1
             row = start + r
@@ -82,27 +82,39 @@ def _assert_rows_alone_give(want: torch.Tensor, x: torch.Tensor, rw: torch.Tenso
         start += rows
 
 
-@pytest.mark.slow
-def test_amx_row_values_do_not_depend_on_the_rows_beside_them_or_the_threads(amx) -> None:
-    """A row's outputs are the same bits alone in its expert (a 1-row tile) as among 100 rows, and
-    on 1, 2 or 3 threads: the tiles keep one order of sums per row."""
+def _assert_rows_keep_their_bits(scale: float) -> None:
+    """A row's outputs are the same bits alone in its expert (a 1-row call) as among 100 rows, and on
+    1, 2 or 3 threads, with the inputs scaled by ``scale``."""
     hidden, inter = 64, 96
     w13, w2 = _weights(len(COUNTS), hidden, inter, torch.bfloat16, seed=9)
     gen = torch.Generator().manual_seed(6)
     n = sum(COUNTS)
-    x = torch.randn(n, hidden, generator=gen).bfloat16()
+    x = (torch.randn(n, hidden, generator=gen) * scale).bfloat16()
+    if scale > 1:
+        gates = torch.einsum("nh,eih->nei", x.float(), w13[:, :inter].float())  # [N, E, I]: every expert's
+        assert gates.abs().max() > 88
     rw = torch.rand(n, generator=gen)
     packed = kernels.pack_experts(w13, w2)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         want = kernels.experts_forward(x, COUNTS, packed, rw, out_fp32=True)
-        _assert_rows_alone_give(want, x, rw, packed)
+        assert want.shape == (n, hidden)
+        _assert_rows_alone_give(want, x, rw, packed, every_row=True)
         for num in (2, 3):
             torch.set_num_threads(num)
             assert torch.equal(kernels.experts_forward(x, COUNTS, packed, rw, out_fp32=True), want), num
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", [1.0, 400.0])
+def test_amx_row_values_do_not_depend_on_the_rows_beside_them_or_the_threads(amx, scale: float) -> None:
+    """The tiles keep one order of sums per row. A lone row's gate/up block goes through the 8-lane
+    SwiGLU, a block pair of many rows through the 16-lane one (the same bits); inputs scaled by 400
+    put gate values past e^x's clamps (|g| > 88)."""
+    _assert_rows_keep_their_bits(scale)
 
 
 @pytest.mark.slow
