@@ -50,7 +50,7 @@ static inline void amx_configure(int m0, int m1, int nb) {
 // three bf16 parts).
 template <int RT, int NB, int S = 1>
 static inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride, int64_t K,
-                            int64_t split_stride = 0) {
+                            int64_t split_stride = 0, const char* l2 = nullptr, int64_t l2_per_step = 0) {
   const int64_t sx = ldx * static_cast<int64_t>(sizeof(uint16_t));
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
@@ -66,6 +66,10 @@ static inline void amx_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, i
     for (int l = 0; l < 16; ++l) {
       _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
       if constexpr (NB == 2) _mm_prefetch(ahead + 2 * w_stride + 64 * l, _MM_HINT_T0);
+    }
+    if (l2) {  // l2_per_step lines a step from l2 on into L2 (StreamNextBlocks)
+      const char* at = l2 + (k / 32) * l2_per_step * 64;
+      for (int64_t l = 0; l < l2_per_step; ++l) _mm_prefetch(at + 64 * l, _MM_HINT_T1);
     }
     _tile_loadd(6, w + k * 16, 64);  // pair rows k/2 .. k/2 + 15 of block 0
     if constexpr (NB == 2) _tile_loadd(7, w + w_stride + k * 16, 64);
@@ -133,6 +137,14 @@ struct AmxTiles {
     // and the chain goes on from one block pair to the next (one call over many blocks leaves only
     // its last pass's epilogue unoverlapped).
     alignas(64) float buf[2][32 * 32];
+    // StreamNextBlocks (an expert's first panel of gate/up, block pairs outer): each pass of a block
+    // pair also asks for its share of the next pair's lines into L2, spread over its k steps, when
+    // the pair has three row groups or more to spread them over. The hardware's prefetchers alone
+    // leave a first panel's passes waiting on L3 or DRAM (DeepSeek-style layer, one 96-row panel
+    // an expert at T = 1024: 0.90x the time; with one or two row groups, T <= 512, the requests cost
+    // as much as they saved).
+    const int64_t groups = (n + 31) / 32, next_lines = 2 * w_stride * static_cast<int64_t>(sizeof(uint16_t)) / 64;
+    const bool stream = std::is_same_v<std::decay_t<Before>, StreamNextBlocks> && S == 1 && groups >= 3;
     int m0_now = -1, m1_now = -1, nb_now = -1;
     int64_t prev_r0 = 0, prev_rows = 0;
     int prev_j0 = 0, prev_nb = 0;
@@ -158,12 +170,19 @@ struct AmxTiles {
       }
       const uint16_t* xr = x + r0 * ldx;
       float* b = buf[cur];
+      const char* l2 = nullptr;  // this pass's share of the next block pair's lines (StreamNextBlocks)
+      int64_t l2_per_step = 0;
+      if (stream) {
+        const int64_t share = (next_lines + groups - 1) / groups;
+        l2_per_step = (share + K / 32 - 1) / (K / 32);
+        l2 = reinterpret_cast<const char*>(w + (j0 + 2) * w_stride) + (r0 / 32) * share * 64;
+      }
       if (m1 > 0) {
-        if (pnb == 2) amx_pass<2, 2, S>(xr, ldx, wj, w_stride, K, split_stride);
-        else amx_pass<2, 1, S>(xr, ldx, wj, w_stride, K, split_stride);
+        if (pnb == 2) amx_pass<2, 2, S>(xr, ldx, wj, w_stride, K, split_stride, l2, l2_per_step);
+        else amx_pass<2, 1, S>(xr, ldx, wj, w_stride, K, split_stride, l2, l2_per_step);
       } else {
-        if (pnb == 2) amx_pass<1, 2, S>(xr, ldx, wj, w_stride, K, split_stride);
-        else amx_pass<1, 1, S>(xr, ldx, wj, w_stride, K, split_stride);
+        if (pnb == 2) amx_pass<1, 2, S>(xr, ldx, wj, w_stride, K, split_stride, l2, l2_per_step);
+        else amx_pass<1, 1, S>(xr, ldx, wj, w_stride, K, split_stride, l2, l2_per_step);
       }
       for (int j = 0; j < pnb; ++j) before.into_l2(r0, rows, j0 + j);
       if (prev_rows > 0) finish(buf[cur ^ 1], prev_r0, prev_rows, prev_j0, prev_nb);
@@ -182,7 +201,8 @@ struct AmxTiles {
     // re-read from L2. DeepSeek-style layer (the down weight 512 KB) at T = 4096, AMX box, calls
     // alternating in one process: 0.98x the time; Mixtral-style (4 MB, re-read from L3) 1.09x, so
     // those keep the block pairs outside. Without a tile start (gate/up, stores) it was no faster.
-    constexpr bool plain = std::is_same_v<std::decay_t<Before>, NoTileStart>;
+    constexpr bool plain = std::is_same_v<std::decay_t<Before>, NoTileStart> ||
+                           std::is_same_v<std::decay_t<Before>, StreamNextBlocks>;
     const bool rows_outer = !plain && nb * w_stride * static_cast<int64_t>(sizeof(uint16_t)) <= ROWS_OUTER_MAX_BYTES;
     if (rows_outer) {
       for (int64_t r0 = 0; r0 < n; r0 += 32)

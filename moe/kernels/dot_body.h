@@ -256,9 +256,11 @@ template <typename Tiles>
 struct DotKernelsOf {
   // act[row, 8b:8b+8] = bf16(silu(gate) * up) for rows [0, n) and blocks b, b + 1 (nb == 2; act
   // columns 8 further): x [n, D] bf16 (rows ldx elements apart), w the [D/2][16][2] block.
+  // first_panel: the expert's first rows, whose passes bring its weights in (StreamNextBlocks).
   static void gate_up(const uint16_t* x, int64_t n, int64_t D, int64_t ldx, const uint16_t* w, int nb,
-                      int64_t w_stride, uint16_t* act, int64_t ld_act) {
-    Tiles::over_rows(x, n, D, w, nb, w_stride, SwiGluRows{act, ld_act}, NoTileStart{}, ldx);
+                      int64_t w_stride, uint16_t* act, int64_t ld_act, bool first_panel) {
+    if (first_panel) Tiles::over_rows(x, n, D, w, nb, w_stride, SwiGluRows{act, ld_act}, StreamNextBlocks{}, ldx);
+    else Tiles::over_rows(x, n, D, w, nb, w_stride, SwiGluRows{act, ld_act}, NoTileStart{}, ldx);
   }
   // out[row, 16b:16b+16] = row_weight[row] * (act[row] @ block) (and block b + 1 at 16 columns on):
   // act [n, I] bf16, rows ld_act elements apart.

@@ -153,6 +153,10 @@ struct NoTileStart {
   void operator()(int64_t, int64_t, int) const {}
   void into_l2(int64_t, int64_t, int) const {}
 };
+// gate/up's tile start on an expert's first row panel (the one that brings its weights from L3 or
+// DRAM): nothing per tile, but on the AMX tiles each pass also asks for its share of the next block
+// pair's weights into L2 (see AmxTiles::over_rows).
+struct StreamNextBlocks : NoTileStart {};
 // The down_add tiles' tile start: asks for the tile's fp32 output lines (one 64-byte line per row
 // and 16-column block j, row r at out + out_rows[r] * ld_out) while it computes. Prefill-size output
 // rows are spread over megabytes (L3 or DRAM) and each add read-modify-writes them: without it the
@@ -420,7 +424,7 @@ using PagedPrefillFn = void (*)(bool, const void*, int64_t, int64_t, int64_t, in
                                 float*, float*, float*, float*, void*, int64_t);
 // bf16 x bf16 ops: (rows, n, K, the rows' stride, blocks w, nb, w_stride, ...)
 using GateUpDotFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int, int64_t, uint16_t*,
-                             int64_t);
+                             int64_t, bool);
 template <typename OT>
 using DownDotFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int, int64_t, const float*,
                            OT*, int64_t);
@@ -873,12 +877,12 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
           const uint16_t* w = dot_w13(it.expert * nb13, nb13);
           if (it.rows >= pairs) {  // block pairs, all in one call (see work_items)
             isa.dot.gate_up(scratch.data(), it.rows, D, ldr, w, static_cast<int>(nb13), D * 16,
-                            act_b + it.row0 * ld_act, ld_act);
+                            act_b + it.row0 * ld_act, ld_act, it.row0 == offsets[it.expert]);
             continue;
           }
           for (int64_t b = 0; b < nb13; ++b)  // fewer rows than a pair takes: one block per call
             isa.dot.gate_up(scratch.data(), it.rows, D, ldr, w + b * D * 16, 1, D * 16,
-                            act_b + it.row0 * ld_act + b * 8, ld_act);
+                            act_b + it.row0 * ld_act + b * 8, ld_act, false);
         }
     });
   }
@@ -891,7 +895,7 @@ static void run_experts(const void* xs, bool dot, const std::vector<int64_t>& of
     const char* w = w13_ptr + block * D * 16 * esize;
     if (dot)
       isa.dot.gate_up(xb + it.row0 * ldx, it.rows, D, ldx, dot_w13(block, it.blocks), it.blocks, D * 16,
-                      act_b + it.row0 * ld_act + it.block * 8, ld_act);
+                      act_b + it.row0 * ld_act + it.block * 8, ld_act, it.row0 == offsets[it.expert]);
     else
       isa.gate_up(wt, xf + it.row0 * D, it.rows, D, w, it.blocks, D * 16, s13_ptr ? s13_ptr + block * 16 : nullptr,
                   act_f + it.row0 * I + it.block * 8, I);
