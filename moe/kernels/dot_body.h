@@ -205,29 +205,8 @@ struct VdpTiles {
   };
 };
 
-// e^x on 16 lanes: exp8's operations (exp_body.h) lane for lane, so the same bits.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n));
-}
-
-// silu_mul8 on 16 lanes (the same bits)
-static inline __m512 silu_mul16(__m512 g, __m512 u) {
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
-}
+// silu_mul8 on 16 lanes (exp_body.h's lane ops: the same bits)
+static inline __m512 silu_mul16(__m512 g, __m512 u) { return silu_mul_lanes(g, u); }
 
 // gate_up's epilogue: act[row, 8j:8j+8] = bf16(silu(gate) * up) from a block's 16 accumulated columns
 // (8 gate channels, then their 8 up channels); pair() takes blocks j and j + 1 of a row in one pass of

@@ -373,7 +373,9 @@ static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace avx512bf16 {
+#define MOE_LANES16 1
 #include "exp_body.h"
+#undef MOE_LANES16
 #include "dot_body.h"
 #undef MOE_EXP8
 }  // namespace avx512bf16
