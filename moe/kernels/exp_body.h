@@ -4,38 +4,29 @@
 
 // Lane ops on 8 fp32 lanes (AVX2 + FMA), and with MOE_LANES16 defined before this file (AVX-512
 // namespaces) on 16: exp_lanes and silu_mul_lanes below are written once over them, so the 8- and
-// 16-lane versions are the same operations lane for lane (the same bits).
-static inline __m256 lanes_splat(__m256, float c) { return _mm256_set1_ps(c); }
-static inline __m256 lanes_min(__m256 a, __m256 b) { return _mm256_min_ps(a, b); }
-static inline __m256 lanes_max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
-static inline __m256 lanes_add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
-static inline __m256 lanes_sub(__m256 a, __m256 b) { return _mm256_sub_ps(a, b); }
-static inline __m256 lanes_mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
-static inline __m256 lanes_div(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
-static inline __m256 lanes_fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
-static inline __m256 lanes_fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
-static inline __m256 lanes_round(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-// 2^n for integral n (fp32 lanes) built in the exponent bits
-static inline __m256 lanes_pow2(__m256 n) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-}
+// 16-lane versions are the same operations lane for lane (the same bits). MOE_LANE_OPS makes one
+// width's: V the fp32 vector, P the intrinsics' prefix, ROUND the round-to-nearest intrinsic, ALL the
+// bit casts' width (256 or 512).
+#define MOE_LANE_OPS(V, P, ROUND, ALL)                                                                  \
+  static inline V lanes_splat(V, float c) { return P##_set1_ps(c); }                                   \
+  static inline V lanes_min(V a, V b) { return P##_min_ps(a, b); }                                     \
+  static inline V lanes_max(V a, V b) { return P##_max_ps(a, b); }                                     \
+  static inline V lanes_add(V a, V b) { return P##_add_ps(a, b); }                                     \
+  static inline V lanes_sub(V a, V b) { return P##_sub_ps(a, b); }                                     \
+  static inline V lanes_mul(V a, V b) { return P##_mul_ps(a, b); }                                     \
+  static inline V lanes_div(V a, V b) { return P##_div_ps(a, b); }                                     \
+  static inline V lanes_fmadd(V a, V b, V c) { return P##_fmadd_ps(a, b, c); }                         \
+  static inline V lanes_fnmadd(V a, V b, V c) { return P##_fnmadd_ps(a, b, c); }                       \
+  static inline V lanes_round(V x) { return ROUND(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); } \
+  /* 2^n for integral n, built in the exponent bits */                                                 \
+  static inline V lanes_pow2(V n) {                                                                    \
+    return P##_castsi##ALL##_ps(P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23)); \
+  }
+MOE_LANE_OPS(__m256, _mm256, _mm256_round_ps, 256)
 #ifdef MOE_LANES16
-static inline __m512 lanes_splat(__m512, float c) { return _mm512_set1_ps(c); }
-static inline __m512 lanes_min(__m512 a, __m512 b) { return _mm512_min_ps(a, b); }
-static inline __m512 lanes_max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
-static inline __m512 lanes_add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-static inline __m512 lanes_sub(__m512 a, __m512 b) { return _mm512_sub_ps(a, b); }
-static inline __m512 lanes_mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
-static inline __m512 lanes_div(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
-static inline __m512 lanes_fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
-static inline __m512 lanes_fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
-static inline __m512 lanes_round(__m512 x) {
-  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-static inline __m512 lanes_pow2(__m512 n) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-}
+MOE_LANE_OPS(__m512, _mm512, _mm512_roundscale_ps, 512)
 #endif
+#undef MOE_LANE_OPS
 
 // e^x: Cephes' expf (x = n ln2 + r with ln2 in two parts, a degree-6 polynomial in r, then 2^n
 // built in the exponent bits), within 2 ulp of std::exp; x clamped to [-87.3, 88] (2^n normal).
