@@ -218,7 +218,7 @@ class LLM:
         if not isinstance(prompt, Mapping):
             raise ValueError(f"{where}: a prompt must be a string, {{'prompt': str}} or "
                              f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
-        unknown = sorted((str(k) for k in prompt if k not in PROMPT_KEYS), key=str)
+        unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
         if unknown:
             sampling = [k for k in unknown if k in SAMPLING_FIELDS]
             hint = (f"sampling fields ({', '.join(sampling)}) go in SamplingParams, not the prompt" if sampling else

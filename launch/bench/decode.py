@@ -462,6 +462,16 @@ def check_step_flags(args: argparse.Namespace, positive: tuple[str, ...]) -> Non
         raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
 
 
+def check_batch_fits(args: argparse.Namespace, config: RuntimeConfig, batch: int, limit: str, subject: str) -> None:
+    """ValueError unless the engine's max_num_seqs and max_num_batched_tokens each take ``batch``
+    sequences' decode tokens in one step (``limit`` names the flag that asked for the batch, ``subject``
+    the batch), naming where the short value came from (``value_source``)."""
+    for dest in ("max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(config.engine, dest)
+        if value < batch:  # else every step runs, none decodes the whole batch, and only then the error
+            raise ValueError(f"{value_source(args, dest)} {value} < {limit}: {subject} could never decode in one step")
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if args.warmup_steps is None:
         from moe.cuda_graphs import CAPTURE_AFTER
@@ -495,10 +505,7 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     if config.parallel.world_size != 1:
         raise ValueError("bench decode runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
     e = config.engine
-    for dest, value in (("max_num_seqs", e.max_num_seqs), ("max_num_batched_tokens", e.max_num_batched_tokens)):
-        if value < biggest:
-            raise ValueError(f"{value_source(args, dest)} {value} < the largest --batch-sizes {biggest}: that batch could never decode "
-                             "in one step")
+    check_batch_fits(args, config, biggest, f"the largest --batch-sizes {biggest}", "that batch")
     plan = check_runtime_config(config)  # model path, layout, KV budget (--memory), before any weights load
     max_len = plan.max_model_len
     tokens = {b: seq_tokens(args, b, e.max_num_batched_tokens) for b in args.batch_sizes}

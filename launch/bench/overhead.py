@@ -57,15 +57,9 @@ from typing import Any
 
 import torch
 
-from launch.bench.decode import check_step_flags, num_prefill_steps
+from launch.bench.decode import check_batch_fits, check_step_flags, num_prefill_steps
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import (
-    FlagParser,
-    add_runtime_args,
-    fill_unset,
-    runtime_config_from_args,
-    value_source,
-)
+from launch.config_args import FlagParser, add_runtime_args, fill_unset, runtime_config_from_args
 from launch.core import SamplingParams, SchedulerOutput
 from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
@@ -342,10 +336,7 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     # --config or --set say otherwise
     fill_unset(args, {"max_num_seqs": args.batch, "max_num_batched_tokens": max(512, args.batch + 512)})
     config = runtime_config_from_args(args)
-    for dest in ("max_num_seqs", "max_num_batched_tokens"):
-        value = getattr(config.engine, dest)
-        if value < args.batch:  # else every step runs, none decodes the whole batch, and only then the error
-            raise ValueError(f"{value_source(args, dest)} {value} < --batch {args.batch}: the batch could never decode in one step")
+    check_batch_fits(args, config, args.batch, f"--batch {args.batch}", "the batch")
     if args.stats_overhead and config.parallel.world_size != 1:
         raise ValueError("--stats-overhead runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
     from launch.engine import check_runtime_config

@@ -205,9 +205,6 @@ struct VdpTiles {
   };
 };
 
-// silu_mul8 on 16 lanes (exp_body.h's lane ops: the same bits)
-static inline __m512 silu_mul16(__m512 g, __m512 u) { return silu_mul_lanes(g, u); }
-
 // gate_up's epilogue: act[row, 8j:8j+8] = bf16(silu(gate) * up) from a block's 16 accumulated columns
 // (8 gate channels, then their 8 up channels); pair() takes blocks j and j + 1 of a row in one pass of
 // 16 lanes (the same bits: half the instructions of two 8-lane passes, which ran beside the tile
@@ -222,7 +219,7 @@ struct SwiGluRows {
     const __m512 a = _mm512_loadu_ps(acc), b = _mm512_loadu_ps(acc + 16);  // [g_j u_j], [g_j+1 u_j+1]
     const __m512i gates = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i ups = _mm512_add_epi32(gates, _mm512_set1_epi32(8));
-    const __m512 v = silu_mul16(_mm512_permutex2var_ps(a, gates, b), _mm512_permutex2var_ps(a, ups, b));
+    const __m512 v = silu_mul_lanes(_mm512_permutex2var_ps(a, gates, b), _mm512_permutex2var_ps(a, ups, b));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + row * ld + 8 * j), (__m256i)_mm512_cvtneps_pbh(v));
   }
 };
