@@ -31,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # compiler missing or failing: say so in one line
         print(f"error: building the CPU expert kernel failed: {kernels.build_failure(e)}", file=sys.stderr)
         return 1
-    isa, rate = kernels.settle_isa()  # the dot rate probed once here, kept for every later process
+    isa, rate, gain = kernels.settle_isa()  # the CPU's probes run once here, kept for every later process
     dot = f", bf16 dot product at {rate:.2f}x the fp32 FMA rate" if rate else ""
+    if rate:
+        dot += (f", one-row tiles {'with' if kernels.one_row_prefetch() else 'without'} prefetches "
+                f"({gain:.2f}x faster without)")
     print(f"moe kernels: {directory} (isa {isa}{dot}, {time.perf_counter() - started:.1f} s)")
     return 0

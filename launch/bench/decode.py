@@ -198,7 +198,10 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5,
         packed = kernels.pack_linear(b)
         x = a[:96].contiguous()
         seconds = best_call_seconds(lambda: kernels.linear_forward(x, packed), repeats=repeats)
-        rates[f"linear kernel, isa {kernels.isa()}"] = 2 * 96 * size * size / seconds
+        isa = kernels.isa()
+        off = isa in ("amx", "avx512bf16") and not kernels.one_row_prefetch()
+        rates[f"linear kernel, isa {isa}{', one-row tiles without prefetches' if off else ''}"] = \
+            2 * 96 * size * size / seconds
     name = max(rates, key=rates.__getitem__)
     return rates[name], name
 

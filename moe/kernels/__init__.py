@@ -768,15 +768,24 @@ def is_available() -> bool:
     return True
 
 
-def settle_isa() -> tuple[str, float]:
+def settle_isa() -> tuple[str, float, float]:
     """After the build loaded: take this CPU's agreed bf16 dot rate (``agree_bf16_dot_rate``), then
-    select the instruction set ``$MOE_KERNEL_ISA`` names or the fastest by that rate. Returns (the
-    instruction set, the rate)."""
+    select the instruction set ``$MOE_KERNEL_ISA`` names or the fastest by that rate, then settle
+    whether one-row dot tiles prefetch (``agree_one_row_prefetch``). Returns (the instruction set,
+    the rate, the one-row tiles' measured gain without prefetches)."""
     rate = agree_bf16_dot_rate()
-    return select_isa_from_env(), rate
+    chosen = select_isa_from_env()
+    return chosen, rate, agree_one_row_prefetch()
 
 
-DOT_RATE_FILE = "bf16_dot_rate.json"
+PROBES_FILE = "cpu_probes.json"
+# "1" / "0": one-row dot tiles prefetch their weight lines or not (A/B runs of one build); unset or
+# "auto": as this CPU's probe found faster
+ONE_ROW_PREFETCH_ENV = "MOE_ONE_ROW_PREFETCH"
+# The weights the one-row probe streams (flushed from the caches before each pass) and the gain from
+# which one-row tiles run without prefetches.
+ONE_ROW_PROBE_BYTES = 32 << 20
+ONE_ROW_PREFETCH_GAIN = 1.05
 
 
 def cpu_signature() -> str:
@@ -798,28 +807,72 @@ def cpu_signature() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _saved_probe(key: str) -> float | None:
+    """The probe ``key`` the first process on this CPU saved beside the build, or None."""
+    try:
+        saved = json.loads((cache_dir() / PROBES_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    value = saved.get(key) if isinstance(saved, dict) and saved.get("cpu") == cpu_signature() else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _save_probe(key: str, value: float) -> None:
+    """Keep ``value`` under ``key`` beside the build with this CPU's other probes (another CPU's are
+    replaced); an unwritable cache keeps it in this process only."""
+    path = cache_dir() / PROBES_FILE
+    signature = cpu_signature()
+    try:
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        if not isinstance(saved, dict) or saved.get("cpu") != signature:
+            saved = {"cpu": signature}
+        saved[key] = value
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("moe.kernels: probe %s not saved (%s)", key, e)
+
+
 def agree_bf16_dot_rate() -> float:
     """The bf16 dot rate this process picks its tiles by: the one the first process on this CPU
     probed, read from the kernel's cache folder (keyed by ``cpu_signature``), else probed now and
     written there. A rate near 1.0 could otherwise pick the dot tiles in one process and the FMA
     tiles in another (their bf16 results differ in the last bits), e.g. the driver and its Ray
     workers. An unwritable cache keeps the probe of this process."""
-    path = cache_dir() / DOT_RATE_FILE
-    signature = cpu_signature()
-    try:
-        saved = json.loads(path.read_text())
-        if saved.get("cpu") == signature and isinstance(saved.get("rate"), (int, float)):
-            return float(torch.ops.moe_kernels.set_bf16_dot_rate(float(saved["rate"])))
-    except (OSError, ValueError, AttributeError):
-        pass
+    saved = _saved_probe("rate")
+    if saved is not None:
+        return float(torch.ops.moe_kernels.set_bf16_dot_rate(saved))
     rate = float(torch.ops.moe_kernels.bf16_dot_rate())
-    try:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"cpu": signature, "rate": rate}) + "\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        log.debug("moe.kernels: bf16 dot rate not saved (%s)", e)
+    _save_probe("rate", rate)
     return rate
+
+
+def agree_one_row_prefetch() -> float:
+    """Settle whether one-row dot tiles (decode's weight streams) ask for their weight lines ahead in
+    software: ``$MOE_ONE_ROW_PREFETCH`` ("1" or "0") when set, else by this CPU's probe (kept beside
+    the build like the dot rate): without, where one-row passes over weights in DRAM run at least
+    ``ONE_ROW_PREFETCH_GAIN`` times faster without them (AMD Zen 4: ~1.2x). The setting changes no
+    result bits. Returns the probe's gain (1.0 without AVX512-BF16: no dot tiles)."""
+    gain = _saved_probe("one_row_prefetch_gain")
+    if gain is None:
+        gain = float(torch.ops.moe_kernels.one_row_prefetch_gain(ONE_ROW_PROBE_BYTES))
+        _save_probe("one_row_prefetch_gain", gain)
+    wanted = os.environ.get(ONE_ROW_PREFETCH_ENV, "auto")
+    if wanted not in ("auto", "0", "1"):
+        log.warning("moe.kernels: %s=%s not used (expected 0, 1 or auto)", ONE_ROW_PREFETCH_ENV, wanted)
+        wanted = "auto"
+    on = wanted == "1" if wanted != "auto" else gain < ONE_ROW_PREFETCH_GAIN
+    torch.ops.moe_kernels.set_one_row_prefetch(on)
+    return gain
+
+
+def one_row_prefetch() -> bool:
+    """Whether one-row dot tiles prefetch in this process (``agree_one_row_prefetch``)."""
+    return bool(torch.ops.moe_kernels.one_row_prefetch())
 
 
 def select_isa_from_env() -> str:

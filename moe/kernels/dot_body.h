@@ -17,13 +17,19 @@
 // gate/up phase ~1.2x faster), batch 8 the MLA attention op 480 -> 422 and the dense MLP 703 -> 532,
 // while batch 1 (one-row tiles everywhere) took 2-3 % longer at 8 KB than at 2 KB; 16 KB was no
 // better than 8 KB. Prefill-size experts and linears (T = 512, 4096) were unchanged or faster.
+//
+// Whether one-row tiles prefetch at all is this CPU's, measured (one_row_prefetch_slot, set from
+// one_row_prefetch_gain's probe): a one-row tile issues one dot product per weight line, so its
+// prefetches come as fast as its loads. On AMD Zen 4 (EPYC, family 25 model 17) they cost more than
+// they bring: the small DeepSeek-style checkpoint's decode step took 0.74-0.77x the time without
+// them at batch 1, 0.82-0.94x at batch 8 (the probe: one-row passes 1.13-1.36x faster).
 constexpr int64_t DOT_PREFETCH_BYTES_ROWS = 8192;
 template <int R>
 constexpr int64_t dot_prefetch_bytes() {
   return R == 1 ? PREFETCH_BYTES : DOT_PREFETCH_BYTES_ROWS;
 }
 
-template <int R, int NB, bool NEXT = false>
+template <int R, int NB, bool NEXT = false, bool PREFETCH = true>
 static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t w_stride,
                             int64_t K, float* __restrict out, const uint16_t* next = nullptr) {
   constexpr int KS = R * NB >= 8 ? 1 : 8 / (R * NB);  // >= 8 chains over the dot latency
@@ -44,7 +50,7 @@ static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uin
       for (int j = 0; j < NB; ++j) {
         if constexpr (NEXT)
           __builtin_prefetch(next + j * w_stride + (p + s) * 32, 0, 2);
-        else
+        else if constexpr (PREFETCH)
           __builtin_prefetch(reinterpret_cast<const char*>(w + j * w_stride + (p + s) * 32) + dot_prefetch_bytes<R>());
         wv[j] = _mm512_loadu_si512(w + j * w_stride + (p + s) * 32);
       }
@@ -87,6 +93,10 @@ constexpr int DOT_TILE_ROWS = 12;
 template <int NB, bool NEXT = false>
 static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride,
                           int64_t K, float* out, const uint16_t* next = nullptr) {
+  if (!NEXT && rows == 1 && !one_row_prefetch_slot()) {
+    dot_tile<1, NB, false, false>(x, ldx, w, w_stride, K, out);
+    return;
+  }
   with_row_count<DOT_TILE_ROWS>(
       rows, [&](auto r) { dot_tile<decltype(r)::value, NB, NEXT>(x, ldx, w, w_stride, K, out, next); });
 }
@@ -605,4 +615,44 @@ static double dot_to_fma_rate() {
     fma = std::min(fma, dot_rate_seconds(iters, false));
   }
   return (64.0 / dot) / (32.0 / fma);
+}
+
+// How much faster one-row dot tiles stream weights from DRAM without their prefetches than with
+// them (> 1: faster without): the best of seven alternating passes of each over `bytes` of bf16
+// blocks (K = 1024, as a linear of one row runs them, on huge pages as the packed weights are),
+// every line flushed from the caches before each pass, so each pass reads DRAM whatever the size
+// of the last-level cache.
+static double one_row_prefetch_gain(int64_t bytes) {
+  constexpr int64_t K = 1024, block = K * 16 * 2;
+  constexpr size_t page = size_t{1} << 21;
+  const int64_t blocks = std::max<int64_t>(1, bytes / block);
+  const size_t size = (static_cast<size_t>(blocks * block) + page - 1) / page * page;
+  std::unique_ptr<uint16_t, decltype(&std::free)> mem(static_cast<uint16_t*>(std::aligned_alloc(page, size)), &std::free);
+  if (!mem) return 1.0;
+  uint16_t* w = mem.get();
+#if defined(__linux__)
+  madvise(w, size, MADV_HUGEPAGE);
+#endif
+  std::fill(w, w + size / 2, uint16_t{0x3c00});  // 2^-7: sums stay finite
+  alignas(64) uint16_t x[K];
+  std::fill(x, x + K, uint16_t{0x3f80});
+  alignas(64) float out[16];
+  float sink = 0.0f;
+  auto pass = [&](bool prefetch) {
+    for (size_t at = 0; at < size; at += 64) _mm_clflush(reinterpret_cast<char*>(w) + at);
+    _mm_mfence();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (prefetch) dot_tile<1, 1, false, true>(x, K, w + b * K * 16, 0, K, out);
+      else dot_tile<1, 1, false, false>(x, K, w + b * K * 16, 0, K, out);
+      sink += out[b & 15];
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  double with = 1e30, without = 1e30;
+  for (int rep = 0; rep < 7; ++rep) {
+    with = std::min(with, pass(true));
+    without = std::min(without, pass(false));
+  }
+  return sink == sink ? with / without : 1.0;  // reads sink: the passes are not optimised away
 }

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -40,6 +41,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__linux__)
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -239,6 +241,13 @@ static at::Tensor float32_contiguous(const at::Tensor& x) {
   }
   copy_strided(x, d, [](uint16_t h) { return to_float(h); });
   return out;
+}
+
+// Whether one-row dot tiles (dot_body.h) ask for their weight lines ahead in software: measured per
+// CPU (one_row_prefetch_gain, kernels.agree_cpu_probes), set by set_one_row_prefetch.
+static bool& one_row_prefetch_slot() {
+  static bool on = true;
+  return on;
 }
 
 // f(std::integral_constant<int, R>{}) for R == rows in [1, MAX] (nothing outside): a row count known
@@ -550,6 +559,26 @@ double bf16_dot_rate() {
 // is picked.
 double set_bf16_dot_rate(double rate) {
   return dot_rate_slot() = rate < 0 ? -1.0 : cpu_has("avx512bf16") ? rate : 0.0;
+}
+
+// One-row dot tiles' gain from dropping their prefetches on this CPU (dot_body.h's
+// one_row_prefetch_gain over `bytes` of weights; > 1: faster without them); 1.0 where the CPU has no
+// AVX512-BF16 (no dot tiles).
+double one_row_prefetch_gain(int64_t bytes) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (cpu_has("avx512bf16")) return avx512bf16::one_row_prefetch_gain(bytes);
+#endif
+  (void)bytes;
+  return 1.0;
+}
+
+// Whether one-row dot tiles prefetch from now on; returns the setting.
+bool set_one_row_prefetch(bool on) {
+  return one_row_prefetch_slot() = on;
+}
+
+bool one_row_prefetch() {
+  return one_row_prefetch_slot();
 }
 
 // The fastest instruction set this CPU runs: the dot tiles only where the dot product out-runs the
@@ -2368,6 +2397,9 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
   m.def("bf16_dot_rate() -> float", &moe_kernels::bf16_dot_rate);
   m.def("set_bf16_dot_rate(float rate) -> float", &moe_kernels::set_bf16_dot_rate);
+  m.def("one_row_prefetch_gain(int bytes) -> float", &moe_kernels::one_row_prefetch_gain);
+  m.def("set_one_row_prefetch(bool on) -> bool", &moe_kernels::set_one_row_prefetch);
+  m.def("one_row_prefetch() -> bool", &moe_kernels::one_row_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {

@@ -589,6 +589,59 @@ def test_isa_from_environment(kernel_isas: list[str], monkeypatch: pytest.Monkey
         kernels.select_isa("auto")
 
 
+def test_one_row_tiles_with_or_without_prefetches_give_the_same_bits(kernel_isas: list[str],
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture,
+                                                                     tmp_path) -> None:
+    """Whether one-row dot tiles prefetch (decode's weight streams) is the CPU's, measured: the probe
+    is kept beside the build, ``$MOE_ONE_ROW_PREFETCH`` overrides it, and the one-row linear and
+    experts (1 row per expert) give the same bits either way."""
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
+    before = kernels.one_row_prefetch()
+    try:
+        monkeypatch.delenv(kernels.ONE_ROW_PREFETCH_ENV, raising=False)
+        gain = kernels.agree_one_row_prefetch()  # probed here: the cache folder is new
+        if "avx512bf16" in kernel_isas:
+            assert 0.2 < gain < 5.0
+            assert kernels.one_row_prefetch() is (gain < kernels.ONE_ROW_PREFETCH_GAIN)
+        else:
+            assert gain == 1.0 and kernels.one_row_prefetch()
+        assert json.loads((tmp_path / kernels.PROBES_FILE).read_text())["one_row_prefetch_gain"] == gain
+        (tmp_path / kernels.PROBES_FILE).write_text(json.dumps({"cpu": kernels.cpu_signature(),
+                                                                "one_row_prefetch_gain": 2.0}))
+        kernels.agree_one_row_prefetch()
+        assert kernels.one_row_prefetch() is False  # the saved probe, not a new one
+        monkeypatch.setenv(kernels.ONE_ROW_PREFETCH_ENV, "1")
+        kernels.agree_one_row_prefetch()
+        assert kernels.one_row_prefetch() is True
+        monkeypatch.setenv(kernels.ONE_ROW_PREFETCH_ENV, "sometimes")
+        with caplog.at_level(logging.WARNING, logger="moe.kernels"):
+            kernels.agree_one_row_prefetch()
+        assert "MOE_ONE_ROW_PREFETCH=sometimes not used (expected 0, 1 or auto)" in caplog.text
+        assert kernels.one_row_prefetch() is False
+
+        g = torch.Generator().manual_seed(5)
+        w = (torch.randn(96, 1040, generator=g) / 30).bfloat16()  # 6 column blocks, K not a multiple of 32
+        x = torch.randn(1, 1040, generator=g).bfloat16()
+        w13, w2 = _weights(4, 64, 40, torch.bfloat16, seed=6)
+        rows = torch.randn(4, 64, generator=g).bfloat16()
+        for isa in [i for i in kernel_isas if i in ("avx512bf16", "amx")]:
+            kernels.select_isa(isa)
+            packed, experts = kernels.pack_linear(w), kernels.pack_experts(w13, w2)
+            outs = []
+            for on in (True, False):
+                torch.ops.moe_kernels.set_one_row_prefetch(on)
+                outs.append((kernels.linear_forward(x, packed),
+                             kernels.experts_forward(rows, [1, 1, 1, 1], experts)))
+            assert outs[0][0].shape == (1, 96) and outs[0][1].shape == (4, 64)
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+            ref = (x.float() @ w.float().t()).bfloat16()
+            torch.testing.assert_close(outs[1][0].float(), ref.float(), rtol=2e-2, atol=2e-2)
+    finally:
+        torch.ops.moe_kernels.set_one_row_prefetch(before)
+        kernels.select_isa("auto")
+
+
 def test_auto_isa_takes_the_dot_product_only_where_it_outruns_the_fma(kernel_isas: list[str]) -> None:
     """The load-time probe: the bf16 dot product's flop rate over the fp32 FMA's decides between the
     dot tiles and the FMA tiles (Intel's AVX512-BF16 without AMX runs the dot product at half rate);
@@ -631,11 +684,14 @@ def test_every_process_on_a_cpu_takes_the_first_probe(kernel_isas: list[str], mo
     the other side of 1.0; another CPU's entry is replaced, and an unwritable cache is no error."""
     probed = kernels.bf16_dot_rate()
     has_dot = "avx512bf16" in kernel_isas
-    saved = tmp_path / kernels.DOT_RATE_FILE
+    saved = tmp_path / kernels.PROBES_FILE
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
     try:
         assert kernels.agree_bf16_dot_rate() == probed  # first process: probes and writes
         assert json.loads(saved.read_text()) == {"cpu": kernels.cpu_signature(), "rate": probed}
+        saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": probed, "one_row_prefetch_gain": 0.5}))
+        assert kernels.agree_one_row_prefetch() == 0.5  # the other probe kept beside it
+        assert json.loads(saved.read_text())["rate"] == probed
 
         saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": 3.0}))
         assert kernels.agree_bf16_dot_rate() == (3.0 if has_dot else 0.0)
