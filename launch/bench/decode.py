@@ -199,9 +199,8 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5,
         x = a[:96].contiguous()
         seconds = best_call_seconds(lambda: kernels.linear_forward(x, packed), repeats=repeats)
         isa = kernels.isa()
-        off = isa in ("amx", "avx512bf16") and not kernels.one_row_prefetch()
-        rates[f"linear kernel, isa {isa}{', one-row tiles without prefetches' if off else ''}"] = \
-            2 * 96 * size * size / seconds
+        mode = f", one-row tiles: {kernels.ONE_ROW_MODES[kernels.one_row_mode()]}" if isa in ("amx", "avx512bf16") else ""
+        rates[f"linear kernel, isa {isa}{mode}"] = 2 * 96 * size * size / seconds
     name = max(rates, key=rates.__getitem__)
     return rates[name], name
 

@@ -771,21 +771,24 @@ def is_available() -> bool:
 def settle_isa() -> tuple[str, float, float]:
     """After the build loaded: take this CPU's agreed bf16 dot rate (``agree_bf16_dot_rate``), then
     select the instruction set ``$MOE_KERNEL_ISA`` names or the fastest by that rate, then settle
-    whether one-row dot tiles prefetch (``agree_one_row_prefetch``). Returns (the instruction set,
-    the rate, the one-row tiles' measured gain without prefetches)."""
+    how one-row dot tiles run (``agree_one_row_mode``). Returns (the instruction set, the rate, the
+    chosen one-row mode's probed speed over the default's)."""
     rate = agree_bf16_dot_rate()
     chosen = select_isa_from_env()
-    return chosen, rate, agree_one_row_prefetch()
+    return chosen, rate, agree_one_row_mode()
 
 
 PROBES_FILE = "cpu_probes.json"
-# "1" / "0": one-row dot tiles prefetch their weight lines or not (A/B runs of one build); unset or
-# "auto": as this CPU's probe found faster
-ONE_ROW_PREFETCH_ENV = "MOE_ONE_ROW_PREFETCH"
-# The weights the one-row probe streams (flushed from the caches before each pass) and the gain from
-# which one-row tiles run without prefetches.
+# How one-row dot tiles (decode's weight streams) run, bits of the mode (experts_cpu.cpp's ONE_ROW_*):
+ONE_ROW_PREFETCH = 1  # the weight lines asked for ahead in software
+ONE_ROW_ONE_STREAM = 2  # a pair of column blocks read one block after the other (else side by side)
+ONE_ROW_MODES = {0: "side by side", 1: "side by side, prefetched", 2: "one stream", 3: "one stream, prefetched"}
+# "0"-"3": that mode for this process (A/B runs of one build); unset or "auto": the probe's fastest
+ONE_ROW_MODE_ENV = "MOE_ONE_ROW_MODE"
+# The weights the one-row probe streams (flushed from the caches before each pass), and how much faster
+# than the default mode (1, the tiles as they were before the probe) another must be to be taken.
 ONE_ROW_PROBE_BYTES = 32 << 20
-ONE_ROW_PREFETCH_GAIN = 1.05
+ONE_ROW_MIN_GAIN = 1.05
 
 
 def cpu_signature() -> str:
@@ -851,28 +854,33 @@ def agree_bf16_dot_rate() -> float:
     return rate
 
 
-def agree_one_row_prefetch() -> float:
-    """Settle whether one-row dot tiles (decode's weight streams) ask for their weight lines ahead in
-    software: ``$MOE_ONE_ROW_PREFETCH`` ("1" or "0") when set, else by this CPU's probe (kept beside
-    the build like the dot rate): without, where one-row passes over weights in DRAM run at least
-    ``ONE_ROW_PREFETCH_GAIN`` times faster without them (AMD Zen 4: ~1.2x). The setting changes no
-    result bits. Returns the probe's gain (1.0 without AVX512-BF16: no dot tiles)."""
-    gain = _saved_probe("one_row_prefetch_gain")
-    if gain is None:
-        gain = float(torch.ops.moe_kernels.one_row_prefetch_gain(ONE_ROW_PROBE_BYTES))
-        _save_probe("one_row_prefetch_gain", gain)
-    wanted = os.environ.get(ONE_ROW_PREFETCH_ENV, "auto")
-    if wanted not in ("auto", "0", "1"):
-        log.warning("moe.kernels: %s=%s not used (expected 0, 1 or auto)", ONE_ROW_PREFETCH_ENV, wanted)
-        wanted = "auto"
-    on = wanted == "1" if wanted != "auto" else gain < ONE_ROW_PREFETCH_GAIN
-    torch.ops.moe_kernels.set_one_row_prefetch(on)
-    return gain
+def agree_one_row_mode() -> float:
+    """Settle how one-row dot tiles run (``ONE_ROW_MODES``): ``$MOE_ONE_ROW_MODE`` when set, else
+    the mode this CPU's probe found fastest (kept beside the build like the dot rate), where it is at
+    least ``ONE_ROW_MIN_GAIN`` times faster than mode 1 (AMD Zen 4: one stream without prefetches,
+    ~1.3-1.5x). Every mode gives the same bits. Returns the chosen mode's probed speed over mode 1's
+    (1.0 without AVX512-BF16: no dot tiles)."""
+    seconds = _saved_probe("one_row_seconds")
+    if seconds is None:
+        seconds = [float(t) for t in torch.ops.moe_kernels.one_row_mode_seconds(ONE_ROW_PROBE_BYTES)]
+        _save_probe("one_row_seconds", seconds)
+    mode = ONE_ROW_PREFETCH
+    if len(seconds) == len(ONE_ROW_MODES) and min(seconds) > 0:
+        fastest = min(range(len(seconds)), key=seconds.__getitem__)
+        if seconds[mode] >= ONE_ROW_MIN_GAIN * seconds[fastest]:
+            mode = fastest
+    wanted = os.environ.get(ONE_ROW_MODE_ENV, "auto")
+    if wanted in ("0", "1", "2", "3"):
+        mode = int(wanted)
+    elif wanted != "auto":
+        log.warning("moe.kernels: %s=%s not used (expected 0-3 or auto)", ONE_ROW_MODE_ENV, wanted)
+    torch.ops.moe_kernels.set_one_row_mode(mode)
+    return seconds[ONE_ROW_PREFETCH] / seconds[mode] if len(seconds) == len(ONE_ROW_MODES) else 1.0
 
 
-def one_row_prefetch() -> bool:
-    """Whether one-row dot tiles prefetch in this process (``agree_one_row_prefetch``)."""
-    return bool(torch.ops.moe_kernels.one_row_prefetch())
+def one_row_mode() -> int:
+    """How one-row dot tiles run in this process (``ONE_ROW_MODES``, ``agree_one_row_mode``)."""
+    return int(torch.ops.moe_kernels.one_row_mode())
 
 
 def select_isa_from_env() -> str:

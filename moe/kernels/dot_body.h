@@ -29,10 +29,13 @@ constexpr int64_t dot_prefetch_bytes() {
   return R == 1 ? PREFETCH_BYTES : DOT_PREFETCH_BYTES_ROWS;
 }
 
-template <int R, int NB, bool NEXT = false, bool PREFETCH = true>
+// KS_: the partial sums per accumulator where not the default (>= 8 chains over the dot latency);
+// the sums' order, so the bits, follow KS alone: a one-block tile with KS_ = 4 gives each block the
+// bits the two-block tile of one row gives it.
+template <int R, int NB, bool NEXT = false, bool PREFETCH = true, int KS_ = 0>
 static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t w_stride,
                             int64_t K, float* __restrict out, const uint16_t* next = nullptr) {
-  constexpr int KS = R * NB >= 8 ? 1 : 8 / (R * NB);  // >= 8 chains over the dot latency
+  constexpr int KS = KS_ > 0 ? KS_ : R * NB >= 8 ? 1 : 8 / (R * NB);
   __m512 acc[KS][R][NB];
 #pragma GCC unroll 8
   for (int s = 0; s < KS; ++s)
@@ -90,12 +93,33 @@ static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uin
 // Rows per tile: 12 x 2 accumulators + two weights and a broadcast fit AVX-512's 32 registers.
 constexpr int DOT_TILE_ROWS = 12;
 
+// One row against NB blocks as the one-row ``mode`` runs it (ONE_ROW_* bits, experts_cpu.cpp): with
+// or without prefetches, and with ONE_ROW_ONE_STREAM two blocks one after the other (one sequential
+// stream of weights; the same bits, see dot_tile's KS_) instead of side by side.
+template <int NB>
+static inline void one_row_tile(int mode, const uint16_t* x, const uint16_t* w, int64_t w_stride, int64_t K,
+                                float* out) {
+  const bool prefetch = mode & ONE_ROW_PREFETCH;
+  if (NB == 2 && (mode & ONE_ROW_ONE_STREAM)) {
+    for (int j = 0; j < 2; ++j) {
+      if (prefetch) dot_tile<1, 1, false, true, 4>(x, K, w + j * w_stride, 0, K, out + 16 * j);
+      else dot_tile<1, 1, false, false, 4>(x, K, w + j * w_stride, 0, K, out + 16 * j);
+    }
+  } else if (prefetch) {
+    dot_tile<1, NB, false, true>(x, K, w, w_stride, K, out);
+  } else {
+    dot_tile<1, NB, false, false>(x, K, w, w_stride, K, out);
+  }
+}
+
 template <int NB, bool NEXT = false>
 static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride,
                           int64_t K, float* out, const uint16_t* next = nullptr) {
-  if (!NEXT && rows == 1 && !one_row_prefetch_slot()) {
-    dot_tile<1, NB, false, false>(x, ldx, w, w_stride, K, out);
-    return;
+  if constexpr (!NEXT) {
+    if (rows == 1 && one_row_mode_slot() != ONE_ROW_PREFETCH) {
+      one_row_tile<NB>(one_row_mode_slot(), x, w, w_stride, K, out);
+      return;
+    }
   }
   with_row_count<DOT_TILE_ROWS>(
       rows, [&](auto r) { dot_tile<decltype(r)::value, NB, NEXT>(x, ldx, w, w_stride, K, out, next); });
@@ -617,18 +641,19 @@ static double dot_to_fma_rate() {
   return (64.0 / dot) / (32.0 / fma);
 }
 
-// How much faster one-row dot tiles stream weights from DRAM without their prefetches than with
-// them (> 1: faster without): the best of seven alternating passes of each over `bytes` of bf16
-// blocks (K = 1024, as a linear of one row runs them, on huge pages as the packed weights are),
-// every line flushed from the caches before each pass, so each pass reads DRAM whatever the size
-// of the last-level cache.
-static double one_row_prefetch_gain(int64_t bytes) {
+// Seconds of one-row passes over `bytes` of bf16 weights in DRAM, for each one-row mode (ONE_ROW_*
+// bits, 0-3): a linear's packed blocks (K = 1024, on huge pages as the packed weights are), block
+// pairs as the tiles take them; every line flushed from the caches before each pass, so each pass
+// reads DRAM whatever the size of the last-level cache. The best of seven rounds, the modes in turn
+// within each round.
+static std::vector<double> one_row_mode_seconds(int64_t bytes) {
   constexpr int64_t K = 1024, block = K * 16 * 2;
   constexpr size_t page = size_t{1} << 21;
-  const int64_t blocks = std::max<int64_t>(1, bytes / block);
-  const size_t size = (static_cast<size_t>(blocks * block) + page - 1) / page * page;
+  const int64_t pairs = std::max<int64_t>(1, bytes / (2 * block));
+  const size_t size = (static_cast<size_t>(pairs * 2 * block) + page - 1) / page * page;
   std::unique_ptr<uint16_t, decltype(&std::free)> mem(static_cast<uint16_t*>(std::aligned_alloc(page, size)), &std::free);
-  if (!mem) return 1.0;
+  std::vector<double> best(4, 1e30);
+  if (!mem) return best;
   uint16_t* w = mem.get();
 #if defined(__linux__)
   madvise(w, size, MADV_HUGEPAGE);
@@ -636,23 +661,19 @@ static double one_row_prefetch_gain(int64_t bytes) {
   std::fill(w, w + size / 2, uint16_t{0x3c00});  // 2^-7: sums stay finite
   alignas(64) uint16_t x[K];
   std::fill(x, x + K, uint16_t{0x3f80});
-  alignas(64) float out[16];
+  alignas(64) float out[32];
   float sink = 0.0f;
-  auto pass = [&](bool prefetch) {
-    for (size_t at = 0; at < size; at += 64) _mm_clflush(reinterpret_cast<char*>(w) + at);
-    _mm_mfence();
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int64_t b = 0; b < blocks; ++b) {
-      if (prefetch) dot_tile<1, 1, false, true>(x, K, w + b * K * 16, 0, K, out);
-      else dot_tile<1, 1, false, false>(x, K, w + b * K * 16, 0, K, out);
-      sink += out[b & 15];
+  for (int rep = 0; rep < 7; ++rep)
+    for (int mode = 0; mode < 4; ++mode) {
+      for (size_t at = 0; at < size; at += 64) _mm_clflush(reinterpret_cast<char*>(w) + at);
+      _mm_mfence();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t b = 0; b < pairs; ++b) {
+        one_row_tile<2>(mode, x, w + 2 * b * K * 16, K * 16, K, out);
+        sink += out[b & 31];
+      }
+      best[mode] = std::min(best[mode], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  double with = 1e30, without = 1e30;
-  for (int rep = 0; rep < 7; ++rep) {
-    with = std::min(with, pass(true));
-    without = std::min(without, pass(false));
-  }
-  return sink == sink ? with / without : 1.0;  // reads sink: the passes are not optimised away
+  if (sink != sink) best[0] = 1e30;  // reads sink: the passes are not optimised away
+  return best;
 }

@@ -243,11 +243,13 @@ static at::Tensor float32_contiguous(const at::Tensor& x) {
   return out;
 }
 
-// Whether one-row dot tiles (dot_body.h) ask for their weight lines ahead in software: measured per
-// CPU (one_row_prefetch_gain, kernels.agree_cpu_probes), set by set_one_row_prefetch.
-static bool& one_row_prefetch_slot() {
-  static bool on = true;
-  return on;
+// How one-row dot tiles (dot_body.h's one_row_tile: decode's weight streams) run, measured per CPU
+// (one_row_mode_seconds, kernels.agree_one_row_mode), set by set_one_row_mode: bits of
+constexpr int ONE_ROW_PREFETCH = 1;    // ask for the weight lines ahead in software
+constexpr int ONE_ROW_ONE_STREAM = 2;  // a block pair one block after the other (else side by side)
+static int& one_row_mode_slot() {
+  static int mode = ONE_ROW_PREFETCH;
+  return mode;
 }
 
 // f(std::integral_constant<int, R>{}) for R == rows in [1, MAX] (nothing outside): a row count known
@@ -561,24 +563,25 @@ double set_bf16_dot_rate(double rate) {
   return dot_rate_slot() = rate < 0 ? -1.0 : cpu_has("avx512bf16") ? rate : 0.0;
 }
 
-// One-row dot tiles' gain from dropping their prefetches on this CPU (dot_body.h's
-// one_row_prefetch_gain over `bytes` of weights; > 1: faster without them); 1.0 where the CPU has no
-// AVX512-BF16 (no dot tiles).
-double one_row_prefetch_gain(int64_t bytes) {
+// Seconds of a one-row pass over `bytes` of weights in DRAM in each one-row mode (dot_body.h's
+// one_row_mode_seconds, modes 0-3); empty where the CPU has no AVX512-BF16 (no dot tiles).
+std::vector<double> one_row_mode_seconds(int64_t bytes) {
 #if defined(__x86_64__) || defined(__i386__)
-  if (cpu_has("avx512bf16")) return avx512bf16::one_row_prefetch_gain(bytes);
+  if (cpu_has("avx512bf16")) return avx512bf16::one_row_mode_seconds(bytes);
 #endif
   (void)bytes;
-  return 1.0;
+  return {};
 }
 
-// Whether one-row dot tiles prefetch from now on; returns the setting.
-bool set_one_row_prefetch(bool on) {
-  return one_row_prefetch_slot() = on;
+// The one-row mode from now on (ONE_ROW_* bits); returns it.
+int64_t set_one_row_mode(int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= (ONE_ROW_PREFETCH | ONE_ROW_ONE_STREAM), "moe_kernels: one-row mode ", mode,
+              " is not 0-3");
+  return one_row_mode_slot() = static_cast<int>(mode);
 }
 
-bool one_row_prefetch() {
-  return one_row_prefetch_slot();
+int64_t one_row_mode() {
+  return one_row_mode_slot();
 }
 
 // The fastest instruction set this CPU runs: the dot tiles only where the dot product out-runs the
@@ -2397,9 +2400,9 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
   m.def("bf16_dot_rate() -> float", &moe_kernels::bf16_dot_rate);
   m.def("set_bf16_dot_rate(float rate) -> float", &moe_kernels::set_bf16_dot_rate);
-  m.def("one_row_prefetch_gain(int bytes) -> float", &moe_kernels::one_row_prefetch_gain);
-  m.def("set_one_row_prefetch(bool on) -> bool", &moe_kernels::set_one_row_prefetch);
-  m.def("one_row_prefetch() -> bool", &moe_kernels::one_row_prefetch);
+  m.def("one_row_mode_seconds(int bytes) -> float[]", &moe_kernels::one_row_mode_seconds);
+  m.def("set_one_row_mode(int mode) -> int", &moe_kernels::set_one_row_mode);
+  m.def("one_row_mode() -> int", &moe_kernels::one_row_mode);
 }
 
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
