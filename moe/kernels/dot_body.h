@@ -18,11 +18,12 @@
 // while batch 1 (one-row tiles everywhere) took 2-3 % longer at 8 KB than at 2 KB; 16 KB was no
 // better than 8 KB. Prefill-size experts and linears (T = 512, 4096) were unchanged or faster.
 //
-// Whether one-row tiles prefetch at all is this CPU's, measured (one_row_prefetch_slot, set from
-// one_row_prefetch_gain's probe): a one-row tile issues one dot product per weight line, so its
-// prefetches come as fast as its loads. On AMD Zen 4 (EPYC, family 25 model 17) they cost more than
-// they bring: the small DeepSeek-style checkpoint's decode step took 0.74-0.77x the time without
-// them at batch 1, 0.82-0.94x at batch 8 (the probe: one-row passes 1.13-1.36x faster).
+// Whether one-row tiles prefetch at all, and whether they read a block pair side by side, is this
+// CPU's, measured (one_row_tile's mode, from one_row_mode_seconds' probe): a one-row tile issues one
+// dot product per weight line, so its prefetches come as fast as its loads. On AMD Zen 4 (EPYC,
+// family 25 model 17) they cost more than they bring: the small DeepSeek-style checkpoint's decode
+// step took 0.74-0.77x the time without them at batch 1, 0.82-0.94x at batch 8 (the probe: one-row
+// passes 1.28-1.38x faster in one stream without prefetches).
 constexpr int64_t DOT_PREFETCH_BYTES_ROWS = 8192;
 template <int R>
 constexpr int64_t dot_prefetch_bytes() {
