@@ -75,6 +75,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -810,17 +811,26 @@ def cpu_signature() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _saved_probe(key: str) -> float | None:
-    """The probe ``key`` the first process on this CPU saved beside the build, or None."""
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _saved_probe(key: str) -> Any:
+    """The probe ``key`` (a number or a list of numbers) the first process on this CPU saved beside the
+    build, or None."""
     try:
         saved = json.loads((cache_dir() / PROBES_FILE).read_text())
     except (OSError, ValueError):
         return None
     value = saved.get(key) if isinstance(saved, dict) and saved.get("cpu") == cpu_signature() else None
-    return float(value) if isinstance(value, (int, float)) else None
+    if _number(value):
+        return float(value)
+    if isinstance(value, list) and all(_number(v) for v in value):
+        return [float(v) for v in value]
+    return None
 
 
-def _save_probe(key: str, value: float) -> None:
+def _save_probe(key: str, value: float | list[float]) -> None:
     """Keep ``value`` under ``key`` beside the build with this CPU's other probes (another CPU's are
     replaced); an unwritable cache keeps it in this process only."""
     path = cache_dir() / PROBES_FILE
@@ -847,7 +857,7 @@ def agree_bf16_dot_rate() -> float:
     tiles in another (their bf16 results differ in the last bits), e.g. the driver and its Ray
     workers. An unwritable cache keeps the probe of this process."""
     saved = _saved_probe("rate")
-    if saved is not None:
+    if isinstance(saved, float):
         return float(torch.ops.moe_kernels.set_bf16_dot_rate(saved))
     rate = float(torch.ops.moe_kernels.bf16_dot_rate())
     _save_probe("rate", rate)
@@ -861,7 +871,7 @@ def agree_one_row_mode() -> float:
     ~1.3-1.5x). Every mode gives the same bits. Returns the chosen mode's probed speed over mode 1's
     (1.0 without AVX512-BF16: no dot tiles)."""
     seconds = _saved_probe("one_row_seconds")
-    if seconds is None:
+    if not isinstance(seconds, list):
         seconds = [float(t) for t in torch.ops.moe_kernels.one_row_mode_seconds(ONE_ROW_PROBE_BYTES)]
         _save_probe("one_row_seconds", seconds)
     mode = ONE_ROW_PREFETCH

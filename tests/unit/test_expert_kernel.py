@@ -589,36 +589,44 @@ def test_isa_from_environment(kernel_isas: list[str], monkeypatch: pytest.Monkey
         kernels.select_isa("auto")
 
 
-def test_one_row_tiles_with_or_without_prefetches_give_the_same_bits(kernel_isas: list[str],
-                                                                     monkeypatch: pytest.MonkeyPatch,
-                                                                     caplog: pytest.LogCaptureFixture,
-                                                                     tmp_path) -> None:
-    """Whether one-row dot tiles prefetch (decode's weight streams) is the CPU's, measured: the probe
-    is kept beside the build, ``$MOE_ONE_ROW_PREFETCH`` overrides it, and the one-row linear and
-    experts (1 row per expert) give the same bits either way."""
+def test_one_row_modes_are_probed_kept_and_give_the_same_bits(kernel_isas: list[str],
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture, tmp_path) -> None:
+    """How one-row dot tiles stream (decode's weights: with or without prefetches, a block pair side by
+    side or one block after the other) is the CPU's, measured: the probe's fastest mode where it beats
+    the default by ONE_ROW_MIN_GAIN, kept beside the build, ``$MOE_ONE_ROW_MODE`` over it; the
+    one-row linear and experts give the same bits in every mode."""
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
-    before = kernels.one_row_prefetch()
+    monkeypatch.delenv(kernels.ONE_ROW_MODE_ENV, raising=False)
+    saved = tmp_path / kernels.PROBES_FILE
+    before = kernels.one_row_mode()
     try:
-        monkeypatch.delenv(kernels.ONE_ROW_PREFETCH_ENV, raising=False)
-        gain = kernels.agree_one_row_prefetch()  # probed here: the cache folder is new
+        gain = kernels.agree_one_row_mode()  # probed here: the cache folder is new
+        seconds = json.loads(saved.read_text())["one_row_seconds"]
         if "avx512bf16" in kernel_isas:
-            assert 0.2 < gain < 5.0
-            assert kernels.one_row_prefetch() is (gain < kernels.ONE_ROW_PREFETCH_GAIN)
+            assert len(seconds) == 4 and all(0 < t < 1 for t in seconds)
+            mode = kernels.one_row_mode()
+            assert gain == seconds[kernels.ONE_ROW_PREFETCH] / seconds[mode] and gain >= 1.0
+            assert mode == kernels.ONE_ROW_PREFETCH or gain >= kernels.ONE_ROW_MIN_GAIN
         else:
-            assert gain == 1.0 and kernels.one_row_prefetch()
-        assert json.loads((tmp_path / kernels.PROBES_FILE).read_text())["one_row_prefetch_gain"] == gain
-        (tmp_path / kernels.PROBES_FILE).write_text(json.dumps({"cpu": kernels.cpu_signature(),
-                                                                "one_row_prefetch_gain": 2.0}))
-        kernels.agree_one_row_prefetch()
-        assert kernels.one_row_prefetch() is False  # the saved probe, not a new one
-        monkeypatch.setenv(kernels.ONE_ROW_PREFETCH_ENV, "1")
-        kernels.agree_one_row_prefetch()
-        assert kernels.one_row_prefetch() is True
-        monkeypatch.setenv(kernels.ONE_ROW_PREFETCH_ENV, "sometimes")
+            assert seconds == [] and gain == 1.0 and kernels.one_row_mode() == kernels.ONE_ROW_PREFETCH
+
+        def probed(times: list[float]) -> int:
+            saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "one_row_seconds": times}))
+            kernels.agree_one_row_mode()  # the saved probe, not a new one
+            return kernels.one_row_mode()
+
+        assert probed([1.0, 1.0, 0.5, 1.0]) == 2
+        assert probed([0.98, 1.0, 1.0, 0.99]) == kernels.ONE_ROW_PREFETCH  # within 5 %: the default stays
+        assert probed([1.0, 1.0, 1.0, 0.8]) == 3
+        monkeypatch.setenv(kernels.ONE_ROW_MODE_ENV, "0")
+        assert probed([1.0, 1.0, 0.5, 1.0]) == 0
+        monkeypatch.setenv(kernels.ONE_ROW_MODE_ENV, "sometimes")
         with caplog.at_level(logging.WARNING, logger="moe.kernels"):
-            kernels.agree_one_row_prefetch()
-        assert "MOE_ONE_ROW_PREFETCH=sometimes not used (expected 0, 1 or auto)" in caplog.text
-        assert kernels.one_row_prefetch() is False
+            assert probed([1.0, 1.0, 0.5, 1.0]) == 2
+        assert "MOE_ONE_ROW_MODE=sometimes not used (expected 0-3 or auto)" in caplog.text
+        with pytest.raises(RuntimeError, match="one-row mode 4 is not 0-3"):
+            torch.ops.moe_kernels.set_one_row_mode(4)
 
         g = torch.Generator().manual_seed(5)
         w = (torch.randn(96, 1040, generator=g) / 30).bfloat16()  # 6 column blocks, K not a multiple of 32
@@ -629,16 +637,16 @@ def test_one_row_tiles_with_or_without_prefetches_give_the_same_bits(kernel_isas
             kernels.select_isa(isa)
             packed, experts = kernels.pack_linear(w), kernels.pack_experts(w13, w2)
             outs = []
-            for on in (True, False):
-                torch.ops.moe_kernels.set_one_row_prefetch(on)
-                outs.append((kernels.linear_forward(x, packed),
-                             kernels.experts_forward(rows, [1, 1, 1, 1], experts)))
+            for mode in range(len(kernels.ONE_ROW_MODES)):
+                torch.ops.moe_kernels.set_one_row_mode(mode)
+                outs.append((kernels.linear_forward(x, packed), kernels.experts_forward(rows, [1, 1, 1, 1], experts)))
             assert outs[0][0].shape == (1, 96) and outs[0][1].shape == (4, 64)
-            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+            for lin, exp in outs[1:]:
+                assert torch.equal(lin, outs[0][0]) and torch.equal(exp, outs[0][1])
             ref = (x.float() @ w.float().t()).bfloat16()
-            torch.testing.assert_close(outs[1][0].float(), ref.float(), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(outs[0][0].float(), ref.float(), rtol=2e-2, atol=2e-2)
     finally:
-        torch.ops.moe_kernels.set_one_row_prefetch(before)
+        torch.ops.moe_kernels.set_one_row_mode(before)
         kernels.select_isa("auto")
 
 
@@ -682,15 +690,17 @@ def test_every_process_on_a_cpu_takes_the_first_probe(kernel_isas: list[str], mo
     """The probed rate is kept beside the build, keyed by the CPU: a later process (a Ray worker of
     the same machine) picks its tiles by that rate, not by a probe of its own that could land on
     the other side of 1.0; another CPU's entry is replaced, and an unwritable cache is no error."""
-    probed = kernels.bf16_dot_rate()
+    probed, mode = kernels.bf16_dot_rate(), kernels.one_row_mode()
     has_dot = "avx512bf16" in kernel_isas
     saved = tmp_path / kernels.PROBES_FILE
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
     try:
         assert kernels.agree_bf16_dot_rate() == probed  # first process: probes and writes
         assert json.loads(saved.read_text()) == {"cpu": kernels.cpu_signature(), "rate": probed}
-        saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": probed, "one_row_prefetch_gain": 0.5}))
-        assert kernels.agree_one_row_prefetch() == 0.5  # the other probe kept beside it
+        saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": probed,
+                                     "one_row_seconds": [1.0, 2.0, 1.5, 2.0]}))
+        assert kernels.agree_one_row_mode() == 2.0  # the other probe kept beside it
+        assert kernels.one_row_mode() == 0
         assert json.loads(saved.read_text())["rate"] == probed
 
         saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": 3.0}))
@@ -710,6 +720,7 @@ def test_every_process_on_a_cpu_takes_the_first_probe(kernel_isas: list[str], mo
         assert kernels.agree_bf16_dot_rate() == rate
     finally:
         torch.ops.moe_kernels.set_bf16_dot_rate(probed)
+        torch.ops.moe_kernels.set_one_row_mode(mode)
         kernels.select_isa("auto")
 
 
