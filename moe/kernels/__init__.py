@@ -868,14 +868,15 @@ def agree_one_row_mode() -> float:
     """Settle how one-row dot tiles run (``ONE_ROW_MODES``): ``$MOE_ONE_ROW_MODE`` when set, else
     the mode this CPU's probe found fastest (kept beside the build like the dot rate), where it is at
     least ``ONE_ROW_MIN_GAIN`` times faster than mode 1 (AMD Zen 4: one stream without prefetches,
-    ~1.3-1.5x). Every mode gives the same bits. Returns the chosen mode's probed speed over mode 1's
+    ~1.3x). Every mode gives the same bits. Returns the chosen mode's probed speed over mode 1's
     (1.0 without AVX512-BF16: no dot tiles)."""
     seconds = _saved_probe("one_row_seconds")
     if not isinstance(seconds, list):
         seconds = [float(t) for t in torch.ops.moe_kernels.one_row_mode_seconds(ONE_ROW_PROBE_BYTES)]
         _save_probe("one_row_seconds", seconds)
     mode = ONE_ROW_PREFETCH
-    if len(seconds) == len(ONE_ROW_MODES) and min(seconds) > 0:
+    probed = len(seconds) == len(ONE_ROW_MODES) and min(seconds) > 0
+    if probed:
         fastest = min(range(len(seconds)), key=seconds.__getitem__)
         if seconds[mode] >= ONE_ROW_MIN_GAIN * seconds[fastest]:
             mode = fastest
@@ -885,7 +886,7 @@ def agree_one_row_mode() -> float:
     elif wanted != "auto":
         log.warning("moe.kernels: %s=%s not used (expected 0-3 or auto)", ONE_ROW_MODE_ENV, wanted)
     torch.ops.moe_kernels.set_one_row_mode(mode)
-    return seconds[ONE_ROW_PREFETCH] / seconds[mode] if len(seconds) == len(ONE_ROW_MODES) else 1.0
+    return seconds[ONE_ROW_PREFETCH] / seconds[mode] if probed else 1.0
 
 
 def one_row_mode() -> int:

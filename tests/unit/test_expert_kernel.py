@@ -619,6 +619,7 @@ def test_one_row_modes_are_probed_kept_and_give_the_same_bits(kernel_isas: list[
         assert probed([1.0, 1.0, 0.5, 1.0]) == 2
         assert probed([0.98, 1.0, 1.0, 0.99]) == kernels.ONE_ROW_PREFETCH  # within 5 %: the default stays
         assert probed([1.0, 1.0, 1.0, 0.8]) == 3
+        assert probed([1.0, 0.0, 0.5, 1.0]) == kernels.ONE_ROW_PREFETCH  # a broken probe: the default
         monkeypatch.setenv(kernels.ONE_ROW_MODE_ENV, "0")
         assert probed([1.0, 1.0, 0.5, 1.0]) == 0
         monkeypatch.setenv(kernels.ONE_ROW_MODE_ENV, "sometimes")
