@@ -855,7 +855,8 @@ def main(argv: list[str] | None = None) -> int:
                  f", torch {torch.__version__}")
     else:
         where = (f"{args.num_threads} thread(s), kernel isa {isa}"
-                 f"{f' (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate)' if dot_rate else ''}")
+                 f"{f' (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate' if dot_rate else ''}"
+                 f"{f'; one-row tiles: {kernels.ONE_ROW_MODES[kernels.one_row_mode()]})' if dot_rate else ''}")
     clock = "GPU time" if device.type == "cuda" else "wall time" if wall_clock else "CPU time"
     print(f"# dtype {args.dtype}, {where}; read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s ({clock}); freed heap memory "
