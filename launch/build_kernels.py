@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     isa, rate, gain = kernels.settle_isa()  # the CPU's probes run once here, kept for every later process
     dot = f", bf16 dot product at {rate:.2f}x the fp32 FMA rate" if rate else ""
-    if rate:
-        dot += f", one-row tiles: {kernels.ONE_ROW_MODES[kernels.one_row_mode()]} ({gain:.2f}x the default's speed)"
+    if (mode := kernels.one_row_mode_name()) is not None:
+        dot += f", one-row tiles: {mode} ({gain:.2f}x the default's speed)"
     print(f"moe kernels: {directory} (isa {isa}{dot}, {time.perf_counter() - started:.1f} s)")
     return 0

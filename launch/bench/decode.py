@@ -198,9 +198,9 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5,
         packed = kernels.pack_linear(b)
         x = a[:96].contiguous()
         seconds = best_call_seconds(lambda: kernels.linear_forward(x, packed), repeats=repeats)
-        isa = kernels.isa()
-        mode = f", one-row tiles: {kernels.ONE_ROW_MODES[kernels.one_row_mode()]}" if isa in ("amx", "avx512bf16") else ""
-        rates[f"linear kernel, isa {isa}{mode}"] = 2 * 96 * size * size / seconds
+        mode = kernels.one_row_mode_name()
+        rates[f"linear kernel, isa {kernels.isa()}{f', one-row tiles: {mode}' if mode else ''}"] = \
+            2 * 96 * size * size / seconds
     name = max(rates, key=rates.__getitem__)
     return rates[name], name
 

@@ -839,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         isa = kernels.isa() if kernels.is_available() else "unavailable"
         # the CPU's vdpbf16ps rate, said only where the chosen instruction set runs it
-        dot_rate = kernels.bf16_dot_rate() if isa in ("amx", "avx512bf16") else 0.0
+        dot_rate = kernels.bf16_dot_rate() if isa in kernels.DOT_ISAS else 0.0
     evict = None if args.warm_cache else CacheEvictor(device)
     # as in a serving worker: a layer's large temporaries reuse freed heap memory instead of fresh
     # zeroed pages (for every implementation alike: the setting is the process's)
@@ -856,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         where = (f"{args.num_threads} thread(s), kernel isa {isa}"
                  f"{f' (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate' if dot_rate else ''}"
-                 f"{f'; one-row tiles: {kernels.ONE_ROW_MODES[kernels.one_row_mode()]})' if dot_rate else ''}")
+                 f"{f'; one-row tiles: {kernels.one_row_mode_name()})' if dot_rate else ''}")
     clock = "GPU time" if device.type == "cuda" else "wall time" if wall_clock else "CPU time"
     print(f"# dtype {args.dtype}, {where}; read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s ({clock}); freed heap memory "

@@ -894,6 +894,16 @@ def one_row_mode() -> int:
     return int(torch.ops.moe_kernels.one_row_mode())
 
 
+# the instruction sets that run the dot tiles, so the one-row mode
+DOT_ISAS = ("amx", "avx512bf16")
+
+
+def one_row_mode_name() -> str | None:
+    """The one-row mode in force as ``ONE_ROW_MODES`` names it; None where the selected instruction
+    set runs no dot tiles (the mode then changes nothing)."""
+    return ONE_ROW_MODES[one_row_mode()] if isa() in DOT_ISAS else None
+
+
 def select_isa_from_env() -> str:
     """Select the instruction set ``$MOE_KERNEL_ISA`` names (unset: the fastest here); a name that is
     unknown or that this CPU lacks logs one line and selects the fastest. Returns the one selected."""

@@ -653,7 +653,7 @@ static std::vector<double> one_row_mode_seconds(int64_t bytes) {
   const int64_t pairs = std::max<int64_t>(1, bytes / (2 * block));
   const size_t size = (static_cast<size_t>(pairs * 2 * block) + page - 1) / page * page;
   std::unique_ptr<uint16_t, decltype(&std::free)> mem(static_cast<uint16_t*>(std::aligned_alloc(page, size)), &std::free);
-  std::vector<double> best(4, 1e30);
+  std::vector<double> best(ONE_ROW_MODE_COUNT, 1e30);
   if (!mem) return best;
   uint16_t* w = mem.get();
 #if defined(__linux__)
@@ -665,7 +665,7 @@ static std::vector<double> one_row_mode_seconds(int64_t bytes) {
   alignas(64) float out[32];
   float sink = 0.0f;
   for (int rep = 0; rep < 7; ++rep)
-    for (int mode = 0; mode < 4; ++mode) {
+    for (int mode = 0; mode < ONE_ROW_MODE_COUNT; ++mode) {
       for (size_t at = 0; at < size; at += 64) _mm_clflush(reinterpret_cast<char*>(w) + at);
       _mm_mfence();
       const auto t0 = std::chrono::steady_clock::now();

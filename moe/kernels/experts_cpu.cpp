@@ -247,6 +247,7 @@ static at::Tensor float32_contiguous(const at::Tensor& x) {
 // (one_row_mode_seconds, kernels.agree_one_row_mode), set by set_one_row_mode: bits of
 constexpr int ONE_ROW_PREFETCH = 1;    // ask for the weight lines ahead in software
 constexpr int ONE_ROW_ONE_STREAM = 2;  // a block pair one block after the other (else side by side)
+constexpr int ONE_ROW_MODE_COUNT = (ONE_ROW_PREFETCH | ONE_ROW_ONE_STREAM) + 1;
 static int& one_row_mode_slot() {
   static int mode = ONE_ROW_PREFETCH;
   return mode;
@@ -575,8 +576,7 @@ std::vector<double> one_row_mode_seconds(int64_t bytes) {
 
 // The one-row mode from now on (ONE_ROW_* bits); returns it.
 int64_t set_one_row_mode(int64_t mode) {
-  TORCH_CHECK(mode >= 0 && mode <= (ONE_ROW_PREFETCH | ONE_ROW_ONE_STREAM), "moe_kernels: one-row mode ", mode,
-              " is not 0-3");
+  TORCH_CHECK(mode >= 0 && mode < ONE_ROW_MODE_COUNT, "moe_kernels: one-row mode ", mode, " is not 0-3");
   return one_row_mode_slot() = static_cast<int>(mode);
 }
 

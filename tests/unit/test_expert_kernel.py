@@ -634,8 +634,12 @@ def test_one_row_modes_are_probed_kept_and_give_the_same_bits(kernel_isas: list[
         x = torch.randn(1, 1040, generator=g).bfloat16()
         w13, w2 = _weights(4, 64, 40, torch.bfloat16, seed=6)
         rows = torch.randn(4, 64, generator=g).bfloat16()
-        for isa in [i for i in kernel_isas if i in ("avx512bf16", "amx")]:
+        kernels.select_isa("generic")
+        assert kernels.one_row_mode_name() is None  # no dot tiles: the mode changes nothing
+        for isa in [i for i in kernel_isas if i in kernels.DOT_ISAS]:
             kernels.select_isa(isa)
+            torch.ops.moe_kernels.set_one_row_mode(2)
+            assert kernels.one_row_mode_name() == "one stream"
             packed, experts = kernels.pack_linear(w), kernels.pack_experts(w13, w2)
             outs = []
             for mode in range(len(kernels.ONE_ROW_MODES)):
