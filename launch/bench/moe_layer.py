@@ -854,9 +854,9 @@ def main(argv: list[str] | None = None) -> int:
         where = (f"device {torch.cuda.get_device_name(device)} (CUDA events; cpu ms = the host's launch time)"
                  f", torch {torch.__version__}")
     else:
-        where = (f"{args.num_threads} thread(s), kernel isa {isa}"
-                 f"{f' (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate' if dot_rate else ''}"
-                 f"{f'; one-row tiles: {kernels.one_row_mode_name()})' if dot_rate else ''}")
+        dot = (f" (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate; one-row tiles: "
+               f"{kernels.one_row_mode_name()})") if dot_rate else ""
+        where = f"{args.num_threads} thread(s), kernel isa {isa}{dot}"
     clock = "GPU time" if device.type == "cuda" else "wall time" if wall_clock else "CPU time"
     print(f"# dtype {args.dtype}, {where}; read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s, peak matmul {peak / 1e9:.1f} GFLOP/s ({clock}); freed heap memory "

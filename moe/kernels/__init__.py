@@ -815,14 +815,20 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _saved_probe(key: str) -> Any:
-    """The probe ``key`` (a number or a list of numbers) the first process on this CPU saved beside the
-    build, or None."""
+def _saved_probes() -> dict[str, Any]:
+    """This CPU's probes saved beside the build ({} when there are none, the file is unreadable or it
+    holds another CPU's)."""
     try:
         saved = json.loads((cache_dir() / PROBES_FILE).read_text())
     except (OSError, ValueError):
-        return None
-    value = saved.get(key) if isinstance(saved, dict) and saved.get("cpu") == cpu_signature() else None
+        return {}
+    return saved if isinstance(saved, dict) and saved.get("cpu") == cpu_signature() else {}
+
+
+def _saved_probe(key: str) -> Any:
+    """The probe ``key`` (a number or a list of numbers) the first process on this CPU saved beside the
+    build, or None."""
+    value = _saved_probes().get(key)
     if _number(value):
         return float(value)
     if isinstance(value, list) and all(_number(v) for v in value):
@@ -834,15 +840,9 @@ def _save_probe(key: str, value: float | list[float]) -> None:
     """Keep ``value`` under ``key`` beside the build with this CPU's other probes (another CPU's are
     replaced); an unwritable cache keeps it in this process only."""
     path = cache_dir() / PROBES_FILE
-    signature = cpu_signature()
+    saved = _saved_probes() or {"cpu": cpu_signature()}
+    saved[key] = value
     try:
-        try:
-            saved = json.loads(path.read_text())
-        except (OSError, ValueError):
-            saved = {}
-        if not isinstance(saved, dict) or saved.get("cpu") != signature:
-            saved = {"cpu": signature}
-        saved[key] = value
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(saved) + "\n")
         os.replace(tmp, path)
@@ -881,7 +881,7 @@ def agree_one_row_mode() -> float:
         if seconds[mode] >= ONE_ROW_MIN_GAIN * seconds[fastest]:
             mode = fastest
     wanted = os.environ.get(ONE_ROW_MODE_ENV, "auto")
-    if wanted in ("0", "1", "2", "3"):
+    if wanted in (str(m) for m in ONE_ROW_MODES):
         mode = int(wanted)
     elif wanted != "auto":
         log.warning("moe.kernels: %s=%s not used (expected 0-3 or auto)", ONE_ROW_MODE_ENV, wanted)

@@ -117,8 +117,9 @@ template <int NB, bool NEXT = false>
 static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride,
                           int64_t K, float* out, const uint16_t* next = nullptr) {
   if constexpr (!NEXT) {
-    if (rows == 1 && one_row_mode_slot() != ONE_ROW_PREFETCH) {
-      one_row_tile<NB>(one_row_mode_slot(), x, w, w_stride, K, out);
+    const int mode = one_row_mode_slot();
+    if (rows == 1 && mode != ONE_ROW_PREFETCH) {
+      one_row_tile<NB>(mode, x, w, w_stride, K, out);
       return;
     }
   }
