@@ -68,7 +68,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Model name to request (default: the server's first model).")
     p.add_argument("--tokenizer", default=None,
                    help="Checkpoint directory whose config.json gives vocab_size and EOS/BOS ids "
-                        "(default: --model when it is a directory).")
+                        "(default: --model when it is a directory, else the directory the server's "
+                        "/v1/models card names as its root when it is on this machine).")
     p.add_argument("--vocab-size", type=int, default=None, help="Draw prompt ids from [0, N).")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="Send ignore_eos so each output has exactly its drawn length (default on).")
@@ -223,6 +224,10 @@ async def resolve_target(args: argparse.Namespace) -> tuple[BenchTarget, int, tu
                              f"{', '.join(served) or 'no model'}")
     model = args.model or served[0]
     card = next((c for c in cards if c["id"] == model), {}) if cards is not None else {}
+    if found is None and isinstance(card.get("root"), str):
+        # the served checkpoint's directory (vLLM's card field ``root``), when it is on this machine
+        source = card["root"]
+        found = _checkpoint_vocab(source, need_vocab_size=args.vocab_size is None)
     if args.vocab_size is not None:
         vocab, avoid = args.vocab_size, found[1] if found else ()
     elif found is not None and found[0] is not None:  # need_vocab_size: never None here

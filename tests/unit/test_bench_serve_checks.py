@@ -318,3 +318,19 @@ def test_good_connection_flags_pass(flags, url) -> None:
     args = bench_serve.build_parser().parse_args(flags)
     assert target_flags_problem(args) is None
     assert base_url_of(args) == url
+
+
+def test_the_served_cards_root_gives_the_vocabulary_when_no_flag_does(tmp_path, fake_server, capsys) -> None:
+    # the server's /v1/models card names its checkpoint directory (vLLM's ``root``): on this machine,
+    # its config.json stands in for --tokenizer
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 50, "eos_token_id": 2, "bos_token_id": 0}))
+    fake_server.cards = [{"id": "served-a", "max_model_len": 64, "root": str(tmp_path)}]
+    args = bench_serve.build_parser().parse_args(["--base-url", fake_server.base_url])
+    target, vocab, avoid = asyncio.run(resolve_target(args))
+    assert (target.model, vocab, avoid) == ("served-a", 50, (2, 0))
+    # a root that is not a directory here (a hub id, another machine's path): the flags are still asked for
+    fake_server.cards = [{"id": "served-a", "max_model_len": 64, "root": str(tmp_path / "elsewhere")}]
+    rc, out, err = run_main(capsys, "--base-url", fake_server.base_url, "--random-input-len", "4",
+                            "--random-output-len", "2")
+    assert_one_line_error(rc, out, err, "need the vocabulary size for random prompts: pass --vocab-size N or "
+                                        "--tokenizer CHECKPOINT_DIR (with config.json)")
