@@ -29,7 +29,7 @@ import yaml
 from balancer.config import BalancerConfig
 from launch.config_schema import PATH, ConfigError, apply_override, build_dataclass, load_yaml_mapping
 from launch.core.kv_sizing import parse_memory
-from launch.core.sampling_params import DEFAULT_MAX_LOGPROBS
+from launch.core.sampling_params import DEFAULT_MAX_LOGPROBS, SEED_MAX
 from launch.generation_config import check_overrides as check_generation_overrides
 from launch.generation_config import checked_sampling_defaults
 from moe.capacity import CapacityConfig
@@ -208,8 +208,8 @@ class EngineConfig:
                              f"in (0, 1], got {self.memory_utilization}")
         if self.memory is not None:
             parse_memory(self.memory)
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if (not self.enable_chunked_prefill and self.max_model_len is not None

@@ -226,7 +226,7 @@ def _group_engine(parser: argparse.ArgumentParser, dtype_default: str | None = N
     g.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                    help="per-rank memory budget, e.g. 8GiB (default: the GPU's memory; 2GiB on CPU)")
     g.add_argument("--seed", type=int, default=None,
-                   help=f"sampling seed (DP rank r uses seed + r) {_d('engine.seed')}")
+                   help=f"sampling seed in [0, 2**63 - 1] (DP rank r uses seed + r, wrapping) {_d('engine.seed')}")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: replay decode steps as CUDA graphs (bf16, one rank; off by default)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,

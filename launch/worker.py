@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from launch.core import BatchSpec, SampledTokens, Sampler
+from launch.core.sampler import rank_seed
 from launch.core.token_history import TokenHistory, gather_logprobs, prompt_logprob_positions
 from moe import plan_watch
 from moe.capacity import CapacityConfig
@@ -296,7 +297,7 @@ class Worker:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, scratch_block=spec.num_kv_blocks,
                                               max_batch=spec.cudagraph_max_batch,
                                               max_blocks=-(-max_len // spec.block_size))
-        self.sampler = Sampler(seed=spec.seed + self.coords.dp_rank, eos_token_ids=spec.eos_token_ids)
+        self.sampler = Sampler(seed=rank_seed(spec.seed, self.coords.dp_rank), eos_token_ids=spec.eos_token_ids)
         self.token_history = TokenHistory(self.config.vocab_size, self.device)  # rows with penalties
         self.one_row_gemv = use_native_gemv(self.dtype, self.device)
         if spec.world_size > 1:

@@ -240,6 +240,12 @@ class Sampler:
         return sample_filtered(logits, params, torch.tensor(u, dtype=torch.float64, device=logits.device))
 
 
+def rank_seed(seed: int, dp_rank: int) -> int:
+    """The engine seed of data-parallel rank ``dp_rank`` for the engine's ``seed`` in [0, 2**63 - 1]:
+    seed + dp_rank, wrapping around within [0, 2**63) (a torch generator's seed range)."""
+    return (seed + dp_rank) % 2**63
+
+
 def seeded_uniform(seed: int, output_index: int) -> float:
     """A uniform number in [0, 1) that depends only on (seed, output_index): the top 53 bits of
     BLAKE2b (8-byte digest) of the pair packed as a little-endian int64 and uint64. The packing is

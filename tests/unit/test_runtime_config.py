@@ -296,3 +296,17 @@ def test_validate_for_model_reports_layout_problems():
                             ).validate_for_model(TINY_V3)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         dataclasses.replace(demo, engine=EngineConfig(max_model_len=10**6)).validate_for_model(TINY_V3)
+
+
+def test_the_engine_seed_is_an_int64_generator_seed_and_dp_ranks_wrap_within_it():
+    from launch.core.sampler import Sampler, rank_seed
+
+    assert EngineConfig(seed=2**63 - 1).seed == 2**63 - 1
+    for bad in (-1, 2**63, 2**64):
+        with pytest.raises(ValueError, match=rf"^seed must be in \[0, 2\*\*63 - 1\], got {bad}$"):
+            EngineConfig(seed=bad)
+    # DP rank r samples with seed + r, wrapping: every rank of an accepted seed gets a generator seed
+    assert [rank_seed(7, r) for r in range(3)] == [7, 8, 9]
+    assert [rank_seed(2**63 - 1, r) for r in range(3)] == [2**63 - 1, 0, 1]
+    for r in range(3):
+        Sampler(seed=rank_seed(2**63 - 2, r))
