@@ -37,7 +37,8 @@ selection, MLA rope + cache write, MLA / GQA paged decode attention, MLA's and G
 decode attention, routed experts from the router's output, the whole MoE FFN:
 ``MoEModel.set_fused_ops``) on and off in alternating steps of the same
 run, so a noisy machine's slow minutes hit both sides alike; the extra table gives both
-CPU medians and their ratio.
+CPU medians and their ratio. Each switch makes the next step rebuild the decode plan, so an
+untimed step follows every switch: a timed "on" step costs what it costs without the flag.
 """
 
 from __future__ import annotations
@@ -275,10 +276,10 @@ def run_batch(engine: Any, recorder: RecordingExecutor, batch_size: int, context
     Given a ``breakdown`` dict, ``steps`` more decode steps then run under torch.profiler and
     fill it with ``profile_steps``' CPU ms per step by kind of work. Given ``fused_off`` (and
     ``set_fused(on)``), every timed step is followed by one with the fused ops off, whose CPU
-    seconds go to ``fused_off``."""
+    seconds go to ``fused_off`` (an untimed step after each switch settles the decode plan)."""
     rng = random.Random(seed)
     budget = engine.config.engine.max_num_batched_tokens
-    extra = (steps if breakdown is not None else 0) + (steps if fused_off is not None else 0)
+    extra = (steps if breakdown is not None else 0) + (3 * steps if fused_off is not None else 0)
     max_tokens = warmup_steps + steps + extra + num_prefill_steps(batch_size, context_len, budget) + 2
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = []
@@ -319,16 +320,27 @@ def _decoded_every_sequence(recorder: RecordingExecutor, batch_size: int) -> boo
 
 def _step_with_fused_off(engine: Any, recorder: RecordingExecutor, set_fused: Callable[[bool], Any],
                          batch_size: int) -> float:
-    """One engine step with the fused ops off; its CPU seconds. Raises if it was not a pure decode step."""
+    """One engine step with the fused ops off; its CPU seconds. Raises if it was not a pure decode step.
+
+    Each switch changes what the model's decode plan resolved (``moe.decode_plan``), so the first
+    step after it rebuilds the plan: an untimed step follows each switch (off, then back on), and
+    neither side's timed steps pay for the other's plan."""
+    cpu = 0.0
     set_fused(False)
     try:
-        cpu = time.process_time()
-        engine.step()
-        cpu = time.process_time() - cpu
+        for timed in (False, True):
+            started = time.process_time()
+            engine.step()
+            cpu = time.process_time() - started if timed else cpu
+            if not _decoded_every_sequence(recorder, batch_size):
+                raise RuntimeError(f"batch size {batch_size}: a step with the fused ops off did not decode every "
+                                   "sequence")
     finally:
         set_fused(True)
+    engine.step()  # untimed: the plan for the fused ops again, before the next timed step
     if not _decoded_every_sequence(recorder, batch_size):
-        raise RuntimeError(f"batch size {batch_size}: a step with the fused ops off did not decode every sequence")
+        raise RuntimeError(f"batch size {batch_size}: a step after the fused ops came back on did not decode every "
+                           "sequence")
     return cpu
 
 
@@ -541,7 +553,7 @@ def seq_tokens(args: argparse.Namespace, batch_size: int, max_num_batched_tokens
     """Tokens one sequence of a ``batch_size`` batch can reach in the run: its prompt, the decode
     steps (warm-up, timed, profiled) and the ones it decodes while the rest of the batch prefills."""
     headroom = num_prefill_steps(batch_size, args.context_len, max_num_batched_tokens) + 4
-    profiled = (args.steps if args.breakdown else 0) + (args.steps if args.ab_fused_ops else 0)
+    profiled = (args.steps if args.breakdown else 0) + (3 * args.steps if args.ab_fused_ops else 0)
     return args.context_len + args.warmup_steps + args.steps + profiled + headroom
 
 

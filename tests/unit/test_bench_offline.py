@@ -162,8 +162,37 @@ def test_decode_main_times_the_fused_ops_against_their_pytorch_ops(tiny_ckpt, tm
     assert "fused small ops on vs off" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["results"]
     assert row["fused_off_cpu_ms"] > 0 and row["step_cpu_ms"] > 0
-    # each timed step is followed by one with the fused ops off: the context grows two per timed step
-    assert 4 + 1 + 1 < row["mean_context_len"] <= 4 + 1 + 1 + 2 * 3
+    # each timed step is followed by two with the fused ops off and one more with them on again
+    assert 4 + 1 + 1 < row["mean_context_len"] <= 4 + 1 + 1 + 4 * 3
+
+
+@pytest.mark.slow
+def test_decode_ab_fused_ops_rebuilds_the_plan_only_in_untimed_steps(tiny_ckpt, monkeypatch):
+    # a switch changes what the decode plan resolved: the step after it rebuilds the plan. With
+    # --ab-fused-ops every run of steps on one side is two or more long and only its first rebuilds,
+    # so neither side's timed step (the last of its run) pays for the other's plan.
+    steps: list[tuple[bool, bool]] = []  # (fused ops on, the plan was rebuilt) per decode-plan forward
+    original = MoEModel._decode_plan
+
+    def recording(self, h, kv_cache):
+        before = self._plan
+        plan = original(self, h, kv_cache)
+        steps.append((self.model.norm.use_kernel, plan is not before))
+        return plan
+
+    monkeypatch.setattr(MoEModel, "_decode_plan", recording)
+    assert bench_decode.main(["--model", str(tiny_ckpt), "--batch-sizes", "2", "--context-len", "4", "--steps", "3",
+                              "--warmup-steps", "1", "--copy-mib", "4", "--num-threads", "1", "--ab-fused-ops"]) == 0
+    runs: list[list[bool]] = []  # the rebuilds of each run of steps on one side
+    for i, (on, rebuilt) in enumerate(steps):
+        if i == 0 or on != steps[i - 1][0]:
+            runs.append([])
+        runs[-1].append(rebuilt)
+    assert [on for on, _ in steps].count(False) == 2 * 3  # a settling and a timed step per timed step
+    # the last run is the settling step after the last switch back (no timed step follows)
+    assert len(runs) == 1 + 2 * 3 and all(len(run) >= 2 for run in runs[:-1]) and len(runs[-1]) == 1
+    assert all(not any(run[1:]) for run in runs)  # only the first step after a switch rebuilds
+    assert all(run[0] for run in runs[1:])  # (which it does: the test sees the rebuilds)
 
 
 @pytest.mark.slow
