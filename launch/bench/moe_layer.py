@@ -62,7 +62,8 @@ evicts the layer's weights, as the model's other layers do between two calls of 
 whose weights fit a large L3 (260 MiB on some Xeons) would otherwise read them from cache and
 beat the DRAM roofline. ``--warm-cache`` skips it (the weights stay cached between calls). The
 process keeps freed heap memory as a serving worker does (``MOE_MALLOC_KEEP=0``: not).
-``roofline ms`` = max(bytes the call must read / the measured read bandwidth, its FLOPs / the
+``roofline ms`` = max(bytes the call must read / the measured read bandwidth (the fastest read
+seen: fp32 and int64 sums, and on CPUs with the kernel's dot tiles their one-row weight stream), its FLOPs / the
 faster of a measured fp32 and in-dtype 1024^3 matmul): bytes = the routed experts the tokens
 touch (each once) + the shared expert + the router + activations in and out; FLOPs = every
 token through its K experts, the shared expert and the router. ``roofline`` = that bound /
@@ -521,21 +522,29 @@ def build_deepspeed(ours: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tens
 
 def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5, device: torch.device | None = None,
                            clock: str = "cpu") -> float:
-    """Bytes/s of summing an fp32 tensor (read only; best of ``repeats``) of ``num_bytes`` (default: 256
-    MiB or twice the last-level cache, whichever is larger: DRAM, not cache; 2 GiB on CUDA, timed with
-    events). fp32, not bf16: one thread's bf16 sum is bound by its conversions (7.2 against 13.0 GB/s
-    on an Intel Xeon core). ``clock``: "cpu" (CPU time) or "wall" (on CPU)."""
+    """Bytes/s of the fastest read seen: summing a tensor of ``num_bytes`` as fp32 and as int64 (read
+    only; best of ``repeats`` each; default size 256 MiB or twice the last-level cache, whichever is
+    larger: DRAM, not cache; 2 GiB on CUDA as fp32, timed with events) and, on a CPU with the
+    kernel's dot tiles, their one-row weight stream (``kernels.one_row_read_bandwidth``). One core's
+    reads differ by loop: a fp32 sum read 25-28 GB/s on an AMD Zen 4 core where an int64 sum read 32
+    and the one-row stream 35-37, and a layer measured against the slowest read came out faster
+    than its roofline. fp32, not bf16: one thread's bf16 sum is bound by its conversions (7.2
+    against 13.0 GB/s on an Intel Xeon core). ``clock``: "cpu" (CPU time) or "wall" (on CPU)."""
     device = device or torch.device("cpu")
     if device.type == "cuda":
         num_bytes = num_bytes or 2 * 1024**3
     num_bytes = num_bytes or max(256 * 1024**2, 2 * llc_bytes())
-    t = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    t.sum()
+    t = torch.ones(num_bytes // 8 * 2, dtype=torch.float32, device=device)
+    read = t.numel() * 4
     if device.type == "cuda":
-        best = min(cuda_seconds(t.sum) for _ in range(repeats))
-    else:
-        best = best_call_seconds(t.sum, repeats=repeats, clock=clock)
-    return num_bytes / best
+        t.sum()
+        return read / min(cuda_seconds(t.sum) for _ in range(repeats))
+    as_int64 = t.view(torch.int64)
+    rates = [read / best_call_seconds(f, repeats=repeats, clock=clock) for f in (t.sum, as_int64.sum)]
+    from moe import kernels  # imported where used, as the rest of this module does
+
+    stream = kernels.one_row_read_bandwidth()
+    return max(rates + ([stream] if stream is not None else []))
 
 
 def measure_peak_flops(dtype: torch.dtype, size: int | None = None, device: torch.device | None = None,

@@ -889,6 +889,18 @@ def agree_one_row_mode() -> float:
     return seconds[ONE_ROW_PREFETCH] / seconds[mode] if probed else 1.0
 
 
+def one_row_read_bandwidth() -> float | None:
+    """Bytes/s of the one-row dot tiles' fastest pass over ``ONE_ROW_PROBE_BYTES`` of packed weights
+    read from DRAM (``agree_one_row_mode``'s probe, run now: ~0.1 s), the rate a decode step's weight
+    stream reaches on this core; None where no dot tiles run (no AVX512-BF16) or the extension is
+    unavailable."""
+    if not is_available():
+        return None
+    seconds = [float(t) for t in torch.ops.moe_kernels.one_row_mode_seconds(ONE_ROW_PROBE_BYTES)]
+    best = min(seconds, default=0.0)
+    return ONE_ROW_PROBE_BYTES / best if 0 < best < 1e29 else None
+
+
 def one_row_mode() -> int:
     """How one-row dot tiles run in this process (``ONE_ROW_MODES``, ``agree_one_row_mode``)."""
     return int(torch.ops.moe_kernels.one_row_mode())

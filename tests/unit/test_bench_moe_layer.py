@@ -424,3 +424,28 @@ def test_several_threads_are_judged_by_wall_time(monkeypatch, capsys) -> None:
             assert cell.ms == (4.0 if threads == "1" else 2.0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_read_bandwidth_is_the_fastest_read_of_a_sum_and_the_kernels_stream(monkeypatch) -> None:
+    """A layer is measured against the fastest read this core was seen doing: one core's fp32 sum
+    read slower than the kernel's weight stream, and a layer came out above its roofline."""
+    from moe import kernels
+
+    size = 64 * 2**20
+    monkeypatch.setattr(kernels, "one_row_read_bandwidth", lambda: None)
+    sums = moe_layer.measure_read_bandwidth(size, repeats=2)
+    assert 1e8 < sums < 1e13
+    monkeypatch.setattr(kernels, "one_row_read_bandwidth", lambda: 1e14)
+    assert moe_layer.measure_read_bandwidth(size, repeats=2) == 1e14
+    monkeypatch.setattr(kernels, "one_row_read_bandwidth", lambda: 1.0)
+    assert 1e8 < moe_layer.measure_read_bandwidth(size, repeats=2) < 1e13
+
+
+def test_the_one_row_stream_reads_its_probe_bytes_where_dot_tiles_run() -> None:
+    from moe import kernels
+
+    rate = kernels.one_row_read_bandwidth()
+    if not kernels.is_available() or not torch.ops.moe_kernels.one_row_mode_seconds(1 << 20):
+        assert rate is None  # no AVX512-BF16 here: no dot tiles, no stream of theirs to time
+    else:
+        assert rate is not None and 1e8 < rate < 1e13
