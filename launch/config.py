@@ -191,6 +191,11 @@ class EngineConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
+        # vLLM's other spellings, taken wherever a value comes from (flags, --set, a nested file, LLM())
+        for name, aliases in (("dtype", DTYPE_ALIASES), ("kv_cache_dtype", KV_CACHE_DTYPE_ALIASES)):
+            value = getattr(self, name)
+            if isinstance(value, str) and value in aliases:
+                object.__setattr__(self, name, aliases[value])
         _check_choice("dtype", self.dtype, DTYPES)
         if not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a directory, got ''")

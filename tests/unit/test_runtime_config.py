@@ -310,3 +310,18 @@ def test_the_engine_seed_is_an_int64_generator_seed_and_dp_ranks_wrap_within_it(
     assert [rank_seed(2**63 - 1, r) for r in range(3)] == [2**63 - 1, 0, 1]
     for r in range(3):
         Sampler(seed=rank_seed(2**63 - 2, r))
+
+
+def test_vllm_value_spellings_are_taken_wherever_the_value_comes_from(tmp_path):
+    # the flags took dtype half / float and kv_cache_dtype fp8_e4m3; --set and a nested file refused them
+    assert (_args(["--model", "ck", "--dtype", "half"]).engine.dtype,
+            _args(["--model", "ck", "--set", "engine.dtype=half"]).engine.dtype,
+            _args(["--model", "ck", "--set", "engine.dtype=float"]).engine.dtype) == ("float16", "float16", "float32")
+    assert _args(["--model", "ck", "--set", "engine.kv_cache_dtype=fp8_e4m3"]).engine.kv_cache_dtype == "fp8"
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("model: ck\nengine: {dtype: half, kv_cache_dtype: fp8_e4m3}\n")
+    engine = load_runtime_config(nested).engine
+    assert (engine.dtype, engine.kv_cache_dtype) == ("float16", "fp8")
+    assert EngineConfig(dtype="float") == EngineConfig(dtype="float32")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineConfig(dtype="double")
