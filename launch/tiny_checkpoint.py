@@ -106,6 +106,10 @@ def write_tokenizer(out_dir: str | Path, tok: tokenizers.Tokenizer, *, model_max
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+# a checkpoint's seed (moe.tiny mixes it with each layer's index into int64 generator seeds)
+SEED_MAX = 2**32 - 1
+
+
 def make_tiny_checkpoint(
     arch: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0, log: Callable[[str], None] | None = None,
     router_skew: float = 0.0, config_overrides: dict[str, Any] | None = None,
@@ -122,6 +126,8 @@ def make_tiny_checkpoint(
     """
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    if not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"seed must be in [0, 2**32 - 1], got {seed}")
     overrides = dict(config_overrides or {})
     if "vocab_size" in overrides:
         raise ValueError("config override 'vocab_size' is not allowed: the vocabulary is the trained tokenizer's")
@@ -256,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="replace a config.json field, e.g. --override hidden_size=256 (repeatable)")
     args = parser.parse_args(argv)
+    if not 0 <= args.seed <= SEED_MAX:
+        parser.error(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
     try:
         overrides = dict(parse_config_override(item) for item in args.override)
         out = make_tiny_checkpoint(args.arch, args.out, size=args.size, seed=args.seed, log=print,

@@ -67,6 +67,12 @@ def test_make_tiny_other_arch_and_its_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["make-tiny", "--arch", "llama", "--out", str(tmp_path / "x")])
     assert e.value.code == 2 and "invalid choice: 'llama'" in capsys.readouterr().err
+    for seed in ("-1", str(2**32), "99999999999999999999"):  # a torch generator overflow, named before: one line
+        with pytest.raises(SystemExit) as e:
+            cli.main(["make-tiny", "--arch", "mixtral", "--out", str(tmp_path / "s"), "--seed", seed])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.startswith(f"error: --seed must be in [0, 2**32 - 1], got {seed} ")
+    assert not (tmp_path / "s").exists()
 
 
 def _write_config(tmp_path: Path, cfg: dict) -> Path:
