@@ -440,12 +440,17 @@ def profile_steps(engine: Any, steps: int) -> dict[str, float]:
     return {k: v / steps for k, v in kinds.items()}
 
 
+DEFAULT_BATCH_SIZES = (1, 8, 32, 128)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(prog="python -m launch bench decode", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(parser, server=False, dtype_default=BENCH_DTYPE)
     g = parser.add_argument_group("benchmark")
-    g.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    g.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                   help=f"batch sizes to time (default: {' '.join(map(str, DEFAULT_BATCH_SIZES))}, those that "
+                        "max_num_seqs, max_num_batched_tokens, max_model_len and the KV pool allow)")
     g.add_argument("--context-len", type=int, default=128, help="prompt tokens per sequence before decoding")
     g.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     g.add_argument("--warmup-steps", type=int, default=None,
@@ -509,6 +514,9 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     what the memory budget holds (``--memory``, or the engine's default), as the engine sizes it."""
     from launch.engine import DEFAULT_CPU_MEMORY, check_runtime_config
 
+    defaulted = args.batch_sizes is None  # the defaults are cut to what the config allows, not refused
+    if defaulted:
+        args.batch_sizes = list(DEFAULT_BATCH_SIZES)
     _check_args(args)
     biggest = max(args.batch_sizes)
     # the benchmark's dtype whatever the checkpoint stores; room to prefill beside the batch's decode
@@ -519,10 +527,15 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     if config.parallel.world_size != 1:
         raise ValueError("bench decode runs one in-process rank (tensor_parallel_size = data_parallel_size = 1)")
     e = config.engine
+    if defaulted:
+        _keep_batch_sizes(args, lambda b: b <= min(e.max_num_seqs, e.max_num_batched_tokens))
+        biggest = max(args.batch_sizes)
     check_batch_fits(args, config, biggest, f"the largest --batch-sizes {biggest}", "that batch")
     plan = check_runtime_config(config)  # model path, layout, KV budget (--memory), before any weights load
     max_len = plan.max_model_len
     tokens = {b: seq_tokens(args, b, e.max_num_batched_tokens) for b in args.batch_sizes}
+    if defaulted:
+        _keep_batch_sizes(args, lambda b: tokens[b] <= max_len)
     too_long = sorted(b for b in args.batch_sizes if tokens[b] > max_len)
     if too_long:
         b = too_long[0]
@@ -538,6 +551,9 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
         budget = "the GPU's memory" if torch.cuda.is_available() else f"the engine's default {DEFAULT_CPU_MEMORY}"
     source = (f"--num-kv-blocks {e.num_kv_blocks}" if e.num_kv_blocks is not None
               else f"the {pool} that {budget} x memory_utilization {e.memory_utilization:g} holds after the weights")
+    if defaulted:
+        _keep_batch_sizes(args, lambda b: need[b] <= pool)
+        biggest = max(args.batch_sizes)
     too_big = sorted(b for b in args.batch_sizes if need[b] > pool)
     if too_big:
         b = too_big[0]
@@ -547,6 +563,12 @@ def build_config(args: argparse.Namespace) -> RuntimeConfig:
     if e.num_kv_blocks is None:  # only what the largest batch uses (and a spare block), within the budget
         config = replace(config, engine=replace(e, num_kv_blocks=min(need[biggest] + 1, pool)))
     return config
+
+
+def _keep_batch_sizes(args: argparse.Namespace, fits: Callable[[int], bool]) -> None:
+    """Drop the default batch sizes that do not fit; the smallest stays (its check then names the
+    problem, as for sizes the user gave)."""
+    args.batch_sizes = [b for b in args.batch_sizes if fits(b)] or args.batch_sizes[:1]
 
 
 def seq_tokens(args: argparse.Namespace, batch_size: int, max_num_batched_tokens: int) -> int:

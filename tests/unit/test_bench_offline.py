@@ -295,6 +295,26 @@ def test_decode_honours_memory_with_a_pool_for_the_largest_batch(tiny_ckpt, monk
     assert config.engine.num_kv_blocks == 4 * 2 + 1 and config.engine.memory == "1MiB"
 
 
+def test_decode_default_batch_sizes_are_those_the_config_allows(tiny_ckpt, monkeypatch):
+    """Without --batch-sizes the defaults (1 8 32 128) are cut to what max_num_seqs, the step's
+    token budget, max_model_len and the KV pool allow (the shipped configs/tiny.yaml holds 8
+    sequences); batch sizes given are checked as given."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parse = bench_decode.build_parser().parse_args
+    base = ["--model", str(tiny_ckpt), "--context-len", "8", "--steps", "2"]
+    args = parse(base)
+    assert bench_decode.build_config(args).engine.max_num_seqs == 128 and args.batch_sizes == [1, 8, 32, 128]
+    for flags, kept in ((["--set", "engine.max_num_seqs=8"], [1, 8]), (["--max-num-seqs", "31"], [1, 8]),
+                        (["--max-num-batched-tokens", "40", "--enable-chunked-prefill"], [1, 8, 32]),
+                        (["--num-kv-blocks", "20"], [1, 8]), (["--max-model-len", "18"], [1, 8, 32]),
+                        (["--set", "engine.max_num_seqs=1"], [1])):
+        args = parse([*base, *flags])
+        bench_decode.build_config(args)
+        assert args.batch_sizes == kept, flags
+    with pytest.raises(ValueError, match=r"^engine.max_num_seqs \(--config/--set\) 8 < the largest --batch-sizes 32"):
+        bench_decode.build_config(parse([*base, "--set", "engine.max_num_seqs=8", "--batch-sizes", "1", "32"]))
+
+
 def test_bench_defaults_yield_to_config_files_and_set(tiny_ckpt, tmp_path, no_engine, monkeypatch, capsys):
     """The benchmarks' own defaults (bf16, room for the largest batch) fill only what neither a flag
     nor --config nor --set gives."""
