@@ -14,8 +14,8 @@ utilization and model_overrides are the defaults (flags still win). A rank's wei
 ``parallel.costmodel.weight_bytes_per_rank``: with expert parallelism its P / ep routed
 expert slots, without it every routed expert (TP splits attention and dense MLPs, not
 experts), in the checkpoint's stored dtype (``quantization_config`` fp8: 1 byte).
-Memory per rank is ``--memory``, else the runtime config's ``engine.memory``, else the
-``--hardware`` spec's ``memory_bytes`` (default ``h100``, as ``simulate --hardware h100``).
+Memory per rank is ``--memory``, or the ``--hardware`` spec's ``memory_bytes`` (one of the two
+flags), else the runtime config's ``engine.memory``, else ``h100``'s (as ``simulate --hardware h100``).
 """
 
 from __future__ import annotations
@@ -229,9 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     model_arg = args.model
     try:
+        if args.memory is not None and args.hardware is not None:
+            raise ValueError(f"--memory {args.memory} and --hardware {args.hardware} both give the memory per rank "
+                             "(the hardware's is its memory_bytes): pass one")
         runtime_config = model_runtime_config(args.model)
         if runtime_config is not None:
             _apply_runtime_config(args, runtime_config)
+            if args.hardware is not None:
+                args.memory = None  # the flag over the runtime config's engine.memory
         _fill_defaults(args)
         _check_args(args)
         raw = _raw_model_config(args.model, args.model_overrides)

@@ -291,6 +291,9 @@ def measure_recording(num_layers: int, num_slots: int, num_ranks: int, tokens_pe
 # ---------------------------------------------------------------- command line
 
 
+STATS_REPEATS = 2000  # calls per timing round of --stats-overhead
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(prog="python -m launch bench overhead", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=int, default=5)
     g.add_argument("--stats-overhead", action="store_true",
                    help="time the routing-statistics recording against the decode step (one rank)")
-    g.add_argument("--repeats", type=int, default=2000, help="calls per timing round in --stats-overhead")
+    g.add_argument("--repeats", type=int, default=None,
+                   help=f"calls per timing round in --stats-overhead (default {STATS_REPEATS})")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads on the driver (default: torch's)")
     g.add_argument("--transports", default=None, metavar="LIST",
                    help="comma-separated step transports to run one after another in this process "
@@ -329,6 +333,11 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def build_config(args: argparse.Namespace) -> RuntimeConfig:
     """The runtime config with room for the batch (max_num_seqs, KV blocks) so no step is preempted."""
+    if args.repeats is not None and not args.stats_overhead:
+        raise ValueError("--repeats sets --stats-overhead's timing rounds, which this run does not time: add "
+                         "--stats-overhead or leave --repeats out")
+    if args.repeats is None:
+        args.repeats = STATS_REPEATS
     check_step_flags(args, ("batch", "context_len", "steps", "repeats"))
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         raise ValueError(f"--json: {problem}")  # now, not after the whole benchmark

@@ -136,6 +136,11 @@ def test_main_rejects_bad_input(tiny_ckpt, tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
     assert bench_overhead.main(["--model", str(tiny_ckpt), "--top-p", "1.5"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert bench_overhead.main(["--model", str(tiny_ckpt), "--repeats", "10"]) == 2  # without --stats-overhead
+    assert capsys.readouterr().err == ("error: --repeats sets --stats-overhead's timing rounds, which this run does "
+                                       "not time: add --stats-overhead or leave --repeats out\n")
+    assert bench_overhead.main(["--model", str(tiny_ckpt), "--stats-overhead", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_transports_list_and_side_by_side_ratios():

@@ -87,6 +87,23 @@ def test_kvcalc_memory_1e400_is_one_line(capsys):
     assert line.startswith("error: argument --memory: "), line
 
 
+def test_kvcalc_hardware_is_checked_and_not_given_beside_memory(tmp_path, capsys):
+    run = ["kvcalc", "--model", "deepseek-ai/DeepSeek-V3"]
+    assert cli.main([*run, "--memory", "2GiB", "--hardware", "foo"]) == 2  # taken and ignored before
+    assert _one_line(capsys) == ("error: kvcalc deepseek-ai/DeepSeek-V3: --memory 2GiB and --hardware foo both give "
+                                 "the memory per rank (the hardware's is its memory_bytes): pass one")
+    assert cli.main([*run, "--hardware", "foo"]) == 2
+    assert "hardware 'foo' is neither a file nor one of" in _one_line(capsys)
+    # a runtime config's engine.memory yields to --hardware (the flag over the file)
+    config = tmp_path / "run.yaml"
+    config.write_text("model: deepseek-ai/DeepSeek-V3\nengine: {memory: 200GiB}\n")
+    assert cli.main(["kvcalc", "--model", str(config), "-tp", "8", "-ep", "8", "--json"]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert cli.main(["kvcalc", "--model", str(config), "-tp", "8", "-ep", "8", "--hardware", "h200", "--json"]) == 0
+    from_flag = json.loads(capsys.readouterr().out)
+    assert from_file["memory_bytes"] == 200 * 2**30 and from_flag["memory_bytes"] == 141_000_000_000
+
+
 @pytest.mark.parametrize("value", ["1e400", "8 GiB/s", "-2GiB"])
 def test_runtime_memory_flag_is_refused_at_parse_naming_it(value, capsys):
     from launch.config_args import FlagParser, add_runtime_args
