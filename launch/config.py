@@ -416,9 +416,11 @@ class RuntimeConfig:
         if path.is_file():
             raise FileNotFoundError(f"model {self.model!r} is a file: give the checkpoint directory"
                                     f" that holds it ({str(path.parent)!r})")
+        if not path.exists():
+            raise FileNotFoundError(f"model {self.model!r}: no such directory (a hub name needs its files "
+                                    "downloaded first: give the local checkpoint directory)")
         if not (path / "config.json").is_file():
-            hint = " (hub names need the files downloaded first)" if not path.exists() else ""
-            raise FileNotFoundError(f"model {self.model!r}: no config.json in that directory{hint}")
+            raise FileNotFoundError(f"model {self.model!r}: no config.json in that directory")
         return path
 
     def sampling_defaults(self) -> dict[str, Any]:

@@ -159,10 +159,12 @@ def test_model_and_memory_problems_are_one_line_errors(tiny_ckpt_with_tokenizer,
         return path
 
     cases = [
-        (["--model", "/nonexist"],
-         "error: model '/nonexist': no config.json in that directory (hub names need the files downloaded first)"),
-        (["--model", "deepseek-ai/DeepSeek-V3"], "error: model 'deepseek-ai/DeepSeek-V3': no config.json in that "
-                                                 "directory (hub names need the files downloaded first)"),
+        (["--model", "/nonexist"], "error: model '/nonexist': no such directory (a hub name needs its files "
+                                   "downloaded first: give the local checkpoint directory)"),
+        (["--model", "deepseek-ai/DeepSeek-V3"], "error: model 'deepseek-ai/DeepSeek-V3': no such directory (a hub "
+                                                 "name needs its files downloaded first: give the local checkpoint "
+                                                 "directory)"),
+        (["--model", str(tmp_path)], f"error: model '{tmp_path}': no config.json in that directory"),
         (["--model", str(ckpt), "--memory", "1KiB"], "error: no room for the KV cache: "),
         (["--model", str(ckpt), "--max-model-len", "99999"],
          "error: engine.max_model_len=99999 > the model's max_position_embeddings 2048"),

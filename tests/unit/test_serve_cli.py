@@ -29,7 +29,7 @@ def test_loopback_detection():
 
 def test_bad_model_or_flags_exit_2(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "missing")]) == 2
-    assert "config.json" in capsys.readouterr().err
+    assert "no such directory" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
     assert main(["--model", str(tmp_path), "--max-queue-len", "0"]) == 2
     assert "max_queue_len" in capsys.readouterr().err
