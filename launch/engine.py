@@ -194,6 +194,8 @@ class LLMEngine:
         self.executor: Executor = build_executor(spec, strategy=p.placement_strategy,
                                                  transport=p.step_transport,
                                                  call_timeout_s=step_timeout_s(config))
+        if self.tokenizer is None:
+            log.warning("%s has no tokenizer.json: prompts must be token ids", path)
         try:
             self.eplb = self._build_eplb(self.placement, self.executor.num_nodes)
             sched = SchedulerConfig(
@@ -439,6 +441,5 @@ def _load_tokenizer(path):
     from launch.tokenizer import Tokenizer
 
     if not (path / "tokenizer.json").exists():
-        log.warning("%s has no tokenizer.json: prompts must be token ids", path)
-        return None
+        return None  # said once the weights have loaded (LLMEngine), not ahead of a checkpoint's real problem
     return Tokenizer.from_dir(path)  # one that is not a file is its error, not "no tokenizer"

@@ -62,7 +62,7 @@ def _writable_dir_problem(folder: Path) -> str | None:
     try:
         fd, probe = tempfile.mkstemp(prefix=".moe-write-probe-", dir=folder)
     except OSError as e:
-        return f"{folder} is not writable ({(e.strerror or str(e)).lower()})"
+        return f"no file can be made in {folder} (making one failed: {(e.strerror or str(e)).lower()})"
     os.close(fd)
     os.unlink(probe)
     return None

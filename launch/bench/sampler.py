@@ -227,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.num_threads)
     kept = keep_freed_heap_memory()
+    rounds = "one call" if args.min_seconds == 0 else f">= {args.min_seconds} s"  # each round runs at least one call
     print(f"# [{args.batch}, V] float32 logits, N(0, 1) x {args.logit_scale}; {args.num_threads} thread(s); CPU ms "
-          f"per call (best of 3 rounds of >= {args.min_seconds} s); freed heap memory {'kept' if kept else 'returned'}")
+          f"per call (best of 3 rounds of {rounds}); freed heap memory {'kept' if kept else 'returned'}")
     rows = [measure(args.batch, v, s, min_seconds=args.min_seconds, logit_scale=args.logit_scale)
             for v in args.vocab for s in args.settings]
     print(format_table(rows))
