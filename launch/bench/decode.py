@@ -16,7 +16,10 @@ of every sequence's context (context_len x the cache's bytes per token, all laye
 sliding window w, min(context_len, w) tokens: the keys it attends to).
 ``bound_ms`` = those bytes / the copy bandwidth measured in this run (a large tensor copy,
 read + write bytes / time, best of a few); ``ratio`` = measured step / bound (1.0 would
-be running at the memory-bandwidth limit). Large batches are compute-bound instead:
+be running at the memory-bandwidth limit). One core often reads faster than it copies:
+``cpu/read`` divides the step's CPU time by the bytes at the fastest read measured in the run
+(``moe_layer.measure_read_bandwidth``: fp32 and int64 sums, and where the kernel has dot tiles
+their one-row weight stream), the stricter floor. Large batches are compute-bound instead:
 ``compute ms`` = the step's FLOPs (every token through the dense weights and its top-k
 experts, plus attention over its context) / the rate of the faster GEMM path measured in
 the run (PyTorch's matmul or the packed CPU linear kernel, in the model's dtype); the
@@ -106,6 +109,8 @@ class DecodeResult:
     cpu_ratio: float = 0.0  # step CPU time / bound
     roof_ms: float = 0.0  # max(bandwidth bound, compute bound)
     cpu_roof_ratio: float = 0.0  # step CPU time / roof
+    read_bound_ms: float = 0.0  # the bytes at the fastest read measured (moe_layer.measure_read_bandwidth)
+    cpu_read_ratio: float = 0.0  # step CPU time / read_bound_ms
     fused_off_cpu_ms: float | None = None  # --ab-fused-ops: median CPU ms of the steps with the fused ops off
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per step, by kind of work (--breakdown)
 
@@ -346,10 +351,12 @@ def _step_with_fused_off(engine: Any, recorder: RecordingExecutor, set_fused: Ca
 
 def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightBytes, kv_bytes_per_token: int,
                     bandwidth: float, *, top_k: int = 0, flops_per_key: int = 0,
-                    matmul_flops: float = 0.0, sliding_window: int | None = None) -> DecodeResult:
+                    matmul_flops: float = 0.0, sliding_window: int | None = None,
+                    read_bandwidth: float = 0.0) -> DecodeResult:
     """Medians of the timed steps against the bandwidth bound (and, given the matmul rate,
-    the compute bound: step FLOPs / ``matmul_flops``); ``sliding_window``: the model's attention
-    window (KV read and attended per sequence: at most that many tokens)."""
+    the compute bound: step FLOPs / ``matmul_flops``; given ``read_bandwidth``, the bytes at that
+    read rate); ``sliding_window``: the model's attention window (KV read and attended per
+    sequence: at most that many tokens)."""
     per_step = [step_bytes(out, res, weights, kv_bytes_per_token, sliding_window) for _, _, out, res in timed]
     flops = statistics.mean(step_flops(out, weights, top_k, flops_per_key, sliding_window) for _, _, out, _ in timed)
     weight = round(statistics.mean(w for w, _, _ in per_step))
@@ -359,6 +366,7 @@ def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightByte
     bound_s = (weight + kv) / bandwidth
     compute_s = flops / matmul_flops if matmul_flops > 0 else 0.0
     roof_s = max(bound_s, compute_s)
+    read_s = (weight + kv) / read_bandwidth if read_bandwidth > 0 else 0.0
     return DecodeResult(
         batch_size=batch_size, step_ms=step_s * 1e3, step_cpu_ms=cpu_s * 1e3,
         worker_ms=statistics.median(res.seconds for _, _, _, res in timed) * 1e3,
@@ -367,21 +375,25 @@ def summarize_batch(batch_size: int, timed: list[TimedStep], weights: WeightByte
         experts_touched_per_layer=statistics.mean(t for _, _, t in per_step),
         weight_bytes=weight, kv_bytes=kv, bytes_read=weight + kv, bound_ms=bound_s * 1e3, ratio=step_s / bound_s,
         gflop=flops / 1e9, compute_bound_ms=compute_s * 1e3, cpu_ratio=cpu_s / bound_s, roof_ms=roof_s * 1e3,
-        cpu_roof_ratio=cpu_s / roof_s,
+        cpu_roof_ratio=cpu_s / roof_s, read_bound_ms=read_s * 1e3, cpu_read_ratio=cpu_s / read_s if read_s else 0.0,
     )
 
 
-def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: float, matmul_name: str = "") -> str:
+def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: float, matmul_name: str = "",
+                 read_bandwidth: float = 0.0) -> str:
+    read = read_bandwidth > 0
     head = (f"{'batch':>6} {'step ms':>9} {'cpu ms':>8} {'worker ms':>10} {'tok/s':>9} {'ctx':>6} {'experts/layer':>14} "
             f"{'weights MB':>11} {'KV MB':>8} {'bound ms':>9} {'ratio':>7} {'cpu ratio':>9} {'GFLOP':>7} "
-            f"{'compute ms':>11} {'cpu/roof':>9}")
-    lines = [f"# copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s; "
+            f"{'compute ms':>11} {'cpu/roof':>9}" + (f" {'cpu/read':>9}" if read else ""))
+    fastest = (f"; fastest read: {read_bandwidth / 1e9:.1f} GB/s (cpu/read: CPU ms over the bytes read at that rate)"
+               if read else "")
+    lines = [f"# copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s (the bound's){fastest}; "
              f"compute: {matmul_flops / 1e9:.1f} GFLOP/s ({matmul_name or 'matmul'}); roof = max(bound, compute)", head]
     for r in rows:
         lines.append(f"{r.batch_size:>6} {r.step_ms:>9.2f} {r.step_cpu_ms:>8.2f} {r.worker_ms:>10.2f} {r.tokens_per_s:>9.1f} "
                      f"{r.mean_context_len:>6.0f} {r.experts_touched_per_layer:>14.1f} {r.weight_bytes / 1e6:>11.1f} "
                      f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f} {r.cpu_ratio:>9.2f} {r.gflop:>7.2f} "
-                     f"{r.compute_bound_ms:>11.2f} {r.cpu_roof_ratio:>9.2f}")
+                     f"{r.compute_bound_ms:>11.2f} {r.cpu_roof_ratio:>9.2f}" + (f" {r.cpu_read_ratio:>9.2f}" if read else ""))
     under = [r.batch_size for r in rows if r.ratio < 0.95]  # wall time: on CUDA cpu ms is the host's alone
     if under:  # a step that reads its bytes faster than the copy ran: the ratios are not against DRAM's rate
         lines.append(f"# note: batch {', '.join(map(str, under))} stepped faster than its bandwidth floor: the copy "
@@ -602,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
         # on the rank's device (the GPU when the worker runs on CUDA)
         bandwidth = measure_copy_bandwidth(args.copy_mib * 1024**2, device=worker.device)
         matmul_flops, matmul_name = measure_matmul_flops(worker.dtype, device=worker.device)
+        from launch.bench.moe_layer import measure_read_bandwidth
+
+        read_bandwidth = measure_read_bandwidth(device=worker.device)
         weights = compute_weight_bytes(worker.model)
         kv_per_token = mc.kv_bytes_per_token(worker.kv_cache.pools[0].element_size())
         vocab = [t for t in range(mc.vocab_size) if t not in engine.eos_token_ids]
@@ -614,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                               set_fused=worker.model.set_fused_ops)
             row = summarize_batch(b, timed, weights, kv_per_token, bandwidth, top_k=mc.num_experts_per_tok,
                                   flops_per_key=attention_flops_per_key(mc), matmul_flops=matmul_flops,
-                                  sliding_window=mc.sliding_window)
+                                  sliding_window=mc.sliding_window, read_bandwidth=read_bandwidth)
             off_ms = statistics.median(fused_off) * 1e3 if fused_off else None
             rows.append(replace(row, breakdown_ms=breakdown or {}, fused_off_cpu_ms=off_ms))
     except (ValueError, RuntimeError) as e:  # e.g. a batch that never decoded together: one line, as bench overhead
@@ -628,12 +643,13 @@ def main(argv: list[str] | None = None) -> int:
     quant = f", {config.engine.quantization} experts" if config.engine.quantization else ""
     print(f"# {config.model}: {engine.dtype}{quant}, KV cache {config.engine.kv_cache_dtype}, "
           f"{torch.get_num_threads()} thread(s)")
-    print(format_table(rows, bandwidth, matmul_flops, matmul_name))
+    print(format_table(rows, bandwidth, matmul_flops, matmul_name, read_bandwidth))
     if args.json:
         result = {"model": config.model, "dtype": engine.dtype, "quantization": config.engine.quantization,
                   "kv_cache_dtype": config.engine.kv_cache_dtype, "num_threads": torch.get_num_threads(),
                   "device": str(worker.device),
                   "context_len": args.context_len, "steps": args.steps, "copy_bandwidth_bytes_per_s": bandwidth,
+                  "read_bandwidth_bytes_per_s": read_bandwidth,
                   "matmul_flops_per_s": matmul_flops, "matmul_path": matmul_name,
                   "dense_weight_bytes": weights.dense, "expert_slot_bytes": list(weights.per_slot),
                   "kv_bytes_per_token": kv_per_token, "results": [asdict(r) for r in rows]}

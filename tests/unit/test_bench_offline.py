@@ -499,3 +499,22 @@ def test_throughput_report_says_when_transformers_runs_another_model(tiny_ckpt):
     other = bench_throughput.summarize(config, requests, ours, hf, hf_differs="moe_layer_freq=2: ...", **kwargs)
     assert other["hf_differs"] == "moe_layer_freq=2: ..." and other["greedy_agreement"] == 0.5
     assert "0.500 (not a rounding measure: moe_layer_freq=2: ...)" in bench_throughput.format_report(other)
+
+
+def test_decode_rows_against_the_fastest_read_too(monkeypatch):
+    """One core reads faster than it copies: each row also gives its CPU time over the bytes at the
+    fastest read measured (the stricter floor), in the table and the JSON row."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(bench_decode, "step_bytes", lambda *a: (1_000_000, 0, 1.0))
+    monkeypatch.setattr(bench_decode, "step_flops", lambda *a: 0)
+    output = SimpleNamespace(batches=[SimpleNamespace(seqs=[SimpleNamespace(context_len=5)])])
+    timed = [(0.004, 0.004, output, SimpleNamespace(seconds=0.003))]
+    row = bench_decode.summarize_batch(1, timed, None, 0, 1e9, read_bandwidth=2e9)
+    assert (row.bound_ms, row.read_bound_ms) == pytest.approx((1.0, 0.5))
+    assert (row.cpu_ratio, row.cpu_read_ratio) == pytest.approx((4.0, 8.0))
+    text = bench_decode.format_table([row], 1e9, 1e12, read_bandwidth=2e9)
+    assert "fastest read: 2.0 GB/s" in text and text.splitlines()[1].split()[-1] == "cpu/read"
+    assert text.splitlines()[2].split()[-1] == "8.00"
+    assert "cpu/read" not in bench_decode.format_table([row], 1e9, 1e12)  # no read measured: no column
+    assert bench_decode.summarize_batch(1, timed, None, 0, 1e9).cpu_read_ratio == 0.0
