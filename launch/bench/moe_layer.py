@@ -525,10 +525,10 @@ def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5, devic
     """Bytes/s of the fastest read seen: summing a tensor of ``num_bytes`` as fp32 and as int64 (read
     only; best of ``repeats`` each; default size 256 MiB or twice the last-level cache, whichever is
     larger: DRAM, not cache; 2 GiB on CUDA as fp32, timed with events) and, on a CPU with the
-    kernel's dot tiles, their one-row weight stream (``kernels.one_row_read_bandwidth``). One core's
-    reads differ by loop: a fp32 sum read 25-28 GB/s on an AMD Zen 4 core where an int64 sum read 32
-    and the one-row stream 35-37, and a layer measured against the slowest read came out faster
-    than its roofline. fp32, not bf16: one thread's bf16 sum is bound by its conversions (7.2
+    kernel's dot tiles, their one-row weight stream over the same size (``kernels.one_row_read_bandwidth``).
+    One core's reads differ by loop: over 256 MiB a fp32 sum read 25-28 GB/s on an AMD Zen 4 core where
+    an int64 sum read 32 and the one-row stream 33, and a layer measured against the slowest read
+    came out faster than its roofline. fp32, not bf16: one thread's bf16 sum is bound by its conversions (7.2
     against 13.0 GB/s on an Intel Xeon core). ``clock``: "cpu" (CPU time) or "wall" (on CPU)."""
     device = device or torch.device("cpu")
     if device.type == "cuda":
@@ -543,7 +543,7 @@ def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5, devic
     rates = [read / best_call_seconds(f, repeats=repeats, clock=clock) for f in (t.sum, as_int64.sum)]
     from moe import kernels  # imported where used, as the rest of this module does
 
-    stream = kernels.one_row_read_bandwidth()
+    stream = kernels.one_row_read_bandwidth(read // 65536 * 65536)
     return max(rates + ([stream] if stream is not None else []))
 
 

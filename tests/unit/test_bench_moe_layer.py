@@ -432,19 +432,21 @@ def test_read_bandwidth_is_the_fastest_read_of_a_sum_and_the_kernels_stream(monk
     from moe import kernels
 
     size = 64 * 2**20
-    monkeypatch.setattr(kernels, "one_row_read_bandwidth", lambda: None)
+    monkeypatch.setattr(kernels, "one_row_read_bandwidth", lambda n: None)
     sums = moe_layer.measure_read_bandwidth(size, repeats=2)
     assert 1e8 < sums < 1e13
-    monkeypatch.setattr(kernels, "one_row_read_bandwidth", lambda: 1e14)
+    sizes: list[int] = []
+    monkeypatch.setattr(kernels, "one_row_read_bandwidth", lambda n: sizes.append(n) or 1e14)
     assert moe_layer.measure_read_bandwidth(size, repeats=2) == 1e14
-    monkeypatch.setattr(kernels, "one_row_read_bandwidth", lambda: 1.0)
+    assert sizes == [size]  # the stream reads as many bytes as the sums: after a flush, less reads faster
+    monkeypatch.setattr(kernels, "one_row_read_bandwidth", lambda n: 1.0)
     assert 1e8 < moe_layer.measure_read_bandwidth(size, repeats=2) < 1e13
 
 
 def test_the_one_row_stream_reads_its_probe_bytes_where_dot_tiles_run() -> None:
     from moe import kernels
 
-    rate = kernels.one_row_read_bandwidth()
+    rate = kernels.one_row_read_bandwidth(1 << 20)
     if not kernels.is_available() or not torch.ops.moe_kernels.one_row_mode_seconds(1 << 20):
         assert rate is None  # no AVX512-BF16 here: no dot tiles, no stream of theirs to time
     else:
