@@ -526,9 +526,9 @@ def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5, devic
     only; best of ``repeats`` each; default size 256 MiB or twice the last-level cache, whichever is
     larger: DRAM, not cache; 2 GiB on CUDA as fp32, timed with events) and, on a CPU with the
     kernel's dot tiles, their one-row weight stream over the same size (``kernels.one_row_read_bandwidth``).
-    One core's reads differ by loop: over 256 MiB a fp32 sum read 25-28 GB/s on an AMD Zen 4 core where
-    an int64 sum read 32 and the one-row stream 33, and a layer measured against the slowest read
-    came out faster than its roofline. fp32, not bf16: one thread's bf16 sum is bound by its conversions (7.2
+    One core's reads differ by loop: on an AMD Zen 4 core a fp32 sum read 25-28 GB/s and an int64 sum 32
+    (over 512 MiB), the one-row stream 33 (over 256 MiB), and a layer measured against the slowest
+    read came out faster than its roofline. fp32, not bf16: one thread's bf16 sum is bound by its conversions (7.2
     against 13.0 GB/s on an Intel Xeon core). ``clock``: "cpu" (CPU time) or "wall" (on CPU)."""
     device = device or torch.device("cpu")
     if device.type == "cuda":
