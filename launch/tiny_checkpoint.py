@@ -266,11 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
     try:
         overrides = dict(parse_config_override(item) for item in args.override)
-        out = make_tiny_checkpoint(args.arch, args.out, size=args.size, seed=args.seed, log=print,
+        out = make_tiny_checkpoint(args.arch, args.out, size=args.size, seed=args.seed,
                                    router_skew=args.router_skew, config_overrides=overrides)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = json.loads((out / "config.json").read_text())
-    print(f"{args.arch} {args.size}: {count_parameters(cfg):,} parameters, vocab {cfg['vocab_size']} -> {out}")
+    files = len(list(out.glob("*.safetensors")))
+    print(f"wrote {args.arch} {args.size} checkpoint to {out}: {count_parameters(cfg):,} parameters, "
+          f"vocab {cfg['vocab_size']}, {files} weight file(s)")
     return 0
