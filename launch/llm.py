@@ -11,7 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from launch.config import DTYPE_ALIASES, KV_CACHE_DTYPE_ALIASES, VLLM_KEYS, RuntimeConfig
+from launch.config import VLLM_KEYS, RuntimeConfig
 from launch.config_schema import set_dotted
 from launch.core import RequestOutput, SamplingParams
 from launch.core.sampling_params import truncate_prompt
@@ -25,8 +25,6 @@ _CHAT_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "conti
 _SERVER_ONLY = frozenset({"model", "host", "port", "api_key", "served_model_name", "max_queue_len"})
 
 Prompt = str | Mapping[str, Any]
-# vLLM's other spellings of a value (dtype="half"), as the flags take them
-_VALUE_ALIASES = {"dtype": DTYPE_ALIASES, "kv_cache_dtype": KV_CACHE_DTYPE_ALIASES}
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})  # what a prompt dict may hold
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -54,8 +52,7 @@ def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig
                 raise TypeError(f"LLM() tokenizer={value!r} is not supported: the tokenizer is read from the "
                                 "model directory (pass tokenizer=None or the model path)")
         elif key in VLLM_KEYS and key not in _SERVER_ONLY:
-            aliases = _VALUE_ALIASES.get(key, {})
-            set_dotted(data, VLLM_KEYS[key], aliases.get(value, value) if isinstance(value, str) else value)
+            set_dotted(data, VLLM_KEYS[key], value)  # vLLM's spellings (dtype="half"): EngineConfig takes them
         else:
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
     return RuntimeConfig.from_dict(data)

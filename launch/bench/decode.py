@@ -325,27 +325,26 @@ def _decoded_every_sequence(recorder: RecordingExecutor, batch_size: int) -> boo
 
 def _step_with_fused_off(engine: Any, recorder: RecordingExecutor, set_fused: Callable[[bool], Any],
                          batch_size: int) -> float:
-    """One engine step with the fused ops off; its CPU seconds. Raises if it was not a pure decode step.
+    """One engine step with the fused ops off; its CPU seconds. Raises if a step was not a pure decode step.
 
     Each switch changes what the model's decode plan resolved (``moe.decode_plan``), so the first
     step after it rebuilds the plan: an untimed step follows each switch (off, then back on), and
     neither side's timed steps pay for the other's plan."""
-    cpu = 0.0
+
+    def decode_step(what: str) -> None:
+        engine.step()
+        if not _decoded_every_sequence(recorder, batch_size):
+            raise RuntimeError(f"batch size {batch_size}: a step {what} did not decode every sequence")
+
     set_fused(False)
     try:
-        for timed in (False, True):
-            started = time.process_time()
-            engine.step()
-            cpu = time.process_time() - started if timed else cpu
-            if not _decoded_every_sequence(recorder, batch_size):
-                raise RuntimeError(f"batch size {batch_size}: a step with the fused ops off did not decode every "
-                                   "sequence")
+        decode_step("with the fused ops off")  # untimed: it rebuilds the plan
+        started = time.process_time()
+        decode_step("with the fused ops off")
+        cpu = time.process_time() - started
     finally:
         set_fused(True)
-    engine.step()  # untimed: the plan for the fused ops again, before the next timed step
-    if not _decoded_every_sequence(recorder, batch_size):
-        raise RuntimeError(f"batch size {batch_size}: a step after the fused ops came back on did not decode every "
-                           "sequence")
+    decode_step("after the fused ops came back on")  # untimed: the plan for the fused ops again
     return cpu
 
 

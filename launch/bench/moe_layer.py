@@ -543,7 +543,7 @@ def measure_read_bandwidth(num_bytes: int | None = None, repeats: int = 5, devic
     rates = [read / best_call_seconds(f, repeats=repeats, clock=clock) for f in (t.sum, as_int64.sum)]
     from moe import kernels  # imported where used, as the rest of this module does
 
-    stream = kernels.one_row_read_bandwidth(read // 65536 * 65536)
+    stream = kernels.one_row_read_bandwidth(read)
     return max(rates + ([stream] if stream is not None else []))
 
 

@@ -889,18 +889,23 @@ def agree_one_row_mode() -> float:
     return seconds[ONE_ROW_PREFETCH] / seconds[mode] if probed else 1.0
 
 
+# the bytes of one block pair ``one_row_mode_seconds`` passes over (two blocks of K 1024 x 16 bf16)
+ONE_ROW_PROBE_PAIR_BYTES = 2 * 1024 * 16 * 2
+
+
 def one_row_read_bandwidth(num_bytes: int) -> float | None:
-    """Bytes/s of the one-row dot tiles' fastest pass over ``num_bytes`` (a multiple of 64 KiB: whole
-    block pairs) of packed weights, every line flushed from the caches before each pass
+    """Bytes/s of the one-row dot tiles' fastest pass over ``num_bytes`` (rounded down to whole block
+    pairs, ``ONE_ROW_PROBE_PAIR_BYTES``; at least one) of packed weights, every line flushed from the caches before each pass
     (``agree_one_row_mode``'s probe, run now: ~1 s for 256 MiB), the rate a decode step's weight
     stream can reach on this core; None where no dot tiles run (no AVX512-BF16) or the extension is
     unavailable. Smaller sizes read faster after the flush (AMD Zen 4: 40-41 GB/s over 8-32 MiB,
     33 over 128-256 MiB), so a DRAM rate needs several times the last-level cache."""
     if not is_available():
         return None
-    seconds = [float(t) for t in torch.ops.moe_kernels.one_row_mode_seconds(num_bytes)]
+    read = max(1, num_bytes // ONE_ROW_PROBE_PAIR_BYTES) * ONE_ROW_PROBE_PAIR_BYTES
+    seconds = [float(t) for t in torch.ops.moe_kernels.one_row_mode_seconds(read)]
     best = min(seconds, default=0.0)
-    return num_bytes / best if 0 < best < 1e29 else None
+    return read / best if 0 < best < 1e29 else None
 
 
 def one_row_mode() -> int:

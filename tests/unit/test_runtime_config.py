@@ -323,5 +323,9 @@ def test_vllm_value_spellings_are_taken_wherever_the_value_comes_from(tmp_path):
     engine = load_runtime_config(nested).engine
     assert (engine.dtype, engine.kv_cache_dtype) == ("float16", "fp8")
     assert EngineConfig(dtype="float") == EngineConfig(dtype="float32")
+    from launch.llm import build_runtime_config  # LLM(dtype="half", ...) as vLLM spells it
+
+    engine = build_runtime_config("ck", {"dtype": "half", "kv_cache_dtype": "fp8_e4m3"}).engine
+    assert (engine.dtype, engine.kv_cache_dtype) == ("float16", "fp8")
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineConfig(dtype="double")
