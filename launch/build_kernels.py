@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # compiler missing or failing: say so in one line
         print(f"error: building the CPU expert kernel failed: {kernels.build_failure(e)}", file=sys.stderr)
         return 1
-    isa, rate, gain = kernels.settle_isa()  # the CPU's probes run once here, kept for every later process
+    isa, rate, gains = kernels.settle_isa()  # the CPU's probes run once here, kept for every later process
     dot = f", bf16 dot product at {rate:.2f}x the fp32 FMA rate" if rate else ""
-    if (mode := kernels.one_row_mode_name()) is not None:
-        dot += f", one-row tiles: {mode} ({gain:.2f}x the default's speed)"
+    if (modes := kernels.tile_modes_text()) is not None:
+        dot += f", weight streams: {modes} (" + ", ".join(
+            f"{pair:.2f}x / {block:.2f}x" for pair, block in gains.values()) + " the default's speed)"
     print(f"moe kernels: {directory} (isa {isa}{dot}, {time.perf_counter() - started:.1f} s)")
     return 0

@@ -204,8 +204,8 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5,
         packed = kernels.pack_linear(b)
         x = a[:96].contiguous()
         seconds = best_call_seconds(lambda: kernels.linear_forward(x, packed), repeats=repeats)
-        mode = kernels.one_row_mode_name()
-        rates[f"linear kernel, isa {kernels.isa()}{f', one-row tiles: {mode}' if mode else ''}"] = \
+        modes = kernels.tile_modes_text()
+        rates[f"linear kernel, isa {kernels.isa()}{f', tiles: {modes}' if modes else ''}"] = \
             2 * 96 * size * size / seconds
     name = max(rates, key=rates.__getitem__)
     return rates[name], name

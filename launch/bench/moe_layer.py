@@ -863,8 +863,8 @@ def main(argv: list[str] | None = None) -> int:
         where = (f"device {torch.cuda.get_device_name(device)} (CUDA events; cpu ms = the host's launch time)"
                  f", torch {torch.__version__}")
     else:
-        dot = (f" (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate; one-row tiles: "
-               f"{kernels.one_row_mode_name()})") if dot_rate else ""
+        dot = (f" (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate; tiles: "
+               f"{kernels.tile_modes_text()})") if dot_rate else ""
         where = f"{args.num_threads} thread(s), kernel isa {isa}{dot}"
     clock = "GPU time" if device.type == "cuda" else "wall time" if wall_clock else "CPU time"
     print(f"# dtype {args.dtype}, {where}; read bandwidth "

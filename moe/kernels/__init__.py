@@ -769,27 +769,37 @@ def is_available() -> bool:
     return True
 
 
-def settle_isa() -> tuple[str, float, float]:
+def settle_isa() -> tuple[str, float, dict[int, tuple[float, float]]]:
     """After the build loaded: take this CPU's agreed bf16 dot rate (``agree_bf16_dot_rate``), then
     select the instruction set ``$MOE_KERNEL_ISA`` names or the fastest by that rate, then settle
-    how one-row dot tiles run (``agree_one_row_mode``). Returns (the instruction set, the rate, the
-    chosen one-row mode's probed speed over the default's)."""
+    how dot tiles stream their weights (``agree_tile_modes``). Returns (the instruction set, the rate,
+    each row class's chosen modes' probed speed over the default's)."""
     rate = agree_bf16_dot_rate()
     chosen = select_isa_from_env()
-    return chosen, rate, agree_one_row_mode()
+    return chosen, rate, agree_tile_modes()
 
 
 PROBES_FILE = "cpu_probes.json"
-# How one-row dot tiles (decode's weight streams) run, bits of the mode (experts_cpu.cpp's ONE_ROW_*):
-ONE_ROW_PREFETCH = 1  # the weight lines asked for ahead in software
-ONE_ROW_ONE_STREAM = 2  # a pair of column blocks read one block after the other (else side by side)
-ONE_ROW_MODES = {0: "side by side", 1: "side by side, prefetched", 2: "one stream", 3: "one stream, prefetched"}
-# "0"-"3": that mode for this process (A/B runs of one build); unset or "auto": the probe's fastest
-ONE_ROW_MODE_ENV = "MOE_ONE_ROW_MODE"
-# The weights the one-row probe streams (flushed from the caches before each pass), and how much faster
-# than the default mode (1, the tiles as they were before the probe) another must be to be taken.
-ONE_ROW_PROBE_BYTES = 32 << 20
-ONE_ROW_MIN_GAIN = 1.05
+# How dot tiles stream their weights from DRAM (decode's weight streams), bits of the mode
+# (experts_cpu.cpp's TILE_*):
+TILE_PREFETCH = 1  # the weight lines asked for ahead in software, into L1
+TILE_ONE_STREAM = 2  # a pair of column blocks read one block after the other (else side by side)
+TILE_PREFETCH_L2 = 4  # with TILE_PREFETCH: into L2 instead
+# The modes of tiles over block pairs (linears, prefill-size experts), in the order the probe
+# (``tile_mode_seconds``) answers, then those of tiles over single blocks (decode-size routed experts:
+# no order to choose), in the order that follows.
+TILE_PAIR_MODES = {0: "side by side", 1: "side by side, prefetched", 2: "one stream", 3: "one stream, prefetched",
+                   5: "side by side, prefetched into L2", 7: "one stream, prefetched into L2"}
+TILE_BLOCK_MODES = {0: "not prefetched", 1: "prefetched", 5: "prefetched into L2"}
+# Each class of row counts has its own modes: (the rows the probe runs for it, its name, the variable
+# that forces a mode for this process: a TILE_PAIR_MODES key, single blocks taking its prefetch bits;
+# unset or "auto": the probe's fastest). Tiles have DOT_TILE_ROWS (12) rows at most.
+TILE_ROW_CLASSES = ((1, "one row", "MOE_ONE_ROW_MODE"), (2, "two rows", "MOE_TWO_ROW_MODE"),
+                    (4, "3-4 rows", "MOE_FEW_ROWS_MODE"), (8, "5+ rows", "MOE_ROWS_MODE"))
+# The weights the probe streams (flushed from the caches before each pass), and how much faster than
+# the default mode (1, the tiles as they were before the probe) another must be to be taken.
+TILE_PROBE_BYTES = 32 << 20
+TILE_MIN_GAIN = 1.05
 
 
 def cpu_signature() -> str:
@@ -864,63 +874,90 @@ def agree_bf16_dot_rate() -> float:
     return rate
 
 
-def agree_one_row_mode() -> float:
-    """Settle how one-row dot tiles run (``ONE_ROW_MODES``): ``$MOE_ONE_ROW_MODE`` when set, else
-    the mode this CPU's probe found fastest (kept beside the build like the dot rate), where it is at
-    least ``ONE_ROW_MIN_GAIN`` times faster than mode 1 (AMD Zen 4: one stream without prefetches,
-    ~1.3x). Every mode gives the same bits. Returns the chosen mode's probed speed over mode 1's
-    (1.0 without AVX512-BF16: no dot tiles)."""
-    seconds = _saved_probe("one_row_seconds")
-    if not isinstance(seconds, list):
-        seconds = [float(t) for t in torch.ops.moe_kernels.one_row_mode_seconds(ONE_ROW_PROBE_BYTES)]
-        _save_probe("one_row_seconds", seconds)
-    mode = ONE_ROW_PREFETCH
-    probed = len(seconds) == len(ONE_ROW_MODES) and min(seconds) > 0
-    if probed:
-        fastest = min(range(len(seconds)), key=seconds.__getitem__)
-        if seconds[mode] >= ONE_ROW_MIN_GAIN * seconds[fastest]:
-            mode = fastest
-    wanted = os.environ.get(ONE_ROW_MODE_ENV, "auto")
-    if wanted in (str(m) for m in ONE_ROW_MODES):
-        mode = int(wanted)
-    elif wanted != "auto":
-        log.warning("moe.kernels: %s=%s not used (expected 0-3 or auto)", ONE_ROW_MODE_ENV, wanted)
-    torch.ops.moe_kernels.set_one_row_mode(mode)
-    return seconds[ONE_ROW_PREFETCH] / seconds[mode] if probed else 1.0
+def _probe_key(rows: int) -> str:
+    return f"tile_seconds_{rows}"
 
 
-# the bytes of one block pair ``one_row_mode_seconds`` passes over (two blocks of K 1024 x 16 bf16)
+def _fastest_mode(seconds: list[float], modes: list[int]) -> int:
+    """The mode of ``modes`` (probed ``seconds`` in their order) to run: the fastest where it is at
+    least ``TILE_MIN_GAIN`` times faster than the default (``TILE_PREFETCH``), else the default."""
+    fastest = modes[min(range(len(modes)), key=seconds.__getitem__)]
+    return fastest if seconds[modes.index(TILE_PREFETCH)] >= TILE_MIN_GAIN * seconds[modes.index(fastest)] else TILE_PREFETCH
+
+
+def agree_tile_modes() -> dict[int, tuple[float, float]]:
+    """Settle how dot tiles stream their weights, for each class of ``TILE_ROW_CLASSES``, over block
+    pairs (``TILE_PAIR_MODES``) and over single blocks (``TILE_BLOCK_MODES``): the class's variable
+    when set, else the modes this CPU's probe found fastest for its rows (kept beside the build like
+    the dot rate) where they beat mode 1 by ``TILE_MIN_GAIN`` (AMD Zen 4: block pairs in one stream,
+    1.2-1.4x; single blocks of 5 rows or more prefetched into L2, 1.3-1.5x). Every mode gives the same
+    bits. Returns, keyed by each class's probed rows, the chosen modes' probed speed over mode 1's
+    (pairs, single blocks; 1.0 without AVX512-BF16: no dot tiles)."""
+    pair_modes, block_modes = list(TILE_PAIR_MODES), list(TILE_BLOCK_MODES)
+    count = len(pair_modes) + len(block_modes)
+    gains = {}
+    for rows, _, env in TILE_ROW_CLASSES:
+        seconds = _saved_probe(_probe_key(rows))
+        if not isinstance(seconds, list) or len(seconds) != count:
+            seconds = [float(t) for t in torch.ops.moe_kernels.tile_mode_seconds(rows, TILE_PROBE_BYTES)]
+            _save_probe(_probe_key(rows), seconds)
+        pair, block = TILE_PREFETCH, TILE_PREFETCH
+        probed = len(seconds) == count and min(seconds) > 0
+        pair_seconds, block_seconds = seconds[:len(pair_modes)], seconds[len(pair_modes):]
+        if probed:
+            pair, block = _fastest_mode(pair_seconds, pair_modes), _fastest_mode(block_seconds, block_modes)
+        wanted = os.environ.get(env, "auto")
+        if wanted in (str(m) for m in pair_modes):
+            pair = int(wanted)
+            block = pair & (TILE_PREFETCH | TILE_PREFETCH_L2)
+        elif wanted != "auto":
+            log.warning("moe.kernels: %s=%s not used (expected one of %s or auto)", env, wanted,
+                        ", ".join(map(str, pair_modes)))
+        torch.ops.moe_kernels.set_tile_mode(rows, 2, pair)
+        torch.ops.moe_kernels.set_tile_mode(rows, 1, block)
+        gains[rows] = ((pair_seconds[pair_modes.index(TILE_PREFETCH)] / pair_seconds[pair_modes.index(pair)],
+                        block_seconds[block_modes.index(TILE_PREFETCH)] / block_seconds[block_modes.index(block)])
+                       if probed else (1.0, 1.0))
+    return gains
+
+
+# the bytes of one block pair ``tile_mode_seconds`` passes over (two blocks of K 1024 x 16 bf16)
 ONE_ROW_PROBE_PAIR_BYTES = 2 * 1024 * 16 * 2
 
 
 def one_row_read_bandwidth(num_bytes: int) -> float | None:
     """Bytes/s of the one-row dot tiles' fastest pass over ``num_bytes`` (rounded down to whole block
-    pairs, ``ONE_ROW_PROBE_PAIR_BYTES``; at least one) of packed weights, every line flushed from the caches before each pass
-    (``agree_one_row_mode``'s probe, run now: ~1 s for 256 MiB), the rate a decode step's weight
-    stream can reach on this core; None where no dot tiles run (no AVX512-BF16) or the extension is
-    unavailable. Smaller sizes read faster after the flush (AMD Zen 4: 40-41 GB/s over 8-32 MiB,
-    33 over 128-256 MiB), so a DRAM rate needs several times the last-level cache."""
+    pairs, ``ONE_ROW_PROBE_PAIR_BYTES``; at least one) of packed weights, every line flushed from the
+    caches before each pass (``agree_tile_modes``' probe for one row, run now: ~1 s for 256 MiB), the
+    rate a decode step's weight stream can reach on this core; None where no dot tiles run (no
+    AVX512-BF16) or the extension is unavailable. Smaller sizes read faster after the flush (AMD Zen 4:
+    40-41 GB/s over 8-32 MiB, 33 over 128-256 MiB), so a DRAM rate needs several times the last-level
+    cache."""
     if not is_available():
         return None
     read = max(1, num_bytes // ONE_ROW_PROBE_PAIR_BYTES) * ONE_ROW_PROBE_PAIR_BYTES
-    seconds = [float(t) for t in torch.ops.moe_kernels.one_row_mode_seconds(read)]
-    best = min(seconds, default=0.0)
+    seconds = [float(t) for t in torch.ops.moe_kernels.tile_mode_seconds(1, read)]
+    best = min(seconds, default=0.0)  # block pairs' modes and single blocks' over the same bytes
     return read / best if 0 < best < 1e29 else None
 
 
-def one_row_mode() -> int:
-    """How one-row dot tiles run in this process (``ONE_ROW_MODES``, ``agree_one_row_mode``)."""
-    return int(torch.ops.moe_kernels.one_row_mode())
+def tile_mode(rows: int, blocks: int = 2) -> int:
+    """How dot tiles of ``rows`` rows over block pairs (``blocks`` 2, ``TILE_PAIR_MODES``) or single
+    blocks (1, ``TILE_BLOCK_MODES``) stream their weights in this process (``agree_tile_modes``)."""
+    return int(torch.ops.moe_kernels.tile_mode(rows, blocks))
 
 
-# the instruction sets that run the dot tiles, so the one-row mode
+# the instruction sets that run the dot tiles, so the tile modes
 DOT_ISAS = ("amx", "avx512bf16")
 
 
-def one_row_mode_name() -> str | None:
-    """The one-row mode in force as ``ONE_ROW_MODES`` names it; None where the selected instruction
-    set runs no dot tiles (the mode then changes nothing)."""
-    return ONE_ROW_MODES[one_row_mode()] if isa() in DOT_ISAS else None
+def tile_modes_text() -> str | None:
+    """The tile modes in force, a class after the other ("one row: one stream; two rows: ..."); None
+    where the selected instruction set runs no dot tiles (the modes then change nothing)."""
+    if isa() not in DOT_ISAS:
+        return None
+    return "; ".join(f"{name}: pairs {TILE_PAIR_MODES[tile_mode(rows, 2)]}, blocks {TILE_BLOCK_MODES[tile_mode(rows, 1)]}"
+                     for rows, name, _ in TILE_ROW_CLASSES)
 
 
 def select_isa_from_env() -> str:

@@ -8,8 +8,9 @@
 // two projections, as the bf16 PyTorch path rounds them.
 // acc[r][16j:16j+16] = sum_k x[r * ldx + k] * w_j[k][0:16] for bf16 x rows and NB bf16 pair blocks
 // w_j = w + j * w_stride: each broadcast row pair feeds NB dot products (fewer loads per dot).
-// Each weight line loaded comes with one prefetch: dot_prefetch_bytes(R) further along w's blocks into
-// L1, or with NEXT the same line of the blocks at ``next`` into L2 (see dot_tiles_over_rows).
+// Each weight line loaded comes with one prefetch: dot_prefetch_bytes(R) further along w's blocks
+// (PF: the prefetch's locality, 3 into L1, 2 into L2, 0 none), or with NEXT the same line of the
+// blocks at ``next`` into L2 (see dot_tiles_over_rows).
 //
 // How far ahead: PREFETCH_BYTES (2 KB) for one-row tiles, 8 KB for tiles of two rows or more. Zen 5,
 // the small DeepSeek-style checkpoint's decode steps, the distance switched step by step in one
@@ -18,12 +19,14 @@
 // while batch 1 (one-row tiles everywhere) took 2-3 % longer at 8 KB than at 2 KB; 16 KB was no
 // better than 8 KB. Prefill-size experts and linears (T = 512, 4096) were unchanged or faster.
 //
-// Whether one-row tiles prefetch at all, and whether they read a block pair side by side, is this
-// CPU's, measured (one_row_tile's mode, from one_row_mode_seconds' probe): a one-row tile issues one
-// dot product per weight line, so its prefetches come as fast as its loads. On AMD Zen 4 (EPYC,
-// family 25 model 17) they cost more than they bring: the small DeepSeek-style checkpoint's decode
-// step took 0.74-0.77x the time without them at batch 1, 0.82-0.94x at batch 8 (the probe: one-row
-// passes 1.28-1.38x faster in one stream without prefetches).
+// Whether tiles that stream their weights from DRAM prefetch at all, into which cache, and whether
+// they read a block pair side by side, is this CPU's, measured for each class of row counts, block
+// pairs and single blocks apart (stream_tile's mode, from tile_mode_seconds' probe). On AMD Zen 4
+// (EPYC, family 25 model 17) a block pair read side by side streams at 22-27 GB/s whatever the rows,
+// one block after the other at 30-35 (one and two rows without prefetches, more rows prefetched into
+// L2); single blocks of 5-12 rows (routed experts at batch 32) prefetching into L1 streamed at 12-21
+// GB/s, into L2 at 16-27, and the small DeepSeek-style checkpoint's decode step took 0.74-0.77x the
+// time at batch 1 without the one-row prefetches.
 constexpr int64_t DOT_PREFETCH_BYTES_ROWS = 8192;
 template <int R>
 constexpr int64_t dot_prefetch_bytes() {
@@ -33,9 +36,10 @@ constexpr int64_t dot_prefetch_bytes() {
 // KS_: the partial sums per accumulator where not the default (>= 8 chains over the dot latency);
 // the sums' order, so the bits, follow KS alone: a one-block tile with KS_ = 4 gives each block the
 // bits the two-block tile of one row gives it.
-template <int R, int NB, bool NEXT = false, bool PREFETCH = true, int KS_ = 0>
+// out: row r's NB blocks at out + r * ldo.
+template <int R, int NB, bool NEXT = false, int PF = 3, int KS_ = 0>
 static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t w_stride,
-                            int64_t K, float* __restrict out, const uint16_t* next = nullptr) {
+                            int64_t K, float* __restrict out, const uint16_t* next = nullptr, int64_t ldo = NB * 16) {
   constexpr int KS = KS_ > 0 ? KS_ : R * NB >= 8 ? 1 : 8 / (R * NB);
   __m512 acc[KS][R][NB];
 #pragma GCC unroll 8
@@ -54,8 +58,9 @@ static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uin
       for (int j = 0; j < NB; ++j) {
         if constexpr (NEXT)
           __builtin_prefetch(next + j * w_stride + (p + s) * 32, 0, 2);
-        else if constexpr (PREFETCH)
-          __builtin_prefetch(reinterpret_cast<const char*>(w + j * w_stride + (p + s) * 32) + dot_prefetch_bytes<R>());
+        else if constexpr (PF > 0)
+          __builtin_prefetch(reinterpret_cast<const char*>(w + j * w_stride + (p + s) * 32) + dot_prefetch_bytes<R>(),
+                             0, PF);
         wv[j] = _mm512_loadu_si512(w + j * w_stride + (p + s) * 32);
       }
 #pragma GCC unroll 16
@@ -88,38 +93,50 @@ static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uin
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + (r * NB + j) * 16, acc[0][r][j]);
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + r * ldo + j * 16, acc[0][r][j]);
 }
 
 // Rows per tile: 12 x 2 accumulators + two weights and a broadcast fit AVX-512's 32 registers.
 constexpr int DOT_TILE_ROWS = 12;
 
-// One row against NB blocks as the one-row ``mode`` runs it (ONE_ROW_* bits, experts_cpu.cpp): with
-// or without prefetches, and with ONE_ROW_ONE_STREAM two blocks one after the other (one sequential
-// stream of weights; the same bits, see dot_tile's KS_) instead of side by side.
-template <int NB>
-static inline void one_row_tile(int mode, const uint16_t* x, const uint16_t* w, int64_t w_stride, int64_t K,
-                                float* out) {
-  const bool prefetch = mode & ONE_ROW_PREFETCH;
-  if (NB == 2 && (mode & ONE_ROW_ONE_STREAM)) {
-    for (int j = 0; j < 2; ++j) {
-      if (prefetch) dot_tile<1, 1, false, true, 4>(x, K, w + j * w_stride, 0, K, out + 16 * j);
-      else dot_tile<1, 1, false, false, 4>(x, K, w + j * w_stride, 0, K, out + 16 * j);
+// R rows against NB blocks as the tile ``mode`` runs them (TILE_* bits, experts_cpu.cpp): prefetched
+// into L1, into L2 or not at all, and with TILE_ONE_STREAM a block pair one block after the other
+// (one sequential stream of weights) instead of side by side. Each block in one stream keeps the
+// pair tile's partial sums (dot_tile's KS_), so every mode gives the same bits.
+template <int R, int NB, int PF>
+static inline void stream_tile_pf(bool one_stream, const uint16_t* x, int64_t ldx, const uint16_t* w,
+                                  int64_t w_stride, int64_t K, float* out) {
+  if constexpr (NB == 2) {
+    if (one_stream) {
+      constexpr int KS = R * 2 >= 8 ? 1 : 8 / (R * 2);
+      dot_tile<R, 1, false, PF, KS>(x, ldx, w, 0, K, out, nullptr, 32);
+      dot_tile<R, 1, false, PF, KS>(x, ldx, w + w_stride, 0, K, out + 16, nullptr, 32);
+      return;
     }
-  } else if (prefetch) {
-    dot_tile<1, NB, false, true>(x, K, w, w_stride, K, out);
-  } else {
-    dot_tile<1, NB, false, false>(x, K, w, w_stride, K, out);
   }
+  dot_tile<R, NB, false, PF>(x, ldx, w, w_stride, K, out);
 }
 
+template <int R, int NB>
+static inline void stream_tile(int mode, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride,
+                               int64_t K, float* out) {
+  const bool one_stream = mode & TILE_ONE_STREAM;
+  if (!(mode & TILE_PREFETCH)) stream_tile_pf<R, NB, 0>(one_stream, x, ldx, w, w_stride, K, out);
+  else if (mode & TILE_PREFETCH_L2) stream_tile_pf<R, NB, 2>(one_stream, x, ldx, w, w_stride, K, out);
+  else stream_tile_pf<R, NB, 3>(one_stream, x, ldx, w, w_stride, K, out);
+}
+
+// Rows' tiles against NB blocks. The tiles that stream the blocks from DRAM (not NEXT) run as their
+// row count's mode says (tile_mode_slot); the default mode (side by side, prefetched into L1) is the
+// tile as it was before the modes.
 template <int NB, bool NEXT = false>
 static void dot_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t w_stride,
                           int64_t K, float* out, const uint16_t* next = nullptr) {
   if constexpr (!NEXT) {
-    const int mode = one_row_mode_slot();
-    if (rows == 1 && mode != ONE_ROW_PREFETCH) {
-      one_row_tile<NB>(mode, x, w, w_stride, K, out);
+    const int mode = tile_mode_slot(rows, NB);
+    if (mode != TILE_PREFETCH) {
+      with_row_count<DOT_TILE_ROWS>(
+          rows, [&](auto r) { stream_tile<decltype(r)::value, NB>(mode, x, ldx, w, w_stride, K, out); });
       return;
     }
   }
@@ -643,38 +660,47 @@ static double dot_to_fma_rate() {
   return (64.0 / dot) / (32.0 / fma);
 }
 
-// Seconds of one-row passes over `bytes` of bf16 weights in DRAM, for each one-row mode (ONE_ROW_*
-// bits, 0-3): a linear's packed blocks (K = 1024, on huge pages as the packed weights are), block
-// pairs as the tiles take them; every line flushed from the caches before each pass, so each pass
-// reads DRAM whatever the size of the last-level cache. The best of seven rounds, the modes in turn
-// within each round.
-static std::vector<double> one_row_mode_seconds(int64_t bytes) {
+// Seconds of passes of `rows`-row tiles (1 to DOT_TILE_ROWS) over `bytes` of bf16 weights in DRAM: a
+// linear's packed blocks (K = 1024, on huge pages as the packed weights are) taken as block pairs in each
+// mode of TILE_PROBED_PAIR_MODES, then one block at a time (as routed experts' decode-size items take
+// them) in each mode of TILE_PROBED_BLOCK_MODES; every line flushed from the caches before each pass,
+// so each pass reads DRAM whatever the size of the last-level cache. The best of seven rounds, the
+// modes in turn within each round.
+static std::vector<double> tile_mode_seconds(int64_t rows, int64_t bytes) {
   constexpr int64_t K = 1024, block = K * 16 * 2;
   constexpr size_t page = size_t{1} << 21;
   const int64_t pairs = std::max<int64_t>(1, bytes / (2 * block));
   const size_t size = (static_cast<size_t>(pairs * 2 * block) + page - 1) / page * page;
   std::unique_ptr<uint16_t, decltype(&std::free)> mem(static_cast<uint16_t*>(std::aligned_alloc(page, size)), &std::free);
-  std::vector<double> best(ONE_ROW_MODE_COUNT, 1e30);
+  constexpr int pair_modes = sizeof(TILE_PROBED_PAIR_MODES) / sizeof(int);
+  constexpr int modes = pair_modes + sizeof(TILE_PROBED_BLOCK_MODES) / sizeof(int);
+  std::vector<double> best(modes, 1e30);
   if (!mem) return best;
   uint16_t* w = mem.get();
 #if defined(__linux__)
   madvise(w, size, MADV_HUGEPAGE);
 #endif
   std::fill(w, w + size / 2, uint16_t{0x3c00});  // 2^-7: sums stay finite
-  alignas(64) uint16_t x[K];
-  std::fill(x, x + K, uint16_t{0x3f80});
-  alignas(64) float out[32];
+  std::vector<uint16_t> x(rows * K, uint16_t{0x3f80});
+  alignas(64) float out[DOT_TILE_ROWS * 32];
   float sink = 0.0f;
   for (int rep = 0; rep < 7; ++rep)
-    for (int mode = 0; mode < ONE_ROW_MODE_COUNT; ++mode) {
+    for (int m = 0; m < modes; ++m) {
       for (size_t at = 0; at < size; at += 64) _mm_clflush(reinterpret_cast<char*>(w) + at);
       _mm_mfence();
       const auto t0 = std::chrono::steady_clock::now();
-      for (int64_t b = 0; b < pairs; ++b) {
-        one_row_tile<2>(mode, x, w + 2 * b * K * 16, K * 16, K, out);
-        sink += out[b & 31];
-      }
-      best[mode] = std::min(best[mode], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      with_row_count<DOT_TILE_ROWS>(rows, [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        if (m < pair_modes) {
+          for (int64_t b = 0; b < pairs; ++b)
+            stream_tile<R, 2>(TILE_PROBED_PAIR_MODES[m], x.data(), K, w + 2 * b * K * 16, K * 16, K, out);
+        } else {
+          for (int64_t b = 0; b < 2 * pairs; ++b)
+            stream_tile<R, 1>(TILE_PROBED_BLOCK_MODES[m - pair_modes], x.data(), K, w + b * K * 16, 0, K, out);
+        }
+      });
+      sink += out[rep & 31];
+      best[m] = std::min(best[m], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
   if (sink != sink) best[0] = 1e30;  // reads sink: the passes are not optimised away
   return best;

@@ -243,14 +243,26 @@ static at::Tensor float32_contiguous(const at::Tensor& x) {
   return out;
 }
 
-// How one-row dot tiles (dot_body.h's one_row_tile: decode's weight streams) run, measured per CPU
-// (one_row_mode_seconds, kernels.agree_one_row_mode), set by set_one_row_mode: bits of
-constexpr int ONE_ROW_PREFETCH = 1;    // ask for the weight lines ahead in software
-constexpr int ONE_ROW_ONE_STREAM = 2;  // a block pair one block after the other (else side by side)
-constexpr int ONE_ROW_MODE_COUNT = (ONE_ROW_PREFETCH | ONE_ROW_ONE_STREAM) + 1;
-static int& one_row_mode_slot() {
-  static int mode = ONE_ROW_PREFETCH;
-  return mode;
+// How dot tiles stream their weights from DRAM (dot_body.h's stream_tile), measured per CPU for each
+// class of row counts (one row, two, three or four, five or more) and for block pairs and single
+// blocks apart (tile_mode_seconds, kernels.agree_tile_modes), set by set_tile_mode: bits of
+constexpr int TILE_PREFETCH = 1;     // ask for the weight lines ahead in software, into L1
+constexpr int TILE_ONE_STREAM = 2;   // a block pair one block after the other (else side by side)
+constexpr int TILE_PREFETCH_L2 = 4;  // with TILE_PREFETCH: into L2 instead
+constexpr int TILE_MODE_COUNT = (TILE_PREFETCH | TILE_ONE_STREAM | TILE_PREFETCH_L2) + 1;
+// the modes the probe times, in the order of its answer (TILE_PREFETCH_L2 needs TILE_PREFETCH): block
+// pairs in every mode, then single blocks in the modes that differ for them (no order to choose)
+constexpr int TILE_PROBED_PAIR_MODES[] = {0, 1, 2, 3, 5, 7};
+constexpr int TILE_PROBED_BLOCK_MODES[] = {0, 1, 5};
+constexpr int TILE_ROW_CLASSES = 4;
+static inline int tile_row_class(int64_t rows) {
+  return rows <= 2 ? static_cast<int>(std::max<int64_t>(rows, 1)) - 1 : rows <= 4 ? 2 : 3;
+}
+// the mode of `rows`-row tiles over nb (1 or 2) blocks
+static int& tile_mode_slot(int64_t rows, int nb) {
+  static int modes[TILE_ROW_CLASSES][2] = {{TILE_PREFETCH, TILE_PREFETCH}, {TILE_PREFETCH, TILE_PREFETCH},
+                                           {TILE_PREFETCH, TILE_PREFETCH}, {TILE_PREFETCH, TILE_PREFETCH}};
+  return modes[tile_row_class(rows)][nb >= 2 ? 1 : 0];
 }
 
 // f(std::integral_constant<int, R>{}) for R == rows in [1, MAX] (nothing outside): a row count known
@@ -564,24 +576,35 @@ double set_bf16_dot_rate(double rate) {
   return dot_rate_slot() = rate < 0 ? -1.0 : cpu_has("avx512bf16") ? rate : 0.0;
 }
 
-// Seconds of a one-row pass over `bytes` of weights in DRAM in each one-row mode (dot_body.h's
-// one_row_mode_seconds, modes 0-3); empty where the CPU has no AVX512-BF16 (no dot tiles).
-std::vector<double> one_row_mode_seconds(int64_t bytes) {
+// Seconds of passes of `rows`-row dot tiles over `bytes` of weights in DRAM: block pairs in each mode
+// of TILE_PROBED_PAIR_MODES, then single blocks in each of TILE_PROBED_BLOCK_MODES (dot_body.h's
+// tile_mode_seconds); empty where the CPU has no AVX512-BF16 (no dot tiles).
+std::vector<double> tile_mode_seconds(int64_t rows, int64_t bytes) {
+  TORCH_CHECK(rows >= 1 && rows <= 12, "moe_kernels: tile_mode_seconds takes 1-12 rows (DOT_TILE_ROWS), not ", rows);
 #if defined(__x86_64__) || defined(__i386__)
-  if (cpu_has("avx512bf16")) return avx512bf16::one_row_mode_seconds(bytes);
+  if (cpu_has("avx512bf16")) return avx512bf16::tile_mode_seconds(rows, bytes);
 #endif
   (void)bytes;
   return {};
 }
 
-// The one-row mode from now on (ONE_ROW_* bits); returns it.
-int64_t set_one_row_mode(int64_t mode) {
-  TORCH_CHECK(mode >= 0 && mode < ONE_ROW_MODE_COUNT, "moe_kernels: one-row mode ", mode, " is not 0-3");
-  return one_row_mode_slot() = static_cast<int>(mode);
+static bool valid_tile_mode(int64_t mode) {
+  return mode >= 0 && mode < TILE_MODE_COUNT && (!(mode & TILE_PREFETCH_L2) || (mode & TILE_PREFETCH));
 }
 
-int64_t one_row_mode() {
-  return one_row_mode_slot();
+// The mode (TILE_* bits) of tiles of `rows` rows (every row count of its class) over nb blocks (1: single
+// blocks, 2: block pairs) from now on; returns it.
+int64_t set_tile_mode(int64_t rows, int64_t nb, int64_t mode) {
+  TORCH_CHECK(rows >= 1 && (nb == 1 || nb == 2), "moe_kernels: tile rows ", rows, " / blocks ", nb,
+              " expected positive / 1 or 2");
+  TORCH_CHECK(valid_tile_mode(mode), "moe_kernels: tile mode ", mode, " is not one of 0, 1, 2, 3, 5, 7");
+  return tile_mode_slot(rows, static_cast<int>(nb)) = static_cast<int>(mode);
+}
+
+int64_t tile_mode(int64_t rows, int64_t nb) {
+  TORCH_CHECK(rows >= 1 && (nb == 1 || nb == 2), "moe_kernels: tile rows ", rows, " / blocks ", nb,
+              " expected positive / 1 or 2");
+  return tile_mode_slot(rows, static_cast<int>(nb));
 }
 
 // The fastest instruction set this CPU runs: the dot tiles only where the dot product out-runs the
@@ -2400,9 +2423,9 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("select_isa(str name) -> str", &moe_kernels::select_isa);
   m.def("bf16_dot_rate() -> float", &moe_kernels::bf16_dot_rate);
   m.def("set_bf16_dot_rate(float rate) -> float", &moe_kernels::set_bf16_dot_rate);
-  m.def("one_row_mode_seconds(int bytes) -> float[]", &moe_kernels::one_row_mode_seconds);
-  m.def("set_one_row_mode(int mode) -> int", &moe_kernels::set_one_row_mode);
-  m.def("one_row_mode() -> int", &moe_kernels::one_row_mode);
+  m.def("tile_mode_seconds(int rows, int bytes) -> float[]", &moe_kernels::tile_mode_seconds);
+  m.def("set_tile_mode(int rows, int nb, int mode) -> int", &moe_kernels::set_tile_mode);
+  m.def("tile_mode(int rows, int nb) -> int", &moe_kernels::tile_mode);
 }
 
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {

@@ -447,7 +447,7 @@ def test_the_one_row_stream_reads_its_probe_bytes_where_dot_tiles_run() -> None:
     from moe import kernels
 
     rate = kernels.one_row_read_bandwidth(1 << 20)
-    if not kernels.is_available() or not torch.ops.moe_kernels.one_row_mode_seconds(1 << 20):
+    if not kernels.is_available() or not torch.ops.moe_kernels.tile_mode_seconds(1, 1 << 20):
         assert rate is None  # no AVX512-BF16 here: no dot tiles, no stream of theirs to time
     else:
         assert rate is not None and 1e8 < rate < 1e13

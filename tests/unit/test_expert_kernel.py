@@ -589,104 +589,97 @@ def test_isa_from_environment(kernel_isas: list[str], monkeypatch: pytest.Monkey
         kernels.select_isa("auto")
 
 
-def test_one_row_modes_are_probed_kept_and_give_the_same_bits(kernel_isas: list[str],
-                                                              monkeypatch: pytest.MonkeyPatch,
-                                                              caplog: pytest.LogCaptureFixture, tmp_path) -> None:
-    """How one-row dot tiles stream (decode's weights: with or without prefetches, a block pair side by
-    side or one block after the other) is the CPU's, measured: the probe's fastest mode where it beats
-    the default by ONE_ROW_MIN_GAIN, kept beside the build, ``$MOE_ONE_ROW_MODE`` over it; the
-    one-row linear and experts give the same bits in every mode."""
+def test_tile_modes_are_probed_kept_and_give_the_same_bits(kernel_isas: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture, tmp_path) -> None:
+    """How dot tiles stream their weights (with or without prefetches, into L1 or L2, a block pair side
+    by side or one block after the other) is the CPU's, measured for each class of row counts, block
+    pairs and single blocks apart: the probe's fastest mode where it beats the default by
+    TILE_MIN_GAIN, kept beside the build, the class's variable over it; linears and experts give the
+    same bits in every mode at every row count."""
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
-    monkeypatch.delenv(kernels.ONE_ROW_MODE_ENV, raising=False)
+    for _, _, env in kernels.TILE_ROW_CLASSES:
+        monkeypatch.delenv(env, raising=False)
     saved = tmp_path / kernels.PROBES_FILE
-    before = kernels.one_row_mode()
+    classes = [rows for rows, _, _ in kernels.TILE_ROW_CLASSES]
+    assert classes == [1, 2, 4, 8]
+    before = {(rows, nb): kernels.tile_mode(rows, nb) for rows in classes for nb in (1, 2)}
+    pairs, blocks = len(kernels.TILE_PAIR_MODES), len(kernels.TILE_BLOCK_MODES)
     try:
-        gain = kernels.agree_one_row_mode()  # probed here: the cache folder is new
-        seconds = json.loads(saved.read_text())["one_row_seconds"]
-        if "avx512bf16" in kernel_isas:
-            assert len(seconds) == 4 and all(0 < t < 1 for t in seconds)
-            mode = kernels.one_row_mode()
-            assert gain == seconds[kernels.ONE_ROW_PREFETCH] / seconds[mode] and gain >= 1.0
-            assert mode == kernels.ONE_ROW_PREFETCH or gain >= kernels.ONE_ROW_MIN_GAIN
-        else:
-            assert seconds == [] and gain == 1.0 and kernels.one_row_mode() == kernels.ONE_ROW_PREFETCH
+        gains = kernels.agree_tile_modes()  # probed here: the cache folder is new
+        probes = json.loads(saved.read_text())
+        assert list(gains) == classes
+        for rows in classes:
+            seconds = probes[f"tile_seconds_{rows}"]
+            if "avx512bf16" in kernel_isas:
+                assert len(seconds) == pairs + blocks and all(0 < t < 1 for t in seconds)
+                for nb, part, modes, gain in ((2, seconds[:pairs], list(kernels.TILE_PAIR_MODES), gains[rows][0]),
+                                              (1, seconds[pairs:], list(kernels.TILE_BLOCK_MODES), gains[rows][1])):
+                    mode = kernels.tile_mode(rows, nb)
+                    assert gain == part[modes.index(kernels.TILE_PREFETCH)] / part[modes.index(mode)] and gain >= 1.0
+                    assert mode == kernels.TILE_PREFETCH or gain >= kernels.TILE_MIN_GAIN
+                    assert part[modes.index(mode)] == min(part) or mode == kernels.TILE_PREFETCH
+            else:
+                assert seconds == [] and gains[rows] == (1.0, 1.0)
+                assert kernels.tile_mode(rows, 1) == kernels.tile_mode(rows, 2) == kernels.TILE_PREFETCH
+        # a class's mode covers its row counts: 3 and 4 rows, 5 to 12 and more
+        assert kernels.tile_mode(3, 1) == kernels.tile_mode(4, 1) and kernels.tile_mode(12, 2) == kernels.tile_mode(5, 2)
 
-        def probed(times: list[float]) -> int:
-            saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "one_row_seconds": times}))
-            kernels.agree_one_row_mode()  # the saved probe, not a new one
-            return kernels.one_row_mode()
+        def probed(times: list[float]) -> tuple[int, int]:  # the 3-4-row class's (pair, block) modes
+            saved.write_text(json.dumps({"cpu": kernels.cpu_signature(),
+                                         **{f"tile_seconds_{rows}": [1.0] * (pairs + blocks) for rows in classes},
+                                         "tile_seconds_4": times}))
+            kernels.agree_tile_modes()  # the saved probes, not new ones
+            return kernels.tile_mode(3, 2), kernels.tile_mode(3, 1)
 
-        assert probed([1.0, 1.0, 0.5, 1.0]) == 2
-        assert probed([0.98, 1.0, 1.0, 0.99]) == kernels.ONE_ROW_PREFETCH  # within 5 %: the default stays
-        assert probed([1.0, 1.0, 1.0, 0.8]) == 3
-        assert probed([1.0, 0.0, 0.5, 1.0]) == kernels.ONE_ROW_PREFETCH  # a broken probe: the default
-        monkeypatch.setenv(kernels.ONE_ROW_MODE_ENV, "0")
-        assert probed([1.0, 1.0, 0.5, 1.0]) == 0
-        monkeypatch.setenv(kernels.ONE_ROW_MODE_ENV, "sometimes")
+        # pair modes 0, 1, 2, 3, 5, 7 then block modes 0, 1, 5
+        assert probed([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]) == (2, 5)
+        assert probed([0.98, 1.0, 1.0, 0.99, 1.0, 1.0, 0.97, 1.0, 1.0]) == (1, 1)  # within 5 %: the defaults
+        assert probed([1.0, 1.0, 1.0, 1.0, 1.0, 0.8, 0.5, 1.0, 1.0]) == (7, 0)
+        assert probed([1.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == (1, 1)  # a broken probe: the defaults
+        probed([1.0] * 4)  # an earlier probe of other modes: probed again
+        assert len(json.loads(saved.read_text())["tile_seconds_4"]) == (pairs + blocks if "avx512bf16" in kernel_isas
+                                                                         else 0)
+        monkeypatch.setenv("MOE_FEW_ROWS_MODE", "7")
+        assert probed([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]) == (7, 5)  # single blocks: its prefetch
+        monkeypatch.setenv("MOE_FEW_ROWS_MODE", "sometimes")
         with caplog.at_level(logging.WARNING, logger="moe.kernels"):
-            assert probed([1.0, 1.0, 0.5, 1.0]) == 2
-        assert "MOE_ONE_ROW_MODE=sometimes not used (expected 0-3 or auto)" in caplog.text
-        with pytest.raises(RuntimeError, match="one-row mode 4 is not 0-3"):
-            torch.ops.moe_kernels.set_one_row_mode(4)
+            assert probed([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]) == (2, 5)
+        assert "MOE_FEW_ROWS_MODE=sometimes not used (expected one of 0, 1, 2, 3, 5, 7 or auto)" in caplog.text
+        monkeypatch.delenv("MOE_FEW_ROWS_MODE")
+        with pytest.raises(RuntimeError, match="tile mode 4 is not one of 0, 1, 2, 3, 5, 7"):
+            torch.ops.moe_kernels.set_tile_mode(1, 2, 4)
+        with pytest.raises(RuntimeError, match="tile rows 1 / blocks 3 expected positive / 1 or 2"):
+            torch.ops.moe_kernels.set_tile_mode(1, 3, 1)
+        with pytest.raises(RuntimeError, match="takes 1-12 rows"):
+            torch.ops.moe_kernels.tile_mode_seconds(13, 1 << 20)
 
         g = torch.Generator().manual_seed(5)
         w = (torch.randn(96, 1040, generator=g) / 30).bfloat16()  # 6 column blocks, K not a multiple of 32
-        x = torch.randn(1, 1040, generator=g).bfloat16()
         w13, w2 = _weights(4, 64, 40, torch.bfloat16, seed=6)
         rows = torch.randn(4, 64, generator=g).bfloat16()
         kernels.select_isa("generic")
-        assert kernels.one_row_mode_name() is None  # no dot tiles: the mode changes nothing
+        assert kernels.tile_modes_text() is None  # no dot tiles: the modes change nothing
         for isa in [i for i in kernel_isas if i in kernels.DOT_ISAS]:
             kernels.select_isa(isa)
-            torch.ops.moe_kernels.set_one_row_mode(2)
-            assert kernels.one_row_mode_name() == "one stream"
             packed, experts = kernels.pack_linear(w), kernels.pack_experts(w13, w2)
-            outs = []
-            for mode in range(len(kernels.ONE_ROW_MODES)):
-                torch.ops.moe_kernels.set_one_row_mode(mode)
-                outs.append((kernels.linear_forward(x, packed), kernels.experts_forward(rows, [1, 1, 1, 1], experts)))
-            assert outs[0][0].shape == (1, 96) and outs[0][1].shape == (4, 64)
-            for lin, exp in outs[1:]:
-                assert torch.equal(lin, outs[0][0]) and torch.equal(exp, outs[0][1])
-            ref = (x.float() @ w.float().t()).bfloat16()
-            torch.testing.assert_close(outs[0][0].float(), ref.float(), rtol=2e-2, atol=2e-2)
+            for n in (1, 2, 3, 5, 8, 12, 13, 16):  # experts: single blocks below 16 rows, block pairs from 16
+                x = torch.randn(n, 1040, generator=g).bfloat16()
+                expert_rows = torch.randn(4 * n, 64, generator=g).bfloat16()
+                outs = []
+                for mode in kernels.TILE_PAIR_MODES:
+                    for c in classes:
+                        torch.ops.moe_kernels.set_tile_mode(c, 2, mode)
+                        torch.ops.moe_kernels.set_tile_mode(c, 1, mode & ~kernels.TILE_ONE_STREAM)
+                    outs.append((kernels.linear_forward(x, packed),
+                                 kernels.experts_forward(expert_rows, [n] * 4, experts)))
+                assert outs[0][0].shape == (n, 96) and outs[0][1].shape == (4 * n, 64)
+                for lin, exp in outs[1:]:
+                    assert torch.equal(lin, outs[0][0]) and torch.equal(exp, outs[0][1])
+            assert "3-4 rows: pairs one stream, prefetched into L2, blocks prefetched into L2" in kernels.tile_modes_text()
     finally:
-        torch.ops.moe_kernels.set_one_row_mode(before)
+        for (rows, nb), mode in before.items():
+            torch.ops.moe_kernels.set_tile_mode(rows, nb, mode)
         kernels.select_isa("auto")
-
-
-def test_auto_isa_takes_the_dot_product_only_where_it_outruns_the_fma(kernel_isas: list[str]) -> None:
-    """The load-time probe: the bf16 dot product's flop rate over the fp32 FMA's decides between the
-    dot tiles and the FMA tiles (Intel's AVX512-BF16 without AMX runs the dot product at half rate);
-    a CPU whose AMX tiles this process may use takes them whatever the rate."""
-    rate = kernels.bf16_dot_rate()
-    assert rate == kernels.bf16_dot_rate()  # measured once per process
-    try:
-        auto = kernels.select_isa("auto")
-        if "amx" in kernel_isas:
-            assert auto == "amx" and "avx512bf16" in kernel_isas and 0.1 < rate < 10.0
-        elif "avx512bf16" in kernel_isas:
-            assert 0.1 < rate < 10.0
-            assert auto == ("avx512bf16" if rate >= 1.0 else "avx512")
-        else:
-            assert rate == 0.0 and auto == kernel_isas[-1]
-    finally:
-        kernels.select_isa("auto")
-
-
-@pytest.mark.parametrize(("amx", "rate", "want"), [(False, 0.5, False), (False, 2.0, True), (True, 0.5, True)])
-def test_bf16_library_gemm_only_where_bf16_products_are_fast(monkeypatch: pytest.MonkeyPatch, amx: bool,
-                                                             rate: float, want: bool) -> None:
-    """Prefill-size bf16 experts go to oneDNN only with AMX, or with a dot product faster than the FMA;
-    fp32 ones always (MKL), decode-size ones never."""
-    monkeypatch.setattr(kernels, "has_fast_bf16_gemm", lambda: True)
-    monkeypatch.setattr(kernels, "has_amx_bf16", lambda: amx)
-    monkeypatch.setattr(kernels, "bf16_dot_rate", lambda: rate)
-    rows = kernels.LIBRARY_GEMM_MIN_ROWS
-    assert kernels.prefers_library_gemm(torch.bfloat16, rows) is want
-    assert kernels.prefers_library_gemm(torch.float32, rows) is True
-    assert kernels.prefers_library_gemm(torch.bfloat16, rows - 1) is False
-    monkeypatch.setattr(kernels, "has_fast_bf16_gemm", lambda: False)
     assert kernels.prefers_library_gemm(torch.bfloat16, rows) is False
 
 
@@ -695,17 +688,19 @@ def test_every_process_on_a_cpu_takes_the_first_probe(kernel_isas: list[str], mo
     """The probed rate is kept beside the build, keyed by the CPU: a later process (a Ray worker of
     the same machine) picks its tiles by that rate, not by a probe of its own that could land on
     the other side of 1.0; another CPU's entry is replaced, and an unwritable cache is no error."""
-    probed, mode = kernels.bf16_dot_rate(), kernels.one_row_mode()
+    probed = kernels.bf16_dot_rate()
+    modes = {(rows, nb): kernels.tile_mode(rows, nb) for rows, _, _ in kernels.TILE_ROW_CLASSES for nb in (1, 2)}
     has_dot = "avx512bf16" in kernel_isas
     saved = tmp_path / kernels.PROBES_FILE
     monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
     try:
         assert kernels.agree_bf16_dot_rate() == probed  # first process: probes and writes
         assert json.loads(saved.read_text()) == {"cpu": kernels.cpu_signature(), "rate": probed}
-        saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": probed,
-                                     "one_row_seconds": [1.0, 2.0, 1.5, 2.0]}))
-        assert kernels.agree_one_row_mode() == 2.0  # the other probe kept beside it
-        assert kernels.one_row_mode() == 0
+        tiles = {f"tile_seconds_{rows}": [1.0] * 9 for rows, _, _ in kernels.TILE_ROW_CLASSES}
+        saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": probed, **tiles,
+                                     "tile_seconds_1": [1.0, 2.0, 1.5, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]}))
+        assert kernels.agree_tile_modes()[1] == (2.0, 1.0)  # the other probes kept beside it
+        assert kernels.tile_mode(1, 2) == 0 and kernels.tile_mode(1, 1) == kernels.TILE_PREFETCH
         assert json.loads(saved.read_text())["rate"] == probed
 
         saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": 3.0}))
@@ -725,7 +720,8 @@ def test_every_process_on_a_cpu_takes_the_first_probe(kernel_isas: list[str], mo
         assert kernels.agree_bf16_dot_rate() == rate
     finally:
         torch.ops.moe_kernels.set_bf16_dot_rate(probed)
-        torch.ops.moe_kernels.set_one_row_mode(mode)
+        for (rows, nb), mode in modes.items():
+            torch.ops.moe_kernels.set_tile_mode(rows, nb, mode)
         kernels.select_isa("auto")
 
 
