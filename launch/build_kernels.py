@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     isa, rate, gains = kernels.settle_isa()  # the CPU's probes run once here, kept for every later process
     dot = f", bf16 dot product at {rate:.2f}x the fp32 FMA rate" if rate else ""
-    if (modes := kernels.tile_modes_text()) is not None:
-        dot += f", weight streams: {modes} (" + ", ".join(
-            f"{pair:.2f}x / {block:.2f}x" for pair, block in gains.values()) + " the default's speed)"
+    if (modes := kernels.tile_modes_text(gains)) is not None:  # each mode's probed speed over the default's
+        dot += f", weight streams [{modes}]"
     print(f"moe kernels: {directory} (isa {isa}{dot}, {time.perf_counter() - started:.1f} s)")
     return 0

@@ -204,9 +204,7 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5,
         packed = kernels.pack_linear(b)
         x = a[:96].contiguous()
         seconds = best_call_seconds(lambda: kernels.linear_forward(x, packed), repeats=repeats)
-        modes = kernels.tile_modes_text()
-        rates[f"linear kernel, isa {kernels.isa()}{f', tiles: {modes}' if modes else ''}"] = \
-            2 * 96 * size * size / seconds
+        rates[f"linear kernel, isa {kernels.isa()}"] = 2 * 96 * size * size / seconds
     name = max(rates, key=rates.__getitem__)
     return rates[name], name
 
@@ -640,13 +638,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# device {torch.cuda.get_device_name(worker.device)}, torch {torch.__version__}: step ms is wall "
               "time to the step's tokens on the host; cpu ms the driver's CPU time")
     quant = f", {config.engine.quantization} experts" if config.engine.quantization else ""
+    from moe import kernels
+
+    isa, modes = None, None
+    if worker.device.type == "cpu" and kernels.is_available():
+        isa, modes = kernels.isa(), kernels.tile_modes_text()
+    kernel = f"; kernel isa {isa}" + (f", tiles [{modes}]" if modes else "") if isa else ""
     print(f"# {config.model}: {engine.dtype}{quant}, KV cache {config.engine.kv_cache_dtype}, "
-          f"{torch.get_num_threads()} thread(s)")
+          f"{torch.get_num_threads()} thread(s){kernel}")
     print(format_table(rows, bandwidth, matmul_flops, matmul_name, read_bandwidth))
     if args.json:
         result = {"model": config.model, "dtype": engine.dtype, "quantization": config.engine.quantization,
                   "kv_cache_dtype": config.engine.kv_cache_dtype, "num_threads": torch.get_num_threads(),
-                  "device": str(worker.device),
+                  "device": str(worker.device), "isa": isa, "tile_modes": modes,
                   "context_len": args.context_len, "steps": args.steps, "copy_bandwidth_bytes_per_s": bandwidth,
                   "read_bandwidth_bytes_per_s": read_bandwidth,
                   "matmul_flops_per_s": matmul_flops, "matmul_path": matmul_name,

@@ -843,6 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     from launch.worker import keep_freed_heap_memory
     from moe import kernels
 
+    modes = None  # the dot tiles' streaming modes, where they run
     if device.type == "cuda":  # the CPU kernel is not used there: not built for this run
         isa, dot_rate = "unused (cuda)", 0.0
     else:
@@ -863,8 +864,9 @@ def main(argv: list[str] | None = None) -> int:
         where = (f"device {torch.cuda.get_device_name(device)} (CUDA events; cpu ms = the host's launch time)"
                  f", torch {torch.__version__}")
     else:
-        dot = (f" (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate; tiles: "
-               f"{kernels.tile_modes_text()})") if dot_rate else ""
+        modes = kernels.tile_modes_text() if dot_rate else None
+        dot = (f" (bf16 dot product at {dot_rate:.2f}x the fp32 FMA rate" + (f", tiles [{modes}]" if modes else "")
+               + ")") if dot_rate else ""
         where = f"{args.num_threads} thread(s), kernel isa {isa}{dot}"
     clock = "GPU time" if device.type == "cuda" else "wall time" if wall_clock else "CPU time"
     print(f"# dtype {args.dtype}, {where}; read bandwidth "
@@ -886,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
         write_output_file(args.json, json.dumps({
             "dtype": args.dtype, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "num_threads": args.num_threads, "isa": isa, "bf16_dot_rate": dot_rate,
+            "num_threads": args.num_threads, "isa": isa, "bf16_dot_rate": dot_rate, "tile_modes": modes,
             "cold_weights": evict is not None, "read_bandwidth_bytes_per_s": bandwidth,
             "peak_flops_per_s": peak, "shapes": [asdict(s) for s in shapes],
             "cells": [asdict(c) for c in cells],

@@ -788,9 +788,9 @@ TILE_PREFETCH_L2 = 4  # with TILE_PREFETCH: into L2 instead
 # The modes of tiles over block pairs (linears, prefill-size experts), in the order the probe
 # (``tile_mode_seconds``) answers, then those of tiles over single blocks (decode-size routed experts:
 # no order to choose), in the order that follows.
-TILE_PAIR_MODES = {0: "side by side", 1: "side by side, prefetched", 2: "one stream", 3: "one stream, prefetched",
-                   5: "side by side, prefetched into L2", 7: "one stream, prefetched into L2"}
-TILE_BLOCK_MODES = {0: "not prefetched", 1: "prefetched", 5: "prefetched into L2"}
+TILE_PAIR_MODES = {0: "side by side", 1: "side by side + prefetch", 2: "one stream", 3: "one stream + prefetch",
+                   5: "side by side + L2 prefetch", 7: "one stream + L2 prefetch"}
+TILE_BLOCK_MODES = {0: "no prefetch", 1: "prefetch", 5: "L2 prefetch"}
 # Each class of row counts has its own modes: (the rows the probe runs for it, its name, the variable
 # that forces a mode for this process: a TILE_PAIR_MODES key, single blocks taking its prefetch bits;
 # unset or "auto": the probe's fastest). Tiles have DOT_TILE_ROWS (12) rows at most.
@@ -800,6 +800,10 @@ TILE_ROW_CLASSES = ((1, "one row", "MOE_ONE_ROW_MODE"), (2, "two rows", "MOE_TWO
 # the default mode (1, the tiles as they were before the probe) another must be to be taken.
 TILE_PROBE_BYTES = 32 << 20
 TILE_MIN_GAIN = 1.05
+# the seconds a probe's pass can take (a saved list with a time outside is probed again)
+TILE_PROBE_SECONDS = (1e-6, 10.0)
+# the classes whose modes a variable forced in this process (their rows; ``agree_tile_modes``)
+_forced_tile_classes: set[int] = set()
 
 
 def cpu_signature() -> str:
@@ -822,7 +826,13 @@ def cpu_signature() -> str:
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite JSON number (an integer too large for a float is none)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def _saved_probes() -> dict[str, Any]:
@@ -885,33 +895,42 @@ def _fastest_mode(seconds: list[float], modes: list[int]) -> int:
     return fastest if seconds[modes.index(TILE_PREFETCH)] >= TILE_MIN_GAIN * seconds[modes.index(fastest)] else TILE_PREFETCH
 
 
+def _valid_tile_probe(seconds: object, count: int) -> bool:
+    """Whether ``seconds`` is a probe of ``count`` passes, each within ``TILE_PROBE_SECONDS``."""
+    low, high = TILE_PROBE_SECONDS
+    return isinstance(seconds, list) and len(seconds) == count and all(low <= t <= high for t in seconds)
+
+
 def agree_tile_modes() -> dict[int, tuple[float, float]]:
     """Settle how dot tiles stream their weights, for each class of ``TILE_ROW_CLASSES``, over block
     pairs (``TILE_PAIR_MODES``) and over single blocks (``TILE_BLOCK_MODES``): the class's variable
     when set, else the modes this CPU's probe found fastest for its rows (kept beside the build like
-    the dot rate) where they beat mode 1 by ``TILE_MIN_GAIN`` (AMD Zen 4: block pairs in one stream,
-    1.2-1.4x; single blocks of 5 rows or more prefetched into L2, 1.3-1.5x). Every mode gives the same
-    bits. Returns, keyed by each class's probed rows, the chosen modes' probed speed over mode 1's
-    (pairs, single blocks; 1.0 without AVX512-BF16: no dot tiles)."""
+    the dot rate; a saved probe that is not one, e.g. of an earlier build's modes, is probed again)
+    where they beat mode 1 by ``TILE_MIN_GAIN`` (AMD Zen 4: block pairs in one stream, 1.2-1.4x;
+    single blocks of 5 rows or more prefetched into L2, 1.3-1.5x). Every mode gives the same bits.
+    Returns, keyed by each class's probed rows, the chosen modes' probed speed over mode 1's (pairs,
+    single blocks; 1.0 without AVX512-BF16: no dot tiles)."""
     pair_modes, block_modes = list(TILE_PAIR_MODES), list(TILE_BLOCK_MODES)
     count = len(pair_modes) + len(block_modes)
     gains = {}
+    _forced_tile_classes.clear()
     for rows, _, env in TILE_ROW_CLASSES:
         seconds = _saved_probe(_probe_key(rows))
-        if not isinstance(seconds, list) or len(seconds) != count:
+        if not _valid_tile_probe(seconds, count):
             seconds = [float(t) for t in torch.ops.moe_kernels.tile_mode_seconds(rows, TILE_PROBE_BYTES)]
             _save_probe(_probe_key(rows), seconds)
         pair, block = TILE_PREFETCH, TILE_PREFETCH
-        probed = len(seconds) == count and min(seconds) > 0
+        probed = _valid_tile_probe(seconds, count)
         pair_seconds, block_seconds = seconds[:len(pair_modes)], seconds[len(pair_modes):]
         if probed:
             pair, block = _fastest_mode(pair_seconds, pair_modes), _fastest_mode(block_seconds, block_modes)
         wanted = os.environ.get(env, "auto")
         if wanted in (str(m) for m in pair_modes):
             pair = int(wanted)
-            block = pair & (TILE_PREFETCH | TILE_PREFETCH_L2)
+            block = pair & ~TILE_ONE_STREAM  # single blocks take its prefetch bits
+            _forced_tile_classes.add(rows)
         elif wanted != "auto":
-            log.warning("moe.kernels: %s=%s not used (expected one of %s or auto)", env, wanted,
+            log.warning("moe.kernels: %s=%r not used (expected one of %s or auto)", env, wanted,
                         ", ".join(map(str, pair_modes)))
         torch.ops.moe_kernels.set_tile_mode(rows, 2, pair)
         torch.ops.moe_kernels.set_tile_mode(rows, 1, block)
@@ -951,13 +970,21 @@ def tile_mode(rows: int, blocks: int = 2) -> int:
 DOT_ISAS = ("amx", "avx512bf16")
 
 
-def tile_modes_text() -> str | None:
-    """The tile modes in force, a class after the other ("one row: one stream; two rows: ..."); None
-    where the selected instruction set runs no dot tiles (the modes then change nothing)."""
-    if isa() not in DOT_ISAS:
+def tile_modes_text(gains: dict[int, tuple[float, float]] | None = None) -> str | None:
+    """The tile modes in force, a class after the other ("one row: pairs one stream, blocks no
+    prefetch; two rows: ..."; a class a variable forced names it), with ``agree_tile_modes``' gains
+    where given; None where the kernel is unavailable or the selected instruction set runs no dot
+    tiles (the modes then change nothing)."""
+    if not is_available() or isa() not in DOT_ISAS:
         return None
-    return "; ".join(f"{name}: pairs {TILE_PAIR_MODES[tile_mode(rows, 2)]}, blocks {TILE_BLOCK_MODES[tile_mode(rows, 1)]}"
-                     for rows, name, _ in TILE_ROW_CLASSES)
+    parts = []
+    for rows, name, env in TILE_ROW_CLASSES:
+        pair, block = TILE_PAIR_MODES[tile_mode(rows, 2)], TILE_BLOCK_MODES[tile_mode(rows, 1)]
+        if gains is not None and rows in gains:
+            pair, block = f"{pair} ({gains[rows][0]:.2f}x)", f"{block} ({gains[rows][1]:.2f}x)"
+        parts.append(f"{name}: pairs {pair}, blocks {block}" + (f" (set by {env})" if rows in _forced_tile_classes
+                                                                 else ""))
+    return "; ".join(parts)
 
 
 def select_isa_from_env() -> str:

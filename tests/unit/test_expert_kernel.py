@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -414,11 +415,26 @@ def test_build_kernels_prints_the_compilers_error_in_one_line(monkeypatch: pytes
                    "'undefined_symbol' was not declared in this scope\n")
 
 
+def test_build_kernels_says_the_isa_and_how_the_dot_tiles_stream(kernel_isas: list[str],
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from launch import build_kernels
+
+    assert build_kernels.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("moe kernels: ") and out.count("\n") == 1 and f"(isa {kernels.isa()}" in out
+    if kernels.isa() in kernels.DOT_ISAS:  # each class's modes with their probed speed over the default's
+        assert re.search(r"weight streams \[one row: pairs [a-zA-Z 2+]+ \(\d\.\d\dx\), blocks [a-zA-Z 2]+ \(\d\.\d\dx\); "
+                         r"two rows: .*; 3-4 rows: .*; 5\+ rows: .*\]", out), out
+    else:
+        assert "weight streams" not in out
+
+
 def test_kernel_can_be_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOE_CPU_KERNEL", "0")
     kernels.is_available.cache_clear()
     try:
         assert kernels.is_available() is False
+        assert kernels.tile_modes_text() is None  # no kernel: no tiles to name
         assert _module(torch.float32).packed_weights() is None
     finally:
         kernels.is_available.cache_clear()
@@ -635,21 +651,30 @@ def test_tile_modes_are_probed_kept_and_give_the_same_bits(kernel_isas: list[str
         assert probed([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]) == (2, 5)
         assert probed([0.98, 1.0, 1.0, 0.99, 1.0, 1.0, 0.97, 1.0, 1.0]) == (1, 1)  # within 5 %: the defaults
         assert probed([1.0, 1.0, 1.0, 1.0, 1.0, 0.8, 0.5, 1.0, 1.0]) == (7, 0)
-        assert probed([1.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == (1, 1)  # a broken probe: the defaults
-        probed([1.0] * 4)  # an earlier probe of other modes: probed again
-        assert len(json.loads(saved.read_text())["tile_seconds_4"]) == (pairs + blocks if "avx512bf16" in kernel_isas
-                                                                         else 0)
+        # a broken probe, an earlier one of other modes, times that are no times: probed again
+        for broken in ([1.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [1.0] * 4, [float("nan")] * 9, [10**400] * 9,
+                       [1e30] * 9):
+            probed(broken)
+            again = json.loads(saved.read_text())["tile_seconds_4"]
+            assert len(again) == (pairs + blocks if "avx512bf16" in kernel_isas else 0) and again != broken
         monkeypatch.setenv("MOE_FEW_ROWS_MODE", "7")
         assert probed([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]) == (7, 5)  # single blocks: its prefetch
+        if kernels.isa() in kernels.DOT_ISAS:
+            assert ("3-4 rows: pairs one stream + L2 prefetch, blocks L2 prefetch (set by MOE_FEW_ROWS_MODE);"
+                    in kernels.tile_modes_text())
         monkeypatch.setenv("MOE_FEW_ROWS_MODE", "sometimes")
         with caplog.at_level(logging.WARNING, logger="moe.kernels"):
             assert probed([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]) == (2, 5)
-        assert "MOE_FEW_ROWS_MODE=sometimes not used (expected one of 0, 1, 2, 3, 5, 7 or auto)" in caplog.text
+        assert "MOE_FEW_ROWS_MODE='sometimes' not used (expected one of 0, 1, 2, 3, 5, 7 or auto)" in caplog.text
         monkeypatch.delenv("MOE_FEW_ROWS_MODE")
         with pytest.raises(RuntimeError, match="tile mode 4 is not one of 0, 1, 2, 3, 5, 7"):
             torch.ops.moe_kernels.set_tile_mode(1, 2, 4)
-        with pytest.raises(RuntimeError, match="tile rows 1 / blocks 3 expected positive / 1 or 2"):
+        with pytest.raises(RuntimeError, match="tile blocks must be 1 .single blocks. or 2 .block pairs., not 3"):
             torch.ops.moe_kernels.set_tile_mode(1, 3, 1)
+        with pytest.raises(RuntimeError, match="tile rows must be positive, not 0"):
+            torch.ops.moe_kernels.tile_mode(0, 2)
+        with pytest.raises(RuntimeError, match="single blocks take tile mode 0, 1 or 5, not 7"):
+            torch.ops.moe_kernels.set_tile_mode(1, 1, 7)
         with pytest.raises(RuntimeError, match="takes 1-12 rows"):
             torch.ops.moe_kernels.tile_mode_seconds(13, 1 << 20)
 
@@ -675,7 +700,7 @@ def test_tile_modes_are_probed_kept_and_give_the_same_bits(kernel_isas: list[str
                 assert outs[0][0].shape == (n, 96) and outs[0][1].shape == (4 * n, 64)
                 for lin, exp in outs[1:]:
                     assert torch.equal(lin, outs[0][0]) and torch.equal(exp, outs[0][1])
-            assert "3-4 rows: pairs one stream, prefetched into L2, blocks prefetched into L2" in kernels.tile_modes_text()
+            assert "3-4 rows: pairs one stream + L2 prefetch, blocks L2 prefetch;" in kernels.tile_modes_text()
     finally:
         for (rows, nb), mode in before.items():
             torch.ops.moe_kernels.set_tile_mode(rows, nb, mode)
@@ -703,6 +728,10 @@ def test_every_process_on_a_cpu_takes_the_first_probe(kernel_isas: list[str], mo
         assert kernels.tile_mode(1, 2) == 0 and kernels.tile_mode(1, 1) == kernels.TILE_PREFETCH
         assert json.loads(saved.read_text())["rate"] == probed
 
+        for bad in (float("nan"), 10**400, "fast"):  # not a rate: probed again
+            saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": bad}))
+            assert kernels.agree_bf16_dot_rate() == probed
+            assert json.loads(saved.read_text())["rate"] == probed
         saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "rate": 3.0}))
         assert kernels.agree_bf16_dot_rate() == (3.0 if has_dot else 0.0)
         assert kernels.bf16_dot_rate() == (3.0 if has_dot else 0.0)
