@@ -31,9 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # compiler missing or failing: say so in one line
         print(f"error: building the CPU expert kernel failed: {kernels.build_failure(e)}", file=sys.stderr)
         return 1
-    isa, rate, gains = kernels.settle_isa()  # the CPU's probes run once here, kept for every later process
+    isa, rate, gains, asks_gain = kernels.settle_isa()  # the CPU's probes run once here, kept for every later process
     dot = f", bf16 dot product at {rate:.2f}x the fp32 FMA rate" if rate else ""
     if (modes := kernels.tile_modes_text(gains)) is not None:  # each mode's probed speed over the default's
         dot += f", weight streams [{modes}]"
+    if (asks := kernels.attention_asks_text()) is not None:
+        dot += f", decode attention asks {asks} ({asks_gain:.2f}x the default's speed)"
     print(f"moe kernels: {directory} (isa {isa}{dot}, {time.perf_counter() - started:.1f} s)")
     return 0

@@ -640,17 +640,18 @@ def main(argv: list[str] | None = None) -> int:
     quant = f", {config.engine.quantization} experts" if config.engine.quantization else ""
     from moe import kernels
 
-    isa, modes = None, None
+    isa, modes, asks = None, None, None
     if worker.device.type == "cpu" and kernels.is_available():
-        isa, modes = kernels.isa(), kernels.tile_modes_text()
-    kernel = f"; kernel isa {isa}" + (f", tiles [{modes}]" if modes else "") if isa else ""
+        isa, modes, asks = kernels.isa(), kernels.tile_modes_text(), kernels.attention_asks_text()
+    kernel = (f"; kernel isa {isa}" + (f", tiles [{modes}]" if modes else "")
+              + (f", decode attention asks {asks}" if asks else "")) if isa else ""
     print(f"# {config.model}: {engine.dtype}{quant}, KV cache {config.engine.kv_cache_dtype}, "
           f"{torch.get_num_threads()} thread(s){kernel}")
     print(format_table(rows, bandwidth, matmul_flops, matmul_name, read_bandwidth))
     if args.json:
         result = {"model": config.model, "dtype": engine.dtype, "quantization": config.engine.quantization,
                   "kv_cache_dtype": config.engine.kv_cache_dtype, "num_threads": torch.get_num_threads(),
-                  "device": str(worker.device), "isa": isa, "tile_modes": modes,
+                  "device": str(worker.device), "isa": isa, "tile_modes": modes, "attention_asks": asks,
                   "context_len": args.context_len, "steps": args.steps, "copy_bandwidth_bytes_per_s": bandwidth,
                   "read_bandwidth_bytes_per_s": read_bandwidth,
                   "matmul_flops_per_s": matmul_flops, "matmul_path": matmul_name,

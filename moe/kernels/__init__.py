@@ -769,14 +769,15 @@ def is_available() -> bool:
     return True
 
 
-def settle_isa() -> tuple[str, float, dict[int, tuple[float, float]]]:
+def settle_isa() -> tuple[str, float, dict[int, tuple[float, float]], float]:
     """After the build loaded: take this CPU's agreed bf16 dot rate (``agree_bf16_dot_rate``), then
     select the instruction set ``$MOE_KERNEL_ISA`` names or the fastest by that rate, then settle
-    how dot tiles stream their weights (``agree_tile_modes``). Returns (the instruction set, the rate,
-    each row class's chosen modes' probed speed over the default's)."""
+    how dot tiles stream their weights (``agree_tile_modes``) and how the dot path's decode attention
+    asks for its rows (``agree_attention_asks``). Returns (the instruction set, the rate, each row
+    class's chosen modes' probed speed over the default's, the ask mode's)."""
     rate = agree_bf16_dot_rate()
     chosen = select_isa_from_env()
-    return chosen, rate, agree_tile_modes()
+    return chosen, rate, agree_tile_modes(), agree_attention_asks()
 
 
 PROBES_FILE = "cpu_probes.json"
@@ -938,6 +939,82 @@ def agree_tile_modes() -> dict[int, tuple[float, float]]:
                         block_seconds[block_modes.index(TILE_PREFETCH)] / block_seconds[block_modes.index(block)])
                        if probed else (1.0, 1.0))
     return gains
+
+
+# How the dot path's decode attention asks for its key rows ahead of its score tiles
+# (experts_cpu.cpp's ATTENTION_ASKS_*), in the order the probe answers; "0" / "1" in the variable
+# force one for this process, unset or "auto" takes the probe's.
+ATTENTION_ASKS = {0: "into L1, 2 tiles ahead", 1: "into L2, 8 tiles ahead"}
+ATTENTION_ASKS_ENV = "MOE_ATTENTION_ASKS"
+# The probe: the MLA decode op (DeepSeek's latent 256 + rope 32, 16 heads) over this many sequences
+# of this many tokens in shuffled blocks of 16, every call after a write of more than the last-level
+# cache (rows come from DRAM, as between two layers of a decode step).
+ATTENTION_PROBE_SEQUENCES, ATTENTION_PROBE_TOKENS = 4, 4096
+ATTENTION_PROBE_EVICT_BYTES = 96 << 20
+
+
+def attention_asks_seconds(repeats: int = 5) -> list[float]:
+    """Seconds (CPU, best of ``repeats``) of the dot path's MLA decode op on rows in DRAM in each ask
+    mode (``ATTENTION_ASKS`` order); [] where the selected instruction set has no such path (the
+    dot tiles' ``avx512bf16`` alone: AMX runs its own). Every mode gives the same bits. Call it
+    with the kernel loaded (``settle_isa`` does)."""
+    if isa() != "avx512bf16":
+        return []
+    gen = torch.Generator().manual_seed(0)
+    block, heads, latent, rope = 16, 16, 256, 32
+    blocks = ATTENTION_PROBE_SEQUENCES * ATTENTION_PROBE_TOKENS // block
+    pool = (torch.randn(blocks + 1, block, latent + rope, generator=gen) / 4).bfloat16()
+    tables = torch.randperm(blocks, generator=gen).view(ATTENTION_PROBE_SEQUENCES, -1)
+    lens = torch.full((ATTENTION_PROBE_SEQUENCES,), ATTENTION_PROBE_TOKENS, dtype=torch.long)
+    q = (torch.randn(ATTENTION_PROBE_SEQUENCES, heads, latent + rope, generator=gen) / 4).bfloat16()
+    evict = torch.zeros(ATTENTION_PROBE_EVICT_BYTES // 4, dtype=torch.int32)
+    before, threads = int(torch.ops.moe_kernels.attention_asks()), torch.get_num_threads()
+    best = [float("inf")] * len(ATTENTION_ASKS)
+    torch.set_num_threads(1)  # the calling thread's CPU time is the whole op's
+    try:
+        for _ in range(repeats):
+            for i, mode in enumerate(ATTENTION_ASKS):
+                torch.ops.moe_kernels.set_attention_asks(mode)
+                evict.add_(1)
+                start = time.thread_time()
+                torch.ops.moe_kernels.mla_decode(q, pool, tables, lens, latent, 0.1)
+                best[i] = min(best[i], time.thread_time() - start)
+    finally:
+        torch.ops.moe_kernels.set_attention_asks(before)
+        torch.set_num_threads(threads)
+    return best
+
+
+def agree_attention_asks() -> float:
+    """Settle how the dot path's decode attention asks for its key rows (``ATTENTION_ASKS``):
+    ``$MOE_ATTENTION_ASKS`` when set, else the mode this CPU's probe (``attention_asks_seconds``, kept
+    beside the build like the others) found fastest where it beats mode 0 by ``TILE_MIN_GAIN`` (AMD
+    Zen 4: into L2, ~1.1x at 2,048 tokens of context). Returns the chosen mode's probed speed over mode
+    0's (1.0 where not probed: no dot path selected)."""
+    count = len(ATTENTION_ASKS)
+    seconds = _saved_probe("attention_asks_seconds")
+    if not _valid_tile_probe(seconds, count):
+        seconds = attention_asks_seconds()
+        if seconds:  # not probed (another instruction set selected): nothing to keep
+            _save_probe("attention_asks_seconds", seconds)
+    mode, probed = 0, _valid_tile_probe(seconds, count)
+    if probed and seconds[0] >= TILE_MIN_GAIN * min(seconds):
+        mode = min(range(count), key=seconds.__getitem__)
+    wanted = os.environ.get(ATTENTION_ASKS_ENV, "auto")
+    if wanted in (str(m) for m in ATTENTION_ASKS):
+        mode = int(wanted)
+    elif wanted != "auto":
+        log.warning("moe.kernels: %s=%r not used (expected 0, 1 or auto)", ATTENTION_ASKS_ENV, wanted)
+    torch.ops.moe_kernels.set_attention_asks(mode)
+    return seconds[0] / seconds[mode] if probed else 1.0
+
+
+def attention_asks_text() -> str | None:
+    """How the dot path's decode attention asks for its rows in this process ("into L2, 8 tiles
+    ahead"); None where the kernel is unavailable or the selected instruction set runs another path."""
+    if not is_available() or isa() != "avx512bf16":
+        return None
+    return ATTENTION_ASKS[int(torch.ops.moe_kernels.attention_asks())]
 
 
 # the bytes of one block pair ``tile_mode_seconds`` passes over (two blocks of K 1024 x 16 bf16)

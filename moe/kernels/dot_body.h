@@ -398,10 +398,11 @@ static inline __attribute__((always_inline)) void attn_score_pair(const uint32_t
 
 // out[t][0:16] = sum over k pairs of qp[p][0:16] . key[t][2p : 2p + 2] for TT tokens (rows k[t]):
 // qp [pairs][16] the heads' query pairs; an odd dk's last pair has a zero partner in qp. The lines
-// in `ask` are asked for into L1, two per k pair from the first (those past two per pair at once).
+// in `ask` are asked for into L1 (into L2 with into_l2), two per k pair from the first (those past
+// two per pair at once).
 template <int TT>
 static inline void attn_scores_lanes_tile(const uint32_t* __restrict qp, const uint16_t* const* k, int64_t dk,
-                                          float* __restrict out, const avx512::TileLines& ask) {
+                                          float* __restrict out, const avx512::TileLines& ask, bool into_l2 = false) {
   constexpr int KS = TT >= 8 ? 1 : 2;  // >= 8 chains over the dot latency where the tile allows
   __m512 acc[KS][TT];
 #pragma GCC unroll 2
@@ -409,15 +410,23 @@ static inline void attn_scores_lanes_tile(const uint32_t* __restrict qp, const u
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[s][t] = _mm512_setzero_ps();
   const int64_t pairs = dk / 2, steps = pairs / KS * KS;
-  for (int64_t i = 2 * steps; i < ask.n; ++i) __builtin_prefetch(ask.line[i]);
+  for (int64_t i = 2 * steps; i < ask.n; ++i) {
+    if (into_l2) __builtin_prefetch(ask.line[i], 0, 2);
+    else __builtin_prefetch(ask.line[i]);
+  }
   // k pairs [0, asking) ask for two lines each (the odd count's last line twice)
   const int64_t asking = std::min(steps, (ask.n + 2 * KS - 1) / (2 * KS) * KS);
   int64_t p = 0;
   for (; p < asking; p += KS) {
 #pragma GCC unroll 2
     for (int s = 0; s < KS; ++s) {
-      __builtin_prefetch(ask.line[std::min(2 * (p + s), ask.n - 1)]);
-      __builtin_prefetch(ask.line[std::min(2 * (p + s) + 1, ask.n - 1)]);
+      if (into_l2) {
+        __builtin_prefetch(ask.line[std::min(2 * (p + s), ask.n - 1)], 0, 2);
+        __builtin_prefetch(ask.line[std::min(2 * (p + s) + 1, ask.n - 1)], 0, 2);
+      } else {
+        __builtin_prefetch(ask.line[std::min(2 * (p + s), ask.n - 1)]);
+        __builtin_prefetch(ask.line[std::min(2 * (p + s) + 1, ask.n - 1)]);
+      }
       attn_score_pair<TT>(qp, k, p + s, acc[s]);
     }
   }
@@ -503,8 +512,12 @@ static inline void query_pairs(const uint16_t* q, int64_t hc, int64_t dk, uint32
 constexpr int SCORE_TILE_TOKENS = 12;
 // How far ahead a tile asks for its own key rows (~7 KB of MLA rows and ~0.25 us of dot products
 // per tile). Rows come from DRAM (see NextItem): one tile ahead does not cover that latency; an
-// item whose rows the previous item asked for finds them in L1 or L2 either way.
+// item whose rows the previous item asked for finds them in L1 or L2 either way. Into L1 (Zen 5,
+// the 2026-12-02 measurements) two tiles; into L2 (the other ask mode, attention_asks_slot) eight,
+// which L2 holds and L1 does not: on AMD Zen 4 the MLA op on cold rows took 0.91x the time at 2,048
+// tokens of context, 0.81x at 8,192 (one sequence), level at 140.
 constexpr int64_t SCORE_TILES_AHEAD = 2;
+constexpr int64_t SCORE_TILES_AHEAD_L2 = 8;
 
 // s [L][16] (one row of 16 head lanes per token) -> the per-lane softmax of round(s) * scale (the
 // FMA path's lanes_exp, then the normalisation), rounded to bf16 and written as token pairs: p
@@ -583,11 +596,13 @@ struct AttentionDotKernels {
     const int64_t kpairs = (dk + 1) / 2, pairs = (L + 1) / 2;
     uint32_t* qp = reinterpret_cast<uint32_t*>(pbuf);
     uint32_t* pp = qp + kpairs * HEAD_LANES;
-    // rows SCORE_TILES_AHEAD tiles ahead are asked for while these are computed: blocks sit wherever
-    // the block table puts them, so the hardware prefetcher cannot run ahead across them. The first
-    // tiles' rows are asked for at once (the previous item asked for them too, see NextItem).
+    // rows SCORE_TILES_AHEAD (into L2: SCORE_TILES_AHEAD_L2) tiles ahead are asked for while these are
+    // computed: blocks sit wherever the block table puts them, so the hardware prefetcher cannot run
+    // ahead across them. The first tiles' rows are asked for at once (the previous item asked for
+    // them too, see NextItem).
     const int64_t row_bytes = dk * static_cast<int64_t>(sizeof(uint16_t));
-    constexpr int64_t ahead = SCORE_TILES_AHEAD * SCORE_TILE_TOKENS;
+    const bool into_l2 = attention_asks_slot() == ATTENTION_ASKS_L2;
+    const int64_t ahead = (into_l2 ? SCORE_TILES_AHEAD_L2 : SCORE_TILES_AHEAD) * SCORE_TILE_TOKENS;
     const int64_t tiles = (L + SCORE_TILE_TOKENS - 1) / SCORE_TILE_TOKENS;
     for (int64_t h0 = 0; h0 < hh; h0 += HEAD_LANES) {
       const int64_t hc = std::min<int64_t>(HEAD_LANES, hh - h0);
@@ -599,7 +614,7 @@ struct AttentionDotKernels {
           ask.add_rows(krow[a], 1, row_bytes, 0);
         if (h0 == 0) ask.add_next_share(pool, S, next, L, t / SCORE_TILE_TOKENS, tiles);  // a share per tile
         with_row_count<SCORE_TILE_TOKENS>(std::min<int64_t>(SCORE_TILE_TOKENS, L - t), [&](auto n) {
-          attn_scores_lanes_tile<decltype(n)::value>(qp, krow + t, dk, scores + t * HEAD_LANES, ask);
+          attn_scores_lanes_tile<decltype(n)::value>(qp, krow + t, dk, scores + t * HEAD_LANES, ask, into_l2);
         });
       }
       if (h0 == 0) avx512::prefetch_next_query(next);

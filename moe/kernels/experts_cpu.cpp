@@ -265,6 +265,17 @@ static int& tile_mode_slot(int64_t rows, int nb) {
   return modes[tile_row_class(rows)][nb >= 2 ? 1 : 0];
 }
 
+// How the dot path's decode attention asks for its key rows ahead of its score tiles (dot_body.h's
+// AttentionDotKernels::decode), measured per CPU (kernels.agree_attention_asks), set by
+// set_attention_asks: ATTENTION_ASKS_L1 into L1 two tiles ahead (the default), ATTENTION_ASKS_L2
+// into L2 eight tiles ahead.
+constexpr int ATTENTION_ASKS_L1 = 0;
+constexpr int ATTENTION_ASKS_L2 = 1;
+static int& attention_asks_slot() {
+  static int mode = ATTENTION_ASKS_L1;
+  return mode;
+}
+
 // f(std::integral_constant<int, R>{}) for R == rows in [1, MAX] (nothing outside): a row count known
 // at run time picks the register tile compiled for it. always_inline, so it takes the caller's ISA.
 template <int MAX, int R = 1, typename F>
@@ -607,6 +618,17 @@ int64_t tile_mode(int64_t rows, int64_t nb) {
   TORCH_CHECK(rows >= 1, "moe_kernels: tile rows must be positive, not ", rows);
   TORCH_CHECK(nb == 1 || nb == 2, "moe_kernels: tile blocks must be 1 (single blocks) or 2 (block pairs), not ", nb);
   return tile_mode_slot(rows, static_cast<int>(nb));
+}
+
+// The decode attention's ask mode (ATTENTION_ASKS_*) from now on; returns it.
+int64_t set_attention_asks(int64_t mode) {
+  TORCH_CHECK(mode == ATTENTION_ASKS_L1 || mode == ATTENTION_ASKS_L2, "moe_kernels: attention ask mode ", mode,
+              " is not 0 (into L1) or 1 (into L2)");
+  return attention_asks_slot() = static_cast<int>(mode);
+}
+
+int64_t attention_asks() {
+  return attention_asks_slot();
 }
 
 // The fastest instruction set this CPU runs: the dot tiles only where the dot product out-runs the
@@ -2428,6 +2450,8 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("tile_mode_seconds(int rows, int bytes) -> float[]", &moe_kernels::tile_mode_seconds);
   m.def("set_tile_mode(int rows, int nb, int mode) -> int", &moe_kernels::set_tile_mode);
   m.def("tile_mode(int rows, int nb) -> int", &moe_kernels::tile_mode);
+  m.def("set_attention_asks(int mode) -> int", &moe_kernels::set_attention_asks);
+  m.def("attention_asks() -> int", &moe_kernels::attention_asks);
 }
 
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {

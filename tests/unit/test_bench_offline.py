@@ -208,7 +208,7 @@ def test_decode_main_reports_each_batch_size(tiny_ckpt, tmp_path, capsys):
     assert r["copy_bandwidth_bytes_per_s"] > 0 and r["kv_bytes_per_token"] > 0
     # the kernel and how its dot tiles stream their weights, said in the header and kept in the JSON
     assert r["isa"] == (kernels.isa() if kernels.is_available() else None)
-    assert r["tile_modes"] == kernels.tile_modes_text()
+    assert r["tile_modes"] == kernels.tile_modes_text() and r["attention_asks"] == kernels.attention_asks_text()
     if r["tile_modes"] is not None:
         assert f"thread(s); kernel isa {r['isa']}, tiles [one row: pairs " in printed and r["tile_modes"] in printed
     assert [row["batch_size"] for row in r["results"]] == [1, 3]

@@ -427,6 +427,10 @@ def test_build_kernels_says_the_isa_and_how_the_dot_tiles_stream(kernel_isas: li
                          r"two rows: .*; 3-4 rows: .*; 5\+ rows: .*\]", out), out
     else:
         assert "weight streams" not in out
+    if kernels.isa() == "avx512bf16":  # the dot path's decode attention: how it asks for its rows
+        assert re.search(r", decode attention asks into L[12], [28] tiles ahead \(\d\.\d\dx the default's speed\)", out)
+    else:
+        assert "decode attention asks" not in out
 
 
 def test_kernel_can_be_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -434,7 +438,7 @@ def test_kernel_can_be_switched_off_by_environment(monkeypatch: pytest.MonkeyPat
     kernels.is_available.cache_clear()
     try:
         assert kernels.is_available() is False
-        assert kernels.tile_modes_text() is None  # no kernel: no tiles to name
+        assert kernels.tile_modes_text() is None and kernels.attention_asks_text() is None  # no kernel
         assert _module(torch.float32).packed_weights() is None
     finally:
         kernels.is_available.cache_clear()

@@ -4,6 +4,8 @@ gqa_decode for grouped-query k/v) against the gather + sdpa path, alone and insi
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,70 @@ def test_mla_decode_long_and_short_contexts_in_one_batch(kernel_isas: list[str])
         assert got.shape == (2, 16, 256)
         assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item(), name
     kernels.select_isa("auto")
+
+
+def test_decode_attention_asks_are_probed_kept_and_give_the_same_bits(kernel_isas: list[str],
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture,
+                                                                      tmp_path: Path) -> None:
+    """How the dot path's decode attention asks for its key rows (into L1 two tiles ahead, or into L2
+    eight) is the CPU's, measured on rows in DRAM: the probe's faster mode where it beats the default
+    by TILE_MIN_GAIN, kept beside the build, ``$MOE_ATTENTION_ASKS`` over it; MLA and GQA decode give
+    the same bits in both."""
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path)
+    monkeypatch.delenv(kernels.ATTENTION_ASKS_ENV, raising=False)
+    saved = tmp_path / kernels.PROBES_FILE
+    before = int(torch.ops.moe_kernels.attention_asks())
+    dot = kernels.isa() == "avx512bf16"
+    try:
+        gain = kernels.agree_attention_asks()  # probed here: the cache folder is new
+        mode = int(torch.ops.moe_kernels.attention_asks())
+        if dot:
+            seconds = json.loads(saved.read_text())["attention_asks_seconds"]
+            assert len(seconds) == 2 and all(0 < t < 1 for t in seconds)
+            assert gain == seconds[0] / seconds[mode] and (mode == 0 or gain >= kernels.TILE_MIN_GAIN)
+            assert kernels.attention_asks_text() == kernels.ATTENTION_ASKS[mode]
+        else:  # another path runs decode attention: nothing probed, nothing kept
+            assert not saved.exists() and gain == 1.0 and mode == 0 and kernels.attention_asks_text() is None
+
+        def probed(times: list[float]) -> int:
+            saved.write_text(json.dumps({"cpu": kernels.cpu_signature(), "attention_asks_seconds": times}))
+            kernels.agree_attention_asks()  # the saved probe, not a new one
+            return int(torch.ops.moe_kernels.attention_asks())
+
+        assert probed([1.0, 0.5]) == 1
+        assert probed([1.0, 0.97]) == 0  # within 5 %: the default stays
+        assert probed([0.5, 1.0]) == 0
+        probed([1.0, 0.0])  # not a probe: probed again where the dot path runs
+        assert json.loads(saved.read_text())["attention_asks_seconds"] != [1.0, 0.0] or not dot
+        monkeypatch.setenv(kernels.ATTENTION_ASKS_ENV, "1")
+        assert probed([0.5, 1.0]) == 1
+        monkeypatch.setenv(kernels.ATTENTION_ASKS_ENV, "sometimes")
+        with caplog.at_level(logging.WARNING, logger="moe.kernels"):
+            assert probed([1.0, 0.5]) == 1
+        assert "MOE_ATTENTION_ASKS='sometimes' not used (expected 0, 1 or auto)" in caplog.text
+        with pytest.raises(RuntimeError, match="attention ask mode 2 is not 0 .into L1. or 1 .into L2."):
+            torch.ops.moe_kernels.set_attention_asks(2)
+
+        gen = torch.Generator().manual_seed(7)
+        pool = torch.randn(48, 16, 288, generator=gen).to(torch.bfloat16)
+        tables = torch.stack([torch.randperm(48, generator=gen)[:20] for _ in range(3)])
+        lens = torch.tensor([300, 50, 17])
+        q = torch.randn(3, 16, 288, generator=gen).to(torch.bfloat16)
+        kv = torch.randn(48, 16, 2, 2, 64, generator=gen).to(torch.bfloat16)  # GQA: 2 kv heads of 64
+        gq = torch.randn(3, 8, 64, generator=gen).to(torch.bfloat16)
+        for name in kernel_isas:
+            kernels.select_isa(name)
+            outs = []
+            for asks in kernels.ATTENTION_ASKS:
+                torch.ops.moe_kernels.set_attention_asks(asks)
+                outs.append((kernels.mla_decode(q, pool, tables, lens, 256, 0.1),
+                             kernels.gqa_decode(gq, kv, tables, lens, 0.125)))
+            assert outs[0][0].shape == (3, 16, 256) and outs[0][1].shape == (3, 8, 64)
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), name
+    finally:
+        torch.ops.moe_kernels.set_attention_asks(before)
+        kernels.select_isa("auto")
 
 
 def test_mla_decode_spreads_heads_over_threads_at_batch_one(kernel_isas: list[str]) -> None:
