@@ -995,7 +995,7 @@ def agree_attention_asks() -> float:
     seconds = _saved_probe("attention_asks_seconds")
     if not _valid_tile_probe(seconds, count):
         seconds = attention_asks_seconds()
-        if seconds:  # not probed (another instruction set selected): nothing to keep
+        if seconds:  # [] where another instruction set is selected: nothing to keep
             _save_probe("attention_asks_seconds", seconds)
     mode, probed = 0, _valid_tile_probe(seconds, count)
     if probed and seconds[0] >= TILE_MIN_GAIN * min(seconds):
