@@ -889,11 +889,11 @@ def _probe_key(rows: int) -> str:
     return f"tile_seconds_{rows}"
 
 
-def _fastest_mode(seconds: list[float], modes: list[int]) -> int:
+def _fastest_mode(seconds: list[float], modes: list[int], default: int = TILE_PREFETCH) -> int:
     """The mode of ``modes`` (probed ``seconds`` in their order) to run: the fastest where it is at
-    least ``TILE_MIN_GAIN`` times faster than the default (``TILE_PREFETCH``), else the default."""
+    least ``TILE_MIN_GAIN`` times faster than ``default``, else ``default``."""
     fastest = modes[min(range(len(modes)), key=seconds.__getitem__)]
-    return fastest if seconds[modes.index(TILE_PREFETCH)] >= TILE_MIN_GAIN * seconds[modes.index(fastest)] else TILE_PREFETCH
+    return fastest if seconds[modes.index(default)] >= TILE_MIN_GAIN * seconds[modes.index(fastest)] else default
 
 
 def _valid_tile_probe(seconds: object, count: int) -> bool:
@@ -917,7 +917,8 @@ def agree_tile_modes() -> dict[int, tuple[float, float]]:
     _forced_tile_classes.clear()
     for rows, _, env in TILE_ROW_CLASSES:
         seconds = _saved_probe(_probe_key(rows))
-        if not _valid_tile_probe(seconds, count):
+        # [] is this CPU's answer without AVX512-BF16 (no dot tiles): kept, not probed and written again
+        if seconds != [] and not _valid_tile_probe(seconds, count):
             seconds = [float(t) for t in torch.ops.moe_kernels.tile_mode_seconds(rows, TILE_PROBE_BYTES)]
             _save_probe(_probe_key(rows), seconds)
         pair, block = TILE_PREFETCH, TILE_PREFETCH
@@ -997,9 +998,8 @@ def agree_attention_asks() -> float:
         seconds = attention_asks_seconds()
         if seconds:  # [] where another instruction set is selected: nothing to keep
             _save_probe("attention_asks_seconds", seconds)
-    mode, probed = 0, _valid_tile_probe(seconds, count)
-    if probed and seconds[0] >= TILE_MIN_GAIN * min(seconds):
-        mode = min(range(count), key=seconds.__getitem__)
+    probed = _valid_tile_probe(seconds, count)
+    mode = _fastest_mode(seconds, list(ATTENTION_ASKS), default=0) if probed else 0
     wanted = os.environ.get(ATTENTION_ASKS_ENV, "auto")
     if wanted in (str(m) for m in ATTENTION_ASKS):
         mode = int(wanted)

@@ -33,14 +33,20 @@ constexpr int64_t dot_prefetch_bytes() {
   return R == 1 ? PREFETCH_BYTES : DOT_PREFETCH_BYTES_ROWS;
 }
 
-// KS_: the partial sums per accumulator where not the default (>= 8 chains over the dot latency);
-// the sums' order, so the bits, follow KS alone: a one-block tile with KS_ = 4 gives each block the
-// bits the two-block tile of one row gives it.
+// The partial sums per accumulator of an R-row tile over NB blocks: >= 8 chains over the dot latency.
+template <int R, int NB>
+constexpr int dot_partial_sums() {
+  return R * NB >= 8 ? 1 : 8 / (R * NB);
+}
+
+// KS_: the partial sums per accumulator where not the default (dot_partial_sums); the sums' order, so
+// the bits, follow KS alone: a one-block tile with KS_ = dot_partial_sums<R, 2>() gives each block the
+// bits the two-block tile of R rows gives it.
 // out: row r's NB blocks at out + r * ldo.
 template <int R, int NB, bool NEXT = false, int PF = 3, int KS_ = 0>
 static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w, int64_t w_stride,
                             int64_t K, float* __restrict out, const uint16_t* next = nullptr, int64_t ldo = NB * 16) {
-  constexpr int KS = KS_ > 0 ? KS_ : R * NB >= 8 ? 1 : 8 / (R * NB);
+  constexpr int KS = KS_ > 0 ? KS_ : dot_partial_sums<R, NB>();
   __m512 acc[KS][R][NB];
 #pragma GCC unroll 8
   for (int s = 0; s < KS; ++s)
@@ -108,7 +114,7 @@ static inline void stream_tile_pf(bool one_stream, const uint16_t* x, int64_t ld
                                   int64_t w_stride, int64_t K, float* out) {
   if constexpr (NB == 2) {
     if (one_stream) {
-      constexpr int KS = R * 2 >= 8 ? 1 : 8 / (R * 2);
+      constexpr int KS = dot_partial_sums<R, 2>();
       dot_tile<R, 1, false, PF, KS>(x, ldx, w, 0, K, out, nullptr, 32);
       dot_tile<R, 1, false, PF, KS>(x, ldx, w + w_stride, 0, K, out + 16, nullptr, 32);
       return;
@@ -396,6 +402,12 @@ static inline __attribute__((always_inline)) void attn_score_pair(const uint32_t
   }
 }
 
+// A score tile's ask for one line: into L1, or into L2 with into_l2.
+static inline __attribute__((always_inline)) void ask_line(const void* line, bool into_l2) {
+  if (into_l2) __builtin_prefetch(line, 0, 2);
+  else __builtin_prefetch(line);
+}
+
 // out[t][0:16] = sum over k pairs of qp[p][0:16] . key[t][2p : 2p + 2] for TT tokens (rows k[t]):
 // qp [pairs][16] the heads' query pairs; an odd dk's last pair has a zero partner in qp. The lines
 // in `ask` are asked for into L1 (into L2 with into_l2), two per k pair from the first (those past
@@ -410,23 +422,15 @@ static inline void attn_scores_lanes_tile(const uint32_t* __restrict qp, const u
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[s][t] = _mm512_setzero_ps();
   const int64_t pairs = dk / 2, steps = pairs / KS * KS;
-  for (int64_t i = 2 * steps; i < ask.n; ++i) {
-    if (into_l2) __builtin_prefetch(ask.line[i], 0, 2);
-    else __builtin_prefetch(ask.line[i]);
-  }
+  for (int64_t i = 2 * steps; i < ask.n; ++i) ask_line(ask.line[i], into_l2);
   // k pairs [0, asking) ask for two lines each (the odd count's last line twice)
   const int64_t asking = std::min(steps, (ask.n + 2 * KS - 1) / (2 * KS) * KS);
   int64_t p = 0;
   for (; p < asking; p += KS) {
 #pragma GCC unroll 2
     for (int s = 0; s < KS; ++s) {
-      if (into_l2) {
-        __builtin_prefetch(ask.line[std::min(2 * (p + s), ask.n - 1)], 0, 2);
-        __builtin_prefetch(ask.line[std::min(2 * (p + s) + 1, ask.n - 1)], 0, 2);
-      } else {
-        __builtin_prefetch(ask.line[std::min(2 * (p + s), ask.n - 1)]);
-        __builtin_prefetch(ask.line[std::min(2 * (p + s) + 1, ask.n - 1)]);
-      }
+      ask_line(ask.line[std::min(2 * (p + s), ask.n - 1)], into_l2);
+      ask_line(ask.line[std::min(2 * (p + s) + 1, ask.n - 1)], into_l2);
       attn_score_pair<TT>(qp, k, p + s, acc[s]);
     }
   }

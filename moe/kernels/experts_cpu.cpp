@@ -603,11 +603,15 @@ static bool valid_tile_mode(int64_t mode) {
   return mode >= 0 && mode < TILE_MODE_COUNT && (!(mode & TILE_PREFETCH_L2) || (mode & TILE_PREFETCH));
 }
 
+static void check_tile_class(int64_t rows, int64_t nb) {
+  TORCH_CHECK(rows >= 1, "moe_kernels: tile rows must be positive, not ", rows);
+  TORCH_CHECK(nb == 1 || nb == 2, "moe_kernels: tile blocks must be 1 (single blocks) or 2 (block pairs), not ", nb);
+}
+
 // The mode (TILE_* bits) of tiles of `rows` rows (every row count of its class) over nb blocks (1: single
 // blocks, no order to choose: 0, 1, 5; 2: block pairs) from now on; returns it.
 int64_t set_tile_mode(int64_t rows, int64_t nb, int64_t mode) {
-  TORCH_CHECK(rows >= 1, "moe_kernels: tile rows must be positive, not ", rows);
-  TORCH_CHECK(nb == 1 || nb == 2, "moe_kernels: tile blocks must be 1 (single blocks) or 2 (block pairs), not ", nb);
+  check_tile_class(rows, nb);
   TORCH_CHECK(valid_tile_mode(mode), "moe_kernels: tile mode ", mode, " is not one of 0, 1, 2, 3, 5, 7");
   TORCH_CHECK(nb == 2 || !(mode & TILE_ONE_STREAM), "moe_kernels: single blocks take tile mode 0, 1 or 5, not ",
               mode);
@@ -615,8 +619,7 @@ int64_t set_tile_mode(int64_t rows, int64_t nb, int64_t mode) {
 }
 
 int64_t tile_mode(int64_t rows, int64_t nb) {
-  TORCH_CHECK(rows >= 1, "moe_kernels: tile rows must be positive, not ", rows);
-  TORCH_CHECK(nb == 1 || nb == 2, "moe_kernels: tile blocks must be 1 (single blocks) or 2 (block pairs), not ", nb);
+  check_tile_class(rows, nb);
   return tile_mode_slot(rows, static_cast<int>(nb));
 }
 
