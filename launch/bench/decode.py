@@ -47,12 +47,14 @@ untimed step follows every switch: a timed "on" step costs what it costs without
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -429,16 +431,37 @@ BREAKDOWN_KINDS = {
 }
 
 
+@contextlib.contextmanager
+def _stderr_fd_quiet() -> Iterator[None]:
+    """File descriptor 2 onto /dev/null for the block (what C++ writes there included), then back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def profile_steps(engine: Any, steps: int) -> dict[str, float]:
     """CPU ms per engine step by kind of work (``BREAKDOWN_KINDS``, self CPU time of each op,
     plus "outside ops": the step's CPU time no op accounts for), over ``steps`` steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _stderr_fd_quiet():  # kineto's "USDT: ... profiler_start" lines, written from C++
+        prof.start()
+    try:
         started = time.process_time()
         for _ in range(steps):
             engine.step()
         cpu = time.process_time() - started
+    finally:
+        with _stderr_fd_quiet():
+            prof.stop()
     kinds = dict.fromkeys(["attention op", "MoE FFN op", "experts kernel", "linear kernel", "attention kernel",
                            "torch GEMMs", "gather/scatter", "copies/casts", "other ops"], 0.0)
     for event in prof.key_averages():

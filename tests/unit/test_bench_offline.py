@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
@@ -523,3 +524,24 @@ def test_decode_rows_against_the_fastest_read_too(monkeypatch):
     assert text.splitlines()[2].split()[-1] == "8.00"
     assert "cpu/read" not in bench_decode.format_table([row], 1e9, 1e12)  # no read measured: no column
     assert bench_decode.summarize_batch(1, timed, None, 0, 1e9).cpu_read_ratio == 0.0
+
+
+def test_profile_steps_keeps_the_profilers_own_lines_off_stderr(capfd):
+    # kineto writes "USDT: ... profiler_start/stop" from C++ onto fd 2; the breakdown's profiler start
+    # and stop run with fd 2 on /dev/null, and what the steps themselves write still shows
+    class Engine:
+        steps = 0
+
+        def step(self) -> None:
+            self.steps += 1
+            torch.ones(64, 64) @ torch.ones(64, 64)
+            sys.stderr.write(f"step {self.steps}\n")
+
+    engine = Engine()
+    parts = bench_decode.profile_steps(engine, 3)
+    err = capfd.readouterr().err
+    assert engine.steps == 3 and parts["total"] > 0
+    assert "profiler_" not in err and "USDT" not in err
+    assert err.splitlines() == ["step 1", "step 2", "step 3"]
+    sys.stderr.write("after\n")  # fd 2 is back
+    assert capfd.readouterr().err == "after\n"
