@@ -14,6 +14,7 @@ argparse parser of the commands that take these flags: a bad flag is one ``error
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -362,10 +363,20 @@ def nest_flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+_CONFIG_READ = "_config_file_read"  # (path, mapping) of --config's file, kept on the args namespace
+
+
 def configured_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The nested mapping that --config's file, --set and --eplb-config give (no other flag yet)."""
+    """The nested mapping that --config's file, --set and --eplb-config give (no other flag yet).
+    The file is read once per ``args`` (kept on it): a pipe such as /dev/stdin gives its text once."""
     path = getattr(args, "config", None)
-    data: dict[str, Any] = nest_flat_keys(load_yaml_mapping(path), str(path)) if path else {}
+    data: dict[str, Any] = {}
+    if path:
+        read = getattr(args, _CONFIG_READ, None)
+        if read is None or read[0] != path:
+            read = (path, nest_flat_keys(load_yaml_mapping(path), str(path)))
+            setattr(args, _CONFIG_READ, read)
+        data = copy.deepcopy(read[1])
     for item in getattr(args, "overrides", None) or ():
         apply_override(data, item)
     if getattr(args, "eplb_config", None):

@@ -186,7 +186,7 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"config file {p} is a directory, not a YAML file")
-    if not p.is_file():
+    if not p.exists():  # a pipe (/dev/stdin, <(...)) is read like a file
         raise ConfigError(f"config file {p} does not exist")
     try:
         text = p.read_text(encoding="utf-8")

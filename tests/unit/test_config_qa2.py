@@ -81,3 +81,22 @@ def test_a_bad_flat_dtype_in_a_config_file_lists_the_accepted_spellings(tmp_path
         _cfg(["--config", _yaml(tmp_path, "model: m\ndtype: fp16\n")])
     assert str(e.value).endswith("dtype: invalid choice: 'fp16' (choose from 'auto', 'bfloat16', 'float32', "
                                  "'float16', 'half', 'float')")
+
+
+def test_a_config_from_a_pipe_is_read_once(tmp_path: Path) -> None:
+    """``--config /dev/stdin`` or ``<(...)``: a pipe gives its text once, and a benchmark resolves its
+    config twice (``fill_unset``, then ``runtime_config_from_args``); both see the pipe's keys."""
+    from launch.config_args import fill_unset
+
+    read_end, write_end = os.pipe()  # /dev/fd/N: what a shell's <(...) passes
+    os.write(write_end, b"model: /ckpt\nmax_num_seqs: 3\ndtype: float32\n")
+    os.close(write_end)
+    fifo = f"/dev/fd/{read_end}"
+    args = add_runtime_args(argparse.ArgumentParser()).parse_args(["--config", fifo])
+    fill_unset(args, {"dtype": "bfloat16", "max_model_len": 64})  # the file's dtype wins over the default
+    cfg = runtime_config_from_args(args)
+    assert (cfg.model, cfg.engine.max_num_seqs, cfg.engine.dtype, cfg.engine.max_model_len) == (
+        "/ckpt", 3, "float32", 64)
+    os.close(read_end)
+    with pytest.raises(ConfigError, match="does not exist"):
+        _cfg(["--config", str(tmp_path / "none.yaml")])
