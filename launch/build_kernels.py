@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # compiler missing or failing: say so in one line
         print(f"error: building the CPU expert kernel failed: {kernels.build_failure(e)}", file=sys.stderr)
         return 1
-    isa, rate, gains, asks_gain = kernels.settle_isa()  # the CPU's probes run once here, kept for every later process
+    isa, rate, gains, asks_gain = kernels.settled()  # the CPU's probes run once here, kept for every later process
     dot = f", bf16 dot product at {rate:.2f}x the fp32 FMA rate" if rate else ""
+    if rate and isa not in kernels.DOT_ISAS:  # measured, but a forced instruction set without dot tiles runs
+        dot += f" (not used: isa {isa} has no dot tiles)"
     if (modes := kernels.tile_modes_text(gains)) is not None:  # each mode's probed speed over the default's
         dot += f", weight streams [{modes}]"
     if (asks := kernels.attention_asks_text()) is not None:

@@ -765,8 +765,20 @@ def is_available() -> bool:
     except Exception as e:  # no compiler, no headers, a read-only cache: the PyTorch path runs instead
         log.warning("moe.kernels: CPU expert kernel unavailable, using the PyTorch path (%s)", build_failure(e))
         return False
-    settle_isa()
+    settled()
     return True
+
+
+_settled: tuple[str, float, dict[int, tuple[float, float]], float] | None = None
+
+
+def settled() -> tuple[str, float, dict[int, tuple[float, float]], float]:
+    """``settle_isa``'s answer, settled once per process (its variables' warnings said once): the
+    loaded build's first call settles, later ones return the same."""
+    global _settled
+    if _settled is None:
+        _settled = settle_isa()
+    return _settled
 
 
 def settle_isa() -> tuple[str, float, dict[int, tuple[float, float]], float]:
@@ -926,13 +938,13 @@ def agree_tile_modes() -> dict[int, tuple[float, float]]:
         pair_seconds, block_seconds = seconds[:len(pair_modes)], seconds[len(pair_modes):]
         if probed:
             pair, block = _fastest_mode(pair_seconds, pair_modes), _fastest_mode(block_seconds, block_modes)
-        wanted = os.environ.get(env, "auto")
+        wanted = env_choice(env)
         if wanted in (str(m) for m in pair_modes):
             pair = int(wanted)
             block = pair & ~TILE_ONE_STREAM  # single blocks take its prefetch bits
             _forced_tile_classes.add(rows)
         elif wanted != "auto":
-            log.warning("moe.kernels: %s=%r not used (expected one of %s or auto)", env, wanted,
+            log.warning("moe.kernels: %s=%r not used (expected one of %s or auto)", env, os.environ[env],
                         ", ".join(map(str, pair_modes)))
         torch.ops.moe_kernels.set_tile_mode(rows, 2, pair)
         torch.ops.moe_kernels.set_tile_mode(rows, 1, block)
@@ -1000,11 +1012,12 @@ def agree_attention_asks() -> float:
             _save_probe("attention_asks_seconds", seconds)
     probed = _valid_tile_probe(seconds, count)
     mode = _fastest_mode(seconds, list(ATTENTION_ASKS), default=0) if probed else 0
-    wanted = os.environ.get(ATTENTION_ASKS_ENV, "auto")
+    wanted = env_choice(ATTENTION_ASKS_ENV)
     if wanted in (str(m) for m in ATTENTION_ASKS):
         mode = int(wanted)
     elif wanted != "auto":
-        log.warning("moe.kernels: %s=%r not used (expected 0, 1 or auto)", ATTENTION_ASKS_ENV, wanted)
+        log.warning("moe.kernels: %s=%r not used (expected 0, 1 or auto)", ATTENTION_ASKS_ENV,
+                    os.environ[ATTENTION_ASKS_ENV])
     torch.ops.moe_kernels.set_attention_asks(mode)
     return seconds[0] / seconds[mode] if probed else 1.0
 
@@ -1064,16 +1077,21 @@ def tile_modes_text(gains: dict[int, tuple[float, float]] | None = None) -> str 
     return "; ".join(parts)
 
 
+def env_choice(name: str) -> str:
+    """A kernel variable's value as chosen: stripped and lower-cased, "auto" where unset or empty."""
+    return os.environ.get(name, "").strip().lower() or "auto"
+
+
 def select_isa_from_env() -> str:
     """Select the instruction set ``$MOE_KERNEL_ISA`` names (unset: the fastest here); a name that is
     unknown or that this CPU lacks logs one line and selects the fastest. Returns the one selected."""
-    wanted = os.environ.get(ISA_ENV, "auto")
+    wanted = env_choice(ISA_ENV)
     try:
         return select_isa(wanted)
     except RuntimeError as e:
         reason = str(e).strip().splitlines()[0].removeprefix("moe_kernels: ")
         chosen = select_isa("auto")
-        log.warning("moe.kernels: %s=%s not used (%s); running %s", ISA_ENV, wanted, reason, chosen)
+        log.warning("moe.kernels: %s=%r not used (%s); running %s", ISA_ENV, os.environ[ISA_ENV], reason, chosen)
         return chosen
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -433,6 +436,22 @@ def test_build_kernels_says_the_isa_and_how_the_dot_tiles_stream(kernel_isas: li
         assert "decode attention asks" not in out
 
 
+def test_build_kernels_warns_of_a_bad_variable_once(kernel_isas: list[str]) -> None:
+    """A process settles its instruction set and modes once (``kernels.settled``): build-kernels says a
+    variable it does not use once, and names a measured dot rate a forced instruction set leaves unused."""
+    env = {**os.environ, "MOE_KERNEL_ISA": "bogus", "MOE_ATTENTION_ASKS": "2"}
+    r = subprocess.run([sys.executable, "-m", "launch", "build-kernels"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("MOE_KERNEL_ISA='bogus' not used") == 1, r.stderr
+    assert r.stderr.count("MOE_ATTENTION_ASKS='2' not used") == (1 if kernels.isa() == "avx512bf16" else 0), r.stderr
+    r = subprocess.run([sys.executable, "-m", "launch", "build-kernels"], capture_output=True, text=True,
+                       env={**os.environ, "MOE_KERNEL_ISA": "generic"}, timeout=300)
+    assert r.returncode == 0 and "(isa generic" in r.stdout, r.stderr
+    if "bf16 dot product at" in r.stdout:
+        assert "(not used: isa generic has no dot tiles)" in r.stdout
+
+
 def test_kernel_can_be_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOE_CPU_KERNEL", "0")
     kernels.is_available.cache_clear()
@@ -442,6 +461,8 @@ def test_kernel_can_be_switched_off_by_environment(monkeypatch: pytest.MonkeyPat
         assert _module(torch.float32).packed_weights() is None
     finally:
         kernels.is_available.cache_clear()
+        monkeypatch.delenv("MOE_CPU_KERNEL")
+        kernels.is_available()  # loaded again now: a later test may point cache_dir elsewhere
 
 
 def test_shapes_the_kernel_does_not_take_use_pytorch() -> None:
@@ -602,9 +623,18 @@ def test_isa_from_environment(kernel_isas: list[str], monkeypatch: pytest.Monkey
         monkeypatch.setenv("MOE_KERNEL_ISA", "avx9000")
         with caplog.at_level(logging.WARNING, logger="moe.kernels"):
             assert kernels.select_isa_from_env() == best
-        assert "MOE_KERNEL_ISA=avx9000 not used (unknown ISA 'avx9000'" in caplog.text
+        assert "MOE_KERNEL_ISA='avx9000' not used (unknown ISA 'avx9000'" in caplog.text
         monkeypatch.delenv("MOE_KERNEL_ISA")
         assert kernels.select_isa_from_env() == best
+        # as written in a shell: any case, spaces around, empty for the default
+        monkeypatch.setenv("MOE_KERNEL_ISA", " Generic ")
+        assert kernels.select_isa_from_env() == "generic"
+        caplog.clear()
+        for value in ("", "  ", "AUTO"):
+            monkeypatch.setenv("MOE_KERNEL_ISA", value)
+            with caplog.at_level(logging.WARNING, logger="moe.kernels"):
+                assert kernels.select_isa_from_env() == best
+        assert "not used" not in caplog.text
     finally:
         kernels.select_isa("auto")
 
@@ -670,6 +700,14 @@ def test_tile_modes_are_probed_kept_and_give_the_same_bits(kernel_isas: list[str
         with caplog.at_level(logging.WARNING, logger="moe.kernels"):
             assert probed([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]) == (2, 5)
         assert "MOE_FEW_ROWS_MODE='sometimes' not used (expected one of 0, 1, 2, 3, 5, 7 or auto)" in caplog.text
+        monkeypatch.setenv("MOE_FEW_ROWS_MODE", " 7 ")
+        assert probed([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]) == (7, 5)
+        caplog.clear()
+        for value in ("", "AUTO"):  # empty: as unset
+            monkeypatch.setenv("MOE_FEW_ROWS_MODE", value)
+            with caplog.at_level(logging.WARNING, logger="moe.kernels"):
+                assert probed([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]) == (2, 5)
+        assert "not used" not in caplog.text
         monkeypatch.delenv("MOE_FEW_ROWS_MODE")
         with pytest.raises(RuntimeError, match="tile mode 4 is not one of 0, 1, 2, 3, 5, 7"):
             torch.ops.moe_kernels.set_tile_mode(1, 2, 4)

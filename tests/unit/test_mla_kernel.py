@@ -133,6 +133,14 @@ def test_decode_attention_asks_are_probed_kept_and_give_the_same_bits(kernel_isa
         with caplog.at_level(logging.WARNING, logger="moe.kernels"):
             assert probed([1.0, 0.5]) == 1
         assert "MOE_ATTENTION_ASKS='sometimes' not used (expected 0, 1 or auto)" in caplog.text
+        monkeypatch.setenv(kernels.ATTENTION_ASKS_ENV, " 1 ")
+        assert probed([0.5, 1.0]) == 1
+        caplog.clear()
+        for value in ("", "Auto"):  # empty: as unset
+            monkeypatch.setenv(kernels.ATTENTION_ASKS_ENV, value)
+            with caplog.at_level(logging.WARNING, logger="moe.kernels"):
+                assert probed([1.0, 0.5]) == 1 and probed([0.5, 1.0]) == 0
+        assert "not used" not in caplog.text
         with pytest.raises(RuntimeError, match="attention ask mode 2 is not 0 .into L1. or 1 .into L2."):
             torch.ops.moe_kernels.set_attention_asks(2)
 
