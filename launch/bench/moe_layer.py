@@ -23,7 +23,9 @@ would not fit beside it. Implementations:
 - ``ours``: ``moe.moe_layer.MoELayer`` with the fused CPU expert kernel (``moe.kernels``). The kernel
   needs D a multiple of 16: for another D the layer would run its PyTorch path, so on the CPU this
   cell and ``ours-int8`` are not run (a ``# ... not run`` line; ``ours-pytorch`` is that path);
-- ``ours-pytorch``: the same layer on its PyTorch expert path (the kernel switched off);
+- ``ours-pytorch``: the same layer on its PyTorch expert path (the kernel switched off); its
+  ``max |diff|`` is its distance from the kernel's, left empty where no kernel runs (on CUDA, or a
+  shape the kernel does not take: the reference is then this path itself);
 - ``ours-int8`` (only when asked for): the same layer with its routed experts in int8 with per-channel
   scales (``--quantization int8``), on the kernel; ``max |diff|`` is its distance from ``ours``, and its
   roofline counts one byte per routed-expert weight;
@@ -701,6 +703,9 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
 
     # "ours" is also the reference of every max |diff|, whether or not its cell runs
     fns["ours"] = lambda x: run_ours(x, True)
+    # where no kernel runs (CUDA, a shape or dtype it does not take, the kernel off), "ours" is the
+    # PyTorch path itself: ours-pytorch's distance from it would be 0 by construction, so none is shown
+    kernel_runs = ours.experts.packed_weights() is not None and device.type == "cpu"
     fns["ours-pytorch"] = lambda x: run_ours(x, False)
     if "ours-int8" in impls:  # the same layer with its routed experts int8 (--quantization int8)
         ours_int8 = copy.deepcopy(ours)
@@ -735,7 +740,7 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
                     cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
                 judged = gpu if gpu is not None else wall if wall_clock else cpu
                 diff = None
-                if impl.startswith("transformers") or impl in ("ours-pytorch", "ours-int8"):
+                if impl.startswith("transformers") or impl == "ours-int8" or (impl == "ours-pytorch" and kernel_runs):
                     diff = float((fns[impl](x).float() - reference).abs().max())
                 bound = bounds[impl == "ours-int8"]
                 cells.append(Cell(shape.label, t, impl, cpu * 1e3, wall * 1e3, t / judged, bound * 1e3, bound / judged, diff,
