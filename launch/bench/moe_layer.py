@@ -183,6 +183,8 @@ def parse_shape(spec: str) -> Shape:
     given: set[str] = set()
     for item in rest.split(",") if colon else ():
         key, eq, value = item.strip().partition("=")
+        if eq and key and key not in sizes and any(key in SHAPES[f] for f in SHAPES):  # another family's key
+            raise ShapeError(f"--shapes {spec!r}: {family} takes no {key!r} (its keys: {', '.join(sizes)})")
         if key not in sizes or not eq:
             raise ShapeError(f"--shapes {spec!r}: {item.strip()!r} is not KEY=N with KEY one of {', '.join(sizes)}")
         if key in given:

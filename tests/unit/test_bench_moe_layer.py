@@ -151,7 +151,7 @@ def test_shape_specs_take_the_familys_sizes_and_override_the_ones_given() -> Non
     ("qwen", "unknown family 'qwen': give deepseek, mixtral, qwen3"),
     ("deepseek:experts=x", "experts='x' is not an integer"),
     ("deepseek:foo=3", "'foo=3' is not KEY=N"),
-    ("mixtral:shared=1", "'shared=1' is not KEY=N with KEY one of hidden, experts, top_k, inter"),
+    ("mixtral:shared=1", "mixtral takes no 'shared' (its keys: hidden, experts, top_k, inter)"),
     ("deepseek:experts=8,top_k=9", "top_k 9 > experts 8"),
     ("deepseek:groups=3", "experts 64 must split into groups 3"),
     ("deepseek:groups=8,topk_group=1,top_k=9", "hold top_k 9 experts (8 per group)"),
