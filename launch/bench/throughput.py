@@ -226,19 +226,19 @@ def format_report(result: dict[str, Any]) -> str:
         f"{'Requests:':<40}{result['num_requests']}",
         f"{'Total input tokens:':<40}{result['total_input_tokens']}",
         f"{'Total output tokens (requested):':<40}{result['total_output_tokens']}",
-        f"{'Ours: elapsed (s):':<40}{result['elapsed_time']:.2f}",
+        f"{'Ours: elapsed (s):':<40}{seconds_text(result['elapsed_time'])}",
         f"{'Ours: output tokens/s:':<40}{result['output_tokens_per_second']:.1f}",
         f"{'Ours: requests/s:':<40}{result['requests_per_second']:.2f}",
     ]
     if result["cpu_time"] is not None:
-        lines.append(f"{'Ours: CPU time (s):':<40}{result['cpu_time']:.2f}")
+        lines.append(f"{'Ours: CPU time (s):':<40}{seconds_text(result['cpu_time'])}")
     if result["baseline"] == "hf":
         lines += [
             f"{'HF generate: dtype:':<40}{result['hf_dtype']}",
             f"{'HF generate (batch ' + str(result['hf_batch_size']) + '): elapsed (s):':<40}"
-            f"{result['hf_elapsed_time']:.2f}",
+            f"{seconds_text(result['hf_elapsed_time'])}",
             f"{'HF generate: output tokens/s:':<40}{result['hf_output_tokens_per_second']:.1f}",
-            f"{'HF generate: CPU time (s):':<40}{result['hf_cpu_time']:.2f}",
+            f"{'HF generate: CPU time (s):':<40}{seconds_text(result['hf_cpu_time'])}",
             f"{'Speedup (ours / HF):':<40}{result['speedup']:.2f}x",
             *([f"{'Speedup in CPU time:':<40}{result['speedup_cpu_time']:.2f}x"]
               if result["speedup_cpu_time"] is not None else []),
@@ -247,6 +247,12 @@ def format_report(result: dict[str, Any]) -> str:
         ]
     lines.append("=" * 68)
     return "\n".join(lines)
+
+
+def seconds_text(seconds: float) -> str:
+    """Seconds as the result table shows them: two decimals from 1 s on, three significant digits below
+    (a run of a few milliseconds is not "0.00")."""
+    return f"{seconds:.2f}" if seconds >= 0.995 else f"{seconds:.3g}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -545,3 +545,9 @@ def test_profile_steps_keeps_the_profilers_own_lines_off_stderr(capfd):
     assert err.splitlines() == ["step 1", "step 2", "step 3"]
     sys.stderr.write("after\n")  # fd 2 is back
     assert capfd.readouterr().err == "after\n"
+
+
+def test_throughput_report_shows_short_runs_in_significant_digits():
+    # a run of a few milliseconds read "elapsed (s): 0.00" beside a finite tokens/s
+    assert [bench_throughput.seconds_text(s) for s in (0.0045, 0.123456, 0.999, 1.0, 12.345)] == [
+        "0.0045", "0.123", "1.00", "1.00", "12.35"]
