@@ -17,6 +17,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -383,6 +384,18 @@ def configured_values(args: argparse.Namespace) -> dict[str, Any]:
         for key, value in parse_eplb_config(args.eplb_config).items():
             set_dotted(data, f"balancer.{key}", value)
     return data
+
+
+def restate_defaults(parser: argparse.ArgumentParser, defaults: Mapping[str, str]) -> None:
+    """Help texts of runtime flags (dest -> what a command's ``fill_unset`` gives them, in words) that
+    say the command's default instead of the engine's "(default: ...)"."""
+    for action in parser._actions:
+        if action.dest in defaults and action.help:
+            text = f"(default: {defaults[action.dest]})"
+            action.help, n = re.subn(r"\(default: [^()]*(\([^()]*\)[^()]*)*\)", text.replace("\\", r"\\"),
+                                     action.help)
+            if n == 0:
+                action.help = f"{action.help} {text}"
 
 
 def fill_unset(args: argparse.Namespace, defaults: Mapping[str, Any]) -> None:

@@ -66,6 +66,7 @@ from launch.config_args import (
     FlagParser,
     add_runtime_args,
     fill_unset,
+    restate_defaults,
     runtime_config_from_args,
     value_source,
 )
@@ -479,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(prog="python -m launch bench decode", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(parser, server=False, dtype_default=BENCH_DTYPE)
+    restate_defaults(parser, {"max_num_seqs": "the largest --batch-sizes",
+                              "max_num_batched_tokens": "the largest --batch-sizes + 8192, at least 8192"})
     g = parser.add_argument_group("benchmark")
     g.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                    help=f"batch sizes to time (default: {' '.join(map(str, DEFAULT_BATCH_SIZES))}, those that "

@@ -59,7 +59,13 @@ import torch
 
 from launch.bench.decode import check_batch_fits, check_step_flags, num_prefill_steps
 from launch.config import ConfigError, RuntimeConfig
-from launch.config_args import FlagParser, add_runtime_args, fill_unset, runtime_config_from_args
+from launch.config_args import (
+    FlagParser,
+    add_runtime_args,
+    fill_unset,
+    restate_defaults,
+    runtime_config_from_args,
+)
 from launch.core import SamplingParams, SchedulerOutput
 from launch.paths import output_file_problem, write_output_file
 from launch.worker import StepResult
@@ -298,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(prog="python -m launch bench overhead", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_args(parser, server=False)
+    restate_defaults(parser, {"max_num_seqs": "--batch", "max_num_batched_tokens": "--batch + 512, at least 512"})
     g = parser.add_argument_group("benchmark")
     g.add_argument("--batch", type=int, default=8, help="sequences decoding together")
     g.add_argument("--context-len", type=int, default=32, help="prompt tokens per sequence before decoding")

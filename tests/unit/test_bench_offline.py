@@ -551,3 +551,18 @@ def test_throughput_report_shows_short_runs_in_significant_digits():
     # a run of a few milliseconds read "elapsed (s): 0.00" beside a finite tokens/s
     assert [bench_throughput.seconds_text(s) for s in (0.0045, 0.123456, 0.999, 1.0, 12.345)] == [
         "0.0045", "0.123", "1.00", "1.00", "12.35"]
+
+
+def test_bench_help_states_the_benchmarks_own_defaults():
+    # bench decode gives max_num_seqs the largest batch (fill_unset): its help says so, not the engine's 256
+    from launch.bench import overhead as bench_overhead
+
+    def help_of(parser, dest: str) -> str:
+        return next(a.help for a in parser._actions if a.dest == dest)
+
+    decode = bench_decode.build_parser()
+    assert help_of(decode, "max_num_seqs") == "sequences running at once per DP rank (default: the largest --batch-sizes)"
+    assert help_of(decode, "max_num_batched_tokens").endswith(
+        "(default: the largest --batch-sizes + 8192, at least 8192)")
+    assert help_of(bench_overhead.build_parser(), "max_num_seqs").endswith("(default: --batch)")
+    assert "(default: 256)" not in decode.format_help().replace("\n", " ")
