@@ -310,8 +310,8 @@ class Worker:
         if self.spec.cudagraph_max_batch <= 0:
             return False
         why = self._graphs_refused() or not_capturable(self.model)
-        if why is not None:
-            log.info("decoding without CUDA graphs: %s", why)
+        if why is not None:  # asked for (--cuda-graphs) and not taken: said where the user sees it
+            log.warning("decoding without CUDA graphs: %s", why)
         return why is None
 
     def _graphs_refused(self) -> str | None:

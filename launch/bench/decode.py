@@ -489,8 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-len", type=int, default=128, help="prompt tokens per sequence before decoding")
     g.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     g.add_argument("--warmup-steps", type=int, default=None,
-                   help="untimed decode steps first (default 3; with --cuda-graphs, enough for the batch's "
-                        "graph to be recorded: moe.cuda_graphs.CAPTURE_AFTER + 1)")
+                   help="untimed decode steps first (default 3; with --cuda-graphs on a CUDA device, enough for "
+                        "the batch's graph to be recorded: moe.cuda_graphs.CAPTURE_AFTER + 1)")
     g.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth measurement")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the result JSON here")
@@ -530,7 +530,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.warmup_steps is None:
         from moe.cuda_graphs import CAPTURE_AFTER
 
-        args.warmup_steps = CAPTURE_AFTER + 1 if getattr(args, "cuda_graphs", None) else 3
+        # graphs are recorded only on a CUDA device (elsewhere the worker says it decodes without them)
+        graphs = getattr(args, "cuda_graphs", None) and torch.cuda.is_available()
+        args.warmup_steps = CAPTURE_AFTER + 1 if graphs else 3
     check_step_flags(args, ("context_len", "steps", "copy_mib"))
     if any(b < 1 for b in args.batch_sizes):
         raise ValueError(f"--batch-sizes must all be >= 1, got {args.batch_sizes}")

@@ -566,3 +566,19 @@ def test_bench_help_states_the_benchmarks_own_defaults():
         "(default: the largest --batch-sizes + 8192, at least 8192)")
     assert help_of(bench_overhead.build_parser(), "max_num_seqs").endswith("(default: --batch)")
     assert "(default: 256)" not in decode.format_help().replace("\n", " ")
+
+
+def test_decode_warms_up_for_graphs_only_where_they_are_recorded(monkeypatch, tmp_path):
+    import argparse
+
+    def warmup(cuda: bool, graphs: bool | None) -> int:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        args = argparse.Namespace(warmup_steps=None, cuda_graphs=graphs, batch_sizes=[2], context_len=4, steps=2,
+                                  copy_mib=4, json=None, num_threads=None)
+        bench_decode._check_args(args)
+        return args.warmup_steps
+
+    from moe.cuda_graphs import CAPTURE_AFTER
+
+    assert warmup(True, True) == CAPTURE_AFTER + 1
+    assert warmup(False, True) == warmup(True, None) == warmup(False, None) == 3  # no graph: the usual 3
