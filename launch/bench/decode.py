@@ -411,7 +411,8 @@ def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: f
     if with_breakdown:
         kinds = list(with_breakdown[0].breakdown_ms)
         lines += ["", "# CPU ms per decode step by kind of work (torch.profiler, self time; 'outside ops' = "
-                  "Python, scheduler, sampler)", f"{'batch':>6} " + " ".join(f"{k:>14}" for k in kinds)]
+                  "Python, scheduler, sampler, and the profiler's own cost per op: 'total' exceeds the table's "
+                  "cpu ms by it, most where steps are short)", f"{'batch':>6} " + " ".join(f"{k:>14}" for k in kinds)]
         lines += [f"{r.batch_size:>6} " + " ".join(f"{r.breakdown_ms[k]:>14.2f}" for k in kinds) for r in with_breakdown]
     return "\n".join(lines)
 
