@@ -964,9 +964,13 @@ ATTENTION_ASKS_ENV = "MOE_ATTENTION_ASKS"
 # cache (rows come from DRAM, as between two layers of a decode step).
 ATTENTION_PROBE_SEQUENCES, ATTENTION_PROBE_TOKENS = 4, 4096
 ATTENTION_PROBE_EVICT_BYTES = 96 << 20
+# rounds of the probe (the best of them per mode, the modes alternating within each): on AMD Zen 4 the
+# L2 mode's gain over the L1 mode read 1.06-1.22x from one 5-round probe to the next, and 1.00x once,
+# just after the build had compiled; 9 rounds take ~0.45 s once per CPU
+ATTENTION_PROBE_REPEATS = 9
 
 
-def attention_asks_seconds(repeats: int = 5) -> list[float]:
+def attention_asks_seconds(repeats: int = ATTENTION_PROBE_REPEATS) -> list[float]:
     """Seconds (CPU, best of ``repeats``) of the dot path's MLA decode op on rows in DRAM in each ask
     mode (``ATTENTION_ASKS`` order); [] where the selected instruction set has no such path (the
     dot tiles' ``avx512bf16`` alone: AMX runs its own). Every mode gives the same bits. Call it

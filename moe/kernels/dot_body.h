@@ -104,6 +104,7 @@ static inline void dot_tile(const uint16_t* __restrict x, int64_t ldx, const uin
 
 // Rows per tile: 12 x 2 accumulators + two weights and a broadcast fit AVX-512's 32 registers.
 constexpr int DOT_TILE_ROWS = 12;
+static_assert(DOT_TILE_ROWS == DOT_TILE_MAX_ROWS, "tile_mode_seconds' check takes DOT_TILE_MAX_ROWS rows");
 
 // R rows against NB blocks as the tile ``mode`` runs them (TILE_* bits, experts_cpu.cpp): prefetched
 // into L1, into L2 or not at all, and with TILE_ONE_STREAM a block pair one block after the other

@@ -255,6 +255,8 @@ constexpr int TILE_MODE_COUNT = (TILE_PREFETCH | TILE_ONE_STREAM | TILE_PREFETCH
 constexpr int TILE_PROBED_PAIR_MODES[] = {0, 1, 2, 3, 5, 7};
 constexpr int TILE_PROBED_BLOCK_MODES[] = {0, 1, 5};
 constexpr int TILE_ROW_CLASSES = 4;
+// the most rows a dot tile takes (dot_body.h's DOT_TILE_ROWS, in the x86 namespaces: checked there)
+constexpr int64_t DOT_TILE_MAX_ROWS = 12;
 static inline int tile_row_class(int64_t rows) {
   return rows <= 2 ? static_cast<int>(std::max<int64_t>(rows, 1)) - 1 : rows <= 4 ? 2 : 3;
 }
@@ -591,7 +593,8 @@ double set_bf16_dot_rate(double rate) {
 // of TILE_PROBED_PAIR_MODES, then single blocks in each of TILE_PROBED_BLOCK_MODES (dot_body.h's
 // tile_mode_seconds); empty where the CPU has no AVX512-BF16 (no dot tiles).
 std::vector<double> tile_mode_seconds(int64_t rows, int64_t bytes) {
-  TORCH_CHECK(rows >= 1 && rows <= 12, "moe_kernels: tile_mode_seconds takes 1-12 rows (DOT_TILE_ROWS), not ", rows);
+  TORCH_CHECK(rows >= 1 && rows <= DOT_TILE_MAX_ROWS, "moe_kernels: tile_mode_seconds takes 1-", DOT_TILE_MAX_ROWS,
+              " rows (a dot tile's most), not ", rows);
 #if defined(__x86_64__) || defined(__i386__)
   if (cpu_has("avx512bf16")) return avx512bf16::tile_mode_seconds(rows, bytes);
 #endif
