@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import statistics
@@ -391,7 +392,7 @@ def format_table(rows: Sequence[DecodeResult], bandwidth: float, matmul_flops: f
              f"compute: {matmul_flops / 1e9:.1f} GFLOP/s ({matmul_name or 'matmul'}); roof = max(bound, compute)", head]
     for r in rows:
         lines.append(f"{r.batch_size:>6} {r.step_ms:>9.2f} {r.step_cpu_ms:>8.2f} {r.worker_ms:>10.2f} {r.tokens_per_s:>9.1f} "
-                     f"{r.mean_context_len:>6.0f} {r.experts_touched_per_layer:>14.1f} {r.weight_bytes / 1e6:>11.1f} "
+                     f"{math.floor(r.mean_context_len + 0.5):>6d} {r.experts_touched_per_layer:>14.1f} {r.weight_bytes / 1e6:>11.1f} "
                      f"{r.kv_bytes / 1e6:>8.2f} {r.bound_ms:>9.2f} {r.ratio:>7.2f} {r.cpu_ratio:>9.2f} {r.gflop:>7.2f} "
                      f"{r.compute_bound_ms:>11.2f} {r.cpu_roof_ratio:>9.2f}" + (f" {r.cpu_read_ratio:>9.2f}" if read else ""))
     under = [r.batch_size for r in rows if r.ratio < 0.95]  # wall time: on CUDA cpu ms is the host's alone

@@ -582,3 +582,11 @@ def test_decode_warms_up_for_graphs_only_where_they_are_recorded(monkeypatch, tm
 
     assert warmup(True, True) == CAPTURE_AFTER + 1
     assert warmup(False, True) == warmup(True, None) == warmup(False, None) == 3  # no graph: the usual 3
+
+
+def test_decode_table_rounds_the_mean_context_half_up():
+    # 8.5 tokens of mean context read "8" (round half to even) where the JSON said 8.5
+    fields = {f.name: 1.0 for f in dataclasses.fields(bench_decode.DecodeResult)}
+    fields.update(batch_size=300, mean_context_len=8.5, fused_off_cpu_ms=None, breakdown_ms={})
+    row = bench_decode.format_table([bench_decode.DecodeResult(**fields)], 1e10, 1e11).splitlines()[-1]
+    assert row.split()[:6] == ["300", "1.00", "1.00", "1.00", "1.0", "9"]
