@@ -56,7 +56,7 @@ def _random_batch(seed: int, b: int, h: int, q_width: int, pool_shape: tuple[int
 # a single head, column and block; last, widths the AMX tiles take (key 96, values 64) with 40 heads
 # (three query blocks, the last part full) over blocks of 5 tokens (value pairs across two blocks)
 CASES = [(3, 16, 256, 32, 16, 40), (5, 7, 20, 6, 4, 30), (2, 20, 21, 4, 4, 30), (4, 40, 20, 6, 4, 30),
-         (1, 1, 3, 1, 2, 9), (3, 40, 64, 32, 5, 30)]
+         (1, 1, 3, 1, 2, 9), (3, 40, 64, 32, 5, 30), (2, 16, 512, 64, 32, 14)]  # last: DeepSeek-V3's widths
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -74,6 +74,37 @@ def test_mla_decode_equals_gather_and_sdpa(kernel_isas: list[str], case: tuple[i
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item(), name
     kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize("width", [288, 576])  # DeepSeek's latent + rope widths, small and V3
+def test_mla_decode_strided_tiles_give_the_bits_of_row_pointers(kernel_isas: list[str], width: int) -> None:
+    """The dot path's score tiles read a block's rows at a fixed stride where the block holds 16k tokens
+    (StridedRows), else one row pointer each (tiles of 12): the same tokens in blocks of 16 and of 8
+    give the same bits where every tile has 8 rows or more either way (one partial sum per token)."""
+    if "avx512bf16" not in kernel_isas:
+        pytest.skip("no AVX512-BF16 dot path on this CPU")
+    gen = torch.Generator().manual_seed(width)
+    lens = torch.tensor([48, 140, 200, 1000])
+    b, heads = len(lens), 16
+    keys = [(torch.randn(int(n), width, generator=gen) / 4).to(torch.bfloat16) for n in lens]
+    q = (torch.randn(b, heads, width, generator=gen) / 4).to(torch.bfloat16)
+
+    def paged(size: int) -> tuple[torch.Tensor, torch.Tensor]:  # the rows in shuffled blocks of `size`
+        nb = -(-int(lens.max()) // size)
+        order = torch.randperm(b * nb, generator=gen)
+        pool = torch.zeros(b * nb, size, width, dtype=torch.bfloat16)
+        for s, rows in enumerate(keys):
+            padded = torch.cat([rows, rows.new_zeros(nb * size - len(rows), width)])
+            pool[order[s * nb:(s + 1) * nb]] = padded.view(nb, size, width)
+        return pool, order.view(b, nb)
+
+    kernels.select_isa("avx512bf16")
+    try:
+        got = {size: kernels.mla_decode(q, *paged(size), lens, width * 8 // 9, 0.1) for size in (16, 64, 8)}
+    finally:
+        kernels.select_isa("auto")
+    assert got[16].shape == (b, heads, width * 8 // 9)
+    assert torch.equal(got[16], got[8]) and torch.equal(got[64], got[8])
 
 
 def test_mla_decode_long_and_short_contexts_in_one_batch(kernel_isas: list[str]) -> None:
