@@ -966,7 +966,7 @@ ATTENTION_PROBE_SEQUENCES, ATTENTION_PROBE_TOKENS = 4, 4096
 ATTENTION_PROBE_EVICT_BYTES = 96 << 20
 # rounds of the probe (the best of them per mode, the modes alternating within each): on AMD Zen 4 the
 # L2 mode's gain over the L1 mode read 1.06-1.22x from one 5-round probe to the next, and 1.00x once,
-# just after the build had compiled; 9 rounds take ~0.45 s once per CPU
+# just after the build had compiled; 9 rounds take ~0.2 s once per CPU
 ATTENTION_PROBE_REPEATS = 9
 
 

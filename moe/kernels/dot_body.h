@@ -627,6 +627,7 @@ struct AttentionDotKernels {
     // them too, see NextItem).
     const int64_t row_bytes = dk * static_cast<int64_t>(sizeof(uint16_t));
     const bool into_l2 = attention_asks_slot() == ATTENTION_ASKS_L2;
+    // in tokens, whatever the tiles below: as many as that many 12-row tiles hold
     const int64_t ahead = (into_l2 ? SCORE_TILES_AHEAD_L2 : SCORE_TILES_AHEAD) * SCORE_TILE_TOKENS;
     // MLA rows of DeepSeek's widths in blocks of a multiple of 16 tokens: tiles of a block's 16 rows,
     // each row one base register plus a constant (StridedRows)
