@@ -643,20 +643,16 @@ struct AttentionDotKernels {
         for (int64_t a = t + ahead; a < std::min(t + ahead + tile_tokens, L); ++a)
           ask.add_rows(krow[a], 1, row_bytes, 0);
         if (h0 == 0) ask.add_next_share(pool, S, next, L, t / tile_tokens, tiles);  // a share per tile
-        const int64_t n = std::min<int64_t>(tile_tokens, L - t);
-        float* out = scores + t * HEAD_LANES;
-        if (strided == 288)
-          with_row_count<STRIDED_TILE_TOKENS>(n, [&](auto r) {
-            attn_scores_lanes_tile<decltype(r)::value>(qp, StridedRows<288>{krow[t]}, dk, out, ask, into_l2);
+        // one tile of up to max.value rows from t on, its key rows through `rows` (PtrRows or StridedRows)
+        auto tile = [&](auto max, const auto& rows) {
+          with_row_count<decltype(max)::value>(std::min<int64_t>(tile_tokens, L - t), [&](auto n) {
+            attn_scores_lanes_tile<decltype(n)::value>(qp, rows, dk, scores + t * HEAD_LANES, ask, into_l2);
           });
-        else if (strided == 576)
-          with_row_count<STRIDED_TILE_TOKENS>(n, [&](auto r) {
-            attn_scores_lanes_tile<decltype(r)::value>(qp, StridedRows<576>{krow[t]}, dk, out, ask, into_l2);
-          });
-        else
-          with_row_count<SCORE_TILE_TOKENS>(n, [&](auto r) {
-            attn_scores_lanes_tile<decltype(r)::value>(qp, PtrRows{krow + t}, dk, out, ask, into_l2);
-          });
+        };
+        constexpr std::integral_constant<int, STRIDED_TILE_TOKENS> strided_max;
+        if (strided == 288) tile(strided_max, StridedRows<288>{krow[t]});
+        else if (strided == 576) tile(strided_max, StridedRows<576>{krow[t]});
+        else tile(std::integral_constant<int, SCORE_TILE_TOKENS>{}, PtrRows{krow + t});
       }
       if (h0 == 0) avx512::prefetch_next_query(next);
       attn_softmax_lanes(scores, L, scale, pp);

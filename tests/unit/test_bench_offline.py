@@ -568,7 +568,7 @@ def test_bench_help_states_the_benchmarks_own_defaults():
     assert "(default: 256)" not in decode.format_help().replace("\n", " ")
 
 
-def test_decode_warms_up_for_graphs_only_where_they_are_recorded(monkeypatch, tmp_path):
+def test_decode_warms_up_for_graphs_only_where_they_are_recorded(monkeypatch):
     import argparse
 
     def warmup(cuda: bool, graphs: bool | None) -> int:
