@@ -568,7 +568,7 @@ static inline void attn_softmax_lanes(float* s, int64_t L, float scale, uint32_t
 template <int HH>
 static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pairs,
                                      const uint16_t* const* v, int64_t c0, int64_t dv, uint16_t* __restrict o,
-                                     int64_t ldo) {
+                                     int64_t ldo, int64_t pstride) {
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
@@ -582,7 +582,7 @@ static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pairs
     const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);  // columns c0+16..c0+31
 #pragma GCC unroll 12
     for (int h = 0; h < HH; ++h) {
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[j * HEAD_LANES + h]));
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[j * pstride + h]));
       acc[h][0] = _mm512_dpbf16_ps(acc[h][0], pb, lo);
       acc[h][1] = _mm512_dpbf16_ps(acc[h][1], pb, hi);
     }
@@ -595,13 +595,289 @@ static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pairs
   }
 }
 
+// attn_pv_tile_bf16 over every 32 columns of dv; the probability pairs' rows pstride words apart
+// (HEAD_LANES: attn_softmax_lanes' rows; the group path's compact rows: its lane count)
 template <int HH>
 static inline void attn_pv_heads_bf16(const uint32_t* p, int64_t pairs, const uint16_t* const* v, int64_t dv,
-                                      uint16_t* o, int64_t ldo) {
-  for (int64_t c0 = 0; c0 < dv; c0 += 32) attn_pv_tile_bf16<HH>(p, pairs, v, c0, dv, o, ldo);
+                                      uint16_t* o, int64_t ldo, int64_t pstride = HEAD_LANES) {
+  for (int64_t c0 = 0; c0 < dv; c0 += 32) attn_pv_tile_bf16<HH>(p, pairs, v, c0, dv, o, ldo, pstride);
+}
+
+// acc [HH][32] += the probability pairs p [pair][pstride] (HH heads) x the value pairs of token pairs
+// [j0, j1), columns [c0, c0 + 32) of the rows v[t] + off; token L (an odd count's partner) reads as
+// zeros. With last, o[h * ldo + c0 :] = bf16(acc[h]) (columns past dv not written). Summed over the
+// pairs in order whatever the ranges, as attn_pv_tile_bf16 sums them.
+template <int HH>
+static inline void group_pv_tile(const uint32_t* __restrict p, int64_t pstride, int64_t j0, int64_t j1, int64_t L,
+                                 const uint16_t* const* v, int64_t off, int64_t c0, int64_t dv,
+                                 float* __restrict acc_io, bool last, uint16_t* __restrict o, int64_t ldo) {
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const __mmask32 m = dv - c0 >= 32 ? ~__mmask32{0} : (__mmask32{1} << (dv - c0)) - 1;
+  __m512 acc[HH][2];
+#pragma GCC unroll 8
+  for (int h = 0; h < HH; ++h) {
+    acc[h][0] = _mm512_loadu_ps(acc_io + h * 32);
+    acc[h][1] = _mm512_loadu_ps(acc_io + h * 32 + 16);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m512i a = _mm512_maskz_loadu_epi16(m, v[2 * j] + off + c0);
+    const __m512i b = 2 * j + 1 < L ? _mm512_maskz_loadu_epi16(m, v[2 * j + 1] + off + c0) : _mm512_setzero_si512();
+    const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
+    const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
+#pragma GCC unroll 8
+    for (int h = 0; h < HH; ++h) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[j * pstride + h]));
+      acc[h][0] = _mm512_dpbf16_ps(acc[h][0], pb, lo);
+      acc[h][1] = _mm512_dpbf16_ps(acc[h][1], pb, hi);
+    }
+  }
+  if (!last) {
+#pragma GCC unroll 8
+    for (int h = 0; h < HH; ++h) {
+      _mm512_storeu_ps(acc_io + h * 32, acc[h][0]);
+      _mm512_storeu_ps(acc_io + h * 32 + 16, acc[h][1]);
+    }
+    return;
+  }
+  const int64_t n = std::min<int64_t>(32, dv - c0);
+#pragma GCC unroll 8
+  for (int h = 0; h < HH; ++h) {
+    store_bf16_lanes(o + h * ldo + c0, acc[h][0], std::min<int64_t>(16, n));
+    if (n > 16) store_bf16_lanes(o + h * ldo + c0 + 16, acc[h][1], n - 16);
+  }
+}
+
+// Decode of a small group: a kv head serving at most 8 query heads (GQA's usual 1 to 8; MLA's heads
+// split over many ranks). Heads in every lane (above) would leave 16 - hh of 16 lanes idle in every
+// score product: 4 heads a kv head took 4x the dot products their scores need, and GQA decode read
+// its cache at 4-8 GB/s. Here the heads, rounded up to a power of two HP, share a vector with
+// J = 16 / HP of their k pairs each: lane h * J + j adds q[h] pair i J + j times the key's pair
+// i J + j, the key's J pairs broadcast to every head (one 4J-byte broadcast per dot product), so a
+// token's scores take kpairs / J dot products. A tile's sums over j are then folded in registers
+// (log2 J rounds of even / odd lane sums across two vectors) into scores [t][HP], J tokens a vector.
+// The softmax runs on those compact vectors (per-head maxima and sums folded across the lanes of
+// one head), and the probabilities go to attn_pv_heads_bf16 as pairs of tokens in rows of HP.
+// A head's sums run in an order set by HP alone (the op's heads a kv head, not the item's), so an
+// item holding part of a kv head's heads gives those heads the bits of the whole.
+
+// HP for `group` query heads a kv head and dk key columns: the least power of two >= group whose J
+// divides the k pairs; 0 where none up to 8 does (odd dk, or group > 8: the lanes path)
+static inline int group_lanes(int64_t group, int64_t dk) {
+  if (dk % 2 || group > 8) return 0;
+  for (int hp = 1; hp <= 8; hp *= 2)
+    if (hp >= group && (dk / 2) % (16 / hp) == 0) return hp;
+  return 0;
+}
+
+// J key pairs (4J bytes from k) in every J-lane group of a vector
+template <int J>
+static inline __m512i key_pairs(const uint16_t* k) {
+  if constexpr (J == 16) return _mm512_loadu_si512(k);
+  else if constexpr (J == 8) return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
+  else if constexpr (J == 4) return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k)));
+  else {
+    int64_t w;
+    std::memcpy(&w, k, 8);
+    return _mm512_set1_epi64(w);
+  }
+}
+
+// One round of folding: lanes (2u, 2u + 1) of a, then of b, summed into lane u of the first, then
+// the second, half of the result
+static inline __m512 fold_pairs(__m512 a, __m512 b) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+
+// out[t * HP + h] = sum over k pairs p of q[h] pair p . k[t] pair p for TT tokens (key rows k[t] + off);
+// qv [steps][16] the query pairs in the group layout. TT a multiple of J: out takes TT / J vectors.
+template <int HP, int TT>
+static inline void group_scores_tile(const uint32_t* __restrict qv, int64_t steps, const uint16_t* const* k,
+                                     int64_t off, float* __restrict out) {
+  constexpr int J = 16 / HP;
+  static_assert(TT % J == 0, "a tile folds into whole vectors");
+  const uint16_t* row[TT];
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) row[t] = k[t] + off;
+  __m512 acc[TT];
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < steps; ++i) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(qv + i * 16);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)key_pairs<J>(row[t] + i * 2 * J), q);
+  }
+  // log2 J rounds, each halving the vectors: tokens stay in order, a head's J lanes become one
+#pragma GCC unroll 4
+  for (int n = TT, width = J; width > 1; n /= 2, width /= 2)
+#pragma GCC unroll 16
+    for (int u = 0; u < n / 2; ++u) acc[u] = fold_pairs(acc[2 * u], acc[2 * u + 1]);
+#pragma GCC unroll 16
+  for (int u = 0; u < TT / J; ++u) _mm512_storeu_ps(out + u * 16, acc[u]);
+}
+
+// The lanes of vectors folded by xor with HP, 2 HP, ... (every lane of one head): max or sum
+template <int HP, bool MAX>
+static inline __m512 fold_heads(__m512 x) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+#pragma GCC unroll 4
+  for (int s = HP; s < 16; s *= 2) {
+    const __m512 y = _mm512_permutexvar_ps(_mm512_xor_si512(lane, _mm512_set1_epi32(s)), x);
+    x = MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y);
+  }
+  return x;
+}
+
+// s [nv][16] (lane t' HP + h: token v J + t', head h) -> the per-head softmax over the L tokens of
+// round(s) * scale (lanes_exp's roundings and exponential), rounded to bf16, as token pairs p
+// [nv J / 2][HP] (token 2j low, 2j + 1 high); tokens past L weigh 0
+template <int HP>
+static inline void group_softmax(float* s, int64_t L, int64_t nv, float scale, uint32_t* p) {
+  constexpr int J = 16 / HP;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i token = _mm512_srli_epi32(lane, __builtin_ctz(HP));
+  auto live = [&](int64_t v) {
+    return _mm512_cmplt_epi32_mask(_mm512_add_epi32(token, _mm512_set1_epi32(static_cast<int>(v * J))),
+                                   _mm512_set1_epi32(static_cast<int>(L)));
+  };
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t v = 0; v < nv; ++v) {
+    const __m512 x = _mm512_castsi512_ps(round_bf16_lanes(_mm512_loadu_ps(s + v * 16)));
+    _mm512_storeu_ps(s + v * 16, x);
+    mv = _mm512_mask_max_ps(mv, live(v), mv, x);
+  }
+  const __m512 m = _mm512_mul_ps(fold_heads<HP, true>(mv), _mm512_set1_ps(scale));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t v = 0; v < nv; ++v) {
+    avx512::vxf x;
+    const __m512 a = _mm512_fmsub_ps(_mm512_loadu_ps(s + v * 16), _mm512_set1_ps(scale), m);
+    std::memcpy(&x, &a, sizeof(x));
+    x = avx512::exp_nonpositive_v(x);
+    __m512 e;
+    std::memcpy(&e, &x, sizeof(e));
+    e = _mm512_maskz_mov_ps(live(v), e);
+    _mm512_storeu_ps(s + v * 16, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), fold_heads<HP, false>(sum));
+  // token 2j's bits in the low half of its lane, 2j + 1's (HP lanes on) moved down beside them, then
+  // the even tokens' lanes gathered into the first 8
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512i gather;
+  {
+    alignas(64) int32_t idx[16];
+    for (int w = 0, l = 0; l < 16; ++l)
+      if ((l / HP) % 2 == 0) idx[w++] = l;
+    for (int w = 8; w < 16; ++w) idx[w] = 0;
+    gather = _mm512_load_si512(idx);
+  }
+  for (int64_t v = 0; v < nv; ++v) {
+    const __m512i r = round_bf16_lanes(_mm512_mul_ps(_mm512_loadu_ps(s + v * 16), inv));
+    const __m512i hi = _mm512_alignr_epi32(_mm512_setzero_si512(), _mm512_and_si512(r, hi_mask), HP);
+    const __m512i w = _mm512_permutexvar_epi32(gather, _mm512_or_si512(_mm512_srli_epi32(r, 16), hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + v * 8), _mm512_castsi512_si256(w));
+  }
 }
 
 struct AttentionDotKernels {
+  // The group path asks for rows ahead into L2, all the item's kv heads' parts of a row at once: a
+  // tile's keys GROUP_KEYS_AHEAD tokens ahead in the score pass; in the value pass, which takes
+  // GROUP_PV_PAIRS token pairs for every kv head before the next pairs, the next pairs' values. Blocks
+  // sit wherever the block table puts them, and each pass reads half of every row (its keys, or its
+  // values). On AMD Zen 4, 32 sequences of 2,048 tokens (4 kv heads of 4 query heads, hd 64): 12 GB/s
+  // against 7.6 with no asks; asks into L1, or 32 pairs a pass, were slower.
+  static constexpr int64_t GROUP_KEYS_AHEAD = 64;
+  static constexpr int64_t GROUP_PV_PAIRS = 16;
+
+  // One (sequence, kv heads [0, groups)) item of the group path (see group_lanes): q [groups * rep,
+  // dk] bf16 (kv head g's query heads at rows g * rep ...); kv head g's rows at head's offsets + g *
+  // kv_stride; the rest as decode's, with scratch: scores [groups][L + 16][HP] fp32, pbuf
+  // [groups][(dk / 2) HP + (L + 16) HP / 2] 32-bit words, acc [groups * rep][dv + 32] fp32; o [groups *
+  // rep, dv].
+  // Every tile of rows is read for all the kv heads at once: a GQA token row holds every kv head's
+  // key, then every one's value, so an item per kv head read a quarter of each row's lines (4 kv
+  // heads), at a 1 KB stride.
+  template <int HP>
+  static void decode_groups(const uint16_t* q, int64_t groups, int64_t rep, const uint16_t* pool, int64_t S,
+                            const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L, float scale,
+                            float* scores, uint32_t* pbuf, float* acc, const uint16_t** rows, uint16_t* o) {
+    constexpr int J = 16 / HP, TT = J > 8 ? J : 8;
+    const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride, kpairs = dk / 2, steps = kpairs / J;
+    const uint16_t** krow = rows;
+    const uint16_t** vrow = rows + L + 1;
+    for (int64_t t = 0; t < L; ++t) {
+      const uint16_t* tok = pool + (table[t / S] * S + t % S) * stride;
+      krow[t] = tok + head.k_off;
+      vrow[t] = tok + head.v_off;
+    }
+    const int64_t padded = (L + TT - 1) / TT * TT, qwords = steps * 16, pwords = padded / 2 * HP;
+    uint32_t* qv = pbuf;  // [groups][steps][16]
+    uint32_t* pp = pbuf + groups * qwords;  // [groups][padded / 2][HP]
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + g * rep * dk);  // head h's pair p: qw[h kpairs + p]
+      for (int64_t i = 0; i < steps; ++i)
+        for (int h = 0; h < HP; ++h)
+          for (int j = 0; j < J; ++j)
+            qv[g * qwords + i * 16 + h * J + j] = h < rep ? qw[h * kpairs + i * J + j] : 0u;
+    }
+    const int64_t kbytes = (groups - 1) * kv_stride * 2 + dk * 2, vbytes = (groups - 1) * kv_stride * 2 + dv * 2;
+    auto ask = [](const uint16_t* row, int64_t bytes) {  // into L2
+      const char* c = reinterpret_cast<const char*>(row);
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
+    };
+    for (int64_t t = 0; t < std::min(GROUP_KEYS_AHEAD, L); ++t) ask(krow[t], kbytes);
+    for (int64_t t0 = 0; t0 < padded; t0 += TT) {
+      for (int64_t t = t0 + GROUP_KEYS_AHEAD; t < std::min(t0 + GROUP_KEYS_AHEAD + TT, L); ++t) ask(krow[t], kbytes);
+      const uint16_t* k[TT];
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) k[t] = krow[std::min(t0 + t, L - 1)];  // past L: any row (weighs 0)
+      for (int64_t g = 0; g < groups; ++g)
+        group_scores_tile<HP, TT>(qv + g * qwords, steps, k, g * kv_stride, scores + (g * padded + t0) * HP);
+    }
+    for (int64_t g = 0; g < groups; ++g) group_softmax<HP>(scores + g * padded * HP, L, padded / J, scale, pp + g * pwords);
+    const int64_t pairs = (L + 1) / 2;
+    for (int64_t t = 0; t < std::min(2 * GROUP_PV_PAIRS, L); ++t) ask(vrow[t], vbytes);
+    for (int64_t j0 = 0; j0 < pairs; j0 += GROUP_PV_PAIRS) {
+      const int64_t j1 = std::min(pairs, j0 + GROUP_PV_PAIRS);
+      for (int64_t t = 2 * j1; t < std::min(2 * j1 + 2 * GROUP_PV_PAIRS, L); ++t) ask(vrow[t], vbytes);
+      const bool first = j0 == 0, last = j1 == pairs;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint32_t* pg = pp + g * pwords;
+        uint16_t* og = o + g * rep * dv;
+        const int64_t off = g * kv_stride;
+        // heads in runs of 8, 4, 2, 1; their accumulators [32 columns][run] per column tile
+        auto run = [&](auto hh_c, int64_t h) {
+          constexpr int HH = decltype(hh_c)::value;
+          for (int64_t c0 = 0; c0 < dv; c0 += 32) {
+            float* a = acc + ((g * rep + h) * ((dv + 31) / 32) + c0 / 32 * HH) * 32;
+            if (first) std::fill(a, a + HH * 32, 0.0f);
+            group_pv_tile<HH>(pg + h, HP, j0, j1, L, vrow, off, c0, dv, a, last, og + h * dv, dv);
+          }
+        };
+        int64_t h = 0;
+        for (; h + 8 <= rep; h += 8) run(std::integral_constant<int, 8>{}, h);
+        for (; h + 4 <= rep; h += 4) run(std::integral_constant<int, 4>{}, h);
+        for (; h + 2 <= rep; h += 2) run(std::integral_constant<int, 2>{}, h);
+        for (; h < rep; ++h) run(std::integral_constant<int, 1>{}, h);
+      }
+    }
+  }
+
+  static void decode_groups_any(const uint16_t* q, int64_t groups, int64_t rep, const uint16_t* pool, int64_t S,
+                                const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
+                                float scale, float* scores, uint32_t* pbuf, float* acc, const uint16_t** rows,
+                                uint16_t* o) {
+    switch (group_lanes(rep, head.dk)) {
+      case 1: return decode_groups<1>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o);
+      case 2: return decode_groups<2>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o);
+      case 4: return decode_groups<4>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o);
+      default: return decode_groups<8>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o);
+    }
+  }
+
   // One (sequence, kv head, query heads [0, hh)) item on a bf16 cache: q [hh, dk] bf16 rows; scores
   // [L, 16] fp32 scratch; pbuf [(dk + 1) / 2 + (L + 1) / 2, 16] pairs of bf16 scratch (the query
   // pairs, then the probability pairs); rows [2 (L + 1)] row pointers scratch; zero a row of dv zeros;

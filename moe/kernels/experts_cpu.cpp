@@ -478,6 +478,11 @@ using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const u
 using PagedDecodeDotFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const PagedHead&,
                                  const int64_t*, int64_t, float, float*, uint16_t*, const uint16_t**,
                                  const uint16_t*, uint16_t*, const NextItem&);
+// (q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o): the dot
+// product's small-group decode (dot_body.h's decode_groups)
+using PagedDecodeGroupsFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, const PagedHead&,
+                                     int64_t, const int64_t*, int64_t, float, float*, uint32_t*, float*,
+                                     const uint16_t**, uint16_t*);
 
 // bf16 x bf16 tiles (null where the ISA has no bf16 dot product): bf16 rows against bf16 weights
 struct DotIsa {
@@ -494,6 +499,10 @@ struct DotIsa {
   // whether paged_decode takes heads of these (dk, dv) with this many query heads per kv head (null:
   // any); the others run the FMA path
   bool (*paged_decode_applies)(int64_t, int64_t, int64_t) = nullptr;
+  // kv heads of at most 8 query heads each, every kv head of a sequence in one item (null: none);
+  // group_lanes: which (query heads a kv head, dk) it takes (0: none)
+  PagedDecodeGroupsFn paged_decode_groups = nullptr;
+  int (*group_lanes)(int64_t, int64_t) = nullptr;
 };
 
 struct Isa {
@@ -671,7 +680,8 @@ static Isa isa_by_name(const std::string& name) {
     using D = avx512bf16::DotKernels;
     isa.dot = DotIsa{&D::gate_up, &D::down<float>, &D::down<uint16_t>, &D::down_add, &D::linear<float>,
                      &D::linear<uint16_t>, &avx512bf16::AttentionDotKernels::decode, &D::down_final,
-                     &avx512bf16::dequant_int8_blocks};
+                     &avx512bf16::dequant_int8_blocks, nullptr,
+                     &avx512bf16::AttentionDotKernels::decode_groups_any, &avx512bf16::group_lanes};
     return isa;
   }
   if (name == "avx512") return make_isa<avx512::Kernels, avx512::AttentionKernels, avx512::NormKernels>("avx512");
@@ -1559,6 +1569,30 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
                    (isa.dot.paged_decode_applies == nullptr || isa.dot.paged_decode_applies(dk, dv, H / num_kv_heads));
   const at::Tensor qf = dot ? bf16_contiguous(q) : float32_contiguous(q);
   const at::Tensor pc = pool.contiguous();
+  const int64_t rep = H / num_kv_heads;
+  if (dot && isa.dot.paged_decode_groups != nullptr && isa.dot.group_lanes(rep, dk) != 0) {
+    // items of a sequence's kv heads [g0, g0 + per) (all of them unless fewer sequences than threads)
+    const int64_t splits = std::min(num_kv_heads, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
+    const int64_t per = (num_kv_heads + splits - 1) / splits, ranges = (num_kv_heads + per - 1) / per;
+    const int64_t hp = isa.dot.group_lanes(rep, dk), padded = max_len + 16;
+    const uint16_t* qb = reinterpret_cast<const uint16_t*>(qf.data_ptr());
+    const uint16_t* pool_ptr = static_cast<const uint16_t*>(pc.data_ptr());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for_each_claimed(B * ranges, [&](auto& claim) {
+      LineVector<float> scores(per * padded * hp), acc(per * rep * (dv + 32));
+      LineVector<uint32_t> pbuf(per * (dk / 2 * hp + padded * hp / 2 + 16));
+      std::vector<const uint16_t*> rows(2 * (max_len + 1));
+      for (int64_t begin, end; claim(begin, end);)
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t b = i / ranges, g0 = i % ranges * per, groups = std::min(per, num_kv_heads - g0);
+          isa.dot.paged_decode_groups(qb + (b * H + g0 * rep) * dk, groups, rep, pool_ptr, S,
+                                      HeadItems::head(head0, g0, kv_stride), kv_stride, tp + b * nb, lp[b],
+                                      static_cast<float>(scale), scores.data(), pbuf.data(), acc.data(), rows.data(),
+                                      op + (b * H + g0 * rep) * dv);
+        }
+    });
+    return out;
+  }
   const HeadItems items(B, H, num_kv_heads, dot);
   const int64_t per_group = items.per_group;
   const float* qs = dot ? nullptr : qf.data_ptr<float>();

@@ -510,7 +510,8 @@ def _gqa_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, le
 # multiple of a vector, groups of 17 query heads (over one vector's 16 lanes) with an odd head dim,
 # MQA with a tiny one
 GQA_CASES = [(3, 8, 2, 64, 16, 40), (2, 6, 6, 20, 4, 30), (2, 34, 2, 15, 4, 30), (4, 4, 1, 8, 2, 20),
-             (3, 16, 2, 64, 16, 40), (2, 24, 1, 32, 5, 30)]  # the last two: 8 and 24 heads a kv head (AMX tiles)
+             (3, 16, 2, 64, 16, 40), (2, 24, 1, 32, 5, 30),  # these two: 8 and 24 heads a kv head (AMX tiles)
+             (2, 4, 4, 64, 16, 30), (2, 8, 4, 32, 8, 30)]  # the dot path's groups of 1 and 2 lanes a head
 
 
 @pytest.mark.parametrize("case", GQA_CASES)
@@ -561,6 +562,30 @@ def test_bf16_decode_on_amx_runs_the_tiles_where_they_apply(kernel_isas: list[st
         assert torch.isfinite(tiles).all() and (tiles.float() - fma.float()).abs().max().item() > 1e-3
         assert torch.equal(run("amx", 4 if op == "mla" else 8), run("avx512", 4 if op == "mla" else 8))
     finally:
+        kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize("case", [(16, 4, 64), (8, 8, 32), (32, 8, 128), (12, 4, 64), (6, 6, 20)])
+def test_gqa_decode_gives_a_sequence_the_same_bits_however_its_kv_heads_are_split(
+        kernel_isas: list[str], case: tuple[int, int, int]) -> None:
+    """A sequence's output does not depend on the batch around it or on the threads: at batch 1 and
+    two threads the dot path's small groups split a sequence's kv heads over two items, at batch 3 they
+    stay in one. (query heads, kv heads, head dim): 4, 1, 4, 3 and 1 query heads a kv head."""
+    h, hkv, hd = case
+    pool, tables, lens, q = _random_batch(h + hd, 3, h, hd, (40, 16, 2, hkv, hd), torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for name in kernel_isas:
+            kernels.select_isa(name)
+            torch.set_num_threads(1)
+            batch = kernels.gqa_decode(q, pool, tables, lens, 0.125)
+            assert batch.shape == (3, h, hd)
+            torch.set_num_threads(2)
+            for b in range(3):
+                alone = kernels.gqa_decode(q[b:b + 1], pool, tables[b:b + 1], lens[b:b + 1], 0.125)
+                assert torch.equal(alone[0], batch[b]), (name, b)
+    finally:
+        torch.set_num_threads(threads)
         kernels.select_isa("auto")
 
 
