@@ -783,13 +783,14 @@ static inline void group_softmax(float* s, int64_t L, int64_t nv, float scale, u
 }
 
 struct AttentionDotKernels {
-  // The group path asks for rows ahead into L2, all the item's kv heads' parts of a row at once: a
-  // tile's keys GROUP_KEYS_AHEAD tokens ahead in the score pass; in the value pass, which takes
-  // GROUP_PV_PAIRS token pairs for every kv head before the next pairs, the next pairs' values. Blocks
-  // sit wherever the block table puts them, and each pass reads half of every row (its keys, or its
-  // values). On AMD Zen 4, 32 sequences of 2,048 tokens (4 kv heads of 4 query heads, hd 64): 12 GB/s
-  // against 7.6 with no asks; asks into L1, or 32 pairs a pass, were slower.
-  static constexpr int64_t GROUP_KEYS_AHEAD = 64;
+  // The group path asks for rows ahead into L2, all the item's kv heads' parts of a row at once: whole
+  // rows (keys and values) GROUP_ROWS_AHEAD tokens ahead in the score pass; in the value pass, which
+  // takes GROUP_PV_PAIRS token pairs for every kv head before the next pairs, the next pairs' values
+  // again. Blocks sit wherever the block table puts them, and each pass reads half of every row (its
+  // keys, or its values). On AMD Zen 4, 32 sequences of 2,048 tokens (4 kv heads of 4 query heads, hd
+  // 64, cold): 12 GB/s against 7.6 with no asks for keys alone, and 0.80-0.88x that time with whole
+  // rows; asks into L1, or 32 pairs a pass, were slower.
+  static constexpr int64_t GROUP_ROWS_AHEAD = 64;
   static constexpr int64_t GROUP_PV_PAIRS = 16;
 
   // One (sequence, kv heads [0, groups)) item of the group path (see group_lanes): q [groups * rep,
@@ -828,16 +829,21 @@ struct AttentionDotKernels {
       const char* c = reinterpret_cast<const char*>(row);
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
     };
-    for (int64_t t = 0; t < std::min(GROUP_KEYS_AHEAD, L); ++t) ask(krow[t], kbytes);
+    // the score pass asks for whole rows: the item's keys and values (the values are read later, by
+    // then from L2 or L3)
+    const int64_t row_bytes = std::max(kbytes, (head.v_off - head.k_off) * 2 + vbytes);
+    for (int64_t t = 0; t < std::min(GROUP_ROWS_AHEAD, L); ++t) ask(krow[t], row_bytes);
     for (int64_t t0 = 0; t0 < padded; t0 += TT) {
-      for (int64_t t = t0 + GROUP_KEYS_AHEAD; t < std::min(t0 + GROUP_KEYS_AHEAD + TT, L); ++t) ask(krow[t], kbytes);
+      for (int64_t t = t0 + GROUP_ROWS_AHEAD; t < std::min(t0 + GROUP_ROWS_AHEAD + TT, L); ++t)
+        ask(krow[t], row_bytes);
       const uint16_t* k[TT];
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) k[t] = krow[std::min(t0 + t, L - 1)];  // past L: any row (weighs 0)
       for (int64_t g = 0; g < groups; ++g)
         group_scores_tile<HP, TT>(qv + g * qwords, steps, k, g * kv_stride, scores + (g * padded + t0) * HP);
     }
-    for (int64_t g = 0; g < groups; ++g) group_softmax<HP>(scores + g * padded * HP, L, padded / J, scale, pp + g * pwords);
+    for (int64_t g = 0; g < groups; ++g)
+      group_softmax<HP>(scores + g * padded * HP, L, padded / J, scale, pp + g * pwords);
     const int64_t pairs = (L + 1) / 2;
     for (int64_t t = 0; t < std::min(2 * GROUP_PV_PAIRS, L); ++t) ask(vrow[t], vbytes);
     for (int64_t j0 = 0; j0 < pairs; j0 += GROUP_PV_PAIRS) {
@@ -866,15 +872,20 @@ struct AttentionDotKernels {
     }
   }
 
+  // decode_groups at group_lanes(rep, dk) lanes a head (the caller checked it is not 0)
   static void decode_groups_any(const uint16_t* q, int64_t groups, int64_t rep, const uint16_t* pool, int64_t S,
                                 const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
                                 float scale, float* scores, uint32_t* pbuf, float* acc, const uint16_t** rows,
                                 uint16_t* o) {
+    auto run = [&](auto hp) {
+      decode_groups<decltype(hp)::value>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc,
+                                         rows, o);
+    };
     switch (group_lanes(rep, head.dk)) {
-      case 1: return decode_groups<1>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o);
-      case 2: return decode_groups<2>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o);
-      case 4: return decode_groups<4>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o);
-      default: return decode_groups<8>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o);
+      case 1: return run(std::integral_constant<int, 1>{});
+      case 2: return run(std::integral_constant<int, 2>{});
+      case 4: return run(std::integral_constant<int, 4>{});
+      default: return run(std::integral_constant<int, 8>{});
     }
   }
 
