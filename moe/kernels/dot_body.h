@@ -562,53 +562,13 @@ static inline void attn_softmax_lanes(float* s, int64_t L, float scale, uint32_t
   }
 }
 
-// o[h * ldo + c0 : + 32] = bf16(sum over token pairs of p pairs [pair][h] (bf16, 32 bits each, rows
-// of HEAD_LANES) x the interleaved value pairs), for HH heads; v[t] the value rows (v[L] a zero row
-// when L is odd). Columns past dv are not written.
+// acc [HH][32] += the probability pairs p [pair][pstride] (bf16, 32 bits each; HH heads) x the value
+// pairs (two rows interleaved into (t, t + 1) pairs per column) of token pairs [j0, j1), columns [c0,
+// c0 + 32) of the rows v[t] + off; token L (an odd count's partner) reads as zeros. With last, o[h *
+// ldo + c0 :] = bf16(acc[h]) (columns past dv not written). Summed over the pairs in order, so passes
+// over consecutive ranges give the bits of one.
 template <int HH>
-static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pairs,
-                                     const uint16_t* const* v, int64_t c0, int64_t dv, uint16_t* __restrict o,
-                                     int64_t ldo, int64_t pstride) {
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  const __mmask32 m = dv - c0 >= 32 ? ~__mmask32{0} : (__mmask32{1} << (dv - c0)) - 1;
-  __m512 acc[HH][2];
-#pragma GCC unroll 12
-  for (int h = 0; h < HH; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs; ++j) {
-    const __m512i a = _mm512_maskz_loadu_epi16(m, v[2 * j] + c0), b = _mm512_maskz_loadu_epi16(m, v[2 * j + 1] + c0);
-    const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);  // columns c0..c0+15, (t, t+1)
-    const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);  // columns c0+16..c0+31
-#pragma GCC unroll 12
-    for (int h = 0; h < HH; ++h) {
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[j * pstride + h]));
-      acc[h][0] = _mm512_dpbf16_ps(acc[h][0], pb, lo);
-      acc[h][1] = _mm512_dpbf16_ps(acc[h][1], pb, hi);
-    }
-  }
-  const int64_t n = std::min<int64_t>(32, dv - c0);
-#pragma GCC unroll 12
-  for (int h = 0; h < HH; ++h) {
-    store_bf16_lanes(o + h * ldo + c0, acc[h][0], std::min<int64_t>(16, n));
-    if (n > 16) store_bf16_lanes(o + h * ldo + c0 + 16, acc[h][1], n - 16);
-  }
-}
-
-// attn_pv_tile_bf16 over every 32 columns of dv; the probability pairs' rows pstride words apart
-// (HEAD_LANES: attn_softmax_lanes' rows; the group path's compact rows: its lane count)
-template <int HH>
-static inline void attn_pv_heads_bf16(const uint32_t* p, int64_t pairs, const uint16_t* const* v, int64_t dv,
-                                      uint16_t* o, int64_t ldo, int64_t pstride = HEAD_LANES) {
-  for (int64_t c0 = 0; c0 < dv; c0 += 32) attn_pv_tile_bf16<HH>(p, pairs, v, c0, dv, o, ldo, pstride);
-}
-
-// acc [HH][32] += the probability pairs p [pair][pstride] (HH heads) x the value pairs of token pairs
-// [j0, j1), columns [c0, c0 + 32) of the rows v[t] + off; token L (an odd count's partner) reads as
-// zeros. With last, o[h * ldo + c0 :] = bf16(acc[h]) (columns past dv not written). Summed over the
-// pairs in order whatever the ranges, as attn_pv_tile_bf16 sums them.
-template <int HH>
-static inline void group_pv_tile(const uint32_t* __restrict p, int64_t pstride, int64_t j0, int64_t j1, int64_t L,
+static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pstride, int64_t j0, int64_t j1, int64_t L,
                                  const uint16_t* const* v, int64_t off, int64_t c0, int64_t dv,
                                  float* __restrict acc_io, bool last, uint16_t* __restrict o, int64_t ldo) {
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
@@ -616,7 +576,7 @@ static inline void group_pv_tile(const uint32_t* __restrict p, int64_t pstride, 
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   const __mmask32 m = dv - c0 >= 32 ? ~__mmask32{0} : (__mmask32{1} << (dv - c0)) - 1;
   __m512 acc[HH][2];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int h = 0; h < HH; ++h) {
     acc[h][0] = _mm512_loadu_ps(acc_io + h * 32);
     acc[h][1] = _mm512_loadu_ps(acc_io + h * 32 + 16);
@@ -626,7 +586,7 @@ static inline void group_pv_tile(const uint32_t* __restrict p, int64_t pstride, 
     const __m512i b = 2 * j + 1 < L ? _mm512_maskz_loadu_epi16(m, v[2 * j + 1] + off + c0) : _mm512_setzero_si512();
     const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
     const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int h = 0; h < HH; ++h) {
       const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[j * pstride + h]));
       acc[h][0] = _mm512_dpbf16_ps(acc[h][0], pb, lo);
@@ -634,7 +594,7 @@ static inline void group_pv_tile(const uint32_t* __restrict p, int64_t pstride, 
     }
   }
   if (!last) {
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int h = 0; h < HH; ++h) {
       _mm512_storeu_ps(acc_io + h * 32, acc[h][0]);
       _mm512_storeu_ps(acc_io + h * 32 + 16, acc[h][1]);
@@ -642,11 +602,22 @@ static inline void group_pv_tile(const uint32_t* __restrict p, int64_t pstride, 
     return;
   }
   const int64_t n = std::min<int64_t>(32, dv - c0);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int h = 0; h < HH; ++h) {
     store_bf16_lanes(o + h * ldo + c0, acc[h][0], std::min<int64_t>(16, n));
     if (n > 16) store_bf16_lanes(o + h * ldo + c0 + 16, acc[h][1], n - 16);
   }
+}
+
+// o[h * ldo :] = bf16(p v) for HH heads over `pairs` token pairs: attn_pv_tile_bf16 over every 32
+// columns of dv, p [pair][HEAD_LANES] (attn_softmax_lanes' rows), v[2 pairs - 1] a zero row when the
+// tokens are odd
+template <int HH>
+static inline void attn_pv_heads_bf16(const uint32_t* p, int64_t pairs, const uint16_t* const* v, int64_t dv,
+                                      uint16_t* o, int64_t ldo) {
+  alignas(64) float zeros[HH * 32] = {};
+  for (int64_t c0 = 0; c0 < dv; c0 += 32)
+    attn_pv_tile_bf16<HH>(p, HEAD_LANES, 0, pairs, 2 * pairs, v, 0, c0, dv, zeros, true, o, ldo);
 }
 
 // Decode of a small group: a kv head serving at most 8 query heads (GQA's usual 1 to 8; MLA's heads
@@ -658,7 +629,7 @@ static inline void group_pv_tile(const uint32_t* __restrict p, int64_t pstride, 
 // token's scores take kpairs / J dot products. A tile's sums over j are then folded in registers
 // (log2 J rounds of even / odd lane sums across two vectors) into scores [t][HP], J tokens a vector.
 // The softmax runs on those compact vectors (per-head maxima and sums folded across the lanes of
-// one head), and the probabilities go to attn_pv_heads_bf16 as pairs of tokens in rows of HP.
+// one head), and the probabilities go to attn_pv_tile_bf16 as pairs of tokens in rows of HP.
 // A head's sums run in an order set by HP alone (the op's heads a kv head, not the item's), so an
 // item holding part of a kv head's heads gives those heads the bits of the whole.
 
@@ -860,7 +831,7 @@ struct AttentionDotKernels {
           for (int64_t c0 = 0; c0 < dv; c0 += 32) {
             float* a = acc + ((g * rep + h) * ((dv + 31) / 32) + c0 / 32 * HH) * 32;
             if (first) std::fill(a, a + HH * 32, 0.0f);
-            group_pv_tile<HH>(pg + h, HP, j0, j1, L, vrow, off, c0, dv, a, last, og + h * dv, dv);
+            attn_pv_tile_bf16<HH>(pg + h, HP, j0, j1, L, vrow, off, c0, dv, a, last, og + h * dv, dv);
           }
         };
         int64_t h = 0;
