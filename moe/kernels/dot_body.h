@@ -753,6 +753,16 @@ static inline void group_softmax(float* s, int64_t L, int64_t nv, float scale, u
   }
 }
 
+// krow[t] / vrow[t]: token t's key and value rows (head's offsets) for the L tokens of a block table
+static inline void row_pointers(const uint16_t* pool, int64_t S, const PagedHead& head, const int64_t* table,
+                                int64_t L, const uint16_t** krow, const uint16_t** vrow) {
+  for (int64_t t = 0; t < L; ++t) {
+    const uint16_t* tok = pool + (table[t / S] * S + t % S) * head.token_stride;
+    krow[t] = tok + head.k_off;
+    vrow[t] = tok + head.v_off;
+  }
+}
+
 struct AttentionDotKernels {
   // The group path asks for rows ahead into L2, all the item's kv heads' parts of a row at once: whole
   // rows (keys and values) GROUP_ROWS_AHEAD tokens ahead in the score pass; in the value pass, which
@@ -777,14 +787,10 @@ struct AttentionDotKernels {
                             const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L, float scale,
                             float* scores, uint32_t* pbuf, float* acc, const uint16_t** rows, uint16_t* o) {
     constexpr int J = 16 / HP, TT = J > 8 ? J : 8;
-    const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride, kpairs = dk / 2, steps = kpairs / J;
+    const int64_t dk = head.dk, dv = head.dv, kpairs = dk / 2, steps = kpairs / J;
     const uint16_t** krow = rows;
     const uint16_t** vrow = rows + L + 1;
-    for (int64_t t = 0; t < L; ++t) {
-      const uint16_t* tok = pool + (table[t / S] * S + t % S) * stride;
-      krow[t] = tok + head.k_off;
-      vrow[t] = tok + head.v_off;
-    }
+    row_pointers(pool, S, head, table, L, krow, vrow);
     const int64_t padded = (L + TT - 1) / TT * TT, qwords = steps * 16, pwords = padded / 2 * HP;
     uint32_t* qv = pbuf;  // [groups][steps][16]
     uint32_t* pp = pbuf + groups * qwords;  // [groups][padded / 2][HP]
@@ -870,11 +876,7 @@ struct AttentionDotKernels {
     const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
     const uint16_t** krow = rows;
     const uint16_t** vrow = rows + L + 1;
-    for (int64_t t = 0; t < L; ++t) {
-      const uint16_t* tok = pool + (table[t / S] * S + t % S) * stride;
-      krow[t] = tok + head.k_off;
-      vrow[t] = tok + head.v_off;
-    }
+    row_pointers(pool, S, head, table, L, krow, vrow);
     vrow[L] = zero;  // the odd token's partner (probability 0)
     const int64_t kpairs = (dk + 1) / 2, pairs = (L + 1) / 2;
     uint32_t* qp = reinterpret_cast<uint32_t*>(pbuf);
