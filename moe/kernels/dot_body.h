@@ -568,9 +568,9 @@ static inline void attn_softmax_lanes(float* s, int64_t L, float scale, uint32_t
 // ldo + c0 :] = bf16(acc[h]) (columns past dv not written). Summed over the pairs in order, so passes
 // over consecutive ranges give the bits of one.
 template <int HH>
-static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pstride, int64_t j0, int64_t j1, int64_t L,
-                                 const uint16_t* const* v, int64_t off, int64_t c0, int64_t dv,
-                                 float* __restrict acc_io, bool last, uint16_t* __restrict o, int64_t ldo) {
+static inline void attn_pv_tile_bf16(const uint32_t* __restrict p, int64_t pstride, int64_t j0, int64_t j1,
+                                     int64_t L, const uint16_t* const* v, int64_t off, int64_t c0, int64_t dv,
+                                     float* __restrict acc_io, bool last, uint16_t* __restrict o, int64_t ldo) {
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
@@ -849,16 +849,16 @@ struct AttentionDotKernels {
     }
   }
 
-  // decode_groups at group_lanes(rep, dk) lanes a head (the caller checked it is not 0)
-  static void decode_groups_any(const uint16_t* q, int64_t groups, int64_t rep, const uint16_t* pool, int64_t S,
-                                const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
+  // decode_groups at hp lanes a head: group_lanes(rep, dk), which the caller found not 0
+  static void decode_groups_any(int hp, const uint16_t* q, int64_t groups, int64_t rep, const uint16_t* pool,
+                                int64_t S, const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
                                 float scale, float* scores, uint32_t* pbuf, float* acc, const uint16_t** rows,
                                 uint16_t* o) {
-    auto run = [&](auto hp) {
-      decode_groups<decltype(hp)::value>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc,
-                                         rows, o);
+    auto run = [&](auto lanes) {
+      decode_groups<decltype(lanes)::value>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf,
+                                            acc, rows, o);
     };
-    switch (group_lanes(rep, head.dk)) {
+    switch (hp) {
       case 1: return run(std::integral_constant<int, 1>{});
       case 2: return run(std::integral_constant<int, 2>{});
       case 4: return run(std::integral_constant<int, 4>{});

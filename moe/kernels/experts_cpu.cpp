@@ -478,11 +478,11 @@ using LinearDotFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, const u
 using PagedDecodeDotFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const PagedHead&,
                                  const int64_t*, int64_t, float, float*, uint16_t*, const uint16_t**,
                                  const uint16_t*, uint16_t*, const NextItem&);
-// (q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o): the dot
-// product's small-group decode (dot_body.h's decode_groups)
-using PagedDecodeGroupsFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, const PagedHead&,
-                                     int64_t, const int64_t*, int64_t, float, float*, uint32_t*, float*,
-                                     const uint16_t**, uint16_t*);
+// (hp, q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf, acc, rows, o): the dot
+// product's small-group decode at hp lanes a head (dot_body.h's decode_groups)
+using PagedDecodeGroupsFn = void (*)(int, const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
+                                     const PagedHead&, int64_t, const int64_t*, int64_t, float, float*, uint32_t*,
+                                     float*, const uint16_t**, uint16_t*);
 
 // bf16 x bf16 tiles (null where the ISA has no bf16 dot product): bf16 rows against bf16 weights
 struct DotIsa {
@@ -1570,11 +1570,12 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const at::Tensor qf = dot ? bf16_contiguous(q) : float32_contiguous(q);
   const at::Tensor pc = pool.contiguous();
   const int64_t rep = H / num_kv_heads;
-  if (dot && isa.dot.paged_decode_groups != nullptr && isa.dot.group_lanes(rep, dk) != 0) {
+  const int hp = dot && isa.dot.paged_decode_groups != nullptr ? isa.dot.group_lanes(rep, dk) : 0;
+  if (hp != 0) {
     // items of a sequence's kv heads [g0, g0 + per) (all of them unless fewer sequences than threads)
     const int64_t splits = std::min(num_kv_heads, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
     const int64_t per = (num_kv_heads + splits - 1) / splits, ranges = (num_kv_heads + per - 1) / per;
-    const int64_t hp = isa.dot.group_lanes(rep, dk), padded = max_len + 16;
+    const int64_t padded = max_len + 16;
     const uint16_t* qb = reinterpret_cast<const uint16_t*>(qf.data_ptr());
     const uint16_t* pool_ptr = static_cast<const uint16_t*>(pc.data_ptr());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -1585,7 +1586,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
           const int64_t b = i / ranges, g0 = i % ranges * per, groups = std::min(per, num_kv_heads - g0);
-          isa.dot.paged_decode_groups(qb + (b * H + g0 * rep) * dk, groups, rep, pool_ptr, S,
+          isa.dot.paged_decode_groups(hp, qb + (b * H + g0 * rep) * dk, groups, rep, pool_ptr, S,
                                       HeadItems::head(head0, g0, kv_stride), kv_stride, tp + b * nb, lp[b],
                                       static_cast<float>(scale), scores.data(), pbuf.data(), acc.data(), rows.data(),
                                       op + (b * H + g0 * rep) * dv);

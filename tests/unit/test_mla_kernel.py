@@ -565,12 +565,12 @@ def test_bf16_decode_on_amx_runs_the_tiles_where_they_apply(kernel_isas: list[st
         kernels.select_isa("auto")
 
 
-@pytest.mark.parametrize("case", [(16, 4, 64), (8, 8, 32), (32, 8, 128), (12, 4, 64), (6, 6, 20)])
+@pytest.mark.parametrize("case", [(16, 4, 64), (8, 8, 32), (32, 8, 128), (12, 4, 64), (6, 6, 20), (16, 2, 64)])
 def test_gqa_decode_gives_a_sequence_the_same_bits_however_its_kv_heads_are_split(
         kernel_isas: list[str], case: tuple[int, int, int]) -> None:
     """A sequence's output does not depend on the batch around it or on the threads: at batch 1 and
     two threads the dot path's small groups split a sequence's kv heads over two items, at batch 3 they
-    stay in one. (query heads, kv heads, head dim): 4, 1, 4, 3 and 1 query heads a kv head."""
+    stay in one. (query heads, kv heads, head dim): 4, 1, 4, 3, 1 and 8 query heads a kv head."""
     h, hkv, hd = case
     pool, tables, lens, q = _random_batch(h + hd, 3, h, hd, (40, 16, 2, hkv, hd), torch.bfloat16)
     threads = torch.get_num_threads()
