@@ -3,8 +3,10 @@
 // once per instruction set (included by experts_cpu.cpp after experts_body.h, inside the same
 // per-ISA namespace).
 //
-// One work item is (sequence, kv head, group of its query heads). It reads the sequence's cache
-// blocks straight from the pool through its block table (no gathered copy), converts each block
+// One work item is (sequence, kv head, group of its query heads); GQA caches of two or more kv
+// heads take items of a sequence's kv heads instead ("GQA items of several kv heads" below). It
+// reads the sequence's cache blocks straight from the pool through its block table (no gathered
+// copy), converts each block
 // to fp32 once for all the item's heads, and keeps the item's scores [heads, L] and output
 // [heads, dv] in fp32 scratch:
 //   pass 1: s[h][t] = q[h] . key[t]                (MLA: over C + R, the latent plus the rope key)
@@ -525,6 +527,154 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
   }
 }
 
+// Kv heads serving at least this many query heads take the lanes (fewer leave most lanes idle: the
+// row path's full-width dot products win there). Decided by the kv head's query heads, not by an
+// item's share of them (which follows the thread count): the two paths sum in different orders, and a
+// head's values must not depend on how many threads ran the step.
+constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
+
+// ---- GQA items of several kv heads. A GQA token row holds every kv head's key, then every one's
+// value: an item per kv head read a quarter of each row's lines (4 kv heads), at the row's stride,
+// and most of its time on cold rows went to the loads of its block conversions. An item here takes
+// kv heads [0, groups) of one sequence, block by block: each block's part of every kv head in turn
+// (converted to fp32 a kv head at a time, which stays in L1), while whole rows are asked for into L2
+// ahead, spread over the conversions. Each kv head's query heads run the per-kv-head item's tiles
+// (the row path, or the lanes from LANE_MIN_HEADS heads a kv head) on its part, in the same order:
+// the same bits as one item per kv head.
+constexpr int64_t KV_HEADS_ROWS_AHEAD = 64;  // tokens ahead whose whole rows the score pass asks for
+constexpr int64_t KV_HEADS_VALUES_AHEAD = 32;  // tokens ahead whose values the value pass asks for
+
+// Share `part` of `parts` of the lines of rows [0, rows) (row r at src + r * stride, `bytes` from
+// there) asked for into L2.
+template <typename PT>
+static inline void ask_share_l2(const PT* src, int64_t rows, int64_t stride, int64_t bytes, int64_t part,
+                                int64_t parts) {
+  const int64_t lines = (bytes + 63) / 64, l0 = part * lines / parts, l1 = (part + 1) * lines / parts;
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(src + r * stride);
+    for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(p + 64 * l, 0, 2);
+  }
+}
+
+// Rows [0, rows) of a block's part (row r at src + r * stride, width wide) as fp32, as rows_f32, with
+// share part of parts of rows [0, ask_rows) at ask (ask_bytes each) asked for into L2 along the way,
+// one row's share per row converted.
+template <typename PT>
+static inline int64_t rows_f32_asking(const PT* src, int64_t rows, int64_t width, int64_t stride, float* buf,
+                                      const float** out, const PT* ask, int64_t ask_rows, int64_t ask_bytes,
+                                      int64_t part, int64_t parts) {
+  if constexpr (sizeof(PT) == 4) {
+    ask_share_l2(ask, ask_rows, stride, ask_bytes, part, parts);
+    return rows_f32(src, rows, width, stride, buf, out);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r < ask_rows) ask_share_l2(ask + r * stride, 1, 0, ask_bytes, part, parts);
+      rows_into(src + r * stride, 1, width, 0, buf + r * width);
+    }
+    if (ask_rows > rows) ask_share_l2(ask + rows * stride, ask_rows - rows, stride, ask_bytes, part, parts);
+    *out = buf;
+    return width;
+  }
+}
+
+// q: [groups * rep, dk] fp32 rows (kv head g's query heads at rows g * rep ...); kv head g's key and
+// value at head's offsets + g * kv_stride; pool / S / table / L / scale / round_half as
+// paged_decode_item's. Scratch: scores [groups * rep, L] (lanes: [groups][chunks][L][MOE_W], chunks
+// = rep rounded up to MOE_W, / MOE_W); lanes [groups][chunks][dk + dv][MOE_W] (the lanes only);
+// kbuf [S, dk]; vbuf [S, dv]. o: [groups * rep, dv] fp32 output.
+template <typename PT>
+static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, const PT* pool, int64_t S,
+                                  const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
+                                  float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
+                                  float* o) {
+  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv, stride = head.token_stride;
+  const bool in_lanes = rep >= LANE_MIN_HEADS;
+  const int64_t chunks = (rep + MOE_W - 1) / MOE_W, per_chunk = (dk + dv) * MOE_W;
+  const int64_t elem = sizeof(PT), span = (groups - 1) * kv_stride;
+  // whole rows: from the keys' (or values') start to the end of the other's span
+  const int64_t row_lo = std::min(head.k_off, head.v_off);
+  const int64_t row_bytes = (std::max(head.k_off + span + dk, head.v_off + span + dv) - row_lo) * elem;
+  const int64_t value_bytes = (span + dv) * elem;
+  auto block_rows = [&](int64_t blk) { return pool + table[blk] * S * stride; };
+  auto rows_of = [&](int64_t blk) { return blk < nblocks ? std::min(S, L - blk * S) : int64_t{0}; };
+  if (in_lanes)
+    for (int64_t c = 0; c < groups * chunks; ++c) {  // qt [dk][MOE_W], zero lanes past rep; ot zeroed
+      float* qt = lanes + c * per_chunk;
+      const int64_t g = c / chunks, ch = c % chunks, hc = std::min<int64_t>(MOE_W, rep - ch * MOE_W);
+      std::fill(qt, qt + per_chunk, 0.f);
+      for (int64_t h = 0; h < hc; ++h)
+        for (int64_t i = 0; i < dk; ++i) qt[i * MOE_W + h] = q[(g * rep + ch * MOE_W + h) * dk + i];
+    }
+  // pass 1: the first blocks' whole rows at once, then block blk + ahead's while block blk is read
+  const int64_t ahead = (KV_HEADS_ROWS_AHEAD + S - 1) / S;
+  for (int64_t blk = 0; blk < std::min(ahead, nblocks); ++blk)
+    ask_share_l2(block_rows(blk) + row_lo, rows_of(blk), stride, row_bytes, 0, 1);
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t rows = rows_of(blk), ask_rows = rows_of(blk + ahead);
+    const PT* ask = ask_rows ? block_rows(blk + ahead) + row_lo : nullptr;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* k;
+      const int64_t ldk = rows_f32_asking(block_rows(blk) + head.k_off + g * kv_stride, rows, dk, stride, kbuf, &k,
+                                          ask, ask_rows, row_bytes, g, groups);
+      if (in_lanes) {
+        for (int64_t ch = 0; ch < chunks; ++ch)
+          lanes_scores(lanes + (g * chunks + ch) * per_chunk, k, ldk, dk, rows,
+                       scores + ((g * chunks + ch) * L + blk * S) * MOE_W, nullptr, 0);
+        continue;
+      }
+      const float* qg = q + g * rep * dk;
+      float* sg = scores + g * rep * L + blk * S;
+      int64_t t = 0;
+      for (; t + 3 <= rows; t += 3) attn_dot_heads<3>(rep, qg, dk, k + t * ldk, ldk, dk, sg + t, L);
+      for (; t < rows; ++t) attn_dot_heads<1>(rep, qg, dk, k + t * ldk, ldk, dk, sg + t, L);
+    }
+  }
+  if (in_lanes) {
+    for (int64_t c = 0; c < groups * chunks; ++c) lanes_softmax(scores + c * L * MOE_W, L, scale, round_half);
+  } else {
+    for (int64_t h = 0; h < groups * rep; ++h) attn_softmax(scores + h * L, L, scale, round_half);
+    std::fill(o, o + groups * rep * dv, 0.f);
+  }
+  // pass 3: the values again, block blk + vahead's asked for while block blk is read
+  const int64_t vahead = (KV_HEADS_VALUES_AHEAD + S - 1) / S;
+  for (int64_t blk = 0; blk < std::min(vahead, nblocks); ++blk)
+    ask_share_l2(block_rows(blk) + head.v_off, rows_of(blk), stride, value_bytes, 0, 1);
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t rows = rows_of(blk), ask_rows = rows_of(blk + vahead);
+    const PT* ask = ask_rows ? block_rows(blk + vahead) + head.v_off : nullptr;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* v;
+      const int64_t ldv = rows_f32_asking(block_rows(blk) + head.v_off + g * kv_stride, rows, dv, stride, vbuf, &v,
+                                          ask, ask_rows, value_bytes, g, groups);
+      if (in_lanes) {
+        for (int64_t ch = 0; ch < chunks; ++ch)
+          lanes_pv(scores + ((g * chunks + ch) * L + blk * S) * MOE_W, rows, v, ldv, dv,
+                   lanes + (g * chunks + ch) * per_chunk + dk * MOE_W);
+        continue;
+      }
+      const float* p = scores + g * rep * L + blk * S;
+      float* og = o + g * rep * dv;
+      int64_t h = 0;
+      for (; h + 6 <= rep; h += 6) attn_pv_columns<6>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv);
+      switch (rep - h) {
+        case 1: attn_pv_columns<1>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
+        case 2: attn_pv_columns<2>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
+        case 3: attn_pv_columns<3>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
+        case 4: attn_pv_columns<4>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
+        case 5: attn_pv_columns<5>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
+        default: break;
+      }
+    }
+  }
+  if (in_lanes)
+    for (int64_t c = 0; c < groups * chunks; ++c) {
+      const float* ot = lanes + c * per_chunk + dk * MOE_W;
+      const int64_t g = c / chunks, ch = c % chunks, hc = std::min<int64_t>(MOE_W, rep - ch * MOE_W);
+      for (int64_t h = 0; h < hc; ++h)
+        for (int64_t i = 0; i < dv; ++i) o[(g * rep + ch * MOE_W + h) * dv + i] = ot[i * MOE_W + h];
+    }
+}
+
 // ---- Prefill (several new rows of one sequence, causal). An item is one kv head of one sequence
 // and a group of its query heads. Its keys are converted to fp32 once, transposed (kt [dk][L +
 // MOE_W]: one row per key column, zero past L), and its values row by row (vbuf [L][dv]). Each tile
@@ -697,12 +847,6 @@ static void paged_prefill_item(const PT* q, int64_t ldq, int64_t hh, int64_t nq,
     }
 }
 
-// Kv heads serving at least this many query heads take the lanes (fewer leave most lanes idle: the
-// row path's full-width dot products win there). Decided by the kv head's query heads, not by an
-// item's share of them (which follows the thread count): the two paths sum in different orders, and a
-// head's values must not depend on how many threads ran the step.
-constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
-
 struct AttentionKernels {
   static void decode(bool bf16_pool, const float* q, int64_t hh, int64_t group_heads, const void* pool, int64_t S,
                      const PagedHead& head, const int64_t* table, int64_t L, float scale, bool round_half,
@@ -722,6 +866,18 @@ struct AttentionKernels {
     else
       paged_decode_item(q, hh, static_cast<const float*>(pool), S, head, table, L, scale, round_half, scores, kbuf,
                         vbuf, o, next);
+  }
+  // GQA items of kv heads [0, groups) (paged_decode_kv_heads), each of rep query heads
+  static void decode_kv_heads(bool bf16_pool, const float* q, int64_t groups, int64_t rep, const void* pool,
+                              int64_t S, const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
+                              float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
+                              float* o) {
+    if (bf16_pool)
+      paged_decode_kv_heads(q, groups, rep, static_cast<const uint16_t*>(pool), S, head, kv_stride, table, L, scale,
+                            round_half, scores, lanes, kbuf, vbuf, o);
+    else
+      paged_decode_kv_heads(q, groups, rep, static_cast<const float*>(pool), S, head, kv_stride, table, L, scale,
+                            round_half, scores, lanes, kbuf, vbuf, o);
   }
   // q, pool and o all bf16 or all fp32
   static void prefill(bool bf16, const void* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0, const void* pool,

@@ -458,6 +458,11 @@ using RouterSplitFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, int64_t, const void*, int64_t, const PagedHead&,
                                const int64_t*, int64_t, float, bool, float*, float*, float*, float*, float*,
                                const NextItem&);
+// (bf16 pool, q, kv heads, query heads a kv head, pool, S, head, kv_stride, table, L, scale, round_half,
+// scratch..., o)
+using PagedDecodeKvHeadsFn = void (*)(bool, const float*, int64_t, int64_t, const void*, int64_t, const PagedHead&,
+                                      int64_t, const int64_t*, int64_t, float, bool, float*, float*, float*, float*,
+                                      float*);
 using PagedPrefillFn = void (*)(bool, const void*, int64_t, int64_t, int64_t, int64_t, const void*, int64_t,
                                 const PagedHead&, const SharedKeyPart&, const int64_t*, int64_t, int64_t, float,
                                 float*, float*, float*, float*, void*, int64_t);
@@ -514,6 +519,7 @@ struct Isa {
   LinearFn<float> linear_f32;
   LinearFn<uint16_t> linear_bf16;
   PagedDecodeFn paged_decode;
+  PagedDecodeKvHeadsFn paged_decode_kv_heads;  // GQA items of several kv heads (the FMA path)
   PagedPrefillFn paged_prefill;  // causal rows of prefill chunks (keys, then value columns, in lanes; AMX: tiles)
   RmsNormFn rms_norm;
   AddRmsNormFn add_rms_norm;  // the residual add, then RMSNorm of the sum
@@ -535,7 +541,7 @@ struct Isa {
 template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
-             &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::prefill, &N::rms_norm,
+             &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::decode_kv_heads, &M::prefill, &N::rms_norm,
              &N::add_rms_norm, &N::router_logits, &N::rope, &N::add_round, &N::route_scores, &N::route_top, DotIsa{},
              K::pair_tiles};
 }
@@ -1590,6 +1596,34 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
                                       HeadItems::head(head0, g0, kv_stride), kv_stride, tp + b * nb, lp[b],
                                       static_cast<float>(scale), scores.data(), pbuf.data(), acc.data(), rows.data(),
                                       op + (b * H + g0 * rep) * dv);
+        }
+    });
+    return out;
+  }
+  if (!dot && num_kv_heads > 1) {
+    // GQA on the FMA path: items of a sequence's kv heads [g0, g0 + per), as the group path's
+    const int64_t splits = std::min(num_kv_heads, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
+    const int64_t per = (num_kv_heads + splits - 1) / splits, ranges = (num_kv_heads + per - 1) / per;
+    const int64_t chunks = (rep + DOT_HEAD_LANES - 1) / DOT_HEAD_LANES;
+    const int64_t lanes_per = chunks * (dk + dv) * DOT_HEAD_LANES;
+    const float* qs = qf.data_ptr<float>();
+    const void* pool_ptr = pc.data_ptr();
+    char* out_ptr = static_cast<char*>(out.data_ptr());
+    for_each_claimed(B * ranges, [&](auto& claim) {
+      LineVector<float> scores(per * std::max(rep, chunks * DOT_HEAD_LANES) * max_len), lanes(per * lanes_per),
+          kbuf(S * dk), vbuf(S * dv), o(per * rep * dv);
+      for (int64_t begin, end; claim(begin, end);)
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t b = i / ranges, g0 = i % ranges * per, groups = std::min(per, num_kv_heads - g0);
+          isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, pool_ptr, S,
+                                    HeadItems::head(head0, g0, kv_stride), kv_stride, tp + b * nb, lp[b],
+                                    static_cast<float>(scale), bf16, scores.data(), lanes.data(), kbuf.data(),
+                                    vbuf.data(), o.data());
+          const int64_t first = (b * H + g0 * rep) * dv, n = groups * rep * dv;
+          for (int64_t j = 0; j < n; ++j) {
+            if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
+            else reinterpret_cast<float*>(out_ptr)[first + j] = o[j];
+          }
         }
     });
     return out;

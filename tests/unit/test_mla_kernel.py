@@ -566,13 +566,15 @@ def test_bf16_decode_on_amx_runs_the_tiles_where_they_apply(kernel_isas: list[st
 
 
 @pytest.mark.parametrize("case", [(16, 4, 64), (8, 8, 32), (32, 8, 128), (12, 4, 64), (6, 6, 20), (16, 2, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_decode_gives_a_sequence_the_same_bits_however_its_kv_heads_are_split(
-        kernel_isas: list[str], case: tuple[int, int, int]) -> None:
+        kernel_isas: list[str], case: tuple[int, int, int], dtype: torch.dtype) -> None:
     """A sequence's output does not depend on the batch around it or on the threads: at batch 1 and
-    two threads the dot path's small groups split a sequence's kv heads over two items, at batch 3 they
-    stay in one. (query heads, kv heads, head dim): 4, 1, 4, 3, 1 and 8 query heads a kv head."""
+    two threads the dot path's small groups and the FMA path split a sequence's kv heads over two
+    items, at batch 3 they stay in one. (query heads, kv heads, head dim): 4, 1, 4, 3, 1 and 8 query
+    heads a kv head."""
     h, hkv, hd = case
-    pool, tables, lens, q = _random_batch(h + hd, 3, h, hd, (40, 16, 2, hkv, hd), torch.bfloat16)
+    pool, tables, lens, q = _random_batch(h + hd, 3, h, hd, (40, 16, 2, hkv, hd), dtype)
     threads = torch.get_num_threads()
     try:
         for name in kernel_isas:
@@ -586,6 +588,34 @@ def test_gqa_decode_gives_a_sequence_the_same_bits_however_its_kv_heads_are_spli
                 assert torch.equal(alone[0], batch[b]), (name, b)
     finally:
         torch.set_num_threads(threads)
+        kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize("case", [(16, 4, 64), (32, 4, 32), (6, 6, 20), (34, 2, 15)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_decode_fma_items_of_all_kv_heads_give_the_bits_of_one_kv_head_at_a_time(
+        kernel_isas: list[str], case: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """The FMA path takes all of a sequence's kv heads in one item (each block's rows read once for
+    all of them); each kv head's query heads still run the one-kv-head item's tiles in its order. So
+    the op over Hkv kv heads equals the op over each kv head's slice of the cache (one kv head: an
+    item per kv head), bit for bit. (query heads, kv heads, head dim): 4 heads a kv head (the row
+    path), 8 (the lanes on AVX-512; 16 lanes there take 8 or more), MHA, and 17 heads of an odd head
+    dim (two lane chunks on AVX2). fp32 on every instruction set; bf16 where it runs the FMA path."""
+    h, hkv, hd = case
+    rep = h // hkv
+    pool, tables, lens, q = _random_batch(h * hd, 3, h, hd, (40, 16, 2, hkv, hd), dtype)
+    fma = ["avx512", "avx2", "generic"]
+    try:
+        for name in [n for n in kernel_isas if dtype == torch.float32 or n in fma]:
+            kernels.select_isa(name)
+            whole = kernels.gqa_decode(q, pool, tables, lens, 0.125)
+            assert whole.shape == (3, h, hd)
+            for g in range(hkv):
+                heads = slice(g * rep, (g + 1) * rep)
+                one = kernels.gqa_decode(q[:, heads].contiguous(), pool[:, :, :, g:g + 1].contiguous(), tables,
+                                         lens, 0.125)
+                assert torch.equal(one, whole[:, heads]), (name, g)
+    finally:
         kernels.select_isa("auto")
 
 
