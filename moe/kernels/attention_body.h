@@ -848,6 +848,7 @@ static void paged_prefill_item(const PT* q, int64_t ldq, int64_t hh, int64_t nq,
 }
 
 struct AttentionKernels {
+  static constexpr int64_t lane_min_heads = LANE_MIN_HEADS;
   static void decode(bool bf16_pool, const float* q, int64_t hh, int64_t group_heads, const void* pool, int64_t S,
                      const PagedHead& head, const int64_t* table, int64_t L, float scale, bool round_half,
                      float* scores, float* lanes, float* kbuf, float* vbuf, float* o, const NextItem& next) {

@@ -530,6 +530,7 @@ struct Isa {
   RouteTopFn route_top;  // the top k of one token's selection scores
   DotIsa dot;
   bool pair_tiles;  // the FMA tiles have a two-block tile (gate_up / down with nb == 2)
+  int64_t lane_min_heads;  // the FMA path's decode takes a kv head's query heads in lanes from this many
   bool wide_panels = false;  // experts too large for L2 take WIDE_ROW_PANEL rows per panel (see there)
   RouterSplitFn router_split = nullptr;  // bf16 rows' router logits on the weight's bf16 parts (router_logits)
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
@@ -543,7 +544,7 @@ static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
              &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::decode_kv_heads, &M::prefill, &N::rms_norm,
              &N::add_rms_norm, &N::router_logits, &N::rope, &N::add_round, &N::route_scores, &N::route_top, DotIsa{},
-             K::pair_tiles};
+             K::pair_tiles, M::lane_min_heads};
 }
 
 // Whether this process may run AMX's bf16 tiles: cpuid's AMX-TILE and AMX-BF16 bits (leaf 7, EDX
@@ -1513,7 +1514,8 @@ struct HeadItems {
   };
   int64_t num_kv_heads, rep, groups, per_group, count;
   // lanes_pass: the items' heads share one score pass (the dot path's decode, 16 heads in the lanes
-  // of each dot product or the AMX tiles, each head's values independent of the others in its item):
+  // of each dot product or the AMX tiles; the FMA path's lanes, one head a lane; each head's values
+  // independent of the others in its item):
   // each item runs the score pass over all the rows again, so a kv head's query heads are split only
   // as far as every thread gets one item (two items of 8 heads at batch 1 took twice the score pass of
   // one; at two threads, items of 8 heads instead of 4: batch 1 / 2 at 2,048 tokens of context 0.91x /
@@ -1628,7 +1630,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
     });
     return out;
   }
-  const HeadItems items(B, H, num_kv_heads, dot);
+  const HeadItems items(B, H, num_kv_heads, dot || H / num_kv_heads >= isa.lane_min_heads);
   const int64_t per_group = items.per_group;
   const float* qs = dot ? nullptr : qf.data_ptr<float>();
   const uint16_t* qb = dot ? reinterpret_cast<const uint16_t*>(qf.data_ptr()) : nullptr;
