@@ -542,9 +542,9 @@ struct Isa {
 template <typename K, typename M, typename N>
 static Isa make_isa(const char* name) {
   return Isa{name, &K::gate_up, &K::template down<float>, &K::template down<uint16_t>, &K::down_add,
-             &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::decode_kv_heads, &M::prefill, &N::rms_norm,
-             &N::add_rms_norm, &N::router_logits, &N::rope, &N::add_round, &N::route_scores, &N::route_top, DotIsa{},
-             K::pair_tiles, M::lane_min_heads};
+             &K::template linear<float>, &K::template linear<uint16_t>, &M::decode, &M::decode_kv_heads,
+             &M::prefill, &N::rms_norm, &N::add_rms_norm, &N::router_logits, &N::rope, &N::add_round,
+             &N::route_scores, &N::route_top, DotIsa{}, K::pair_tiles, M::lane_min_heads};
 }
 
 // Whether this process may run AMX's bf16 tiles: cpuid's AMX-TILE and AMX-BF16 bits (leaf 7, EDX
