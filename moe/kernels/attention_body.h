@@ -366,7 +366,10 @@ constexpr int64_t LANE_PV_COLUMNS = MOE_W == 16 ? 16 : 8;
 
 // s[t * MOE_W : + MOE_W] = sum_c qt[c * MOE_W : + MOE_W] * k[t * ldk + c] for TT key rows.
 // Lines [0, nl) of `lines` are asked for into L1, one per column from the first (those past dk at once).
-template <int TT>
+// G = 2: the key rows of two kv heads interleaved (k[t * ldk + 2 c + u]: kv head u's column c), each
+// column's pair broadcast over the lanes (lane 2 h + u: kv head u's query head h); each lane sums the
+// same products in the same order as with G = 1.
+template <int TT, int G = 1>
 static inline void lanes_scores_tile(const float* __restrict qt, const float* __restrict k, int64_t ldk, int64_t dk,
                                      float* __restrict s, const char* const* lines, int64_t nl) {
   vf acc[TT];
@@ -378,12 +381,12 @@ static inline void lanes_scores_tile(const float* __restrict qt, const float* __
     __builtin_prefetch(lines[c]);
     const vf qv = vload(qt + c * MOE_W);
 #pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) acc[t] = vfma(vbroadcast(k + t * ldk + c), qv, acc[t]);
+    for (int t = 0; t < TT; ++t) acc[t] = vfma(vbroadcast_n<G>(k + t * ldk + c * G), qv, acc[t]);
   }
   for (; c < dk; ++c) {
     const vf qv = vload(qt + c * MOE_W);
 #pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) acc[t] = vfma(vbroadcast(k + t * ldk + c), qv, acc[t]);
+    for (int t = 0; t < TT; ++t) acc[t] = vfma(vbroadcast_n<G>(k + t * ldk + c * G), qv, acc[t]);
   }
 #pragma GCC unroll 16
   for (int t = 0; t < TT; ++t) vstore(s + t * MOE_W, acc[t]);
@@ -391,6 +394,7 @@ static inline void lanes_scores_tile(const float* __restrict qt, const float* __
 
 // Scores of key rows [0, n) (row t at k + t * ldk) into s [n][MOE_W], in register tiles; lines [0,
 // nl) of `lines` are asked for along the way, a share per tile.
+template <int G = 1>
 static inline void lanes_scores(const float* qt, const float* k, int64_t ldk, int64_t dk, int64_t n, float* s,
                                 const char* const* lines, int64_t nl) {
   const int64_t tiles = (n + LANE_SCORE_TOKENS - 1) / LANE_SCORE_TOKENS;
@@ -399,7 +403,7 @@ static inline void lanes_scores(const float* qt, const float* k, int64_t ldk, in
     rows = next_tile_rows(n - t, LANE_SCORE_TOKENS);
     const int64_t share = std::max<int64_t>(0, std::min(per_tile, nl - first));
     with_row_count<LANE_SCORE_TOKENS>(rows, [&](auto r) {
-      lanes_scores_tile<decltype(r)::value>(qt, k + t * ldk, ldk, dk, s + t * MOE_W, lines + first, share);
+      lanes_scores_tile<decltype(r)::value, G>(qt, k + t * ldk, ldk, dk, s + t * MOE_W, lines + first, share);
     });
   }
 }
@@ -452,8 +456,8 @@ static inline void lanes_softmax(float* s, int64_t L, float scale, bool round_ha
 }
 
 // ot[c * MOE_W : + MOE_W] += sum_{t < T} p[t * MOE_W : + MOE_W] * v[t * ldv + c] for the NC columns
-// [c0, c0 + NC).
-template <int NC>
+// [c0, c0 + NC). G = 2: the value rows of two kv heads interleaved, as lanes_scores_tile's keys.
+template <int NC, int G = 1>
 static inline void lanes_pv_tile(const float* __restrict p, int64_t T, const float* __restrict v, int64_t ldv,
                                  int64_t c0, float* __restrict ot) {
   vf acc[NC];
@@ -462,17 +466,18 @@ static inline void lanes_pv_tile(const float* __restrict p, int64_t T, const flo
   for (int64_t t = 0; t < T; ++t) {
     const vf pv = vload(p + t * MOE_W);
 #pragma GCC unroll 16
-    for (int j = 0; j < NC; ++j) acc[j] = vfma(vbroadcast(v + t * ldv + c0 + j), pv, acc[j]);
+    for (int j = 0; j < NC; ++j) acc[j] = vfma(vbroadcast_n<G>(v + t * ldv + (c0 + j) * G), pv, acc[j]);
   }
 #pragma GCC unroll 16
   for (int j = 0; j < NC; ++j) vstore(ot + (c0 + j) * MOE_W, acc[j]);
 }
 
+template <int G = 1>
 static inline void lanes_pv(const float* p, int64_t T, const float* v, int64_t ldv, int64_t dv, float* ot) {
   int64_t c = 0;
-  for (; c + LANE_PV_COLUMNS <= dv; c += LANE_PV_COLUMNS) lanes_pv_tile<LANE_PV_COLUMNS>(p, T, v, ldv, c, ot);
-  for (; c + 4 <= dv; c += 4) lanes_pv_tile<4>(p, T, v, ldv, c, ot);
-  for (; c < dv; ++c) lanes_pv_tile<1>(p, T, v, ldv, c, ot);
+  for (; c + LANE_PV_COLUMNS <= dv; c += LANE_PV_COLUMNS) lanes_pv_tile<LANE_PV_COLUMNS, G>(p, T, v, ldv, c, ot);
+  for (; c + 4 <= dv; c += 4) lanes_pv_tile<4, G>(p, T, v, ldv, c, ot);
+  for (; c < dv; ++c) lanes_pv_tile<1, G>(p, T, v, ldv, c, ot);
 }
 
 // paged_decode_item with the heads in lanes (hh >= MOE_W / 2). Scratch: scores [chunks][L][MOE_W]
@@ -577,6 +582,101 @@ static inline int64_t rows_f32_asking(const PT* src, int64_t rows, int64_t width
   }
 }
 
+// Rows [0, rows) of two kv heads' parts (row r at a + r * stride and b + r * stride, width wide) as
+// fp32 pairs, dst[(r * width + c) * 2 + u] = column c of part u, with share part of parts of rows [0,
+// ask_rows) at ask (ask_bytes each) asked for into L2 along the way (rows_f32_asking's asks).
+template <typename PT>
+static inline void rows_paired_asking(const PT* a, const PT* b, int64_t rows, int64_t width, int64_t stride,
+                                      float* dst, const PT* ask, int64_t ask_rows, int64_t ask_bytes, int64_t part,
+                                      int64_t parts) {
+  vxi lo, hi;  // interleave masks: lanes j of a and b into lanes 2 j, 2 j + 1
+  for (int j = 0; j < MOE_W; ++j) {
+    lo[j] = j / 2 + (j % 2) * MOE_W;
+    hi[j] = MOE_W / 2 + j / 2 + (j % 2) * MOE_W;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r < ask_rows) ask_share_l2(ask + r * stride, 1, 0, ask_bytes, part, parts);
+    const PT* ra = a + r * stride;
+    const PT* rb = b + r * stride;
+    float* d = dst + r * width * 2;
+    int64_t c = 0;
+    for (; c + MOE_W <= width; c += MOE_W) {
+      const vf va = vload(ra + c), vb = vload(rb + c);
+      vxf xa, xb;
+      std::memcpy(&xa, &va, sizeof(xa));
+      std::memcpy(&xb, &vb, sizeof(xb));
+      const vxf l = __builtin_shuffle(xa, xb, lo), h = __builtin_shuffle(xa, xb, hi);
+      std::memcpy(d + 2 * c, &l, sizeof(l));
+      std::memcpy(d + 2 * c + MOE_W, &h, sizeof(h));
+    }
+    for (; c < width; ++c) d[2 * c] = to_float(ra[c]), d[2 * c + 1] = to_float(rb[c]);
+  }
+  if (ask_rows > rows) ask_share_l2(ask + rows * stride, ask_rows - rows, stride, ask_bytes, part, parts);
+}
+
+// paged_decode_kv_heads for kv heads of rep = MOE_W / 2 query heads (8 on AVX-512, 4 on AVX2): the
+// lanes of one kv head would leave half of each vector idle, so a vector takes two kv heads (lane 2 h +
+// u: kv head 2 p + u's query head h), whose key and value rows are converted into pairs (the G = 2
+// lane tiles). Each lane sums the same products in the same order: the bits of one kv head a vector.
+// Scratch as paged_decode_kv_heads' lanes, with kbuf [S, dk, 2] and vbuf [S, dv, 2].
+template <typename PT>
+static void paged_decode_kv_pairs(const float* q, int64_t groups, int64_t rep, const PT* pool, int64_t S,
+                                  const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
+                                  float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
+                                  float* o) {
+  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv, stride = head.token_stride;
+  const int64_t pairs = (groups + 1) / 2, per_pair = (dk + dv) * MOE_W;
+  const int64_t elem = sizeof(PT), span = (groups - 1) * kv_stride;
+  const int64_t row_lo = std::min(head.k_off, head.v_off);
+  const int64_t row_bytes = (std::max(head.k_off + span + dk, head.v_off + span + dv) - row_lo) * elem;
+  const int64_t value_bytes = (span + dv) * elem;
+  auto block_rows = [&](int64_t blk) { return pool + table[blk] * S * stride; };
+  auto rows_of = [&](int64_t blk) { return blk < nblocks ? std::min(S, L - blk * S) : int64_t{0}; };
+  // kv head u of pair p (an odd count's last pair reads its one kv head twice; the second's queries
+  // are zero and its outputs dropped)
+  auto kv_head = [&](int64_t p, int64_t u) { return std::min(2 * p + u, groups - 1); };
+  for (int64_t p = 0; p < pairs; ++p) {  // qt [dk][MOE_W]; ot zeroed
+    float* qt = lanes + p * per_pair;
+    std::fill(qt, qt + per_pair, 0.f);
+    for (int64_t u = 0; u < 2 && 2 * p + u < groups; ++u)
+      for (int64_t h = 0; h < rep; ++h)
+        for (int64_t i = 0; i < dk; ++i) qt[i * MOE_W + 2 * h + u] = q[((2 * p + u) * rep + h) * dk + i];
+  }
+  const int64_t ahead = (KV_HEADS_ROWS_AHEAD + S - 1) / S;
+  for (int64_t blk = 0; blk < std::min(ahead, nblocks); ++blk)
+    ask_share_l2(block_rows(blk) + row_lo, rows_of(blk), stride, row_bytes, 0, 1);
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t rows = rows_of(blk), ask_rows = rows_of(blk + ahead);
+    const PT* ask = ask_rows ? block_rows(blk + ahead) + row_lo : nullptr;
+    const PT* keys = block_rows(blk) + head.k_off;
+    for (int64_t p = 0; p < pairs; ++p) {
+      rows_paired_asking(keys + kv_head(p, 0) * kv_stride, keys + kv_head(p, 1) * kv_stride, rows, dk, stride, kbuf,
+                         ask, ask_rows, row_bytes, p, pairs);
+      lanes_scores<2>(lanes + p * per_pair, kbuf, 2 * dk, dk, rows, scores + (p * L + blk * S) * MOE_W, nullptr, 0);
+    }
+  }
+  for (int64_t p = 0; p < pairs; ++p) lanes_softmax(scores + p * L * MOE_W, L, scale, round_half);
+  const int64_t vahead = (KV_HEADS_VALUES_AHEAD + S - 1) / S;
+  for (int64_t blk = 0; blk < std::min(vahead, nblocks); ++blk)
+    ask_share_l2(block_rows(blk) + head.v_off, rows_of(blk), stride, value_bytes, 0, 1);
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t rows = rows_of(blk), ask_rows = rows_of(blk + vahead);
+    const PT* ask = ask_rows ? block_rows(blk + vahead) + head.v_off : nullptr;
+    const PT* values = block_rows(blk) + head.v_off;
+    for (int64_t p = 0; p < pairs; ++p) {
+      rows_paired_asking(values + kv_head(p, 0) * kv_stride, values + kv_head(p, 1) * kv_stride, rows, dv, stride,
+                         vbuf, ask, ask_rows, value_bytes, p, pairs);
+      lanes_pv<2>(scores + (p * L + blk * S) * MOE_W, rows, vbuf, 2 * dv, dv, lanes + p * per_pair + dk * MOE_W);
+    }
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const float* ot = lanes + p * per_pair + dk * MOE_W;
+    for (int64_t u = 0; u < 2 && 2 * p + u < groups; ++u)
+      for (int64_t h = 0; h < rep; ++h)
+        for (int64_t i = 0; i < dv; ++i) o[((2 * p + u) * rep + h) * dv + i] = ot[i * MOE_W + 2 * h + u];
+  }
+}
+
 // q: [groups * rep, dk] fp32 rows (kv head g's query heads at rows g * rep ...); kv head g's key and
 // value at head's offsets + g * kv_stride; pool / S / table / L / scale / round_half as
 // paged_decode_item's. Scratch: scores [groups * rep, L] (lanes: [groups][chunks][L][MOE_W], chunks
@@ -587,6 +687,11 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
                                   const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
                                   float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
                                   float* o) {
+  if (rep == MOE_W / 2) {
+    paged_decode_kv_pairs(q, groups, rep, pool, S, head, kv_stride, table, L, scale, round_half, scores, lanes, kbuf,
+                          vbuf, o);
+    return;
+  }
   const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv, stride = head.token_stride;
   const bool in_lanes = rep >= LANE_MIN_HEADS;
   const int64_t chunks = (rep + MOE_W - 1) / MOE_W, per_chunk = (dk + dv) * MOE_W;

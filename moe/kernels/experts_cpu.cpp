@@ -309,6 +309,13 @@ static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 8 columns
   k1 = (vf)(u & 0xffff0000u);
 }
 static inline vf vbroadcast(const float* p) { return vf{} + *p; }
+// p[0 : G) repeated over the lanes (G = 1 or 2)
+template <int G>
+static inline vf vbroadcast_n(const float* p) {
+  vf v;
+  for (int i = 0; i < MOE_W; ++i) v[i] = p[i % G];
+  return v;
+}
 static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 // The scalar twin of vfma for columns past the last whole vector: no FMA instruction at this ISA.
 static inline float sfma(float a, float b, float c) { return a * b + c; }
@@ -348,6 +355,12 @@ static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 8 columns
   k1 = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 static inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+// p[0 : G) repeated over the lanes (G = 1 or 2): one broadcast load
+template <int G>
+static inline vf vbroadcast_n(const float* p) {
+  if constexpr (G == 1) return _mm256_broadcast_ss(p);
+  else return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p)));
+}
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 // Fused like vfma whatever the compiler makes of the loop around it (a row's values must not depend
 // on how many rows share its tile).
@@ -391,6 +404,17 @@ static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 16 column
   k1 = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 static inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+// p[0 : G) repeated over the lanes (G = 1 or 2): one broadcast load
+template <int G>
+static inline vf vbroadcast_n(const float* p) {
+  if constexpr (G == 1) {
+    return _mm512_set1_ps(*p);
+  } else {
+    double d;
+    std::memcpy(&d, p, sizeof(d));
+    return _mm512_castpd_ps(_mm512_set1_pd(d));
+  }
+}
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float sfma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // as avx2's
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
@@ -1613,7 +1637,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
     char* out_ptr = static_cast<char*>(out.data_ptr());
     for_each_claimed(B * ranges, [&](auto& claim) {
       LineVector<float> scores(per * std::max(rep, chunks * DOT_HEAD_LANES) * max_len), lanes(per * lanes_per),
-          kbuf(S * dk), vbuf(S * dv), o(per * rep * dv);
+          kbuf(2 * S * dk), vbuf(2 * S * dv), o(per * rep * dv);
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
           const int64_t b = i / ranges, g0 = i % ranges * per, groups = std::min(per, num_kv_heads - g0);

@@ -592,16 +592,17 @@ def test_gqa_decode_gives_a_sequence_the_same_bits_however_its_kv_heads_are_spli
         kernels.select_isa("auto")
 
 
-@pytest.mark.parametrize("case", [(16, 4, 64), (32, 4, 32), (6, 6, 20), (34, 2, 15)])
+@pytest.mark.parametrize("case", [(16, 4, 64), (32, 4, 32), (24, 3, 40), (6, 6, 20), (34, 2, 15)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_decode_fma_items_of_all_kv_heads_give_the_bits_of_one_kv_head_at_a_time(
         kernel_isas: list[str], case: tuple[int, int, int], dtype: torch.dtype) -> None:
     """The FMA path takes all of a sequence's kv heads in one item (each block's rows read once for
     all of them); each kv head's query heads still run the one-kv-head item's tiles in its order. So
-    the op over Hkv kv heads equals the op over each kv head's slice of the cache (one kv head: an
-    item per kv head), bit for bit. (query heads, kv heads, head dim): 4 heads a kv head (the row
-    path), 8 (the lanes on AVX-512; 16 lanes there take 8 or more), MHA, and 17 heads of an odd head
-    dim (two lane chunks on AVX2). fp32 on every instruction set; bf16 where it runs the FMA path."""
+    the op over Hkv kv heads equals the op over each kv head's slice of the cache, bit for bit.
+    (query heads, kv heads, head dim): 4 heads a kv head (the row path on AVX-512; on AVX2, two kv
+    heads a vector's 8 lanes), 8 (two kv heads a vector's 16 lanes on AVX-512; 3 kv heads: one pair
+    and one kv head alone), MHA, and 17 heads of an odd head dim (two lane chunks on AVX2). fp32 on
+    every instruction set; bf16 where it runs the FMA path."""
     h, hkv, hd = case
     rep = h // hkv
     pool, tables, lens, q = _random_batch(h * hd, 3, h, hd, (40, 16, 2, hkv, hd), dtype)
