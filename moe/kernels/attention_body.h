@@ -99,6 +99,21 @@ static inline void attn_pv_columns(const float* p, int64_t ldp, int64_t T, const
     }
 }
 
+// o[h * dv + c] += sum_{t < T} p[h * ldp + t] * v[t * ldv + c] for heads [0, hh), in tiles of 6 heads
+static inline void attn_pv_heads(int64_t hh, const float* p, int64_t ldp, int64_t T, const float* v, int64_t ldv,
+                                 int64_t dv, float* o) {
+  int64_t h = 0;
+  for (; h + 6 <= hh; h += 6) attn_pv_columns<6>(p + h * ldp, ldp, T, v, ldv, dv, o + h * dv, dv);
+  switch (hh - h) {
+    case 1: attn_pv_columns<1>(p + h * ldp, ldp, T, v, ldv, dv, o + h * dv, dv); break;
+    case 2: attn_pv_columns<2>(p + h * ldp, ldp, T, v, ldv, dv, o + h * dv, dv); break;
+    case 3: attn_pv_columns<3>(p + h * ldp, ldp, T, v, ldv, dv, o + h * dv, dv); break;
+    case 4: attn_pv_columns<4>(p + h * ldp, ldp, T, v, ldv, dv, o + h * dv, dv); break;
+    case 5: attn_pv_columns<5>(p + h * ldp, ldp, T, v, ldv, dv, o + h * dv, dv); break;
+    default: break;
+  }
+}
+
 // exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the
 // degree-6 Taylor polynomial (relative error ~1e-7); below -87 it returns exp(-87) ~ 1.6e-38, nothing
 // next to the max term's 1. Written once for GCC vector types of any width (T = float: one lane).
@@ -338,17 +353,7 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
     const int64_t rows = std::min(S, L - blk * S);
     const float* v;
     const int64_t ldv = value_block(pool, S, head, table, L, blk, keep, kbuf, vbuf, &v);
-    const float* p = scores + blk * S;
-    int64_t h = 0;
-    for (; h + 6 <= hh; h += 6) attn_pv_columns<6>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv);
-    switch (hh - h) {
-      case 1: attn_pv_columns<1>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
-      case 2: attn_pv_columns<2>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
-      case 3: attn_pv_columns<3>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
-      case 4: attn_pv_columns<4>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
-      case 5: attn_pv_columns<5>(p + h * L, L, rows, v, ldv, dv, o + h * dv, dv); break;
-      default: break;
-    }
+    attn_pv_heads(hh, scores + blk * S, L, rows, v, ldv, dv, o);
   }
 }
 
@@ -614,6 +619,31 @@ static inline void rows_paired_asking(const PT* a, const PT* b, int64_t rows, in
   if (ask_rows > rows) ask_share_l2(ask + rows * stride, ask_rows - rows, stride, ask_bytes, part, parts);
 }
 
+// Where the kv-heads items' rows lie: kv heads [0, groups) of a sequence of L tokens (table: its
+// blocks of S), and the spans they ask for into L2: whole rows (from the keys' or values' start to the
+// end of the other's span) in the score pass, the values' span in the value pass.
+template <typename PT>
+struct KvHeadRows {
+  const PT* pool;
+  const int64_t* table;
+  int64_t S, L, stride, nblocks, row_lo, row_bytes, value_bytes;
+  KvHeadRows(const PT* pool_, int64_t S_, const PagedHead& head, int64_t kv_stride, int64_t groups,
+             const int64_t* table_, int64_t L_)
+      : pool(pool_), table(table_), S(S_), L(L_), stride(head.token_stride), nblocks((L_ + S_ - 1) / S_) {
+    const int64_t elem = sizeof(PT), span = (groups - 1) * kv_stride;
+    row_lo = std::min(head.k_off, head.v_off);
+    row_bytes = (std::max(head.k_off + span + head.dk, head.v_off + span + head.dv) - row_lo) * elem;
+    value_bytes = (span + head.dv) * elem;
+  }
+  const PT* block(int64_t blk) const { return pool + table[blk] * S * stride; }
+  int64_t rows(int64_t blk) const { return blk < nblocks ? std::min(S, L - blk * S) : int64_t{0}; }
+  // the first `ahead` blocks' spans (off, bytes from each row's start) at once
+  void ask_first(int64_t ahead, int64_t off, int64_t bytes) const {
+    for (int64_t blk = 0; blk < std::min(ahead, nblocks); ++blk)
+      ask_share_l2(block(blk) + off, rows(blk), stride, bytes, 0, 1);
+  }
+};
+
 // paged_decode_kv_heads for kv heads of rep = MOE_W / 2 query heads (8 on AVX-512, 4 on AVX2): the
 // lanes of one kv head would leave half of each vector idle, so a vector takes two kv heads (lane 2 h +
 // u: kv head 2 p + u's query head h), whose key and value rows are converted into pairs (the G = 2
@@ -624,14 +654,9 @@ static void paged_decode_kv_pairs(const float* q, int64_t groups, int64_t rep, c
                                   const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
                                   float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
                                   float* o) {
-  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv, stride = head.token_stride;
+  const KvHeadRows<PT> r(pool, S, head, kv_stride, groups, table, L);
+  const int64_t nblocks = r.nblocks, dk = head.dk, dv = head.dv, stride = head.token_stride;
   const int64_t pairs = (groups + 1) / 2, per_pair = (dk + dv) * MOE_W;
-  const int64_t elem = sizeof(PT), span = (groups - 1) * kv_stride;
-  const int64_t row_lo = std::min(head.k_off, head.v_off);
-  const int64_t row_bytes = (std::max(head.k_off + span + dk, head.v_off + span + dv) - row_lo) * elem;
-  const int64_t value_bytes = (span + dv) * elem;
-  auto block_rows = [&](int64_t blk) { return pool + table[blk] * S * stride; };
-  auto rows_of = [&](int64_t blk) { return blk < nblocks ? std::min(S, L - blk * S) : int64_t{0}; };
   // kv head u of pair p (an odd count's last pair reads its one kv head twice; the second's queries
   // are zero and its outputs dropped)
   auto kv_head = [&](int64_t p, int64_t u) { return std::min(2 * p + u, groups - 1); };
@@ -643,29 +668,27 @@ static void paged_decode_kv_pairs(const float* q, int64_t groups, int64_t rep, c
         for (int64_t i = 0; i < dk; ++i) qt[i * MOE_W + 2 * h + u] = q[((2 * p + u) * rep + h) * dk + i];
   }
   const int64_t ahead = (KV_HEADS_ROWS_AHEAD + S - 1) / S;
-  for (int64_t blk = 0; blk < std::min(ahead, nblocks); ++blk)
-    ask_share_l2(block_rows(blk) + row_lo, rows_of(blk), stride, row_bytes, 0, 1);
+  r.ask_first(ahead, r.row_lo, r.row_bytes);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t rows = rows_of(blk), ask_rows = rows_of(blk + ahead);
-    const PT* ask = ask_rows ? block_rows(blk + ahead) + row_lo : nullptr;
-    const PT* keys = block_rows(blk) + head.k_off;
+    const int64_t rows = r.rows(blk), ask_rows = r.rows(blk + ahead);
+    const PT* ask = ask_rows ? r.block(blk + ahead) + r.row_lo : nullptr;
+    const PT* keys = r.block(blk) + head.k_off;
     for (int64_t p = 0; p < pairs; ++p) {
       rows_paired_asking(keys + kv_head(p, 0) * kv_stride, keys + kv_head(p, 1) * kv_stride, rows, dk, stride, kbuf,
-                         ask, ask_rows, row_bytes, p, pairs);
+                         ask, ask_rows, r.row_bytes, p, pairs);
       lanes_scores<2>(lanes + p * per_pair, kbuf, 2 * dk, dk, rows, scores + (p * L + blk * S) * MOE_W, nullptr, 0);
     }
   }
   for (int64_t p = 0; p < pairs; ++p) lanes_softmax(scores + p * L * MOE_W, L, scale, round_half);
   const int64_t vahead = (KV_HEADS_VALUES_AHEAD + S - 1) / S;
-  for (int64_t blk = 0; blk < std::min(vahead, nblocks); ++blk)
-    ask_share_l2(block_rows(blk) + head.v_off, rows_of(blk), stride, value_bytes, 0, 1);
+  r.ask_first(vahead, head.v_off, r.value_bytes);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t rows = rows_of(blk), ask_rows = rows_of(blk + vahead);
-    const PT* ask = ask_rows ? block_rows(blk + vahead) + head.v_off : nullptr;
-    const PT* values = block_rows(blk) + head.v_off;
+    const int64_t rows = r.rows(blk), ask_rows = r.rows(blk + vahead);
+    const PT* ask = ask_rows ? r.block(blk + vahead) + head.v_off : nullptr;
+    const PT* values = r.block(blk) + head.v_off;
     for (int64_t p = 0; p < pairs; ++p) {
       rows_paired_asking(values + kv_head(p, 0) * kv_stride, values + kv_head(p, 1) * kv_stride, rows, dv, stride,
-                         vbuf, ask, ask_rows, value_bytes, p, pairs);
+                         vbuf, ask, ask_rows, r.value_bytes, p, pairs);
       lanes_pv<2>(scores + (p * L + blk * S) * MOE_W, rows, vbuf, 2 * dv, dv, lanes + p * per_pair + dk * MOE_W);
     }
   }
@@ -692,16 +715,10 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
                           vbuf, o);
     return;
   }
-  const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv, stride = head.token_stride;
+  const KvHeadRows<PT> r(pool, S, head, kv_stride, groups, table, L);
+  const int64_t nblocks = r.nblocks, dk = head.dk, dv = head.dv, stride = head.token_stride;
   const bool in_lanes = rep >= LANE_MIN_HEADS;
   const int64_t chunks = (rep + MOE_W - 1) / MOE_W, per_chunk = (dk + dv) * MOE_W;
-  const int64_t elem = sizeof(PT), span = (groups - 1) * kv_stride;
-  // whole rows: from the keys' (or values') start to the end of the other's span
-  const int64_t row_lo = std::min(head.k_off, head.v_off);
-  const int64_t row_bytes = (std::max(head.k_off + span + dk, head.v_off + span + dv) - row_lo) * elem;
-  const int64_t value_bytes = (span + dv) * elem;
-  auto block_rows = [&](int64_t blk) { return pool + table[blk] * S * stride; };
-  auto rows_of = [&](int64_t blk) { return blk < nblocks ? std::min(S, L - blk * S) : int64_t{0}; };
   if (in_lanes)
     for (int64_t c = 0; c < groups * chunks; ++c) {  // qt [dk][MOE_W], zero lanes past rep; ot zeroed
       float* qt = lanes + c * per_chunk;
@@ -712,15 +729,14 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
     }
   // pass 1: the first blocks' whole rows at once, then block blk + ahead's while block blk is read
   const int64_t ahead = (KV_HEADS_ROWS_AHEAD + S - 1) / S;
-  for (int64_t blk = 0; blk < std::min(ahead, nblocks); ++blk)
-    ask_share_l2(block_rows(blk) + row_lo, rows_of(blk), stride, row_bytes, 0, 1);
+  r.ask_first(ahead, r.row_lo, r.row_bytes);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t rows = rows_of(blk), ask_rows = rows_of(blk + ahead);
-    const PT* ask = ask_rows ? block_rows(blk + ahead) + row_lo : nullptr;
+    const int64_t rows = r.rows(blk), ask_rows = r.rows(blk + ahead);
+    const PT* ask = ask_rows ? r.block(blk + ahead) + r.row_lo : nullptr;
     for (int64_t g = 0; g < groups; ++g) {
       const float* k;
-      const int64_t ldk = rows_f32_asking(block_rows(blk) + head.k_off + g * kv_stride, rows, dk, stride, kbuf, &k,
-                                          ask, ask_rows, row_bytes, g, groups);
+      const int64_t ldk = rows_f32_asking(r.block(blk) + head.k_off + g * kv_stride, rows, dk, stride, kbuf, &k,
+                                          ask, ask_rows, r.row_bytes, g, groups);
       if (in_lanes) {
         for (int64_t ch = 0; ch < chunks; ++ch)
           lanes_scores(lanes + (g * chunks + ch) * per_chunk, k, ldk, dk, rows,
@@ -742,33 +758,21 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
   }
   // pass 3: the values again, block blk + vahead's asked for while block blk is read
   const int64_t vahead = (KV_HEADS_VALUES_AHEAD + S - 1) / S;
-  for (int64_t blk = 0; blk < std::min(vahead, nblocks); ++blk)
-    ask_share_l2(block_rows(blk) + head.v_off, rows_of(blk), stride, value_bytes, 0, 1);
+  r.ask_first(vahead, head.v_off, r.value_bytes);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t rows = rows_of(blk), ask_rows = rows_of(blk + vahead);
-    const PT* ask = ask_rows ? block_rows(blk + vahead) + head.v_off : nullptr;
+    const int64_t rows = r.rows(blk), ask_rows = r.rows(blk + vahead);
+    const PT* ask = ask_rows ? r.block(blk + vahead) + head.v_off : nullptr;
     for (int64_t g = 0; g < groups; ++g) {
       const float* v;
-      const int64_t ldv = rows_f32_asking(block_rows(blk) + head.v_off + g * kv_stride, rows, dv, stride, vbuf, &v,
-                                          ask, ask_rows, value_bytes, g, groups);
+      const int64_t ldv = rows_f32_asking(r.block(blk) + head.v_off + g * kv_stride, rows, dv, stride, vbuf, &v,
+                                          ask, ask_rows, r.value_bytes, g, groups);
       if (in_lanes) {
         for (int64_t ch = 0; ch < chunks; ++ch)
           lanes_pv(scores + ((g * chunks + ch) * L + blk * S) * MOE_W, rows, v, ldv, dv,
                    lanes + (g * chunks + ch) * per_chunk + dk * MOE_W);
         continue;
       }
-      const float* p = scores + g * rep * L + blk * S;
-      float* og = o + g * rep * dv;
-      int64_t h = 0;
-      for (; h + 6 <= rep; h += 6) attn_pv_columns<6>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv);
-      switch (rep - h) {
-        case 1: attn_pv_columns<1>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
-        case 2: attn_pv_columns<2>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
-        case 3: attn_pv_columns<3>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
-        case 4: attn_pv_columns<4>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
-        case 5: attn_pv_columns<5>(p + h * L, L, rows, v, ldv, dv, og + h * dv, dv); break;
-        default: break;
-      }
+      attn_pv_heads(rep, scores + g * rep * L + blk * S, L, rows, v, ldv, dv, o + g * rep * dv);
     }
   }
   if (in_lanes)
