@@ -204,7 +204,7 @@ def test_mla_decode_spreads_heads_over_threads_at_batch_one(kernel_isas: list[st
     threads = torch.get_num_threads()
     try:
         results = []
-        for n in (1, 3):  # 3 threads: head groups of 2 (10 heads, 2 * 3 items wanted)
+        for n in (1, 3):  # 3 threads: items of 4, 4 and 2 of the 10 heads (the lanes: one item a thread)
             torch.set_num_threads(n)
             results.append(kernels.mla_decode(q, pool, tables, lens, 32, 0.2))
     finally:
@@ -217,9 +217,9 @@ def test_mla_decode_spreads_heads_over_threads_at_batch_one(kernel_isas: list[st
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_decode_at_batch_one_is_the_same_for_any_thread_count(kernel_isas: list[str], dtype: torch.dtype,
                                                                   width: int) -> None:
-    """One thread keeps 16 query heads in one item on the dot path (one score pass) where more
-    threads split them (2 threads: two items of 8, 3: items of 6, 6 and 4): the same bits either
-    way, on every ISA and dtype."""
+    """One thread keeps 16 query heads in one item on the lanes (the dot path's and the FMA path's:
+    one score pass) where more threads split them (2 threads: two items of 8, 3: items of 6, 6 and
+    4): the same bits either way, on every ISA and dtype."""
     gen = torch.Generator().manual_seed(2)
     pool = (torch.randn(12, 16, width, generator=gen) * 0.3).to(dtype)
     tables, lens = torch.tensor([[3, 1, 6, 9, 0, 11, 2, 5, 4]]), torch.tensor([134])
