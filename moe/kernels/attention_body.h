@@ -566,6 +566,18 @@ static inline void ask_share_l2(const PT* src, int64_t rows, int64_t stride, int
   }
 }
 
+// fn(r) for rows [0, rows), with share part of parts of rows [0, ask_rows) at ask (ask_bytes each,
+// stride apart) asked for into L2 along the way: one row's share before each fn, the rest after.
+template <typename PT, typename Fn>
+static inline void each_row_asking(int64_t rows, int64_t stride, const PT* ask, int64_t ask_rows, int64_t ask_bytes,
+                                   int64_t part, int64_t parts, Fn&& fn) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r < ask_rows) ask_share_l2(ask + r * stride, 1, 0, ask_bytes, part, parts);
+    fn(r);
+  }
+  if (ask_rows > rows) ask_share_l2(ask + rows * stride, ask_rows - rows, stride, ask_bytes, part, parts);
+}
+
 // Rows [0, rows) of a block's part (row r at src + r * stride, width wide) as fp32, as rows_f32, with
 // share part of parts of rows [0, ask_rows) at ask (ask_bytes each) asked for into L2 along the way,
 // one row's share per row converted.
@@ -577,11 +589,8 @@ static inline int64_t rows_f32_asking(const PT* src, int64_t rows, int64_t width
     ask_share_l2(ask, ask_rows, stride, ask_bytes, part, parts);
     return rows_f32(src, rows, width, stride, buf, out);
   } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      if (r < ask_rows) ask_share_l2(ask + r * stride, 1, 0, ask_bytes, part, parts);
-      rows_into(src + r * stride, 1, width, 0, buf + r * width);
-    }
-    if (ask_rows > rows) ask_share_l2(ask + rows * stride, ask_rows - rows, stride, ask_bytes, part, parts);
+    each_row_asking(rows, stride, ask, ask_rows, ask_bytes, part, parts,
+                    [&](int64_t r) { rows_into(src + r * stride, 1, width, 0, buf + r * width); });
     *out = buf;
     return width;
   }
@@ -599,8 +608,7 @@ static inline void rows_paired_asking(const PT* a, const PT* b, int64_t rows, in
     lo[j] = j / 2 + (j % 2) * MOE_W;
     hi[j] = MOE_W / 2 + j / 2 + (j % 2) * MOE_W;
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    if (r < ask_rows) ask_share_l2(ask + r * stride, 1, 0, ask_bytes, part, parts);
+  each_row_asking(rows, stride, ask, ask_rows, ask_bytes, part, parts, [&](int64_t r) {
     const PT* ra = a + r * stride;
     const PT* rb = b + r * stride;
     float* d = dst + r * width * 2;
@@ -615,8 +623,7 @@ static inline void rows_paired_asking(const PT* a, const PT* b, int64_t rows, in
       std::memcpy(d + 2 * c + MOE_W, &h, sizeof(h));
     }
     for (; c < width; ++c) d[2 * c] = to_float(ra[c]), d[2 * c + 1] = to_float(rb[c]);
-  }
-  if (ask_rows > rows) ask_share_l2(ask + rows * stride, ask_rows - rows, stride, ask_bytes, part, parts);
+  });
 }
 
 // Where the kv-heads items' rows lie: kv heads [0, groups) of a sequence of L tokens (table: its
@@ -637,151 +644,137 @@ struct KvHeadRows {
   }
   const PT* block(int64_t blk) const { return pool + table[blk] * S * stride; }
   int64_t rows(int64_t blk) const { return blk < nblocks ? std::min(S, L - blk * S) : int64_t{0}; }
-  // the first `ahead` blocks' spans (off, bytes from each row's start) at once
-  void ask_first(int64_t ahead, int64_t off, int64_t bytes) const {
+  // A pass over the blocks: the first blocks' spans (off, bytes from each row's start) `tokens` ahead
+  // asked for at once, then fn(blk, block rows, ask, ask_rows) for each block, where block blk + ahead's
+  // ask_rows spans start at ask (null past the last block) for fn to ask for while it reads block blk.
+  template <typename Fn>
+  void each_block(int64_t tokens, int64_t off, int64_t bytes, Fn&& fn) const {
+    const int64_t ahead = (tokens + S - 1) / S;
     for (int64_t blk = 0; blk < std::min(ahead, nblocks); ++blk)
       ask_share_l2(block(blk) + off, rows(blk), stride, bytes, 0, 1);
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t ask_rows = rows(blk + ahead);
+      fn(blk, rows(blk), ask_rows ? block(blk + ahead) + off : nullptr, ask_rows);
+    }
   }
 };
 
-// paged_decode_kv_heads for kv heads of rep = MOE_W / 2 query heads (8 on AVX-512, 4 on AVX2): the
-// lanes of one kv head would leave half of each vector idle, so a vector takes two kv heads (lane 2 h +
-// u: kv head 2 p + u's query head h), whose key and value rows are converted into pairs (the G = 2
-// lane tiles). Each lane sums the same products in the same order: the bits of one kv head a vector.
-// Scratch as paged_decode_kv_heads' lanes, with kbuf [S, dk, 2] and vbuf [S, dv, 2].
-template <typename PT>
-static void paged_decode_kv_pairs(const float* q, int64_t groups, int64_t rep, const PT* pool, int64_t S,
+// The kv-heads items' lanes (rep >= LANE_MIN_HEADS query heads a kv head): each vector holds G kv
+// heads' query heads, lane h G + u taking kv head u's query head h of the vector's head chunk. G = 1:
+// a kv head's heads MOE_W at a time, its rows converted to fp32 (rows_f32_asking); G = 2, for rep =
+// MOE_W / 2 (8 on AVX-512, 4 on AVX2), where one kv head would leave half of each vector idle: two kv
+// heads' rows converted into pairs (rows_paired_asking; an odd count's last pair reads its one kv head
+// twice, the second's queries zero and its outputs dropped). Each lane sums the same products in the
+// same order whatever G: the bits of one kv head a vector. Arguments and scratch as
+// paged_decode_kv_heads'.
+template <int G, typename PT>
+static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, const PT* pool, int64_t S,
                                   const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
                                   float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
                                   float* o) {
   const KvHeadRows<PT> r(pool, S, head, kv_stride, groups, table, L);
-  const int64_t nblocks = r.nblocks, dk = head.dk, dv = head.dv, stride = head.token_stride;
-  const int64_t pairs = (groups + 1) / 2, per_pair = (dk + dv) * MOE_W;
-  // kv head u of pair p (an odd count's last pair reads its one kv head twice; the second's queries
-  // are zero and its outputs dropped)
-  auto kv_head = [&](int64_t p, int64_t u) { return std::min(2 * p + u, groups - 1); };
-  for (int64_t p = 0; p < pairs; ++p) {  // qt [dk][MOE_W]; ot zeroed
-    float* qt = lanes + p * per_pair;
-    std::fill(qt, qt + per_pair, 0.f);
-    for (int64_t u = 0; u < 2 && 2 * p + u < groups; ++u)
-      for (int64_t h = 0; h < rep; ++h)
-        for (int64_t i = 0; i < dk; ++i) qt[i * MOE_W + 2 * h + u] = q[((2 * p + u) * rep + h) * dk + i];
+  const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride, per_unit = (dk + dv) * MOE_W;
+  constexpr int64_t HEADS = MOE_W / G;  // query heads of one kv head a vector
+  const int64_t sets = (groups + G - 1) / G, chunks = (rep + HEADS - 1) / HEADS, units = sets * chunks;
+  // unit c: kv heads [G (c / chunks), + G) and their query heads [(c % chunks) HEADS, + HEADS)
+  auto kv_head = [&](int64_t c, int64_t u) { return std::min(G * (c / chunks) + u, groups - 1); };
+  auto real = [&](int64_t c, int64_t u) { return G * (c / chunks) + u < groups; };
+  auto chunk_heads = [&](int64_t c) { return std::min(HEADS, rep - c % chunks * HEADS); };
+  for (int64_t c = 0; c < units; ++c) {  // qt [dk][MOE_W], zero past the unit's heads; ot zeroed
+    float* qt = lanes + c * per_unit;
+    std::fill(qt, qt + per_unit, 0.f);
+    for (int64_t u = 0; u < G && real(c, u); ++u)
+      for (int64_t h = 0; h < chunk_heads(c); ++h)
+        for (int64_t i = 0; i < dk; ++i)
+          qt[i * MOE_W + h * G + u] = q[(kv_head(c, u) * rep + c % chunks * HEADS + h) * dk + i];
   }
-  const int64_t ahead = (KV_HEADS_ROWS_AHEAD + S - 1) / S;
-  r.ask_first(ahead, r.row_lo, r.row_bytes);
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t rows = r.rows(blk), ask_rows = r.rows(blk + ahead);
-    const PT* ask = ask_rows ? r.block(blk + ahead) + r.row_lo : nullptr;
-    const PT* keys = r.block(blk) + head.k_off;
-    for (int64_t p = 0; p < pairs; ++p) {
-      rows_paired_asking(keys + kv_head(p, 0) * kv_stride, keys + kv_head(p, 1) * kv_stride, rows, dk, stride, kbuf,
-                         ask, ask_rows, r.row_bytes, p, pairs);
-      lanes_scores<2>(lanes + p * per_pair, kbuf, 2 * dk, dk, rows, scores + (p * L + blk * S) * MOE_W, nullptr, 0);
+  // set s's rows of the block at part (keys or values, width wide) as fp32 (G = 2: pairs) with its share
+  // of the asks; returns their stride
+  auto convert = [&](const PT* part, int64_t rows, int64_t width, int64_t s, float* buf, const float** out,
+                     const PT* ask, int64_t ask_rows, int64_t ask_bytes) -> int64_t {
+    if constexpr (G == 1) {
+      return rows_f32_asking(part + s * kv_stride, rows, width, stride, buf, out, ask, ask_rows, ask_bytes, s, sets);
+    } else {
+      rows_paired_asking(part + kv_head(s * chunks, 0) * kv_stride, part + kv_head(s * chunks, 1) * kv_stride, rows,
+                         width, stride, buf, ask, ask_rows, ask_bytes, s, sets);
+      *out = buf;
+      return 2 * width;
     }
-  }
-  for (int64_t p = 0; p < pairs; ++p) lanes_softmax(scores + p * L * MOE_W, L, scale, round_half);
-  const int64_t vahead = (KV_HEADS_VALUES_AHEAD + S - 1) / S;
-  r.ask_first(vahead, head.v_off, r.value_bytes);
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t rows = r.rows(blk), ask_rows = r.rows(blk + vahead);
-    const PT* ask = ask_rows ? r.block(blk + vahead) + head.v_off : nullptr;
-    const PT* values = r.block(blk) + head.v_off;
-    for (int64_t p = 0; p < pairs; ++p) {
-      rows_paired_asking(values + kv_head(p, 0) * kv_stride, values + kv_head(p, 1) * kv_stride, rows, dv, stride,
-                         vbuf, ask, ask_rows, r.value_bytes, p, pairs);
-      lanes_pv<2>(scores + (p * L + blk * S) * MOE_W, rows, vbuf, 2 * dv, dv, lanes + p * per_pair + dk * MOE_W);
+  };
+  r.each_block(KV_HEADS_ROWS_AHEAD, r.row_lo, r.row_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
+                                                                  int64_t ask_rows) {
+    for (int64_t s = 0; s < sets; ++s) {
+      const float* k;
+      const int64_t ldk = convert(r.block(blk) + head.k_off, rows, dk, s, kbuf, &k, ask, ask_rows, r.row_bytes);
+      for (int64_t c = s * chunks; c < (s + 1) * chunks; ++c)
+        lanes_scores<G>(lanes + c * per_unit, k, ldk, dk, rows, scores + (c * L + blk * S) * MOE_W, nullptr, 0);
     }
-  }
-  for (int64_t p = 0; p < pairs; ++p) {
-    const float* ot = lanes + p * per_pair + dk * MOE_W;
-    for (int64_t u = 0; u < 2 && 2 * p + u < groups; ++u)
-      for (int64_t h = 0; h < rep; ++h)
-        for (int64_t i = 0; i < dv; ++i) o[((2 * p + u) * rep + h) * dv + i] = ot[i * MOE_W + 2 * h + u];
+  });
+  for (int64_t c = 0; c < units; ++c) lanes_softmax(scores + c * L * MOE_W, L, scale, round_half);
+  r.each_block(KV_HEADS_VALUES_AHEAD, head.v_off, r.value_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
+                                                                      int64_t ask_rows) {
+    for (int64_t s = 0; s < sets; ++s) {
+      const float* v;
+      const int64_t ldv = convert(r.block(blk) + head.v_off, rows, dv, s, vbuf, &v, ask, ask_rows, r.value_bytes);
+      for (int64_t c = s * chunks; c < (s + 1) * chunks; ++c)
+        lanes_pv<G>(scores + (c * L + blk * S) * MOE_W, rows, v, ldv, dv, lanes + c * per_unit + dk * MOE_W);
+    }
+  });
+  for (int64_t c = 0; c < units; ++c) {
+    const float* ot = lanes + c * per_unit + dk * MOE_W;
+    for (int64_t u = 0; u < G && real(c, u); ++u)
+      for (int64_t h = 0; h < chunk_heads(c); ++h)
+        for (int64_t i = 0; i < dv; ++i)
+          o[(kv_head(c, u) * rep + c % chunks * HEADS + h) * dv + i] = ot[i * MOE_W + h * G + u];
   }
 }
 
 // q: [groups * rep, dk] fp32 rows (kv head g's query heads at rows g * rep ...); kv head g's key and
 // value at head's offsets + g * kv_stride; pool / S / table / L / scale / round_half as
-// paged_decode_item's. Scratch: scores [groups * rep, L] (lanes: [groups][chunks][L][MOE_W], chunks
-// = rep rounded up to MOE_W, / MOE_W); lanes [groups][chunks][dk + dv][MOE_W] (the lanes only);
-// kbuf [S, dk]; vbuf [S, dv]. o: [groups * rep, dv] fp32 output.
+// paged_decode_item's. Scratch: scores [groups * rep, L] (lanes: [units][L][MOE_W], units = kv heads
+// a vector's worth at a time times their head chunks: at most groups x (rep rounded up to MOE_W) /
+// MOE_W); lanes [units][dk + dv][MOE_W] (the lanes only); kbuf [S, dk, 2]; vbuf [S, dv, 2]. o: [groups
+// * rep, dv] fp32 output. Fewer than LANE_MIN_HEADS heads a kv head take the row path's tiles.
 template <typename PT>
 static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, const PT* pool, int64_t S,
                                   const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
                                   float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
                                   float* o) {
-  if (rep == MOE_W / 2) {
-    paged_decode_kv_pairs(q, groups, rep, pool, S, head, kv_stride, table, L, scale, round_half, scores, lanes, kbuf,
-                          vbuf, o);
+  if (rep >= LANE_MIN_HEADS) {
+    if (rep == MOE_W / 2)
+      paged_decode_kv_lanes<2>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, round_half, scores, lanes,
+                               kbuf, vbuf, o);
+    else
+      paged_decode_kv_lanes<1>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, round_half, scores, lanes,
+                               kbuf, vbuf, o);
     return;
   }
   const KvHeadRows<PT> r(pool, S, head, kv_stride, groups, table, L);
-  const int64_t nblocks = r.nblocks, dk = head.dk, dv = head.dv, stride = head.token_stride;
-  const bool in_lanes = rep >= LANE_MIN_HEADS;
-  const int64_t chunks = (rep + MOE_W - 1) / MOE_W, per_chunk = (dk + dv) * MOE_W;
-  if (in_lanes)
-    for (int64_t c = 0; c < groups * chunks; ++c) {  // qt [dk][MOE_W], zero lanes past rep; ot zeroed
-      float* qt = lanes + c * per_chunk;
-      const int64_t g = c / chunks, ch = c % chunks, hc = std::min<int64_t>(MOE_W, rep - ch * MOE_W);
-      std::fill(qt, qt + per_chunk, 0.f);
-      for (int64_t h = 0; h < hc; ++h)
-        for (int64_t i = 0; i < dk; ++i) qt[i * MOE_W + h] = q[(g * rep + ch * MOE_W + h) * dk + i];
-    }
-  // pass 1: the first blocks' whole rows at once, then block blk + ahead's while block blk is read
-  const int64_t ahead = (KV_HEADS_ROWS_AHEAD + S - 1) / S;
-  r.ask_first(ahead, r.row_lo, r.row_bytes);
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t rows = r.rows(blk), ask_rows = r.rows(blk + ahead);
-    const PT* ask = ask_rows ? r.block(blk + ahead) + r.row_lo : nullptr;
+  const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
+  r.each_block(KV_HEADS_ROWS_AHEAD, r.row_lo, r.row_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
+                                                                  int64_t ask_rows) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* k;
       const int64_t ldk = rows_f32_asking(r.block(blk) + head.k_off + g * kv_stride, rows, dk, stride, kbuf, &k,
                                           ask, ask_rows, r.row_bytes, g, groups);
-      if (in_lanes) {
-        for (int64_t ch = 0; ch < chunks; ++ch)
-          lanes_scores(lanes + (g * chunks + ch) * per_chunk, k, ldk, dk, rows,
-                       scores + ((g * chunks + ch) * L + blk * S) * MOE_W, nullptr, 0);
-        continue;
-      }
       const float* qg = q + g * rep * dk;
       float* sg = scores + g * rep * L + blk * S;
       int64_t t = 0;
       for (; t + 3 <= rows; t += 3) attn_dot_heads<3>(rep, qg, dk, k + t * ldk, ldk, dk, sg + t, L);
       for (; t < rows; ++t) attn_dot_heads<1>(rep, qg, dk, k + t * ldk, ldk, dk, sg + t, L);
     }
-  }
-  if (in_lanes) {
-    for (int64_t c = 0; c < groups * chunks; ++c) lanes_softmax(scores + c * L * MOE_W, L, scale, round_half);
-  } else {
-    for (int64_t h = 0; h < groups * rep; ++h) attn_softmax(scores + h * L, L, scale, round_half);
-    std::fill(o, o + groups * rep * dv, 0.f);
-  }
-  // pass 3: the values again, block blk + vahead's asked for while block blk is read
-  const int64_t vahead = (KV_HEADS_VALUES_AHEAD + S - 1) / S;
-  r.ask_first(vahead, head.v_off, r.value_bytes);
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t rows = r.rows(blk), ask_rows = r.rows(blk + vahead);
-    const PT* ask = ask_rows ? r.block(blk + vahead) + head.v_off : nullptr;
+  });
+  for (int64_t h = 0; h < groups * rep; ++h) attn_softmax(scores + h * L, L, scale, round_half);
+  std::fill(o, o + groups * rep * dv, 0.f);
+  r.each_block(KV_HEADS_VALUES_AHEAD, head.v_off, r.value_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
+                                                                      int64_t ask_rows) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* v;
       const int64_t ldv = rows_f32_asking(r.block(blk) + head.v_off + g * kv_stride, rows, dv, stride, vbuf, &v,
                                           ask, ask_rows, r.value_bytes, g, groups);
-      if (in_lanes) {
-        for (int64_t ch = 0; ch < chunks; ++ch)
-          lanes_pv(scores + ((g * chunks + ch) * L + blk * S) * MOE_W, rows, v, ldv, dv,
-                   lanes + (g * chunks + ch) * per_chunk + dk * MOE_W);
-        continue;
-      }
       attn_pv_heads(rep, scores + g * rep * L + blk * S, L, rows, v, ldv, dv, o + g * rep * dv);
     }
-  }
-  if (in_lanes)
-    for (int64_t c = 0; c < groups * chunks; ++c) {
-      const float* ot = lanes + c * per_chunk + dk * MOE_W;
-      const int64_t g = c / chunks, ch = c % chunks, hc = std::min<int64_t>(MOE_W, rep - ch * MOE_W);
-      for (int64_t h = 0; h < hc; ++h)
-        for (int64_t i = 0; i < dv; ++i) o[(g * rep + ch * MOE_W + h) * dv + i] = ot[i * MOE_W + h];
-    }
+  });
 }
 
 // ---- Prefill (several new rows of one sequence, causal). An item is one kv head of one sequence

@@ -802,10 +802,7 @@ struct AttentionDotKernels {
             qv[g * qwords + i * 16 + h * J + j] = h < rep ? qw[h * kpairs + i * J + j] : 0u;
     }
     const int64_t kbytes = (groups - 1) * kv_stride * 2 + dk * 2, vbytes = (groups - 1) * kv_stride * 2 + dv * 2;
-    auto ask = [](const uint16_t* row, int64_t bytes) {  // into L2
-      const char* c = reinterpret_cast<const char*>(row);
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
-    };
+    auto ask = [](const uint16_t* row, int64_t bytes) { avx512::ask_share_l2(row, 1, 0, bytes, 0, 1); };  // into L2
     // the score pass asks for whole rows: the item's keys and values (the values are read later, by
     // then from L2 or L3)
     const int64_t row_bytes = std::max(kbytes, (head.v_off - head.k_off) * 2 + vbytes);

@@ -1562,6 +1562,33 @@ struct HeadItems {
   }
 };
 
+// Items of a sequence's kv heads [g0, g0 + per) (the group and kv-heads decode paths): all of a
+// sequence's kv heads in one item, split over items only when sequences are fewer than threads.
+struct KvHeadRanges {
+  struct One {
+    int64_t b, g0, groups;
+  };
+  int64_t num_kv_heads, per, ranges, count;
+  KvHeadRanges(int64_t B, int64_t kv_heads) : num_kv_heads(kv_heads) {
+    const int64_t splits = std::min(kv_heads, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
+    per = (kv_heads + splits - 1) / splits;
+    ranges = (kv_heads + per - 1) / per;
+    count = B * ranges;
+  }
+  One operator[](int64_t i) const {
+    const int64_t g0 = i % ranges * per;
+    return One{i / ranges, g0, std::min(per, num_kv_heads - g0)};
+  }
+};
+
+// out[first : first + n) = o[0 : n), rounded to bf16 (store_value) when bf16, else fp32
+static void store_rows(bool bf16, void* out, int64_t first, const float* o, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (bf16) store_value(static_cast<uint16_t*>(out) + first + j, o[j]);
+    else static_cast<float*>(out)[first + j] = o[j];
+  }
+}
+
 // Decode attention straight from a paged cache: q [B, H, dk] (one query per sequence, at position
 // context_len - 1, seeing all its keys); kv head g (of num_kv_heads) serves query heads
 // [g * H / num_kv_heads, (g + 1) * H / num_kv_heads) and sits at head0's offsets + g * kv_stride.
@@ -1604,20 +1631,18 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const int64_t rep = H / num_kv_heads;
   const int hp = dot && isa.dot.paged_decode_groups != nullptr ? isa.dot.group_lanes(rep, dk) : 0;
   if (hp != 0) {
-    // items of a sequence's kv heads [g0, g0 + per) (all of them unless fewer sequences than threads)
-    const int64_t splits = std::min(num_kv_heads, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
-    const int64_t per = (num_kv_heads + splits - 1) / splits, ranges = (num_kv_heads + per - 1) / per;
-    const int64_t padded = max_len + 16;
+    const KvHeadRanges items(B, num_kv_heads);
+    const int64_t per = items.per, padded = max_len + 16;
     const uint16_t* qb = reinterpret_cast<const uint16_t*>(qf.data_ptr());
     const uint16_t* pool_ptr = static_cast<const uint16_t*>(pc.data_ptr());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    for_each_claimed(B * ranges, [&](auto& claim) {
+    for_each_claimed(items.count, [&](auto& claim) {
       LineVector<float> scores(per * padded * hp), acc(per * rep * (dv + 32));
       LineVector<uint32_t> pbuf(per * (dk / 2 * hp + padded * hp / 2 + 16));
       std::vector<const uint16_t*> rows(2 * (max_len + 1));
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t b = i / ranges, g0 = i % ranges * per, groups = std::min(per, num_kv_heads - g0);
+          const auto [b, g0, groups] = items[i];
           isa.dot.paged_decode_groups(hp, qb + (b * H + g0 * rep) * dk, groups, rep, pool_ptr, S,
                                       HeadItems::head(head0, g0, kv_stride), kv_stride, tp + b * nb, lp[b],
                                       static_cast<float>(scale), scores.data(), pbuf.data(), acc.data(), rows.data(),
@@ -1627,29 +1652,25 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
     return out;
   }
   if (!dot && num_kv_heads > 1) {
-    // GQA on the FMA path: items of a sequence's kv heads [g0, g0 + per), as the group path's
-    const int64_t splits = std::min(num_kv_heads, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
-    const int64_t per = (num_kv_heads + splits - 1) / splits, ranges = (num_kv_heads + per - 1) / per;
+    // GQA on the FMA path: items of a sequence's kv heads, as the group path's
+    const KvHeadRanges items(B, num_kv_heads);
+    const int64_t per = items.per;
     const int64_t chunks = (rep + DOT_HEAD_LANES - 1) / DOT_HEAD_LANES;
     const int64_t lanes_per = chunks * (dk + dv) * DOT_HEAD_LANES;
     const float* qs = qf.data_ptr<float>();
     const void* pool_ptr = pc.data_ptr();
-    char* out_ptr = static_cast<char*>(out.data_ptr());
-    for_each_claimed(B * ranges, [&](auto& claim) {
+    void* out_ptr = out.data_ptr();
+    for_each_claimed(items.count, [&](auto& claim) {
       LineVector<float> scores(per * std::max(rep, chunks * DOT_HEAD_LANES) * max_len), lanes(per * lanes_per),
           kbuf(2 * S * dk), vbuf(2 * S * dv), o(per * rep * dv);
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t b = i / ranges, g0 = i % ranges * per, groups = std::min(per, num_kv_heads - g0);
+          const auto [b, g0, groups] = items[i];
           isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, pool_ptr, S,
                                     HeadItems::head(head0, g0, kv_stride), kv_stride, tp + b * nb, lp[b],
                                     static_cast<float>(scale), bf16, scores.data(), lanes.data(), kbuf.data(),
                                     vbuf.data(), o.data());
-          const int64_t first = (b * H + g0 * rep) * dv, n = groups * rep * dv;
-          for (int64_t j = 0; j < n; ++j) {
-            if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
-            else reinterpret_cast<float*>(out_ptr)[first + j] = o[j];
-          }
+          store_rows(bf16, out_ptr, (b * H + g0 * rep) * dv, o.data(), groups * rep * dv);
         }
     });
     return out;
@@ -1697,10 +1718,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
         }
         isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, items.rep, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
                          scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
-        for (int64_t j = 0; j < hh * dv; ++j) {
-          if (bf16) store_value(reinterpret_cast<uint16_t*>(out_ptr) + first + j, o[j]);
-          else reinterpret_cast<float*>(out_ptr)[first + j] = o[j];
-        }
+        store_rows(bf16, out_ptr, first, o.data(), hh * dv);
       }
   });
   return out;
