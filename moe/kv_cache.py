@@ -182,6 +182,19 @@ class KVLayerView:
         q = (entries.float() / self.scale).clamp(-FP8_MAX, FP8_MAX)
         flat[slot_mapping] = q.to(FP8_DTYPE)
 
+    @property
+    def scale_settled(self) -> bool:
+        """Whether writes quantize with a scale fixed already: not an fp8 cache waiting for its
+        first write to calibrate it (``calculate_kv_scales``). The fused decode ops, which write
+        the cache themselves, take only such a cache."""
+        cache = self.cache
+        return not (cache.is_fp8 and cache.calculate_kv_scales and not cache.calibrated[self.layer_id])
+
+    def kernel_scale(self) -> float:
+        """The scale the CPU decode kernels take with this pool: the fp8 cache's (its entries are
+        value / scale), 1.0 for any other."""
+        return float(self.cache.scales[self.layer_id]) if self.cache.is_fp8 else 1.0
+
     def set_scale(self, scale: float) -> None:
         """Fix this layer's fp8 scale (skips first-write calibration)."""
         self.cache.scales[self.layer_id] = float(scale)

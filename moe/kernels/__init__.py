@@ -325,23 +325,26 @@ def mla_rope_cache(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Ten
 
 
 def mla_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               value_dim: int, scale: float) -> torch.Tensor:
+               value_dim: int, scale: float, kv_scale: float = 1.0) -> torch.Tensor:
     """MLA absorbed decode attention read straight from the paged latent cache.
 
     q: [B, H, C + R] absorbed queries (latent part, then rope part); pool: [N, S, C + R] one
-    layer's cache in q's dtype (float32 or bfloat16); block_tables: [B, nb] int64; context_lens:
-    [B] int64 (each sequence's query sees its whole context). Returns [B, H, value_dim] in q's
-    dtype: softmax(q latent^T * scale) @ latent[..., :value_dim], softmax in fp32; bf16 inputs
-    round the scores and probabilities to bf16 as ``moe.layers.paged.sdpa`` does.
+    layer's cache in q's dtype (float32 or bfloat16), or float8_e4m3fn holding values / kv_scale
+    (``moe.kv_cache``'s fp8 cache); block_tables: [B, nb] int64; context_lens: [B] int64 (each
+    sequence's query sees its whole context). Returns [B, H, value_dim] in q's dtype:
+    softmax(q latent^T * scale) @ latent[..., :value_dim], softmax in fp32; bf16 inputs round the
+    scores and probabilities to bf16 as ``moe.layers.paged.sdpa`` does. An fp8 pool gives the bits
+    of the same call on its values dequantized as ``KVLayerView.gather`` does (fp8 x kv_scale in
+    fp32, rounded to q's dtype), read from memory as fp8.
     """
-    return torch.ops.moe_kernels.mla_decode(q, pool, block_tables, context_lens, value_dim, scale)
+    return torch.ops.moe_kernels.mla_decode(q, pool, block_tables, context_lens, value_dim, scale, kv_scale)
 
 
 def mla_decode_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
                          norms: tuple[torch.Tensor | None, torch.Tensor], eps: tuple[float, float],
                          dims: tuple[int, ...], cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
                          pool: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         context_lens: torch.Tensor, scale: float, kv_scale: float = 1.0) -> torch.Tensor:
     """MLA's whole attention for a step of decode rows only (row b: sequence b's one new token), in
     one op; bit-equal to ``moe.layers.mla.MLAAttention``'s op-by-op kernel path.
 
@@ -349,18 +352,19 @@ def mla_decode_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], bia
     ``pack_linear`` returns their ``wp``; biases: (q_a, q, kv_a, o), each float/x-dtype or None;
     norms: (q_a_layernorm weight or None, kv_a_layernorm weight [C]); eps: theirs; dims: (H, Nn, Vd,
     q_a columns or 0, q columns, D); cos, sin: [B, R/2] float32; pool: [N, S, C + R] (this step's
-    entries are written at slot_mapping [B]); block_tables: [B, nb]; context_lens: [B].
-    Returns o_proj's output [B, D] in x's dtype."""
+    entries are written at slot_mapping [B]) in x's dtype, or float8_e4m3fn holding values / kv_scale
+    (entries quantized as ``KVLayerView.write`` does, read as ``mla_decode`` reads them);
+    block_tables: [B, nb]; context_lens: [B]. Returns o_proj's output [B, D] in x's dtype."""
     run = mla_decode_attention_op(weights, biases, norms, eps, dims, interleave, scale)
-    return run(x, cos, sin, pool, slot_mapping, block_tables, context_lens)
+    return run(x, cos, sin, pool, slot_mapping, block_tables, context_lens, kv_scale)
 
 
 def mla_decode_attention_op(weights: tuple[torch.Tensor | None, ...], biases: tuple[torch.Tensor | None, ...],
                             norms: tuple[torch.Tensor | None, torch.Tensor], eps: tuple[float, float],
                             dims: tuple[int, ...], interleave: bool, scale: float) -> Callable[..., torch.Tensor]:
     """``mla_decode_attention`` with one layer's weights and dimensions bound once: returns
-    ``run(x, cos, sin, pool, slot_mapping, block_tables, context_lens)`` (the per-step arguments,
-    shaped as ``mla_decode_attention`` takes them) -> [B, D]."""
+    ``run(x, cos, sin, pool, slot_mapping, block_tables, context_lens, kv_scale=1.0)`` (the per-step
+    arguments, shaped as ``mla_decode_attention`` takes them) -> [B, D]."""
     q_a, q, kv_a, wuk, wuv, o = weights
     q_a_bias, q_bias, kv_a_bias, o_bias = (b if b is not None else _NONE for b in biases)
     q_a_norm, kv_norm = norms
@@ -369,8 +373,8 @@ def mla_decode_attention_op(weights: tuple[torch.Tensor | None, ...], biases: tu
     op = torch.ops.moe_kernels.mla_decode_attention.default
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        return op(x, *head, cos, sin, interleave, pool, slot_mapping, block_tables, context_lens, scale)
+            block_tables: torch.Tensor, context_lens: torch.Tensor, kv_scale: float = 1.0) -> torch.Tensor:
+        return op(x, *head, cos, sin, interleave, pool, slot_mapping, block_tables, context_lens, scale, kv_scale)
 
     return run
 
@@ -386,8 +390,9 @@ def gqa_decode_attention_op(weights: tuple[torch.Tensor, ...], biases: tuple[tor
     weights: packed (q, k, v, o) as ``pack_linear`` returns their ``wp``; biases: theirs or None;
     norms: the per-head (q_norm, k_norm) RMSNorm weights [hd] (Qwen3) or None; eps: theirs; dims:
     (H, Hkv, hd, D). Returns ``run(x [B, D], cos [B, hd/2], sin, pool [N, S, 2, Hkv, hd],
-    slot_mapping [B], block_tables [B, nb], context_lens [B])`` -> o_proj's output [B, D] (this
-    step's roped keys and values written to the pool)."""
+    slot_mapping [B], block_tables [B, nb], context_lens [B], kv_scale=1.0)`` -> o_proj's output
+    [B, D] (this step's roped keys and values written to the pool: in x's dtype, or float8_e4m3fn
+    holding values / kv_scale, as ``mla_decode_attention``'s)."""
     q, k, v, o = weights
     q_bias, k_bias, v_bias, o_bias = (b if b is not None else _NONE for b in biases)
     q_norm, k_norm = norms if norms is not None else (_NONE, _NONE)
@@ -395,8 +400,8 @@ def gqa_decode_attention_op(weights: tuple[torch.Tensor, ...], biases: tuple[tor
     op = torch.ops.moe_kernels.gqa_decode_attention.default
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        return op(x, *head, cos, sin, interleave, pool, slot_mapping, block_tables, context_lens, scale)
+            block_tables: torch.Tensor, context_lens: torch.Tensor, kv_scale: float = 1.0) -> torch.Tensor:
+        return op(x, *head, cos, sin, interleave, pool, slot_mapping, block_tables, context_lens, scale, kv_scale)
 
     return run
 
@@ -539,15 +544,16 @@ def router_split_applies(x_dtype: torch.dtype, hidden: int) -> bool:
 
 
 def gqa_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scale: float = 1.0) -> torch.Tensor:
     """Grouped-query decode attention read straight from the paged cache.
 
     q: [B, H, hd]; pool: [N, S, 2, Hkv, hd] one layer's cache (keys, then values) in q's dtype
-    (float32 or bfloat16); block_tables: [B, nb] int64; context_lens: [B] int64 (each query sees
-    its whole context). Query head h uses kv head h // (H / Hkv). Returns [B, H, hd] in q's dtype,
-    with ``mla_decode``'s fp32 softmax and bf16 rounding.
+    (float32 or bfloat16), or float8_e4m3fn holding values / kv_scale as ``mla_decode``'s;
+    block_tables: [B, nb] int64; context_lens: [B] int64 (each query sees its whole context).
+    Query head h uses kv head h // (H / Hkv). Returns [B, H, hd] in q's dtype, with
+    ``mla_decode``'s fp32 softmax and bf16 rounding.
     """
-    return torch.ops.moe_kernels.gqa_decode(q, pool, block_tables, context_lens, scale)
+    return torch.ops.moe_kernels.gqa_decode(q, pool, block_tables, context_lens, scale, kv_scale)
 
 
 def mla_prefill(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -596,6 +602,15 @@ def cpu_op_applies(*tensors: torch.Tensor) -> bool:
         if t.dtype != dtype:
             return False
     return cpu_kernel_applies(*tensors)
+
+
+def paged_decode_applies(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether ``mla_decode`` / ``gqa_decode`` can take decode queries q over a cache pool: q
+    float32 or bfloat16, the pool in q's dtype or float8_e4m3fn (an fp8 cache), both on CPU, no
+    autograd, the extension built."""
+    if pool.dtype == torch.float8_e4m3fn:
+        return (q.dtype == torch.float32 or q.dtype == torch.bfloat16) and cpu_kernel_applies(q, pool)
+    return cpu_op_applies(q, pool)
 
 
 def cpu_kernel_applies(*tensors: torch.Tensor) -> bool:

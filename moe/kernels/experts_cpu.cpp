@@ -19,6 +19,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -427,6 +429,23 @@ static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #include "norm_body.h"
 #undef MOE_W
 #undef MOE_EXP8
+// dst[i] = lut[src[i]] for i < n: bytes through a 256-entry table of 16-bit values, 32 at a time (each
+// of the four 64-entry quarters in two registers, picked by the byte's top two bits)
+static void lut16_rows(const uint8_t* src, int64_t n, const uint16_t* lut, uint16_t* dst) {
+  __m512i t[8];
+  for (int i = 0; i < 8; ++i) t[i] = _mm512_loadu_si512(lut + 32 * i);
+  const __m512i bit6 = _mm512_set1_epi16(0x40), bit7 = _mm512_set1_epi16(0x80);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __mmask32 m = n - i >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << (n - i)) - 1);
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, src + i));
+    const __mmask32 hi = _mm512_test_epi16_mask(x, bit6), neg = _mm512_test_epi16_mask(x, bit7);
+    const __m512i a = _mm512_mask_mov_epi16(_mm512_permutex2var_epi16(t[0], x, t[1]), hi,
+                                            _mm512_permutex2var_epi16(t[2], x, t[3]));
+    const __m512i b = _mm512_mask_mov_epi16(_mm512_permutex2var_epi16(t[4], x, t[5]), hi,
+                                            _mm512_permutex2var_epi16(t[6], x, t[7]));
+    _mm512_mask_storeu_epi16(dst + i, m, _mm512_mask_mov_epi16(a, neg, b));
+  }
+}
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -557,6 +576,8 @@ struct Isa {
   int64_t lane_min_heads;  // the FMA path's decode takes a kv head's query heads in lanes from this many
   bool wide_panels = false;  // experts too large for L2 take WIDE_ROW_PANEL rows per panel (see there)
   RouterSplitFn router_split = nullptr;  // bf16 rows' router logits on the weight's bf16 parts (router_logits)
+  // (src, n, lut, dst): dst[i] = lut[src[i]], 16-bit entries (null: a scalar loop), for fp8 caches
+  void (*lut16_rows)(const uint8_t*, int64_t, const uint16_t*, uint16_t*) = nullptr;
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
   bool dot_bf16(int wt, at::ScalarType x_type) const {
     return dot.gate_up != nullptr && wt == W_BF16 && x_type == at::kBFloat16;
@@ -687,7 +708,17 @@ static std::string best_isa() {
   return "generic";
 }
 
+static Isa isa_by_name_base(const std::string& name);
+
 static Isa isa_by_name(const std::string& name) {
+  Isa isa = isa_by_name_base(name);
+#if defined(__x86_64__) || defined(__i386__)
+  if (name == "avx512" || name == "avx512bf16" || name == "amx") isa.lut16_rows = &avx512::lut16_rows;
+#endif
+  return isa;
+}
+
+static Isa isa_by_name_base(const std::string& name) {
   TORCH_CHECK(name == "generic" || name == "avx2" || name == "avx512" || name == "avx512bf16" || name == "amx",
               "moe_kernels: unknown ISA '", name, "' (expected generic, avx2, avx512, avx512bf16 or amx)");
   TORCH_CHECK(cpu_has(name), "moe_kernels: this CPU does not support ", name);
@@ -1589,20 +1620,84 @@ static void store_rows(bool bf16, void* out, int64_t first, const float* o, int6
   }
 }
 
+// An fp8 (e4m3) cache read by the decode items of q's dtype. An item's sequence goes, whole blocks in
+// its block table's order, through a 256-entry table into its thread's scratch: entry x is fp8 value x
+// times the cache's scale, rounded to q's dtype (what KVLayerView.gather dequantizes to), so the items,
+// reading the scratch as their pool (blocks 0, 1, ... : `identity`), give the bits of the same op over
+// the dequantized cache. A step thus reads the cache's fp8 bytes from memory, half a bf16 cache's;
+// the scratch (a sequence's rows in q's dtype) stays in L2 / L3 for the item's passes.
+struct Fp8Cache {
+  const uint8_t* pool;
+  int64_t S, block_elems;
+  bool bf16;
+  void (*rows16)(const uint8_t*, int64_t, const uint16_t*, uint16_t*);
+  uint64_t call;
+  std::vector<int64_t> identity;  // [nb]: 0, 1, ...
+  uint16_t lut16[256];
+  float lut32[256];
+
+  Fp8Cache(const at::Tensor& pool_, bool bf16_, double scale, int64_t nb, const Isa& isa)
+      : pool(static_cast<const uint8_t*>(pool_.data_ptr())), S(pool_.size(1)),
+        block_elems(pool_.numel() / std::max<int64_t>(1, pool_.size(0))), bf16(bf16_), rows16(isa.lut16_rows),
+        call(next_call()), identity(nb) {
+    for (int64_t j = 0; j < nb; ++j) identity[j] = j;
+    const float sc = static_cast<float>(scale);
+    for (int x = 0; x < 256; ++x) {
+      lut32[x] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(x), c10::Float8_e4m3fn::from_bits())) * sc;
+      lut16[x] = c10::BFloat16(lut32[x]).x;
+    }
+  }
+  static uint64_t next_call() {
+    static std::atomic<uint64_t> calls{0};
+    return ++calls;
+  }
+  // The first L tokens' blocks of a sequence (its block table `table`) in the calling thread's scratch,
+  // converted unless this call's previous item on the thread was the same sequence's
+  const void* rows(const int64_t* table, int64_t L) const {
+    thread_local LineVector<uint16_t> buf;
+    thread_local uint64_t seen_call = 0;
+    thread_local const int64_t* seen_table = nullptr;
+    thread_local int64_t seen_len = 0;
+    if (seen_call == call && seen_table == table && seen_len == L) return buf.data();
+    const int64_t blocks = (L + S - 1) / S, unit = bf16 ? 1 : 2;
+    if (static_cast<int64_t>(buf.size()) < blocks * block_elems * unit) buf.resize(blocks * block_elems * unit);
+    for (int64_t j = 0; j < blocks; ++j) {
+      if (j + 1 < blocks) {  // blocks sit wherever the table puts them: the next one's lines asked for
+        const char* next = reinterpret_cast<const char*>(pool + table[j + 1] * block_elems);
+        for (int64_t off = 0; off < block_elems; off += 64) __builtin_prefetch(next + off, 0, 2);
+      }
+      const uint8_t* src = pool + table[j] * block_elems;
+      if (bf16) {
+        uint16_t* d = buf.data() + j * block_elems;
+        if (rows16 != nullptr) rows16(src, block_elems, lut16, d);
+        else
+          for (int64_t i = 0; i < block_elems; ++i) d[i] = lut16[src[i]];
+      } else {
+        float* d = reinterpret_cast<float*>(buf.data()) + j * block_elems;
+        for (int64_t i = 0; i < block_elems; ++i) d[i] = lut32[src[i]];
+      }
+    }
+    seen_call = call, seen_table = table, seen_len = L;
+    return buf.data();
+  }
+};
+
 // Decode attention straight from a paged cache: q [B, H, dk] (one query per sequence, at position
 // context_len - 1, seeing all its keys); kv head g (of num_kv_heads) serves query heads
 // [g * H / num_kv_heads, (g + 1) * H / num_kv_heads) and sits at head0's offsets + g * kv_stride.
 // Returns [B, H, dv] in q's dtype. bf16 inputs round scores and probabilities to bf16 where a bf16
-// GEMM path does. Checks the tables against the pool's N blocks of S tokens.
+// GEMM path does. Checks the tables against the pool's N blocks of S tokens. A float8_e4m3fn pool
+// holds values / kv_scale (Fp8Cache).
 static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, int64_t num_kv_heads, const PagedHead& head0,
-                               int64_t kv_stride, double scale) {
+                               int64_t kv_stride, double scale, double kv_scale) {
   TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.scalar_type() == at::kLong &&
               context_lens.scalar_type() == at::kLong, "moe_kernels: block_tables [B, nb] and context_lens [B] "
               "int64 expected");
-  TORCH_CHECK(q.scalar_type() == pool.scalar_type() &&
+  const bool fp8 = pool.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((q.scalar_type() == pool.scalar_type() || fp8) &&
               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "moe_kernels: q and pool must both be float32 or both bfloat16");
+              "moe_kernels: q and pool must both be float32 or both bfloat16 (or the pool float8_e4m3fn)");
   const int64_t B = q.size(0), H = q.size(1), N = pool.size(0), S = pool.size(1), nb = block_tables.size(1);
   const int64_t dk = head0.dk, dv = head0.dv;
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "moe_kernels: one block table and context "
@@ -1628,13 +1723,16 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
                    (isa.dot.paged_decode_applies == nullptr || isa.dot.paged_decode_applies(dk, dv, H / num_kv_heads));
   const at::Tensor qf = dot ? bf16_contiguous(q) : float32_contiguous(q);
   const at::Tensor pc = pool.contiguous();
+  const std::unique_ptr<const Fp8Cache> f8 = fp8 ? std::make_unique<const Fp8Cache>(pc, bf16, kv_scale, nb, isa) : nullptr;
+  // sequence b's pool and block table: the cache's, or its rows in the thread's scratch
+  auto seq_pool = [&](int64_t b) { return f8 ? f8->rows(tp + b * nb, lp[b]) : pc.data_ptr(); };
+  auto seq_table = [&](int64_t b) { return f8 ? f8->identity.data() : tp + b * nb; };
   const int64_t rep = H / num_kv_heads;
   const int hp = dot && isa.dot.paged_decode_groups != nullptr ? isa.dot.group_lanes(rep, dk) : 0;
   if (hp != 0) {
     const KvHeadRanges items(B, num_kv_heads);
     const int64_t per = items.per, padded = max_len + 16;
     const uint16_t* qb = reinterpret_cast<const uint16_t*>(qf.data_ptr());
-    const uint16_t* pool_ptr = static_cast<const uint16_t*>(pc.data_ptr());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     for_each_claimed(items.count, [&](auto& claim) {
       LineVector<float> scores(per * padded * hp), acc(per * rep * (dv + 32));
@@ -1643,8 +1741,9 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
           const auto [b, g0, groups] = items[i];
-          isa.dot.paged_decode_groups(hp, qb + (b * H + g0 * rep) * dk, groups, rep, pool_ptr, S,
-                                      HeadItems::head(head0, g0, kv_stride), kv_stride, tp + b * nb, lp[b],
+          isa.dot.paged_decode_groups(hp, qb + (b * H + g0 * rep) * dk, groups, rep,
+                                      static_cast<const uint16_t*>(seq_pool(b)), S,
+                                      HeadItems::head(head0, g0, kv_stride), kv_stride, seq_table(b), lp[b],
                                       static_cast<float>(scale), scores.data(), pbuf.data(), acc.data(), rows.data(),
                                       op + (b * H + g0 * rep) * dv);
         }
@@ -1658,7 +1757,6 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
     const int64_t chunks = (rep + DOT_HEAD_LANES - 1) / DOT_HEAD_LANES;
     const int64_t lanes_per = chunks * (dk + dv) * DOT_HEAD_LANES;
     const float* qs = qf.data_ptr<float>();
-    const void* pool_ptr = pc.data_ptr();
     void* out_ptr = out.data_ptr();
     for_each_claimed(items.count, [&](auto& claim) {
       LineVector<float> scores(per * std::max(rep, chunks * DOT_HEAD_LANES) * max_len), lanes(per * lanes_per),
@@ -1666,8 +1764,8 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
           const auto [b, g0, groups] = items[i];
-          isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, pool_ptr, S,
-                                    HeadItems::head(head0, g0, kv_stride), kv_stride, tp + b * nb, lp[b],
+          isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, seq_pool(b), S,
+                                    HeadItems::head(head0, g0, kv_stride), kv_stride, seq_table(b), lp[b],
                                     static_cast<float>(scale), bf16, scores.data(), lanes.data(), kbuf.data(),
                                     vbuf.data(), o.data());
           store_rows(bf16, out_ptr, (b * H + g0 * rep) * dv, o.data(), groups * rep * dv);
@@ -1680,7 +1778,6 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const float* qs = dot ? nullptr : qf.data_ptr<float>();
   const uint16_t* qb = dot ? reinterpret_cast<const uint16_t*>(qf.data_ptr()) : nullptr;
   const std::vector<uint16_t> zero_row(dot ? dv : 0, 0);
-  const void* pool_ptr = pc.data_ptr();
   char* out_ptr = static_cast<char*>(out.data_ptr());
   const float sc = static_cast<float>(scale);
   // items claimed in guided ranges (for_each_claimed): their cost follows the sequence's context length
@@ -1702,7 +1799,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
         const auto [b, g, h0, hh] = items[i];
         const PagedHead head = HeadItems::head(head0, g, kv_stride);
         NextItem next;
-        if (i + 1 < end) {
+        if (i + 1 < end && !f8) {  // (an fp8 cache's next rows are asked for as its blocks convert)
           const auto following = items[i + 1];
           const int64_t q0 = (following.b * H + following.h0) * dk;
           next = NextItem{dot ? reinterpret_cast<const char*>(qb + q0) : reinterpret_cast<const char*>(qs + q0),
@@ -1711,12 +1808,13 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
         }
         const int64_t first = (b * H + h0) * dv;
         if (dot) {  // writes its bf16 rows [hh, dv] itself
-          isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(pool_ptr), S, head, tp + b * nb,
-                               lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(),
+          isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(seq_pool(b)), S, head,
+                               seq_table(b), lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(),
                                reinterpret_cast<uint16_t*>(out_ptr) + first, next);
           continue;
         }
-        isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, items.rep, pool_ptr, S, head, tp + b * nb, lp[b], sc, bf16,
+        isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, items.rep, seq_pool(b), S, head, seq_table(b), lp[b], sc,
+                         bf16,
                          scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
         store_rows(bf16, out_ptr, first, o.data(), hh * dv);
       }
@@ -1729,28 +1827,28 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
 // int64. Returns [B, H, C] in q's dtype: softmax(q k^T * scale) v over the latent, values = its
 // first C columns.
 at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, int64_t C, double scale) {
+                      const at::Tensor& context_lens, int64_t C, double scale, double kv_scale) {
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && pool.dim() == 3, "moe_kernels: q [B, H, W], pool [N, S, W], block_tables [B, nb], "
               "context_lens [B] expected");
   const int64_t W = q.size(2);
   TORCH_CHECK(pool.size(2) == W && C > 0 && C <= W, "moe_kernels: pool width ", pool.size(2), " / value width ",
               C, " do not match q width ", W);
-  return paged_decode(q, pool, block_tables, context_lens, 1, PagedHead{W, 0, 0, W, C}, 0, scale);
+  return paged_decode(q, pool, block_tables, context_lens, 1, PagedHead{W, 0, 0, W, C}, 0, scale, kv_scale);
 }
 
 // q: [B, H, hd] float32 or bfloat16; pool: [N, S, 2, Hkv, hd] in q's dtype (one layer's GQA cache:
 // keys, then values); block_tables: [B, nb] int64; context_lens: [B] int64. Query head h uses kv
 // head h / (H / Hkv). Returns [B, H, hd] in q's dtype: softmax(q k^T * scale) v.
 at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, double scale) {
+                      const at::Tensor& context_lens, double scale, double kv_scale) {
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && pool.dim() == 5 && pool.size(2) == 2, "moe_kernels: q [B, H, hd], pool [N, S, 2, "
               "Hkv, hd], block_tables [B, nb], context_lens [B] expected");
   const int64_t hkv = pool.size(3), hd = pool.size(4);
   TORCH_CHECK(q.size(2) == hd, "moe_kernels: q head dim ", q.size(2), " does not match the cache's ", hd);
   return paged_decode(q, pool, block_tables, context_lens, hkv, PagedHead{2 * hkv * hd, 0, hkv * hd, hd, hd}, hd,
-                      scale);
+                      scale, kv_scale);
 }
 
 // Prefill attention straight from a paged cache: q [T, H, dk] holds the new rows of B sequences,
@@ -1766,9 +1864,10 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
               block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
               query_starts.scalar_type() == at::kLong, "moe_kernels: block_tables [B, nb], context_lens [B] and "
               "query_starts [B + 1] int64 expected");
-  TORCH_CHECK(q.scalar_type() == pool.scalar_type() &&
+  const bool fp8 = pool.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((q.scalar_type() == pool.scalar_type() || fp8) &&
               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "moe_kernels: q and pool must both be float32 or both bfloat16");
+              "moe_kernels: q and pool must both be float32 or both bfloat16 (or the pool float8_e4m3fn)");
   TORCH_CHECK(window >= 0, "moe_kernels: window must be >= 0 (0: none), got ", window);
   const int64_t B = context_lens.size(0), T = q.size(0), H = q.size(1), N = pool.size(0), S = pool.size(1);
   const int64_t nb = block_tables.size(1), dk = head0.dk, dv = head0.dv;
@@ -2005,6 +2104,25 @@ static at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t T, const
   return slots;
 }
 
+// An fp8 (e4m3) cache's writes: rows [T, E] of the compute dtype (staged entries, fp32 or bf16) into
+// the pool's slots sp[t], quantized as KVLayerView.write quantizes: fp32 value / kv_scale, clamped to
+// +-448, rounded to e4m3 (a NaN stays one).
+static void write_fp8_rows(const at::Tensor& rows, const at::Tensor& pool, const int64_t* sp, double kv_scale) {
+  const int64_t T = rows.size(0), E = rows.numel() / std::max<int64_t>(1, T);
+  TORCH_CHECK(pool.numel() / std::max<int64_t>(1, pool.size(0) * pool.size(1)) == E, "moe_kernels: ", E,
+              "-element cache entries do not match the pool's");
+  const float sc = static_cast<float>(kv_scale);
+  uint8_t* dst = static_cast<uint8_t*>(pool.data_ptr());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < E; ++i) {
+      const float v = rows.scalar_type() == at::kBFloat16
+                          ? to_float(reinterpret_cast<const uint16_t*>(rows.data_ptr())[t * E + i])
+                          : rows.data_ptr<float>()[t * E + i];
+      const float c = std::min(std::max(v / sc, -448.0f), 448.0f);  // NaN passes through both
+      dst[sp[t] * E + i] = c10::Float8_e4m3fn(c).x;
+    }
+}
+
 // x [N, K] @ one packed linear (+ bias) -> [N, cols] in x's dtype: linear_forward with G = 1.
 static at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& bias, int64_t cols) {
   return linear_forward(x.unsqueeze(0), wp, bias, cols, false).select(0, 0);
@@ -2111,7 +2229,8 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
                                 const at::Tensor& wuv_wp, const at::Tensor& o_wp, const at::Tensor& o_bias,
                                 at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
                                 const at::Tensor& pool, const at::Tensor& slot_mapping,
-                                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                double kv_scale) {
   TORCH_CHECK(x.dim() == 2 && dims.size() == 6, "moe_kernels: x [B, D] and dims (H, Nn, Vd, q_a columns, "
               "q columns, D) expected");
   const int64_t H = dims[0], nope = dims[1], vd = dims[2], q_a_cols = dims[3], q_cols = dims[4], D = dims[5];
@@ -2127,10 +2246,20 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
   // absorbed query [B, H, C + R]: the rope part rotated into its last R columns (with the cache
   // write), then q_nope W_UK per head (the [H]-batched linear over [H, B, Nn] views of q) into the first C
   const at::Tensor q_full = at::empty({B, H, C + R}, q.options());
-  mla_rope_cache_into(q, latent, kv_norm, kv_eps, cos, sin, interleave, pool, slot_mapping, nullptr,
-                      static_cast<char*>(q_full.data_ptr()) + C * q_full.element_size(), C + R);
+  char* rope_out = static_cast<char*>(q_full.data_ptr()) + C * q_full.element_size();
+  if (pool.scalar_type() == at::kFloat8_e4m3fn) {  // entries staged in x's dtype, then quantized into the pool
+    TORCH_CHECK(pool.dim() == 3 && pool.size(2) == W && pool.is_contiguous(), "moe_kernels: the fp8 cache pool "
+                "must be a contiguous [N, S, ", W, "] tensor");
+    const at::Tensor stage = at::empty({B, 1, W}, x.options());
+    mla_rope_cache_into(q, latent, kv_norm, kv_eps, cos, sin, interleave, stage, at::arange(B, slot_mapping.options()),
+                        nullptr, rope_out, C + R);
+    write_fp8_rows(stage, pool, checked_slots(slot_mapping, B, pool).data_ptr<int64_t>(), kv_scale);
+  } else {
+    mla_rope_cache_into(q, latent, kv_norm, kv_eps, cos, sin, interleave, pool, slot_mapping, nullptr, rope_out,
+                        C + R);
+  }
   linear_into(q.slice(2, 0, nope).permute({1, 0, 2}), wuk_wp, no_bias, C, q_full.slice(2, 0, C).permute({1, 0, 2}));
-  const at::Tensor o_lat = mla_decode(q_full, pool, block_tables, context_lens, C, scale);  // [B, H, C]
+  const at::Tensor o_lat = mla_decode(q_full, pool, block_tables, context_lens, C, scale, kv_scale);  // [B, H, C]
   const at::Tensor o = at::empty({B, H * vd}, q.options());  // [B, H * Vd]: o_lat W_UV per head
   linear_into(o_lat.permute({1, 0, 2}), wuv_wp, no_bias, vd, o.view({B, H, vd}).permute({1, 0, 2}));
   return linear_rows(o, o_wp, o_bias, D);
@@ -2151,15 +2280,18 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
                                 double q_eps, double k_eps, const at::Tensor& o_wp, const at::Tensor& o_bias,
                                 at::IntArrayRef dims, const at::Tensor& cos, const at::Tensor& sin, bool interleave,
                                 const at::Tensor& pool, const at::Tensor& slot_mapping,
-                                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                double kv_scale) {
   TORCH_CHECK(x.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && dims.size() == 4, "moe_kernels: x [B, D] and dims (H, Hkv, hd, D) expected");
   const int64_t H = dims[0], Hkv = dims[1], hd = dims[2], D = dims[3], B = x.size(0);
   TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && hd > 0 && hd % 2 == 0, "moe_kernels: ", H, " query heads, ",
               Hkv, " kv heads of ", hd, " do not make grouped-query attention with an even head dim");
   TORCH_CHECK(pool.dim() == 5 && pool.size(2) == 2 && pool.size(3) == Hkv && pool.size(4) == hd &&
-              pool.scalar_type() == x.scalar_type() && pool.is_contiguous(),
-              "moe_kernels: the cache pool must be a contiguous [N, S, 2, ", Hkv, ", ", hd, "] tensor in x's dtype");
+              (pool.scalar_type() == x.scalar_type() || pool.scalar_type() == at::kFloat8_e4m3fn) &&
+              pool.is_contiguous(),
+              "moe_kernels: the cache pool must be a contiguous [N, S, 2, ", Hkv, ", ", hd, "] tensor in x's dtype "
+              "or float8_e4m3fn");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) * 2 == hd &&
               cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "moe_kernels: cos and sin must be [B, hd/2] float32 (rope over the whole head)");
@@ -2179,6 +2311,9 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
   at::Tensor q_rot = at::empty({B, H, hd}, q.options());
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   const Isa& isa = current_isa();
+  // an fp8 cache's entries are staged in x's dtype (row t at slot t), then quantized into the pool
+  const bool fp8 = pool.scalar_type() == at::kFloat8_e4m3fn;
+  const at::Tensor stage = fp8 ? at::empty({B, 2, Hkv, hd}, x.options()) : pool;
   auto rope_and_write = [&](auto* qp, auto* kp, auto* vp, auto* qo, auto* pp) {
     const int64_t half = hd / 2, entry = 2 * Hkv * hd;
     const bool bf16 = sizeof(*qp) == 2;
@@ -2186,19 +2321,20 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
       const float* c = cc.data_ptr<float>() + t * half;
       const float* s = sc.data_ptr<float>() + t * half;
       isa.rope(bf16, qp + t * H * hd, hd, H, c, s, hd, interleave, qo + t * H * hd, hd);
-      auto* dst = pp + sp[t] * entry;  // [2, Hkv, hd]: roped keys, then values
+      auto* dst = pp + (fp8 ? t : sp[t]) * entry;  // [2, Hkv, hd]: roped keys, then values
       isa.rope(bf16, kp + t * Hkv * hd, hd, Hkv, c, s, hd, interleave, dst, hd);
       std::memcpy(dst + Hkv * hd, vp + t * Hkv * hd, Hkv * hd * sizeof(*vp));
     }
   };
   if (x.scalar_type() == at::kBFloat16) {
     auto u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-    rope_and_write(u16(q), u16(k), u16(v), u16(q_rot), u16(pool));
+    rope_and_write(u16(q), u16(k), u16(v), u16(q_rot), u16(stage));
   } else {
     rope_and_write(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q_rot.data_ptr<float>(),
-                   pool.data_ptr<float>());
+                   stage.data_ptr<float>());
   }
-  const at::Tensor o = gqa_decode(q_rot, pool, block_tables, context_lens, scale);  // [B, H, hd]
+  if (fp8) write_fp8_rows(stage, pool, sp, kv_scale);
+  const at::Tensor o = gqa_decode(q_rot, pool, block_tables, context_lens, scale, kv_scale);  // [B, H, hd]
   return linear_rows(o.view({B, H * hd}), o_wp, o_bias, D);
 }
 
@@ -2527,8 +2663,9 @@ TORCH_LIBRARY(moe_kernels, m) {
         "Tensor s2) -> Tensor");
   m.def("linear_forward(Tensor x, Tensor wp, Tensor bias, int out_features, bool out_fp32) -> Tensor");
   m.def("mla_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, int value_dim, "
-        "float scale) -> Tensor");
-  m.def("gqa_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+        "float scale, float kv_scale=1.0) -> Tensor");
+  m.def("gqa_decode(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, float scale, "
+        "float kv_scale=1.0) -> Tensor");
   m.def("mla_prefill(Tensor q, Tensor kv, Tensor k_pe, Tensor block_tables, Tensor context_lens, "
         "Tensor query_starts, int value_dim, float scale) -> Tensor");
   m.def("gqa_prefill(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, Tensor query_starts, "
@@ -2546,11 +2683,11 @@ TORCH_LIBRARY(moe_kernels, m) {
         "Tensor q_wp, Tensor q_bias, Tensor kv_a_wp, Tensor kv_a_bias, Tensor kv_norm, float kv_eps, "
         "Tensor wuk_wp, Tensor wuv_wp, Tensor o_wp, Tensor o_bias, int[] dims, Tensor cos, Tensor sin, "
         "bool interleave, Tensor(a!) pool, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
-        "float scale) -> Tensor");
+        "float scale, float kv_scale=1.0) -> Tensor");
   m.def("gqa_decode_attention(Tensor x, Tensor q_wp, Tensor q_bias, Tensor k_wp, Tensor k_bias, Tensor v_wp, "
         "Tensor v_bias, Tensor q_norm, Tensor k_norm, float q_eps, float k_eps, Tensor o_wp, Tensor o_bias, "
         "int[] dims, Tensor cos, Tensor sin, bool interleave, Tensor(a!) pool, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, float scale, float kv_scale=1.0) -> Tensor");
   m.def("moe_ffn(Tensor x, Tensor gate_w, Tensor gate_parts, Tensor bias, bool sigmoid, int method, int n_group, "
         "int topk_group, int top_k, bool norm_topk_prob, float scaling, Tensor log2phy, Tensor logcnt, int rank, "
         "Tensor(a!) slot_load, Tensor w13p, Tensor s13, Tensor w2p, Tensor s2, Tensor sh_w13p, Tensor sh_s13, "

@@ -98,7 +98,8 @@ class GQAAttention(WatchedModule):
                       context_lens: torch.Tensor) -> torch.Tensor:
         """Decode rows read straight from the paged cache by the CPU kernel. q: [B, H, hd];
         block_tables: [B, nb]; context_lens: [B]. Returns [B, H, hd]."""
-        return kernels.gqa_decode(q.contiguous(), view.pool, block_tables, context_lens, self.scale)
+        return kernels.gqa_decode(q.contiguous(), view.pool, block_tables, context_lens, self.scale,
+                                  view.kernel_scale())
 
     def _prefill_paged(self, q: torch.Tensor, view: KVLayerView, block_tables: torch.Tensor,
                        context_lens: torch.Tensor, query_starts: torch.Tensor) -> torch.Tensor:
@@ -114,16 +115,16 @@ class GQAAttention(WatchedModule):
 
     def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, hd]: CPU, the kernel
-        built, the cache stored in q's dtype (not fp8), no autograd. (``paged_attention`` hands a
+        built, the cache stored in q's dtype or fp8, no autograd. (``paged_attention`` hands a
         sliding-window layer's decode rows to the kernel only when every context fits in the window.)"""
-        return self.use_paged_kernel and kernels.cpu_op_applies(q, view.pool)
+        return self.use_paged_kernel and kernels.paged_decode_applies(q, view.pool)
 
     def fused_decode_op(self, x: torch.Tensor, view: KVLayerView) -> DecodeAttentionOp | None:
         """``kernels.gqa_decode_attention_op`` with this layer's weights bound, when it can stand in
         for this forward on decode rows x [B, D], else None: exactly when every op of the op-by-op
         path would take its CPU kernel (every projection on the packed linear kernel at B rows, the
-        per-head norms on theirs, the paged decode kernel, a cache in x's dtype) and the head dim is
-        even. With a sliding window the op serves the steps whose contexts all fit in it (each query
+        per-head norms on theirs, the paged decode kernel, a cache in x's dtype or an fp8 one whose
+        scale is settled) and the head dim is even. With a sliding window the op serves the steps whose contexts all fit in it (each query
         then sees every key, as the op does); a step with a longer one runs op by op. The op takes
         ``(x [B, D], cos, sin, meta, view)`` and returns [B, D]; its weights hold until one of them
         or a switch changes (``moe.decode_plan`` keeps it over steps on that condition)."""
@@ -134,7 +135,9 @@ class GQAAttention(WatchedModule):
         mods = self._modules  # submodules without nn.Module.__getattr__
         linears = [mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["o_proj"]]
         dtype = x.dtype
-        if not kernels.cpu_op_applies(x, view.pool) or kernels.prefers_library_gemm(dtype, x.shape[0]):
+        if not (kernels.paged_decode_applies(x, view.pool) and view.scale_settled):
+            return None
+        if kernels.prefers_library_gemm(dtype, x.shape[0]):
             return None
         if kernel_weights(linears, dtype) is None:
             return None
@@ -156,7 +159,8 @@ class GQAAttention(WatchedModule):
                    view: KVLayerView) -> torch.Tensor:
             if not window_sees_every_key(meta.context_lens_list, window):  # the op sees every key
                 return self._forward_ops(x, cos, sin, meta, view)
-            return run(x, cos, sin, view.pool, meta.slot_mapping, meta.block_tables, meta.context_lens)
+            return run(x, cos, sin, view.pool, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                       view.kernel_scale())
 
         return attend
 

@@ -160,7 +160,7 @@ class MLAAttention(WatchedModule):
         packed = self._absorbed_packed(q4)
         q_full = self._absorb_query(q4, packed)[:, :, 0]  # [B, H, C + R]
         o_lat = kernels.mla_decode(q_full.contiguous(), view.pool, block_tables, context_lens, self.kv_lora_rank,
-                                   self.scale)  # [B, H, C]
+                                   self.scale, view.kernel_scale())  # [B, H, C]
         return self._expand_values(o_lat[:, :, None], packed)[:, :, 0]
 
     def _fused_decode_weights(self, x: torch.Tensor, view: KVLayerView) -> tuple[torch.Tensor | None, ...] | None:
@@ -174,7 +174,8 @@ class MLAAttention(WatchedModule):
         # of every decode step)
         mods = self._modules  # submodules without nn.Module.__getattr__
         dtype = x.dtype
-        if not kernels.cpu_op_applies(x, mods["kv_a_layernorm"].weight, view.pool):
+        if not (kernels.cpu_op_applies(x, mods["kv_a_layernorm"].weight)
+                and kernels.paged_decode_applies(x, view.pool) and view.scale_settled):
             return None
         if kernels.prefers_library_gemm(dtype, x.shape[0]):
             return None
@@ -225,7 +226,8 @@ class MLAAttention(WatchedModule):
 
         def attend(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                    view: KVLayerView) -> torch.Tensor:
-            return run(x, cos, sin, view.pool, meta.slot_mapping, meta.block_tables, meta.context_lens)
+            return run(x, cos, sin, view.pool, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                       view.kernel_scale())
 
         return attend
 
@@ -243,8 +245,8 @@ class MLAAttention(WatchedModule):
 
     def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, Nn + R]: CPU, the
-        kernel built, the cache stored in q's dtype (not fp8), no autograd, the absorbed path on."""
-        return (self.absorb_decode and self.use_paged_kernel and kernels.cpu_op_applies(q, view.pool)
+        kernel built, the cache stored in q's dtype or fp8, no autograd, the absorbed path on."""
+        return (self.absorb_decode and self.use_paged_kernel and kernels.paged_decode_applies(q, view.pool)
                 and not kernels.needs_autograd(self.kv_b_proj.weight))
 
     def _absorb_query(self, q: torch.Tensor, packed: tuple[kernels.PackedLinear, ...] | None) -> torch.Tensor:

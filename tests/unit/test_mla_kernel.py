@@ -292,7 +292,7 @@ def test_paged_kernel_serves_only_caches_it_can_read(kernel_isas: list[str], hf_
     cfg = model.config
     q = torch.zeros(2, attn.num_heads, attn.nope + attn.rope)
     assert attn._paged_decode_applies(q, PagedKVCache(cfg, 4, 4, torch.float32).layer(0))
-    assert not attn._paged_decode_applies(q, PagedKVCache(cfg, 4, 4, torch.float32, "fp8").layer(0))
+    assert attn._paged_decode_applies(q, PagedKVCache(cfg, 4, 4, torch.float32, "fp8").layer(0))  # converted
     assert not attn._paged_decode_applies(q, PagedKVCache(cfg, 4, 4, torch.bfloat16).layer(0))
     attn.absorb_decode = False
     assert not attn._paged_decode_applies(q, PagedKVCache(cfg, 4, 4, torch.float32).layer(0))
@@ -367,12 +367,13 @@ def test_whole_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
 
 def _fused_and_op_by_op(attn: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
                         steps: list[tuple[list[int], list[int]]], start_shape: tuple[int, ...], interleave: bool,
-                        op_name: str, kernel_isas: list[str], monkeypatch: pytest.MonkeyPatch
+                        op_name: str, kernel_isas: list[str], monkeypatch: pytest.MonkeyPatch,
+                        kv_cache_dtype: str = "auto", kv_scale: float = 1.0
                         ) -> tuple[list[torch.Size], dict[tuple[str, bool], tuple[list[torch.Tensor], torch.Tensor]]]:
     """Runs ``steps`` ((query_lens, context_lens) over three sequences) through ``attn`` with its
-    whole-attention op on and off, on every ISA, from one random cache of ``start_shape``.
-    Returns (the row shapes of every call of the bound ``kernels.<op_name>``, {(isa, fused):
-    (each step's output, the final pool)})."""
+    whole-attention op on and off, on every ISA, from one random cache of ``start_shape`` (an fp8
+    cache: those entries quantized, at scale ``kv_scale``). Returns (the row shapes of every call of
+    the bound ``kernels.<op_name>``, {(isa, fused): (each step's output, the final pool)})."""
     calls: list[torch.Size] = []
     bind = getattr(kernels, op_name)
 
@@ -390,8 +391,9 @@ def _fused_and_op_by_op(attn: torch.nn.Module, cfg: ModelConfig, dtype: torch.dt
         kernels.select_isa(isa)
         for fused in (True, False):
             attn.use_fused_decode = fused
-            cache = PagedKVCache(cfg, 8, 4, dtype)
+            cache = PagedKVCache(cfg, 8, 4, dtype, kv_cache_dtype)
             cache.pools[0].copy_(start)
+            cache.layer(0).set_scale(kv_scale)
             outs = []
             for (query_lens, context_lens), x in zip(steps, xs):
                 meta = AttentionMetadata.build(query_lens, context_lens, [[1, 2], [3], [4, 5]], 4)
@@ -401,7 +403,7 @@ def _fused_and_op_by_op(attn: torch.nn.Module, cfg: ModelConfig, dtype: torch.dt
                     outs.append(attn(x, cos, sin, meta, cache.layer(0)))
             results[isa, fused] = (outs, cache.pools[0].clone())
     kernels.select_isa("auto")
-    assert not torch.equal(results[kernel_isas[0], True][1], start)  # the steps wrote their entries
+    assert not torch.equal(results[kernel_isas[0], True][1], start.to(cache.pools[0].dtype))  # entries written
     return calls, results
 
 
@@ -442,7 +444,12 @@ def test_whole_decode_attention_op_steps_aside_when_an_op_would_not_run_its_kern
     x = torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16)
     view = PagedKVCache(cfg, 4, 4, torch.bfloat16).layer(0)
     assert attn.fused_decode_op(x, view) is not None
-    assert attn.fused_decode_op(x, PagedKVCache(cfg, 4, 4, torch.bfloat16, "fp8").layer(0)) is None
+    assert attn.fused_decode_op(x, PagedKVCache(cfg, 4, 4, torch.bfloat16, "fp8").layer(0)) is not None
+    # an fp8 cache whose scale its first write still has to calibrate: the op-by-op path writes it
+    calibrating = PagedKVCache(cfg, 4, 4, torch.bfloat16, "fp8", calculate_kv_scales=True).layer(0)
+    assert attn.fused_decode_op(x, calibrating) is None
+    calibrating.write(torch.tensor([0]), torch.ones(1, *calibrating.pool.shape[2:]))
+    assert calibrating.scale_settled and attn.fused_decode_op(x, calibrating) is not None
     assert attn.fused_decode_op(x.float(), view) is None  # input in another dtype than the weights
     for module in (getattr(attn, projection), getattr(attn, norm)):  # pinned to PyTorch's op
         module.use_kernel = False
@@ -664,3 +671,75 @@ def test_rope_rows_in_vectors_are_bit_equal_to_apply_rotary(kernel_isas: list[st
             written = pool.view(-1, C + rope_dim)[torch.tensor([3, 9, 14]), C:]
             assert same(written, want_k), name
     kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral_top1_tied_mqa"])  # MLA; GQA with norms; MQA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_decode_attention_ops_on_an_fp8_cache_are_bit_equal_to_the_op_by_op_path(
+        kernel_isas: list[str], hf_checkpoints: dict[str, Path], family: str, dtype: torch.dtype,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused ops quantize their entries into an fp8 cache as ``KVLayerView.write`` does (the final
+    pools equal, byte for byte) and read it as the paged decode kernel does, at a scale that is no
+    power of two."""
+    cfg = ModelConfig.from_hf(hf_checkpoints[family])
+    torch.manual_seed(6)
+    mla = cfg.attention == "mla"
+    attn = MLAAttention(cfg, dtype) if mla else GQAAttention(cfg, dtype)
+    for p in attn.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    steps = [([1, 1, 1], [5, 3, 2]), ([1, 3, 1], [6, 3, 3]), ([1, 1, 1], [7, 4, 4])]
+    start_shape = (8, 4, attn.kv_lora_rank + attn.rope) if mla else (8, 4, 2, attn.num_kv_heads, attn.head_dim)
+    op = "mla_decode_attention_op" if mla else "gqa_decode_attention_op"
+    calls, results = _fused_and_op_by_op(attn, cfg, dtype, steps, start_shape, cfg.rope_interleave, op, kernel_isas,
+                                         monkeypatch, kv_cache_dtype="fp8", kv_scale=0.37)
+    assert calls == [torch.Size([3, cfg.hidden_size])] * 2 * len(kernel_isas)
+    for isa in kernel_isas:
+        (outs_on, pool_on), (outs_off, pool_off) = results[isa, True], results[isa, False]
+        assert pool_on.dtype == torch.float8_e4m3fn and outs_on[0].shape == (3, cfg.hidden_size)
+        assert all(torch.equal(a, b) for a, b in zip(outs_on, outs_off)), isa
+        assert torch.equal(pool_on.view(torch.uint8), pool_off.view(torch.uint8)), isa
+
+
+def _fp8_pool(pool: torch.Tensor, seed: int) -> torch.Tensor:
+    """Random fp8 (e4m3) bytes in ``pool``'s shape: every finite code, subnormals and both zeros
+    among them (the two NaN codes stepped down to the largest finite ones)."""
+    codes = torch.randint(0, 256, pool.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    codes = torch.where(codes & 0x7F == 0x7F, codes - 1, codes)
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("kind", ["mla", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_scale", [1.0, 0.37])
+def test_decode_on_an_fp8_cache_gives_the_bits_of_its_dequantized_cache(
+        kernel_isas: list[str], kind: str, dtype: torch.dtype, kv_scale: float) -> None:
+    """Every decode path (MLA; GQA groups, kv-head items, MQA) over an fp8 pool gives exactly what it
+    gives over the pool dequantized as ``KVLayerView.gather`` does (fp8 x scale in fp32, rounded to
+    q's dtype), at one and two threads, every sequence converted into the thread's scratch."""
+    threads = torch.get_num_threads()
+    cases = CASES if kind == "mla" else GQA_CASES
+    try:
+        for case in cases:
+            if kind == "mla":
+                b, h, c, r, size, n = case
+                pool, tables, lens, q = _random_batch(sum(case), b, h, c + r, (n, size, c + r), dtype)
+            else:
+                b, h, hkv, hd, size, n = case
+                pool, tables, lens, q = _random_batch(sum(case), b, h, hd, (n, size, 2, hkv, hd), dtype)
+            fp8 = _fp8_pool(pool, sum(case))
+            dequantized = (fp8.float() * torch.tensor(kv_scale)).to(dtype)
+            for name in kernel_isas:
+                kernels.select_isa(name)
+                for n_threads in (1, 2):
+                    torch.set_num_threads(n_threads)
+                    if kind == "mla":
+                        got = kernels.mla_decode(q, fp8, tables, lens, c, 0.3, kv_scale)
+                        want = kernels.mla_decode(q, dequantized, tables, lens, c, 0.3)
+                    else:
+                        got = kernels.gqa_decode(q, fp8, tables, lens, 0.2, kv_scale)
+                        want = kernels.gqa_decode(q, dequantized, tables, lens, 0.2)
+                    assert got.shape == want.shape == (b, h, want.shape[2]) and got.dtype == dtype
+                    assert torch.equal(got, want), (name, n_threads, case)
+    finally:
+        torch.set_num_threads(threads)
+        kernels.select_isa("auto")
