@@ -574,16 +574,18 @@ def mla_prefill(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, c
 
 
 def gqa_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                query_starts: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                query_starts: torch.Tensor, scale: float, sliding_window: int | None = None,
+                kv_scale: float = 1.0) -> torch.Tensor:
     """Causal grouped-query prefill attention read straight from the paged cache.
 
     q: [T, H, hd] (rows as ``mla_prefill``'s); pool: [N, S, 2, Hkv, hd] one layer's cache in q's
-    dtype (float32 or bfloat16); block_tables, context_lens, query_starts as ``mla_prefill``'s.
+    dtype (float32 or bfloat16), or float8_e4m3fn holding values / kv_scale (read as
+    ``mla_decode`` reads one); block_tables, context_lens, query_starts as ``mla_prefill``'s.
     The row at position p sees keys k with p - sliding_window < k <= p (all k <= p when None).
     Returns [T, H, hd] in q's dtype.
     """
     return torch.ops.moe_kernels.gqa_prefill(q, pool, block_tables, context_lens, query_starts,
-                                             sliding_window or 0, scale)
+                                             sliding_window or 0, scale, kv_scale)
 
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:
@@ -604,8 +606,8 @@ def cpu_op_applies(*tensors: torch.Tensor) -> bool:
     return cpu_kernel_applies(*tensors)
 
 
-def paged_decode_applies(q: torch.Tensor, pool: torch.Tensor) -> bool:
-    """Whether ``mla_decode`` / ``gqa_decode`` can take decode queries q over a cache pool: q
+def paged_cache_applies(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether ``mla_decode``, ``gqa_decode`` and ``gqa_prefill`` can take queries q over a cache pool: q
     float32 or bfloat16, the pool in q's dtype or float8_e4m3fn (an fp8 cache), both on CPU, no
     autograd, the extension built."""
     if pool.dtype == torch.float8_e4m3fn:

@@ -1859,7 +1859,7 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& pool, const at::Ten
 static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
                                 const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t num_kv_heads,
                                 const PagedHead& head0, int64_t kv_stride, int64_t window, double scale,
-                                const SharedKeyPart& shared = SharedKeyPart{}) {
+                                double kv_scale, const SharedKeyPart& shared = SharedKeyPart{}) {
   TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && query_starts.dim() == 1 &&
               block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
               query_starts.scalar_type() == at::kLong, "moe_kernels: block_tables [B, nb], context_lens [B] and "
@@ -1869,6 +1869,7 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "moe_kernels: q and pool must both be float32 or both bfloat16 (or the pool float8_e4m3fn)");
   TORCH_CHECK(window >= 0, "moe_kernels: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(!fp8 || shared.pool == nullptr, "moe_kernels: a shared key part needs a pool in q's dtype");
   const int64_t B = context_lens.size(0), T = q.size(0), H = q.size(1), N = pool.size(0), S = pool.size(1);
   const int64_t nb = block_tables.size(1), dk = head0.dk, dv = head0.dv;
   TORCH_CHECK(q.size(2) == dk, "moe_kernels: q head dim ", q.size(2), " does not match the keys' ", dk);
@@ -1899,7 +1900,8 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
   const int64_t esize = q.element_size();
   const char* qp = static_cast<const char*>(qc.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
-  const void* pool_ptr = pc.data_ptr();
+  // an fp8 cache: each sequence's rows in the thread's scratch, in q's dtype, as paged_decode reads them
+  const std::unique_ptr<const Fp8Cache> f8 = fp8 ? std::make_unique<const Fp8Cache>(pc, bf16, kv_scale, nb, isa) : nullptr;
   const float sc = static_cast<float>(scale);
   const int64_t padded = (max_len + S - 1) / S * S;
   for_each_claimed(items.count, [&](auto& claim) {
@@ -1911,9 +1913,10 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
         const auto [b, g, h0, hh] = items[i];
         const PagedHead head = HeadItems::head(head0, g, kv_stride);
         const int64_t qlen = qs[b + 1] - qs[b];
-        isa.paged_prefill(bf16, qp + (qs[b] * H + h0) * dk * esize, H * dk, hh, qlen, lp[b] - qlen, pool_ptr, S,
-                          head, shared, tp + b * nb, lp[b], window, sc, kt.data(), vbuf.data(), scores.data(),
-                          qbuf.data(), op + (qs[b] * H + h0) * dv * esize, H * dv);
+        isa.paged_prefill(bf16, qp + (qs[b] * H + h0) * dk * esize, H * dk, hh, qlen, lp[b] - qlen,
+                          f8 ? f8->rows(tp + b * nb, lp[b]) : pc.data_ptr(), S, head, shared,
+                          f8 ? f8->identity.data() : tp + b * nb, lp[b], window, sc, kt.data(), vbuf.data(),
+                          scores.data(), qbuf.data(), op + (qs[b] * H + h0) * dv * esize, H * dv);
       }
   });
   return out;
@@ -1936,20 +1939,21 @@ at::Tensor mla_prefill(const at::Tensor& q, const at::Tensor& kv, const at::Tens
               kv.size(3), "] does not hold ", H, " heads of ", own, " + ", dv, " columns");
   const at::Tensor pe = k_pe.contiguous();
   return paged_prefill(q, kv, block_tables, context_lens, query_starts, H, PagedHead{H * (own + dv), 0, own, dk, dv},
-                       own + dv, 0, scale, SharedKeyPart{R ? pe.data_ptr() : nullptr, R});
+                       own + dv, 0, scale, 1.0, SharedKeyPart{R ? pe.data_ptr() : nullptr, R});
 }
 
 // Prefill over a GQA cache: q [T, H, hd]; pool [N, S, 2, Hkv, hd] as gqa_decode's; window > 0: a
 // sliding window of that many positions. Returns [T, H, hd].
 at::Tensor gqa_prefill(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
-                       const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t window, double scale) {
+                       const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t window, double scale,
+                       double kv_scale) {
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && pool.dim() == 5 && pool.size(2) == 2, "moe_kernels: q [T, H, hd], pool [N, S, 2, "
               "Hkv, hd] expected");
   const int64_t hkv = pool.size(3), hd = pool.size(4);
   TORCH_CHECK(q.size(2) == hd, "moe_kernels: q head dim ", q.size(2), " does not match the cache's ", hd);
   return paged_prefill(q, pool, block_tables, context_lens, query_starts, hkv,
-                       PagedHead{2 * hkv * hd, 0, hkv * hd, hd, hd}, hd, window, scale);
+                       PagedHead{2 * hkv * hd, 0, hkv * hd, hd, hd}, hd, window, scale, kv_scale);
 }
 
 // x: [T, D] float32 or bfloat16 (rows contiguous); weight: [D] in x's dtype. Returns [T, D]:
@@ -2669,7 +2673,7 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("mla_prefill(Tensor q, Tensor kv, Tensor k_pe, Tensor block_tables, Tensor context_lens, "
         "Tensor query_starts, int value_dim, float scale) -> Tensor");
   m.def("gqa_prefill(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, Tensor query_starts, "
-        "int window, float scale) -> Tensor");
+        "int window, float scale, float kv_scale=1.0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor r, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("router_logits(Tensor x, Tensor w, Tensor parts) -> Tensor");

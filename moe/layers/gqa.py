@@ -106,18 +106,18 @@ class GQAAttention(WatchedModule):
         """The prefill sequences' rows q [Tp, H, hd] (``paged.PagedPrefillFn``) read straight from
         the paged cache by the CPU kernel, the sliding window applied there. Returns [Tp, H, hd]."""
         return kernels.gqa_prefill(q, view.pool, block_tables, context_lens, query_starts, self.scale,
-                                   self.sliding_window)
+                                   self.sliding_window, view.kernel_scale())
 
     def _prefill_kernel_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``_prefill_paged`` can serve this step's prefill rows q [T, H, hd]: CPU, the
-        kernel built, the cache stored in q's dtype (not fp8), no autograd."""
-        return self.use_prefill_kernel and kernels.cpu_op_applies(q, view.pool)
+        kernel built, the cache stored in q's dtype or fp8, no autograd."""
+        return self.use_prefill_kernel and kernels.paged_cache_applies(q, view.pool)
 
     def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, hd]: CPU, the kernel
         built, the cache stored in q's dtype or fp8, no autograd. (``paged_attention`` hands a
         sliding-window layer's decode rows to the kernel only when every context fits in the window.)"""
-        return self.use_paged_kernel and kernels.paged_decode_applies(q, view.pool)
+        return self.use_paged_kernel and kernels.paged_cache_applies(q, view.pool)
 
     def fused_decode_op(self, x: torch.Tensor, view: KVLayerView) -> DecodeAttentionOp | None:
         """``kernels.gqa_decode_attention_op`` with this layer's weights bound, when it can stand in
@@ -135,7 +135,7 @@ class GQAAttention(WatchedModule):
         mods = self._modules  # submodules without nn.Module.__getattr__
         linears = [mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["o_proj"]]
         dtype = x.dtype
-        if not (kernels.paged_decode_applies(x, view.pool) and view.scale_settled):
+        if not (kernels.paged_cache_applies(x, view.pool) and view.scale_settled):
             return None
         if kernels.prefers_library_gemm(dtype, x.shape[0]):
             return None

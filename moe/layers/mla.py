@@ -175,7 +175,7 @@ class MLAAttention(WatchedModule):
         mods = self._modules  # submodules without nn.Module.__getattr__
         dtype = x.dtype
         if not (kernels.cpu_op_applies(x, mods["kv_a_layernorm"].weight)
-                and kernels.paged_decode_applies(x, view.pool) and view.scale_settled):
+                and kernels.paged_cache_applies(x, view.pool) and view.scale_settled):
             return None
         if kernels.prefers_library_gemm(dtype, x.shape[0]):
             return None
@@ -246,7 +246,7 @@ class MLAAttention(WatchedModule):
     def _paged_decode_applies(self, q: torch.Tensor, view: KVLayerView) -> bool:
         """Whether ``_attend_paged`` can serve this step's decode rows q [T, H, Nn + R]: CPU, the
         kernel built, the cache stored in q's dtype or fp8, no autograd, the absorbed path on."""
-        return (self.absorb_decode and self.use_paged_kernel and kernels.paged_decode_applies(q, view.pool)
+        return (self.absorb_decode and self.use_paged_kernel and kernels.paged_cache_applies(q, view.pool)
                 and not kernels.needs_autograd(self.kv_b_proj.weight))
 
     def _absorb_query(self, q: torch.Tensor, packed: tuple[kernels.PackedLinear, ...] | None) -> torch.Tensor:

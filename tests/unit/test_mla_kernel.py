@@ -743,3 +743,24 @@ def test_decode_on_an_fp8_cache_gives_the_bits_of_its_dequantized_cache(
     finally:
         torch.set_num_threads(threads)
         kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize(("family", "op"), [("deepseek_v3", "mla_decode"), ("qwen3_moe", "gqa_decode"),
+                                          ("qwen3_moe", "gqa_prefill")])
+def test_model_on_an_fp8_cache_decodes_the_same_with_the_kernels(hf_checkpoints: dict[str, Path], family: str,
+                                                                  op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 KV cache goes through the CPU attention kernels (the op-by-op and the whole-attention
+    paths) and decodes as the gather-and-sdpa path does over the same cache."""
+    if not kernels.is_available():
+        pytest.skip("the CPU expert kernel could not be built here")
+    model = _model(hf_checkpoints[family])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14]]
+    pools = []
+    call = getattr(kernels, op)
+    monkeypatch.setattr(kernels, op, lambda q, pool, *a, **k: pools.append(pool.dtype) or call(q, pool, *a, **k))
+    with_kernels = greedy_generate(model, prompts, 6, chunk=3, kv_cache_dtype="fp8")
+    assert pools and set(pools) == {torch.float8_e4m3fn}
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.use_paged_kernel = attn.use_prefill_kernel = attn.use_fused_decode = False
+    assert_same_generation(with_kernels, greedy_generate(model, prompts, 6, chunk=3, kv_cache_dtype="fp8"))

@@ -217,3 +217,22 @@ def test_a_rows_values_do_not_depend_on_the_chunk_or_batch_it_comes_in(kernel_is
             assert torch.equal(two[30:], whole[37:]), (name, dtype)
             assert torch.equal(two[:30], prefill(q[:30], table, [30], [0, 30])), (name, dtype)
     kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize("case", GQA_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_prefill_on_an_fp8_cache_gives_the_bits_of_its_dequantized_cache(kernel_isas: list[str], case: tuple,
+                                                                             dtype: torch.dtype) -> None:
+    h, hkv, hd, size, window = case
+    gen = torch.Generator().manual_seed(hd + 1)
+    lens, starts, rows = _batch(SEQS)
+    fp8 = (torch.randn(64, size, 2, hkv, hd, generator=gen) * 3).to(torch.float8_e4m3fn)
+    dequantized = (fp8.float() * torch.tensor(0.37)).to(dtype)  # as KVLayerView.gather
+    tables = _scattered_tables(gen, lens.tolist(), size, 64)
+    q = torch.randn(rows, h, hd, generator=gen).to(dtype)
+    for name in kernel_isas:
+        kernels.select_isa(name)
+        got = kernels.gqa_prefill(q, fp8, tables, lens, starts, 0.2, window, kv_scale=0.37)
+        assert got.shape == (rows, h, hd) and got.dtype == dtype
+        assert torch.equal(got, kernels.gqa_prefill(q, dequantized, tables, lens, starts, 0.2, window)), name
+    kernels.select_isa("auto")
