@@ -1814,8 +1814,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
           continue;
         }
         isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, items.rep, seq_pool(b), S, head, seq_table(b), lp[b], sc,
-                         bf16,
-                         scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
+                         bf16, scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
         store_rows(bf16, out_ptr, first, o.data(), hh * dv);
       }
   });
@@ -1823,9 +1822,9 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
 }
 
 // q: [B, H, W] float32 or bfloat16 (W = C + R: the absorbed query, then its rope part); pool:
-// [N, S, W] in q's dtype (one layer's latent cache); block_tables: [B, nb] int64; context_lens: [B]
-// int64. Returns [B, H, C] in q's dtype: softmax(q k^T * scale) v over the latent, values = its
-// first C columns.
+// [N, S, W] in q's dtype, or float8_e4m3fn holding values / kv_scale (Fp8Cache; one layer's latent
+// cache); block_tables: [B, nb] int64; context_lens: [B] int64. Returns [B, H, C] in q's dtype:
+// softmax(q k^T * scale) v over the latent, values = its first C columns.
 at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
                       const at::Tensor& context_lens, int64_t C, double scale, double kv_scale) {
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
@@ -1837,9 +1836,10 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Ten
   return paged_decode(q, pool, block_tables, context_lens, 1, PagedHead{W, 0, 0, W, C}, 0, scale, kv_scale);
 }
 
-// q: [B, H, hd] float32 or bfloat16; pool: [N, S, 2, Hkv, hd] in q's dtype (one layer's GQA cache:
-// keys, then values); block_tables: [B, nb] int64; context_lens: [B] int64. Query head h uses kv
-// head h / (H / Hkv). Returns [B, H, hd] in q's dtype: softmax(q k^T * scale) v.
+// q: [B, H, hd] float32 or bfloat16; pool: [N, S, 2, Hkv, hd] in q's dtype, or float8_e4m3fn holding
+// values / kv_scale (one layer's GQA cache: keys, then values); block_tables: [B, nb] int64;
+// context_lens: [B] int64. Query head h uses kv head h / (H / Hkv). Returns [B, H, hd] in q's dtype:
+// softmax(q k^T * scale) v.
 at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
                       const at::Tensor& context_lens, double scale, double kv_scale) {
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
@@ -1942,8 +1942,8 @@ at::Tensor mla_prefill(const at::Tensor& q, const at::Tensor& kv, const at::Tens
                        own + dv, 0, scale, 1.0, SharedKeyPart{R ? pe.data_ptr() : nullptr, R});
 }
 
-// Prefill over a GQA cache: q [T, H, hd]; pool [N, S, 2, Hkv, hd] as gqa_decode's; window > 0: a
-// sliding window of that many positions. Returns [T, H, hd].
+// Prefill over a GQA cache: q [T, H, hd]; pool [N, S, 2, Hkv, hd] as gqa_decode's (fp8 too); window > 0:
+// a sliding window of that many positions. Returns [T, H, hd].
 at::Tensor gqa_prefill(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
                        const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t window, double scale,
                        double kv_scale) {
@@ -2224,7 +2224,8 @@ at::Tensor mla_rope_cache(const at::Tensor& q, const at::Tensor& latent, const a
 //   kv_a_wp / kv_a_bias: kv_a_proj_with_mqa, C + R columns; kv_norm: kv_a_layernorm [C];
 //   wuk_wp: W_UK^T [H, C, Nn] packed; wuv_wp: W_UV [H, Vd, C] packed; o_wp / o_bias: o_proj.
 // cos, sin: [B, R/2] float32; pool: [N, S, C + R] this layer's latent cache (written at
-// slot_mapping [B]); block_tables: [B, nb] int64; context_lens: [B] int64.
+// slot_mapping [B]) in x's dtype, or float8_e4m3fn holding values / kv_scale (write_fp8_rows);
+// block_tables: [B, nb] int64; context_lens: [B] int64.
 // dims: (H, Nn, Vd, q_a columns or 0, q columns, D). Returns o_proj's output [B, D] in x's dtype.
 at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, const at::Tensor& q_a_bias,
                                 const at::Tensor& q_a_norm, double q_a_eps, const at::Tensor& q_wp,
@@ -2275,8 +2276,9 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
 // x: [B, D]; q_wp / k_wp / v_wp / o_wp: q_proj, k_proj, v_proj, o_proj packed as kernels.pack_linear
 // packs them, each with its bias (or empty); q_norm / k_norm: the per-head RMSNorm weights [hd]
 // (Qwen3) or both empty, with their eps; cos, sin: [B, hd/2] float32; pool: [N, S, 2, Hkv, hd] this
-// layer's cache in x's dtype (this step's roped keys and values are written at slot_mapping [B]);
-// block_tables: [B, nb] int64; context_lens: [B] int64; dims: (H, Hkv, hd, D).
+// layer's cache in x's dtype or fp8 as mla_decode_attention's (this step's roped keys and values are
+// written at slot_mapping [B]); block_tables: [B, nb] int64; context_lens: [B] int64; dims: (H, Hkv, hd,
+// D).
 // Returns o_proj's output [B, D] in x's dtype.
 at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, const at::Tensor& q_bias,
                                 const at::Tensor& k_wp, const at::Tensor& k_bias, const at::Tensor& v_wp,
