@@ -330,7 +330,7 @@ class WorkerGroup:
                 err = WorkerCallError(f"worker rank {rank} on node {self._node(rank)} failed in {method}: "
                                       f"{_first_line(cause)}", rank=rank, detail=type(cause).__name__)
                 err.cause = cause
-                raise err from e
+                raise self.blame_dead_peer(err) from e
             except UnserializableException as e:  # the worker's error could not be rebuilt here
                 rank = ranks[i]
                 raise WorkerCallError(f"worker rank {rank} on node {self._node(rank)} failed in {method}: "
@@ -349,6 +349,47 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - the fault was already reported once
                 pass
         self._abandoned = list(rest)
+
+    peer_ping_timeout_s = 3.0
+
+    def blame_dead_peer(self, err: WorkerCallError) -> WorkerCallError | WorkerDiedError:
+        """``err`` as the driver should report it: a rank whose collective broke because a peer
+        went away (``PeerGoneError``) did not fail itself, so when Ray says another rank's
+        actor is dead within ``peer_ping_timeout_s``, the fault is that rank's death (the
+        reporter's line kept in the detail); otherwise ``err`` unchanged."""
+        if err.detail != "PeerGoneError":
+            return err
+        found = self.dead_rank(self.peer_ping_timeout_s)
+        if found is None:
+            return err
+        rank, death = found
+        return WorkerDiedError(f"worker rank {rank} on node {self._node(rank)} died ({_exit_kind(death)})",
+                               rank=rank, detail=f"{_one_line(death)}; reported by {err.summary}")
+
+    def dead_rank(self, timeout_s: float) -> tuple[int, RayActorError] | None:
+        """The lowest rank whose actor Ray reports dead among the ping answers that came within
+        ``timeout_s`` (None when none did: ranks that merely have not answered are not dead).
+        Returns as soon as a dead rank answered and every lower rank has too."""
+        refs = {actor.ping.remote(): r for r, actor in enumerate(self.actors)}
+        pending, dead = list(refs), {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except RayActorError as e:
+                dead[refs[ready[0]]] = e
+            except Exception:  # noqa: BLE001 - an alive rank whose ping failed otherwise: not dead
+                pass
+            if dead and all(refs[ref] > min(dead) for ref in pending):
+                break
+        self._abandoned.extend(pending)
+        if not dead:
+            return None
+        rank = min(dead)
+        return rank, dead[rank]
 
     def responsive_ranks(self, timeout_s: float) -> list[int]:
         """Ranks whose actor answers a ping within ``timeout_s`` (not dead, not stuck in a call)."""

@@ -172,7 +172,8 @@ class RayExecutor:
         if isinstance(error, RemoteError):
             cause = error.cause
             first = next((line.strip() for line in str(cause).splitlines() if line.strip()), cause.type_name)
-            return WorkerCallError(f"{where} failed in execute: {first}", rank=rank, detail=cause.type_name)
+            return self.group.blame_dead_peer(
+                WorkerCallError(f"{where} failed in execute: {first}", rank=rank, detail=cause.type_name))
         if isinstance(error, ChannelTimeout):
             return WorkerTimeoutError(f"ranks {error.ranks} did not finish execute within "
                                       f"{self.group.call_timeout_s:.0f}s (recovery.step_timeout_s): hung",

@@ -73,6 +73,11 @@ class CollectiveError(RuntimeError):
     """Raised inside a worker: a collective did not complete; names the rank and the collective."""
 
 
+class PeerGoneError(CollectiveError):
+    """A collective broke because a peer rank's connection closed: the fault is most likely
+    that peer's, not the raising rank's (the driver asks Ray which rank died)."""
+
+
 class EngineRecoveringError(RuntimeError):
     """The engine lost a worker and is rebuilding; the request may be sent again shortly (503)."""
 

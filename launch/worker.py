@@ -353,7 +353,7 @@ class Worker:
         (other errors unchanged)."""
         import torch.distributed as dist
 
-        from launch.recovery import CollectiveError
+        from launch.recovery import CollectiveError, PeerGoneError
 
         text = str(exc)
         if not (isinstance(exc, dist.DistError) or any(k in text for k in ("gloo", "Timed out", "Connection",
@@ -363,9 +363,8 @@ class Worker:
         if "imed out" in text:
             what = (f"did not complete within parallel.collective_timeout_s={self.spec.dist_timeout_s:g}s "
                     "(a peer rank stalled or died)")
-        else:
-            what = "failed: a peer rank went away"
-        return CollectiveError(f"rank {self.rank}: {self._where} {what} [{first[:200]}]")
+            return CollectiveError(f"rank {self.rank}: {self._where} {what} [{first[:200]}]")
+        return PeerGoneError(f"rank {self.rank}: {self._where} failed: a peer rank went away [{first[:200]}]")
 
     # ---- placement -------------------------------------------------------------------
 

@@ -100,12 +100,23 @@ def test_server_survives_a_worker_killed_mid_generation(ray_local, tiny_ckpt_wit
     with LiveServer(cfg) as srv:
         url = srv.base_url + "/v1/completions"
         bodies = [{"prompt": p, "max_tokens": NEW, "temperature": 0, "ignore_eos": True} for p in prompts]
+        # Hold the engine thread until all eight requests are queued for it, so that they are
+        # admitted together (on a loaded box the HTTP threads can trail the first steps).
+        gate = threading.Event()
+        holder = threading.Thread(target=srv.engine.call, args=(lambda _engine: gate.wait(60),), daemon=True)
+        holder.start()
         with ThreadPoolExecutor(len(bodies)) as pool:
             futures = [pool.submit(stream_completion if i % 2 else plain_completion, url, b)
                        for i, b in enumerate(bodies)]
             deadline = time.monotonic() + 60
+            while srv.engine._inbox.qsize() < len(bodies) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gate.set()
+            holder.join(timeout=60)
             while srv.engine.stats().generation_tokens_total < 6 and time.monotonic() < deadline:
                 time.sleep(0.01)  # mid-generation: the first four have tokens, the rest wait
+            before = srv.engine.stats()
+            assert before.num_running + before.num_waiting == len(bodies) and before.num_waiting >= 1, before
             pid = srv.engine.engine.executor.infos[1]["pid"]
             killed_at = time.monotonic()
             kill(pid)
@@ -284,6 +295,30 @@ def test_rank_stalled_in_a_collective_becomes_an_error_and_is_replaced(ep2):
            engine.supervisor.counters, stalled_at, retried, failed, 0)
 
 
+def check_blame(group, kill_rank: int, pid: int) -> float:
+    """A survivor's collective that broke because its peer's connection closed (PeerGoneError)
+    is reported as that peer's death, naming it, once Ray knows; a timed-out collective is
+    left as reported. Kills ``pid`` (rank ``kill_rank``) on the way; returns when it did."""
+    from launch.recovery import WorkerCallError, WorkerDiedError
+
+    reported = "worker rank 0 on node 0 failed in execute: rank 0: layer 1 MoE all_to_all failed: a peer rank went away"
+    alive = group.blame_dead_peer(WorkerCallError(reported, rank=0, detail="PeerGoneError"))
+    assert type(alive) is WorkerCallError and alive.rank == 0  # nobody is dead: the reporter's error stands
+    killed_at = time.monotonic()
+    kill(pid)
+    deadline = time.monotonic() + 30
+    blamed = group.blame_dead_peer(WorkerCallError(reported, rank=0, detail="PeerGoneError"))
+    while not isinstance(blamed, WorkerDiedError) and time.monotonic() < deadline:  # Ray may take a moment
+        time.sleep(0.2)
+        blamed = group.blame_dead_peer(WorkerCallError(reported, rank=0, detail="PeerGoneError"))
+    assert isinstance(blamed, WorkerDiedError) and blamed.rank == kill_rank, blamed
+    assert blamed.summary.startswith(f"worker rank {kill_rank} on node 0") and "died" in blamed.summary
+    assert blamed.detail.endswith(f"reported by {reported}")
+    stalled = WorkerCallError("worker rank 0 ...: did not complete within ...", rank=0, detail="CollectiveError")
+    assert group.blame_dead_peer(stalled) is stalled  # a timeout is not a closed connection: not re-blamed
+    return killed_at
+
+
 def test_degraded_mode_serves_on_the_survivor_then_restores(ray_local, hf_checkpoints):
     """recovery.degraded_mode (default): after rank 1 dies the engine serves at once on rank 0
     alone, every expert re-placed there, then takes the replacement back: token-exact throughout."""
@@ -298,9 +333,9 @@ def test_degraded_mode_serves_on_the_survivor_then_restores(ray_local, hf_checkp
         engine = llm.engine
         assert greedy(llm, prompts) == single
         ids = start_requests(llm, prompts[:2], steps=2) + start_requests(llm, prompts[2:], steps=0)
-        killed_at = time.monotonic()
-        kill(engine.executor.infos[1]["pid"])
+        killed_at = check_blame(engine.executor.group, 1, engine.executor.infos[1]["pid"])
         first = engine.step()  # the fault: two requests had tokens and fail, four are requeued
+        assert engine.supervisor.last_fault.startswith("worker rank 1 on node 0"), engine.supervisor.last_fault
         engine.step()  # rebuilt on the survivor
         counters = engine.supervisor.counters
         degraded_after = counters.last_recovery_seconds

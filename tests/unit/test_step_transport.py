@@ -277,6 +277,10 @@ class FakeGroup:
     def _node(self, rank):
         return "0 (node)"
 
+    def blame_dead_peer(self, err):  # the real one asks Ray (tests/ray/test_worker_faults.py)
+        self.calls.append(("blame_dead_peer", err.rank, err.detail))
+        return err
+
 
 def fake_executor(transport, group):
     from launch.executor import RayExecutor
@@ -345,6 +349,7 @@ def test_executor_steps_over_the_channel_and_maps_faults_to_the_ray_errors():
     with pytest.raises(WorkerCallError, match="rank 1 .* failed in execute: bad batch") as info:
         ex.execute(step_output(2), collect_load=True)
     assert info.value.rank == 1 and info.value.detail == "ValueError"
+    assert ex.group.calls[-1] == ("blame_dead_peer", 1, "ValueError")  # a survivor's report may name a dead peer
     # the next step connects afresh (after a recovery rebuild the ranks serve new channels)
     ex.group.servers = [StepServer(result_handler), StepServer(result_handler)]
     assert len(ex.execute(step_output(2), collect_load=False)) == 2 and ex.active_transport == "socket"
