@@ -58,6 +58,12 @@ class EngineCounters:
     iteration_tokens_sum: int = 0
 
 
+# float16 on the CPU: no CPU kernel takes it, so every op runs on PyTorch's own (docs/benchmarks.md)
+CPU_FLOAT16_WARNING = ("dtype float16 on the CPU runs on PyTorch's own ops, not the CPU kernels (they take bfloat16 "
+                       "and float32): several times bfloat16's time (4-8x a decode step, 7x offline generation on an "
+                       "AVX512-BF16 Zen 4); --dtype bfloat16 or float32 runs on the kernels")
+
+
 def resolve_dtype(name: str, model_config: ModelConfig) -> str:
     """The compute dtype: ``name`` itself, or for "auto" the checkpoint's dtype (bfloat16 when
     the checkpoint names none or one the runtime does not compute in)."""
@@ -178,6 +184,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(path, self.tokenizer)
         e, p = config.engine, config.parallel
         self.dtype = resolve_dtype(e.dtype, self.model_config)
+        if self.dtype == "float16" and not torch.cuda.is_available():
+            log.warning(CPU_FLOAT16_WARNING)
         world = p.world_size
         spec = WorkerSpec(
             model_path=str(path), dtype=self.dtype, tp=p.tensor_parallel_size, dp=p.data_parallel_size,
