@@ -778,14 +778,15 @@ struct AttentionDotKernels {
   // dk] bf16 (kv head g's query heads at rows g * rep ...); kv head g's rows at head's offsets + g *
   // kv_stride; the rest as decode's, with scratch: scores [groups][L + 16][HP] fp32, pbuf
   // [groups][(dk / 2) HP + (L + 16) HP / 2] 32-bit words, acc [groups * rep][dv + 32] fp32; o [groups *
-  // rep, dv].
+  // rep, dv]. refill (null: none): the pool is its ring, loaded chunk by chunk in both passes.
   // Every tile of rows is read for all the kv heads at once: a GQA token row holds every kv head's
   // key, then every one's value, so an item per kv head read a quarter of each row's lines (4 kv
   // heads), at a 1 KB stride.
   template <int HP>
   static void decode_groups(const uint16_t* q, int64_t groups, int64_t rep, const uint16_t* pool, int64_t S,
                             const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L, float scale,
-                            float* scores, uint32_t* pbuf, float* acc, const uint16_t** rows, uint16_t* o) {
+                            float* scores, uint32_t* pbuf, float* acc, const uint16_t** rows, uint16_t* o,
+                            const RowRefill* refill) {
     constexpr int J = 16 / HP, TT = J > 8 ? J : 8;
     const int64_t dk = head.dk, dv = head.dv, kpairs = dk / 2, steps = kpairs / J;
     const uint16_t** krow = rows;
@@ -808,6 +809,7 @@ struct AttentionDotKernels {
     const int64_t row_bytes = std::max(kbytes, (head.v_off - head.k_off) * 2 + vbytes);
     for (int64_t t = 0; t < std::min(GROUP_ROWS_AHEAD, L); ++t) ask(krow[t], row_bytes);
     for (int64_t t0 = 0; t0 < padded; t0 += TT) {
+      if (refill != nullptr && t0 % refill->chunk == 0) refill->fill(refill, t0, 0);  // (TT divides chunk)
       for (int64_t t = t0 + GROUP_ROWS_AHEAD; t < std::min(t0 + GROUP_ROWS_AHEAD + TT, L); ++t)
         ask(krow[t], row_bytes);
       const uint16_t* k[TT];
@@ -821,6 +823,7 @@ struct AttentionDotKernels {
     const int64_t pairs = (L + 1) / 2;
     for (int64_t t = 0; t < std::min(2 * GROUP_PV_PAIRS, L); ++t) ask(vrow[t], vbytes);
     for (int64_t j0 = 0; j0 < pairs; j0 += GROUP_PV_PAIRS) {
+      if (refill != nullptr && 2 * j0 % refill->chunk == 0) refill->fill(refill, 2 * j0, 1);  // (32 divides chunk)
       const int64_t j1 = std::min(pairs, j0 + GROUP_PV_PAIRS);
       for (int64_t t = 2 * j1; t < std::min(2 * j1 + 2 * GROUP_PV_PAIRS, L); ++t) ask(vrow[t], vbytes);
       const bool first = j0 == 0, last = j1 == pairs;
@@ -850,10 +853,10 @@ struct AttentionDotKernels {
   static void decode_groups_any(int hp, const uint16_t* q, int64_t groups, int64_t rep, const uint16_t* pool,
                                 int64_t S, const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
                                 float scale, float* scores, uint32_t* pbuf, float* acc, const uint16_t** rows,
-                                uint16_t* o) {
+                                uint16_t* o, const RowRefill* refill) {
     auto run = [&](auto lanes) {
       decode_groups<decltype(lanes)::value>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, scores, pbuf,
-                                            acc, rows, o);
+                                            acc, rows, o, refill);
     };
     switch (hp) {
       case 1: return run(std::integral_constant<int, 1>{});

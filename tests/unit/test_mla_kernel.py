@@ -745,6 +745,54 @@ def test_decode_on_an_fp8_cache_gives_the_bits_of_its_dequantized_cache(
         kernels.select_isa("auto")
 
 
+# (query heads, kv heads, head dim, block size, context lengths): rows of 1 KB and 512 B in bf16, so
+# that the rings hold 256, 512 and 480 tokens (256 KiB of rows; a multiple of the block size and 32):
+# sequences longer than that go through one, the others whole (256 and 257: at the edge)
+LONG_FP8_CASES = [(16, 4, 64, 16, (700, 37, 256, 257, 1003)), (8, 2, 64, 8, (1300, 2001)),
+                  (8, 4, 32, 48, (1, 1450))]
+
+
+@pytest.mark.parametrize("case", LONG_FP8_CASES)
+def test_long_sequences_on_an_fp8_cache_go_through_a_ring_with_the_same_bits(
+        kernel_isas: list[str], case: tuple) -> None:
+    """GQA decode on bf16 queries over an fp8 pool whose sequences are longer than a ring: they are
+    converted chunk by chunk into it (keys before the score pass reaches them, values before the
+    value pass), and give the bits of the op over the dequantized pool, at one thread and at two
+    (where one sequence's kv heads are split between the threads)."""
+    h, hkv, hd, size, lens = case
+    gen = torch.Generator().manual_seed(sum(lens))
+    blocks = [(n + size - 1) // size for n in lens]
+    n, nb = sum(blocks) + 3, max(blocks)
+    perm = torch.randperm(n, generator=gen)
+    tables = torch.zeros(len(lens), nb, dtype=torch.long)
+    start = 0
+    for i, k in enumerate(blocks):  # scattered blocks, no two sequences sharing one
+        tables[i, :k] = perm[start:start + k]
+        start += k
+    fp8 = _fp8_pool(torch.empty(n, size, 2, hkv, hd), sum(lens))
+    q = torch.randn(len(lens), h, hd, generator=gen).to(torch.bfloat16)
+    context = torch.tensor(lens)
+    threads = torch.get_num_threads()
+    try:
+        for kv_scale in (1.0, 0.37):
+            dequantized = (fp8.float() * torch.tensor(kv_scale)).to(torch.bfloat16)
+            for name in kernel_isas:
+                kernels.select_isa(name)
+                for n_threads in (1, 2):
+                    torch.set_num_threads(n_threads)
+                    got = kernels.gqa_decode(q, fp8, tables, context, 0.125, kv_scale)
+                    want = kernels.gqa_decode(q, dequantized, tables, context, 0.125)
+                    assert got.shape == want.shape == (len(lens), h, hd) and got.dtype == torch.bfloat16
+                    assert torch.equal(got, want), (name, n_threads, kv_scale)
+                    for i in range(len(lens)):  # each sequence alone: the ring is sized by the longest
+                        alone = kernels.gqa_decode(q[i:i + 1], fp8, tables[i:i + 1], context[i:i + 1], 0.125,
+                                                   kv_scale)
+                        assert torch.equal(alone[0], want[i]), (name, n_threads, kv_scale, i)
+    finally:
+        torch.set_num_threads(threads)
+        kernels.select_isa("auto")
+
+
 @pytest.mark.parametrize(("family", "op"), [("deepseek_v3", "mla_decode"), ("qwen3_moe", "gqa_decode"),
                                           ("qwen3_moe", "gqa_prefill")])
 def test_model_on_an_fp8_cache_decodes_the_same_with_the_kernels(hf_checkpoints: dict[str, Path], family: str,
