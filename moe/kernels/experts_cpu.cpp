@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -586,7 +587,8 @@ struct Isa {
   int64_t lane_min_heads;  // the FMA path's decode takes a kv head's query heads in lanes from this many
   bool wide_panels = false;  // experts too large for L2 take WIDE_ROW_PANEL rows per panel (see there)
   RouterSplitFn router_split = nullptr;  // bf16 rows' router logits on the weight's bf16 parts (router_logits)
-  // (src, n, lut, dst): dst[i] = lut[src[i]], 16-bit entries (null: a scalar loop), for fp8 caches
+  // (src, rows, n, ld, lut, dst): dst[r ld + i] = lut[src[r ld + i]], 16-bit entries (null: a scalar
+  // loop, Fp8Cache::convert16), for fp8 caches
   void (*lut16_rows)(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, uint16_t*) = nullptr;
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
   bool dot_bf16(int wt, at::ScalarType x_type) const {
@@ -1661,6 +1663,12 @@ struct Fp8Cache {
     static std::atomic<uint64_t> calls{0};
     return ++calls;
   }
+  // dst[r * ld + i] = lut16[src[r * ld + i]] for r < rows, i < n (rows16 where the ISA has it)
+  void convert16(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, uint16_t* dst) const {
+    if (rows16 != nullptr) return rows16(src, rows, n, ld, lut16, dst);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < n; ++i) dst[r * ld + i] = lut16[src[r * ld + i]];
+  }
   // The first L tokens' blocks of a sequence (its block table `table`) in the calling thread's scratch,
   // converted unless this call's previous item on the thread was the same sequence's
   const void* rows(const int64_t* table, int64_t L) const {
@@ -1678,10 +1686,7 @@ struct Fp8Cache {
       }
       const uint8_t* src = pool + table[j] * block_elems;
       if (bf16) {
-        uint16_t* d = buf.data() + j * block_elems;
-        if (rows16 != nullptr) rows16(src, 1, block_elems, 0, lut16, d);
-        else
-          for (int64_t i = 0; i < block_elems; ++i) d[i] = lut16[src[i]];
+        convert16(src, 1, block_elems, 0, buf.data() + j * block_elems);
       } else {
         float* d = reinterpret_cast<float*>(buf.data()) + j * block_elems;
         for (int64_t i = 0; i < block_elems; ++i) d[i] = lut32[src[i]];
@@ -1691,6 +1696,16 @@ struct Fp8Cache {
     return buf.data();
   }
 };
+
+// A sequence's pool and block table as the kernels read them: the cache's own (f8 null), or an fp8
+// cache's rows in the calling thread's scratch (Fp8Cache::rows) with the identity table
+struct SeqRows {
+  const void* pool;
+  const int64_t* table;
+};
+static SeqRows seq_rows(const Fp8Cache* f8, const void* pool, const int64_t* table, int64_t L) {
+  return f8 != nullptr ? SeqRows{f8->rows(table, L), f8->identity.data()} : SeqRows{pool, table};
+}
 
 // A sequence of an fp8 cache on the group path, longer than a ring: converted whole, its rows in q's
 // dtype would leave L2 (and past ~16k tokens of a qwen3-style model, the L3), and the passes would
@@ -1732,13 +1747,8 @@ struct Fp8Ring : RowRefill {
         for (int64_t t = 0; t < r.S; ++t)
           for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(next + t * r.stride + off, 0, 2);
       }
-      const uint8_t* src = r.c.pool + r.table[j] * block + lo;
-      uint16_t* dst = r.ring + j % r.ring_blocks * block + lo;
-      const int64_t tokens = std::min(r.S, r.L - j * r.S);
-      if (r.c.rows16 != nullptr) r.c.rows16(src, tokens, n, r.stride, r.c.lut16, dst);
-      else
-        for (int64_t t = 0; t < tokens; ++t)
-          for (int64_t i = 0; i < n; ++i) dst[t * r.stride + i] = r.c.lut16[src[t * r.stride + i]];
+      r.c.convert16(r.c.pool + r.table[j] * block + lo, std::min(r.S, r.L - j * r.S), n, r.stride,
+                    r.ring + j % r.ring_blocks * block + lo);
     }
   }
 };
@@ -1786,8 +1796,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const at::Tensor pc = pool.contiguous();
   const std::unique_ptr<const Fp8Cache> f8 = fp8 ? std::make_unique<const Fp8Cache>(pc, bf16, kv_scale, nb, isa) : nullptr;
   // sequence b's pool and block table: the cache's, or its rows in the thread's scratch
-  auto seq_pool = [&](int64_t b) { return f8 ? f8->rows(tp + b * nb, lp[b]) : pc.data_ptr(); };
-  auto seq_table = [&](int64_t b) { return f8 ? f8->identity.data() : tp + b * nb; };
+  auto seq = [&](int64_t b) { return seq_rows(f8.get(), pc.data_ptr(), tp + b * nb, lp[b]); };
   const int64_t rep = H / num_kv_heads;
   const int hp = dot && isa.dot.paged_decode_groups != nullptr ? isa.dot.group_lanes(rep, dk) : 0;
   if (hp != 0) {
@@ -1808,18 +1817,16 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
         for (int64_t i = begin; i < end; ++i) {
           const auto [b, g0, groups] = items[i];
           const PagedHead head = HeadItems::head(head0, g0, kv_stride);
-          if (ring_tokens != 0 && lp[b] > ring_tokens) {
-            const Fp8Ring refill(*f8, tp + b * nb, lp[b], S, head, groups, kv_stride, ring_tokens, ring.data());
-            isa.dot.paged_decode_groups(hp, qb + (b * H + g0 * rep) * dk, groups, rep, ring.data(), S, head,
-                                        kv_stride, ring_table.data(), lp[b], static_cast<float>(scale),
-                                        scores.data(), pbuf.data(), acc.data(), rows.data(),
-                                        op + (b * H + g0 * rep) * dv, &refill);
-            continue;
-          }
+          std::optional<Fp8Ring> refill;
+          SeqRows r{ring.data(), ring_table.data()};
+          if (ring_tokens != 0 && lp[b] > ring_tokens)
+            refill.emplace(*f8, tp + b * nb, lp[b], S, head, groups, kv_stride, ring_tokens, ring.data());
+          else
+            r = seq(b);
           isa.dot.paged_decode_groups(hp, qb + (b * H + g0 * rep) * dk, groups, rep,
-                                      static_cast<const uint16_t*>(seq_pool(b)), S, head, kv_stride, seq_table(b),
-                                      lp[b], static_cast<float>(scale), scores.data(), pbuf.data(), acc.data(),
-                                      rows.data(), op + (b * H + g0 * rep) * dv, nullptr);
+                                      static_cast<const uint16_t*>(r.pool), S, head, kv_stride, r.table, lp[b],
+                                      static_cast<float>(scale), scores.data(), pbuf.data(), acc.data(), rows.data(),
+                                      op + (b * H + g0 * rep) * dv, refill ? &*refill : nullptr);
         }
     });
     return out;
@@ -1838,8 +1845,9 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
           const auto [b, g0, groups] = items[i];
-          isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, seq_pool(b), S,
-                                    HeadItems::head(head0, g0, kv_stride), kv_stride, seq_table(b), lp[b],
+          const SeqRows r = seq(b);
+          isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, r.pool, S,
+                                    HeadItems::head(head0, g0, kv_stride), kv_stride, r.table, lp[b],
                                     static_cast<float>(scale), bf16, scores.data(), lanes.data(), kbuf.data(),
                                     vbuf.data(), o.data());
           store_rows(bf16, out_ptr, (b * H + g0 * rep) * dv, o.data(), groups * rep * dv);
@@ -1881,13 +1889,14 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
                           HeadItems::head(head0, following.g, kv_stride)};
         }
         const int64_t first = (b * H + h0) * dv;
+        const SeqRows r = seq(b);
         if (dot) {  // writes its bf16 rows [hh, dv] itself
-          isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(seq_pool(b)), S, head,
-                               seq_table(b), lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(),
+          isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(r.pool), S, head,
+                               r.table, lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(),
                                reinterpret_cast<uint16_t*>(out_ptr) + first, next);
           continue;
         }
-        isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, items.rep, seq_pool(b), S, head, seq_table(b), lp[b], sc,
+        isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, items.rep, r.pool, S, head, r.table, lp[b], sc,
                          bf16, scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
         store_rows(bf16, out_ptr, first, o.data(), hh * dv);
       }
@@ -1987,10 +1996,10 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
         const auto [b, g, h0, hh] = items[i];
         const PagedHead head = HeadItems::head(head0, g, kv_stride);
         const int64_t qlen = qs[b + 1] - qs[b];
-        isa.paged_prefill(bf16, qp + (qs[b] * H + h0) * dk * esize, H * dk, hh, qlen, lp[b] - qlen,
-                          f8 ? f8->rows(tp + b * nb, lp[b]) : pc.data_ptr(), S, head, shared,
-                          f8 ? f8->identity.data() : tp + b * nb, lp[b], window, sc, kt.data(), vbuf.data(),
-                          scores.data(), qbuf.data(), op + (qs[b] * H + h0) * dv * esize, H * dv);
+        const SeqRows r = seq_rows(f8.get(), pc.data_ptr(), tp + b * nb, lp[b]);
+        isa.paged_prefill(bf16, qp + (qs[b] * H + h0) * dk * esize, H * dk, hh, qlen, lp[b] - qlen, r.pool, S, head,
+                          shared, r.table, lp[b], window, sc, kt.data(), vbuf.data(), scores.data(), qbuf.data(),
+                          op + (qs[b] * H + h0) * dv * esize, H * dv);
       }
   });
   return out;
