@@ -302,15 +302,13 @@ def check_blame(group, kill_rank: int, pid: int) -> float:
     from launch.recovery import WorkerCallError, WorkerDiedError
 
     reported = "worker rank 0 on node 0 failed in execute: rank 0: layer 1 MoE all_to_all failed: a peer rank went away"
-    alive = group.blame_dead_peer(WorkerCallError(reported, rank=0, detail="PeerGoneError"))
-    assert type(alive) is WorkerCallError and alive.rank == 0  # nobody is dead: the reporter's error stands
+    peer_gone = WorkerCallError(reported, rank=0, detail="PeerGoneError")
+    assert group.blame_dead_peer(peer_gone) is peer_gone  # nobody is dead: the reporter's error stands
     killed_at = time.monotonic()
     kill(pid)
     deadline = time.monotonic() + 30
-    blamed = group.blame_dead_peer(WorkerCallError(reported, rank=0, detail="PeerGoneError"))
-    while not isinstance(blamed, WorkerDiedError) and time.monotonic() < deadline:  # Ray may take a moment
-        time.sleep(0.2)
-        blamed = group.blame_dead_peer(WorkerCallError(reported, rank=0, detail="PeerGoneError"))
+    while not isinstance(blamed := group.blame_dead_peer(peer_gone), WorkerDiedError) and time.monotonic() < deadline:
+        time.sleep(0.2)  # Ray may take a moment
     assert isinstance(blamed, WorkerDiedError) and blamed.rank == kill_rank, blamed
     assert blamed.summary.startswith(f"worker rank {kill_rank} on node 0") and "died" in blamed.summary
     assert blamed.detail.endswith(f"reported by {reported}")
