@@ -251,11 +251,11 @@ def test_mla_decode_rejects_lengths_and_blocks_outside_the_cache(kernel_isas: li
         kernels.mla_decode(q, pool, torch.tensor(table), torch.tensor(lens), 6, 1.0)
 
 
-def assert_same_generation(got: tuple[list, list], want: tuple[list, list]) -> None:
-    """Two ``greedy_generate`` results (tokens, per-step logits): the same tokens, logits within 1e-4."""
+def assert_same_generation(got: tuple[list, list], want: tuple[list, list], tolerance: float = 1e-4) -> None:
+    """Two ``greedy_generate`` results (tokens, per-step logits): the same tokens, logits within tolerance."""
     assert got[0] == want[0]
     for a, b in zip(got[1], want[1]):
-        assert (torch.stack(a) - torch.stack(b)).abs().max().item() < 1e-4
+        assert (torch.stack(a) - torch.stack(b)).abs().max().item() < tolerance
 
 
 def _model(path: Path, dtype: torch.dtype = torch.float32) -> MoEModel:
@@ -798,7 +798,11 @@ def test_long_sequences_on_an_fp8_cache_go_through_a_ring_with_the_same_bits(
 def test_model_on_an_fp8_cache_decodes_the_same_with_the_kernels(hf_checkpoints: dict[str, Path], family: str,
                                                                   op: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp8 KV cache goes through the CPU attention kernels (the op-by-op and the whole-attention
-    paths) and decodes as the gather-and-sdpa path does over the same cache."""
+    paths) and decodes as the gather-and-sdpa path does over the same cache: the same tokens, and
+    logits within what one fp8 code of a cache entry moves them. (The kernels' sums match sdpa's to
+    ~1e-7, not to the bit, and a later layer's entry that close to an fp8 rounding boundary is
+    written one code apart, 1/16 of its value: 0.022 on the AVX2 Zen 3, nothing on Zen 4. The ops
+    themselves are bit-checked against the dequantized cache above.)"""
     if not kernels.is_available():
         pytest.skip("the CPU expert kernel could not be built here")
     model = _model(hf_checkpoints[family])
@@ -811,4 +815,5 @@ def test_model_on_an_fp8_cache_decodes_the_same_with_the_kernels(hf_checkpoints:
     for layer in model.model.layers:
         attn = layer.self_attn
         attn.use_paged_kernel = attn.use_prefill_kernel = attn.use_fused_decode = False
-    assert_same_generation(with_kernels, greedy_generate(model, prompts, 6, chunk=3, kv_cache_dtype="fp8"))
+    assert_same_generation(with_kernels, greedy_generate(model, prompts, 6, chunk=3, kv_cache_dtype="fp8"),
+                           tolerance=0.05)
