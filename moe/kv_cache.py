@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe import kernels
 from moe.config import ModelConfig
 from moe.host_memory import anonymous_tensor, proc_bytes, tensor_bytes
 
@@ -207,7 +208,10 @@ class KVLayerView:
         g = self.pool.index_select(0, block_tables.reshape(-1))  # [B * nb, S, ...]
         g = g.view(block_tables.shape[0], -1, *self.pool.shape[2:])
         if self.cache.is_fp8:
-            return (g.float() * self.scale).to(self.cache.dtype)
+            dtype = self.cache.dtype
+            if (dtype == torch.float32 or dtype == torch.bfloat16) and kernels.cpu_kernel_applies(g):
+                return kernels.fp8_dequantize(g, self.scale, dtype)  # the same bits, one pass
+            return (g.float() * self.scale).to(dtype)
         return g
 
 

@@ -556,6 +556,15 @@ def gqa_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, 
     return torch.ops.moe_kernels.gqa_decode(q, pool, block_tables, context_lens, scale, kv_scale)
 
 
+def fp8_dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 cache's entries x (float8_e4m3fn, any shape, on CPU) times scale, in dtype (float32
+    or bfloat16): the bits of ``(x.float() * scale).to(dtype)`` in one pass, converted as the
+    decode kernels convert an fp8 cache's rows. Returns a tensor of x's shape."""
+    if dtype != torch.float32 and dtype != torch.bfloat16:
+        raise ValueError(f"fp8_dequantize gives float32 or bfloat16, not {dtype}")
+    return torch.ops.moe_kernels.fp8_dequantize(x, scale, dtype == torch.bfloat16)
+
+
 def mla_prefill(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                 query_starts: torch.Tensor, value_dim: int, scale: float,
                 k_pe: torch.Tensor | None = None) -> torch.Tensor:

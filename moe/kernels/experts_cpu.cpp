@@ -391,6 +391,52 @@ static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 #include "norm_body.h"
 #undef MOE_W
 #undef MOE_EXP8
+// fp8 (e4m3) bytes times a scale, in fp32 or rounded to bf16 as c10's conversions round them:
+// dst[r * ld + i] = e4m3(src[r * ld + i]) * scale for r < rows, i < n (ld unused for one row). Sixteen
+// at a time through F16C: byte x's bits moved into a half, ((x & 0x7f) << 7) with its sign at bit 15,
+// are e4m3's value times 2^-8 (e4m3's exponent bias is 7, a half's 15, and e4m3's subnormals land on
+// the half's), exactly; times scale256 = scale * 2^8 (finite: the caller checks) that is the product
+// c10's value times scale rounds to. NaN bytes (x & 0x7f == 0x7f) become half NaNs, which widen to
+// c10's NaN bits (sign | 0x7ff00000); in bf16, 0x7fc0 as c10 rounds every NaN.
+static void e4m3_rows(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, float scale256, bool bf16,
+                      void* dst) {
+  const __m256i low7 = _mm256_set1_epi16(0x7f), bit14 = _mm256_set1_epi16(0x4000),
+                half_nan = _mm256_set1_epi16(0x7c00), bf16_nan = _mm256_set1_epi16(0x7fc0),
+                one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7fff);
+  const __m256 sc = _mm256_set1_ps(scale256);
+  const auto round16 = [&](__m256 v) {  // c10's round to nearest even, NaNs aside
+    const __m256i u = _mm256_castps_si256(v);
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), one),
+                                                                   half_ulp)), 16);
+  };
+  const auto sixteen = [&](const uint8_t* s, uint16_t* d16, float* d32) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, low7), low7);
+    __m256i h = _mm256_slli_epi16(x, 7);  // the sign lands on bit 14: adding bit 14 to itself moves it to 15
+    h = _mm256_or_si256(_mm256_add_epi16(h, _mm256_and_si256(h, bit14)), _mm256_and_si256(nan, half_nan));
+    const __m256 a = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), sc);
+    const __m256 b = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), sc);
+    if (d32 != nullptr) {
+      _mm256_storeu_ps(d32, a), _mm256_storeu_ps(d32 + 8, b);
+      return;
+    }
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(round16(a), round16(b)), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d16), _mm256_blendv_epi8(p, bf16_nan, nan));
+  };
+  for (int64_t r = 0; r < rows; ++r, src += ld) {
+    uint16_t* d16 = bf16 ? static_cast<uint16_t*>(dst) + r * ld : nullptr;
+    float* d32 = bf16 ? nullptr : static_cast<float*>(dst) + r * ld;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) sixteen(src + i, bf16 ? d16 + i : nullptr, bf16 ? nullptr : d32 + i);
+    if (i < n) {  // the last n - i bytes through a zero-padded block of 16
+      alignas(32) uint8_t s[16] = {};
+      alignas(32) float o[16];
+      std::memcpy(s, src + i, n - i);
+      sixteen(s, reinterpret_cast<uint16_t*>(o), bf16 ? nullptr : o);
+      std::memcpy(bf16 ? static_cast<void*>(d16 + i) : static_cast<void*>(d32 + i), o, (n - i) * (bf16 ? 2 : 4));
+    }
+  }
+}
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -590,6 +636,9 @@ struct Isa {
   // (src, rows, n, ld, lut, dst): dst[r ld + i] = lut[src[r ld + i]], 16-bit entries (null: a scalar
   // loop, Fp8Cache::convert16), for fp8 caches
   void (*lut16_rows)(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, uint16_t*) = nullptr;
+  // (src, rows, n, ld, scale * 2^8, bf16, dst): dst[r ld + i] = e4m3(src[r ld + i]) * scale in fp32 or bf16,
+  // arithmetic (F16C), for fp8 caches where lut16_rows is null or the rows are fp32 (null: the tables)
+  void (*e4m3_rows)(const uint8_t*, int64_t, int64_t, int64_t, float, bool, void*) = nullptr;
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
   bool dot_bf16(int wt, at::ScalarType x_type) const {
     return dot.gate_up != nullptr && wt == W_BF16 && x_type == at::kBFloat16;
@@ -618,6 +667,16 @@ static bool amx_usable() {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
   return usable;
+#else
+  return false;
+#endif
+}
+
+// F16C (half <-> float): every AVX2 CPU made has it, but it is a CPUID bit of its own (leaf 1, ECX bit 29)
+static bool f16c_usable() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a, b, c, d;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) != 0;
 #else
   return false;
 #endif
@@ -726,6 +785,7 @@ static Isa isa_by_name(const std::string& name) {
   Isa isa = isa_by_name_base(name);
 #if defined(__x86_64__) || defined(__i386__)
   if (name == "avx512" || name == "avx512bf16" || name == "amx") isa.lut16_rows = &avx512::lut16_rows;
+  if (name != "generic" && f16c_usable()) isa.e4m3_rows = &avx2::e4m3_rows;
 #endif
   return isa;
 }
@@ -1643,6 +1703,8 @@ struct Fp8Cache {
   int64_t S, block_elems;
   bool bf16;
   void (*rows16)(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, uint16_t*);
+  void (*e4m3)(const uint8_t*, int64_t, int64_t, int64_t, float, bool, void*);  // null where scale * 2^8 overflows
+  float scale256;
   uint64_t call;
   std::vector<int64_t> identity;  // [nb]: 0, 1, ...
   uint16_t lut16[256];
@@ -1651,7 +1713,8 @@ struct Fp8Cache {
   Fp8Cache(const at::Tensor& pool_, bool bf16_, double scale, int64_t nb, const Isa& isa)
       : pool(static_cast<const uint8_t*>(pool_.data_ptr())), S(pool_.size(1)),
         block_elems(pool_.numel() / std::max<int64_t>(1, pool_.size(0))), bf16(bf16_), rows16(isa.lut16_rows),
-        call(next_call()), identity(nb) {
+        e4m3(std::isfinite(static_cast<float>(scale) * 256.0f) ? isa.e4m3_rows : nullptr),
+        scale256(static_cast<float>(scale) * 256.0f), call(next_call()), identity(nb) {
     for (int64_t j = 0; j < nb; ++j) identity[j] = j;
     const float sc = static_cast<float>(scale);
     for (int x = 0; x < 256; ++x) {
@@ -1663,11 +1726,17 @@ struct Fp8Cache {
     static std::atomic<uint64_t> calls{0};
     return ++calls;
   }
-  // dst[r * ld + i] = lut16[src[r * ld + i]] for r < rows, i < n (rows16 where the ISA has it)
+  // dst[r * ld + i] = lut16[src[r * ld + i]] for r < rows, i < n (rows16 or e4m3 where the ISA has them)
   void convert16(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, uint16_t* dst) const {
     if (rows16 != nullptr) return rows16(src, rows, n, ld, lut16, dst);
+    if (e4m3 != nullptr) return e4m3(src, rows, n, ld, scale256, true, dst);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < n; ++i) dst[r * ld + i] = lut16[src[r * ld + i]];
+  }
+  // dst[i] = lut32[src[i]] for i < n (e4m3 where the ISA has it)
+  void convert32(const uint8_t* src, int64_t n, float* dst) const {
+    if (e4m3 != nullptr) return e4m3(src, 1, n, 0, scale256, false, dst);
+    for (int64_t i = 0; i < n; ++i) dst[i] = lut32[src[i]];
   }
   // The first L tokens' blocks of a sequence (its block table `table`) in the calling thread's scratch,
   // converted unless this call's previous item on the thread was the same sequence's
@@ -1685,17 +1754,32 @@ struct Fp8Cache {
         for (int64_t off = 0; off < block_elems; off += 64) __builtin_prefetch(next + off, 0, 2);
       }
       const uint8_t* src = pool + table[j] * block_elems;
-      if (bf16) {
-        convert16(src, 1, block_elems, 0, buf.data() + j * block_elems);
-      } else {
-        float* d = reinterpret_cast<float*>(buf.data()) + j * block_elems;
-        for (int64_t i = 0; i < block_elems; ++i) d[i] = lut32[src[i]];
-      }
+      if (bf16) convert16(src, 1, block_elems, 0, buf.data() + j * block_elems);
+      else convert32(src, block_elems, reinterpret_cast<float*>(buf.data()) + j * block_elems);
     }
     seen_call = call, seen_table = table, seen_len = L;
     return buf.data();
   }
 };
+
+// An fp8 (e4m3) tensor x (any shape) times scale, in float32 or bfloat16: the bits of
+// (x.float() * scale).to(dtype) (KVLayerView.gather's dequantization), converted as the decode
+// kernels convert an fp8 cache's rows (Fp8Cache), in chunks over the threads.
+at::Tensor fp8_dequantize(const at::Tensor& x, double scale, bool bf16) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat8_e4m3fn && x.device().is_cpu(), "moe_kernels: fp8_dequantize takes a "
+              "CPU float8_e4m3fn tensor, not ", x.scalar_type(), " on ", x.device());
+  const at::Tensor src = x.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const int64_t n = src.numel();
+  if (n == 0) return out;
+  const Fp8Cache c(src.view({1, 1, n}), bf16, scale, 1, current_isa());
+  const auto* in = static_cast<const uint8_t*>(src.data_ptr());
+  at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
+    if (bf16) c.convert16(in + lo, 1, hi - lo, 0, static_cast<uint16_t*>(out.data_ptr()) + lo);
+    else c.convert32(in + lo, hi - lo, out.data_ptr<float>() + lo);
+  });
+  return out;
+}
 
 // A sequence's pool and block table as the kernels read them: the cache's own (f8 null), or an fp8
 // cache's rows in the calling thread's scratch (Fp8Cache::rows) with the identity table
@@ -2760,6 +2844,7 @@ TORCH_LIBRARY(moe_kernels, m) {
   m.def("gqa_prefill(Tensor q, Tensor pool, Tensor block_tables, Tensor context_lens, Tensor query_starts, "
         "int window, float scale, float kv_scale=1.0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fp8_dequantize(Tensor x, float scale, bool bf16) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor r, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("router_logits(Tensor x, Tensor w, Tensor parts) -> Tensor");
   m.def("router_split(Tensor w) -> Tensor");
@@ -2808,6 +2893,7 @@ TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("mla_prefill", &moe_kernels::mla_prefill);
   m.impl("gqa_prefill", &moe_kernels::gqa_prefill);
   m.impl("rms_norm", &moe_kernels::rms_norm);
+  m.impl("fp8_dequantize", &moe_kernels::fp8_dequantize);
   m.impl("add_rms_norm", &moe_kernels::add_rms_norm);
   m.impl("router_logits", &moe_kernels::router_logits);
   m.impl("router_split", &moe_kernels::router_split);

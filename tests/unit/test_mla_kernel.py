@@ -708,6 +708,43 @@ def _fp8_pool(pool: torch.Tensor, seed: int) -> torch.Tensor:
     return codes.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
+# scales: 1 and a typical calibrated one; subnormal (fp32) and zero; products past fp32's range (inf);
+# one whose 2^8 multiple overflows (the F16C conversion declines it for the tables)
+FP8_SCALES = [1.0, 0.37, 2.5e-3, 1e-40, 0.0, 1e36, 3e36]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_dequantize_gives_torch_bits_for_every_code(kernel_isas: list[str], dtype: torch.dtype) -> None:
+    """The kernels' fp8 conversion (what the decode ops read an fp8 cache through, and
+    ``KVLayerView.gather``) gives the bits of ``(x.float() * scale).to(dtype)`` for all 256 codes
+    (both zeros, subnormals; NaN for the NaNs) at every scale, on every ISA, at one and two threads: a
+    length that is no multiple of 16 leaves a tail, and two threads' chunks split the rest."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(520)[:-29]  # 133,091 bytes: past a chunk of 2^16
+    x = codes.view(torch.float8_e4m3fn).view(7, -1)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    nan = codes.view(7, -1) & 0x7F == 0x7F  # NaNs' bits aside (PyTorch's vector and scalar bf16 NaNs differ)
+    threads = torch.get_num_threads()
+    try:
+        for scale in FP8_SCALES:
+            want = (x.float() * torch.tensor(scale)).to(dtype)
+            for name in kernel_isas:
+                kernels.select_isa(name)
+                for n_threads in (1, 2):
+                    torch.set_num_threads(n_threads)
+                    got = kernels.fp8_dequantize(x, scale, dtype)
+                    assert got.shape == x.shape == (7, 19_013) and got.dtype == dtype
+                    assert torch.equal(got.isnan(), nan) and torch.equal(got.view(bits)[~nan], want.view(bits)[~nan]), (
+                        name, n_threads, scale)
+            # a strided view converts as its contiguous copy
+            strided = kernels.fp8_dequantize(x[:, ::3], scale, dtype)
+            assert torch.equal(strided.view(bits)[~nan[:, ::3]], want[:, ::3].view(bits)[~nan[:, ::3]])
+    finally:
+        torch.set_num_threads(threads)
+        kernels.select_isa("auto")
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.fp8_dequantize(x, 1.0, torch.float16)
+
+
 @pytest.mark.parametrize("kind", ["mla", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_scale", [1.0, 0.37])
