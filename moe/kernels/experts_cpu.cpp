@@ -102,6 +102,16 @@ constexpr int64_t PREFILL_MAX_LANES = 16, PREFILL_MAX_TILE = 24;
 struct PagedHead {
   int64_t token_stride, k_off, v_off, dk, dv;
 };
+// What an fp8 (e4m3) conversion gives (Isa::e4m3_rows): fp32, bf16 rounded to nearest even, or bf16
+// where every product is exact (e4m3_exact_scale): the rounding is a truncation
+enum E4m3Out : int { E4M3_F32 = 0, E4M3_BF16 = 1, E4M3_BF16_EXACT = 2 };
+// Whether every finite e4m3 value times scale is a bf16 value (no rounding): zero, or a power of two
+// 2^k with the products between 2^-9 * 2^k >= 2^-126 (normal) and 448 * 2^k < 2^128
+static inline bool e4m3_exact_scale(float scale) {
+  int e = 0;
+  const float m = std::frexp(std::fabs(scale), &e);  // scale = m * 2^e, m in [0.5, 1)
+  return scale == 0.0f || (m == 0.5f && e - 1 >= -117 && e - 1 <= 119);
+}
 // Rows a decode item loads as it goes (an fp8 cache's long sequences: Fp8Ring): the item's pool is
 // a ring of `chunk` tokens, and fill(this, t0, part) puts tokens [t0, t0 + chunk)'s keys (part 0) or
 // values (part 1) there before a pass reads them. chunk is a multiple of the block size and of 32.
@@ -397,45 +407,52 @@ static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 // are e4m3's value times 2^-8 (e4m3's exponent bias is 7, a half's 15, and e4m3's subnormals land on
 // the half's), exactly; times scale256 = scale * 2^8 (finite: the caller checks) that is the product
 // c10's value times scale rounds to. NaN bytes (x & 0x7f == 0x7f) become half NaNs, which widen to
-// c10's NaN bits (sign | 0x7ff00000); in bf16, 0x7fc0 as c10 rounds every NaN.
-static void e4m3_rows(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, float scale256, bool bf16,
-                      void* dst) {
+// c10's NaN bits (sign | 0x7ff00000); in bf16, 0x7fc0 as c10 rounds every NaN. E4M3_BF16_EXACT (a
+// power-of-two scale, e4m3_exact_scale) drops the rounding: its products' low 16 bits are zero.
+template <int Out>
+static void e4m3_rows_as(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, float scale256, void* dst) {
   const __m256i low7 = _mm256_set1_epi16(0x7f), bit14 = _mm256_set1_epi16(0x4000),
                 half_nan = _mm256_set1_epi16(0x7c00), bf16_nan = _mm256_set1_epi16(0x7fc0),
                 one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7fff);
   const __m256 sc = _mm256_set1_ps(scale256);
   const auto round16 = [&](__m256 v) {  // c10's round to nearest even, NaNs aside
     const __m256i u = _mm256_castps_si256(v);
+    if constexpr (Out == E4M3_BF16_EXACT) return _mm256_srli_epi32(u, 16);
     return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), one),
                                                                    half_ulp)), 16);
   };
-  const auto sixteen = [&](const uint8_t* s, uint16_t* d16, float* d32) {
+  const auto sixteen = [&](const uint8_t* s, void* d) {
     const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
     const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, low7), low7);
     __m256i h = _mm256_slli_epi16(x, 7);  // the sign lands on bit 14: adding bit 14 to itself moves it to 15
     h = _mm256_or_si256(_mm256_add_epi16(h, _mm256_and_si256(h, bit14)), _mm256_and_si256(nan, half_nan));
     const __m256 a = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), sc);
     const __m256 b = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), sc);
-    if (d32 != nullptr) {
-      _mm256_storeu_ps(d32, a), _mm256_storeu_ps(d32 + 8, b);
-      return;
+    if constexpr (Out == E4M3_F32) {
+      _mm256_storeu_ps(static_cast<float*>(d), a), _mm256_storeu_ps(static_cast<float*>(d) + 8, b);
+    } else {
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(round16(a), round16(b)), 0xd8);
+      _mm256_storeu_si256(static_cast<__m256i*>(d), _mm256_blendv_epi8(p, bf16_nan, nan));
     }
-    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(round16(a), round16(b)), 0xd8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d16), _mm256_blendv_epi8(p, bf16_nan, nan));
   };
+  constexpr int64_t unit = Out == E4M3_F32 ? 4 : 2;
   for (int64_t r = 0; r < rows; ++r, src += ld) {
-    uint16_t* d16 = bf16 ? static_cast<uint16_t*>(dst) + r * ld : nullptr;
-    float* d32 = bf16 ? nullptr : static_cast<float*>(dst) + r * ld;
+    char* d = static_cast<char*>(dst) + r * ld * unit;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) sixteen(src + i, bf16 ? d16 + i : nullptr, bf16 ? nullptr : d32 + i);
+    for (; i + 16 <= n; i += 16) sixteen(src + i, d + i * unit);
     if (i < n) {  // the last n - i bytes through a zero-padded block of 16
       alignas(32) uint8_t s[16] = {};
       alignas(32) float o[16];
       std::memcpy(s, src + i, n - i);
-      sixteen(s, reinterpret_cast<uint16_t*>(o), bf16 ? nullptr : o);
-      std::memcpy(bf16 ? static_cast<void*>(d16 + i) : static_cast<void*>(d32 + i), o, (n - i) * (bf16 ? 2 : 4));
+      sixteen(s, o);
+      std::memcpy(d + i * unit, o, (n - i) * unit);
     }
   }
+}
+static void e4m3_rows(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, float scale256, int out, void* dst) {
+  if (out == E4M3_F32) e4m3_rows_as<E4M3_F32>(src, rows, n, ld, scale256, dst);
+  else if (out == E4M3_BF16) e4m3_rows_as<E4M3_BF16>(src, rows, n, ld, scale256, dst);
+  else e4m3_rows_as<E4M3_BF16_EXACT>(src, rows, n, ld, scale256, dst);
 }
 }  // namespace avx2
 #pragma GCC pop_options
@@ -636,9 +653,9 @@ struct Isa {
   // (src, rows, n, ld, lut, dst): dst[r ld + i] = lut[src[r ld + i]], 16-bit entries (null: a scalar
   // loop, Fp8Cache::convert16), for fp8 caches
   void (*lut16_rows)(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, uint16_t*) = nullptr;
-  // (src, rows, n, ld, scale * 2^8, bf16, dst): dst[r ld + i] = e4m3(src[r ld + i]) * scale in fp32 or bf16,
-  // arithmetic (F16C), for fp8 caches where lut16_rows is null or the rows are fp32 (null: the tables)
-  void (*e4m3_rows)(const uint8_t*, int64_t, int64_t, int64_t, float, bool, void*) = nullptr;
+  // (src, rows, n, ld, scale * 2^8, out, dst): dst[r ld + i] = e4m3(src[r ld + i]) * scale as out (E4m3Out)
+  // says, arithmetic (F16C), for fp8 caches where lut16_rows is null or the rows are fp32 (null: the tables)
+  void (*e4m3_rows)(const uint8_t*, int64_t, int64_t, int64_t, float, int, void*) = nullptr;
   // bf16 weights meeting bf16 rows run the dot tiles (else rows widen to fp32 for the FMA tiles)
   bool dot_bf16(int wt, at::ScalarType x_type) const {
     return dot.gate_up != nullptr && wt == W_BF16 && x_type == at::kBFloat16;
@@ -1703,8 +1720,9 @@ struct Fp8Cache {
   int64_t S, block_elems;
   bool bf16;
   void (*rows16)(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, uint16_t*);
-  void (*e4m3)(const uint8_t*, int64_t, int64_t, int64_t, float, bool, void*);  // null where scale * 2^8 overflows
+  void (*e4m3)(const uint8_t*, int64_t, int64_t, int64_t, float, int, void*);  // null where scale * 2^8 overflows
   float scale256;
+  int out16;  // E4M3_BF16, or E4M3_BF16_EXACT for a power-of-two scale
   uint64_t call;
   std::vector<int64_t> identity;  // [nb]: 0, 1, ...
   uint16_t lut16[256];
@@ -1714,7 +1732,9 @@ struct Fp8Cache {
       : pool(static_cast<const uint8_t*>(pool_.data_ptr())), S(pool_.size(1)),
         block_elems(pool_.numel() / std::max<int64_t>(1, pool_.size(0))), bf16(bf16_), rows16(isa.lut16_rows),
         e4m3(std::isfinite(static_cast<float>(scale) * 256.0f) ? isa.e4m3_rows : nullptr),
-        scale256(static_cast<float>(scale) * 256.0f), call(next_call()), identity(nb) {
+        scale256(static_cast<float>(scale) * 256.0f),
+        out16(e4m3_exact_scale(static_cast<float>(scale)) ? E4M3_BF16_EXACT : E4M3_BF16), call(next_call()),
+        identity(nb) {
     for (int64_t j = 0; j < nb; ++j) identity[j] = j;
     const float sc = static_cast<float>(scale);
     for (int x = 0; x < 256; ++x) {
@@ -1729,13 +1749,13 @@ struct Fp8Cache {
   // dst[r * ld + i] = lut16[src[r * ld + i]] for r < rows, i < n (rows16 or e4m3 where the ISA has them)
   void convert16(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, uint16_t* dst) const {
     if (rows16 != nullptr) return rows16(src, rows, n, ld, lut16, dst);
-    if (e4m3 != nullptr) return e4m3(src, rows, n, ld, scale256, true, dst);
+    if (e4m3 != nullptr) return e4m3(src, rows, n, ld, scale256, out16, dst);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < n; ++i) dst[r * ld + i] = lut16[src[r * ld + i]];
   }
   // dst[i] = lut32[src[i]] for i < n (e4m3 where the ISA has it)
   void convert32(const uint8_t* src, int64_t n, float* dst) const {
-    if (e4m3 != nullptr) return e4m3(src, 1, n, 0, scale256, false, dst);
+    if (e4m3 != nullptr) return e4m3(src, 1, n, 0, scale256, E4M3_F32, dst);
     for (int64_t i = 0; i < n; ++i) dst[i] = lut32[src[i]];
   }
   // The first L tokens' blocks of a sequence (its block table `table`) in the calling thread's scratch,

@@ -709,8 +709,9 @@ def _fp8_pool(pool: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 # scales: 1 and a typical calibrated one; subnormal (fp32) and zero; products past fp32's range (inf);
-# one whose 2^8 multiple overflows (the F16C conversion declines it for the tables)
-FP8_SCALES = [1.0, 0.37, 2.5e-3, 1e-40, 0.0, 1e36, 3e36]
+# one whose 2^8 multiple overflows (the F16C conversion declines it for the tables); powers of two, whose
+# bf16 products are exact (no rounding: 2^-117 to 2^119), and the two just outside that range
+FP8_SCALES = [1.0, 0.37, 2.5e-3, 1e-40, 0.0, 1e36, 3e36, 0.25, 2.0**-117, 2.0**-118, 2.0**119, 2.0**120]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
