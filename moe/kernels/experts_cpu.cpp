@@ -1759,25 +1759,45 @@ struct Fp8Cache {
     for (int64_t i = 0; i < n; ++i) dst[i] = lut32[src[i]];
   }
   // The first L tokens' blocks of a sequence (its block table `table`) in the calling thread's scratch,
-  // converted unless this call's previous item on the thread was the same sequence's
-  const void* rows(const int64_t* table, int64_t L) const {
+  // converted unless this call's previous item on the thread was the same sequence's (and columns).
+  // cols null: whole blocks; else only two column ranges {first, count} of each token's row of `stride`
+  // elements (a GQA item's kv heads: their keys, their values), the rest of the scratch left as it was:
+  // two threads splitting a sequence's kv heads each convert their own, not the whole sequence.
+  const void* rows(const int64_t* table, int64_t L, const int64_t (*cols)[2] = nullptr, int64_t stride = 0) const {
     thread_local LineVector<uint16_t> buf;
     thread_local uint64_t seen_call = 0;
     thread_local const int64_t* seen_table = nullptr;
-    thread_local int64_t seen_len = 0;
-    if (seen_call == call && seen_table == table && seen_len == L) return buf.data();
+    thread_local int64_t seen_len = 0, seen_first = -1;
+    const int64_t first = cols != nullptr ? cols[0][0] : -1;
+    if (seen_call == call && seen_table == table && seen_len == L && seen_first == first) return buf.data();
     const int64_t blocks = (L + S - 1) / S, unit = bf16 ? 1 : 2;
     if (static_cast<int64_t>(buf.size()) < blocks * block_elems * unit) buf.resize(blocks * block_elems * unit);
     for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t n_rows = std::min(S, L - j * S);
       if (j + 1 < blocks) {  // blocks sit wherever the table puts them: the next one's lines asked for
         const char* next = reinterpret_cast<const char*>(pool + table[j + 1] * block_elems);
-        for (int64_t off = 0; off < block_elems; off += 64) __builtin_prefetch(next + off, 0, 2);
+        if (cols == nullptr)
+          for (int64_t off = 0; off < block_elems; off += 64) __builtin_prefetch(next + off, 0, 2);
+        else
+          for (int64_t t = 0; t < std::min(S, L - (j + 1) * S); ++t)
+            for (int p = 0; p < 2; ++p)
+              for (int64_t off = 0; off < cols[p][1]; off += 64) __builtin_prefetch(next + t * stride + cols[p][0] + off, 0, 2);
       }
       const uint8_t* src = pool + table[j] * block_elems;
-      if (bf16) convert16(src, 1, block_elems, 0, buf.data() + j * block_elems);
-      else convert32(src, block_elems, reinterpret_cast<float*>(buf.data()) + j * block_elems);
+      uint16_t* d16 = buf.data() + j * block_elems;
+      float* d32 = reinterpret_cast<float*>(buf.data()) + j * block_elems;
+      if (cols == nullptr) {
+        if (bf16) convert16(src, 1, block_elems, 0, d16);
+        else convert32(src, block_elems, d32);
+        continue;
+      }
+      for (int p = 0; p < 2; ++p) {
+        const int64_t lo = cols[p][0], n = cols[p][1];
+        if (bf16) convert16(src + lo, n_rows, n, stride, d16 + lo);
+        else for (int64_t t = 0; t < n_rows; ++t) convert32(src + t * stride + lo, n, d32 + t * stride + lo);
+      }
     }
-    seen_call = call, seen_table = table, seen_len = L;
+    seen_call = call, seen_table = table, seen_len = L, seen_first = first;
     return buf.data();
   }
 };
@@ -1949,9 +1969,14 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
           const auto [b, g0, groups] = items[i];
-          const SeqRows r = seq(b);
-          isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, r.pool, S,
-                                    HeadItems::head(head0, g0, kv_stride), kv_stride, r.table, lp[b],
+          const PagedHead head = HeadItems::head(head0, g0, kv_stride);
+          // an fp8 cache: only the item's kv heads' keys and values converted
+          const int64_t cols[2][2] = {{head.k_off, (groups - 1) * kv_stride + head.dk},
+                                      {head.v_off, (groups - 1) * kv_stride + head.dv}};
+          const SeqRows r = f8 ? SeqRows{f8->rows(tp + b * nb, lp[b], cols, head.token_stride), f8->identity.data()}
+                               : seq(b);
+          isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, r.pool, S, head, kv_stride,
+                                    r.table, lp[b],
                                     static_cast<float>(scale), bf16, scores.data(), lanes.data(), kbuf.data(),
                                     vbuf.data(), o.data());
           store_rows(bf16, out_ptr, (b * H + g0 * rep) * dv, o.data(), groups * rep * dv);

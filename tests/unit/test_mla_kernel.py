@@ -708,6 +708,10 @@ def _fp8_pool(pool: torch.Tensor, seed: int) -> torch.Tensor:
     return codes.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
+# one sequence: at two threads its kv heads split into two items (4 into 2 + 2, 3 into 2 + 1), each
+# converting only its own kv heads' keys and values on the FMA path
+GQA_ONE_SEQUENCE_CASES = [(1, 8, 4, 64, 16, 40), (1, 6, 3, 24, 5, 40)]
+
 # scales: 1 and a typical calibrated one; subnormal (fp32) and zero; products past fp32's range (inf);
 # one whose 2^8 multiple overflows (the F16C conversion declines it for the tables); powers of two, whose
 # bf16 products are exact (no rounding: 2^-117 to 2^119), and the two just outside that range
@@ -753,9 +757,10 @@ def test_decode_on_an_fp8_cache_gives_the_bits_of_its_dequantized_cache(
         kernel_isas: list[str], kind: str, dtype: torch.dtype, kv_scale: float) -> None:
     """Every decode path (MLA; GQA groups, kv-head items, MQA) over an fp8 pool gives exactly what it
     gives over the pool dequantized as ``KVLayerView.gather`` does (fp8 x scale in fp32, rounded to
-    q's dtype), at one and two threads, every sequence converted into the thread's scratch."""
+    q's dtype), at one and two threads, every sequence converted into the thread's scratch (only an
+    item's kv heads where two threads split one sequence's)."""
     threads = torch.get_num_threads()
-    cases = CASES if kind == "mla" else GQA_CASES
+    cases = CASES if kind == "mla" else GQA_CASES + GQA_ONE_SEQUENCE_CASES
     try:
         for case in cases:
             if kind == "mla":
