@@ -1709,6 +1709,14 @@ static void store_rows(bool bf16, void* out, int64_t first, const float* o, int6
   }
 }
 
+// The two column ranges of a token's row a GQA item of kv heads [g0, g0 + groups) reads (head: kv head
+// g0's offsets): its keys (0) and its values (1), first element and count
+struct ItemCols {
+  int64_t lo[2], n[2];
+  ItemCols(const PagedHead& head, int64_t groups, int64_t kv_stride)
+      : lo{head.k_off, head.v_off}, n{(groups - 1) * kv_stride + head.dk, (groups - 1) * kv_stride + head.dv} {}
+};
+
 // An fp8 (e4m3) cache read by the decode items of q's dtype. An item's sequence goes, whole blocks in
 // its block table's order, through a 256-entry table into its thread's scratch: entry x is fp8 value x
 // times the cache's scale, rounded to q's dtype (what KVLayerView.gather dequantizes to), so the items,
@@ -1753,49 +1761,52 @@ struct Fp8Cache {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < n; ++i) dst[r * ld + i] = lut16[src[r * ld + i]];
   }
-  // dst[i] = lut32[src[i]] for i < n (e4m3 where the ISA has it)
-  void convert32(const uint8_t* src, int64_t n, float* dst) const {
-    if (e4m3 != nullptr) return e4m3(src, 1, n, 0, scale256, E4M3_F32, dst);
-    for (int64_t i = 0; i < n; ++i) dst[i] = lut32[src[i]];
+  // dst[r * ld + i] = lut32[src[r * ld + i]] for r < rows, i < n (e4m3 where the ISA has it)
+  void convert32(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, float* dst) const {
+    if (e4m3 != nullptr) return e4m3(src, rows, n, ld, scale256, E4M3_F32, dst);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < n; ++i) dst[r * ld + i] = lut32[src[r * ld + i]];
+  }
+  // Part `part` of cols of a block's first `rows` token rows (src, `stride` elements apart) into dst (the
+  // block's rows in q's dtype), after asking for that part of the next block's first next_rows rows
+  // (next null: none)
+  void convert_part(const ItemCols& cols, int part, const uint8_t* src, int64_t rows, const uint8_t* next,
+                    int64_t next_rows, int64_t stride, void* dst) const {
+    const int64_t lo = cols.lo[part], n = cols.n[part];
+    if (next != nullptr)
+      for (int64_t t = 0; t < next_rows; ++t)
+        for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(next + t * stride + lo + off, 0, 2);
+    if (bf16) convert16(src + lo, rows, n, stride, static_cast<uint16_t*>(dst) + lo);
+    else convert32(src + lo, rows, n, stride, static_cast<float*>(dst) + lo);
   }
   // The first L tokens' blocks of a sequence (its block table `table`) in the calling thread's scratch,
   // converted unless this call's previous item on the thread was the same sequence's (and columns).
-  // cols null: whole blocks; else only two column ranges {first, count} of each token's row of `stride`
-  // elements (a GQA item's kv heads: their keys, their values), the rest of the scratch left as it was:
-  // two threads splitting a sequence's kv heads each convert their own, not the whole sequence.
-  const void* rows(const int64_t* table, int64_t L, const int64_t (*cols)[2] = nullptr, int64_t stride = 0) const {
+  // cols null: whole blocks; else only a GQA item's columns of each token's row of `stride` elements (its
+  // kv heads' keys and values), the rest of the scratch left as it was: two threads splitting a
+  // sequence's kv heads each convert their own, not the whole sequence.
+  const void* rows(const int64_t* table, int64_t L, const ItemCols* cols = nullptr, int64_t stride = 0) const {
     thread_local LineVector<uint16_t> buf;
     thread_local uint64_t seen_call = 0;
     thread_local const int64_t* seen_table = nullptr;
     thread_local int64_t seen_len = 0, seen_first = -1;
-    const int64_t first = cols != nullptr ? cols[0][0] : -1;
+    const int64_t first = cols != nullptr ? cols->lo[0] : -1;
     if (seen_call == call && seen_table == table && seen_len == L && seen_first == first) return buf.data();
     const int64_t blocks = (L + S - 1) / S, unit = bf16 ? 1 : 2;
     if (static_cast<int64_t>(buf.size()) < blocks * block_elems * unit) buf.resize(blocks * block_elems * unit);
     for (int64_t j = 0; j < blocks; ++j) {
-      const int64_t n_rows = std::min(S, L - j * S);
-      if (j + 1 < blocks) {  // blocks sit wherever the table puts them: the next one's lines asked for
-        const char* next = reinterpret_cast<const char*>(pool + table[j + 1] * block_elems);
-        if (cols == nullptr)
-          for (int64_t off = 0; off < block_elems; off += 64) __builtin_prefetch(next + off, 0, 2);
-        else
-          for (int64_t t = 0; t < std::min(S, L - (j + 1) * S); ++t)
-            for (int p = 0; p < 2; ++p)
-              for (int64_t off = 0; off < cols[p][1]; off += 64) __builtin_prefetch(next + t * stride + cols[p][0] + off, 0, 2);
-      }
+      // blocks sit wherever the table puts them: the next one's lines asked for
+      const uint8_t* next = j + 1 < blocks ? pool + table[j + 1] * block_elems : nullptr;
       const uint8_t* src = pool + table[j] * block_elems;
-      uint16_t* d16 = buf.data() + j * block_elems;
-      float* d32 = reinterpret_cast<float*>(buf.data()) + j * block_elems;
-      if (cols == nullptr) {
-        if (bf16) convert16(src, 1, block_elems, 0, d16);
-        else convert32(src, block_elems, d32);
+      uint16_t* dst = buf.data() + j * block_elems * unit;
+      if (cols != nullptr) {
+        for (int p = 0; p < 2; ++p)
+          convert_part(*cols, p, src, std::min(S, L - j * S), next, std::min(S, L - (j + 1) * S), stride, dst);
         continue;
       }
-      for (int p = 0; p < 2; ++p) {
-        const int64_t lo = cols[p][0], n = cols[p][1];
-        if (bf16) convert16(src + lo, n_rows, n, stride, d16 + lo);
-        else for (int64_t t = 0; t < n_rows; ++t) convert32(src + t * stride + lo, n, d32 + t * stride + lo);
-      }
+      if (next != nullptr)
+        for (int64_t off = 0; off < block_elems; off += 64) __builtin_prefetch(next + off, 0, 2);
+      if (bf16) convert16(src, 1, block_elems, 0, dst);
+      else convert32(src, 1, block_elems, 0, reinterpret_cast<float*>(dst));
     }
     seen_call = call, seen_table = table, seen_len = L, seen_first = first;
     return buf.data();
@@ -1816,7 +1827,7 @@ at::Tensor fp8_dequantize(const at::Tensor& x, double scale, bool bf16) {
   const auto* in = static_cast<const uint8_t*>(src.data_ptr());
   at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
     if (bf16) c.convert16(in + lo, 1, hi - lo, 0, static_cast<uint16_t*>(out.data_ptr()) + lo);
-    else c.convert32(in + lo, hi - lo, out.data_ptr<float>() + lo);
+    else c.convert32(in + lo, 1, hi - lo, 0, out.data_ptr<float>() + lo);
   });
   return out;
 }
@@ -1827,8 +1838,9 @@ struct SeqRows {
   const void* pool;
   const int64_t* table;
 };
-static SeqRows seq_rows(const Fp8Cache* f8, const void* pool, const int64_t* table, int64_t L) {
-  return f8 != nullptr ? SeqRows{f8->rows(table, L), f8->identity.data()} : SeqRows{pool, table};
+static SeqRows seq_rows(const Fp8Cache* f8, const void* pool, const int64_t* table, int64_t L,
+                        const ItemCols* cols = nullptr, int64_t stride = 0) {
+  return f8 != nullptr ? SeqRows{f8->rows(table, L, cols, stride), f8->identity.data()} : SeqRows{pool, table};
 }
 
 // A sequence of an fp8 cache on the group path, longer than a ring: converted whole, its rows in q's
@@ -1844,7 +1856,7 @@ struct Fp8Ring : RowRefill {
   const Fp8Cache& c;
   const int64_t* table;
   int64_t L, S, stride, ring_blocks;
-  int64_t lo[2], n[2];  // keys (0) and values (1): first element of a token's row, elements
+  ItemCols cols;  // the item's keys (part 0) and values (part 1)
   uint16_t* ring;
 
   // tokens a ring holds for rows of `stride` elements in blocks of S (a multiple of S and 32), or 0
@@ -1854,25 +1866,19 @@ struct Fp8Ring : RowRefill {
     const int64_t ring = std::max<int64_t>(1, FP8_RING_BYTES / (stride * 2) / unit) * unit;
     return max_len > ring ? ring : 0;
   }
-  Fp8Ring(const Fp8Cache& c_, const int64_t* table_, int64_t L_, int64_t S_, const PagedHead& head, int64_t groups,
-          int64_t kv_stride, int64_t chunk_, uint16_t* ring_)
-      : c(c_), table(table_), L(L_), S(S_), stride(head.token_stride), ring_blocks(chunk_ / S_),
-        lo{head.k_off, head.v_off}, n{(groups - 1) * kv_stride + head.dk, (groups - 1) * kv_stride + head.dv},
-        ring(ring_) {
+  Fp8Ring(const Fp8Cache& c_, const int64_t* table_, int64_t L_, int64_t S_, int64_t stride_, const ItemCols& cols_,
+          int64_t chunk_, uint16_t* ring_)
+      : c(c_), table(table_), L(L_), S(S_), stride(stride_), ring_blocks(chunk_ / S_), cols(cols_), ring(ring_) {
     fill = &load;
     chunk = chunk_;
   }
   static void load(const RowRefill* self, int64_t t0, int part) {
     const Fp8Ring& r = *static_cast<const Fp8Ring*>(self);
-    const int64_t t1 = std::min(r.L, t0 + r.chunk), lo = r.lo[part], n = r.n[part], block = r.S * r.stride;
+    const int64_t t1 = std::min(r.L, t0 + r.chunk), block = r.S * r.stride;
     for (int64_t j = t0 / r.S; j * r.S < t1; ++j) {
-      if ((j + 1) * r.S < t1) {  // the next block's part of each row asked for
-        const uint8_t* next = r.c.pool + r.table[j + 1] * block + lo;
-        for (int64_t t = 0; t < r.S; ++t)
-          for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(next + t * r.stride + off, 0, 2);
-      }
-      r.c.convert16(r.c.pool + r.table[j] * block + lo, std::min(r.S, r.L - j * r.S), n, r.stride,
-                    r.ring + j % r.ring_blocks * block + lo);
+      const uint8_t* next = (j + 1) * r.S < t1 ? r.c.pool + r.table[j + 1] * block : nullptr;
+      r.c.convert_part(r.cols, part, r.c.pool + r.table[j] * block, std::min(r.S, r.L - j * r.S), next, r.S,
+                       r.stride, r.ring + j % r.ring_blocks * block);
     }
   }
 };
@@ -1944,7 +1950,8 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
           std::optional<Fp8Ring> refill;
           SeqRows r{ring.data(), ring_table.data()};
           if (ring_tokens != 0 && lp[b] > ring_tokens)
-            refill.emplace(*f8, tp + b * nb, lp[b], S, head, groups, kv_stride, ring_tokens, ring.data());
+            refill.emplace(*f8, tp + b * nb, lp[b], S, head.token_stride, ItemCols(head, groups, kv_stride), ring_tokens,
+                           ring.data());
           else
             r = seq(b);
           isa.dot.paged_decode_groups(hp, qb + (b * H + g0 * rep) * dk, groups, rep,
@@ -1970,11 +1977,8 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
         for (int64_t i = begin; i < end; ++i) {
           const auto [b, g0, groups] = items[i];
           const PagedHead head = HeadItems::head(head0, g0, kv_stride);
-          // an fp8 cache: only the item's kv heads' keys and values converted
-          const int64_t cols[2][2] = {{head.k_off, (groups - 1) * kv_stride + head.dk},
-                                      {head.v_off, (groups - 1) * kv_stride + head.dv}};
-          const SeqRows r = f8 ? SeqRows{f8->rows(tp + b * nb, lp[b], cols, head.token_stride), f8->identity.data()}
-                               : seq(b);
+          const ItemCols cols(head, groups, kv_stride);  // an fp8 cache: only these converted
+          const SeqRows r = seq_rows(f8.get(), pc.data_ptr(), tp + b * nb, lp[b], &cols, head.token_stride);
           isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, r.pool, S, head, kv_stride,
                                     r.table, lp[b],
                                     static_cast<float>(scale), bf16, scores.data(), lanes.data(), kbuf.data(),
