@@ -85,8 +85,8 @@ from moe.cpu_gemm import has_amx_bf16, has_fast_bf16_gemm
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts_cpu.cpp", "experts_body.h", "exp_body.h", "dot_body.h", "amx_body.h", "attention_body.h",
-           "norm_body.h")
+SOURCES = ("experts_cpu.cpp", "experts_body.h", "exp_body.h", "dot_body.h", "amx_body.h", "fp8_body.h",
+           "attention_body.h", "norm_body.h")
 QUANTIZATIONS = ("int8",)
 ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")  # slowest first
 # names one of ISAS for the whole process (A/B runs of one build); unset or "auto": the fastest here

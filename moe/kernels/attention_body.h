@@ -201,14 +201,22 @@ static inline void rows_into(const PT* src, int64_t rows, int64_t width, int64_t
 }
 
 // Rows [0, rows) of a block (row r at src + r * stride, width wide) as fp32: the rows in place for
-// an fp32 pool (returns their stride), else converted into buf (returns width).
-static inline int64_t rows_f32(const float* src, int64_t, int64_t, int64_t stride, float*, const float** out) {
+// an fp32 pool (returns their stride), else converted into buf (returns width); an fp8 pool's as rd
+// says (e4m3_row_f32).
+static inline int64_t rows_f32(const float* src, int64_t, int64_t, int64_t stride, float*, const float** out,
+                               const Fp8Read* = nullptr) {
   *out = src;
   return stride;
 }
 static inline int64_t rows_f32(const uint16_t* src, int64_t rows, int64_t width, int64_t stride, float* buf,
-                               const float** out) {
+                               const float** out, const Fp8Read* = nullptr) {
   rows_into(src, rows, width, stride, buf);
+  *out = buf;
+  return width;
+}
+static inline int64_t rows_f32(const uint8_t* src, int64_t rows, int64_t width, int64_t stride, float* buf,
+                               const float** out, const Fp8Read* rd) {
+  for (int64_t r = 0; r < rows; ++r) e4m3_row_f32(src + r * stride, width, buf + r * width, *rd);
   *out = buf;
   return width;
 }
@@ -286,11 +294,11 @@ static inline void prefetch_next_share(const PT* pool, int64_t S, const NextItem
   });
 }
 
-// Whether an item converts its sequence's rows once for both passes: a bf16 MLA cache (the values
+// Whether an item converts its sequence's rows once for both passes: a bf16 or fp8 MLA cache (the values
 // are the key rows) of at most MLA_KEEP_BYTES in fp32.
 template <typename PT>
 static inline bool keeps_rows(const PagedHead& head, int64_t L) {
-  return sizeof(PT) == 2 && head.v_off == head.k_off &&
+  return sizeof(PT) <= 2 && head.v_off == head.k_off &&
          L * head.dk * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
 }
 
@@ -299,7 +307,8 @@ static inline bool keeps_rows(const PagedHead& head, int64_t L) {
 // start (an fp32 pool's rows are used in place). Returns their stride; *k the rows.
 template <typename PT>
 static inline int64_t key_block(const PT* pool, int64_t S, const PagedHead& head, const int64_t* table, int64_t L,
-                                int64_t blk, bool keep, float* kbuf, const float** k, TileLines* ask = nullptr) {
+                                int64_t blk, bool keep, float* kbuf, const float** k, const Fp8Read* rd,
+                                TileLines* ask = nullptr) {
   const int64_t stride = head.token_stride, dk = head.dk;
   if ((blk + 1) * S < L) {
     const PT* next_keys = pool + table[blk + 1] * S * stride + head.k_off;
@@ -308,14 +317,15 @@ static inline int64_t key_block(const PT* pool, int64_t S, const PagedHead& head
     else prefetch_rows(next_keys, next_rows, dk, stride);
   }
   return rows_f32(pool + table[blk] * S * stride + head.k_off, std::min(S, L - blk * S), dk, stride,
-                  keep ? kbuf + blk * S * dk : kbuf, k);
+                  keep ? kbuf + blk * S * dk : kbuf, k, rd);
 }
 
 // Block blk's value rows as fp32: the kept key rows, else converted into vbuf with the next
 // block's asked for first. Returns their stride; *v the rows.
 template <typename PT>
 static inline int64_t value_block(const PT* pool, int64_t S, const PagedHead& head, const int64_t* table, int64_t L,
-                                  int64_t blk, bool keep, const float* kbuf, float* vbuf, const float** v) {
+                                  int64_t blk, bool keep, const float* kbuf, float* vbuf, const float** v,
+                                  const Fp8Read* rd) {
   const int64_t stride = head.token_stride, dv = head.dv;
   if (keep) {
     *v = kbuf + blk * S * head.dk;
@@ -323,25 +333,26 @@ static inline int64_t value_block(const PT* pool, int64_t S, const PagedHead& he
   }
   if ((blk + 1) * S < L)
     prefetch_rows(pool + table[blk + 1] * S * stride + head.v_off, std::min(S, L - (blk + 1) * S), dv, stride);
-  return rows_f32(pool + table[blk] * S * stride + head.v_off, std::min(S, L - blk * S), dv, stride, vbuf, v);
+  return rows_f32(pool + table[blk] * S * stride + head.v_off, std::min(S, L - blk * S), dv, stride, vbuf, v, rd);
 }
 
 // One work item: query heads [0, hh) of one sequence against one kv head. q: [hh, dk] fp32 rows;
-// pool: one layer's cache, S tokens per block; table: the sequence's block ids; L: its context
-// length. scores: [hh, L]; kbuf: [max(S, L'), dk] fp32 scratch (L' = L rounded up to S when the
-// sequence is kept whole: values are the key rows and fit MLA_KEEP_BYTES); vbuf: [S, dv]; o: [hh,
-// dv] fp32 output. round_half: round scores and probabilities to bf16.
+// pool: one layer's cache, S tokens per block (PT uint8_t: fp8 bytes, converted as rd says); table:
+// the sequence's block ids; L: its context length. scores: [hh, L]; kbuf: [max(S, L'), dk] fp32
+// scratch (L' = L rounded up to S when the sequence is kept whole: values are the key rows and fit
+// MLA_KEEP_BYTES); vbuf: [S, dv]; o: [hh, dv] fp32 output. round_half: round scores and
+// probabilities to bf16.
 template <typename PT>
 static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_t S, const PagedHead& head,
                               const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
-                              float* kbuf, float* vbuf, float* o, const NextItem& next) {
+                              float* kbuf, float* vbuf, float* o, const NextItem& next, const Fp8Read* rd) {
   const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv;
   const bool keep = keeps_rows<PT>(head, L);
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
     prefetch_next_share(pool, S, next, blk, nblocks);
     const float* k;
-    const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k);
+    const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k, rd);
     int64_t t = 0;
     for (; t + 3 <= rows; t += 3) attn_dot_heads<3>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
     for (; t < rows; ++t) attn_dot_heads<1>(hh, q, dk, k + t * ldk, ldk, dk, scores + blk * S + t, L);
@@ -352,7 +363,7 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
     const float* v;
-    const int64_t ldv = value_block(pool, S, head, table, L, blk, keep, kbuf, vbuf, &v);
+    const int64_t ldv = value_block(pool, S, head, table, L, blk, keep, kbuf, vbuf, &v, rd);
     attn_pv_heads(hh, scores + blk * S, L, rows, v, ldv, dv, o);
   }
 }
@@ -491,7 +502,8 @@ static inline void lanes_pv(const float* p, int64_t T, const float* v, int64_t l
 template <typename PT>
 static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64_t S, const PagedHead& head,
                                const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
-                               float* lanes, float* kbuf, float* vbuf, float* o, const NextItem& next) {
+                               float* lanes, float* kbuf, float* vbuf, float* o, const NextItem& next,
+                               const Fp8Read* rd) {
   const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv;
   const int64_t chunks = (hh + MOE_W - 1) / MOE_W, per_chunk = (dk + dv) * MOE_W;
   const bool keep = keeps_rows<PT>(head, L);
@@ -508,7 +520,7 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
     const int64_t rows = std::min(S, L - blk * S);
     TileLines ask;
     const float* k;
-    const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k, &ask);
+    const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k, rd, &ask);
     ask.add_next_share(pool, S, next, L, blk, nblocks);
     for (int64_t ch = 0; ch < chunks; ++ch)  // the later chunks ask for nothing
       lanes_scores(lanes + ch * per_chunk, k, ldk, dk, rows, scores + (ch * L + blk * S) * MOE_W, ask.line,
@@ -524,7 +536,7 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
     for (int64_t blk = 0; blk < nblocks; ++blk) {
       const int64_t rows = std::min(S, L - blk * S);
       const float* v;
-      const int64_t ldv = value_block(pool, S, head, table, L, blk, false, kbuf, vbuf, &v);
+      const int64_t ldv = value_block(pool, S, head, table, L, blk, false, kbuf, vbuf, &v, rd);
       for (int64_t ch = 0; ch < chunks; ++ch)
         lanes_pv(scores + (ch * L + blk * S) * MOE_W, rows, v, ldv, dv, lanes + ch * per_chunk + dk * MOE_W);
     }
@@ -580,12 +592,17 @@ static inline void each_row_asking(int64_t rows, int64_t stride, const PT* ask, 
 
 // Rows [0, rows) of a block's part (row r at src + r * stride, width wide) as fp32, as rows_f32, with
 // share part of parts of rows [0, ask_rows) at ask (ask_bytes each) asked for into L2 along the way,
-// one row's share per row converted.
+// one row's share per row converted. An fp8 pool (PT uint8_t) converts as rd says (e4m3_row_f32).
 template <typename PT>
 static inline int64_t rows_f32_asking(const PT* src, int64_t rows, int64_t width, int64_t stride, float* buf,
                                       const float** out, const PT* ask, int64_t ask_rows, int64_t ask_bytes,
-                                      int64_t part, int64_t parts) {
-  if constexpr (sizeof(PT) == 4) {
+                                      int64_t part, int64_t parts, const Fp8Read* rd) {
+  if constexpr (std::is_same_v<PT, uint8_t>) {
+    each_row_asking(rows, stride, ask, ask_rows, ask_bytes, part, parts,
+                    [&](int64_t r) { e4m3_row_f32(src + r * stride, width, buf + r * width, *rd); });
+    *out = buf;
+    return width;
+  } else if constexpr (sizeof(PT) == 4) {
     ask_share_l2(ask, ask_rows, stride, ask_bytes, part, parts);
     return rows_f32(src, rows, width, stride, buf, out);
   } else {
@@ -598,22 +615,21 @@ static inline int64_t rows_f32_asking(const PT* src, int64_t rows, int64_t width
 
 // Rows [0, rows) of two kv heads' parts (row r at a + r * stride and b + r * stride, width wide) as
 // fp32 pairs, dst[(r * width + c) * 2 + u] = column c of part u, with share part of parts of rows [0,
-// ask_rows) at ask (ask_bytes each) asked for into L2 along the way (rows_f32_asking's asks).
+// ask_rows) at ask (ask_bytes each) asked for into L2 along the way (rows_f32_asking's asks). An fp8
+// pool's two rows convert (as rd says) FP8_PAIR_COLUMNS columns at a time, then pair.
+constexpr int64_t FP8_PAIR_COLUMNS = 256;
 template <typename PT>
 static inline void rows_paired_asking(const PT* a, const PT* b, int64_t rows, int64_t width, int64_t stride,
                                       float* dst, const PT* ask, int64_t ask_rows, int64_t ask_bytes, int64_t part,
-                                      int64_t parts) {
+                                      int64_t parts, const Fp8Read* rd) {
   vxi lo, hi;  // interleave masks: lanes j of a and b into lanes 2 j, 2 j + 1
   for (int j = 0; j < MOE_W; ++j) {
     lo[j] = j / 2 + (j % 2) * MOE_W;
     hi[j] = MOE_W / 2 + j / 2 + (j % 2) * MOE_W;
   }
-  each_row_asking(rows, stride, ask, ask_rows, ask_bytes, part, parts, [&](int64_t r) {
-    const PT* ra = a + r * stride;
-    const PT* rb = b + r * stride;
-    float* d = dst + r * width * 2;
+  const auto pair = [&](const auto* ra, const auto* rb, int64_t n, float* d) {  // n columns
     int64_t c = 0;
-    for (; c + MOE_W <= width; c += MOE_W) {
+    for (; c + MOE_W <= n; c += MOE_W) {
       const vf va = vload(ra + c), vb = vload(rb + c);
       vxf xa, xb;
       std::memcpy(&xa, &va, sizeof(xa));
@@ -622,7 +638,21 @@ static inline void rows_paired_asking(const PT* a, const PT* b, int64_t rows, in
       std::memcpy(d + 2 * c, &l, sizeof(l));
       std::memcpy(d + 2 * c + MOE_W, &h, sizeof(h));
     }
-    for (; c < width; ++c) d[2 * c] = to_float(ra[c]), d[2 * c + 1] = to_float(rb[c]);
+    for (; c < n; ++c) d[2 * c] = to_float(ra[c]), d[2 * c + 1] = to_float(rb[c]);
+  };
+  each_row_asking(rows, stride, ask, ask_rows, ask_bytes, part, parts, [&](int64_t r) __attribute__((always_inline)) {
+    float* d = dst + r * width * 2;
+    if constexpr (std::is_same_v<PT, uint8_t>) {
+      alignas(64) float fa[FP8_PAIR_COLUMNS], fb[FP8_PAIR_COLUMNS];
+      for (int64_t c0 = 0; c0 < width; c0 += FP8_PAIR_COLUMNS) {
+        const int64_t n = std::min(FP8_PAIR_COLUMNS, width - c0);
+        e4m3_row_f32(a + r * stride + c0, n, fa, *rd);
+        e4m3_row_f32(b + r * stride + c0, n, fb, *rd);
+        pair(fa, fb, n, d + 2 * c0);
+      }
+    } else {
+      pair(a + r * stride, b + r * stride, width, d);
+    }
   });
 }
 
@@ -671,7 +701,7 @@ template <int G, typename PT>
 static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, const PT* pool, int64_t S,
                                   const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
                                   float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
-                                  float* o) {
+                                  float* o, const Fp8Read* rd) {
   const KvHeadRows<PT> r(pool, S, head, kv_stride, groups, table, L);
   const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride, per_unit = (dk + dv) * MOE_W;
   constexpr int64_t HEADS = MOE_W / G;  // query heads of one kv head a vector
@@ -693,10 +723,11 @@ static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, c
   auto convert = [&](const PT* part, int64_t rows, int64_t width, int64_t s, float* buf, const float** out,
                      const PT* ask, int64_t ask_rows, int64_t ask_bytes) -> int64_t {
     if constexpr (G == 1) {
-      return rows_f32_asking(part + s * kv_stride, rows, width, stride, buf, out, ask, ask_rows, ask_bytes, s, sets);
+      return rows_f32_asking(part + s * kv_stride, rows, width, stride, buf, out, ask, ask_rows, ask_bytes, s, sets,
+                             rd);
     } else {
       rows_paired_asking(part + kv_head(s * chunks, 0) * kv_stride, part + kv_head(s * chunks, 1) * kv_stride, rows,
-                         width, stride, buf, ask, ask_rows, ask_bytes, s, sets);
+                         width, stride, buf, ask, ask_rows, ask_bytes, s, sets, rd);
       *out = buf;
       return 2 * width;
     }
@@ -739,14 +770,14 @@ template <typename PT>
 static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, const PT* pool, int64_t S,
                                   const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
                                   float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
-                                  float* o) {
+                                  float* o, const Fp8Read* rd) {
   if (rep >= LANE_MIN_HEADS) {
     if (rep == MOE_W / 2)
       paged_decode_kv_lanes<2>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, round_half, scores, lanes,
-                               kbuf, vbuf, o);
+                               kbuf, vbuf, o, rd);
     else
       paged_decode_kv_lanes<1>(q, groups, rep, pool, S, head, kv_stride, table, L, scale, round_half, scores, lanes,
-                               kbuf, vbuf, o);
+                               kbuf, vbuf, o, rd);
     return;
   }
   const KvHeadRows<PT> r(pool, S, head, kv_stride, groups, table, L);
@@ -756,7 +787,7 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
     for (int64_t g = 0; g < groups; ++g) {
       const float* k;
       const int64_t ldk = rows_f32_asking(r.block(blk) + head.k_off + g * kv_stride, rows, dk, stride, kbuf, &k,
-                                          ask, ask_rows, r.row_bytes, g, groups);
+                                          ask, ask_rows, r.row_bytes, g, groups, rd);
       const float* qg = q + g * rep * dk;
       float* sg = scores + g * rep * L + blk * S;
       int64_t t = 0;
@@ -771,7 +802,7 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
     for (int64_t g = 0; g < groups; ++g) {
       const float* v;
       const int64_t ldv = rows_f32_asking(r.block(blk) + head.v_off + g * kv_stride, rows, dv, stride, vbuf, &v,
-                                          ask, ask_rows, r.value_bytes, g, groups);
+                                          ask, ask_rows, r.value_bytes, g, groups, rd);
       attn_pv_heads(rep, scores + g * rep * L + blk * S, L, rows, v, ldv, dv, o + g * rep * dv);
     }
   });
@@ -951,36 +982,37 @@ static void paged_prefill_item(const PT* q, int64_t ldq, int64_t hh, int64_t nq,
 
 struct AttentionKernels {
   static constexpr int64_t lane_min_heads = LANE_MIN_HEADS;
+  // rd set: the pool holds fp8 bytes, read as rd says
   static void decode(bool bf16_pool, const float* q, int64_t hh, int64_t group_heads, const void* pool, int64_t S,
                      const PagedHead& head, const int64_t* table, int64_t L, float scale, bool round_half,
-                     float* scores, float* lanes, float* kbuf, float* vbuf, float* o, const NextItem& next) {
-    if (group_heads >= LANE_MIN_HEADS) {
-      if (bf16_pool)
-        paged_decode_lanes(q, hh, static_cast<const uint16_t*>(pool), S, head, table, L, scale, round_half, scores,
-                           lanes, kbuf, vbuf, o, next);
+                     float* scores, float* lanes, float* kbuf, float* vbuf, float* o, const NextItem& next,
+                     const Fp8Read* rd) {
+    const auto run = [&](const auto* typed) {
+      if (group_heads >= LANE_MIN_HEADS)
+        paged_decode_lanes(q, hh, typed, S, head, table, L, scale, round_half, scores, lanes, kbuf, vbuf, o, next,
+                           rd);
       else
-        paged_decode_lanes(q, hh, static_cast<const float*>(pool), S, head, table, L, scale, round_half, scores,
-                           lanes, kbuf, vbuf, o, next);
-      return;
-    }
-    if (bf16_pool)
-      paged_decode_item(q, hh, static_cast<const uint16_t*>(pool), S, head, table, L, scale, round_half, scores, kbuf,
-                        vbuf, o, next);
-    else
-      paged_decode_item(q, hh, static_cast<const float*>(pool), S, head, table, L, scale, round_half, scores, kbuf,
-                        vbuf, o, next);
+        paged_decode_item(q, hh, typed, S, head, table, L, scale, round_half, scores, kbuf, vbuf, o, next, rd);
+    };
+    if (rd != nullptr) run(static_cast<const uint8_t*>(pool));
+    else if (bf16_pool) run(static_cast<const uint16_t*>(pool));
+    else run(static_cast<const float*>(pool));
   }
-  // GQA items of kv heads [0, groups) (paged_decode_kv_heads), each of rep query heads
-  static void decode_kv_heads(bool bf16_pool, const float* q, int64_t groups, int64_t rep, const void* pool,
-                              int64_t S, const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L,
-                              float scale, bool round_half, float* scores, float* lanes, float* kbuf, float* vbuf,
-                              float* o) {
-    if (bf16_pool)
+  // GQA items of kv heads [0, groups) (paged_decode_kv_heads), each of rep query heads; rd set: the
+  // pool holds fp8 bytes, read as rd says
+  static void decode_kv_heads(bool bf16_pool, const Fp8Read* rd, const float* q, int64_t groups, int64_t rep,
+                              const void* pool, int64_t S, const PagedHead& head, int64_t kv_stride,
+                              const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
+                              float* lanes, float* kbuf, float* vbuf, float* o) {
+    if (rd != nullptr)
+      paged_decode_kv_heads(q, groups, rep, static_cast<const uint8_t*>(pool), S, head, kv_stride, table, L, scale,
+                            round_half, scores, lanes, kbuf, vbuf, o, rd);
+    else if (bf16_pool)
       paged_decode_kv_heads(q, groups, rep, static_cast<const uint16_t*>(pool), S, head, kv_stride, table, L, scale,
-                            round_half, scores, lanes, kbuf, vbuf, o);
+                            round_half, scores, lanes, kbuf, vbuf, o, rd);
     else
       paged_decode_kv_heads(q, groups, rep, static_cast<const float*>(pool), S, head, kv_stride, table, L, scale,
-                            round_half, scores, lanes, kbuf, vbuf, o);
+                            round_half, scores, lanes, kbuf, vbuf, o, rd);
   }
   // q, pool and o all bf16 or all fp32
   static void prefill(bool bf16, const void* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0, const void* pool,

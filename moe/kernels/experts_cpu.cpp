@@ -112,6 +112,15 @@ static inline bool e4m3_exact_scale(float scale) {
   const float m = std::frexp(std::fabs(scale), &e);  // scale = m * 2^e, m in [0.5, 1)
   return scale == 0.0f || (m == 0.5f && e - 1 >= -117 && e - 1 <= 119);
 }
+// How the FMA path's GQA items read an fp8 cache's rows straight from its pool (fp8_body.h's
+// e4m3_row_f32): each row converted to fp32 as an item reads it, into the values Fp8Cache's scratch
+// would hold, widened: the products (fp8 x scale) in fp32, or for bf16 queries rounded to bf16.
+struct Fp8Read {
+  const float* lut;  // [256]: each code's value as read (where the conversion is not arithmetic)
+  float scale256;    // scale * 2^8, the arithmetic conversion's multiplier
+  bool arith;        // through F16C (Isa::e4m3_rows set and scale256 finite)
+  int out;           // E4M3_F32, or what bf16 queries round to: E4M3_BF16 or E4M3_BF16_EXACT
+};
 // Rows a decode item loads as it goes (an fp8 cache's long sequences: Fp8Ring): the item's pool is
 // a ring of `chunk` tokens, and fill(this, t0, part) puts tokens [t0, t0 + chunk)'s keys (part 0) or
 // values (part 1) there before a pass reads them. chunk is a multiple of the block size and of 32.
@@ -349,6 +358,7 @@ static inline float vhsum(vf v) {
 }
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 #include "experts_body.h"
+#include "fp8_body.h"
 #include "attention_body.h"
 #include "norm_body.h"
 #undef MOE_W
@@ -397,63 +407,13 @@ static inline float vhsum(vf v) {  // (lo + hi) then pairwise within 128 bits
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 #include "exp_body.h"
 #include "experts_body.h"
+#define MOE_F16C
+#include "fp8_body.h"
+#undef MOE_F16C
 #include "attention_body.h"
 #include "norm_body.h"
 #undef MOE_W
 #undef MOE_EXP8
-// fp8 (e4m3) bytes times a scale, in fp32 or rounded to bf16 as c10's conversions round them:
-// dst[r * ld + i] = e4m3(src[r * ld + i]) * scale for r < rows, i < n (ld unused for one row). Sixteen
-// at a time through F16C: byte x's bits moved into a half, ((x & 0x7f) << 7) with its sign at bit 15,
-// are e4m3's value times 2^-8 (e4m3's exponent bias is 7, a half's 15, and e4m3's subnormals land on
-// the half's), exactly; times scale256 = scale * 2^8 (finite: the caller checks) that is the product
-// c10's value times scale rounds to. NaN bytes (x & 0x7f == 0x7f) become half NaNs, which widen to
-// c10's NaN bits (sign | 0x7ff00000); in bf16, 0x7fc0 as c10 rounds every NaN. E4M3_BF16_EXACT (a
-// power-of-two scale, e4m3_exact_scale) drops the rounding: its products' low 16 bits are zero.
-template <int Out>
-static void e4m3_rows_as(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, float scale256, void* dst) {
-  const __m256i low7 = _mm256_set1_epi16(0x7f), bit14 = _mm256_set1_epi16(0x4000),
-                half_nan = _mm256_set1_epi16(0x7c00), bf16_nan = _mm256_set1_epi16(0x7fc0),
-                one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7fff);
-  const __m256 sc = _mm256_set1_ps(scale256);
-  const auto round16 = [&](__m256 v) {  // c10's round to nearest even, NaNs aside
-    const __m256i u = _mm256_castps_si256(v);
-    if constexpr (Out == E4M3_BF16_EXACT) return _mm256_srli_epi32(u, 16);
-    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), one),
-                                                                   half_ulp)), 16);
-  };
-  const auto sixteen = [&](const uint8_t* s, void* d) {
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, low7), low7);
-    __m256i h = _mm256_slli_epi16(x, 7);  // the sign lands on bit 14: adding bit 14 to itself moves it to 15
-    h = _mm256_or_si256(_mm256_add_epi16(h, _mm256_and_si256(h, bit14)), _mm256_and_si256(nan, half_nan));
-    const __m256 a = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), sc);
-    const __m256 b = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), sc);
-    if constexpr (Out == E4M3_F32) {
-      _mm256_storeu_ps(static_cast<float*>(d), a), _mm256_storeu_ps(static_cast<float*>(d) + 8, b);
-    } else {
-      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(round16(a), round16(b)), 0xd8);
-      _mm256_storeu_si256(static_cast<__m256i*>(d), _mm256_blendv_epi8(p, bf16_nan, nan));
-    }
-  };
-  constexpr int64_t unit = Out == E4M3_F32 ? 4 : 2;
-  for (int64_t r = 0; r < rows; ++r, src += ld) {
-    char* d = static_cast<char*>(dst) + r * ld * unit;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) sixteen(src + i, d + i * unit);
-    if (i < n) {  // the last n - i bytes through a zero-padded block of 16
-      alignas(32) uint8_t s[16] = {};
-      alignas(32) float o[16];
-      std::memcpy(s, src + i, n - i);
-      sixteen(s, o);
-      std::memcpy(d + i * unit, o, (n - i) * unit);
-    }
-  }
-}
-static void e4m3_rows(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, float scale256, int out, void* dst) {
-  if (out == E4M3_F32) e4m3_rows_as<E4M3_F32>(src, rows, n, ld, scale256, dst);
-  else if (out == E4M3_BF16) e4m3_rows_as<E4M3_BF16>(src, rows, n, ld, scale256, dst);
-  else e4m3_rows_as<E4M3_BF16_EXACT>(src, rows, n, ld, scale256, dst);
-}
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -497,6 +457,9 @@ static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #include "exp_body.h"
 #include "experts_body.h"
+#define MOE_F16C
+#include "fp8_body.h"
+#undef MOE_F16C
 #include "attention_body.h"
 #include "norm_body.h"
 #undef MOE_W
@@ -572,14 +535,15 @@ using RouterLogitsFn = void (*)(bool, const void*, int64_t, int64_t, const float
 using RouterSplitFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, int64_t, float*);
 // (bf16 pool, q, the item's heads, its kv head's query heads, pool, S, head, table, L, scale, round_half,
 // scratch..., next)
+// (..., next item, fp8 read or null)
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, int64_t, const void*, int64_t, const PagedHead&,
                                const int64_t*, int64_t, float, bool, float*, float*, float*, float*, float*,
-                               const NextItem&);
-// (bf16 pool, q, kv heads, query heads a kv head, pool, S, head, kv_stride, table, L, scale, round_half,
-// scratch..., o)
-using PagedDecodeKvHeadsFn = void (*)(bool, const float*, int64_t, int64_t, const void*, int64_t, const PagedHead&,
-                                      int64_t, const int64_t*, int64_t, float, bool, float*, float*, float*, float*,
-                                      float*);
+                               const NextItem&, const Fp8Read*);
+// (bf16 pool, fp8 read or null, q, kv heads, query heads a kv head, pool, S, head, kv_stride, table, L,
+// scale, round_half, scratch..., o)
+using PagedDecodeKvHeadsFn = void (*)(bool, const Fp8Read*, const float*, int64_t, int64_t, const void*, int64_t,
+                                      const PagedHead&, int64_t, const int64_t*, int64_t, float, bool, float*, float*,
+                                      float*, float*, float*);
 using PagedPrefillFn = void (*)(bool, const void*, int64_t, int64_t, int64_t, int64_t, const void*, int64_t,
                                 const PagedHead&, const SharedKeyPart&, const int64_t*, int64_t, int64_t, float,
                                 float*, float*, float*, float*, void*, int64_t);
@@ -1722,7 +1686,9 @@ struct ItemCols {
 // times the cache's scale, rounded to q's dtype (what KVLayerView.gather dequantizes to), so the items,
 // reading the scratch as their pool (blocks 0, 1, ... : `identity`), give the bits of the same op over
 // the dequantized cache. A step thus reads the cache's fp8 bytes from memory, half a bf16 cache's;
-// the scratch (a sequence's rows in q's dtype) stays in L2 / L3 for the item's passes.
+// the scratch (a sequence's rows in q's dtype) stays in L2 / L3 for the item's passes. (GQA items on
+// the FMA path need no scratch: they convert each block's rows to fp32 as they read them, and read()
+// tells them how. Long sequences on the group path go through a ring instead: Fp8Ring.)
 struct Fp8Cache {
   const uint8_t* pool;
   int64_t S, block_elems;
@@ -1735,6 +1701,7 @@ struct Fp8Cache {
   std::vector<int64_t> identity;  // [nb]: 0, 1, ...
   uint16_t lut16[256];
   float lut32[256];
+  float lut16f[256];  // lut16's values in fp32
 
   Fp8Cache(const at::Tensor& pool_, bool bf16_, double scale, int64_t nb, const Isa& isa)
       : pool(static_cast<const uint8_t*>(pool_.data_ptr())), S(pool_.size(1)),
@@ -1748,8 +1715,11 @@ struct Fp8Cache {
     for (int x = 0; x < 256; ++x) {
       lut32[x] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(x), c10::Float8_e4m3fn::from_bits())) * sc;
       lut16[x] = c10::BFloat16(lut32[x]).x;
+      lut16f[x] = to_float(lut16[x]);
     }
   }
+  // How an item reading the pool's rows itself converts them (Fp8Read): to the values its scratch holds
+  Fp8Read read() const { return Fp8Read{bf16 ? lut16f : lut32, scale256, e4m3 != nullptr, bf16 ? out16 : E4M3_F32}; }
   static uint64_t next_call() {
     static std::atomic<uint64_t> calls{0};
     return ++calls;
@@ -1780,35 +1750,27 @@ struct Fp8Cache {
     else convert32(src + lo, rows, n, stride, static_cast<float*>(dst) + lo);
   }
   // The first L tokens' blocks of a sequence (its block table `table`) in the calling thread's scratch,
-  // converted unless this call's previous item on the thread was the same sequence's (and columns).
-  // cols null: whole blocks; else only a GQA item's columns of each token's row of `stride` elements (its
-  // kv heads' keys and values), the rest of the scratch left as it was: two threads splitting a
-  // sequence's kv heads each convert their own, not the whole sequence.
-  const void* rows(const int64_t* table, int64_t L, const ItemCols* cols = nullptr, int64_t stride = 0) const {
+  // converted unless this call's previous item on the thread was the same sequence's.
+  const void* rows(const int64_t* table, int64_t L) const {
     thread_local LineVector<uint16_t> buf;
     thread_local uint64_t seen_call = 0;
     thread_local const int64_t* seen_table = nullptr;
-    thread_local int64_t seen_len = 0, seen_first = -1;
-    const int64_t first = cols != nullptr ? cols->lo[0] : -1;
-    if (seen_call == call && seen_table == table && seen_len == L && seen_first == first) return buf.data();
+    thread_local int64_t seen_len = 0;
+    if (seen_call == call && seen_table == table && seen_len == L) return buf.data();
     const int64_t blocks = (L + S - 1) / S, unit = bf16 ? 1 : 2;
     if (static_cast<int64_t>(buf.size()) < blocks * block_elems * unit) buf.resize(blocks * block_elems * unit);
     for (int64_t j = 0; j < blocks; ++j) {
       // blocks sit wherever the table puts them: the next one's lines asked for
-      const uint8_t* next = j + 1 < blocks ? pool + table[j + 1] * block_elems : nullptr;
+      if (j + 1 < blocks) {
+        const uint8_t* next = pool + table[j + 1] * block_elems;
+        for (int64_t off = 0; off < block_elems; off += 64) __builtin_prefetch(next + off, 0, 2);
+      }
       const uint8_t* src = pool + table[j] * block_elems;
       uint16_t* dst = buf.data() + j * block_elems * unit;
-      if (cols != nullptr) {
-        for (int p = 0; p < 2; ++p)
-          convert_part(*cols, p, src, std::min(S, L - j * S), next, std::min(S, L - (j + 1) * S), stride, dst);
-        continue;
-      }
-      if (next != nullptr)
-        for (int64_t off = 0; off < block_elems; off += 64) __builtin_prefetch(next + off, 0, 2);
       if (bf16) convert16(src, 1, block_elems, 0, dst);
       else convert32(src, 1, block_elems, 0, reinterpret_cast<float*>(dst));
     }
-    seen_call = call, seen_table = table, seen_len = L, seen_first = first;
+    seen_call = call, seen_table = table, seen_len = L;
     return buf.data();
   }
 };
@@ -1838,9 +1800,8 @@ struct SeqRows {
   const void* pool;
   const int64_t* table;
 };
-static SeqRows seq_rows(const Fp8Cache* f8, const void* pool, const int64_t* table, int64_t L,
-                        const ItemCols* cols = nullptr, int64_t stride = 0) {
-  return f8 != nullptr ? SeqRows{f8->rows(table, L, cols, stride), f8->identity.data()} : SeqRows{pool, table};
+static SeqRows seq_rows(const Fp8Cache* f8, const void* pool, const int64_t* table, int64_t L) {
+  return f8 != nullptr ? SeqRows{f8->rows(table, L), f8->identity.data()} : SeqRows{pool, table};
 }
 
 // A sequence of an fp8 cache on the group path, longer than a ring: converted whole, its rows in q's
@@ -1925,8 +1886,12 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   const at::Tensor qf = dot ? bf16_contiguous(q) : float32_contiguous(q);
   const at::Tensor pc = pool.contiguous();
   const std::unique_ptr<const Fp8Cache> f8 = fp8 ? std::make_unique<const Fp8Cache>(pc, bf16, kv_scale, nb, isa) : nullptr;
-  // sequence b's pool and block table: the cache's, or its rows in the thread's scratch
+  // sequence b's pool and block table: the cache's, or its rows in the thread's scratch (the dot and
+  // group paths); the FMA path's items read an fp8 cache's bytes themselves, each block's rows converted
+  // to fp32 as they convert a bf16 cache's (Fp8Read)
   auto seq = [&](int64_t b) { return seq_rows(f8.get(), pc.data_ptr(), tp + b * nb, lp[b]); };
+  const Fp8Read read = f8 ? f8->read() : Fp8Read{};
+  const Fp8Read* fma_read = f8 && !dot ? &read : nullptr;
   const int64_t rep = H / num_kv_heads;
   const int hp = dot && isa.dot.paged_decode_groups != nullptr ? isa.dot.group_lanes(rep, dk) : 0;
   if (hp != 0) {
@@ -1977,12 +1942,9 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
         for (int64_t i = begin; i < end; ++i) {
           const auto [b, g0, groups] = items[i];
           const PagedHead head = HeadItems::head(head0, g0, kv_stride);
-          const ItemCols cols(head, groups, kv_stride);  // an fp8 cache: only these converted
-          const SeqRows r = seq_rows(f8.get(), pc.data_ptr(), tp + b * nb, lp[b], &cols, head.token_stride);
-          isa.paged_decode_kv_heads(bf16, qs + (b * H + g0 * rep) * dk, groups, rep, r.pool, S, head, kv_stride,
-                                    r.table, lp[b],
-                                    static_cast<float>(scale), bf16, scores.data(), lanes.data(), kbuf.data(),
-                                    vbuf.data(), o.data());
+          isa.paged_decode_kv_heads(bf16, fma_read, qs + (b * H + g0 * rep) * dk, groups, rep,
+                                    pc.data_ptr(), S, head, kv_stride, tp + b * nb, lp[b], static_cast<float>(scale),
+                                    bf16, scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data());
           store_rows(bf16, out_ptr, (b * H + g0 * rep) * dv, o.data(), groups * rep * dv);
         }
     });
@@ -2014,7 +1976,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
         const auto [b, g, h0, hh] = items[i];
         const PagedHead head = HeadItems::head(head0, g, kv_stride);
         NextItem next;
-        if (i + 1 < end && !f8) {  // (an fp8 cache's next rows are asked for as its blocks convert)
+        if (i + 1 < end && (!f8 || fma_read)) {  // (scratch of an fp8 cache: asked for as its blocks convert)
           const auto following = items[i + 1];
           const int64_t q0 = (following.b * H + following.h0) * dk;
           next = NextItem{dot ? reinterpret_cast<const char*>(qb + q0) : reinterpret_cast<const char*>(qs + q0),
@@ -2022,7 +1984,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
                           HeadItems::head(head0, following.g, kv_stride)};
         }
         const int64_t first = (b * H + h0) * dv;
-        const SeqRows r = seq(b);
+        const SeqRows r = fma_read ? SeqRows{pc.data_ptr(), tp + b * nb} : seq(b);
         if (dot) {  // writes its bf16 rows [hh, dv] itself
           isa.dot.paged_decode(qb + (b * H + h0) * dk, hh, static_cast<const uint16_t*>(r.pool), S, head,
                                r.table, lp[b], sc, scores.data(), pbuf.data(), rows.data(), zero_row.data(),
@@ -2030,7 +1992,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
           continue;
         }
         isa.paged_decode(bf16, qs + (b * H + h0) * dk, hh, items.rep, r.pool, S, head, r.table, lp[b], sc,
-                         bf16, scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next);
+                         bf16, scores.data(), lanes.data(), kbuf.data(), vbuf.data(), o.data(), next, fma_read);
         store_rows(bf16, out_ptr, first, o.data(), hh * dv);
       }
   });

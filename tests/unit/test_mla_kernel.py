@@ -711,6 +711,9 @@ def _fp8_pool(pool: torch.Tensor, seed: int) -> torch.Tensor:
 # one sequence: at two threads its kv heads split into two items (4 into 2 + 2, 3 into 2 + 1), each
 # converting only its own kv heads' keys and values on the FMA path
 GQA_ONE_SEQUENCE_CASES = [(1, 8, 4, 64, 16, 40), (1, 6, 3, 24, 5, 40)]
+# head dims past the 256 columns the FMA path converts an fp8 row's pairs in (4 heads a kv head pair
+# kv heads on AVX2, 8 on AVX-512): two chunks, the second partial
+FP8_WIDE_HEAD_CASES = [(2, 8, 2, 300, 4, 12), (2, 16, 2, 300, 4, 12)]
 
 # scales: 1 and a typical calibrated one; subnormal (fp32) and zero; products past fp32's range (inf);
 # one whose 2^8 multiple overflows (the F16C conversion declines it for the tables); powers of two, whose
@@ -757,10 +760,11 @@ def test_decode_on_an_fp8_cache_gives_the_bits_of_its_dequantized_cache(
         kernel_isas: list[str], kind: str, dtype: torch.dtype, kv_scale: float) -> None:
     """Every decode path (MLA; GQA groups, kv-head items, MQA) over an fp8 pool gives exactly what it
     gives over the pool dequantized as ``KVLayerView.gather`` does (fp8 x scale in fp32, rounded to
-    q's dtype), at one and two threads, every sequence converted into the thread's scratch (only an
-    item's kv heads where two threads split one sequence's)."""
+    q's dtype), at one and two threads: sequences converted into the thread's scratch, or on the FMA
+    path's GQA items each block's rows as the item reads them (two threads splitting one sequence's kv
+    heads; heads wider than one conversion chunk)."""
     threads = torch.get_num_threads()
-    cases = CASES if kind == "mla" else GQA_CASES + GQA_ONE_SEQUENCE_CASES
+    cases = CASES if kind == "mla" else GQA_CASES + GQA_ONE_SEQUENCE_CASES + FP8_WIDE_HEAD_CASES
     try:
         for case in cases:
             if kind == "mla":
@@ -783,6 +787,38 @@ def test_decode_on_an_fp8_cache_gives_the_bits_of_its_dequantized_cache(
                         want = kernels.gqa_decode(q, dequantized, tables, lens, 0.2)
                     assert got.shape == want.shape == (b, h, want.shape[2]) and got.dtype == dtype
                     assert torch.equal(got, want), (name, n_threads, case)
+    finally:
+        torch.set_num_threads(threads)
+        kernels.select_isa("auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_scale", [1.0, 0.37])
+def test_decode_on_an_fp8_cache_with_nan_codes_gives_nan_where_its_dequantized_cache_does(
+        kernel_isas: list[str], dtype: torch.dtype, kv_scale: float) -> None:
+    """NaN codes (0x7F, 0xFF) in an fp8 pool make NaNs where the op over the dequantized pool makes
+    them (a key's: its kv head's heads; a value's: their column) and nowhere else, the other values'
+    bits unchanged."""
+    b, h, hkv, hd, size, n = 3, 8, 2, 40, 4, 30
+    pool, _, lens, q = _random_batch(7, b, h, hd, (n, size, 2, hkv, hd), dtype)
+    tables = torch.randperm(n, generator=torch.Generator().manual_seed(7))[:b * 6].view(b, 6)  # no block shared
+    codes = _fp8_pool(pool, 7).view(torch.uint8).clone()
+    codes[tables[0, 0], 1, 0, 1, 5] = 0x7F  # sequence 0's token 1: kv head 1's key
+    codes[tables[2, 0], 0, 1, 0, 39] = 0xFF  # sequence 2's token 0: kv head 0's value (a row's tail)
+    fp8 = codes.view(torch.float8_e4m3fn)
+    dequantized = (fp8.float() * torch.tensor(kv_scale)).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for name in kernel_isas:
+            kernels.select_isa(name)
+            want = kernels.gqa_decode(q, dequantized, tables, lens, 0.2)
+            nan = want.isnan()
+            assert nan[0, 4:].all() and nan[2, :4, 39].all() and not nan[1].any()  # a key: whole heads
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                got = kernels.gqa_decode(q, fp8, tables, lens, 0.2, kv_scale)
+                assert got.shape == want.shape and torch.equal(got.isnan(), nan), (name, n_threads)
+                assert torch.equal(got[~nan], want[~nan]), (name, n_threads)
     finally:
         torch.set_num_threads(threads)
         kernels.select_isa("auto")
