@@ -657,19 +657,25 @@ static inline void rows_paired_asking(const PT* a, const PT* b, int64_t rows, in
 }
 
 // Where the kv-heads items' rows lie: kv heads [0, groups) of a sequence of L tokens (table: its
-// blocks of S), and the spans they ask for into L2: whole rows (from the keys' or values' start to the
-// end of the other's span) in the score pass, the values' span in the value pass.
+// blocks of S), and the spans they ask for into L2: in the score pass whole rows (from the keys' or
+// values' start to the end of the other's span: the values then wait in L2 for the value pass) while
+// the sequence's rows fit KV_HEADS_WHOLE_ROWS_BYTES, else the keys' span only (the values would be gone
+// from L2 before the value pass came to them, and asked for again); the values' span in the value pass.
+constexpr int64_t KV_HEADS_WHOLE_ROWS_BYTES = 512 << 10;
 template <typename PT>
 struct KvHeadRows {
   const PT* pool;
   const int64_t* table;
-  int64_t S, L, stride, nblocks, row_lo, row_bytes, value_bytes;
+  int64_t S, L, stride, nblocks, score_lo, score_bytes, value_bytes;
   KvHeadRows(const PT* pool_, int64_t S_, const PagedHead& head, int64_t kv_stride, int64_t groups,
              const int64_t* table_, int64_t L_)
       : pool(pool_), table(table_), S(S_), L(L_), stride(head.token_stride), nblocks((L_ + S_ - 1) / S_) {
     const int64_t elem = sizeof(PT), span = (groups - 1) * kv_stride;
-    row_lo = std::min(head.k_off, head.v_off);
-    row_bytes = (std::max(head.k_off + span + head.dk, head.v_off + span + head.dv) - row_lo) * elem;
+    const int64_t row_lo = std::min(head.k_off, head.v_off);
+    const int64_t row_bytes = (std::max(head.k_off + span + head.dk, head.v_off + span + head.dv) - row_lo) * elem;
+    const bool whole = L * row_bytes <= KV_HEADS_WHOLE_ROWS_BYTES;
+    score_lo = whole ? row_lo : head.k_off;
+    score_bytes = whole ? row_bytes : (span + head.dk) * elem;
     value_bytes = (span + head.dv) * elem;
   }
   const PT* block(int64_t blk) const { return pool + table[blk] * S * stride; }
@@ -732,11 +738,11 @@ static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, c
       return 2 * width;
     }
   };
-  r.each_block(KV_HEADS_ROWS_AHEAD, r.row_lo, r.row_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
+  r.each_block(KV_HEADS_ROWS_AHEAD, r.score_lo, r.score_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
                                                                   int64_t ask_rows) {
     for (int64_t s = 0; s < sets; ++s) {
       const float* k;
-      const int64_t ldk = convert(r.block(blk) + head.k_off, rows, dk, s, kbuf, &k, ask, ask_rows, r.row_bytes);
+      const int64_t ldk = convert(r.block(blk) + head.k_off, rows, dk, s, kbuf, &k, ask, ask_rows, r.score_bytes);
       for (int64_t c = s * chunks; c < (s + 1) * chunks; ++c)
         lanes_scores<G>(lanes + c * per_unit, k, ldk, dk, rows, scores + (c * L + blk * S) * MOE_W, nullptr, 0);
     }
@@ -782,12 +788,12 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
   }
   const KvHeadRows<PT> r(pool, S, head, kv_stride, groups, table, L);
   const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
-  r.each_block(KV_HEADS_ROWS_AHEAD, r.row_lo, r.row_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
+  r.each_block(KV_HEADS_ROWS_AHEAD, r.score_lo, r.score_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
                                                                   int64_t ask_rows) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* k;
       const int64_t ldk = rows_f32_asking(r.block(blk) + head.k_off + g * kv_stride, rows, dk, stride, kbuf, &k,
-                                          ask, ask_rows, r.row_bytes, g, groups, rd);
+                                          ask, ask_rows, r.score_bytes, g, groups, rd);
       const float* qg = q + g * rep * dk;
       float* sg = scores + g * rep * L + blk * S;
       int64_t t = 0;
