@@ -112,9 +112,10 @@ static inline bool e4m3_exact_scale(float scale) {
   const float m = std::frexp(std::fabs(scale), &e);  // scale = m * 2^e, m in [0.5, 1)
   return scale == 0.0f || (m == 0.5f && e - 1 >= -117 && e - 1 <= 119);
 }
-// How the FMA path's GQA items read an fp8 cache's rows straight from its pool (fp8_body.h's
-// e4m3_row_f32): each row converted to fp32 as an item reads it, into the values Fp8Cache's scratch
-// would hold, widened: the products (fp8 x scale) in fp32, or for bf16 queries rounded to bf16.
+// How the FMA path's decode items (GQA, MLA, MQA) read an fp8 cache's rows straight from its pool
+// (fp8_body.h's e4m3_row_f32): each row converted to fp32 as an item reads it, into the values
+// Fp8Cache's scratch would hold, widened: the products (fp8 x scale) in fp32, or for bf16 queries
+// rounded to bf16.
 struct Fp8Read {
   const float* lut;  // [256]: each code's value as read (where the conversion is not arithmetic)
   float scale256;    // scale * 2^8, the arithmetic conversion's multiplier
@@ -534,8 +535,7 @@ using RouterLogitsFn = void (*)(bool, const void*, int64_t, int64_t, const float
 // bf16 rows against the router weight's bf16 parts: (x, t_begin, t_end, parts, number of parts, E, D, out)
 using RouterSplitFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int, int64_t, int64_t, float*);
 // (bf16 pool, q, the item's heads, its kv head's query heads, pool, S, head, table, L, scale, round_half,
-// scratch..., next)
-// (..., next item, fp8 read or null)
+// scratch..., next, fp8 read or null)
 using PagedDecodeFn = void (*)(bool, const float*, int64_t, int64_t, const void*, int64_t, const PagedHead&,
                                const int64_t*, int64_t, float, bool, float*, float*, float*, float*, float*,
                                const NextItem&, const Fp8Read*);
@@ -1686,9 +1686,9 @@ struct ItemCols {
 // times the cache's scale, rounded to q's dtype (what KVLayerView.gather dequantizes to), so the items,
 // reading the scratch as their pool (blocks 0, 1, ... : `identity`), give the bits of the same op over
 // the dequantized cache. A step thus reads the cache's fp8 bytes from memory, half a bf16 cache's;
-// the scratch (a sequence's rows in q's dtype) stays in L2 / L3 for the item's passes. (GQA items on
-// the FMA path need no scratch: they convert each block's rows to fp32 as they read them, and read()
-// tells them how. Long sequences on the group path go through a ring instead: Fp8Ring.)
+// the scratch (a sequence's rows in q's dtype) stays in L2 / L3 for the item's passes. (Items on the
+// FMA path need no scratch: they convert each block's rows to fp32 as they read them, and read() tells
+// them how. Long sequences on the group path go through a ring instead: Fp8Ring.)
 struct Fp8Cache {
   const uint8_t* pool;
   int64_t S, block_elems;

@@ -1,6 +1,6 @@
 // fp8 (e4m3) cache entries as the kernels read them, compiled once per instruction set.
 //
-// Included by experts_cpu.cpp inside an ISA namespace, before attention_body.h (whose GQA items on
+// Included by experts_cpu.cpp inside an ISA namespace, before attention_body.h (whose decode items on
 // the FMA path read an fp8 pool's rows through e4m3_row_f32). With MOE_F16C defined (the x86
 // namespaces, whose targets take F16C) bytes convert arithmetically where the caller says so (an
 // Fp8Read's `arith`, a conversion's caller checking f16c_usable and a finite scale * 2^8); else, and
