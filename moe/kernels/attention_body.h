@@ -200,23 +200,28 @@ static inline void rows_into(const PT* src, int64_t rows, int64_t width, int64_t
   }
 }
 
+// dst[0:width) = row src[0:width) as fp32: a bf16 row widened, an fp8 row's bytes as rd says
+// (e4m3_row_f32)
+__attribute__((always_inline)) static inline void row_f32(const uint16_t* src, int64_t width, float* dst,
+                                                         const Fp8Read*) {
+  rows_into(src, 1, width, 0, dst);
+}
+__attribute__((always_inline)) static inline void row_f32(const uint8_t* src, int64_t width, float* dst,
+                                                         const Fp8Read* rd) {
+  e4m3_row_f32(src, width, dst, *rd);
+}
+
 // Rows [0, rows) of a block (row r at src + r * stride, width wide) as fp32: the rows in place for
-// an fp32 pool (returns their stride), else converted into buf (returns width); an fp8 pool's as rd
-// says (e4m3_row_f32).
+// an fp32 pool (returns their stride), else converted into buf by row_f32 (returns width).
 static inline int64_t rows_f32(const float* src, int64_t, int64_t, int64_t stride, float*, const float** out,
                                const Fp8Read* = nullptr) {
   *out = src;
   return stride;
 }
-static inline int64_t rows_f32(const uint16_t* src, int64_t rows, int64_t width, int64_t stride, float* buf,
-                               const float** out, const Fp8Read* = nullptr) {
-  rows_into(src, rows, width, stride, buf);
-  *out = buf;
-  return width;
-}
-static inline int64_t rows_f32(const uint8_t* src, int64_t rows, int64_t width, int64_t stride, float* buf,
-                               const float** out, const Fp8Read* rd) {
-  for (int64_t r = 0; r < rows; ++r) e4m3_row_f32(src + r * stride, width, buf + r * width, *rd);
+template <typename PT>  // bf16 or fp8
+static inline int64_t rows_f32(const PT* src, int64_t rows, int64_t width, int64_t stride, float* buf,
+                               const float** out, const Fp8Read* rd = nullptr) {
+  for (int64_t r = 0; r < rows; ++r) row_f32(src + r * stride, width, buf + r * width, rd);
   *out = buf;
   return width;
 }
@@ -581,8 +586,9 @@ static inline void ask_share_l2(const PT* src, int64_t rows, int64_t stride, int
 // fn(r) for rows [0, rows), with share part of parts of rows [0, ask_rows) at ask (ask_bytes each,
 // stride apart) asked for into L2 along the way: one row's share before each fn, the rest after.
 template <typename PT, typename Fn>
-static inline void each_row_asking(int64_t rows, int64_t stride, const PT* ask, int64_t ask_rows, int64_t ask_bytes,
-                                   int64_t part, int64_t parts, Fn&& fn) {
+__attribute__((always_inline)) static inline void each_row_asking(int64_t rows, int64_t stride, const PT* ask,
+                                                                  int64_t ask_rows, int64_t ask_bytes, int64_t part,
+                                                                  int64_t parts, Fn&& fn) {
   for (int64_t r = 0; r < rows; ++r) {
     if (r < ask_rows) ask_share_l2(ask + r * stride, 1, 0, ask_bytes, part, parts);
     fn(r);
@@ -592,22 +598,17 @@ static inline void each_row_asking(int64_t rows, int64_t stride, const PT* ask, 
 
 // Rows [0, rows) of a block's part (row r at src + r * stride, width wide) as fp32, as rows_f32, with
 // share part of parts of rows [0, ask_rows) at ask (ask_bytes each) asked for into L2 along the way,
-// one row's share per row converted. An fp8 pool (PT uint8_t) converts as rd says (e4m3_row_f32).
+// one row's share per row converted (row_f32: an fp8 pool's as rd says).
 template <typename PT>
 static inline int64_t rows_f32_asking(const PT* src, int64_t rows, int64_t width, int64_t stride, float* buf,
                                       const float** out, const PT* ask, int64_t ask_rows, int64_t ask_bytes,
                                       int64_t part, int64_t parts, const Fp8Read* rd) {
-  if constexpr (std::is_same_v<PT, uint8_t>) {
-    each_row_asking(rows, stride, ask, ask_rows, ask_bytes, part, parts,
-                    [&](int64_t r) { e4m3_row_f32(src + r * stride, width, buf + r * width, *rd); });
-    *out = buf;
-    return width;
-  } else if constexpr (sizeof(PT) == 4) {
+  if constexpr (sizeof(PT) == 4) {
     ask_share_l2(ask, ask_rows, stride, ask_bytes, part, parts);
     return rows_f32(src, rows, width, stride, buf, out);
   } else {
     each_row_asking(rows, stride, ask, ask_rows, ask_bytes, part, parts,
-                    [&](int64_t r) { rows_into(src + r * stride, 1, width, 0, buf + r * width); });
+                    [&](int64_t r) { row_f32(src + r * stride, width, buf + r * width, rd); });
     *out = buf;
     return width;
   }
@@ -1010,15 +1011,13 @@ struct AttentionKernels {
                               const void* pool, int64_t S, const PagedHead& head, int64_t kv_stride,
                               const int64_t* table, int64_t L, float scale, bool round_half, float* scores,
                               float* lanes, float* kbuf, float* vbuf, float* o) {
-    if (rd != nullptr)
-      paged_decode_kv_heads(q, groups, rep, static_cast<const uint8_t*>(pool), S, head, kv_stride, table, L, scale,
-                            round_half, scores, lanes, kbuf, vbuf, o, rd);
-    else if (bf16_pool)
-      paged_decode_kv_heads(q, groups, rep, static_cast<const uint16_t*>(pool), S, head, kv_stride, table, L, scale,
-                            round_half, scores, lanes, kbuf, vbuf, o, rd);
-    else
-      paged_decode_kv_heads(q, groups, rep, static_cast<const float*>(pool), S, head, kv_stride, table, L, scale,
-                            round_half, scores, lanes, kbuf, vbuf, o, rd);
+    const auto run = [&](const auto* typed) {
+      paged_decode_kv_heads(q, groups, rep, typed, S, head, kv_stride, table, L, scale, round_half, scores, lanes,
+                            kbuf, vbuf, o, rd);
+    };
+    if (rd != nullptr) run(static_cast<const uint8_t*>(pool));
+    else if (bf16_pool) run(static_cast<const uint16_t*>(pool));
+    else run(static_cast<const float*>(pool));
   }
   // q, pool and o all bf16 or all fp32
   static void prefill(bool bf16, const void* q, int64_t ldq, int64_t hh, int64_t nq, int64_t pos0, const void* pool,

@@ -25,34 +25,47 @@ static inline __m256i e4m3_products16(const uint8_t* s, __m256 sc, __m256& a, __
   return nan;
 }
 
-// c10's round to nearest even of fp32 lanes to bf16, the bf16 bits in each lane's low 16 (NaNs
-// aside); a power-of-two scale's products (E4M3_BF16_EXACT) are bf16 values: their high 16 bits
+// c10's round to nearest even of fp32 lanes to bf16, as fp32 lanes whose low 16 bits are zero (NaNs
+// aside); a power-of-two scale's products (E4M3_BF16_EXACT) are bf16 values already
 template <int Out>
-static inline __m256i bf16_bits8(__m256 v) {
+static inline __m256i bf16_rounded8(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
-  if constexpr (Out == E4M3_BF16_EXACT) return _mm256_srli_epi32(u, 16);
-  return _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                           _mm256_set1_epi32(0x7fff))), 16);
+  if constexpr (Out == E4M3_BF16_EXACT) return u;
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, odd), _mm256_set1_epi32(0x7fff)),
+                          _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
 }
 
 // fp8 (e4m3) bytes times a scale, in fp32 or rounded to bf16 as c10's conversions round them:
 // dst[r * ld + i] = e4m3(src[r * ld + i]) * scale for r < rows, i < n (ld unused for one row), sixteen
-// at a time (e4m3_products16); in bf16, NaNs are 0x7fc0 as c10 rounds every NaN.
-template <int Out>
-static void e4m3_rows_as(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, float scale256, void* dst) {
+// at a time (e4m3_products16). In bf16, NaNs are 0x7fc0 as c10 rounds every NaN. Wide: the bf16 values
+// widened back to fp32 (what a decode item reads, e4m3_row_f32), dst fp32.
+template <int Out, bool Wide = false>
+__attribute__((always_inline)) static inline void e4m3_rows_as(const uint8_t* src, int64_t rows, int64_t n,
+                                                              int64_t ld, float scale256, void* dst) {
   const __m256 sc = _mm256_set1_ps(scale256);
   const auto sixteen = [&](const uint8_t* s, void* d) {
     __m256 a, b;
     const __m256i nan = e4m3_products16(s, sc, a, b);
+    float* df = static_cast<float*>(d);
     if constexpr (Out == E4M3_F32) {
-      _mm256_storeu_ps(static_cast<float*>(d), a), _mm256_storeu_ps(static_cast<float*>(d) + 8, b);
+      _mm256_storeu_ps(df, a), _mm256_storeu_ps(df + 8, b);
+    } else if constexpr (Wide) {
+      a = _mm256_castsi256_ps(bf16_rounded8<Out>(a)), b = _mm256_castsi256_ps(bf16_rounded8<Out>(b));
+      if (!_mm256_testz_si256(nan, nan)) {  // (none in a cache a model wrote)
+        const __m256 bf16_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+        a = _mm256_blendv_ps(a, bf16_nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        b = _mm256_blendv_ps(b, bf16_nan, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+      }
+      _mm256_storeu_ps(df, a), _mm256_storeu_ps(df + 8, b);
     } else {
-      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits8<Out>(a), bf16_bits8<Out>(b)), 0xd8);
+      const __m256i lo = _mm256_srli_epi32(bf16_rounded8<Out>(a), 16);
+      const __m256i hi = _mm256_srli_epi32(bf16_rounded8<Out>(b), 16);
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
       _mm256_storeu_si256(static_cast<__m256i*>(d), _mm256_blendv_epi8(p, _mm256_set1_epi16(0x7fc0), nan));
     }
   };
-  constexpr int64_t unit = Out == E4M3_F32 ? 4 : 2;
+  constexpr int64_t unit = Out == E4M3_F32 || Wide ? 4 : 2;
   for (int64_t r = 0; r < rows; ++r, src += ld) {
     char* d = static_cast<char*>(dst) + r * ld * unit;
     int64_t i = 0;
@@ -71,43 +84,6 @@ static void e4m3_rows(const uint8_t* src, int64_t rows, int64_t n, int64_t ld, f
   else if (out == E4M3_BF16) e4m3_rows_as<E4M3_BF16>(src, rows, n, ld, scale256, dst);
   else e4m3_rows_as<E4M3_BF16_EXACT>(src, rows, n, ld, scale256, dst);
 }
-
-// One row as fp32 (e4m3_row_f32) through F16C: the products, rounded to bf16 and widened back unless
-// Out is E4M3_F32 (a power-of-two scale's products are bf16 values already); in bf16, NaNs are c10's
-// 0x7fc0, widened.
-template <int Out>
-static inline void e4m3_row_f32_as(const uint8_t* src, int64_t n, float* dst, float scale256) {
-  const __m256 sc = _mm256_set1_ps(scale256);
-  const auto widened = [](__m256 v) {  // v rounded to bf16, back in fp32
-    if constexpr (Out == E4M3_BF16) {
-      const __m256i u = _mm256_castps_si256(v);
-      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-      return _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, odd), _mm256_set1_epi32(0x7fff)),
-                                                  _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-    }
-    return v;
-  };
-  const auto sixteen = [&](const uint8_t* s, float* d) {
-    __m256 a, b;
-    const __m256i nan = e4m3_products16(s, sc, a, b);
-    a = widened(a), b = widened(b);
-    if (Out != E4M3_F32 && !_mm256_testz_si256(nan, nan)) {  // (none in a cache a model wrote)
-      const __m256 bf16_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
-      a = _mm256_blendv_ps(a, bf16_nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-      b = _mm256_blendv_ps(b, bf16_nan, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
-    }
-    _mm256_storeu_ps(d, a), _mm256_storeu_ps(d + 8, b);
-  };
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) sixteen(src + i, dst + i);
-  if (i < n) {  // the last n - i bytes through a zero-padded block of 16
-    alignas(32) uint8_t s[16] = {};
-    alignas(32) float o[16];
-    std::memcpy(s, src + i, n - i);
-    sixteen(s, o);
-    std::memcpy(dst + i, o, (n - i) * sizeof(float));
-  }
-}
 #endif
 
 // dst[0:n) = the fp32 values an item reads for fp8 bytes src[0:n) (Fp8Read): through F16C where rd
@@ -116,9 +92,9 @@ __attribute__((always_inline)) static inline void e4m3_row_f32(const uint8_t* sr
                                                               const Fp8Read& rd) {
 #ifdef MOE_F16C
   if (rd.arith) {
-    if (rd.out == E4M3_F32) e4m3_row_f32_as<E4M3_F32>(src, n, dst, rd.scale256);
-    else if (rd.out == E4M3_BF16) e4m3_row_f32_as<E4M3_BF16>(src, n, dst, rd.scale256);
-    else e4m3_row_f32_as<E4M3_BF16_EXACT>(src, n, dst, rd.scale256);
+    if (rd.out == E4M3_F32) e4m3_rows_as<E4M3_F32>(src, 1, n, 0, rd.scale256, dst);
+    else if (rd.out == E4M3_BF16) e4m3_rows_as<E4M3_BF16, true>(src, 1, n, 0, rd.scale256, dst);
+    else e4m3_rows_as<E4M3_BF16_EXACT, true>(src, 1, n, 0, rd.scale256, dst);
     return;
   }
 #endif
