@@ -13,7 +13,8 @@
 //   pass 2: p[h] = softmax(round(s[h]) * scale)    (round: to bf16 when the inputs are bf16,
 //           then p rounded to bf16, where the library's bf16 GEMM and transformers round)
 //   pass 3: o[h] = sum_t p[h][t] value[t]          (MLA: the first C latent columns)
-// An MLA bf16 sequence of up to MLA_KEEP_BYTES in fp32 is converted once for both passes.
+// An MLA bf16 or fp8 sequence of up to MLA_KEEP_BYTES in fp32 is converted once for both passes;
+// the heads-in-lanes items below read a bf16 cache's rows in place instead.
 // Register tiles: 3 tokens x 4 heads of dot products (the k and q vectors each feed several FMAs);
 // 6 heads x 2 vectors of output columns for the value products.
 
@@ -381,52 +382,116 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
 //   pass 2: the softmax of attn_softmax per lane, over the tokens;
 //   pass 3: ot[c][lane] = sum_t p[t][lane] * value[t][c], each value element broadcast likewise;
 //     ot is transposed into o at the end.
-// Values equal the row path's up to the order of the fp32 sums.
-constexpr int64_t LANE_SCORE_TOKENS = MOE_W == 16 ? 12 : 8;  // accumulators: >= 8 FMA chains
-constexpr int64_t LANE_PV_COLUMNS = MOE_W == 16 ? 16 : 8;
-
-// s[t * MOE_W : + MOE_W] = sum_c qt[c * MOE_W : + MOE_W] * k[t * ldk + c] for TT key rows.
-// Lines [0, nl) of `lines` are asked for into L1, one per column from the first (those past dk at once).
-// G = 2: the key rows of two kv heads interleaved (k[t * ldk + 2 c + u]: kv head u's column c), each
-// column's pair broadcast over the lanes (lane 2 h + u: kv head u's query head h); each lane sums the
-// same products in the same order as with G = 1.
-template <int TT, int G = 1>
-static inline void lanes_scores_tile(const float* __restrict qt, const float* __restrict k, int64_t ldk, int64_t dk,
-                                     float* __restrict s, const char* const* lines, int64_t nl) {
-  vf acc[TT];
-#pragma GCC unroll 16
-  for (int t = 0; t < TT; ++t) acc[t] = vzero();
-  for (int64_t i = dk; i < nl; ++i) __builtin_prefetch(lines[i]);
-  int64_t c = 0;
-  for (const int64_t asking = std::min(dk, nl); c < asking; ++c) {
-    __builtin_prefetch(lines[c]);
-    const vf qv = vload(qt + c * MOE_W);
-#pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) acc[t] = vfma(vbroadcast_n<G>(k + t * ldk + c * G), qv, acc[t]);
-  }
-  for (; c < dk; ++c) {
-    const vf qv = vload(qt + c * MOE_W);
-#pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) acc[t] = vfma(vbroadcast_n<G>(k + t * ldk + c * G), qv, acc[t]);
-  }
-#pragma GCC unroll 16
-  for (int t = 0; t < TT; ++t) vstore(s + t * MOE_W, acc[t]);
+// Values equal the row path's up to the order of the fp32 sums. A bf16 cache's rows are read in place
+// by both passes (two columns a 32-bit broadcast, widened by a shift and a mask): converting them to
+// fp32 first (once per sequence, or per block for long ones) took ~1/9 of the op's time, and its
+// fp32 copy twice the cache's bytes in L2. MLA op, 32 x 181 tokens, 16 heads, Zen 3 (AVX2), cold:
+// 2.10 -> 1.75 ms with the chunk pairs below; 8 x 1,024: 2.72 -> 2.43 ms.
+// Register tiles: a tile of CH chunks (CH x MOE_W heads) broadcasts each key or value element once
+// for the CH chunks' FMAs (an item of more than MOE_W heads, MLA's 16 or 128, takes its chunks in
+// pairs): half the broadcasts and half the passes over the rows a pair of chunks took one at a time.
+// bf16 rows read in place (B) hold two more registers a tile (the second column of a broadcast, and
+// the mask that takes it out); AVX2's 16 registers then fit 8 accumulators for two chunks (12 spilled
+// one, and its store-to-load chain held the loop to ~1/3 of its rate).
+template <int CH, bool B = false>
+constexpr int64_t lane_score_tokens() {  // tokens a score tile: >= 8 FMA chains in the registers left
+  return MOE_W == 16 ? 12 : CH == 1 ? 8 : B ? 4 : 6;
+}
+template <int CH, bool B = false>
+constexpr int64_t lane_pv_columns() {  // value columns a tile
+  return MOE_W == 16 ? (CH == 1 ? 16 : 12) : CH == 1 ? 8 : B ? 4 : 6;
 }
 
-// Scores of key rows [0, n) (row t at k + t * ldk) into s [n][MOE_W], in register tiles; lines [0,
-// nl) of `lines` are asked for along the way, a share per tile.
-template <int G = 1>
-static inline void lanes_scores(const float* qt, const float* k, int64_t ldk, int64_t dk, int64_t n, float* s,
-                                const char* const* lines, int64_t nl) {
-  const int64_t tiles = (n + LANE_SCORE_TOKENS - 1) / LANE_SCORE_TOKENS;
+// s[ch * sstride + t * MOE_W : + MOE_W] = sum_c qt[ch * qstride + c * MOE_W : + MOE_W] * k[t * ldk + c]
+// for TT key rows and chunks ch < CH. Lines [0, nl) of `lines` are asked for into L1, one per column
+// from the first (those past dk at once). Keys KT: fp32 rows, or bf16 rows read in place (G = 1),
+// two columns a 32-bit broadcast.
+// G = 2: the key rows of two kv heads interleaved (k[t * ldk + 2 c + u]: kv head u's column c), each
+// column's pair broadcast over the lanes (lane 2 h + u: kv head u's query head h); each lane sums the
+// same products in the same order as with G = 1 (and whatever CH or KT).
+template <int TT, int G = 1, int CH = 1, typename KT = float>
+static inline void lanes_scores_tile(const float* __restrict qt, int64_t qstride, const KT* __restrict k,
+                                     int64_t ldk, int64_t dk, float* __restrict s, int64_t sstride,
+                                     const char* const* lines, int64_t nl) {
+  static_assert(sizeof(KT) == 4 || G == 1, "bf16 keys are read in place one kv head at a time");
+  vf acc[CH][TT];
+#pragma GCC unroll 2
+  for (int h = 0; h < CH; ++h)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) acc[h][t] = vzero();
+  for (int64_t i = dk; i < nl; ++i) __builtin_prefetch(lines[i]);
+  auto column = [&](int64_t c) __attribute__((always_inline)) {
+    vf qv[CH];
+#pragma GCC unroll 2
+    for (int h = 0; h < CH; ++h) qv[h] = vload(qt + h * qstride + c * MOE_W);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) {
+      vf kb;
+      if constexpr (sizeof(KT) == 4) {
+        kb = vbroadcast_n<G>(k + t * ldk + c * G);
+      } else {
+        const float f = to_float(k[t * ldk + c]);
+        kb = vbroadcast(&f);
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < CH; ++h) acc[h][t] = vfma(kb, qv[h], acc[h][t]);
+    }
+  };
+  const int64_t asking = std::min(dk, nl);
+  int64_t c = 0;
+  if constexpr (sizeof(KT) == 2) {  // columns c and c + 1 from one load, summed in column order
+    for (; c + 2 <= dk; c += 2) {
+      if (c < asking) __builtin_prefetch(lines[c]);
+      if (c + 1 < asking) __builtin_prefetch(lines[c + 1]);
+      vf q0[CH], q1[CH];
+#pragma GCC unroll 2
+      for (int h = 0; h < CH; ++h) q0[h] = vload(qt + h * qstride + c * MOE_W), q1[h] = vload(qt + h * qstride + (c + 1) * MOE_W);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) {
+        vf lo, hi;
+        vbroadcast_pair(k + t * ldk + c, lo, hi);
+#pragma GCC unroll 2
+        for (int h = 0; h < CH; ++h) acc[h][t] = vfma(hi, q1[h], vfma(lo, q0[h], acc[h][t]));
+      }
+    }
+  }
+  for (; c < asking; ++c) {
+    __builtin_prefetch(lines[c]);
+    column(c);
+  }
+  for (; c < dk; ++c) column(c);
+#pragma GCC unroll 2
+  for (int h = 0; h < CH; ++h)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) vstore(s + h * sstride + t * MOE_W, acc[h][t]);
+}
+
+// Scores of key rows [0, n) (row t at k + t * ldk) into s [n][MOE_W] for CH chunks (chunk ch's
+// queries at qt + ch * qstride, its scores at s + ch * sstride), in register tiles; lines [0, nl) of
+// `lines` are asked for along the way, a share per tile.
+template <int G = 1, int CH = 1, typename KT = float>
+static inline void lanes_scores(const float* qt, int64_t qstride, const KT* k, int64_t ldk, int64_t dk, int64_t n,
+                                float* s, int64_t sstride, const char* const* lines, int64_t nl) {
+  constexpr int64_t TT = lane_score_tokens<CH, sizeof(KT) == 2>();
+  const int64_t tiles = (n + TT - 1) / TT;
   const int64_t per_tile = (nl + tiles - 1) / tiles;
   for (int64_t t = 0, rows, first = 0; t < n; t += rows, first += per_tile) {
-    rows = next_tile_rows(n - t, LANE_SCORE_TOKENS);
+    rows = next_tile_rows(n - t, TT);
     const int64_t share = std::max<int64_t>(0, std::min(per_tile, nl - first));
-    with_row_count<LANE_SCORE_TOKENS>(rows, [&](auto r) {
-      lanes_scores_tile<decltype(r)::value, G>(qt, k + t * ldk, ldk, dk, s + t * MOE_W, lines + first, share);
+    with_row_count<TT>(rows, [&](auto r) {
+      lanes_scores_tile<decltype(r)::value, G, CH>(qt, qstride, k + t * ldk, ldk, dk, s + t * MOE_W, sstride,
+                                                   lines + first, share);
     });
   }
+}
+
+// fn(first chunk, std::integral_constant<int, CH>) over chunks [0, n): in pairs (CH = 2), the last
+// of an odd count alone (CH = 1).
+template <typename Fn>
+__attribute__((always_inline)) static inline void each_chunk_tile(int64_t n, Fn&& fn) {
+  int64_t c = 0;
+  for (; c + 2 <= n; c += 2) fn(c, std::integral_constant<int, 2>{});
+  if (c < n) fn(c, std::integral_constant<int, 1>{});
 }
 
 typedef uint32_t vxu __attribute__((vector_size(MOE_W * 4)));
@@ -476,30 +541,104 @@ static inline void lanes_softmax(float* s, int64_t L, float scale, bool round_ha
   }
 }
 
-// ot[c * MOE_W : + MOE_W] += sum_{t < T} p[t * MOE_W : + MOE_W] * v[t * ldv + c] for the NC columns
-// [c0, c0 + NC). G = 2: the value rows of two kv heads interleaved, as lanes_scores_tile's keys.
-template <int NC, int G = 1>
-static inline void lanes_pv_tile(const float* __restrict p, int64_t T, const float* __restrict v, int64_t ldv,
-                                 int64_t c0, float* __restrict ot) {
-  vf acc[NC];
+// A sequence's rows (keys or values) where they sit: row t at base + (table[t / S] S + t % S) stride, or
+// at base + t stride without a table.
+template <typename T>
+struct PagedRows {
+  const T* base;
+  const int64_t* table;
+  int64_t S, stride;
+  const T* block(int64_t blk) const { return base + (table ? table[blk] : blk) * S * stride; }
+};
+
+// ot[ch * ostride + c * MOE_W : + MOE_W] += sum_{t0 <= t < t1} p[ch * pstride + t * MOE_W : + MOE_W] * v[t][c]
+// for the NC columns [c0, c0 + NC) and chunks ch < CH, v[t] row t of `rows` (t0 a multiple of its S).
+// Values VT: fp32, or bf16 read in place (G = 1), two columns a 32-bit broadcast. G = 2: the value
+// rows of two kv heads interleaved, as lanes_scores_tile's keys.
+template <int NC, int G = 1, int CH = 1, typename VT = float>
+static inline void lanes_pv_tile(const float* __restrict p, int64_t pstride, int64_t t0, int64_t t1,
+                                 const PagedRows<VT>& rows, int64_t c0, float* __restrict ot, int64_t ostride) {
+  static_assert(sizeof(VT) == 4 || G == 1, "bf16 values are read in place one kv head at a time");
+  vf acc[CH][NC];
+#pragma GCC unroll 2
+  for (int h = 0; h < CH; ++h)
 #pragma GCC unroll 16
-  for (int j = 0; j < NC; ++j) acc[j] = vload(ot + (c0 + j) * MOE_W);
-  for (int64_t t = 0; t < T; ++t) {
-    const vf pv = vload(p + t * MOE_W);
+    for (int j = 0; j < NC; ++j) acc[h][j] = vload(ot + h * ostride + (c0 + j) * MOE_W);
+  for (int64_t b = t0; b < t1; b += rows.S) {
+    const VT* __restrict v = rows.block(b / rows.S) + c0 * G;
+    for (int64_t t = b, end = std::min(t1, b + rows.S); t < end; ++t, v += rows.stride) {
+      vf pv[CH];
+#pragma GCC unroll 2
+      for (int h = 0; h < CH; ++h) pv[h] = vload(p + h * pstride + t * MOE_W);
+      int j = 0;
+      if constexpr (sizeof(VT) == 2) {
+#pragma GCC unroll 8
+        for (; j + 2 <= NC; j += 2) {
+          vf lo, hi;
+          vbroadcast_pair(v + j, lo, hi);
+#pragma GCC unroll 2
+          for (int h = 0; h < CH; ++h) acc[h][j] = vfma(lo, pv[h], acc[h][j]), acc[h][j + 1] = vfma(hi, pv[h], acc[h][j + 1]);
+        }
+      }
 #pragma GCC unroll 16
-    for (int j = 0; j < NC; ++j) acc[j] = vfma(vbroadcast_n<G>(v + t * ldv + (c0 + j) * G), pv, acc[j]);
+      for (; j < NC; ++j) {
+        vf vb;
+        if constexpr (sizeof(VT) == 4) {
+          vb = vbroadcast_n<G>(v + j * G);
+        } else {
+          const float f = to_float(v[j]);
+          vb = vbroadcast(&f);
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < CH; ++h) acc[h][j] = vfma(vb, pv[h], acc[h][j]);
+      }
+    }
   }
+#pragma GCC unroll 2
+  for (int h = 0; h < CH; ++h)
 #pragma GCC unroll 16
-  for (int j = 0; j < NC; ++j) vstore(ot + (c0 + j) * MOE_W, acc[j]);
+    for (int j = 0; j < NC; ++j) vstore(ot + h * ostride + (c0 + j) * MOE_W, acc[h][j]);
 }
 
-template <int G = 1>
-static inline void lanes_pv(const float* p, int64_t T, const float* v, int64_t ldv, int64_t dv, float* ot) {
+// lanes_pv_tile over every column [0, dv), for CH chunks and tokens [t0, t1).
+template <int G = 1, int CH = 1, typename VT = float>
+static inline void lanes_pv(const float* p, int64_t pstride, int64_t t0, int64_t t1, const PagedRows<VT>& rows,
+                            int64_t dv, float* ot, int64_t ostride) {
+  constexpr int64_t NC = lane_pv_columns<CH, sizeof(VT) == 2>();
   int64_t c = 0;
-  for (; c + LANE_PV_COLUMNS <= dv; c += LANE_PV_COLUMNS) lanes_pv_tile<LANE_PV_COLUMNS, G>(p, T, v, ldv, c, ot);
-  for (; c + 4 <= dv; c += 4) lanes_pv_tile<4, G>(p, T, v, ldv, c, ot);
-  for (; c < dv; ++c) lanes_pv_tile<1, G>(p, T, v, ldv, c, ot);
+  for (; c + NC <= dv; c += NC) lanes_pv_tile<NC, G, CH>(p, pstride, t0, t1, rows, c, ot, ostride);
+  for (; c + 4 <= dv; c += 4) lanes_pv_tile<4, G, CH>(p, pstride, t0, t1, rows, c, ot, ostride);
+  for (; c < dv; ++c) lanes_pv_tile<1, G, CH>(p, pstride, t0, t1, rows, c, ot, ostride);
 }
+// The same over T contiguous fp32 rows (row t at v + t * ldv).
+template <int G = 1, int CH = 1>
+static inline void lanes_pv(const float* p, int64_t pstride, int64_t T, const float* v, int64_t ldv, int64_t dv,
+                            float* ot, int64_t ostride) {
+  lanes_pv<G, CH>(p, pstride, 0, T, PagedRows<float>{v, nullptr, std::max<int64_t>(T, 1), ldv}, dv, ot, ostride);
+}
+
+// dst[c * ldd + h] = src[h * lds + c] for h < rows (<= MOE_W), c < cols: rows of a chunk's heads into
+// its lanes (the transposed queries), whole squares of lanes at a time where all MOE_W rows are there.
+static inline void transpose_lanes(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
+  int64_t c = 0;
+  if (rows == MOE_W)
+    for (; c + MOE_W <= cols; c += MOE_W) vtranspose(src + c, lds, dst + c * ldd, ldd);
+  for (int64_t h = 0; h < rows; ++h)
+    for (int64_t i = c; i < cols; ++i) dst[i * ldd + h] = src[h * lds + i];
+}
+// The way back: dst[h * ldd + c] = src[c * lds + h] for h < rows (<= MOE_W), c < cols.
+static inline void transposed_lanes(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
+                                    int64_t ldd) {
+  int64_t c = 0;
+  if (rows == MOE_W)
+    for (; c + MOE_W <= cols; c += MOE_W) vtranspose(src + c * lds, lds, dst + c, ldd);
+  for (int64_t h = 0; h < rows; ++h)
+    for (int64_t i = c; i < cols; ++i) dst[h * ldd + i] = src[i * lds + h];
+}
+
+// Tokens a bf16 value pass takes at a time: a column tile's walk over them touches one line a row, and
+// the next tiles find those lines in L1.
+constexpr int64_t LANE_PV_SEGMENT = 128;
 
 // paged_decode_item with the heads in lanes (hh >= MOE_W / 2). Scratch: scores [chunks][L][MOE_W]
 // (chunks = hh rounded up to MOE_W, / MOE_W); lanes [chunks][dk + dv][MOE_W] (the transposed
@@ -515,42 +654,64 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
   for (int64_t ch = 0; ch < chunks; ++ch) {  // qt [dk][MOE_W], zero lanes past hh; ot zeroed
     float* qt = lanes + ch * per_chunk;
     const int64_t hc = std::min<int64_t>(MOE_W, hh - ch * MOE_W);
-    std::fill(qt, qt + per_chunk, 0.f);
-    for (int64_t h = 0; h < hc; ++h)
-      for (int64_t c = 0; c < dk; ++c) qt[c * MOE_W + h] = q[(ch * MOE_W + h) * dk + c];
+    std::fill(qt + (hc == MOE_W ? dk * MOE_W : 0), qt + per_chunk, 0.f);
+    transpose_lanes(q + ch * MOE_W * dk, dk, hc, dk, qt, MOE_W);
   }
-  // pass 1, each block converted once for every chunk while the next block's keys and a share of
-  // the next item's first L rows are asked for (spread over the first chunk's score tiles)
+  // pass 1, block by block while the next block's keys and a share of the next item's first L rows
+  // are asked for (spread over the first chunk's score tiles): a bf16 block's rows read in place, an
+  // fp8 one's converted once for every chunk
+  const int64_t stride = head.token_stride;
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t rows = std::min(S, L - blk * S);
     TileLines ask;
-    const float* k;
-    const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k, rd, &ask);
-    ask.add_next_share(pool, S, next, L, blk, nblocks);
-    for (int64_t ch = 0; ch < chunks; ++ch)  // the later chunks ask for nothing
-      lanes_scores(lanes + ch * per_chunk, k, ldk, dk, rows, scores + (ch * L + blk * S) * MOE_W, ask.line,
-                   ch ? 0 : ask.n);
+    auto scores_of = [&](const auto* k, int64_t ldk) {
+      ask.add_next_share(pool, S, next, L, blk, nblocks);
+      each_chunk_tile(chunks, [&](int64_t ch, auto n) {  // the later chunks ask for nothing
+        lanes_scores<1, decltype(n)::value>(lanes + ch * per_chunk, per_chunk, k, ldk, dk, rows,
+                                            scores + (ch * L + blk * S) * MOE_W, L * MOE_W, ask.line, ch ? 0 : ask.n);
+      });
+    };
+    if constexpr (sizeof(PT) == 2) {
+      const PagedRows<PT> keys{pool + head.k_off, table, S, stride};
+      if ((blk + 1) * S < L) ask.add_rows(keys.block(blk + 1), std::min(S, L - (blk + 1) * S), dk * 2, stride * 2);
+      scores_of(keys.block(blk), stride);
+    } else {
+      const float* k;
+      const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k, rd, &ask);
+      scores_of(k, ldk);
+    }
   }
   prefetch_next_query(next);
   for (int64_t ch = 0; ch < chunks; ++ch) lanes_softmax(scores + ch * L * MOE_W, L, scale, round_half);
   // pass 3
-  if (keep) {
-    for (int64_t ch = 0; ch < chunks; ++ch)
-      lanes_pv(scores + ch * L * MOE_W, L, kbuf, dk, dv, lanes + ch * per_chunk + dk * MOE_W);
+  if constexpr (sizeof(PT) == 2) {  // LANE_PV_SEGMENT tokens at a time, each column tile's rows staying in L1
+    const PagedRows<PT> values{pool + head.v_off, table, S, stride};
+    const int64_t segment = std::max(S, LANE_PV_SEGMENT / S * S);
+    for (int64_t t0 = 0; t0 < L; t0 += segment)
+      each_chunk_tile(chunks, [&](int64_t ch, auto n) {
+        lanes_pv<1, decltype(n)::value>(scores + ch * L * MOE_W, L * MOE_W, t0, std::min(L, t0 + segment), values, dv,
+                                        lanes + ch * per_chunk + dk * MOE_W, per_chunk);
+      });
+  } else if (keep) {
+    each_chunk_tile(chunks, [&](int64_t ch, auto n) {
+      lanes_pv<1, decltype(n)::value>(scores + ch * L * MOE_W, L * MOE_W, L, kbuf, dk, dv,
+                                      lanes + ch * per_chunk + dk * MOE_W, per_chunk);
+    });
   } else {
     for (int64_t blk = 0; blk < nblocks; ++blk) {
       const int64_t rows = std::min(S, L - blk * S);
       const float* v;
       const int64_t ldv = value_block(pool, S, head, table, L, blk, false, kbuf, vbuf, &v, rd);
-      for (int64_t ch = 0; ch < chunks; ++ch)
-        lanes_pv(scores + (ch * L + blk * S) * MOE_W, rows, v, ldv, dv, lanes + ch * per_chunk + dk * MOE_W);
+      each_chunk_tile(chunks, [&](int64_t ch, auto n) {
+        lanes_pv<1, decltype(n)::value>(scores + (ch * L + blk * S) * MOE_W, L * MOE_W, rows, v, ldv, dv,
+                                        lanes + ch * per_chunk + dk * MOE_W, per_chunk);
+      });
     }
   }
   for (int64_t ch = 0; ch < chunks; ++ch) {
     const float* ot = lanes + ch * per_chunk + dk * MOE_W;
     const int64_t hc = std::min<int64_t>(MOE_W, hh - ch * MOE_W);
-    for (int64_t h = 0; h < hc; ++h)
-      for (int64_t c = 0; c < dv; ++c) o[(ch * MOE_W + h) * dv + c] = ot[c * MOE_W + h];
+    transposed_lanes(ot, MOE_W, hc, dv, o + ch * MOE_W * dv, dv);
   }
 }
 
@@ -720,6 +881,10 @@ static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, c
   for (int64_t c = 0; c < units; ++c) {  // qt [dk][MOE_W], zero past the unit's heads; ot zeroed
     float* qt = lanes + c * per_unit;
     std::fill(qt, qt + per_unit, 0.f);
+    if constexpr (G == 1) {
+      transpose_lanes(q + (kv_head(c, 0) * rep + c % chunks * HEADS) * dk, dk, chunk_heads(c), dk, qt, MOE_W);
+      continue;
+    }
     for (int64_t u = 0; u < G && real(c, u); ++u)
       for (int64_t h = 0; h < chunk_heads(c); ++h)
         for (int64_t i = 0; i < dk; ++i)
@@ -744,8 +909,10 @@ static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, c
     for (int64_t s = 0; s < sets; ++s) {
       const float* k;
       const int64_t ldk = convert(r.block(blk) + head.k_off, rows, dk, s, kbuf, &k, ask, ask_rows, r.score_bytes);
-      for (int64_t c = s * chunks; c < (s + 1) * chunks; ++c)
-        lanes_scores<G>(lanes + c * per_unit, k, ldk, dk, rows, scores + (c * L + blk * S) * MOE_W, nullptr, 0);
+      each_chunk_tile(chunks, [&](int64_t c, auto n) {
+        lanes_scores<G, decltype(n)::value>(lanes + (s * chunks + c) * per_unit, per_unit, k, ldk, dk, rows,
+                                            scores + ((s * chunks + c) * L + blk * S) * MOE_W, L * MOE_W, nullptr, 0);
+      });
     }
   });
   for (int64_t c = 0; c < units; ++c) lanes_softmax(scores + c * L * MOE_W, L, scale, round_half);
@@ -754,12 +921,18 @@ static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, c
     for (int64_t s = 0; s < sets; ++s) {
       const float* v;
       const int64_t ldv = convert(r.block(blk) + head.v_off, rows, dv, s, vbuf, &v, ask, ask_rows, r.value_bytes);
-      for (int64_t c = s * chunks; c < (s + 1) * chunks; ++c)
-        lanes_pv<G>(scores + (c * L + blk * S) * MOE_W, rows, v, ldv, dv, lanes + c * per_unit + dk * MOE_W);
+      each_chunk_tile(chunks, [&](int64_t c, auto n) {
+        lanes_pv<G, decltype(n)::value>(scores + ((s * chunks + c) * L + blk * S) * MOE_W, L * MOE_W, rows, v, ldv,
+                                        dv, lanes + (s * chunks + c) * per_unit + dk * MOE_W, per_unit);
+      });
     }
   });
   for (int64_t c = 0; c < units; ++c) {
     const float* ot = lanes + c * per_unit + dk * MOE_W;
+    if constexpr (G == 1) {
+      transposed_lanes(ot, MOE_W, chunk_heads(c), dv, o + (kv_head(c, 0) * rep + c % chunks * HEADS) * dv, dv);
+      continue;
+    }
     for (int64_t u = 0; u < G && real(c, u); ++u)
       for (int64_t h = 0; h < chunk_heads(c); ++h)
         for (int64_t i = 0; i < dv; ++i)

@@ -84,9 +84,10 @@ struct LineAllocator {
 template <typename T>
 using LineVector = std::vector<T, LineAllocator<T>>;
 
-// Paged decode attention (attention_body.h): when values are the key rows (MLA's latent), a bf16
-// sequence whose fp32 rows fit this many bytes is converted once and kept (in L2) for both passes;
-// longer ones convert each block again for the value pass.
+// Paged decode attention (attention_body.h): when values are the key rows (MLA's latent), a bf16 or
+// fp8 sequence whose fp32 rows fit this many bytes is converted once and kept (in L2) for both passes;
+// longer ones convert each block again for the value pass (items of heads in lanes read a bf16
+// cache in place).
 constexpr int64_t MLA_KEEP_BYTES = 256 * 1024;
 // query heads the dot-product decode attention keeps in the lanes of one vector (fp32 scores)
 constexpr int64_t DOT_HEAD_LANES = 16;
@@ -340,6 +341,14 @@ static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 8 columns
   k1 = (vf)(u & 0xffff0000u);
 }
 static inline vf vbroadcast(const float* p) { return vf{} + *p; }
+// bf16 p[0] and p[1] as fp32, each over the lanes (one 32-bit load: a shift, a mask)
+static inline void vbroadcast_pair(const uint16_t* p, vf& lo, vf& hi) {
+  uint32_t u;
+  std::memcpy(&u, p, sizeof(u));
+  const vu b = vu{} + u;
+  lo = (vf)(b << 16);
+  hi = (vf)(b & 0xffff0000u);
+}
 // p[0 : G) repeated over the lanes (G = 1 or 2)
 template <int G>
 static inline vf vbroadcast_n(const float* p) {
@@ -358,6 +367,11 @@ static inline float vhsum(vf v) {
   return s;
 }
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+// dst[i * ldd + j] = src[j * lds + i] for i, j < MOE_W (a square of lanes transposed)
+static inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  for (int i = 0; i < MOE_W; ++i)
+    for (int j = 0; j < MOE_W; ++j) dst[i * ldd + j] = src[j * lds + i];
+}
 #include "experts_body.h"
 #include "fp8_body.h"
 #include "attention_body.h"
@@ -387,6 +401,11 @@ static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 8 columns
   k1 = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 static inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+static inline void vbroadcast_pair(const uint16_t* p, vf& lo, vf& hi) {  // as generic's: one broadcast load
+  const vf b = _mm256_broadcast_ss(reinterpret_cast<const float*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(b), 16));
+  hi = _mm256_and_ps(b, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 // p[0 : G) repeated over the lanes (G = 1 or 2): one broadcast load
 template <int G>
 static inline vf vbroadcast_n(const float* p) {
@@ -406,6 +425,19 @@ static inline float vhsum(vf v) {  // (lo + hi) then pairwise within 128 bits
   return _mm_cvtss_f32(s);
 }
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+static inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {  // as generic's
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {  // t[i], t[i + 2]: rows (i, i + 1) and (i + 2, i + 3) interleaved
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
 #include "exp_body.h"
 #include "experts_body.h"
 #define MOE_F16C
@@ -439,6 +471,13 @@ static inline void vload_pair(const uint16_t* p, vf& k0, vf& k1) {  // 16 column
   k1 = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 static inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+static inline void vbroadcast_pair(const uint16_t* p, vf& lo, vf& hi) {  // as generic's
+  int32_t u;
+  std::memcpy(&u, p, sizeof(u));
+  const __m512i b = _mm512_set1_epi32(u);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 // p[0 : G) repeated over the lanes (G = 1 or 2): one broadcast load
 template <int G>
 static inline vf vbroadcast_n(const float* p) {
@@ -456,6 +495,10 @@ static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {  // as generic's
+  for (int i = 0; i < MOE_W; ++i)
+    for (int j = 0; j < MOE_W; ++j) dst[i * ldd + j] = src[j * lds + i];
+}
 #include "exp_body.h"
 #include "experts_body.h"
 #define MOE_F16C
