@@ -385,8 +385,9 @@ static void paged_decode_item(const float* q, int64_t hh, const PT* pool, int64_
 // Values equal the row path's up to the order of the fp32 sums. A bf16 cache's rows are read in place
 // by both passes (two columns a 32-bit broadcast, widened by a shift and a mask): converting them to
 // fp32 first (once per sequence, or per block for long ones) took ~1/9 of the op's time, and its
-// fp32 copy twice the cache's bytes in L2. MLA op, 32 x 181 tokens, 16 heads, Zen 3 (AVX2), cold:
-// 2.10 -> 1.75 ms with the chunk pairs below; 8 x 1,024: 2.72 -> 2.43 ms.
+// fp32 copy twice the cache's bytes in L2. With the chunk pairs below and transposes a square of lanes
+// at a time (the output's element-wise gather took ~1/10), MLA op, 16 heads, bf16, Zen 3 (AVX2), cold:
+// 32 x 181 tokens 1.91-1.98 -> 1.57-1.66 ms, 8 x 1,024 2.53-2.64 -> 2.28-2.46 ms.
 // Register tiles: a tile of CH chunks (CH x MOE_W heads) broadcasts each key or value element once
 // for the CH chunks' FMAs (an item of more than MOE_W heads, MLA's 16 or 128, takes its chunks in
 // pairs): half the broadcasts and half the passes over the rows a pair of chunks took one at a time.
@@ -445,7 +446,10 @@ static inline void lanes_scores_tile(const float* __restrict qt, int64_t qstride
       if (c + 1 < asking) __builtin_prefetch(lines[c + 1]);
       vf q0[CH], q1[CH];
 #pragma GCC unroll 2
-      for (int h = 0; h < CH; ++h) q0[h] = vload(qt + h * qstride + c * MOE_W), q1[h] = vload(qt + h * qstride + (c + 1) * MOE_W);
+      for (int h = 0; h < CH; ++h) {
+        q0[h] = vload(qt + h * qstride + c * MOE_W);
+        q1[h] = vload(qt + h * qstride + (c + 1) * MOE_W);
+      }
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) {
         vf lo, hi;
@@ -577,7 +581,10 @@ static inline void lanes_pv_tile(const float* __restrict p, int64_t pstride, int
           vf lo, hi;
           vbroadcast_pair(v + j, lo, hi);
 #pragma GCC unroll 2
-          for (int h = 0; h < CH; ++h) acc[h][j] = vfma(lo, pv[h], acc[h][j]), acc[h][j + 1] = vfma(hi, pv[h], acc[h][j + 1]);
+          for (int h = 0; h < CH; ++h) {
+            acc[h][j] = vfma(lo, pv[h], acc[h][j]);
+            acc[h][j + 1] = vfma(hi, pv[h], acc[h][j + 1]);
+          }
         }
       }
 #pragma GCC unroll 16

@@ -239,12 +239,13 @@ static inline int64_t next_tile_rows(int64_t left, int64_t tr) {
 }
 
 // Rows of the next one-block register tile: next_tile_rows's, except that with 8-lane vectors a tile
-// takes 3 rows only where 3 rows are all there are (6 rows: 4 + 2, not 3 + 3; 7: 5 + 2, not 4 + 3). A 3-row tile keeps 6
-// accumulator chains, each taking a bf16 k pair's two FMAs in turn (fp32 and int8: one FMA a k, but
-// two FMA pipes of latency 4 still want 8 chains): latency-bound at ~3/4 of the FMA rate, where a
-// 2-row tile keeps two partial sums a row. A row's sums follow its tile's partial sums, so a row's
-// bits depend on its tile's rows, as they did before. Zen 3 (AVX2), bf16 linear of K 1024 over
-// warm weights, GFLOP/s at 6 / 7 / 11 / 12 / 16 rows: 69-70 / 74-80 / 79-81 / 82-86 / 83-85 before.
+// takes 3 rows only where 3 rows are all there are (6 rows: 4 + 2, not 3 + 3; 7: 5 + 2, not 4 + 3).
+// A 3-row tile keeps 6 accumulator chains, each taking a bf16 k pair's two FMAs in turn (fp32 and
+// int8: one FMA a k, but two FMA pipes of latency 4 still want 8 chains): latency-bound at ~3/4 of
+// the FMA rate, where a 2-row tile keeps two partial sums a row. A row's sums follow its tile's
+// partial sums, so a row's bits depend on its tile's rows, as they did before. Zen 3 (AVX2), bf16
+// linear of K 1024 over warm weights, GFLOP/s at 6 / 7 / 11 / 16 rows: 69-70 / 74-80 / 79-81 / 83-85
+// before, 84 / 86 / 88-89 / 90 after.
 static inline int64_t next_block_tile_rows(int64_t left, int64_t tr) {
   const int64_t rows = next_tile_rows(left, tr);
   if (MOE_W == 8 && left > 3 && (rows == 3 || left - rows == 3) && left - 2 <= tr && left - 2 != 3) return left - 2;
