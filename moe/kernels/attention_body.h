@@ -308,20 +308,28 @@ static inline bool keeps_rows(const PagedHead& head, int64_t L) {
          L * head.dk * static_cast<int64_t>(sizeof(float)) <= MLA_KEEP_BYTES;
 }
 
-// Block blk's key rows as fp32, with the next block's asked for first (at once, or added to `ask`
-// for the caller to spread): converted into kbuf at the block's place when keep, else at kbuf's
-// start (an fp32 pool's rows are used in place). Returns their stride; *k the rows.
+// The key rows of the block after blk (if the sequence has one) asked for: at once, or added to
+// `ask` for the caller to spread.
+template <typename PT>
+static inline void ask_next_keys(const PT* pool, int64_t S, const PagedHead& head, const int64_t* table, int64_t L,
+                                 int64_t blk, TileLines* ask) {
+  if ((blk + 1) * S >= L) return;
+  const int64_t stride = head.token_stride, dk = head.dk;
+  const PT* next_keys = pool + table[blk + 1] * S * stride + head.k_off;
+  const int64_t next_rows = std::min(S, L - (blk + 1) * S);
+  if (ask) ask->add_rows(next_keys, next_rows, dk * sizeof(PT), stride * sizeof(PT));
+  else prefetch_rows(next_keys, next_rows, dk, stride);
+}
+
+// Block blk's key rows as fp32, with the next block's asked for first (ask_next_keys): converted
+// into kbuf at the block's place when keep, else at kbuf's start (an fp32 pool's rows are used in
+// place). Returns their stride; *k the rows.
 template <typename PT>
 static inline int64_t key_block(const PT* pool, int64_t S, const PagedHead& head, const int64_t* table, int64_t L,
                                 int64_t blk, bool keep, float* kbuf, const float** k, const Fp8Read* rd,
                                 TileLines* ask = nullptr) {
   const int64_t stride = head.token_stride, dk = head.dk;
-  if ((blk + 1) * S < L) {
-    const PT* next_keys = pool + table[blk + 1] * S * stride + head.k_off;
-    const int64_t next_rows = std::min(S, L - (blk + 1) * S);
-    if (ask) ask->add_rows(next_keys, next_rows, dk * sizeof(PT), stride * sizeof(PT));
-    else prefetch_rows(next_keys, next_rows, dk, stride);
-  }
+  ask_next_keys(pool, S, head, table, L, blk, ask);
   return rows_f32(pool + table[blk] * S * stride + head.k_off, std::min(S, L - blk * S), dk, stride,
                   keep ? kbuf + blk * S * dk : kbuf, k, rd);
 }
@@ -679,9 +687,8 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
       });
     };
     if constexpr (sizeof(PT) == 2) {
-      const PagedRows<PT> keys{pool + head.k_off, table, S, stride};
-      if ((blk + 1) * S < L) ask.add_rows(keys.block(blk + 1), std::min(S, L - (blk + 1) * S), dk * 2, stride * 2);
-      scores_of(keys.block(blk), stride);
+      ask_next_keys(pool, S, head, table, L, blk, &ask);
+      scores_of(PagedRows<PT>{pool + head.k_off, table, S, stride}.block(blk), stride);
     } else {
       const float* k;
       const int64_t ldk = key_block(pool, S, head, table, L, blk, keep, kbuf, &k, rd, &ask);

@@ -247,9 +247,9 @@ static inline int64_t next_tile_rows(int64_t left, int64_t tr) {
 // linear of K 1024 over warm weights, GFLOP/s at 6 / 7 / 11 / 16 rows: 69-70 / 74-80 / 79-81 / 83-85
 // before, 84 / 86 / 88-89 / 90 after.
 static inline int64_t next_block_tile_rows(int64_t left, int64_t tr) {
-  const int64_t rows = next_tile_rows(left, tr);
-  if (MOE_W == 8 && left > 3 && (rows == 3 || left - rows == 3) && left - 2 <= tr && left - 2 != 3) return left - 2;
-  return rows;
+  // next_tile_rows makes a 3 only of 5-7 rows past one tile (5 = 3 + 2 has no better split)
+  if (MOE_W == 8 && (left == 6 || left == 7) && tr < left && left - 2 <= tr) return left - 2;
+  return next_tile_rows(left, tr);
 }
 
 // Runs the register tiles over rows [0, n) of x ([n, K] fp32) against one [K][16] block and hands

@@ -320,6 +320,14 @@ __attribute__((always_inline)) static inline void with_row_count(int64_t rows, F
   }
 }
 
+// dst[i * ldd + j] = src[j * lds + i] for i, j < W, element by element (the ISAs' vtranspose where
+// they have no shuffles for it)
+template <int W>
+static inline void transpose_square(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  for (int i = 0; i < W; ++i)
+    for (int j = 0; j < W; ++j) dst[i * ldd + j] = src[j * lds + i];
+}
+
 namespace generic {  // GCC vector extensions at the baseline ISA (SSE2 on x86-64, NEON on arm64)
 #define MOE_W 8
 typedef float vf __attribute__((vector_size(32)));
@@ -369,8 +377,7 @@ static inline float vhsum(vf v) {
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 // dst[i * ldd + j] = src[j * lds + i] for i, j < MOE_W (a square of lanes transposed)
 static inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  for (int i = 0; i < MOE_W; ++i)
-    for (int j = 0; j < MOE_W; ++j) dst[i * ldd + j] = src[j * lds + i];
+  transpose_square<MOE_W>(src, lds, dst, ldd);
 }
 #include "experts_body.h"
 #include "fp8_body.h"
@@ -499,8 +506,7 @@ static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {  // as generic's
-  for (int i = 0; i < MOE_W; ++i)
-    for (int j = 0; j < MOE_W; ++j) dst[i * ldd + j] = src[j * lds + i];
+  transpose_square<MOE_W>(src, lds, dst, ldd);
 }
 #include "exp_body.h"
 #include "experts_body.h"
