@@ -14,13 +14,15 @@
 //           then p rounded to bf16, where the library's bf16 GEMM and transformers round)
 //   pass 3: o[h] = sum_t p[h][t] value[t]          (MLA: the first C latent columns)
 // An MLA bf16 or fp8 sequence of up to MLA_KEEP_BYTES in fp32 is converted once for both passes;
-// the heads-in-lanes items below read a bf16 cache's rows in place instead.
+// the heads-in-lanes items below, and the GQA items of kv heads on the row path, read a bf16 cache's
+// rows in place instead.
 // Register tiles: 3 tokens x 4 heads of dot products (the k and q vectors each feed several FMAs);
 // 6 heads x 2 vectors of output columns for the value products.
 
-// out[h * ldo + t] = dot(q[h * ldq : + n], k[t * ldk : + n]) for TT tokens x HH heads.
-template <int TT, int HH>
-static inline void attn_dot_tile(const float* __restrict q, int64_t ldq, const float* __restrict k, int64_t ldk,
+// out[h * ldo + t] = dot(q[h * ldq : + n], k[t * ldk : + n]) for TT tokens x HH heads. Keys KT: fp32
+// rows, or bf16 rows widened in place (the same fp32 values, so the same bits).
+template <int TT, int HH, typename KT = float>
+static inline void attn_dot_tile(const float* __restrict q, int64_t ldq, const KT* __restrict k, int64_t ldk,
                                 int64_t n, float* __restrict out, int64_t ldo) {
   vf acc[TT][HH];
 #pragma GCC unroll 4
@@ -42,13 +44,13 @@ static inline void attn_dot_tile(const float* __restrict q, int64_t ldq, const f
   for (int t = 0; t < TT; ++t)
     for (int h = 0; h < HH; ++h) {  // independent reductions: they pipeline
       float s = vhsum(acc[t][h]);
-      for (int64_t cc = c; cc < n; ++cc) s += q[h * ldq + cc] * k[t * ldk + cc];
+      for (int64_t cc = c; cc < n; ++cc) s += q[h * ldq + cc] * to_float(k[t * ldk + cc]);
       out[h * ldo + t] = s;
     }
 }
 
-template <int TT>
-static inline void attn_dot_heads(int64_t hh, const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t n,
+template <int TT, typename KT = float>
+static inline void attn_dot_heads(int64_t hh, const float* q, int64_t ldq, const KT* k, int64_t ldk, int64_t n,
                                  float* out, int64_t ldo) {
   int64_t h = 0;
   for (; h + 4 <= hh; h += 4) attn_dot_tile<TT, 4>(q + h * ldq, ldq, k, ldk, n, out + h * ldo, ldo);
@@ -61,8 +63,9 @@ static inline void attn_dot_heads(int64_t hh, const float* q, int64_t ldq, const
 }
 
 // o[h * ldo + c] += sum_{t < T} p[h * ldp + t] * v[t * ldv + c] for HH heads and columns [c0, c0 + NC * MOE_W).
-template <int HH, int NC>
-static inline void attn_pv_tile(const float* __restrict p, int64_t ldp, int64_t T, const float* __restrict v,
+// Values VT: fp32 rows, or bf16 rows widened in place.
+template <int HH, int NC, typename VT = float>
+static inline void attn_pv_tile(const float* __restrict p, int64_t ldp, int64_t T, const VT* __restrict v,
                                int64_t ldv, int64_t c0, float* __restrict o, int64_t ldo) {
   vf acc[HH][NC];
 #pragma GCC unroll 8
@@ -86,8 +89,8 @@ static inline void attn_pv_tile(const float* __restrict p, int64_t ldp, int64_t 
     for (int j = 0; j < NC; ++j) vstore(o + h * ldo + c0 + j * MOE_W, acc[h][j]);
 }
 
-template <int HH>
-static inline void attn_pv_columns(const float* p, int64_t ldp, int64_t T, const float* v, int64_t ldv, int64_t C,
+template <int HH, typename VT = float>
+static inline void attn_pv_columns(const float* p, int64_t ldp, int64_t T, const VT* v, int64_t ldv, int64_t C,
                                   float* o, int64_t ldo) {
   int64_t c = 0;
   for (; c + 2 * MOE_W <= C; c += 2 * MOE_W) attn_pv_tile<HH, 2>(p, ldp, T, v, ldv, c, o, ldo);
@@ -95,13 +98,14 @@ static inline void attn_pv_columns(const float* p, int64_t ldp, int64_t T, const
   for (; c < C; ++c)
     for (int h = 0; h < HH; ++h) {
       float s = o[h * ldo + c];
-      for (int64_t t = 0; t < T; ++t) s = sfma(p[h * ldp + t], v[t * ldv + c], s);  // vfma's arithmetic
+      for (int64_t t = 0; t < T; ++t) s = sfma(p[h * ldp + t], to_float(v[t * ldv + c]), s);  // vfma's arithmetic
       o[h * ldo + c] = s;
     }
 }
 
 // o[h * dv + c] += sum_{t < T} p[h * ldp + t] * v[t * ldv + c] for heads [0, hh), in tiles of 6 heads
-static inline void attn_pv_heads(int64_t hh, const float* p, int64_t ldp, int64_t T, const float* v, int64_t ldv,
+template <typename VT = float>
+static inline void attn_pv_heads(int64_t hh, const float* p, int64_t ldp, int64_t T, const VT* v, int64_t ldv,
                                  int64_t dv, float* o) {
   int64_t h = 0;
   for (; h + 6 <= hh; h += 6) attn_pv_columns<6>(p + h * ldp, ldp, T, v, ldv, dv, o + h * dv, dv);
@@ -742,7 +746,17 @@ constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
 // (converted to fp32 a kv head at a time, which stays in L1), while whole rows are asked for into L2
 // ahead, spread over the conversions. Each kv head's query heads run the per-kv-head item's tiles
 // (the row path, or the lanes from LANE_MIN_HEADS heads a kv head) on its part, in the same order:
-// the same bits as one item per kv head.
+// the same bits as one item per kv head. The row path reads a bf16 pool's rows in place (its tiles
+// widen them): cold, AVX2 (Zen 3), 32 sequences x 2,048 tokens, 4 kv heads of 64, the op took
+// 0.90-0.95x the time at 2 query heads a kv head and 0.88-0.96x at 3; 0.67-0.85x at one (8 x 2,048, 8
+// kv heads). The lanes keep converting: read in place, one chunk of heads (5-8 query heads a kv head
+// on AVX2) spends a shift and a mask per two FMAs, and took 0.88-1.03x the time, 1.03x in whole steps.
+// What bounds these items on long sequences is the layout: a row holds every kv head's key, then every
+// one's value, so each pass reads half of every row. A scratch C program on the same core read 67 MB of
+// such rows (random 16 KB blocks, huge pages) in 8.2-8.8 ms as two half-row passes, in 5.8-6.1 ms had
+// each block held its keys, then its values, contiguously, and in 5.2-5.5 ms as one pass over whole
+// rows; asking for the values with the keys, copying them aside for the value pass, or asking further
+// ahead did not help. The op there (4 query heads a kv head) takes ~11.5 ms.
 constexpr int64_t KV_HEADS_ROWS_AHEAD = 64;  // tokens ahead whose whole rows the score pass asks for
 constexpr int64_t KV_HEADS_VALUES_AHEAD = 32;  // tokens ahead whose values the value pass asks for
 
@@ -976,29 +990,41 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
   }
   const KvHeadRows<PT> r(pool, S, head, kv_stride, groups, table, L);
   const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
+  // kv head g's rows of the block at part (keys or values, width wide) for fn(rows, their stride), with
+  // share g of the asks: a bf16 pool's read in place (the tiles widen them), others converted to fp32
+  auto each_head = [&](const PT* part, int64_t rows, int64_t width, float* buf, const PT* ask, int64_t ask_rows,
+                       int64_t ask_bytes, auto&& fn) __attribute__((always_inline)) {
+    for (int64_t g = 0; g < groups; ++g) {
+      if constexpr (std::is_same_v<PT, uint16_t>) {
+        ask_share_l2(ask, ask_rows, stride, ask_bytes, g, groups);
+        fn(g, part + g * kv_stride, stride);
+      } else {
+        const float* f;
+        const int64_t ld = rows_f32_asking(part + g * kv_stride, rows, width, stride, buf, &f, ask, ask_rows,
+                                           ask_bytes, g, groups, rd);
+        fn(g, f, ld);
+      }
+    }
+  };
   r.each_block(KV_HEADS_ROWS_AHEAD, r.score_lo, r.score_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
                                                                   int64_t ask_rows) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* k;
-      const int64_t ldk = rows_f32_asking(r.block(blk) + head.k_off + g * kv_stride, rows, dk, stride, kbuf, &k,
-                                          ask, ask_rows, r.score_bytes, g, groups, rd);
-      const float* qg = q + g * rep * dk;
-      float* sg = scores + g * rep * L + blk * S;
-      int64_t t = 0;
-      for (; t + 3 <= rows; t += 3) attn_dot_heads<3>(rep, qg, dk, k + t * ldk, ldk, dk, sg + t, L);
-      for (; t < rows; ++t) attn_dot_heads<1>(rep, qg, dk, k + t * ldk, ldk, dk, sg + t, L);
-    }
+    each_head(r.block(blk) + head.k_off, rows, dk, kbuf, ask, ask_rows, r.score_bytes,
+              [&](int64_t g, const auto* k, int64_t ldk) {
+                const float* qg = q + g * rep * dk;
+                float* sg = scores + g * rep * L + blk * S;
+                int64_t t = 0;
+                for (; t + 3 <= rows; t += 3) attn_dot_heads<3>(rep, qg, dk, k + t * ldk, ldk, dk, sg + t, L);
+                for (; t < rows; ++t) attn_dot_heads<1>(rep, qg, dk, k + t * ldk, ldk, dk, sg + t, L);
+              });
   });
   for (int64_t h = 0; h < groups * rep; ++h) attn_softmax(scores + h * L, L, scale, round_half);
   std::fill(o, o + groups * rep * dv, 0.f);
   r.each_block(KV_HEADS_VALUES_AHEAD, head.v_off, r.value_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
                                                                       int64_t ask_rows) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* v;
-      const int64_t ldv = rows_f32_asking(r.block(blk) + head.v_off + g * kv_stride, rows, dv, stride, vbuf, &v,
-                                          ask, ask_rows, r.value_bytes, g, groups, rd);
-      attn_pv_heads(rep, scores + g * rep * L + blk * S, L, rows, v, ldv, dv, o + g * rep * dv);
-    }
+    each_head(r.block(blk) + head.v_off, rows, dv, vbuf, ask, ask_rows, r.value_bytes,
+              [&](int64_t g, const auto* v, int64_t ldv) {
+                attn_pv_heads(rep, scores + g * rep * L + blk * S, L, rows, v, ldv, dv, o + g * rep * dv);
+              });
   });
 }
 
