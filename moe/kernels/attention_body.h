@@ -750,7 +750,7 @@ constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
 // widen them): cold, AVX2 (Zen 3), 32 sequences x 2,048 tokens, 4 kv heads of 64, the op took
 // 0.90-0.95x the time at 2 query heads a kv head and 0.88-0.96x at 3; 0.67-0.85x at one (8 x 2,048, 8
 // kv heads). The lanes keep converting: read in place, one chunk of heads (5-8 query heads a kv head
-// on AVX2) spends a shift and a mask per two FMAs, and took 0.88-1.03x the time, 1.03x in whole steps.
+// on AVX2) spends a shift and a mask per two FMAs, and took 0.78-1.03x the time, 1.02-1.06x in whole steps.
 // What bounds these items on long sequences is the layout: a row holds every kv head's key, then every
 // one's value, so each pass reads half of every row. A scratch C program on the same core read 67 MB of
 // such rows (random 16 KB blocks, huge pages) in 8.2-8.8 ms as two half-row passes, in 5.8-6.1 ms had

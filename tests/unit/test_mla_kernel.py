@@ -521,7 +521,8 @@ def _gqa_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, le
 GQA_CASES = [(3, 8, 2, 64, 16, 40), (2, 6, 6, 20, 4, 30), (2, 34, 2, 15, 4, 30), (4, 4, 1, 8, 2, 20),
              (3, 16, 2, 64, 16, 40), (2, 24, 1, 32, 5, 30),  # these two: 8 and 24 heads a kv head (AMX tiles)
              (2, 4, 4, 64, 16, 30), (2, 8, 4, 32, 8, 30),  # the dot path's groups of 1 and 2 lanes a head
-             (3, 6, 3, 24, 5, 40)]  # kv-head items over blocks of 5 tokens
+             (3, 6, 3, 24, 5, 40),  # kv-head items over blocks of 5 tokens
+             (2, 9, 3, 21, 4, 30)]  # the row path reading bf16 rows in place, past its last whole vector
 
 
 @pytest.mark.parametrize("case", GQA_CASES)
