@@ -990,8 +990,9 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
   }
   const KvHeadRows<PT> r(pool, S, head, kv_stride, groups, table, L);
   const int64_t dk = head.dk, dv = head.dv, stride = head.token_stride;
-  // kv head g's rows of the block at part (keys or values, width wide) for fn(rows, their stride), with
-  // share g of the asks: a bf16 pool's read in place (the tiles widen them), others converted to fp32
+  // fn(g, kv head g's rows of the block at part (keys or values, width wide), their stride) for every kv
+  // head g, with share g of the asks: a bf16 pool's rows read in place (the tiles widen them), others
+  // converted to fp32 into buf
   auto each_head = [&](const PT* part, int64_t rows, int64_t width, float* buf, const PT* ask, int64_t ask_rows,
                        int64_t ask_bytes, auto&& fn) __attribute__((always_inline)) {
     for (int64_t g = 0; g < groups; ++g) {
