@@ -753,8 +753,8 @@ constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
 // on AVX2) spends a shift and a mask per two FMAs, and took 0.78-1.03x the time, 1.02-1.06x in whole steps.
 // What bounds these items on long sequences is the layout: a row holds every kv head's key, then every
 // one's value, so each pass reads half of every row. A scratch C program on the same core read 67 MB of
-// such rows (random 16 KB blocks, huge pages) in 8.2-8.8 ms as two half-row passes, in 5.8-6.1 ms had
-// each block held its keys, then its values, contiguously, and in 5.2-5.5 ms as one pass over whole
+// such rows (random 16 KB blocks, huge pages) in 8.2-8.8 ms as two half-row passes, in 5.7-6.1 ms had
+// each block held its keys, then its values, contiguously, and in 5.2-5.6 ms as one pass over whole
 // rows; asking for the values with the keys, copying them aside for the value pass, or asking further
 // ahead did not help. The op there (4 query heads a kv head) takes ~11.5 ms.
 constexpr int64_t KV_HEADS_ROWS_AHEAD = 64;  // tokens ahead whose whole rows the score pass asks for
