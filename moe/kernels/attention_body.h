@@ -655,6 +655,13 @@ static inline void transposed_lanes(const float* src, int64_t lds, int64_t rows,
     for (int64_t i = c; i < cols; ++i) dst[h * ldd + i] = src[i * lds + h];
 }
 
+// A chunk's hc (<= MOE_W) query heads q [hc][dk] into its lanes: qt [dk][MOE_W] (lanes past hc zero),
+// and the rest of its per_chunk floats (the transposed outputs, after dk * MOE_W) zeroed.
+static inline void queries_into_lanes(const float* q, int64_t hc, int64_t dk, float* qt, int64_t per_chunk) {
+  std::fill(qt + (hc == MOE_W ? dk * MOE_W : 0), qt + per_chunk, 0.f);
+  transpose_lanes(q, dk, hc, dk, qt, MOE_W);
+}
+
 // Tokens a bf16 value pass takes at a time: a column tile's walk over them touches one line a row, and
 // the next tiles find those lines in L1.
 constexpr int64_t LANE_PV_SEGMENT = 128;
@@ -669,13 +676,10 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
                                const Fp8Read* rd) {
   const int64_t nblocks = (L + S - 1) / S, dk = head.dk, dv = head.dv;
   const int64_t chunks = (hh + MOE_W - 1) / MOE_W, per_chunk = (dk + dv) * MOE_W;
-  const bool keep = keeps_rows<PT>(head, L);
-  for (int64_t ch = 0; ch < chunks; ++ch) {  // qt [dk][MOE_W], zero lanes past hh; ot zeroed
-    float* qt = lanes + ch * per_chunk;
-    const int64_t hc = std::min<int64_t>(MOE_W, hh - ch * MOE_W);
-    std::fill(qt + (hc == MOE_W ? dk * MOE_W : 0), qt + per_chunk, 0.f);
-    transpose_lanes(q + ch * MOE_W * dk, dk, hc, dk, qt, MOE_W);
-  }
+  const bool keep = sizeof(PT) != 2 && keeps_rows<PT>(head, L);  // (a bf16 cache is read in place)
+  for (int64_t ch = 0; ch < chunks; ++ch)
+    queries_into_lanes(q + ch * MOE_W * dk, std::min<int64_t>(MOE_W, hh - ch * MOE_W), dk, lanes + ch * per_chunk,
+                       per_chunk);
   // pass 1, block by block while the next block's keys and a share of the next item's first L rows
   // are asked for (spread over the first chunk's score tiles): a bf16 block's rows read in place, an
   // fp8 one's converted once for every chunk
@@ -908,11 +912,11 @@ static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, c
   auto chunk_heads = [&](int64_t c) { return std::min(HEADS, rep - c % chunks * HEADS); };
   for (int64_t c = 0; c < units; ++c) {  // qt [dk][MOE_W], zero past the unit's heads; ot zeroed
     float* qt = lanes + c * per_unit;
-    std::fill(qt, qt + per_unit, 0.f);
     if constexpr (G == 1) {
-      transpose_lanes(q + (kv_head(c, 0) * rep + c % chunks * HEADS) * dk, dk, chunk_heads(c), dk, qt, MOE_W);
+      queries_into_lanes(q + (kv_head(c, 0) * rep + c % chunks * HEADS) * dk, chunk_heads(c), dk, qt, per_unit);
       continue;
     }
+    std::fill(qt, qt + per_unit, 0.f);
     for (int64_t u = 0; u < G && real(c, u); ++u)
       for (int64_t h = 0; h < chunk_heads(c); ++h)
         for (int64_t i = 0; i < dk; ++i)

@@ -53,7 +53,7 @@ def _random_batch(seed: int, b: int, h: int, q_width: int, pool_shape: tuple[int
 # (sequences, heads, value width C, rope width R, block size, pool blocks): DeepSeek-like widths, then
 # widths that are no multiple of any vector length, more heads than one vector's 16 lanes with an odd
 # key width (C + R = 25), items of three lane chunks (16 + 16 + 8 heads at one or two threads), then
-# a single head, column and block; last, widths the AMX tiles take (key 96, values 64) with 40 heads
+# a single head, column and block; then widths the AMX tiles take (key 96, values 64) with 40 heads
 # (three query blocks, the last part full) over blocks of 5 tokens (value pairs across two blocks);
 # DeepSeek-V3's widths; last, sequences of up to 384 tokens in blocks of 64 (past the 128 tokens a
 # bf16 value pass on the lanes takes at a time, and past the fp32 rows kept for both passes)
