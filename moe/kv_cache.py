@@ -5,7 +5,9 @@ nb blocks per sequence (padded), L_kv layers.
 
 A sequence's token at position p lives at slot ``block_tables[b][p // S] * S + p % S`` of
 each layer's pool. MLA pools hold the latent ``[N, S, kv_lora_rank + qk_rope_head_dim]``
-(``[c_kv | k_pe]``); GQA pools hold ``[N, S, 2, Hkv, head_dim]`` (k then v). With
+(``[c_kv | k_pe]``); GQA pools hold ``[N, 2, S, Hkv, head_dim]``: each block's S keys, then its
+S values, so that decode attention's two passes (scores over the keys, then the values) each read
+whole cache lines in a row (slot s's key at ``pool[s // S, 0, s % S]``). With
 ``kv_cache_dtype="fp8"`` entries are stored as float8_e4m3fn divided by a per-layer scale
 and dequantised to the compute dtype on read. Scales default to 1.0 (vLLM's default);
 ``set_scale`` installs calibrated ones, and ``calculate_kv_scales=True`` sets each layer's
@@ -157,12 +159,14 @@ def _decode_slots(cs: Sequence[int], block_tables: Sequence[Sequence[int]], bloc
 
 
 class KVLayerView:
-    """One layer's pool. pool: [N, S, *entry_shape] in the storage dtype."""
+    """One layer's pool in the storage dtype: MLA [N, S, *entry_shape]; GQA [N, 2, S, Hkv, hd] (a block's
+    keys, then its values) for entries [2, Hkv, hd]."""
 
     def __init__(self, cache: PagedKVCache, layer_id: int) -> None:
         self.cache = cache
         self.layer_id = layer_id
         self.pool = cache.pools[layer_id]
+        self.split = cache.split  # keys and values in their own runs of each block (GQA)
 
     @property
     def scale(self) -> torch.Tensor:
@@ -170,18 +174,24 @@ class KVLayerView:
 
     def write(self, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
         """slot_mapping: [T] int64; entries: [T, *entry_shape] (any float dtype)."""
-        if entries.shape[1:] != self.pool.shape[2:]:
-            raise ValueError(f"KV entries {tuple(entries.shape[1:])} do not match pool {tuple(self.pool.shape[2:])}")
-        flat = self.pool.view(-1, *self.pool.shape[2:])
-        if not self.cache.is_fp8:
-            flat[slot_mapping] = entries.to(flat.dtype)
+        entry = self.cache.entry_shape
+        if entries.shape[1:] != entry:
+            raise ValueError(f"KV entries {tuple(entries.shape[1:])} do not match pool entries {entry}")
+        if self.cache.is_fp8:
+            if self.cache.calculate_kv_scales and not self.cache.calibrated[self.layer_id] and entries.numel():
+                amax = entries.detach().abs().max().float().clamp_min(1e-8)
+                self.cache.scales[self.layer_id] = amax / _FP8_CALIBRATION_TARGET
+                self.cache.calibrated[self.layer_id] = True
+            entries = (entries.float() / self.scale).clamp(-FP8_MAX, FP8_MAX)
+        entries = entries.to(self.pool.dtype)
+        if not self.split:
+            self.pool.view(-1, *entry)[slot_mapping] = entries
             return
-        if self.cache.calculate_kv_scales and not self.cache.calibrated[self.layer_id] and entries.numel():
-            amax = entries.detach().abs().max().float().clamp_min(1e-8)
-            self.cache.scales[self.layer_id] = amax / _FP8_CALIBRATION_TARGET
-            self.cache.calibrated[self.layer_id] = True
-        q = (entries.float() / self.scale).clamp(-FP8_MAX, FP8_MAX)
-        flat[slot_mapping] = q.to(FP8_DTYPE)
+        # [N * 2 * S, Hkv, hd] rows: slot s's key at row (s // S) 2S + s % S, its value S rows on
+        size = self.pool.shape[2]
+        keys = slot_mapping + torch.div(slot_mapping, size, rounding_mode="floor") * size
+        rows = torch.cat((keys, keys + size))  # [2T]
+        self.pool.view(-1, *entry[1:])[rows] = entries.transpose(0, 1).reshape(-1, *entry[1:])
 
     @property
     def scale_settled(self) -> bool:
@@ -205,8 +215,9 @@ class KVLayerView:
         """block_tables: [B, nb] int64. Returns [B, nb * S, *entry_shape] in the compute dtype."""
         # index_select on the flattened table: one contiguous copy per block (advanced
         # indexing with a 2-D index is several times slower for the same bytes)
-        g = self.pool.index_select(0, block_tables.reshape(-1))  # [B * nb, S, ...]
-        g = g.view(block_tables.shape[0], -1, *self.pool.shape[2:])
+        src = self.pool.transpose(1, 2) if self.split else self.pool  # GQA: [N, S, 2, Hkv, hd] strided
+        g = src.index_select(0, block_tables.reshape(-1))  # [B * nb, S, ...], a new contiguous tensor
+        g = g.view(block_tables.shape[0], -1, *self.cache.entry_shape)
         if self.cache.is_fp8:
             dtype = self.cache.dtype
             if (dtype == torch.float32 or dtype == torch.bfloat16) and kernels.cpu_kernel_applies(g):
@@ -253,7 +264,8 @@ def warn_if_pools_outgrow_memory(pools: Sequence[torch.Tensor], available: int |
 
 
 class PagedKVCache:
-    """One pool per layer. MLA: [N, S, kv_lora_rank + rope]; GQA: [N, S, 2, Hkv / tp_size, head_dim]."""
+    """One pool per layer. MLA: [N, S, kv_lora_rank + rope]; GQA: [N, 2, S, Hkv / tp_size, head_dim]
+    (each block's keys, then its values)."""
 
     def __init__(
         self,
@@ -284,7 +296,10 @@ class PagedKVCache:
         self.calculate_kv_scales = calculate_kv_scales
         store = FP8_DTYPE if self.is_fp8 else dtype
         n = config.num_hidden_layers
-        self.pools = [zeroed_pool((num_blocks, block_size, *entry), store, device) for _ in range(n)]
+        self._entry_shape = tuple(entry)
+        self.split = config.attention == "gqa"  # [N, 2, S, Hkv, hd]: a block's keys, then its values
+        shape = (num_blocks, 2, block_size, *entry[1:]) if self.split else (num_blocks, block_size, *entry)
+        self.pools = [zeroed_pool(shape, store, device) for _ in range(n)]
         warn_if_pools_outgrow_memory(self.pools, available_memory_bytes())
         self.scales = torch.ones(n, dtype=torch.float32, device=device)
         self.calibrated = [False] * n
@@ -294,4 +309,5 @@ class PagedKVCache:
 
     @property
     def entry_shape(self) -> tuple[int, ...]:
-        return tuple(self.pools[0].shape[2:])
+        """One token's entry in one layer: MLA (C + R,), GQA (2, Hkv, hd)."""
+        return self._entry_shape

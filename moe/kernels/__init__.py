@@ -389,7 +389,7 @@ def gqa_decode_attention_op(weights: tuple[torch.Tensor, ...], biases: tuple[tor
 
     weights: packed (q, k, v, o) as ``pack_linear`` returns their ``wp``; biases: theirs or None;
     norms: the per-head (q_norm, k_norm) RMSNorm weights [hd] (Qwen3) or None; eps: theirs; dims:
-    (H, Hkv, hd, D). Returns ``run(x [B, D], cos [B, hd/2], sin, pool [N, S, 2, Hkv, hd],
+    (H, Hkv, hd, D). Returns ``run(x [B, D], cos [B, hd/2], sin, pool [N, 2, S, Hkv, hd],
     slot_mapping [B], block_tables [B, nb], context_lens [B], kv_scale=1.0)`` -> o_proj's output
     [B, D] (this step's roped keys and values written to the pool: in x's dtype, or float8_e4m3fn
     holding values / kv_scale, as ``mla_decode_attention``'s)."""
@@ -547,8 +547,8 @@ def gqa_decode(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor, 
                scale: float, kv_scale: float = 1.0) -> torch.Tensor:
     """Grouped-query decode attention read straight from the paged cache.
 
-    q: [B, H, hd]; pool: [N, S, 2, Hkv, hd] one layer's cache (keys, then values) in q's dtype
-    (float32 or bfloat16), or float8_e4m3fn holding values / kv_scale as ``mla_decode``'s;
+    q: [B, H, hd]; pool: [N, 2, S, Hkv, hd] one layer's cache (each block's keys, then its values) in
+    q's dtype (float32 or bfloat16), or float8_e4m3fn holding values / kv_scale as ``mla_decode``'s;
     block_tables: [B, nb] int64; context_lens: [B] int64 (each query sees its whole context).
     Query head h uses kv head h // (H / Hkv). Returns [B, H, hd] in q's dtype, with
     ``mla_decode``'s fp32 softmax and bf16 rounding.
@@ -587,7 +587,7 @@ def gqa_prefill(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
                 kv_scale: float = 1.0) -> torch.Tensor:
     """Causal grouped-query prefill attention read straight from the paged cache.
 
-    q: [T, H, hd] (rows as ``mla_prefill``'s); pool: [N, S, 2, Hkv, hd] one layer's cache in q's
+    q: [T, H, hd] (rows as ``mla_prefill``'s); pool: [N, 2, S, Hkv, hd] one layer's cache in q's
     dtype (float32 or bfloat16), or float8_e4m3fn holding values / kv_scale (read as
     ``mla_decode`` reads one); block_tables, context_lens, query_starts as ``mla_prefill``'s.
     The row at position p sees keys k with p - sliding_window < k <= p (all k <= p when None).

@@ -743,26 +743,31 @@ static void paged_decode_lanes(const float* q, int64_t hh, const PT* pool, int64
 // head's values must not depend on how many threads ran the step.
 constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
 
-// ---- GQA items of several kv heads. A GQA token row holds every kv head's key, then every one's
-// value: an item per kv head read a quarter of each row's lines (4 kv heads), at the row's stride,
-// and most of its time on cold rows went to the loads of its block conversions. An item here takes
-// kv heads [0, groups) of one sequence, block by block: each block's part of every kv head in turn
-// (converted to fp32 a kv head at a time, which stays in L1), while whole rows are asked for into L2
-// ahead, spread over the conversions. Each kv head's query heads run the per-kv-head item's tiles
-// (the row path, or the lanes from LANE_MIN_HEADS heads a kv head) on its part, in the same order:
-// the same bits as one item per kv head. The row path reads a bf16 pool's rows in place (its tiles
-// widen them): cold, AVX2 (Zen 3), 32 sequences x 2,048 tokens, 4 kv heads of 64, the op took
-// 0.90-0.95x the time at 2 query heads a kv head and 0.88-0.96x at 3; 0.67-0.85x at one (8 x 2,048, 8
-// kv heads). The lanes keep converting: read in place, one chunk of heads (5-8 query heads a kv head
-// on AVX2) spends a shift and a mask per two FMAs, and took 0.78-1.03x the time, 1.02-1.06x in whole steps.
-// What bounds these items on long sequences is the layout: a row holds every kv head's key, then every
-// one's value, so each pass reads half of every row. A scratch C program on the same core read 67 MB of
-// such rows (random 16 KB blocks, huge pages) in 8.2-8.8 ms as two half-row passes, in 5.7-6.1 ms had
-// each block held its keys, then its values, contiguously, and in 5.2-5.6 ms as one pass over whole
-// rows; asking for the values with the keys, copying them aside for the value pass, or asking further
-// ahead did not help. The op there (4 query heads a kv head) takes ~11.5 ms.
-constexpr int64_t KV_HEADS_ROWS_AHEAD = 64;  // tokens ahead whose whole rows the score pass asks for
-constexpr int64_t KV_HEADS_VALUES_AHEAD = 32;  // tokens ahead whose values the value pass asks for
+// ---- GQA items of several kv heads. A GQA key (value) row holds every kv head's key (value): an item
+// per kv head read a quarter of each row's lines (4 kv heads), at the row's stride, and most of its
+// time on cold rows went to the loads of its block conversions. An item here takes kv heads [0, groups)
+// of one sequence, block by block: each block's part of every kv head in turn (converted to fp32 a kv
+// head at a time, which stays in L1), while the next block's rows are asked for into L2, spread over
+// the conversions. Each kv head's query heads run the per-kv-head item's tiles (the row path, or the
+// lanes from LANE_MIN_HEADS heads a kv head) on its part, in the same order: the same bits as one item
+// per kv head. The row path reads a bf16 pool's rows in place (its tiles widen them): cold, AVX2 (Zen
+// 3), 32 sequences x 2,048 tokens, 4 kv heads of 64, the op took 0.90-0.95x the time at 2 query heads a
+// kv head and 0.88-0.96x at 3; 0.67-0.85x at one (8 x 2,048, 8 kv heads). The lanes keep converting:
+// read in place, one chunk of heads (5-8 query heads a kv head on AVX2) spends a shift and a mask per
+// two FMAs, and took 0.78-1.03x the time, 1.02-1.06x in whole steps.
+// What bounded these items on long sequences was the pool's layout while each token row held its keys,
+// then its values ([N, S, 2, Hkv, hd]): each pass read half of every row. A scratch C program on the same
+// core read 67 MB of such rows (random 16 KB blocks, huge pages) in 8.2-8.8 ms as two half-row passes,
+// in 5.7-6.1 ms had each block held its keys, then its values, contiguously (the pool's layout since:
+// PagedHead), in 5.2-5.6 ms as one pass over whole rows. With that layout the passes read each block's
+// keys, then its values, as contiguous runs: the op took 0.81-0.89x the time at 2-4 query heads a kv head
+// (32 x 2,048 tokens, 4 kv heads of 64), asking 16 tokens ahead (one block of 16) in both passes: at 4
+// query heads a kv head 9.9-10.2 ms, against 10.2-11.2 asking 32-128 tokens ahead and 12.5-12.9 asking
+// for the block being read. MHA with 1 KB rows (8 kv heads of 64, 4 of 128) took 1.04-1.16x, for reasons
+// not found; other row sizes 0.89-0.97x (docs/benchmarks.md, "a GQA cache block holds its keys, then its
+// values").
+constexpr int64_t KV_HEADS_ROWS_AHEAD = 16;  // tokens ahead whose rows the score pass asks for
+constexpr int64_t KV_HEADS_VALUES_AHEAD = 16;  // tokens ahead whose values the value pass asks for
 
 // Share `part` of `parts` of the lines of rows [0, rows) (row r at src + r * stride, `bytes` from
 // there) asked for into L2.
@@ -851,40 +856,48 @@ static inline void rows_paired_asking(const PT* a, const PT* b, int64_t rows, in
 }
 
 // Where the kv-heads items' rows lie: kv heads [0, groups) of a sequence of L tokens (table: its
-// blocks of S), and the spans they ask for into L2: in the score pass whole rows (from the keys' or
-// values' start to the end of the other's span: the values then wait in L2 for the value pass) while
-// the sequence's rows fit KV_HEADS_WHOLE_ROWS_BYTES, else the keys' span only (the values would be gone
-// from L2 before the value pass came to them, and asked for again); the values' span in the value pass.
+// blocks of S), and the spans they ask for into L2: in the score pass whole rows while the sequence's
+// rows fit KV_HEADS_WHOLE_ROWS_BYTES (the values then wait in L2 for the value pass): a token row's span
+// from the keys' or values' start to the end of the other's, or where the values sit in their own rows
+// (a GQA pool: a block's S value rows follow its key rows) the spans of the block's key rows and the
+// value rows after them (score_extra = S rows more an ask); else the keys' span only (the values would be
+// gone from L2 before the value pass came to them, and asked for again); the values' span in the value
+// pass.
 constexpr int64_t KV_HEADS_WHOLE_ROWS_BYTES = 512 << 10;
 template <typename PT>
 struct KvHeadRows {
   const PT* pool;
   const int64_t* table;
-  int64_t S, L, stride, nblocks, score_lo, score_bytes, value_bytes;
+  int64_t S, L, stride, nblocks, score_lo, score_bytes, score_extra, value_bytes;
   KvHeadRows(const PT* pool_, int64_t S_, const PagedHead& head, int64_t kv_stride, int64_t groups,
              const int64_t* table_, int64_t L_)
       : pool(pool_), table(table_), S(S_), L(L_), stride(head.token_stride), nblocks((L_ + S_ - 1) / S_) {
     const int64_t elem = sizeof(PT), span = (groups - 1) * kv_stride;
-    const int64_t row_lo = std::min(head.k_off, head.v_off);
-    const int64_t row_bytes = (std::max(head.k_off + span + head.dk, head.v_off + span + head.dv) - row_lo) * elem;
-    const bool whole = L * row_bytes <= KV_HEADS_WHOLE_ROWS_BYTES;
+    const bool apart = head.v_off - head.k_off >= S_ * stride;  // values S rows after their keys, at their offset
+    const int64_t row_lo = apart ? head.k_off : std::min(head.k_off, head.v_off);
+    const int64_t row_bytes =
+        apart ? (span + std::max(head.dk, head.dv)) * elem
+              : (std::max(head.k_off + span + head.dk, head.v_off + span + head.dv) - row_lo) * elem;
+    const bool whole = L * row_bytes * (apart ? 2 : 1) <= KV_HEADS_WHOLE_ROWS_BYTES;
     score_lo = whole ? row_lo : head.k_off;
     score_bytes = whole ? row_bytes : (span + head.dk) * elem;
+    score_extra = whole && apart ? S_ : 0;
     value_bytes = (span + head.dv) * elem;
   }
   const PT* block(int64_t blk) const { return pool + table[blk] * S * stride; }
   int64_t rows(int64_t blk) const { return blk < nblocks ? std::min(S, L - blk * S) : int64_t{0}; }
-  // A pass over the blocks: the first blocks' spans (off, bytes from each row's start) `tokens` ahead
-  // asked for at once, then fn(blk, block rows, ask, ask_rows) for each block, where block blk + ahead's
-  // ask_rows spans start at ask (null past the last block) for fn to ask for while it reads block blk.
+  // A pass over the blocks: the first blocks' spans (off, bytes from each row's start; `extra` rows past
+  // each block's) `tokens` ahead asked for at once, then fn(blk, block rows, ask, ask_rows) for each
+  // block, where block blk + ahead's ask_rows spans start at ask (null past the last block) for fn to ask
+  // for while it reads block blk.
   template <typename Fn>
-  void each_block(int64_t tokens, int64_t off, int64_t bytes, Fn&& fn) const {
+  void each_block(int64_t tokens, int64_t off, int64_t bytes, int64_t extra, Fn&& fn) const {
     const int64_t ahead = (tokens + S - 1) / S;
     for (int64_t blk = 0; blk < std::min(ahead, nblocks); ++blk)
-      ask_share_l2(block(blk) + off, rows(blk), stride, bytes, 0, 1);
+      ask_share_l2(block(blk) + off, rows(blk) + extra, stride, bytes, 0, 1);
     for (int64_t blk = 0; blk < nblocks; ++blk) {
       const int64_t ask_rows = rows(blk + ahead);
-      fn(blk, rows(blk), ask_rows ? block(blk + ahead) + off : nullptr, ask_rows);
+      fn(blk, rows(blk), ask_rows ? block(blk + ahead) + off : nullptr, ask_rows ? ask_rows + extra : 0);
     }
   }
 };
@@ -936,8 +949,8 @@ static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, c
       return 2 * width;
     }
   };
-  r.each_block(KV_HEADS_ROWS_AHEAD, r.score_lo, r.score_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
-                                                                  int64_t ask_rows) {
+  r.each_block(KV_HEADS_ROWS_AHEAD, r.score_lo, r.score_bytes, r.score_extra,
+               [&](int64_t blk, int64_t rows, const PT* ask, int64_t ask_rows) {
     for (int64_t s = 0; s < sets; ++s) {
       const float* k;
       const int64_t ldk = convert(r.block(blk) + head.k_off, rows, dk, s, kbuf, &k, ask, ask_rows, r.score_bytes);
@@ -948,8 +961,8 @@ static void paged_decode_kv_lanes(const float* q, int64_t groups, int64_t rep, c
     }
   });
   for (int64_t c = 0; c < units; ++c) lanes_softmax(scores + c * L * MOE_W, L, scale, round_half);
-  r.each_block(KV_HEADS_VALUES_AHEAD, head.v_off, r.value_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
-                                                                      int64_t ask_rows) {
+  r.each_block(KV_HEADS_VALUES_AHEAD, head.v_off, r.value_bytes, 0,
+               [&](int64_t blk, int64_t rows, const PT* ask, int64_t ask_rows) {
     for (int64_t s = 0; s < sets; ++s) {
       const float* v;
       const int64_t ldv = convert(r.block(blk) + head.v_off, rows, dv, s, vbuf, &v, ask, ask_rows, r.value_bytes);
@@ -1011,8 +1024,8 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
       }
     }
   };
-  r.each_block(KV_HEADS_ROWS_AHEAD, r.score_lo, r.score_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
-                                                                  int64_t ask_rows) {
+  r.each_block(KV_HEADS_ROWS_AHEAD, r.score_lo, r.score_bytes, r.score_extra,
+               [&](int64_t blk, int64_t rows, const PT* ask, int64_t ask_rows) {
     each_head(r.block(blk) + head.k_off, rows, dk, kbuf, ask, ask_rows, r.score_bytes,
               [&](int64_t g, const auto* k, int64_t ldk) {
                 const float* qg = q + g * rep * dk;
@@ -1024,8 +1037,8 @@ static void paged_decode_kv_heads(const float* q, int64_t groups, int64_t rep, c
   });
   for (int64_t h = 0; h < groups * rep; ++h) attn_softmax(scores + h * L, L, scale, round_half);
   std::fill(o, o + groups * rep * dv, 0.f);
-  r.each_block(KV_HEADS_VALUES_AHEAD, head.v_off, r.value_bytes, [&](int64_t blk, int64_t rows, const PT* ask,
-                                                                      int64_t ask_rows) {
+  r.each_block(KV_HEADS_VALUES_AHEAD, head.v_off, r.value_bytes, 0,
+               [&](int64_t blk, int64_t rows, const PT* ask, int64_t ask_rows) {
     each_head(r.block(blk) + head.v_off, rows, dv, vbuf, ask, ask_rows, r.value_bytes,
               [&](int64_t g, const auto* v, int64_t ldv) {
                 attn_pv_heads(rep, scores + g * rep * L + blk * S, L, rows, v, ldv, dv, o + g * rep * dv);

@@ -767,10 +767,10 @@ struct AttentionDotKernels {
   // The group path asks for rows ahead into L2, all the item's kv heads' parts of a row at once: whole
   // rows (keys and values) GROUP_ROWS_AHEAD tokens ahead in the score pass; in the value pass, which
   // takes GROUP_PV_PAIRS token pairs for every kv head before the next pairs, the next pairs' values
-  // again. Blocks sit wherever the block table puts them, and each pass reads half of every row (its
-  // keys, or its values). On AMD Zen 4, 32 sequences of 2,048 tokens (4 kv heads of 4 query heads, hd
-  // 64, cold): 12 GB/s against 7.6 with no asks for keys alone, and 0.80-0.88x that time with whole
-  // rows; asks into L1, or 32 pairs a pass, were slower.
+  // again. Blocks sit wherever the block table puts them. On AMD Zen 4, 32 sequences of 2,048 tokens (4
+  // kv heads of 4 query heads, hd 64, cold), when each token row held its keys and then its values and
+  // each pass read half of every row: 12 GB/s against 7.6 with no asks for keys alone, and 0.80-0.88x
+  // that time with whole rows (keys and values); asks into L1, or 32 pairs a pass, were slower.
   static constexpr int64_t GROUP_ROWS_AHEAD = 64;
   static constexpr int64_t GROUP_PV_PAIRS = 16;
 
@@ -779,9 +779,8 @@ struct AttentionDotKernels {
   // kv_stride; the rest as decode's, with scratch: scores [groups][L + 16][HP] fp32, pbuf
   // [groups][(dk / 2) HP + (L + 16) HP / 2] 32-bit words, acc [groups * rep][dv + 32] fp32; o [groups *
   // rep, dv]. refill (null: none): the pool is its ring, loaded chunk by chunk in both passes.
-  // Every tile of rows is read for all the kv heads at once: a GQA token row holds every kv head's
-  // key, then every one's value, so an item per kv head read a quarter of each row's lines (4 kv
-  // heads), at a 1 KB stride.
+  // Every tile of rows is read for all the kv heads at once: a GQA key (value) row holds every kv head's
+  // key (value), so an item per kv head read a quarter of each row's lines (4 kv heads).
   template <int HP>
   static void decode_groups(const uint16_t* q, int64_t groups, int64_t rep, const uint16_t* pool, int64_t S,
                             const PagedHead& head, int64_t kv_stride, const int64_t* table, int64_t L, float scale,
@@ -805,13 +804,18 @@ struct AttentionDotKernels {
     const int64_t kbytes = (groups - 1) * kv_stride * 2 + dk * 2, vbytes = (groups - 1) * kv_stride * 2 + dv * 2;
     auto ask = [](const uint16_t* row, int64_t bytes) { avx512::ask_share_l2(row, 1, 0, bytes, 0, 1); };  // into L2
     // the score pass asks for whole rows: the item's keys and values (the values are read later, by
-    // then from L2 or L3)
-    const int64_t row_bytes = std::max(kbytes, (head.v_off - head.k_off) * 2 + vbytes);
-    for (int64_t t = 0; t < std::min(GROUP_ROWS_AHEAD, L); ++t) ask(krow[t], row_bytes);
+    // then from L2 or L3); a GQA pool's values sit in their own rows (S rows after their keys'), asked
+    // for apart
+    const bool apart = head.v_off - head.k_off >= S * head.token_stride;
+    const int64_t row_bytes = apart ? kbytes : std::max(kbytes, (head.v_off - head.k_off) * 2 + vbytes);
+    auto ask_row = [&](int64_t t) {
+      ask(krow[t], row_bytes);
+      if (apart) ask(vrow[t], vbytes);
+    };
+    for (int64_t t = 0; t < std::min(GROUP_ROWS_AHEAD, L); ++t) ask_row(t);
     for (int64_t t0 = 0; t0 < padded; t0 += TT) {
       if (refill != nullptr && t0 % refill->chunk == 0) refill->fill(refill, t0, 0);  // (TT divides chunk)
-      for (int64_t t = t0 + GROUP_ROWS_AHEAD; t < std::min(t0 + GROUP_ROWS_AHEAD + TT, L); ++t)
-        ask(krow[t], row_bytes);
+      for (int64_t t = t0 + GROUP_ROWS_AHEAD; t < std::min(t0 + GROUP_ROWS_AHEAD + TT, L); ++t) ask_row(t);
       const uint16_t* k[TT];
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) k[t] = krow[std::min(t0 + t, L - 1)];  // past L: any row (weighs 0)

@@ -96,12 +96,20 @@ constexpr int64_t DOT_HEAD_LANES = 16;
 // prefill tile is checked against them where it is defined.
 constexpr int64_t PREFILL_MAX_LANES = 16, PREFILL_MAX_TILE = 24;
 
-// Where one kv head's keys and values sit in a layer's pool (attention_body.h): token t of block b at
-// pool + (b * S + t) * token_stride, its key at + k_off (dk wide), its value at + v_off (dv wide).
-// MLA: one head, key = the whole latent row, value = its first C columns (v_off == k_off).
-// GQA ([N, S, 2, Hkv, hd]): head g's key at g * hd, value at (Hkv + g) * hd.
+// Where one kv head's keys and values sit in a layer's pool (attention_body.h), the pool read as row
+// blocks of S rows: token t of row block b at pool + (b * S + t) * token_stride, its key at + k_off (dk
+// wide), its value at + v_off (dv wide). A block table's entry names `blocks` row blocks in a row, the
+// first one the kernels' tables name (the ops multiply a caller's tables by it).
+// MLA ([N, S, W]): one row block a block; one head, key = the whole latent row, value = its first C
+// columns (v_off == k_off).
+// GQA ([N, 2, S, Hkv, hd]: a block's S keys, then its S values; read as [2N, S, Hkv hd]): two row blocks a
+// block; head g's key at g * hd of its key row, its value S rows on: v_off = S Hkv hd + g * hd. Each
+// decode pass (keys, then values) reads a block's run of whole lines; with each token's key and value
+// side by side ([N, S, 2, Hkv, hd]) a pass read half of every row, which the hardware prefetchers follow
+// poorly (attention_body.h, the kv-heads items).
 struct PagedHead {
   int64_t token_stride, k_off, v_off, dk, dv;
+  int64_t blocks = 1;
 };
 // What an fp8 (e4m3) conversion gives (Isa::e4m3_rows): fp32, bf16 rounded to nearest even, or bf16
 // where every product is exact (e4m3_exact_scale): the rounding is a truncation
@@ -1694,7 +1702,8 @@ struct HeadItems {
     return One{i / (num_kv_heads * groups), g, h0, std::min(per_group, (g + 1) * rep - h0)};
   }
   static PagedHead head(const PagedHead& head0, int64_t g, int64_t kv_stride) {
-    return PagedHead{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, head0.dk, head0.dv};
+    return PagedHead{head0.token_stride, head0.k_off + g * kv_stride, head0.v_off + g * kv_stride, head0.dk, head0.dv,
+                     head0.blocks};
   }
 };
 
@@ -1743,26 +1752,28 @@ struct ItemCols {
 // them how. Long sequences on the group path go through a ring instead: Fp8Ring.)
 struct Fp8Cache {
   const uint8_t* pool;
-  int64_t S, block_elems;
+  int64_t S, block_elems, span;  // span: row blocks a table entry names (PagedHead::blocks)
   bool bf16;
   void (*rows16)(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, uint16_t*);
   void (*e4m3)(const uint8_t*, int64_t, int64_t, int64_t, float, int, void*);  // null where scale * 2^8 overflows
   float scale256;
   int out16;  // E4M3_BF16, or E4M3_BF16_EXACT for a power-of-two scale
   uint64_t call;
-  std::vector<int64_t> identity;  // [nb]: 0, 1, ...
+  std::vector<int64_t> identity;  // [nb]: 0, span, 2 span, ...
   uint16_t lut16[256];
   float lut32[256];
   float lut16f[256];  // lut16's values in fp32
 
-  Fp8Cache(const at::Tensor& pool_, bool bf16_, double scale, int64_t nb, const Isa& isa)
+  // pool_: the cache read as row blocks [N', S, ...] (PagedHead), `span` of them a table entry
+  Fp8Cache(const at::Tensor& pool_, bool bf16_, double scale, int64_t nb, const Isa& isa, int64_t span_ = 1)
       : pool(static_cast<const uint8_t*>(pool_.data_ptr())), S(pool_.size(1)),
-        block_elems(pool_.numel() / std::max<int64_t>(1, pool_.size(0))), bf16(bf16_), rows16(isa.lut16_rows),
+        block_elems(pool_.numel() / std::max<int64_t>(1, pool_.size(0))), span(span_), bf16(bf16_),
+        rows16(isa.lut16_rows),
         e4m3(std::isfinite(static_cast<float>(scale) * 256.0f) ? isa.e4m3_rows : nullptr),
         scale256(static_cast<float>(scale) * 256.0f),
         out16(e4m3_exact_scale(static_cast<float>(scale)) ? E4M3_BF16_EXACT : E4M3_BF16), call(next_call()),
         identity(nb) {
-    for (int64_t j = 0; j < nb; ++j) identity[j] = j;
+    for (int64_t j = 0; j < nb; ++j) identity[j] = j * span;
     const float sc = static_cast<float>(scale);
     for (int x = 0; x < 256; ++x) {
       lut32[x] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(x), c10::Float8_e4m3fn::from_bits())) * sc;
@@ -1801,26 +1812,27 @@ struct Fp8Cache {
     if (bf16) convert16(src + lo, rows, n, stride, static_cast<uint16_t*>(dst) + lo);
     else convert32(src + lo, rows, n, stride, static_cast<float*>(dst) + lo);
   }
-  // The first L tokens' blocks of a sequence (its block table `table`) in the calling thread's scratch,
-  // converted unless this call's previous item on the thread was the same sequence's.
+  // The first L tokens' blocks of a sequence (its block table `table`, in row blocks: each entry's span
+  // row blocks from there) in the calling thread's scratch, entry j's at row block j span, converted
+  // unless this call's previous item on the thread was the same sequence's.
   const void* rows(const int64_t* table, int64_t L) const {
     thread_local LineVector<uint16_t> buf;
     thread_local uint64_t seen_call = 0;
     thread_local const int64_t* seen_table = nullptr;
     thread_local int64_t seen_len = 0;
     if (seen_call == call && seen_table == table && seen_len == L) return buf.data();
-    const int64_t blocks = (L + S - 1) / S, unit = bf16 ? 1 : 2;
-    if (static_cast<int64_t>(buf.size()) < blocks * block_elems * unit) buf.resize(blocks * block_elems * unit);
+    const int64_t blocks = (L + S - 1) / S, unit = bf16 ? 1 : 2, elems = span * block_elems;
+    if (static_cast<int64_t>(buf.size()) < blocks * elems * unit) buf.resize(blocks * elems * unit);
     for (int64_t j = 0; j < blocks; ++j) {
       // blocks sit wherever the table puts them: the next one's lines asked for
       if (j + 1 < blocks) {
         const uint8_t* next = pool + table[j + 1] * block_elems;
-        for (int64_t off = 0; off < block_elems; off += 64) __builtin_prefetch(next + off, 0, 2);
+        for (int64_t off = 0; off < elems; off += 64) __builtin_prefetch(next + off, 0, 2);
       }
       const uint8_t* src = pool + table[j] * block_elems;
-      uint16_t* dst = buf.data() + j * block_elems * unit;
-      if (bf16) convert16(src, 1, block_elems, 0, dst);
-      else convert32(src, 1, block_elems, 0, reinterpret_cast<float*>(dst));
+      uint16_t* dst = buf.data() + j * elems * unit;
+      if (bf16) convert16(src, 1, elems, 0, dst);
+      else convert32(src, 1, elems, 0, reinterpret_cast<float*>(dst));
     }
     seen_call = call, seen_table = table, seen_len = L;
     return buf.data();
@@ -1859,7 +1871,8 @@ static SeqRows seq_rows(const Fp8Cache* f8, const void* pool, const int64_t* tab
 // A sequence of an fp8 cache on the group path, longer than a ring: converted whole, its rows in q's
 // dtype would leave L2 (and past ~16k tokens of a qwen3-style model, the L3), and the passes would
 // read them back from there. Instead the item's pool is a ring of `chunk` tokens (FP8_RING_BYTES of
-// rows) in the thread's scratch, its block table `ring_table` (block j in ring block j % (chunk / S));
+// rows) in the thread's scratch, its block table `ring_table` (block j in ring block j % (chunk / S), at
+// row block (j % (chunk / S)) span: a block's keys, then its values, as in the pool);
 // before the score pass reaches a chunk, its tokens' keys (only the item's kv heads') go through the
 // table into the ring, and before the value pass reaches it, their values: each byte the item reads is
 // converted once. (On Zen 4, one sequence of 32,768 tokens: 0.89-0.97x a bf16 cache's time, against
@@ -1867,13 +1880,13 @@ static SeqRows seq_rows(const Fp8Cache* f8, const void* pool, const int64_t* tab
 constexpr int64_t FP8_RING_BYTES = 256 << 10;
 struct Fp8Ring : RowRefill {
   const Fp8Cache& c;
-  const int64_t* table;
+  const int64_t* table;  // the sequence's, in row blocks (c.span of them an entry)
   int64_t L, S, stride, ring_blocks;
   ItemCols cols;  // the item's keys (part 0) and values (part 1)
   uint16_t* ring;
 
-  // tokens a ring holds for rows of `stride` elements in blocks of S (a multiple of S and 32), or 0
-  // where no sequence of up to max_len tokens would be longer
+  // tokens a ring holds for token rows of `stride` elements in blocks of S (a multiple of S and 32), or 0
+  // where no sequence of up to max_len tokens would be longer (stride: every row block's row of a token)
   static int64_t tokens(int64_t stride, int64_t S, int64_t max_len) {
     const int64_t unit = std::lcm<int64_t>(S, 32);
     const int64_t ring = std::max<int64_t>(1, FP8_RING_BYTES / (stride * 2) / unit) * unit;
@@ -1891,7 +1904,7 @@ struct Fp8Ring : RowRefill {
     for (int64_t j = t0 / r.S; j * r.S < t1; ++j) {
       const uint8_t* next = (j + 1) * r.S < t1 ? r.c.pool + r.table[j + 1] * block : nullptr;
       r.c.convert_part(r.cols, part, r.c.pool + r.table[j] * block, std::min(r.S, r.L - j * r.S), next, r.S,
-                       r.stride, r.ring + j % r.ring_blocks * block);
+                       r.stride, r.ring + j % r.ring_blocks * r.c.span * block);
     }
   }
 };
@@ -1918,6 +1931,7 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
               "length per sequence expected");
   TORCH_CHECK(num_kv_heads >= 1 && H % num_kv_heads == 0, "moe_kernels: ", H, " query heads do not share ",
               num_kv_heads, " kv heads evenly");
+  const int64_t span = head0.blocks;
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -1925,9 +1939,11 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= nb * S, "moe_kernels: context length ", lp[b], " of sequence ", b,
                 " is outside [1, ", nb * S, "]");
-    check_blocks(tp, nb, b, lp[b], S, N);
+    check_blocks(tp, nb, b, lp[b], S, N / span);
     max_len = std::max(max_len, lp[b]);
   }
+  const at::Tensor row_tables = span == 1 ? tables : tables * span;  // in row blocks (PagedHead)
+  tp = row_tables.data_ptr<int64_t>();
   at::Tensor out = at::empty({B, H, dv}, q.options());
   if (B == 0 || H == 0) return out;
   const bool bf16 = q.scalar_type() == at::kBFloat16;
@@ -1937,7 +1953,8 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
                    (isa.dot.paged_decode_applies == nullptr || isa.dot.paged_decode_applies(dk, dv, H / num_kv_heads));
   const at::Tensor qf = dot ? bf16_contiguous(q) : float32_contiguous(q);
   const at::Tensor pc = pool.contiguous();
-  const std::unique_ptr<const Fp8Cache> f8 = fp8 ? std::make_unique<const Fp8Cache>(pc, bf16, kv_scale, nb, isa) : nullptr;
+  const std::unique_ptr<const Fp8Cache> f8 =
+      fp8 ? std::make_unique<const Fp8Cache>(pc, bf16, kv_scale, nb, isa, span) : nullptr;
   // sequence b's pool and block table: the cache's, or its rows in the thread's scratch (the dot and
   // group paths); the FMA path's items read an fp8 cache's bytes themselves, each block's rows converted
   // to fp32 as they convert a bf16 cache's (Fp8Read)
@@ -1952,14 +1969,15 @@ static at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, cons
     const uint16_t* qb = reinterpret_cast<const uint16_t*>(qf.data_ptr());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     // an fp8 cache's sequences longer than a ring go through one (Fp8Ring); shorter ones whole
-    const int64_t ring_tokens = f8 ? Fp8Ring::tokens(head0.token_stride, S, max_len) : 0;
+    const int64_t ring_tokens = f8 ? Fp8Ring::tokens(head0.token_stride * span, S, max_len) : 0;
     for_each_claimed(items.count, [&](auto& claim) {
       LineVector<float> scores(per * padded * hp), acc(per * rep * (dv + 32));
       LineVector<uint32_t> pbuf(per * (dk / 2 * hp + padded * hp / 2 + 16));
       std::vector<const uint16_t*> rows(2 * (max_len + 1));
-      LineVector<uint16_t> ring(ring_tokens * head0.token_stride);
+      LineVector<uint16_t> ring(ring_tokens * head0.token_stride * span);
       std::vector<int64_t> ring_table(ring_tokens ? nb : 0);
-      for (int64_t j = 0; j < static_cast<int64_t>(ring_table.size()); ++j) ring_table[j] = j % (ring_tokens / S);
+      for (int64_t j = 0; j < static_cast<int64_t>(ring_table.size()); ++j)
+        ring_table[j] = j % (ring_tokens / S) * span;
       for (int64_t begin, end; claim(begin, end);)
         for (int64_t i = begin; i < end; ++i) {
           const auto [b, g0, groups] = items[i];
@@ -2066,19 +2084,26 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& pool, const at::Ten
   return paged_decode(q, pool, block_tables, context_lens, 1, PagedHead{W, 0, 0, W, C}, 0, scale, kv_scale);
 }
 
-// q: [B, H, hd] float32 or bfloat16; pool: [N, S, 2, Hkv, hd] in q's dtype, or float8_e4m3fn holding
-// values / kv_scale (one layer's GQA cache: keys, then values); block_tables: [B, nb] int64;
-// context_lens: [B] int64. Query head h uses kv head h / (H / Hkv). Returns [B, H, hd] in q's dtype:
-// softmax(q k^T * scale) v.
+// A GQA pool [N, 2, S, Hkv, hd] as the paged ops read it: row blocks [2N, S, Hkv hd] (block b's keys in
+// row block 2b, its values in 2b + 1) and kv head 0's place in them (PagedHead); kv head g at + g hd.
+static std::pair<at::Tensor, PagedHead> gqa_rows(const at::Tensor& pool) {
+  const int64_t S = pool.size(2), hkv = pool.size(3), hd = pool.size(4), row = hkv * hd;
+  return {pool.reshape({2 * pool.size(0), S, row}), PagedHead{row, 0, S * row, hd, hd, 2}};
+}
+
+// q: [B, H, hd] float32 or bfloat16; pool: [N, 2, S, Hkv, hd] in q's dtype, or float8_e4m3fn holding
+// values / kv_scale (one layer's GQA cache: each block's keys, then its values); block_tables: [B, nb]
+// int64; context_lens: [B] int64. Query head h uses kv head h / (H / Hkv). Returns [B, H, hd] in q's
+// dtype: softmax(q k^T * scale) v.
 at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
                       const at::Tensor& context_lens, double scale, double kv_scale) {
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && pool.dim() == 5 && pool.size(2) == 2, "moe_kernels: q [B, H, hd], pool [N, S, 2, "
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 5 && pool.size(1) == 2, "moe_kernels: q [B, H, hd], pool [N, 2, S, "
               "Hkv, hd], block_tables [B, nb], context_lens [B] expected");
   const int64_t hkv = pool.size(3), hd = pool.size(4);
   TORCH_CHECK(q.size(2) == hd, "moe_kernels: q head dim ", q.size(2), " does not match the cache's ", hd);
-  return paged_decode(q, pool, block_tables, context_lens, hkv, PagedHead{2 * hkv * hd, 0, hkv * hd, hd, hd}, hd,
-                      scale, kv_scale);
+  const auto [rows, head] = gqa_rows(pool);
+  return paged_decode(q, rows, block_tables, context_lens, hkv, head, hd, scale, kv_scale);
 }
 
 // Prefill attention straight from a paged cache: q [T, H, dk] holds the new rows of B sequences,
@@ -2113,14 +2138,17 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* qs = starts.data_ptr<int64_t>();
   TORCH_CHECK(qs[0] == 0 && qs[B] == T, "moe_kernels: query_starts must run from 0 to the ", T, " rows of q");
+  const int64_t span = head0.blocks;
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t qlen = qs[b + 1] - qs[b];
     TORCH_CHECK(qlen >= 1 && qlen <= lp[b] && lp[b] <= nb * S, "moe_kernels: sequence ", b, " has ", qlen,
                 " new rows and context length ", lp[b], " (need 1 <= rows <= context length <= ", nb * S, ")");
-    check_blocks(tp, nb, b, lp[b], S, N);
+    check_blocks(tp, nb, b, lp[b], S, N / span);
     max_len = std::max(max_len, lp[b]);
   }
+  const at::Tensor row_tables = span == 1 ? tables : tables * span;  // in row blocks (PagedHead)
+  tp = row_tables.data_ptr<int64_t>();
   at::Tensor out = at::empty({T, H, dv}, q.options());
   if (B == 0 || H == 0) return out;
   const bool bf16 = q.scalar_type() == at::kBFloat16;
@@ -2131,7 +2159,8 @@ static at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, con
   const char* qp = static_cast<const char*>(qc.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   // an fp8 cache: each sequence's rows in the thread's scratch, in q's dtype, as paged_decode reads them
-  const std::unique_ptr<const Fp8Cache> f8 = fp8 ? std::make_unique<const Fp8Cache>(pc, bf16, kv_scale, nb, isa) : nullptr;
+  const std::unique_ptr<const Fp8Cache> f8 =
+      fp8 ? std::make_unique<const Fp8Cache>(pc, bf16, kv_scale, nb, isa, span) : nullptr;
   const float sc = static_cast<float>(scale);
   const int64_t padded = (max_len + S - 1) / S * S;
   for_each_claimed(items.count, [&](auto& claim) {
@@ -2172,18 +2201,18 @@ at::Tensor mla_prefill(const at::Tensor& q, const at::Tensor& kv, const at::Tens
                        own + dv, 0, scale, 1.0, SharedKeyPart{R ? pe.data_ptr() : nullptr, R});
 }
 
-// Prefill over a GQA cache: q [T, H, hd]; pool [N, S, 2, Hkv, hd] as gqa_decode's (fp8 too); window > 0:
+// Prefill over a GQA cache: q [T, H, hd]; pool [N, 2, S, Hkv, hd] as gqa_decode's (fp8 too); window > 0:
 // a sliding window of that many positions. Returns [T, H, hd].
 at::Tensor gqa_prefill(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block_tables,
                        const at::Tensor& context_lens, const at::Tensor& query_starts, int64_t window, double scale,
                        double kv_scale) {
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "moe_kernels: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && pool.dim() == 5 && pool.size(2) == 2, "moe_kernels: q [T, H, hd], pool [N, S, 2, "
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 5 && pool.size(1) == 2, "moe_kernels: q [T, H, hd], pool [N, 2, S, "
               "Hkv, hd] expected");
   const int64_t hkv = pool.size(3), hd = pool.size(4);
   TORCH_CHECK(q.size(2) == hd, "moe_kernels: q head dim ", q.size(2), " does not match the cache's ", hd);
-  return paged_prefill(q, pool, block_tables, context_lens, query_starts, hkv,
-                       PagedHead{2 * hkv * hd, 0, hkv * hd, hd, hd}, hd, window, scale, kv_scale);
+  const auto [rows, head] = gqa_rows(pool);
+  return paged_prefill(q, rows, block_tables, context_lens, query_starts, hkv, head, hd, window, scale, kv_scale);
 }
 
 // x: [T, D] float32 or bfloat16 (rows contiguous); weight: [D] in x's dtype. Returns [T, D]:
@@ -2325,25 +2354,27 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, const at::Ten
   return out;
 }
 
-// slot_mapping [T] int64 checked against the pool's N * S slots (a cache write lands in each); returned
-// contiguous.
-static at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t T, const at::Tensor& pool) {
+// slot_mapping [T] int64 checked against a pool's num_slots (N blocks x S; a cache write lands in each);
+// returned contiguous.
+static at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t T, int64_t num_slots) {
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.scalar_type() == at::kLong,
               "moe_kernels: slot_mapping must be [T] int64");
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t num_slots = pool.size(0) * pool.size(1);
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "moe_kernels: slot ", sp[t], " outside the pool of ", num_slots);
   return slots;
 }
 
 // An fp8 (e4m3) cache's writes: rows [T, E] of the compute dtype (staged entries, fp32 or bf16) into
-// the pool's slots sp[t], quantized as KVLayerView.write quantizes: fp32 value / kv_scale, clamped to
-// +-448, rounded to e4m3 (a NaN stays one).
-static void write_fp8_rows(const at::Tensor& rows, const at::Tensor& pool, const int64_t* sp, double kv_scale) {
-  const int64_t T = rows.size(0), E = rows.numel() / std::max<int64_t>(1, T);
-  TORCH_CHECK(pool.numel() / std::max<int64_t>(1, pool.size(0) * pool.size(1)) == E, "moe_kernels: ", E,
+// the pool's slots sp[t] (blocks of S slots), quantized as KVLayerView.write quantizes: fp32 value /
+// kv_scale, clamped to +-448, rounded to e4m3 (a NaN stays one). An entry in `parts` parts of E / parts
+// (GQA: key, value) puts part p of slot s in the part's run of its block, as the pool holds them: at row
+// (s / S * parts + p) * S + s % S of E / parts elements (one part: row s).
+static void write_fp8_rows(const at::Tensor& rows, const at::Tensor& pool, int64_t S, int64_t parts, const int64_t* sp,
+                           double kv_scale) {
+  const int64_t T = rows.size(0), E = rows.numel() / std::max<int64_t>(1, T), P = E / parts;
+  TORCH_CHECK(pool.numel() / std::max<int64_t>(1, pool.size(0) * S) == E && P * parts == E, "moe_kernels: ", E,
               "-element cache entries do not match the pool's");
   const float sc = static_cast<float>(kv_scale);
   uint8_t* dst = static_cast<uint8_t*>(pool.data_ptr());
@@ -2353,7 +2384,8 @@ static void write_fp8_rows(const at::Tensor& rows, const at::Tensor& pool, const
                           ? to_float(reinterpret_cast<const uint16_t*>(rows.data_ptr())[t * E + i])
                           : rows.data_ptr<float>()[t * E + i];
       const float c = std::min(std::max(v / sc, -448.0f), 448.0f);  // NaN passes through both
-      dst[sp[t] * E + i] = c10::Float8_e4m3fn(c).x;
+      const int64_t p = i / P, row = (sp[t] / S * parts + p) * S + sp[t] % S;
+      dst[row * P + i - p * P] = c10::Float8_e4m3fn(c).x;
     }
 }
 
@@ -2408,7 +2440,8 @@ static void mla_rope_cache_into(const at::Tensor& qc, const at::Tensor& latent, 
               "moe_kernels: cos and sin must be [T, R/2] float32");
   TORCH_CHECK(pool.is_contiguous() && qc.is_contiguous(), "moe_kernels: the cache pool and q must be contiguous");
   const at::Tensor lc = latent.contiguous(), wc = norm_weight.contiguous();
-  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), slots = checked_slots(slot_mapping, T, pool);
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  const at::Tensor slots = checked_slots(slot_mapping, T, pool.size(0) * pool.size(1));
   const int64_t* sp = slots.data_ptr<int64_t>();
   if (T == 0) return;
   const float e = static_cast<float>(eps);
@@ -2488,7 +2521,8 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
     const at::Tensor stage = at::empty({B, 1, W}, x.options());
     mla_rope_cache_into(q, latent, kv_norm, kv_eps, cos, sin, interleave, stage, at::arange(B, slot_mapping.options()),
                         nullptr, rope_out, C + R);
-    write_fp8_rows(stage, pool, checked_slots(slot_mapping, B, pool).data_ptr<int64_t>(), kv_scale);
+    const at::Tensor slots = checked_slots(slot_mapping, B, pool.size(0) * pool.size(1));
+    write_fp8_rows(stage, pool, pool.size(1), 1, slots.data_ptr<int64_t>(), kv_scale);
   } else {
     mla_rope_cache_into(q, latent, kv_norm, kv_eps, cos, sin, interleave, pool, slot_mapping, nullptr, rope_out,
                         C + R);
@@ -2505,7 +2539,7 @@ at::Tensor mla_decode_attention(const at::Tensor& x, const at::Tensor& q_a_wp, c
 // the result is bit-equal to it, without a Python round trip per op.
 // x: [B, D]; q_wp / k_wp / v_wp / o_wp: q_proj, k_proj, v_proj, o_proj packed as kernels.pack_linear
 // packs them, each with its bias (or empty); q_norm / k_norm: the per-head RMSNorm weights [hd]
-// (Qwen3) or both empty, with their eps; cos, sin: [B, hd/2] float32; pool: [N, S, 2, Hkv, hd] this
+// (Qwen3) or both empty, with their eps; cos, sin: [B, hd/2] float32; pool: [N, 2, S, Hkv, hd] this
 // layer's cache in x's dtype or fp8 as mla_decode_attention's (this step's roped keys and values are
 // written at slot_mapping [B]); block_tables: [B, nb] int64; context_lens: [B] int64; dims: (H, Hkv, hd,
 // D).
@@ -2523,17 +2557,18 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
   const int64_t H = dims[0], Hkv = dims[1], hd = dims[2], D = dims[3], B = x.size(0);
   TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && hd > 0 && hd % 2 == 0, "moe_kernels: ", H, " query heads, ",
               Hkv, " kv heads of ", hd, " do not make grouped-query attention with an even head dim");
-  TORCH_CHECK(pool.dim() == 5 && pool.size(2) == 2 && pool.size(3) == Hkv && pool.size(4) == hd &&
+  TORCH_CHECK(pool.dim() == 5 && pool.size(1) == 2 && pool.size(3) == Hkv && pool.size(4) == hd &&
               (pool.scalar_type() == x.scalar_type() || pool.scalar_type() == at::kFloat8_e4m3fn) &&
               pool.is_contiguous(),
-              "moe_kernels: the cache pool must be a contiguous [N, S, 2, ", Hkv, ", ", hd, "] tensor in x's dtype "
+              "moe_kernels: the cache pool must be a contiguous [N, 2, S, ", Hkv, ", ", hd, "] tensor in x's dtype "
               "or float8_e4m3fn");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == B && cos.size(1) * 2 == hd &&
               cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "moe_kernels: cos and sin must be [B, hd/2] float32 (rope over the whole head)");
   TORCH_CHECK(q_norm.numel() == k_norm.numel() && (q_norm.numel() == 0 || q_norm.numel() == hd),
               "moe_kernels: q_norm and k_norm must both be [hd] or both empty");
-  const at::Tensor slots = checked_slots(slot_mapping, B, pool);
+  const int64_t S = pool.size(2), row = Hkv * hd;
+  const at::Tensor slots = checked_slots(slot_mapping, B, pool.size(0) * S);
   const int64_t* sp = slots.data_ptr<int64_t>();
   at::Tensor q = linear_rows(x, q_wp, q_bias, H * hd);
   at::Tensor k = linear_rows(x, k_wp, k_bias, Hkv * hd);
@@ -2551,15 +2586,16 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
   const bool fp8 = pool.scalar_type() == at::kFloat8_e4m3fn;
   const at::Tensor stage = fp8 ? at::empty({B, 2, Hkv, hd}, x.options()) : pool;
   auto rope_and_write = [&](auto* qp, auto* kp, auto* vp, auto* qo, auto* pp) {
-    const int64_t half = hd / 2, entry = 2 * Hkv * hd;
+    const int64_t half = hd / 2;
     const bool bf16 = sizeof(*qp) == 2;
     for (int64_t t = 0; t < B; ++t) {
       const float* c = cc.data_ptr<float>() + t * half;
       const float* s = sc.data_ptr<float>() + t * half;
       isa.rope(bf16, qp + t * H * hd, hd, H, c, s, hd, interleave, qo + t * H * hd, hd);
-      auto* dst = pp + (fp8 ? t : sp[t]) * entry;  // [2, Hkv, hd]: roped keys, then values
-      isa.rope(bf16, kp + t * Hkv * hd, hd, Hkv, c, s, hd, interleave, dst, hd);
-      std::memcpy(dst + Hkv * hd, vp + t * Hkv * hd, Hkv * hd * sizeof(*vp));
+      // roped keys [Hkv, hd] at the slot's key row, values at its value row S rows on (the stage: [2, Hkv, hd])
+      auto* key = pp + (fp8 ? 2 * t : sp[t] / S * 2 * S + sp[t] % S) * row;
+      isa.rope(bf16, kp + t * row, hd, Hkv, c, s, hd, interleave, key, hd);
+      std::memcpy(key + (fp8 ? 1 : S) * row, vp + t * row, row * sizeof(*vp));
     }
   };
   if (x.scalar_type() == at::kBFloat16) {
@@ -2569,7 +2605,7 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
     rope_and_write(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q_rot.data_ptr<float>(),
                    stage.data_ptr<float>());
   }
-  if (fp8) write_fp8_rows(stage, pool, sp, kv_scale);
+  if (fp8) write_fp8_rows(stage, pool, S, 2, sp, kv_scale);
   const at::Tensor o = gqa_decode(q_rot, pool, block_tables, context_lens, scale, kv_scale);  // [B, H, hd]
   return linear_rows(o.view({B, H * hd}), o_wp, o_bias, D);
 }

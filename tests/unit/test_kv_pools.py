@@ -59,8 +59,46 @@ def test_cache_pools_per_layer_start_at_zero() -> None:
                          intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                          max_position_embeddings=128)
     cache = PagedKVCache(config, num_blocks=4096, block_size=16, dtype=torch.bfloat16)
-    assert len(cache.pools) == 3
-    assert all(p.shape == (4096, 16, *config.kv_entry_shape) and not p.any() for p in cache.pools)
+    assert len(cache.pools) == 3 and cache.entry_shape == config.kv_entry_shape == (2, 2, 8)
+    assert all(p.shape == (4096, 2, 16, 2, 8) and not p.any() for p in cache.pools)  # a block's keys, then values
+
+
+def _gqa_config(kv_heads: int = 2) -> ModelConfig:
+    return ModelConfig(architecture="mixtral", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8, attention="gqa",
+                       intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                       max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_gqa_writes_land_in_their_blocks_key_and_value_runs_and_gather_gives_token_entries(
+        kv_cache_dtype: str) -> None:
+    """A GQA pool [N, 2, S, Hkv, hd] holds slot s's key at [s // S, 0, s % S] and its value at
+    [s // S, 1, s % S]; ``gather`` gives each sequence's tokens as [B, nb * S, 2, Hkv, hd] entries again
+    (fp8: dequantized, each value within half an e4m3 step), and nothing else in the pool moves."""
+    cache = PagedKVCache(_gqa_config(), num_blocks=5, block_size=4, dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)
+    view = cache.layer(1)
+    entries = torch.randn(7, 2, 2, 8, generator=torch.Generator().manual_seed(0))  # [T, 2, Hkv, hd]
+    slots = torch.tensor([13, 2, 3, 12, 0, 19, 14])  # blocks 3, 0, 0, 3, 0, 4, 3
+    view.write(slots, entries)
+    pool = view.pool.float()
+    assert view.pool.shape == (5, 2, 4, 2, 8) and not cache.pools[0].float().any()
+    tol = 0.0 if kv_cache_dtype == "auto" else 1 / 16
+    for t, s in enumerate(slots.tolist()):
+        for part in (0, 1):  # key, value
+            got, want = pool[s // 4, part, s % 4], entries[t, part]
+            assert (got - want).abs().max().item() <= tol * want.abs().max().item(), (t, part)
+    written = torch.zeros(5, 4, dtype=torch.bool)
+    written.view(-1)[slots] = True
+    assert not pool.permute(0, 2, 1, 3, 4)[~written].any()  # [N, S, ...]: the slots never written stay zero
+    tables = torch.tensor([[3, 0], [4, 1]])
+    gathered = view.gather(tables)
+    assert gathered.shape == (2, 8, 2, 2, 8) and gathered.dtype == torch.float32
+    for b, row in enumerate(tables.tolist()):
+        for p in range(8):
+            assert torch.equal(gathered[b, p], pool[row[p // 4], :, p % 4]), (b, p)
+    with pytest.raises(ValueError, match=r"KV entries \(2, 3, 8\) do not match pool entries \(2, 2, 8\)"):
+        view.write(slots[:1], torch.zeros(1, 2, 3, 8))
 
 
 def test_pools_beyond_available_memory_warn_once(caplog: pytest.LogCaptureFixture) -> None:

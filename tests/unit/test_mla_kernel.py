@@ -39,10 +39,10 @@ def _reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: 
 
 def _random_batch(seed: int, b: int, h: int, q_width: int, pool_shape: tuple[int, ...], dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random pool [N, S, ...], block tables [B, 6] of scattered blocks, context lengths [B] (the
-    first sequence fills its last block) and queries [B, H, q_width]."""
+    """A random pool (MLA [N, S, W]; GQA [N, 2, S, Hkv, hd]), block tables [B, 6] of scattered blocks,
+    context lengths [B] (the first sequence fills its last block) and queries [B, H, q_width]."""
     gen = torch.Generator().manual_seed(seed)
-    n, size, nb = pool_shape[0], pool_shape[1], 6
+    n, size, nb = pool_shape[0], pool_shape[2 if len(pool_shape) == 5 else 1], 6
     pool = torch.randn(*pool_shape, generator=gen).to(dtype)
     tables = torch.stack([torch.randperm(n, generator=gen)[:nb] for _ in range(b)])
     lens = torch.randint(1, nb * size + 1, (b,), generator=gen)
@@ -182,7 +182,7 @@ def test_decode_attention_asks_are_probed_kept_and_give_the_same_bits(kernel_isa
         tables = torch.stack([torch.randperm(48, generator=gen)[:20] for _ in range(3)])
         lens = torch.tensor([300, 50, 17])
         q = torch.randn(3, 16, 288, generator=gen).to(torch.bfloat16)
-        kv = torch.randn(48, 16, 2, 2, 64, generator=gen).to(torch.bfloat16)  # GQA: 2 kv heads of 64
+        kv = torch.randn(48, 2, 16, 2, 64, generator=gen).to(torch.bfloat16)  # GQA: 2 kv heads of 64
         gq = torch.randn(3, 8, 64, generator=gen).to(torch.bfloat16)
         for name in kernel_isas:
             kernels.select_isa(name)
@@ -424,7 +424,7 @@ def test_whole_gqa_decode_attention_op_is_bit_equal_to_the_op_by_op_path(
     attn.interleave = interleave
     assert (attn.q_norm is not None) == (family == "qwen3_moe") and (attn.o_proj.bias is not None) == cfg.attention_bias
     steps = [([1, 1, 1], [5, 3, 2]), ([1, 3, 1], [6, 3, 3]), ([1, 1, 1], [7, 4, 4])]  # decode; mixed; decode
-    start_shape = (8, 4, 2, attn.num_kv_heads, attn.head_dim)
+    start_shape = (8, 2, 4, attn.num_kv_heads, attn.head_dim)  # [N, 2, S, Hkv, hd]
     calls, results = _fused_and_op_by_op(attn, cfg, dtype, steps, start_shape, interleave,
                                          "gqa_decode_attention_op", kernel_isas, monkeypatch)
     # the fused op served the all-decode steps only (twice per ISA), never the mixed one
@@ -450,7 +450,7 @@ def test_whole_decode_attention_op_steps_aside_when_an_op_would_not_run_its_kern
     # an fp8 cache whose scale its first write still has to calibrate: the op-by-op path writes it
     calibrating = PagedKVCache(cfg, 4, 4, torch.bfloat16, "fp8", calculate_kv_scales=True).layer(0)
     assert attn.fused_decode_op(x, calibrating) is None
-    calibrating.write(torch.tensor([0]), torch.ones(1, *calibrating.pool.shape[2:]))
+    calibrating.write(torch.tensor([0]), torch.ones(1, *calibrating.cache.entry_shape))
     assert calibrating.scale_settled and attn.fused_decode_op(x, calibrating) is not None
     assert attn.fused_decode_op(x.float(), view) is None  # input in another dtype than the weights
     for module in (getattr(attn, projection), getattr(attn, norm)):  # pinned to PyTorch's op
@@ -470,10 +470,12 @@ def test_gqa_decode_attention_op_refuses_a_cache_of_another_shape(kernel_isas: l
     w = kernels.pack_linear(torch.zeros(8, 8)).wp
     run = kernels.gqa_decode_attention_op((w, w, w, w), (None,) * 4, None, (0.0, 0.0), (2, 2, 4, 8), False, 1.0)
     cos, sin, lens, tables = torch.ones(1, 2), torch.zeros(1, 2), torch.tensor([1]), torch.tensor([[0]])
-    with pytest.raises(RuntimeError, match=r"contiguous \[N, S, 2, 2, 4\]"):
-        run(x, cos, sin, torch.zeros(2, 4, 2, 1, 4), torch.tensor([0]), tables, lens)
+    with pytest.raises(RuntimeError, match=r"contiguous \[N, 2, S, 2, 4\]"):
+        run(x, cos, sin, torch.zeros(2, 2, 4, 1, 4), torch.tensor([0]), tables, lens)
+    with pytest.raises(RuntimeError, match=r"contiguous \[N, 2, S, 2, 4\]"):  # the layout before keys and values split
+        run(x, cos, sin, torch.zeros(2, 4, 2, 2, 4), torch.tensor([0]), tables, lens)
     with pytest.raises(RuntimeError, match="slot 8 outside the pool of 8"):
-        run(x, cos, sin, torch.zeros(2, 4, 2, 2, 4), torch.tensor([8]), tables, lens)
+        run(x, cos, sin, torch.zeros(2, 2, 4, 2, 4), torch.tensor([8]), tables, lens)
 
 
 def test_rope_cache_op_refuses_slots_outside_the_pool(kernel_isas: list[str]) -> None:
@@ -507,11 +509,12 @@ def test_set_fused_ops_switches_every_fused_op_and_keeps_the_tokens(kernel_isas:
 
 def _gqa_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                    scale: float) -> torch.Tensor:
-    b, size = q.shape[0], pool.shape[1]
+    """q [B, H, hd] against each sequence's blocks of pool [N, 2, S, Hkv, hd] by gather and sdpa."""
+    b, size = q.shape[0], pool.shape[2]
     nb = -(-int(lens.max()) // size)
-    kv = pool.index_select(0, tables[:, :nb].reshape(-1)).view(b, nb * size, *pool.shape[2:])  # [B, L, 2, Hkv, hd]
+    kv = pool.index_select(0, tables[:, :nb].reshape(-1)).view(b, nb, 2, size, *pool.shape[3:])
     mask = torch.arange(nb * size)[None] < lens[:, None]
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, L, hd]
+    k, v = (kv[:, :, i].reshape(b, nb * size, *pool.shape[3:]).transpose(1, 2) for i in (0, 1))  # [B, Hkv, L, hd]
     return sdpa(q[:, :, None], k, v, mask[:, None, None], scale)[:, :, 0]
 
 
@@ -529,7 +532,7 @@ GQA_CASES = [(3, 8, 2, 64, 16, 40), (2, 6, 6, 20, 4, 30), (2, 34, 2, 15, 4, 30),
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_decode_equals_gather_and_sdpa(kernel_isas: list[str], case: tuple[int, ...], dtype: torch.dtype) -> None:
     b, h, hkv, hd, size, n = case
-    pool, tables, lens, q = _random_batch(sum(case), b, h, hd, (n, size, 2, hkv, hd), dtype)
+    pool, tables, lens, q = _random_batch(sum(case), b, h, hd, (n, 2, size, hkv, hd), dtype)
     want = _gqa_reference(q, pool, tables, lens, 0.2)
     for name in kernel_isas:
         kernels.select_isa(name)
@@ -556,15 +559,13 @@ def test_bf16_decode_on_amx_runs_the_tiles_where_they_apply(kernel_isas: list[st
             pool, tables, lens, q = _random_batch(1, 4, heads, 96, (30, 16, 96), torch.bfloat16)
             col = 64
         else:  # two kv heads
-            pool, tables, lens, q = _random_batch(1, 4, heads, 64, (30, 16, 2, 2, 64), torch.bfloat16)
+            pool, tables, lens, q = _random_batch(1, 4, heads, 64, (30, 2, 16, 2, 64), torch.bfloat16)
             col = 0
         q[:, :, col] = 2.0 ** -130
-        key = pool[tables[:, 0], 0]  # every sequence's token 0
-        if op == "mla":
-            key[:, col] = 2.0 ** 127
-        else:
-            key[:, 0, :, col] = 2.0 ** 127
-        pool[tables[:, 0], 0] = key
+        token0 = (tables[:, 0], 0) if op == "mla" else (tables[:, 0], 0, 0)  # every sequence's token 0 (key)
+        key = pool[token0]
+        key[..., col] = 2.0 ** 127
+        pool[token0] = key
         return kernels.mla_decode(q, pool, tables, lens, 64, 1.0) if op == "mla" else kernels.gqa_decode(
             q, pool, tables, lens, 1.0)
 
@@ -585,7 +586,7 @@ def test_gqa_decode_gives_a_sequence_the_same_bits_however_its_kv_heads_are_spli
     items, at batch 3 they stay in one. (query heads, kv heads, head dim): 4, 1, 4, 3, 1 and 8 query
     heads a kv head."""
     h, hkv, hd = case
-    pool, tables, lens, q = _random_batch(h + hd, 3, h, hd, (40, 16, 2, hkv, hd), dtype)
+    pool, tables, lens, q = _random_batch(h + hd, 3, h, hd, (40, 2, 16, hkv, hd), dtype)
     threads = torch.get_num_threads()
     try:
         for name in kernel_isas:
@@ -615,7 +616,7 @@ def test_gqa_decode_fma_items_of_all_kv_heads_give_the_bits_of_one_kv_head_at_a_
     every instruction set; bf16 where it runs the FMA path."""
     h, hkv, hd = case
     rep = h // hkv
-    pool, tables, lens, q = _random_batch(h * hd, 3, h, hd, (40, 16, 2, hkv, hd), dtype)
+    pool, tables, lens, q = _random_batch(h * hd, 3, h, hd, (40, 2, 16, hkv, hd), dtype)
     fma = ["avx512", "avx2", "generic"]
     try:
         for name in [n for n in kernel_isas if dtype == torch.float32 or n in fma]:
@@ -632,7 +633,7 @@ def test_gqa_decode_fma_items_of_all_kv_heads_give_the_bits_of_one_kv_head_at_a_
 
 
 def test_gqa_decode_rejects_heads_that_do_not_share_kv_heads(kernel_isas: list[str]) -> None:
-    pool = torch.zeros(2, 4, 2, 3, 8)
+    pool = torch.zeros(2, 2, 4, 3, 8)
     with pytest.raises(RuntimeError, match="4 query heads do not share 3 kv heads"):
         kernels.gqa_decode(torch.zeros(1, 4, 8), pool, torch.tensor([[0]]), torch.tensor([2]), 1.0)
 
@@ -691,7 +692,7 @@ def test_whole_decode_attention_ops_on_an_fp8_cache_are_bit_equal_to_the_op_by_o
     for p in attn.parameters():
         p.data.copy_(torch.randn_like(p, dtype=torch.float32).to(dtype) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
     steps = [([1, 1, 1], [5, 3, 2]), ([1, 3, 1], [6, 3, 3]), ([1, 1, 1], [7, 4, 4])]
-    start_shape = (8, 4, attn.kv_lora_rank + attn.rope) if mla else (8, 4, 2, attn.num_kv_heads, attn.head_dim)
+    start_shape = (8, 4, attn.kv_lora_rank + attn.rope) if mla else (8, 2, 4, attn.num_kv_heads, attn.head_dim)
     op = "mla_decode_attention_op" if mla else "gqa_decode_attention_op"
     calls, results = _fused_and_op_by_op(attn, cfg, dtype, steps, start_shape, cfg.rope_interleave, op, kernel_isas,
                                          monkeypatch, kv_cache_dtype="fp8", kv_scale=0.37)
@@ -775,7 +776,7 @@ def test_decode_on_an_fp8_cache_gives_the_bits_of_its_dequantized_cache(
                 pool, tables, lens, q = _random_batch(sum(case), b, h, c + r, (n, size, c + r), dtype)
             else:
                 b, h, hkv, hd, size, n = case
-                pool, tables, lens, q = _random_batch(sum(case), b, h, hd, (n, size, 2, hkv, hd), dtype)
+                pool, tables, lens, q = _random_batch(sum(case), b, h, hd, (n, 2, size, hkv, hd), dtype)
             fp8 = _fp8_pool(pool, sum(case))
             dequantized = (fp8.float() * torch.tensor(kv_scale)).to(dtype)
             for name in kernel_isas:
@@ -803,11 +804,11 @@ def test_decode_on_an_fp8_cache_with_nan_codes_gives_nan_where_its_dequantized_c
     them (a key's: its kv head's heads; a value's: their column) and nowhere else, the other values'
     bits unchanged."""
     b, h, hkv, hd, size, n = 3, 8, 2, 40, 4, 30
-    pool, _, lens, q = _random_batch(7, b, h, hd, (n, size, 2, hkv, hd), dtype)
+    pool, _, lens, q = _random_batch(7, b, h, hd, (n, 2, size, hkv, hd), dtype)
     tables = torch.randperm(n, generator=torch.Generator().manual_seed(7))[:b * 6].view(b, 6)  # no block shared
     codes = _fp8_pool(pool, 7).view(torch.uint8).clone()
-    codes[tables[0, 0], 1, 0, 1, 5] = 0x7F  # sequence 0's token 1: kv head 1's key
-    codes[tables[2, 0], 0, 1, 0, 39] = 0xFF  # sequence 2's token 0: kv head 0's value (a row's tail)
+    codes[tables[0, 0], 0, 1, 1, 5] = 0x7F  # sequence 0's token 1: kv head 1's key
+    codes[tables[2, 0], 1, 0, 0, 39] = 0xFF  # sequence 2's token 0: kv head 0's value (a row's tail)
     fp8 = codes.view(torch.float8_e4m3fn)
     dequantized = (fp8.float() * torch.tensor(kv_scale)).to(dtype)
     threads = torch.get_num_threads()
@@ -851,7 +852,7 @@ def test_long_sequences_on_an_fp8_cache_go_through_a_ring_with_the_same_bits(
     for i, k in enumerate(blocks):  # scattered blocks, no two sequences sharing one
         tables[i, :k] = perm[start:start + k]
         start += k
-    fp8 = _fp8_pool(torch.empty(n, size, 2, hkv, hd), sum(lens))
+    fp8 = _fp8_pool(torch.empty(n, 2, size, hkv, hd), sum(lens))
     q = torch.randn(len(lens), h, hd, generator=gen).to(torch.bfloat16)
     context = torch.tensor(lens)
     threads = torch.get_num_threads()

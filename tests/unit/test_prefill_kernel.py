@@ -67,7 +67,7 @@ def test_gqa_prefill_matches_the_masked_sdpa_on_every_isa(kernel_isas: list[str]
     h, hkv, hd, size, window = case
     gen = torch.Generator().manual_seed(hd)
     lens, starts, rows = _batch(SEQS)
-    pool = torch.randn(64, size, 2, hkv, hd, generator=gen).to(dtype)
+    pool = torch.randn(64, 2, size, hkv, hd, generator=gen).to(dtype)
     tables = _scattered_tables(gen, lens.tolist(), size, 64)
     q = torch.randn(rows, h, hd, generator=gen).to(dtype)
     scale = 1 / math.sqrt(hd)
@@ -76,8 +76,8 @@ def test_gqa_prefill_matches_the_masked_sdpa_on_every_isa(kernel_isas: list[str]
         out = kernels.gqa_prefill(q, pool, tables, lens, starts, scale, window)
         assert out.shape == (rows, h, hd) and out.dtype == dtype
         for b, (ctx, _) in enumerate(SEQS):
-            kv = pool[tables[b, : -(-ctx // size)]].reshape(-1, 2, hkv, hd)[:ctx]
-            want = _masked_sdpa(q[starts[b] : starts[b + 1]], kv[:, 0], kv[:, 1], window, scale).float()
+            kv = pool[tables[b, : -(-ctx // size)]].transpose(0, 1).reshape(2, -1, hkv, hd)[:, :ctx]  # k, v
+            want = _masked_sdpa(q[starts[b] : starts[b + 1]], kv[0], kv[1], window, scale).float()
             got = out[starts[b] : starts[b + 1]].float()
             # fp32: the order of the sums; bf16: an output rounded the other way (one bf16 ulp)
             tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * want.abs().max().item()
@@ -140,7 +140,7 @@ def test_mla_prefill_reads_a_rope_key_shared_by_the_heads(kernel_isas: list[str]
 def test_prefill_rejects_rows_lengths_and_blocks_that_do_not_fit(kernel_isas: list[str], lens: list[int],
                                                                   starts: list[int], table: list[list[int]],
                                                                   message: str) -> None:
-    pool, q = torch.zeros(2, 4, 2, 1, 8), torch.zeros(4, 2, 8)
+    pool, q = torch.zeros(2, 2, 4, 1, 8), torch.zeros(4, 2, 8)
     with pytest.raises(RuntimeError, match=message):
         kernels.gqa_prefill(q, pool, torch.tensor(table), torch.tensor(lens), torch.tensor(starts), 1.0)
 
@@ -198,7 +198,7 @@ def test_a_rows_values_do_not_depend_on_the_chunk_or_batch_it_comes_in(kernel_is
     size, hkv, h, length = 16, 2, 4, 150
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
-        pool = torch.randn(20, size, 2, hkv, hd, generator=gen).to(dtype)
+        pool = torch.randn(20, 2, size, hkv, hd, generator=gen).to(dtype)
         table = torch.randperm(20, generator=gen)[:10][None]
         q = torch.randn(length, h, hd, generator=gen).to(dtype)
 
@@ -226,7 +226,7 @@ def test_gqa_prefill_on_an_fp8_cache_gives_the_bits_of_its_dequantized_cache(ker
     h, hkv, hd, size, window = case
     gen = torch.Generator().manual_seed(hd + 1)
     lens, starts, rows = _batch(SEQS)
-    fp8 = (torch.randn(64, size, 2, hkv, hd, generator=gen) * 3).to(torch.float8_e4m3fn)
+    fp8 = (torch.randn(64, 2, size, hkv, hd, generator=gen) * 3).to(torch.float8_e4m3fn)
     dequantized = (fp8.float() * torch.tensor(0.37)).to(dtype)  # as KVLayerView.gather
     tables = _scattered_tables(gen, lens.tolist(), size, 64)
     q = torch.randn(rows, h, hd, generator=gen).to(dtype)
