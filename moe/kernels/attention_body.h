@@ -763,9 +763,9 @@ constexpr int64_t LANE_MIN_HEADS = MOE_W / 2;
 // keys, then its values, as contiguous runs: the op took 0.81-0.89x the time at 2-4 query heads a kv head
 // (32 x 2,048 tokens, 4 kv heads of 64), asking 16 tokens ahead (one block of 16) in both passes: at 4
 // query heads a kv head 9.9-10.2 ms, against 10.2-11.2 asking 32-128 tokens ahead and 12.5-12.9 asking
-// for the block being read. MHA with 1 KB rows (8 kv heads of 64, 4 of 128) took 1.04-1.16x, for reasons
-// not found; other row sizes 0.89-0.97x (docs/benchmarks.md, "a GQA cache block holds its keys, then its
-// values").
+// for the block being read. MHA with rows of 768 B to 1 KB (6 or 8 kv heads of 64, 4 of 128) took
+// 1.01-1.16x, for reasons not found; with rows of 512 B, 2 KB or 4 KB 0.84-1.00x (docs/benchmarks.md, "a
+// GQA cache block holds its keys, then its values").
 constexpr int64_t KV_HEADS_ROWS_AHEAD = 16;  // tokens ahead whose rows the score pass asks for
 constexpr int64_t KV_HEADS_VALUES_AHEAD = 16;  // tokens ahead whose values the value pass asks for
 
