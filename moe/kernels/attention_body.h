@@ -873,7 +873,7 @@ struct KvHeadRows {
              const int64_t* table_, int64_t L_)
       : pool(pool_), table(table_), S(S_), L(L_), stride(head.token_stride), nblocks((L_ + S_ - 1) / S_) {
     const int64_t elem = sizeof(PT), span = (groups - 1) * kv_stride;
-    const bool apart = head.v_off - head.k_off >= S_ * stride;  // values S rows after their keys, at their offset
+    const bool apart = head.blocks > 1;  // values S rows after their keys, at their offset (PagedHead)
     const int64_t row_lo = apart ? head.k_off : std::min(head.k_off, head.v_off);
     const int64_t row_bytes =
         apart ? (span + std::max(head.dk, head.dv)) * elem

@@ -806,7 +806,7 @@ struct AttentionDotKernels {
     // the score pass asks for whole rows: the item's keys and values (the values are read later, by
     // then from L2 or L3); a GQA pool's values sit in their own rows (S rows after their keys'), asked
     // for apart
-    const bool apart = head.v_off - head.k_off >= S * head.token_stride;
+    const bool apart = head.blocks > 1;  // (PagedHead)
     const int64_t row_bytes = apart ? kbytes : std::max(kbytes, (head.v_off - head.k_off) * 2 + vbytes);
     auto ask_row = [&](int64_t t) {
       ask(krow[t], row_bytes);

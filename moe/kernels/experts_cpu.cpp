@@ -2366,11 +2366,17 @@ static at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t T, int64
   return slots;
 }
 
+// The row of part p (of `parts`) of slot s in a pool of blocks of S slots whose blocks hold each part's S
+// rows in a run (GQA: keys, then values): (s / S * parts + p) * S + s % S; one part: row s.
+static inline int64_t part_row(int64_t s, int64_t S, int64_t parts, int64_t p) {
+  return (s / S * parts + p) * S + s % S;
+}
+
 // An fp8 (e4m3) cache's writes: rows [T, E] of the compute dtype (staged entries, fp32 or bf16) into
 // the pool's slots sp[t] (blocks of S slots), quantized as KVLayerView.write quantizes: fp32 value /
 // kv_scale, clamped to +-448, rounded to e4m3 (a NaN stays one). An entry in `parts` parts of E / parts
-// (GQA: key, value) puts part p of slot s in the part's run of its block, as the pool holds them: at row
-// (s / S * parts + p) * S + s % S of E / parts elements (one part: row s).
+// (GQA: key, value) puts part p of slot s in the part's run of its block, as the pool holds them: at
+// part_row of E / parts elements.
 static void write_fp8_rows(const at::Tensor& rows, const at::Tensor& pool, int64_t S, int64_t parts, const int64_t* sp,
                            double kv_scale) {
   const int64_t T = rows.size(0), E = rows.numel() / std::max<int64_t>(1, T), P = E / parts;
@@ -2384,8 +2390,8 @@ static void write_fp8_rows(const at::Tensor& rows, const at::Tensor& pool, int64
                           ? to_float(reinterpret_cast<const uint16_t*>(rows.data_ptr())[t * E + i])
                           : rows.data_ptr<float>()[t * E + i];
       const float c = std::min(std::max(v / sc, -448.0f), 448.0f);  // NaN passes through both
-      const int64_t p = i / P, row = (sp[t] / S * parts + p) * S + sp[t] % S;
-      dst[row * P + i - p * P] = c10::Float8_e4m3fn(c).x;
+      const int64_t p = i / P;
+      dst[part_row(sp[t], S, parts, p) * P + i - p * P] = c10::Float8_e4m3fn(c).x;
     }
 }
 
@@ -2593,7 +2599,7 @@ at::Tensor gqa_decode_attention(const at::Tensor& x, const at::Tensor& q_wp, con
       const float* s = sc.data_ptr<float>() + t * half;
       isa.rope(bf16, qp + t * H * hd, hd, H, c, s, hd, interleave, qo + t * H * hd, hd);
       // roped keys [Hkv, hd] at the slot's key row, values at its value row S rows on (the stage: [2, Hkv, hd])
-      auto* key = pp + (fp8 ? 2 * t : sp[t] / S * 2 * S + sp[t] % S) * row;
+      auto* key = pp + (fp8 ? 2 * t : part_row(sp[t], S, 2, 0)) * row;
       isa.rope(bf16, kp + t * row, hd, Hkv, c, s, hd, interleave, key, hd);
       std::memcpy(key + (fp8 ? 1 : S) * row, vp + t * row, row * sizeof(*vp));
     }
