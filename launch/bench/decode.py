@@ -189,10 +189,13 @@ def compute_weight_bytes(model: torch.nn.Module) -> WeightBytes:
 def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5,
                          device: torch.device | None = None) -> tuple[float, str]:
     """(FLOP/s, what was timed): the compute rate the compute bound divides by, that of the
-    faster of the two GEMM paths the model runs on this machine: PyTorch's square ``size``
-    matmul in ``dtype``, and (on CPU, when built) the packed linear kernel on a ``size`` x
-    ``size`` weight with 96 rows (one full row panel). Best of ``repeats`` each (fewer where a
-    path is slow here: ``best_call_seconds``). On CUDA: an 8192^3 matmul on the GPU, CUDA events."""
+    fastest GEMM path the model may run on this machine: PyTorch's square ``size`` matmul in
+    ``dtype``, its ``linear`` (``x @ w.T``, what the model's PyTorch layers call) on 96 rows of a
+    ``size`` x ``size`` weight, and (on CPU, when built) the packed linear kernel on the same.
+    Best of ``repeats`` each (fewer where a path is slow here: ``best_call_seconds``). The linear
+    counts where the square matmul has no fast kernel: float16 and bfloat16 matmuls on CPUs
+    without their instructions ran at ~0.9 GFLOP/s on an AVX2 Zen 3 against ~10-13 for the
+    linear. On CUDA: an 8192^3 matmul on the GPU, CUDA events."""
     from moe import kernels
     from parallel.costmodel.microbench import best_call_seconds
 
@@ -203,10 +206,12 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5,
         n = 8192
         return cuda_matmul_flops(dtype, device, n, repeats), f"torch matmul {n}^3 on {torch.cuda.get_device_name(device)}"
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    rates = {"torch matmul": 2 * size**3 / best_call_seconds(lambda: a @ b, repeats=repeats)}
+    x = a[:96].contiguous()
+    rates = {"torch matmul": 2 * size**3 / best_call_seconds(lambda: a @ b, repeats=repeats),
+             "torch linear": 2 * 96 * size * size / best_call_seconds(lambda: torch.nn.functional.linear(x, b),
+                                                                      repeats=repeats)}
     if dtype in (torch.float32, torch.bfloat16) and kernels.is_available():
         packed = kernels.pack_linear(b)
-        x = a[:96].contiguous()
         seconds = best_call_seconds(lambda: kernels.linear_forward(x, packed), repeats=repeats)
         rates[f"linear kernel, isa {kernels.isa()}"] = 2 * 96 * size * size / seconds
     name = max(rates, key=rates.__getitem__)

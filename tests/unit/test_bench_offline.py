@@ -590,3 +590,17 @@ def test_decode_table_rounds_the_mean_context_half_up():
     fields.update(batch_size=300, mean_context_len=8.5, fused_off_cpu_ms=None, breakdown_ms={})
     row = bench_decode.format_table([bench_decode.DecodeResult(**fields)], 1e10, 1e11).splitlines()[-1]
     assert row.split()[:6] == ["300", "1.00", "1.00", "1.00", "1.0", "9"]
+
+
+def test_compute_rate_takes_pytorchs_linear_where_its_square_matmul_is_slow(monkeypatch):
+    """float16 on a CPU without its instructions: PyTorch's square matmul ran at ~0.9 GFLOP/s on an AVX2
+    Zen 3, its linear (what the model's layers call) at ~13, and a roof from the matmul alone put a
+    decode step at 0.11x its compute bound. The rate is the fastest of the paths the model may run."""
+    import parallel.costmodel.microbench as microbench
+
+    times = iter([2.0, 0.01])  # the square matmul, then the linear on 96 rows
+    monkeypatch.setattr(microbench, "best_call_seconds", lambda fn, repeats: (fn(), next(times))[1])
+    rate, name = bench_decode.measure_matmul_flops(torch.float16, size=64, repeats=1)
+    assert name == "torch linear" and rate == pytest.approx(2 * 96 * 64 * 64 / 0.01)
+    times = iter([0.001, 0.01])
+    assert bench_decode.measure_matmul_flops(torch.float16, size=64, repeats=1)[0] == pytest.approx(2 * 64**3 / 0.001)
