@@ -382,6 +382,13 @@ static inline float vhsum(vf v) {
   for (int i = 0; i < MOE_W; ++i) s += v[i];
   return s;
 }
+// lane i: vhsum(a_i) (avx2's in vectors)
+static inline vf vhsum8(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, vf a7) {
+  const vf a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+  vf r = a0;
+  for (int i = 0; i < 8; ++i) r[i % MOE_W] = vhsum(a[i]);
+  return r;
+}
 static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 // dst[i * ldd + j] = src[j * lds + i] for i, j < MOE_W (a square of lanes transposed)
 static inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {
@@ -438,6 +445,19 @@ static inline float vhsum(vf v) {  // (lo + hi) then pairwise within 128 bits
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+// Lane i: vhsum(a_i), the same sums in the same order (x = lo + hi, then (x0 + x2) + (x1 + x3)) for eight
+// vectors at once: 14 shuffles and 7 adds where eight vhsum take 40 instructions, and one store.
+static inline vf vhsum8(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, vf a7) {
+  const auto halves = [](vf a, vf b) {  // [a lo + a hi | b lo + b hi]
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  };
+  const auto pairs = [](vf x, vf y) {  // [x0 + x2, y0 + y2, x1 + x3, y1 + y3] in each 128-bit half
+    return _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+  };
+  const vf ae = halves(a0, a4), bf = halves(a1, a5), cg = halves(a2, a6), dh = halves(a3, a7);
+  const vf m1 = pairs(ae, bf), m2 = pairs(cg, dh);  // [a b a b | e f e f], [c d c d | g h g h]
+  return _mm256_add_ps(_mm256_shuffle_ps(m1, m2, 0x44), _mm256_shuffle_ps(m1, m2, 0xee));
 }
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 static inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {  // as generic's
@@ -512,6 +532,12 @@ static inline float sfma(float a, float b, float c) { return __builtin_fmaf(a, b
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf vhsum8(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, vf a7) {  // lanes 0-7 as generic's
+  const vf a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+  vf r = a0;
+  for (int i = 0; i < 8; ++i) r[i] = vhsum(a[i]);
+  return r;
+}
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {  // as generic's
   transpose_square<MOE_W>(src, lds, dst, ldd);
