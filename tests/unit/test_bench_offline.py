@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -604,3 +605,24 @@ def test_compute_rate_takes_pytorchs_linear_where_its_square_matmul_is_slow(monk
     assert name == "torch linear" and rate == pytest.approx(2 * 96 * 64 * 64 / 0.01)
     times = iter([0.001, 0.01])
     assert bench_decode.measure_matmul_flops(torch.float16, size=64, repeats=1)[0] == pytest.approx(2 * 64**3 / 0.001)
+
+
+def test_breakdown_counts_the_stepping_threads_cpu_outside_ops():
+    """--breakdown's "outside ops" is the stepping thread's CPU time no op accounts for: at two
+    threads the process's CPU time put the second thread's share of every op there (21 ms of a
+    38.5 ms step). Here each step waits while another thread burns ~20 ms of CPU."""
+    import threading
+
+    def burn() -> None:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+
+    class Engine:
+        def step(self) -> None:
+            worker = threading.Thread(target=burn)
+            worker.start()
+            worker.join()
+
+    parts = bench_decode.profile_steps(Engine(), 3)
+    assert parts["outside ops"] < 10.0 and parts["total"] < 10.0
