@@ -22,7 +22,7 @@ be running at the memory-bandwidth limit). One core often reads faster than it c
 their one-row weight stream), the stricter floor. Large batches are compute-bound instead:
 ``compute ms`` = the step's FLOPs (every token through the dense weights and its top-k
 experts, plus attention over its context) / the rate of the faster GEMM path measured in
-the run (PyTorch's matmul or the packed CPU linear kernel, in the model's dtype); the
+the run (PyTorch's matmul or linear, or the packed CPU linear kernel, in the model's dtype); the
 roof is the larger of the two bounds. ``cpu ms`` is the CPU time this process spent in
 the step (the one rank runs in-process): on a shared machine it moves less with other
 people's load than the wall-clock ``step ms``; ``cpu ratio`` and ``cpu/roof`` divide it by
@@ -30,7 +30,9 @@ the bandwidth bound and by the roof. ``--breakdown`` profiles extra steps (torch
 self CPU time) and splits them into the whole-block ops (the attention op: MLA's or GQA's
 whole decode attention; the MoE FFN op), the routed/shared expert kernel, the linear kernel,
 PyTorch GEMMs (attention products, fallbacks), gathers/scatters (paged KV, dispatch),
-copies/casts, other ops, and "outside ops" (Python, scheduler, sampler).
+copies/casts, other ops, and "outside ops" (Python, scheduler, sampler): the stepping
+thread's times (with ``--num-threads`` > 1 the other threads' CPU inside the ops is in no
+column).
 
 On a CUDA machine the rank runs on the GPU (as the engine places it) and the copy bandwidth and
 the matmul rate are measured there (CUDA events; an 8192^3 matmul).
