@@ -626,3 +626,27 @@ def test_breakdown_counts_the_stepping_threads_cpu_outside_ops():
 
     parts = bench_decode.profile_steps(Engine(), 3)
     assert parts["outside ops"] < 10.0 and parts["total"] < 10.0
+
+
+def test_ab_fused_off_steps_count_every_threads_cpu_as_the_on_steps_do():
+    """--ab-fused-ops compares the process's CPU time of a fused-on step with a fused-off one: the
+    off side must count the intra-op threads' CPU too (only --breakdown reads the stepping thread's)."""
+    import threading
+    from types import SimpleNamespace
+
+    def burn() -> None:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+
+    class Engine:
+        def step(self) -> None:
+            worker = threading.Thread(target=burn)
+            worker.start()
+            worker.join()
+
+    batch = SimpleNamespace(num_seqs=2, num_tokens=2)
+    recorder = SimpleNamespace(last=[SimpleNamespace(batches=[batch])])
+    switches: list[bool] = []
+    cpu = bench_decode._step_with_fused_off(Engine(), recorder, switches.append, 2)
+    assert switches == [False, True] and cpu >= 0.015
