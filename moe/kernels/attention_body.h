@@ -85,8 +85,8 @@ constexpr int dot_tile_tokens() {
 // attn_dot_tile over key rows [0, rows) (row t at k + t * ldk) for heads [0, hh): out[h * ldo + t]. With
 // 8-lane vectors each chunk of up to 4 heads takes its rows in tiles of dot_tile_tokens (then one at a
 // time), its accumulators summed eight at a time: at 2 query heads a kv head (3 rows a tile before, 6
-// accumulators each summed alone) the op took 0.87-0.91x the time on rows in L3 (4 x 2,048 tokens, 4 kv
-// heads of 64, Zen 3), the same on cold rows (32 x 2,048). Elsewhere 3 rows a tile, every head of a row
+// accumulators each summed alone) the op took 0.86-0.90x the time on rows in L3 (4 x 2,048 tokens, 4 kv
+// heads of 64, Zen 3), 0.96-0.99x on cold rows (32 x 2,048). Elsewhere 3 rows a tile, every head of a row
 // before the next rows. A score's value does not depend on its tile (each accumulator is summed alone,
 // in vhsum's order).
 template <typename KT = float>
