@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 import time
 
 import pytest
@@ -607,46 +608,35 @@ def test_compute_rate_takes_pytorchs_linear_where_its_square_matmul_is_slow(monk
     assert bench_decode.measure_matmul_flops(torch.float16, size=64, repeats=1)[0] == pytest.approx(2 * 64**3 / 0.001)
 
 
+class _BurnsInAnotherThread:
+    """An engine whose step waits while another thread burns ~20 ms of CPU (an intra-op thread's share)."""
+
+    def step(self) -> None:
+        def burn() -> None:
+            end = time.thread_time() + 0.02
+            while time.thread_time() < end:
+                pass
+
+        worker = threading.Thread(target=burn)
+        worker.start()
+        worker.join()
+
+
 def test_breakdown_counts_the_stepping_threads_cpu_outside_ops():
     """--breakdown's "outside ops" is the stepping thread's CPU time no op accounts for: at two
     threads the process's CPU time put the second thread's share of every op there (21 ms of a
     38.5 ms step). Here each step waits while another thread burns ~20 ms of CPU."""
-    import threading
-
-    def burn() -> None:
-        end = time.thread_time() + 0.02
-        while time.thread_time() < end:
-            pass
-
-    class Engine:
-        def step(self) -> None:
-            worker = threading.Thread(target=burn)
-            worker.start()
-            worker.join()
-
-    parts = bench_decode.profile_steps(Engine(), 3)
+    parts = bench_decode.profile_steps(_BurnsInAnotherThread(), 3)
     assert parts["outside ops"] < 10.0 and parts["total"] < 10.0
 
 
 def test_ab_fused_off_steps_count_every_threads_cpu_as_the_on_steps_do():
     """--ab-fused-ops compares the process's CPU time of a fused-on step with a fused-off one: the
     off side must count the intra-op threads' CPU too (only --breakdown reads the stepping thread's)."""
-    import threading
     from types import SimpleNamespace
-
-    def burn() -> None:
-        end = time.thread_time() + 0.02
-        while time.thread_time() < end:
-            pass
-
-    class Engine:
-        def step(self) -> None:
-            worker = threading.Thread(target=burn)
-            worker.start()
-            worker.join()
 
     batch = SimpleNamespace(num_seqs=2, num_tokens=2)
     recorder = SimpleNamespace(last=[SimpleNamespace(batches=[batch])])
     switches: list[bool] = []
-    cpu = bench_decode._step_with_fused_off(Engine(), recorder, switches.append, 2)
+    cpu = bench_decode._step_with_fused_off(_BurnsInAnotherThread(), recorder, switches.append, 2)
     assert switches == [False, True] and cpu >= 0.015
