@@ -32,7 +32,11 @@ would not fit beside it. Implementations:
 - ``transformers``: the model family's own block (``DeepseekV3MoE`` / ``MixtralSparseMoeBlock`` /
   ``Qwen3MoeSparseMoeBlock``)
   holding the same router, expert and shared-expert weights, its experts on transformers' eager
-  loop over experts: its output is checked against ours (``max |diff|`` in the table);
+  loop over experts: its output is checked against ours (``max |diff|`` in the table). Ours takes the
+  router's logits in float32 (as transformers' DeepSeek-V3 block does); its Mixtral and Qwen3 blocks take
+  them in the layer's dtype, so in bfloat16 a token whose top-k scores nearly tie can go to other experts
+  there, and its row then differs by the size of the output: a ``#`` line after the row counts such tokens
+  and gives the max |diff| over the others (the JSON's ``routed_apart`` and ``max_abs_diff_same_experts``);
 - ``transformers-grouped-mm``: the same block with its experts on transformers' ``grouped_mm``
   implementation, the one transformers 5 picks for a model it builds or loads (the standalone
   block has none and runs the eager loop). Which of the two is faster depends on T: compare
@@ -126,6 +130,10 @@ class Cell:
     max_abs_diff: float | None = None
     gpu_ms: float | None = None  # --device cuda: CUDA-event time of the best call
     wall_clock: bool = False  # judged by wall time (CPU runs on several threads, whose CPU times add up)
+    # transformers' cells: tokens its router sends to another set of experts than ours (its Mixtral and
+    # Qwen3 routers take logits in the layer's dtype, ours in float32), and max |diff| over the other tokens
+    routed_apart: int | None = None
+    max_abs_diff_same_experts: float | None = None
 
     @property
     def ms(self) -> float:
@@ -741,14 +749,33 @@ def run_shape(shape: Shape | str, tokens: Sequence[int], impls: Sequence[str], d
                 else:
                     cpu, wall = time_call(lambda impl=impl, x=x: fns[impl](x), min_seconds, before)
                 judged = gpu if gpu is not None else wall if wall_clock else cpu
-                diff = None
+                diff = apart = same_experts = None
                 if impl.startswith("transformers") or impl == "ours-int8" or (impl == "ours-pytorch" and kernel_runs):
-                    diff = float((fns[impl](x).float() - reference).abs().max())
+                    rows = (fns[impl](x).float() - reference).abs().amax(dim=-1)  # [T]
+                    diff = float(rows.max())
+                    if impl.startswith("transformers"):
+                        apart_rows = routed_apart(ours, hf, x)  # [T] bool
+                        apart = int(apart_rows.sum())
+                        same_experts = float(rows[~apart_rows].max()) if apart < t else None
                 bound = bounds[impl == "ours-int8"]
                 cells.append(Cell(shape.label, t, impl, cpu * 1e3, wall * 1e3, t / judged, bound * 1e3, bound / judged, diff,
-                                  None if gpu is None else gpu * 1e3, wall_clock))
+                                  None if gpu is None else gpu * 1e3, wall_clock, apart, same_experts))
                 print(_row(cells[-1], label_width), flush=True)
+                if apart:
+                    other = "" if same_experts is None else f"; max |diff| over the other {t - apart}: {same_experts:.2e}"
+                    print(f"# {shape.label} T={t} {impl}: its router sends {apart} of {t} tokens to other experts than "
+                          f"ours (ours takes router logits in float32, transformers' Mixtral and Qwen3 blocks in the "
+                          f"layer's dtype){other}",
+                          flush=True)
     return cells
+
+
+def routed_apart(ours: nn.Module, hf: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x: [T, D]. Returns [T] bool: the tokens transformers' block (``hf``) routes to another set of experts
+    than ``ours``."""
+    ids = ours.gate(x)[0].sort(dim=-1).values  # [T, K]
+    hf_ids = hf.gate(x)[2].sort(dim=-1).values  # transformers 5's routers return (logits, weights, indices)
+    return (ids != hf_ids.to(ids.device, ids.dtype)).any(dim=-1)
 
 
 def _row(c: Cell, label_width: int = 9) -> str:

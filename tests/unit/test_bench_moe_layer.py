@@ -451,3 +451,36 @@ def test_the_one_row_stream_reads_its_probe_bytes_where_dot_tiles_run() -> None:
         assert rate is None  # no AVX512-BF16 here: no dot tiles, no stream of theirs to time
     else:
         assert rate is not None and 1e8 < rate < 1e13
+
+
+def test_tokens_transformers_routes_elsewhere_are_counted_and_left_out_of_the_second_diff(monkeypatch, capsys) -> None:
+    """Where transformers' router sends a token to other experts than ours (near ties rounded apart in
+    bf16), the cell counts it, its max |diff| over the other tokens stays at bf16 rounding, and a
+    ``#`` line says so; tokens routed alike print no such line."""
+    import torch
+
+    built = moe_layer.build_layers
+
+    def with_token_0_sent_elsewhere(shape, dtype, seed=0):
+        ours, hf = built(shape, dtype, seed)
+        route = hf.gate.forward
+
+        def forward(x):
+            logits, weights, ids = route(x)
+            ids = ids.clone()
+            ids[0] = logits[0].float().topk(ids.shape[1], largest=False).indices  # its least likely experts
+            return logits, weights, ids
+
+        monkeypatch.setattr(hf.gate, "forward", forward)
+        return ours, hf
+
+    cells = moe_layer.run_shape("mixtral:hidden=256,inter=128", [6], ["ours", "transformers"], torch.bfloat16,
+                                min_seconds=0.0, bandwidth=1e10, peak_flops=1e12)
+    assert cells[1].routed_apart == 0 and cells[1].max_abs_diff_same_experts == cells[1].max_abs_diff < 0.05
+    assert "other experts" not in capsys.readouterr().out
+    monkeypatch.setattr(moe_layer, "build_layers", with_token_0_sent_elsewhere)
+    cells = moe_layer.run_shape("mixtral:hidden=256,inter=128", [6], ["ours", "transformers"], torch.bfloat16,
+                                min_seconds=0.0, bandwidth=1e10, peak_flops=1e12)
+    c = cells[1]
+    assert c.routed_apart == 1 and c.max_abs_diff_same_experts < 0.05 < c.max_abs_diff
+    assert "sends 1 of 6 tokens to other experts than ours" in capsys.readouterr().out
