@@ -151,7 +151,8 @@ def _user_error(e: Exception) -> tuple[str, int] | None:
     worker rank that failed, died or hung (``launch.recovery.WorkerFault``: its summary names the rank
     and what it reported; the rank's own traceback is in its log). Those modules are looked up, not
     imported: a command that never used them cannot have raised their errors, and ``--help`` stays
-    light. Exit 1 too: a MemoryError with a message (a KV pool the system would not map).
+    light. Exit 1 too: a MemoryError with a message (a KV pool the system would not map, with the
+    flags that size it; any other allocation refused, as it says).
     """
     def raised(module: str, name: str) -> bool:
         cls = getattr(sys.modules.get(module), name, None)
@@ -161,8 +162,11 @@ def _user_error(e: Exception) -> tuple[str, int] | None:
         return " ".join(str(e).splitlines()), EXIT_USAGE
     if raised("launch.recovery", "WorkerFault"):
         return " ".join(str(e).splitlines()), EXIT_FAILED
-    if isinstance(e, MemoryError) and str(e):  # a pool the system would not map (``moe.host_memory``)
-        return f"out of memory: {e} (a smaller --memory or --num-kv-blocks)", EXIT_FAILED
+    if isinstance(e, MemoryError) and str(e):
+        # a pool the system would not map (``moe.host_memory``'s message) is sized by those flags;
+        # another allocation (NumPy's, PyTorch's) by the command's input, whose flags it cannot name
+        hint = " (a smaller --memory or --num-kv-blocks)" if str(e).startswith("cannot map ") else ""
+        return " ".join(f"out of memory: {e}{hint}".splitlines()), EXIT_FAILED
     if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError)):
         if e.filename is not None:
             return f"{e.filename}: {(e.strerror or str(e)).lower()}", EXIT_USAGE

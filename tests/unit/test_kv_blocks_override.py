@@ -53,3 +53,12 @@ def test_a_memory_error_ends_a_command_with_one_line():
     assert line.startswith("out of memory: cannot map 762.94 GiB") and line.endswith("(a smaller --memory or "
                                                                                     "--num-kv-blocks)")
     assert _user_error(MemoryError()) is None  # a bare one (the allocator's own): a bug's traceback
+
+
+def test_an_allocation_other_than_a_pool_names_no_pool_flags():
+    """NumPy's or PyTorch's own MemoryError (a command's input too large): one line, without the KV pool
+    flags' hint, which the command may not even have."""
+    line, status = _user_error(MemoryError("Unable to allocate 10.9 TiB for an array with shape (1000000, 3000000)\n"
+                                           "and data type int32"))
+    assert status == EXIT_FAILED and "\n" not in line
+    assert line.startswith("out of memory: Unable to allocate 10.9 TiB") and "--memory" not in line
