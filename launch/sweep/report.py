@@ -60,8 +60,15 @@ def latest_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def append_row(path: Path, row: Mapping[str, Any]) -> None:
+    """Append ``row`` as one line; after a torn last line (a run killed mid-write) on a line of its own,
+    so the torn one stays ignored and the new row is read back."""
+    torn = False
+    if path.is_file() and path.stat().st_size:
+        with path.open("rb") as f:
+            f.seek(-1, 2)
+            torn = f.read(1) != b"\n"
     with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(row, sort_keys=False) + "\n")
+        f.write(("\n" if torn else "") + json.dumps(row, sort_keys=False) + "\n")
         f.flush()
 
 

@@ -201,3 +201,18 @@ def test_an_output_folder_without_permission_is_one_line(sweep_args, tmp_path, m
     monkeypatch.setattr(Path, "mkdir", refuse)
     assert cli_main(["sweep", *sweep_args]) == 2
     assert capsys.readouterr().err == f"error: sweep: {tmp_path / 'out'}: permission denied\n"
+
+
+def test_a_resume_after_a_torn_last_line_records_the_rerun_point(sweep_args, tmp_path, monkeypatch):
+    """A run killed mid-write leaves results.jsonl ending in part of a row: the resumed sweep reruns that
+    point and its row goes on a line of its own, into the CSV (appended to the torn line it was unreadable)."""
+    monkeypatch.setattr(runner, "run_point", fake_run)
+    assert runner.main(sweep_args) == 0
+    results = tmp_path / "out" / "results.jsonl"
+    text = results.read_text()
+    results.write_text(text[:-50])  # the second row torn
+    assert [r["settings"]["engine.max_num_seqs"] for r in read_rows(results)] == [2]
+    assert runner.main(sweep_args) == 0
+    assert [r["settings"]["engine.max_num_seqs"] for r in read_rows(results)] == [2, 4]
+    with (tmp_path / "out" / "results.csv").open() as f:
+        assert [r["settings.engine.max_num_seqs"] for r in csv.DictReader(f)] == ["2", "4"]
