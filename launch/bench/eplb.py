@@ -170,6 +170,12 @@ def _timed(fn, repeats: int):
     return out, best * 1e3
 
 
+def case_rng(seed: int, scenario: str, kind: str) -> np.random.Generator:
+    """The generator of one scenario x load's loads: its own stream of ``seed``, so a row is the same
+    whichever other scenarios and loads run beside it (``--scenario``, ``--load``)."""
+    return np.random.default_rng([seed, list(SCENARIOS).index(scenario), LOADS.index(kind)])
+
+
 def run_case(s: Scenario, kind: str, reference: Callable, rng: np.random.Generator, drift: float,
              repeats: int) -> dict:
     """One scenario x load: balancedness, milliseconds, copies moved under drift."""
@@ -244,9 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         reference, ref_name = load_reference(args.reference)
     except ValueError as e:
         parser.error(str(e))
-    rng = np.random.default_rng(args.seed)
     try:
-        rows = [run_case(SCENARIOS[name], kind, reference, rng, args.drift, args.repeats)
+        rows = [run_case(SCENARIOS[name], kind, reference, case_rng(args.seed, name, kind), args.drift, args.repeats)
                 for name in (args.scenario or list(SCENARIOS)) for kind in (args.load or LOADS)]
     except BadReferenceError as e:
         parser.error(str(e))
