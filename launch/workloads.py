@@ -5,15 +5,16 @@ A workload ``spec`` is one of
 - a shipped name (``WORKLOAD_NAMES``): ``prose`` (English essays and stories), ``code``
   (Python and shell snippets), ``tables`` (numbers: CSV and Markdown tables, ledgers) and
   ``french`` (French prose). Each is ``launch/data/workloads/<name>.jsonl``;
-- a file: ``.jsonl`` with one JSON object per line holding a non-empty string ``"prompt"`` (other
-  keys are ignored, except a ``generate`` line's sampling fields such as ``"max_tokens"``: the run's
-  own flags set those, and a line that names one is an error naming the line), or ``.txt`` with
-  one prompt per non-blank line;
+- a file: ``.jsonl`` with one JSON object per line holding a non-empty string ``"prompt"`` or a
+  non-empty list of token ids ``"prompt_token_ids"`` (ints >= 0: a checkpoint without a tokenizer
+  runs those; other keys are ignored, except a ``generate`` line's sampling fields such as
+  ``"max_tokens"``: the run's own flags set those, and a line that names one is an error naming the
+  line), or ``.txt`` with one prompt per non-blank line;
 - phases joined by ``+``: ``prose+code`` is every prose prompt, then every code prompt, so a
   run over it switches kind of text midway (expert load drifts with it).
 
-``load_workload(spec)`` returns the prompts in order; ``load_workload_phases(spec)`` keeps the
-phase boundaries. Every user mistake (unknown name, missing file, a file that is not UTF-8, bad
+``load_workload(spec)`` returns the prompts in order (``Prompt``: text, or a tuple of token ids);
+``load_workload_phases(spec)`` keeps the phase boundaries; ``read_workload_file(path)`` reads one file. Every user mistake (unknown name, missing file, a file that is not UTF-8, bad
 line, empty workload) raises ``WorkloadError`` (a ValueError) with a one-line message naming it.
 """
 
@@ -28,7 +29,10 @@ from typing import Any
 from launch.core.sampling_params import SamplingParams
 from launch.tokenizer import check_prompt
 
-__all__ = ["WORKLOAD_DIR", "WORKLOAD_NAMES", "WorkloadError", "load_workload", "load_workload_phases"]
+__all__ = ["WORKLOAD_DIR", "WORKLOAD_NAMES", "Prompt", "WorkloadError", "load_workload", "load_workload_phases",
+           "read_workload_file"]
+
+Prompt = str | tuple[int, ...]  # text, or token ids (a .jsonl line's "prompt_token_ids")
 
 WORKLOAD_DIR = Path(__file__).resolve().parent / "data" / "workloads"
 # The trained tiny DeepSeek-V3-style checkpoint shipped with the package (train-tiny --seed 0):
@@ -73,17 +77,27 @@ def jsonl_values(text: str, where: Callable[[int], str]) -> Iterator[tuple[int, 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
-def check_workload_row(row: Any, where: str) -> str:
-    """The prompt of one ``.jsonl`` workload line; WorkloadError naming ``where`` (file:line) unless
-    ``row`` is an object with a non-empty string ``"prompt"`` and no sampling field (``max_tokens``,
-    ``temperature``, ...: a ``generate`` line's, which a workload would silently not apply; the
-    command's own flags set them). Other keys (``"id"``, a dataset's metadata) are ignored."""
-    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-        raise WorkloadError(f"{where}: expected an object with a string \"prompt\"")
+def check_workload_row(row: Any, where: str) -> Prompt:
+    """The prompt of one ``.jsonl`` workload line: its text, or its token ids as a tuple; WorkloadError
+    naming ``where`` (file:line) unless ``row`` is an object with a non-empty string ``"prompt"`` or a
+    non-empty list of token ids >= 0 ``"prompt_token_ids"`` (one of the two), and no sampling field
+    (``max_tokens``, ``temperature``, ...: a ``generate`` line's, which a workload would silently not
+    apply; the command's own flags set them). Other keys (``"id"``, a dataset's metadata) are ignored.
+    Token ids are checked against a model's vocabulary where one is known (``launch.sweep.workload``)."""
+    if not isinstance(row, dict) or (("prompt" in row) == ("prompt_token_ids" in row)):
+        raise WorkloadError(f"{where}: expected an object with a string \"prompt\" or a list of token ids "
+                            "\"prompt_token_ids\" (one of the two)")
     sampling = sorted(set(row) & _SAMPLING_FIELDS)
     if sampling:
         raise WorkloadError(f"{where}: sampling field(s) {sampling} in a workload line: a workload sets only "
                             "prompts; the command's flags (--max-tokens, ...) set sampling")
+    if "prompt_token_ids" in row:
+        ids = row["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+            raise WorkloadError(f"{where}: \"prompt_token_ids\" must be a non-empty list of token ids (ints >= 0)")
+        return tuple(ids)
+    if not isinstance(row["prompt"], str):
+        raise WorkloadError(f"{where}: \"prompt\" must be a string (token ids go in \"prompt_token_ids\")")
     try:
         check_prompt({"prompt": row["prompt"]}, where)
     except WorkloadError:
@@ -94,12 +108,14 @@ def check_workload_row(row: Any, where: str) -> str:
     return row["prompt"]
 
 
-def _read_jsonl(path: Path) -> list[str]:
+def _read_jsonl(path: Path) -> list[Prompt]:
     return [check_workload_row(row, f"{path}:{n}")
             for n, row in jsonl_values(read_text_file(path), lambda n: f"{path}:{n}")]
 
 
-def _read_file(path: Path) -> list[str]:
+def read_workload_file(path: Path) -> list[Prompt]:
+    """The prompts of one ``.jsonl`` / ``.txt`` workload file, in order; WorkloadError naming the file
+    (and line) for a missing file, another suffix, a bad line or no prompts."""
     if path.is_dir():
         raise WorkloadError(f"workload {path} is a directory: give a .jsonl or .txt file, or a shipped workload name")
     if not path.is_file():
@@ -115,17 +131,17 @@ def _read_file(path: Path) -> list[str]:
     return prompts
 
 
-def _load_one(spec: str) -> list[str]:
+def _load_one(spec: str) -> list[Prompt]:
     if spec in WORKLOAD_NAMES:
-        return _read_file(WORKLOAD_DIR / f"{spec}.jsonl")
+        return read_workload_file(WORKLOAD_DIR / f"{spec}.jsonl")
     path = Path(spec).expanduser()
     if path.suffix in _FILE_SUFFIXES or path.exists() or "/" in spec:
-        return _read_file(path)
+        return read_workload_file(path)
     raise WorkloadError(f"unknown workload {spec!r}; expected one of {', '.join(WORKLOAD_NAMES)}, "
                         "a .jsonl/.txt file, or phases joined by '+'")
 
 
-def load_workload_phases(spec: str) -> list[tuple[str, list[str]]]:
+def load_workload_phases(spec: str) -> list[tuple[str, list[Prompt]]]:
     """``[(phase spec, prompts)]`` in order: one entry per ``+``-separated part of ``spec``.
 
     A spec that is itself an existing file is one phase even if its name holds a ``+``.
@@ -142,6 +158,6 @@ def load_workload_phases(spec: str) -> list[tuple[str, list[str]]]:
     return [(part, _load_one(part)) for part in parts]
 
 
-def load_workload(spec: str) -> list[str]:
+def load_workload(spec: str) -> list[Prompt]:
     """The prompts of ``spec`` (a shipped name, a .jsonl/.txt file, or phases joined by '+'), in order."""
     return [p for _, prompts in load_workload_phases(spec) for p in prompts]

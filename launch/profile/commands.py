@@ -44,9 +44,11 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="report folder (index.html, summary.json, PNGs)")
     g = parser.add_argument_group("what-if")
     g.add_argument("--ep", type=_positive, nargs="+", default=None, metavar="N",
-                   help="EP sizes for the what-if table (default: powers of two up to 64 that divide E)")
+                   help="EP sizes for the what-if table (default: the powers of two up to 64 that divide E, "
+                        "or E itself when none does)")
     g.add_argument("--redundant", type=_non_negative, nargs="+", default=None, metavar="N",
-                   help="redundant experts per layer (default: 0 and 1, 2, 4 per rank)")
+                   help="redundant experts per layer, at most 3 x E (default: 0 and 1, 2, 4 per rank, "
+                        "at most E)")
     g.add_argument("--recorded-ep", type=_positive, default=None, metavar="N",
                    help="EP size of the recorded run when the dump does not say (default: the first --ep)")
     g.add_argument("--hierarchical-nodes", type=_positive, default=None,  # None: not given (study: 2)
@@ -142,14 +144,16 @@ def run_main(argv: list[str]) -> int:
 
 
 def what_if_sizes_problem(args: argparse.Namespace) -> str | None:
-    """``--ep`` / ``--recorded-ep`` sizes that do not divide the model's experts, or ``--num-groups`` /
-    ``--hierarchical-nodes`` that no EP size can take (``hierarchical_flags_problem``): one line naming
-    the flag, checked before the run rather than by the report after it; None when they do, or when
-    the model's config cannot be read (``run_and_report`` reports that in its own words)."""
-    if args.ep is None and args.recorded_ep is None and args.num_groups is None and args.hierarchical_nodes is None:
+    """``--ep`` / ``--recorded-ep`` sizes that do not divide the model's experts, ``--redundant``
+    counts past ``whatif.max_redundant``, or ``--num-groups`` / ``--hierarchical-nodes`` that no EP
+    size can take (``hierarchical_flags_problem``): one line naming the flag, checked before the run
+    rather than by the report after it; None when they do, or when the model's config cannot be
+    read (``run_and_report`` reports that in its own words)."""
+    if all(getattr(args, flag) is None for flag in ("ep", "recorded_ep", "redundant", "num_groups",
+                                                    "hierarchical_nodes")):
         return None
     from launch.config_args import runtime_config_from_args
-    from launch.profile.whatif import default_ep_sizes
+    from launch.profile.whatif import default_ep_sizes, redundant_problem
     from moe.config import ModelConfig
 
     try:
@@ -163,6 +167,8 @@ def what_if_sizes_problem(args: argparse.Namespace) -> str | None:
             if num_experts % ep:
                 return (f"{flag} {ep} does not divide the {num_experts} experts of {config.model} "
                         "(each EP rank holds the same number)")
+    if (problem := redundant_problem(args.redundant, num_experts)) is not None:
+        return problem
     # the groups the run's dump will record (``Recording.num_groups``): n_group above 1 that divides E
     n_group = model.n_group if model.n_group and model.n_group > 1 and num_experts % model.n_group == 0 else None
     return hierarchical_flags_problem(args, num_experts, n_group, args.ep or default_ep_sizes(num_experts))

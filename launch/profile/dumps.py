@@ -42,9 +42,10 @@ class Dump:
     phy2log: [L, P] int64 placement in force (the last one when it changed), or None;
     num_ranks: EP size of that placement when the dump records it; dropped: [S, L] or None;
     phases: (name, first step, end step) of workload phases, steps relative to this dump;
-    ranks: SGLang ranks whose records a per_pass dump holds; n_group: the model's expert
-    groups and model_layers: the model layer id of each of the L MoE layers, when the dump
-    records them (ours, metadata ``n_group`` / ``moe_layer_ids``).
+    ranks: SGLang ranks whose records a per_pass dump holds; rank_slot_load: {rank: [P]} each
+    of those ranks' records summed over passes and layers (which slots it counted); n_group:
+    the model's expert groups and model_layers: the model layer id of each of the L MoE
+    layers, when the dump records them (ours, metadata ``n_group`` / ``moe_layer_ids``).
     """
 
     path: str
@@ -57,6 +58,7 @@ class Dump:
     phases: tuple[tuple[str, int, int], ...] = ()
     ranks: frozenset[int] = field(default_factory=frozenset)
     pass_ids: np.ndarray | None = None
+    rank_slot_load: dict[int, np.ndarray] = field(default_factory=dict)
     n_group: int | None = None
     model_layers: tuple[int, ...] | None = None
 

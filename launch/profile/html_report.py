@@ -61,6 +61,8 @@ def _cards(a: Analysis, summary: dict) -> str:
 
 def _recommendation(rec: dict) -> str:
     parts = []
+    if rec.get("ep_basis"):
+        parts.append(f"<p>{_e(rec['ep_basis'][0].upper() + rec['ep_basis'][1:])}.</p>")
     red = rec.get("num_redundant_experts")
     if red:
         parts.append(f"<p><code>--num-redundant-experts {red['value']}</code> &nbsp; {_e(red['basis'])}</p>")
@@ -68,6 +70,8 @@ def _recommendation(rec: dict) -> str:
     if eplb.get("window_size"):
         flag = json.dumps({"window_size": eplb["window_size"], "step_interval": eplb["step_interval"]})
         parts.append(f"<p><code>--eplb-config '{_e(flag)}'</code> &nbsp; {_e(eplb['basis'])}</p>")
+    elif eplb.get("pays") is False:
+        parts.append(f"<p><b>No EPLB schedule:</b> {_e(eplb['basis'])}</p>")
     elif eplb:
         parts.append(f"<p>No <code>--eplb-config</code> recommendation: {_e(eplb.get('basis', ''))}</p>")
     return '<div class="rec"><b>Recommended</b>' + "".join(parts) + "</div>"
@@ -113,10 +117,11 @@ def _schedule_table(rec: dict) -> str:
         f"<tr{' class=best' if (c['window_size'], c['step_interval']) == (eplb['window_size'], eplb['step_interval']) else ''}>"
         f"<td>{c['window_size']}</td><td>{c['step_interval']}</td><td>{c['balancedness']:.3f}</td></tr>"
         for c in cands)
+    verdict = "; none beats no EPLB: rebalancing does not pay on this load" if eplb.get("pays") is False else ""
     return ("<h2 id='schedule'>EPLB schedules replayed</h2><p class='sub'>Each schedule rebalances every "
             "<i>interval</i> steps from the last <i>window</i> steps and serves the next interval with that "
             f"placement; realized balancedness over steps {eplb['replayed_from_step']}-end (no EPLB: "
-            f"{eplb['no_eplb_balancedness']:.3f}).</p><table><tr><th>window_size</th><th>step_interval</th>"
+            f"{eplb['no_eplb_balancedness']:.3f}){verdict}.</p><table><tr><th>window_size</th><th>step_interval</th>"
             "<th>realized balancedness</th></tr>" + rows + "</table>")
 
 

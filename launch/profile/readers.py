@@ -48,7 +48,7 @@ from launch.profile.dumps import (
     check_logical,
     check_placement,
 )
-from launch.profile.sglang_dumps import merge_rank_files, read_torch_dump
+from launch.profile.sglang_dumps import merge_rank_files, missing_ranks_problem, read_torch_dump
 
 __all__ = ["Dump", "DumpError", "EmptyDumpError", "Recording", "read_dump", "read_recording"]
 
@@ -257,7 +257,8 @@ def _is_npz(path: Path) -> bool:
 
 def read_recording(paths: list[str | Path]) -> Recording:
     """Read every dump and concatenate them in the order given (same L and E, else DumpError
-    naming the file). SGLang per_pass files of several ranks of one dump are summed. Of
+    naming the file). SGLang per_pass files of several ranks of one dump are summed; a rank's
+    file missing from them is a DumpError naming the rank (``missing_ranks_problem``). Of
     several dumps, those without steps are skipped (``Recording.skipped``); a single empty
     dump, or only empty ones, is a DumpError."""
     if not paths:
@@ -274,6 +275,9 @@ def read_recording(paths: list[str | Path]) -> Recording:
         raise DumpError(f"none of the {len(paths)} dumps given holds a recorded step: "
                         + ", ".join(p for p, _ in skipped))
     dumps = merge_rank_files(read)
+    for d in dumps:
+        if (problem := missing_ranks_problem(d)) is not None:
+            raise DumpError(problem)
     first = dumps[0]
     shape = first.logical_count.shape[1:]
     for d in dumps[1:]:

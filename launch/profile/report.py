@@ -7,7 +7,9 @@ for an idle layer), ``load_share`` of each, plus ``rank_load`` and ``idle``),
 ``redundant``, ``policy``, ``balancedness``, ``no_eplb_balancedness``, ``gain_over_no_eplb``,
 ``held_out_balancedness``), ``steps``, ``num_layers``, ``num_experts``; and ``recorded_ep``,
 ``sources``, ``skipped_sources`` (empty dumps left out), ``phases``,
-``balancedness_over_time``, ``hot_set_churn``, ``drops``, ``recommendation``.
+``balancedness_over_time``, ``hot_set_churn``, ``drops``, ``recommendation`` (``ep`` and
+``ep_basis``: the EP size it is for and why; ``num_redundant_experts``; ``eplb_config``, with
+``pays`` false and no window when no replayed schedule beats no EPLB).
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """``profile run``: drive the engine over a workload with expert-distribution recording on,
 dump the record beside the report, then write the report.
 
+``--workload`` takes what ``sweep --workload`` takes (``launch.workloads``), phase by phase: a
+shipped name, a ``.txt`` file, or a ``.jsonl`` file of ``"prompt"`` (text) or
+``"prompt_token_ids"`` (ints, for checkpoints without a tokenizer) lines.
+
 Phases of a workload (``prose+code``) run one after the other. With ``--steps N`` each phase
 gets N / phases engine steps: its prompts are fed (repeating when they run out) so that up
 to ``max_num_seqs`` requests per DP rank are always running, and the ones still running
@@ -19,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from launch.core import SamplingParams
+from launch.workloads import Prompt
 
 MAX_IDLE_STEPS = 1000
 
@@ -27,8 +32,8 @@ class ProfileRunError(ValueError):
     """A run that cannot be profiled (no MoE layers, no tokenizer, a bad workload)."""
 
 
-def _encode(engine, prompt: str, max_tokens: int) -> list[int]:
-    ids = engine.tokenizer.encode(prompt)
+def _encode(engine, prompt: Prompt, max_tokens: int) -> list[int]:
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     room = engine.max_model_len - max_tokens
     if room < 1:
         raise ProfileRunError(f"--max-tokens {max_tokens} leaves no room for a prompt in max_model_len "
@@ -45,14 +50,15 @@ class _Feeder:
         self.num_added = 0
         self.idle = 0
 
-    def add(self, prompt: str) -> None:
+    def add(self, prompt: Prompt) -> None:
         rid = self.engine.next_request_id()
         # Lengths staggered over [max/2, max] so requests do not all finish (and prefill) in lockstep.
         length = self.max_tokens - (5 * self.num_added) % (self.max_tokens // 2 + 1)
         self.num_added += 1
         params = dataclasses.replace(self.params, max_tokens=length)
         try:
-            self.engine.add_request(rid, _encode(self.engine, prompt, self.max_tokens), params, prompt=prompt)
+            self.engine.add_request(rid, _encode(self.engine, prompt, self.max_tokens), params,
+                                    prompt=prompt if isinstance(prompt, str) else None)
         except ValueError as e:
             raise ProfileRunError(f"cannot run a workload prompt: {e}") from None
         self.live.add(rid)
@@ -87,7 +93,7 @@ def phase_budgets(steps: int, num_phases: int) -> list[int]:
     return [steps * (i + 1) // num_phases - steps * i // num_phases for i in range(num_phases)]
 
 
-def drive(engine, phases: list[tuple[str, list[str]]], steps: int | None, max_tokens: int,
+def drive(engine, phases: list[tuple[str, list[Prompt]]], steps: int | None, max_tokens: int,
           progress: bool = True) -> list[tuple[str, int, int]]:
     """Run the phases; returns (name, first step, end step) of each, in engine steps."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -124,6 +130,7 @@ def run_and_report(args: argparse.Namespace) -> Path:
     from launch.profile.readers import read_recording
     from launch.profile.report import write_report
     from launch.profile.study import options_from_args
+    from launch.sweep.workload import model_token_ids
     from launch.workloads import WorkloadError, load_workload_phases
 
     try:
@@ -141,6 +148,8 @@ def run_and_report(args: argparse.Namespace) -> Path:
 
     try:
         check_runtime_config(config)  # what the engine would refuse, before the weights load
+        for name, prompts in phases:  # text without a tokenizer.json, token ids outside the vocabulary
+            model_token_ids(prompts, config.check_model_path(), name)
     except (ValueError, FileNotFoundError) as e:
         raise ProfileRunError(str(e)) from None
     out = Path(args.out)
@@ -149,8 +158,6 @@ def run_and_report(args: argparse.Namespace) -> Path:
         engine = llm.engine
         if engine.eplb is None:
             raise ProfileRunError(f"{config.model} has no MoE layers: nothing to profile")
-        if engine.tokenizer is None:
-            raise ProfileRunError(f"{config.model} has no tokenizer.json: workloads are text")
         engine.eplb.start_record()
         base = engine.counters.num_steps
         spans = drive(engine, phases, args.steps, args.max_tokens, progress=not args.no_progress)

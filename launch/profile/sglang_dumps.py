@@ -4,7 +4,10 @@
   float | None}``; trailing all-zero steps (the unfilled part of its ring buffer) are dropped.
 - ``per_pass`` mode, one file per rank: ``{"records": [{"forward_pass_id": int, "rank": int,
   "gatherer_key": str, "global_physical_count": [L, P], ...}], "last_physical_to_logical_map":
-  [L, P]}``; the records of one pass are summed, passes in id order.
+  [L, P]}``; the records of one pass are summed, passes in id order. A rank's records count
+  either every slot (the tokens it routed) or only its own slots (the tokens it received,
+  DeepEP): then, and whenever the rank ids skip one, ``missing_ranks_problem`` names the ranks
+  whose files were not given.
 
 Loaded with ``torch.load(weights_only=True)``, then checked to hold only tensors, dicts,
 lists/tuples, strings and numbers; anything else is refused with a one-line ``DumpError``.
@@ -31,7 +34,7 @@ from launch.profile.dumps import (
     physical_to_logical,
 )
 
-__all__ = ["merge_rank_files", "read_torch_dump"]
+__all__ = ["merge_rank_files", "missing_ranks_problem", "read_torch_dump"]
 
 
 def _check_plain(path: Path, obj: Any, where: str = "") -> None:
@@ -114,7 +117,7 @@ def _read_per_pass(path: Path, obj: dict) -> Dump:
                         f"{num_slots} slots")
     phy = check_placement(path, phy_arr, num_layers, num_experts)
     by_pass: dict[int, np.ndarray] = {}
-    ranks = set()
+    rank_slots: dict[int, np.ndarray] = {}
     for i, rec in enumerate(records):
         if not isinstance(rec, dict) or "global_physical_count" not in rec or "forward_pass_id" not in rec:
             raise DumpError(f"{path}: records[{i}] lacks forward_pass_id or global_physical_count")
@@ -124,11 +127,12 @@ def _read_per_pass(path: Path, obj: dict) -> Dump:
                             f"[{num_layers}, {num_slots}]")
         pid = _record_int(path, i, rec, "forward_pass_id")
         by_pass[pid] = by_pass[pid] + count if pid in by_pass else count
-        ranks.add(_record_int(path, i, rec, "rank", 0))
+        rank = _record_int(path, i, rec, "rank", 0)
+        rank_slots[rank] = rank_slots.get(rank, 0.0) + count.sum(0)
     ids = np.array(sorted(by_pass), dtype=np.int64)
     physical = np.stack([by_pass[int(p)] for p in ids])
     return Dump(str(path), "sglang-per_pass", physical_to_logical(physical, phy, num_experts), physical, phy,
-                None, ranks=frozenset(ranks), pass_ids=ids)
+                None, ranks=frozenset(rank_slots), pass_ids=ids, rank_slot_load=rank_slots)
 
 
 def _record_int(path: Path, i: int, rec: dict, key: str, default: int | None = None) -> int:
@@ -160,7 +164,75 @@ def merge_rank_files(dumps: list[Dump]) -> list[Dump]:
             experts = prev.logical_count.shape[2]
             out[-1] = replace(prev, path=f"{prev.path}+{Path(d.path).name}", physical_count=physical,
                               logical_count=physical_to_logical(physical, d.phy2log, experts),
-                              ranks=prev.ranks | d.ranks, pass_ids=ids)
+                              ranks=prev.ranks | d.ranks, pass_ids=ids,
+                              rank_slot_load={**prev.rank_slot_load, **d.rank_slot_load})
         else:
             out.append(d)
     return out
+
+
+def _rank_list(runs: list[tuple[int, int]]) -> str:
+    """Runs of rank ids, first and last: [(1, 3), (5, 5), (7, 8)] -> "1-3, 5, 7, 8"."""
+    return ", ".join(f"{a}-{b}" if b > a + 1 else ", ".join(map(str, range(a, b + 1))) for a, b in runs)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ids as (first, last) runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def _gaps(seen: list[int], total: int) -> list[tuple[int, int]]:
+    """The ids of 0..total-1 not in sorted ``seen``, as (first, last) runs (never a list of them
+    all: a rank id read from a file can be huge)."""
+    gaps, nxt = [], 0
+    for i in [r for r in seen if 0 <= r < total] + [total]:
+        if i > nxt:
+            gaps.append((nxt, i - 1))
+        nxt = i + 1
+    return gaps
+
+
+def implied_num_ranks(rank_slot_load: dict[int, np.ndarray]) -> int | None:
+    """The fewest ranks R (R > every rank id, R dividing the P slots) over which every rank's
+    records counted only its own block of P / R slots (rank_slot_load: {rank: [P]}): records of
+    the tokens each rank received, so the other ranks' files hold the rest. None when no R
+    fits (the records count every slot), no record counted anything, or a rank id is negative."""
+    if not rank_slot_load or min(rank_slot_load) < 0 or not any(v.any() for v in rank_slot_load.values()):
+        return None
+    num_slots = next(iter(rank_slot_load.values())).shape[0]
+    for num_ranks in range(max(2, max(rank_slot_load) + 1), num_slots + 1):
+        if num_slots % num_ranks:
+            continue
+        block = num_slots // num_ranks
+        if all(not v[: r * block].any() and not v[(r + 1) * block:].any() for r, v in rank_slot_load.items()):
+            return num_ranks
+    return None
+
+
+def missing_ranks_problem(dump: Dump) -> str | None:
+    """One line naming the ranks whose per_pass files a (merged) per_pass dump lacks: the rank
+    ids skip one (ranks 0 and 2 but not 1), or the records count only their own rank's slots
+    (``implied_num_ranks``) and some rank's file is not there. None for other formats and for
+    a complete set, or one rank's file whose records count every slot (its tokens' load)."""
+    if dump.format != "sglang-per_pass" or not dump.rank_slot_load:
+        return None
+    seen = sorted(dump.rank_slot_load)
+    implied = implied_num_ranks(dump.rank_slot_load)
+    missing = _gaps(seen, implied or seen[-1] + 1)
+    if not missing:
+        return None
+    given = f"holds the records of rank(s) {_rank_list(_runs(seen))}"
+    if implied:
+        num_slots = next(iter(dump.rank_slot_load.values())).shape[0]
+        why = (f"each counts only its own {num_slots // implied} of the {num_slots} slots, so the run had "
+               f"{implied} ranks")
+    else:
+        why = f"rank ids run to {seen[-1]}"
+    return (f"{dump.path}: SGLang per_pass dump {given}; {why}, and the file(s) of rank(s) {_rank_list(missing)} "
+            "are missing: give every rank's file of the dump together")

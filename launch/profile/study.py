@@ -12,13 +12,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from launch.profile import analysis as an
-from launch.profile.readers import Recording
+from launch.profile.readers import DumpError, Recording
 from launch.profile.whatif import (
     WhatIfRow,
     compute_what_if,
     default_ep_sizes,
     recommend_eplb_config,
     recommend_redundant,
+    redundant_problem,
 )
 
 
@@ -65,14 +66,19 @@ class Analysis:
 
 
 def analyze(recording: Recording, options: ReportOptions) -> Analysis:
-    """Run every analysis; DumpError for an EP size that does not divide the experts.
-    ``Analysis.options`` has num_groups and model_layers filled from the dumps where unset."""
+    """Run every analysis; DumpError for an EP size that does not divide the experts or a
+    redundant count past ``whatif.max_redundant``. ``Analysis.options`` has num_groups and
+    model_layers filled from the dumps where unset. The recommendation is made at the recorded
+    EP size when it is among the what-if EP sizes, else at the first of them; its ``ep`` and
+    ``ep_basis`` say which and why."""
     options = replace(options, num_groups=options.num_groups or recording.num_groups,
                       model_layers=options.model_layers or recording.model_layers)
     count = recording.logical_count
     steps, num_layers, num_experts = count.shape
-    ep_sizes = options.ep_sizes or default_ep_sizes(num_experts)
+    ep_sizes = list(dict.fromkeys(options.ep_sizes or default_ep_sizes(num_experts)))  # repeats drawn once
     an.check_ep_sizes(ep_sizes, num_experts)
+    if (problem := redundant_problem(options.redundant, num_experts)) is not None:
+        raise DumpError(problem)
     num_ranks = an.recorded_num_ranks(recording, options.recorded_ep or ep_sizes[0])
     rank_load = an.recording_rank_load(recording, num_ranks)
     layer_bal, overall = an.layer_balancedness(rank_load.sum(0))
@@ -83,7 +89,7 @@ def analyze(recording: Recording, options: ReportOptions) -> Analysis:
     groups = options.num_groups or options.num_nodes
     rows, skipped = compute_what_if(count, ep_sizes, options.redundant, num_groups=groups,
                                     num_nodes=options.num_nodes, progress=options.progress)
-    rec_ep = num_ranks if any(r.ep == num_ranks for r in rows) else ep_sizes[0]
+    rec_ep, ep_basis = recommendation_ep(num_ranks, ep_sizes, num_experts)
     redundant = recommend_redundant(rows, rec_ep)
     mean_churn = {w: float(an.mean_over(o.reshape(-1), axis=0)) for w, o in churn.items()
                   if o.size and not np.isnan(o).all()}
@@ -91,7 +97,18 @@ def analyze(recording: Recording, options: ReportOptions) -> Analysis:
                                  progress=options.progress)
     return Analysis(recording, options, num_ranks, rank_load, layer_bal, overall, an.step_balancedness(rank_load),
                     hot_ids, hot_share, top, churn, an.drift_layer(count, drift_window, top), drift_window, rows,
-                    skipped, ep_sizes, {"num_redundant_experts": redundant, "eplb_config": eplb})
+                    skipped, ep_sizes, {"ep": rec_ep, "ep_basis": ep_basis, "num_redundant_experts": redundant,
+                                        "eplb_config": eplb})
+
+
+def recommendation_ep(num_ranks: int, ep_sizes: list[int], num_experts: int) -> tuple[int, str]:
+    """(EP size the recommendation is for, the phrase saying why): the recorded one when it is
+    among the what-if EP sizes, else the first of them (--ep)."""
+    if num_ranks in ep_sizes:
+        return num_ranks, f"for EP {num_ranks}, the recorded EP size"
+    hint = f" (add --ep {num_ranks} for one at it)" if num_experts % num_ranks == 0 else ""
+    return ep_sizes[0], (f"for EP {ep_sizes[0]}, the first what-if EP size: the recording ran at EP {num_ranks}, "
+                         f"which is not among the what-if EP sizes{hint}")
 
 
 def options_from_args(args: argparse.Namespace, **extra) -> ReportOptions:

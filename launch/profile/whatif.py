@@ -8,8 +8,15 @@ held-out figure (placed from the first half, scored on the second).
 
 ``simulate_eplb``: replay the recording with a rebalance every ``interval`` steps from the last
 ``window`` steps; the realized balancedness is sum over steps and layers of mean rank load /
-sum of max rank load (what a step's time follows). ``recommend`` picks
-``--num-redundant-experts`` and ``--eplb-config`` from those figures.
+sum of max rank load (what a step's time follows). ``recommend_redundant`` and
+``recommend_eplb_config`` pick ``--num-redundant-experts`` and ``--eplb-config`` from those
+figures; the latter says EPLB does not pay when no schedule beats the placement without it.
+
+Redundant counts are bounded (``redundant_problem``): at most ``MAX_COPIES_PER_EXPERT - 1``
+times E, so a layer has at most ``MAX_COPIES_PER_EXPERT`` x E slots. Every array of the grid
+and the replay that has a slot axis ([L, P], [interval, L, P]) and the balancer's work grow
+with P (the balancer's faster than linearly), and EPLB deployments run a few redundant
+experts per rank (DeepSeek-V3: 32 for 256 experts on 32 ranks), far below the bound.
 
 Shape legend: S steps, L layers, E experts, P slots, R ranks.
 """
@@ -35,6 +42,7 @@ MAX_REBALANCES = 64
 GAIN_SHARE = 0.9
 MIN_GAIN = 0.01
 INTERVAL_TOLERANCE = 0.01
+MAX_COPIES_PER_EXPERT = 4
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,23 @@ class WhatIfRow:
 def default_ep_sizes(num_experts: int) -> list[int]:
     """Powers of two from 2 to 64 that divide E (E itself when none does)."""
     return [ep for ep in (2, 4, 8, 16, 32, 64) if ep <= num_experts and num_experts % ep == 0] or [num_experts]
+
+
+def max_redundant(num_experts: int) -> int:
+    """The largest redundant count the what-if places for E experts: (MAX_COPIES_PER_EXPERT - 1) x E."""
+    return (MAX_COPIES_PER_EXPERT - 1) * num_experts
+
+
+def redundant_problem(redundant: list[int] | None, num_experts: int, flag: str = "--redundant") -> str | None:
+    """One line naming ``flag`` and the first count above ``max_redundant(E)`` (or below 0),
+    before anything is allocated for it; None when every count is in range or none was given."""
+    limit = max_redundant(num_experts)
+    for r in redundant or []:
+        if not 0 <= r <= limit:
+            return (f"{flag} {r}: at most {limit} redundant experts per layer for {num_experts} experts "
+                    f"({MAX_COPIES_PER_EXPERT - 1} x E, so {MAX_COPIES_PER_EXPERT} slots per expert on average; "
+                    "EPLB deployments use a few per EP rank)")
+    return None
 
 
 def redundant_options(ep: int, num_experts: int, given: list[int] | None) -> list[int]:
@@ -81,8 +106,11 @@ def _place(load: np.ndarray, num_slots: int, ep: int, policy: str, groups: int, 
 
 def compute_what_if(count: np.ndarray, ep_sizes: list[int], redundant: list[int] | None, *, num_groups: int,
                     num_nodes: int, progress: bool = True) -> tuple[list[WhatIfRow], list[str]]:
-    """count: [S, L, E] -> (rows, skipped combinations with the reason)."""
+    """count: [S, L, E] -> (rows, skipped combinations with the reason). ValueError for a
+    redundant count out of range (``redundant_problem``)."""
     steps, num_layers, num_experts = count.shape
+    if (problem := redundant_problem(redundant, num_experts, "redundant")) is not None:
+        raise ValueError(problem)
     load = count.sum(0)
     half = steps // 2
     first, second = (count[:half].sum(0), count[half:].sum(0)) if half else (None, None)
@@ -188,12 +216,16 @@ def recommend_eplb_config(count: np.ndarray, num_ranks: int, redundant: int, chu
                           progress: bool = True) -> dict:
     """Replay the recording for windows 10/100/1000 x intervals 10..3000 that fit; pick the
     longest interval within 0.01 of the best realized balancedness (fewer weight moves),
-    then its best window. Returns {"window_size", "step_interval", "basis", "candidates"}
-    or {"window_size": None, ..., "basis": why not}."""
+    then its best window; the pick must beat no EPLB by ``MIN_GAIN``. Returns {"window_size",
+    "step_interval", "balancedness", "no_eplb_balancedness", "replayed_from_step", "pays",
+    "basis", "candidates"}; window_size
+    and step_interval are None, with "basis" saying why, when the recording is too short to
+    replay or when no schedule beats no EPLB by ``MIN_GAIN`` (``pays`` False: rebalancing
+    does not pay on this load, the basis names the best schedule and both figures)."""
     steps, num_layers, num_experts = count.shape
     windows = [w for w in SGLANG_WINDOWS if 2 * w <= steps]
     if not windows:
-        return {"window_size": None, "step_interval": None, "candidates": [],
+        return {"window_size": None, "step_interval": None, "pays": None, "candidates": [],
                 "basis": f"recording of {steps} steps is too short to replay an EPLB schedule (needs >= 20)"}
     start = max(windows)
     intervals = [i for i in INTERVALS if i <= steps - start]
@@ -205,16 +237,23 @@ def recommend_eplb_config(count: np.ndarray, num_ranks: int, redundant: int, chu
                            "balancedness": simulate_eplb(count, num_ranks, num_slots, w, i, start)})
     tail = count[start:]
     no_eplb = static_realized(tail, identity_phy2log(num_layers, num_experts), num_ranks)
-    best = max(c["balancedness"] for c in candidates)
-    near = [c for c in candidates if c["balancedness"] >= best - INTERVAL_TOLERANCE]
-    pick = max(near, key=lambda c: (c["step_interval"], c["balancedness"]))
     top = max(candidates, key=lambda c: c["balancedness"])
     drift = ", ".join(f"{w}-step windows {o:.2f}" for w, o in sorted(churn.items()))
-    basis = (f"replayed steps {start}-{steps} at EP {num_ranks} with {redundant} redundant: window "
-             f"{pick['window_size']}, interval {pick['step_interval']} realizes balancedness "
+    where = f"replayed steps {start}-{steps} at EP {num_ranks} with {redundant} redundant: "
+    trail = f"; hot-set overlap between consecutive {drift}" if drift else ""
+    common = {"no_eplb_balancedness": no_eplb, "replayed_from_step": start, "candidates": candidates}
+    if top["balancedness"] < no_eplb + MIN_GAIN:
+        basis = (f"{where}rebalancing does not pay on this load: no schedule beats no EPLB by {MIN_GAIN} "
+                 f"(best: window {top['window_size']}, interval {top['step_interval']} realizes "
+                 f"{top['balancedness']:.3f}; no EPLB {no_eplb:.3f}); leave EPLB off" + trail)
+        return {"window_size": None, "step_interval": None, "balancedness": top["balancedness"], "pays": False,
+                "basis": basis, **common}
+    # The pick must itself pay: within the tolerance of the best, and MIN_GAIN over no EPLB.
+    floor = max(top["balancedness"] - INTERVAL_TOLERANCE, no_eplb + MIN_GAIN)
+    pick = max((c for c in candidates if c["balancedness"] >= floor),
+               key=lambda c: (c["step_interval"], c["balancedness"]))
+    basis = (f"{where}window {pick['window_size']}, interval {pick['step_interval']} realizes balancedness "
              f"{pick['balancedness']:.3f} (best {top['balancedness']:.3f} at window {top['window_size']}, "
-             f"interval {top['step_interval']}; no EPLB {no_eplb:.3f})"
-             + (f"; hot-set overlap between consecutive {drift}" if drift else ""))
+             f"interval {top['step_interval']}; no EPLB {no_eplb:.3f})" + trail)
     return {"window_size": pick["window_size"], "step_interval": pick["step_interval"],
-            "balancedness": pick["balancedness"], "no_eplb_balancedness": no_eplb, "replayed_from_step": start,
-            "basis": basis, "candidates": candidates}
+            "balancedness": pick["balancedness"], "pays": True, "basis": basis, **common}

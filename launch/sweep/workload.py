@@ -2,8 +2,9 @@
 
 A ``.txt`` file holds one prompt per non-empty line; a ``.jsonl`` file one JSON object per
 line with ``"prompt"`` (text) or ``"prompt_token_ids"`` (a list of ints, for checkpoints
-without a tokenizer). Anything else is handed to ``launch.workloads.load_workload`` (the
-shipped prompt sets: ``prose``, ``code``, ``prose+code``, ...).
+without a tokenizer), read by ``launch.workloads.read_workload_file``. Anything else is handed
+to ``launch.workloads.load_workload`` (the shipped prompt sets: ``prose``, ``code``,
+``prose+code``, ...).
 
 ``model_token_ids`` and ``check_fits`` check the prompts against the checkpoint a point
 runs (its tokenizer, vocabulary and max_model_len) before anything runs: a request the
@@ -16,28 +17,15 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-Prompt = str | tuple[int, ...]
+from launch.workloads import Prompt
 
 
 def read_prompt_file(path: Path) -> list[Prompt]:
-    """Prompts of a .txt / .jsonl file; ValueError naming the file and line otherwise."""
-    from launch.workloads import jsonl_values, read_text_file  # their WorkloadError is a ValueError
+    """Prompts of a .txt / .jsonl file (``launch.workloads.read_workload_file``'s rules); ValueError
+    naming the file and line otherwise."""
+    from launch.workloads import read_workload_file  # its WorkloadError is a ValueError
 
-    text = read_text_file(path)
-    if path.suffix == ".txt":
-        return [line for line in text.splitlines() if line.strip()]
-    if path.suffix != ".jsonl":
-        raise ValueError(f"workload file {path}: expected .txt (one prompt per line) or .jsonl")
-    prompts: list[Prompt] = []
-    for n, obj in jsonl_values(text, lambda n: f"workload file {path} line {n}"):
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            prompts.append(obj["prompt"])
-        elif isinstance(obj, dict) and isinstance(obj.get("prompt_token_ids"), list) and obj["prompt_token_ids"] \
-                and all(isinstance(t, int) for t in obj["prompt_token_ids"]):
-            prompts.append(tuple(obj["prompt_token_ids"]))
-        else:
-            raise ValueError(f"workload file {path} line {n}: needs \"prompt\" (text) or \"prompt_token_ids\" (ints)")
-    return prompts
+    return read_workload_file(path)
 
 
 def load_prompts(spec: str, num_prompts: int | None = None) -> tuple[str, list[Prompt]]:

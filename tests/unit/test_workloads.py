@@ -106,3 +106,26 @@ def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path) -> None:
 
 def test_every_shipped_file_is_named() -> None:
     assert sorted(p.stem for p in WORKLOAD_DIR.glob("*.jsonl")) == sorted(WORKLOAD_NAMES)
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"prompt_token_ids": []}', "must be a non-empty list of token ids"),
+    ('{"prompt_token_ids": [1, -2]}', "must be a non-empty list of token ids"),
+    ('{"prompt_token_ids": [1, true]}', "must be a non-empty list of token ids"),
+    ('{"prompt_token_ids": "1 2"}', "must be a non-empty list of token ids"),
+    ('{"prompt": "a", "prompt_token_ids": [1]}', "(one of the two)"),
+    ('{"prompt": [1, 2]}', 'token ids go in "prompt_token_ids"'),
+])
+def test_token_id_lines_that_are_no_token_ids_are_one_line_errors(tmp_path, line: str, problem: str) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt_token_ids": [5, 6]}\n' + line + "\n")
+    with pytest.raises(WorkloadError) as e:
+        load_workload(str(path))
+    assert str(e.value).startswith(f"{path}:2: ") and problem in str(e.value) and "\n" not in str(e.value)
+
+
+def test_token_id_lines_are_prompts_of_their_own() -> None:
+    from launch.workloads import check_workload_row
+
+    assert check_workload_row({"prompt_token_ids": [0, 7, 3], "id": "x"}, "f:1") == (0, 7, 3)
+    assert check_workload_row({"prompt": "text"}, "f:1") == "text"
