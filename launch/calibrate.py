@@ -24,7 +24,9 @@ Writes the ``configs/hardware`` format (``parallel.costmodel.Hardware``):
   cores and the wire otherwise than two); the widest count's figures also stand for any other.
 
 On a GPU cluster, ``--base h100 --nccl-table all_to_all_perf.txt:alltoall:16 ...`` writes the
-shipped hardware with the measured link tables added instead (nothing measured here).
+shipped hardware with the measured link tables added instead (nothing measured here: the
+measurement flags, ``--threads`` to ``--ray-ranks``, are refused with it). A table's ``OP`` is one of
+``parallel.costmodel.hardware.COLLECTIVE_OPS``; ``FILE::NRANKS`` takes it from the table's header.
 
 The memory per rank is the engine's CPU default (``DEFAULT_CPU_MEMORY``), so KV capacity
 predictions match what the engine sizes on this machine.
@@ -54,7 +56,7 @@ from moe.config import ModelConfig
 from moe.loading.checkpoint import resolve_checkpoint_files
 from moe.loading.errors import NoWeightsError
 from parallel.costmodel import Deployment, Hardware, build_rank_load, decode_work, predict_phase
-from parallel.costmodel.hardware import MULTI_RANK_KINDS
+from parallel.costmodel.hardware import COLLECTIVE_OPS, MULTI_RANK_KINDS
 from parallel.costmodel.memory import weight_bytes_per_rank
 from parallel.costmodel.microbench import DTYPES as GEMM_DTYPES
 from parallel.costmodel.microbench import (
@@ -129,7 +131,11 @@ def read_nccl_tables(specs: list[str]) -> dict[str, list[tuple[float, float]]]:
             raise ValueError(f"--nccl-table {path}: {e.strerror or e}") from None
         op, n = nccl_table_op(text)
         if rest:
-            op, _, ranks = rest.partition(":")
+            given, _, ranks = rest.partition(":")
+            if given and given not in COLLECTIVE_OPS:
+                raise ValueError(f"--nccl-table {spec}: unknown collective {given!r}; known: "
+                                 f"{', '.join(COLLECTIVE_OPS)}")
+            op = given or op  # FILE::NRANKS: the collective from the table's header
             if ranks:
                 if not ranks.strip().isdigit() or int(ranks) < 2:
                     raise ValueError(f"--nccl-table {spec}: NRANKS must be an integer >= 2, got {ranks!r}")
@@ -533,30 +539,53 @@ def calibrate(*, threads: int = 1, nprocs: tuple[int, ...] = (2,), dtypes: tuple
 def build_parser() -> argparse.ArgumentParser:
     p = FlagParser(prog="python -m launch simulate calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="where to write the hardware YAML (or .json)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank while measuring")
-    p.add_argument("--nprocs", default="2", help="rank counts for the gloo collectives, e.g. 2,4 ('' for none)")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank while measuring (default 1)")
+    p.add_argument("--nprocs", default=None,
+                   help="rank counts for the gloo collectives, e.g. 2,4 ('' for none; default 2)")
+    p.add_argument("--dtypes", default=None, help="GEMM dtypes to time (default float32,bfloat16)")
     p.add_argument("--nccl-table", action="append", default=[], metavar="FILE[:OP:NRANKS]",
                    help="nccl-tests output (all_to_all_perf / all_reduce_perf, or commbench's) to include")
     p.add_argument("--base", default=None,
                    help="start from this hardware (h100, a file) and only add the --nccl-table tables: a GPU "
                         "cluster's measured links on top of the datasheet; nothing is measured here")
     p.add_argument("--no-engine", action="store_true", help="skip the engine overhead measurement")
-    p.add_argument("--engine-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--engine-dtype", default=None, choices=("float32", "bfloat16"), help="default float32")
     p.add_argument("--model", default=None,
                    help="checkpoint dir to time the engine overheads on (default: a tiny DeepSeek-V3); use the model "
                         "the predictions are for")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+    p.add_argument("--clock", choices=("wall", "cpu"), default=None,
                    help="cpu: time compute and engine steps in CPU time (steady on a shared machine; --threads 1)")
-    p.add_argument("--ray-ranks", type=int, nargs="+", default=[0], metavar="N",
+    p.add_argument("--ray-ranks", type=int, nargs="+", default=None, metavar="N",
                    help="also time TP, EP and DP instances of each of these many Ray ranks for what each adds per "
                         "step (0: skip)")
     return p
 
 
+# What --base leaves unmeasured: these flags would have no effect with it (flag, attribute).
+MEASUREMENT_FLAGS = (("--threads", "threads"), ("--nprocs", "nprocs"), ("--dtypes", "dtypes"),
+                     ("--no-engine", "no_engine"), ("--engine-dtype", "engine_dtype"), ("--model", "model"),
+                     ("--clock", "clock"), ("--ray-ranks", "ray_ranks"))
+MEASUREMENT_DEFAULTS = {"threads": 1, "nprocs": "2", "dtypes": "float32,bfloat16", "engine_dtype": "float32",
+                        "clock": "wall", "ray_ranks": [0]}
+
+
+def _check_base_flags(args: argparse.Namespace) -> None:
+    """ValueError naming a measurement flag given with --base (which measures nothing), then the
+    measurement flags' defaults filled in."""
+    if args.base:
+        for flag, name in MEASUREMENT_FLAGS:
+            if getattr(args, name) not in (None, False):
+                raise ValueError(f"{flag} has no effect with --base, which measures nothing here (it adds the "
+                                 "--nccl-table tables to that hardware): drop one of them")
+    for name, value in MEASUREMENT_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_base_flags(args)
         parts = [n.strip() for n in args.nprocs.split(",") if n.strip()]
         if not all(n.isdigit() for n in parts):
             raise ValueError(f"--nprocs takes comma-separated integers, got {args.nprocs!r}")
@@ -573,9 +602,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{', '.join(GEMM_DTYPES)}")
         if bad := [n for n in args.ray_ranks if n < 0 or n == 1]:
             raise ValueError(f"--ray-ranks must be 0 (skip) or >= 2, got {bad[0]}")
-        if args.model is not None and (args.no_engine or args.base):
-            raise ValueError(f"--model times the engine's steps, which {'--no-engine' if args.no_engine else '--base'} "
-                             "skips: drop one of them")
+        if args.model is not None and args.no_engine:
+            raise ValueError("--model times the engine's steps, which --no-engine skips: drop one of them")
         if args.model is not None:
             check_engine_model(args.model)
         read_nccl_tables(args.nccl_table)  # every table readable before anything is measured

@@ -18,7 +18,7 @@ import yaml
 
 from launch.config import RuntimeConfig
 from launch.config_schema import ConfigError, load_yaml_text
-from launch.core.kv_sizing import KVSizing, NoKVRoomError, compute_kv_sizing
+from launch.core.kv_sizing import KVSizing, NoKVRoomError, compute_kv_sizing, format_memory
 from moe.config import ModelConfig, read_config_json
 from parallel.costmodel import Deployment, Hardware, weight_bytes_per_rank
 
@@ -41,7 +41,14 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
             raise ValueError(f"hardware {text!r} is neither a file nor one of {hardware_names()}")
         path = shipped
     try:
-        data = json.loads(path.read_text()) if path.suffix == ".json" else load_yaml_text(path.read_text(), str(path))
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise ValueError(f"hardware file {path}: not a {kind} text file (it is not UTF-8 text); expected a mapping "
+                         f"of hardware fields (name, flops, memory_bandwidth, ...) as configs/hardware/*.yaml "
+                         "holds") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else load_yaml_text(text, str(path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
     except ConfigError as e:
@@ -127,12 +134,28 @@ def compute_layout_kv_sizing(model: ModelConfig, dep: Deployment, memory_bytes: 
     )
 
 
-def compute_kv_capacity_tokens(model: ModelConfig, dep: Deployment, memory_bytes: int) -> int:
+def compute_num_blocks(sizing: KVSizing, block_size: int) -> int:
+    """Whole KV blocks of ``block_size`` tokens that ``sizing``'s budget holds (the engine allocates
+    whole blocks). NoKVRoomError naming the block size when not one block fits."""
+    blocks = sizing.num_blocks(block_size)
+    if blocks < 1:
+        raise NoKVRoomError(
+            f"no room for one KV block: a block of {block_size:,} tokens takes "
+            f"{format_memory(block_size * sizing.kv_bytes_per_token_per_rank)} of KV per rank, over the "
+            f"{format_memory(sizing.kv_budget_bytes)} ({sizing.max_num_tokens:,} tokens) the weights leave; "
+            "give a smaller block_size")
+    return blocks
+
+
+def compute_kv_capacity_tokens(model: ModelConfig, dep: Deployment, memory_bytes: int,
+                               block_size: int | None = None) -> int:
     """KV tokens one rank of ``dep`` holds: a config's fixed ``dep.kv_capacity_tokens``, else
-    ``compute_layout_kv_sizing``'s ``max_num_tokens`` (0 when the weights leave no room)."""
+    ``compute_layout_kv_sizing``'s ``max_num_tokens``, in whole blocks of ``block_size`` when given
+    (0 when the weights leave no room, or no block)."""
     if dep.kv_capacity_tokens is not None:
         return dep.kv_capacity_tokens
     try:
-        return compute_layout_kv_sizing(model, dep, memory_bytes).max_num_tokens
+        tokens = compute_layout_kv_sizing(model, dep, memory_bytes).max_num_tokens
     except NoKVRoomError:
         return 0
+    return tokens if block_size is None else tokens // block_size * block_size

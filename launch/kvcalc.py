@@ -2,7 +2,9 @@
 
 Prints bytes per token (MLA latent or GQA heads, and what full MHA would need), the
 weights per TP rank, the tokens that fit in the rest of the memory budget, and how many
-sequences of ``--max-model-len`` tokens fit at once. The arithmetic is
+sequences of ``--max-model-len`` tokens fit at once, in whole blocks of ``--block-size`` as the
+engine allocates them (JSON ``kv_capacity_tokens``; ``max_num_tokens`` is the budget before
+rounding to blocks). The arithmetic is
 ``launch.hardware.compute_layout_kv_sizing``, the same call ``simulate`` sizes its KV
 capacity with: same model, hardware and layout, same tokens (tests/unit/test_kv_capacity_agreement.py).
 
@@ -32,6 +34,7 @@ from launch.core.kv_sizing import KVSizing, format_memory, parse_memory
 from launch.hardware import (
     compute_dtype,
     compute_layout_kv_sizing,
+    compute_num_blocks,
     load_hardware,
     model_raw_config,
     resolve_weight_dtype,
@@ -200,9 +203,17 @@ def _count(n: float) -> str:
     return f"{n:,.0f}"
 
 
+def block_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
+    """Sequences of ``max_model_len`` tokens that ``num_blocks`` whole blocks hold at once (each
+    takes ceil(max_model_len / block_size) blocks)."""
+    return num_blocks / -(-max_model_len // block_size)
+
+
 def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str, ep: int = 1,
                   memory_source: str = "") -> str:
-    """The human-readable kvcalc table."""
+    """The human-readable kvcalc table: the tokens that fit are whole blocks of ``block_size``, as
+    the engine allocates them (``compute_num_blocks``: a block size no block fits is refused)."""
+    blocks = compute_num_blocks(s, block_size)
     lines = [
         f"model: {cfg.architecture}, {cfg.num_hidden_layers} layers, {_count(cfg.num_parameters())} parameters "
         f"({dtype} weights)",
@@ -216,8 +227,9 @@ def format_report(cfg: ModelConfig, s: KVSizing, block_size: int, dtype: str, ep
         f"weights per rank: {format_memory(s.weight_bytes_per_rank)}"
         + (f" (routed experts spread over expert_parallel_size={ep})" if ep > 1 else ""),
         f"KV budget per rank: {format_memory(s.kv_budget_bytes)}",
-        f"tokens that fit: {s.max_num_tokens:,} ({s.num_blocks(block_size):,} blocks of {block_size})",
-        f"concurrent sequences at max_model_len {s.max_model_len:,}: {s.max_concurrency:.2f}",
+        f"tokens that fit: {blocks * block_size:,} ({blocks:,} blocks of {block_size})",
+        f"concurrent sequences at max_model_len {s.max_model_len:,}: "
+        f"{block_concurrency(blocks, block_size, s.max_model_len):.2f}",
     ]
     if cfg.unsupported:
         lines.append("note: config fields the runtime does not implement: " + "; ".join(cfg.unsupported))
@@ -246,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         dep = _deployment(cfg, raw, args)
         memory, memory_source = _memory(args)
         sizing = compute_layout_kv_sizing(cfg, dep, memory, max_model_len=args.max_model_len)
-        blocks = sizing.num_blocks(args.block_size)
+        blocks = compute_num_blocks(sizing, args.block_size)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: kvcalc {model_arg}: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -254,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": args.model, "architecture": cfg.architecture, "attention": cfg.attention,
                           "num_parameters": cfg.num_parameters(), "num_blocks": blocks,
                           "block_size": args.block_size, "expert_parallel_size": args.expert_parallel_size,
-                          "dtype": dep.dtype, "weight_dtype": dep.weight_dtype or dep.dtype, **asdict(sizing)}))
+                          "dtype": dep.dtype, "weight_dtype": dep.weight_dtype or dep.dtype, **asdict(sizing),
+                          "kv_capacity_tokens": blocks * args.block_size,
+                          "max_concurrency": block_concurrency(blocks, args.block_size, sizing.max_model_len)}))
     else:
         print(format_report(cfg, sizing, args.block_size, dep.weight_dtype or dep.dtype, args.expert_parallel_size,
                             memory_source))

@@ -27,17 +27,17 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from launch.config import ConfigError, load_runtime_config
+from launch.config import ConfigError, RuntimeConfig, load_runtime_config
 from launch.config_args import FlagParser
-from launch.core.kv_sizing import format_memory
+from launch.core.kv_sizing import NoKVRoomError, format_memory
 from launch.hardware import (
     compute_dtype,
-    compute_kv_capacity_tokens,
+    compute_layout_kv_sizing,
+    compute_num_blocks,
     deployment_from_config,
     load_hardware,
     model_raw_config,
@@ -46,6 +46,7 @@ from launch.hardware import (
 )
 from launch.kvcalc import model_runtime_config
 from launch.paths import output_file_problem, write_output_file
+from launch.simulate_point import load_expert_load
 from moe.config import ModelConfig
 from parallel.costmodel import (
     Deployment,
@@ -81,40 +82,18 @@ def parse_cluster(text: str) -> tuple[int, int, Hardware]:
     return int(m.group(1)), int(m.group(2)), load_hardware(m.group(3))
 
 
-_EXPECTED_LOAD = ("expected an [L, E] (or [steps, L, E]) array of numbers as .npy or JSON, or a JSON "
-                  "expert-distribution dump with 'logical_count'")
-
-
-def load_expert_load(path: str) -> np.ndarray:
-    """[L, E] tokens per expert from a .npy / .json array ([L, E], or [steps, L, E] summed), or
-    an expert-distribution dump with ``logical_count``."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: {'is a directory' if p.is_dir() else 'no such file'}; {_EXPECTED_LOAD}")
-    if p.suffix == ".npy":
-        try:
-            arr = np.asarray(np.load(p), dtype=np.float64)
-        except (ValueError, TypeError, OSError, EOFError):  # not .npy (numpy would unpickle it), or not numbers
-            raise ValueError(f"{path}: not a .npy array of numbers; {_EXPECTED_LOAD}") from None
-    else:
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}: not JSON (not UTF-8 text); {_EXPECTED_LOAD}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e}); {_EXPECTED_LOAD}") from None
-        if isinstance(data, dict) and "logical_count" not in data:
-            raise ValueError(f"{path}: expected an [L, E] array or a dump with 'logical_count', got an object "
-                             f"with keys {sorted(data)[:5]}")
-        try:
-            arr = np.asarray(data["logical_count"] if isinstance(data, dict) else data, dtype=np.float64)
-        except (TypeError, ValueError):
-            raise ValueError(f"{path}: expected an [L, E] array of numbers") from None
-    if arr.ndim == 3:
-        arr = arr.sum(0)
-    if arr.ndim != 2:
-        raise ValueError(f"{path}: expected an [L, E] (or [steps, L, E]) array, got shape {arr.shape}")
-    return arr
+def _check_expert_load(load: np.ndarray, model: ModelConfig, model_name: str, path: str) -> None:
+    """ValueError when ``load`` [L, E] cannot stand for the model's routed experts; a warning on stderr
+    when its depth differs from the model's MoE layers (the cost model cycles its layers)."""
+    num_moe = len(model.moe_layer_ids)
+    if num_moe == 0:
+        raise ValueError(f"--expert-load {path}: {model_name} has no MoE layers to load")
+    if load.shape[1] != model.num_experts:
+        raise ValueError(f"--expert-load {path}: {load.shape[1]} experts per layer, but {model_name} routes over "
+                         f"{model.num_experts}")
+    if load.shape[0] != num_moe:
+        print(f"warning: simulate: --expert-load {path} has {load.shape[0]} MoE layer(s), {model_name} has {num_moe}: "
+              f"the load's layers are cycled (MoE layer i takes its layer i mod {load.shape[0]})", file=sys.stderr)
 
 
 def _phase_json(step_ms: float, breakdown: dict[str, float], bound: str) -> dict[str, Any]:
@@ -122,8 +101,10 @@ def _phase_json(step_ms: float, breakdown: dict[str, float], bound: str) -> dict
 
 
 def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The first form's report (a JSON-able dict)."""
+    """The first form's report (a JSON-able dict). Every refusal (limits, memory, lengths, the
+    expert load) comes before the prediction, which allocates per expert slot and token."""
     cfg = load_runtime_config(args.config, overrides=args.set)
+    _check_int64_limits(cfg)
     model_name = args.model or cfg.model
     raw = model_raw_config(model_name, cfg.model_overrides)
     model = ModelConfig.from_hf(raw, strict=False)
@@ -133,27 +114,31 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
     dep = deployment_from_config(cfg, model, weight_dtype=weight_dtype,
                                  enable_two_batch_overlap=args.two_batch_overlap, dispatch_dtype=args.dispatch_dtype)
     _check_kv_blocks_fit(model, dep, hw)
-    capacity = compute_kv_capacity_tokens(model, dep, hw.memory_bytes)
+    capacity = _kv_capacity_tokens(model, dep, hw, cfg.engine.block_size)
     prefix = int(round(args.input_len * args.prefix_hit_rate))
     prefix = min(prefix, args.input_len - 1)
     kv_len = args.kv_len if args.kv_len is not None else args.input_len + args.output_len // 2
     _check_sequence_fits(args, kv_len, cfg.engine.max_model_len or model.max_position_embeddings,
                          "engine.max_model_len" if cfg.engine.max_model_len else "the model's max_position_embeddings")
-    expert_load = load_expert_load(args.expert_load) if args.expert_load else None
-    pred = predict_point(model, replace(dep, kv_capacity_tokens=capacity), hw,
-                         batch_size=args.batch_size or dep.max_num_seqs, kv_len=kv_len, prompt_len=args.input_len, prefix_len=prefix, prefill_tokens=dep.max_num_batched_tokens,
-                         expert_load=expert_load, load_skew=args.load_skew)
     # a sequence holds all its tokens' KV at its end (input + output), whatever the average decode context
     whole = max(args.input_len + args.output_len, kv_len)
-    if pred.kv_capacity_tokens < whole and dep.kv_capacity_tokens is not None:
+    if capacity < whole and dep.kv_capacity_tokens is not None:
         raise ValueError(f"{dep.describe()}: engine.num_kv_blocks={cfg.engine.num_kv_blocks} x block_size="
                          f"{cfg.engine.block_size} hold {dep.kv_capacity_tokens:,} KV tokens per rank, not one "
                          f"{whole:,}-token sequence (more KV blocks, or a shorter --input-len / --output-len / "
                          "--kv-len)")
-    if pred.kv_capacity_tokens < whole:
-        raise ValueError(f"{dep.describe()} on {hw.name}: the weights leave room for {pred.kv_capacity_tokens:,} KV "
+    if capacity < whole:
+        raise ValueError(f"{dep.describe()} on {hw.name}: the weights leave room for {capacity:,} KV "
                          f"tokens per rank, not one {whole:,}-token sequence (more expert parallelism, fp8 "
                          "weights or a bigger memory)")
+    expert_load = None
+    if args.expert_load:
+        expert_load = load_expert_load(args.expert_load)
+        _check_expert_load(expert_load, model, model_name, args.expert_load)
+    pred = predict_point(model, replace(dep, kv_capacity_tokens=capacity), hw,
+                         batch_size=args.batch_size or dep.max_num_seqs, kv_len=kv_len, prompt_len=args.input_len,
+                         prefix_len=prefix, prefill_tokens=dep.max_num_batched_tokens,
+                         expert_load=expert_load, load_skew=args.load_skew or 0.0)
     dp_per_node = dep.dp / dep.num_nodes
     hit = prefix / args.input_len
     prefill_tps = pred.prefill_tokens * dp_per_node / (pred.prefill_step_ms / 1e3) / (1 - hit)
@@ -171,6 +156,36 @@ def simulate_config(args: argparse.Namespace) -> dict[str, Any]:
         "decode_output_tokens_per_s_per_node": decode_tps,
         "notes": _hardware_notes(hw, dep),
     }
+
+
+INT64_MAX = 2**63 - 1
+# Runtime-config integers the cost model computes with (numpy int64 / float64 arrays, step times)
+_INT64_KEYS = (("engine", "max_num_seqs"), ("engine", "max_num_batched_tokens"), ("engine", "max_model_len"),
+               ("engine", "block_size"), ("engine", "num_kv_blocks"), ("balancer", "num_redundant_experts"),
+               ("parallel", "tensor_parallel_size"), ("parallel", "data_parallel_size"), ("parallel", "num_nodes"))
+
+
+def _check_int64_limits(cfg: RuntimeConfig) -> None:
+    """ValueError naming a config integer past int64: the cost model's arithmetic would overflow or
+    predict nonsense (a step of 1e19 ms) rather than the layout."""
+    for section, key in _INT64_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        if value is not None and value > INT64_MAX:
+            raise ValueError(f"{section}.{key} {value:,} is past what the cost model computes with (at most "
+                             f"2**63 - 1 = {INT64_MAX:,})")
+
+
+def _kv_capacity_tokens(model: ModelConfig, dep: Deployment, hw: Hardware, block_size: int) -> int:
+    """KV tokens one rank holds: a config's fixed engine.num_kv_blocks, else what its memory leaves
+    beside the weights in whole blocks (``compute_num_blocks``, as the engine allocates them).
+    ValueError naming the weights (or the block size) when they leave no room."""
+    if dep.kv_capacity_tokens is not None:
+        return dep.kv_capacity_tokens
+    try:
+        return compute_num_blocks(compute_layout_kv_sizing(model, dep, hw.memory_bytes), block_size) * block_size
+    except NoKVRoomError as e:
+        hint = "" if "block_size" in str(e) else " (more expert parallelism, fp8 weights or a bigger memory)"
+        raise ValueError(f"{dep.describe()} on {hw.name}: {e}{hint}") from None
 
 
 def _hardware_notes(hw: Hardware, dep: Deployment) -> list[str]:
@@ -221,17 +236,27 @@ def format_config_report(r: dict[str, Any]) -> str:
              f"per node: prefill {r['prefill_input_tokens_per_s_per_node']:,.0f} input tok/s (cache hits "
              f"{r['prefix_hit_rate']:.1%} included), decode {r['decode_output_tokens_per_s_per_node']:,.0f} output tok/s",
              *(f"note: {n}" for n in r.get("notes", ())),
-             "", f"{'operator':<18}{'decode ms':>12}{'prefill ms':>12}"]
-    for key in dict.fromkeys([*d["breakdown_ms"], *p["breakdown_ms"]]):
-        lines.append(f"{key:<18}{d['breakdown_ms'].get(key, 0.0):>12.3f}{p['breakdown_ms'].get(key, 0.0):>12.3f}")
+             "", *format_breakdown(d["breakdown_ms"], p["breakdown_ms"])]
     return "\n".join(lines)
+
+
+def format_breakdown(decode: dict[str, float], prefill: dict[str, float]) -> list[str]:
+    """The per-operator table, each column as wide as its widest cell (plus a space) whatever the values."""
+    keys = list(dict.fromkeys([*decode, *prefill]))
+    cells = [(k, f"{decode.get(k, 0.0):,.3f}", f"{prefill.get(k, 0.0):,.3f}") for k in keys]
+    rows = [("operator", "decode ms", "prefill ms"), *cells]
+    w0 = max(len(r[0]) for r in rows) + 2
+    w1, w2 = (max(len(r[i]) for r in rows) + 2 for i in (1, 2))
+    return [f"{a:<{w0}}{b:>{w1}}{c:>{w2}}" for a, b, c in rows]
 
 
 def _candidate_json(c: Candidate) -> dict[str, Any]:
     """One layout's JSON: a time the search never reached for an infeasible layout (its decode batch and
-    steps; the TTFT where memory ruled it out first) is null, not 0; its goodput is 0."""
+    steps; the TTFT where memory ruled it out first) is null, not 0; its goodput is 0, and its
+    ``miss_ratio`` how far it misses (``Candidate.miss_ratio``; null for a feasible layout)."""
     ran = c.feasible
     return {"layout": c.deployment.describe(), "feasible": c.feasible, "goodput_per_gpu": c.goodput_per_gpu,
+            "miss_ratio": None if ran else c.miss_ratio,
             "batch_size": c.batch_size if ran else None, "tpot_ms": c.tpot_ms if ran else None,
             "decode_step_ms": c.decode_step_ms if ran else None,
             "ttft_ms": c.ttft_ms if ran or c.ttft_ms > 0 else None, "balancedness": c.balancedness, "bound": c.bound,
@@ -272,7 +297,7 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
     prefix = min(int(round(args.input_len * args.prefix_hit_rate)), args.input_len - 1)
     started = time.perf_counter()
     ranked = search_layouts(model, hw, num_nodes=nodes, gpus_per_node=gpus, slo=slo, input_len=args.input_len,
-                            output_len=args.output_len, prefix_len=prefix, base=base, load_skew=args.load_skew,
+                            output_len=args.output_len, prefix_len=prefix, base=base, load_skew=args.load_skew or 0.0,
                             progress=None if args.no_progress else _search_bar)
     return {"model": model_name, "cluster": args.cluster, "slo": asdict(slo), "input_len": args.input_len,
             "output_len": args.output_len, "seconds": time.perf_counter() - started,
@@ -289,8 +314,8 @@ def format_search(r: dict[str, Any], top: int) -> str:
                      f"per DP rank (TPOT {c['tpot_ms']:.1f} ms, decode step {c['decode_step_ms']:.1f} ms, "
                      f"TTFT {c['ttft_ms']:.0f} ms)")
         lines.append(f"   bounded by {c['bound']}; decode step dominated by {c['decode_bound']}")
-    if not feasible:
-        lines.append("no layout meets the objectives; closest reasons:")
+    if not feasible:  # the search ranks the rest nearest first: in memory, then by predicted / objective
+        lines.append("no layout meets the objectives; the closest, and why:")
         for c in r["ranked"][:top]:
             lines.append(f"- {c['layout']}: {c['bound']}")
     return "\n".join(lines)
@@ -318,8 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch-dtype", default=None, choices=("fp8", "bfloat16", "float32"),
                    help="wire format of dispatched rows (DeepEP: fp8); default the compute dtype")
     p.add_argument("--two-batch-overlap", action="store_true", help="overlap dispatch/combine with compute")
-    p.add_argument("--expert-load", help="[L, E] expert load (.npy/.json, or a dump with logical_count)")
-    p.add_argument("--load-skew", type=float, default=0.0, help="synthetic Zipf skew when no --expert-load")
+    p.add_argument("--expert-load", help="measured expert load: an expert-distribution dump as `profile report` "
+                   "reads (profile run's .safetensors, SGLang .pt, .npy, .npz, .csv) or a JSON [L, E] array")
+    p.add_argument("--load-skew", type=float, default=None,
+                   help="synthetic Zipf skew of the expert load (default 0: uniform); not with --expert-load")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar for a long --search")
@@ -337,13 +364,16 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--kv-len must be >= 1, got {args.kv_len}")
     if args.top is not None and args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
-    if not math.isfinite(args.load_skew) or args.load_skew < 0:
+    if args.load_skew is not None and (not math.isfinite(args.load_skew) or args.load_skew < 0):
         raise ValueError(f"--load-skew must be a finite number >= 0, got {args.load_skew}")
     if args.json is not None and (problem := output_file_problem(args.json)) is not None:
         raise ValueError(f"--json: {problem}")  # before the search, not after it
     if not args.search and (not args.config or not args.hardware):
         raise ValueError("give --config CONFIG.yaml and --hardware NAME|FILE (or --search --model ... --cluster ...)")
     _check_flags_of_the_other_form(args)
+    if args.load_skew is not None and args.expert_load:
+        raise ValueError(f"--load-skew {args.load_skew:g} and --expert-load {args.expert_load} both give the expert "
+                         "load (a synthetic Zipf skew, a measured one): pass one")
 
 
 # Flags that only one form reads, with what to do instead in the other: a flag the form

@@ -22,6 +22,8 @@ from typing import Any
 # Kinds of multi-rank instance with their own per-step overhead: tensor parallel, DP attention +
 # expert parallel, data-parallel replicas without EP.
 MULTI_RANK_KINDS = ("tp", "ep", "dp")
+# the collectives a ``Hardware.collectives`` table may time (keys "OP:NRANKS")
+COLLECTIVE_OPS = ("allreduce", "alltoall", "allgather", "reducescatter")
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
                  "fp8_e4m3": "fp8", "float8": "fp8"}
@@ -136,8 +138,12 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: multi_rank_overheads.{key} must be >= 0, got {seconds}")
         for key in self.collectives:
             op, _, n = key.partition(":")
-            if op not in ("allreduce", "alltoall", "allgather", "reducescatter") or not n.isdigit():
-                raise ValueError(f"hardware {self.name!r}: collective table key {key!r} must be 'OP:NRANKS'")
+            if op not in COLLECTIVE_OPS:
+                raise ValueError(f"hardware {self.name!r}: collective table key {key!r}: unknown collective {op!r} "
+                                 f"(known: {', '.join(COLLECTIVE_OPS)})")
+            if not n.isdigit():
+                raise ValueError(f"hardware {self.name!r}: collective table key {key!r} must be 'OP:NRANKS' with "
+                                 "NRANKS a rank count")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Hardware:

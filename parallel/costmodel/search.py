@@ -7,6 +7,8 @@ the TTFT objective, within what KV capacity allows. Serving is colocated: every
 ``output_len`` decode steps each sequence also needs its prompt prefilled, so the mean
 time per output token is ``decode_step + (B / output_len) x prefill_of_one_prompt``.
 Goodput per GPU = output tokens/s of the instance meeting both objectives / its GPUs.
+A layout that meets no point is ranked by how near it comes: those that fit in memory first,
+each by ``miss_ratio`` (predicted / objective of the objective it misses first).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from moe.config import ModelConfig
 from parallel.costmodel.deployment import Deployment
 from parallel.costmodel.experts import RankLoad
 from parallel.costmodel.hardware import Hardware
-from parallel.costmodel.memory import kv_capacity_tokens
+from parallel.costmodel.memory import kv_bytes_per_token_per_rank, kv_capacity_tokens, weight_bytes_per_rank
 from parallel.costmodel.predict import build_rank_load
 from parallel.costmodel.step import decode_work, predict_phase, prefill_work
 
@@ -36,7 +38,12 @@ class SLO:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout's best operating point (or why it has none)."""
+    """One layout's best operating point (or why it has none).
+
+    An infeasible layout's ``bound`` says why; ``fits_memory`` is False when one sequence's KV
+    does not fit beside the weights, and ``miss_ratio`` (> 1) is how far it misses: memory needed /
+    usable, else the predicted TTFT (or TPOT of one sequence per rank) / its objective. Its
+    ``tpot_ms`` and ``decode_step_ms`` are those of one sequence when TPOT ruled it out."""
 
     deployment: Deployment
     feasible: bool
@@ -49,6 +56,8 @@ class Candidate:
     bound: str = ""
     decode_bound: str = ""
     kv_capacity_tokens: int = 0
+    fits_memory: bool = True
+    miss_ratio: float = 0.0
 
 
 def enumerate_layouts(cfg: ModelConfig, num_nodes: int, gpus_per_node: int, base: Deployment) -> list[Deployment]:
@@ -91,23 +100,29 @@ def evaluate(cfg: ModelConfig, dep: Deployment, hw: Hardware, slo: SLO, *, input
     context = input_len + output_len
     fit = capacity // context
     if fit < 1:
+        need = memory_need_ratio(cfg, dep, hw.memory_bytes, context)
         return Candidate(dep, False, bound=f"memory: weights leave room for {capacity:,} KV tokens per rank, "
-                                           f"not one {context:,}-token sequence", kv_capacity_tokens=capacity)
+                                           f"not one {context:,}-token sequence ({need:.2f}x the usable memory)",
+                         kv_capacity_tokens=capacity, fits_memory=False, miss_ratio=need)
     ttft = _prompt_prefill_ms(cfg, dep, hw, rank_load, input_len, prefix_len)
     if slo.ttft_ms is not None and ttft > slo.ttft_ms:
-        return Candidate(dep, False, ttft_ms=ttft, bound=f"TTFT: one prompt's prefill takes {ttft:.0f} ms",
-                         kv_capacity_tokens=capacity)
+        return Candidate(dep, False, ttft_ms=ttft, bound=f"TTFT: one prompt's prefill takes {ttft:.0f} ms, over "
+                                                         f"{slo.ttft_ms:g} ms", kv_capacity_tokens=capacity,
+                         miss_ratio=ttft / slo.ttft_ms)
     kv_len = input_len + output_len // 2
     best = None
     for b in (x for x in BATCHES if x <= min(fit, dep.max_num_seqs)):
         step = predict_phase(cfg, dep, hw, rank_load, decode_work(b, kv_len, cfg.sliding_window), decode=True)
         tpot = step.step_ms + b / max(output_len, 1) * ttft
         if slo.tpot_ms is not None and tpot > slo.tpot_ms:
+            if best is None:  # the smallest batch misses: how far, for ranking the near misses
+                return Candidate(dep, False, tpot_ms=tpot, decode_step_ms=step.step_ms, ttft_ms=ttft,
+                                 kv_capacity_tokens=capacity, miss_ratio=tpot / slo.tpot_ms,
+                                 bound=f"TPOT: one sequence per rank takes {tpot:.1f} ms per token, over "
+                                       f"{slo.tpot_ms:g} ms")
             break
         best = (b, step, tpot)
-    if best is None:
-        return Candidate(dep, False, ttft_ms=ttft, kv_capacity_tokens=capacity,
-                         bound=f"TPOT: even one sequence per rank takes over {slo.tpot_ms:g} ms per token")
+    assert best is not None, "fit >= 1 and max_num_seqs >= 1 leave batch 1 to try"
     b, step, tpot = best
     goodput = b * dep.dp / dep.world_size / (tpot / 1e3)
     nxt = [x for x in BATCHES if x > b]
@@ -124,11 +139,32 @@ def evaluate(cfg: ModelConfig, dep: Deployment, hw: Hardware, slo: SLO, *, input
                      why, step.bound, capacity)
 
 
+def memory_need_ratio(cfg: ModelConfig, dep: Deployment, memory_bytes: int, tokens: int) -> float:
+    """Bytes one rank needs for its weights and the KV of ``tokens`` tokens / the bytes it may use
+    (memory x utilization); above 1 when they do not fit. With a fixed ``dep.kv_capacity_tokens``:
+    tokens / that capacity (inf when it is 0)."""
+    if dep.kv_capacity_tokens is not None:
+        return tokens / dep.kv_capacity_tokens if dep.kv_capacity_tokens else float("inf")
+    usable = (dep.memory_bytes or memory_bytes) * dep.memory_utilization
+    need = weight_bytes_per_rank(cfg, dep) + tokens * kv_bytes_per_token_per_rank(cfg, dep)
+    return need / usable
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Sort key, best first: feasible layouts by goodput per GPU; then those that fit in memory,
+    nearest the objectives first (``miss_ratio``); then those that do not, by memory needed / usable;
+    the smaller instance first among equals."""
+    if c.feasible:
+        return (0, -c.goodput_per_gpu, c.deployment.world_size)
+    return (1 if c.fits_memory else 2, c.miss_ratio, c.deployment.world_size)
+
+
 def search_layouts(cfg: ModelConfig, hw: Hardware, *, num_nodes: int, gpus_per_node: int, slo: SLO,
                    input_len: int, output_len: int, prefix_len: int = 0, base: Deployment | None = None,
                    load_skew: float = 0.0,
                    progress: Callable[[list[Deployment]], Iterable[Deployment]] | None = None) -> list[Candidate]:
-    """Every enumerated layout evaluated, best goodput per GPU first (infeasible last).
+    """Every enumerated layout evaluated, best first (``rank_key``: by goodput per GPU, then the
+    infeasible ones nearest the objectives first).
     progress: wraps the list of layouts as they are evaluated (a progress bar: the caller's)."""
     base = base or Deployment()
     cache: dict[tuple, RankLoad | None] = {}
@@ -140,4 +176,4 @@ def search_layouts(cfg: ModelConfig, hw: Hardware, *, num_nodes: int, gpus_per_n
             cache[key] = build_rank_load(cfg, dep, load_skew=load_skew)
         out.append(evaluate(cfg, dep, hw, slo, input_len=input_len, output_len=output_len, prefix_len=prefix_len,
                             rank_load=cache[key]))
-    return sorted(out, key=lambda c: (not c.feasible, -c.goodput_per_gpu, c.deployment.world_size))
+    return sorted(out, key=rank_key)
