@@ -33,7 +33,7 @@ from launch.core.outputs import ITERATION_TOKEN_BUCKETS, bucket_index
 from launch.core.sampling_params import encode_bad_words, params_max_logprobs_problem
 from launch.executor import Executor, build_executor
 from launch.generation_config import checked_sampling_defaults, describe_defaults
-from launch.hardware import compute_layout_kv_sizing, deployment_from_config
+from launch.hardware import compute_layout_kv_sizing, compute_num_blocks, deployment_from_config
 from launch.recovery import SERVING, EngineRecovery, Supervisor, WorkerFault
 from launch.worker import DTYPES, WorkerSpec
 from moe.config import ModelConfig
@@ -91,11 +91,11 @@ def compute_num_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, max_
     dep = deployment_from_config(config, model_config, weight_dtype=None)
     try:  # kvcalc's and simulate's arithmetic: the same layout gets the same blocks
         sizing = compute_layout_kv_sizing(model_config, dep, memory, max_model_len=max_model_len)
+        fits = compute_num_blocks(sizing, e.block_size)  # not one block of block_size: refused in their words
     except NoKVRoomError as err:  # the budget nobody gave: say where it came from and what raises it
         if e.memory is not None:
             raise
         raise ValueError(f"{err}{source}") from None
-    fits = sizing.num_blocks(e.block_size)
     if e.num_kv_blocks is not None:
         if e.num_kv_blocks > fits:
             kv = e.num_kv_blocks * e.block_size * sizing.kv_bytes_per_token_per_rank

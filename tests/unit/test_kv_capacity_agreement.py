@@ -168,3 +168,18 @@ def test_weight_bytes_per_rank_are_a_sharded_models_bytes(tmp_path, arch, tp, ep
     model.shard_for_tp(0, tp)
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert weight_bytes_per_rank(cfg, Deployment(tp=tp, dp=ep // tp if ep >= tp else 1, ep=ep)) == held
+
+
+def test_the_engine_refuses_a_block_size_not_one_block_of_which_fits_as_kvcalc_does(tmp_path, capsys):
+    """A block size whose one block the budget cannot hold beside the weights: the engine's plan is
+    refused in kvcalc's words (it planned one block over the budget before)."""
+    from launch.config import RuntimeConfig
+    from launch.engine import check_runtime_config
+    from launch.workloads import SHIPPED_MODEL
+
+    config = RuntimeConfig.from_dict({"model": str(SHIPPED_MODEL), "engine": {"memory": "512MiB",
+                                                                              "block_size": 1_000_000}})
+    with pytest.raises(ValueError, match=r"^no room for one KV block: a block of 1,000,000 tokens takes") as e:
+        check_runtime_config(config)
+    assert kvcalc(["--model", str(SHIPPED_MODEL), "--memory", "512MiB", "--block-size", "1000000"]) == 2
+    assert str(e.value) in capsys.readouterr().err
