@@ -237,9 +237,10 @@ def series_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="every shape with all layers, 8,192 steps (slow)")
     parser.add_argument("--seed", type=int, action="append", help="trace seeds (repeatable; default 1)")
     parser.add_argument("--kind", action="append", choices=KINDS, help="only these generated kinds")
-    parser.add_argument("--trace", action="append", default=[], metavar="PATH",
+    parser.add_argument("--trace", action="append", default=[], metavar="PATH[,PATH...]",
                         help="an expert-load dump in any format profile report reads (this project's "
-                             "safetensors, SGLang's torch.save, [steps, L, E] .npy / .npz / .csv); repeatable")
+                             "safetensors, SGLang's torch.save, [steps, L, E] .npy / .npz / .csv); the files of "
+                             "one dump (an SGLang per_pass dump's rank files) joined by commas; repeatable")
     parser.add_argument("--num-gpus", type=int, default=32, help="EP size for --trace files (default 32)")
     parser.add_argument("--no-generated", action="store_true", help="only the --trace files")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
@@ -279,7 +280,8 @@ def series_main(argv: list[str] | None = None) -> int:
         if experts % args.num_gpus:  # the series places experts + num_gpus replicas, as many on every GPU
             parser.error(f"--num-gpus {args.num_gpus} does not divide the {experts} experts of {path} (the series "
                          f"places {experts} + {args.num_gpus} replicas evenly over the GPUs)")
-        jobs.append((f"file:{Path(path).name}:ep{args.num_gpus}", lambda t=trace: t, args.num_gpus, len(trace)))
+        names = [Path(path).name] if Path(path).exists() else [Path(p).name for p in path.split(",")]
+        jobs.append((f"file:{'+'.join(names)}:ep{args.num_gpus}", lambda t=trace: t, args.num_gpus, len(trace)))
     if not args.no_generated:
         for spec in trace_set(args.full, args.seed or [1]):
             if args.kind and spec.kind not in args.kind:

@@ -202,3 +202,17 @@ def test_the_table_keeps_its_columns_under_a_long_trace_name():
     head, rows = lines.splitlines()[0], lines.splitlines()[2:]
     ends = {head.index("score") + len("score")} | {r.index("110.0") + len("110.0") for r in rows}
     assert len(ends) == 1 and len({len(line) for line in [head, *rows]}) == 1
+
+
+def test_a_per_pass_dumps_rank_files_are_one_trace_and_one_alone_is_refused(tmp_path):
+    """An SGLang per_pass dump whose ranks each counted their own slots: its files joined by commas are
+    one trace (the ranks' counts summed, as profile report reads them); one rank's file alone would
+    halve the load, and is refused naming the missing rank."""
+    from tests.unit.test_profile_report_qa import _local_rank_files
+
+    rank0, rank1 = _local_rank_files(tmp_path)
+    both = load_trace(f"{rank0},{rank1}")
+    assert both.shape == (5, 3, 16) and both.dtype == np.int64 and (both > 0).all()
+    with pytest.raises(ValueError, match=r"^trace .*pp_0.pt: SGLang per_pass dump holds the records of rank\(s\) 0; "
+                                         r".*rank\(s\) 1 are missing"):
+        load_trace(rank0)
