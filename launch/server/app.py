@@ -203,6 +203,12 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
             # the body was never read as JSON: say so (as vLLM does), not what pydantic made of it
             metrics.on_rejected(415)
             return error_response(415, f"Unsupported Media Type: {media_type}; only 'application/json' is allowed.")
+        if not media_type and await request.body():
+            # FastAPI's strict Content-Type check leaves such a body unread (a browser can send one
+            # cross-site without a CORS preflight): name the missing header, not the bytes it left
+            metrics.on_rejected(415)
+            return error_response(415, "Unsupported Media Type: the request has a body but no Content-Type header; "
+                                       "send it with 'Content-Type: application/json'.")
         metrics.on_rejected(400)
         message, param = _describe_validation_error(exc)
         return error_response(400, message, param=param)
