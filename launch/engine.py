@@ -30,7 +30,11 @@ from launch.core import (
 )
 from launch.core.kv_sizing import format_memory
 from launch.core.outputs import ITERATION_TOKEN_BUCKETS, bucket_index
-from launch.core.sampling_params import encode_bad_words, params_max_logprobs_problem
+from launch.core.sampling_params import (
+    encode_bad_words,
+    no_drawable_token_problem,
+    params_max_logprobs_problem,
+)
 from launch.executor import Executor, build_executor
 from launch.generation_config import checked_sampling_defaults, describe_defaults
 from launch.hardware import compute_layout_kv_sizing, compute_num_blocks, deployment_from_config
@@ -291,8 +295,12 @@ class LLMEngine:
 
     def _request_problem(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
         """Why the engine refuses these ids and params before the scheduler looks: ids outside the
-        vocabulary, then sample or prompt logprobs over ``max_logprobs`` (vLLM's message), or None."""
+        vocabulary, constraints that leave no token to draw (``no_drawable_token_problem``), then
+        sample or prompt logprobs over ``max_logprobs`` (vLLM's message), or None."""
         bad = self._outside_vocab(prompt_token_ids, params)
+        if bad is not None:
+            return bad
+        bad = no_drawable_token_problem(params, self.eos_token_ids)
         if bad is not None:
             return bad
         return params_max_logprobs_problem(params, self.max_logprobs, int(self.model_config.vocab_size))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -421,3 +422,23 @@ def params_max_logprobs_problem(params: SamplingParams, max_logprobs: int, vocab
         if problem is not None:
             return problem
     return None
+
+
+def no_drawable_token_problem(params: SamplingParams, eos_token_ids: Sequence[int]) -> str | None:
+    """Why ``params`` leave no token the sampler could ever draw at some step, or None: every id of
+    ``allowed_token_ids`` banned for good by a one-token bad word, or (with ``min_tokens``) every one
+    left a stop token (``stop_token_ids`` or an EOS id), which min_tokens bans until it is reached.
+    The sampler would otherwise draw from a row of -inf logits: a token the request forbids. (A
+    bad word of several tokens bans by context; it is not foreseen here.)"""
+    if params.allowed_token_ids is None:
+        return None
+    banned = {ids[0] for ids in params.bad_words_token_ids or () if len(ids) == 1}
+    left = set(params.allowed_token_ids) - banned
+    if not left:
+        return ("allowed_token_ids: every allowed token is a banned word (bad_words): no token could be drawn")
+    if params.min_tokens > 0 and not left - set(params.stop_token_ids) - set(eos_token_ids):
+        return (f"allowed_token_ids: every allowed token that bad_words leaves is a stop token (stop_token_ids or "
+                f"the EOS token), which min_tokens={params.min_tokens} bans until that many are generated: no "
+                "token could be drawn")
+    return None
+

@@ -84,8 +84,9 @@ def unavailable_error(exc: BaseException) -> APIError | None:
     return None
 
 
-# the engine's "[request 'id': ]<field>: token id N is outside the vocabulary"
-_TOKEN_ID_FIELD = re.compile(rf"^(?:request '[^']*': )?(?P<field>{'|'.join(TOKEN_ID_FIELDS)}): token id ")
+# the engine's "[request 'id': ]<field>: ..." (a token id outside the vocabulary, no token left to draw)
+_TOKEN_ID_FIELD = re.compile(rf"^(?:request '[^']*': )?(?P<field>{'|'.join(TOKEN_ID_FIELDS)}): ")
+_ENGINE_REQUEST_PREFIX = re.compile(r"^request '[^']*': ")
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -100,7 +101,8 @@ def engine_error(exc: Exception) -> APIError:
         return unavailable  # the engine logged the fault once; nothing per request
     if isinstance(exc, ValueError):
         field = _TOKEN_ID_FIELD.match(str(exc))
-        return APIError(400, str(exc), param=field["field"] if field else None)
+        # the engine names its sub-request ("request 'cmpl-...-0': "), an id the client never sent
+        return APIError(400, _ENGINE_REQUEST_PREFIX.sub("", str(exc)), param=field["field"] if field else None)
     logger.exception("engine failed a request", exc_info=exc)
     return APIError(500, f"Internal engine error: {type(exc).__name__}: {exc}", type="internal_error")
 

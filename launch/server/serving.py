@@ -114,8 +114,15 @@ class OpenAIServing:
 
     def truncate(self, ids: list[int], req: SamplingRequest) -> list[int]:
         """The prompt's last ``req.truncate_prompt_tokens`` ids (-1: ``max_model_len``; None: all), as
-        vLLM truncates (from the left, after encoding)."""
-        return truncate_prompt(ids, req.truncate_prompt_tokens, int(self.engine.max_model_len))
+        vLLM truncates (from the left, after encoding); 400 for more than ``max_model_len`` (vLLM's
+        message: no prompt that long could run)."""
+        max_model_len = int(self.engine.max_model_len)
+        keep = req.truncate_prompt_tokens
+        if keep is not None and keep > max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                                f"({max_model_len}). Please, select a smaller truncation size.",
+                           param="truncate_prompt_tokens")
+        return truncate_prompt(ids, keep, max_model_len)
 
     def check_num_logprobs(self, num: int | None, kind: str, param: str) -> None:
         """400 naming ``param`` when ``num`` ``kind`` ("sample" / "prompt") top logprobs (-1: the whole

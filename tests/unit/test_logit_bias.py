@@ -127,11 +127,39 @@ def test_engine_vocab_errors_name_their_field_for_the_server() -> None:
 
     err = engine_error(ValueError("request 'cmpl-1-0': logit_bias: token id 9999 is outside the vocabulary [0, 512)"))
     assert (err.status_code, err.param) == (400, "logit_bias")
+    assert err.message == "logit_bias: token id 9999 is outside the vocabulary [0, 512)"  # no internal request id
     assert engine_error(ValueError("allowed_token_ids: token id 600 is outside the vocabulary [0, 512)")).param == \
         "allowed_token_ids"
     assert engine_error(ValueError("bad_words_token_ids: token id 600 is outside the vocabulary [0, 512)")).param == \
         "bad_words_token_ids"
     assert engine_error(ValueError("token id 600 is outside the vocabulary [0, 512)")).param is None
+
+
+def test_constraints_that_leave_no_token_to_draw_are_refused(llm) -> None:
+    """allowed_token_ids whose every id a one-token bad word bans, or (under min_tokens) is a stop token:
+    the sampler would draw from a row of -inf logits, a token the request forbids; refused instead,
+    naming allowed_token_ids (the server's param). A whitelist with a token left passes."""
+    from launch.core.sampling_params import no_drawable_token_problem
+    from launch.server.generation import engine_error
+
+    eos = llm.engine.eos_token_ids[0]
+    prompt = {"prompt_token_ids": [5, 9, 14, 3]}
+    for fields, why in ((dict(allowed_token_ids=[7], bad_words_token_ids=[[7]]), "is a banned word"),
+                        (dict(allowed_token_ids=[7, eos], stop_token_ids=[7], min_tokens=2), "is a stop token"),
+                        (dict(allowed_token_ids=[7, 8], bad_words_token_ids=[[8]], stop_token_ids=[7], min_tokens=1),
+                         "is a stop token")):
+        with pytest.raises(ValueError, match=rf"^prompt 0: allowed_token_ids: every allowed token .*{why}"):
+            llm.generate(prompt, SamplingParams(max_tokens=3, **fields))
+        with pytest.raises(ValueError) as e:  # what the server's engine raises: the param is named
+            llm.engine.add_request("r", prompt["prompt_token_ids"], SamplingParams(max_tokens=3, **fields))
+        assert engine_error(e.value).param == "allowed_token_ids" and why in engine_error(e.value).message
+    ok = (dict(allowed_token_ids=[7, 8], bad_words_token_ids=[[7]]), dict(allowed_token_ids=[7, 8], stop_token_ids=[7],
+          min_tokens=2), dict(allowed_token_ids=[7], bad_words_token_ids=[[7, 7]]), dict(allowed_token_ids=[eos]))
+    for fields in ok:
+        assert no_drawable_token_problem(SamplingParams(max_tokens=3, **fields), (eos,)) is None
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, min_tokens=2, allowed_token_ids=[7, 8],
+                                              stop_token_ids=[7]))
+    assert out[0].outputs[0].token_ids[:2] == [8, 8]
 
 
 def test_bad_word_pairs_and_encoding() -> None:

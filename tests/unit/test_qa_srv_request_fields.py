@@ -129,6 +129,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(served):
     long = post(served, "/v1/completions", {"prompt": "a" * 100, "max_tokens": 1, "truncate_prompt_tokens": -1})
     assert long.status_code == 400 and long.json()["error"]["param"] == "prompt"  # 64 kept: no room to generate
     assert prompt_tokens(served, {"truncate_prompt_tokens": 2}) == 2
+    assert completion({"truncate_prompt_tokens": 64})["usage"]["prompt_tokens"] == 7  # max_model_len itself
+    for path, body in (("/v1/completions", {"prompt": "abc"}), ("/v1/chat/completions", {"messages": CHAT})):
+        r = post(served, path, {"max_tokens": 1, "truncate_prompt_tokens": 65, **body})  # vLLM's 400 and message
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert r.json()["error"]["message"] == ("truncate_prompt_tokens value (65) is greater than max_model_len (64). "
+                                                "Please, select a smaller truncation size.")
 
 
 def test_continue_final_message_reaches_the_template(served):
