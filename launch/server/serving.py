@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -375,12 +376,15 @@ LOGIT_BIAS_LIMIT = 100.0
 
 def openai_logit_bias(bias: dict[str, float]) -> dict[int, float]:
     """An OpenAI ``logit_bias`` ({"token id": bias}) as ``SamplingParams.logit_bias``: integer keys,
-    biases clamped to [-100, 100]; APIError 400 naming ``logit_bias`` for a key that is not a token id."""
+    biases clamped to [-100, 100]; APIError 400 naming ``logit_bias`` for a key that is not a token id
+    or a NaN bias."""
     out: dict[int, float] = {}
     for key, value in bias.items():
         text = key.strip()
         if not text.isdigit():
             raise APIError(400, f"logit_bias keys must be token ids (integers >= 0 as strings), got {key!r}"[:200],
                            param="logit_bias")
+        if math.isnan(float(value)):  # JSON's NaN extension: no bias at all, not one to clamp
+            raise APIError(400, f"logit_bias for token {text} is NaN: a bias must be a number", param="logit_bias")
         out[int(text)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
     return out

@@ -120,6 +120,9 @@ def test_openai_logit_bias_keys_and_clamp() -> None:
     with pytest.raises(APIError) as err:
         openai_logit_bias({"-1": 1.0})
     assert err.value.param == "logit_bias" and "token ids" in str(err.value)
+    with pytest.raises(APIError) as err:  # JSON's NaN extension: refused, not dropped by the clamp
+        openai_logit_bias({"5": float("nan")})
+    assert err.value.param == "logit_bias" and "NaN" in str(err.value)
 
 
 def test_engine_vocab_errors_name_their_field_for_the_server() -> None:
