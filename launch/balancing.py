@@ -74,6 +74,10 @@ class EplbDriver:
         self._num_history = 0
         self._last_full_step: int | None = None  # step of the last full (not early-stay) evaluation
         self.last_reason = ""
+        # every step since the start, under the placement in force at each (never reset by a rebalance,
+        # unlike the window): tokens per EP rank [L, R] and per logical expert [L, E] (``run_totals``)
+        self._run_rank_load = torch.zeros(placement.num_layers, placement.num_gpus, dtype=torch.float64)
+        self._run_logical = torch.zeros(placement.num_layers, placement.num_logical, dtype=torch.int64)
 
     # ---- statistics ------------------------------------------------------------------
 
@@ -102,6 +106,7 @@ class EplbDriver:
         logical = self._logical(physical[None], self.placement.phy2log)[0]
         self._history[self._num_history % self.config.window_size] = logical
         self._num_history += 1
+        self._add_to_run(physical[None], logical[None])
         self.recorder.record(logical, physical, dropped)  # a no-op unless recording
         if self.config.log_balancedness and self.step % 10 == 0:
             per_layer, overall = self._stats.balancedness()
@@ -118,8 +123,24 @@ class EplbDriver:
                 end += 1
             physical = torch.stack([load for load, _ in pending[start:end]]).to(torch.int64).cpu()  # [K, L, P]
             self._stats.record_many(physical)
-            self._record_history(self._logical(physical, phy2log))
+            logical = self._logical(physical, phy2log)
+            self._record_history(logical)
+            self._add_to_run(physical, logical)
             start = end
+
+    def _add_to_run(self, physical: torch.Tensor, logical: torch.Tensor) -> None:
+        """Add K steps' slot loads physical [K, L, P] and logical loads [K, L, E] to the run's totals."""
+        ranks = self.placement.num_gpus
+        self._run_rank_load += physical.sum(0).view(physical.shape[1], ranks, -1).sum(-1).to(torch.float64)
+        self._run_logical += logical.sum(0).to(torch.int64)
+
+    def run_totals(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens per EP rank [L, R] float64, tokens per logical expert [L, E] int64) over every step
+        recorded since the start, each under the placement in force at its step (copies). Two snapshots'
+        difference covers the steps between them whatever rebalanced in between; the window
+        (``stats``) starts over at each rebalance."""
+        self._apply_pending()
+        return self._run_rank_load.clone(), self._run_logical.clone()
 
     def _logical(self, physical: torch.Tensor, phy2log: torch.Tensor) -> torch.Tensor:
         """[K, L, E] int64 per-expert loads of K steps' slot loads physical [K, L, P] under phy2log [L, P]."""

@@ -2,7 +2,8 @@
 
 The figures come from the engine itself: per-step wall time (``EngineCounters.step_seconds_total``),
 the slowest rank's CPU time per step (``worker_cpu_seconds_total``), capacity drops
-(``tokens_dropped``), the balancer's balancedness window, and each request's
+(``tokens_dropped``), the balancer's run totals (``EplbDriver.run_totals``: tokens per EP rank and
+per expert over the timed run, whatever rebalanced in it), and each request's
 ``RequestMetrics`` (TTFT, TPOT). A step is a *decode* step when every scheduled
 sequence on every DP rank takes exactly one token.
 
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from balancer.balancedness import compute_balancedness
 from launch.config import RuntimeConfig
 from launch.core import SamplingParams, SchedulerOutput
 from launch.sweep.shared_cluster import SharedCluster
@@ -187,6 +189,7 @@ def _timed_run(engine: Any, recorder: _StepRecorder, tokens: list[list[int]], ma
     c = engine.counters
     run = PointRun()
     dropped0, rebalances0 = c.tokens_dropped, engine.eplb.counters.num_rebalances if engine.eplb else 0
+    totals0 = engine.eplb.run_totals() if engine.eplb is not None else None
     prev = [c.num_steps, c.step_seconds_total, c.worker_cpu_seconds_total, c.generation_tokens_total]
 
     def on_step(_outs: list[Any]) -> None:
@@ -215,11 +218,13 @@ def _timed_run(engine: Any, recorder: _StepRecorder, tokens: list[list[int]], ma
     mc, p = engine.model_config, engine.config.parallel
     if engine.eplb is not None:
         run.num_rebalances = engine.eplb.counters.num_rebalances - rebalances0
-        if engine.eplb.stats.num_steps:
-            run.balancedness = engine.eplb.balancedness()[1]
-            phy2log = engine.eplb.placement.phy2log
-            run.expert_load = engine.eplb.stats.logical_load(phy2log).tolist()
-            run.phy2log = phy2log.tolist()
+        # the timed run's every step, each under the placement in force at it: the balancer's window
+        # starts over at each rebalance, and would cover only the steps since the last one
+        rank_load, logical = (after - before for after, before in zip(engine.eplb.run_totals(), totals0))
+        if rank_load.sum() > 0:
+            run.balancedness = compute_balancedness(rank_load)[1]
+            run.expert_load = logical.tolist()
+            run.phy2log = engine.eplb.placement.phy2log.tolist()
     run.kv_tokens = engine.num_kv_blocks * engine.config.engine.block_size * p.data_parallel_size
     run.ep_size, run.dp_size = p.expert_parallel_size, p.data_parallel_size
     run.num_moe_layers, run.top_k = len(mc.moe_layer_ids), mc.num_experts_per_tok

@@ -137,3 +137,30 @@ def test_metrics_expose_buffered_and_dropped_steps():
     text = ServerMetrics("m", stats=lambda: stats).exposition().decode()
     assert 'moe:expert_distribution_steps_dropped_total{model_name="m"} 42.0' in text
     assert 'moe:expert_distribution_steps_buffered{model_name="m"} 7.0' in text
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_run_totals_count_every_step_across_a_rebalance(owned):
+    """The run's totals (tokens per EP rank [L, R], per logical expert [L, E]) take every step under the
+    placement in force at it, and a rebalance leaves them: the window starts over, they do not."""
+    driver = EplbDriver(BalancerConfig(), placement(), num_groups=1, num_nodes=1, expert_bytes=8)
+    rank0, logical0 = driver.run_totals()
+    assert rank0.shape == (L, R) and logical0.shape == (L, E) and not rank0.any() and not logical0.any()
+    for i in range(3):
+        driver.record(step_load(i), owned=owned)
+    swapped = Placement.from_phy2log(PHY2LOG.flip(1), E, R)  # every slot's expert moves to the other rank
+    new, plan, _ = driver.plan_rebalance()
+    driver.commit(swapped, plan, 0.0)
+    assert driver.stats.num_steps == 0  # the window starts over
+    for i in range(3, 5):
+        driver.record(step_load(i), owned=owned)
+    rank, logical = driver.run_totals()
+    want_rank = torch.zeros(L, R, dtype=torch.float64)
+    want_logical = torch.zeros(L, E, dtype=torch.int64)
+    for i in range(5):
+        phy2log = PHY2LOG if i < 3 else PHY2LOG.flip(1)
+        load = step_load(i)
+        want_rank += load.view(L, R, P // R).sum(-1).double()
+        want_logical += torch.zeros(L, E, dtype=torch.int64).scatter_add_(1, phy2log, load)
+    assert torch.equal(rank, want_rank) and torch.equal(logical, want_logical)
+    assert int(logical.sum()) == int(sum(step_load(i).sum() for i in range(5)))
