@@ -64,6 +64,10 @@ class EngineStats:
     num_rebalances: int = 0
     rebalance_seconds_total: float = 0.0
     expert_copies_moved: int = 0
+    num_rebalance_stays: int = 0
+    rebalance_stay_seconds_total: float = 0.0
+    # [L_moe, R] float64 tokens each EP rank took per MoE layer since the start (EplbDriver.run_totals)
+    expert_rank_tokens: Any = None
     expert_distribution_steps_buffered: int = 0
     expert_distribution_steps_dropped: int = 0
     num_steps: int = 0
@@ -115,6 +119,8 @@ def snapshot_stats(engine: LLMEngine) -> EngineStats:
         k = engine.eplb.counters
         out.num_rebalances, out.rebalance_seconds_total = k.num_rebalances, k.rebalance_seconds_total
         out.expert_copies_moved = k.expert_copies_moved
+        out.num_rebalance_stays, out.rebalance_stay_seconds_total = k.num_stays, k.stay_seconds_total
+        out.expert_rank_tokens = engine.eplb.run_totals(applied=True)[0]
         out.expert_distribution_steps_buffered = engine.eplb.recorder.num_steps
         out.expert_distribution_steps_dropped = engine.eplb.recorder.num_steps_dropped
     return out

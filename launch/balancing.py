@@ -45,6 +45,8 @@ class BalancerCounters:
     rebalance_seconds_total: float = 0.0
     expert_copies_moved: int = 0
     bytes_moved: int = 0
+    num_stays: int = 0  # checks that planned and kept the placement (the forecast said a move would not pay)
+    stay_seconds_total: float = 0.0  # their planning time, spent in the engine's step as a move's is
 
 
 class EplbDriver:
@@ -134,12 +136,14 @@ class EplbDriver:
         self._run_rank_load += physical.sum(0).view(physical.shape[1], ranks, -1).sum(-1).to(torch.float64)
         self._run_logical += logical.sum(0).to(torch.int64)
 
-    def run_totals(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_totals(self, *, applied: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens per EP rank [L, R] float64, tokens per logical expert [L, E] int64) over every step
         recorded since the start, each under the placement in force at its step (copies). Two snapshots'
         difference covers the steps between them whatever rebalanced in between; the window
-        (``stats``) starts over at each rebalance."""
-        self._apply_pending()
+        (``stats``) starts over at each rebalance. applied: the steps applied so far (up to
+        MAX_PENDING_STEPS behind; what a stats snapshot taken every step reads)."""
+        if not applied:
+            self._apply_pending()
         return self._run_rank_load.clone(), self._run_logical.clone()
 
     def _logical(self, physical: torch.Tensor, phy2log: torch.Tensor) -> torch.Tensor:
@@ -233,6 +237,11 @@ class EplbDriver:
         plan = compute_move_plan(self.placement.phy2log, new.phy2log, new.num_gpus,
                                  new.num_gpus // self.num_nodes, self.expert_bytes)
         return new, plan, predict(load, new.phy2log, new.num_gpus)
+
+    def stay(self, seconds: float) -> None:
+        """Count a check that planned and kept the placement in force (``seconds``: its planning)."""
+        self.counters.num_stays += 1
+        self.counters.stay_seconds_total += seconds
 
     def commit(self, new: Placement, plan, seconds: float) -> None:
         self.placement = new

@@ -401,8 +401,10 @@ class LLMEngine:
         new, plan, prediction = self.eplb.plan_rebalance()
         before = self.eplb.balancedness()[1]
         if torch.equal(new.phy2log, self.placement.phy2log):  # the forecast says stay
+            seconds = time.perf_counter() - started
+            self.eplb.stay(seconds)
             log.info("eplb step %d: %s", self.eplb.step, self.eplb.last_reason)
-            return {"seconds": time.perf_counter() - started, "copies_moved": 0, "before": before,
+            return {"seconds": seconds, "copies_moved": 0, "before": before,
                     "predicted": float(prediction.overall)}
         self.executor.apply_move_plan(plan, new.phy2log)
         seconds = time.perf_counter() - started

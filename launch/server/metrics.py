@@ -51,7 +51,9 @@ _GAUGES = (
     ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
     ("vllm:gpu_cache_usage_perc", "kv_cache_usage",
      "KV-cache usage. 1 means 100 percent usage. DEPRECATED: use vllm:kv_cache_usage_perc."),
-    ("moe:balancedness", "balancedness", "Mean over max rank load, summed over MoE layers (1.0 is perfect)."),
+    ("moe:balancedness", "balancedness", "Mean over max rank load, summed over MoE layers, over the balancer's "
+     "window (the steps since the last rebalance, at most window_size; 1.0 while it is empty). Over any "
+     "interval whatever rebalanced: moe:expert_rank_tokens_total."),
     ("moe:engine_state", "engine_state", "0 serving, 1 recovering from a worker fault, 2 stopped."),
     ("moe:worker_ranks_missing", "num_missing_ranks", "Ranks a degraded group serves without (0 at full size)."),
     ("moe:expert_distribution_steps_buffered", "expert_distribution_steps_buffered",
@@ -73,6 +75,10 @@ _COUNTERS = (
     ("moe:rebalances", "num_rebalances", "Expert rebalances applied."),
     ("moe:rebalance_seconds", "rebalance_seconds_total", "Seconds spent rebalancing experts."),
     ("moe:expert_copies_moved", "expert_copies_moved", "Expert weight copies moved between slots."),
+    ("moe:rebalance_stays", "num_rebalance_stays",
+     "Balancer checks that planned and kept the placement (a move would not pay)."),
+    ("moe:rebalance_stay_seconds", "rebalance_stay_seconds_total",
+     "Seconds the balancer's checks that kept the placement spent planning (in the engine's step)."),
     ("moe:worker_faults", "num_worker_faults", "Worker ranks lost: died, failed a collective or hung."),
     ("moe:engine_recoveries", "num_recoveries", "Worker groups rebuilt after a fault."),
     ("moe:engine_recovery_seconds", "recovery_seconds_total", "Seconds from worker faults to serving again."),
@@ -154,6 +160,20 @@ class EngineStatsCollector(Collector):
             family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                        labels=["model_name", *labels])
             family.add_metric([self._model_name, *labels.values()], 1.0)
+            yield family
+        rank_tokens = getattr(stats, "expert_rank_tokens", None)
+        if rank_tokens is not None and len(rank_tokens):
+            rows = [[float(v) for v in row] for row in rank_tokens]  # [L_moe][R]
+            ids = self._moe_layer_ids if self._moe_layer_ids and len(self._moe_layer_ids) == len(rows) \
+                else tuple(range(len(rows)))
+            family = CounterMetricFamily("moe:expert_rank_tokens",
+                                         "Token-expert assignments each EP rank took per MoE layer since the start, "
+                                         "under the placement in force at each step. Balancedness over an interval: "
+                                         "avg by (layer) of its increase over max by (layer).",
+                                         labels=["model_name", "layer", "rank"])
+            for layer, row in zip(ids, rows):
+                for rank, value in enumerate(row):
+                    family.add_metric([self._model_name, str(layer), str(rank)], value)
             yield family
         per_layer = getattr(stats, "balancedness_per_layer", None)
         if per_layer is not None:

@@ -164,3 +164,55 @@ def test_run_totals_count_every_step_across_a_rebalance(owned):
         want_logical += torch.zeros(L, E, dtype=torch.int64).scatter_add_(1, phy2log, load)
     assert torch.equal(rank, want_rank) and torch.equal(logical, want_logical)
     assert int(logical.sum()) == int(sum(step_load(i).sum() for i in range(5)))
+
+
+def test_metrics_carry_each_ranks_tokens_per_layer_and_the_checks_that_stayed():
+    """/metrics: moe:expert_rank_tokens_total{layer, rank} (the run's totals, which a rebalance leaves:
+    balancedness over any interval from their increase) and the balancer's checks that kept the
+    placement, with their planning seconds."""
+    from launch.async_llm import EngineStats
+    from launch.server.metrics import ServerMetrics
+
+    driver = EplbDriver(BalancerConfig(), placement(), num_groups=1, num_nodes=1, expert_bytes=8)
+    for i in range(2):
+        driver.record(step_load(i), owned=True)
+    assert not driver.run_totals(applied=True)[0].any()  # pending steps: a per-step snapshot forces nothing
+    rank_tokens = driver.run_totals()[0]
+    driver.stay(0.125)
+    driver.stay(0.25)
+    c = driver.counters
+    stats = EngineStats(expert_rank_tokens=rank_tokens, num_rebalance_stays=c.num_stays,
+                        rebalance_stay_seconds_total=c.stay_seconds_total)
+    text = ServerMetrics("m", stats=lambda: stats, moe_layer_ids=(1, 3)).exposition().decode()
+    for layer, lid in enumerate((1, 3)):
+        for rank in range(R):
+            want = float(rank_tokens[layer, rank])
+            assert f'moe:expert_rank_tokens_total{{layer="{lid}",model_name="m",rank="{rank}"}} {want}' in text
+    assert "# TYPE moe:expert_rank_tokens_total counter" in text or "# TYPE moe:expert_rank_tokens counter" in text
+    assert 'moe:rebalance_stays_total{model_name="m"} 2.0' in text
+    assert 'moe:rebalance_stay_seconds_total{model_name="m"} 0.375' in text
+
+
+def test_a_check_that_keeps_the_placement_is_counted_with_its_seconds():
+    """One EP rank balances any placement: the forecast keeps the one in force. That check planned in the
+    engine's step: counted (num_stays, stay_seconds_total) and in the stats the server exposes; the rank
+    tokens count the steps run."""
+    from launch import LLM
+    from launch.async_llm import snapshot_stats
+    from launch.core import SamplingParams
+    from launch.workloads import SHIPPED_MODEL
+
+    with LLM(str(SHIPPED_MODEL), dtype="float32", enable_expert_parallel=True, enable_eplb=True,
+             num_redundant_experts=2, memory="512MiB") as llm:
+        llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        before = llm.engine.placement.phy2log.clone()
+        out = llm.engine.rebalance()
+        assert out["copies_moved"] == 0 and torch.equal(llm.engine.placement.phy2log, before)
+        c = llm.engine.eplb.counters
+        assert (c.num_rebalances, c.num_stays) == (0, 1) and c.stay_seconds_total == out["seconds"] > 0
+        stats = snapshot_stats(llm.engine)
+        assert (stats.num_rebalance_stays, stats.rebalance_stay_seconds_total) == (1, out["seconds"])
+        moe_layers = len(llm.engine.model_config.moe_layer_ids)
+        assert tuple(stats.expert_rank_tokens.shape) == (moe_layers, 1)
+        top_k = llm.engine.model_config.num_experts_per_tok
+        assert stats.expert_rank_tokens.sum() == moe_layers * top_k * (4 + 2)  # prefill 4 tokens, then 2 decode
