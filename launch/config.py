@@ -19,6 +19,7 @@ are not on disk); ``check_model_path`` and ``validate_for_model`` check it at st
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -456,6 +457,26 @@ class RuntimeConfig:
         if (problem := mc.tensor_parallel_problem(p.tensor_parallel_size)) is not None:
             raise ValueError(problem)
         self.balancer.validate_for(mc.num_experts, p.expert_parallel_size)
+        if (problem := window_memory_problem(self.balancer.window_size, len(mc.moe_layer_ids), mc.num_experts,
+                                             self.balancer.num_physical_experts(mc.num_experts))) is not None:
+            raise ValueError(problem)
+
+
+def window_memory_problem(window_size: int, num_moe_layers: int, num_experts: int, num_slots: int,
+                          host_bytes: int | None = None) -> str | None:
+    """Why the balancer's statistics window cannot be held, or None: ``window_size`` steps of int64 counts
+    per slot and int32 counts per expert of every MoE layer (``launch.balancing.EplbDriver``) on the
+    driver, over half of the host's memory (``host_bytes``; default: this machine's)."""
+    if not num_moe_layers:
+        return None
+    need = window_size * num_moe_layers * (num_slots * 8 + num_experts * 4)
+    host = host_bytes if host_bytes is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need <= host // 2:
+        return None
+    most = host // 2 // (num_moe_layers * (num_slots * 8 + num_experts * 4))
+    return (f"balancer.window_size={window_size:,} keeps {need / 2**30:,.1f} GiB of routing statistics ({window_size:,} "
+            f"steps x {num_moe_layers} MoE layers x {num_slots} slots), over half of this host's "
+            f"{host / 2**30:,.1f} GiB: at most {most:,} steps")
 
 
 # Flat vLLM-style names (``LLM(...)`` keyword arguments and CLI flag dests) -> dotted config keys.

@@ -183,3 +183,25 @@ def test_the_engine_refuses_a_block_size_not_one_block_of_which_fits_as_kvcalc_d
         check_runtime_config(config)
     assert kvcalc(["--model", str(SHIPPED_MODEL), "--memory", "512MiB", "--block-size", "1000000"]) == 2
     assert str(e.value) in capsys.readouterr().err
+
+
+def test_a_statistics_window_the_host_cannot_hold_is_refused_before_anything_starts(capsys):
+    """balancer.window_size keeps window x L x (8 P + 4 E) bytes on the driver: over half the host's
+    memory it is a one-line error from the config's check (serve crashed with an allocator traceback
+    after Ray had started); a window that fits passes."""
+    from launch.config import RuntimeConfig, window_memory_problem
+    from launch.config_args import main as config_main
+    from launch.workloads import SHIPPED_MODEL
+    from moe.config import ModelConfig
+
+    assert window_memory_problem(1000, 58, 256, 288, host_bytes=64 * 2**30) is None  # DeepSeek-V3: 193 MB
+    problem = window_memory_problem(10**6, 58, 256, 288, host_bytes=64 * 2**30)
+    assert problem.startswith("balancer.window_size=1,000,000 keeps 179.8 GiB of routing statistics")
+    assert problem.endswith("over half of this host's 64.0 GiB: at most 178,007 steps")
+    assert window_memory_problem(10**12, 0, 8, 8, host_bytes=2**30) is None  # no MoE layers: no window
+    flags = ["--model", str(SHIPPED_MODEL), "-dp", "2", "--enable-expert-parallel", "--enable-eplb"]
+    assert config_main([*flags, "--eplb-config", '{"window_size": 99999999999}']) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "balancer.window_size=99,999,999,999 keeps" in err
+    config = RuntimeConfig.from_dict({"model": str(SHIPPED_MODEL), "balancer": {"window_size": 5000}})
+    config.validate_for_model(ModelConfig.from_hf(SHIPPED_MODEL))
