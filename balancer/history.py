@@ -41,6 +41,9 @@ from balancer.placement import compute_log2phy
 from balancer.policy import POLICIES, _place, _validate, rebalance_experts
 
 SLOT_BYTES = 88_080_384  # one DeepSeek-R1 expert (fp8), the competition's transfer unit
+# Step 4's paired test on the last steps needs this many of them: with fewer, their spread says
+# nothing (one step has none, so any candidate fitted to it would "win"), and nothing moves.
+MIN_PAIRED_STEPS = 8
 LINK_BYTES_PER_S = 9e11
 
 
@@ -217,7 +220,8 @@ def _choose(hist, fc: Forecast, old: np.ndarray, cands: list[np.ndarray], value:
         diff = np.zeros_like(recent_old)
         diff[:, changed] = recent_old[:, changed] - compute_par(recent[:, changed], cand[changed], num_gpus)
         noise = 2.0 * diff.std(0) / np.sqrt(max(len(diff) - 1, 1))
-        net = np.where(diff.mean(0) > noise, g - opt.margin * c, 0.0)
+        paired = len(diff) >= MIN_PAIRED_STEPS  # else too few steps to tell a gain from noise
+        net = np.where(paired & (diff.mean(0) > noise), g - opt.margin * c, 0.0)
         take = net > best_net
         best[take], best_net[take], par_new[take], moved[take] = cand[take], net[take], par[take], n[take]
         gain[take], cost[take] = g[take], c[take]

@@ -283,3 +283,22 @@ def test_plan_and_rebalance_take_the_same_options():
         plan_from_history(history, 40, 1, 1, 8, old_phy2log=old, intervall=16)
     with pytest.raises(ValueError, match="options must be a HistoryOptions, got dict"):
         rebalance_from_history(history, 40, 1, 1, 8, old_phy2log=old, options=opts)
+
+
+@pytest.mark.parametrize("steps, moves", [(1, False), (7, False), (8, True), (64, True)])
+def test_too_few_steps_for_the_paired_test_never_move(steps: int, moves: bool):
+    """A window of the shifted load alone, asked with moves free: from MIN_PAIRED_STEPS (8) steps the
+    shift moves the placement; with fewer the paired test has no spread to judge by (one step: none,
+    so a candidate fitted to it always "won") and the placement stays."""
+    from balancer.history import MIN_PAIRED_STEPS
+
+    assert MIN_PAIRED_STEPS == 8
+    rng = np.random.default_rng(1)
+    rate = _rates(rng)
+    old = rebalance_experts(rate, 40, 1, 1, 8)[0]
+    cold = np.argmin(rate, axis=1)
+    shifted = rate.copy()
+    shifted[np.arange(4), cold] = rate.sum(1) * 0.3
+    decision = plan_from_history(_poisson(rng, shifted, steps), 40, 1, 1, 8, old_phy2log=old, margin=0.0,
+                                 interval=1)
+    assert (decision.num_moved > 0) == moves, decision.reason
