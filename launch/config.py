@@ -457,9 +457,6 @@ class RuntimeConfig:
         if (problem := mc.tensor_parallel_problem(p.tensor_parallel_size)) is not None:
             raise ValueError(problem)
         self.balancer.validate_for(mc.num_experts, p.expert_parallel_size)
-        if (problem := window_memory_problem(self.balancer.window_size, len(mc.moe_layer_ids), mc.num_experts,
-                                             self.balancer.num_physical_experts(mc.num_experts))) is not None:
-            raise ValueError(problem)
 
 
 def window_memory_problem(window_size: int, num_moe_layers: int, num_experts: int, num_slots: int,

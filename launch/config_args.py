@@ -34,6 +34,7 @@ from launch.config import (
     STEP_TRANSPORTS,
     VLLM_KEYS,
     RuntimeConfig,
+    window_memory_problem,
 )
 from launch.config_schema import (
     ConfigError,
@@ -470,5 +471,10 @@ def check_against_model(cfg: RuntimeConfig) -> bool:
             print(f"note: model {cfg.model!r} not found here; layout not checked against it", file=sys.stderr)
             return False
     raw.update(cfg.model_overrides)
-    cfg.validate_for_model(ModelConfig.from_hf(raw, strict=False))
+    model = ModelConfig.from_hf(raw, strict=False)
+    cfg.validate_for_model(model)
+    b = cfg.balancer  # the driver's statistics window, which the engine's plan checks too
+    if (problem := window_memory_problem(b.window_size, len(model.moe_layer_ids), model.num_experts,
+                                         b.num_physical_experts(model.num_experts))) is not None:
+        raise ValueError(problem)
     return True

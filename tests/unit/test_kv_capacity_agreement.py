@@ -187,12 +187,11 @@ def test_the_engine_refuses_a_block_size_not_one_block_of_which_fits_as_kvcalc_d
 
 def test_a_statistics_window_the_host_cannot_hold_is_refused_before_anything_starts(capsys):
     """balancer.window_size keeps window x L x (8 P + 4 E) bytes on the driver: over half the host's
-    memory it is a one-line error from the config's check (serve crashed with an allocator traceback
-    after Ray had started); a window that fits passes."""
+    memory it is a one-line error from `launch config` and the engine's plan (serve crashed with an
+    allocator traceback after Ray had started), after the weights' own check; a window that fits passes."""
     from launch.config import RuntimeConfig, window_memory_problem
     from launch.config_args import main as config_main
     from launch.workloads import SHIPPED_MODEL
-    from moe.config import ModelConfig
 
     assert window_memory_problem(1000, 58, 256, 288, host_bytes=64 * 2**30) is None  # DeepSeek-V3: 193 MB
     problem = window_memory_problem(10**6, 58, 256, 288, host_bytes=64 * 2**30)
@@ -203,5 +202,9 @@ def test_a_statistics_window_the_host_cannot_hold_is_refused_before_anything_sta
     assert config_main([*flags, "--eplb-config", '{"window_size": 99999999999}']) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "balancer.window_size=99,999,999,999 keeps" in err
-    config = RuntimeConfig.from_dict({"model": str(SHIPPED_MODEL), "balancer": {"window_size": 5000}})
-    config.validate_for_model(ModelConfig.from_hf(SHIPPED_MODEL))
+    from launch.engine import check_runtime_config
+
+    too_long = {"model": str(SHIPPED_MODEL), "engine": {"memory": "512MiB"}, "balancer": {"window_size": 10**11}}
+    with pytest.raises(ValueError, match=r"^balancer.window_size=100,000,000,000 keeps"):
+        check_runtime_config(RuntimeConfig.from_dict(too_long))  # serve's and generate's plan, before Ray
+    check_runtime_config(RuntimeConfig.from_dict({**too_long, "balancer": {"window_size": 5000}}))
