@@ -91,21 +91,15 @@ def check_workload_row(row: Any, where: str) -> Prompt:
     if sampling:
         raise WorkloadError(f"{where}: sampling field(s) {sampling} in a workload line: a workload sets only "
                             "prompts; the command's flags (--max-tokens, ...) set sampling")
-    if "prompt_token_ids" in row:
-        ids = row["prompt_token_ids"]
-        if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
-            raise WorkloadError(f"{where}: \"prompt_token_ids\" must be a non-empty list of token ids (ints >= 0)")
-        return tuple(ids)
-    if not isinstance(row["prompt"], str):
-        raise WorkloadError(f"{where}: \"prompt\" must be a string (token ids go in \"prompt_token_ids\")")
-    try:
-        check_prompt({"prompt": row["prompt"]}, where)
+    key = "prompt" if "prompt" in row else "prompt_token_ids"
+    try:  # the generate lines' and the server's check of either field
+        check_prompt({key: row[key]}, where)
     except WorkloadError:
         raise
     except (TypeError, ValueError) as e:
         message = str(e)
         raise WorkloadError(message if message.startswith(f"{where}:") else f"{where}: {message}") from None
-    return row["prompt"]
+    return row["prompt"] if key == "prompt" else tuple(row["prompt_token_ids"])
 
 
 def _read_jsonl(path: Path) -> list[Prompt]:

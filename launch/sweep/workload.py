@@ -17,15 +17,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch.workloads import Prompt
-
-
-def read_prompt_file(path: Path) -> list[Prompt]:
-    """Prompts of a .txt / .jsonl file (``launch.workloads.read_workload_file``'s rules); ValueError
-    naming the file and line otherwise."""
-    from launch.workloads import read_workload_file  # its WorkloadError is a ValueError
-
-    return read_workload_file(path)
+from launch.workloads import Prompt, load_workload, read_workload_file
 
 
 def load_prompts(spec: str, num_prompts: int | None = None) -> tuple[str, list[Prompt]]:
@@ -33,14 +25,9 @@ def load_prompts(spec: str, num_prompts: int | None = None) -> tuple[str, list[P
     the workload has fewer."""
     path = Path(spec)
     if path.is_file():
-        prompts = read_prompt_file(path)
+        prompts = read_workload_file(path)
         name = path.name
     else:
-        try:
-            from launch.workloads import load_workload
-        except ImportError as e:
-            raise ValueError(f"workload {spec!r} is not a file, and shipped workloads (launch.workloads) "
-                             "are not installed") from e
         prompts, name = list(load_workload(spec)), spec
     if not prompts:
         raise ValueError(f"workload {spec!r} has no prompts")

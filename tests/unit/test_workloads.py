@@ -108,13 +108,13 @@ def test_every_shipped_file_is_named() -> None:
     assert sorted(p.stem for p in WORKLOAD_DIR.glob("*.jsonl")) == sorted(WORKLOAD_NAMES)
 
 
-@pytest.mark.parametrize("line, problem", [
-    ('{"prompt_token_ids": []}', "must be a non-empty list of token ids"),
-    ('{"prompt_token_ids": [1, -2]}', "must be a non-empty list of token ids"),
-    ('{"prompt_token_ids": [1, true]}', "must be a non-empty list of token ids"),
-    ('{"prompt_token_ids": "1 2"}', "must be a non-empty list of token ids"),
+@pytest.mark.parametrize("line, problem", [  # launch.tokenizer.check_prompt's words, as generate's lines get them
+    ('{"prompt_token_ids": []}', "'prompt_token_ids' must be a non-empty list of non-negative integers"),
+    ('{"prompt_token_ids": [1, -2]}', "'prompt_token_ids' must be a non-empty list of non-negative integers"),
+    ('{"prompt_token_ids": [1, true]}', "'prompt_token_ids' must be a non-empty list of non-negative integers"),
+    ('{"prompt_token_ids": "1 2"}', "'prompt_token_ids' must be a non-empty list of non-negative integers"),
     ('{"prompt": "a", "prompt_token_ids": [1]}', "(one of the two)"),
-    ('{"prompt": [1, 2]}', 'token ids go in "prompt_token_ids"'),
+    ('{"prompt": [1, 2]}', "'prompt' must be a non-empty string"),
 ])
 def test_token_id_lines_that_are_no_token_ids_are_one_line_errors(tmp_path, line: str, problem: str) -> None:
     path = tmp_path / "w.jsonl"
