@@ -458,6 +458,13 @@ class RuntimeConfig:
             raise ValueError(problem)
         self.balancer.validate_for(mc.num_experts, p.expert_parallel_size)
 
+    def statistics_window_problem(self, model_config: Any) -> str | None:
+        """``window_memory_problem`` for this config's balancer window on ``model_config``'s MoE layers
+        (``launch config`` and the engine's plan ask it after their other checks)."""
+        b, mc = self.balancer, model_config
+        return window_memory_problem(b.window_size, len(mc.moe_layer_ids), mc.num_experts,
+                                     b.num_physical_experts(mc.num_experts))
+
 
 def window_memory_problem(window_size: int, num_moe_layers: int, num_experts: int, num_slots: int,
                           host_bytes: int | None = None) -> str | None:
@@ -466,11 +473,12 @@ def window_memory_problem(window_size: int, num_moe_layers: int, num_experts: in
     driver, over half of the host's memory (``host_bytes``; default: this machine's)."""
     if not num_moe_layers:
         return None
-    need = window_size * num_moe_layers * (num_slots * 8 + num_experts * 4)
+    per_step = num_moe_layers * (num_slots * 8 + num_experts * 4)
+    need = window_size * per_step
     host = host_bytes if host_bytes is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need <= host // 2:
         return None
-    most = host // 2 // (num_moe_layers * (num_slots * 8 + num_experts * 4))
+    most = host // 2 // per_step
     return (f"balancer.window_size={window_size:,} keeps {need / 2**30:,.1f} GiB of routing statistics ({window_size:,} "
             f"steps x {num_moe_layers} MoE layers x {num_slots} slots), over half of this host's "
             f"{host / 2**30:,.1f} GiB: at most {most:,} steps")

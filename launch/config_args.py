@@ -34,7 +34,6 @@ from launch.config import (
     STEP_TRANSPORTS,
     VLLM_KEYS,
     RuntimeConfig,
-    window_memory_problem,
 )
 from launch.config_schema import (
     ConfigError,
@@ -473,8 +472,6 @@ def check_against_model(cfg: RuntimeConfig) -> bool:
     raw.update(cfg.model_overrides)
     model = ModelConfig.from_hf(raw, strict=False)
     cfg.validate_for_model(model)
-    b = cfg.balancer  # the driver's statistics window, which the engine's plan checks too
-    if (problem := window_memory_problem(b.window_size, len(model.moe_layer_ids), model.num_experts,
-                                         b.num_physical_experts(model.num_experts))) is not None:
+    if (problem := cfg.statistics_window_problem(model)) is not None:  # the engine's plan checks it too
         raise ValueError(problem)
     return True

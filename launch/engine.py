@@ -18,7 +18,7 @@ import torch
 
 from balancer import Placement
 from launch.balancing import EplbDriver
-from launch.config import RuntimeConfig, window_memory_problem
+from launch.config import RuntimeConfig
 from launch.core import (
     BlockAllocator,
     NoKVRoomError,
@@ -141,9 +141,7 @@ def check_runtime_config(config: RuntimeConfig) -> EnginePlan:
     config.validate_for_model(model_config)
     max_model_len = config.engine.max_model_len or model_config.max_position_embeddings
     num_kv_blocks = compute_num_kv_blocks(config, model_config, max_model_len)  # weights that fit come first
-    b = config.balancer
-    if (problem := window_memory_problem(b.window_size, len(model_config.moe_layer_ids), model_config.num_experts,
-                                         b.num_physical_experts(model_config.num_experts))) is not None:
+    if (problem := config.statistics_window_problem(model_config)) is not None:
         raise ValueError(problem)
     return EnginePlan(path, model_config, max_model_len, num_kv_blocks,
                       build_initial_placement(config, model_config), sampling_defaults(config, path))
