@@ -31,6 +31,7 @@ from balancer import (
     rebalance_experts,
     should_rebalance,
 )
+from balancer.balancedness import rank_load_of_slots
 from launch.expert_location import DEFAULT_RECORDER_BUFFER_SIZE, ExpertDistributionRecorder
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,7 @@ class EplbDriver:
 
     def _add_to_run(self, physical: torch.Tensor, logical: torch.Tensor) -> None:
         """Add K steps' slot loads physical [K, L, P] and logical loads [K, L, E] to the run's totals."""
-        ranks = self.placement.num_gpus
-        self._run_rank_load += physical.sum(0).view(physical.shape[1], ranks, -1).sum(-1).to(torch.float64)
+        self._run_rank_load += torch.from_numpy(rank_load_of_slots(physical.sum(0), self.placement.num_gpus))
         self._run_logical += logical.sum(0).to(torch.int64)
 
     def run_totals(self, *, applied: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
