@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from balancer import compute_par, rebalance_experts, rebalance_from_history
 from balancer.history import LINK_BYTES_PER_S, SLOT_BYTES, full_horizon
-from launch.bench.eplb_traces import KINDS, TraceSpec, load_trace, make_trace
+from launch.bench.eplb_traces import KINDS, TraceSpec, load_trace, make_trace, trace_files
 from launch.config_args import FlagParser
 from launch.paths import output_file_problem, write_output_file
 
@@ -280,8 +280,8 @@ def series_main(argv: list[str] | None = None) -> int:
         if experts % args.num_gpus:  # the series places experts + num_gpus replicas, as many on every GPU
             parser.error(f"--num-gpus {args.num_gpus} does not divide the {experts} experts of {path} (the series "
                          f"places {experts} + {args.num_gpus} replicas evenly over the GPUs)")
-        names = [Path(path).name] if Path(path).exists() else [Path(p).name for p in path.split(",")]
-        jobs.append((f"file:{'+'.join(names)}:ep{args.num_gpus}", lambda t=trace: t, args.num_gpus, len(trace)))
+        names = "+".join(Path(p).name for p in trace_files(path))
+        jobs.append((f"file:{names}:ep{args.num_gpus}", lambda t=trace: t, args.num_gpus, len(trace)))
     if not args.no_generated:
         for spec in trace_set(args.full, args.seed or [1]):
             if args.kind and spec.kind not in args.kind:

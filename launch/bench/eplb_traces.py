@@ -124,18 +124,23 @@ def make_trace(spec: TraceSpec) -> np.ndarray:
     return out
 
 
+def trace_files(spec: str | Path) -> list[str]:
+    """The files one ``--trace`` names: itself when it is a file or holds no comma, else its
+    comma-separated parts (the files of one dump, an SGLang per_pass dump's rank files)."""
+    return [str(spec)] if Path(spec).exists() or "," not in str(spec) else str(spec).split(",")
+
+
 def load_trace(path: str | Path) -> np.ndarray:
     """`logical_count [T, L, E]` from an expert-distribution dump in any format `profile report`
     reads (this project's safetensors, SGLang's stat / per_pass `torch.save` dumps, `.npy`, `.npz`,
-    `.csv`); ``"a.pt,b.pt"`` (not itself a file) names the files of one dump, read together as
+    `.csv`); ``"a.pt,b.pt"`` (``trace_files``) names the files of one dump, read together as
     `profile report` reads them (an SGLang per_pass dump's rank files: one missing is an error naming
     it). Returns int64 numpy where the counts are integral, else float64; ValueError naming the file
     otherwise."""
     from launch.profile.readers import DumpError, read_recording
 
-    parts = [str(path)] if Path(path).exists() or "," not in str(path) else str(path).split(",")
     try:
-        count = read_recording(parts).logical_count
+        count = read_recording(trace_files(path)).logical_count
     except DumpError as exc:
         raise ValueError(f"trace {exc}") from None
     if count.shape[0] < 2:
