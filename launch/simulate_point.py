@@ -18,7 +18,7 @@ from launch.hardware import (
     model_raw_config,
 )
 from launch.profile.dumps import DumpError, check_logical
-from launch.profile.readers import read_recording
+from launch.profile.readers import DUMP_SUFFIXES, read_recording
 from moe.config import ModelConfig
 from parallel.costmodel import Hardware, StepPrediction, predict_point
 
@@ -49,7 +49,6 @@ def predict_runtime_point(cfg: RuntimeConfig, hardware: Hardware | str | Path, *
 _JSON_LOAD = "a JSON [L, E] (or [steps, L, E]) array or object with 'logical_count'"
 _EXPECTED_LOAD = ("expected an expert-distribution dump as `profile report` reads them (`profile run`'s "
                   f".safetensors, SGLang's .pt, .npy, .npz or .csv) or {_JSON_LOAD}")
-_DUMP_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".npy", ".npz", ".csv")
 
 
 def load_expert_load(path: str) -> np.ndarray:
@@ -63,7 +62,7 @@ def load_expert_load(path: str) -> np.ndarray:
     try:
         return read_recording([p]).logical_count.sum(0)
     except DumpError as e:  # a file of no dump suffix that the reader could not sniff may have meant JSON
-        sniffed = p.is_file() and p.suffix.lower() not in _DUMP_SUFFIXES
+        sniffed = p.is_file() and p.suffix.lower() not in DUMP_SUFFIXES
         raise ValueError(f"{e}; --expert-load also takes {_JSON_LOAD}" if sniffed else str(e)) from None
 
 
@@ -71,7 +70,7 @@ def _is_json_text(p: Path) -> bool:
     """A .json file, or one of no dump suffix whose text starts like a JSON array or object."""
     if p.suffix.lower() == ".json":
         return True
-    if p.suffix.lower() in _DUMP_SUFFIXES:
+    if p.suffix.lower() in DUMP_SUFFIXES:
         return False
     with p.open("rb") as f:
         head = f.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()

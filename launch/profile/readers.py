@@ -50,7 +50,7 @@ from launch.profile.dumps import (
 )
 from launch.profile.sglang_dumps import merge_rank_files, missing_ranks_problem, read_torch_dump
 
-__all__ = ["Dump", "DumpError", "EmptyDumpError", "Recording", "read_dump", "read_recording"]
+__all__ = ["DUMP_SUFFIXES", "Dump", "DumpError", "EmptyDumpError", "Recording", "read_dump", "read_recording"]
 
 # A CSV step or layer id at or above this is not an exact integer in float64.
 MAX_CSV_ID = 2**53
@@ -218,6 +218,12 @@ def _read_csv(path: Path) -> Dump:
     return Dump(str(path), "csv", check_logical(path, count))
 
 
+# The reader of each known suffix; a file of another name is sniffed by its first bytes (read_dump).
+_READERS = {".safetensors": _read_safetensors, ".pt": read_torch_dump, ".pth": read_torch_dump,
+            ".bin": read_torch_dump, ".npy": _read_npy, ".npz": _read_npz, ".csv": _read_csv}
+DUMP_SUFFIXES = tuple(_READERS)
+
+
 def read_dump(path: str | Path) -> Dump:
     """One dump file, its format chosen by suffix (.safetensors, .pt/.pth/.bin, .npy, .npz,
     .csv) or, for other names, by its first bytes."""
@@ -226,9 +232,7 @@ def read_dump(path: str | Path) -> Dump:
         raise DumpError(f"{p}: is a directory, not a dump file")
     if not p.is_file():
         raise DumpError(f"{p}: no such file")
-    readers = {".safetensors": _read_safetensors, ".pt": read_torch_dump, ".pth": read_torch_dump, ".bin": read_torch_dump,
-               ".npy": _read_npy, ".npz": _read_npz, ".csv": _read_csv}
-    reader = readers.get(p.suffix.lower())
+    reader = _READERS.get(p.suffix.lower())
     if reader is None:
         with p.open("rb") as f:
             head = f.read(16)
