@@ -155,7 +155,7 @@ def compute_kv_capacity_tokens(model: ModelConfig, dep: Deployment, memory_bytes
     if dep.kv_capacity_tokens is not None:
         return dep.kv_capacity_tokens
     try:
-        tokens = compute_layout_kv_sizing(model, dep, memory_bytes).max_num_tokens
+        sizing = compute_layout_kv_sizing(model, dep, memory_bytes)
+        return sizing.max_num_tokens if block_size is None else compute_num_blocks(sizing, block_size) * block_size
     except NoKVRoomError:
         return 0
-    return tokens if block_size is None else tokens // block_size * block_size
