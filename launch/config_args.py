@@ -416,9 +416,23 @@ def value_source(args: argparse.Namespace, dest: str) -> str:
     return f"{FLAG_KEYS[dest]} (--config/--set)"
 
 
+def _check_eplb_config_against_flags(args: argparse.Namespace) -> None:
+    """ConfigError when ``--eplb-config`` sets a balancer key to one value and its own flag
+    (``--enable-eplb``, ``--num-redundant-experts``) to another: the flag would win silently."""
+    if not getattr(args, "eplb_config", None):
+        return
+    for key, value in parse_eplb_config(args.eplb_config).items():
+        for dest, dotted in FLAG_KEYS.items():
+            flag = getattr(args, dest, None)
+            if dotted == f"balancer.{key}" and flag is not None and flag != value:
+                raise ConfigError(f"--eplb-config sets {key} to {json.dumps(value)} but "
+                                  f"--{dest.replace('_', '-')} gives {json.dumps(flag)}: give it once")
+
+
 def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     """Resolve file, --set, --eplb-config and flags into a validated RuntimeConfig."""
     data = configured_values(args)
+    _check_eplb_config_against_flags(args)
     # the serve-only flags (present only in serve's namespace) are flags too: set before the config is checked
     for dest, key in {**FLAG_KEYS, **_FILE_ONLY_KEYS}.items():
         value = getattr(args, dest, None)

@@ -35,6 +35,10 @@ def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig
     are taken and change nothing) onto the nested RuntimeConfig; an unknown
     argument raises TypeError naming it."""
     data: dict[str, Any] = {"model": str(model)}
+    for sub, sub_value in dict(kwargs.get("eplb_config") or {}).items():  # vLLM reads these keys in one place or
+        if sub in kwargs and kwargs[sub] != sub_value:                     # the other: given twice they must agree
+            raise ValueError(f"LLM() eplb_config sets {sub}={sub_value!r} but {sub}={kwargs[sub]!r} is "
+                             "also given: give it once")
     for key, value in kwargs.items():
         if key == "eplb_config":
             for sub, sub_value in dict(value or {}).items():

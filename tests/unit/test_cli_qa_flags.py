@@ -171,3 +171,24 @@ def test_demo_warns_of_a_reachable_server_without_an_api_key(never_serve: dict, 
     with caplog.at_level(logging.WARNING):
         assert demo.main(["--port", "0", "--set", "server.host=0.0.0.0"]) == 0
     assert "listening on 0.0.0.0 without --api-key" in caplog.text
+
+
+def test_eplb_config_and_a_flag_that_disagree_are_refused_not_overridden() -> None:
+    """``--eplb-config`` holds balancer keys that have their own flags; the flag used to win silently."""
+    base = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--enable-eplb"]
+    with pytest.raises(ConfigError, match="--eplb-config sets enable_eplb to false but --enable-eplb gives true"):
+        _args(base + ["--eplb-config", '{"enable_eplb": false}'])
+    with pytest.raises(ConfigError, match="sets num_redundant_experts to 4 but --num-redundant-experts gives 2"):
+        _args(base + ["--num-redundant-experts", "2", "--eplb-config", '{"num_redundant_experts": 4}'])
+    same = _args(base + ["--num-redundant-experts", "2", "--eplb-config", '{"num_redundant_experts": 2}'])
+    assert same.balancer.num_redundant_experts == 2
+
+
+def test_llm_eplb_config_and_a_keyword_that_disagree_are_refused() -> None:
+    from launch.llm import build_runtime_config
+
+    kwargs = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True)
+    with pytest.raises(ValueError, match="eplb_config sets num_redundant_experts=4 but num_redundant_experts=2"):
+        build_runtime_config("m", {**kwargs, "num_redundant_experts": 2, "eplb_config": {"num_redundant_experts": 4}})
+    agreed = build_runtime_config("m", {**kwargs, "num_redundant_experts": 2, "eplb_config": {"num_redundant_experts": 2}})
+    assert agreed.balancer.num_redundant_experts == 2
