@@ -148,14 +148,16 @@ def compute_num_blocks(sizing: KVSizing, block_size: int) -> int:
 
 
 def compute_kv_capacity_tokens(model: ModelConfig, dep: Deployment, memory_bytes: int,
-                               block_size: int | None = None) -> int:
+                               block_size: int | None = None, *, strict: bool = False) -> int:
     """KV tokens one rank of ``dep`` holds: a config's fixed ``dep.kv_capacity_tokens``, else
-    ``compute_layout_kv_sizing``'s ``max_num_tokens``, in whole blocks of ``block_size`` when given
-    (0 when the weights leave no room, or no block)."""
+    ``compute_layout_kv_sizing``'s ``max_num_tokens``, in whole blocks of ``block_size`` when given.
+    When the weights leave no room (or no block): 0, or with ``strict`` the ``NoKVRoomError`` that says why."""
     if dep.kv_capacity_tokens is not None:
         return dep.kv_capacity_tokens
     try:
         sizing = compute_layout_kv_sizing(model, dep, memory_bytes)
         return sizing.max_num_tokens if block_size is None else compute_num_blocks(sizing, block_size) * block_size
     except NoKVRoomError:
+        if strict:
+            raise
         return 0

@@ -36,8 +36,7 @@ from launch.config_args import FlagParser
 from launch.core.kv_sizing import NoKVRoomError, format_memory
 from launch.hardware import (
     compute_dtype,
-    compute_layout_kv_sizing,
-    compute_num_blocks,
+    compute_kv_capacity_tokens,
     deployment_from_config,
     load_hardware,
     model_raw_config,
@@ -179,10 +178,8 @@ def _kv_capacity_tokens(model: ModelConfig, dep: Deployment, hw: Hardware, block
     """KV tokens one rank holds: a config's fixed engine.num_kv_blocks, else what its memory leaves
     beside the weights in whole blocks (``compute_num_blocks``, as the engine allocates them).
     ValueError naming the weights (or the block size) when they leave no room."""
-    if dep.kv_capacity_tokens is not None:
-        return dep.kv_capacity_tokens
     try:
-        return compute_num_blocks(compute_layout_kv_sizing(model, dep, hw.memory_bytes), block_size) * block_size
+        return compute_kv_capacity_tokens(model, dep, hw.memory_bytes, block_size, strict=True)
     except NoKVRoomError as e:
         hint = "" if "block_size" in str(e) else " (more expert parallelism, fp8 weights or a bigger memory)"
         raise ValueError(f"{dep.describe()} on {hw.name}: {e}{hint}") from None
