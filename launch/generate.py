@@ -5,7 +5,8 @@ conversation, rendered with the checkpoint's chat template as the server renders
 request), optionally with sampling
 fields (every ``SamplingParams`` field: ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``n``, ``logprobs``, the
-penalties, ``min_tokens``, ...). A field a line leaves out takes ``--max-tokens`` /
+penalties, ``min_tokens``, ``logit_bias`` as OpenAI's ``{"token id": bias}`` or ``[[id, bias], ...]``,
+...); a line may not give a field twice. A field a line leaves out takes ``--max-tokens`` /
 ``--temperature``, else the model's generation config (``--generation-config``, as vLLM), else
 the ``SamplingParams`` default. Output lines repeat the input and add
 ``text``, ``token_ids``, ``finish_reason`` (lists of them when n > 1 under ``outputs``). With
@@ -31,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -88,9 +90,10 @@ def check_output_path(path: str | Path, input_path: str | Path | None = None) ->
         raise ValueError(f"--output: {problem}")
 
 
-def read_requests(path: Path, defaults: dict[str, Any] | None = None) -> list[InputLine]:
+def read_requests(path: Path, defaults: dict[str, Any] | None = None,
+                  sources: dict[str, str] | None = None) -> list[InputLine]:
     """Parse and validate the JSONL input (blank lines skipped); errors name the physical line.
-    ``defaults``: sampling fields for lines that do not set them."""
+    ``defaults``: sampling fields for lines that do not set them (``sources``: where each came from)."""
     rows = []
     with path.open("rb") as f:
         for n, raw in enumerate(f, 1):
@@ -102,9 +105,11 @@ def read_requests(path: Path, defaults: dict[str, Any] | None = None) -> list[In
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
+            except _DuplicateKey as e:
+                raise ValueError(f"{where}: field {e} is given twice") from None
             if not isinstance(row, dict):
                 kind = {list: "an array", str: "a string", bool: "a boolean",
                         type(None): "null"}.get(type(row), "a number")
@@ -115,18 +120,48 @@ def read_requests(path: Path, defaults: dict[str, Any] | None = None) -> list[In
             if unknown:
                 raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
             check_prompt(row, where)
-            rows.append(InputLine(n, row, sampling_params_for(row, defaults or {}, where)))
+            rows.append(InputLine(n, row, sampling_params_for(row, defaults or {}, where, sources)))
     if not rows:
         raise ValueError(f"{path}: no requests")
     return rows
 
 
-def sampling_params_for(row: dict[str, Any], defaults: dict[str, Any], where: str) -> SamplingParams:
-    fields = {**defaults, **{k: v for k, v in row.items() if k in _SAMPLING_FIELDS}}
+class _DuplicateKey(Exception):
+    """A JSON object names one key twice (``json.loads`` keeps the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(repr(key))
+        out[key] = value
+    return out
+
+
+def _json_logit_bias(value: Any) -> Any:
+    """A JSON line's ``logit_bias`` object: its keys are strings in JSON, so decimal ones ("77", as
+    OpenAI's API spells them) become token ids; anything else is left for SamplingParams to refuse."""
+    if not isinstance(value, dict):
+        return value
+    return {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v for k, v in value.items()}
+
+
+def sampling_params_for(row: dict[str, Any], defaults: dict[str, Any], where: str,
+                        sources: dict[str, str] | None = None) -> SamplingParams:
+    """The line ``row``'s SamplingParams over ``defaults`` (fields the line leaves out); ValueError
+    naming ``where``, and for each default the message names, where it came from (``sources``:
+    field -> e.g. "--max-tokens")."""
+    given = {k: v for k, v in row.items() if k in _SAMPLING_FIELDS}
+    if "logit_bias" in given:
+        given["logit_bias"] = _json_logit_bias(given["logit_bias"])
     try:
-        return SamplingParams(**fields)
+        return SamplingParams(**{**defaults, **given})
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {e}") from e
+        inherited = [f"{k}={defaults[k]!r} comes from {(sources or {}).get(k, 'the defaults')}"
+                     for k in defaults if k not in given and re.search(rf"\b{k}\b", str(e))]
+        note = f" ({'; '.join(inherited)})" if inherited else ""
+        raise ValueError(f"{where}: {e}{note}") from e
 
 
 def prompt_ids(row: dict[str, Any], engine: LLMEngine) -> list[int]:
@@ -184,20 +219,25 @@ def main(argv: list[str] | None = None) -> int:
         check_input_file(args.input)
         check_output_path(args.output, args.input)
         args.input, args.output = Path(args.input), Path(args.output)
-        defaults = {}
+        defaults, sources = {}, {}
         for flag, key, value in (("--max-tokens", "max_tokens", args.max_tokens),
                                  ("--temperature", "temperature", args.temperature)):
             if value is not None:
                 sampling_params_for({key: value}, {}, flag)
-                defaults[key] = value
-        requests = read_requests(args.input, defaults)
+                defaults[key], sources[key] = value, flag
+        requests = read_requests(args.input, defaults, sources)
         from launch.engine import check_runtime_config
 
         # under the flags, the model's generation config (as vLLM's LLM.get_default_sampling_params)
         model_defaults = check_runtime_config(config).default_sampling
         if model_defaults:
             merged = {**model_defaults, **defaults}
-            requests = [dataclasses.replace(req, params=sampling_params_for(req.row, merged, f"{args.input}:{req.line}"))
+            overrides = config.engine.override_generation_config
+            folder = config.model if config.engine.generation_config == "auto" else config.engine.generation_config
+            sources = {**{k: "--override-generation-config" if k in overrides else
+                          str(Path(folder) / "generation_config.json") for k in model_defaults}, **sources}
+            requests = [dataclasses.replace(req, params=sampling_params_for(req.row, merged, f"{args.input}:{req.line}",
+                                                                            sources))
                         for req in requests]
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return _error(e)

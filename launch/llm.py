@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,9 @@ class LLM:
         requests it queued are aborted, so the engine is left with what it had before."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise ValueError("prompts must be a string, a {'prompt': ...} / {'prompt_token_ids': [...]} dict or a "
+                             f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()

@@ -268,3 +268,37 @@ def test_a_layer_without_any_ffn_tensor_gets_no_layer_kind_hint(tiny_ckpt_with_t
     rc, err, _ = _run(capsys, path, src, tmp_path / "out.jsonl")
     assert (rc, err) == (2, f"error: {path}: tensor 'model.layers.1.mlp.gate.weight' not found; looked for "
                             "checkpoint name(s) 'model.layers.1.mlp.gate.weight'")
+
+
+def test_a_field_given_twice_in_a_line_is_refused_not_last_wins(tmp_path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "ok"}\n{"prompt": "a", "max_tokens": 2, "max_tokens": 3}\n')
+    with pytest.raises(ValueError) as err:
+        read_requests(src)
+    assert str(err.value) == f"{src}:2: field 'max_tokens' is given twice"
+
+
+def test_logit_bias_takes_openais_string_token_ids(tmp_path) -> None:
+    """JSON object keys are strings: {"77": 100} is OpenAI's spelling, and the server's."""
+    src = _write(tmp_path / "in.jsonl", {"prompt": "a", "logit_bias": {"77": 100, " 5": -3.5}},
+                 {"prompt": "b", "logit_bias": [[77, 100]]})
+    first, second = read_requests(src)
+    assert first.params.logit_bias == ((5, -3.5), (77, 100.0))
+    assert second.params.logit_bias == ((77, 100.0),)
+    bad = _write(tmp_path / "bad.jsonl", {"prompt": "a", "logit_bias": {"x7": 1}})
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: logit_bias keys must be token ids \(integers >= 0\), got 'x7'"):
+        read_requests(bad)
+
+
+def test_an_error_on_an_inherited_default_names_where_it_came_from(tiny_ckpt_with_tokenizer, tmp_path, capsys,
+                                                                    no_model) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(tiny_ckpt_with_tokenizer, model)
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
+    src = _write(tmp_path / "in.jsonl", {"prompt": "a", "min_tokens": 9})
+    rc, err, _ = _run(capsys, model, src, tmp_path / "out.jsonl")
+    assert rc == 2
+    assert err == (f"error: {src}:1: min_tokens must be at most max_tokens=7, got 9 (max_tokens=7 comes from "
+                   f"{model / 'generation_config.json'})"), err
+    rc, err, _ = _run(capsys, tiny_ckpt_with_tokenizer, src, tmp_path / "out.jsonl", "--max-tokens", "4")
+    assert rc == 2 and err.endswith("(max_tokens=4 comes from --max-tokens)"), err

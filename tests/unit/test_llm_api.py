@@ -113,6 +113,10 @@ def test_token_ids_may_be_a_tuple_or_array_and_sampling_params_must_be_sampling_
         with pytest.raises(ValueError, match=f"^sampling_params must be a SamplingParams or a list of them \\(one per "
                                              f"prompt\\), got {type(params).__name__}"):
             llm.generate({"prompt_token_ids": [3]}, params)
+    for prompts in (5, None):  # not iterable: named, not "'int' object is not iterable"
+        with pytest.raises(ValueError, match=f"^prompts must be a string, .* or a list of them, got "
+                                             f"{type(prompts).__name__}$"):
+            llm.generate(prompts, GREEDY)
 
 
 def test_seeded_completions_differ_between_seeds_and_completions(llm):
