@@ -20,8 +20,12 @@ Semantics follow Hugging Face transformers (the numerical oracle):
   Qwen3-MoE only when ``use_sliding_window``, then to every layer (transformers 5.24's
   Qwen3-MoE reads neither ``max_window_layers`` nor ``layer_types``, so neither do we).
 - A field the config.json leaves out takes transformers' default for the family
-  (``_HF_DEFAULTS``; e.g. DeepSeek-V3's ``n_shared_experts`` 1, ``n_group`` 8, ``topk_group`` 4),
-  since the checkpoint was shaped by those; booleans must be JSON booleans.
+  (``_HF_DEFAULTS``; e.g. DeepSeek-V3's ``n_shared_experts`` 1, ``n_group`` 8, ``topk_group`` 4,
+  Mixtral's ``num_experts_per_tok`` 2), since the checkpoint was shaped by those; the fields that
+  give the weights' own sizes (``hidden_size``, ``vocab_size``, layer and head counts, intermediate
+  sizes, expert counts, MLA's head and latent dims) are required instead: a default there only
+  turns into a tensor-shape error at load. Booleans must be JSON booleans. ``hidden_act`` "swish"
+  is transformers' other name for "silu".
 - One exception: DeepSeek's ``moe_layer_freq`` (dense every layer ``i % freq != 0``) is
   applied as DeepSeek's code and vLLM do; transformers ignores it. Released checkpoints use 1.
 """
@@ -47,10 +51,11 @@ _DEFAULT_THETA = {"mixtral": 1_000_000.0}
 # transformers' defaults (its config classes' __init__) for fields a config.json may leave out
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"max_position_embeddings": 4096, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
-                    "q_lora_rank": 1536},
+                    "q_lora_rank": 1536, "num_experts_per_tok": 8},
     "deepseek_v2": {"max_position_embeddings": 2048, "n_shared_experts": 2, "q_lora_rank": 1536},
-    "mixtral": {"max_position_embeddings": 131072, "num_key_value_heads": 8},
-    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096},
+    "mixtral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": 4096,
+                  "num_experts_per_tok": 8},
 }
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim", "attention_factor", "truncate")
@@ -521,6 +526,8 @@ def _common_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dict[
     eos = raw.get("eos_token_id")
     eos_ids = () if eos is None else tuple(_as_int("eos_token_id", e) for e in (eos if isinstance(eos, list) else [eos]))
     act = raw.get("hidden_act", "silu")
+    if act == "swish":  # transformers' ACT2FN maps both names to SiLU
+        act = "silu"
     if act != "silu":
         problems.append(f"hidden_act {act!r} (only 'silu' is implemented)")
     try:
@@ -574,7 +581,7 @@ def _deepseek_fields(raw: dict[str, Any], arch: str, problems: list[str]) -> dic
         intermediate_size=_int(raw, "intermediate_size"),
         moe_intermediate_size=_int(raw, "moe_intermediate_size"),
         num_experts=_int(raw, "n_routed_experts", "num_local_experts", "num_experts"),
-        num_experts_per_tok=_int(raw, "num_experts_per_tok"),
+        num_experts_per_tok=_int(raw, "num_experts_per_tok", default=_default(arch, "num_experts_per_tok")),
         num_shared_experts=_int_or_default(raw, arch, "n_shared_experts", 0),
         n_group=(_int_or_default(raw, arch, "n_group", 1) or 1) if grouped else 1,
         topk_group=(_int_or_default(raw, arch, "topk_group", 1) or 1) if grouped else 1,
@@ -612,7 +619,7 @@ def _gqa_common(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         # absent: transformers' default; null (or 0): one kv head per query head, as transformers
         num_key_value_heads=_int_or_default(raw, arch, "num_key_value_heads", 0) or heads,
         head_dim=_int(raw, "head_dim", default=0) or derived,
-        num_experts_per_tok=_int(raw, "num_experts_per_tok"),
+        num_experts_per_tok=_int(raw, "num_experts_per_tok", default=_default(arch, "num_experts_per_tok")),
     )
 
 

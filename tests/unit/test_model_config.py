@@ -131,6 +131,25 @@ def test_invalid_shapes_raise() -> None:
         ModelConfig.from_hf({k: v for k, v in MIXTRAL_8X7B.items() if k != "hidden_size"})
 
 
+def test_num_experts_per_tok_left_out_takes_transformers_default_and_swish_is_silu() -> None:
+    """transformers' config classes default top-k (Mixtral 2, DeepSeek-V3 and Qwen3-MoE 8) and map
+    hidden_act "swish" to SiLU; a sizes field (here the expert count) stays required."""
+    def without(raw: dict, key: str) -> dict:
+        return {k: v for k, v in raw.items() if k != key}
+
+    v3 = dict(DEEPSEEK_V3, quantization_config=None)
+    assert ModelConfig.from_hf(without(MIXTRAL_8X7B, "num_experts_per_tok")).num_experts_per_tok == 2
+    assert ModelConfig.from_hf(without(v3, "num_experts_per_tok")).num_experts_per_tok == 8
+    assert ModelConfig.from_hf(without(QWEN3_30B_A3B, "num_experts_per_tok")).num_experts_per_tok == 8
+    with pytest.raises(ValueError, match="missing required field 'num_experts_per_tok'"):  # transformers: None
+        ModelConfig.from_hf(without(DEEPSEEK_V2_LITE, "num_experts_per_tok"))
+    with pytest.raises(ValueError, match="missing required field 'num_local_experts'"):
+        ModelConfig.from_hf(without(MIXTRAL_8X7B, "num_local_experts"))
+    assert ModelConfig.from_hf(dict(MIXTRAL_8X7B, hidden_act="swish")).hidden_act == "silu"
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf(dict(MIXTRAL_8X7B, hidden_act="gelu"))
+
+
 def test_rope_pairs_are_checked_where_rope_turns_them() -> None:
     """MLA ropes only its qk_rope_head_dim part: an odd nope part (odd q/k head size) is a valid model,
     as transformers runs it; GQA ropes the whole head."""
