@@ -175,7 +175,8 @@ class _Leftovers:
 def _leftovers(ckpt: Checkpoint, plans: list[TensorPlan], aliases: frozenset[str]) -> _Leftovers:
     """Sort every checkpoint tensor no plan reads (one pass over the checkpoint's names), as vLLM's
     ``load_weights`` does: rotary caches and MTP layers are skipped, a routed expert of a hosted
-    block that this rank does not host is skipped, anything else is unexpected.
+    block that this rank does not host is skipped, tensors with no elements are ignored, anything else
+    is unexpected.
     aliases: model names filled through a tied tensor (their checkpoint copy is ignored)."""
     consumed = {k for p in plans for c in p.copies for k in (c.key, c.scale) if k is not None}
     expert_blocks = {expert_block_of(c.key) for p in plans for c in p.copies} - {None}
@@ -197,6 +198,8 @@ def _leftovers(ckpt: Checkpoint, plans: list[TensorPlan], aliases: frozenset[str
                 out.past_layers.append((layer, key))
         elif expert_block_of(key) in expert_blocks:
             out.skipped_experts += 1
+        elif 0 in ckpt.info(key).shape:  # holds no weights: transformers saves n_shared_experts=0's MLP so
+            out.ignored.append(key)      # (gate_proj [0, D], down_proj [D, 0]) and runs it as adding zero
         else:
             out.unexpected.append(key)
     return out
@@ -227,12 +230,15 @@ def _check_leftovers(ckpt: Checkpoint, left: _Leftovers) -> None:
 
 
 def _finish_report(
-    ckpt: Checkpoint, family: str, plans: list[TensorPlan], start: _Start, left: _Leftovers | None = None
+    ckpt: Checkpoint, family: str, plans: list[TensorPlan], start: _Start, left: _Leftovers | None = None,
+    aliases: frozenset[str] = frozenset(),
 ) -> LoadReport:
-    """The report of one load; ``left`` (None: not accounted) sorts the tensors nothing read."""
+    """The report of one load; ``left`` (None: not accounted) sorts the tensors nothing read;
+    ``aliases``: the model's names tied to another tensor (``_model_requests``)."""
     report = LoadReport(ckpt.root, family, list(ckpt.files))
     report.loaded = [p.request.name for p in plans]
-    report.tied_lm_head = any(p.request.name == LM_HEAD_NAME and p.copies[0].key == EMBED_NAME for p in plans)
+    report.tied_lm_head = LM_HEAD_NAME in aliases or any(
+        p.request.name == LM_HEAD_NAME and p.copies[0].key == EMBED_NAME for p in plans)
     report.num_reads = ckpt.num_reads - start.num_reads
     report.num_bytes_read = ckpt.num_bytes_read - start.num_bytes_read
     report.seconds = time.perf_counter() - start.seconds
@@ -308,6 +314,23 @@ def _model_requests(
     return out, frozenset(aliases)
 
 
+def _untie_a_different_head(model: nn.Module, ckpt: Checkpoint, aliases: frozenset[str]) -> bool:
+    """Give the model its own ``lm_head.weight`` when it ties it to the embedding (config.json's
+    tie_word_embeddings) but the checkpoint holds an ``lm_head.weight`` that differs from its
+    embedding: transformers then leaves the two untied and uses both (with a warning), and it is
+    the reference. True when untied; an equal copy keeps the tie (and stays ignored)."""
+    if LM_HEAD_NAME not in aliases or LM_HEAD_NAME not in ckpt or EMBED_NAME not in ckpt:
+        return False
+    if ckpt.info(LM_HEAD_NAME).shape == ckpt.info(EMBED_NAME).shape and \
+            torch.equal(ckpt.read(LM_HEAD_NAME), ckpt.read(EMBED_NAME)):
+        return False
+    head = model.get_submodule(LM_HEAD_NAME.rsplit(".", 1)[0])
+    head.weight = nn.Parameter(torch.empty_like(head.weight), requires_grad=False)
+    log.warning("%s: config.json ties lm_head to the embedding (tie_word_embeddings), but the checkpoint's "
+                "%s differs from %s: loading both untied, as transformers does", ckpt.root, LM_HEAD_NAME, EMBED_NAME)
+    return True
+
+
 def load_weights(
     model: nn.Module, path: str | Path | Checkpoint, *, dtype: torch.dtype | None = None, strict: bool = True
 ) -> LoadReport:
@@ -319,15 +342,18 @@ def load_weights(
     converted to each destination's own dtype. Only the logical experts named by each
     experts module's ``slot_to_logical`` are read. strict: a checkpoint tensor nothing reads
     (other than rotary caches, DeepSeek-V3's ``num_nextn_predict_layers`` MTP layers, logged
-    once, and experts hosted elsewhere) raises ``UnexpectedTensorError``, as vLLM's
+    once, tensors with no elements, and experts hosted elsewhere) raises ``UnexpectedTensorError``, as vLLM's
     ``load_weights`` does; False lists them in ``report.unexpected`` (a model that is part of
     one). Every tensor is resolved and shape-checked before the first write, so a bad
-    checkpoint leaves the model untouched.
+    checkpoint leaves the model untouched. A model that ties ``lm_head`` to the embedding gets
+    its own ``lm_head.weight`` when the checkpoint holds one that differs (as transformers).
     """
     targets, aliases = _model_requests(model, dtype)
     ckpt, owned = _open(path)
     start = _Start.of(ckpt)
     try:
+        if _untie_a_different_head(model, ckpt, aliases):
+            targets, aliases = _model_requests(model, dtype)
         plans, family = _plan_all(ckpt, (req for req, _ in targets.values()))
         for plan in plans:  # every check before the first write
             _check_source_kinds(ckpt, plan, targets[plan.request.name][1])
@@ -340,7 +366,7 @@ def load_weights(
                      ", ".join(str(i) for i in sorted(left.mtp_layers)))
         for plan in plans:
             _execute(ckpt, plan, targets[plan.request.name][1])
-        return _finish_report(ckpt, family, plans, start, left)
+        return _finish_report(ckpt, family, plans, start, left, aliases)
     finally:
         if owned:
             ckpt.close()

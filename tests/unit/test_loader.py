@@ -15,6 +15,7 @@ from tests.unit.loader_support import (
     HID,
     INTER,
     NEXP,
+    VOCAB,
     RecordingOpen,
     build_hf_model,
     build_target,
@@ -158,9 +159,12 @@ def test_tied_embeddings(tmp_path):
     load_weights(tied, path, strict=False)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     torch.testing.assert_close(tied.lm_head.weight, hf.model.embed_tokens.weight, rtol=0, atol=0)
-    # a tied model with an untied checkpoint: lm_head.weight is filled once, via the embedding
-    report = load_weights(tied, save_hf(build_hf_model("qwen3_moe", seed=8), tmp_path / "untied"), strict=False)
-    assert "lm_head.weight" in report.ignored and "lm_head.weight" not in report.loaded
+    # a tied model with an untied checkpoint whose lm_head differs: the head is untied and loaded, as
+    # transformers loads it (test_a_tied_config_with_a_different_lm_head_in_the_checkpoint_loads_it_untied)
+    untied_hf = build_hf_model("qwen3_moe", seed=8)
+    report = load_weights(tied, save_hf(untied_hf, tmp_path / "untied"), strict=False)
+    assert "lm_head.weight" in report.loaded and not report.tied_lm_head
+    torch.testing.assert_close(tied.lm_head.weight, untied_hf.lm_head.weight, rtol=0, atol=0)
 
 
 def test_dtype_conversion(hf_models, checkpoints):
@@ -241,3 +245,47 @@ def test_leftovers_are_classified(tmp_path):
     assert sorted(report.ignored) == ["model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.3.eh_proj.weight"]
     assert sorted(report.unexpected) == ["model.layers.0.mlp.experts.1.gate_proj.weight", "mystery.weight"]
     assert report.skipped_experts == 0
+
+
+def test_a_tied_config_with_a_different_lm_head_in_the_checkpoint_loads_it_untied(tmp_path, caplog):
+    """transformers (the reference) leaves lm_head untied when the checkpoint's lm_head.weight differs
+    from the embedding whatever tie_word_embeddings says; an equal copy keeps the tie."""
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    hf = build_hf_model("qwen3_moe", seed=7, tie_word_embeddings=True)
+    path = save_hf(hf, tmp_path / "tied")
+    tensors = load_file(path / "model.safetensors")
+    head = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file({**tensors, "lm_head.weight": head}, path / "model.safetensors", metadata={"format": "pt"})
+
+    target = build_target(hf, SLOTS, tie=True)
+    with caplog.at_level("WARNING", logger="moe.loader"):
+        report = load_weights(target, path, strict=False)
+    assert not report.tied_lm_head and "loading both untied, as transformers does" in caplog.text
+    assert target.lm_head.weight is not target.model.embed_tokens.weight
+    torch.testing.assert_close(target.lm_head.weight, head, rtol=0, atol=0)
+    torch.testing.assert_close(target.model.embed_tokens.weight, tensors["model.embed_tokens.weight"], rtol=0, atol=0)
+    reference = tf.AutoModelForCausalLM.from_pretrained(path)
+    torch.testing.assert_close(reference.lm_head.weight, head, rtol=0, atol=0)
+
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    same = build_target(hf, SLOTS, tie=True)
+    report = load_weights(same, path, strict=False)
+    assert report.tied_lm_head and "lm_head.weight" in report.ignored
+    assert same.lm_head.weight is same.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_no_shared_experts_loads_and_generates_as_transformers(family, tmp_path):
+    """n_shared_experts=0: transformers saves the shared MLP with no elements (gate_proj [0, D]) and
+    runs it; those tensors are ignored, not unexpected."""
+    from tests.oracles import hf_greedy, make_prompts, run
+
+    hf = build_hf_model(family, seed=3, n_shared_experts=0)
+    path = save_hf(hf, tmp_path / family)
+    empty = [k for k in safetensors.safe_open(path / "model.safetensors", "pt").keys() if "shared_experts" in k]
+    assert empty, "transformers no longer saves the empty shared MLP: this test checks nothing"
+    prompts = make_prompts(0, 3, VOCAB)
+    assert run(path, prompts, n=6) == hf_greedy(path, prompts, 6)
