@@ -416,12 +416,19 @@ def value_source(args: argparse.Namespace, dest: str) -> str:
     return f"{FLAG_KEYS[dest]} (--config/--set)"
 
 
+# --eplb-config keys that vLLM's EPLBConfig has and whose own (deprecated) flag wins there when both are given
+_VLLM_FLAG_WINS = frozenset({"num_redundant_experts"})
+
+
 def _check_eplb_config_against_flags(args: argparse.Namespace) -> None:
-    """ConfigError when ``--eplb-config`` sets a balancer key to one value and its own flag
-    (``--enable-eplb``, ``--num-redundant-experts``) to another: the flag would win silently."""
+    """ConfigError when ``--eplb-config`` sets a balancer key that vLLM's has no such key for
+    (``enable_eplb``) to one value and its own flag to another: the flag would win silently.
+    ``--num-redundant-experts`` wins over the JSON's ``num_redundant_experts``, as in vLLM."""
     if not getattr(args, "eplb_config", None):
         return
     for key, value in parse_eplb_config(args.eplb_config).items():
+        if key in _VLLM_FLAG_WINS:
+            continue
         for dest, dotted in FLAG_KEYS.items():
             flag = getattr(args, dest, None)
             if dotted == f"balancer.{key}" and flag is not None and flag != value:

@@ -35,11 +35,12 @@ def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig
     are taken and change nothing) onto the nested RuntimeConfig; an unknown
     argument raises TypeError naming it."""
     data: dict[str, Any] = {"model": str(model)}
-    for sub, sub_value in dict(kwargs.get("eplb_config") or {}).items():  # vLLM reads these keys in one place or
-        if sub in kwargs and kwargs[sub] != sub_value:                     # the other: given twice they must agree
+    for sub, sub_value in dict(kwargs.get("eplb_config") or {}).items():  # a key given twice must agree, but
+        if sub in kwargs and kwargs[sub] != sub_value and sub != "num_redundant_experts":  # vLLM's keyword wins
             raise ValueError(f"LLM() eplb_config sets {sub}={sub_value!r} but {sub}={kwargs[sub]!r} is "
                              "also given: give it once")
-    for key, value in kwargs.items():
+    # eplb_config first, whatever the keyword order: a flat keyword (vLLM's num_redundant_experts) wins over it
+    for key, value in sorted(kwargs.items(), key=lambda item: item[0] != "eplb_config"):
         if key == "eplb_config":
             for sub, sub_value in dict(value or {}).items():
                 set_dotted(data, f"balancer.{sub}", sub_value)

@@ -178,17 +178,20 @@ def test_eplb_config_and_a_flag_that_disagree_are_refused_not_overridden() -> No
     base = ["--model", "m", "-dp", "2", "--enable-expert-parallel", "--enable-eplb"]
     with pytest.raises(ConfigError, match="--eplb-config sets enable_eplb to false but --enable-eplb gives true"):
         _args(base + ["--eplb-config", '{"enable_eplb": false}'])
-    with pytest.raises(ConfigError, match="sets num_redundant_experts to 4 but --num-redundant-experts gives 2"):
-        _args(base + ["--num-redundant-experts", "2", "--eplb-config", '{"num_redundant_experts": 4}'])
-    same = _args(base + ["--num-redundant-experts", "2", "--eplb-config", '{"num_redundant_experts": 2}'])
-    assert same.balancer.num_redundant_experts == 2
+    assert _args(base + ["--eplb-config", '{"enable_eplb": true}']).balancer.enable_eplb
+    # vLLM's own key: its deprecated flag wins there (test_eplb_config_json_is_strict_and_flags_win)
+    flag = _args(base + ["--num-redundant-experts", "2", "--eplb-config", '{"num_redundant_experts": 4}'])
+    assert flag.balancer.num_redundant_experts == 2
 
 
 def test_llm_eplb_config_and_a_keyword_that_disagree_are_refused() -> None:
     from launch.llm import build_runtime_config
 
-    kwargs = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True)
-    with pytest.raises(ValueError, match="eplb_config sets num_redundant_experts=4 but num_redundant_experts=2"):
-        build_runtime_config("m", {**kwargs, "num_redundant_experts": 2, "eplb_config": {"num_redundant_experts": 4}})
-    agreed = build_runtime_config("m", {**kwargs, "num_redundant_experts": 2, "eplb_config": {"num_redundant_experts": 2}})
-    assert agreed.balancer.num_redundant_experts == 2
+    kwargs = dict(data_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="eplb_config sets enable_eplb=False but enable_eplb=True is also given"):
+        build_runtime_config("m", {**kwargs, "enable_eplb": True, "eplb_config": {"enable_eplb": False}})
+    agreed = build_runtime_config("m", {**kwargs, "enable_eplb": True, "eplb_config": {"enable_eplb": True}})
+    assert agreed.balancer.enable_eplb
+    vllm = build_runtime_config("m", {**kwargs, "enable_eplb": True, "num_redundant_experts": 2,
+                                      "eplb_config": {"num_redundant_experts": 4}})
+    assert vllm.balancer.num_redundant_experts == 2
