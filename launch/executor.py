@@ -76,6 +76,15 @@ class RayExecutor:
         self.channel = None
         self._reopen = False
         self.spec = self.full_spec = spec
+        if address is None and not os.environ.get("RAY_ADDRESS"):  # a local cluster: every rank on this host
+            from launch.cluster import ClusterError
+            from moe.host_memory import proc_bytes
+
+            own = proc_bytes("/proc/self/status", "VmRSS")  # a rank is at least a Python process with torch
+            problem = local_ranks_memory_problem(spec.world_size, own and min(own, RANK_PROCESS_FLOOR_BYTES),
+                                                 proc_bytes("/proc/meminfo", "MemAvailable"))
+            if problem is not None:
+                raise ClusterError(problem)
         self._owns_ray = connect_ray(address, num_cpus=max(spec.world_size, os.cpu_count() or 1))
         try:
             gpus = 1.0 if torch.cuda.is_available() else 0.0
@@ -294,6 +303,27 @@ class RayExecutor:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+
+
+# What a rank process holds at least before its weights: a Python process that imported torch
+# (223 MiB on the x86 Linux boxes this runs on; this process, when it is smaller)
+RANK_PROCESS_FLOOR_BYTES = 192 * 2**20
+
+
+def local_ranks_memory_problem(world_size: int, process_bytes: int | None, available_bytes: int | None) -> str | None:
+    """Why ``world_size`` rank processes cannot all start on this host (a local Ray cluster), or None:
+    each takes at least ``process_bytes`` before any weights, and together they would take more than
+    the memory available (``available_bytes``, MemAvailable). A lower bound, so it refuses only
+    layouts that cannot fit (None when either figure is unknown)."""
+    if not process_bytes or not available_bytes or world_size * process_bytes <= available_bytes:
+        return None
+    from launch.core.kv_sizing import format_memory
+
+    fit = max(1, available_bytes // process_bytes)
+    return (f"{world_size} ranks on this machine (a local Ray cluster) need at least "
+            f"{format_memory(world_size * process_bytes)} for their processes alone ({format_memory(process_bytes)} "
+            f"each before any weights), over the {format_memory(available_bytes)} available: "
+            f"at most about {fit} fit; use fewer ranks, or a multi-node cluster (RAY_ADDRESS)")
 
 
 def cpus_per_rank(world_size: int) -> float:
