@@ -17,7 +17,9 @@ import importlib
 import importlib.util
 import os
 import select
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -179,6 +181,21 @@ EXIT_BROKEN_PIPE = 141
 # Ctrl-C: one line and the shell's status for SIGINT (128 + 2), not a KeyboardInterrupt traceback.
 # The command's own cleanup (``finally``: engine and Ray shutdown) has run on the way out.
 EXIT_INTERRUPTED = 130
+# SIGTERM (a command that installs no handler of its own, e.g. generate): the same way out as a
+# Ctrl-C, with the shell's status for SIGTERM (128 + 15). ``serve`` handles its own (exit 0).
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised where the command runs so that its cleanup runs as for a Ctrl-C."""
+
+
+_sigterm_received: list[int] = []  # Ray's waits turn any exception a signal handler raises into KeyboardInterrupt
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    _sigterm_received.append(signum)
+    raise Terminated()
 
 
 def stdout_reader_gone() -> bool:
@@ -195,16 +212,21 @@ def stdout_reader_gone() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``) to a registered command. Output piped into a
     reader that closed early (``| head``) ends it quietly with ``EXIT_BROKEN_PIPE``; Ctrl-C with
-    "interrupted" and ``EXIT_INTERRUPTED`` (``MOE_TRACEBACK=1``: the traceback)."""
+    "interrupted" and ``EXIT_INTERRUPTED``, SIGTERM with "terminated" and ``EXIT_TERMINATED``
+    (``MOE_TRACEBACK=1``: the traceback)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    _sigterm_received.clear()
     try:
         rc = _dispatch(argv)
         sys.stdout.flush()  # now, where a closed pipe can still be caught, not at interpreter exit
         return rc
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if os.environ.get("MOE_TRACEBACK") == "1":
             raise
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        terminated = isinstance(e, Terminated) or bool(_sigterm_received)
+        print("terminated" if terminated else "interrupted", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:
         if not stdout_reader_gone():
             raise  # a connection of the command's own, not its output
@@ -213,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return EXIT_BROKEN_PIPE
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _dispatch(argv: list[str] | None) -> int:

@@ -89,12 +89,51 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None) -> b
                                f"cluster's address: {fix}")
         check_reachable(target)
         try:
-            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+            with _sigterm_handler_kept():
+                ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         except ConnectionError as e:  # "auto" with no cluster running here, a refused connection
             raise ClusterError(f"cannot join the Ray cluster at {target or address!r}: {_first_line(e)}") from e
         except ValueError as e:  # not an address Ray reads (no port, a port that is not a number, ...)
             raise ClusterError(f"{source} {target!r} is not a Ray cluster address ({_first_line(e)}): {fix}") from e
         return False
+    with _sigterm_handler_kept():
+        return _start_local_ray(num_cpus, runtime_env)
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """``ray.init`` replaces the SIGTERM handler with one that calls ``sys.exit(15)`` as it starts: a
+    handler this process had installed (``serve``'s, which records the signal and shuts down with
+    status 0; the CLI's, which unwinds as a Ctrl-C does) is kept. Inside the block a SIGTERM is only
+    recorded (Ray's ``set_sigterm_handler`` does nothing there), as ``sigint_held_for_children`` holds
+    a Ctrl-C: cut short, ``ray.init`` would leave its agents running. Once the block ends the handler
+    is back and gets the held signal. Ray's is installed where there was none (a script's default),
+    so that a SIGTERM still shuts Ray down on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if not callable(previous):
+        yield
+        return
+    import ray._private.utils as ray_utils
+
+    held: list[int] = []
+    hook = getattr(ray_utils, "set_sigterm_handler", None)
+    if hook is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
+    signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        if hook is not None:
+            ray_utils.set_sigterm_handler = hook
+        signal.signal(signal.SIGTERM, previous)
+    if held:
+        previous(signal.SIGTERM, None)
+
+
+def _start_local_ray(num_cpus: int | None, runtime_env: dict[str, Any]) -> bool:
     try:
         with sigint_held_for_children():
             ray.init(
