@@ -151,7 +151,8 @@ def _user_error(e: Exception) -> tuple[str, int] | None:
     weights, a bad shard, a tensor of the wrong shape), a Ray cluster that cannot host the run
     (``launch.cluster.ClusterError``: none at RAY_ADDRESS, a placement it cannot make). Exit 1: a
     worker rank that failed, died or hung (``launch.recovery.WorkerFault``: its summary names the rank
-    and what it reported; the rank's own traceback is in its log). Those modules are looked up, not
+    and what it reported; the rank's own traceback is in its log), or an engine that stopped for good
+    after such faults (``launch.recovery.EngineDeadError``, its reason). Those modules are looked up, not
     imported: a command that never used them cannot have raised their errors, and ``--help`` stays
     light. Exit 1 too: a MemoryError with a message (a KV pool the system would not map, with the
     flags that size it; any other allocation refused, as it says).
@@ -162,7 +163,7 @@ def _user_error(e: Exception) -> tuple[str, int] | None:
 
     if raised("moe.loading.errors", "LoadError") or raised("launch.cluster", "ClusterError"):
         return " ".join(str(e).splitlines()), EXIT_USAGE
-    if raised("launch.recovery", "WorkerFault"):
+    if raised("launch.recovery", "WorkerFault") or raised("launch.recovery", "EngineDeadError"):
         return " ".join(str(e).splitlines()), EXIT_FAILED
     if isinstance(e, MemoryError) and str(e):
         # a pool the system would not map (``moe.host_memory``'s message) is sized by those flags;

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launch.cli import EXIT_FAILED
 from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
 from launch.config_schema import ConfigError
 from launch.core import CompletionOutput, SamplingParams
@@ -277,4 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - started
     print(f"wrote {len(completions)} completions for {len(outputs)} requests ({generated} tokens) to {args.output} "
           f"in {seconds:.1f}s")
+    failed = [req.line for req, out in zip(requests, outputs) if any(c.finish_reason == "error" for c in out.outputs)]
+    if failed:  # a worker fault ended them (the log says which rank and why): not a run to take as done
+        lines = ", ".join(str(n) for n in failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
+        print(f"error: generate: {len(failed)} of {len(outputs)} requests were cut short by a worker fault "
+              f"(finish_reason \"error\" in {args.output}; input lines {lines}): run them again", file=sys.stderr)
+        return EXIT_FAILED
     return 0

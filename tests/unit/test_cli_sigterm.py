@@ -90,3 +90,14 @@ def test_ray_init_installs_its_own_handler_where_there_was_none() -> None:
         assert signal.getsignal(signal.SIGTERM) is ray_handler
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_engine_stopped_by_worker_faults_is_one_line_and_exit_1() -> None:
+    """After recovery.max_restarts the engine stops for good: its reason, not an 80-line chained
+    traceback through Ray's actor error."""
+    from launch.recovery import EngineDeadError, WorkerFault
+
+    reason = ("worker rank 1 (pid 7) died (its process exited); 2 worker faults within 600s "
+              "(recovery.max_restarts=1): engine stopped")
+    assert cli._user_error(EngineDeadError(reason)) == (reason, cli.EXIT_FAILED)
+    assert cli._user_error(WorkerFault("worker rank 0 hung", rank=0)) == ("worker rank 0 hung", cli.EXIT_FAILED)

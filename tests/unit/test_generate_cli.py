@@ -302,3 +302,24 @@ def test_an_error_on_an_inherited_default_names_where_it_came_from(tiny_ckpt_wit
                    f"{model / 'generation_config.json'})"), err
     rc, err, _ = _run(capsys, tiny_ckpt_with_tokenizer, src, tmp_path / "out.jsonl", "--max-tokens", "4")
     assert rc == 2 and err.endswith("(max_tokens=4 comes from --max-tokens)"), err
+
+
+def test_requests_a_worker_fault_cut_short_make_the_run_fail_after_writing(tiny_ckpt_with_tokenizer, tmp_path, capsys,
+                                                                          monkeypatch) -> None:
+    """Every line is written (what the failed ones produced included), then one error line and exit 1:
+    under ``ray job submit`` a run with requests ended by a worker fault is not a success."""
+    generate = LLM.generate
+
+    def with_a_fault(self, prompts, params, use_tqdm=False):
+        outs = generate(self, prompts, params, use_tqdm)
+        outs[1].outputs[0].finish_reason = "error"
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", with_a_fault)
+    src = _write(tmp_path / "in.jsonl", {"prompt": "a", "max_tokens": 3}, "", {"prompt": "b", "max_tokens": 3})
+    rc, err, out = _run(capsys, tiny_ckpt_with_tokenizer, src, tmp_path / "out.jsonl")
+    assert rc == 1
+    assert err == (f'error: generate: 1 of 2 requests were cut short by a worker fault (finish_reason "error" in '
+                   f"{tmp_path / 'out.jsonl'}; input lines 3): run them again"), err
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["finish_reason"] for r in rows] == ["length", "error"] and "wrote 2 completions" in out
