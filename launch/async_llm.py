@@ -22,7 +22,7 @@ from typing import Any
 from launch.config import RuntimeConfig
 from launch.core import RequestOutput, RequestOutputKind, SamplingParams
 from launch.engine import LLMEngine
-from launch.recovery import ENGINE_STATES, EngineDeadError, EngineRecoveringError, WorkerFault
+from launch.recovery import DEAD, ENGINE_STATES, EngineDeadError, EngineRecoveringError, WorkerFault
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +180,19 @@ class AsyncLLM:
         finally:
             self._stats = snapshot_stats(self.engine)
 
-    def _as_error(self, out: RequestOutput) -> EngineRecoveringError | None:
-        """A request the engine failed after a worker fault: the error its client gets."""
+    def _as_error(self, out: RequestOutput) -> EngineRecoveringError | EngineDeadError | None:
+        """A request the engine failed after a worker fault: the error its client gets (the engine
+        recovering, 503 with a retry; or stopped for good, when the fault policy gave up)."""
         if out.finished and any(c.finish_reason == "error" for c in out.outputs):
-            reason = self.engine.supervisor.reason or "a worker failed"
-            return EngineRecoveringError(f"{reason}; this request had already produced output, so it was not "
-                                         "retried: send it again")
+            supervisor = self.engine.supervisor
+            reason = (supervisor.reason or "a worker failed").removesuffix("; engine recovering")
+            if supervisor.state == DEAD:
+                error: EngineRecoveringError | EngineDeadError = EngineDeadError(f"{reason}; this request was cut short")
+            else:
+                error = EngineRecoveringError(f"{reason}; this request had already produced output, so it was not "
+                                              "retried: send it again")
+            error.finish_reason = "error"  # the request ran and ended so (the server counts it), not refused
+            return error
         return None
 
     def _check_workers(self) -> None:

@@ -142,6 +142,8 @@ async def _pump(engine: EngineClient, sub: SubRequest, box: _Mailbox, timer: Req
     except Exception as exc:  # handed to the consumer, which raises it
         finished = True
         error = engine_error(exc)
+        if getattr(exc, "finish_reason", None) == "error":  # a worker fault ended it after it ran
+            timer.on_error()
     finally:
         with contextlib.suppress(Exception):
             await stream.aclose()

@@ -313,6 +313,12 @@ class RequestTimer:
             self._finish(self._clock(), "abort")
             self._metrics.aborted.inc()
 
+    def on_error(self) -> None:
+        """The engine ended the request with ``finish_reason="error"`` (a worker fault after it had
+        produced output), which reaches the server as the engine's recovering / stopped error."""
+        if not self._done:
+            self._finish(self._clock(), "error")
+
     def _finish(self, now: float, reason: str) -> None:
         m = self._metrics
         self._done = True

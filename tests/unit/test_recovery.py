@@ -21,6 +21,7 @@ from launch.recovery import (
     Supervisor,
     WorkerCallError,
     WorkerDiedError,
+    WorkerFault,
 )
 
 # ---- supervisor --------------------------------------------------------------------------
@@ -309,6 +310,41 @@ def test_stream_that_already_sent_tokens_gets_an_error_event_then_done():
         last = json.loads(events[-2])["error"]
         assert last["code"] == 503 and "rank 1 died" in last["message"]
         assert len(events) >= 4  # two token chunks before the error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_a_worker_fault_ended_counts_as_finished_reason_error(stream):
+    """docs/server.md: one the engine ends with finish_reason "error" counts as finished_reason="error";
+    an engine refusing a request (503 at admission) is no finished request."""
+    from launch.server import build_app
+    from tests.unit.server_fakes import ServerThread
+
+    ended = EngineRecoveringError("worker rank 1 died (its process exited); this request had already produced output")
+    ended.finish_reason = "error"  # as AsyncLLM._as_error marks it
+    with ServerThread(build_app(FaultyEngine(ended, after=2), server_config())) as srv:
+        httpx.post(srv.base_url + "/v1/completions", json={"prompt": "q", "max_tokens": 8, "stream": stream})
+        metrics = httpx.get(srv.base_url + "/metrics").text
+    assert 'vllm:request_success_total{finished_reason="error",model_name="fake-moe"} 1.0' in metrics
+    refused = EngineRecoveringError("worker rank 1 died (its process exited); engine recovering")
+    with ServerThread(build_app(FaultyEngine(refused, after=0), server_config())) as srv:
+        httpx.post(srv.base_url + "/v1/completions", json={"prompt": "q", "max_tokens": 8, "stream": stream})
+        metrics = httpx.get(srv.base_url + "/metrics").text
+    assert 'vllm:request_success_total{finished_reason="error",model_name="fake-moe"} 0.0' in metrics
+
+
+def test_a_failed_requests_error_says_recovering_once_or_stopped():
+    from launch.async_llm import AsyncLLM
+    from launch.core.outputs import CompletionOutput, RequestOutput
+
+    sup, _ = supervisor(max_restarts=1)
+    sup.on_fault(WorkerFault("worker rank 1 died (its process exited)", rank=1))
+    llm = SimpleNamespace(engine=SimpleNamespace(supervisor=sup))
+    out = RequestOutput("r", None, [1], [CompletionOutput(0, "x", [5], finish_reason="error")], finished=True)
+    error = AsyncLLM._as_error(llm, out)
+    assert isinstance(error, EngineRecoveringError) and error.finish_reason == "error"
+    assert str(error).count("recovering") == 0 and "rank 1 died" in str(error)  # the 503 says "recovering" once
+    sup.stop("worker rank 1 died; 2 worker faults within 600s (recovery.max_restarts=1): engine stopped")
+    assert isinstance(AsyncLLM._as_error(llm, out), EngineDeadError)  # no "send it again" to a stopped engine
 
 
 def test_reset_after_fault_moves_requests_onto_fewer_or_more_ranks():
