@@ -341,21 +341,23 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout
         results: list[Any] = [None] * len(refs)
         pending = dict(zip(refs, range(len(refs))))
+        # the calls' own timeout is the engine's recovery.step_timeout_s; a ping's or a setup's is fixed
+        setting = " (recovery.step_timeout_s)" if timeout_s is None else ""
         try:
-            self._wait_all(pending, results, method, ranks, timeout, deadline)
+            self._wait_all(pending, results, method, ranks, timeout, deadline, setting)
         except BaseException:
             self._abandoned.extend(pending)  # their errors are collected later, not printed by Ray
             raise
         return results
 
     def _wait_all(self, pending: dict, results: list, method: str, ranks: Sequence[int], timeout: float,
-                  deadline: float) -> None:
+                  deadline: float, setting: str = "") -> None:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 slow = [ranks[i] for i in pending.values()]
-                raise WorkerTimeoutError(f"ranks {slow} did not finish {method} within {timeout:.0f}s "
-                                         "(recovery.step_timeout_s): hung", rank=slow[0] if len(slow) == 1 else -1)
+                raise WorkerTimeoutError(f"ranks {slow} did not finish {method} within {timeout:.0f}s{setting}: hung",
+                                         rank=slow[0] if len(slow) == 1 else -1)
             ref = ready[0]
             i = pending.pop(ref)
             try:
