@@ -38,19 +38,3 @@ def test_the_executor_refuses_before_starting_ray(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ClusterError, match=r"^100000 ranks on this machine \(a local Ray cluster\)"):
         RayExecutor(WorkerSpec(model_path="unused", dp=100000))
 
-
-def test_a_hung_ping_names_no_setting_but_a_call_names_step_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ping's timeout is fixed (the idle health check's 10 s): its message named
-    recovery.step_timeout_s, which sets only the calls' own timeout."""
-    import types
-
-    import launch.cluster as cluster
-    from launch.recovery import WorkerTimeoutError
-
-    monkeypatch.setattr(cluster.ray, "wait", lambda refs, num_returns, timeout: ([], refs))
-    group = types.SimpleNamespace(call_timeout_s=36.0, _abandoned=[])
-    group._wait_all = types.MethodType(cluster.WorkerGroup._wait_all, group)
-    with pytest.raises(WorkerTimeoutError, match=r"^ranks \[0\] did not finish ping within 10s: hung$"):
-        cluster.WorkerGroup.wait(group, ["ref"], "ping", [0], 10.0)
-    with pytest.raises(WorkerTimeoutError, match=r"did not finish execute within 36s \(recovery.step_timeout_s\): hung"):
-        cluster.WorkerGroup.wait(group, ["ref"], "execute", [0])
