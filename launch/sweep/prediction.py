@@ -51,18 +51,24 @@ def resolve_hardware(spec: str, out_dir: Path, *, threads: int, model: str | Non
     return hw
 
 
+# the columns predict_row fills (None where there is no prediction), beside prediction_note
+PREDICTED_COLUMNS = ("predicted_step_ms", "predicted_prefill_step_ms", "predicted_balancedness", "predicted_bound",
+                     "prediction_error", "prediction_error_cpu")
+
+
 def predict_row(config: RuntimeConfig, run: Any, row: Mapping[str, Any], hardware: Any) -> dict[str, Any]:
     """The predicted columns of one measured point: ``predicted_step_ms`` (decode),
     ``predicted_prefill_step_ms``, ``predicted_balancedness``, ``predicted_bound``,
     ``prediction_error`` ((predicted - measured) / measured, decode step p50 wall) and
     ``prediction_error_cpu`` (the same against the slowest rank's CPU time per step: on a
-    shared machine, what the step takes with its cores to itself)."""
+    shared machine, what the step takes with its cores to itself) and ``prediction_note`` (why
+    there is none: ``--hardware none``, no decode step; empty when there is one)."""
     from launch.simulate_point import predict_runtime_point
 
-    empty = {"predicted_step_ms": None, "prediction_error": None}
     batch, context = row.get("decode_batch_per_rank_p50"), row.get("decode_context_mean")
-    if hardware is None or not batch or not context:
-        return empty
+    if hardware is None or not batch or not context:  # every row has every column (results.jsonl as the csv)
+        note = "--hardware none" if hardware is None else "no decode step to predict"
+        return {**dict.fromkeys(PREDICTED_COLUMNS), "prediction_note": note}
     load = np.asarray(run.expert_load, dtype=np.float64) if run.expert_load else None
     placement = np.asarray(run.phy2log, dtype=np.int64) if run.phy2log else None
     pred = predict_runtime_point(config, hardware, batch_size=max(1, round(batch)), kv_len=max(1, round(context)),
@@ -75,4 +81,5 @@ def predict_row(config: RuntimeConfig, run: Any, row: Mapping[str, Any], hardwar
         "predicted_bound": pred.decode_bound,
         "prediction_error": (pred.decode_step_ms - measured) / measured if measured else None,
         "prediction_error_cpu": (pred.decode_step_ms - cpu) / cpu if cpu else None,
+        "prediction_note": "",
     }

@@ -51,7 +51,7 @@ from launch.paths import output_dir_problem
 from launch.sweep import report
 from launch.sweep.grid import expand_grid, format_settings, parse_grid, point_config, point_key
 from launch.sweep.measure import Workload, run_point, summarize_run
-from launch.sweep.prediction import predict_row, resolve_hardware
+from launch.sweep.prediction import PREDICTED_COLUMNS, predict_row, resolve_hardware
 from launch.sweep.shared_cluster import SharedCluster, cluster_cpus
 from launch.sweep.workload import check_fits, load_prompts, model_token_ids
 from moe.json_object import read_json_object
@@ -324,7 +324,7 @@ class SweepPlan:
         try:
             row.update(predict_row(config, run, row, self.hardware))
         except (ValueError, KeyError) as e:  # a layout the cost model does not cover: say so in the row
-            row.update(predicted_step_ms=None, prediction_error=None, prediction_note=str(e).splitlines()[0])
+            row.update(dict.fromkeys(PREDICTED_COLUMNS), prediction_note=str(e).splitlines()[0])
         return row
 
     def _hardware(self) -> Any:

@@ -69,6 +69,8 @@ def test_outputs_have_the_right_keys_and_resume_skips_finished(sweep_args, tmp_p
     assert all("num_redundant_experts=2 needs" in r["reason"] for r in skipped)
     for r in ok:
         assert ROW_KEYS <= set(r)
+        # every column results.csv has, in results.jsonl too (this sweep runs with --hardware none)
+        assert r["prediction_note"] == "--hardware none" and r["predicted_bound"] is None
         seqs = r["settings"]["engine.max_num_seqs"]
         assert r["measured_step_ms"] == pytest.approx(10.0 * seqs)
         assert r["output_tokens_per_s"] == pytest.approx(2 * 3 / seqs)
