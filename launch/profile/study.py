@@ -89,7 +89,8 @@ def analyze(recording: Recording, options: ReportOptions) -> Analysis:
     groups = options.num_groups or options.num_nodes
     rows, skipped = compute_what_if(count, ep_sizes, options.redundant, num_groups=groups,
                                     num_nodes=options.num_nodes, progress=options.progress)
-    rec_ep, ep_basis = recommendation_ep(num_ranks, ep_sizes, num_experts)
+    rec_ep, ep_basis = recommendation_ep(num_ranks, ep_sizes, num_experts,
+                                         recorded=bool(options.recorded_ep) or an.recorded_num_ranks(recording, None) > 1)
     redundant = recommend_redundant(rows, rec_ep)
     mean_churn = {w: float(an.mean_over(o.reshape(-1), axis=0)) for w, o in churn.items()
                   if o.size and not np.isnan(o).all()}
@@ -101,10 +102,16 @@ def analyze(recording: Recording, options: ReportOptions) -> Analysis:
                                         "eplb_config": eplb})
 
 
-def recommendation_ep(num_ranks: int, ep_sizes: list[int], num_experts: int) -> tuple[int, str]:
-    """(EP size the recommendation is for, the phrase saying why): the recorded one when it is
-    among the what-if EP sizes, else the first of them (--ep)."""
+def recommendation_ep(num_ranks: int, ep_sizes: list[int], num_experts: int, recorded: bool = True
+                      ) -> tuple[int, str]:
+    """(EP size the recommendation is for, the phrase saying why): the analysed one (``num_ranks``)
+    when it is among the what-if EP sizes, else the first of them (--ep). ``recorded``: whether the
+    dumps (or --recorded-ep) said that size (a one-rank run, or a dump with no placement, says none:
+    it is analysed at the first --ep)."""
     if num_ranks in ep_sizes:
+        if not recorded:
+            return num_ranks, (f"for EP {num_ranks}, the first --ep, which the recording is analysed at: it ran "
+                               "on one rank, or its dumps name no EP size (--recorded-ep names one)")
         return num_ranks, f"for EP {num_ranks}, the recorded EP size"
     hint = f" (add --ep {num_ranks} for one at it)" if num_experts % num_ranks == 0 else ""
     return ep_sizes[0], (f"for EP {ep_sizes[0]}, the first what-if EP size: the recording ran at EP {num_ranks}, "

@@ -244,3 +244,15 @@ def test_default_ep_sizes_match_the_docs(capsys):
     docs = " ".join(DOCS.read_text().split())
     assert "the powers of two up to 64 that divide E, or E itself when none does: EP 7 for 7 experts" in docs
     assert "powers of two up to 64 that divide E)" not in docs
+
+
+def test_a_recording_that_names_no_ep_size_is_not_called_the_recorded_one(tmp_path):
+    """A .npy (or a one-rank run's dump) says no EP size: it is analysed at the first --ep, and the
+    recommendation said "the recorded EP size" of it."""
+    counts = tmp_path / "c.npy"
+    np.save(counts, skewed_counts(40, 3, 16, seed=2))
+    summary = summary_of(analyze(read_recording([counts]), ReportOptions(ep_sizes=[4, 8], progress=False)))
+    assert summary["recorded_ep"] == 4 and summary["recommendation"]["ep"] == 4
+    assert summary["recommendation"]["ep_basis"] == (
+        "for EP 4, the first --ep, which the recording is analysed at: it ran on one rank, or its dumps name no "
+        "EP size (--recorded-ep names one)")
