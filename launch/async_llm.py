@@ -301,6 +301,15 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(lambda: self.engine.abort_request(request_id)))
 
+    def fail_requests(self, reason: str) -> int:
+        """End every request a caller still awaits with ``EngineDeadError(reason)`` (the server's 503;
+        the engine aborts each as its stream closes), e.g. those still running when the server stops.
+        Thread-safe; returns how many."""
+        streams = list(self._streams)
+        for request_id in streams:
+            self._deliver(request_id, EngineDeadError(reason))
+        return len(streams)
+
     def stats(self) -> EngineStats:
         return self._stats
 

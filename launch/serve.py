@@ -106,6 +106,35 @@ async def _shutdown(engine: Any) -> None:
         await result
 
 
+# Seconds a stopping server lets requests in flight finish; those still running then end with a 503
+# (an SSE error event and [DONE] when streamed), which takes at most DRAIN_S more.
+GRACE_S = 5.0
+DRAIN_S = 5.0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown ends the requests still running after ``GRACE_S`` with the
+    engine's own error (``AsyncLLM.fail_requests``): uvicorn would cancel them, and each client got a
+    cut connection (streamed) or a plain-text 500, and the log a traceback per request."""
+
+    def __init__(self, config: uvicorn.Config, engine: Any) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        async def fail_the_rest() -> None:
+            await asyncio.sleep(GRACE_S)
+            fail = getattr(self.engine, "fail_requests", None)
+            if fail is not None and (count := fail("the server is shutting down")):
+                logger.info("ended %d request(s) still running after %.0fs with a 503", count, GRACE_S)
+
+        task = asyncio.create_task(fail_the_rest())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            task.cancel()
+
+
 async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = None,
                 stop_requested: Callable[[], bool] = lambda: False) -> None:
     """Build the engine (unless given), serve until uvicorn is told to stop, then shut the engine down.
@@ -137,8 +166,8 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
     try:
         app = build_app(engine, cfg.server)
         app.router.lifespan_context = lifespan
-        server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
-                                               log_level=log_level, timeout_graceful_shutdown=5))
+        server = _DrainingServer(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=log_level,
+                                                timeout_graceful_shutdown=GRACE_S + DRAIN_S), engine)
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(cfg.served_model_names),
                     cfg.server.host, cfg.server.port)
         # Until uvicorn's serve() installs its handler, SIGINT is asyncio.run's, which cancels this
