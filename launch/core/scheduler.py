@@ -175,7 +175,10 @@ class Scheduler:
         try:
             self.check_request(ids, params)
         except ValueError as e:
-            raise ValueError(f"request {request_id!r}: {e}") from None
+            named = ValueError(f"request {request_id!r}: {e}")
+            if hasattr(e, "param"):
+                named.param = e.param
+            raise named from None
 
     def check_request(self, ids: SequenceOf[int], params: SamplingParams) -> None:
         """ValueError naming why a request of these prompt ids and params could never be served
@@ -193,8 +196,11 @@ class Scheduler:
         kv_tokens = request_kv_tokens(len(ids), params.max_tokens, max_len)
         alloc = self.allocators[0]
         if alloc.blocks_needed(kv_tokens) > alloc.num_blocks:
-            raise ValueError(f"needs KV for {kv_tokens} tokens ({alloc.blocks_needed(kv_tokens)} blocks "
-                             f"of {alloc.block_size}) but a DP rank's pool has only {alloc.num_blocks} blocks")
+            error = ValueError(f"needs KV for {kv_tokens} tokens ({alloc.blocks_needed(kv_tokens)} blocks "
+                               f"of {alloc.block_size}) but a DP rank's pool has only {alloc.num_blocks} blocks")
+            # the field to change: the prompt when it alone is too long, else max_tokens (the server's param)
+            error.param = "prompt" if alloc.blocks_needed(len(ids)) > alloc.num_blocks else "max_tokens"
+            raise error
 
     def _pick_rank(self) -> int:
         load = [0] * self.config.dp_size

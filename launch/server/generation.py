@@ -102,7 +102,8 @@ def engine_error(exc: Exception) -> APIError:
     if isinstance(exc, ValueError):
         field = _TOKEN_ID_FIELD.match(str(exc))
         # the engine names its sub-request ("request 'cmpl-...-0': "), an id the client never sent
-        return APIError(400, _ENGINE_REQUEST_PREFIX.sub("", str(exc)), param=field["field"] if field else None)
+        param = field["field"] if field else getattr(exc, "param", None)  # the KV pool check names its field
+        return APIError(400, _ENGINE_REQUEST_PREFIX.sub("", str(exc)), param=param)
     logger.exception("engine failed a request", exc_info=exc)
     return APIError(500, f"Internal engine error: {type(exc).__name__}: {exc}", type="internal_error")
 

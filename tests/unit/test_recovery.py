@@ -387,3 +387,4 @@ def test_degraded_placement_covers_every_expert_on_the_survivors(experts, redund
     assert (degraded.logcnt >= 1).all() and int(degraded.logcnt.sum()) == 3 * slots
     uniform = compute_degraded_placement(full, None, survivors)
     assert (uniform.logcnt >= 1).all()
+
