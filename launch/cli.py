@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     reader that closed early (``| head``) ends it quietly with ``EXIT_BROKEN_PIPE``; Ctrl-C with
     "interrupted" and ``EXIT_INTERRUPTED``, SIGTERM with "terminated" and ``EXIT_TERMINATED``
     (``MOE_TRACEBACK=1``: the traceback)."""
+    _sigterm_received.clear()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
-    _sigterm_received.clear()
     try:
         rc = _dispatch(argv)
         sys.stdout.flush()  # now, where a closed pipe can still be caught, not at interpreter exit

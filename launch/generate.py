@@ -145,7 +145,7 @@ def _json_logit_bias(value: Any) -> Any:
     OpenAI's API spells them) become token ids; anything else is left for SamplingParams to refuse."""
     if not isinstance(value, dict):
         return value
-    return {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v for k, v in value.items()}
+    return {int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() else k: v for k, v in value.items()}
 
 
 def sampling_params_for(row: dict[str, Any], defaults: dict[str, Any], where: str,

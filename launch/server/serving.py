@@ -381,7 +381,7 @@ def openai_logit_bias(bias: dict[str, float]) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in bias.items():
         text = key.strip()
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):  # "²" is a digit int() refuses
             raise APIError(400, f"logit_bias keys must be token ids (integers >= 0 as strings), got {key!r}"[:200],
                            param="logit_bias")
         if math.isnan(float(value)):  # JSON's NaN extension: no bias at all, not one to clamp

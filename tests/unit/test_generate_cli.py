@@ -285,9 +285,11 @@ def test_logit_bias_takes_openais_string_token_ids(tmp_path) -> None:
     first, second = read_requests(src)
     assert first.params.logit_bias == ((5, -3.5), (77, 100.0))
     assert second.params.logit_bias == ((77, 100.0),)
-    bad = _write(tmp_path / "bad.jsonl", {"prompt": "a", "logit_bias": {"x7": 1}})
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: logit_bias keys must be token ids \(integers >= 0\), got 'x7'"):
-        read_requests(bad)
+    for key in ("x7", "\u00b2"):  # "²" is a Unicode digit that int() refuses
+        bad = _write(tmp_path / "bad.jsonl", {"prompt": "a", "logit_bias": {key: 1}})
+        with pytest.raises(ValueError, match=rf"bad.jsonl:1: logit_bias keys must be token ids \(integers >= 0\), "
+                                             rf"got '{key}'"):
+            read_requests(bad)
 
 
 def test_an_error_on_an_inherited_default_names_where_it_came_from(tiny_ckpt_with_tokenizer, tmp_path, capsys,

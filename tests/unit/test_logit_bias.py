@@ -117,9 +117,10 @@ def test_engine_applies_bias_and_whitelist_on_every_step(llm) -> None:
 
 def test_openai_logit_bias_keys_and_clamp() -> None:
     assert openai_logit_bias({"5": 250.0, " 7": -1000, "0": 3}) == {5: 100.0, 7: -100.0, 0: 3.0}
-    with pytest.raises(APIError) as err:
-        openai_logit_bias({"-1": 1.0})
-    assert err.value.param == "logit_bias" and "token ids" in str(err.value)
+    for key in ("-1", "\u00b2"):  # "²" is a Unicode digit that int() refuses: a 400, not a 500
+        with pytest.raises(APIError) as err:
+            openai_logit_bias({key: 1.0})
+        assert err.value.param == "logit_bias" and "token ids" in str(err.value)
     with pytest.raises(APIError) as err:  # JSON's NaN extension: refused, not dropped by the clamp
         openai_logit_bias({"5": float("nan")})
     assert err.value.param == "logit_bias" and "NaN" in str(err.value)
