@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from moe.loading.errors import CheckpointFormatError, CheckpointNotFoundError, NoWeightsError
+
+log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$")  # model-00001-of-00004.safetensors
@@ -185,9 +188,16 @@ class Checkpoint:
             self._handles[file] = handle
             for key in handle.keys():
                 if key in self._key_file:
-                    raise CheckpointFormatError(
-                        f"tensor {key!r} appears in both {self._key_file[key]} and {file}"
-                    )
+                    indexed = (index_map or {}).get(key)
+                    if indexed not in (self._key_file[key], file):  # no index, or one naming neither copy
+                        raise CheckpointFormatError(
+                            f"tensor {key!r} appears in both {self._key_file[key]} and {file}"
+                        )
+                    # the index decides (transformers reads the shard it names): the other copy is stale
+                    log.warning("tensor %r is in both %s and %s: reading %s, which %s names", key,
+                                self._key_file[key].name, file.name, indexed.name, self.index.name)
+                    self._key_file[key] = indexed
+                    continue
                 self._key_file[key] = file
         for key, file in (index_map or {}).items():
             if self._key_file.get(key) != file:

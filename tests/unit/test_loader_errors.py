@@ -192,6 +192,21 @@ def test_duplicate_tensor_across_unindexed_files(tmp_path):
         load_state_dict(tmp_path, {"a": (2,)})
 
 
+def test_a_stale_copy_in_another_shard_loses_to_the_index(tmp_path, caplog):
+    """transformers reads the shard the index names; a copy left in another shard is stale. Without
+    an index (or one naming neither file) the two copies stay ambiguous: an error."""
+    save_file({"a": torch.ones(2), "b": torch.ones(1)}, tmp_path / "part1.safetensors")
+    save_file({"a": torch.zeros(2)}, tmp_path / "part2.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "part2.safetensors", "b": "part1.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with caplog.at_level("WARNING", logger="moe.loading.checkpoint"):
+        state, _ = load_state_dict(tmp_path, {"a": (2,), "b": (1,)})
+    assert torch.equal(state["a"], torch.zeros(2)) and "reading part2.safetensors" in caplog.text
+    index["weight_map"]["a"] = "part1.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert torch.equal(load_state_dict(tmp_path, {"a": (2,), "b": (1,)})[0]["a"], torch.ones(2))
+
+
 def test_quantized_dtype_refused(tmp_path):
     save_file({"w": torch.ones(2, 2).to(torch.float8_e4m3fn)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointFormatError, match="'w' has dtype F8_E4M3, but config.json has no fp8 quantization"):
