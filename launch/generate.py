@@ -43,6 +43,7 @@ from launch.config_args import FlagParser, add_runtime_args, runtime_config_from
 from launch.config_schema import ConfigError
 from launch.core import CompletionOutput, SamplingParams
 from launch.core.outputs import top_n
+from launch.core.sampling_params import token_id_of_key
 from launch.paths import output_file_problem
 from launch.tokenizer import check_prompt
 
@@ -145,7 +146,7 @@ def _json_logit_bias(value: Any) -> Any:
     OpenAI's API spells them) become token ids; anything else is left for SamplingParams to refuse."""
     if not isinstance(value, dict):
         return value
-    return {int(k) if isinstance(k, str) and k.strip().isascii() and k.strip().isdigit() else k: v for k, v in value.items()}
+    return {token if (token := token_id_of_key(k)) is not None else k: v for k, v in value.items()}
 
 
 def sampling_params_for(row: dict[str, Any], defaults: dict[str, Any], where: str,

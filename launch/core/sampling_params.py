@@ -24,6 +24,14 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def token_id_of_key(key: str) -> int | None:
+    """A JSON ``logit_bias`` key as the token id it spells (JSON object keys are strings: OpenAI's
+    ``{"77": 100}``), or None: only ASCII digits, around spaces ("²" is a str.isdigit digit that
+    int() refuses)."""
+    text = key.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def _token_biases(value: Any) -> tuple[tuple[int, float], ...] | None:
     """``logit_bias`` as ((id, bias), ...) sorted by id, None for None or an empty one; ValueError
     naming the field for anything but a mapping (or sequence of pairs) of ids >= 0 to finite numbers."""

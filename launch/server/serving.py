@@ -25,6 +25,7 @@ from launch.core.sampling_params import (
     DEFAULT_MAX_LOGPROBS,
     SamplingParams,
     max_logprobs_problem,
+    token_id_of_key,
     truncate_prompt,
 )
 from launch.server.chat import render_chat_prompt
@@ -380,11 +381,11 @@ def openai_logit_bias(bias: dict[str, float]) -> dict[int, float]:
     or a NaN bias."""
     out: dict[int, float] = {}
     for key, value in bias.items():
-        text = key.strip()
-        if not (text.isascii() and text.isdigit()):  # "²" is a digit int() refuses
+        token = token_id_of_key(key)
+        if token is None:
             raise APIError(400, f"logit_bias keys must be token ids (integers >= 0 as strings), got {key!r}"[:200],
                            param="logit_bias")
         if math.isnan(float(value)):  # JSON's NaN extension: no bias at all, not one to clamp
-            raise APIError(400, f"logit_bias for token {text} is NaN: a bias must be a number", param="logit_bias")
-        out[int(text)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+            raise APIError(400, f"logit_bias for token {token} is NaN: a bias must be a number", param="logit_bias")
+        out[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
     return out
