@@ -137,7 +137,7 @@ def read_nccl_tables(specs: list[str]) -> dict[str, list[tuple[float, float]]]:
                                  f"{', '.join(COLLECTIVE_OPS)}")
             op = given or op  # FILE::NRANKS: the collective from the table's header
             if ranks:
-                if not ranks.strip().isdigit() or int(ranks) < 2:
+                if not (ranks.strip().isascii() and ranks.strip().isdigit()) or int(ranks) < 2:
                     raise ValueError(f"--nccl-table {spec}: NRANKS must be an integer >= 2, got {ranks!r}")
                 n = int(ranks)
         if not op or not n:
@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_base_flags(args)
         parts = [n.strip() for n in args.nprocs.split(",") if n.strip()]
-        if not all(n.isdigit() for n in parts):
+        if not all(n.isascii() and n.isdigit() for n in parts):
             raise ValueError(f"--nprocs takes comma-separated integers, got {args.nprocs!r}")
         nprocs = tuple(int(n) for n in parts)
         dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())

@@ -44,7 +44,7 @@ def _host_port(address: str) -> tuple[str, int] | None:
     anything else Ray resolves itself."""
     rest = address[len("ray://"):] if address.startswith("ray://") else address
     host, sep, port = rest.rpartition(":")
-    if not sep or not host or "/" in rest or not port.isdigit():
+    if not sep or not host or "/" in rest or not (port.isascii() and port.isdigit()):
         return None
     return host.strip("[]"), int(port)
 

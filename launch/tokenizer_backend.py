@@ -179,7 +179,7 @@ def _config_added_tokens(cfg: Mapping[str, Any], cfg_file: Path) -> dict[int, Ad
     out: dict[int, AddedToken] = {}
     for key, entry in raw.items():
         where = f"{cfg_file}: added_tokens_decoder[{key!r}]"
-        if not str(key).isdigit():
+        if not (str(key).isascii() and str(key).isdigit()):
             raise TokenizerError(f"{where}: the key must be a token id")
         if not isinstance(entry, dict):
             raise TokenizerError(f"{where} must be an AddedToken object, got {entry!r:.100}")

@@ -73,7 +73,7 @@ def parse_init_method(init_method: str | None) -> tuple[str, int]:
         if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
             raise ValueError(f"init_method must be env:// or tcp://HOST:PORT, got {init_method!r}")
         host, port = parsed.hostname, parsed.port
-    if not str(port).isdigit() or not 0 < int(port) < 65536:
+    if not (str(port).isascii() and str(port).isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"rendezvous port must be 1..65535, got {port!r}")
     return host, int(port)
 

@@ -608,7 +608,7 @@ def llc_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> i
             continue
         scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
         digits = text.rstrip("KMG")
-        if digits.isdigit() and level >= best_level:
+        if digits.isascii() and digits.isdigit() and level >= best_level:
             best_level, size = level, int(digits) * scale
     return size
 

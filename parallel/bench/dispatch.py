@@ -151,7 +151,7 @@ def _cfg(args: argparse.Namespace) -> dict:
 def parse_ranks(text: str | int, experts: int) -> list[int]:
     """``--ranks`` (``"1,2,4"``) as rank counts; ValueError unless each is >= 1 and divides ``experts``."""
     ranks = [r.strip() for r in str(text).split(",") if r.strip()]
-    if not ranks or not all(r.isdigit() and int(r) >= 1 and experts % int(r) == 0 for r in ranks):
+    if not ranks or not all(r.isascii() and r.isdigit() and int(r) >= 1 and experts % int(r) == 0 for r in ranks):
         raise ValueError(f"--ranks {text}: give comma-separated rank counts, each >= 1 and dividing --experts {experts}")
     return [int(r) for r in ranks]
 

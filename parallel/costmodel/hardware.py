@@ -130,7 +130,7 @@ class Hardware:
                 raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
         for key, seconds in self.multi_rank_overheads.items():
             kind, colon, ranks = key.partition(":")
-            if kind not in MULTI_RANK_KINDS or (colon and not (ranks.isdigit() and int(ranks) >= 2)):
+            if kind not in MULTI_RANK_KINDS or (colon and not (ranks.isascii() and ranks.isdigit() and int(ranks) >= 2)):
                 raise ValueError(f"hardware {self.name!r}: multi_rank_overheads key {key!r} must be one of "
                                  f"{', '.join(MULTI_RANK_KINDS)}, or one of them and a rank count >= 2 "
                                  "(e.g. 'tp:4')")
@@ -141,7 +141,7 @@ class Hardware:
             if op not in COLLECTIVE_OPS:
                 raise ValueError(f"hardware {self.name!r}: collective table key {key!r}: unknown collective {op!r} "
                                  f"(known: {', '.join(COLLECTIVE_OPS)})")
-            if not n.isdigit():
+            if not (n.isascii() and n.isdigit()):
                 raise ValueError(f"hardware {self.name!r}: collective table key {key!r} must be 'OP:NRANKS' with "
                                  "NRANKS a rank count")
 
