@@ -17,7 +17,9 @@ End-of-sequence ids are the union, in this order, of ``generation_config.json``
 ``eos_token_id`` (int or list), ``config.json`` ``eos_token_id`` and the id of
 ``tokenizer_config.json`` ``eos_token``.
 
-Chat template: the checkpoint's Jinja ``chat_template``, rendered as transformers'
+Chat template: the checkpoint's Jinja ``chat_template`` (named ones too: a ``tokenizer_config.json`` list
+of ``{"name", "template"}``, or ``chat_template.jinja`` and ``additional_chat_templates/NAME.jinja``,
+the "tool_use" one taken when tools are given), rendered as transformers'
 ``apply_chat_template(..., tokenize=False)`` renders it: in a sandbox with ``trim_blocks``,
 ``lstrip_blocks``, ``loopcontrols`` and the ``{% generation %}`` tag (its body rendered as-is), the
 ``tojson`` filter of ``json.dumps`` (non-ASCII kept, key order kept, no HTML escaping; ``indent``,
@@ -199,22 +201,32 @@ def _as_id(value: Any, path: Path, key: str) -> int | None:
     raise TokenizerError(f"{path}: {key} must be a non-negative integer, got {value!r:.100}")
 
 
-def _pick_chat_template(cfg: Mapping, directory: Path) -> tuple[str | None, Path]:
-    """The checkpoint's chat template (None if it has none) and the file it comes from."""
+def _chat_templates(cfg: Mapping, directory: Path) -> dict[str, tuple[str, Path]]:
+    """The checkpoint's chat templates by name (``{}`` if it has none), each with the file it comes
+    from, as transformers 5 reads them: ``chat_template.jinja`` is "default" and
+    ``additional_chat_templates/NAME.jinja`` is NAME; without either file, ``tokenizer_config.json``'s
+    ``chat_template`` (one string: "default"; a list of ``{"name", "template"}``: by name)."""
+    templates: dict[str, tuple[str, Path]] = {}
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.exists():
-        return read_text(jinja_file), jinja_file
+        templates["default"] = read_text(jinja_file), jinja_file
+    extra_dir = directory / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for file in sorted(extra_dir.glob("*.jinja")):
+            templates[file.name.removesuffix(".jinja")] = read_text(file), file
+    if templates:
+        return templates
     cfg_file = directory / "tokenizer_config.json"
     template = cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in template):
             raise TokenizerError(f"{cfg_file}: chat_template must be a string or a list of "
                                  '{"name": ..., "template": "..."} objects')
-        named = {t.get("name"): t["template"] for t in template}
-        template = named.get("default") or next(iter(named.values()), None)
+        return {t["name"]: (t["template"], cfg_file) for t in template}
     if template is not None and not isinstance(template, str):
         raise TokenizerError(f"{cfg_file}: chat_template must be a string, got a {type(template).__name__}")
-    return template, cfg_file
+    return {} if template is None else {"default": (template, cfg_file)}
 
 
 def _template_special_tokens(cfg: Mapping[str, Any], directory: Path, *,
@@ -370,7 +382,7 @@ class Tokenizer:
         eos_token: str | None,
         eos_token_ids: Sequence[int],
         bos_token_id: int | None,
-        chat_template: str | None,
+        chat_template: str | Mapping[str, str] | None,
         add_bos: bool,
         special_tokens: Mapping[str, str] | None = None,
         clean_up_tokenization_spaces: bool = False,
@@ -384,15 +396,28 @@ class Tokenizer:
         self.eos_token = eos_token
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
-        self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
+        # name -> template; one template is "default"; none at all: ours (DEFAULT_CHAT_TEMPLATE)
+        self.chat_templates: dict[str, str] = (
+            dict(chat_template) if isinstance(chat_template, Mapping)
+            else {"default": chat_template or DEFAULT_CHAT_TEMPLATE})
+        if not self.chat_templates:
+            self.chat_templates["default"] = DEFAULT_CHAT_TEMPLATE
+        self.chat_template: str | None = self.chat_templates.get("default")
         self.add_bos = add_bos
         named = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
         # A checkpoint's own template sees tokenizer_config.json's tokens only (as in transformers);
         # our default template is ours, and takes the bos/eos the ids in config.json name too.
-        default = chat_template is None
+        default = not chat_template
         self.special_tokens: dict[str, str] = (named if special_tokens is None
                                                else {**named, **special_tokens} if default else dict(special_tokens))
-        self._template = _build_template_environment().from_string(self.chat_template)
+        environment = _build_template_environment()
+        self._templates = {}
+        for name, text in self.chat_templates.items():
+            try:
+                self._templates[name] = environment.from_string(text)
+            except TemplateError as e:
+                e.template_name = name  # type: ignore[attr-defined]  (from_dir names its file)
+                raise
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -430,22 +455,23 @@ class Tokenizer:
             bos = tok.id_to_token(bos_id)
         if eos is None and eos_ids:
             eos = tok.id_to_token(eos_ids[0])
-        chat_template, template_file = _pick_chat_template(cfg, directory)
+        templates = _chat_templates(cfg, directory)
         try:
             return cls(
                 tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, bos_token_id=bos_id,
-                chat_template=chat_template, add_bos=bool(cfg.get("add_bos_token", False)),
+                chat_template={name: text for name, (text, _) in templates.items()},
+                add_bos=bool(cfg.get("add_bos_token", False)),
                 special_tokens=_template_special_tokens(cfg, directory, is_llama=is_llama),
                 clean_up_tokenization_spaces=bool(
                     config_value(cfg, "clean_up_tokenization_spaces", bool, cfg_file)),
                 clean_up_bpe=bool(config_value(cfg, _CLEAN_UP_BPE_KEY, bool, cfg_file)),
             )
-        except TemplateSyntaxError as e:
-            raise TokenizerError(f"{template_file}: chat_template is not a valid Jinja template "
-                                 f"({first_line(e)}, line {e.lineno})") from None
         except TemplateError as e:
-            raise TokenizerError(f"{template_file}: chat_template is not a valid Jinja template "
-                                 f"({first_line(e)})") from None
+            name = getattr(e, "template_name", "default")
+            where = templates[name][1] if name in templates else directory / "tokenizer_config.json"
+            what = "chat_template" if len(templates) < 2 else f"chat template {name!r}"
+            line = f", line {e.lineno}" if isinstance(e, TemplateSyntaxError) else ""
+            raise TokenizerError(f"{where}: {what} is not a valid Jinja template ({first_line(e)}{line})") from None
 
     @property
     def vocab_size(self) -> int:
@@ -517,14 +543,16 @@ class Tokenizer:
         The template sees what transformers' ``apply_chat_template`` passes: ``messages``,
         ``add_generation_prompt``, ``tools`` and ``documents`` (None when not given), the
         ``special_tokens`` (absent ones undefined) and ``kwargs``, which override them.
-        ``chat_template``: a Jinja string used instead of the checkpoint's. ``continue_final_message``
+        ``chat_template``: the name of one of the checkpoint's templates, or a Jinja string used instead
+        of them; without it, a checkpoint with several templates renders its "tool_use" one when
+        ``tools`` is given (not None) and its "default" one otherwise, as transformers'
+        ``get_chat_template`` picks (ValueError when it has no "default"). ``continue_final_message``
         (transformers'): the text ends right after the last message's content, so the model
         continues it; ValueError when that content is not found in the rendered text."""
         normalized = _normalize_messages(messages)
         context = {**self.special_tokens, **kwargs}
         try:
-            template = self._template if chat_template is None \
-                else _build_template_environment().from_string(chat_template)
+            template = self._pick_template(chat_template, tools)
             text = template.render(
                 messages=normalized, tools=tools, documents=documents,
                 add_generation_prompt=add_generation_prompt, **context,
@@ -532,6 +560,19 @@ class Tokenizer:
         except TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
         return _cut_after_final_message(text, normalized) if continue_final_message else text
+
+    def _pick_template(self, chat_template: str | None, tools: list[dict[str, Any]] | None) -> Any:
+        """The compiled template ``apply_chat_template`` renders (see there)."""
+        if chat_template is not None:
+            if chat_template in self._templates:
+                return self._templates[chat_template]
+            return _build_template_environment().from_string(chat_template)
+        if tools is not None and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        raise ValueError(f"this checkpoint has several chat templates ({', '.join(sorted(self._templates))}) and "
+                         "none named 'default': pass chat_template=NAME")
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat prompt (the template supplies bos itself)."""

@@ -44,7 +44,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
     template, as transformers and vLLM hand them. The rendered text is encoded without the tokenizer's
     special tokens (the template writes them) unless ``add_special_tokens`` (vLLM's field)."""
     extra: dict[str, Any] = dict(template_kwargs or {})
-    if tools:
+    if tools is not None:  # [] too, as vLLM hands it on (a checkpoint's "tool_use" template is picked by it)
         extra["tools"] = tools
     if documents is not None:
         extra["documents"] = documents

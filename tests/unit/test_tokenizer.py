@@ -320,3 +320,6 @@ def test_server_renders_a_tools_template(ckpt, tmp_path):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     assert render_chat_prompt(t, [ChatMessage(role="user", content="hi")], tools=tools) == t.encode(
         '<|bos|>[{"type": "function", "function": {"name": "f", "parameters": {}}}]hi', add_special_tokens=False)
+    # tools: [] reaches the template as vLLM hands it on (not None), and picks a "tool_use" template
+    assert render_chat_prompt(t, [ChatMessage(role="user", content="hi")], tools=[]) == t.encode(
+        "<|bos|>[]hi", add_special_tokens=False)

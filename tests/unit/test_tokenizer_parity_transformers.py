@@ -323,3 +323,57 @@ def test_bad_model_type_and_unloadable_llama_model_raise_one_line(spm, tmp_path)
     (path / "tokenizer_config.json").write_text(json.dumps(LLAMA))
     with pytest.raises(TokenizerError, match=r"tokenizer.json: (cannot be loaded as a LlamaTokenizer|not a tok)"):
         Tokenizer.from_dir(path)
+
+
+DEFAULT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+TOOL_TEMPLATE = ("TOOLS{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                 "{% for m in messages %}{{ m.content }}{% endfor %}")
+RAG_TEMPLATE = "RAG{% for m in messages %}{{ m.content }}{% endfor %}"
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("layout", ["config_list", "saved"])
+def test_named_chat_templates_are_picked_as_transformers_picks_them(tmp_path, layout):
+    """A checkpoint with several templates (Qwen- and Cohere-style "default" + "tool_use" + "rag"): tools given
+    pick "tool_use", a name picks that template, else "default"; in tokenizer_config.json's list or the files
+    transformers 5 saves (chat_template.jinja + additional_chat_templates/NAME.jinja). Before, every call
+    rendered "default" (the tools never reached the prompt) and a name rendered as its own text."""
+    named = {"default": DEFAULT_TEMPLATE, "tool_use": TOOL_TEMPLATE, "rag": RAG_TEMPLATE}
+    config = {"eos_token": "<|eos|>"}
+    if layout == "config_list":
+        config["chat_template"] = [{"name": k, "template": v} for k, v in named.items()]
+    path = write_checkpoint(tmp_path / layout, byte_level_bpe(), config)
+    if layout == "saved":
+        hf = transformers.AutoTokenizer.from_pretrained(path)
+        hf.chat_template = named
+        hf.save_pretrained(path)
+        assert (path / "additional_chat_templates" / "tool_use.jinja").is_file()
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    ours = Tokenizer.from_dir(path)
+    messages = [{"role": "user", "content": "weather?"}]
+    for kwargs in ({}, {"tools": TOOLS}, {"tools": []}, {"chat_template": "rag"}, {"chat_template": "tool_use",
+                                                                                      "tools": TOOLS},
+                   {"chat_template": "{{ messages[0].content }}!"}):
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert ours.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == want, kwargs
+    assert ours.apply_chat_template(messages, tools=TOOLS) == "TOOLS[weather]weather?"
+
+
+def test_several_chat_templates_without_a_default(tmp_path):
+    """transformers refuses to guess which of several templates to use; so do we, naming them, and a bad
+    extra template names its file."""
+    config = {"chat_template": [{"name": "tool_use", "template": TOOL_TEMPLATE},
+                                {"name": "rag", "template": RAG_TEMPLATE}]}
+    ours = Tokenizer.from_dir(write_checkpoint(tmp_path / "nodefault", byte_level_bpe(), config))
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"several chat templates \(rag, tool_use\) and none named 'default'"):
+        ours.apply_chat_template(messages)
+    assert ours.apply_chat_template(messages, chat_template="rag") == "RAGhi"
+    assert ours.apply_chat_template(messages, tools=TOOLS) == "TOOLS[weather]hi"
+    bad = write_checkpoint(tmp_path / "bad", byte_level_bpe(), {})
+    (bad / "chat_template.jinja").write_text(DEFAULT_TEMPLATE)
+    (bad / "additional_chat_templates").mkdir()
+    (bad / "additional_chat_templates" / "tool_use.jinja").write_text("{% if %}")
+    with pytest.raises(TokenizerError, match=r"tool_use\.jinja: chat template 'tool_use' is not a valid Jinja "
+                                             r"template \(.*line 1\)"):
+        Tokenizer.from_dir(bad)
