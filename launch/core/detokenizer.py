@@ -11,7 +11,9 @@ what is still waiting when the sequence ends (as ``decode`` of the ids would sho
 The left context taken from the prompt starts where it decodes cleanly: a window that begins
 inside a multi-byte character decodes to U+FFFD, and a byte-fallback decoder (Llama and
 Mistral's ``<0xE2>`` tokens) turns the whole run of byte tokens after it into U+FFFD too,
-which would then be emitted as text.
+which would then be emitted as text. It ends before a character the prompt ends inside (a prompt of
+token ids cut mid-character): the output's bytes that complete it decode as ``decode`` of the output
+shows them.
 """
 
 from __future__ import annotations
@@ -52,9 +54,15 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
         if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
+            new_text = full_text[len(prefix_text) :]
+            if not full_text.startswith(prefix_text) and "\ufffd" in full_text[: len(prefix_text)]:
+                # A byte-fallback decoder turned a whole run of byte tokens into U+FFFD once a new
+                # byte token left it invalid: the window's complete characters would come out
+                # again as U+FFFD. The new tokens start with a byte token then: decode them alone.
+                new_text = self._decode(self._ids[self._read_offset :])
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
-            return full_text[len(prefix_text) :]
+            return new_text
         return ""
 
 
@@ -70,8 +78,21 @@ def _clean_context(decode: DecodeFn, prompt_token_ids: Sequence[int]) -> list[in
     for start in (*earlier, *later):
         window = list(prompt_token_ids[start:])
         if not decode(window).startswith("\ufffd"):
-            return window
+            return _without_a_cut_character(decode, window)
     return list(prompt_token_ids[default:])
+
+
+def _without_a_cut_character(decode: DecodeFn, window: list[int]) -> list[int]:
+    """``window`` without the (at most 3) byte tokens of a character the prompt ends inside: the
+    output's first tokens complete it, and joined to the context they would decode to that
+    character, as long as the U+FFFD it replaces, so its text was never emitted; alone they decode
+    as ``decode`` of the output shows them."""
+    trimmed = list(window)
+    for _ in range(3):
+        if len(trimmed) < 2 or not decode(trimmed).endswith("\ufffd"):
+            break
+        trimmed.pop()
+    return trimmed
 
 
 def find_stop_string(

@@ -80,3 +80,41 @@ def test_a_sequence_keeps_that_text_when_it_ends(tok, ending):
     assert finished and seq.finish_reason == ("length" if ending == "length" else "stop")
     assert seq.output_text == tok.decode(prompt_ids + generated)[len(tok.decode(prompt_ids)):]
     assert seq.output_text.endswith("\ufffd")
+
+
+@pytest.fixture(scope="module")
+def byte_level() -> tokenizers.Tokenizer:
+    """DeepSeek / Qwen style byte-level BPE, one token a byte (no merges)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    t = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    return t
+
+
+@pytest.mark.parametrize("kind", ["byte_fallback", "byte_level"])
+def test_a_prompt_of_ids_cut_inside_a_character_loses_no_output_text(tok, byte_level, kind):
+    """Token ids cut mid-character (a continuation of an output ``max_tokens`` cut): the output's bytes
+    that complete the character decode as ``decode`` of the output shows them. Before, the context
+    ended in the U+FFFD those bytes replace, as long as the character they complete, and their text
+    was never emitted (' and more' for '� and more')."""
+    t = tok if kind == "byte_fallback" else byte_level
+    ids = t.encode("Say Ж and more").ids
+    cut = next(i for i in range(1, len(ids)) if t.decode(ids[:i]).endswith("\ufffd"))
+    prompt, generated = ids[:cut], ids[cut:]
+    detok = IncrementalDetokenizer(t.decode, prompt)
+    text = "".join(detok.add_token(x) for x in generated) + detok.flush()
+    assert text == t.decode(generated) == "\ufffd and more"
+
+
+def test_a_stray_byte_after_complete_characters_is_one_replacement_character(tok):
+    """A byte-fallback decoder turns a whole run of byte tokens into U+FFFD when one of them leaves it
+    invalid: a stray byte after the prompt's (or the output's own) complete characters showed as one
+    U+FFFD for each of their bytes too."""
+    prompt = tok.encode("Say Ж").ids
+    d0 = tok.token_to_id("<0xD0>")
+    for context, generated in ((prompt, [d0, *tok.encode("ab").ids[1:]]),
+                               (tok.encode("ok").ids, [*tok.encode("ok Ж").ids[3:], d0])):
+        detok = IncrementalDetokenizer(tok.decode, context)
+        text = "".join(detok.add_token(x) for x in generated) + detok.flush()
+        assert text.count("\ufffd") == 1 and text.replace("\ufffd", "") in ("ab", " Ж"), text
