@@ -54,7 +54,8 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
         rendered = tokenizer.apply_chat_template(chat_messages(messages),
                                                  add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, TypeError, KeyError) as exc:
-        raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
+        problem = str(exc).removeprefix("chat template failed: ")  # the tokenizer's words for LLM.chat
+        raise APIError(400, f"The chat template rejected the messages: {problem}", param="messages") from exc
     except Exception as exc:  # jinja2's TemplateError and raise_exception() land here
         if type(exc).__module__.startswith("jinja2"):
             raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc

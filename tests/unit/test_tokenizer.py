@@ -323,3 +323,14 @@ def test_server_renders_a_tools_template(ckpt, tmp_path):
     # tools: [] reaches the template as vLLM hands it on (not None), and picks a "tool_use" template
     assert render_chat_prompt(t, [ChatMessage(role="user", content="hi")], tools=[]) == t.encode(
         "<|bos|>[]hi", add_special_tokens=False)
+
+
+def test_server_says_once_that_the_template_rejected_the_messages(ckpt, tmp_path):
+    from launch.server.chat import render_chat_prompt
+    from launch.server.protocol import APIError, ChatMessage
+
+    tmpl = "{% if messages[0].role != 'system' %}{{ raise_exception('System message must be first') }}{% endif %}"
+    t = Tokenizer.from_dir(_checkpoint_with_template(ckpt, tmp_path / "ck", tmpl, {}, {}))
+    with pytest.raises(APIError) as err:
+        render_chat_prompt(t, [ChatMessage(role="user", content="hi")])
+    assert err.value.message == "The chat template rejected the messages: System message must be first"
