@@ -295,7 +295,7 @@ class AsyncLLM:
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         waiting = self.engine.scheduler.num_waiting
         if waiting >= self.max_queue_len:
-            raise EngineQueueFull(f"{waiting} requests are waiting (server.max_queue_len={self.max_queue_len})")
+            raise EngineQueueFull(f"{waiting} requests are waiting (max_queue_len={self.max_queue_len})")
         self.engine.add_request(request_id, list(prompt_token_ids), params)
 
     async def abort(self, request_id: str) -> None:

@@ -281,7 +281,9 @@ class ServerConfig:
     the reply's calls parsed with that format; the name is checked against
     ``launch.server.tools.registry`` when serving starts). allowed_origins / allowed_methods /
     allowed_headers (lists of strings, ``"*"`` = any; ``Any`` for the schema loader as above) and
-    allow_credentials: vLLM's CORS flags, handed to Starlette's ``CORSMiddleware``."""
+    allow_credentials: vLLM's CORS flags, handed to Starlette's ``CORSMiddleware``. chat_template:
+    vLLM's ``--chat-template``, a Jinja file or an inline template rendering every chat request instead
+    of the checkpoint's (``launch.tokenizer.load_chat_template`` reads it when serving starts)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -297,6 +299,7 @@ class ServerConfig:
     allowed_methods: Any = field(default_factory=lambda: ["*"])  # list[str]
     allowed_headers: Any = field(default_factory=lambda: ["*"])  # list[str]
     allow_credentials: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         for name in CORS_LIST_FIELDS:
@@ -316,6 +319,8 @@ class ServerConfig:
             raise ValueError("api_key is empty: give a key, or leave it out to serve without one")
         if self.served_model_name is not None:
             _check_served_model_name(self.served_model_name)
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"chat_template must be a file path or a Jinja template string, got {self.chat_template!r}")
 
 
 @dataclass(frozen=True)

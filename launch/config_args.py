@@ -53,9 +53,9 @@ FLAG_KEYS = VLLM_KEYS
 # taken from serve's arguments as FLAG_KEYS are.
 _FILE_ONLY_KEYS = {name: f"server.{name}" for name in (
     "init_expert_location", "expert_distribution_dir", "expert_distribution_recorder_buffer_size",
-    "enable_auto_tool_choice", "tool_call_parser")}
+    "enable_auto_tool_choice", "tool_call_parser", "chat_template")}
 # vLLM flags taken and documented as changing nothing here (flags and flat --config keys).
-COMPAT_NOOP_KEYS = ("trust_remote_code", "disable_log_requests")
+COMPAT_NOOP_KEYS = ("trust_remote_code", "disable_log_requests", "disable_log_stats")
 _VALUE_ALIASES = {"engine.dtype": DTYPE_ALIASES, "engine.kv_cache_dtype": KV_CACHE_DTYPE_ALIASES}
 _CHOICES = {"engine.dtype": DTYPES, "engine.kv_cache_dtype": KV_CACHE_DTYPES}
 _DEFAULTS = RuntimeConfig(model="-")
@@ -272,6 +272,9 @@ def _group_server(parser: argparse.ArgumentParser) -> None:
                    help="CORS: let browsers send credentials (cookies, Authorization) cross-origin (default: off)")
     g.add_argument("--disable-log-requests", action="store_true", default=None,
                    help="accepted for vLLM compatibility and changes nothing: requests are never logged")
+    g.add_argument("--disable-log-stats", action="store_true", default=None,
+                   help="accepted for vLLM compatibility and changes nothing: no periodic stats are logged "
+                        "(they are on /metrics)")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser, *, server: bool = True,

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "replies with --tool-call-parser (which it requires)")
     g.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None, metavar="NAME",
                    help=f"the model's tool-call format, vLLM's names: {', '.join(TOOL_PARSER_NAMES)}")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="vLLM's: a Jinja chat template (a file, or the template itself inline) rendering "
+                             "every chat request instead of the checkpoint's (default: the checkpoint's)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                         help="this process's logging and uvicorn's (default: info)")
     parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
@@ -205,6 +208,10 @@ def check_serve_config(cfg: RuntimeConfig) -> None:
             problem := output_dir_problem(cfg.server.expert_distribution_dir)) is not None:
         raise ValueError(f"expert_distribution_dir: {problem}")
     check_tool_call_parser(cfg)
+    if cfg.server.chat_template is not None:
+        from launch.tokenizer import load_chat_template
+
+        load_chat_template(cfg.server.chat_template)
     from launch.engine import check_runtime_config
 
     check_runtime_config(cfg)

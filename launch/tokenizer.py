@@ -229,6 +229,27 @@ def _chat_templates(cfg: Mapping, directory: Path) -> dict[str, tuple[str, Path]
     return {} if template is None else {"default": (template, cfg_file)}
 
 
+def load_chat_template(value: str, flag: str = "--chat-template") -> str:
+    """The Jinja template ``value`` names, as vLLM's ``--chat-template`` takes it: a file's text, or
+    ``value`` itself when it holds ``{``, ``}`` or a newline (an inline template); ValueError (one line
+    naming ``flag``) for a path that is not a readable file or a template that is not valid Jinja."""
+    path = Path(value)
+    if path.is_file():
+        text = read_text(path)
+        where = f"{flag} {value}"
+    elif any(c in value for c in "{}\n"):
+        text, where = value, flag
+    else:
+        raise ValueError(f"{flag} {value!r}: no such file (an inline template holds '{{', '}}' or a newline)")
+    try:
+        _build_template_environment().from_string(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"{where}: not a valid Jinja template ({first_line(e)}, line {e.lineno})") from None
+    except TemplateError as e:
+        raise ValueError(f"{where}: not a valid Jinja template ({first_line(e)})") from None
+    return text
+
+
 def _template_special_tokens(cfg: Mapping[str, Any], directory: Path, *,
                              is_llama: bool = False) -> dict[str, str]:
     """The special tokens a chat template sees, read as transformers (5.x) reads them: every
@@ -412,6 +433,7 @@ class Tokenizer:
                                                else {**named, **special_tokens} if default else dict(special_tokens))
         environment = _build_template_environment()
         self._templates = {}
+        self._inline_templates: dict[str, Any] = {}
         for name, text in self.chat_templates.items():
             try:
                 self._templates[name] = environment.from_string(text)
@@ -566,7 +588,13 @@ class Tokenizer:
         if chat_template is not None:
             if chat_template in self._templates:
                 return self._templates[chat_template]
-            return _build_template_environment().from_string(chat_template)
+            compiled = self._inline_templates.get(chat_template)  # a server's --chat-template: compiled once
+            if compiled is None:
+                if len(self._inline_templates) >= 8:
+                    self._inline_templates.clear()
+                compiled = _build_template_environment().from_string(chat_template)
+                self._inline_templates[chat_template] = compiled
+            return compiled
         if tools is not None and "tool_use" in self._templates:
             return self._templates["tool_use"]
         if "default" in self._templates:

@@ -51,6 +51,7 @@ from launch.server.tokenization import (
     tokenize,
 )
 from launch.server.tools.calling import ToolCalling
+from launch.tokenizer import load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
     server_config: ``launch.config.ServerConfig`` (reads ``api_key``, ``served_model_name``,
         ``max_queue_len``, ``expert_distribution_dir``, ``enable_auto_tool_choice``, ``tool_call_parser``,
         the CORS fields ``allowed_origins``, ``allowed_methods``, ``allowed_headers``,
-        ``allow_credentials``; a missing field means its default). ValueError (one line) for a tool-call setup the model's
+        ``allow_credentials``, ``chat_template``; a missing field means its default). ValueError (one line) for a tool-call setup the model's
         tokenizer cannot serve (``launch.server.tools.calling.ToolCalling.build``).
     Requests may name any served name; ``/v1/models`` lists each, with ``root`` the engine's
     ``model_path`` (the checkpoint; an engine without one: its ``model_name``), as vLLM's.
@@ -302,7 +303,9 @@ def build_app(engine: EngineClient, server_config: Any, *, max_body_bytes: int =
     metrics = ServerMetrics(served_names[0], stats=engine.stats, moe_layer_ids=moe_layer_ids or None,
                             max_model_len=getattr(engine, "max_model_len", None))
     tool_calling = ToolCalling.build(server_config, engine.tokenizer)
-    serving = OpenAIServing(engine, served_names, metrics, max_queue_len=max_queue_len, tool_calling=tool_calling)
+    template = getattr(server_config, "chat_template", None)
+    serving = OpenAIServing(engine, served_names, metrics, max_queue_len=max_queue_len, tool_calling=tool_calling,
+                            chat_template=None if template is None else load_chat_template(template))
 
     app = FastAPI(title="moe-serve OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.engine = engine

@@ -36,12 +36,13 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
                        add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
                        documents: list[dict[str, Any]] | None = None,
                        template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
-                       continue_final_message: bool = False) -> list[int]:
+                       continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
     """Token ids of the templated conversation (ending with the assistant header if asked, or with the
     last message left open for the reply to continue it: ``continue_final_message``, vLLM's);
     ``tools`` (OpenAI tool definitions), ``documents`` and vLLM's ``chat_template_kwargs``
     (``template_kwargs``: extra template variables such as ``enable_thinking``) are handed to the
-    template, as transformers and vLLM hand them. The rendered text is encoded without the tokenizer's
+    template, as transformers and vLLM hand them; ``chat_template`` (the server's ``--chat-template``
+    text) renders instead of the checkpoint's template. The rendered text is encoded without the tokenizer's
     special tokens (the template writes them) unless ``add_special_tokens`` (vLLM's field)."""
     extra: dict[str, Any] = dict(template_kwargs or {})
     if tools is not None:  # [] too, as vLLM hands it on (a checkpoint's "tool_use" template is picked by it)
@@ -50,6 +51,8 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], *,
         extra["documents"] = documents
     if continue_final_message:
         extra["continue_final_message"] = True
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     try:
         rendered = tokenizer.apply_chat_template(chat_messages(messages),
                                                  add_generation_prompt=add_generation_prompt, **extra)

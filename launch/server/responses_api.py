@@ -332,7 +332,7 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest, raw: Re
         raise APIError(400, "This model has no tokenizer, so /v1/responses cannot be used.", param="input")
     try:  # off the event loop, as chat's: a long conversation takes a while to render and encode
         ids = await asyncio.to_thread(render_chat_prompt, serving.engine.tokenizer, req.messages(),
-                                      add_special_tokens=req.encode_special_tokens)
+                                      add_special_tokens=req.encode_special_tokens, chat_template=serving.chat_template)
     except APIError as err:
         raise APIError(err.status_code, err.message, param="input" if err.param == "messages" else err.param) from err
     prompts = [serving.check_token_ids(serving.truncate(ids, req), "input")]

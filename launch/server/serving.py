@@ -63,8 +63,10 @@ class OpenAIServing:
     """
 
     def __init__(self, engine: EngineClient, served_model_names: str | Sequence[str], metrics: ServerMetrics,
-                 max_queue_len: int | None = None, tool_calling: ToolCalling | None = None) -> None:
+                 max_queue_len: int | None = None, tool_calling: ToolCalling | None = None,
+                 chat_template: str | None = None) -> None:
         self.engine = engine
+        self.chat_template = chat_template  # --chat-template's text, rendering every chat request (None: the checkpoint's)
         self.tool_calling = tool_calling or ToolCalling()  # default: tools rendered, "auto" refused
         names = (served_model_names,) if isinstance(served_model_names, str) else tuple(served_model_names)
         if not names:
@@ -294,7 +296,8 @@ class OpenAIServing:
                                       add_generation_prompt=req.add_generation_prompt, tools=req.tools,
                                       documents=req.documents, template_kwargs=req.chat_template_kwargs,
                                       add_special_tokens=req.encode_special_tokens,
-                                      continue_final_message=req.continue_final_message)
+                                      continue_final_message=req.continue_final_message,
+                                      chat_template=self.chat_template)
         prompts = [self.check_token_ids(self.truncate(ids, req), "messages")]
         self.check_queue()
         request_id = random_id("chatcmpl")

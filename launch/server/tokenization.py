@@ -93,7 +93,8 @@ async def tokenize(serving: OpenAIServing, req: TokenizeRequest) -> TokenizeResp
         ids = await asyncio.to_thread(render_chat_prompt, serving.tokenizer("chat messages"), req.messages,
                                       add_generation_prompt=req.add_generation_prompt, tools=req.tools,
                                       template_kwargs=req.chat_template_kwargs,
-                                      add_special_tokens=bool(req.add_special_tokens))
+                                      add_special_tokens=bool(req.add_special_tokens),
+                                      chat_template=serving.chat_template)
     return TokenizeResponse(count=len(ids), max_model_len=int(serving.engine.max_model_len), tokens=ids)
 
 

@@ -66,8 +66,19 @@ def test_compatibility_flags_are_taken_and_change_nothing() -> None:
 
     plain = config_from_args(build_parser().parse_args(["--model", "m"]))
     compat = config_from_args(build_parser().parse_args(["--model", "m", "--trust-remote-code",
-                                                         "--disable-log-requests"]))
+                                                         "--disable-log-requests", "--disable-log-stats"]))
     assert compat == plain
+
+
+def test_chat_template_is_a_serve_flag_and_a_flat_config_key(tmp_path: Path) -> None:
+    from launch.serve import build_parser, config_from_args
+
+    path = tmp_path / "vllm.yaml"
+    path.write_text("model: ck\nchat-template: /some/template.jinja\ndisable-log-stats: true\n")
+    assert config_from_args(build_parser().parse_args(["--config", str(path)])).server.chat_template == \
+        "/some/template.jinja"
+    assert config_from_args(build_parser().parse_args(["--config", str(path), "--chat-template", "{{ x }}"])
+                            ).server.chat_template == "{{ x }}"  # the flag wins over the file
 
 
 def test_a_vllm_flat_config_file_works_and_flags_still_win(tmp_path: Path) -> None:
