@@ -53,6 +53,11 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}  # kv_cache.FP8_DTYPE is float8_e4m3fn
 # Weight-only quantization of the routed experts (vLLM's --quantization); None = the dtype.
 QUANTIZATIONS = ("int8",)
+QUANTIZATION_ALIASES = {"experts_int8": "int8"}  # vLLM's name for weight-only int8 MoE experts
+FP8_QUANTIZATION_REFUSAL = (
+    "quantization 'fp8' is not implemented: the CPU kernel has no fp8 path (it needs FP8 instructions this CPU "
+    "family lacks); a checkpoint whose quantization_config is fp8 (DeepSeek-V3's format) loads without this flag, "
+    "dequantized; weight-only int8 experts: 'int8'")
 
 
 def _check_positive(obj: Any, *names: str) -> None:
@@ -193,7 +198,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # vLLM's other spellings, taken wherever a value comes from (flags, --set, a nested file, LLM())
-        for name, aliases in (("dtype", DTYPE_ALIASES), ("kv_cache_dtype", KV_CACHE_DTYPE_ALIASES)):
+        for name, aliases in (("dtype", DTYPE_ALIASES), ("kv_cache_dtype", KV_CACHE_DTYPE_ALIASES),
+                              ("quantization", QUANTIZATION_ALIASES)):
             value = getattr(self, name)
             if isinstance(value, str) and value in aliases:
                 object.__setattr__(self, name, aliases[value])
@@ -203,8 +209,7 @@ class EngineConfig:
         check_generation_overrides(self.override_generation_config)  # unknown keys, wrong types
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.quantization == "fp8":
-            raise ValueError("quantization 'fp8' is not implemented: the CPU kernel has no fp8 path "
-                             "(it needs FP8 instructions this CPU family lacks); use 'int8'")
+            raise ValueError(FP8_QUANTIZATION_REFUSAL)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",

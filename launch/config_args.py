@@ -27,9 +27,11 @@ from launch.config import (
     ALL2ALL_BACKENDS,
     DTYPE_ALIASES,
     DTYPES,
+    FP8_QUANTIZATION_REFUSAL,
     KV_CACHE_DTYPE_ALIASES,
     KV_CACHE_DTYPES,
     PLACEMENT_STRATEGIES,
+    QUANTIZATION_ALIASES,
     QUANTIZATIONS,
     STEP_TRANSPORTS,
     VLLM_KEYS,
@@ -56,8 +58,9 @@ _FILE_ONLY_KEYS = {name: f"server.{name}" for name in (
     "enable_auto_tool_choice", "tool_call_parser", "chat_template")}
 # vLLM flags taken and documented as changing nothing here (flags and flat --config keys).
 COMPAT_NOOP_KEYS = ("trust_remote_code", "disable_log_requests", "disable_log_stats")
-_VALUE_ALIASES = {"engine.dtype": DTYPE_ALIASES, "engine.kv_cache_dtype": KV_CACHE_DTYPE_ALIASES}
-_CHOICES = {"engine.dtype": DTYPES, "engine.kv_cache_dtype": KV_CACHE_DTYPES}
+_VALUE_ALIASES = {"engine.dtype": DTYPE_ALIASES, "engine.kv_cache_dtype": KV_CACHE_DTYPE_ALIASES,
+                  "engine.quantization": QUANTIZATION_ALIASES}
+_CHOICES = {"engine.dtype": DTYPES, "engine.kv_cache_dtype": KV_CACHE_DTYPES, "engine.quantization": QUANTIZATIONS}
 _DEFAULTS = RuntimeConfig(model="-")
 
 
@@ -94,6 +97,14 @@ def _aliased(key: str) -> Callable[[str], str]:
             raise argparse.ArgumentTypeError(_invalid_choice(key, value))
         return _VALUE_ALIASES[key].get(value, value)
     return convert
+
+
+def _quantization(value: str) -> str:
+    """``--quantization``'s argparse ``type``: int8 (or vLLM's experts_int8); fp8 is refused saying what
+    an fp8 checkpoint needs instead (nothing)."""
+    if value == "fp8":
+        raise argparse.ArgumentTypeError(FP8_QUANTIZATION_REFUSAL)
+    return _aliased("engine.quantization")(value)
 
 
 def memory_size(value: str) -> str:
@@ -220,8 +231,9 @@ def _group_engine(parser: argparse.ArgumentParser, dtype_default: str | None = N
     g.add_argument("--kv-cache-dtype", type=_aliased("engine.kv_cache_dtype"), default=None,
                    metavar=_metavar("engine.kv_cache_dtype"),
                    help=f"fp8 (e4m3, per-layer scale) or auto (the compute dtype) {_d('engine.kv_cache_dtype')}")
-    g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
-                   help="weight-only int8 routed experts (per-output-channel scales); off by default")
+    g.add_argument("--quantization", "-q", type=_quantization, default=None, metavar=_metavar("engine.quantization"),
+                   help="weight-only int8 routed experts (per-output-channel scales; vLLM's experts_int8); off by "
+                        "default. An fp8 checkpoint (quantization_config) needs no flag: it is dequantized at load")
     g.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
                    type=float, default=None, metavar="FRACTION",
                    help=f"share of --memory (or of the GPU) for weights + KV cache {_d('engine.memory_utilization')}")

@@ -131,14 +131,35 @@ def _check_source_kinds(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) 
             )
 
 
+def _read_scales(ckpt: Checkpoint, plans: Sequence[TensorPlan]) -> dict[tuple[str, int | None], torch.Tensor]:
+    """Every fp8 scale the plans dequantize with, read once, before any weight is written:
+    CheckpointFormatError naming the tensor for a NaN or infinite one (each would turn its whole
+    block of weights into NaN or inf, and the model's output into garbage, silently)."""
+    scales: dict[tuple[str, int | None], torch.Tensor] = {}
+    for plan in plans:
+        for copy in plan.copies:
+            if copy.scale is None or (copy.scale, copy.index) in scales:
+                continue
+            scale = ckpt.read(copy.scale, copy.index)
+            flat = scale.reshape(-1).float()
+            if not bool(torch.isfinite(flat).all()):
+                where = copy.scale if copy.index is None else f"{copy.scale}[{copy.index}]"
+                raise CheckpointFormatError(
+                    f"{ckpt.info(copy.scale).file}: scale tensor {where!r} holds a non-finite value "
+                    f"({flat[~torch.isfinite(flat)][0].item()}): the checkpoint is damaged")
+            scales[(copy.scale, copy.index)] = scale
+    return scales
+
+
 @torch.no_grad()
-def _execute(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor) -> None:
-    """Read each copy's source once (fp8: dequantized with its scales, products in float32,
-    straight into ``dest``'s dtype) and write it into ``dest`` (converting dtype)."""
+def _execute(ckpt: Checkpoint, plan: TensorPlan, dest: torch.Tensor,
+             scales: Mapping[tuple[str, int | None], torch.Tensor]) -> None:
+    """Read each copy's source once (fp8: dequantized with its scales from ``_read_scales``, products in
+    float32, straight into ``dest``'s dtype) and write it into ``dest`` (converting dtype)."""
     for copy in plan.copies:
         src = ckpt.read(copy.key, copy.index)
         if copy.scale is not None:
-            src = dequantize_fp8(src, ckpt.read(copy.scale, copy.index), copy.block_size, dest.dtype)
+            src = dequantize_fp8(src, scales[(copy.scale, copy.index)], copy.block_size, dest.dtype)
         if copy.transpose:
             src = src.t()
         if copy.slots is None:
@@ -271,6 +292,7 @@ def load_state_dict(
     start = _Start.of(ckpt)
     try:
         plans, family = _plan_all(ckpt, requests)
+        scales = _read_scales(ckpt, plans)
         out: dict[str, torch.Tensor] = {}
         for plan in plans:
             src_dtype = _TORCH_DTYPES[plan.source_dtype]
@@ -280,7 +302,7 @@ def load_state_dict(
                                          torch.bfloat16)
             # Zero-filled so slots a request leaves out (``slots``) hold no garbage.
             out[plan.request.name] = torch.zeros(plan.request.shape, dtype=want)
-            _execute(ckpt, plan, out[plan.request.name])
+            _execute(ckpt, plan, out[plan.request.name], scales)
         return out, _finish_report(ckpt, family, plans, start, _leftovers(ckpt, plans, frozenset()))
     finally:
         if owned:
@@ -364,8 +386,9 @@ def load_weights(
             log.info("%s: skipped %d multi-token-prediction layer(s) (num_nextn_predict_layers; layers %s): "
                      "speculative decoding is not served", ckpt.root, len(left.mtp_layers),
                      ", ".join(str(i) for i in sorted(left.mtp_layers)))
+        scales = _read_scales(ckpt, plans)
         for plan in plans:
-            _execute(ckpt, plan, targets[plan.request.name][1])
+            _execute(ckpt, plan, targets[plan.request.name][1], scales)
         return _finish_report(ckpt, family, plans, start, left, aliases)
     finally:
         if owned:
@@ -396,8 +419,9 @@ def load_experts(
         plans, family = _plan_all(ckpt, requests)
         for plan, leaf in zip(plans, (GATE_UP, DOWN)):
             _check_source_kinds(ckpt, plan, getattr(experts, leaf))
+        scales = _read_scales(ckpt, plans)
         for plan, leaf in zip(plans, (GATE_UP, DOWN)):
-            _execute(ckpt, plan, getattr(experts, leaf).detach())
+            _execute(ckpt, plan, getattr(experts, leaf).detach(), scales)
         return _finish_report(ckpt, family, plans, start)
     finally:
         if owned:

@@ -74,7 +74,7 @@ def build_transformers(path: str, dtype: torch.dtype) -> Callable[[list[int]], t
 
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:  # ImportError: e.g. fp8 wants accelerate
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--transformers: transformers cannot load {path}: {first}") from None
     model.eval()

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from launch.bench import quantization as bench_quantization
 
@@ -125,3 +126,19 @@ def test_transformers_runs_beside_ours(tiny_ckpt_with_tokenizer, tmp_path, capsy
     assert runs["transformers float32"]["top1_agreement_float32"] == 1.0
     assert all(0.0 < r["top1_agreement_float32"] <= 1.0 for r in runs.values())
     assert "vs float32" in capsys.readouterr().out
+
+
+def test_a_checkpoint_transformers_cannot_load_is_one_line(monkeypatch):
+    """transformers' fp8 loader raises ImportError (it wants accelerate) or RuntimeError on a CPU; both
+    are the one-line ValueError, not a traceback after our models were built."""
+    import transformers
+
+    for exc in (ImportError("Loading an FP8 quantized model requires accelerate (`pip install accelerate`)\nmore"),
+                RuntimeError("No GPU or XPU found. A GPU or XPU is needed for FP8 quantization.")):
+        def refuse(*args, exc=exc, **kwargs):
+            raise exc
+
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+        with pytest.raises(ValueError, match=r"^--transformers: transformers cannot load /ck: ") as err:
+            bench_quantization.build_transformers("/ck", torch.float32)
+        assert "\n" not in str(err.value)

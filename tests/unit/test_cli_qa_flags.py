@@ -206,3 +206,17 @@ def test_llm_eplb_config_and_a_keyword_that_disagree_are_refused() -> None:
     vllm = build_runtime_config("m", {**kwargs, "enable_eplb": True, "num_redundant_experts": 2,
                                       "eplb_config": {"num_redundant_experts": 4}})
     assert vllm.balancer.num_redundant_experts == 2
+
+
+def test_quantization_takes_vllms_experts_int8_and_says_what_fp8_checkpoints_need(capsys) -> None:
+    from launch.config import EngineConfig
+
+    assert _args(["--model", "m", "-q", "experts_int8"]).engine.quantization == "int8"
+    assert EngineConfig(quantization="experts_int8").quantization == "int8"
+    parser = add_runtime_args(argparse.ArgumentParser(prog="p"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--quantization", "fp8"])
+    assert "a checkpoint whose quantization_config is fp8 (DeepSeek-V3's format) loads without this flag" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match="loads without this flag"):
+        EngineConfig(quantization="fp8")

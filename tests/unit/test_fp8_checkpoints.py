@@ -212,6 +212,10 @@ def _broken(ckpts: dict, tmp_path: Path, case: str) -> Path:
         del tensors[f"{EXPERT}.up_proj.weight_scale_inv"]
     elif case == "scale shape":
         tensors[f"{DENSE}_scale_inv"] = torch.ones(2, 3)  # [40, 64] in [16, 24] blocks: [3, 3]
+    elif case == "nan scale":
+        scale = tensors[f"{EXPERT}.down_proj.weight_scale_inv"].clone()
+        scale.view(-1)[-1] = float("nan")
+        tensors[f"{EXPERT}.down_proj.weight_scale_inv"] = scale
     elif case == "gptq":
         quant = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     else:
@@ -224,6 +228,8 @@ REFUSALS = {
                      rf"'{EXPERT}\.up_proj\.weight_scale_inv' \(expected \[2, 3\]",
     "scale shape": rf"model\.safetensors: scale tensor '{DENSE}_scale_inv' has shape \[2, 3\], but fp8 tensor "
                    rf"'{DENSE}' \[40, 64\] with weight_block_size \[16, 24\] needs \[3, 3\]",
+    "nan scale": rf"model\.safetensors: scale tensor '{EXPERT}\.down_proj\.weight_scale_inv' holds a non-finite "
+                 r"value \(nan\): the checkpoint is damaged",
     "gptq": r"quantization_config \(quant_method 'gptq'\) is not supported",
     "static": r"quantization_config \(quant_method 'fp8', activation_scheme 'static'\) is not supported",
 }
