@@ -120,9 +120,18 @@ class _DrainingServer(uvicorn.Server):
     engine's own error (``AsyncLLM.fail_requests``): uvicorn would cancel them, and each client got a
     cut connection (streamed) or a plain-text 500, and the log a traceback per request."""
 
-    def __init__(self, config: uvicorn.Config, engine: Any) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Any, on_listening: Callable[[int], None] | None = None) -> None:
         super().__init__(config)
         self.engine = engine
+        self.on_listening = on_listening
+
+    async def startup(self, sockets: Any = None) -> None:
+        """uvicorn's startup, then ``on_listening(port)`` with the port it listens on (``--port 0``: the
+        one the system gave)."""
+        await super().startup(sockets)
+        if self.started and self.on_listening is not None:
+            listening = [s.getsockname() for server in self.servers for s in server.sockets or ()]
+            self.on_listening(int(listening[0][1]) if listening else self.config.port)
 
     async def shutdown(self, sockets: Any = None) -> None:
         async def fail_the_rest() -> None:
@@ -169,10 +178,12 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
     try:
         app = build_app(engine, cfg.server)
         app.router.lifespan_context = lifespan
+        def listening(port: int) -> None:
+            logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(cfg.served_model_names),
+                        cfg.server.host, port)
+
         server = _DrainingServer(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=log_level,
-                                                timeout_graceful_shutdown=GRACE_S + DRAIN_S), engine)
-        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(cfg.served_model_names),
-                    cfg.server.host, cfg.server.port)
+                                                timeout_graceful_shutdown=GRACE_S + DRAIN_S), engine, listening)
         # Until uvicorn's serve() installs its handler, SIGINT is asyncio.run's, which cancels this
         # task; the synchronous build above never awaits, so take that cancellation here, before
         # uvicorn starts a lifespan task that asyncio.run would then cancel (a logged traceback).

@@ -328,8 +328,7 @@ class OpenAIServing:
                 finals = await race_disconnect(self._collect(stream, len(subs)), raw)
                 return JSONResponse(formatter.response(finals).model_dump())
             first = await race_disconnect(first_item(stream), raw)
-        except ClientDisconnected:
-            self.metrics.on_rejected(CLIENT_CLOSED)
+        except ClientDisconnected:  # an abort (counted where the engine ends it), not an answer: no 4xx counted
             await stream.aclose()
             return Response(status_code=CLIENT_CLOSED)
         except BaseException:

@@ -255,3 +255,20 @@ def test_live_engine_phases_and_iteration_tokens(live):
         value(families, "vllm:request_decode_time_seconds_sum")
     assert inference == pytest.approx(parts)
     assert inference <= value(families, "vllm:e2e_request_latency_seconds_sum") + 1e-3
+
+
+def test_a_non_streamed_disconnect_is_an_abort_not_a_rejection():
+    """A client that leaves before its non-streamed answer is an abort (as one that leaves a stream),
+    never also a 4xx in moe:requests_rejected_total: no answer was sent (it counted a 499 there)."""
+    engine = FakeEngine(max_model_len=64, step_s=0.05)  # 60 tokens: 3 s
+    with ServerThread(build_app(engine, config())) as srv:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.base_url + "/v1/completions", timeout=0.3,
+                       json={"model": "fake-moe", "prompt": "hi", "max_tokens": 60})
+        deadline = time.monotonic() + 10
+        while value(scrape(srv.base_url), "moe:requests_aborted_total") < 1:
+            assert time.monotonic() < deadline, "abort never counted"
+            time.sleep(0.05)
+        families = scrape(srv.base_url)
+        assert value(families, "vllm:request_success_total", finished_reason="abort") == 1
+        assert value(families, "moe:requests_rejected_total") == 0
