@@ -264,6 +264,8 @@ def _check_served_model_name(value: Any) -> None:
 
 
 CORS_LIST_FIELDS = ("allowed_origins", "allowed_methods", "allowed_headers")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # serve --log-level
+UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 
 
 def _check_string_list(cfg: Any, name: str) -> None:
@@ -288,7 +290,9 @@ class ServerConfig:
     allowed_headers (lists of strings, ``"*"`` = any; ``Any`` for the schema loader as above) and
     allow_credentials: vLLM's CORS flags, handed to Starlette's ``CORSMiddleware``. chat_template:
     vLLM's ``--chat-template``, a Jinja file or an inline template rendering every chat request instead
-    of the checkpoint's (``launch.tokenizer.load_chat_template`` reads it when serving starts)."""
+    of the checkpoint's (``launch.tokenizer.load_chat_template`` reads it when serving starts).
+    log_level / uvicorn_log_level: serve's ``--log-level`` (this process's logging and uvicorn's) and
+    vLLM's ``--uvicorn-log-level`` (uvicorn's alone; None: ``log_level``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -305,8 +309,13 @@ class ServerConfig:
     allowed_headers: Any = field(default_factory=lambda: ["*"])  # list[str]
     allow_credentials: bool = False
     chat_template: str | None = None
+    log_level: str = "info"
+    uvicorn_log_level: str | None = None
 
     def __post_init__(self) -> None:
+        _check_choice("log_level", self.log_level, LOG_LEVELS)
+        if self.uvicorn_log_level is not None:
+            _check_choice("uvicorn_log_level", self.uvicorn_log_level, UVICORN_LOG_LEVELS)
         for name in CORS_LIST_FIELDS:
             _check_string_list(self, name)
         if self.enable_auto_tool_choice and not self.tool_call_parser:

@@ -55,7 +55,7 @@ FLAG_KEYS = VLLM_KEYS
 # taken from serve's arguments as FLAG_KEYS are.
 _FILE_ONLY_KEYS = {name: f"server.{name}" for name in (
     "init_expert_location", "expert_distribution_dir", "expert_distribution_recorder_buffer_size",
-    "enable_auto_tool_choice", "tool_call_parser", "chat_template")}
+    "enable_auto_tool_choice", "tool_call_parser", "chat_template", "log_level", "uvicorn_log_level")}
 # vLLM flags taken and documented as changing nothing here (flags and flat --config keys).
 COMPAT_NOOP_KEYS = ("trust_remote_code", "disable_log_requests", "disable_log_stats")
 _VALUE_ALIASES = {"engine.dtype": DTYPE_ALIASES, "engine.kv_cache_dtype": KV_CACHE_DTYPE_ALIASES,

@@ -34,7 +34,7 @@ from typing import Any
 
 import uvicorn
 
-from launch.config import RuntimeConfig
+from launch.config import LOG_LEVELS, UVICORN_LOG_LEVELS, RuntimeConfig
 from launch.config_args import FlagParser, add_runtime_args, runtime_config_from_args
 from launch.config_schema import ConfigError
 from launch.paths import output_dir_problem
@@ -43,8 +43,6 @@ from launch.server.tools.registry import TOOL_PARSER_NAMES
 
 logger = logging.getLogger("launch.serve")
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-UVICORN_LOG_LEVELS = (*LOG_LEVELS, "trace")
 # vLLM's environment variable for the API key when --api-key is not given
 API_KEY_ENV = "VLLM_API_KEY"
 
@@ -71,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="vLLM's: a Jinja chat template (a file, or the template itself inline) rendering "
                              "every chat request instead of the checkpoint's (default: the checkpoint's)")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=None,
                         help="this process's logging and uvicorn's (default: info)")
     parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
                         help="uvicorn's alone, as vLLM's flag (default: --log-level)")
@@ -245,13 +243,15 @@ def check_tool_call_parser(cfg: RuntimeConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=(args.log_level or "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
         check_serve_config(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    logging.getLogger().setLevel(cfg.server.log_level.upper())  # a --config file's log-level: too
     if (warning := exposure_warning(cfg)) is not None:
         logger.warning("%s", warning)
     # uvicorn handles SIGINT/SIGTERM while serving and re-raises them afterwards, when the engine
@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     term = TermRequest()
     previous = signal.signal(signal.SIGTERM, term)
     try:
-        asyncio.run(serve(cfg, log_level=args.uvicorn_log_level or args.log_level, stop_requested=term.is_set))
+        asyncio.run(serve(cfg, log_level=cfg.server.uvicorn_log_level or cfg.server.log_level,
+                          stop_requested=term.is_set))
     except KeyboardInterrupt:
         pass
     finally:

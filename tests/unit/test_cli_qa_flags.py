@@ -220,3 +220,24 @@ def test_quantization_takes_vllms_experts_int8_and_says_what_fp8_checkpoints_nee
         capsys.readouterr().err
     with pytest.raises(ValueError, match="loads without this flag"):
         EngineConfig(quantization="fp8")
+
+
+def test_serve_log_levels_from_a_vllm_config_file(tiny_ckpt: Path, never_serve: dict, tmp_path: Path,
+                                                  capsys) -> None:
+    """vLLM's --config takes every flag: log-level and uvicorn-log-level too (they were unknown keys)."""
+    from launch.serve import main
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("log-level: warning\nuvicorn-log-level: error\n")
+    root = logging.getLogger()
+    level = root.level
+    try:
+        assert main([str(tiny_ckpt), "--port", "0", "--config", str(path)]) == 0
+        assert never_serve["log_level"] == "error" and root.level == logging.WARNING
+        assert main([str(tiny_ckpt), "--port", "0", "--config", str(path), "--uvicorn-log-level", "debug"]) == 0
+        assert never_serve["log_level"] == "debug"  # the flag wins over the file
+        path.write_text("log-level: loud\n")
+        assert main([str(tiny_ckpt), "--port", "0", "--config", str(path)]) == 2
+        assert "log_level must be one of" in capsys.readouterr().err
+    finally:
+        root.setLevel(level)
