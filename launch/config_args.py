@@ -99,6 +99,27 @@ def _aliased(key: str) -> Callable[[str], str]:
     return convert
 
 
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG])")
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's ``--max-model-len`` spellings: an integer, or one with a suffix, k / m / g decimal (``25.6k``
+    = 25600) and K / M / G binary (``32K`` = 32768, whole numbers only); else argparse's one-line error."""
+    text = str(value).strip()
+    match = _HUMAN_INT.fullmatch(text)
+    if match is None:
+        if text.isascii() and text.lstrip("-").isdigit():
+            return int(text)
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r} (an integer, or one like 1k, 25.6k, 32K)")
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmg".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}: binary suffixes take whole numbers "
+                                         f"({number}{suffix.lower()} is decimal)")
+    return int(number) * 1024 ** ("KMG".index(suffix) + 1)
+
+
 def _quantization(value: str) -> str:
     """``--quantization``'s argparse ``type``: int8 (or vLLM's experts_int8); fp8 is refused saying what
     an fp8 checkpoint needs instead (nothing)."""
@@ -217,8 +238,9 @@ def _group_engine(parser: argparse.ArgumentParser, dtype_default: str | None = N
                    help=f"sequences running at once per DP rank {_d('engine.max_num_seqs')}")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help=f"tokens per step per DP rank {_d('engine.max_num_batched_tokens')}")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="prompt + output tokens per request (default: the model's max_position_embeddings)")
+    g.add_argument("--max-model-len", type=human_readable_int, default=None, metavar="N",
+                   help="prompt + output tokens per request; vLLM's spellings 1k = 1000, 1K = 1024, 25.6k "
+                        "(default: the model's max_position_embeddings)")
     g.add_argument("--block-size", type=int, default=None, metavar="N",
                    help=f"tokens per KV-cache block {_d('engine.block_size')}")
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None, metavar="N",
@@ -361,6 +383,11 @@ def nest_flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
             dotted = FLAG_KEYS.get(name) or _FILE_ONLY_KEYS[name]
             if dotted == "server.served_model_name":
                 value = served_name_value(value)
+            if dotted == "engine.max_model_len" and isinstance(value, str):  # max-model-len: 32K
+                try:
+                    value = human_readable_int(value)
+                except argparse.ArgumentTypeError as e:
+                    raise ConfigError(f"{where}: {key}: {e}") from None
             if dotted in _VALUE_ALIASES:
                 if value not in _accepted(dotted):
                     raise ConfigError(f"{where}: {key}: {_invalid_choice(dotted, value)}")

@@ -241,3 +241,20 @@ def test_serve_log_levels_from_a_vllm_config_file(tiny_ckpt: Path, never_serve: 
         assert "log_level must be one of" in capsys.readouterr().err
     finally:
         root.setLevel(level)
+
+
+def test_max_model_len_takes_vllms_human_readable_spellings(tmp_path: Path, capsys) -> None:
+    for text, want in (("2048", 2048), ("1k", 1000), ("25.6k", 25600), ("32K", 32768), ("1M", 1048576)):
+        assert _args(["--model", "m", "--max-model-len", text]).engine.max_model_len == want, text
+    parser = add_runtime_args(argparse.ArgumentParser(prog="p"))
+    for bad, message in (("1.5K", "binary suffixes take whole numbers (1.5k is decimal)"), ("k", "invalid int"),
+                         ("\u00b2", "invalid int")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--model", "m", "--max-model-len", bad])
+        assert message in capsys.readouterr().err
+    path = tmp_path / "v.yaml"
+    path.write_text("model: ck\nmax-model-len: 4K\n")
+    assert _args(["--config", str(path)]).engine.max_model_len == 4096
+    path.write_text("model: ck\nmax-model-len: 4.5K\n")
+    with pytest.raises(ConfigError, match="max-model-len: invalid int value: '4.5K'"):
+        _args(["--config", str(path)])
