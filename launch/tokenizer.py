@@ -234,7 +234,11 @@ def load_chat_template(value: str, flag: str = "--chat-template") -> str:
     ``value`` itself when it holds ``{``, ``}`` or a newline (an inline template); ValueError (one line
     naming ``flag``) for a path that is not a readable file or a template that is not valid Jinja."""
     path = Path(value)
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. a long inline template: "File name too long"
+        is_file = False
+    if is_file:
         text = read_text(path)
         where = f"{flag} {value}"
     elif any(c in value for c in "{}\n"):

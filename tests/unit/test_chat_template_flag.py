@@ -22,6 +22,8 @@ def test_a_file_an_inline_template_and_what_is_neither(tmp_path: Path):
     file = tmp_path / "t.jinja"
     file.write_text(INLINE)
     assert load_chat_template(str(file)) == INLINE == load_chat_template(INLINE)
+    long = "{# a real template is long #}" * 40 + INLINE  # over the 255 bytes a file name may have
+    assert load_chat_template(long) == long
     with pytest.raises(ValueError, match=r"^--chat-template 'nope.jinja': no such file \(an inline template holds"):
         load_chat_template("nope.jinja")
     file.write_text("{% for m in messages %}")
