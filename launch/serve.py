@@ -176,6 +176,7 @@ async def serve(cfg: RuntimeConfig, *, log_level: str = "info", engine: Any = No
     try:
         app = build_app(engine, cfg.server)
         app.router.lifespan_context = lifespan
+
         def listening(port: int) -> None:
             logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", ", ".join(cfg.served_model_names),
                         cfg.server.host, port)
