@@ -95,6 +95,18 @@ def _without_a_cut_character(decode: DecodeFn, window: list[int]) -> list[int]:
     return trimmed
 
 
+def stop_string_holdback(text: str, stop: Sequence[str]) -> int:
+    """How many characters at the end of ``text`` to withhold while the sequence runs: the longest tail
+    that is the start of a stop string (it is trimmed if the rest of the stop string arrives)."""
+    hold = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
 def find_stop_string(
     text: str, num_new_chars: int, stop: Sequence[str], include_stop_str: bool
 ) -> tuple[str, int] | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from launch.core.detokenizer import DecodeFn, IncrementalDetokenizer, find_stop_string
+from launch.core.detokenizer import DecodeFn, IncrementalDetokenizer, find_stop_string, stop_string_holdback
 from launch.core.outputs import (
     CompletionOutput,
     FinishReason,
@@ -276,13 +276,7 @@ class Sequence:
         text = self.output_text
         if not self.params.stop or self.is_finished or self.params.include_stop_str_in_output:
             return text
-        hold = 0
-        for stop in self.params.stop:
-            for k in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return text[: len(text) - hold]
+        return text[: len(text) - stop_string_holdback(text, self.params.stop)]
 
     def to_completion_output(self) -> CompletionOutput:
         return CompletionOutput(

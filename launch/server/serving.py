@@ -305,7 +305,7 @@ class OpenAIServing:
                                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                       prompt_logprobs=req.prompt_logprobs)
         tool_streams = None if tool_parser is None else self.tool_calling.streams(
-            tool_parser, self.engine.tokenizer, prompts[0], req.include_stop_str_in_output)
+            tool_parser, self.engine.tokenizer, prompts[0], req.include_stop_str_in_output, req.stop or ())
         formatter = ChatFormatter(request_id, self.reply_model_name(req.model), prompts, req.n, self.token_text,
                                   num_logprobs, continuous_usage=req.continuous_usage, tool_streams=tool_streams,
                                   prompt_logprobs=req.prompt_logprobs)

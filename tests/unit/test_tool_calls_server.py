@@ -258,6 +258,21 @@ def test_marked_text_keeps_markers_and_cuts_like_the_engine() -> None:
     assert MarkedText(tok, markers, [1], True).update(cut) == "one STOP"
 
 
+def test_marked_text_withholds_what_may_start_a_stop_string_while_the_reply_runs() -> None:
+    """As the engine's text does (``Sequence.visible_text``): a streamed reply showed "ok STOPHER" of a
+    stop string "STOPHERE" whose whole reply ended "ok", and sent it on as content or arguments."""
+    tok = ScriptTokenizer(specials=("[TOOL_CALLS]",), special=("[TOOL_CALLS]",))
+    markers = {tok.ids["[TOOL_CALLS]"]: "[TOOL_CALLS]"}
+    ids = tok.encode("ok[TOOL_CALLS] STOPHERE")
+    for include, stop, want in ((False, ["STOPHERE"], "ok[TOOL_CALLS] "), (False, ["X", "HERX"], "ok[TOOL_CALLS] STOP"),
+                                (True, ["STOPHERE"], "ok[TOOL_CALLS] STOPHER"), (False, [], "ok[TOOL_CALLS] STOPHER")):
+        marked = MarkedText(tok, markers, [1], include, stop)
+        running = SimpleNamespace(token_ids=ids[:-1], finish_reason=None, stop_reason=None)  # "...STOPHER"
+        assert marked.update(running) == want, (include, stop)
+    done = SimpleNamespace(token_ids=ids, finish_reason="stop", stop_reason="STOPHERE")
+    assert marked.update(done) == "ok[TOOL_CALLS] "
+
+
 # ---------------------------------------------------------------- the conversation's past calls
 
 

@@ -11,7 +11,7 @@ Per request, ``parser_for(req)`` says whether the reply is parsed for calls: onl
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,10 +65,11 @@ class ToolCalling:
         return self.parser
 
     def streams(self, parser: type[ToolParser], tokenizer: Any, prompt_token_ids: list[int],
-                include_stop_str: bool) -> Callable[[], ToolCallStream]:
-        """A factory of ``ToolCallStream``: one per choice (streamed) or per finished choice (whole)."""
+                include_stop_str: bool, stop: Sequence[str] = ()) -> Callable[[], ToolCallStream]:
+        """A factory of ``ToolCallStream``: one per choice (streamed) or per finished choice (whole);
+        ``stop``: the request's stop strings."""
         def make() -> ToolCallStream:
-            marked = (MarkedText(tokenizer, self.special_ids, prompt_token_ids, include_stop_str)
+            marked = (MarkedText(tokenizer, self.special_ids, prompt_token_ids, include_stop_str, stop)
                       if self.special_ids else None)
             return ToolCallStream(parser(), marked)
         return make

@@ -8,16 +8,18 @@ to are those of the whole response.
 
 The text is the engine's (special tokens left out) unless the parser's markers are special
 tokens of this tokenizer: then ``MarkedText`` decodes the token ids again, keeping the markers
-and leaving out the other special tokens, the stop token and the stop string as the engine does.
+and leaving out the other special tokens, the stop token and the stop string as the engine does,
+and, while the reply runs, withholding a tail that may be the start of a stop string as the engine
+withholds it from its text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from launch.core.detokenizer import IncrementalDetokenizer
+from launch.core.detokenizer import IncrementalDetokenizer, stop_string_holdback
 from launch.server.responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from launch.server.tools.base import ToolParser
 
@@ -41,19 +43,22 @@ class MarkedText:
 
     markers: id -> text of the markers to keep. include_stop_str: the request's
     ``include_stop_str_in_output`` (the stop token or string stays in the text, as the engine keeps it).
+    stop: the request's stop strings (a tail that may start one is withheld while the reply runs, as
+    the engine's ``Sequence.visible_text`` withholds it; never with ``include_stop_str``).
     """
 
     def __init__(self, tokenizer: Any, markers: Mapping[int, str], prompt_token_ids: list[int],
-                 include_stop_str: bool) -> None:
+                 include_stop_str: bool, stop: Sequence[str] = ()) -> None:
         self._detok = IncrementalDetokenizer(lambda ids: decode_keeping(tokenizer, markers, ids), prompt_token_ids)
         self._include_stop_str = include_stop_str
+        self._stop = tuple(stop)
         self._num_fed = 0
         self._before_last = 0  # length of the text before the newest token
         self._done = False
         self.text = ""
 
     def update(self, completion: Any) -> str:
-        """The text of ``completion`` (a cumulative ``CompletionOutput``)."""
+        """The text of ``completion`` (a cumulative ``CompletionOutput``), less a withheld tail while it runs."""
         if self._done:
             return self.text
         reason, stop = completion.finish_reason, completion.stop_reason
@@ -71,6 +76,9 @@ class MarkedText:
                 at = self.text.find(stop, max(0, self._before_last - len(stop) + 1))
                 if at >= 0:
                     self.text = self.text[: at + (len(stop) if self._include_stop_str else 0)]
+            return self.text
+        if self._stop and not self._include_stop_str:
+            return self.text[: len(self.text) - stop_string_holdback(self.text, self._stop)]
         return self.text
 
 
