@@ -197,12 +197,13 @@ class OutputMessage(BaseModel):
 
 
 class ResponseUsage(BaseModel):
-    """``cached_tokens`` is 0: the engine does not report prefix-cache hits per request."""
+    """``cached_tokens`` and ``cache_write_tokens`` are 0: the engine does not report prefix-cache hits
+    per request (the openai client's ``InputTokensDetails`` requires both)."""
 
     input_tokens: int
     output_tokens: int
     total_tokens: int
-    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0, "cache_write_tokens": 0})
     output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
 
 

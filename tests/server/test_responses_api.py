@@ -78,6 +78,8 @@ def test_response_object_parses_with_the_sdk(served):
     u = r.usage
     assert (u.input_tokens, u.output_tokens, u.total_tokens) == (expected_input, 5, expected_input + 5)
     assert u.input_tokens_details.cached_tokens == 0 and u.output_tokens_details.reasoning_tokens == 0
+    assert u.input_tokens_details.cache_write_tokens == 0
+    type(r).model_validate(r.model_dump(), strict=True)  # the client's own type, every required field there
 
 
 def test_a_stop_ends_it_completed(served):

@@ -118,6 +118,8 @@ def test_any_chunking_gives_the_same_calls(case, data) -> None:
     ("mistral", "[TOOL_CALLS][]"),
     ("deepseek_v3", f"{ds.CALLS_BEGIN}garbage{ds.CALLS_END}"),
     ("llama3_json", '{"name": 1, "parameters": {}}'),
+    # a JSON answer with a "name" and no arguments or parameters is no call (vLLM's parser fails on it)
+    ("llama3_json", '{"name": "John Smith", "age": 30}'),
 ])
 def test_malformed_calls_stay_in_the_content_as_written(parser, text) -> None:
     assert whole(parser, text) == (text, []) == streamed(parser, text)
@@ -132,6 +134,23 @@ def test_a_call_whose_name_has_streamed_stays_a_call() -> None:
     assert whole("hermes", cut, "length") == (None, [("f", '{"city": "Pa')]) == streamed("hermes", cut, reason="length")
     assert tool_finish_reason("length", True) == "length" and tool_finish_reason("stop", True) == "tool_calls"
     assert tool_finish_reason("stop", False) == "stop"
+
+
+def test_a_later_llama_object_without_arguments_ends_the_calls() -> None:
+    text = '{"name": "f", "parameters": {"a": 1}}; {"name": "John"}'
+    assert whole("llama3_json", text) == ('{"name": "John"}', [("f", '{"a": 1}')]) == streamed("llama3_json", text)
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2}}\n</tool_call>',  # a bracket that breaks the JSON
+    '<tool_call>{"name": "f", "arguments": {"a": 1]}</tool_call> after',
+    '<tool_call>{"name": "f", "arguments": {"a": 1}   \n</tool_call>',
+])
+def test_arguments_that_break_json_stream_no_part_of_the_end_tag(text) -> None:
+    """Arguments kept as written run to the end of the call's text: while streaming, a tail that may
+    become </tool_call> is not the call's, and trailing whitespace a finished call drops is never sent
+    (the stream sent '{"a": [1, 2}}\n</tool_call' where the whole reply has '{"a": [1, 2}}')."""
+    assert whole("hermes", text) == streamed("hermes", text)
 
 
 def test_partial_markup_never_reaches_the_content_while_streaming() -> None:

@@ -9,13 +9,23 @@ string is text. Text inside the tags after the object is ignored.
 llama3_json (Llama 3.1 / 3.2 / 4 JSON tool calls; vLLM's ``llama_tool_parser.py``): the reply
 (after leading whitespace) starts with ``<|python_tag|>`` or ``{`` and holds objects with
 ``"parameters"`` (or ``"arguments"``) separated by ``;``. A reply that starts otherwise, or whose
-first object has no name, is content.
+first object has no name or neither key, is content (vLLM's parser fails on it: a JSON answer such
+as ``{"name": "John", "age": 30}`` is no call); a later such object ends the calls, as text (the
+calls before it may have streamed). While streaming, a call is held back until its arguments start.
 """
 
 from __future__ import annotations
 
 from launch.server.tools.base import Section, ToolParser
-from launch.server.tools.scan import OPEN, ParsedCall, as_call, find_unquoted, scan_call_object, skip_ws
+from launch.server.tools.scan import (
+    OPEN,
+    ParsedCall,
+    as_call,
+    find_unquoted,
+    partial_marker_len,
+    scan_call_object,
+    skip_ws,
+)
 
 
 class HermesToolParser(ToolParser):
@@ -28,8 +38,9 @@ class HermesToolParser(ToolParser):
 
     def scan_section(self, text: str, i: int, final: bool) -> Section:
         stop = find_unquoted(text, i, (self.end_marker, self.start))
-        if stop < 0:
-            region_end, end, closed = len(text), len(text), final
+        if stop < 0:  # while the reply runs, a tail that may become a marker is not the call's yet
+            held = 0 if final else partial_marker_len(text, (self.end_marker, self.start))
+            region_end, end, closed = len(text) - held, len(text), final
         else:  # </tool_call>, or the next <tool_call> when it never came
             ends = text.startswith(self.end_marker, stop)
             region_end, end, closed = stop, stop + (len(self.end_marker) if ends else 0), True
@@ -67,6 +78,10 @@ class Llama3JsonToolParser(ToolParser):
                 if not (obj.malformed or obj.end != OPEN or final):
                     return "", calls  # the name may still come
                 return (text, []) if not calls else (self.tail(text[i:], True, final), calls)
+            if obj.arguments is None:
+                if not (obj.malformed or obj.end != OPEN or final):
+                    return "", calls  # "parameters" may still come
+                return (text, []) if not calls else (self.tail(text[i:], True, final), calls)  # not a call
             calls.append(as_call(obj))
             if obj.end == OPEN:
                 return "", calls

@@ -180,11 +180,12 @@ def scan_call_object(text: str, i: int, arg_keys: tuple[str, ...] = ARGUMENT_KEY
 
 
 def as_call(obj: CallObject) -> ParsedCall:
-    """A ``CallObject`` whose name is known as a ``ParsedCall``."""
+    """A ``CallObject`` whose name is known as a ``ParsedCall``; its arguments without trailing whitespace,
+    complete or not (what a finished call drops is never streamed first)."""
     assert obj.name is not None
     complete = obj.end != OPEN
     arguments = obj.arguments if obj.arguments is not None else ("{}" if complete else "")
-    return ParsedCall(obj.name, arguments.rstrip() if complete else arguments, complete)
+    return ParsedCall(obj.name, arguments.rstrip(), complete)
 
 
 def find_unquoted(text: str, i: int, markers: tuple[str, ...]) -> int:
