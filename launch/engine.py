@@ -261,7 +261,8 @@ class LLMEngine:
                     prompt: str | None = None) -> None:
         """Queue a request; ValueError for one that can never run (prompt or stop token ids
         outside the vocab, more logprobs than ``max_logprobs``, too long for max_model_len or for
-        the KV pool)."""
+        the KV pool). The request keeps a copy of ``params`` (a caller may change its object later)."""
+        params = params.clone()
         try:
             params = self._with_bad_word_ids(params)
         except ValueError as e:

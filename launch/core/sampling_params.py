@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,14 @@ from typing import Any
 _GREEDY_EPS = 1e-5
 # Accepted seeds: int64, as vLLM's OpenAI server and torch.Generator take them.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _plain(value: Any) -> Any:
+    """A numpy (or other ``numbers``) integer or real as Python's int or float, as vLLM takes them
+    (its checks compare numbers); bools, None and anything else unchanged."""
+    if value is None or isinstance(value, bool | int | float) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _is_token_id(value: Any) -> bool:
@@ -44,7 +53,7 @@ def _token_biases(value: Any) -> tuple[tuple[int, float], ...] | None:
     else:
         raise ValueError(f"logit_bias must map token ids (integers >= 0) to biases, got {value!r}"[:200])
     out: dict[int, float] = {}
-    for token, bias in pairs:
+    for token, bias in ((_plain(k), _plain(b)) for k, b in pairs):
         if not _is_token_id(token):
             raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}"[:200])
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
@@ -60,7 +69,9 @@ def _token_id_set(value: Any) -> tuple[int, ...] | None:
     field otherwise, an empty list included (no token could be drawn; vLLM refuses it too)."""
     if value is None:
         return None
-    if not isinstance(value, list | tuple | set | frozenset) or not all(_is_token_id(t) for t in value):
+    if isinstance(value, list | tuple | set | frozenset):
+        value = [_plain(t) for t in value]
+    if not isinstance(value, list) or not all(_is_token_id(t) for t in value):
         raise ValueError(f"allowed_token_ids must be a list of token ids (integers >= 0), got {value!r}"[:200])
     if not value:
         raise ValueError("allowed_token_ids is empty: no token could be drawn (leave it out to allow every token)")
@@ -98,10 +109,10 @@ def _token_sequences(value: Any) -> tuple[tuple[int, ...], ...] | None:
     if value is None:
         return None
     if not isinstance(value, list | tuple) or not all(
-            isinstance(ids, list | tuple) and ids and all(_is_token_id(t) for t in ids) for ids in value):
+            isinstance(ids, list | tuple) and ids and all(_is_token_id(_plain(t)) for t in ids) for ids in value):
         raise ValueError("bad_words_token_ids must be a list of non-empty lists of token ids (integers >= 0), "
                          f"got {value!r}"[:200])
-    return tuple(tuple(ids) for ids in value) or None
+    return tuple(tuple(_plain(t) for t in ids) for ids in value) or None
 
 
 def _check_num_logprobs(name: str, value: object) -> None:
@@ -162,9 +173,20 @@ UNSUPPORTED_FIELDS = ("logits_processors",)
 CONSTRAINED_DECODING_FIELDS = ("structured_outputs", "guided_decoding")
 
 
-@dataclass(frozen=True)
+# The numeric fields: numpy and other ``numbers`` scalars are taken as Python ints and floats.
+_NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs", "truncate_prompt_tokens",
+                  "best_of")
+
+
+@dataclass(unsafe_hash=True)
 class SamplingParams:
-    """How to sample one request's continuation (all fields validated on construction).
+    """How to sample one request's continuation (all fields validated on construction, and again on
+    every assignment, which is undone when the object would not be valid).
+
+    As vLLM's, an object may be changed (``params = llm.get_default_sampling_params();
+    params.max_tokens = 64``); the engine takes a copy when a request is added (``clone``), so
+    changing it afterwards changes no request. Numeric fields take numpy scalars too.
 
     n: completions per prompt (>= 1); each gets its own sequence and, when ``seed`` is
         set, the seed ``seed + index`` (wrapping around within int64).
@@ -279,15 +301,35 @@ class SamplingParams:
     guided_decoding: Any = None
     extra_args: dict[str, Any] | None = None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "extra_args" not in self.__dict__ or name not in _FIELD_NAMES:  # __init__ assigns the fields in order,
+            object.__setattr__(self, name, value)                        # extra_args last
+            return
+        old = self.__dict__[name]
+        object.__setattr__(self, name, value)
+        try:
+            self.__post_init__()  # normalise and validate the whole object again
+        except Exception:
+            object.__setattr__(self, name, old)
+            raise
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's ``clone``): the engine queues one, so later changes to this object reach no request."""
+        return dataclasses.replace(self)
+
     def __post_init__(self) -> None:
-        # Normalise containers to tuples so the frozen object is hashable and safe to share.
+        # Normalise containers to tuples, so the object is hashable and the sampler's fields compare by value.
+        for name in _NUMBER_FIELDS:
+            value = self.__dict__[name]
+            if value is not None and type(value) is not int and type(value) is not float:
+                object.__setattr__(self, name, _plain(value))
         stop, stop_ids = self.stop, self.stop_token_ids
         if not (stop is None or isinstance(stop, str | list | tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         if not (stop_ids is None or isinstance(stop_ids, list | tuple)):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {stop_ids!r}")
         object.__setattr__(self, "stop", () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop))
-        object.__setattr__(self, "stop_token_ids", tuple(stop_ids or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(_plain(t) for t in stop_ids or ()))
         if self.output_kind not in tuple(RequestOutputKind) or isinstance(self.output_kind, bool):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
@@ -420,6 +462,11 @@ class SamplingParams:
             raise ValueError(f"sample index {index} out of range for n={self.n}")
         seed = None if self.seed is None else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
         return dataclasses.replace(self, n=1, seed=seed, best_of=None)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+if dataclasses.fields(SamplingParams)[-1].name != "extra_args":  # SamplingParams.__setattr__ relies on it
+    raise RuntimeError("SamplingParams: extra_args must stay its last field")
 
 
 def params_max_logprobs_problem(params: SamplingParams, max_logprobs: int, vocab_size: int) -> str | None:

@@ -8,7 +8,6 @@ Runs the in-process engine on the session's tiny ``make-tiny`` checkpoint with i
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pickle
 import shutil
@@ -95,13 +94,51 @@ def test_extra_args_takes_none_or_empty_and_refuses_the_rest():
             SamplingParams(extra_args=value)
 
 
-def test_the_new_fields_keep_sampling_params_frozen_picklable_and_driver_only(llm):
+def test_the_new_fields_keep_sampling_params_validated_picklable_and_driver_only(llm):
     params = SamplingParams(structured_outputs=None, guided_decoding=None, extra_args={}, max_tokens=2)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        params.extra_args = {"k": 1}  # type: ignore[misc]
+    with pytest.raises(ValueError, match="^extra_args is not supported"):
+        params.extra_args = {"k": 1}
+    assert params.extra_args is None  # the refused assignment is undone
     assert pickle.loads(pickle.dumps(params)) == params
     assert not {"structured_outputs", "guided_decoding", "extra_args"} & set(SAMPLER_FIELDS)
     assert len(llm.generate("Hi", params)[0].outputs[0].token_ids) == 2
+
+
+def test_sampling_params_change_as_vllms_do_and_a_queued_request_keeps_its_copy(llm):
+    """vLLM's offline example sets fields on ``get_default_sampling_params()``; it raised
+    FrozenInstanceError. Assignments are normalised and validated (a bad one undone); the engine
+    queues a copy, so changing the object after ``add_request`` changes no request."""
+    params = llm.get_default_sampling_params()
+    params.max_tokens, params.temperature, params.stop = 3, 0.0, ["zz"]
+    assert params.stop == ("zz",) and hash(params) == hash(params.clone()) and params.clone() is not params
+    with pytest.raises(ValueError, match="max_tokens must be None or an integer >= 1, got 0"):
+        params.max_tokens = 0
+    assert params.max_tokens == 3
+    engine = llm.engine
+    engine.add_request("copy", [5, 6, 7], params)
+    params.max_tokens = 1
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert len(outs[0].outputs[0].token_ids) == 3
+
+
+def test_sampling_params_take_numpy_scalars():
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(n=np.int64(2), max_tokens=np.int32(8), seed=np.int64(3), top_k=np.int64(5),
+                            temperature=np.float32(0.5), top_p=np.float32(0.9), repetition_penalty=np.float32(1.1),
+                            stop_token_ids=[np.int64(4)], allowed_token_ids=list(np.arange(3)),
+                            logit_bias={np.int64(2): np.float32(1.5)}, bad_words_token_ids=[[np.int64(7)]])
+    assert (params.n, params.max_tokens, params.seed, params.top_k) == (2, 8, 3, 5)
+    assert all(type(v) is int for v in (params.n, params.max_tokens, params.seed, params.top_k, *params.stop_token_ids,
+                                        *params.allowed_token_ids))
+    assert type(params.temperature) is float and params.logit_bias == ((2, 1.5),)
+    assert params == SamplingParams(n=2, max_tokens=8, seed=3, top_k=5, temperature=float(np.float32(0.5)),
+                                    top_p=float(np.float32(0.9)), repetition_penalty=float(np.float32(1.1)),
+                                    stop_token_ids=[4], allowed_token_ids=[0, 1, 2], logit_bias={2: 1.5},
+                                    bad_words_token_ids=[[7]])
+    with pytest.raises(ValueError, match="max_tokens must be None or an integer >= 1"):
+        SamplingParams(max_tokens=np.float32(8))  # not an integer, as 8.0 is not
 
 
 # --- 3. the tokenizer is callable ----------------------------------------------------------------
