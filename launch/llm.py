@@ -21,7 +21,7 @@ from launch.tokenizer import check_prompt
 # Flat names that configure the HTTP server or name the model: flags only, not LLM() keywords.
 # LLM.chat's own arguments, which chat_template_kwargs may not override.
 _CHAT_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
-                                     "documents", "chat_template"})
+                                     "documents", "chat_template", "tokenize"})
 _SERVER_ONLY = frozenset({"model", "host", "port", "api_key", "served_model_name", "max_queue_len"})
 
 Prompt = str | Mapping[str, Any]

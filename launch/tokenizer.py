@@ -549,6 +549,33 @@ class Tokenizer:
             out["attention_mask"] = masks if is_batch else masks[0]
         return out
 
+    def __len__(self) -> int:
+        """transformers' ``len(tokenizer)``: the ids, added tokens included."""
+        return self.vocab_size
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str | list[str]:
+        """transformers': the token string of one id, or of each id (special ones left out when asked)."""
+        if isinstance(ids, int):
+            return self._tok.id_to_token(ids)
+        special = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self._tok.id_to_token(int(i)) for i in ids if int(i) not in special]
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """transformers': the ids of the named special tokens (``bos_token``, ``eos_token``, ``pad_token``, ...)."""
+        ids = {self._tok.token_to_id(token) for token in self.special_tokens.values() if isinstance(token, str)}
+        return sorted(i for i in ids if i is not None)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The id of tokenizer_config.json's ``pad_token`` (None without one)."""
+        pad = self.special_tokens.get("pad_token")
+        return None if pad is None else self._tok.token_to_id(pad)
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], **kwargs: Any) -> list[str]:
+        """transformers': ``decode`` of each sequence (same keywords)."""
+        return [self.decode(ids, **kwargs) for ids in sequences]
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True,
                clean_up_tokenization_spaces: bool | None = None) -> str:
         """Text of ``ids``; incomplete UTF-8 at either end decodes to U+FFFD. ``clean_up_tokenization_spaces``
@@ -562,9 +589,12 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,
-        chat_template: str | None = None, continue_final_message: bool = False, **kwargs: Any,
-    ) -> str:
-        """Render chat ``messages`` (``[{"role": str, "content": str | text parts}]``) to a prompt.
+        chat_template: str | None = None, continue_final_message: bool = False, tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render chat ``messages`` (``[{"role": str, "content": str | text parts}]``) to a prompt: its text,
+        or with ``tokenize=True`` its token ids (encoded without special tokens: the template writes them).
+        Unlike transformers', ``tokenize`` is False and ``add_generation_prompt`` True by default.
 
         The template sees what transformers' ``apply_chat_template`` passes: ``messages``,
         ``add_generation_prompt``, ``tools`` and ``documents`` (None when not given), the
@@ -585,7 +615,8 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
-        return _cut_after_final_message(text, normalized) if continue_final_message else text
+        text = _cut_after_final_message(text, normalized) if continue_final_message else text
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _pick_template(self, chat_template: str | None, tools: list[dict[str, Any]] | None) -> Any:
         """The compiled template ``apply_chat_template`` renders (see there)."""

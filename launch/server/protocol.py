@@ -43,7 +43,7 @@ MAX_N = 16
 MAX_STOP_SEQUENCES = 16
 # What chat_template_kwargs may not set: the request's own fields (messages, tools, ...) fill them
 CHAT_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
-                                    "documents"})
+                                    "documents", "tokenize"})
 # /v1/completions without max_tokens generates this many tokens at most (OpenAI's and vLLM's default);
 # an explicit null means "until max_model_len" (vLLM); chat has no default cap (both of them)
 DEFAULT_COMPLETION_MAX_TOKENS = 16

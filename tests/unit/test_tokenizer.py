@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from launch.tiny_checkpoint import SPECIAL_TOKENS, train_tokenizer
@@ -229,6 +229,8 @@ def test_streaming_keeps_multibyte_characters_whole(tok):
 @settings(max_examples=60, deadline=None)
 @given(st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"), max_size=40))
 def test_streaming_equals_full_decode(tok, text):
+    # a special token's text encodes to its id, which the text skips (hypothesis once drew "<|pad|>")
+    assume(not any(special in text for special in tok.special_tokens.values()))
     ids = tok.encode(text, add_special_tokens=False)
     chunks = _stream(tok, [tok.bos_token_id], ids)
     assert "".join(chunks) == tok.decode(ids) == text

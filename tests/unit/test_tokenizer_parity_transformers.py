@@ -377,3 +377,25 @@ def test_several_chat_templates_without_a_default(tmp_path):
     with pytest.raises(TokenizerError, match=r"tool_use\.jinja: chat template 'tool_use' is not a valid Jinja "
                                              r"template \(.*line 1\)"):
         Tokenizer.from_dir(bad)
+
+
+def test_the_hugging_face_helpers_vllm_scripts_call(spm, tmp_path):
+    """``LLM.get_tokenizer()`` users call these as on a transformers tokenizer: same answers."""
+    for name, tok, config in (("bpe", byte_level_bpe(), {"bos_token": "<|bos|>", "eos_token": "<|eos|>",
+                                                          "pad_token": "<|im_end|>"}),
+                              ("llama", spm["legacy"], LLAMA)):
+        path = write_checkpoint(tmp_path / name, tok, config)
+        hf, ours = transformers.AutoTokenizer.from_pretrained(path), Tokenizer.from_dir(path)
+        ids = hf.encode("Hello world, naïve 🚀", add_special_tokens=True) + [hf.eos_token_id]
+        assert len(ours) == len(hf) and ours.pad_token_id == hf.pad_token_id
+        assert sorted(ours.all_special_ids) == sorted(hf.all_special_ids)
+        assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
+        assert ours.convert_ids_to_tokens(ids[1]) == hf.convert_ids_to_tokens(ids[1])
+        assert ours.convert_ids_to_tokens(ids, skip_special_tokens=True) == \
+            hf.convert_ids_to_tokens(ids, skip_special_tokens=True)
+        assert ours.batch_decode([ids, ids[:3]], skip_special_tokens=True) == \
+            hf.batch_decode([ids, ids[:3]], skip_special_tokens=True)
+        if name == "llama":  # INST_TEMPLATE
+            for gen in (True, False):
+                assert ours.apply_chat_template(MESSAGES, add_generation_prompt=gen, tokenize=True) == \
+                    hf.apply_chat_template(MESSAGES, add_generation_prompt=gen, tokenize=True, return_dict=False)
