@@ -451,9 +451,13 @@ def step_timeout_s(config: RuntimeConfig) -> float:
 
 def _eos_token_ids(path: Path, tokenizer: Any) -> tuple[int, ...]:
     """The ids that end generation: the tokenizer's (generation_config.json's, config.json's and
-    its eos token's), or without a tokenizer the two files' (launch.tokenizer.checkpoint_eos_token_ids)."""
+    its eos token's), or without a tokenizer the two files' (launch.tokenizer.checkpoint_eos_token_ids).
+    The tokenizer's own eos token comes first: it ends a sequence with stop_reason None, the others with
+    their id (``Sequence.eos_token_ids``)."""
     if tokenizer is not None:
-        return tuple(tokenizer.eos_token_ids)
+        ids = list(tokenizer.eos_token_ids)
+        own = tokenizer.token_to_id(tokenizer.eos_token) if tokenizer.eos_token is not None else None
+        return tuple([own, *(i for i in ids if i != own)] if own in ids else ids)
     from launch.tokenizer import checkpoint_eos_token_ids
 
     return checkpoint_eos_token_ids(path)

@@ -69,7 +69,8 @@ class CompletionOutput:
     finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens
         or max_model_len), "abort", "error" (the engine lost the workers running it: see
         ``launch.recovery``), or None while still generating.
-    stop_reason: the stop string or stop token id that ended it; None for EOS/length.
+    stop_reason: the stop string or stop token id that ended it (an eos id only generation_config.json adds
+        counts as a stop token id, as vLLM adds those to stop_token_ids); None for the tokenizer's EOS and length.
     cumulative_logprob: sum of the sampled tokens' logprobs (None without logprobs).
     logprob_ranks: beside ``logprobs``, each sampled token's rank over the whole vocabulary (vLLM's
         ``Logprob.rank``: how many tokens have a logprob >= its own; 1 for the most likely), or None.

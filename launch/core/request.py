@@ -68,6 +68,8 @@ class Sequence:
     params: SamplingParams
     max_model_len: int
     arrival_order: int
+    # The first is the tokenizer's EOS (stop_reason None); the others (generation_config.json's extra ids)
+    # end with stop_reason = the id, as vLLM's update_from_generation_config adds them to stop_token_ids.
     eos_token_ids: tuple[int, ...] = ()
     dp_rank: int = 0
     decode: DecodeFn | None = None
@@ -195,7 +197,7 @@ class Sequence:
         params = self.params
         if not params.min_tokens or len(self.output_token_ids) >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
-                self._stop_on_token(token_id, None)
+                self._stop_on_token(token_id, None if token_id == self.eos_token_ids[0] else token_id)
                 return True
             if token_id in params.stop_token_ids:
                 self._stop_on_token(token_id, token_id)

@@ -176,3 +176,24 @@ def test_calling_the_tokenizer_with_pt_tensors_or_refusals(llm, tiny_ckpt_with_t
         tok("a", return_tensors="np")
     with pytest.raises(TypeError, match="text must be a string or a list of strings"):
         tok([1, 2])
+
+
+def test_an_eos_id_only_generation_config_adds_reports_its_id_as_vllm(tiny_ckpt_with_tokenizer, tmp_path):
+    """vLLM adds generation_config.json's eos ids other than the tokenizer's to ``stop_token_ids``: ending
+    on one gives stop_reason = that id (it gave None); the tokenizer's own eos still gives None."""
+    path = tmp_path / "tiny-v3"
+    shutil.copytree(tiny_ckpt_with_tokenizer, path)
+    tok = Tokenizer.from_dir(path)
+    own = tok.token_to_id(tok.eos_token)
+    other = next(i for i in range(3, 50) if i != own and i not in tok.eos_token_ids)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [other, own]  # listed first: the order of the file does not make it the primary
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    with LLM(str(path), dtype="float32", max_model_len=48) as llm:
+        for forced, reason in ((other, other), (own, None)):
+            out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+                temperature=0.0, max_tokens=3, logit_bias={forced: 100.0}))[0].outputs[0]
+            assert (out.token_ids, out.finish_reason, out.stop_reason) == ([forced], "stop", reason)
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={other: 100.0}))[0].outputs[0]
+        assert out.finish_reason == "length"  # ignore_eos ignores it too, as vLLM
