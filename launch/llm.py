@@ -247,6 +247,8 @@ class LLM:
         """``text``'s ids with the tokenizer's special tokens. As vLLM, "" is a prompt when the tokenizer
         adds a bos (the prompt is then that bos alone); text that encodes to no ids at all is refused
         with vLLM's message."""
+        if not isinstance(text, str):  # "" is a prompt here (its bos), so not check_prompt's "non-empty string"
+            raise ValueError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
         if text != "":  # "" is checked by what it encodes to
             check_prompt({"prompt": text}, where)
         if self.engine.tokenizer is None:

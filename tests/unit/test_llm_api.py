@@ -78,7 +78,7 @@ def test_an_interrupted_generate_aborts_what_it_queued(llm, monkeypatch):
     ({"prompt_token_ids": []}, "'prompt_token_ids' must be a non-empty list of non-negative integers"),
     ({"prompt_token_ids": 5}, "'prompt_token_ids' must be a non-empty list of non-negative integers"),
     ({"prompt_token_ids": [5], "prompt": 3}, "'prompt' beside 'prompt_token_ids' must be a string, got int"),
-    ({"prompt": None}, "'prompt' must be a non-empty string"),
+    ({"prompt": None}, "'prompt' must be a string, got NoneType"),
     ({"prompt": ""}, "this checkpoint has no tokenizer.json"),  # "" is its bos alone, with a tokenizer
     ({"text": "hi"}, r"unknown prompt key\(s\) \['text'\]: a prompt dict holds 'prompt' and/or 'prompt_token_ids'"),
     ({"prompt": "hi", "max_tokens": 3}, r"unknown prompt key\(s\) \['max_tokens'\]: sampling fields \(max_tokens\) "

@@ -69,7 +69,7 @@ def test_an_empty_prompt_without_special_tokens_is_refused_as_vllm_refuses_it(no
 def test_an_empty_token_list_is_still_refused(llm):
     with pytest.raises(ValueError, match="^prompt 0: 'prompt_token_ids' must be a non-empty list"):
         llm.generate({"prompt_token_ids": []}, GREEDY)
-    with pytest.raises(ValueError, match="^prompt 0: 'prompt' must be a non-empty string"):
+    with pytest.raises(ValueError, match="^prompt 0: 'prompt' must be a string, got NoneType"):
         llm.generate({"prompt": None}, GREEDY)
 
 
