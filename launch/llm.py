@@ -31,8 +31,8 @@ SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig:
     """Map LLM(...) keyword arguments (vLLM names and value spellings: ``dtype="half"``;
-    ``trust_remote_code`` and ``disable_log_stats`` (bools) and ``tokenizer`` (None or the model path)
-    are taken and change nothing) onto the nested RuntimeConfig; an unknown
+    ``trust_remote_code`` and ``disable_log_stats`` (bools), ``tokenizer`` (None or the model path) and
+    ``tokenizer_mode`` ("auto") are taken and change nothing) onto the nested RuntimeConfig; an unknown
     argument raises TypeError naming it."""
     data: dict[str, Any] = {"model": str(model)}
     for sub, sub_value in dict(kwargs.get("eplb_config") or {}).items():  # a key given twice must agree, but
@@ -52,6 +52,10 @@ def build_runtime_config(model: str, kwargs: Mapping[str, Any]) -> RuntimeConfig
         elif key in ("trust_remote_code", "disable_log_stats"):  # vLLM's; no checkpoint code is ever run
             if not isinstance(value, bool):                       # here, and LLM logs no periodic stats
                 raise TypeError(f"LLM() {key} must be a bool, got {value!r}")
+        elif key == "tokenizer_mode":  # vLLM's; "auto" (its default) is what this tokenizer does
+            if value != "auto":
+                raise TypeError(f"LLM() tokenizer_mode={value!r} is not supported: only 'auto' (the checkpoint's "
+                                "tokenizer.json, as transformers loads it)")
         elif key == "tokenizer":  # vLLM's; the tokenizer is always the model directory's tokenizer.json
             if value is not None and Path(str(value)).resolve() != Path(str(model)).resolve():
                 raise TypeError(f"LLM() tokenizer={value!r} is not supported: the tokenizer is read from the "

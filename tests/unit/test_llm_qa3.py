@@ -123,8 +123,10 @@ def test_vllm_constructor_no_ops_are_taken_and_a_foreign_tokenizer_is_refused(ti
     from launch.llm import build_runtime_config
 
     cfg = build_runtime_config(str(tiny_ckpt), dict(tokenizer=str(tiny_ckpt), disable_log_stats=True,
-                                                    trust_remote_code=True))
+                                                    trust_remote_code=True, tokenizer_mode="auto"))
     assert cfg == build_runtime_config(str(tiny_ckpt), {})
+    with pytest.raises(TypeError, match="^LLM\\(\\) tokenizer_mode='slow' is not supported: only 'auto'"):
+        build_runtime_config(str(tiny_ckpt), dict(tokenizer_mode="slow"))
     with pytest.raises(TypeError, match="^LLM\\(\\) tokenizer='/elsewhere' is not supported"):
         build_runtime_config(str(tiny_ckpt), dict(tokenizer="/elsewhere"))
     with pytest.raises(TypeError, match="^LLM\\(\\) got an unexpected keyword argument 'swap_space'$"):
