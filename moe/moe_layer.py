@@ -6,7 +6,8 @@ R max replicas of one expert.
 Logical expert e has ``logcnt[e]`` physical copies ``log2phy[e, :logcnt[e]]``. The
 assignments of one expert in a step are spread over its copies round-robin by their
 occurrence index in the batch, offset by this rank (deterministic, even: replica counts
-differ by at most one). ``slot_load [P]`` accumulates assignments per slot (before any
+differ by at most one); the copies are ordered so that a rank's first assignment goes to a copy on
+that rank where it holds one (``compute_placement_tables``). ``slot_load [P]`` accumulates assignments per slot (before any
 capacity drop: it measures demand); the worker reads and resets it.
 
 On CPU, a rank that hosts every slot with no capacity enforcement runs the whole
@@ -30,9 +31,16 @@ from moe.plan_watch import WatchedModule
 from moe.router import Router
 
 
-def compute_placement_tables(phy2log_row: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """phy2log_row: [P] logical expert of each slot. Returns log2phy [E, R] int64 (-1 padded,
-    slots in increasing order) and logcnt [E] int64. Every expert needs at least one slot."""
+def compute_placement_tables(phy2log_row: torch.Tensor, num_experts: int,
+                             num_ranks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """phy2log_row: [P] logical expert of each slot (slot p on EP rank p // (P / num_ranks)). Returns
+    log2phy [E, R] int64 (-1 padded) and logcnt [E] int64. Every expert needs at least one slot.
+
+    An expert's copies are ordered for ``choose_replicas``, which sends a rank's first assignment of
+    expert e to copy ``rank % logcnt[e]``: copy i is, where one exists, on a rank r with r % logcnt[e] == i
+    (the lowest such rank), so a rank holding a copy uses its own (a decode step seldom routes an expert
+    twice from one rank), and copies on one rank do not take the traffic of every rank; the copies left
+    fill the other places in slot order. With one rank: slots in increasing order."""
     phy2log_row = torch.as_tensor(phy2log_row, dtype=torch.int64).reshape(-1).cpu()
     if phy2log_row.numel() and (phy2log_row.min() < 0 or phy2log_row.max() >= num_experts):
         raise ValueError(f"phy2log entries must be in [0, {num_experts}), got {phy2log_row.tolist()}")
@@ -45,7 +53,28 @@ def compute_placement_tables(phy2log_row: torch.Tensor, num_experts: int) -> tup
     rank_in_expert = torch.arange(order.numel()) - starts[phy2log_row[order]]
     log2phy = torch.full((num_experts, int(logcnt.max())), -1, dtype=torch.int64)
     log2phy[phy2log_row[order], rank_in_expert] = order
+    if num_ranks > 1 and int(logcnt.max()) > 1:
+        per_rank = phy2log_row.numel() // num_ranks
+        for e in torch.nonzero(logcnt > 1).flatten().tolist():
+            log2phy[e, : logcnt[e]] = torch.tensor(_copies_by_rank(log2phy[e, : logcnt[e]].tolist(), per_rank,
+                                                                    num_ranks))
     return log2phy, logcnt
+
+
+def _copies_by_rank(slots: list[int], per_rank: int, num_ranks: int) -> list[int]:
+    """``slots`` (one expert's copies, ascending) in ``compute_placement_tables``' order."""
+    count = len(slots)
+    by_rank: dict[int, list[int]] = {}
+    for slot in slots:
+        by_rank.setdefault(slot // per_rank, []).append(slot)
+    placed: list[int | None] = [None] * count
+    for i in range(count):
+        for rank in range(i, num_ranks, count):  # the ranks whose first assignment goes to copy i
+            if by_rank.get(rank):
+                placed[i] = by_rank[rank].pop(0)
+                break
+    rest = iter(sorted(s for left in by_rank.values() for s in left))
+    return [slot if slot is not None else next(rest) for slot in placed]
 
 
 def choose_replicas(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, rank: int) -> torch.Tensor:
@@ -135,7 +164,7 @@ class MoELayer(WatchedModule):
         row = torch.as_tensor(phy2log_row, dtype=torch.int64).reshape(-1)
         if row.numel() % num_ranks:
             raise ValueError(f"{row.numel()} physical slots do not split over {num_ranks} ranks")
-        log2phy, logcnt = compute_placement_tables(row, self.num_experts)
+        log2phy, logcnt = compute_placement_tables(row, self.num_experts, num_ranks)
         device = self.slot_load.device
         self.log2phy, self.logcnt = log2phy.to(device), logcnt.to(device)
         self.phy2log = row.to(device)

@@ -200,6 +200,33 @@ def test_placement_tables_and_even_replica_spread() -> None:
         compute_placement_tables(torch.tensor([0, 0, 2, 3]), 4)
 
 
+def test_a_rank_holding_a_copy_sends_its_decode_tokens_to_it() -> None:
+    """16 experts, 2 EP ranks, 48 redundant slots (each expert's copies in slots e, e+16 on rank 0 and
+    e+32, e+48 on rank 1). In slot order both ranks' first assignment of an expert went to rank 0's
+    copies, and a decode step (one assignment per expert per rank) loaded the ranks 2912 : 288 where
+    the balancer models an even split; ordered by rank, each rank uses its own copy."""
+    num_experts, num_ranks = 16, 2
+    phy2log = torch.arange(64) % num_experts
+    log2phy, logcnt = compute_placement_tables(phy2log, num_experts, num_ranks)
+    assert log2phy[0].tolist() == [0, 32, 16, 48] and logcnt.tolist() == [4] * num_experts
+    assert compute_placement_tables(phy2log, num_experts)[0][0].tolist() == [0, 16, 32, 48]  # one rank: slot order
+    gen = torch.Generator().manual_seed(0)
+    rank_load = torch.zeros(num_ranks)
+    for _ in range(200):
+        for rank in range(num_ranks):
+            ids = torch.stack([torch.randperm(num_experts, generator=gen)[:2] for _ in range(4)])  # 4 tokens, top-2
+            slots = choose_replicas(ids, log2phy, logcnt, rank)
+            assert torch.equal(phy2log[slots], ids)
+            first = torch.tensor([ids.flatten()[:i].tolist().count(e) == 0 for i, e in enumerate(ids.flatten())])
+            assert (slots.flatten()[first] // 32 == rank).all()  # an expert's first assignment stays on its rank
+            rank_load += torch.bincount(slots.flatten() // 32, minlength=num_ranks)
+    assert rank_load.mean() / rank_load.max() > 0.95
+    # copies on ranks 1 and 3 of 4: rank 1's first assignment goes to its own copy, rank 3's to its own
+    phy2log = torch.tensor([0, 1, 2, 0, 3, 4, 5, 0])  # 8 slots, 2 a rank: expert 0 on ranks 0, 1, 3
+    log2phy, logcnt = compute_placement_tables(phy2log, 6, 4)
+    assert log2phy[0].tolist() == [0, 3, 7]  # positions 0, 1, 2: ranks 0 (and 3), 1, then the rest
+
+
 @pytest.mark.parametrize("rank", [0, 1, 3])
 def test_choose_slots_is_choose_replicas_and_the_count_in_one_pass(kernel_isas: list[str], rank: int) -> None:
     """``kernels.choose_slots`` (the EP layer's CPU path): choose_replicas' slots and bincount's
