@@ -173,10 +173,18 @@ def check_placement(path: Path, value: Any, num_layers: int, num_experts: int) -
     return arr
 
 
-def check_dropped(path: Path, value: Any, shape: tuple[int, int]) -> np.ndarray:
+def check_dropped(path: Path, value: Any, counts: np.ndarray) -> np.ndarray:
+    """dropped_count [steps, L] of a dump whose logical_count is ``counts`` [steps, L, E]: no step drops
+    more assignments than its layer routed (DumpError naming the first step and layer that does)."""
     arr = check_counts(path, "dropped_count", value, 2)
+    shape = counts.shape[:2]
     if arr.shape != shape:
         raise DumpError(f"{path}: dropped_count must be [steps, L] = {list(shape)}, got {list(arr.shape)}")
+    routed = counts.sum(axis=2)
+    if (arr > routed).any():
+        step, layer = np.argwhere(arr > routed)[0]
+        raise DumpError(f"{path}: dropped_count at step {step}, layer {layer} is {arr[step, layer]:g}, more than the "
+                        f"{routed[step, layer]:g} assignments logical_count routes there")
     return arr
 
 

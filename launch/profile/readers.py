@@ -85,7 +85,7 @@ def _read_safetensors(path: Path) -> Dump:
         ranks = int(gpus.reshape(-1)[0])
         if ranks <= 0 or (phy is not None and phy.shape[1] % ranks):
             raise DumpError(f"{path}: num_gpus={ranks} does not divide the placement's slots")
-    dropped = check_dropped(path, tensors["dropped_count"], (steps, num_layers)) if "dropped_count" in tensors else None
+    dropped = check_dropped(path, tensors["dropped_count"], count) if "dropped_count" in tensors else None
     n_group, model_layers = _model_meta(path, meta, num_layers)
     return Dump(str(path), "moe-serve", count, physical, phy, ranks, dropped, _phases(path, meta, steps),
                 n_group=n_group, model_layers=model_layers)
@@ -154,7 +154,7 @@ def _read_npz(path: Path) -> Dump:
         raise DumpError(f"{path}: .npz must hold 'logical_count' or a single array; found {sorted(arrays)}")
     steps, num_layers, num_experts = count.shape
     phy = check_placement(path, arrays["phy2log"], num_layers, num_experts) if "phy2log" in arrays else None
-    dropped = check_dropped(path, arrays["dropped_count"], (steps, num_layers)) if "dropped_count" in arrays else None
+    dropped = check_dropped(path, arrays["dropped_count"], count) if "dropped_count" in arrays else None
     return Dump(str(path), "npz", count, phy2log=phy, dropped=dropped)
 
 

@@ -365,11 +365,21 @@ def _bad_inputs(tmp_path) -> dict[str, tuple[pathlib.Path, str]]:
     save_file({"logical_count": np.ones((2, 2, 4), dtype=np.int64)}, str(tmp_path / "group.safetensors"),
               metadata={"n_group": "two"})
     cases["n_group"] = (tmp_path / "group.safetensors", "metadata 'n_group' must be a positive integer, got 'two'")
+    # more drops than assignments: the report drew drops of 600,000 %
+    np.savez(tmp_path / "drops.npz", logical_count=np.ones((2, 2, 4), dtype=np.int64),
+             dropped_count=np.array([[1, 2], [4, 5]]))
+    cases["drops"] = (tmp_path / "drops.npz",
+                      "dropped_count at step 1, layer 1 is 5, more than the 4 assignments logical_count routes there")
+    save_file({"logical_count": np.ones((2, 2, 4), dtype=np.int64), "dropped_count": np.full((2, 2), 9)},
+              str(tmp_path / "drops.safetensors"))
+    cases["drops (ours)"] = (tmp_path / "drops.safetensors",
+                             "dropped_count at step 0, layer 0 is 9, more than the 4 assignments logical_count "
+                             "routes there")
     return cases
 
 
 BAD = ["pass id", "rank", "empty map", "huge expert id", "num_gpus", "huge step", "repeated row", "short row",
-       "long row", "not a number", "layer ids", "n_group"]
+       "long row", "not a number", "layer ids", "n_group", "drops", "drops (ours)"]
 
 
 @pytest.mark.parametrize("name", BAD)
