@@ -272,6 +272,9 @@ def test_redundant_recommendation_rule():
     pick = recommend_redundant(rows, 4)  # 90 % of the 0.36 gain is 0.924: 8 is the first to reach it
     assert pick["value"] == 8 and "0.950" in pick["basis"] and "best 0.960 with 16" in pick["basis"]
     assert recommend_redundant([row(0, 0.990), row(4, 0.997)], 4)["value"] == 0  # gains < 0.01
+    # 0 redundant already takes 97 % of the gain over no EPLB (0.756 -> 0.988 of 1.000): no doubling for 0.012
+    rows = [WhatIfRow(4, r, "global", bal, 0.756, bal / 0.756, None, 1, 1) for r, bal in ((0, 0.988), (8, 1.0))]
+    assert recommend_redundant(rows, 4)["value"] == 0
     assert recommend_redundant(rows, 8) is None
 
 
