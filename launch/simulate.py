@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from launch.config import ConfigError, RuntimeConfig, load_runtime_config
+from launch.config import ConfigError, EngineConfig, RuntimeConfig, load_runtime_config
 from launch.config_args import FlagParser
 from launch.core.kv_sizing import NoKVRoomError, format_memory
 from launch.hardware import (
@@ -293,9 +293,11 @@ def run_search(args: argparse.Namespace) -> dict[str, Any]:
                       dispatch_dtype=args.dispatch_dtype, max_num_seqs=1024, max_num_batched_tokens=16384)
     prefix = min(int(round(args.input_len * args.prefix_hit_rate)), args.input_len - 1)
     started = time.perf_counter()
+    block_size = runtime.engine.block_size if runtime is not None else EngineConfig().block_size
     ranked = search_layouts(model, hw, num_nodes=nodes, gpus_per_node=gpus, slo=slo, input_len=args.input_len,
                             output_len=args.output_len, prefix_len=prefix, base=base, load_skew=args.load_skew or 0.0,
-                            progress=None if args.no_progress else _search_bar)
+                            progress=None if args.no_progress else _search_bar,
+                            kv_capacity=lambda dep: compute_kv_capacity_tokens(model, dep, hw.memory_bytes, block_size))
     return {"model": model_name, "cluster": args.cluster, "slo": asdict(slo), "input_len": args.input_len,
             "output_len": args.output_len, "seconds": time.perf_counter() - started,
             "num_layouts": len(ranked), "ranked": [_candidate_json(c) for c in ranked]}

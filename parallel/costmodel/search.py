@@ -162,15 +162,20 @@ def rank_key(c: Candidate) -> tuple:
 def search_layouts(cfg: ModelConfig, hw: Hardware, *, num_nodes: int, gpus_per_node: int, slo: SLO,
                    input_len: int, output_len: int, prefix_len: int = 0, base: Deployment | None = None,
                    load_skew: float = 0.0,
-                   progress: Callable[[list[Deployment]], Iterable[Deployment]] | None = None) -> list[Candidate]:
+                   progress: Callable[[list[Deployment]], Iterable[Deployment]] | None = None,
+                   kv_capacity: Callable[[Deployment], int] | None = None) -> list[Candidate]:
     """Every enumerated layout evaluated, best first (``rank_key``: by goodput per GPU, then the
     infeasible ones nearest the objectives first).
-    progress: wraps the list of layouts as they are evaluated (a progress bar: the caller's)."""
+    progress: wraps the list of layouts as they are evaluated (a progress bar: the caller's).
+    kv_capacity: a layout's KV tokens per rank as the engine sizes them (whole blocks: the caller's
+    ``launch.hardware.compute_kv_capacity_tokens``); 0 or None: ``memory.kv_capacity_tokens``' budget."""
     base = base or Deployment()
     cache: dict[tuple, RankLoad | None] = {}
     out = []
     layouts = enumerate_layouts(cfg, num_nodes, gpus_per_node, base)
     for dep in progress(layouts) if progress is not None else layouts:
+        if kv_capacity is not None and (tokens := kv_capacity(dep)):
+            dep = replace(dep, kv_capacity_tokens=tokens)
         key = (dep.ep, dep.num_redundant_experts, dep.ranks_per_node, dep.enable_eplb)
         if key not in cache:
             cache[key] = build_rank_load(cfg, dep, load_skew=load_skew)

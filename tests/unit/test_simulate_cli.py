@@ -595,6 +595,24 @@ def test_search_json_has_no_made_up_times_for_infeasible_layouts(tmp_path):
     assert any(c["ttft_ms"] is not None for c in ruled_out if c["bound"].startswith(("TTFT", "TPOT")))
 
 
+def test_search_kv_capacity_is_whole_blocks_as_simulate_config_and_kvcalc_give(tmp_path):
+    """The search's KV capacity per rank is the engine's sizing in whole blocks of 16 (it was the
+    budget before rounding: 1,084,746 where simulate --config and kvcalc say 1,084,736)."""
+    from launch.hardware import compute_kv_capacity_tokens
+
+    out = tmp_path / "s.json"
+    assert main(["--search", "--model", "deepseek-ai/DeepSeek-V3", "--cluster", "4x8xH100", "--slo",
+                 "ttft_ms=1000,tpot_ms=50", "--input-len", "2000", "--output-len", "500", "--no-progress",
+                 "--json", str(out)]) == 0
+    model = ModelConfig.from_hf("deepseek-ai/DeepSeek-V3", strict=False)
+    hw = load_hardware("h100")
+    for c in json.loads(out.read_text())["ranked"]:
+        dep = Deployment(**{k: v for k, v in c["deployment"].items() if k != "kv_capacity_tokens"})
+        want = compute_kv_capacity_tokens(model, dep, hw.memory_bytes, 16)
+        if want:
+            assert c["kv_capacity_tokens"] == want and want % 16 == 0, c["layout"]
+
+
 def test_the_kv_pool_must_hold_a_whole_sequence_not_the_average_context(capsys):
     """2,304 KV tokens per rank hold the average decode context (2,000 + 500 / 2) but not a sequence's
     last token (2,500): refused, as the engine would preempt it for good; 2,512 runs."""
