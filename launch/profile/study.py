@@ -111,7 +111,8 @@ def recommendation_ep(num_ranks: int, ep_sizes: list[int], num_experts: int, rec
     if num_ranks in ep_sizes:
         if not recorded:
             return num_ranks, (f"for EP {num_ranks}, the first --ep, which the recording is analysed at: it ran "
-                               "on one rank, or its dumps name no EP size (--recorded-ep names one)")
+                               "without expert parallelism (one rank, or tensor / data parallel ranks without EP), "
+                               "or its dumps name no EP size (--recorded-ep names one)")
         return num_ranks, f"for EP {num_ranks}, the recorded EP size"
     hint = f" (add --ep {num_ranks} for one at it)" if num_experts % num_ranks == 0 else ""
     return ep_sizes[0], (f"for EP {ep_sizes[0]}, the first what-if EP size: the recording ran at EP {num_ranks}, "

@@ -254,5 +254,5 @@ def test_a_recording_that_names_no_ep_size_is_not_called_the_recorded_one(tmp_pa
     summary = summary_of(analyze(read_recording([counts]), ReportOptions(ep_sizes=[4, 8], progress=False)))
     assert summary["recorded_ep"] == 4 and summary["recommendation"]["ep"] == 4
     assert summary["recommendation"]["ep_basis"] == (
-        "for EP 4, the first --ep, which the recording is analysed at: it ran on one rank, or its dumps name no "
-        "EP size (--recorded-ep names one)")
+        "for EP 4, the first --ep, which the recording is analysed at: it ran without expert parallelism (one "
+        "rank, or tensor / data parallel ranks without EP), or its dumps name no EP size (--recorded-ep names one)")
