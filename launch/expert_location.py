@@ -93,6 +93,9 @@ def write_expert_distribution_dump(directory: str | Path, logical_count: torch.T
         path = out_dir / dump_name(steps)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     save_file(tensors, str(partial), metadata={"format": DUMP_FORMAT, **(metadata or {})})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(partial, 0o666 & ~umask)  # safetensors writes 0600; a dump is read like the report beside it
     os.replace(partial, path)
     return path
 

@@ -18,11 +18,13 @@ import argparse
 import dataclasses
 import itertools
 import json
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from launch.core import SamplingParams
+from launch.expert_location import DUMP_PREFIX
 from launch.workloads import Prompt
 
 MAX_IDLE_STEPS = 1000
@@ -167,6 +169,11 @@ def run_and_report(args: argparse.Namespace) -> Path:
         meta = {"phases": json.dumps([{"name": n, "start": a - base, "end": b - base} for n, a, b in spans]),
                 "model": str(config.model), "workload": args.workload, **model_metadata(engine.model_config)}
         dump = engine.eplb.dump_record(out, metadata=meta)
+        stale = [f for f in out.glob(f"{DUMP_PREFIX}*.safetensors") if f != dump]
+        for f in stale:  # an earlier run into this folder: `profile report DIR/expert_distribution_*` reads one run
+            f.unlink()
+        if stale:
+            print(f"removed {len(stale)} dump(s) of an earlier run from {out}", file=sys.stderr)
         p = config.parallel
         extra = {"model": str(config.model), "workload": args.workload,
                  "layout": f"TP {p.tensor_parallel_size} x DP {p.data_parallel_size}, EP {p.expert_parallel_size}",

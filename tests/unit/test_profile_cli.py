@@ -5,6 +5,7 @@ recorded run on a ``make-tiny`` checkpoint whose workload switches kind midway."
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -125,6 +126,17 @@ def test_profile_run_on_a_tiny_checkpoint_shows_the_workload_switch(tmp_path, ca
     redrawn = json.loads((again / "summary.json").read_text())
     assert redrawn["overall_balancedness"] == pytest.approx(summary["overall_balancedness"], rel=1e-12)
     assert redrawn["layers"] == summary["layers"] and redrawn["what_if"] == summary["what_if"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert dumps[0].stat().st_mode & 0o777 == 0o666 & ~umask  # as the report's files, not safetensors' 0600
+    # A second run into the same folder leaves its own dump only: `profile report DIR/expert_distribution_*`
+    # would otherwise join two runs.
+    capsys.readouterr()
+    assert cli.main(["profile", "run", "--model", str(model), "--workload", str(tmp_path / "words.txt"), "--steps",
+                     "4", "--max-tokens", "4", "--out", str(out), "--no-progress"]) == 0
+    again_dumps = list(out.glob("expert_distribution_*.safetensors"))
+    assert len(again_dumps) == 1 and again_dumps != dumps
+    assert "removed 1 dump(s) of an earlier run" in capsys.readouterr().err
 
 
 def test_an_empty_what_if_table_is_warned_of(tmp_path, capsys):
