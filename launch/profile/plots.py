@@ -120,11 +120,13 @@ def balancedness_time(a: Analysis, out: Path) -> Figure:
     steps = np.arange(1, a.step_bal.size + 1)
     fig, ax = plt.subplots(figsize=(11, 3.8))
     _phases(ax, a)
-    ax.plot(steps, a.step_bal, color="#999999", lw=0.5, alpha=0.6, label="per step")
+    # a recording of one step is one point: a marker, or the line draws nothing
+    ax.plot(steps, a.step_bal, color="#999999", lw=0.5, alpha=0.6, label="per step",
+            marker="o" if a.step_bal.size == 1 else None)
     for w, color in zip(an.windows_to_show(a.recording.num_steps), ("#4878a8", "#55a868", "#c44e52")):
         ax.plot(steps, an.trailing_mean(a.step_bal, w), color=color, lw=1.6, label=f"last {w} steps")
     ax.set_ylim(0, 1.05)
-    ax.set_xlim(0, max(1, a.step_bal.size))
+    ax.set_xlim(0, a.step_bal.size if a.step_bal.size > 1 else 2)  # one step: its point in the middle
     ax.set_xlabel("step (forward pass)")
     ax.set_ylabel("balancedness")
     ax.legend(loc="lower right", fontsize=8, ncol=4)

@@ -470,3 +470,17 @@ def test_the_worst_layer_card_names_the_layer_as_the_table_does(tmp_path):
     cards = html_report._cards(SimpleNamespace(overall=0.5, num_ranks=2, top=4), summary)
     assert f"worst layer {name}<" in cards
     assert f"<td>{name}</td>" in html_report._layer_table(summary)
+
+
+def test_a_one_step_recording_draws_its_point(tmp_path, capsys):
+    """One step is one point: a line alone draws nothing (the plot was empty axes)."""
+    import matplotlib.image
+
+    np.save(tmp_path / "one.npy", skewed_counts(1, 2, 8, seed=4))
+    assert _run([tmp_path / "one.npy", "--out", tmp_path / "r"], capsys)[0] == 0
+    png = matplotlib.image.imread(tmp_path / "r" / "balancedness_time.png")[..., :3]  # [H, W, 3] in [0, 1]
+    h, w, _ = png.shape
+    middle = png[int(0.15 * h):int(0.85 * h), int(0.45 * w):int(0.55 * w)]  # around step 1, away from the legend
+    level = middle.mean(-1)  # the gray marker over white, not the black axes
+    gray = (np.abs(middle - level[..., None]).max(-1) < 0.02) & (level > 0.5) & (level < 0.85)
+    assert gray.sum() > 20  # the marker's pixels (its border line too)
