@@ -15,6 +15,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from launch.core.detokenizer import stop_string_holdback
+
 OPEN = -1  # the text ends inside the value: it may continue
 ARGUMENT_KEYS = ("arguments", "parameters")  # Llama 3 writes "parameters", the others "arguments"
 _LITERAL = re.compile(r"[-+0-9.eEa-zA-Z]+")
@@ -209,11 +211,5 @@ def _quote_or(markers: tuple[str, ...]) -> re.Pattern[str]:
 
 def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of one of ``markers``
-    (held back while streaming: it may become a marker)."""
-    best = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:k]):
-                best = k
-                break
-    return best
+    (held back while streaming: it may become a marker); the engine's stop-string rule."""
+    return stop_string_holdback(text, markers)
