@@ -247,11 +247,15 @@ def load_chat_template(value: str, flag: str = "--chat-template") -> str:
         raise ValueError(f"{flag} {value!r}: no such file (an inline template holds '{{', '}}' or a newline)")
     try:
         _build_template_environment().from_string(text)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"{where}: not a valid Jinja template ({first_line(e)}, line {e.lineno})") from None
     except TemplateError as e:
-        raise ValueError(f"{where}: not a valid Jinja template ({first_line(e)})") from None
+        raise ValueError(f"{where}: {_not_valid_jinja(e)}") from None
     return text
+
+
+def _not_valid_jinja(e: TemplateError) -> str:
+    """What a template that does not compile is told: its first line, and where the syntax broke."""
+    line = f", line {e.lineno}" if isinstance(e, TemplateSyntaxError) else ""
+    return f"not a valid Jinja template ({first_line(e)}{line})"
 
 
 def _template_special_tokens(cfg: Mapping[str, Any], directory: Path, *,
@@ -422,11 +426,9 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         # name -> template; one template is "default"; none at all: ours (DEFAULT_CHAT_TEMPLATE)
-        self.chat_templates: dict[str, str] = (
-            dict(chat_template) if isinstance(chat_template, Mapping)
-            else {"default": chat_template or DEFAULT_CHAT_TEMPLATE})
-        if not self.chat_templates:
-            self.chat_templates["default"] = DEFAULT_CHAT_TEMPLATE
+        named = dict(chat_template) if isinstance(chat_template, Mapping) else \
+            {"default": chat_template} if chat_template else {}
+        self.chat_templates: dict[str, str] = named or {"default": DEFAULT_CHAT_TEMPLATE}
         self.chat_template: str | None = self.chat_templates.get("default")
         self.add_bos = add_bos
         named = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
@@ -496,8 +498,7 @@ class Tokenizer:
             name = getattr(e, "template_name", "default")
             where = templates[name][1] if name in templates else directory / "tokenizer_config.json"
             what = "chat_template" if len(templates) < 2 else f"chat template {name!r}"
-            line = f", line {e.lineno}" if isinstance(e, TemplateSyntaxError) else ""
-            raise TokenizerError(f"{where}: {what} is not a valid Jinja template ({first_line(e)}{line})") from None
+            raise TokenizerError(f"{where}: {what} is {_not_valid_jinja(e)}") from None
 
     @property
     def vocab_size(self) -> int:
