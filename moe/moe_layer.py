@@ -7,8 +7,8 @@ Logical expert e has ``logcnt[e]`` physical copies ``log2phy[e, :logcnt[e]]``. T
 assignments of one expert in a step are spread over its copies round-robin by their
 occurrence index in the batch, offset by this rank (deterministic, even: replica counts
 differ by at most one); the copies are ordered so that a rank's first assignment goes to a copy on
-that rank where it holds one (``compute_placement_tables``). ``slot_load [P]`` accumulates assignments per slot (before any
-capacity drop: it measures demand); the worker reads and resets it.
+that rank where it holds one (``compute_placement_tables``). ``slot_load [P]`` accumulates
+assignments per slot (before any capacity drop: it measures demand); the worker reads and resets it.
 
 On CPU, a rank that hosts every slot with no capacity enforcement runs the whole
 feed-forward (router, replica choice, slot load, routed and shared experts) as one op,
